@@ -1,0 +1,148 @@
+//! The pure translation layer: Kubernetes objects in, this node's view of its Services out.
+//! Nothing here touches the kernel, so kube-proxy's semantics are unit-tested here.
+
+pub mod endpoints;
+pub mod store;
+pub mod translate;
+pub mod validate;
+
+use std::{fmt, net::Ipv4Addr};
+
+/// A transport protocol as Kubernetes names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// Parses a `protocol` field; absent means TCP, as the API server defaults it.
+    pub fn parse(s: Option<&str>) -> Result<Self, String> {
+        match s.unwrap_or("TCP") {
+            "TCP" => Ok(Self::Tcp),
+            "UDP" => Ok(Self::Udp),
+            "SCTP" => Ok(Self::Sctp),
+            other => Err(format!("unsupported protocol {other:?} (expected TCP, UDP or SCTP)")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tcp => "TCP",
+            Self::Udp => "UDP",
+            Self::Sctp => "SCTP",
+        }
+    }
+
+    /// The IP protocol number.
+    pub fn ipproto(self) -> u8 {
+        match self {
+            Self::Tcp => proxy_common::IPPROTO_TCP,
+            Self::Udp => proxy_common::IPPROTO_UDP,
+            Self::Sctp => 132,
+        }
+    }
+
+    pub fn from_ipproto(p: u8) -> Option<Self> {
+        match p {
+            proxy_common::IPPROTO_TCP => Some(Self::Tcp),
+            proxy_common::IPPROTO_UDP => Some(Self::Udp),
+            132 => Some(Self::Sctp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Namespace and name of an object.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One port of one Service, as kube-proxy names it: `namespace/name:port-name`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub service: ObjectKey,
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.port.is_empty() {
+            write!(f, "{}", self.service)
+        } else {
+            write!(f, "{}:{}", self.service, self.port)
+        }
+    }
+}
+
+/// Where clients send: address, port, protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FrontendKey {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for FrontendKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+    }
+}
+
+/// An endpoint as the dataplane sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub terminating: bool,
+    pub local: bool,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.addr, self.port)
+    }
+}
+
+/// What one frontend should do on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frontend {
+    pub name: ServicePortName,
+    /// Endpoints new flows are spread over, sorted. Empty: clients get "connection refused".
+    pub backends: Vec<Backend>,
+    /// Endpoints that take no new flows but keep the ones they have (not ready, terminating,
+    /// or outside this node's topology), sorted.
+    pub retained: Vec<Backend>,
+    /// ClientIP session affinity timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+}
+
+/// This node's identity, as translation needs it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+    /// `topology.kubernetes.io/zone` of the Node object, once known.
+    pub zone: Option<String>,
+}

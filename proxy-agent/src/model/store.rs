@@ -1,0 +1,393 @@
+//! The agent's copy of the cluster objects it needs, fed by any source (manifest directory or
+//! API server watch) through the same events. It validates what comes in, keeps the last good
+//! version of an object when an update is invalid, and records which Services need translating
+//! again, so a changed EndpointSlice touches only its own Service.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+use super::{
+    translate::{self, Translation},
+    validate::{self, CheckedNode, CheckedService, CheckedSlice, LABEL_ZONE},
+    NodeInfo, ObjectKey,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum Object {
+    Service(Box<Service>),
+    EndpointSlice(Box<EndpointSlice>),
+    Node(Box<Node>),
+}
+
+impl Object {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::Service(_) => Kind::Service,
+            Object::EndpointSlice(_) => Kind::EndpointSlice,
+            Object::Node(_) => Kind::Node,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// The complete current set of one kind: an initial list, a relist after a lost watch, or
+    /// a rescan of the manifest directory. Objects not in it are deleted.
+    Replace { kind: Kind, objects: Vec<Object> },
+    Apply(Object),
+    Delete { kind: Kind, key: ObjectKey },
+}
+
+/// Something the user should hear about: which object, and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    pub warning: bool,
+    pub object: String,
+    pub message: String,
+}
+
+#[derive(Default)]
+pub struct Store {
+    node_name: String,
+    services: HashMap<ObjectKey, CheckedService>,
+    slices: HashMap<ObjectKey, CheckedSlice>,
+    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    node: Option<CheckedNode>,
+    synced: BTreeSet<Kind>,
+    dirty: BTreeSet<ObjectKey>,
+    /// Last problem reported per object, so a rescan does not repeat it.
+    reported: HashMap<(Kind, ObjectKey), String>,
+}
+
+impl Store {
+    pub fn new(node_name: impl Into<String>) -> Self {
+        Self { node_name: node_name.into(), ..Default::default() }
+    }
+
+    /// True once a complete list of each kind in `kinds` has been seen.
+    pub fn synced(&self, kinds: &[Kind]) -> bool {
+        kinds.iter().all(|k| self.synced.contains(k))
+    }
+
+    pub fn node_info(&self) -> NodeInfo {
+        NodeInfo {
+            name: self.node_name.clone(),
+            zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
+        }
+    }
+
+    pub fn node(&self) -> Option<&CheckedNode> {
+        self.node.as_ref()
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    /// Services whose translation may have changed since the last call.
+    pub fn take_dirty(&mut self) -> BTreeSet<ObjectKey> {
+        std::mem::take(&mut self.dirty)
+    }
+
+    /// The frontends of one Service, or none when it does not exist (any more).
+    pub fn translate(&self, key: &ObjectKey) -> Translation {
+        let Some(svc) = self.services.get(key) else {
+            return Translation::default();
+        };
+        let slices: Vec<&CheckedSlice> = self
+            .slices_by_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k))
+            .collect();
+        translate::service(svc, &slices, &self.node_info())
+    }
+
+    pub fn apply(&mut self, event: Event) -> Vec<Report> {
+        let mut reports = Vec::new();
+        match event {
+            Event::Replace { kind, objects } => {
+                let mut present = BTreeSet::new();
+                for obj in objects {
+                    if let Some(key) = self.upsert(obj, &mut reports) {
+                        present.insert(key);
+                    }
+                }
+                let stale: Vec<ObjectKey> = self.keys(kind).filter(|k| !present.contains(k)).collect();
+                for key in stale {
+                    self.remove(kind, &key);
+                }
+                self.synced.insert(kind);
+            }
+            Event::Apply(obj) => {
+                self.upsert(obj, &mut reports);
+            }
+            Event::Delete { kind, key } => self.remove(kind, &key),
+        }
+        reports
+    }
+
+    fn keys(&self, kind: Kind) -> Box<dyn Iterator<Item = ObjectKey> + '_> {
+        match kind {
+            Kind::Service => Box::new(self.services.keys().cloned()),
+            Kind::EndpointSlice => Box::new(self.slices.keys().cloned()),
+            Kind::Node => Box::new(self.node.iter().map(|n| ObjectKey::new("", n.name.clone()))),
+        }
+    }
+
+    /// Validates and stores an object. Returns the key it is known under, also when an invalid
+    /// update left the previous version in place (so a Replace does not delete it).
+    fn upsert(&mut self, obj: Object, reports: &mut Vec<Report>) -> Option<ObjectKey> {
+        match obj {
+            Object::Service(svc) => {
+                let key = validate::object_key(&svc.metadata);
+                match validate::service(&svc) {
+                    Ok(checked) => {
+                        let key = checked.key.clone();
+                        self.clear_report(Kind::Service, &key);
+                        if self.services.get(&key) != Some(&checked) {
+                            self.services.insert(key.clone(), checked);
+                            self.dirty.insert(key.clone());
+                        }
+                        Some(key)
+                    }
+                    Err(invalid) => {
+                        let key = key.ok();
+                        let kept = key.as_ref().is_some_and(|k| self.services.contains_key(k));
+                        self.report_invalid(Kind::Service, key.clone(), &invalid.to_string(), kept, reports);
+                        key.filter(|_| kept)
+                    }
+                }
+            }
+            Object::EndpointSlice(slice) => {
+                let key = validate::object_key(&slice.metadata);
+                match validate::endpoint_slice(&slice) {
+                    Ok(Ok(checked)) => {
+                        let key = checked.key.clone();
+                        self.clear_report(Kind::EndpointSlice, &key);
+                        if self.slices.get(&key) != Some(&checked) {
+                            self.remove(Kind::EndpointSlice, &key);
+                            self.slices_by_service.entry(checked.service.clone()).or_default().insert(key.clone());
+                            self.dirty.insert(checked.service.clone());
+                            self.slices.insert(key.clone(), checked);
+                        }
+                        Some(key)
+                    }
+                    Ok(Err(ignored)) => {
+                        let key = key.ok()?;
+                        // It may have been ours before (say, its label was removed).
+                        self.remove(Kind::EndpointSlice, &key);
+                        let message = format!("ignored: {ignored}");
+                        if self.reported.get(&(Kind::EndpointSlice, key.clone())) != Some(&message) {
+                            reports.push(Report {
+                                warning: matches!(ignored, validate::SliceIgnored::NoServiceLabel),
+                                object: format!("EndpointSlice {key}"),
+                                message: message.clone(),
+                            });
+                            self.reported.insert((Kind::EndpointSlice, key), message);
+                        }
+                        None
+                    }
+                    Err(invalid) => {
+                        let key = key.ok();
+                        let kept = key.as_ref().is_some_and(|k| self.slices.contains_key(k));
+                        self.report_invalid(Kind::EndpointSlice, key.clone(), &invalid.to_string(), kept, reports);
+                        key.filter(|_| kept)
+                    }
+                }
+            }
+            Object::Node(node) => {
+                let checked = match validate::node(&node) {
+                    Ok(n) => n,
+                    Err(invalid) => {
+                        self.report_invalid(Kind::Node, None, &invalid.to_string(), false, reports);
+                        return None;
+                    }
+                };
+                if checked.name != self.node_name {
+                    return None;
+                }
+                let key = ObjectKey::new("", checked.name.clone());
+                let zone_changed = self.node.as_ref().map(|n| n.labels.get(LABEL_ZONE)) != Some(checked.labels.get(LABEL_ZONE));
+                self.node = Some(checked);
+                if zone_changed {
+                    self.dirty.extend(self.services.keys().cloned());
+                }
+                Some(key)
+            }
+        }
+    }
+
+    fn remove(&mut self, kind: Kind, key: &ObjectKey) {
+        self.reported.remove(&(kind, key.clone()));
+        match kind {
+            Kind::Service => {
+                if self.services.remove(key).is_some() {
+                    self.dirty.insert(key.clone());
+                }
+            }
+            Kind::EndpointSlice => {
+                if let Some(old) = self.slices.remove(key) {
+                    if let Some(set) = self.slices_by_service.get_mut(&old.service) {
+                        set.remove(key);
+                        if set.is_empty() {
+                            self.slices_by_service.remove(&old.service);
+                        }
+                    }
+                    self.dirty.insert(old.service);
+                }
+            }
+            Kind::Node => {
+                if self.node.as_ref().is_some_and(|n| n.name == key.name) {
+                    self.node = None;
+                    self.dirty.extend(self.services.keys().cloned());
+                }
+            }
+        }
+    }
+
+    fn clear_report(&mut self, kind: Kind, key: &ObjectKey) {
+        self.reported.remove(&(kind, key.clone()));
+    }
+
+    fn report_invalid(
+        &mut self,
+        kind: Kind,
+        key: Option<ObjectKey>,
+        problem: &str,
+        kept: bool,
+        reports: &mut Vec<Report>,
+    ) {
+        let consequence = if kept { "keeping the previous version" } else { "ignoring it" };
+        let message = format!("rejected: {problem}; {consequence}");
+        let object = match &key {
+            Some(k) => format!("{} {k}", kind.as_str()),
+            None => format!("{} (unnamed)", kind.as_str()),
+        };
+        if let Some(k) = key {
+            if self.reported.get(&(kind, k.clone())) == Some(&message) {
+                return;
+            }
+            self.reported.insert((kind, k), message.clone());
+        }
+        reports.push(Report { warning: true, object, message });
+    }
+
+    /// Number of slices per Service, for tests and diagnostics.
+    pub fn slice_counts(&self) -> BTreeMap<ObjectKey, usize> {
+        self.slices_by_service.iter().map(|(k, v)| (k.clone(), v.len())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(yaml: &str) -> Object {
+        Object::Service(Box::new(serde_yaml::from_str(yaml).unwrap()))
+    }
+
+    fn slice(yaml: &str) -> Object {
+        Object::EndpointSlice(Box::new(serde_yaml::from_str(yaml).unwrap()))
+    }
+
+    const WEB: &str = "metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}";
+    const WEB_SLICE: &str = "metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]";
+
+    fn web() -> ObjectKey {
+        ObjectKey::new("default", "web")
+    }
+
+    #[test]
+    fn slice_before_its_service_is_used_once_the_service_arrives() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        assert!(s.translate(&web()).frontends.is_empty());
+        s.apply(Event::Apply(svc(WEB)));
+        let t = s.translate(&web());
+        assert_eq!(t.frontends.len(), 1);
+        assert_eq!(t.frontends[0].1.backends.len(), 1);
+    }
+
+    #[test]
+    fn a_slice_change_dirties_only_its_service() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(svc("metadata: {name: other}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}")));
+        s.take_dirty();
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+        // The same object again changes nothing.
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        assert!(s.take_dirty().is_empty());
+    }
+
+    #[test]
+    fn replace_deletes_what_is_missing_and_marks_synced() {
+        let mut s = Store::new("n");
+        assert!(!s.synced(&[Kind::Service]));
+        s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(WEB)] });
+        assert!(s.synced(&[Kind::Service]));
+        s.take_dirty();
+        s.apply(Event::Replace { kind: Kind::Service, objects: vec![] });
+        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+        assert!(s.translate(&web()).frontends.is_empty());
+    }
+
+    #[test]
+    fn an_invalid_update_keeps_the_previous_version_and_is_reported_once() {
+        let mut s = Store::new("n");
+        s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(WEB)] });
+        let bad = "metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 70000}]}";
+        let reports = s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(bad)] });
+        assert_eq!(reports.len(), 1);
+        assert_eq!(reports[0].object, "Service default/web");
+        assert!(reports[0].message.contains("70000 is out of range") && reports[0].message.contains("keeping the previous version"), "{reports:?}");
+        assert_eq!(s.translate(&web()).frontends.len(), 1, "the good version must stay programmed");
+        assert!(s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(bad)] }).is_empty(), "reported once");
+    }
+
+    #[test]
+    fn a_slice_that_loses_its_label_leaves_its_service() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        let reports = s.apply(Event::Apply(slice("metadata: {name: web-1}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]")));
+        assert!(reports[0].message.contains("kubernetes.io/service-name"), "{reports:?}");
+        assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
+    }
+
+    #[test]
+    fn node_zone_change_retranslates_everything() {
+        let mut s = Store::new("node-a");
+        s.apply(Event::Apply(svc(WEB)));
+        s.take_dirty();
+        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-b, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
+        assert!(s.take_dirty().is_empty(), "other nodes do not matter");
+        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
+        assert_eq!(s.node_info().zone.as_deref(), Some("z"));
+        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+    }
+}

@@ -1,0 +1,522 @@
+//! Checks Kubernetes objects the way the API server would, and turns them into checked, typed
+//! values. A manifest directory has no API server in front of it, and even a real watch should
+//! never let one bad object take the agent or other Services down: a rejected object is reported
+//! with its name and the reason, and the caller keeps the previous good version.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashSet},
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+
+use super::{endpoints::Endpoint, ObjectKey, Protocol};
+
+/// Label that hands a Service to another proxy (KEP-2447); kube-proxy ignores such Services.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label on EndpointSlices of headless Services, which kube-proxy does not watch.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// Label that ties an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// Default ClientIP affinity timeout (3 hours), as the API server defaults it.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
+
+/// Why an object was refused: every problem found, so the user can fix them in one go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid(pub Vec<String>);
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join("; "))
+    }
+}
+
+impl std::error::Error for Invalid {}
+
+/// Why a valid Service gets no frontends on this node (kube-proxy's `ShouldSkipService`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    ExternalName,
+    Headless,
+    OtherProxy,
+}
+
+impl fmt::Display for Skip {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Skip::ExternalName => "type ExternalName is served by DNS, not by the proxy",
+            Skip::Headless => "headless (clusterIP None) Services are served by DNS, not by the proxy",
+            Skip::OtherProxy => "labelled service.kubernetes.io/service-proxy-name: handled by another proxy",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServiceType {
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+    ExternalName,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+}
+
+/// A Service that passed validation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckedService {
+    pub key: ObjectKey,
+    pub skip: Option<Skip>,
+    pub service_type: ServiceType,
+    pub cluster_ips: Vec<IpAddr>,
+    pub ports: Vec<ServicePort>,
+    pub affinity_timeout: Option<u32>,
+    pub internal_local: bool,
+    pub external_local: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// An EndpointSlice that passed validation and belongs to a Service we serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckedSlice {
+    pub key: ObjectKey,
+    pub service: ObjectKey,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<SliceEndpoint>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    pub addr: Ipv4Addr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone_hints: BTreeSet<String>,
+    pub node_hints: BTreeSet<String>,
+}
+
+impl SliceEndpoint {
+    pub fn to_endpoint(&self, port: u16, node_name: &str) -> Endpoint {
+        Endpoint {
+            addr: self.addr,
+            port,
+            ready: self.ready,
+            serving: self.serving,
+            terminating: self.terminating,
+            local: self.node_name.as_deref() == Some(node_name),
+            zone_hints: self.zone_hints.clone(),
+            node_hints: self.node_hints.clone(),
+        }
+    }
+}
+
+/// A valid EndpointSlice we do not use, and why (not an error).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SliceIgnored {
+    Headless,
+    /// IPv6 or FQDN slices: this dataplane serves IPv4.
+    AddressType(String),
+    NoServiceLabel,
+}
+
+impl fmt::Display for SliceIgnored {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SliceIgnored::Headless => f.write_str("belongs to a headless Service"),
+            SliceIgnored::AddressType(t) => write!(f, "addressType {t} is not served (IPv4 only)"),
+            SliceIgnored::NoServiceLabel => write!(
+                f,
+                "has no {LABEL_SERVICE_NAME} label, so it belongs to no Service; add the label \
+                 to use it"
+            ),
+        }
+    }
+}
+
+pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<ObjectKey, Invalid> {
+    let name = meta.name.clone().filter(|n| !n.is_empty());
+    let Some(name) = name else {
+        return Err(Invalid(vec!["metadata.name is missing".into()]));
+    };
+    // kubectl apply puts namespace-less objects in "default"; do the same.
+    let namespace = meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into());
+    Ok(ObjectKey { namespace, name })
+}
+
+fn port_number(v: i32, field: &str, errs: &mut Vec<String>) -> u16 {
+    match u16::try_from(v) {
+        Ok(p) if p != 0 => p,
+        _ => {
+            errs.push(format!("{field} {v} is out of range 1-65535"));
+            0
+        }
+    }
+}
+
+fn ip(s: &str, field: &str, errs: &mut Vec<String>) -> Option<IpAddr> {
+    match s.parse::<IpAddr>() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            errs.push(format!("{field} {s:?} is not a valid IP address"));
+            None
+        }
+    }
+}
+
+pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
+    let key = object_key(&svc.metadata)?;
+    let mut errs = Vec::new();
+    let spec = svc.spec.clone().unwrap_or_default();
+    let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
+        "ClusterIP" => ServiceType::ClusterIp,
+        "NodePort" => ServiceType::NodePort,
+        "LoadBalancer" => ServiceType::LoadBalancer,
+        "ExternalName" => ServiceType::ExternalName,
+        other => {
+            errs.push(format!(
+                "spec.type {other:?} is not one of ClusterIP, NodePort, LoadBalancer, ExternalName"
+            ));
+            ServiceType::ClusterIp
+        }
+    };
+    let labels = svc.metadata.labels.clone().unwrap_or_default();
+    let cluster_ip = spec.cluster_ip.clone().unwrap_or_default();
+    let mut skip = if labels.contains_key(LABEL_SERVICE_PROXY_NAME) {
+        Some(Skip::OtherProxy)
+    } else if service_type == ServiceType::ExternalName {
+        Some(Skip::ExternalName)
+    } else if cluster_ip.is_empty() || cluster_ip == "None" {
+        Some(Skip::Headless)
+    } else {
+        None
+    };
+    if service_type == ServiceType::ExternalName {
+        // Nothing else of an ExternalName Service matters to a proxy.
+        return if errs.is_empty() {
+            Ok(CheckedService {
+                key,
+                skip,
+                service_type,
+                cluster_ips: vec![],
+                ports: vec![],
+                affinity_timeout: None,
+                internal_local: false,
+                external_local: false,
+            })
+        } else {
+            Err(Invalid(errs))
+        };
+    }
+
+    let mut cluster_ips = Vec::new();
+    if skip != Some(Skip::Headless) {
+        let listed = spec.cluster_ips.clone().unwrap_or_default();
+        if let Some(first) = listed.first() {
+            if *first != cluster_ip {
+                errs.push(format!(
+                    "spec.clusterIPs[0] {first:?} must equal spec.clusterIP {cluster_ip:?}"
+                ));
+            }
+        }
+        let all = if listed.is_empty() { vec![cluster_ip.clone()] } else { listed };
+        for (i, s) in all.iter().enumerate() {
+            if let Some(a) = ip(s, &format!("spec.clusterIPs[{i}]"), &mut errs) {
+                cluster_ips.push(a);
+            }
+        }
+    }
+
+    let ports_in = spec.ports.clone().unwrap_or_default();
+    let mut ports = Vec::new();
+    let mut names = HashSet::new();
+    let mut seen = HashSet::new();
+    for (i, p) in ports_in.iter().enumerate() {
+        let name = p.name.clone().unwrap_or_default();
+        if ports_in.len() > 1 && name.is_empty() {
+            errs.push(format!("spec.ports[{i}].name is required when a Service has several ports"));
+        }
+        if !name.is_empty() && !names.insert(name.clone()) {
+            errs.push(format!("spec.ports[{i}].name {name:?} is used twice"));
+        }
+        let port = port_number(p.port, &format!("spec.ports[{i}].port"), &mut errs);
+        let protocol = Protocol::parse(p.protocol.as_deref())
+            .map_err(|e| errs.push(format!("spec.ports[{i}].protocol: {e}")))
+            .unwrap_or(Protocol::Tcp);
+        if !seen.insert((port, protocol)) {
+            errs.push(format!("spec.ports[{i}]: port {port}/{protocol} is listed twice"));
+        }
+        let node_port = match p.node_port {
+            None | Some(0) => None,
+            Some(np) => Some(port_number(np, &format!("spec.ports[{i}].nodePort"), &mut errs)),
+        };
+        if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) = &p.target_port {
+            port_number(*t, &format!("spec.ports[{i}].targetPort"), &mut errs);
+        }
+        ports.push(ServicePort { name, port, protocol, node_port });
+    }
+
+    let affinity_timeout = match spec.session_affinity.as_deref().unwrap_or("None") {
+        "None" => None,
+        "ClientIP" => {
+            let t = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match t {
+                None => Some(DEFAULT_AFFINITY_TIMEOUT),
+                Some(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Some(t as u32),
+                Some(t) => {
+                    errs.push(format!(
+                        "spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-{MAX_AFFINITY_TIMEOUT}"
+                    ));
+                    None
+                }
+            }
+        }
+        other => {
+            errs.push(format!("spec.sessionAffinity {other:?} is not None or ClientIP"));
+            None
+        }
+    };
+    let policy = |v: Option<&str>, field: &str, errs: &mut Vec<String>| match v.unwrap_or("Cluster") {
+        "Cluster" => false,
+        "Local" => true,
+        other => {
+            errs.push(format!("{field} {other:?} is not Cluster or Local"));
+            false
+        }
+    };
+    let internal_local = policy(spec.internal_traffic_policy.as_deref(), "spec.internalTrafficPolicy", &mut errs);
+    let external_local = policy(spec.external_traffic_policy.as_deref(), "spec.externalTrafficPolicy", &mut errs);
+
+    if !errs.is_empty() {
+        return Err(Invalid(errs));
+    }
+    if skip.is_none() && cluster_ips.is_empty() {
+        skip = Some(Skip::Headless);
+    }
+    Ok(CheckedService {
+        key,
+        skip,
+        service_type,
+        cluster_ips,
+        ports,
+        affinity_timeout,
+        internal_local,
+        external_local,
+    })
+}
+
+/// Checks an EndpointSlice. `Ok(Err(_))` is a valid slice this proxy does not use.
+pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, SliceIgnored>, Invalid> {
+    let key = object_key(&slice.metadata)?;
+    let labels = slice.metadata.labels.clone().unwrap_or_default();
+    let mut errs = Vec::new();
+    match slice.address_type.as_str() {
+        "IPv4" => {}
+        "IPv6" | "FQDN" => return Ok(Err(SliceIgnored::AddressType(slice.address_type.clone()))),
+        other => {
+            return Err(Invalid(vec![format!(
+                "addressType {other:?} is unknown (expected IPv4, IPv6 or FQDN)"
+            )]))
+        }
+    }
+    let mut ports = Vec::new();
+    for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let protocol = Protocol::parse(p.protocol.as_deref())
+            .map_err(|e| errs.push(format!("ports[{i}].protocol: {e}")))
+            .unwrap_or(Protocol::Tcp);
+        // A port without a number means "all ports", which Services cannot express; kube-proxy
+        // skips it too.
+        if let Some(n) = p.port {
+            let port = port_number(n, &format!("ports[{i}].port"), &mut errs);
+            ports.push(SlicePort { name: p.name.clone().unwrap_or_default(), port, protocol });
+        }
+    }
+    let mut endpoints = Vec::new();
+    for (i, e) in slice.endpoints.iter().flatten().enumerate() {
+        // kube-proxy uses the first address of an endpoint; the API requires all to be valid.
+        let mut first = None;
+        if e.addresses.is_empty() {
+            errs.push(format!("endpoints[{i}].addresses is empty"));
+        }
+        for (j, a) in e.addresses.iter().enumerate() {
+            match a.parse::<Ipv4Addr>() {
+                Ok(addr) => {
+                    first.get_or_insert(addr);
+                }
+                Err(_) => errs.push(format!("endpoints[{i}].addresses[{j}] {a:?} is not an IPv4 address")),
+            }
+        }
+        let Some(addr) = first else { continue };
+        let c = e.conditions.clone().unwrap_or_default();
+        // API semantics: nil ready means ready; nil serving means "same as ready".
+        let ready = c.ready.unwrap_or(true);
+        let hints = e.hints.clone().unwrap_or_default();
+        endpoints.push(SliceEndpoint {
+            addr,
+            ready,
+            serving: c.serving.unwrap_or(ready),
+            terminating: c.terminating.unwrap_or(false),
+            node_name: e.node_name.clone(),
+            zone_hints: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
+            node_hints: hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
+        });
+    }
+    if !errs.is_empty() {
+        return Err(Invalid(errs));
+    }
+    if labels.contains_key(LABEL_HEADLESS) {
+        return Ok(Err(SliceIgnored::Headless));
+    }
+    let Some(svc) = labels.get(LABEL_SERVICE_NAME).filter(|s| !s.is_empty()) else {
+        return Ok(Err(SliceIgnored::NoServiceLabel));
+    };
+    let service = ObjectKey::new(key.namespace.clone(), svc.clone());
+    Ok(Ok(CheckedSlice { key, service, ports, endpoints }))
+}
+
+/// A Node as the proxy needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckedNode {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub deleting: bool,
+}
+
+pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
+    let name = n.metadata.name.clone().filter(|s| !s.is_empty());
+    let Some(name) = name else {
+        return Err(Invalid(vec!["metadata.name is missing".into()]));
+    };
+    Ok(CheckedNode {
+        name,
+        labels: n.metadata.labels.clone().unwrap_or_default(),
+        deleting: n.metadata.deletion_timestamp.is_some(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).expect("test YAML parses")
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).expect("test YAML parses")
+    }
+
+    #[test]
+    fn valid_service_is_checked_and_defaulted() {
+        let s = service(&svc(
+            "metadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {port: 80}\n",
+        ))
+        .unwrap();
+        assert_eq!(s.key, ObjectKey::new("default", "web"));
+        assert_eq!(s.skip, None);
+        assert_eq!(s.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.ports, vec![ServicePort { name: "".into(), port: 80, protocol: Protocol::Tcp, node_port: None }]);
+        assert_eq!(s.affinity_timeout, None);
+    }
+
+    #[test]
+    fn skipped_services() {
+        let cases = [
+            ("spec: {type: ExternalName, externalName: example.com}", Skip::ExternalName),
+            ("spec: {clusterIP: None, ports: [{port: 80}]}", Skip::Headless),
+            ("spec: {clusterIP: '', ports: [{port: 80}]}", Skip::Headless),
+            ("spec: {ports: [{port: 80}]}", Skip::Headless),
+        ];
+        for (spec, want) in cases {
+            let s = service(&svc(&format!("metadata: {{name: a, namespace: n}}\n{spec}"))).unwrap();
+            assert_eq!(s.skip, Some(want), "{spec}");
+        }
+        let labelled = service(&svc(
+            "metadata: {name: a, labels: {service.kubernetes.io/service-proxy-name: other}}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}",
+        ))
+        .unwrap();
+        assert_eq!(labelled.skip, Some(Skip::OtherProxy));
+    }
+
+    #[test]
+    fn invalid_services_name_every_problem() {
+        let cases = [
+            ("spec: {clusterIP: 10.0.0.300, ports: [{port: 80}]}", "spec.clusterIPs[0] \"10.0.0.300\" is not a valid IP address"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 0}]}", "spec.ports[0].port 0 is out of range 1-65535"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 70000}]}", "spec.ports[0].port 70000 is out of range 1-65535"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, protocol: ICMP}]}", "spec.ports[0].protocol: unsupported protocol \"ICMP\""),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, name: a}, {port: 81}]}", "spec.ports[1].name is required"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, name: a}, {port: 81, name: a}]}", "spec.ports[1].name \"a\" is used twice"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, targetPort: 0}]}", "spec.ports[0].targetPort 0 is out of range"),
+            ("spec: {clusterIP: 10.0.0.1, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}, ports: [{port: 80}]}", "timeoutSeconds 0 is out of range"),
+            ("spec: {clusterIP: 10.0.0.1, type: Weird, ports: [{port: 80}]}", "spec.type \"Weird\""),
+            ("spec: {clusterIP: 10.0.0.1, internalTrafficPolicy: Nearby, ports: [{port: 80}]}", "spec.internalTrafficPolicy \"Nearby\""),
+            ("spec: {clusterIP: 10.0.0.1, clusterIPs: [10.0.0.2], ports: [{port: 80}]}", "must equal spec.clusterIP"),
+        ];
+        for (spec, want) in cases {
+            let err = service(&svc(&format!("metadata: {{name: a}}\n{spec}"))).unwrap_err();
+            assert!(err.to_string().contains(want), "{spec}: got {err}, want it to mention {want}");
+        }
+        assert_eq!(
+            service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(),
+            "metadata.name is missing"
+        );
+    }
+
+    #[test]
+    fn affinity_defaults_to_three_hours() {
+        let s = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, sessionAffinity: ClientIP, ports: [{port: 80}]}")).unwrap();
+        assert_eq!(s.affinity_timeout, Some(10_800));
+        let s = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}, ports: [{port: 80}]}")).unwrap();
+        assert_eq!(s.affinity_timeout, Some(60));
+    }
+
+    #[test]
+    fn slice_conditions_follow_api_defaults() {
+        let s = endpoint_slice(&slice(
+            "metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- addresses: [10.1.0.1]\n- addresses: [10.1.0.2]\n  conditions: {ready: false}\n- addresses: [10.1.0.3]\n  conditions: {ready: false, serving: true, terminating: true}\n",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.service, ObjectKey::new("default", "web"));
+        let flags: Vec<_> = s.endpoints.iter().map(|e| (e.ready, e.serving, e.terminating)).collect();
+        assert_eq!(flags, vec![(true, true, false), (false, false, false), (false, true, true)]);
+    }
+
+    #[test]
+    fn slices_we_ignore_or_refuse() {
+        let ignored = |y: &str| endpoint_slice(&slice(y)).unwrap().unwrap_err();
+        assert_eq!(ignored("metadata: {name: s}\naddressType: IPv4"), SliceIgnored::NoServiceLabel);
+        assert_eq!(ignored("metadata: {name: s}\naddressType: FQDN"), SliceIgnored::AddressType("FQDN".into()));
+        assert_eq!(
+            ignored("metadata: {name: s, labels: {kubernetes.io/service-name: a, service.kubernetes.io/headless: ''}}\naddressType: IPv4"),
+            SliceIgnored::Headless
+        );
+        let refused = |y: &str| endpoint_slice(&slice(y)).unwrap_err().to_string();
+        assert!(refused("metadata: {name: s}\naddressType: IPv5").contains("addressType \"IPv5\" is unknown"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.999]}]").contains("endpoints[0].addresses[0] \"10.0.0.999\" is not an IPv4 address"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 65536}]").contains("ports[0].port 65536 is out of range"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 0}]").contains("ports[0].port 0 is out of range"));
+    }
+}

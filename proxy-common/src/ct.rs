@@ -1,0 +1,101 @@
+//! Connection-tracking flags and the lifetime policy the datapath applies on lookup. The map is
+//! an LRU, so memory is bounded by eviction; lifetimes decide when a tracked flow stops steering
+//! its packets (a reused source port gets a fresh backend choice).
+
+/// `CtEntry::flags`.
+pub mod flags {
+    /// This entry is keyed on the reply tuple (backend -> client).
+    pub const REPLY: u8 = 1 << 0;
+    /// A packet went the other way: the flow is established (TCP) or answered (UDP).
+    pub const SEEN_REPLY: u8 = 1 << 1;
+    /// The client sent FIN.
+    pub const FIN_FWD: u8 = 1 << 2;
+    /// The backend sent FIN.
+    pub const FIN_REV: u8 = 1 << 3;
+    /// Either side sent RST.
+    pub const RST: u8 = 1 << 4;
+}
+
+const SEC: u64 = 1_000_000_000;
+
+/// TCP after SYN, before any reply: as nf_conntrack's SYN_SENT.
+pub const TCP_SYN_TIMEOUT_NS: u64 = 60 * SEC;
+/// TCP established. Cilium uses 6 hours; nf_conntrack 5 days. Long idle connections are common
+/// (database pools), so err on the long side; the LRU bounds memory anyway.
+pub const TCP_ESTABLISHED_TIMEOUT_NS: u64 = 6 * 3600 * SEC;
+/// TCP after RST or FIN from both sides.
+pub const TCP_CLOSING_TIMEOUT_NS: u64 = 10 * SEC;
+/// UDP and others before a reply (nf_conntrack `udp_timeout`).
+pub const UDP_TIMEOUT_NS: u64 = 30 * SEC;
+/// UDP and others once answered (nf_conntrack `udp_timeout_stream`).
+pub const UDP_STREAM_TIMEOUT_NS: u64 = 120 * SEC;
+/// `last_seen_ns` is refreshed only when it is older than this, to keep packets from writing
+/// the shared entry on every packet.
+pub const REFRESH_NS: u64 = SEC;
+
+/// True when a TCP flow is closing: a RST, or a FIN each way.
+#[inline(always)]
+pub const fn tcp_closing(f: u8) -> bool {
+    f & flags::RST != 0 || (f & flags::FIN_FWD != 0 && f & flags::FIN_REV != 0)
+}
+
+/// How long an entry with `flags` stays valid after its last packet.
+#[inline(always)]
+pub const fn lifetime_ns(proto: u8, f: u8) -> u64 {
+    if proto == crate::IPPROTO_TCP {
+        if tcp_closing(f) {
+            TCP_CLOSING_TIMEOUT_NS
+        } else if f & flags::SEEN_REPLY != 0 {
+            TCP_ESTABLISHED_TIMEOUT_NS
+        } else {
+            TCP_SYN_TIMEOUT_NS
+        }
+    } else if f & flags::SEEN_REPLY != 0 {
+        UDP_STREAM_TIMEOUT_NS
+    } else {
+        UDP_TIMEOUT_NS
+    }
+}
+
+/// True when the entry no longer steers packets at time `now_ns`.
+#[inline(always)]
+pub const fn expired(proto: u8, f: u8, last_seen_ns: u64, now_ns: u64) -> bool {
+    now_ns.saturating_sub(last_seen_ns) > lifetime_ns(proto, f)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IPPROTO_TCP, IPPROTO_UDP};
+
+    #[test]
+    fn tcp_lifetimes_follow_state() {
+        assert_eq!(lifetime_ns(IPPROTO_TCP, 0), TCP_SYN_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY), TCP_ESTABLISHED_TIMEOUT_NS);
+        // One FIN is a half-close: the other side may keep sending for a long time.
+        assert_eq!(
+            lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD),
+            TCP_ESTABLISHED_TIMEOUT_NS
+        );
+        assert_eq!(
+            lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD | flags::FIN_REV),
+            TCP_CLOSING_TIMEOUT_NS
+        );
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::RST), TCP_CLOSING_TIMEOUT_NS);
+    }
+
+    #[test]
+    fn udp_lifetimes_grow_once_answered() {
+        assert_eq!(lifetime_ns(IPPROTO_UDP, 0), UDP_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_UDP, flags::SEEN_REPLY), UDP_STREAM_TIMEOUT_NS);
+    }
+
+    #[test]
+    fn expiry_is_strictly_after_lifetime() {
+        let t0 = 5 * SEC;
+        assert!(!expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS));
+        assert!(expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS + 1));
+        // A clock that reads earlier than last_seen (another CPU refreshed it) is not expiry.
+        assert!(!expired(IPPROTO_UDP, 0, t0, t0 - 1));
+    }
+}

@@ -1,0 +1,272 @@
+//! The ABI between the eBPF programs and the agent: map names, keys, values, flags, limits and
+//! the reason codes the datapath counts. This crate is the only place these types are defined.
+//!
+//! Layout rules: every map type is `#[repr(C)]` with explicit `_pad` fields and a size assert, so
+//! there is no implicit padding for the kernel to compare or for bpftool to print as garbage.
+//! Fields the packet carries (addresses, ports) are byte arrays in network order, exactly as they
+//! sit in the header; everything else is host order.
+#![no_std]
+
+pub mod csum;
+pub mod ct;
+#[cfg(feature = "user")]
+pub mod user;
+
+use core::mem::size_of;
+
+/// ELF symbol names of the maps. They are also the kernel map names (at most 15 characters) and
+/// the file names under `<bpffs-root>/maps/`. Change a layout: bump the version suffix.
+pub mod map_names {
+    pub const SERVICES: &str = "LB4_SERVICES_V1";
+    pub const BACKENDS: &str = "LB4_BACKENDS_V1";
+    pub const REVNAT: &str = "LB4_REVNAT_V1";
+    pub const BACKEND_FLOWS: &str = "LB4_FLOWS_V1";
+    pub const CT: &str = "CT4_V1";
+    pub const FRAGS: &str = "FRAG4_V1";
+    pub const STATS: &str = "STATS_V1";
+
+    pub const ALL: [&str; 7] = [SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS];
+}
+
+/// Program names (ELF symbols) and the file names they are pinned under in `<bpffs-root>/progs/`.
+pub mod prog_names {
+    pub const TC_INGRESS: &str = "proxy_tc_ingress";
+}
+
+/// Default map sizes. The agent may override them when it first creates the maps.
+pub mod limits {
+    /// Entries in each load-balancer map (services+slots, backends, reverse NAT, flow counters).
+    pub const LB_MAP_MAX: u32 = 65536;
+    /// Connection-tracking entries; a connection takes two (one per direction).
+    pub const CT_MAP_MAX: u32 = 262_144;
+    /// First fragments remembered so that later fragments can be translated.
+    pub const FRAG_MAP_MAX: u32 = 8192;
+    /// Slots a single service may have (`ServiceValue::count` is a u16).
+    pub const MAX_SLOTS: u32 = u16::MAX as u32;
+}
+
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Service address scope. Only `EXTERNAL` (the one a ClusterIP uses) is programmed today; the
+/// field is in the key so that node-local views can be added without a layout change.
+pub mod scope {
+    pub const EXTERNAL: u8 = 0;
+    pub const INTERNAL: u8 = 1;
+}
+
+/// Key of `LB4_SERVICES_V1`. Slot 0 is the master entry of a frontend (VIP, port, protocol);
+/// slots `1..=count` name its backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    /// Frontend IPv4 address, network order.
+    pub addr: [u8; 4],
+    /// Frontend port, network order.
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub scope: u8,
+    pub slot: u16,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<ServiceKey>() == 12);
+
+impl ServiceKey {
+    pub const fn new(addr: [u8; 4], port: [u8; 2], proto: u8, slot: u16) -> Self {
+        Self { addr, port, proto, scope: scope::EXTERNAL, slot, _pad: [0; 2] }
+    }
+
+    pub const fn with_slot(mut self, slot: u16) -> Self {
+        self.slot = slot;
+        self
+    }
+}
+
+/// Value of `LB4_SERVICES_V1`. In the master entry (slot 0): `count`, `service_id`, `flags` and
+/// `affinity_timeout` are set and `backend_id` is 0. In slot entries `backend_id` is set and
+/// `service_id` repeats the master's, so a dump shows which frontend a slot belongs to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValue {
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub count: u16,
+    pub flags: u16,
+    /// Session affinity timeout in seconds; 0 when the service has no affinity.
+    pub affinity_timeout: u32,
+}
+const _: () = assert!(size_of::<ServiceValue>() == 16);
+
+/// `ServiceValue::flags`.
+pub mod svc_flags {
+    pub const NONE: u16 = 0;
+}
+
+/// Value of `LB4_BACKENDS_V1`, keyed by a backend id (u32, 0 is never used).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Backend {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub proto: u8,
+    pub flags: u8,
+}
+const _: () = assert!(size_of::<Backend>() == 8);
+
+/// `Backend::flags`.
+pub mod backend_flags {
+    /// The endpoint is terminating: it serves flows it already has and takes new ones only when
+    /// no ready endpoint is left (KEP-1669).
+    pub const TERMINATING: u8 = 1;
+    /// The endpoint runs on this node.
+    pub const LOCAL: u8 = 2;
+}
+
+/// Value of `LB4_REVNAT_V1`, keyed by service id: the address replies must appear to come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RevNat {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<RevNat>() == 8);
+
+/// Value of `LB4_FLOWS_V1` (an array indexed by backend id): flows the datapath sent there.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendFlows {
+    pub flows: u64,
+}
+const _: () = assert!(size_of::<BackendFlows>() == 8);
+
+/// Key of `CT4_V1`: the 5-tuple as it appears on the wire. A forward entry is keyed on
+/// client -> service, a reply entry on backend -> client. Direction lives in the value: the two
+/// tuples of one connection never coincide, so one lookup serves both directions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(size_of::<CtKey>() == 16);
+
+/// Value of `CT4_V1`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntry {
+    /// `bpf_ktime_get_ns()` of the last packet, refreshed at most once a second.
+    pub last_seen_ns: u64,
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// `ct::flags`.
+    pub flags: u8,
+    pub _pad: [u8; 7],
+}
+const _: () = assert!(size_of::<CtEntry>() == 24);
+
+/// Key of `FRAG4_V1`: identifies the fragments of one datagram (RFC 791).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: [u8; 2],
+    pub proto: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(size_of::<FragKey>() == 12);
+
+/// Value of `FRAG4_V1`: the ports the first fragment carried.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FragPorts {
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+}
+const _: () = assert!(size_of::<FragPorts>() == 4);
+
+/// Value of `STATS_V1` (a per-CPU array indexed by `Reason`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+const _: () = assert!(size_of::<Counter>() == 16);
+
+macro_rules! reasons {
+    ($($(#[$doc:meta])* $name:ident = $val:literal => $label:literal,)*) => {
+        /// What the datapath did with a packet. Every packet is counted under exactly one reason.
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Reason {
+            $($(#[$doc])* $name = $val,)*
+        }
+
+        impl Reason {
+            pub const ALL: &'static [Reason] = &[$(Reason::$name,)*];
+
+            /// Stable snake_case label, used in metrics and `inspect`.
+            pub const fn label(self) -> &'static str {
+                match self {
+                    $(Reason::$name => $label,)*
+                }
+            }
+        }
+
+        impl TryFrom<u32> for Reason {
+            type Error = u32;
+            fn try_from(v: u32) -> Result<Self, u32> {
+                match v {
+                    $($val => Ok(Reason::$name),)*
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    /// A new flow to a service: backend chosen, flow tracked, destination rewritten.
+    NewFlow = 0 => "new_flow",
+    /// A packet of a tracked flow, destination rewritten.
+    Established = 1 => "established",
+    /// A tracked flow whose backend was removed, sent to a live backend instead.
+    Reselected = 2 => "reselected",
+    /// A reply from a backend, source restored to the service address.
+    ReverseNat = 3 => "reverse_nat",
+    /// A non-first fragment of a translated datagram, translated like its first fragment.
+    FragmentNat = 4 => "fragment_nat",
+    /// Not addressed to a service, not a reply: left untouched.
+    PassNotService = 5 => "pass_not_service",
+    /// Not IPv4: left untouched.
+    PassNotIpv4 = 6 => "pass_not_ipv4",
+    /// A frame too short or an IPv4 header that is invalid (IHL < 5, truncated L4 header):
+    /// left untouched for the kernel, which drops it.
+    PassMalformed = 7 => "pass_malformed",
+    /// A service with no endpoints: answered with ICMP port unreachable, as kube-proxy REJECTs.
+    RejectNoEndpoints = 8 => "reject_no_endpoints",
+    /// A service with no endpoints, for a packet that cannot be answered (a later fragment).
+    DropNoEndpoints = 9 => "drop_no_endpoints",
+    /// A later fragment whose first fragment was not translated here (not ours, or it arrived
+    /// before its first fragment): its ports are unknown, so it is left untouched.
+    PassFragmentUnknown = 10 => "pass_fragment_unknown",
+    /// The conntrack map refused an insert.
+    DropCtInsert = 11 => "drop_ct_insert",
+    /// A rewrite helper failed; the packet may be half-written so it is dropped.
+    DropRewrite = 12 => "drop_rewrite",
+    /// Building the ICMP reply failed.
+    DropRejectFailed = 13 => "drop_reject_failed",
+    /// A slot named a backend id that is not in the backends map.
+    DropBackendMissing = 14 => "drop_backend_missing",
+}
+
+/// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.
+pub const REASON_SLOTS: u32 = 32;
+const _: () = assert!((Reason::ALL.len() as u32) <= REASON_SLOTS);

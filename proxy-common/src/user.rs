@@ -1,0 +1,84 @@
+//! Host-side helpers: `aya::Pod` impls and conversions to std types.
+
+extern crate std;
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use crate::{
+    Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat, ServiceKey,
+    ServiceValue,
+};
+
+// SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
+// fields, so every bit pattern is valid and there are no uninitialised bytes.
+unsafe impl aya::Pod for ServiceKey {}
+unsafe impl aya::Pod for ServiceValue {}
+unsafe impl aya::Pod for Backend {}
+unsafe impl aya::Pod for RevNat {}
+unsafe impl aya::Pod for BackendFlows {}
+unsafe impl aya::Pod for CtKey {}
+unsafe impl aya::Pod for CtEntry {}
+unsafe impl aya::Pod for FragKey {}
+unsafe impl aya::Pod for FragPorts {}
+unsafe impl aya::Pod for Counter {}
+
+/// Protocol name as Kubernetes spells it.
+pub fn proto_name(proto: u8) -> &'static str {
+    match proto {
+        crate::IPPROTO_TCP => "TCP",
+        crate::IPPROTO_UDP => "UDP",
+        crate::IPPROTO_ICMP => "ICMP",
+        _ => "?",
+    }
+}
+
+impl ServiceKey {
+    pub fn frontend(addr: Ipv4Addr, port: u16, proto: u8) -> Self {
+        Self::new(addr.octets(), port.to_be_bytes(), proto, 0)
+    }
+
+    pub fn socket(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(self.addr), u16::from_be_bytes(self.port))
+    }
+}
+
+impl Backend {
+    pub fn new(addr: Ipv4Addr, port: u16, proto: u8, flags: u8) -> Self {
+        Self { addr: addr.octets(), port: port.to_be_bytes(), proto, flags }
+    }
+
+    pub fn socket(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(self.addr), u16::from_be_bytes(self.port))
+    }
+}
+
+impl RevNat {
+    pub fn new(addr: Ipv4Addr, port: u16) -> Self {
+        Self { addr: addr.octets(), port: port.to_be_bytes(), _pad: [0; 2] }
+    }
+
+    pub fn socket(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(self.addr), u16::from_be_bytes(self.port))
+    }
+}
+
+impl CtKey {
+    pub fn new(src: SocketAddrV4, dst: SocketAddrV4, proto: u8) -> Self {
+        Self {
+            saddr: src.ip().octets(),
+            daddr: dst.ip().octets(),
+            sport: src.port().to_be_bytes(),
+            dport: dst.port().to_be_bytes(),
+            proto,
+            _pad: [0; 3],
+        }
+    }
+
+    pub fn src(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(self.saddr), u16::from_be_bytes(self.sport))
+    }
+
+    pub fn dst(&self) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::from(self.daddr), u16::from_be_bytes(self.dport))
+    }
+}

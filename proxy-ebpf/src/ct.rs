@@ -1,0 +1,135 @@
+//! Connection tracking. Each translated connection has two entries in an LRU map: the forward
+//! tuple (client -> service) names the backend, the reply tuple (backend -> client) names the
+//! service whose address replies must carry.
+
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
+use proxy_common::{
+    ct::{self, flags},
+    Backend, CtEntry, CtKey, Reason, IPPROTO_TCP,
+};
+
+use crate::{
+    maps::CT4_V1,
+    parse::{Packet, TCP_FIN, TCP_RST},
+};
+
+#[inline(always)]
+pub fn now() -> u64 {
+    // Timeouts are in seconds; the coarse clock is cheaper and good to a few milliseconds.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
+/// The tuple of the packet as it is on the wire.
+#[inline(always)]
+pub fn key(pkt: &Packet) -> CtKey {
+    CtKey {
+        saddr: pkt.saddr,
+        daddr: pkt.daddr,
+        sport: pkt.sport,
+        dport: pkt.dport,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// The tuple replies from `backend` to this packet's sender will carry.
+#[inline(always)]
+fn reply_key(pkt: &Packet, backend: &Backend) -> CtKey {
+    CtKey {
+        saddr: backend.addr,
+        daddr: pkt.saddr,
+        sport: backend.port,
+        dport: pkt.sport,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// The forward tuple of the connection a reply belongs to, given the service address.
+#[inline(always)]
+pub fn forward_key_of_reply(pkt: &Packet, vip: [u8; 4], vport: [u8; 2]) -> CtKey {
+    CtKey {
+        saddr: pkt.daddr,
+        daddr: vip,
+        sport: pkt.dport,
+        dport: vport,
+        proto: pkt.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// CT flags a TCP packet contributes. `fin` is the FIN flag for its direction.
+#[inline(always)]
+fn tcp_state_flags(pkt: &Packet, fin: u8) -> u8 {
+    let mut f = 0;
+    if pkt.tcp_flags & TCP_FIN != 0 {
+        f |= fin;
+    }
+    if pkt.tcp_flags & TCP_RST != 0 {
+        f |= flags::RST;
+    }
+    f
+}
+
+/// True when a forward entry must not steer this packet: it has expired, or a new SYN reuses
+/// the tuple of a connection that was closing.
+#[inline(always)]
+pub fn forward_stale(pkt: &Packet, e: &CtEntry, now: u64) -> bool {
+    ct::expired(pkt.proto, e.flags, e.last_seen_ns, now)
+        || (pkt.proto == IPPROTO_TCP && pkt.is_tcp_syn() && e.flags & (flags::FIN_FWD | flags::FIN_REV | flags::RST) != 0)
+}
+
+/// Records a forward packet on its entry: state flags always, the timestamp at most once a second.
+#[inline(always)]
+pub fn touch_forward(pkt: &Packet, e: *mut CtEntry, now: u64) {
+    // SAFETY: `e` is a live map value. Racing writers store the same kind of data; a lost
+    // update costs at most one second of lifetime or one flag that the next packet sets again.
+    unsafe {
+        let add = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
+        if (*e).flags & add != add {
+            (*e).flags |= add;
+        }
+        if now.wrapping_sub((*e).last_seen_ns) > ct::REFRESH_NS {
+            (*e).last_seen_ns = now;
+        }
+    }
+}
+
+/// Records a reply on its own entry and, the first time and on FIN/RST, on the forward entry,
+/// which holds the state that decides the connection's lifetime.
+#[inline(always)]
+pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, fwd_key: &CtKey, now: u64) {
+    let add = flags::SEEN_REPLY
+        | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
+    // SAFETY: as in touch_forward.
+    unsafe {
+        if (*e).flags & add != add {
+            (*e).flags |= add;
+            if let Some(f) = CT4_V1.get_ptr_mut(fwd_key) {
+                (*f).flags |= add;
+                (*f).last_seen_ns = now;
+            }
+        }
+        if now.wrapping_sub((*e).last_seen_ns) > ct::REFRESH_NS {
+            (*e).last_seen_ns = now;
+        }
+    }
+}
+
+/// Tracks a new connection (or re-tracks one whose backend changed).
+#[inline(always)]
+pub fn create(
+    pkt: &Packet,
+    service_id: u32,
+    backend_id: u32,
+    backend: &Backend,
+    now: u64,
+) -> Result<(), Reason> {
+    let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
+    let fwd = CtEntry { last_seen_ns: now, backend_id, service_id, flags: fin_rst, _pad: [0; 7] };
+    CT4_V1.insert(key(pkt), fwd, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+    let rev = CtEntry { last_seen_ns: now, backend_id, service_id, flags: flags::REPLY, _pad: [0; 7] };
+    CT4_V1
+        .insert(reply_key(pkt, backend), rev, BPF_ANY as u64)
+        .map_err(|_| Reason::DropCtInsert)
+}

@@ -1,0 +1,149 @@
+//! Service load balancing on TC ingress: conntrack first (one lookup serves tracked flows in both
+//! directions), then the service map for new flows.
+
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+
+use aya_ebpf::{bindings::TC_ACT_OK, helpers::bpf_get_prandom_u32, programs::TcContext};
+use proxy_common::{
+    ct::flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP,
+};
+
+use crate::{
+    ct, frag, icmp,
+    maps::{LB4_BACKENDS_V1, LB4_FLOWS_V1, LB4_REVNAT_V1, LB4_SERVICES_V1, CT4_V1},
+    nat::{self, Side},
+    parse::{self, Frag, Packet, Parsed},
+};
+
+pub struct Verdict {
+    pub action: i32,
+    pub reason: Reason,
+}
+
+impl Verdict {
+    #[inline(always)]
+    const fn pass(reason: Reason) -> Self {
+        Self { action: TC_ACT_OK, reason }
+    }
+}
+
+#[inline(always)]
+pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let mut pkt = match parse::ipv4(ctx) {
+        Parsed::Packet(p) => p,
+        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+        Parsed::OtherProto => return Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
+    };
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+    }
+    let now = ct::now();
+    if let Some(e) = CT4_V1.get_ptr_mut(ct::key(&pkt)) {
+        // SAFETY: live map value; CtEntry is plain data.
+        let entry = unsafe { *e };
+        if entry.flags & flags::REPLY != 0 {
+            if let Some(v) = reply(ctx, &pkt, e, &entry, now)? {
+                return Ok(v);
+            }
+        } else if !ct::forward_stale(&pkt, &entry, now) {
+            return established(ctx, &pkt, e, &entry, now);
+        }
+    }
+    let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+    match service(&key) {
+        Some(master) => new_flow(ctx, &pkt, &key, &master, now, Reason::NewFlow),
+        None => Ok(Verdict::pass(Reason::PassNotService)),
+    }
+}
+
+#[inline(always)]
+fn service(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: the value is copied out at once.
+    LB4_SERVICES_V1.get_ptr(key).map(|p| unsafe { *p })
+}
+
+#[inline(always)]
+fn backend(id: u32) -> Option<Backend> {
+    // SAFETY: the value is copied out at once.
+    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p })
+}
+
+/// A packet of a tracked connection towards the service.
+#[inline(always)]
+fn established(
+    ctx: &TcContext,
+    pkt: &Packet,
+    e: *mut CtEntry,
+    entry: &CtEntry,
+    now: u64,
+) -> Result<Verdict, Reason> {
+    let Some(be) = backend(entry.backend_id) else {
+        // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
+        // reset from the new backend (it has no such connection) instead of hanging.
+        let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+        return match service(&key) {
+            Some(master) => new_flow(ctx, pkt, &key, &master, now, Reason::Reselected),
+            None => Ok(Verdict::pass(Reason::PassNotService)),
+        };
+    };
+    ct::touch_forward(pkt, e, now);
+    frag::remember(pkt);
+    nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
+    let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
+    Ok(Verdict::pass(reason))
+}
+
+/// A reply from a backend: restore the service address as its source. `None` when the service
+/// is gone, so the packet is looked at as if untracked.
+#[inline(always)]
+fn reply(
+    ctx: &TcContext,
+    pkt: &Packet,
+    e: *mut CtEntry,
+    entry: &CtEntry,
+    now: u64,
+) -> Result<Option<Verdict>, Reason> {
+    // SAFETY: the value is copied out at once.
+    let Some(rn) = LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p }) else {
+        return Ok(None);
+    };
+    ct::touch_reply(pkt, e, &ct::forward_key_of_reply(pkt, rn.addr, rn.port), now);
+    frag::remember(pkt);
+    nat::rewrite(ctx, pkt, Side::Src, rn.addr, rn.port)?;
+    let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
+    Ok(Some(Verdict::pass(reason)))
+}
+
+/// A flow without a usable conntrack entry: pick a backend, track, translate.
+#[inline(always)]
+fn new_flow(
+    ctx: &TcContext,
+    pkt: &Packet,
+    key: &ServiceKey,
+    master: &ServiceValue,
+    now: u64,
+    reason: Reason,
+) -> Result<Verdict, Reason> {
+    if master.count == 0 {
+        if pkt.frag == Frag::Later || (pkt.proto != IPPROTO_TCP && pkt.proto != IPPROTO_UDP) {
+            return Err(Reason::DropNoEndpoints);
+        }
+        return icmp::reject(ctx, pkt);
+    }
+    // SAFETY: plain helper call.
+    let slot = unsafe { bpf_get_prandom_u32() } % u32::from(master.count) + 1;
+    let backend_id = service(&key.with_slot(slot as u16))
+        .map(|s| s.backend_id)
+        .ok_or(Reason::DropBackendMissing)?;
+    let be = backend(backend_id).ok_or(Reason::DropBackendMissing)?;
+    ct::create(pkt, master.service_id, backend_id, &be, now)?;
+    if let Some(c) = LB4_FLOWS_V1.get_ptr_mut(backend_id) {
+        // SAFETY: a live array value shared by all CPUs, hence the atomic add. The bpf target
+        // does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to BPF_ATOMIC_ADD.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).flows, 1) };
+    }
+    frag::remember(pkt);
+    nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
+    Ok(Verdict::pass(reason))
+}

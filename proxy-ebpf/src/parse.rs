@@ -1,0 +1,158 @@
+//! Header parsing. Everything the later stages need is copied into `Packet`, because every
+//! rewrite helper invalidates direct packet pointers.
+
+use core::mem::size_of;
+
+use aya_ebpf::programs::TcContext;
+use network_types::{
+    eth::{EthHdr, EtherType},
+    ip::Ipv4Hdr,
+    tcp::TcpHdr,
+    udp::UdpHdr,
+};
+use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+
+pub const ETH_LEN: usize = size_of::<EthHdr>();
+pub const IP_OFF: usize = ETH_LEN;
+/// Ethernet + the longest IPv4 header + a TCP header without options.
+const HEADERS_MAX: u32 = (ETH_LEN + 60 + size_of::<TcpHdr>()) as u32;
+
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET_MASK: u16 = 0x1fff;
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// Bounds-checked pointer into the linear part of the packet. The comparison is written against
+/// `data_end` on a pointer derived from `data`, the form the verifier can track.
+#[inline(always)]
+pub fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*const T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + off + size_of::<T>() > end {
+        return None;
+    }
+    Some((start + off) as *const T)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Frag {
+    /// Not fragmented.
+    Whole,
+    /// First fragment: carries the L4 header, more follow.
+    First,
+    /// A later fragment: no L4 header; ports come from the fragment map.
+    Later,
+}
+
+pub struct Packet {
+    /// Offset of the L4 header (Ethernet + IHL * 4).
+    pub l4_off: usize,
+    pub proto: u8,
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: [u8; 2],
+    pub dport: [u8; 2],
+    /// TCP flags byte; 0 for UDP.
+    pub tcp_flags: u8,
+    pub ip_id: [u8; 2],
+    pub frag: Frag,
+}
+
+impl Packet {
+    /// True when this packet holds the L4 header (and so its checksum).
+    #[inline(always)]
+    pub fn has_l4(&self) -> bool {
+        self.frag != Frag::Later
+    }
+
+    #[inline(always)]
+    pub fn is_tcp_syn(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+}
+
+pub enum Parsed {
+    Packet(Packet),
+    NotIpv4,
+    /// IPv4, but not a protocol services use.
+    OtherProto,
+    /// Too short, or an invalid IPv4 header: left for the kernel to drop.
+    Malformed,
+}
+
+#[inline(always)]
+pub fn ipv4(ctx: &TcContext) -> Parsed {
+    // Drivers and GRO may leave headers in paged fragments; pull what we read into the linear
+    // area, but only when it is not there already (pull may copy).
+    let linear = (ctx.data_end() - ctx.data()) as u32;
+    let wanted = if ctx.len() < HEADERS_MAX { ctx.len() } else { HEADERS_MAX };
+    if linear < wanted {
+        let _ = ctx.pull_data(wanted);
+    }
+
+    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
+        return Parsed::Malformed;
+    };
+    // SAFETY: bounds checked by ptr_at.
+    if unsafe { (*eth).ether_type } != EtherType::Ipv4 as u16 {
+        return Parsed::NotIpv4;
+    }
+    let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, IP_OFF) else {
+        return Parsed::Malformed;
+    };
+    // SAFETY: bounds checked by ptr_at.
+    let ip = unsafe { &*ip };
+    let ihl = usize::from(ip.vihl & 0x0f) * 4;
+    if ip.vihl >> 4 != 4 || ihl < size_of::<Ipv4Hdr>() {
+        return Parsed::Malformed;
+    }
+    let proto = ip.proto;
+    if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
+        return Parsed::OtherProto;
+    }
+    let frags = u16::from_be_bytes(ip.frags);
+    let frag = if frags & IP_OFFSET_MASK != 0 {
+        Frag::Later
+    } else if frags & IP_MF != 0 {
+        Frag::First
+    } else {
+        Frag::Whole
+    };
+    let mut pkt = Packet {
+        l4_off: IP_OFF + ihl,
+        proto,
+        saddr: ip.src_addr,
+        daddr: ip.dst_addr,
+        sport: [0; 2],
+        dport: [0; 2],
+        tcp_flags: 0,
+        ip_id: ip.id,
+        frag,
+    };
+    if frag == Frag::Later {
+        return Parsed::Packet(pkt);
+    }
+    if proto == IPPROTO_TCP {
+        let Some(tcp) = ptr_at::<TcpHdr>(ctx, pkt.l4_off) else {
+            return Parsed::Malformed;
+        };
+        // SAFETY: bounds checked by ptr_at.
+        let tcp = unsafe { &*tcp };
+        pkt.sport = tcp.source;
+        pkt.dport = tcp.dest;
+        // SAFETY: byte 13 (the flags) lies inside the checked TcpHdr.
+        pkt.tcp_flags = unsafe { *(tcp as *const TcpHdr as *const u8).add(13) };
+    } else {
+        let Some(udp) = ptr_at::<UdpHdr>(ctx, pkt.l4_off) else {
+            return Parsed::Malformed;
+        };
+        // SAFETY: bounds checked by ptr_at.
+        let udp = unsafe { &*udp };
+        pkt.sport = udp.src;
+        pkt.dport = udp.dst;
+    }
+    Parsed::Packet(pkt)
+}
