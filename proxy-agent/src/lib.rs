@@ -3,3 +3,5 @@
 //! the kernel.
 
 pub mod model;
+pub mod bpffs;
+pub mod dataplane;

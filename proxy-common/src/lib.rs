@@ -24,8 +24,10 @@ pub mod map_names {
     pub const CT: &str = "CT4_V1";
     pub const FRAGS: &str = "FRAG4_V1";
     pub const STATS: &str = "STATS_V1";
+    /// Service names for people (`inspect`, bpftool); the datapath never reads it.
+    pub const NAMES: &str = "LB4_NAMES_V1";
 
-    pub const ALL: [&str; 7] = [SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS];
+    pub const ALL: [&str; 8] = [SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES];
 }
 
 /// Program names (ELF symbols) and the file names they are pinned under in `<bpffs-root>/progs/`.
@@ -132,6 +134,14 @@ pub struct RevNat {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<RevNat>() == 8);
+
+/// Value of `LB4_NAMES_V1`, keyed by service id: `namespace/name:port`, NUL-padded.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceName {
+    pub name: [u8; 128],
+}
+const _: () = assert!(size_of::<ServiceName>() == 128);
 
 /// Value of `LB4_FLOWS_V1` (an array indexed by backend id): flows the datapath sent there.
 #[repr(C)]

@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use crate::{
     Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat, ServiceKey,
-    ServiceValue,
+    ServiceName, ServiceValue,
 };
 
 // SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
@@ -21,6 +21,7 @@ unsafe impl aya::Pod for CtEntry {}
 unsafe impl aya::Pod for FragKey {}
 unsafe impl aya::Pod for FragPorts {}
 unsafe impl aya::Pod for Counter {}
+unsafe impl aya::Pod for ServiceName {}
 
 /// Protocol name as Kubernetes spells it.
 pub fn proto_name(proto: u8) -> &'static str {
@@ -80,5 +81,37 @@ impl CtKey {
 
     pub fn dst(&self) -> SocketAddrV4 {
         SocketAddrV4::new(Ipv4Addr::from(self.daddr), u16::from_be_bytes(self.dport))
+    }
+}
+
+impl ServiceName {
+    /// Stores `s`, cut at a character boundary if it is longer than the field.
+    pub fn new(s: &str) -> Self {
+        let mut name = [0u8; 128];
+        let mut end = s.len().min(name.len());
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        name[..end].copy_from_slice(&s.as_bytes()[..end]);
+        Self { name }
+    }
+
+    pub fn as_str(&self) -> &str {
+        let end = self.name.iter().position(|b| *b == 0).unwrap_or(self.name.len());
+        std::str::from_utf8(&self.name[..end]).unwrap_or("?")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_name_round_trips_and_truncates_on_char_boundary() {
+        assert_eq!(ServiceName::new("default/web:http").as_str(), "default/web:http");
+        let long = "é".repeat(100);
+        let n = ServiceName::new(&long);
+        assert_eq!(n.as_str().len(), 128);
+        assert!(long.starts_with(n.as_str()));
     }
 }

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     limits, Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat,
-    ServiceKey, ServiceValue, REASON_SLOTS,
+    ServiceKey, ServiceName, ServiceValue, REASON_SLOTS,
 };
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
@@ -39,3 +39,8 @@ pub static FRAG4_V1: LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as us
 
 #[btf_map]
 pub static STATS_V1: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArray::new();
+
+/// Names for people; no program reads it, it is declared here so it is created and pinned with
+/// the others.
+#[btf_map]
+pub static LB4_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMap::new();

@@ -1,1 +1,6 @@
+//! The test lab shared by the integration tests, the demo (`cargo xtask run`) and the
+//! benchmarks (`cargo xtask bench`).
 
+pub mod packet;
+pub mod require;
+pub mod testrun;

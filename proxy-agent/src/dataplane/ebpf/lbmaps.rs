@@ -1,0 +1,463 @@
+//! The load-balancer map writer. It keeps the agent's picture of what the maps hold (rebuilt
+//! from the maps at start) and applies per-frontend changes make-before-break:
+//! backends -> new slots -> reverse NAT -> existing slots -> master -> surplus slots -> unused
+//! backends. A packet never sees a count that points at a missing slot or a slot that names a
+//! missing backend.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap as StdHashMap, HashSet},
+    io,
+    net::Ipv4Addr,
+};
+
+use aya::{
+    maps::{Array, HashMap, MapData, MapError},
+    Ebpf,
+};
+use proxy_common::{
+    backend_flags, limits, map_names, svc_flags, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
+    ServiceValue,
+};
+
+use super::{
+    ids::{assign_slots, IdAllocator},
+    snapshot,
+};
+use crate::{
+    dataplane::DataplaneError,
+    model::{self, Frontend, FrontendKey, Protocol},
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Ident {
+    addr: Ipv4Addr,
+    port: u16,
+    proto: u8,
+}
+
+#[derive(Debug)]
+struct BackendEntry {
+    id: u32,
+    flags: u8,
+    /// Frontends that use this backend (in slots or retained).
+    refs: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Programmed {
+    service_id: u32,
+    /// Backend id per slot (slot = index + 1); 0 marks a slot missing from the maps.
+    slots: Vec<u32>,
+    retained: Vec<u32>,
+    name: String,
+    master: ServiceValue,
+}
+
+pub struct LbMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    backends: HashMap<MapData, u32, Backend>,
+    revnat: HashMap<MapData, u32, RevNat>,
+    names: HashMap<MapData, u32, ServiceName>,
+    flows: Array<MapData, BackendFlows>,
+    limit: u32,
+    by_ident: StdHashMap<Ident, BackendEntry>,
+    by_id: StdHashMap<u32, Ident>,
+    backend_ids: IdAllocator,
+    service_ids: IdAllocator,
+    frontends: BTreeMap<FrontendKey, Programmed>,
+    /// Service ids found in REVNAT/NAMES with no frontend, removed by `collect_garbage`.
+    stray_service_ids: Vec<u32>,
+    stray_slots: Vec<ServiceKey>,
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
+where
+    T: TryFrom<aya::maps::Map, Error = MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(DataplaneError::Map {
+        op: "take",
+        map: name,
+        source: MapError::InvalidName { name: name.into() },
+    })?;
+    T::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: name, source })
+}
+
+fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) -> DataplaneError {
+    if let MapError::SyscallError(e) = &source {
+        if e.io_error.raw_os_error() == Some(libc::E2BIG) {
+            return DataplaneError::MapFull { map, max };
+        }
+    }
+    DataplaneError::Map { op, map, source }
+}
+
+fn is_not_found(e: &MapError) -> bool {
+    matches!(e, MapError::KeyNotFound)
+        || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
+}
+
+fn ipproto(p: Protocol) -> Result<u8, DataplaneError> {
+    match p {
+        Protocol::Tcp | Protocol::Udp => Ok(p.ipproto()),
+        Protocol::Sctp => Err(DataplaneError::Unsupported(
+            "SCTP is not supported by the ebpf dataplane (its CRC32c checksum cannot be updated \
+             incrementally); use --proxy-mode nftables or iptables on nodes that need SCTP"
+                .into(),
+        )),
+    }
+}
+
+fn flags_of(b: &model::Backend) -> u8 {
+    let mut f = 0;
+    if b.terminating {
+        f |= backend_flags::TERMINATING;
+    }
+    if b.local {
+        f |= backend_flags::LOCAL;
+    }
+    f
+}
+
+impl LbMaps {
+    /// Opens the maps of a loaded object and adopts whatever a previous run left in them.
+    pub fn adopt(ebpf: &mut Ebpf, limit: u32) -> Result<Self, DataplaneError> {
+        let mut me = Self {
+            services: take(ebpf, map_names::SERVICES)?,
+            backends: take(ebpf, map_names::BACKENDS)?,
+            revnat: take(ebpf, map_names::REVNAT)?,
+            names: take(ebpf, map_names::NAMES)?,
+            flows: take(ebpf, map_names::BACKEND_FLOWS)?,
+            limit,
+            by_ident: StdHashMap::new(),
+            by_id: StdHashMap::new(),
+            backend_ids: IdAllocator::new(limit),
+            service_ids: IdAllocator::new(limit),
+            frontends: BTreeMap::new(),
+            stray_service_ids: Vec::new(),
+            stray_slots: Vec::new(),
+        };
+        let snap = snapshot::read(&me.services, &me.backends, &me.revnat, &me.names)
+            .map_err(|source| DataplaneError::Map { op: "read", map: map_names::SERVICES, source })?;
+        for (id, b) in &snap.backends {
+            if me.backend_ids.claim(*id) {
+                let ident = Ident { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port), proto: b.proto };
+                me.by_ident.insert(ident, BackendEntry { id: *id, flags: b.flags, refs: 0 });
+                me.by_id.insert(*id, ident);
+            }
+        }
+        for fe in snap.frontends.values() {
+            let Some(protocol) = Protocol::from_ipproto(fe.key.proto) else { continue };
+            let key = FrontendKey {
+                addr: Ipv4Addr::from(fe.key.addr),
+                port: u16::from_be_bytes(fe.key.port),
+                protocol,
+            };
+            me.service_ids.claim(fe.master.service_id);
+            for id in &fe.slots {
+                me.add_ref(*id);
+            }
+            me.frontends.insert(
+                key,
+                Programmed {
+                    service_id: fe.master.service_id,
+                    slots: fe.slots.clone(),
+                    retained: Vec::new(),
+                    name: fe.name.clone().unwrap_or_default(),
+                    master: fe.master,
+                },
+            );
+        }
+        me.stray_service_ids = snap.stray_service_ids;
+        me.stray_slots = snap.stray_slots;
+        Ok(me)
+    }
+
+    pub fn keys(&self) -> Vec<FrontendKey> {
+        self.frontends.keys().copied().collect()
+    }
+
+    pub fn backend_count(&self) -> usize {
+        self.by_ident.len()
+    }
+
+    fn add_ref(&mut self, id: u32) {
+        if let Some(ident) = self.by_id.get(&id) {
+            if let Some(e) = self.by_ident.get_mut(ident) {
+                e.refs += 1;
+            }
+        }
+    }
+
+    /// Takes a reference on the backend, creating or updating its map entry.
+    fn acquire(&mut self, b: &model::Backend, proto: u8) -> Result<u32, DataplaneError> {
+        let ident = Ident { addr: b.addr, port: b.port, proto };
+        let flags = flags_of(b);
+        let value = Backend::new(b.addr, b.port, proto, flags);
+        if let Some(e) = self.by_ident.get_mut(&ident) {
+            if e.flags != flags {
+                self.backends
+                    .insert(e.id, value, 0)
+                    .map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
+                e.flags = flags;
+            }
+            e.refs += 1;
+            return Ok(e.id);
+        }
+        let id = self.backend_ids.alloc().ok_or(DataplaneError::MapFull { map: map_names::BACKENDS, max: self.limit })?;
+        let written = self
+            .flows
+            .set(id, BackendFlows::default(), 0)
+            .map_err(|s| map_error("reset", map_names::BACKEND_FLOWS, self.limit, s))
+            .and_then(|()| {
+                self.backends.insert(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s))
+            });
+        if let Err(e) = written {
+            self.backend_ids.free(id);
+            return Err(e);
+        }
+        self.by_ident.insert(ident, BackendEntry { id, flags, refs: 1 });
+        self.by_id.insert(id, ident);
+        Ok(id)
+    }
+
+    fn acquire_all(&mut self, list: &[model::Backend], proto: u8) -> Result<Vec<u32>, DataplaneError> {
+        let mut ids = Vec::with_capacity(list.len());
+        for b in list {
+            match self.acquire(b, proto) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.release_all(&ids);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Drops a reference; the backend's entry goes when the last one does.
+    fn release(&mut self, id: u32) {
+        let Some(ident) = self.by_id.get(&id).copied() else { return };
+        let Some(e) = self.by_ident.get_mut(&ident) else { return };
+        e.refs = e.refs.saturating_sub(1);
+        if e.refs == 0 {
+            self.delete_backend(id, ident);
+        }
+    }
+
+    fn delete_backend(&mut self, id: u32, ident: Ident) {
+        match self.backends.remove(&id) {
+            Ok(()) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => {
+                // Keep our record so a later pass retries; the entry is harmless meanwhile.
+                tracing::warn!(backend_id = id, error = %e, "could not delete backend entry");
+                return;
+            }
+        }
+        self.by_ident.remove(&ident);
+        self.by_id.remove(&id);
+        self.backend_ids.free(id);
+    }
+
+    fn release_all(&mut self, ids: &[u32]) {
+        for id in ids {
+            self.release(*id);
+        }
+    }
+
+    fn remove_key(&mut self, key: &ServiceKey) -> Result<(), DataplaneError> {
+        match self.services.remove(key) {
+            Ok(()) => Ok(()),
+            Err(e) if is_not_found(&e) => Ok(()),
+            Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::SERVICES, source }),
+        }
+    }
+
+    fn set_ids_equal(&self, ids: &[u32], want: &[model::Backend], proto: u8) -> bool {
+        if ids.len() != want.len() {
+            return false;
+        }
+        let have: HashSet<u32> = ids.iter().copied().collect();
+        want.iter().all(|b| {
+            self.by_ident
+                .get(&Ident { addr: b.addr, port: b.port, proto })
+                .is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
+        })
+    }
+
+    fn master_for(fe: &Frontend, service_id: u32, count: usize) -> ServiceValue {
+        ServiceValue {
+            backend_id: 0,
+            service_id,
+            count: count as u16,
+            flags: svc_flags::NONE,
+            affinity_timeout: fe.affinity_timeout.unwrap_or(0),
+        }
+    }
+
+    pub fn is_current(&self, key: &FrontendKey, fe: &Frontend) -> bool {
+        let Ok(proto) = ipproto(key.protocol) else { return false };
+        let Some(p) = self.frontends.get(key) else { return false };
+        p.name == fe.name.to_string()
+            && p.master == Self::master_for(fe, p.service_id, fe.backends.len())
+            && self.set_ids_equal(&p.slots, &fe.backends, proto)
+            && self.set_ids_equal(&p.retained, &fe.retained, proto)
+    }
+
+    pub fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
+        let proto = ipproto(key.protocol)?;
+        if fe.backends.len() > limits::MAX_SLOTS as usize {
+            return Err(DataplaneError::Unsupported(format!(
+                "{} endpoints is more than the {} a frontend can hold",
+                fe.backends.len(),
+                limits::MAX_SLOTS
+            )));
+        }
+        let old = self.frontends.get(key).cloned();
+        let old_slots: Vec<u32> = old.as_ref().map(|o| o.slots.clone()).unwrap_or_default();
+        let name = fe.name.to_string();
+        let skey = ServiceKey::frontend(key.addr, key.port, proto);
+
+        // Phase A: everything that adds entries, and so may find a map full. Undone on failure,
+        // leaving the frontend exactly as it was.
+        let active = self.acquire_all(&fe.backends, proto)?;
+        let retained = match self.acquire_all(&fe.retained, proto) {
+            Ok(r) => r,
+            Err(e) => {
+                self.release_all(&active);
+                return Err(e);
+            }
+        };
+        let fresh = old.is_none();
+        let service_id = match &old {
+            Some(o) => o.service_id,
+            None => match self.service_ids.alloc() {
+                Some(id) => id,
+                None => {
+                    self.release_all(&active);
+                    self.release_all(&retained);
+                    return Err(DataplaneError::MapFull { map: map_names::REVNAT, max: self.limit });
+                }
+            },
+        };
+        let wanted: BTreeSet<u32> = active.iter().copied().collect();
+        let slots = assign_slots(&old_slots, &wanted);
+        let slot_value = |id: u32| ServiceValue { backend_id: id, service_id, ..Default::default() };
+        let mut added = Vec::new();
+        let phase_a = (|| {
+            if fresh {
+                self.revnat
+                    .insert(service_id, RevNat::new(key.addr, key.port), 0)
+                    .map_err(|s| map_error("insert", map_names::REVNAT, self.limit, s))?;
+            }
+            if fresh || old.as_ref().is_some_and(|o| o.name != name) {
+                self.names
+                    .insert(service_id, ServiceName::new(&name), 0)
+                    .map_err(|s| map_error("insert", map_names::NAMES, self.limit, s))?;
+            }
+            for (i, id) in slots.iter().enumerate().skip(old_slots.len()) {
+                let k = skey.with_slot((i + 1) as u16);
+                self.services
+                    .insert(k, slot_value(*id), 0)
+                    .map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                added.push(k);
+            }
+            Ok(())
+        })();
+        if let Err(e) = phase_a {
+            for k in &added {
+                let _ = self.services.remove(k);
+            }
+            if fresh {
+                let _ = self.revnat.remove(&service_id);
+                let _ = self.names.remove(&service_id);
+                self.service_ids.free(service_id);
+            }
+            self.release_all(&active);
+            self.release_all(&retained);
+            return Err(e);
+        }
+
+        // Phase B: rewrites of existing entries, then the master, then the surplus.
+        let master = Self::master_for(fe, service_id, slots.len());
+        let phase_b = (|| {
+            for (i, id) in slots.iter().enumerate().take(old_slots.len()) {
+                if old_slots[i] != *id {
+                    self.services
+                        .insert(skey.with_slot((i + 1) as u16), slot_value(*id), 0)
+                        .map_err(|s| map_error("update", map_names::SERVICES, self.limit, s))?;
+                }
+            }
+            if old.as_ref().map(|o| o.master) != Some(master) {
+                self.services
+                    .insert(skey, master, 0)
+                    .map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+            }
+            for slot in slots.len() + 1..=old_slots.len() {
+                self.remove_key(&skey.with_slot(slot as u16))?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = phase_b {
+            // The maps may now mix old and new slots: keep every backend either names alive
+            // and let the next attempt sort it out.
+            let mut keep = old.as_ref().map(|o| o.retained.clone()).unwrap_or_default();
+            keep.extend(active);
+            keep.extend(retained);
+            self.frontends.insert(
+                *key,
+                Programmed { service_id, slots: old_slots, retained: keep, name: String::new(), master: ServiceValue::default() },
+            );
+            return Err(e);
+        }
+
+        // Phase C: the old references go last.
+        if let Some(o) = &old {
+            self.release_all(&o.slots);
+            self.release_all(&o.retained);
+        }
+        self.frontends.insert(*key, Programmed { service_id, slots, retained, name, master });
+        Ok(())
+    }
+
+    pub fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
+        let Some(p) = self.frontends.get(key).cloned() else { return Ok(()) };
+        let skey = ServiceKey::frontend(key.addr, key.port, key.protocol.ipproto());
+        // Master first: from here on new packets see no service.
+        self.remove_key(&skey)?;
+        for slot in 1..=p.slots.len() {
+            self.remove_key(&skey.with_slot(slot as u16))?;
+        }
+        let _ = self.revnat.remove(&p.service_id);
+        let _ = self.names.remove(&p.service_id);
+        self.service_ids.free(p.service_id);
+        self.release_all(&p.slots);
+        self.release_all(&p.retained);
+        self.frontends.remove(key);
+        Ok(())
+    }
+
+    /// Removes backends no frontend references, and leftovers of an interrupted run.
+    pub fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
+        let mut removed = 0;
+        let orphans: Vec<(u32, Ident)> =
+            self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
+        for (id, ident) in orphans {
+            self.delete_backend(id, ident);
+            removed += 1;
+        }
+        for k in std::mem::take(&mut self.stray_slots) {
+            self.remove_key(&k)?;
+            removed += 1;
+        }
+        for id in std::mem::take(&mut self.stray_service_ids) {
+            if self.frontends.values().any(|p| p.service_id == id) {
+                continue;
+            }
+            let _ = self.revnat.remove(&id);
+            let _ = self.names.remove(&id);
+            removed += 1;
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,199 @@
+//! Loading the embedded object: maps created or adopted from their pins, programs verified.
+
+use std::{
+    fs,
+    io,
+    mem::size_of,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{MapInfo, MapType},
+    programs::SchedClassifier,
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    limits, map_names, prog_names, Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts,
+    RevNat, ServiceKey, ServiceName, ServiceValue, REASON_SLOTS,
+};
+
+use crate::bpffs;
+
+/// The eBPF object built by build.rs from proxy-ebpf.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
+
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Where maps, programs and links are pinned. None: nothing is pinned (tests, trace).
+    pub pin_root: Option<PathBuf>,
+    /// Entries of each load-balancer map.
+    pub lb_map_max: u32,
+    /// Entries of the conntrack map.
+    pub ct_map_max: u32,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self { pin_root: None, lb_map_max: limits::LB_MAP_MAX, ct_map_max: limits::CT_MAP_MAX }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("preparing the BPF filesystem: {0}")]
+    Bpffs(#[source] io::Error),
+    #[error(
+        "pinned map {path} was created by an incompatible version ({found}; this agent needs \
+         {wanted}). Run `proxy-agent cleanup --bpffs-root {root}` (tracked connections are \
+         reset) or choose another --bpffs-root"
+    )]
+    IncompatiblePin { path: String, root: String, found: String, wanted: String },
+    #[error("loading the eBPF object: {0}{hint}", hint = permission_hint(.0))]
+    Load(#[source] aya::EbpfError),
+    #[error("loading program {name}: {source}{hint}", hint = program_hint(source))]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("pinning {path}: {source}")]
+    Pin { path: String, source: io::Error },
+}
+
+fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            if io.raw_os_error() == Some(libc::EPERM) {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
+}
+
+fn permission_hint(e: &aya::EbpfError) -> &'static str {
+    if is_eperm(e) {
+        " (permission denied: the agent needs CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN or root; \
+         run it privileged or as root)"
+    } else {
+        ""
+    }
+}
+
+fn program_hint(e: &aya::programs::ProgramError) -> &'static str {
+    if is_eperm(e) {
+        " (permission denied: the agent needs CAP_BPF and CAP_NET_ADMIN)"
+    } else {
+        " (the kernel verifier or BTF support may be missing: a 5.15+ kernel with \
+         CONFIG_DEBUG_INFO_BTF is required)"
+    }
+}
+
+/// Expected shape of each map: type, key size, value size.
+fn expected(name: &str) -> (MapType, usize, usize) {
+    match name {
+        map_names::SERVICES => (MapType::Hash, size_of::<ServiceKey>(), size_of::<ServiceValue>()),
+        map_names::BACKENDS => (MapType::Hash, size_of::<u32>(), size_of::<Backend>()),
+        map_names::REVNAT => (MapType::Hash, size_of::<u32>(), size_of::<RevNat>()),
+        map_names::NAMES => (MapType::Hash, size_of::<u32>(), size_of::<ServiceName>()),
+        map_names::BACKEND_FLOWS => (MapType::Array, size_of::<u32>(), size_of::<BackendFlows>()),
+        map_names::CT => (MapType::LruHash, size_of::<CtKey>(), size_of::<CtEntry>()),
+        map_names::FRAGS => (MapType::LruHash, size_of::<FragKey>(), size_of::<FragPorts>()),
+        map_names::STATS => (MapType::PerCpuArray, size_of::<u32>(), size_of::<Counter>()),
+        other => unreachable!("unknown map {other}"),
+    }
+}
+
+pub fn maps_dir(root: &Path) -> PathBuf {
+    root.join("maps")
+}
+
+pub fn progs_dir(root: &Path) -> PathBuf {
+    root.join("progs")
+}
+
+pub fn links_dir(root: &Path) -> PathBuf {
+    root.join("links")
+}
+
+/// Refuses pinned maps whose layout differs from ours; adopting them would corrupt both.
+fn check_pins(root: &Path) -> Result<(), LoadError> {
+    for name in map_names::ALL {
+        let path = maps_dir(root).join(name);
+        if !path.exists() {
+            continue;
+        }
+        let (ty, k, v) = expected(name);
+        let bad = |found: String| LoadError::IncompatiblePin {
+            path: path.display().to_string(),
+            root: root.display().to_string(),
+            found,
+            wanted: format!("{ty:?} key {k} value {v}"),
+        };
+        let info = MapInfo::from_pin(&path).map_err(|e| bad(format!("unreadable: {e}")))?;
+        let found_ty = info.map_type().map_err(|e| bad(format!("unknown type: {e}")))?;
+        if found_ty != ty || info.key_size() as usize != k || info.value_size() as usize != v {
+            return Err(bad(format!("{found_ty:?} key {} value {}", info.key_size(), info.value_size())));
+        }
+    }
+    Ok(())
+}
+
+/// The loaded object: maps (created, or adopted from pins) and the verified programs.
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub options: LoadOptions,
+}
+
+pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
+    raise_memlock();
+    let mut loader = EbpfLoader::new();
+    let lb = options.lb_map_max.max(2);
+    for name in [map_names::SERVICES, map_names::BACKENDS, map_names::REVNAT, map_names::NAMES, map_names::BACKEND_FLOWS] {
+        loader.map_max_entries(name, lb);
+    }
+    loader.map_max_entries(map_names::CT, options.ct_map_max.max(2));
+    loader.map_max_entries(map_names::STATS, REASON_SLOTS);
+    let pin_paths: Vec<(&str, PathBuf)> = match &options.pin_root {
+        Some(root) => {
+            bpffs::ensure(root).map_err(LoadError::Bpffs)?;
+            for dir in [maps_dir(root), progs_dir(root), links_dir(root)] {
+                fs::create_dir_all(&dir).map_err(LoadError::Bpffs)?;
+            }
+            check_pins(root)?;
+            map_names::ALL.iter().map(|n| (*n, maps_dir(root).join(n))).collect()
+        }
+        None => Vec::new(),
+    };
+    for (name, path) in &pin_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
+    let prog = tc_ingress(&mut ebpf);
+    prog.load().map_err(|source| LoadError::Program { name: prog_names::TC_INGRESS, source })?;
+    if let Some(root) = &options.pin_root {
+        let path = progs_dir(root).join(prog_names::TC_INGRESS);
+        // Replace the previous run's pin; links keep the old program alive until updated.
+        let _ = fs::remove_file(&path);
+        prog.pin(&path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
+    }
+    Ok(Loaded { ebpf, options })
+}
+
+/// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; lift it so map creation does not
+/// fail there. Newer kernels ignore it.
+fn raise_memlock() {
+    let lim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain setrlimit call with a valid struct.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
+}
+
+/// The TC ingress program of a loaded object.
+pub fn tc_ingress(ebpf: &mut Ebpf) -> &mut SchedClassifier {
+    ebpf.program_mut(prog_names::TC_INGRESS)
+        .expect("the object defines the TC ingress program")
+        .try_into()
+        .expect("proxy_tc_ingress is a classifier")
+}

@@ -1,0 +1,92 @@
+//! Reading the load-balancer maps back: used to adopt a previous run's state at start and by
+//! `inspect`.
+
+use std::{borrow::Borrow, collections::BTreeMap};
+
+use aya::maps::{HashMap, MapData, MapError};
+use proxy_common::{Backend, RevNat, ServiceKey, ServiceName, ServiceValue};
+
+/// One frontend as the maps hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendEntry {
+    pub key: ServiceKey,
+    pub master: ServiceValue,
+    /// Backend id of slots `1..=count`; 0 where a slot is missing.
+    pub slots: Vec<u32>,
+    pub name: Option<String>,
+    pub revnat: Option<RevNat>,
+}
+
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// Keyed by the master's key (slot 0).
+    pub frontends: BTreeMap<ServiceKey, FrontendEntry>,
+    pub backends: BTreeMap<u32, Backend>,
+    /// Slot entries whose master is missing, or beyond its count.
+    pub stray_slots: Vec<ServiceKey>,
+    /// Reverse-NAT and name entries of service ids no frontend uses.
+    pub stray_service_ids: Vec<u32>,
+}
+
+pub fn read<S, B, R, N>(
+    services: &HashMap<S, ServiceKey, ServiceValue>,
+    backends: &HashMap<B, u32, Backend>,
+    revnat: &HashMap<R, u32, RevNat>,
+    names: &HashMap<N, u32, ServiceName>,
+) -> Result<Snapshot, MapError>
+where
+    S: Borrow<MapData>,
+    B: Borrow<MapData>,
+    R: Borrow<MapData>,
+    N: Borrow<MapData>,
+{
+    let mut snap = Snapshot::default();
+    let mut slots = Vec::new();
+    for entry in services.iter() {
+        let (k, v) = entry?;
+        if k.slot == 0 {
+            snap.frontends.insert(
+                k,
+                FrontendEntry { key: k, master: v, slots: vec![0; usize::from(v.count)], name: None, revnat: None },
+            );
+        } else {
+            slots.push((k, v));
+        }
+    }
+    for (k, v) in slots {
+        let master = k.with_slot(0);
+        match snap.frontends.get_mut(&master) {
+            Some(fe) if usize::from(k.slot) <= fe.slots.len() => fe.slots[usize::from(k.slot) - 1] = v.backend_id,
+            _ => snap.stray_slots.push(k),
+        }
+    }
+    for entry in backends.iter() {
+        let (id, b) = entry?;
+        snap.backends.insert(id, b);
+    }
+    let mut by_service_id: BTreeMap<u32, ServiceKey> = BTreeMap::new();
+    for fe in snap.frontends.values_mut() {
+        by_service_id.insert(fe.master.service_id, fe.key);
+        for id in fe.slots.iter_mut() {
+            if !snap.backends.contains_key(id) {
+                *id = 0;
+            }
+        }
+    }
+    for entry in revnat.iter() {
+        let (id, rn) = entry?;
+        match by_service_id.get(&id).and_then(|k| snap.frontends.get_mut(k)) {
+            Some(fe) => fe.revnat = Some(rn),
+            None => snap.stray_service_ids.push(id),
+        }
+    }
+    for entry in names.iter() {
+        let (id, n) = entry?;
+        match by_service_id.get(&id).and_then(|k| snap.frontends.get_mut(k)) {
+            Some(fe) => fe.name = Some(n.as_str().to_string()),
+            None if !snap.stray_service_ids.contains(&id) => snap.stray_service_ids.push(id),
+            None => {}
+        }
+    }
+    Ok(snap)
+}

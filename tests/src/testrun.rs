@@ -1,0 +1,56 @@
+//! Running frames through the loaded TC program with BPF_PROG_TEST_RUN, and reading what the
+//! datapath recorded.
+
+use std::collections::BTreeMap;
+
+use aya::{
+    maps::{HashMap, PerCpuArray},
+    programs::{TestRun, TestRunOptions},
+};
+use proxy_agent::dataplane::ebpf::{loader::LoadOptions, EbpfDataplane};
+use proxy_common::{map_names, Counter, CtEntry, CtKey, Reason};
+
+pub const TC_ACT_OK: i32 = 0;
+pub const TC_ACT_SHOT: i32 = 2;
+pub const TC_ACT_REDIRECT: i32 = 7;
+
+pub struct Output {
+    pub action: i32,
+    pub frame: Vec<u8>,
+}
+
+/// A dataplane loaded without pins, for packet tables.
+pub fn dataplane() -> EbpfDataplane {
+    EbpfDataplane::load(LoadOptions::default()).expect("load the eBPF dataplane (are you root?)")
+}
+
+pub fn run(dp: &mut EbpfDataplane, frame: &[u8]) -> Output {
+    let mut out = vec![0u8; frame.len() + 512];
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+    let res = dp
+        .program()
+        .test_run(opts)
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN with a {}-byte frame: {e:?}", frame.len()));
+    out.truncate(res.data_size_out as usize);
+    Output { action: res.return_value as i32, frame: out }
+}
+
+/// Packets counted per reason, summed over CPUs.
+pub fn counters(dp: &mut EbpfDataplane) -> BTreeMap<&'static str, u64> {
+    let map = dp.ebpf_mut().map(map_names::STATS).expect("stats map");
+    let stats = PerCpuArray::<_, Counter>::try_from(map).expect("stats is a per-CPU array");
+    Reason::ALL
+        .iter()
+        .filter_map(|r| {
+            let per_cpu = stats.get(&(*r as u32), 0).ok()?;
+            let n: u64 = per_cpu.iter().map(|c| c.packets).sum();
+            (n > 0).then_some((r.label(), n))
+        })
+        .collect()
+}
+
+pub fn conntrack(dp: &mut EbpfDataplane) -> Vec<(CtKey, CtEntry)> {
+    let map = dp.ebpf_mut().map(map_names::CT).expect("ct map");
+    let ct = HashMap::<_, CtKey, CtEntry>::try_from(map).expect("ct is a hash map");
+    ct.iter().map(|e| e.expect("ct entry")).collect()
+}

@@ -1,0 +1,301 @@
+//! Packet tables: frames through the real TC program with BPF_PROG_TEST_RUN, maps written by
+//! the agent's own map writer, outputs dissected and checksums verified independently.
+
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddrV4},
+};
+
+use proxy_agent::{
+    dataplane::{ebpf::EbpfDataplane, Dataplane},
+    model::{Backend, Frontend, FrontendKey, ObjectKey, Protocol, ServicePortName},
+};
+use proxy_tests::{
+    packet::{self, dissect, tcp_frame, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
+    require,
+    testrun::{self, conntrack, counters, run, TC_ACT_OK, TC_ACT_REDIRECT},
+};
+
+fn sock(s: &str) -> SocketAddrV4 {
+    s.parse().unwrap()
+}
+
+const CLIENT: &str = "10.244.0.5:40000";
+const VIP: &str = "10.96.0.10:80";
+
+fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]) {
+    let v = sock(vip);
+    let key = FrontendKey { addr: *v.ip(), port: v.port(), protocol: proto };
+    let fe = Frontend {
+        name: ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: proto },
+        backends: backends
+            .iter()
+            .map(|b| {
+                let s = sock(b);
+                Backend { addr: *s.ip(), port: s.port(), terminating: false, local: false }
+            })
+            .collect(),
+        retained: vec![],
+        affinity_timeout: None,
+    };
+    dp.upsert(&key, &fe).expect("program frontend");
+}
+
+fn setup(test: &str) -> Option<EbpfDataplane> {
+    require::root(test).then(testrun::dataplane)
+}
+
+/// The frame must come out exactly as it went in.
+fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
+    let out = run(dp, frame);
+    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
+    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
+}
+
+#[test]
+fn tcp_syn_is_dnatted_with_valid_checksums() {
+    let Some(mut dp) = setup("tcp_syn_is_dnatted_with_valid_checksums") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let input = tcp_frame(sock(CLIENT), sock(VIP), SYN);
+    let out = run(&mut dp, &input);
+    assert_eq!(out.action, TC_ACT_OK);
+    let d = dissect(&out.frame);
+    assert_eq!(d.src_sock(), sock(CLIENT), "source must be untouched");
+    assert_eq!(d.dst_sock(), sock("10.244.1.2:8080"), "destination must be the backend");
+    assert!(d.ip_checksum_ok, "IPv4 header checksum");
+    assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum");
+    assert_eq!(out.frame.len(), input.len());
+    assert_eq!(counters(&mut dp).get("new_flow"), Some(&1));
+}
+
+#[test]
+fn new_flows_spread_over_every_backend_and_stick() {
+    let Some(mut dp) = setup("new_flows_spread_over_every_backend_and_stick") else { return };
+    let backends = ["10.244.1.2:8080", "10.244.1.3:8080", "10.244.1.4:8080"];
+    program(&mut dp, VIP, Protocol::Tcp, &backends);
+    let mut seen = BTreeSet::new();
+    for port in 20000..20300u16 {
+        let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), port);
+        let first = dissect(&run(&mut dp, &tcp_frame(client, sock(VIP), SYN)).frame).dst_sock();
+        let second = dissect(&run(&mut dp, &tcp_frame(client, sock(VIP), ACK)).frame).dst_sock();
+        assert_eq!(first, second, "packets of one flow must reach one backend");
+        seen.insert(first.to_string());
+    }
+    assert_eq!(seen, backends.iter().map(|s| s.to_string()).collect(), "300 flows must reach all 3 backends");
+    let c = counters(&mut dp);
+    assert_eq!((c["new_flow"], c["established"]), (300, 300));
+}
+
+#[test]
+fn udp_is_dnatted_and_a_zero_checksum_stays_zero() {
+    let Some(mut dp) = setup("udp_is_dnatted_and_a_zero_checksum_stays_zero") else { return };
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let d = dissect(&run(&mut dp, &udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"query")).frame);
+    assert_eq!(d.dst_sock(), sock("10.244.1.9:5353"));
+    assert_eq!(d.l4_checksum_ok, Some(true), "UDP checksum");
+    assert!(d.ip_checksum_ok);
+
+    let c2 = sock("10.244.0.5:40001");
+    let no_csum = Ipv4::new(*c2.ip(), Ipv4Addr::new(10, 96, 0, 53), UDP, packet::udp_datagram(c2, sock("10.96.0.53:53"), b"q", false)).frame();
+    let d = dissect(&run(&mut dp, &no_csum).frame);
+    assert_eq!(d.dport, Some(5353));
+    assert!(d.udp_checksum_zero, "a UDP datagram without checksum must keep checksum 0");
+}
+
+#[test]
+fn tcp_and_udp_on_one_port_are_separate_services() {
+    let Some(mut dp) = setup("tcp_and_udp_on_one_port_are_separate_services") else { return };
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    program(&mut dp, "10.96.0.53:53", Protocol::Tcp, &["10.244.1.9:5354"]);
+    let udp = dissect(&run(&mut dp, &udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"q")).frame);
+    let tcp = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock("10.96.0.53:53"), SYN)).frame);
+    assert_eq!((udp.dport, tcp.dport), (Some(5353), Some(5354)));
+}
+
+#[test]
+fn replies_get_the_service_address_back() {
+    let Some(mut dp) = setup("replies_get_the_service_address_back") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    let reply = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
+    let out = run(&mut dp, &reply);
+    assert_eq!(out.action, TC_ACT_OK);
+    let d = dissect(&out.frame);
+    assert_eq!(d.src_sock(), sock(VIP), "reply source must be the service address");
+    assert_eq!(d.dst_sock(), sock(CLIENT));
+    assert!(d.ip_checksum_ok);
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    assert_eq!(counters(&mut dp).get("reverse_nat"), Some(&1));
+    // Both directions are tracked, and the reply marked the connection established.
+    let ct = conntrack(&mut dp);
+    assert_eq!(ct.len(), 2, "one forward and one reply entry: {ct:?}");
+    assert!(ct.iter().all(|(_, e)| e.flags & proxy_common::ct::flags::SEEN_REPLY != 0), "{ct:?}");
+}
+
+#[test]
+fn udp_reply_comes_from_the_service_address() {
+    let Some(mut dp) = setup("udp_reply_comes_from_the_service_address") else { return };
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    run(&mut dp, &udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"query"));
+    let d = dissect(&run(&mut dp, &udp_frame(sock("10.244.1.9:5353"), sock(CLIENT), b"answer")).frame);
+    assert_eq!(d.src_sock(), sock("10.96.0.53:53"));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+}
+
+fn assert_port_unreachable(input: &[u8], out: &testrun::Output, vip: SocketAddrV4, client: SocketAddrV4) {
+    assert_eq!(out.action, TC_ACT_REDIRECT, "the reply must be sent back out the interface it came in on");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src, d.dst), (*vip.ip(), *client.ip()), "ICMP must come from the service address to the client");
+    assert_eq!((d.eth_src, d.eth_dst), (NODE_MAC, CLIENT_MAC), "MAC addresses must be swapped");
+    assert!(d.ip_checksum_ok, "IPv4 header checksum of the ICMP reply");
+    let icmp = d.icmp.expect("an ICMP message");
+    assert_eq!((icmp.kind, icmp.code), (3, 3), "destination unreachable / port unreachable");
+    assert!(icmp.checksum_ok, "ICMP checksum");
+    // RFC 792: the original IP header and the first 8 bytes of its payload.
+    let ihl = usize::from(input[14] & 0x0f) * 4;
+    assert_eq!(icmp.body, input[14..14 + ihl + 8].to_vec(), "quoted datagram");
+}
+
+#[test]
+fn a_service_without_endpoints_answers_port_unreachable() {
+    let Some(mut dp) = setup("a_service_without_endpoints_answers_port_unreachable") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &[]);
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &[]);
+    let syn = tcp_frame(sock(CLIENT), sock(VIP), SYN);
+    assert_port_unreachable(&syn, &run(&mut dp, &syn), sock(VIP), sock(CLIENT));
+    let q = udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"a query with some payload bytes");
+    assert_port_unreachable(&q, &run(&mut dp, &q), sock("10.96.0.53:53"), sock(CLIENT));
+    assert_eq!(counters(&mut dp).get("reject_no_endpoints"), Some(&2));
+}
+
+#[test]
+fn the_icmp_reply_quotes_ip_options() {
+    let Some(mut dp) = setup("the_icmp_reply_quotes_ip_options") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &[]);
+    let (c, v) = (sock(CLIENT), sock(VIP));
+    let mut ip = Ipv4::new(*c.ip(), *v.ip(), TCP, packet::tcp_segment(c, v, SYN, b""));
+    ip.options = vec![1, 1, 1, 0]; // NOP, NOP, NOP, EOL
+    let frame = ip.frame();
+    assert_port_unreachable(&frame, &run(&mut dp, &frame), v, c);
+}
+
+#[test]
+fn traffic_not_for_a_service_passes_untouched() {
+    let Some(mut dp) = setup("traffic_not_for_a_service_passes_untouched") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    assert_untouched(&mut dp, &tcp_frame(sock(CLIENT), sock("10.244.1.2:8080"), SYN), "pod to pod");
+    assert_untouched(&mut dp, &tcp_frame(sock(CLIENT), sock("10.96.0.10:81"), SYN), "service IP, other port");
+    assert_untouched(&mut dp, &udp_frame(sock(CLIENT), sock(VIP), b"x"), "service port, other protocol");
+    let icmp_echo = Ipv4::new(Ipv4Addr::new(10, 244, 0, 5), Ipv4Addr::new(10, 96, 0, 10), packet::ICMP, vec![8, 0, 0xf7, 0xff, 0, 0, 0, 0]).frame();
+    assert_untouched(&mut dp, &icmp_echo, "ping to a service address");
+    assert_eq!(counters(&mut dp).get("pass_not_service"), Some(&4));
+}
+
+#[test]
+fn odd_frames_pass_without_a_fault() {
+    let Some(mut dp) = setup("odd_frames_pass_without_a_fault") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let good = tcp_frame(sock(CLIENT), sock(VIP), SYN);
+
+    let mut arp = good[..14].to_vec();
+    arp[12..14].copy_from_slice(&[0x08, 0x06]);
+    arp.extend_from_slice(&[0u8; 28]);
+    assert_untouched(&mut dp, &arp, "ARP");
+
+    // The kernel's BPF_PROG_TEST_RUN refuses IPv4 frames shorter than an IPv4 header (since
+    // the 2026 syzbot fix), so a truncated IPv4 header cannot be fed in; the bounds checks
+    // after it are covered by the truncated TCP header and the IHL cases below.
+    let mut runt = good[..15].to_vec();
+    runt[12..14].copy_from_slice(&[0x88, 0xb5]); // local experimental ethertype
+    assert_untouched(&mut dp, &runt, "15-byte frame");
+    assert_untouched(&mut dp, &good[..14 + 20 + 10], "truncated TCP header");
+
+    let mut bad_ihl = good.clone();
+    bad_ihl[14] = 0x43;
+    assert_untouched(&mut dp, &bad_ihl, "IHL 3");
+    let mut long_ihl = good.clone();
+    long_ihl[14] = 0x4f; // claims 60 bytes of header in a 54-byte frame
+    assert_untouched(&mut dp, &long_ihl, "IHL beyond the frame");
+    let mut v6 = good.clone();
+    v6[14] = 0x65;
+    assert_untouched(&mut dp, &v6, "IP version 6 in an IPv4 ethertype");
+
+    let c = counters(&mut dp);
+    assert_eq!(c.get("pass_not_ipv4"), Some(&2));
+    assert_eq!(c.get("pass_malformed"), Some(&4), "{c:?}");
+    assert_eq!(c.get("new_flow"), None, "no malformed frame may be translated");
+}
+
+#[test]
+fn ip_options_are_honoured() {
+    let Some(mut dp) = setup("ip_options_are_honoured") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let (c, v) = (sock(CLIENT), sock(VIP));
+    let mut ip = Ipv4::new(*c.ip(), *v.ip(), TCP, packet::tcp_segment(c, v, SYN, b"payload"));
+    ip.options = vec![0x94, 0x04, 0, 0]; // Router Alert
+    let d = dissect(&run(&mut dp, &ip.frame()).frame);
+    assert_eq!(d.ihl_bytes, 24);
+    assert_eq!(d.dst_sock(), sock("10.244.1.2:8080"), "ports read after the options");
+    assert!(d.ip_checksum_ok);
+    assert_eq!(d.l4_checksum_ok, Some(true));
+}
+
+#[test]
+fn fragments_follow_their_first_fragment() {
+    let Some(mut dp) = setup("fragments_follow_their_first_fragment") else { return };
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let (c, v) = (sock(CLIENT), sock("10.96.0.53:53"));
+    let payload: Vec<u8> = (0..64u8).collect();
+    let whole = packet::udp_datagram(c, v, &payload, true); // 72 bytes of L4
+    let mut first = Ipv4::new(*c.ip(), *v.ip(), UDP, whole[..32].to_vec());
+    first.frag = 0x2000; // MF, offset 0
+    let mut last = Ipv4::new(*c.ip(), *v.ip(), UDP, whole[32..].to_vec());
+    last.frag = 32 / 8; // offset 32 bytes, no MF
+
+    let f1 = run(&mut dp, &first.frame());
+    let d1 = dissect(&f1.frame);
+    assert_eq!(d1.dst_sock(), sock("10.244.1.9:5353"));
+    assert!(d1.ip_checksum_ok);
+    let f2 = run(&mut dp, &last.frame());
+    let d2 = dissect(&f2.frame);
+    assert_eq!(d2.dst, Ipv4Addr::new(10, 244, 1, 9), "the later fragment goes to the same backend");
+    assert!(d2.ip_checksum_ok);
+    // Reassembled, the datagram's UDP checksum must be right for the new destination.
+    let mut l4 = f1.frame[14 + 20..].to_vec();
+    l4.extend_from_slice(&f2.frame[14 + 20..]);
+    assert!(packet::l4_checksum_ok_over(d1.src, d1.dst, UDP, &l4), "reassembled UDP checksum");
+    assert_eq!(counters(&mut dp).get("fragment_nat"), Some(&1));
+
+    // A later fragment of a datagram whose first fragment was never seen is not ours to touch.
+    let mut stray = last.clone();
+    stray.id = 0x9999;
+    assert_untouched(&mut dp, &stray.frame(), "fragment of an unknown datagram");
+    assert_eq!(counters(&mut dp).get("pass_fragment_unknown"), Some(&1));
+}
+
+#[test]
+fn a_flow_whose_backend_is_removed_moves_to_a_live_one() {
+    let Some(mut dp) = setup("a_flow_whose_backend_is_removed_moves_to_a_live_one") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.3:8080"]);
+    let d = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame);
+    assert_eq!(d.dst_sock(), sock("10.244.1.3:8080"), "the flow must move to the remaining backend");
+    assert_eq!(counters(&mut dp).get("reselected"), Some(&1));
+    // The new backend's reset reaches the client as coming from the service.
+    let rst = dissect(&run(&mut dp, &tcp_frame(sock("10.244.1.3:8080"), sock(CLIENT), packet::RST)).frame);
+    assert_eq!(rst.src_sock(), sock(VIP));
+}
+
+#[test]
+fn a_closed_tuple_reused_by_a_new_syn_is_balanced_afresh() {
+    let Some(mut dp) = setup("a_closed_tuple_reused_by_a_new_syn_is_balanced_afresh") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080", "10.244.1.3:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    let b = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame).dst_sock();
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), FIN | ACK));
+    run(&mut dp, &tcp_frame(b, sock(CLIENT), FIN | ACK));
+    let before = counters(&mut dp)["new_flow"];
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    assert_eq!(counters(&mut dp)["new_flow"], before + 1, "a SYN on a closed tuple is a new flow");
+}
