@@ -2,6 +2,12 @@
 //! this node's frontends, the reconciler diffs desired against applied, and a dataplane programs
 //! the kernel.
 
-pub mod model;
+pub mod agent;
 pub mod bpffs;
+pub mod cli;
 pub mod dataplane;
+pub mod inspect;
+pub mod model;
+pub mod netlink;
+pub mod reconcile;
+pub mod source;

@@ -1,4 +1,3 @@
-fn main() {
-    let obj = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy"));
-    println!("{}", obj.len());
+fn main() -> std::process::ExitCode {
+    proxy_agent::cli::main()
 }

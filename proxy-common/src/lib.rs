@@ -33,6 +33,7 @@ pub mod map_names {
 /// Program names (ELF symbols) and the file names they are pinned under in `<bpffs-root>/progs/`.
 pub mod prog_names {
     pub const TC_INGRESS: &str = "proxy_tc_ingress";
+    pub const TC_EGRESS: &str = "proxy_tc_egress";
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -243,26 +244,28 @@ macro_rules! reasons {
 }
 
 reasons! {
-    /// A new flow to a service: backend chosen, flow tracked, destination rewritten.
+    /// Ingress: a new flow to a service: backend chosen, flow tracked, destination rewritten.
     NewFlow = 0 => "new_flow",
-    /// A packet of a tracked flow, destination rewritten.
+    /// Ingress: a packet of a tracked flow, destination rewritten.
     Established = 1 => "established",
-    /// A tracked flow whose backend was removed, sent to a live backend instead.
+    /// Ingress: a tracked flow whose backend was removed, sent to a live backend instead.
     Reselected = 2 => "reselected",
-    /// A reply from a backend, source restored to the service address.
+    /// Egress: a reply leaving towards its client, source restored to the service address.
     ReverseNat = 3 => "reverse_nat",
-    /// A non-first fragment of a translated datagram, translated like its first fragment.
+    /// Ingress: a non-first fragment of a translated datagram, translated like its first.
     FragmentNat = 4 => "fragment_nat",
-    /// Not addressed to a service, not a reply: left untouched.
+    /// Ingress: not addressed to a service, not part of a tracked flow: left untouched.
     PassNotService = 5 => "pass_not_service",
     /// Not IPv4: left untouched.
     PassNotIpv4 = 6 => "pass_not_ipv4",
     /// A frame too short or an IPv4 header that is invalid (IHL < 5, truncated L4 header):
     /// left untouched for the kernel, which drops it.
     PassMalformed = 7 => "pass_malformed",
-    /// A service with no endpoints: answered with ICMP port unreachable, as kube-proxy REJECTs.
+    /// Ingress: a service with no endpoints: answered with ICMP port unreachable, as
+    /// kube-proxy REJECTs.
     RejectNoEndpoints = 8 => "reject_no_endpoints",
-    /// A service with no endpoints, for a packet that cannot be answered (a later fragment).
+    /// Ingress: a service with no endpoints, for a packet that cannot be answered (a later
+    /// fragment).
     DropNoEndpoints = 9 => "drop_no_endpoints",
     /// A later fragment whose first fragment was not translated here (not ours, or it arrived
     /// before its first fragment): its ports are unknown, so it is left untouched.
@@ -275,6 +278,14 @@ reasons! {
     DropRejectFailed = 13 => "drop_reject_failed",
     /// A slot named a backend id that is not in the backends map.
     DropBackendMissing = 14 => "drop_backend_missing",
+    /// Ingress: a reply of a tracked flow, coming from its backend. The kernel routes it as
+    /// is (so netfilter sees a plain pod-to-pod connection); egress translates it.
+    ReplyIngress = 15 => "reply_ingress",
+    /// Egress: leaving towards a pod, not a reply of a translated flow: untouched.
+    EgressPass = 16 => "egress_pass",
+    /// Egress: an ICMP error about a translated flow, rewritten to name the service address
+    /// so the client's socket sees it (what nf_nat does for RELATED packets).
+    IcmpErrorNat = 17 => "icmp_error_nat",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.

@@ -1,16 +1,22 @@
-//! ICMP port unreachable for services without endpoints: what kube-proxy's REJECT rule sends,
-//! so clients fail at once ("connection refused") instead of timing out.
+//! ICMP: port unreachable for services without endpoints (what kube-proxy's REJECT rule sends,
+//! so clients fail at once with "connection refused" instead of timing out), and ICMP errors
+//! about translated flows rewritten on their way to the client, as nf_nat does for RELATED
+//! packets: a UDP client then sees ECONNREFUSED when the backend has no listener, and TCP path
+//! MTU discovery works through a service.
 
 use aya_ebpf::{
-    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, TC_ACT_REDIRECT},
+    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_F_MARK_MANGLED_0, TC_ACT_REDIRECT},
     helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
 };
-use proxy_common::{csum, Reason, IPPROTO_ICMP};
+use network_types::ip::Ipv4Hdr;
+use proxy_common::{csum, ct::flags, CtKey, Reason, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     lb::Verdict,
-    parse::{Packet, ETH_LEN, IP_OFF},
+    maps::CT4_V1,
+    parse::{ptr_at, Packet, ETH_LEN, IP_OFF},
+    revnat::revnat_of,
 };
 
 const IP_HDR_LEN: usize = 20;
@@ -19,6 +25,10 @@ const ICMP_HDR_LEN: usize = 8;
 const QUOTE_MAX: usize = 60 + 8;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETERPROB: u8 = 12;
+const IP_CSUM_OFF: usize = IP_OFF + 10;
+const IP_SRC_OFF: usize = IP_OFF + 12;
 
 /// Turns the packet into an ICMP port unreachable from the service address back to the sender,
 /// and sends it out the interface it came in on.
@@ -91,4 +101,83 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
         return Err(Reason::DropRejectFailed);
     }
     Ok(Verdict { action, reason: Reason::RejectNoEndpoints })
+}
+
+/// Rewrites an ICMP error leaving towards a client about a packet that client sent to a service:
+/// the quoted packet went client -> backend, the client knows it as client -> service. The
+/// quoted destination (address, port, and the quoted checksums) becomes the service's, and when
+/// the backend itself sent the error, so does the outer source.
+#[inline(always)]
+pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> Result<Verdict, Reason> {
+    let Some(hdr) = ptr_at::<[u8; 4]>(ctx, l4_off) else {
+        return Ok(Verdict::pass(Reason::PassMalformed));
+    };
+    // SAFETY: bounds checked by ptr_at.
+    let kind = unsafe { (*hdr)[0] };
+    if kind != ICMP_DEST_UNREACH && kind != ICMP_TIME_EXCEEDED && kind != ICMP_PARAMETERPROB {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
+    let inner_off = l4_off + ICMP_HDR_LEN;
+    let Some(inner) = ptr_at::<Ipv4Hdr>(ctx, inner_off) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    // SAFETY: bounds checked by ptr_at; copied before any rewrite invalidates the pointer.
+    let inner = unsafe { *inner };
+    let inner_ihl = usize::from(inner.vihl & 0x0f) * 4;
+    if inner_ihl < IP_HDR_LEN || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
+    let inner_l4 = inner_off + inner_ihl;
+    let Some(l4) = ptr_at::<[u8; 8]>(ctx, inner_l4) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    // SAFETY: bounds checked by ptr_at.
+    let l4 = unsafe { *l4 };
+    let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
+    let reply_key = CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: [0; 3] };
+    // SAFETY: the value is copied out at once.
+    let Some(entry) = CT4_V1.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    if entry.flags & flags::REPLY == 0 {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
+    let Some(rn) = revnat_of(&entry) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    let fail = |_| Reason::DropRewrite;
+    let icmp_csum = l4_off + 2;
+    let word4 = |b: [u8; 4]| u64::from(u32::from_ne_bytes(b));
+    let word2 = |b: [u8; 2]| u64::from(u16::from_ne_bytes(b));
+
+    // Quoted destination address, and the quoted IP header checksum that covers it. Every
+    // quoted byte that changes is also folded into the ICMP checksum.
+    ctx.store(inner_off + 16, &rn.addr, 0).map_err(fail)?;
+    ctx.l4_csum_replace(icmp_csum, word4(inner.dst_addr), word4(rn.addr), 4).map_err(fail)?;
+    ctx.l3_csum_replace(inner_off + 10, word4(inner.dst_addr), word4(rn.addr), 4).map_err(fail)?;
+    let new_check: [u8; 2] = ctx.load(inner_off + 10).map_err(fail)?;
+    ctx.l4_csum_replace(icmp_csum, word2(inner.check), word2(new_check), 2).map_err(fail)?;
+
+    // Quoted destination port.
+    ctx.store(inner_l4 + 2, &rn.port, 0).map_err(fail)?;
+    ctx.l4_csum_replace(icmp_csum, word2(dport), word2(rn.port), 2).map_err(fail)?;
+
+    // The quoted UDP checksum (inside the 8 quoted bytes; TCP's is not) follows the new
+    // destination, as nf_nat keeps it.
+    if inner.proto == IPPROTO_UDP && (l4[6] != 0 || l4[7] != 0) {
+        let mangled = u64::from(BPF_F_MARK_MANGLED_0);
+        let udp_csum = inner_l4 + 6;
+        ctx.l4_csum_replace(udp_csum, word4(inner.dst_addr), word4(rn.addr), mangled | 4).map_err(fail)?;
+        ctx.l4_csum_replace(udp_csum, word2(dport), word2(rn.port), mangled | 2).map_err(fail)?;
+        let new_udp: [u8; 2] = ctx.load(udp_csum).map_err(fail)?;
+        ctx.l4_csum_replace(icmp_csum, word2([l4[6], l4[7]]), word2(new_udp), 2).map_err(fail)?;
+    }
+
+    // Sent by the backend itself: it must appear to come from the service. ICMP has no
+    // pseudo-header, so only the IP header checksum changes.
+    if outer_saddr == inner.dst_addr {
+        ctx.store(IP_SRC_OFF, &rn.addr, 0).map_err(fail)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, word4(outer_saddr), word4(rn.addr), 4).map_err(fail)?;
+    }
+    Ok(Verdict::pass(Reason::IcmpErrorNat))
 }

@@ -1,5 +1,9 @@
-//! Service load balancing on TC ingress: conntrack first (one lookup serves tracked flows in both
-//! directions), then the service map for new flows.
+//! Service load balancing on TC ingress of pod-facing interfaces: conntrack first (one lookup
+//! finds tracked flows in either direction), then the service map for new flows. Replies are
+//! left alone here and translated on egress, after the kernel has routed them, so that
+//! netfilter on the node sees an ordinary client <-> backend connection, as it does with
+//! kube-proxy's DNAT; translating them here would show conntrack two half-connections that any
+//! `ctstate INVALID` drop rule discards.
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
@@ -10,7 +14,7 @@ use proxy_common::{
 
 use crate::{
     ct, frag, icmp,
-    maps::{LB4_BACKENDS_V1, LB4_FLOWS_V1, LB4_REVNAT_V1, LB4_SERVICES_V1, CT4_V1},
+    maps::{LB4_BACKENDS_V1, LB4_FLOWS_V1, LB4_SERVICES_V1, CT4_V1},
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed},
 };
@@ -22,7 +26,7 @@ pub struct Verdict {
 
 impl Verdict {
     #[inline(always)]
-    const fn pass(reason: Reason) -> Self {
+    pub const fn pass(reason: Reason) -> Self {
         Self { action: TC_ACT_OK, reason }
     }
 }
@@ -32,7 +36,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let mut pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::OtherProto => return Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Icmp { .. } | Parsed::OtherProto => return Ok(Verdict::pass(Reason::PassNotService)),
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
@@ -43,9 +47,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         // SAFETY: live map value; CtEntry is plain data.
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
-            if let Some(v) = reply(ctx, &pkt, e, &entry, now)? {
-                return Ok(v);
-            }
+            return Ok(Verdict::pass(Reason::ReplyIngress));
         } else if !ct::forward_stale(&pkt, &entry, now) {
             return established(ctx, &pkt, e, &entry, now);
         }
@@ -92,27 +94,6 @@ fn established(
     nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
     Ok(Verdict::pass(reason))
-}
-
-/// A reply from a backend: restore the service address as its source. `None` when the service
-/// is gone, so the packet is looked at as if untracked.
-#[inline(always)]
-fn reply(
-    ctx: &TcContext,
-    pkt: &Packet,
-    e: *mut CtEntry,
-    entry: &CtEntry,
-    now: u64,
-) -> Result<Option<Verdict>, Reason> {
-    // SAFETY: the value is copied out at once.
-    let Some(rn) = LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p }) else {
-        return Ok(None);
-    };
-    ct::touch_reply(pkt, e, &ct::forward_key_of_reply(pkt, rn.addr, rn.port), now);
-    frag::remember(pkt);
-    nat::rewrite(ctx, pkt, Side::Src, rn.addr, rn.port)?;
-    let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
-    Ok(Some(Verdict::pass(reason)))
 }
 
 /// A flow without a usable conntrack entry: pick a backend, track, translate.

@@ -10,20 +10,33 @@ mod lb;
 mod maps;
 mod nat;
 mod parse;
+mod revnat;
 mod stats;
 
 use aya_ebpf::{bindings::TC_ACT_SHOT, macros::classifier, programs::TcContext};
+use proxy_common::Reason;
 
-/// TC ingress on pod-facing interfaces: ClusterIP DNAT for new and tracked flows, reverse NAT
-/// for replies, ICMP reject for services without endpoints.
-#[classifier]
-pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
-    let (action, reason) = match lb::try_tc_ingress(&ctx) {
+#[inline(always)]
+fn finish(ctx: &TcContext, verdict: Result<lb::Verdict, Reason>) -> i32 {
+    let (action, reason) = match verdict {
         Ok(v) => (v.action, v.reason),
         Err(reason) => (TC_ACT_SHOT, reason),
     };
     stats::count(reason, ctx.len());
     action
+}
+
+/// TC ingress on pod-facing interfaces: ClusterIP DNAT for new and tracked flows, ICMP reject
+/// for services without endpoints.
+#[classifier]
+pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
+    finish(&ctx, lb::try_tc_ingress(&ctx))
+}
+
+/// TC egress on pod-facing interfaces: reverse NAT of replies, ICMP errors made recognisable.
+#[classifier]
+pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
+    finish(&ctx, revnat::try_tc_egress(&ctx))
 }
 
 #[cfg(not(test))]

@@ -10,7 +10,7 @@ use network_types::{
     tcp::TcpHdr,
     udp::UdpHdr,
 };
-use proxy_common::{IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_LEN: usize = size_of::<EthHdr>();
 pub const IP_OFF: usize = ETH_LEN;
@@ -76,6 +76,8 @@ impl Packet {
 
 pub enum Parsed {
     Packet(Packet),
+    /// An ICMP message; `l4_off` is the offset of its header.
+    Icmp { l4_off: usize, saddr: [u8; 4] },
     NotIpv4,
     /// IPv4, but not a protocol services use.
     OtherProto,
@@ -110,10 +112,13 @@ pub fn ipv4(ctx: &TcContext) -> Parsed {
         return Parsed::Malformed;
     }
     let proto = ip.proto;
+    let frags = u16::from_be_bytes(ip.frags);
+    if proto == IPPROTO_ICMP && frags & IP_OFFSET_MASK == 0 {
+        return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr: ip.src_addr };
+    }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Parsed::OtherProto;
     }
-    let frags = u16::from_be_bytes(ip.frags);
     let frag = if frags & IP_OFFSET_MASK != 0 {
         Frag::Later
     } else if frags & IP_MF != 0 {

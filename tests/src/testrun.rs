@@ -24,11 +24,33 @@ pub fn dataplane() -> EbpfDataplane {
     EbpfDataplane::load(LoadOptions::default()).expect("load the eBPF dataplane (are you root?)")
 }
 
+/// Which program a frame goes through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    /// Arriving from a pod: DNAT.
+    Ingress,
+    /// Leaving towards a pod: reverse NAT.
+    Egress,
+}
+
+/// Runs a frame arriving from a pod through the ingress program.
 pub fn run(dp: &mut EbpfDataplane, frame: &[u8]) -> Output {
+    run_at(dp, Hook::Ingress, frame)
+}
+
+/// Runs a frame leaving towards a pod through the egress program.
+pub fn run_egress(dp: &mut EbpfDataplane, frame: &[u8]) -> Output {
+    run_at(dp, Hook::Egress, frame)
+}
+
+pub fn run_at(dp: &mut EbpfDataplane, hook: Hook, frame: &[u8]) -> Output {
     let mut out = vec![0u8; frame.len() + 512];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
-    let res = dp
-        .program()
+    let prog = match hook {
+        Hook::Ingress => dp.ingress_program(),
+        Hook::Egress => dp.egress_program(),
+    };
+    let res = prog
         .test_run(opts)
         .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN with a {}-byte frame: {e:?}", frame.len()));
     out.truncate(res.data_size_out as usize);

@@ -13,7 +13,7 @@ use proxy_agent::{
 use proxy_tests::{
     packet::{self, dissect, tcp_frame, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
     require,
-    testrun::{self, conntrack, counters, run, TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{self, conntrack, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT},
 };
 
 fn sock(s: &str) -> SocketAddrV4 {
@@ -113,19 +113,22 @@ fn tcp_and_udp_on_one_port_are_separate_services() {
 }
 
 #[test]
-fn replies_get_the_service_address_back() {
-    let Some(mut dp) = setup("replies_get_the_service_address_back") else { return };
+fn replies_get_the_service_address_back_on_egress() {
+    let Some(mut dp) = setup("replies_get_the_service_address_back_on_egress") else { return };
     program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
     let reply = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
-    let out = run(&mut dp, &reply);
+    // Entering from the backend it is left alone, so netfilter routes a plain pod-to-pod reply.
+    assert_untouched(&mut dp, &reply, "reply on ingress");
+    let out = run_egress(&mut dp, &reply);
     assert_eq!(out.action, TC_ACT_OK);
     let d = dissect(&out.frame);
     assert_eq!(d.src_sock(), sock(VIP), "reply source must be the service address");
     assert_eq!(d.dst_sock(), sock(CLIENT));
     assert!(d.ip_checksum_ok);
     assert_eq!(d.l4_checksum_ok, Some(true));
-    assert_eq!(counters(&mut dp).get("reverse_nat"), Some(&1));
+    let c = counters(&mut dp);
+    assert_eq!((c.get("reply_ingress"), c.get("reverse_nat")), (Some(&1), Some(&1)), "{c:?}");
     // Both directions are tracked, and the reply marked the connection established.
     let ct = conntrack(&mut dp);
     assert_eq!(ct.len(), 2, "one forward and one reply entry: {ct:?}");
@@ -133,13 +136,70 @@ fn replies_get_the_service_address_back() {
 }
 
 #[test]
+fn egress_leaves_other_traffic_alone() {
+    let Some(mut dp) = setup("egress_leaves_other_traffic_alone") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    let other = tcp_frame(sock("10.244.1.2:8080"), sock("10.244.0.6:40000"), SYN | ACK);
+    let out = run_egress(&mut dp, &other);
+    assert_eq!((out.action, out.frame == other), (TC_ACT_OK, true), "a packet that is no reply of ours");
+    assert_eq!(counters(&mut dp).get("egress_pass"), Some(&1));
+}
+
+#[test]
 fn udp_reply_comes_from_the_service_address() {
     let Some(mut dp) = setup("udp_reply_comes_from_the_service_address") else { return };
     program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
     run(&mut dp, &udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"query"));
-    let d = dissect(&run(&mut dp, &udp_frame(sock("10.244.1.9:5353"), sock(CLIENT), b"answer")).frame);
+    let d = dissect(&run_egress(&mut dp, &udp_frame(sock("10.244.1.9:5353"), sock(CLIENT), b"answer")).frame);
     assert_eq!(d.src_sock(), sock("10.96.0.53:53"));
     assert_eq!(d.l4_checksum_ok, Some(true));
+}
+
+/// An ICMP error from `from` to the client, quoting `quoted` (a whole IPv4 packet).
+fn icmp_error(from: Ipv4Addr, to: Ipv4Addr, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
+    let mut body = vec![kind, code, 0, 0, 0, 0, 0, 0];
+    body.extend_from_slice(quoted);
+    let c = packet::internet_checksum(&body);
+    body[2..4].copy_from_slice(&c.to_be_bytes());
+    Ipv4::new(from, to, packet::ICMP, body).frame()
+}
+
+#[test]
+fn icmp_errors_about_translated_flows_name_the_service() {
+    let Some(mut dp) = setup("icmp_errors_about_translated_flows_name_the_service") else { return };
+    let (client, vip, backend) = (sock(CLIENT), sock("10.96.0.53:53"), sock("10.244.1.9:5353"));
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let out = run(&mut dp, &udp_frame(client, vip, b"query"));
+    let sent = out.frame[14..].to_vec(); // the datagram as the backend received it
+
+    // The backend has no listener: port unreachable from the backend itself.
+    let err = icmp_error(*backend.ip(), *client.ip(), 3, 3, &sent);
+    let d = dissect(&run_egress(&mut dp, &err).frame);
+    assert_eq!((d.src, d.dst), (*vip.ip(), *client.ip()), "outer source becomes the service address");
+    assert!(d.ip_checksum_ok, "outer IP checksum");
+    let icmp = d.icmp.expect("still ICMP");
+    assert_eq!((icmp.kind, icmp.code), (3, 3));
+    assert!(icmp.checksum_ok, "ICMP checksum after rewriting the quote");
+    let mut inner_frame = vec![0u8; 12];
+    inner_frame.extend_from_slice(&[0x08, 0x00]);
+    inner_frame.extend_from_slice(&icmp.body);
+    let inner = dissect(&inner_frame);
+    assert_eq!((inner.src_sock(), inner.dst_sock()), (client, vip), "the quote must show what the client sent");
+    assert!(inner.ip_checksum_ok, "quoted IP checksum");
+    assert_eq!(inner.l4_checksum_ok, Some(true), "quoted UDP checksum");
+
+    // From a router on the way (say, fragmentation needed): only the quote changes.
+    let err = icmp_error(Ipv4Addr::new(10, 244, 255, 1), *client.ip(), 3, 4, &sent);
+    let d = dissect(&run_egress(&mut dp, &err).frame);
+    assert_eq!(d.src, Ipv4Addr::new(10, 244, 255, 1));
+    assert!(d.icmp.unwrap().checksum_ok);
+
+    // About a flow that is not ours: untouched.
+    let unrelated = udp_frame(client, sock("10.244.1.7:9999"), b"x")[14..].to_vec();
+    let err = icmp_error(Ipv4Addr::new(10, 244, 1, 7), *client.ip(), 3, 3, &unrelated);
+    assert_eq!(run_egress(&mut dp, &err).frame, err);
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&2));
 }
 
 fn assert_port_unreachable(input: &[u8], out: &testrun::Output, vip: SocketAddrV4, client: SocketAddrV4) {
@@ -283,7 +343,7 @@ fn a_flow_whose_backend_is_removed_moves_to_a_live_one() {
     assert_eq!(d.dst_sock(), sock("10.244.1.3:8080"), "the flow must move to the remaining backend");
     assert_eq!(counters(&mut dp).get("reselected"), Some(&1));
     // The new backend's reset reaches the client as coming from the service.
-    let rst = dissect(&run(&mut dp, &tcp_frame(sock("10.244.1.3:8080"), sock(CLIENT), packet::RST)).frame);
+    let rst = dissect(&run_egress(&mut dp, &tcp_frame(sock("10.244.1.3:8080"), sock(CLIENT), packet::RST)).frame);
     assert_eq!(rst.src_sock(), sock(VIP));
 }
 
@@ -294,7 +354,7 @@ fn a_closed_tuple_reused_by_a_new_syn_is_balanced_afresh() {
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
     let b = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame).dst_sock();
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), FIN | ACK));
-    run(&mut dp, &tcp_frame(b, sock(CLIENT), FIN | ACK));
+    run_egress(&mut dp, &tcp_frame(b, sock(CLIENT), FIN | ACK));
     let before = counters(&mut dp)["new_flow"];
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
     assert_eq!(counters(&mut dp)["new_flow"], before + 1, "a SYN on a closed tuple is a new flow");

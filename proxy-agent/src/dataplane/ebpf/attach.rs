@@ -1,6 +1,7 @@
-//! Attaching the TC ingress program to interfaces with tcx links, pinned so traffic keeps
-//! flowing while the agent is stopped or restarting. A restarted agent swaps its freshly loaded
-//! program into the existing links atomically (BPF_LINK_UPDATE), so no packet goes unhandled.
+//! Attaching the TC programs to pod interfaces with tcx links (ingress: DNAT, egress: reverse
+//! NAT), pinned so traffic keeps flowing while the agent is stopped or restarting. A restarted
+//! agent swaps its freshly loaded programs into the existing links atomically
+//! (BPF_LINK_UPDATE), so no packet goes unhandled.
 
 use std::{
     collections::BTreeMap,
@@ -8,13 +9,17 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::programs::{
-    links::{FdLink, PinnedLink},
-    tc::{SchedClassifierLink, TcAttachOptions, TcAttachType},
-    LinkOrder, SchedClassifier,
+use aya::{
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, TcAttachOptions, TcAttachType},
+        LinkOrder, SchedClassifier,
+    },
+    Ebpf,
 };
+use proxy_common::prog_names;
 
-use super::loader::links_dir;
+use super::loader::{classifier, links_dir};
 
 /// Glob patterns for pod-facing interface names.
 #[derive(Clone, Debug)]
@@ -33,93 +38,70 @@ impl DevicePatterns {
     }
 }
 
-/// Where the link of interface `ifindex` is pinned. Keyed by index, which a renamed interface
-/// keeps.
-fn pin_path(root: &Path, ifindex: u32) -> PathBuf {
-    links_dir(root).join(format!("tc_ingress_{ifindex}"))
+/// The hooks every pod interface gets: (attach point, program, pin file prefix).
+const HOOKS: [(TcAttachType, &str, &str); 2] = [
+    (TcAttachType::Ingress, prog_names::TC_INGRESS, "tc_ingress_"),
+    (TcAttachType::Egress, prog_names::TC_EGRESS, "tc_egress_"),
+];
+
+/// Where a hook's link of interface `ifindex` is pinned. Keyed by index, which a renamed
+/// interface keeps.
+fn pin_path(root: &Path, prefix: &str, ifindex: u32) -> PathBuf {
+    links_dir(root).join(format!("{prefix}{ifindex}"))
+}
+
+/// The interface index a link pin file is for.
+pub fn pin_ifindex(file_name: &str) -> Option<u32> {
+    HOOKS.iter().find_map(|(_, _, prefix)| file_name.strip_prefix(prefix)).and_then(|n| n.parse().ok())
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    #[error("attaching to {ifname} (index {ifindex}): {source}")]
+    #[error("attaching {program} to {ifname} (index {ifindex}): {source}")]
     Attach {
+        program: &'static str,
         ifname: String,
         ifindex: u32,
         #[source]
         source: aya::programs::ProgramError,
     },
-    #[error("pinning the link of {ifname}: {detail}")]
-    Pin { ifname: String, detail: String },
+    #[error("pinning the {program} link of {ifname}: {detail}")]
+    Pin { program: &'static str, ifname: String, detail: String },
 }
 
-/// Interfaces the program is attached to: index -> name.
+/// Interfaces the programs are attached to: index -> name.
 #[derive(Default)]
 pub struct Attachments {
     pub interfaces: BTreeMap<u32, String>,
     /// Link handles of this process. Pinned links stay attached without them; unpinned ones
     /// (no --bpffs-root) detach when these drop.
-    links: BTreeMap<u32, FdLink>,
+    links: BTreeMap<(u32, &'static str), FdLink>,
 }
 
 impl Attachments {
-    /// Attaches to `ifname`, taking over a link pinned by a previous run when there is one.
-    pub fn attach(
-        &mut self,
-        prog: &mut SchedClassifier,
-        root: Option<&Path>,
-        ifindex: u32,
-        ifname: &str,
-    ) -> Result<(), AttachError> {
+    /// Attaches both hooks to `ifname`, taking over links pinned by a previous run.
+    pub fn attach(&mut self, ebpf: &mut Ebpf, root: Option<&Path>, ifindex: u32, ifname: &str) -> Result<(), AttachError> {
         if self.interfaces.contains_key(&ifindex) {
             return Ok(());
         }
-        let attach_err = |source| AttachError::Attach { ifname: ifname.into(), ifindex, source };
-        if let Some(root) = root {
-            let pin = pin_path(root, ifindex);
-            if pin.exists() {
-                match adopt(prog, &pin) {
-                    Ok(link) => {
-                        tracing::info!(interface = ifname, ifindex, "took over pinned link; program replaced atomically");
-                        self.interfaces.insert(ifindex, ifname.into());
-                        self.links.insert(ifindex, link);
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        // The interface it was for is gone (the index was reused) or the pin is
-                        // not a tcx link: start afresh.
-                        tracing::info!(interface = ifname, ifindex, reason = %e, "dropping stale pinned link");
-                        let _ = fs::remove_file(&pin);
-                    }
-                }
-            }
+        for (hook, program, prefix) in HOOKS {
+            let prog = classifier(ebpf, program);
+            let link = attach_one(prog, hook, program, root.map(|r| pin_path(r, prefix, ifindex)), ifindex, ifname)?;
+            self.links.insert((ifindex, program), link);
         }
-        let id = prog
-            .attach_with_options(ifname, TcAttachType::Ingress, TcAttachOptions::TcxOrder(LinkOrder::first()))
-            .map_err(attach_err)?;
-        let link = prog.take_link(id).map_err(attach_err)?;
-        let fd_link = FdLink::try_from(link)
-            .map_err(|e| AttachError::Pin { ifname: ifname.into(), detail: e.to_string() })?;
-        let fd_link = match root {
-            Some(root) => {
-                let pinned = fd_link
-                    .pin(pin_path(root, ifindex))
-                    .map_err(|e| AttachError::Pin { ifname: ifname.into(), detail: e.to_string() })?;
-                FdLink::from(pinned)
-            }
-            None => fd_link,
-        };
-        tracing::info!(interface = ifname, ifindex, "attached tc ingress (tcx)");
+        tracing::info!(interface = ifname, ifindex, "attached tc ingress and egress (tcx)");
         self.interfaces.insert(ifindex, ifname.into());
-        self.links.insert(ifindex, fd_link);
         Ok(())
     }
 
-    /// Forgets an interface that went away and removes its pin (the kernel already detached
-    /// the link when the device was unregistered).
+    /// Forgets an interface that went away and removes its pins (the kernel already detached
+    /// the links when the device was unregistered).
     pub fn forget(&mut self, root: Option<&Path>, ifindex: u32) -> Option<String> {
-        self.links.remove(&ifindex);
-        if let Some(root) = root {
-            let _ = fs::remove_file(pin_path(root, ifindex));
+        for (_, program, prefix) in HOOKS {
+            self.links.remove(&(ifindex, program));
+            if let Some(root) = root {
+                let _ = fs::remove_file(pin_path(root, prefix, ifindex));
+            }
         }
         self.interfaces.remove(&ifindex)
     }
@@ -128,16 +110,46 @@ impl Attachments {
     pub fn prune_pins(root: &Path, live: &BTreeMap<u32, String>) {
         let Ok(dir) = fs::read_dir(links_dir(root)) else { return };
         for entry in dir.flatten() {
-            let name = entry.file_name();
-            let Some(idx) = name.to_str().and_then(|n| n.strip_prefix("tc_ingress_")).and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
+            let Some(idx) = entry.file_name().to_str().and_then(pin_ifindex) else { continue };
             if !live.contains_key(&idx) {
                 tracing::info!(ifindex = idx, "removing the pinned link of a vanished interface");
                 let _ = fs::remove_file(entry.path());
             }
         }
+    }
+}
+
+fn attach_one(
+    prog: &mut SchedClassifier,
+    hook: TcAttachType,
+    program: &'static str,
+    pin: Option<PathBuf>,
+    ifindex: u32,
+    ifname: &str,
+) -> Result<FdLink, AttachError> {
+    let attach_err = |source| AttachError::Attach { program, ifname: ifname.into(), ifindex, source };
+    let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
+    if let Some(pin) = pin.as_deref().filter(|p| p.exists()) {
+        match adopt(prog, pin) {
+            Ok(link) => {
+                tracing::debug!(interface = ifname, program, "took over pinned link; program replaced atomically");
+                return Ok(link);
+            }
+            Err(e) => {
+                // The interface it was made for is gone (its index was reused) or the pin is
+                // not a tcx link: start afresh.
+                tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
+                let _ = fs::remove_file(pin);
+            }
+        }
+    }
+    // First in the tcx chain: services must be translated before other programs look at
+    // addresses.
+    let id = prog.attach_with_options(ifname, hook, TcAttachOptions::TcxOrder(LinkOrder::first())).map_err(attach_err)?;
+    let link = FdLink::try_from(prog.take_link(id).map_err(attach_err)?).map_err(|e| pin_err(e.to_string()))?;
+    match pin {
+        Some(pin) => link.pin(pin).map(FdLink::from).map_err(|e| pin_err(e.to_string())),
+        None => Ok(link),
     }
 }
 

@@ -171,13 +171,17 @@ pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
         loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
-    let prog = tc_ingress(&mut ebpf);
-    prog.load().map_err(|source| LoadError::Program { name: prog_names::TC_INGRESS, source })?;
-    if let Some(root) = &options.pin_root {
-        let path = progs_dir(root).join(prog_names::TC_INGRESS);
-        // Replace the previous run's pin; links keep the old program alive until updated.
-        let _ = fs::remove_file(&path);
-        prog.pin(&path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
+    for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS] {
+        let prog = classifier(&mut ebpf, name);
+        prog.load().map_err(|source| LoadError::Program { name, source })?;
+        if let Some(root) = &options.pin_root {
+            let path = progs_dir(root).join(name);
+            // Replace the previous run's pin; its links keep the old program alive until they
+            // are updated to this one.
+            let _ = fs::remove_file(&path);
+            prog.pin(&path)
+                .map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
+        }
     }
     Ok(Loaded { ebpf, options })
 }
@@ -190,10 +194,10 @@ fn raise_memlock() {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
 }
 
-/// The TC ingress program of a loaded object.
-pub fn tc_ingress(ebpf: &mut Ebpf) -> &mut SchedClassifier {
-    ebpf.program_mut(prog_names::TC_INGRESS)
-        .expect("the object defines the TC ingress program")
+/// A classifier program of the loaded object, by name (`prog_names`).
+pub fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut SchedClassifier {
+    ebpf.program_mut(name)
+        .unwrap_or_else(|| panic!("the object defines {name}"))
         .try_into()
-        .expect("proxy_tc_ingress is a classifier")
+        .unwrap_or_else(|_| panic!("{name} is a classifier"))
 }

@@ -9,6 +9,7 @@ pub mod snapshot;
 use std::path::{Path, PathBuf};
 
 use aya::{programs::SchedClassifier, Ebpf};
+use proxy_common::prog_names;
 
 use self::{
     attach::{AttachError, Attachments},
@@ -47,8 +48,14 @@ impl EbpfDataplane {
         self.pin_root.as_deref()
     }
 
-    pub fn program(&mut self) -> &mut SchedClassifier {
-        loader::tc_ingress(&mut self.ebpf)
+    /// The ingress (DNAT) program.
+    pub fn ingress_program(&mut self) -> &mut SchedClassifier {
+        loader::classifier(&mut self.ebpf, prog_names::TC_INGRESS)
+    }
+
+    /// The egress (reverse NAT) program.
+    pub fn egress_program(&mut self) -> &mut SchedClassifier {
+        loader::classifier(&mut self.ebpf, prog_names::TC_EGRESS)
     }
 
     /// The object, for the maps the writer does not own (conntrack, counters).
@@ -57,8 +64,7 @@ impl EbpfDataplane {
     }
 
     pub fn attach(&mut self, ifindex: u32, ifname: &str) -> Result<(), AttachError> {
-        let prog = loader::tc_ingress(&mut self.ebpf);
-        self.attachments.attach(prog, self.pin_root.as_deref(), ifindex, ifname)
+        self.attachments.attach(&mut self.ebpf, self.pin_root.as_deref(), ifindex, ifname)
     }
 
     pub fn forget_interface(&mut self, ifindex: u32) -> Option<String> {

@@ -1,0 +1,266 @@
+//! `proxy-agent inspect`: what is programmed, read straight from the pinned maps.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    path::{Path, PathBuf},
+};
+
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use proxy_common::{
+    backend_flags, ct, map_names, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason,
+};
+use serde::Serialize;
+
+use crate::dataplane::ebpf::{attach, loader, snapshot};
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub bpffs_root: PathBuf,
+    pub frontends: Vec<FrontendReport>,
+    /// Backends in the map that no frontend slot names: kept for the flows they have.
+    pub retained_backends: Vec<BackendReport>,
+    pub conntrack: ConntrackReport,
+    /// Packets and bytes per datapath reason, summed over CPUs.
+    pub counters: BTreeMap<String, CounterReport>,
+    /// Interface indexes with a pinned tc ingress link, and their current names.
+    pub interfaces: BTreeMap<u32, String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FrontendReport {
+    pub address: String,
+    pub protocol: String,
+    pub service: Option<String>,
+    pub service_id: u32,
+    pub affinity_timeout: Option<u32>,
+    pub backends: Vec<BackendReport>,
+    /// Live tracked connections of this frontend.
+    pub connections: u64,
+}
+
+#[derive(Debug, Serialize, Clone)]
+pub struct BackendReport {
+    pub id: u32,
+    pub address: String,
+    /// New flows the datapath sent to this backend since it got its id.
+    pub flows: u64,
+    pub terminating: bool,
+    pub local: bool,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct ConntrackReport {
+    pub entries: u64,
+    pub connections: u64,
+    pub expired: u64,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct CounterReport {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error(
+        "nothing is programmed under {0}: no pinned maps there. Is the agent running with \
+         --bpffs-root {0}?"
+    )]
+    NotFound(String),
+    #[error("reading {map}: {source}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+}
+
+fn open(root: &Path, name: &'static str) -> Result<MapData, InspectError> {
+    MapData::from_pin(loader::maps_dir(root).join(name)).map_err(|source| InspectError::Map { map: name, source })
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer. bpf_ktime_get_coarse_ns reads the same clock.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn ifname(index: u32) -> String {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buffer of IF_NAMESIZE as the call requires.
+    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return "(gone)".into();
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+pub fn read(root: &Path) -> Result<Report, InspectError> {
+    if !loader::maps_dir(root).join(map_names::SERVICES).exists() {
+        return Err(InspectError::NotFound(root.display().to_string()));
+    }
+    let err = |map| move |source| InspectError::Map { map, source };
+    let services = HashMap::try_from(Map::HashMap(open(root, map_names::SERVICES)?)).map_err(err(map_names::SERVICES))?;
+    let backends = HashMap::try_from(Map::HashMap(open(root, map_names::BACKENDS)?)).map_err(err(map_names::BACKENDS))?;
+    let revnat = HashMap::try_from(Map::HashMap(open(root, map_names::REVNAT)?)).map_err(err(map_names::REVNAT))?;
+    let names = HashMap::try_from(Map::HashMap(open(root, map_names::NAMES)?)).map_err(err(map_names::NAMES))?;
+    let flows: Array<_, BackendFlows> =
+        Array::try_from(Map::Array(open(root, map_names::BACKEND_FLOWS)?)).map_err(err(map_names::BACKEND_FLOWS))?;
+    let ct_map: HashMap<_, CtKey, CtEntry> =
+        HashMap::try_from(Map::LruHashMap(open(root, map_names::CT)?)).map_err(err(map_names::CT))?;
+    let stats: PerCpuArray<_, Counter> =
+        PerCpuArray::try_from(Map::PerCpuArray(open(root, map_names::STATS)?)).map_err(err(map_names::STATS))?;
+
+    let snap = snapshot::read(&services, &backends, &revnat, &names).map_err(err(map_names::SERVICES))?;
+
+    let now = monotonic_ns();
+    let mut conntrack = ConntrackReport::default();
+    let mut per_service: BTreeMap<u32, u64> = BTreeMap::new();
+    for entry in ct_map.iter() {
+        let Ok((k, e)) = entry else { continue };
+        conntrack.entries += 1;
+        if e.flags & ct::flags::REPLY != 0 {
+            continue;
+        }
+        if ct::expired(k.proto, e.flags, e.last_seen_ns, now) {
+            conntrack.expired += 1;
+        } else {
+            conntrack.connections += 1;
+            *per_service.entry(e.service_id).or_default() += 1;
+        }
+    }
+
+    let backend_report = |id: u32| -> Option<BackendReport> {
+        let b = snap.backends.get(&id)?;
+        Some(BackendReport {
+            id,
+            address: b.socket().to_string(),
+            flows: flows.get(&id, 0).map(|f| f.flows).unwrap_or(0),
+            terminating: b.flags & backend_flags::TERMINATING != 0,
+            local: b.flags & backend_flags::LOCAL != 0,
+        })
+    };
+    let mut in_slots = BTreeSet::new();
+    let frontends = snap
+        .frontends
+        .values()
+        .map(|fe| {
+            in_slots.extend(fe.slots.iter().copied());
+            FrontendReport {
+                address: fe.key.socket().to_string(),
+                protocol: proto_name(fe.key.proto).to_string(),
+                service: fe.name.clone(),
+                service_id: fe.master.service_id,
+                affinity_timeout: (fe.master.affinity_timeout != 0).then_some(fe.master.affinity_timeout),
+                backends: fe.slots.iter().filter_map(|id| backend_report(*id)).collect(),
+                connections: per_service.get(&fe.master.service_id).copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    let retained_backends = snap.backends.keys().filter(|id| !in_slots.contains(id)).filter_map(|id| backend_report(*id)).collect();
+
+    let mut counters = BTreeMap::new();
+    for r in Reason::ALL {
+        if let Ok(per_cpu) = stats.get(&(*r as u32), 0) {
+            let c = per_cpu.iter().fold(CounterReport::default(), |acc, c| CounterReport {
+                packets: acc.packets + c.packets,
+                bytes: acc.bytes + c.bytes,
+            });
+            if c.packets > 0 {
+                counters.insert(r.label().to_string(), c);
+            }
+        }
+    }
+
+    let mut interfaces = BTreeMap::new();
+    if let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) {
+        for e in dir.flatten() {
+            if let Some(idx) = e.file_name().to_str().and_then(attach::pin_ifindex) {
+                interfaces.insert(idx, ifname(idx));
+            }
+        }
+    }
+    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces })
+}
+
+/// The report for people.
+pub fn render(r: &Report) -> String {
+    let mut s = String::new();
+    let backends: usize = r.frontends.iter().map(|f| f.backends.len()).sum();
+    let _ = writeln!(
+        s,
+        "Services programmed under {} ({} frontends, {} backends in use)\n",
+        r.bpffs_root.display(),
+        r.frontends.len(),
+        backends
+    );
+    for f in &r.frontends {
+        let address = format!("{}/{}", f.address, f.protocol);
+        let _ = write!(s, "  {address:<24} {:<32}", f.service.as_deref().unwrap_or("(unnamed)"));
+        let _ = write!(s, " connections {}", f.connections);
+        if let Some(t) = f.affinity_timeout {
+            let _ = write!(s, "  affinity ClientIP {t}s");
+        }
+        s.push('\n');
+        if f.backends.is_empty() {
+            s.push_str("      no endpoints: clients get ICMP port unreachable (connection refused)\n");
+        }
+        for b in &f.backends {
+            let _ = write!(s, "      -> {:<22} flows {:>6}", b.address, b.flows);
+            if b.terminating {
+                s.push_str("  terminating");
+            }
+            if b.local {
+                s.push_str("  local");
+            }
+            s.push('\n');
+        }
+    }
+    if !r.retained_backends.is_empty() {
+        s.push_str("\n  Kept for existing flows only:");
+        for b in &r.retained_backends {
+            let _ = write!(s, " {}{}", b.address, if b.terminating { " (terminating)" } else { "" });
+        }
+        s.push('\n');
+    }
+    let _ = writeln!(
+        s,
+        "\nConnection tracking: {} live connections, {} expired, {} entries",
+        r.conntrack.connections, r.conntrack.expired, r.conntrack.entries
+    );
+    s.push_str("\nDatapath counters           packets        bytes\n");
+    if r.counters.is_empty() {
+        s.push_str("  (no packets yet)\n");
+    }
+    for (name, c) in &r.counters {
+        let _ = writeln!(s, "  {name:<24} {:>10} {:>12}", c.packets, c.bytes);
+    }
+    s.push_str("\nAttached to:");
+    if r.interfaces.is_empty() {
+        s.push_str(" no interface");
+    }
+    for (idx, name) in &r.interfaces {
+        let _ = write!(s, " {name}({idx})");
+    }
+    s.push('\n');
+    s
+}
+
+/// `proxy-agent cleanup`: unpins links (detaching the programs), programs and maps.
+pub fn cleanup(root: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for dir in [loader::links_dir(root), loader::progs_dir(root), loader::maps_dir(root)] {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries.flatten() {
+            std::fs::remove_file(e.path())?;
+            removed.push(e.path());
+        }
+        std::fs::remove_dir(&dir)?;
+    }
+    // The root itself may be a bpffs mount point; leave it.
+    Ok(removed)
+}

@@ -1,0 +1,330 @@
+//! Diffs what the store wants against what the dataplane holds, one Service at a time.
+//!
+//! The first sync after start waits until every source has listed everything, then compares
+//! against what a previous run left pinned: unchanged frontends are not touched (established
+//! connections keep their backends), changed ones are updated, stale ones removed.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    dataplane::Dataplane,
+    model::{
+        store::{Event, Kind, Store},
+        Frontend, FrontendKey, ObjectKey,
+    },
+};
+
+/// What one sync did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SyncStats {
+    pub services: usize,
+    pub upserted: usize,
+    pub removed: usize,
+    pub unchanged: usize,
+    pub failed: usize,
+    pub garbage: usize,
+    pub duration: Duration,
+    /// This sync was the first complete one.
+    pub initial: bool,
+}
+
+pub struct Reconciler<D> {
+    pub store: Store,
+    dp: D,
+    required: Vec<Kind>,
+    owners: HashMap<FrontendKey, ObjectKey>,
+    by_service: HashMap<ObjectKey, BTreeSet<FrontendKey>>,
+    /// Services that want a frontend another Service holds.
+    contenders: HashMap<FrontendKey, BTreeSet<ObjectKey>>,
+    /// Frontends a previous run left, not yet claimed by a Service; cleared at the first sync.
+    adopted: Option<BTreeSet<FrontendKey>>,
+    retry: BTreeSet<ObjectKey>,
+}
+
+impl<D: Dataplane> Reconciler<D> {
+    /// `required`: the kinds that must be fully listed before anything is written.
+    pub fn new(store: Store, dp: D, required: Vec<Kind>) -> Self {
+        let adopted = dp.programmed_keys().into_iter().collect();
+        Self {
+            store,
+            dp,
+            required,
+            owners: HashMap::new(),
+            by_service: HashMap::new(),
+            contenders: HashMap::new(),
+            adopted: Some(adopted),
+            retry: BTreeSet::new(),
+        }
+    }
+
+    pub fn dataplane(&self) -> &D {
+        &self.dp
+    }
+
+    pub fn dataplane_mut(&mut self) -> &mut D {
+        &mut self.dp
+    }
+
+    /// Feeds one source event to the store, logging what it reports.
+    pub fn handle(&mut self, event: Event) {
+        for r in self.store.apply(event) {
+            if r.warning {
+                tracing::warn!(object = %r.object, "{}", r.message);
+            } else {
+                tracing::info!(object = %r.object, "{}", r.message);
+            }
+        }
+    }
+
+    /// Every required kind has been listed.
+    pub fn ready(&self) -> bool {
+        self.store.synced(&self.required)
+    }
+
+    /// Synced at least once.
+    pub fn initial_sync_done(&self) -> bool {
+        self.adopted.is_none()
+    }
+
+    pub fn has_failures(&self) -> bool {
+        !self.retry.is_empty()
+    }
+
+    /// Programmed frontends and their Service, for diagnostics.
+    pub fn owners(&self) -> BTreeMap<FrontendKey, ObjectKey> {
+        self.owners.iter().map(|(k, v)| (*k, v.clone())).collect()
+    }
+
+    /// Applies every pending change. Does nothing until the sources are synced.
+    pub fn sync(&mut self) -> Option<SyncStats> {
+        if !self.ready() {
+            return None;
+        }
+        let start = Instant::now();
+        let mut stats = SyncStats::default();
+        let mut dirty = self.store.take_dirty();
+        dirty.append(&mut self.retry);
+        stats.services = dirty.len();
+        for svc in dirty {
+            self.sync_service(&svc, &mut stats);
+        }
+        if let Some(adopted) = self.adopted.take() {
+            stats.initial = true;
+            for key in adopted.into_iter().filter(|k| !self.owners.contains_key(k)) {
+                match self.dp.remove(&key) {
+                    Ok(()) => stats.removed += 1,
+                    Err(e) => tracing::warn!(frontend = %key, error = %e, "could not remove a stale frontend"),
+                }
+            }
+            match self.dp.collect_garbage() {
+                Ok(n) => stats.garbage = n,
+                Err(e) => tracing::warn!(error = %e, "could not collect unused dataplane entries"),
+            }
+        }
+        stats.duration = start.elapsed();
+        Some(stats)
+    }
+
+    fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) {
+        let translation = self.store.translate(svc);
+        for note in &translation.notes {
+            tracing::info!(service = %svc, "{note}");
+        }
+        let mut failed = false;
+        let wanted: BTreeMap<FrontendKey, Frontend> = translation.frontends.into_iter().collect();
+        for (key, fe) in &wanted {
+            if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
+                if self.contenders.entry(*key).or_default().insert(svc.clone()) {
+                    tracing::warn!(
+                        service = %svc,
+                        frontend = %key,
+                        owner = %owner,
+                        "frontend already belongs to another Service; not programmed until that one releases it"
+                    );
+                }
+                continue;
+            }
+            if self.dp.is_current(key, fe) {
+                stats.unchanged += 1;
+            } else {
+                match self.dp.upsert(key, fe) {
+                    Ok(()) => {
+                        stats.upserted += 1;
+                        tracing::debug!(service = %fe.name, frontend = %key, backends = fe.backends.len(), "programmed");
+                    }
+                    Err(e) => {
+                        stats.failed += 1;
+                        failed = true;
+                        tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {e}");
+                        continue;
+                    }
+                }
+            }
+            self.owners.insert(*key, svc.clone());
+            self.by_service.entry(svc.clone()).or_default().insert(*key);
+        }
+        let held = self.by_service.get(svc).cloned().unwrap_or_default();
+        for key in held.iter().filter(|k| !wanted.contains_key(k)) {
+            match self.dp.remove(key) {
+                Ok(()) => {
+                    stats.removed += 1;
+                    tracing::debug!(service = %svc, frontend = %key, "removed");
+                    self.owners.remove(key);
+                    if let Some(set) = self.by_service.get_mut(svc) {
+                        set.remove(key);
+                    }
+                    // A Service that wanted this frontend may have it now.
+                    if let Some(waiting) = self.contenders.remove(key) {
+                        self.retry.extend(waiting);
+                    }
+                }
+                Err(e) => {
+                    stats.failed += 1;
+                    failed = true;
+                    tracing::error!(service = %svc, frontend = %key, "not removed: {e}");
+                }
+            }
+        }
+        if self.by_service.get(svc).is_some_and(|s| s.is_empty()) {
+            self.by_service.remove(svc);
+        }
+        if failed {
+            self.retry.insert(svc.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::{
+        dataplane::DataplaneError,
+        model::{store::Object, Protocol},
+    };
+
+    /// A dataplane that records what it holds.
+    #[derive(Default)]
+    struct Fake {
+        held: BTreeMap<FrontendKey, Frontend>,
+        writes: usize,
+        fail: bool,
+    }
+
+    impl Dataplane for Fake {
+        fn programmed_keys(&self) -> Vec<FrontendKey> {
+            self.held.keys().copied().collect()
+        }
+        fn is_current(&self, key: &FrontendKey, fe: &Frontend) -> bool {
+            self.held.get(key) == Some(fe)
+        }
+        fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
+            if self.fail {
+                return Err(DataplaneError::Unsupported("injected".into()));
+            }
+            self.writes += 1;
+            self.held.insert(*key, fe.clone());
+            Ok(())
+        }
+        fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
+            self.writes += 1;
+            self.held.remove(key);
+            Ok(())
+        }
+        fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
+            Ok(0)
+        }
+    }
+
+    fn svc(name: &str, ip: &str) -> Object {
+        Object::Service(Box::new(
+            serde_yaml::from_str(&format!("metadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}")).unwrap(),
+        ))
+    }
+
+    fn key(ip: &str) -> FrontendKey {
+        FrontendKey { addr: ip.parse::<Ipv4Addr>().unwrap(), port: 80, protocol: Protocol::Tcp }
+    }
+
+    fn replace(objects: Vec<Object>) -> Vec<Event> {
+        vec![
+            Event::Replace { kind: Kind::Service, objects },
+            Event::Replace { kind: Kind::EndpointSlice, objects: vec![] },
+        ]
+    }
+
+    fn rec(dp: Fake) -> Reconciler<Fake> {
+        Reconciler::new(Store::new("n"), dp, vec![Kind::Service, Kind::EndpointSlice])
+    }
+
+    #[test]
+    fn nothing_is_written_before_every_kind_is_listed() {
+        let mut r = rec(Fake::default());
+        r.handle(Event::Replace { kind: Kind::Service, objects: vec![svc("a", "10.96.0.1")] });
+        assert_eq!(r.sync(), None);
+        assert_eq!(r.dp.writes, 0);
+        r.handle(Event::Replace { kind: Kind::EndpointSlice, objects: vec![] });
+        let s = r.sync().unwrap();
+        assert!(s.initial);
+        assert_eq!(s.upserted, 1);
+    }
+
+    #[test]
+    fn restart_keeps_unchanged_frontends_and_drops_stale_ones() {
+        // A previous run programmed a (unchanged) and b (gone from the cluster since).
+        let mut first = rec(Fake::default());
+        replace(vec![svc("a", "10.96.0.1"), svc("b", "10.96.0.2")]).into_iter().for_each(|e| first.handle(e));
+        first.sync();
+        let mut dp = std::mem::take(&mut first.dp);
+        dp.writes = 0;
+
+        let mut r = rec(dp);
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        let s = r.sync().unwrap();
+        assert_eq!((s.upserted, s.unchanged, s.removed), (0, 1, 1), "{s:?}");
+        assert_eq!(r.dp.writes, 1, "only the stale frontend is touched");
+        assert!(r.dp.held.contains_key(&key("10.96.0.1")) && !r.dp.held.contains_key(&key("10.96.0.2")));
+    }
+
+    #[test]
+    fn a_changed_cluster_ip_moves_the_frontend() {
+        let mut r = rec(Fake::default());
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        r.sync();
+        r.handle(Event::Apply(svc("a", "10.96.0.9")));
+        let s = r.sync().unwrap();
+        assert_eq!((s.upserted, s.removed), (1, 1));
+        assert_eq!(r.dp.programmed_keys(), vec![key("10.96.0.9")]);
+    }
+
+    #[test]
+    fn a_conflicting_frontend_goes_to_the_first_owner_then_to_the_waiting_one() {
+        let mut r = rec(Fake::default());
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        r.sync();
+        r.handle(Event::Apply(svc("b", "10.96.0.1")));
+        r.sync();
+        assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "a"));
+        r.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "a") });
+        r.sync();
+        r.sync(); // the waiting Service is retried on the next pass
+        assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "b"));
+    }
+
+    #[test]
+    fn failures_are_retried() {
+        let mut r = rec(Fake { fail: true, ..Default::default() });
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        let s = r.sync().unwrap();
+        assert_eq!(s.failed, 1);
+        assert!(r.has_failures());
+        r.dp.fail = false;
+        let s = r.sync().unwrap();
+        assert_eq!(s.upserted, 1);
+        assert!(!r.has_failures());
+    }
+}

@@ -1,0 +1,3 @@
+//! Where cluster objects come from. Every source emits the same `model::store::Event`s.
+
+pub mod manifests;

@@ -1,0 +1,51 @@
+//! TC egress of pod-facing interfaces: replies of translated flows leave towards their client
+//! with the service address as source, and ICMP errors about those flows are rewritten so the
+//! client's socket recognises them.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{ct::flags, CtEntry, Reason, RevNat};
+
+use crate::{
+    ct, frag, icmp,
+    lb::Verdict,
+    maps::{CT4_V1, LB4_REVNAT_V1},
+    nat::{self, Side},
+    parse::{self, Frag, Parsed},
+};
+
+#[inline(always)]
+pub fn revnat_of(entry: &CtEntry) -> Option<RevNat> {
+    // SAFETY: the value is copied out at once.
+    LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p })
+}
+
+#[inline(always)]
+pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let mut pkt = match parse::ipv4(ctx) {
+        Parsed::Packet(p) => p,
+        Parsed::Icmp { l4_off, saddr } => return icmp::translate_error(ctx, l4_off, saddr),
+        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+        Parsed::OtherProto => return Ok(Verdict::pass(Reason::EgressPass)),
+        Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
+    };
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+    }
+    let Some(e) = CT4_V1.get_ptr_mut(ct::key(&pkt)) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    // SAFETY: live map value; CtEntry is plain data.
+    let entry = unsafe { *e };
+    if entry.flags & flags::REPLY == 0 {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
+    // The service is gone: nothing to restore, the client gets the packet as it is.
+    let Some(rn) = revnat_of(&entry) else {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    };
+    ct::touch_reply(&pkt, e, &ct::forward_key_of_reply(&pkt, rn.addr, rn.port), ct::now());
+    frag::remember(&pkt);
+    nat::rewrite(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
+    let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
+    Ok(Verdict::pass(reason))
+}
