@@ -68,7 +68,9 @@ fn log_sync(s: &SyncStats) {
 fn on_link(dp: &mut EbpfDataplane, patterns: &DevicePatterns, change: LinkChange) {
     match change {
         LinkChange::Present { index, name } => {
-            if patterns.matches(&name) && !dp.is_attached(index) {
+            if dp.is_attached(index) {
+                dp.interface_renamed(index, &name);
+            } else if patterns.matches(&name) {
                 if let Err(e) = dp.attach(index, &name) {
                     tracing::error!("{e}");
                 }

@@ -88,17 +88,6 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn ifname(index: u32) -> String {
-    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: buffer of IF_NAMESIZE as the call requires.
-    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
-    if p.is_null() {
-        return "(gone)".into();
-    }
-    // SAFETY: if_indextoname wrote a NUL-terminated name.
-    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
-}
-
 pub fn read(root: &Path) -> Result<Report, InspectError> {
     if !loader::maps_dir(root).join(map_names::SERVICES).exists() {
         return Err(InspectError::NotFound(root.display().to_string()));
@@ -179,8 +168,8 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     let mut interfaces = BTreeMap::new();
     if let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) {
         for e in dir.flatten() {
-            if let Some(idx) = e.file_name().to_str().and_then(attach::pin_ifindex) {
-                interfaces.insert(idx, ifname(idx));
+            if let Some((idx, name)) = e.file_name().to_str().and_then(attach::parse_pin) {
+                interfaces.insert(idx, name);
             }
         }
     }

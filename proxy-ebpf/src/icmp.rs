@@ -21,8 +21,11 @@ use crate::{
 
 const IP_HDR_LEN: usize = 20;
 const ICMP_HDR_LEN: usize = 8;
-/// RFC 792: the original IP header (with options, up to 60 bytes) and 64 bits of its data.
-const QUOTE_MAX: usize = 60 + 8;
+/// How much of the offending datagram is quoted. RFC 792 asks for the IP header and 8 bytes;
+/// RFC 1812 asks for as much as fits, and Linux quotes up to 548. 128 bytes always holds the
+/// IP and L4 headers whole, which matters: for a CHECKSUM_PARTIAL skb the kernel refuses to cut
+/// a packet before the L4 checksum field.
+const QUOTE_MAX: usize = 128;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
@@ -34,12 +37,20 @@ const IP_SRC_OFF: usize = IP_OFF + 12;
 /// and sends it out the interface it came in on.
 #[inline(always)]
 pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
-    let quote_len = pkt.l4_off - IP_OFF;
-    let quote_len = quote_len + 8;
-    if quote_len > QUOTE_MAX {
+    let fail = |_| Reason::DropRejectFailed;
+    // The datagram as the IP header sizes it (a frame may carry Ethernet padding after it).
+    let frame_ip_len = (ctx.len() as usize).saturating_sub(ETH_LEN);
+    let ip_len = if usize::from(u16::from_be_bytes(pkt.tot_len)) < frame_ip_len {
+        usize::from(u16::from_be_bytes(pkt.tot_len))
+    } else {
+        frame_ip_len
+    };
+    let quote_len = if ip_len < QUOTE_MAX { ip_len } else { QUOTE_MAX };
+    if quote_len < pkt.l4_off - IP_OFF + 8 {
         return Err(Reason::DropRejectFailed);
     }
-    // ICMP header followed by the quote, so one checksum pass covers the whole ICMP message.
+    // ICMP header followed by the quote (zero-padded to a multiple of 4 for bpf_csum_diff;
+    // zero padding does not change a one's-complement sum), so one pass covers the message.
     let mut msg = [0u8; ICMP_HDR_LEN + QUOTE_MAX];
     msg[0] = ICMP_DEST_UNREACH;
     msg[1] = ICMP_PORT_UNREACH;
@@ -55,9 +66,9 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
     if rc != 0 {
         return Err(Reason::DropRejectFailed);
     }
-    let msg_len = (ICMP_HDR_LEN + quote_len) as u32;
-    // SAFETY: reads msg_len <= size_of_val(&msg) bytes of the stack buffer.
-    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, msg.as_mut_ptr() as *mut _, msg_len, 0) };
+    let sum_len = ((ICMP_HDR_LEN + quote_len + 3) & !3) as u32;
+    // SAFETY: reads sum_len <= size_of_val(&msg) bytes of the stack buffer.
+    let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, msg.as_mut_ptr() as *mut _, sum_len, 0) };
     if sum < 0 {
         return Err(Reason::DropRejectFailed);
     }
@@ -75,23 +86,24 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
     ip[10] = ip_csum[0];
     ip[11] = ip_csum[1];
 
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| Reason::DropRejectFailed)?;
+    let macs: [u8; 12] = ctx.load(0).map_err(fail)?;
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
 
     // Cut the packet to Ethernet + quote, then open room for the new IP and ICMP headers
     // between the Ethernet header and the quote.
-    // SAFETY: plain helper call on our own skb.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, (ETH_LEN + quote_len) as u32, 0) } != 0 {
-        return Err(Reason::DropRejectFailed);
+    if ETH_LEN + quote_len < ctx.len() as usize {
+        // SAFETY: plain helper call on our own skb.
+        if unsafe { bpf_skb_change_tail(ctx.skb.skb, (ETH_LEN + quote_len) as u32, 0) } != 0 {
+            return Err(Reason::DropRejectFailed);
+        }
     }
-    ctx.adjust_room((IP_HDR_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0)
-        .map_err(|_| Reason::DropRejectFailed)?;
-    ctx.store(0, &swapped, 0).map_err(|_| Reason::DropRejectFailed)?;
-    ctx.store(IP_OFF, &ip, 0).map_err(|_| Reason::DropRejectFailed)?;
+    ctx.adjust_room((IP_HDR_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0).map_err(fail)?;
+    ctx.store(0, &swapped, 0).map_err(fail)?;
+    ctx.store(IP_OFF, &ip, 0).map_err(fail)?;
     let icmp_hdr = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, icmp_csum[0], icmp_csum[1], 0, 0, 0, 0];
-    ctx.store(IP_OFF + IP_HDR_LEN, &icmp_hdr, 0).map_err(|_| Reason::DropRejectFailed)?;
+    ctx.store(IP_OFF + IP_HDR_LEN, &icmp_hdr, 0).map_err(fail)?;
 
     // SAFETY: reads the ifindex field of our own context.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };

@@ -58,6 +58,8 @@ pub struct Packet {
     /// TCP flags byte; 0 for UDP.
     pub tcp_flags: u8,
     pub ip_id: [u8; 2],
+    /// IPv4 total length, network order.
+    pub tot_len: [u8; 2],
     pub frag: Frag,
 }
 
@@ -135,6 +137,7 @@ pub fn ipv4(ctx: &TcContext) -> Parsed {
         dport: [0; 2],
         tcp_flags: 0,
         ip_id: ip.id,
+        tot_len: ip.tot_len,
         frag,
     };
     if frag == Frag::Later {

@@ -1,6 +1,9 @@
 //! The test lab shared by the integration tests, the demo (`cargo xtask run`) and the
 //! benchmarks (`cargo xtask bench`).
 
+pub mod lab;
+pub mod netns;
 pub mod packet;
 pub mod require;
+pub mod servers;
 pub mod testrun;

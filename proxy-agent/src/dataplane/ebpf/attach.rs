@@ -44,15 +44,29 @@ const HOOKS: [(TcAttachType, &str, &str); 2] = [
     (TcAttachType::Egress, prog_names::TC_EGRESS, "tc_egress_"),
 ];
 
-/// Where a hook's link of interface `ifindex` is pinned. Keyed by index, which a renamed
-/// interface keeps.
-fn pin_path(root: &Path, prefix: &str, ifindex: u32) -> PathBuf {
-    links_dir(root).join(format!("{prefix}{ifindex}"))
+/// Where a hook's link of interface `ifindex` is pinned: `<hook>_<ifindex>_<ifname>`. The index
+/// identifies the interface (a renamed interface keeps it); the name is there for people and
+/// for `inspect` run from another network namespace.
+fn pin_path(root: &Path, prefix: &str, ifindex: u32, ifname: &str) -> PathBuf {
+    links_dir(root).join(format!("{prefix}{ifindex}_{ifname}"))
 }
 
-/// The interface index a link pin file is for.
-pub fn pin_ifindex(file_name: &str) -> Option<u32> {
-    HOOKS.iter().find_map(|(_, _, prefix)| file_name.strip_prefix(prefix)).and_then(|n| n.parse().ok())
+/// The interface index and name a link pin file is for.
+pub fn parse_pin(file_name: &str) -> Option<(u32, String)> {
+    let rest = HOOKS.iter().find_map(|(_, _, prefix)| file_name.strip_prefix(prefix))?;
+    let (idx, name) = rest.split_once('_').unwrap_or((rest, ""));
+    Some((idx.parse().ok()?, name.to_string()))
+}
+
+/// Pins of `prefix` for interface `ifindex`, whatever name they carry.
+fn pins_of(root: &Path, prefix: &str, ifindex: u32) -> Vec<PathBuf> {
+    let Ok(dir) = fs::read_dir(links_dir(root)) else { return Vec::new() };
+    dir.flatten()
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| n.starts_with(prefix) && parse_pin(n).is_some_and(|(i, _)| i == ifindex))
+        })
+        .map(|e| e.path())
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +100,8 @@ impl Attachments {
         }
         for (hook, program, prefix) in HOOKS {
             let prog = classifier(ebpf, program);
-            let link = attach_one(prog, hook, program, root.map(|r| pin_path(r, prefix, ifindex)), ifindex, ifname)?;
+            let pins = root.map(|r| (pins_of(r, prefix, ifindex), pin_path(r, prefix, ifindex, ifname)));
+            let link = attach_one(prog, hook, program, pins, ifindex, ifname)?;
             self.links.insert((ifindex, program), link);
         }
         tracing::info!(interface = ifname, ifindex, "attached tc ingress and egress (tcx)");
@@ -99,18 +114,34 @@ impl Attachments {
     pub fn forget(&mut self, root: Option<&Path>, ifindex: u32) -> Option<String> {
         for (_, program, prefix) in HOOKS {
             self.links.remove(&(ifindex, program));
-            if let Some(root) = root {
-                let _ = fs::remove_file(pin_path(root, prefix, ifindex));
+            for pin in root.map(|r| pins_of(r, prefix, ifindex)).unwrap_or_default() {
+                let _ = fs::remove_file(pin);
             }
         }
         self.interfaces.remove(&ifindex)
+    }
+
+    /// Follows an interface rename in the pin names.
+    pub fn renamed(&mut self, root: Option<&Path>, ifindex: u32, ifname: &str) {
+        let Some(old) = self.interfaces.get_mut(&ifindex) else { return };
+        if old == ifname {
+            return;
+        }
+        tracing::info!(ifindex, from = %old, to = ifname, "interface renamed");
+        *old = ifname.to_string();
+        for (_, _, prefix) in HOOKS {
+            let Some(root) = root else { break };
+            for pin in pins_of(root, prefix, ifindex) {
+                let _ = fs::rename(pin, pin_path(root, prefix, ifindex, ifname));
+            }
+        }
     }
 
     /// Removes pins of interfaces that no longer exist.
     pub fn prune_pins(root: &Path, live: &BTreeMap<u32, String>) {
         let Ok(dir) = fs::read_dir(links_dir(root)) else { return };
         for entry in dir.flatten() {
-            let Some(idx) = entry.file_name().to_str().and_then(pin_ifindex) else { continue };
+            let Some((idx, _)) = entry.file_name().to_str().and_then(parse_pin) else { continue };
             if !live.contains_key(&idx) {
                 tracing::info!(ifindex = idx, "removing the pinned link of a vanished interface");
                 let _ = fs::remove_file(entry.path());
@@ -119,27 +150,35 @@ impl Attachments {
     }
 }
 
+/// `pins`: the pins a previous run left for this interface, and where to pin now.
 fn attach_one(
     prog: &mut SchedClassifier,
     hook: TcAttachType,
     program: &'static str,
-    pin: Option<PathBuf>,
+    pins: Option<(Vec<PathBuf>, PathBuf)>,
     ifindex: u32,
     ifname: &str,
 ) -> Result<FdLink, AttachError> {
     let attach_err = |source| AttachError::Attach { program, ifname: ifname.into(), ifindex, source };
     let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
-    if let Some(pin) = pin.as_deref().filter(|p| p.exists()) {
-        match adopt(prog, pin) {
+    let (old_pins, pin) = match pins {
+        Some((old, new)) => (old, Some(new)),
+        None => (Vec::new(), None),
+    };
+    for old in &old_pins {
+        match adopt(prog, old) {
             Ok(link) => {
                 tracing::debug!(interface = ifname, program, "took over pinned link; program replaced atomically");
+                if let Some(pin) = pin.as_ref().filter(|p| *p != old) {
+                    let _ = fs::rename(old, pin);
+                }
                 return Ok(link);
             }
             Err(e) => {
                 // The interface it was made for is gone (its index was reused) or the pin is
                 // not a tcx link: start afresh.
                 tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
-                let _ = fs::remove_file(pin);
+                let _ = fs::remove_file(old);
             }
         }
     }

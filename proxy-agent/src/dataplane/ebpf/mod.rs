@@ -67,6 +67,10 @@ impl EbpfDataplane {
         self.attachments.attach(&mut self.ebpf, self.pin_root.as_deref(), ifindex, ifname)
     }
 
+    pub fn interface_renamed(&mut self, ifindex: u32, ifname: &str) {
+        self.attachments.renamed(self.pin_root.as_deref(), ifindex, ifname);
+    }
+
     pub fn forget_interface(&mut self, ifindex: u32) -> Option<String> {
         self.attachments.forget(self.pin_root.as_deref(), ifindex)
     }

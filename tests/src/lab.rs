@@ -1,0 +1,308 @@
+//! The lab: a node namespace running the agent, a client pod and backend pods wired to it with
+//! veth pairs the way a routed CNI (Calico-style) wires pods: /32 addresses, a link-local
+//! gateway, host-side interfaces named `veth*` so the agent's default `--pod-devices` picks
+//! them up. Everything it creates carries a unique id and is removed on drop, also on panic.
+
+use std::{
+    fs,
+    io::Read as _,
+    net::{Ipv4Addr, SocketAddrV4},
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use proxy_agent::inspect::{self, Report};
+
+use crate::{
+    netns::{enter, unique_id, Netns},
+    servers,
+};
+
+/// Gateway address every pod routes through; answered by the node side of its veth.
+const GATEWAY: &str = "169.254.1.1";
+/// MAC of every node-side veth (as Calico does).
+const NODE_MAC: &str = "ee:ee:ee:ee:ee:ee";
+pub const NODE_NAME: &str = "lab-node";
+pub const TCP_PORT: u16 = 8080;
+pub const UDP_PORT: u16 = 5353;
+
+pub const WEB_VIP: &str = "10.96.0.10:80";
+pub const DNS_VIP: &str = "10.96.0.53:53";
+pub const EMPTY_VIP: &str = "10.96.0.99:80";
+
+pub fn sock(s: &str) -> SocketAddrV4 {
+    s.parse().expect("socket address")
+}
+
+pub struct Pod {
+    pub name: String,
+    pub ns: Netns,
+    pub ip: Ipv4Addr,
+    /// The node-side interface.
+    pub host_if: String,
+}
+
+pub struct Lab {
+    pub id: String,
+    pub dir: PathBuf,
+    pub node: Netns,
+    pub client: Pod,
+    pub backends: Vec<Pod>,
+    pub extra: Vec<Pod>,
+    servers: Vec<servers::Backend>,
+    agent_bin: PathBuf,
+    agent: Option<Child>,
+}
+
+impl Lab {
+    /// Builds the namespaces and starts a name server in each backend. The agent is not
+    /// started: write manifests first, then call `start_agent`.
+    pub fn new(agent_bin: impl Into<PathBuf>, backends: usize) -> Self {
+        let id = unique_id();
+        let dir = PathBuf::from("/run/proxy-lab").join(&id);
+        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        let node = Netns::create(format!("pxl-{id}-node"));
+        node.sysctl("net.ipv4.ip_forward", "1");
+        // Replies are translated after routing, so strict reverse-path filtering is fine; the
+        // lab keeps the kernel default (off) explicit so it does not depend on the host.
+        node.sysctl("net.ipv4.conf.all.rp_filter", "0");
+        node.sysctl("net.ipv4.conf.default.rp_filter", "0");
+        let mut lab = Self {
+            client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
+            backends: Vec::new(),
+            extra: Vec::new(),
+            servers: Vec::new(),
+            id,
+            dir,
+            node,
+            agent_bin: agent_bin.into(),
+            agent: None,
+        };
+        for i in 1..=backends {
+            let pod = Pod::create(&lab.id, &lab.node, &format!("backend-{i}"), &format!("vethb{i}"), Ipv4Addr::new(10, 244, 1, i as u8));
+            lab.servers.push(servers::Backend::start(&pod.ns, &pod.name, TCP_PORT, UDP_PORT));
+            lab.backends.push(pod);
+        }
+        lab
+    }
+
+    /// A pod added while the agent runs (its interface appears later than the others).
+    pub fn add_pod(&mut self, name: &str, with_server: bool) -> &Pod {
+        let n = self.extra.len() as u8 + 1;
+        let pod = Pod::create(&self.id, &self.node, name, &format!("vethx{n}"), Ipv4Addr::new(10, 244, 2, n));
+        if with_server {
+            self.servers.push(servers::Backend::start(&pod.ns, &pod.name, TCP_PORT, UDP_PORT));
+        }
+        self.extra.push(pod);
+        self.extra.last().unwrap()
+    }
+
+    pub fn bpffs(&self) -> PathBuf {
+        self.dir.join("bpf")
+    }
+
+    pub fn manifests(&self) -> PathBuf {
+        self.dir.join("manifests")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    /// Writes a manifest atomically (a hidden temporary file, then a rename), as editors and
+    /// ConfigMap updates do.
+    pub fn write_manifest(&self, name: &str, text: &str) {
+        let tmp = self.manifests().join(format!(".{name}.tmp"));
+        fs::write(&tmp, text).expect("write manifest");
+        fs::rename(&tmp, self.manifests().join(name)).expect("rename manifest");
+    }
+
+    pub fn remove_manifest(&self, name: &str) {
+        fs::remove_file(self.manifests().join(name)).expect("remove manifest");
+    }
+
+    /// Starts the agent inside the node namespace (its log goes to `agent.log`).
+    pub fn start_agent(&mut self) {
+        assert!(self.agent.is_none(), "agent already running");
+        let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("agent log");
+        let ns = self.node.file();
+        let mut cmd = Command::new(&self.agent_bin);
+        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", "debug", "--manifests"])
+            .arg(self.manifests())
+            .arg("--bpffs-root")
+            .arg(self.bpffs())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log);
+        // SAFETY: only async-signal-safe work (setns) between fork and exec. Entering only the
+        // network namespace keeps the agent's bpffs mount in the host's mount namespace, where
+        // it outlives the agent.
+        unsafe {
+            cmd.pre_exec(move || enter(&ns));
+        }
+        self.agent = Some(cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", self.agent_bin.display())));
+    }
+
+    fn signal_agent(&mut self, sig: i32) {
+        if let Some(mut child) = self.agent.take() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(child.id() as i32, sig) };
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGKILL: the agent gets no chance to clean up.
+    pub fn kill_agent(&mut self) {
+        self.signal_agent(libc::SIGKILL);
+    }
+
+    /// SIGTERM and wait.
+    pub fn stop_agent(&mut self) {
+        self.signal_agent(libc::SIGTERM);
+    }
+
+    pub fn agent_running(&mut self) -> bool {
+        self.agent.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    pub fn agent_log(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = fs::File::open(self.log_path()) {
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    fn log_tail(&self) -> String {
+        let log = self.agent_log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    pub fn inspect(&self) -> Result<Report, inspect::InspectError> {
+        inspect::read(&self.bpffs())
+    }
+
+    /// Waits until `cond` holds for what is programmed, or panics after 15 s with the agent's
+    /// log, so a broken agent fails the test instead of hanging it.
+    pub fn wait_for(&mut self, what: &str, cond: impl Fn(&Report) -> bool) -> Report {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let report = self.inspect();
+            if let Ok(r) = &report {
+                if cond(r) {
+                    return report.unwrap();
+                }
+            }
+            if self.agent.is_some() && !self.agent_running() {
+                panic!("the agent exited while waiting for {what}; its log:\n{}", self.log_tail());
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out waiting for {what}; programmed: {}\nagent log:\n{}",
+                    match &report {
+                        Ok(r) => inspect::render(r),
+                        Err(e) => e.to_string(),
+                    },
+                    self.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until the frontend `vip` (`a.b.c.d:port`) has exactly `backends` backends and every
+    /// pod interface has the programs attached.
+    pub fn wait_programmed(&mut self, vip: &str, proto: &str, backends: usize) -> Report {
+        let interfaces = 1 + self.backends.len() + self.extra.len();
+        self.wait_for(&format!("{vip}/{proto} with {backends} backends on {interfaces} interfaces"), |r| {
+            r.interfaces.len() >= interfaces
+                && r.frontends.iter().any(|f| f.address == vip && f.protocol == proto && f.backends.len() == backends)
+        })
+    }
+
+    pub fn backend_ips(&self) -> Vec<Ipv4Addr> {
+        self.backends.iter().map(|b| b.ip).collect()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        self.kill_agent();
+        self.servers.clear();
+        let root = self.bpffs();
+        let _ = inspect::cleanup(&root);
+        if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
+            // SAFETY: plain umount of the bpffs the agent mounted for this lab.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+        // The namespaces (and the veths in them) go when the fields drop.
+    }
+}
+
+impl Pod {
+    fn create(id: &str, node: &Netns, name: &str, host_if: &str, ip: Ipv4Addr) -> Self {
+        let ns = Netns::create(format!("pxl-{id}-{name}"));
+        let pod_mac = format!("02:00:0a:f4:{:02x}:{:02x}", ip.octets()[2], ip.octets()[3]);
+        node.ip(&["link", "add", host_if, "address", NODE_MAC, "type", "veth", "peer", "name", "eth0", "address", &pod_mac, "netns", &ns.name]);
+        node.ip(&["link", "set", host_if, "up"]);
+        node.ip(&["route", "add", &format!("{ip}/32"), "dev", host_if, "scope", "link"]);
+        // Static neighbours both ways: the lab needs no ARP to work.
+        node.ip(&["neigh", "add", &ip.to_string(), "lladdr", &pod_mac, "dev", host_if, "nud", "permanent"]);
+        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"]);
+        ns.ip(&["link", "set", "eth0", "up"]);
+        ns.ip(&["route", "add", GATEWAY, "dev", "eth0", "scope", "link"]);
+        ns.ip(&["route", "add", "default", "via", GATEWAY, "dev", "eth0"]);
+        ns.ip(&["neigh", "add", GATEWAY, "lladdr", NODE_MAC, "dev", "eth0", "nud", "permanent"]);
+        Self { name: name.into(), ns, ip, host_if: host_if.into() }
+    }
+}
+
+/// A Service manifest. `ports`: (name, port, protocol, targetPort).
+pub fn service(name: &str, cluster_ip: &str, ports: &[(&str, u16, &str, u16)]) -> String {
+    let mut s = format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  ports:\n");
+    for (n, p, proto, t) in ports {
+        s += &format!("  - name: {n}\n    port: {p}\n    protocol: {proto}\n    targetPort: {t}\n");
+    }
+    s
+}
+
+/// An EndpointSlice manifest for Service `svc`. `ports`: (name, port, protocol).
+pub fn endpoint_slice(svc: &str, name: &str, endpoints: &[Ipv4Addr], ports: &[(&str, u16, &str)]) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n"
+    );
+    for (n, p, proto) in ports {
+        s += &format!("- name: {n}\n  port: {p}\n  protocol: {proto}\n");
+    }
+    s += if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
+    for ip in endpoints {
+        s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {NODE_NAME}\n");
+    }
+    s
+}
+
+/// The three standard Services: web (TCP 80 -> 8080), dns (UDP 53 -> 5353) over `endpoints`,
+/// and one without endpoints.
+pub fn standard_manifests(endpoints: &[Ipv4Addr]) -> String {
+    [
+        service("web", "10.96.0.10", &[("http", 80, "TCP", TCP_PORT)]),
+        endpoint_slice("web", "web-1", endpoints, &[("http", TCP_PORT, "TCP")]),
+        service("dns", "10.96.0.53", &[("dns", 53, "UDP", UDP_PORT)]),
+        endpoint_slice("dns", "dns-1", endpoints, &[("dns", UDP_PORT, "UDP")]),
+        service("empty", "10.96.0.99", &[("http", 80, "TCP", TCP_PORT)]),
+        endpoint_slice("empty", "empty-1", &[], &[("http", TCP_PORT, "TCP")]),
+    ]
+    .join("---\n")
+}
+
+/// The directory an executable lives in, to find its sibling binaries (the demo and the
+/// benchmarks use the lab agent built next to them).
+pub fn sibling(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current executable");
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    dir.join(name)
+}

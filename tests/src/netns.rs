@@ -1,0 +1,92 @@
+//! Network namespaces for the lab, created with iproute2 and removed on drop (also on panic).
+
+use std::{
+    fs::File,
+    io,
+    os::fd::AsRawFd,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+};
+
+/// A short id unique to this process and call, for netns names that never collide between
+/// tests running in parallel or with another run on the same machine.
+pub fn unique_id() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{:x}{:x}{:x}", std::process::id() % 0xfff, n, nanos % 0xfff)
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn sh(args: &[&str]) -> String {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap_or_else(|e| panic!("running {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn create(name: impl Into<String>) -> Self {
+        let name = name.into();
+        sh(&["ip", "netns", "add", &name]);
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// `ip -n <ns> ...`
+    pub fn ip(&self, args: &[&str]) -> String {
+        let mut v = vec!["ip", "-n", &self.name];
+        v.extend_from_slice(args);
+        sh(&v)
+    }
+
+    pub fn sysctl(&self, key: &str, value: &str) {
+        let path = format!("/proc/sys/{}", key.replace('.', "/"));
+        let value = value.to_string();
+        self.run(move || std::fs::write(&path, value).unwrap_or_else(|e| panic!("sysctl {path}: {e}")));
+    }
+
+    /// The namespace file, for setns.
+    pub fn file(&self) -> File {
+        File::open(format!("/run/netns/{}", self.name)).unwrap_or_else(|e| panic!("open netns {}: {e}", self.name))
+    }
+
+    /// Runs `f` on a thread that lives in this namespace. Sockets it creates belong to the
+    /// namespace and may be used from any thread afterwards.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let file = self.file();
+        thread::spawn(move || {
+            enter(&file).expect("setns");
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+}
+
+/// Moves the calling thread into the network namespace `file`.
+pub fn enter(file: &File) -> io::Result<()> {
+    // SAFETY: setns on a valid namespace fd affects only the calling thread's network namespace.
+    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes the veths in it. Never panic in drop.
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+    }
+}

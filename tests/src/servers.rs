@@ -1,0 +1,175 @@
+//! Backends that answer with their own name over TCP and UDP, and the client side of the
+//! conversation. Every blocking call has a timeout so a broken dataplane fails a test instead
+//! of hanging it.
+
+use std::{
+    io::{self, BufRead, BufReader, Write},
+    net::{Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread::{self, JoinHandle},
+    time::Duration,
+};
+
+use crate::netns::Netns;
+
+pub const TIMEOUT: Duration = Duration::from_secs(3);
+const POLL: Duration = Duration::from_millis(20);
+
+/// A backend's TCP and UDP servers. They answer each request line / datagram with
+/// `<name> <peer-address>`, so a test sees which backend answered and whom it saw.
+pub struct Backend {
+    pub name: String,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Backend {
+    pub fn start(ns: &Netns, name: &str, tcp_port: u16, udp_port: u16) -> Self {
+        let (tcp, udp) = ns.run(move || {
+            let tcp = TcpListener::bind(("0.0.0.0", tcp_port)).expect("bind TCP");
+            let udp = UdpSocket::bind(("0.0.0.0", udp_port)).expect("bind UDP");
+            (tcp, udp)
+        });
+        tcp.set_nonblocking(true).unwrap();
+        udp.set_read_timeout(Some(POLL)).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let (n, s) = (name.to_string(), stop.clone());
+        threads.push(thread::spawn(move || serve_tcp(tcp, n, s)));
+        let (n, s) = (name.to_string(), stop.clone());
+        threads.push(thread::spawn(move || serve_udp(udp, n, s)));
+        Self { name: name.into(), stop, threads }
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_tcp(listener: TcpListener, name: String, stop: Arc<AtomicBool>) {
+    let mut conns = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let (n, s) = (name.clone(), stop.clone());
+                conns.push(thread::spawn(move || serve_conn(stream, peer, n, s)));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => thread::sleep(POLL),
+            Err(_) => thread::sleep(POLL),
+        }
+    }
+    for c in conns {
+        let _ = c.join();
+    }
+}
+
+fn serve_conn(stream: TcpStream, peer: SocketAddr, name: String, stop: Arc<AtomicBool>) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(POLL));
+    let mut writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(_) => return,
+    };
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    while !stop.load(Ordering::Relaxed) {
+        match reader.read_line(&mut line) {
+            Ok(0) => return,
+            Ok(_) if line.ends_with('\n') => {
+                if writeln!(writer, "{name} {peer}").is_err() {
+                    return;
+                }
+                line.clear();
+            }
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(_) => return,
+        }
+    }
+    let _ = writer.shutdown(Shutdown::Both);
+}
+
+fn serve_udp(sock: UdpSocket, name: String, stop: Arc<AtomicBool>) {
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((_, peer)) = sock.recv_from(&mut buf) {
+            let _ = sock.send_to(format!("{name} {peer}").as_bytes(), peer);
+        }
+    }
+}
+
+/// What a backend answered: its name and the client address it saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub backend: String,
+    pub peer: SocketAddr,
+}
+
+fn parse_answer(text: &str) -> io::Result<Answer> {
+    let mut it = text.split_whitespace();
+    let (Some(backend), Some(peer)) = (it.next(), it.next()) else {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer {text:?}")));
+    };
+    let peer = peer.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("{e}: {text:?}")))?;
+    Ok(Answer { backend: backend.into(), peer })
+}
+
+/// A TCP connection from the client namespace.
+pub struct Conn {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl Conn {
+    /// Connects from inside `ns`.
+    pub fn open(ns: &Netns, to: SocketAddrV4) -> io::Result<Self> {
+        let stream = ns.run(move || TcpStream::connect_timeout(&to.into(), TIMEOUT))?;
+        stream.set_read_timeout(Some(TIMEOUT))?;
+        stream.set_write_timeout(Some(TIMEOUT))?;
+        Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
+    }
+
+    /// Sends a request line and reads the answer.
+    pub fn ask(&mut self) -> io::Result<Answer> {
+        writeln!(self.writer, "hello")?;
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"));
+        }
+        parse_answer(line.trim())
+    }
+}
+
+/// One TCP request on a fresh connection.
+pub fn tcp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
+    Conn::open(ns, to)?.ask()
+}
+
+/// One UDP request; returns the answer and the address it came from.
+pub fn udp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<(Answer, SocketAddr)> {
+    let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
+    sock.set_read_timeout(Some(TIMEOUT))?;
+    sock.send_to(b"hello", to)?;
+    let mut buf = [0u8; 2048];
+    let (n, from) = sock.recv_from(&mut buf)?;
+    Ok((parse_answer(&String::from_utf8_lossy(&buf[..n]))?, from))
+}
+
+/// A UDP request on a connected socket, so ICMP errors surface as errors (ECONNREFUSED).
+pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
+    let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
+    sock.set_read_timeout(Some(TIMEOUT))?;
+    sock.connect(to)?;
+    sock.send(b"hello")?;
+    let mut buf = [0u8; 2048];
+    let n = sock.recv(&mut buf)?;
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}

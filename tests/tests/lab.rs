@@ -1,0 +1,137 @@
+//! End-to-end scenarios in the lab, with real TCP and UDP through the agent's programs.
+
+use std::{collections::BTreeMap, io::ErrorKind, thread, time::Duration};
+
+use proxy_tests::{
+    lab::{self, sock, standard_manifests, Lab, DNS_VIP, EMPTY_VIP, WEB_VIP},
+    require,
+    servers::{tcp_ask, udp_ask, udp_ask_connected, Conn},
+};
+
+const AGENT: &str = env!("CARGO_BIN_EXE_proxy-lab-agent");
+
+/// A lab with three backends behind the standard Services, agent running and synced.
+fn lab(test: &str) -> Option<Lab> {
+    if !require::root(test) {
+        return None;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.start_agent();
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.wait_programmed(DNS_VIP, "UDP", 3);
+    Some(lab)
+}
+
+fn counts(lab: &Lab, n: usize) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for i in 0..n {
+        let a = tcp_ask(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("connection {i} to {WEB_VIP}: {e}"));
+        *seen.entry(a.backend).or_default() += 1;
+    }
+    seen
+}
+
+#[test]
+fn tcp_connections_spread_over_every_backend() {
+    let Some(lab) = lab("tcp_connections_spread_over_every_backend") else { return };
+    let seen = counts(&lab, 100);
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), ["backend-1", "backend-2", "backend-3"], "100 connections: {seen:?}");
+    // The backend sees the client's own address: a ClusterIP is DNAT only.
+    let a = tcp_ask(&lab.client.ns, sock(WEB_VIP)).unwrap();
+    assert_eq!(a.peer.ip(), std::net::IpAddr::V4(lab.client.ip));
+}
+
+#[test]
+fn udp_request_and_reply_through_the_service_address() {
+    let Some(lab) = lab("udp_request_and_reply_through_the_service_address") else { return };
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..30 {
+        let (answer, from) = udp_ask(&lab.client.ns, sock(DNS_VIP)).expect("UDP answer through the service");
+        assert_eq!(from, sock(DNS_VIP).into(), "the reply must come from the service address");
+        seen.insert(answer.backend);
+    }
+    assert!(seen.len() > 1, "UDP flows from new source ports spread over backends: {seen:?}");
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_at_once() {
+    let Some(lab) = lab("a_service_without_endpoints_refuses_at_once") else { return };
+    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).err().expect("no endpoints: the connection must fail");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "expected connection refused (ICMP), got {err}");
+    lab.write_manifest("empty-udp.yaml", &[lab::service("empty-udp", "10.96.0.98", &[("dns", 53, "UDP", 5353)]), lab::endpoint_slice("empty-udp", "empty-udp-1", &[], &[("dns", 5353, "UDP")])].join("---\n"));
+    let mut lab = lab;
+    lab.wait_programmed("10.96.0.98:53", "UDP", 0);
+    let err = udp_ask_connected(&lab.client.ns, sock("10.96.0.98:53")).err().expect("no endpoints: UDP must fail");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "expected ECONNREFUSED from the ICMP error, got {err}");
+    assert!(lab.inspect().unwrap().counters["reject_no_endpoints"].packets >= 2);
+}
+
+#[test]
+fn a_removed_backend_gets_no_new_flows_within_a_second() {
+    let Some(lab) = lab("a_removed_backend_gets_no_new_flows_within_a_second") else { return };
+    let remaining = &lab.backend_ips()[..2];
+    lab.write_manifest("services.yaml", &standard_manifests(remaining));
+    thread::sleep(Duration::from_secs(1));
+    let seen = counts(&lab, 60);
+    assert!(!seen.contains_key("backend-3"), "1 s after the file change backend-3 must get no new flows: {seen:?}");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}
+
+#[test]
+fn an_added_backend_starts_getting_traffic() {
+    let Some(mut lab) = lab("an_added_backend_starts_getting_traffic") else { return };
+    let two = &lab.backend_ips()[..2];
+    lab.write_manifest("services.yaml", &standard_manifests(two));
+    lab.wait_programmed(WEB_VIP, "TCP", 2);
+    assert!(!counts(&lab, 30).contains_key("backend-3"));
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    assert!(counts(&lab, 60).contains_key("backend-3"), "the added backend must get new flows");
+}
+
+#[test]
+fn an_established_connection_survives_kill_and_restart_of_the_agent() {
+    let Some(mut lab) = lab("an_established_connection_survives_kill_and_restart_of_the_agent") else { return };
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("connect");
+    let first = conn.ask().expect("first request").backend;
+    lab.kill_agent();
+    assert_eq!(conn.ask().expect("request while the agent is dead").backend, first, "same backend without an agent");
+    assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok(), "new connections work while the agent is dead");
+    lab.start_agent();
+    lab.wait_for("the restarted agent to attach again", |r| r.interfaces.len() == 4 && r.frontends.len() == 3);
+    // Give it time to finish its initial sync against the pinned state.
+    lab.wait_for("the initial sync", |_| true);
+    thread::sleep(Duration::from_millis(300));
+    for i in 0..5 {
+        assert_eq!(conn.ask().unwrap_or_else(|e| panic!("request {i} after restart: {e}")).backend, first, "the connection keeps its backend across the restart");
+    }
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections still spread after the restart");
+    let log = lab.agent_log();
+    assert!(log.matches("initial sync done").count() >= 2, "both runs synced:\n{log}");
+}
+
+#[test]
+fn a_pod_interface_created_later_is_attached() {
+    let Some(mut lab) = lab("a_pod_interface_created_later_is_attached") else { return };
+    let late = lab.add_pod("late-client", false).ns.name.clone();
+    lab.wait_for("the new interface to be attached", |r| r.interfaces.values().any(|n| n == "vethx1"));
+    let ns = &lab.extra[0].ns;
+    assert_eq!(ns.name, late);
+    let a = tcp_ask(ns, sock(WEB_VIP)).expect("a pod created after the agent reaches the service");
+    assert!(a.backend.starts_with("backend-"));
+}
+
+#[test]
+fn a_broken_manifest_is_reported_and_breaks_nothing() {
+    let Some(mut lab) = lab("a_broken_manifest_is_reported_and_breaks_nothing") else { return };
+    lab.write_manifest("bad.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
+    lab.write_manifest("broken.yaml", "kind: [unclosed");
+    // The valid Services keep working, and the problems are named in the log.
+    thread::sleep(Duration::from_millis(500));
+    assert_eq!(counts(&lab, 10).values().sum::<usize>(), 10);
+    let log = lab.agent_log();
+    assert!(log.contains("Service default/bad") && log.contains("10.96.0.300"), "the invalid Service must be named:\n{log}");
+    assert!(log.contains("broken.yaml") && log.contains("not valid YAML"), "the broken file must be named:\n{log}");
+    assert!(lab.agent_running(), "the agent must keep running");
+}
