@@ -34,6 +34,8 @@ pub mod map_names {
 pub mod prog_names {
     pub const TC_INGRESS: &str = "proxy_tc_ingress";
     pub const TC_EGRESS: &str = "proxy_tc_egress";
+    /// An empty classifier, only loaded by the benchmark as its floor.
+    pub const TC_FLOOR: &str = "proxy_tc_floor";
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.

@@ -1,5 +1,6 @@
 //! Preconditions of tests that touch the kernel. A test that cannot run says why, on stderr,
-//! and returns; it never passes silently.
+//! and returns; it never passes silently. Under `cargo xtask test` as root
+//! (PROXY_TESTS_STRICT=1) a test that cannot run fails instead.
 
 /// True when running as root (needed for BPF, netns and veth). Otherwise prints why the test
 /// named `test` cannot run.
@@ -8,9 +9,13 @@ pub fn root(test: &str) -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    eprintln!(
-        "SKIPPED {test}: needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN) to load eBPF programs \
-         and create network namespaces; run `cargo xtask test` as root"
+    let why = format!(
+        "{test}: needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN) to load eBPF programs and \
+         create network namespaces; run `cargo xtask test` as root"
     );
+    if std::env::var_os("PROXY_TESTS_STRICT").is_some() {
+        panic!("{why}");
+    }
+    eprintln!("SKIPPED {why}");
     false
 }

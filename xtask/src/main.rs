@@ -1,1 +1,265 @@
-fn main(){}
+//! Project tasks: `cargo xtask <setup|build|run|test|bench>`.
+//!
+//! Every task runs `setup` first. Setup is idempotent and quick when everything is present; on
+//! a fresh machine it installs what the build and the tests need: the nightly `rust-src`
+//! component, `bpf-linker` linked against the nightly toolchain's own LLVM, and the Debian
+//! packages the tests use. This crate uses only std so it builds before any of that exists.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::{exit, Command, ExitStatus, Stdio},
+};
+
+/// Debian packages the lab, the tests and the tools they call need.
+const PACKAGES: &[(&str, &str)] = &[
+    ("iproute2", "ip: network namespaces, veth pairs and routes of the test lab"),
+    ("bpftool", "dumping pinned maps in tests and by hand"),
+    ("iptables", "netfilter tools (fallback modes, benchmarks)"),
+    ("nftables", "netfilter tools (fallback modes, benchmarks)"),
+    ("iperf3", "traffic generation in benchmarks"),
+];
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+type Result<T = ()> = std::result::Result<T, String>;
+
+fn main() {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let (task, rest) = match args.split_first() {
+        Some((t, r)) => (t.as_str(), r),
+        None => ("help", &[][..]),
+    };
+    let result = match task {
+        "setup" => setup(),
+        "build" => setup().and_then(|()| build(rest)),
+        "run" => setup().and_then(|()| run_demo(rest)),
+        "test" => setup().and_then(|()| test(rest)),
+        "bench" => setup().and_then(|()| bench(rest)),
+        "help" | "-h" | "--help" => {
+            print_help();
+            Ok(())
+        }
+        other => Err(format!("unknown task {other:?}; run `cargo xtask help`")),
+    };
+    if let Err(e) = result {
+        eprintln!("xtask {task}: {e}");
+        exit(1);
+    }
+}
+
+fn print_help() {
+    println!(
+        "cargo xtask <task>\n\n\
+         \x20 setup   install what the build and tests need (nightly rust-src, bpf-linker, Debian packages)\n\
+         \x20 build   build the agent and the lab binaries\n\
+         \x20 run     the demo: a lab of network namespaces, the agent on examples/, traffic; Ctrl-C ends it\n\
+         \x20 test    every test (run as root: the lab and the eBPF tests need it)\n\
+         \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost"
+    );
+}
+
+fn cargo() -> Command {
+    Command::new(env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn status(cmd: &mut Command) -> Result<ExitStatus> {
+    cmd.status().map_err(|e| format!("running {cmd:?}: {e}"))
+}
+
+fn check(cmd: &mut Command) -> Result {
+    let st = status(cmd)?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed ({st})"))
+    }
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed ({})", out.status));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn is_root() -> bool {
+    // std has no geteuid; /proc/self/status carries it without a libc dependency.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2) == Some("0")))
+        .unwrap_or(false)
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+// ---------------------------------------------------------------------------------------------
+// setup
+
+fn setup() -> Result {
+    nightly_rust_src()?;
+    bpf_linker()?;
+    packages()
+}
+
+fn nightly_rust_src() -> Result {
+    let toolchains = output(Command::new("rustup").args(["toolchain", "list"]))
+        .map_err(|e| format!("{e}\nrustup is needed to build the eBPF programs with the nightly toolchain"))?;
+    if !toolchains.lines().any(|l| l.starts_with("nightly")) {
+        println!("setup: installing the nightly toolchain (the eBPF programs need -Z build-std)");
+        check(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal", "--component", "rust-src"]))?;
+    }
+    let installed = output(Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]))?;
+    if !installed.lines().any(|l| l.starts_with("rust-src")) {
+        println!("setup: adding rust-src to nightly (to build core for the bpf target)");
+        check(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    }
+    Ok(())
+}
+
+/// The nightly sysroot, its LLVM major version and the name of its LLVM shared library.
+fn nightly_llvm() -> Result<(PathBuf, String, String)> {
+    let sysroot = PathBuf::from(output(Command::new("rustc").args(["+nightly", "--print", "sysroot"]))?.trim());
+    let vv = output(Command::new("rustc").args(["+nightly", "-vV"]))?;
+    let major = vv
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .ok_or("`rustc +nightly -vV` reports no LLVM version")?
+        .to_string();
+    let prefix = format!("libLLVM-{major}-");
+    let lib = std::fs::read_dir(sysroot.join("lib"))
+        .map_err(|e| format!("reading {}: {e}", sysroot.join("lib").display()))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .find(|n| n.starts_with(&prefix) && n.ends_with(".so"))
+        .ok_or_else(|| format!("no {prefix}*.so in {}/lib: the nightly toolchain ships no LLVM library to link bpf-linker against", sysroot.display()))?;
+    let name = lib.trim_start_matches("lib").trim_end_matches(".so").to_string();
+    Ok((sysroot, major, name))
+}
+
+/// True when the installed bpf-linker runs and loads its LLVM from the current nightly.
+fn bpf_linker_matches(sysroot: &Path) -> bool {
+    let Ok(path) = output(Command::new("sh").args(["-c", "command -v bpf-linker"])) else { return false };
+    let Ok(ldd) = output(Command::new("ldd").arg(path.trim())) else { return false };
+    let llvm: Vec<&str> = ldd.lines().filter(|l| l.contains("libLLVM")).collect();
+    !llvm.is_empty()
+        && llvm.iter().all(|l| !l.contains("not found") && l.contains(&*sysroot.to_string_lossy()))
+        && Command::new("bpf-linker").arg("--version").stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+fn bpf_linker() -> Result {
+    let (sysroot, major, lib) = nightly_llvm()?;
+    if bpf_linker_matches(&sysroot) {
+        return Ok(());
+    }
+    println!("setup: building bpf-linker {BPF_LINKER_VERSION} against nightly's LLVM {major} ({lib}); about a minute");
+    let libdir = sysroot.join("lib");
+    let rustflags = format!("-L {} -l dylib={lib} -C link-arg=-Wl,-rpath,{}", libdir.display(), libdir.display());
+    check(
+        cargo()
+            .args(["install", "--force", &format!("bpf-linker@{BPF_LINKER_VERSION}"), "--no-default-features"])
+            .args(["--features", &format!("llvm-{major},no-llvm-linking")])
+            .env("RUSTFLAGS", rustflags),
+    )
+    .map_err(|e| {
+        format!(
+            "{e}\nbpf-linker could not be built against LLVM {major}. If bpf-linker {BPF_LINKER_VERSION} has no \
+             llvm-{major} feature, a newer bpf-linker is needed for this nightly; or pin an older nightly."
+        )
+    })?;
+    if !bpf_linker_matches(&sysroot) {
+        return Err("bpf-linker was installed but is not on PATH or does not load nightly's LLVM; add ~/.cargo/bin to PATH".into());
+    }
+    Ok(())
+}
+
+fn packages() -> Result {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .map(|(p, _)| *p)
+        .filter(|p| {
+            !Command::new("dpkg-query")
+                .args(["-W", "-f=${Status}", p])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        let why: Vec<String> = PACKAGES.iter().filter(|(p, _)| missing.contains(p)).map(|(p, w)| format!("  {p}: {w}")).collect();
+        return Err(format!(
+            "missing Debian packages:\n{}\ninstall them with `sudo apt-get install -y {}` or run this task as root",
+            why.join("\n"),
+            missing.join(" ")
+        ));
+    }
+    println!("setup: installing {}", missing.join(" "));
+    check(Command::new("apt-get").args(["update", "-qq"]))?;
+    check(
+        Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// tasks
+
+fn build(extra: &[String]) -> Result {
+    check(cargo().current_dir(workspace_root()).args(["build", "--bins"]).args(extra))
+}
+
+fn require_root(what: &str) -> Result {
+    if is_root() {
+        Ok(())
+    } else {
+        Err(format!("{what} creates network namespaces and loads eBPF programs: run it as root (`sudo -E cargo xtask ...`)"))
+    }
+}
+
+fn run_demo(extra: &[String]) -> Result {
+    require_root("the demo")?;
+    check(cargo().current_dir(workspace_root()).args(["build", "-p", "proxy-tests", "--bins"]))?;
+    check(cargo().current_dir(workspace_root()).args(["run", "-q", "-p", "proxy-tests", "--bin", "proxy-demo", "--"]).args(extra))
+}
+
+fn test(extra: &[String]) -> Result {
+    let mut cmd = cargo();
+    cmd.current_dir(workspace_root()).arg("test").args(extra);
+    if is_root() {
+        // Root can run everything: a test that finds it cannot is a failure, not a skip.
+        cmd.env("PROXY_TESTS_STRICT", "1");
+    } else {
+        println!("xtask test: not root; tests that need root (eBPF, network namespaces) will say so and not run");
+    }
+    check(&mut cmd)
+}
+
+fn target_dir() -> Result<PathBuf> {
+    let meta = output(cargo().current_dir(workspace_root()).args(["metadata", "--format-version", "1", "--no-deps"]))?;
+    let key = "\"target_directory\":\"";
+    let start = meta.find(key).ok_or("cargo metadata has no target_directory")? + key.len();
+    let end = meta[start..].find('"').ok_or("malformed cargo metadata")? + start;
+    Ok(PathBuf::from(&meta[start..end]))
+}
+
+fn bench(extra: &[String]) -> Result {
+    require_root("the benchmark")?;
+    let out = target_dir()?.join("bench");
+    std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
+    check(cargo().current_dir(workspace_root()).args(["build", "--release", "-p", "proxy-tests", "--bins"]))?;
+    let which = if extra.is_empty() { vec!["datapath".to_string()] } else { extra.to_vec() };
+    check(
+        cargo()
+            .current_dir(workspace_root())
+            .args(["run", "-q", "--release", "-p", "proxy-tests", "--bin", "proxy-bench", "--"])
+            .args(&which)
+            .env("BENCH_OUT_DIR", &out),
+    )
+}

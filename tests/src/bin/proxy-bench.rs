@@ -1,0 +1,249 @@
+//! `cargo xtask bench [datapath]`: per-packet cost of the TC programs through
+//! BPF_PROG_TEST_RUN, at 1, 10,000 and 100,000 Services with 4 backends each, next to an empty
+//! program of the same type (the floor). Prints a table and writes JSON to $BENCH_OUT_DIR.
+//!
+//! Two methods, because the kernel repeats a test run on the same skb and the programs rewrite
+//! it:
+//! - "repeat": one BPF_PROG_TEST_RUN with repeat = 1,000,000, for packets the program leaves
+//!   byte-for-byte the same. For the established flow and the reply that is arranged with a
+//!   service whose backend is its own address: the rewrite still runs every helper and store,
+//!   it only writes the values that were there.
+//! - "calls": 1,000,000 BPF_PROG_TEST_RUN calls with repeat = 1, a fresh frame each, for new
+//!   flows (each a distinct 5-tuple) and, as a cross-check, the established flow.
+//!   The kernel's per-call duration includes one clock read, which the floor measured the same
+//!   way includes too.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Instant,
+};
+
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use proxy_agent::{
+    dataplane::{
+        ebpf::{
+            loader::{self, LoadOptions},
+            EbpfDataplane,
+        },
+        Dataplane,
+    },
+    model::{Backend, Frontend, FrontendKey, ObjectKey, Protocol, ServicePortName},
+};
+use proxy_common::prog_names;
+use proxy_tests::packet::{tcp_frame, ACK, SYN};
+
+const REPEAT: u32 = 1_000_000;
+const CALLS: u32 = 1_000_000;
+const SIZES: [u32; 3] = [1, 10_000, 100_000];
+
+/// `--quick` (for development only): fewer repetitions; the reported figures come from a full run.
+fn scale() -> u32 {
+    if std::env::args().any(|a| a == "--quick") { 10 } else { 1 }
+}
+
+fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
+    Frontend {
+        name: ServicePortName { service: ObjectKey::new("bench", name), port: "http".into(), protocol: Protocol::Tcp },
+        backends: backends.into_iter().map(|(addr, port)| Backend { addr, port, terminating: false, local: false }).collect(),
+        retained: vec![],
+        affinity_timeout: None,
+    }
+}
+
+fn key(addr: Ipv4Addr, port: u16) -> FrontendKey {
+    FrontendKey { addr, port, protocol: Protocol::Tcp }
+}
+
+/// Services 0..n: 10.96.x.y:80 -> 4 backends 10.(128+...).
+fn program_services(dp: &mut EbpfDataplane, n: u32) {
+    for i in 0..n {
+        let vip = Ipv4Addr::from(0x0a60_0000 + i);
+        let backends = (0..4).map(|b| (Ipv4Addr::from(0x0a80_0000 + i * 4 + b), 8080)).collect();
+        dp.upsert(&key(vip, 80), &frontend(&format!("svc-{i}"), backends)).expect("program a service");
+    }
+}
+
+fn run(prog: &mut SchedClassifier, frame: &[u8], repeat: u32) -> (u32, u64) {
+    let mut out = vec![0u8; frame.len() + 256];
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
+    let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN");
+    (r.return_value, r.duration.as_nanos() as u64)
+}
+
+/// Mean ns per packet over `repeat` runs of one frame in one call.
+fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
+    let (_, ns) = run(prog, frame, REPEAT / scale());
+    ns as f64
+}
+
+/// Mean ns per packet over CALLS calls, the frame for call i from `frame(i)`.
+fn calls(prog: &mut SchedClassifier, frame: impl Fn(u32) -> Vec<u8>) -> f64 {
+    let n = CALLS / scale();
+    let mut total = 0u64;
+    for i in 0..n {
+        total += run(prog, &frame(i), 1).1;
+    }
+    total as f64 / f64::from(n)
+}
+
+struct Measured {
+    cases: BTreeMap<&'static str, f64>,
+    program_ms: f64,
+}
+
+fn measure(services: u32) -> Measured {
+    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: 1 << 21 })
+        .expect("load the dataplane (as root)");
+    let t = Instant::now();
+    // The measured services: `bench` with 4 real backends, `mirror` whose backend is its own
+    // address (so a translated packet is the same packet again; see the module comment).
+    let bench_vip = Ipv4Addr::new(10, 100, 0, 1);
+    let mirror = SocketAddrV4::new(Ipv4Addr::new(10, 100, 0, 2), 80);
+    dp.upsert(&key(bench_vip, 80), &frontend("bench", (1..=4).map(|b| (Ipv4Addr::new(10, 200, 0, b), 8080)).collect())).unwrap();
+    dp.upsert(&key(*mirror.ip(), 80), &frontend("mirror", vec![(*mirror.ip(), 80)])).unwrap();
+    program_services(&mut dp, services.saturating_sub(2).max(0));
+    let program_ms = t.elapsed().as_secs_f64() * 1e3;
+
+    let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
+    let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
+    let mirror_fwd = tcp_frame(client, mirror, ACK);
+    let mirror_reply = tcp_frame(mirror, client, ACK);
+    let bench_fwd = tcp_frame(client, SocketAddrV4::new(bench_vip, 80), ACK);
+
+    let floor = loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR);
+    floor.load().expect("load the floor program");
+    let mut cases = BTreeMap::new();
+    cases.insert("floor/repeat", repeated(floor, &not_service));
+    cases.insert("floor/calls", calls(floor, |_| not_service.clone()));
+
+    let ingress = dp.ingress_program();
+    cases.insert("not_service/repeat", repeated(ingress, &not_service));
+    // First packets create the flows; every later one is established.
+    run(ingress, &tcp_frame(client, mirror, SYN), 1);
+    run(ingress, &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
+    cases.insert("established/repeat", repeated(ingress, &mirror_fwd));
+    cases.insert("established/calls", calls(ingress, |_| bench_fwd.clone()));
+    cases.insert(
+        "new_flow/calls",
+        calls(ingress, |i| {
+            let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
+            tcp_frame(src, SocketAddrV4::new(bench_vip, 80), SYN)
+        }),
+    );
+    let egress = dp.egress_program();
+    cases.insert("reply/repeat", repeated(egress, &mirror_reply));
+    Measured { cases, program_ms }
+}
+
+/// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
+/// under `perf record -a` when working on the datapath.
+fn profile() {
+    let mut dp = EbpfDataplane::load(LoadOptions::default()).expect("load the dataplane (as root)");
+    let mirror = SocketAddrV4::new(Ipv4Addr::new(10, 100, 0, 2), 80);
+    dp.upsert(&key(*mirror.ip(), 80), &frontend("mirror", vec![(*mirror.ip(), 80)])).unwrap();
+    let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
+    let ingress = dp.ingress_program();
+    run(ingress, &tcp_frame(client, mirror, SYN), 1);
+    let est = tcp_frame(client, mirror, ACK);
+    let other = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
+    for _ in 0..10 {
+        println!("established {:.1} ns, not for a service {:.1} ns", repeated(ingress, &est), repeated(ingress, &other));
+    }
+}
+
+fn pct(a: f64, b: f64) -> String {
+    format!("{:+.1}%", (a / b - 1.0) * 100.0)
+}
+
+fn datapath(out_dir: &std::path::Path) {
+    let mut results = Vec::new();
+    for n in SIZES {
+        eprintln!("measuring with {n} services x 4 backends...");
+        results.push((n, measure(n)));
+    }
+    let rows: [(&str, &str); 8] = [
+        ("floor/repeat", "empty program (floor)"),
+        ("not_service/repeat", "not for a service"),
+        ("established/repeat", "established flow (ingress DNAT)"),
+        ("reply/repeat", "reply (egress reverse NAT)"),
+        ("floor/calls", "empty program (floor)"),
+        ("established/calls", "established flow (ingress DNAT)"),
+        ("new_flow/calls", "new flow (select, track, DNAT)"),
+        ("", ""),
+    ];
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    println!("\nDatapath cost per packet through BPF_PROG_TEST_RUN (ns), kernel {}, {cpus} CPUs", kernel.trim());
+    println!("{:<44}{:>10}{:>12}{:>13}{:>12}", "", "1 svc", "10,000 svc", "100,000 svc", "100k vs 1");
+    for (i, (case, label)) in rows.iter().enumerate() {
+        if case.is_empty() {
+            continue;
+        }
+        if i == 0 {
+            println!("one call, repeat = {REPEAT}:");
+        }
+        if i == 4 {
+            println!("{CALLS} calls, repeat = 1, a fresh frame each:");
+        }
+        let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
+        println!("  {label:<42}{:>10.1}{:>12.1}{:>13.1}{:>12}", v[0], v[1], v[2], pct(v[2], v[0]));
+    }
+    let ratio = |case: &str, floor: &str| -> Vec<f64> { results.iter().map(|(_, m)| m.cases[case] / m.cases[floor]).collect() };
+    let est = ratio("established/repeat", "floor/repeat");
+    let est_calls = ratio("established/calls", "floor/calls");
+    println!(
+        "\nestablished / floor: {:.2}x {:.2}x {:.2}x (repeat); {:.2}x {:.2}x {:.2}x (calls)   target <= 2.5x",
+        est[0], est[1], est[2], est_calls[0], est_calls[1], est_calls[2]
+    );
+    let flat = |case: &str| {
+        let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
+        (v[2] / v[0] - 1.0) * 100.0
+    };
+    println!(
+        "100,000 vs 1 service: established {:+.1}%, new flow {:+.1}%, not for a service {:+.1}%   target within 10%",
+        flat("established/repeat"),
+        flat("new_flow/calls"),
+        flat("not_service/repeat")
+    );
+    let programming: Vec<String> = results.iter().map(|(n, m)| format!("{n} services in {:.0} ms", m.program_ms)).collect();
+    println!("programming (agent map writer, 4 backends each): {}", programming.join(", "));
+
+    let json = serde_json::json!({
+        "benchmark": "datapath",
+        "unit": "ns_per_packet",
+        "kernel": kernel.trim(),
+        "cpus": cpus,
+        "repeat": REPEAT,
+        "calls": CALLS,
+        "services": SIZES,
+        "cases": results.iter().map(|(n, m)| serde_json::json!({"services": n, "program_ms": m.program_ms, "ns": m.cases})).collect::<Vec<_>>(),
+    });
+    let path = out_dir.join("datapath.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
+fn main() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("the benchmark loads eBPF programs: run it as root (`sudo -E cargo xtask bench`)");
+        std::process::exit(1);
+    }
+    let out_dir = std::path::PathBuf::from(std::env::var_os("BENCH_OUT_DIR").unwrap_or_else(|| ".".into()));
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
+    if which.is_empty() {
+        which.push("datapath".into());
+    }
+    for b in which {
+        match b.as_str() {
+            "datapath" => datapath(&out_dir),
+            "profile" => profile(),
+            other => {
+                eprintln!("unknown benchmark {other:?}; available: datapath, profile");
+                std::process::exit(2);
+            }
+        }
+    }
+}

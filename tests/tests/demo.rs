@@ -1,0 +1,21 @@
+//! The demo (`cargo xtask run`) end to end, in its one-round mode.
+
+use std::process::Command;
+
+use proxy_tests::require;
+
+#[test]
+fn the_demo_shows_balancing_udp_and_rejection_then_cleans_up() {
+    if !require::root("the_demo_shows_balancing_udp_and_rejection_then_cleans_up") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_proxy-demo")).arg("--once").output().expect("run the demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "demo failed:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for want in ["backend-1 x", "backend-2 x", "backend-3 x", "reply from 10.96.0.53:53", "Connection refused", "default/web:http", "Lab removed"] {
+        assert!(text.contains(want), "demo output lacks {want:?}:\n{text}");
+    }
+    let id = text.lines().find_map(|l| l.strip_prefix("Lab ")).and_then(|l| l.strip_suffix(':')).expect("lab id line");
+    let netns = String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned();
+    assert!(!netns.contains(id), "the demo left namespaces behind:\n{netns}");
+}
