@@ -94,7 +94,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     }
     let err = |map| move |source| InspectError::Map { map, source };
     let services = HashMap::try_from(Map::HashMap(open(root, map_names::SERVICES)?)).map_err(err(map_names::SERVICES))?;
-    let backends = HashMap::try_from(Map::HashMap(open(root, map_names::BACKENDS)?)).map_err(err(map_names::BACKENDS))?;
+    let backends = Array::try_from(Map::Array(open(root, map_names::BACKENDS)?)).map_err(err(map_names::BACKENDS))?;
     let revnat = HashMap::try_from(Map::HashMap(open(root, map_names::REVNAT)?)).map_err(err(map_names::REVNAT))?;
     let names = HashMap::try_from(Map::HashMap(open(root, map_names::NAMES)?)).map_err(err(map_names::NAMES))?;
     let flows: Array<_, BackendFlows> =

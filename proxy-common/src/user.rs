@@ -71,7 +71,8 @@ impl CtKey {
             sport: src.port().to_be_bytes(),
             dport: dst.port().to_be_bytes(),
             proto,
-            _pad: [0; 3],
+            _pad: 0,
+            _pad2: 0,
         }
     }
 

@@ -146,7 +146,7 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
     // SAFETY: bounds checked by ptr_at.
     let l4 = unsafe { *l4 };
     let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
-    let reply_key = CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: [0; 3] };
+    let reply_key = CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
     // SAFETY: the value is copied out at once.
     let Some(entry) = CT4_V1.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
         return Ok(Verdict::pass(Reason::EgressPass));

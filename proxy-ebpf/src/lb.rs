@@ -65,10 +65,11 @@ fn service(key: &ServiceKey) -> Option<ServiceValue> {
     LB4_SERVICES_V1.get_ptr(key).map(|p| unsafe { *p })
 }
 
+/// The backend with this id, if it is set (an unset array entry is all zeroes).
 #[inline(always)]
 fn backend(id: u32) -> Option<Backend> {
     // SAFETY: the value is copied out at once.
-    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p })
+    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != [0; 4])
 }
 
 /// A packet of a tracked connection towards the service.

@@ -2,12 +2,12 @@
 //! `proxy_common::map_names`; sizes are defaults the agent may override at creation.
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    limits, Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat,
+    limits, Backend, ClockCache, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat,
     ServiceKey, ServiceName, ServiceValue, REASON_SLOTS,
 };
 
@@ -20,8 +20,9 @@ const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 pub static LB4_SERVICES_V1: HashMap<ServiceKey, ServiceValue, LB_MAX, NO_PREALLOC> =
     HashMap::new();
 
+/// An array: the verifier inlines array lookups, and every established packet does one.
 #[btf_map]
-pub static LB4_BACKENDS_V1: HashMap<u32, Backend, LB_MAX, NO_PREALLOC> = HashMap::new();
+pub static LB4_BACKENDS_V1: Array<Backend, LB_MAX> = Array::new();
 
 #[btf_map]
 pub static LB4_REVNAT_V1: HashMap<u32, RevNat, LB_MAX, NO_PREALLOC> = HashMap::new();
@@ -29,8 +30,10 @@ pub static LB4_REVNAT_V1: HashMap<u32, RevNat, LB_MAX, NO_PREALLOC> = HashMap::n
 #[btf_map]
 pub static LB4_FLOWS_V1: Array<BackendFlows, LB_MAX> = Array::new();
 
+/// Per-CPU LRU lists: inserting a new flow takes no map-wide lock. Entries are still shared:
+/// a flow is found from whichever CPU its next packet lands on.
 #[btf_map]
-pub static CT4_V1: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }> =
+pub static CT4_V1: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }, { BPF_F_NO_COMMON_LRU as usize }> =
     LruHashMap::new();
 
 #[btf_map]
@@ -44,3 +47,7 @@ pub static STATS_V1: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArr
 /// the others.
 #[btf_map]
 pub static LB4_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+/// Per-CPU cache of the coarse clock (see `ct::now`). Scratch, never pinned.
+#[btf_map]
+pub static CLOCK: PerCpuArray<ClockCache, 1> = PerCpuArray::new();

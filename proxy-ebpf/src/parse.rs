@@ -25,16 +25,17 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-/// Bounds-checked pointer into the linear part of the packet. The comparison is written against
-/// `data_end` on a pointer derived from `data`, the form the verifier can track.
+/// Bounds-checked pointer into the linear part of the packet, for reading or writing (TC may
+/// write packet data directly; the verifier adds an unclone prologue). The comparison is written
+/// against `data_end` on a pointer derived from `data`, the form the verifier can track.
 #[inline(always)]
-pub fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*const T> {
+pub fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*mut T> {
     let start = ctx.data();
     let end = ctx.data_end();
     if start + off + size_of::<T>() > end {
         return None;
     }
-    Some((start + off) as *const T)
+    Some((start + off) as *mut T)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -55,7 +55,8 @@ struct Programmed {
 
 pub struct LbMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
-    backends: HashMap<MapData, u32, Backend>,
+    /// An array: an entry with address 0.0.0.0 is unset.
+    backends: Array<MapData, Backend>,
     revnat: HashMap<MapData, u32, RevNat>,
     names: HashMap<MapData, u32, ServiceName>,
     flows: Array<MapData, BackendFlows>,
@@ -196,7 +197,7 @@ impl LbMaps {
         if let Some(e) = self.by_ident.get_mut(&ident) {
             if e.flags != flags {
                 self.backends
-                    .insert(e.id, value, 0)
+                    .set(e.id, value, 0)
                     .map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
                 e.flags = flags;
             }
@@ -209,7 +210,7 @@ impl LbMaps {
             .set(id, BackendFlows::default(), 0)
             .map_err(|s| map_error("reset", map_names::BACKEND_FLOWS, self.limit, s))
             .and_then(|()| {
-                self.backends.insert(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s))
+                self.backends.set(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s))
             });
         if let Err(e) = written {
             self.backend_ids.free(id);
@@ -245,9 +246,8 @@ impl LbMaps {
     }
 
     fn delete_backend(&mut self, id: u32, ident: Ident) {
-        match self.backends.remove(&id) {
+        match self.backends.set(id, Backend::default(), 0) {
             Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
             Err(e) => {
                 // Keep our record so a later pass retries; the entry is harmless meanwhile.
                 tracing::warn!(backend_id = id, error = %e, "could not delete backend entry");

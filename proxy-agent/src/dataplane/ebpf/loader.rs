@@ -95,7 +95,7 @@ fn program_hint(e: &aya::programs::ProgramError) -> &'static str {
 fn expected(name: &str) -> (MapType, usize, usize) {
     match name {
         map_names::SERVICES => (MapType::Hash, size_of::<ServiceKey>(), size_of::<ServiceValue>()),
-        map_names::BACKENDS => (MapType::Hash, size_of::<u32>(), size_of::<Backend>()),
+        map_names::BACKENDS => (MapType::Array, size_of::<u32>(), size_of::<Backend>()),
         map_names::REVNAT => (MapType::Hash, size_of::<u32>(), size_of::<RevNat>()),
         map_names::NAMES => (MapType::Hash, size_of::<u32>(), size_of::<ServiceName>()),
         map_names::BACKEND_FLOWS => (MapType::Array, size_of::<u32>(), size_of::<BackendFlows>()),

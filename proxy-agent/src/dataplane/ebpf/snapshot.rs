@@ -3,7 +3,7 @@
 
 use std::{borrow::Borrow, collections::BTreeMap};
 
-use aya::maps::{HashMap, MapData, MapError};
+use aya::maps::{Array, HashMap, MapData, MapError};
 use proxy_common::{Backend, RevNat, ServiceKey, ServiceName, ServiceValue};
 
 /// One frontend as the maps hold it.
@@ -30,7 +30,7 @@ pub struct Snapshot {
 
 pub fn read<S, B, R, N>(
     services: &HashMap<S, ServiceKey, ServiceValue>,
-    backends: &HashMap<B, u32, Backend>,
+    backends: &Array<B, Backend>,
     revnat: &HashMap<R, u32, RevNat>,
     names: &HashMap<N, u32, ServiceName>,
 ) -> Result<Snapshot, MapError>
@@ -60,9 +60,11 @@ where
             _ => snap.stray_slots.push(k),
         }
     }
-    for entry in backends.iter() {
-        let (id, b) = entry?;
-        snap.backends.insert(id, b);
+    for (id, entry) in backends.iter().enumerate() {
+        let b = entry?;
+        if id != 0 && b.addr != [0; 4] {
+            snap.backends.insert(id as u32, b);
+        }
     }
     let mut by_service_id: BTreeMap<u32, ServiceKey> = BTreeMap::new();
     for fe in snap.frontends.values_mut() {
