@@ -135,3 +135,72 @@ fn a_broken_manifest_is_reported_and_breaks_nothing() {
     assert!(log.contains("broken.yaml") && log.contains("not valid YAML"), "the broken file must be named:\n{log}");
     assert!(lab.agent_running(), "the agent must keep running");
 }
+
+#[test]
+fn sigterm_leaves_traffic_flowing_and_cleanup_removes_everything() {
+    let Some(mut lab) = lab("sigterm_leaves_traffic_flowing_and_cleanup_removes_everything") else { return };
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("connect");
+    let backend = conn.ask().unwrap().backend;
+    lab.stop_agent();
+    assert!(lab.agent_log().contains("stay pinned"), "the agent says what it leaves behind");
+    assert_eq!(conn.ask().expect("established traffic after SIGTERM").backend, backend);
+    assert_eq!(counts(&lab, 20).len(), 3, "new connections are still balanced after SIGTERM");
+
+    let out = std::process::Command::new(AGENT).args(["cleanup", "--bpffs-root"]).arg(lab.bpffs()).output().unwrap();
+    assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    // A fresh bpffs holds the kernel's own maps.debug and progs.debug; everything else was ours.
+    let left: Vec<_> = walk(&lab.bpffs()).into_iter().filter(|p| p.extension().is_none_or(|e| e != "debug")).collect();
+    assert!(left.is_empty(), "cleanup must remove every pin: {left:?}");
+    for dir in ["maps", "progs", "links"] {
+        assert!(!lab.bpffs().join(dir).exists(), "{dir}/ must be gone");
+    }
+    // bpftool lists the tcx programs of the namespace it runs in.
+    let progs = lab.node.run(|| std::process::Command::new("bpftool").args(["net", "show", "dev", "vethc"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()));
+    let progs = progs.expect("bpftool net show");
+    assert!(!progs.contains("proxy_tc"), "no program may stay attached after cleanup:\n{progs}");
+    // With nothing translating, the service address is just an unrouted address.
+    assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_err(), "the service must be gone after cleanup");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn pinned_maps_dump_with_field_names() {
+    let Some(lab) = lab("pinned_maps_dump_with_field_names") else { return };
+    let path = lab.bpffs().join("maps").join(proxy_common::map_names::SERVICES);
+    let out = std::process::Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&path).output().expect("bpftool");
+    assert!(out.status.success(), "bpftool map dump: {}", String::from_utf8_lossy(&out.stderr));
+    let dump: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+    let first = &dump.as_array().expect("a list of entries")[0];
+    // With BTF, bpftool prints typed keys and values under "formatted", by field name.
+    let formatted = &first["formatted"];
+    for field in ["addr", "port", "proto", "slot"] {
+        assert!(!formatted["key"][field].is_null(), "key field {field} missing in {first}");
+    }
+    for field in ["backend_id", "service_id", "count"] {
+        assert!(!formatted["value"][field].is_null(), "value field {field} missing in {first}");
+    }
+}
+
+#[test]
+fn a_vanished_interface_loses_its_pins() {
+    let Some(mut lab) = lab("a_vanished_interface_loses_its_pins") else { return };
+    lab.add_pod("short-lived", false);
+    lab.wait_for("the new interface to be attached", |r| r.interfaces.values().any(|n| n == "vethx1"));
+    let pod = lab.extra.pop().unwrap();
+    drop(pod); // deletes its namespace, and with it the veth pair
+    lab.wait_for("the pins of the deleted interface to go", |r| !r.interfaces.values().any(|n| n == "vethx1"));
+}
