@@ -19,7 +19,10 @@ use std::{
     time::Instant,
 };
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::{
+    maps::PerCpuArray,
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
 use proxy_agent::{
     dataplane::{
         ebpf::{
@@ -30,7 +33,7 @@ use proxy_agent::{
     },
     model::{Backend, Frontend, FrontendKey, ObjectKey, Protocol, ServicePortName},
 };
-use proxy_common::prog_names;
+use proxy_common::{map_names, prog_names, Counter, Reason};
 use proxy_tests::packet::{tcp_frame, ACK, SYN};
 
 const REPEAT: u32 = 1_000_000;
@@ -87,6 +90,35 @@ fn calls(prog: &mut SchedClassifier, frame: impl Fn(u32) -> Vec<u8>) -> f64 {
     total as f64 / f64::from(n)
 }
 
+/// Reads the datapath's per-reason counters, to confirm what a measurement exercised.
+struct Checker {
+    last: BTreeMap<u32, u64>,
+}
+
+impl Checker {
+    fn counts(dp: &mut EbpfDataplane) -> BTreeMap<u32, u64> {
+        let map = dp.ebpf_mut().map(map_names::STATS).expect("stats map");
+        let stats = PerCpuArray::<_, Counter>::try_from(map).expect("per-CPU array");
+        Reason::ALL
+            .iter()
+            .map(|r| (*r as u32, stats.get(&(*r as u32), 0).map(|v| v.iter().map(|c| c.packets).sum()).unwrap_or(0)))
+            .collect()
+    }
+
+    fn new(dp: &mut EbpfDataplane) -> Self {
+        Self { last: Self::counts(dp) }
+    }
+
+    /// Panics unless exactly `n` packets since the last check were counted, all under `reason`.
+    fn took(&mut self, dp: &mut EbpfDataplane, reason: Reason, n: u64, what: &str) {
+        let now = Self::counts(dp);
+        let delta: BTreeMap<u32, u64> =
+            now.iter().map(|(k, v)| (*k, v - self.last.get(k).copied().unwrap_or(0))).filter(|(_, d)| *d > 0).collect();
+        assert_eq!(delta, BTreeMap::from([(reason as u32, n)]), "{what}: expected {n} packets counted as {}", reason.label());
+        self.last = now;
+    }
+}
+
 struct Measured {
     cases: BTreeMap<&'static str, f64>,
     program_ms: f64,
@@ -117,22 +149,30 @@ fn measure(services: u32) -> Measured {
     cases.insert("floor/repeat", repeated(floor, &not_service));
     cases.insert("floor/calls", calls(floor, |_| not_service.clone()));
 
-    let ingress = dp.ingress_program();
-    cases.insert("not_service/repeat", repeated(ingress, &not_service));
+    // Each measurement checks that every run took the path it is named for.
+    let mut check = Checker::new(&mut dp);
+    let n_repeat = u64::from(REPEAT / scale());
+    let n_calls = u64::from(CALLS / scale());
+    cases.insert("not_service/repeat", repeated(dp.ingress_program(), &not_service));
+    check.took(&mut dp, Reason::PassNotService, n_repeat, "not_service/repeat");
     // First packets create the flows; every later one is established.
-    run(ingress, &tcp_frame(client, mirror, SYN), 1);
-    run(ingress, &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
-    cases.insert("established/repeat", repeated(ingress, &mirror_fwd));
-    cases.insert("established/calls", calls(ingress, |_| bench_fwd.clone()));
+    run(dp.ingress_program(), &tcp_frame(client, mirror, SYN), 1);
+    run(dp.ingress_program(), &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
+    check.took(&mut dp, Reason::NewFlow, 2, "flow set-up");
+    cases.insert("established/repeat", repeated(dp.ingress_program(), &mirror_fwd));
+    check.took(&mut dp, Reason::Established, n_repeat, "established/repeat");
+    cases.insert("reply/repeat", repeated(dp.egress_program(), &mirror_reply));
+    check.took(&mut dp, Reason::ReverseNat, n_repeat, "reply/repeat");
+    cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
+    check.took(&mut dp, Reason::Established, n_calls, "established/calls");
     cases.insert(
         "new_flow/calls",
-        calls(ingress, |i| {
+        calls(dp.ingress_program(), |i| {
             let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
             tcp_frame(src, SocketAddrV4::new(bench_vip, 80), SYN)
         }),
     );
-    let egress = dp.egress_program();
-    cases.insert("reply/repeat", repeated(egress, &mirror_reply));
+    check.took(&mut dp, Reason::NewFlow, n_calls, "new_flow/calls");
     Measured { cases, program_ms }
 }
 
