@@ -2,7 +2,7 @@
 //! `proxy_common::map_names`; sizes are defaults the agent may override at creation.
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_COMMON_LRU, BPF_F_NO_PREALLOC},
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
@@ -30,11 +30,11 @@ pub static LB4_REVNAT_V1: HashMap<u32, RevNat, LB_MAX, NO_PREALLOC> = HashMap::n
 #[btf_map]
 pub static LB4_FLOWS_V1: Array<BackendFlows, LB_MAX> = Array::new();
 
-/// Per-CPU LRU lists: inserting a new flow takes no map-wide lock. Entries are still shared:
-/// a flow is found from whichever CPU its next packet lands on.
+/// One LRU list for the whole map. Per-CPU lists (BPF_F_NO_COMMON_LRU) would spare new flows a
+/// lock, but split the capacity evenly between CPUs: a CPU that sees most new connections would
+/// start evicting live ones at 1/N of the map, and an evicted entry is a reset connection.
 #[btf_map]
-pub static CT4_V1: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }, { BPF_F_NO_COMMON_LRU as usize }> =
-    LruHashMap::new();
+pub static CT4_V1: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }> = LruHashMap::new();
 
 #[btf_map]
 pub static FRAG4_V1: LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }> =

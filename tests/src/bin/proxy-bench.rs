@@ -190,6 +190,11 @@ fn profile() {
     for _ in 0..10 {
         println!("established {:.1} ns, not for a service {:.1} ns", repeated(ingress, &est), repeated(ingress, &other));
     }
+    if std::env::args().any(|a| a == "--new-flows") {
+        let vip = SocketAddrV4::new(*mirror.ip(), 80);
+        let ns = calls(ingress, |i| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN));
+        println!("new flow {ns:.1} ns");
+    }
 }
 
 fn pct(a: f64, b: f64) -> String {
