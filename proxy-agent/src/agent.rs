@@ -1,12 +1,17 @@
 //! `proxy-agent run`: load or adopt the dataplane, attach to pod interfaces as they appear,
-//! and keep the maps in step with the sources until SIGTERM. On exit the programs, maps and
-//! links stay pinned, so traffic keeps flowing until the next run adopts them.
+//! and keep the maps in step with the source (API server or manifest directory) until SIGTERM.
+//! On exit the programs, maps and links stay pinned, so traffic keeps flowing until the next
+//! run adopts them.
 
 use std::{
     collections::BTreeMap,
+    net::SocketAddr,
     path::PathBuf,
+    sync::{atomic::Ordering, Arc},
     time::Duration,
 };
+
+use std::os::fd::AsFd as _;
 
 use anyhow::Context as _;
 use tokio::{
@@ -18,25 +23,40 @@ use crate::{
     dataplane::{
         ebpf::{
             attach::{Attachments, DevicePatterns},
-            loader::LoadOptions,
+            batch,
+            loader::{self, LoadOptions},
             EbpfDataplane,
         },
         Dataplane as _,
     },
+    http,
     model::store::{Kind, Store},
     netlink::{self, LinkChange},
     reconcile::{Reconciler, SyncStats},
-    source::manifests::{self, ManifestDir},
+    source::{self, manifests::ManifestDir},
+    telemetry::Telemetry,
 };
 
 #[derive(Clone, Debug)]
+pub enum Source {
+    /// A directory of manifests, watched for changes.
+    Manifests(PathBuf),
+    /// The API server, from a kubeconfig (None: $KUBECONFIG, in-cluster, ~/.kube/config).
+    Kube(Option<PathBuf>),
+}
+
+#[derive(Clone, Debug)]
 pub struct RunConfig {
-    pub manifests: PathBuf,
+    pub source: Source,
     pub pod_devices: Vec<String>,
     pub bpffs_root: PathBuf,
     pub hostname: String,
     pub lb_map_max: u32,
     pub ct_map_max: u32,
+    pub metrics_bind: SocketAddr,
+    pub healthz_bind: SocketAddr,
+    /// kube-proxy's --sync-period: programming later than twice this fails /healthz.
+    pub sync_period: Duration,
     /// Rescan the manifest directory at least this often, in case inotify misses a change.
     pub resync: Duration,
 }
@@ -84,9 +104,46 @@ fn on_link(dp: &mut EbpfDataplane, patterns: &DevicePatterns, change: LinkChange
     }
 }
 
+/// Counts conntrack entries every 15 s for the map gauge (a batched walk of the map).
+fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
+    tokio::spawn(async move {
+        let path = loader::maps_dir(&root).join(proxy_common::map_names::CT);
+        loop {
+            let p = path.clone();
+            let counted = tokio::task::spawn_blocking(move || {
+                let map = aya::maps::MapData::from_pin(&p).map_err(std::io::Error::other)?;
+                batch::count_entries(map.fd().as_fd(), size_of::<proxy_common::CtKey>(), size_of::<proxy_common::CtEntry>())
+            })
+            .await;
+            match counted {
+                Ok(Ok(n)) => t.fill.conntrack.store(n, Ordering::Relaxed),
+                Ok(Err(e)) => tracing::debug!(error = %e, "counting conntrack entries"),
+                Err(_) => {}
+            }
+            tokio::time::sleep(Duration::from_secs(15)).await;
+        }
+    });
+}
+
 pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
-    let dir = ManifestDir::new(&cfg.manifests).map_err(anyhow::Error::msg)?;
+    let (src_tx, mut src_rx) = mpsc::channel(256);
+    // Hold the directory watcher for the life of the agent.
+    let mut _watcher = None;
+    match &cfg.source {
+        Source::Manifests(dir) => {
+            let dir = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
+            _watcher = Some(
+                source::manifests::spawn(dir, src_tx, cfg.resync)
+                    .with_context(|| format!("watching {:?}", cfg.source))?,
+            );
+        }
+        Source::Kube(kubeconfig) => {
+            let client = source::kube::client(kubeconfig.as_deref()).await?;
+            source::kube::spawn(client, &cfg.hostname, src_tx);
+        }
+    }
+
     let dp = EbpfDataplane::load(LoadOptions {
         pin_root: Some(cfg.bpffs_root.clone()),
         lb_map_max: cfg.lb_map_max,
@@ -98,7 +155,16 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         adopted_frontends = dp.programmed_keys().len(),
         "dataplane loaded"
     );
-    let mut rec = Reconciler::new(Store::new(cfg.hostname.clone()), dp, vec![Kind::Service, Kind::EndpointSlice]);
+    let telemetry = Telemetry::new(2 * cfg.sync_period, Some(&cfg.bpffs_root), (cfg.lb_map_max.into(), cfg.ct_map_max.into()));
+    http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), "ebpf"));
+    http::spawn("healthz", "--healthz-bind-address", cfg.healthz_bind, http::health_router(telemetry.clone()));
+    spawn_conntrack_gauge(cfg.bpffs_root.clone(), telemetry.clone());
+
+    let mut rec = Reconciler::new(
+        Store::new(cfg.hostname.clone()),
+        dp,
+        vec![Kind::Service, Kind::EndpointSlice, Kind::Node],
+    );
 
     let (link_tx, mut link_rx) = mpsc::channel(256);
     let links = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
@@ -114,13 +180,11 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         );
     }
 
-    let (src_tx, mut src_rx) = mpsc::channel(64);
-    let _watcher = manifests::spawn(dir, src_tx, cfg.resync)
-        .with_context(|| format!("watching {}", cfg.manifests.display()))?;
-
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(2));
+    let mut node_seen = false;
+    let mut warned_no_node = false;
     loop {
         tokio::select! {
             Some(ev) = src_rx.recv() => {
@@ -129,16 +193,30 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
                 while let Ok(ev) = src_rx.try_recv() {
                     rec.handle(ev);
                 }
-                if let Some(s) = rec.sync() {
-                    log_sync(&s);
+                match rec.store.node() {
+                    Some(n) => {
+                        node_seen = true;
+                        telemetry.set_node_eligible(!n.deleting);
+                    }
+                    // A Node that was there and is gone is being deleted.
+                    None if node_seen => telemetry.set_node_eligible(false),
+                    None => {}
                 }
+                if rec.ready() && rec.store.node().is_none() && !warned_no_node {
+                    warned_no_node = true;
+                    tracing::warn!(
+                        node = cfg.hostname,
+                        "no Node object of this name: topology hints and node-local endpoints need it; \
+                         check --hostname-override"
+                    );
+                }
+                if rec.store.has_dirty() {
+                    telemetry.queued();
+                }
+                sync(&mut rec, &telemetry);
             }
             Some(change) = link_rx.recv() => on_link(rec.dataplane_mut(), &patterns, change),
-            _ = retry.tick(), if rec.has_failures() => {
-                if let Some(s) = rec.sync() {
-                    log_sync(&s);
-                }
-            }
+            _ = retry.tick(), if rec.has_failures() => sync(&mut rec, &telemetry),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -148,4 +226,18 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         "stopping; programs, maps and links stay pinned and keep serving (`proxy-agent cleanup` removes them)"
     );
     Ok(())
+}
+
+fn sync(rec: &mut Reconciler<EbpfDataplane>, telemetry: &Telemetry) {
+    if let Some(s) = rec.sync() {
+        log_sync(&s);
+        telemetry.synced(&s, &rec.store.change_counts());
+        if !rec.has_failures() {
+            telemetry.updated();
+        }
+        telemetry.fill.services.store(rec.dataplane().service_entries() as u64, Ordering::Relaxed);
+        telemetry.fill.backends.store(rec.dataplane().backend_count() as u64, Ordering::Relaxed);
+    } else {
+        telemetry.record_changes(&rec.store.change_counts());
+    }
 }

@@ -1,11 +1,14 @@
 //! Command line: `run`, `inspect`, `cleanup`. Flags use kube-proxy's names where it has one.
 
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use proxy_common::limits;
 
-use crate::{agent, inspect};
+use crate::{
+    agent::{self, Source},
+    inspect,
+};
 
 const DEFAULT_BPFFS_ROOT: &str = "/sys/fs/bpf/proxy-agent";
 /// Host-side names of pod interfaces in common CNIs: veth (bridge, flannel, kindnet), lxc
@@ -43,10 +46,24 @@ struct RootArgs {
 struct RunArgs {
     #[command(flatten)]
     root: RootArgs,
-    /// Directory of Service, EndpointSlice and Node manifests (YAML or JSON, as
-    /// `kubectl get -o yaml` prints them), watched for changes.
+    /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`
+    /// prints them) from this directory, watched for changes, instead of the API server.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig for the API server. Without it (and without --manifests): $KUBECONFIG, the
+    /// in-cluster service account, then ~/.kube/config.
     #[arg(long)]
-    manifests: PathBuf,
+    kubeconfig: Option<PathBuf>,
+    /// Address for /metrics, /proxyMode and /healthz ("ok"), as kube-proxy's.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: SocketAddr,
+    /// Address for /healthz and /livez, as kube-proxy's.
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: SocketAddr,
+    /// Changes not programmed within twice this (kube-proxy's --sync-period) fail /healthz.
+    /// Units: ms, s, m, h.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    sync_period: Duration,
     /// Glob patterns of the host-side pod interfaces to attach to.
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_POD_DEVICES)]
     pod_devices: Vec<String>,
@@ -76,6 +93,24 @@ struct InspectArgs {
     output: Output,
 }
 
+/// A Go-style duration as kube-proxy takes: a number and a unit (ms, s, m, h).
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').ok_or_else(|| format!("{s:?} has no unit (ms, s, m, h)"))?;
+    let (n, unit) = s.split_at(split);
+    let n: f64 = n.parse().map_err(|_| format!("{s:?} does not start with a number"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (ms, s, m, h)")),
+    };
+    if secs <= 0.0 {
+        return Err(format!("{s:?} must be positive"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is large enough for a hostname and NUL-terminated by the kernel.
@@ -100,7 +135,13 @@ pub fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run(a) => {
             let cfg = agent::RunConfig {
-                manifests: a.manifests,
+                source: match a.manifests {
+                    Some(dir) => Source::Manifests(dir),
+                    None => Source::Kube(a.kubeconfig),
+                },
+                metrics_bind: a.metrics_bind_address,
+                healthz_bind: a.healthz_bind_address,
+                sync_period: a.sync_period,
                 pod_devices: a.pod_devices,
                 bpffs_root: a.root.bpffs_root,
                 hostname: a.hostname_override.unwrap_or_else(hostname),
@@ -129,5 +170,21 @@ pub fn main() -> ExitCode {
             eprintln!("proxy-agent: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_like_kube_proxy_flags() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("30").unwrap_err().contains("no unit"));
+        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("0s").is_err());
     }
 }

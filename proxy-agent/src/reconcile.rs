@@ -6,7 +6,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use crate::{
@@ -29,6 +29,8 @@ pub struct SyncStats {
     pub duration: Duration,
     /// This sync was the first complete one.
     pub initial: bool,
+    /// `last-change-trigger-time`s of the endpoint changes this sync programmed.
+    pub trigger_times: Vec<SystemTime>,
 }
 
 pub struct Reconciler<D> {
@@ -42,6 +44,8 @@ pub struct Reconciler<D> {
     /// Frontends a previous run left, not yet claimed by a Service; cleared at the first sync.
     adopted: Option<BTreeSet<FrontendKey>>,
     retry: BTreeSet<ObjectKey>,
+    /// Trigger times of changes not programmed yet, per Service.
+    triggers: BTreeMap<ObjectKey, Vec<SystemTime>>,
 }
 
 impl<D: Dataplane> Reconciler<D> {
@@ -57,6 +61,7 @@ impl<D: Dataplane> Reconciler<D> {
             contenders: HashMap::new(),
             adopted: Some(adopted),
             retry: BTreeSet::new(),
+            triggers: BTreeMap::new(),
         }
     }
 
@@ -105,11 +110,17 @@ impl<D: Dataplane> Reconciler<D> {
         }
         let start = Instant::now();
         let mut stats = SyncStats::default();
-        let mut dirty = self.store.take_dirty();
+        let taken = self.store.take_dirty();
+        let mut dirty = taken.services;
+        for (svc, times) in taken.trigger_times {
+            self.triggers.entry(svc).or_default().extend(times);
+        }
         dirty.append(&mut self.retry);
         stats.services = dirty.len();
         for svc in dirty {
-            self.sync_service(&svc, &mut stats);
+            if self.sync_service(&svc, &mut stats) {
+                stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
+            }
         }
         if let Some(adopted) = self.adopted.take() {
             stats.initial = true;
@@ -128,7 +139,8 @@ impl<D: Dataplane> Reconciler<D> {
         Some(stats)
     }
 
-    fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) {
+    /// Programs one Service; false when something failed and it will be retried.
+    fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) -> bool {
         let translation = self.store.translate(svc);
         for note in &translation.notes {
             tracing::info!(service = %svc, "{note}");
@@ -194,6 +206,7 @@ impl<D: Dataplane> Reconciler<D> {
         if failed {
             self.retry.insert(svc.clone());
         }
+        !failed
     }
 }
 

@@ -67,6 +67,27 @@ pub struct Report {
     pub message: String,
 }
 
+/// Change accounting, as kube-proxy's change trackers keep it for its metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChangeCounts {
+    /// Service changes seen since start.
+    pub service_changes: u64,
+    /// EndpointSlice changes seen since start.
+    pub endpoint_changes: u64,
+    /// Services with a Service change not yet handed to the reconciler.
+    pub services_pending: usize,
+    /// Services with an endpoint change not yet handed to the reconciler.
+    pub endpoints_pending: usize,
+}
+
+/// What changed since the last `take_dirty`.
+#[derive(Debug, Default)]
+pub struct Dirty {
+    pub services: BTreeSet<ObjectKey>,
+    /// `last-change-trigger-time`s of the EndpointSlice changes, per Service.
+    pub trigger_times: BTreeMap<ObjectKey, Vec<std::time::SystemTime>>,
+}
+
 #[derive(Default)]
 pub struct Store {
     node_name: String,
@@ -76,6 +97,11 @@ pub struct Store {
     node: Option<CheckedNode>,
     synced: BTreeSet<Kind>,
     dirty: BTreeSet<ObjectKey>,
+    svc_pending: BTreeSet<ObjectKey>,
+    ep_pending: BTreeSet<ObjectKey>,
+    trigger_times: BTreeMap<ObjectKey, Vec<std::time::SystemTime>>,
+    service_changes: u64,
+    endpoint_changes: u64,
     /// Last problem reported per object, so a rescan does not repeat it.
     reported: HashMap<(Kind, ObjectKey), String>,
 }
@@ -105,9 +131,41 @@ impl Store {
         self.services.len()
     }
 
-    /// Services whose translation may have changed since the last call.
-    pub fn take_dirty(&mut self) -> BTreeSet<ObjectKey> {
-        std::mem::take(&mut self.dirty)
+    /// Services whose translation may have changed since the last call, and the trigger times
+    /// of their endpoint changes.
+    pub fn take_dirty(&mut self) -> Dirty {
+        self.svc_pending.clear();
+        self.ep_pending.clear();
+        Dirty { services: std::mem::take(&mut self.dirty), trigger_times: std::mem::take(&mut self.trigger_times) }
+    }
+
+    /// Some Service needs translating again.
+    pub fn has_dirty(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    pub fn change_counts(&self) -> ChangeCounts {
+        ChangeCounts {
+            service_changes: self.service_changes,
+            endpoint_changes: self.endpoint_changes,
+            services_pending: self.svc_pending.len(),
+            endpoints_pending: self.ep_pending.len(),
+        }
+    }
+
+    fn service_changed(&mut self, key: &ObjectKey) {
+        self.service_changes += 1;
+        self.svc_pending.insert(key.clone());
+        self.dirty.insert(key.clone());
+    }
+
+    fn endpoints_changed(&mut self, service: &ObjectKey, trigger: Option<std::time::SystemTime>) {
+        self.endpoint_changes += 1;
+        self.ep_pending.insert(service.clone());
+        self.dirty.insert(service.clone());
+        if let Some(t) = trigger {
+            self.trigger_times.entry(service.clone()).or_default().push(t);
+        }
     }
 
     /// The frontends of one Service, or none when it does not exist (any more).
@@ -169,7 +227,7 @@ impl Store {
                         self.clear_report(Kind::Service, &key);
                         if self.services.get(&key) != Some(&checked) {
                             self.services.insert(key.clone(), checked);
-                            self.dirty.insert(key.clone());
+                            self.service_changed(&key);
                         }
                         Some(key)
                     }
@@ -188,9 +246,9 @@ impl Store {
                         let key = checked.key.clone();
                         self.clear_report(Kind::EndpointSlice, &key);
                         if self.slices.get(&key) != Some(&checked) {
-                            self.remove(Kind::EndpointSlice, &key);
+                            self.unlink_slice(&key);
                             self.slices_by_service.entry(checked.service.clone()).or_default().insert(key.clone());
-                            self.dirty.insert(checked.service.clone());
+                            self.endpoints_changed(&checked.service.clone(), checked.trigger_time);
                             self.slices.insert(key.clone(), checked);
                         }
                         Some(key)
@@ -198,7 +256,9 @@ impl Store {
                     Ok(Err(ignored)) => {
                         let key = key.ok()?;
                         // It may have been ours before (say, its label was removed).
-                        self.remove(Kind::EndpointSlice, &key);
+                        if let Some(old) = self.unlink_slice(&key) {
+                            self.endpoints_changed(&old.service, None);
+                        }
                         let message = format!("ignored: {ignored}");
                         if self.reported.get(&(Kind::EndpointSlice, key.clone())) != Some(&message) {
                             reports.push(Report {
@@ -245,18 +305,12 @@ impl Store {
         match kind {
             Kind::Service => {
                 if self.services.remove(key).is_some() {
-                    self.dirty.insert(key.clone());
+                    self.service_changed(key);
                 }
             }
             Kind::EndpointSlice => {
-                if let Some(old) = self.slices.remove(key) {
-                    if let Some(set) = self.slices_by_service.get_mut(&old.service) {
-                        set.remove(key);
-                        if set.is_empty() {
-                            self.slices_by_service.remove(&old.service);
-                        }
-                    }
-                    self.dirty.insert(old.service);
+                if let Some(old) = self.unlink_slice(key) {
+                    self.endpoints_changed(&old.service, None);
                 }
             }
             Kind::Node => {
@@ -266,6 +320,18 @@ impl Store {
                 }
             }
         }
+    }
+
+    /// Takes a slice out of the indexes, without counting it as a change.
+    fn unlink_slice(&mut self, key: &ObjectKey) -> Option<CheckedSlice> {
+        let old = self.slices.remove(key)?;
+        if let Some(set) = self.slices_by_service.get_mut(&old.service) {
+            set.remove(key);
+            if set.is_empty() {
+                self.slices_by_service.remove(&old.service);
+            }
+        }
+        Some(old)
     }
 
     fn clear_report(&mut self, kind: Kind, key: &ObjectKey) {
@@ -338,10 +404,10 @@ mod tests {
         s.apply(Event::Apply(svc("metadata: {name: other}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}")));
         s.take_dirty();
         s.apply(Event::Apply(slice(WEB_SLICE)));
-        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+        assert_eq!(s.take_dirty().services, BTreeSet::from([web()]));
         // The same object again changes nothing.
         s.apply(Event::Apply(slice(WEB_SLICE)));
-        assert!(s.take_dirty().is_empty());
+        assert!(s.take_dirty().services.is_empty());
     }
 
     #[test]
@@ -352,7 +418,7 @@ mod tests {
         assert!(s.synced(&[Kind::Service]));
         s.take_dirty();
         s.apply(Event::Replace { kind: Kind::Service, objects: vec![] });
-        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+        assert_eq!(s.take_dirty().services, BTreeSet::from([web()]));
         assert!(s.translate(&web()).frontends.is_empty());
     }
 
@@ -385,9 +451,66 @@ mod tests {
         s.apply(Event::Apply(svc(WEB)));
         s.take_dirty();
         s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-b, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
-        assert!(s.take_dirty().is_empty(), "other nodes do not matter");
+        assert!(s.take_dirty().services.is_empty(), "other nodes do not matter");
         s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
         assert_eq!(s.node_info().zone.as_deref(), Some("z"));
-        assert_eq!(s.take_dirty(), BTreeSet::from([web()]));
+        assert_eq!(s.take_dirty().services, BTreeSet::from([web()]));
+    }
+
+    #[test]
+    fn changes_are_counted_as_kube_proxy_counts_them() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.apply(Event::Apply(slice(&WEB_SLICE.replace("web-1", "web-2"))));
+        let c = s.change_counts();
+        assert_eq!((c.service_changes, c.endpoint_changes, c.services_pending, c.endpoints_pending), (1, 2, 1, 1));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        assert_eq!(s.change_counts().endpoint_changes, 2, "an unchanged object is no change");
+        s.take_dirty();
+        let c = s.change_counts();
+        assert_eq!((c.services_pending, c.endpoints_pending), (0, 0));
+    }
+
+    #[test]
+    fn trigger_times_of_slice_changes_are_handed_over_once() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        let annotated = "metadata: {name: web-1, labels: {kubernetes.io/service-name: web}, annotations: {endpoints.kubernetes.io/last-change-trigger-time: '2026-11-21T09:00:00Z'}}\naddressType: IPv4\nendpoints: [{addresses: [10.1.0.1]}]";
+        s.apply(Event::Apply(slice(annotated)));
+        let d = s.take_dirty();
+        assert_eq!(d.trigger_times.get(&web()).map(Vec::len), Some(1));
+        assert!(s.take_dirty().trigger_times.is_empty());
+    }
+
+    #[test]
+    fn a_slice_that_outlives_its_service_is_used_again_when_the_service_returns() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.apply(Event::Delete { kind: Kind::Service, key: web() });
+        assert!(s.translate(&web()).frontends.is_empty());
+        s.apply(Event::Apply(svc(WEB)));
+        assert_eq!(s.translate(&web()).frontends[0].1.backends.len(), 1);
+    }
+
+    #[test]
+    fn a_selectorless_service_uses_hand_made_slices_of_any_name() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc("metadata: {name: external-db}\nspec: {clusterIP: 10.96.0.20, ports: [{port: 5432}]}")));
+        s.apply(Event::Apply(slice("metadata: {name: my-own-slice, labels: {kubernetes.io/service-name: external-db}}\naddressType: IPv4\nports: [{port: 5432}]\nendpoints: [{addresses: [192.168.10.5]}]")));
+        let t = s.translate(&ObjectKey::new("default", "external-db"));
+        assert_eq!(t.frontends[0].1.backends[0].addr.to_string(), "192.168.10.5");
+    }
+
+    #[test]
+    fn zone_hints_follow_the_node_label() {
+        let mut s = Store::new("node-a");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(slice("metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], hints: {forZones: [{name: z1}]}}\n- {addresses: [10.1.0.2], hints: {forZones: [{name: z2}]}}\n")));
+        assert_eq!(s.translate(&web()).frontends[0].1.backends.len(), 2, "no Node yet: no zone, hints ignored");
+        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z2}}").unwrap()))));
+        let b = &s.translate(&web()).frontends[0].1.backends;
+        assert_eq!(b.iter().map(|b| b.addr.to_string()).collect::<Vec<_>>(), ["10.1.0.2"]);
     }
 }

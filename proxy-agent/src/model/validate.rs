@@ -23,6 +23,11 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// Label that ties an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// When the endpoints controller saw the change a slice reflects; network programming latency
+/// is measured from it.
+pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// Cluster Autoscaler's taint on a node it is about to delete (kube-proxy's /healthz fails then).
+pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
 /// Default ClientIP affinity timeout (3 hours), as the API server defaults it.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 const MAX_AFFINITY_TIMEOUT: i32 = 86_400;
@@ -100,6 +105,8 @@ pub struct CheckedSlice {
     pub service: ObjectKey,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<SliceEndpoint>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`, when present and valid.
+    pub trigger_time: Option<std::time::SystemTime>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -392,7 +399,14 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         return Ok(Err(SliceIgnored::NoServiceLabel));
     };
     let service = ObjectKey::new(key.namespace.clone(), svc.clone());
-    Ok(Ok(CheckedSlice { key, service, ports, endpoints }))
+    let trigger_time = slice
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
+        .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+        .and_then(|t| std::time::SystemTime::try_from(t).ok());
+    Ok(Ok(CheckedSlice { key, service, ports, endpoints, trigger_time }))
 }
 
 /// A Node as the proxy needs it.
@@ -400,6 +414,8 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
 pub struct CheckedNode {
     pub name: String,
     pub labels: BTreeMap<String, String>,
+    /// Being deleted, or tainted for deletion by the Cluster Autoscaler: kube-proxy reports the
+    /// node ineligible on /healthz so load balancers drain it.
     pub deleting: bool,
 }
 
@@ -408,10 +424,15 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
     let Some(name) = name else {
         return Err(Invalid(vec!["metadata.name is missing".into()]));
     };
+    let tainted = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
     Ok(CheckedNode {
         name,
         labels: n.metadata.labels.clone().unwrap_or_default(),
-        deleting: n.metadata.deletion_timestamp.is_some(),
+        deleting: n.metadata.deletion_timestamp.is_some() || tainted,
     })
 }
 
@@ -490,6 +511,23 @@ mod tests {
         assert_eq!(s.affinity_timeout, Some(10_800));
         let s = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}, ports: [{port: 80}]}")).unwrap();
         assert_eq!(s.affinity_timeout, Some(60));
+    }
+
+    #[test]
+    fn trigger_time_and_node_deletion_are_read() {
+        let s = endpoint_slice(&slice(
+            "metadata: {name: s, labels: {kubernetes.io/service-name: a}, annotations: {endpoints.kubernetes.io/last-change-trigger-time: '2026-11-21T09:00:00Z'}}\naddressType: IPv4",
+        ))
+        .unwrap()
+        .unwrap();
+        let want = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_795_251_600);
+        assert_eq!(s.trigger_time, Some(want));
+        let n: Node = serde_yaml::from_str("metadata: {name: n}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}").unwrap();
+        assert!(node(&n).unwrap().deleting);
+        let n: Node = serde_yaml::from_str("metadata: {name: n, deletionTimestamp: '2026-11-21T09:00:00Z'}").unwrap();
+        assert!(node(&n).unwrap().deleting);
+        let n: Node = serde_yaml::from_str("metadata: {name: n}").unwrap();
+        assert!(!node(&n).unwrap().deleting);
     }
 
     #[test]

@@ -181,6 +181,11 @@ impl LbMaps {
         self.by_ident.len()
     }
 
+    /// Entries in the services map: a master per frontend and its slots.
+    pub fn service_entries(&self) -> usize {
+        self.frontends.values().map(|p| 1 + p.slots.len()).sum()
+    }
+
     fn add_ref(&mut self, id: u32) {
         if let Some(ident) = self.by_id.get(&id) {
             if let Some(e) = self.by_ident.get_mut(ident) {

@@ -1,6 +1,7 @@
 //! The eBPF dataplane: the embedded TC program, its pinned maps and links.
 
 pub mod attach;
+pub mod batch;
 pub mod ids;
 pub mod lbmaps;
 pub mod loader;
@@ -85,6 +86,10 @@ impl EbpfDataplane {
 
     pub fn backend_count(&self) -> usize {
         self.lb.backend_count()
+    }
+
+    pub fn service_entries(&self) -> usize {
+        self.lb.service_entries()
     }
 }
 

@@ -1,0 +1,359 @@
+//! Metrics with kube-proxy's names and kube-proxy's health semantics, so existing dashboards,
+//! alerts and load-balancer health checks keep working.
+//!
+//! Health (kube-proxy `ProxyHealthServer`): an update queued and not programmed within
+//! `health_timeout` (2 x --sync-period) makes /livez and /healthz answer 503; /healthz also
+//! answers 503 while the Node is being deleted or is tainted ToBeDeletedByClusterAutoscaler.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use aya::maps::{Map, MapData, PerCpuArray};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::{exponential_buckets, Histogram},
+        MetricType,
+    },
+    registry::Registry,
+};
+use proxy_common::{map_names, Counter as DpCounter, Reason};
+
+use crate::{dataplane::ebpf::loader, model::store::ChangeCounts, reconcile::SyncStats};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    pub code: String,
+}
+
+/// kube-proxy's network-programming buckets (0.25 s .. 5 min), with finer ones below 0.25 s
+/// added in front: this agent programs in milliseconds, and extra buckets do not disturb
+/// queries written against kube-proxy's.
+fn programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    last_updated: Option<SystemTime>,
+    oldest_pending: Option<Instant>,
+    node_eligible: bool,
+}
+
+/// Map sizes the reconciler reports after each sync.
+#[derive(Debug, Default)]
+pub struct MapFill {
+    pub services: AtomicU64,
+    pub backends: AtomicU64,
+    pub conntrack: AtomicU64,
+}
+
+pub struct Telemetry {
+    pub registry: Registry,
+    health: Mutex<Health>,
+    health_timeout: Duration,
+    start: SystemTime,
+    sync_duration: Histogram,
+    last_sync: Gauge<f64, AtomicU64>,
+    last_queued: Gauge<f64, AtomicU64>,
+    programming: Histogram,
+    service_changes: Counter,
+    service_pending: Gauge,
+    endpoint_changes: Counter,
+    endpoint_pending: Gauge,
+    seen: Mutex<ChangeCounts>,
+    healthz: Family<CodeLabel, Counter>,
+    livez: Family<CodeLabel, Counter>,
+    pub fill: Arc<MapFill>,
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    k8s_openapi::jiff::Timestamp::try_from(t).map(|t| t.to_string()).unwrap_or_default()
+}
+
+impl Telemetry {
+    /// `pin_root`: where the datapath maps are pinned, for the datapath counters.
+    pub fn new(health_timeout: Duration, pin_root: Option<&Path>, capacities: (u64, u64)) -> Arc<Self> {
+        let mut registry = Registry::default();
+        let sync_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
+        registry.register(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            sync_duration.clone(),
+        );
+        let last_sync = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            last_sync.clone(),
+        );
+        let last_queued = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            last_queued.clone(),
+        );
+        let programming = Histogram::new(programming_buckets());
+        registry.register(
+            "kubeproxy_network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            programming.clone(),
+        );
+        let service_changes = Counter::default();
+        registry.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", service_changes.clone());
+        let service_pending = Gauge::default();
+        registry.register("kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", service_pending.clone());
+        let endpoint_changes = Counter::default();
+        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", endpoint_changes.clone());
+        let endpoint_pending = Gauge::default();
+        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", endpoint_pending.clone());
+        let healthz = Family::<CodeLabel, Counter>::default();
+        registry.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", healthz.clone());
+        let livez = Family::<CodeLabel, Counter>::default();
+        registry.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", livez.clone());
+        let fill = Arc::new(MapFill::default());
+        registry.register_collector(Box::new(DatapathCollector {
+            stats: pin_root.and_then(open_stats).map(Mutex::new),
+            fill: fill.clone(),
+            capacities,
+        }));
+        Arc::new(Self {
+            registry,
+            // The node is eligible while starting up, until a Node event says otherwise.
+            health: Mutex::new(Health { node_eligible: true, ..Default::default() }),
+            health_timeout,
+            start: SystemTime::now(),
+            sync_duration,
+            last_sync,
+            last_queued,
+            programming,
+            service_changes,
+            service_pending,
+            endpoint_changes,
+            endpoint_pending,
+            seen: Mutex::new(ChangeCounts::default()),
+            healthz,
+            livez,
+            fill,
+        })
+    }
+
+    /// A change arrived that needs programming.
+    pub fn queued(&self) {
+        let mut h = self.health.lock().unwrap();
+        h.oldest_pending.get_or_insert_with(Instant::now);
+        self.last_queued.set(unix(SystemTime::now()));
+    }
+
+    /// Everything queued is programmed.
+    pub fn updated(&self) {
+        let mut h = self.health.lock().unwrap();
+        h.oldest_pending = None;
+        h.last_updated = Some(SystemTime::now());
+    }
+
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.health.lock().unwrap().node_eligible = eligible;
+    }
+
+    /// Records a sync, and the change counts the store holds after it.
+    pub fn synced(&self, stats: &SyncStats, counts: &ChangeCounts) {
+        self.sync_duration.observe(stats.duration.as_secs_f64());
+        if stats.failed == 0 {
+            self.last_sync.set(unix(SystemTime::now()));
+        }
+        let now = SystemTime::now();
+        for t in &stats.trigger_times {
+            // Changes from before the agent started were not waiting for it (kube-proxy skips
+            // them too).
+            if *t >= self.start {
+                self.programming.observe(now.duration_since(*t).unwrap_or_default().as_secs_f64());
+            }
+        }
+        self.record_changes(counts);
+    }
+
+    pub fn record_changes(&self, counts: &ChangeCounts) {
+        let mut seen = self.seen.lock().unwrap();
+        self.service_changes.inc_by(counts.service_changes.saturating_sub(seen.service_changes));
+        self.endpoint_changes.inc_by(counts.endpoint_changes.saturating_sub(seen.endpoint_changes));
+        self.service_pending.set(counts.services_pending as i64);
+        self.endpoint_pending.set(counts.endpoints_pending as i64);
+        *seen = counts.clone();
+    }
+
+    fn healthy(&self) -> (bool, bool, Option<SystemTime>) {
+        let h = self.health.lock().unwrap();
+        let late = h.oldest_pending.is_some_and(|t| t.elapsed() >= self.health_timeout);
+        (!late, h.node_eligible, h.last_updated)
+    }
+
+    /// `/healthz`: status code and kube-proxy's JSON body.
+    pub fn healthz(&self) -> (u16, String) {
+        let (healthy, eligible, last) = self.healthy();
+        let ok = healthy && eligible;
+        let now = SystemTime::now();
+        let code = if ok { 200 } else { 503 };
+        self.healthz.get_or_create(&CodeLabel { code: code.to_string() }).inc();
+        // As kube-proxy: a healthy server reports lastUpdated as now.
+        let last = if ok { Some(now) } else { last };
+        let body = format!(
+            r#"{{"lastUpdated": "{}","currentTime": "{}", "nodeEligible": {eligible}}}"#,
+            last.map(rfc3339).unwrap_or_default(),
+            rfc3339(now)
+        );
+        (code, body)
+    }
+
+    /// `/livez`: like /healthz but regardless of the Node.
+    pub fn livez(&self) -> (u16, String) {
+        let (healthy, _, last) = self.healthy();
+        let now = SystemTime::now();
+        let code = if healthy { 200 } else { 503 };
+        self.livez.get_or_create(&CodeLabel { code: code.to_string() }).inc();
+        let last = if healthy { Some(now) } else { last };
+        (code, format!(r#"{{"lastUpdated": "{}","currentTime": "{}"}}"#, last.map(rfc3339).unwrap_or_default(), rfc3339(now)))
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encoding metrics into a String");
+        out
+    }
+}
+
+fn open_stats(root: &Path) -> Option<PerCpuArray<MapData, DpCounter>> {
+    let path: PathBuf = loader::maps_dir(root).join(map_names::STATS);
+    let data = MapData::from_pin(&path).map_err(|e| tracing::warn!(path = %path.display(), error = %e, "datapath counters unavailable")).ok()?;
+    PerCpuArray::try_from(Map::PerCpuArray(data)).ok()
+}
+
+/// Datapath figures, read at scrape time.
+struct DatapathCollector {
+    stats: Option<Mutex<PerCpuArray<MapData, DpCounter>>>,
+    fill: Arc<MapFill>,
+    /// (load-balancer map capacity, conntrack capacity)
+    capacities: (u64, u64),
+}
+
+impl std::fmt::Debug for DatapathCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DatapathCollector")
+    }
+}
+
+impl Collector for DatapathCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if let Some(stats) = &self.stats {
+            let stats = stats.lock().unwrap();
+            let totals: Vec<(Reason, u64, u64)> = Reason::ALL
+                .iter()
+                .filter_map(|r| {
+                    let v = stats.get(&(*r as u32), 0).ok()?;
+                    Some((*r, v.iter().map(|c| c.packets).sum(), v.iter().map(|c| c.bytes).sum()))
+                })
+                .collect();
+            let mut packets = encoder.encode_descriptor(
+                "proxy_agent_datapath_packets",
+                "Packets the eBPF datapath handled, by what it did with them",
+                None,
+                MetricType::Counter,
+            )?;
+            for (r, p, _) in &totals {
+                ConstCounter::new(*p).encode(packets.encode_family(&[("reason", r.label())])?)?;
+            }
+            let mut bytes = encoder.encode_descriptor(
+                "proxy_agent_datapath_bytes",
+                "Bytes the eBPF datapath handled, by what it did with them",
+                None,
+                MetricType::Counter,
+            )?;
+            for (r, _, b) in &totals {
+                ConstCounter::new(*b).encode(bytes.encode_family(&[("reason", r.label())])?)?;
+            }
+        }
+        let mut entries = encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
+        let fill = [
+            ("services", self.fill.services.load(Ordering::Relaxed), self.capacities.0),
+            ("backends", self.fill.backends.load(Ordering::Relaxed), self.capacities.0),
+            ("conntrack", self.fill.conntrack.load(Ordering::Relaxed), self.capacities.1),
+        ];
+        for (map, n, _) in fill {
+            ConstGauge::new(n as i64).encode(entries.encode_family(&[("map", map)])?)?;
+        }
+        let mut capacity = encoder.encode_descriptor("proxy_agent_map_capacity", "Capacity of each datapath map", None, MetricType::Gauge)?;
+        for (map, _, cap) in fill {
+            ConstGauge::new(cap as i64).encode(capacity.encode_family(&[("map", map)])?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_follows_kube_proxy() {
+        let t = Telemetry::new(Duration::from_millis(50), None, (1, 1));
+        assert_eq!(t.healthz().0, 200, "healthy while starting up");
+        t.queued();
+        assert_eq!(t.healthz().0, 200, "a fresh queued update is not late yet");
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(t.healthz().0, 503, "an update queued longer than the timeout");
+        assert_eq!(t.livez().0, 503);
+        t.updated();
+        assert_eq!(t.healthz().0, 200);
+        t.set_node_eligible(false);
+        let (code, body) = t.healthz();
+        assert_eq!(code, 503, "a node being deleted fails /healthz");
+        assert!(body.contains(r#""nodeEligible": false"#), "{body}");
+        assert_eq!(t.livez().0, 200, "/livez ignores the node");
+        let metrics = t.encode();
+        assert!(metrics.contains(r#"kubeproxy_proxy_healthz_total{code="503"} 2"#), "{metrics}");
+    }
+
+    #[test]
+    fn metrics_use_kube_proxy_names() {
+        let t = Telemetry::new(Duration::from_secs(60), None, (65536, 262144));
+        let trigger = SystemTime::now();
+        std::thread::sleep(Duration::from_millis(15));
+        let stats = SyncStats { duration: Duration::from_millis(3), trigger_times: vec![trigger], ..Default::default() };
+        t.synced(&stats, &ChangeCounts { service_changes: 3, endpoint_changes: 5, services_pending: 0, endpoints_pending: 1 });
+        let m = t.encode();
+        for want in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_network_programming_duration_seconds_count 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.025\"} 1",
+            "kubeproxy_sync_proxy_rules_service_changes_total 3",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 1",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "proxy_agent_map_capacity{map=\"conntrack\"} 262144",
+        ] {
+            assert!(m.contains(want), "missing {want} in\n{m}");
+        }
+        // Triggers from before the agent started are not counted.
+        let old = SyncStats { trigger_times: vec![UNIX_EPOCH], ..Default::default() };
+        t.synced(&old, &ChangeCounts::default());
+        assert!(t.encode().contains("kubeproxy_network_programming_duration_seconds_count 1"));
+    }
+}
