@@ -123,14 +123,29 @@ impl Lab {
         fs::remove_file(self.manifests().join(name)).expect("remove manifest");
     }
 
-    /// Starts the agent inside the node namespace (its log goes to `agent.log`).
+    /// Starts the agent inside the node namespace on the manifest directory (its log goes to
+    /// `agent.log`).
     pub fn start_agent(&mut self) {
+        let dir = self.manifests();
+        self.start_agent_with(&[std::ffi::OsStr::new("--manifests"), dir.as_os_str()]);
+    }
+
+    /// Starts the agent against an API server through `kubeconfig`, with `extra` flags.
+    pub fn start_agent_kube(&mut self, kubeconfig: &Path, extra: &[&str]) {
+        let mut args = vec![std::ffi::OsStr::new("--kubeconfig"), kubeconfig.as_os_str()];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        self.start_agent_with(&args);
+    }
+
+    /// Starts `proxy-agent run` in the node namespace with the lab's root and node name and
+    /// the given source flags.
+    pub fn start_agent_with(&mut self, source: &[&std::ffi::OsStr]) {
         assert!(self.agent.is_none(), "agent already running");
         let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("agent log");
         let ns = self.node.file();
         let mut cmd = Command::new(&self.agent_bin);
-        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", "debug", "--manifests"])
-            .arg(self.manifests())
+        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", "debug"])
+            .args(source)
             .arg("--bpffs-root")
             .arg(self.bpffs())
             .stdin(Stdio::null())
@@ -285,10 +300,20 @@ pub fn endpoint_slice(svc: &str, name: &str, endpoints: &[Ipv4Addr], ports: &[(&
     s
 }
 
+/// The lab's Node object, in zone `zone-a`.
+pub fn node_manifest() -> String {
+    format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {NODE_NAME}\n  labels:\n    topology.kubernetes.io/zone: zone-a\n")
+}
+
 /// The three standard Services: web (TCP 80 -> 8080), dns (UDP 53 -> 5353) over `endpoints`,
 /// and one without endpoints.
 pub fn standard_manifests(endpoints: &[Ipv4Addr]) -> String {
-    [
+    standard_objects(endpoints).join("---\n")
+}
+
+/// The standard Services and their slices, one manifest each.
+pub fn standard_objects(endpoints: &[Ipv4Addr]) -> Vec<String> {
+    vec![
         service("web", "10.96.0.10", &[("http", 80, "TCP", TCP_PORT)]),
         endpoint_slice("web", "web-1", endpoints, &[("http", TCP_PORT, "TCP")]),
         service("dns", "10.96.0.53", &[("dns", 53, "UDP", UDP_PORT)]),
@@ -296,7 +321,6 @@ pub fn standard_manifests(endpoints: &[Ipv4Addr]) -> String {
         service("empty", "10.96.0.99", &[("http", 80, "TCP", TCP_PORT)]),
         endpoint_slice("empty", "empty-1", &[], &[("http", TCP_PORT, "TCP")]),
     ]
-    .join("---\n")
 }
 
 /// The directory an executable lives in, to find its sibling binaries (the demo and the

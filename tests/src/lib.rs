@@ -1,6 +1,7 @@
 //! The test lab shared by the integration tests, the demo (`cargo xtask run`) and the
 //! benchmarks (`cargo xtask bench`).
 
+pub mod apiserver;
 pub mod lab;
 pub mod netns;
 pub mod packet;

@@ -173,3 +173,20 @@ pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
     let n = sock.recv(&mut buf)?;
     parse_answer(&String::from_utf8_lossy(&buf[..n]))
 }
+
+/// A plain HTTP/1.0 GET from inside `ns`: (status code, body).
+pub fn http_get(ns: &Netns, addr: SocketAddrV4, path: &str) -> io::Result<(u16, String)> {
+    use std::io::Read as _;
+    let mut stream = ns.run(move || TcpStream::connect_timeout(&addr.into(), TIMEOUT))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("not an HTTP response: {text:?}")))?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((code, body))
+}

@@ -1,0 +1,251 @@
+//! The kube-rs path end to end: the agent's unmodified watchers talk to the in-process API
+//! server through a kubeconfig, and real traffic shows what got programmed.
+
+use std::{collections::BTreeMap, net::SocketAddrV4, thread, time::Duration};
+
+use proxy_tests::{
+    apiserver::{ApiServer, Kind},
+    lab::{self, endpoint_slice, node_manifest, service, sock, standard_objects, Lab, DNS_VIP, WEB_VIP},
+    require,
+    servers::{http_get, tcp_ask},
+};
+
+const AGENT: &str = env!("CARGO_BIN_EXE_proxy-lab-agent");
+const METRICS: &str = "127.0.0.1:10249";
+const HEALTHZ: &str = "127.0.0.1:10256";
+
+struct KubeLab {
+    lab: Lab,
+    api: ApiServer,
+}
+
+/// A lab with three backends, the standard objects and the Node in the API server, and the
+/// agent watching it. `extra`: more agent flags.
+fn kube_lab(test: &str, extra: &[&str]) -> Option<KubeLab> {
+    if !require::root(test) {
+        return None;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    let api = ApiServer::start(&lab.node, 0);
+    api.apply(&node_manifest());
+    for obj in standard_objects(&lab.backend_ips()) {
+        api.apply(&obj);
+    }
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    lab.start_agent_kube(&kubeconfig, extra);
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.wait_programmed(DNS_VIP, "UDP", 3);
+    Some(KubeLab { lab, api })
+}
+
+fn web_slice(lab: &Lab, backends: usize, trigger: Option<&str>) -> String {
+    let mut s = endpoint_slice("web", "web-1", &lab.backend_ips()[..backends], &[("http", lab::TCP_PORT, "TCP")]);
+    if let Some(t) = trigger {
+        s = s.replace("  labels:\n", &format!("  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"{t}\"\n  labels:\n"));
+    }
+    s
+}
+
+fn spread(lab: &Lab, n: usize) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for _ in 0..n {
+        let a = tcp_ask(&lab.client.ns, sock(WEB_VIP)).expect("request to web");
+        *seen.entry(a.backend).or_default() += 1;
+    }
+    seen
+}
+
+fn metric(lab: &Lab, name: &str) -> f64 {
+    let (code, body) = http_get(&lab.node, sock(METRICS), "/metrics").expect("GET /metrics");
+    assert_eq!(code, 200);
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{body}"))
+}
+
+fn now_rfc3339() -> String {
+    // Seconds and microseconds since the epoch, formatted without a date crate.
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let out = std::process::Command::new("date").args(["-u", "-d", &format!("@{}", d.as_secs()), "+%Y-%m-%dT%H:%M:%S"]).output().unwrap();
+    format!("{}.{:06}Z", String::from_utf8_lossy(&out.stdout).trim(), d.subsec_micros())
+}
+
+#[test]
+fn api_server_objects_steer_traffic_and_follow_changes() {
+    let Some(mut k) = kube_lab("api_server_objects_steer_traffic_and_follow_changes", &[]) else { return };
+    assert_eq!(spread(&k.lab, 60).len(), 3);
+    // The watches use kube-proxy's selectors.
+    let reqs = k.api.requests();
+    assert!(reqs.iter().any(|(kind, q)| kind == "Service" && q.contains("labelSelector=!service.kubernetes.io/service-proxy-name")), "{reqs:?}");
+    assert!(reqs.iter().any(|(kind, q)| kind == "EndpointSlice" && q.contains("labelSelector=!service.kubernetes.io/headless")), "{reqs:?}");
+    assert!(reqs.iter().any(|(kind, q)| kind == "Node" && q.contains("fieldSelector=metadata.name=lab-node")), "{reqs:?}");
+
+    // An endpoint removed in the API server stops getting flows.
+    k.api.apply(&web_slice(&k.lab, 2, None));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 2);
+    assert!(!spread(&k.lab, 40).contains_key("backend-3"));
+
+    // A Service that another proxy claims is dropped, as the label selector excludes it.
+    k.api.apply(&service("web", "10.96.0.10", &[("http", 80, "TCP", lab::TCP_PORT)]).replace("  namespace: default\n", "  namespace: default\n  labels:\n    service.kubernetes.io/service-proxy-name: someone-else\n"));
+    k.lab.wait_for("web to be dropped", |r| !r.frontends.iter().any(|f| f.address == WEB_VIP));
+    assert!(tcp_ask(&k.lab.client.ns, sock(WEB_VIP)).is_err());
+
+    // Back, then deleted.
+    k.api.apply(&service("web", "10.96.0.10", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 2);
+    k.api.delete(Kind::Service, "default", "web");
+    k.lab.wait_for("web to be removed", |r| !r.frontends.iter().any(|f| f.address == WEB_VIP));
+    let (code, mode) = http_get(&k.lab.node, sock(METRICS), "/proxyMode").unwrap();
+    assert_eq!((code, mode.as_str()), (200, "ebpf"));
+}
+
+#[test]
+fn a_watch_cut_mid_way_leaves_no_stale_state() {
+    let Some(mut k) = kube_lab("a_watch_cut_mid_way_leaves_no_stale_state", &[]) else { return };
+    k.api.cut_watches(true);
+    // Changes while the agent reconnects: it must resume from where it was and see them.
+    k.api.apply(&web_slice(&k.lab, 1, None));
+    k.api.delete(Kind::Service, "default", "dns");
+    k.lab.wait_programmed(WEB_VIP, "TCP", 1);
+    k.lab.wait_for("dns to be removed", |r| !r.frontends.iter().any(|f| f.address == DNS_VIP));
+    assert_eq!(spread(&k.lab, 10).keys().collect::<Vec<_>>(), ["backend-1"]);
+    k.api.cut_watches(false);
+    k.api.apply(&web_slice(&k.lab, 3, None));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 3);
+}
+
+#[test]
+fn gone_410_leads_to_a_relist_that_converges() {
+    let Some(mut k) = kube_lab("gone_410_leads_to_a_relist_that_converges", &[]) else { return };
+    let lists_before = k.api.requests().iter().filter(|(kind, q)| kind == "Service" && q.starts_with("watch= ")).count();
+    // History is compacted while the agent's watches are cut; what changed meanwhile is only
+    // visible in a fresh list.
+    k.api.compact();
+    k.api.delete(Kind::Service, "default", "dns");
+    k.api.apply(&web_slice(&k.lab, 2, None));
+    k.api.compact();
+    k.lab.wait_for("dns to go after the relist", |r| !r.frontends.iter().any(|f| f.address == DNS_VIP));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 2);
+    let lists_after = k.api.requests().iter().filter(|(kind, q)| kind == "Service" && q.starts_with("watch= ")).count();
+    assert!(lists_after > lists_before, "the 410 must lead to a new list ({lists_before} -> {lists_after})");
+    // And the agent keeps watching afterwards.
+    k.api.apply(&web_slice(&k.lab, 3, None));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 3);
+}
+
+#[test]
+fn each_endpoint_change_yields_a_programming_latency_sample() {
+    let Some(mut k) = kube_lab("each_endpoint_change_yields_a_programming_latency_sample", &[]) else { return };
+    let before = metric(&k.lab, "kubeproxy_network_programming_duration_seconds_count");
+    for (i, n) in [2, 3, 1].iter().enumerate() {
+        k.api.apply(&web_slice(&k.lab, *n, Some(&now_rfc3339())));
+        k.lab.wait_programmed(WEB_VIP, "TCP", *n);
+        // The sample is recorded right after the maps are written; allow for that.
+        let mut got = metric(&k.lab, "kubeproxy_network_programming_duration_seconds_count");
+        for _ in 0..20 {
+            if got >= before + (i + 1) as f64 {
+                break;
+            }
+            thread::sleep(Duration::from_millis(50));
+            got = metric(&k.lab, "kubeproxy_network_programming_duration_seconds_count");
+        }
+        assert_eq!(got, before + (i + 1) as f64, "one sample per change");
+    }
+    assert!(metric(&k.lab, "kubeproxy_sync_proxy_rules_endpoint_changes_total") >= 3.0);
+    assert!(metric(&k.lab, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 1.7e9);
+}
+
+#[test]
+fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
+    let Some(k) = kube_lab("healthz_turns_503_when_programming_stalls_or_the_node_goes", &["--lb-map-max", "32", "--sync-period", "1s"]) else { return };
+    let health = |path: &str| http_get(&k.lab.node, sock(HEALTHZ), path).expect("GET health").0;
+    assert_eq!((health("/healthz"), health("/livez")), (200, 200));
+
+    // A Service with more endpoints than the maps hold cannot be programmed: the change stays
+    // pending, and after 2 x --sync-period the proxy is unhealthy.
+    let many: Vec<std::net::Ipv4Addr> = (1..=40).map(|i| std::net::Ipv4Addr::new(10, 244, 9, i)).collect();
+    k.api.apply(&service("big", "10.96.0.77", &[("http", 80, "TCP", 8080)]));
+    k.api.apply(&endpoint_slice("big", "big-1", &many, &[("http", 8080, "TCP")]));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health("/healthz") != 503 {
+        assert!(std::time::Instant::now() < deadline, "/healthz never turned 503; log:\n{}", k.lab.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(health("/livez"), 503);
+    assert!(k.lab.agent_log().contains("is full"), "the map-full error is logged");
+    // Other Services keep working while one cannot be programmed.
+    assert!(tcp_ask(&k.lab.client.ns, sock(WEB_VIP)).is_ok());
+
+    // Remove the culprit: programming catches up and health returns.
+    k.api.delete(Kind::EndpointSlice, "default", "big-1");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health("/healthz") != 200 {
+        assert!(std::time::Instant::now() < deadline, "/healthz never recovered; log:\n{}", k.lab.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
+
+    // The Node being deleted: /healthz fails (so load balancers drain it), /livez does not.
+    k.api.apply(&node_manifest().replace("  name: lab-node\n", "  name: lab-node\n  deletionTimestamp: \"2026-11-21T09:00:00Z\"\n"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health("/healthz") != 503 {
+        assert!(std::time::Instant::now() < deadline, "/healthz ignored the Node deletion");
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(health("/livez"), 200);
+    let (_, body) = http_get(&k.lab.node, sock(HEALTHZ), "/healthz").unwrap();
+    assert!(body.contains("\"nodeEligible\": false"), "{body}");
+}
+
+#[test]
+fn bad_objects_are_named_and_never_stop_the_watch() {
+    let Some(mut k) = kube_lab("bad_objects_are_named_and_never_stop_the_watch", &[]) else { return };
+    k.api.apply(&service("bad-ip", "10.96.0.300", &[("http", 80, "TCP", 8080)]));
+    k.api.apply(&service("bad-port", "10.96.0.31", &[("http", 7000, "TCP", 8080)]).replace("port: 7000", "port: 70000"));
+    k.api.apply(&service("zero-port", "10.96.0.32", &[("http", 0, "TCP", 8080)]));
+    k.api.apply(&endpoint_slice("web", "orphan", &k.lab.backend_ips(), &[("http", 8080, "TCP")]).replace("  labels:\n    kubernetes.io/service-name: web\n", ""));
+    k.api.apply(&endpoint_slice("web", "weird", &k.lab.backend_ips(), &[("http", 8080, "TCP")]).replace("addressType: IPv4", "addressType: IPv5"));
+    // A valid change after them is still applied: the watch goes on.
+    k.api.apply(&web_slice(&k.lab, 1, None));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 1);
+    let log = k.lab.agent_log();
+    for want in [
+        "Service default/bad-ip",
+        "\"10.96.0.300\" is not a valid IP address",
+        "Service default/bad-port",
+        "70000 is out of range",
+        "Service default/zero-port",
+        "port 0 is out of range",
+        "EndpointSlice default/orphan",
+        "kubernetes.io/service-name",
+        "EndpointSlice default/weird",
+        "addressType \"IPv5\" is unknown",
+    ] {
+        assert!(log.contains(want), "the log must say {want:?}:\n{log}");
+    }
+    assert!(k.lab.agent_running());
+}
+
+#[test]
+fn an_unreachable_api_server_at_start_is_retried_while_pins_keep_serving() {
+    let Some(mut k) = kube_lab("an_unreachable_api_server_at_start_is_retried_while_pins_keep_serving", &[]) else { return };
+    k.lab.kill_agent();
+    // A port nobody listens on yet.
+    let port = k.lab.node.run(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let later = format!("127.0.0.1:{port}").parse::<SocketAddrV4>().unwrap();
+    let kubeconfig = k.lab.dir.join("kubeconfig-later");
+    std::fs::write(&kubeconfig, std::fs::read_to_string(k.lab.dir.join("kubeconfig")).unwrap().replace(&k.api.addr.to_string(), &later.to_string())).unwrap();
+    k.lab.start_agent_kube(&kubeconfig, &[]);
+    thread::sleep(Duration::from_secs(2));
+    assert!(k.lab.agent_running(), "the agent must keep retrying, not exit:\n{}", k.lab.agent_log());
+    assert_eq!(spread(&k.lab, 30).len(), 3, "the pinned state keeps serving meanwhile");
+
+    let api = ApiServer::start(&k.lab.node, port);
+    api.apply(&node_manifest());
+    for obj in standard_objects(&k.lab.backend_ips()[..2]) {
+        api.apply(&obj);
+    }
+    k.lab.wait_programmed(WEB_VIP, "TCP", 2);
+    assert_eq!(spread(&k.lab, 30).len(), 2);
+}
