@@ -85,18 +85,27 @@ fn log_sync(s: &SyncStats) {
     }
 }
 
-fn on_link(dp: &mut EbpfDataplane, patterns: &DevicePatterns, change: LinkChange) {
+/// Attaches to interfaces as they appear; `failed` keeps the ones to retry.
+fn on_link(dp: &mut EbpfDataplane, patterns: &DevicePatterns, failed: &mut BTreeMap<u32, String>, change: LinkChange) {
     match change {
         LinkChange::Present { index, name } => {
             if dp.is_attached(index) {
                 dp.interface_renamed(index, &name);
             } else if patterns.matches(&name) {
-                if let Err(e) = dp.attach(index, &name) {
-                    tracing::error!("{e}");
+                match dp.attach(index, &name) {
+                    Ok(()) => {
+                        failed.remove(&index);
+                    }
+                    Err(e) => {
+                        if failed.insert(index, name).is_none() {
+                            tracing::error!("{e}; retrying every 5 s");
+                        }
+                    }
                 }
             }
         }
         LinkChange::Gone { index } => {
+            failed.remove(&index);
             if let Some(name) = dp.forget_interface(index) {
                 tracing::info!(interface = name, ifindex = index, "interface gone");
             }
@@ -170,8 +179,9 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     let links = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
     let live: BTreeMap<u32, String> = links.iter().cloned().collect();
     Attachments::prune_pins(&cfg.bpffs_root, &live);
+    let mut failed_attach = BTreeMap::new();
     for (index, name) in links {
-        on_link(rec.dataplane_mut(), &patterns, LinkChange::Present { index, name });
+        on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, LinkChange::Present { index, name });
     }
     if rec.dataplane().attached().is_empty() {
         tracing::warn!(
@@ -183,6 +193,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(2));
+    let mut attach_retry = tokio::time::interval(Duration::from_secs(5));
     let mut node_seen = false;
     let mut warned_no_node = false;
     loop {
@@ -215,8 +226,13 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
                 }
                 sync(&mut rec, &telemetry);
             }
-            Some(change) = link_rx.recv() => on_link(rec.dataplane_mut(), &patterns, change),
+            Some(change) = link_rx.recv() => on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, change),
             _ = retry.tick(), if rec.has_failures() => sync(&mut rec, &telemetry),
+            _ = attach_retry.tick(), if !failed_attach.is_empty() => {
+                for (index, name) in failed_attach.clone() {
+                    on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, LinkChange::Present { index, name });
+                }
+            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }

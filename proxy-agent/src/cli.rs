@@ -126,7 +126,13 @@ fn hostname() -> String {
 fn init_logging(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("warn,proxy_agent={level}")));
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    // Colours only on a terminal: log files and `kubectl logs` get plain text.
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
 }
 
 pub fn main() -> ExitCode {

@@ -46,6 +46,8 @@ pub struct Reconciler<D> {
     retry: BTreeSet<ObjectKey>,
     /// Trigger times of changes not programmed yet, per Service.
     triggers: BTreeMap<ObjectKey, Vec<SystemTime>>,
+    /// Frontends the dataplane cannot express, with the reason last reported.
+    unsupported: HashMap<FrontendKey, String>,
 }
 
 impl<D: Dataplane> Reconciler<D> {
@@ -62,6 +64,7 @@ impl<D: Dataplane> Reconciler<D> {
             adopted: Some(adopted),
             retry: BTreeSet::new(),
             triggers: BTreeMap::new(),
+            unsupported: HashMap::new(),
         }
     }
 
@@ -165,16 +168,27 @@ impl<D: Dataplane> Reconciler<D> {
                 match self.dp.upsert(key, fe) {
                     Ok(()) => {
                         stats.upserted += 1;
+                        self.unsupported.remove(key);
                         tracing::debug!(service = %fe.name, frontend = %key, backends = fe.backends.len(), "programmed");
+                    }
+                    // Retrying cannot help until the Service changes: say so once, and neither
+                    // retry nor hold health back for it.
+                    Err(e) if e.is_permanent() => {
+                        let msg = e.to_string();
+                        if self.unsupported.get(key) != Some(&msg) {
+                            tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {msg}");
+                            self.unsupported.insert(*key, msg);
+                        }
                     }
                     Err(e) => {
                         stats.failed += 1;
                         failed = true;
                         tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {e}");
-                        continue;
                     }
                 }
             }
+            // Owned even when programming failed: a previous run's working version of it must
+            // not be removed as stale, and it is retried as this Service's.
             self.owners.insert(*key, svc.clone());
             self.by_service.entry(svc.clone()).or_default().insert(*key);
         }
@@ -183,6 +197,7 @@ impl<D: Dataplane> Reconciler<D> {
             match self.dp.remove(key) {
                 Ok(()) => {
                     stats.removed += 1;
+                    self.unsupported.remove(key);
                     tracing::debug!(service = %svc, frontend = %key, "removed");
                     self.owners.remove(key);
                     if let Some(set) = self.by_service.get_mut(svc) {
@@ -226,6 +241,7 @@ mod tests {
         held: BTreeMap<FrontendKey, Frontend>,
         writes: usize,
         fail: bool,
+        unsupported: bool,
     }
 
     impl Dataplane for Fake {
@@ -237,6 +253,9 @@ mod tests {
         }
         fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
             if self.fail {
+                return Err(DataplaneError::MapFull { map: "injected", max: 1 });
+            }
+            if self.unsupported {
                 return Err(DataplaneError::Unsupported("injected".into()));
             }
             self.writes += 1;
@@ -326,6 +345,33 @@ mod tests {
         r.sync();
         r.sync(); // the waiting Service is retried on the next pass
         assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "b"));
+    }
+
+    #[test]
+    fn unsupported_frontends_are_not_retried() {
+        let mut r = rec(Fake { unsupported: true, ..Default::default() });
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        let s = r.sync().unwrap();
+        assert_eq!(s.failed, 0, "not a failure to retry");
+        assert!(!r.has_failures(), "health must not wait for something that cannot work");
+    }
+
+    #[test]
+    fn a_failed_update_keeps_the_previous_runs_version() {
+        let mut first = rec(Fake::default());
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| first.handle(e));
+        first.sync();
+        let mut dp = std::mem::take(&mut first.dp);
+        dp.fail = true;
+        let mut r = rec(dp);
+        // The Service changed while the agent was down, and the update fails (map full).
+        let changed = Object::Service(Box::new(
+            serde_yaml::from_str("metadata: {name: a}\nspec: {clusterIP: 10.96.0.1, sessionAffinity: ClientIP, ports: [{port: 80}]}").unwrap(),
+        ));
+        replace(vec![changed]).into_iter().for_each(|e| r.handle(e));
+        let s = r.sync().unwrap();
+        assert_eq!((s.failed, s.removed), (1, 0), "{s:?}");
+        assert!(r.dp.held.contains_key(&key("10.96.0.1")), "the old version keeps serving");
     }
 
     #[test]

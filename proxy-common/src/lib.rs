@@ -108,6 +108,9 @@ const _: () = assert!(size_of::<ServiceValue>() == 16);
 /// `ServiceValue::flags`.
 pub mod svc_flags {
     pub const NONE: u16 = 0;
+    /// With no backends, drop instead of answering port unreachable: the Service has endpoints,
+    /// just none this traffic may use (kube-proxy's "has no local endpoints" DROP).
+    pub const DROP_WHEN_EMPTY: u16 = 1 << 0;
 }
 
 /// Value of `LB4_BACKENDS_V1`, an array indexed by backend id (the lookup is inlined by the
@@ -178,13 +181,19 @@ const _: () = assert!(size_of::<CtKey>() == 16);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtEntry {
-    /// `bpf_ktime_get_ns()` of the last packet, refreshed at most once a second.
+    /// `bpf_ktime_get_coarse_ns()` of the last packet, refreshed at most once a second.
     pub last_seen_ns: u64,
     pub backend_id: u32,
     pub service_id: u32,
     /// `ct::flags`.
     pub flags: u8,
-    pub _pad: [u8; 7],
+    pub _pad: u8,
+    /// Forward entry: the backend's port; reply entry: the service's (network order).
+    pub nat_port: [u8; 2],
+    /// Forward entry: the backend's address, so a backend id reused by another backend is not
+    /// mistaken for this one, and the reply entry can be found to delete it. Reply entry: the
+    /// service's address.
+    pub nat_addr: [u8; 4],
 }
 const _: () = assert!(size_of::<CtEntry>() == 24);
 
@@ -302,6 +311,9 @@ reasons! {
     /// Egress: an ICMP error about a translated flow, rewritten to name the service address
     /// so the client's socket sees it (what nf_nat does for RELATED packets).
     IcmpErrorNat = 17 => "icmp_error_nat",
+    /// Ingress: a Local traffic policy Service whose endpoints are all on other nodes: dropped,
+    /// as kube-proxy does.
+    DropNoLocalEndpoints = 18 => "drop_no_local_endpoints",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.

@@ -107,25 +107,64 @@ pub fn touch_forward(pkt: &Packet, e: *mut CtEntry, now: u64) {
     }
 }
 
-/// Records a reply on its own entry and, the first time and on FIN/RST, on the forward entry,
-/// which holds the state that decides the connection's lifetime.
+/// Records a reply, and checks that it still belongs to a live connection. A reply entry is
+/// only valid while its forward entry is live and names the same backend: otherwise the
+/// connection closed, expired or moved to another backend, and the tuple may now be a
+/// different, direct connection between the same two ports, which must not be translated.
+/// The check needs the forward entry, so it runs when the entry is due a refresh (at most once
+/// a second) or gains a flag; it also refreshes the forward entry, so a flow where only the
+/// backend talks stays alive. Returns false (after deleting the entry) when the reply is stale.
 #[inline(always)]
-pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, fwd_key: &CtKey, now: u64) {
+pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtKey, now: u64) -> bool {
     let add = flags::SEEN_REPLY
         | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
-    // SAFETY: as in touch_forward.
-    unsafe {
-        if (*e).flags & add != add {
-            (*e).flags |= add;
-            if let Some(f) = CT4_V1.get_ptr_mut(fwd_key) {
+    let gains_flags = entry.flags & add != add;
+    let due = now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS;
+    if !gains_flags && !due {
+        return true;
+    }
+    let live = match CT4_V1.get_ptr_mut(fwd_key) {
+        // SAFETY: a live map value; racing writers store the same kind of data.
+        Some(f) => unsafe {
+            let fwd = *f;
+            let ok = fwd.flags & flags::REPLY == 0
+                && fwd.backend_id == entry.backend_id
+                && !ct::expired(pkt.proto, fwd.flags, fwd.last_seen_ns, now);
+            if ok {
                 (*f).flags |= add;
                 (*f).last_seen_ns = now;
             }
-        }
-        if now.wrapping_sub((*e).last_seen_ns) > ct::REFRESH_NS {
-            (*e).last_seen_ns = now;
-        }
+            ok
+        },
+        None => false,
+    };
+    if !live {
+        let _ = CT4_V1.remove(key(pkt));
+        return false;
     }
+    // SAFETY: as in touch_forward.
+    unsafe {
+        (*e).flags |= add;
+        (*e).last_seen_ns = now;
+    }
+    true
+}
+
+/// Forgets the reply entry of the connection `fwd` tracked, when the flow moves to another
+/// backend or is tracked afresh: left behind, it would translate an unrelated connection that
+/// happens to reuse the same ports.
+#[inline(always)]
+pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
+    let stale = CtKey {
+        saddr: fwd.nat_addr,
+        daddr: pkt.saddr,
+        sport: fwd.nat_port,
+        dport: pkt.sport,
+        proto: pkt.proto,
+        _pad: 0,
+        _pad2: 0,
+    };
+    let _ = CT4_V1.remove(stale);
 }
 
 /// Tracks a new connection (or re-tracks one whose backend changed).
@@ -138,9 +177,25 @@ pub fn create(
     now: u64,
 ) -> Result<(), Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
-    let fwd = CtEntry { last_seen_ns: now, backend_id, service_id, flags: fin_rst, _pad: [0; 7] };
+    let fwd = CtEntry {
+        last_seen_ns: now,
+        backend_id,
+        service_id,
+        flags: fin_rst,
+        _pad: 0,
+        nat_port: backend.port,
+        nat_addr: backend.addr,
+    };
     CT4_V1.insert(key(pkt), fwd, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
-    let rev = CtEntry { last_seen_ns: now, backend_id, service_id, flags: flags::REPLY, _pad: [0; 7] };
+    let rev = CtEntry {
+        last_seen_ns: now,
+        backend_id,
+        service_id,
+        flags: flags::REPLY,
+        _pad: 0,
+        nat_port: pkt.dport,
+        nat_addr: pkt.daddr,
+    };
     CT4_V1
         .insert(reply_key(pkt, backend), rev, BPF_ANY as u64)
         .map_err(|_| Reason::DropCtInsert)

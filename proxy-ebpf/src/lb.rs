@@ -9,7 +9,7 @@ use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{bindings::TC_ACT_OK, helpers::bpf_get_prandom_u32, programs::TcContext};
 use proxy_common::{
-    ct::flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP,
+    ct::flags, svc_flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
@@ -48,9 +48,12 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
             return Ok(Verdict::pass(Reason::ReplyIngress));
-        } else if !ct::forward_stale(&pkt, &entry, now) {
+        }
+        if !ct::forward_stale(&pkt, &entry, now) {
             return established(ctx, &pkt, e, &entry, now);
         }
+        // Tracked afresh below; the old connection's reply entry must not outlive it.
+        ct::drop_reply(&pkt, &entry);
     }
     let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     match service(&key) {
@@ -81,9 +84,12 @@ fn established(
     entry: &CtEntry,
     now: u64,
 ) -> Result<Verdict, Reason> {
-    let Some(be) = backend(entry.backend_id) else {
+    // The id must still name the backend the flow went to: ids are reused eventually.
+    let be = backend(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+    let Some(be) = be else {
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging.
+        ct::drop_reply(pkt, entry);
         let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
         return match service(&key) {
             Some(master) => new_flow(ctx, pkt, &key, &master, now, Reason::Reselected),
@@ -108,6 +114,9 @@ fn new_flow(
     reason: Reason,
 ) -> Result<Verdict, Reason> {
     if master.count == 0 {
+        if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
+            return Err(Reason::DropNoLocalEndpoints);
+        }
         if pkt.frag == Frag::Later || (pkt.proto != IPPROTO_TCP && pkt.proto != IPPROTO_UDP) {
             return Err(Reason::DropNoEndpoints);
         }

@@ -43,7 +43,9 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(rn) = revnat_of(&entry) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
-    ct::touch_reply(&pkt, e, &ct::forward_key_of_reply(&pkt, rn.addr, rn.port), ct::now());
+    if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, rn.addr, rn.port), ct::now()) {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
     frag::remember(&pkt);
     nat::rewrite(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };

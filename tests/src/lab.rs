@@ -228,6 +228,18 @@ impl Lab {
         }
     }
 
+    /// Waits until the agent's log holds `needle` at least `count` times (15 s at most).
+    pub fn wait_log(&mut self, needle: &str, count: usize) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.agent_log().matches(needle).count() < count {
+            if self.agent.is_some() && !self.agent_running() {
+                panic!("the agent exited while waiting for {needle:?} in its log:\n{}", self.log_tail());
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {count}x {needle:?} in the log:\n{}", self.log_tail());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Waits until the frontend `vip` (`a.b.c.d:port`) has exactly `backends` backends and every
     /// pod interface has the programs attached.
     pub fn wait_programmed(&mut self, vip: &str, proto: &str, backends: usize) -> Report {

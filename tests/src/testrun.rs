@@ -76,3 +76,13 @@ pub fn conntrack(dp: &mut EbpfDataplane) -> Vec<(CtKey, CtEntry)> {
     let ct = HashMap::<_, CtKey, CtEntry>::try_from(map).expect("ct is a hash map");
     ct.iter().map(|e| e.expect("ct entry")).collect()
 }
+
+/// A map of the loaded programs by its kernel name, opened afresh (for maps the agent's writer
+/// owns, which tests poke at to simulate what the writer would never do).
+pub fn map_by_name(dp: &mut EbpfDataplane, name: &str) -> aya::maps::MapData {
+    let ids = dp.ingress_program().info().expect("program info").map_ids().expect("map ids").unwrap_or_default();
+    ids.into_iter()
+        .map(|id| aya::maps::MapData::from_id(id).expect("open map by id"))
+        .find(|m| m.info().ok().and_then(|i| i.name_as_str().map(|n| n == name)).unwrap_or(false))
+        .unwrap_or_else(|| panic!("no map named {name}"))
+}

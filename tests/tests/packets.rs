@@ -37,6 +37,7 @@ fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]
             .collect(),
         retained: vec![],
         affinity_timeout: None,
+        drop_when_empty: false,
     };
     dp.upsert(&key, &fe).expect("program frontend");
 }
@@ -361,4 +362,68 @@ fn a_closed_tuple_reused_by_a_new_syn_is_balanced_afresh() {
     let before = counters(&mut dp)["new_flow"];
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
     assert_eq!(counters(&mut dp)["new_flow"], before + 1, "a SYN on a closed tuple is a new flow");
+}
+
+#[test]
+fn a_reply_entry_of_a_moved_flow_does_not_touch_a_direct_connection() {
+    let Some(mut dp) = setup("a_reply_entry_of_a_moved_flow_does_not_touch_a_direct_connection") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    // The backend goes; the flow moves to another one.
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.3:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK));
+    // Later the client talks to the old backend directly from the same port: its answers must
+    // not be dressed up as the service's.
+    let direct = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
+    assert_eq!(run_egress(&mut dp, &direct).frame, direct, "the old reply entry must be gone");
+    assert_eq!(conntrack(&mut dp).len(), 2, "one connection, two entries");
+}
+
+#[test]
+fn a_reply_without_a_live_forward_entry_is_left_alone() {
+    let Some(mut dp) = setup("a_reply_without_a_live_forward_entry_is_left_alone") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    // The forward entry is gone (evicted, or the flow was tracked afresh elsewhere).
+    let forward = proxy_common::CtKey::new(sock(CLIENT), sock(VIP), TCP);
+    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap().remove(&forward).unwrap();
+    let reply = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
+    assert_eq!(run_egress(&mut dp, &reply).frame, reply);
+    assert!(conntrack(&mut dp).is_empty(), "the stale reply entry is deleted");
+}
+
+#[test]
+fn a_reused_backend_id_is_not_mistaken_for_the_old_backend() {
+    let Some(mut dp) = setup("a_reused_backend_id_is_not_mistaken_for_the_old_backend") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    let ct = conntrack(&mut dp);
+    let (_, fwd) = ct.iter().find(|(k, _)| k.daddr == [10, 96, 0, 10]).copied().unwrap_or_else(|| panic!("no forward entry in {ct:?}"));
+    // The backend leaves the Service (its id is freed) and the id is handed to an endpoint of
+    // some other Service.
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.3:8080"]);
+    let map = testrun::map_by_name(&mut dp, proxy_common::map_names::BACKENDS);
+    let mut backends = aya::maps::Array::<_, proxy_common::Backend>::try_from(aya::maps::Map::Array(map)).unwrap();
+    backends.set(fwd.backend_id, proxy_common::Backend::new("10.244.7.7".parse().unwrap(), 9999, TCP, 0), 0).unwrap();
+    let d = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame);
+    assert_eq!(d.dst_sock(), sock("10.244.1.3:8080"), "the flow must be re-balanced within its Service, not follow the id");
+    assert_eq!(counters(&mut dp).get("reselected"), Some(&1));
+}
+
+#[test]
+fn a_local_policy_service_with_remote_endpoints_only_drops() {
+    let Some(mut dp) = setup("a_local_policy_service_with_remote_endpoints_only_drops") else { return };
+    let v = sock(VIP);
+    let fe = Frontend {
+        name: ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp },
+        backends: vec![],
+        retained: vec![],
+        affinity_timeout: None,
+        drop_when_empty: true,
+    };
+    dp.upsert(&FrontendKey { addr: *v.ip(), port: v.port(), protocol: Protocol::Tcp }, &fe).unwrap();
+    let out = run(&mut dp, &tcp_frame(sock(CLIENT), v, SYN));
+    assert_eq!(out.action, testrun::TC_ACT_SHOT, "kube-proxy drops: no local endpoint");
+    assert_eq!(counters(&mut dp).get("drop_no_local_endpoints"), Some(&1));
 }

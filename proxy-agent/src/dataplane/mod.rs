@@ -21,6 +21,11 @@ pub enum DataplaneError {
 }
 
 impl DataplaneError {
+    /// Retrying cannot help until the Service changes.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, DataplaneError::Unsupported(_))
+    }
+
     /// Short, stable label for metrics.
     pub fn metric_label(&self) -> &'static str {
         match self {

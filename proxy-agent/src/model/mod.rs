@@ -137,6 +137,9 @@ pub struct Frontend {
     pub retained: Vec<Backend>,
     /// ClientIP session affinity timeout in seconds.
     pub affinity_timeout: Option<u32>,
+    /// With no backends: drop (endpoints exist, but none this traffic may use: a Local policy
+    /// with endpoints only on other nodes) instead of rejecting (no endpoints at all).
+    pub drop_when_empty: bool,
 }
 
 /// This node's identity, as translation needs it.

@@ -246,7 +246,12 @@ impl Store {
                         let key = checked.key.clone();
                         self.clear_report(Kind::EndpointSlice, &key);
                         if self.slices.get(&key) != Some(&checked) {
-                            self.unlink_slice(&key);
+                            // Relabelled to another Service: the old one loses these endpoints.
+                            if let Some(old) = self.unlink_slice(&key) {
+                                if old.service != checked.service {
+                                    self.endpoints_changed(&old.service, None);
+                                }
+                            }
                             self.slices_by_service.entry(checked.service.clone()).or_default().insert(key.clone());
                             self.endpoints_changed(&checked.service.clone(), checked.trigger_time);
                             self.slices.insert(key.clone(), checked);
@@ -442,6 +447,18 @@ mod tests {
         s.apply(Event::Apply(slice(WEB_SLICE)));
         let reports = s.apply(Event::Apply(slice("metadata: {name: web-1}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]")));
         assert!(reports[0].message.contains("kubernetes.io/service-name"), "{reports:?}");
+        assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
+    }
+
+    #[test]
+    fn a_slice_relabelled_to_another_service_leaves_the_first() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(svc("metadata: {name: other}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}")));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.take_dirty();
+        s.apply(Event::Apply(slice(&WEB_SLICE.replace("service-name: web", "service-name: other"))));
+        assert_eq!(s.take_dirty().services, BTreeSet::from([web(), ObjectKey::new("default", "other")]));
         assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
     }
 

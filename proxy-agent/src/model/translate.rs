@@ -93,6 +93,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
                     backends: backends.clone(),
                     retained: retained.clone(),
                     affinity_timeout: svc.affinity_timeout,
+                    drop_when_empty: backends.is_empty() && sets.has_any,
                 },
             ));
         }
@@ -187,7 +188,7 @@ mod tests {
     #[test]
     fn udp_does_not_retain_endpoints_that_stopped_serving() {
         let s = svc("metadata: {name: dns}\nspec: {clusterIP: 10.96.0.53, ports: [{port: 53, protocol: UDP}]}");
-        let sl = slice("metadata: {name: dns-a, labels: {kubernetes.io/service-name: dns}}\naddressType: IPv4\nports: [{port: 53, protocol: UDP}]\nendpoints:\n- addresses: [10.1.0.1]\n- addresses: [10.1.0.2]\n  conditions: {ready: false}\n");
+        let sl = slice("metadata: {name: dns-a, labels: {kubernetes.io/service-name: dns}}\naddressType: IPv4\nports: [{port: 53, protocol: UDP}]\nendpoints:\n- addresses: [10.1.0.1]\n- addresses: [10.1.0.2]\n  conditions: {ready: false, serving: false}\n");
         let t = service(&s, &[&sl], &node());
         assert!(t.frontends[0].1.retained.is_empty());
     }
@@ -198,6 +199,16 @@ mod tests {
         let sl = slice("metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], nodeName: node-a}\n- {addresses: [10.1.0.2], nodeName: node-b}\n");
         let t = service(&s, &[&sl], &node());
         assert_eq!(t.frontends[0].1.backends, vec![Backend { local: true, ..be("10.1.0.1", 8080) }]);
+    }
+
+    #[test]
+    fn local_policy_without_local_endpoints_drops_and_no_endpoints_rejects() {
+        let s = svc("metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{port: 80}]}");
+        let remote = slice("metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- {addresses: [10.1.0.2], nodeName: node-b}\n");
+        let fe = &service(&s, &[&remote], &node()).frontends[0].1;
+        assert!(fe.backends.is_empty() && fe.drop_when_empty, "kube-proxy drops: the Service has endpoints, none local");
+        let fe = &service(&s, &[], &node()).frontends[0].1;
+        assert!(!fe.drop_when_empty, "no endpoints at all: reject");
     }
 
     #[test]

@@ -376,13 +376,13 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         }
         let Some(addr) = first else { continue };
         let c = e.conditions.clone().unwrap_or_default();
-        // API semantics: nil ready means ready; nil serving means "same as ready".
+        // As kube-proxy reads them: nil ready and nil serving mean true, nil terminating false.
         let ready = c.ready.unwrap_or(true);
         let hints = e.hints.clone().unwrap_or_default();
         endpoints.push(SliceEndpoint {
             addr,
             ready,
-            serving: c.serving.unwrap_or(ready),
+            serving: c.serving.unwrap_or(true),
             terminating: c.terminating.unwrap_or(false),
             node_name: e.node_name.clone(),
             zone_hints: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
@@ -539,7 +539,7 @@ mod tests {
         .unwrap();
         assert_eq!(s.service, ObjectKey::new("default", "web"));
         let flags: Vec<_> = s.endpoints.iter().map(|e| (e.ready, e.serving, e.terminating)).collect();
-        assert_eq!(flags, vec![(true, true, false), (false, false, false), (false, true, true)]);
+        assert_eq!(flags, vec![(true, true, false), (false, true, false), (false, true, true)]);
     }
 
     #[test]

@@ -171,22 +171,43 @@ fn is_manifest(path: &Path) -> bool {
 }
 
 /// Files below `dir`, skipping hidden entries (editor swap files, ConfigMap `..data` links).
-fn list_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
+/// An entry that cannot be read (a dangling symlink, a temporary file deleted meanwhile) is
+/// reported and skipped; `complete` turns false, so the caller keeps what it knew instead of
+/// deleting the objects of files it could not see.
+fn list_files(dir: &Path, out: &mut Vec<PathBuf>, problems: &mut Vec<Problem>, complete: &mut bool) {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) => {
+            problems.push(Problem { file: dir.into(), document: None, object: None, message: format!("cannot be read: {e}") });
+            *complete = false;
+            return;
+        }
+    };
+    for entry in entries {
+        let Ok(entry) = entry else {
+            *complete = false;
+            continue;
+        };
         if entry.file_name().to_string_lossy().starts_with('.') {
             continue;
         }
         let path = entry.path();
         // Follows symlinks: ConfigMap volumes are links into a hidden directory.
-        let meta = std::fs::metadata(&path)?;
-        if meta.is_dir() {
-            list_files(&path, out)?;
-        } else if meta.is_file() && is_manifest(&path) {
-            out.push(path);
+        match std::fs::metadata(&path) {
+            Ok(meta) if meta.is_dir() => list_files(&path, out, problems, complete),
+            Ok(meta) => {
+                if meta.is_file() && is_manifest(&path) {
+                    out.push(path);
+                }
+            }
+            Err(e) => {
+                if is_manifest(&path) {
+                    problems.push(Problem { file: path, document: None, object: None, message: format!("cannot be read: {e}") });
+                    *complete = false;
+                }
+            }
         }
     }
-    Ok(())
 }
 
 impl ManifestDir {
@@ -207,11 +228,13 @@ impl ManifestDir {
     pub fn scan(&mut self) -> (Vec<Event>, Vec<Problem>) {
         let mut problems = Vec::new();
         let mut paths = Vec::new();
-        if let Err(e) = list_files(&self.dir, &mut paths) {
-            problems.push(Problem { file: self.dir.clone(), document: None, object: None, message: format!("cannot be read: {e}") });
+        let mut complete = true;
+        list_files(&self.dir, &mut paths, &mut problems, &mut complete);
+        // Only a complete listing says a file is gone; otherwise keep what it held.
+        if complete {
+            let present: std::collections::HashSet<&PathBuf> = paths.iter().collect();
+            self.files.retain(|p, _| present.contains(p));
         }
-        let present: std::collections::HashSet<&PathBuf> = paths.iter().collect();
-        self.files.retain(|p, _| present.contains(p));
         for path in &paths {
             let meta = std::fs::metadata(path);
             let stamp = Stamp {
@@ -407,6 +430,22 @@ mod tests {
         m.scan();
         std::fs::remove_file(d.join("a.yaml")).unwrap();
         assert!(names(&m.scan().0, Kind::Service).is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_unreadable_entry_is_reported_and_deletes_nothing() {
+        let d = tempdir("unreadable");
+        write(&d, "a.yaml", SVC);
+        let mut m = ManifestDir::new(&d).unwrap();
+        m.scan();
+        std::os::unix::fs::symlink("/nonexistent/target.yaml", d.join("b.yaml")).unwrap();
+        let (events, problems) = m.scan();
+        assert_eq!(names(&events, Kind::Service), ["web"], "web stays programmed");
+        assert!(problems.iter().any(|p| p.file.ends_with("b.yaml")), "{problems:?}");
+        std::fs::remove_file(d.join("b.yaml")).unwrap();
+        std::fs::remove_file(d.join("a.yaml")).unwrap();
+        assert!(names(&m.scan().0, Kind::Service).is_empty(), "a complete listing still deletes");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

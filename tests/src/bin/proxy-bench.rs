@@ -51,6 +51,7 @@ fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
         backends: backends.into_iter().map(|(addr, port)| Backend { addr, port, terminating: false, local: false }).collect(),
         retained: vec![],
         affinity_timeout: None,
+        drop_when_empty: false,
     }
 }
 

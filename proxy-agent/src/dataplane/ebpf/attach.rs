@@ -38,10 +38,12 @@ impl DevicePatterns {
     }
 }
 
-/// The hooks every pod interface gets: (attach point, program, pin file prefix).
+/// The hooks every pod interface gets: (attach point, program, pin file prefix). Egress comes
+/// first: on its own it is harmless (it only translates replies of flows tracked elsewhere),
+/// while ingress on its own would DNAT flows whose replies nobody translates back.
 const HOOKS: [(TcAttachType, &str, &str); 2] = [
-    (TcAttachType::Ingress, prog_names::TC_INGRESS, "tc_ingress_"),
     (TcAttachType::Egress, prog_names::TC_EGRESS, "tc_egress_"),
+    (TcAttachType::Ingress, prog_names::TC_INGRESS, "tc_ingress_"),
 ];
 
 /// Where a hook's link of interface `ifindex` is pinned: `<hook>_<ifindex>_<ifname>`. The index

@@ -295,7 +295,7 @@ impl LbMaps {
             backend_id: 0,
             service_id,
             count: count as u16,
-            flags: svc_flags::NONE,
+            flags: if fe.drop_when_empty { svc_flags::DROP_WHEN_EMPTY } else { svc_flags::NONE },
             affinity_timeout: fe.affinity_timeout.unwrap_or(0),
         }
     }
@@ -311,6 +311,14 @@ impl LbMaps {
 
     pub fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
         let proto = ipproto(key.protocol)?;
+        // Each endpoint once: a duplicate would take a second reference and never match.
+        let mut fe = fe.clone();
+        fe.backends.sort();
+        fe.backends.dedup_by_key(|b| (b.addr, b.port));
+        fe.retained.retain(|r| !fe.backends.iter().any(|b| (b.addr, b.port) == (r.addr, r.port)));
+        fe.retained.sort();
+        fe.retained.dedup_by_key(|b| (b.addr, b.port));
+        let fe = &fe;
         if fe.backends.len() > limits::MAX_SLOTS as usize {
             return Err(DataplaneError::Unsupported(format!(
                 "{} endpoints is more than the {} a frontend can hold",
@@ -404,14 +412,18 @@ impl LbMaps {
             Ok(())
         })();
         if let Err(e) = phase_b {
-            // The maps may now mix old and new slots: keep every backend either names alive
-            // and let the next attempt sort it out.
+            // The maps may now mix old and new slots, up to the longer of the two. Record every
+            // slot as unknown (0) so the next attempt rewrites them all and deletes any surplus,
+            // and keep every backend either version names alive until then.
             let mut keep = old.as_ref().map(|o| o.retained.clone()).unwrap_or_default();
+            keep.extend(old_slots.iter().filter(|id| **id != 0));
             keep.extend(active);
             keep.extend(retained);
+            let slots = vec![0; old_slots.len().max(slots.len())];
+            // The old slot references move into `keep`; they are released with it.
             self.frontends.insert(
                 *key,
-                Programmed { service_id, slots: old_slots, retained: keep, name: String::new(), master: ServiceValue::default() },
+                Programmed { service_id, slots, retained: keep, name: String::new(), master: ServiceValue::default() },
             );
             return Err(e);
         }
@@ -452,6 +464,13 @@ impl LbMaps {
             removed += 1;
         }
         for k in std::mem::take(&mut self.stray_slots) {
+            // A frontend that grew during the initial sync may use this slot again now.
+            let reused = self.frontends.iter().any(|(fk, p)| {
+                ServiceKey::frontend(fk.addr, fk.port, fk.protocol.ipproto()) == k.with_slot(0) && usize::from(k.slot) <= p.slots.len()
+            });
+            if reused {
+                continue;
+            }
             self.remove_key(&k)?;
             removed += 1;
         }
