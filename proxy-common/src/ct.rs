@@ -14,7 +14,15 @@ pub mod flags {
     pub const FIN_REV: u8 = 1 << 3;
     /// Either side sent RST.
     pub const RST: u8 = 1 << 4;
+    /// The client is its own backend: its source is translated to `HAIRPIN_ADDR` so the
+    /// packet it gets back is not from itself, and replies are handled on ingress.
+    pub const HAIRPIN: u8 = 1 << 5;
 }
+
+/// Source address of hairpinned flows (a pod reaching itself through a Service). Link-local
+/// and never assigned, so the pod routes its replies to the node, where they are translated
+/// back. kube-proxy masquerades to the node's address instead; the effect is the same.
+pub const HAIRPIN_ADDR: [u8; 4] = [169, 254, 42, 1];
 
 const SEC: u64 = 1_000_000_000;
 

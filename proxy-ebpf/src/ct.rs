@@ -42,12 +42,23 @@ pub fn key(pkt: &Packet) -> CtKey {
     CtKey { saddr: pkt.saddr, daddr: pkt.daddr, sport: pkt.sport, dport: pkt.dport, proto: pkt.proto, _pad: 0, _pad2: 0 }
 }
 
+/// Where replies of a flow from this packet's sender go: the sender, or the hairpin address
+/// when the sender is its own backend.
+#[inline(always)]
+fn reply_daddr(pkt: &Packet, hairpin: bool) -> [u8; 4] {
+    if hairpin {
+        ct::HAIRPIN_ADDR
+    } else {
+        pkt.saddr
+    }
+}
+
 /// The tuple replies from `backend` to this packet's sender will carry.
 #[inline(always)]
-fn reply_key(pkt: &Packet, backend: &Backend) -> CtKey {
+fn reply_key(pkt: &Packet, backend: &Backend, hairpin: bool) -> CtKey {
     CtKey {
         saddr: backend.addr,
-        daddr: pkt.saddr,
+        daddr: reply_daddr(pkt, hairpin),
         sport: backend.port,
         dport: pkt.sport,
         proto: pkt.proto,
@@ -157,7 +168,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
 pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
     let stale = CtKey {
         saddr: fwd.nat_addr,
-        daddr: pkt.saddr,
+        daddr: reply_daddr(pkt, fwd.flags & flags::HAIRPIN != 0),
         sport: fwd.nat_port,
         dport: pkt.sport,
         proto: pkt.proto,
@@ -175,13 +186,15 @@ pub fn create(
     backend_id: u32,
     backend: &Backend,
     now: u64,
+    hairpin: bool,
 ) -> Result<(), Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
+    let hp = if hairpin { flags::HAIRPIN } else { 0 };
     let fwd = CtEntry {
         last_seen_ns: now,
         backend_id,
         service_id,
-        flags: fin_rst,
+        flags: fin_rst | hp,
         _pad: 0,
         nat_port: backend.port,
         nat_addr: backend.addr,
@@ -191,12 +204,12 @@ pub fn create(
         last_seen_ns: now,
         backend_id,
         service_id,
-        flags: flags::REPLY,
+        flags: flags::REPLY | hp,
         _pad: 0,
         nat_port: pkt.dport,
         nat_addr: pkt.daddr,
     };
     CT4_V1
-        .insert(reply_key(pkt, backend), rev, BPF_ANY as u64)
+        .insert(reply_key(pkt, backend, hairpin), rev, BPF_ANY as u64)
         .map_err(|_| Reason::DropCtInsert)
 }

@@ -47,6 +47,9 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         // SAFETY: live map value; CtEntry is plain data.
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
+            if entry.flags & flags::HAIRPIN != 0 {
+                return hairpin_reply(ctx, &pkt, e, &entry, now);
+            }
             return Ok(Verdict::pass(Reason::ReplyIngress));
         }
         if !ct::forward_stale(&pkt, &entry, now) {
@@ -98,9 +101,45 @@ fn established(
     };
     ct::touch_forward(pkt, e, now);
     frag::remember(pkt);
-    nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
+    let action = translate(ctx, pkt, &be, entry.flags & flags::HAIRPIN != 0)?;
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
-    Ok(Verdict::pass(reason))
+    Ok(Verdict { action, reason })
+}
+
+/// DNAT towards `be`; a hairpinned flow also gets the hairpin source and goes straight back.
+#[inline(always)]
+fn translate(ctx: &TcContext, pkt: &Packet, be: &Backend, hairpin: bool) -> Result<i32, Reason> {
+    nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
+    if !hairpin {
+        return Ok(TC_ACT_OK);
+    }
+    nat::rewrite(ctx, pkt, Side::Src, proxy_common::ct::HAIRPIN_ADDR, pkt.sport)?;
+    nat::bounce(ctx)
+}
+
+/// A pod's reply to its own hairpinned flow: from the pod to the hairpin address, it must reach
+/// the pod again as coming from the service.
+#[inline(always)]
+fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, now: u64) -> Result<Verdict, Reason> {
+    let Some(rn) = crate::revnat::revnat_of(entry) else {
+        return Ok(Verdict::pass(Reason::ReplyIngress));
+    };
+    // The client is the pod itself: its forward tuple starts at this packet's source address.
+    let fwd_key = proxy_common::CtKey {
+        saddr: pkt.saddr,
+        daddr: rn.addr,
+        sport: pkt.dport,
+        dport: rn.port,
+        proto: pkt.proto,
+        _pad: 0,
+        _pad2: 0,
+    };
+    if !ct::touch_reply(pkt, e, entry, &fwd_key, now) {
+        return Ok(Verdict::pass(Reason::ReplyIngress));
+    }
+    nat::rewrite(ctx, pkt, Side::Dst, pkt.saddr, pkt.dport)?;
+    nat::rewrite(ctx, pkt, Side::Src, rn.addr, rn.port)?;
+    Ok(Verdict { action: nat::bounce(ctx)?, reason: Reason::ReverseNat })
 }
 
 /// A flow without a usable conntrack entry: pick a backend, track, translate.
@@ -128,13 +167,14 @@ fn new_flow(
         .map(|s| s.backend_id)
         .ok_or(Reason::DropBackendMissing)?;
     let be = backend(backend_id).ok_or(Reason::DropBackendMissing)?;
-    ct::create(pkt, master.service_id, backend_id, &be, now)?;
+    let hairpin = be.addr == pkt.saddr;
+    ct::create(pkt, master.service_id, backend_id, &be, now, hairpin)?;
     if let Some(c) = LB4_FLOWS_V1.get_ptr_mut(backend_id) {
         // SAFETY: a live array value shared by all CPUs, hence the atomic add. The bpf target
         // does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to BPF_ATOMIC_ADD.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).flows, 1) };
     }
     frag::remember(pkt);
-    nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
-    Ok(Verdict::pass(reason))
+    let action = translate(ctx, pkt, &be, hairpin)?;
+    Ok(Verdict { action, reason })
 }

@@ -70,3 +70,23 @@ pub fn rewrite(
     let new_p = u64::from(u16::from_ne_bytes(port));
     ctx.l4_csum_replace(csum_off, old_p, new_p, mangled | 2).map_err(|_| Reason::DropRewrite)
 }
+
+/// Sends the packet back out the interface it came in on, to the host it came from: hairpinned
+/// flows go straight back to their pod, past routing (whose reverse-path filter would drop a
+/// source no route leads to) and netfilter.
+#[inline(always)]
+pub fn bounce(ctx: &TcContext) -> Result<i32, Reason> {
+    let macs = crate::parse::ptr_at::<[u8; 12]>(ctx, 0).ok_or(Reason::DropRewrite)?;
+    // SAFETY: bounds checked by ptr_at.
+    let macs = unsafe { &mut *macs };
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    *macs = swapped;
+    // SAFETY: reads the ifindex field of our own context; plain helper call.
+    let action = unsafe { aya_ebpf::helpers::bpf_redirect((*ctx.skb.skb).ifindex, 0) } as i32;
+    if action != aya_ebpf::bindings::TC_ACT_REDIRECT {
+        return Err(Reason::DropRewrite);
+    }
+    Ok(action)
+}

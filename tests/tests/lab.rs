@@ -205,3 +205,20 @@ fn a_vanished_interface_loses_its_pins() {
     drop(pod); // deletes its namespace, and with it the veth pair
     lab.wait_for("the pins of the deleted interface to go", |r| !r.interfaces.values().any(|n| n == "vethx1"));
 }
+
+#[test]
+fn a_pod_reaching_its_own_service_gets_through_when_it_picks_itself() {
+    let Some(lab) = lab("a_pod_reaching_its_own_service_gets_through_when_it_picks_itself") else { return };
+    let me = &lab.backends[0];
+    let mut seen = BTreeMap::new();
+    for i in 0..60 {
+        let a = tcp_ask(&me.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("request {i} from {} to its own Service: {e}", me.name));
+        seen.insert(a.backend.clone(), a.peer);
+    }
+    let own = seen.get(&me.name).unwrap_or_else(|| panic!("60 requests never picked the caller itself: {seen:?}"));
+    assert_eq!(own.ip().to_string(), "169.254.42.1", "the pod sees the hairpin address, not itself");
+    assert_eq!(seen[&"backend-2".to_string()].ip().to_string(), me.ip.to_string(), "other backends see the caller");
+    let (a, from) = udp_ask(&me.ns, sock(DNS_VIP)).expect("UDP to its own Service");
+    assert_eq!(from, sock(DNS_VIP).into());
+    assert!(a.backend.starts_with("backend-"));
+}

@@ -427,3 +427,30 @@ fn a_local_policy_service_with_remote_endpoints_only_drops() {
     assert_eq!(out.action, testrun::TC_ACT_SHOT, "kube-proxy drops: no local endpoint");
     assert_eq!(counters(&mut dp).get("drop_no_local_endpoints"), Some(&1));
 }
+
+#[test]
+fn a_pod_reaching_itself_through_its_service_is_hairpinned() {
+    let Some(mut dp) = setup("a_pod_reaching_itself_through_its_service_is_hairpinned") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let me = sock("10.244.1.2:40000");
+    let hairpin = SocketAddrV4::new(Ipv4Addr::new(169, 254, 42, 1), 40000);
+
+    let out = run(&mut dp, &tcp_frame(me, sock(VIP), SYN));
+    assert_eq!(out.action, TC_ACT_REDIRECT, "straight back out the pod's interface");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (hairpin, sock("10.244.1.2:8080")), "the pod must not see itself as the source");
+    assert_eq!((d.eth_src, d.eth_dst), (NODE_MAC, CLIENT_MAC));
+    assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true));
+
+    // The pod answers the hairpin address; the node turns it back into the service's answer.
+    let out = run(&mut dp, &tcp_frame(sock("10.244.1.2:8080"), hairpin, SYN | ACK));
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(VIP), me));
+    assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true));
+
+    let out = run(&mut dp, &tcp_frame(me, sock(VIP), ACK));
+    assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
+    let c = counters(&mut dp);
+    assert_eq!((c.get("new_flow"), c.get("reverse_nat"), c.get("established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+}
