@@ -168,6 +168,11 @@ impl ApiServer {
                     .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, q| serve(s, q, Kind::EndpointSlice)))
                     .route("/api/v1/nodes", get(|s, q| serve(s, q, Kind::Node)))
                     .with_state(state);
+                // Go's net/http (the real API server) sets TCP_NODELAY; without it, watch events
+                // written one by one can wait ~40 ms for a delayed ACK.
+                let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
                 let _ = axum::serve(listener, app).await;
             });
         });

@@ -54,6 +54,8 @@ pub struct Lab {
     servers: Vec<servers::Backend>,
     agent_bin: PathBuf,
     agent: Option<Child>,
+    /// `--log-level` of the agent (debug by default, for test failures' logs).
+    pub agent_log_level: &'static str,
 }
 
 impl Lab {
@@ -79,6 +81,7 @@ impl Lab {
             node,
             agent_bin: agent_bin.into(),
             agent: None,
+            agent_log_level: "debug",
         };
         for i in 1..=backends {
             let pod = Pod::create(&lab.id, &lab.node, &format!("backend-{i}"), &format!("vethb{i}"), Ipv4Addr::new(10, 244, 1, i as u8));
@@ -144,7 +147,7 @@ impl Lab {
         let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("agent log");
         let ns = self.node.file();
         let mut cmd = Command::new(&self.agent_bin);
-        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", "debug"])
+        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", self.agent_log_level])
             .args(source)
             .arg("--bpffs-root")
             .arg(self.bpffs())
@@ -176,6 +179,10 @@ impl Lab {
     /// SIGTERM and wait.
     pub fn stop_agent(&mut self) {
         self.signal_agent(libc::SIGTERM);
+    }
+
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(|c| c.id())
     }
 
     pub fn agent_running(&mut self) -> bool {

@@ -249,3 +249,23 @@ fn an_unreachable_api_server_at_start_is_retried_while_pins_keep_serving() {
     k.lab.wait_programmed(WEB_VIP, "TCP", 2);
     assert_eq!(spread(&k.lab, 30).len(), 2);
 }
+
+#[test]
+fn a_burst_of_changes_is_programmed_in_fewer_syncs_and_a_lone_change_at_once() {
+    let Some(mut k) = kube_lab("a_burst_of_changes_is_programmed_in_fewer_syncs_and_a_lone_change_at_once", &[]) else { return };
+    let syncs = |lab: &Lab| metric(lab, "kubeproxy_sync_proxy_rules_duration_seconds_count");
+    let before = syncs(&k.lab);
+    const CHANGES: usize = 200;
+    for i in 0..CHANGES {
+        k.api.apply(&web_slice(&k.lab, 1 + i % 3, None));
+    }
+    let last = 1 + (CHANGES - 1) % 3;
+    k.lab.wait_programmed(WEB_VIP, "TCP", last);
+    let used = syncs(&k.lab) - before;
+    assert!(used < CHANGES as f64, "{CHANGES} queued changes must be coalesced, took {used} syncs");
+    // A lone change is programmed by itself, not held for a period.
+    let t = std::time::Instant::now();
+    k.api.apply(&web_slice(&k.lab, 3, None));
+    k.lab.wait_programmed(WEB_VIP, "TCP", 3);
+    eprintln!("lone change programmed after {:?} (incl. polling)", t.elapsed());
+}

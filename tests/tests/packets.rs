@@ -454,3 +454,21 @@ fn a_pod_reaching_itself_through_its_service_is_hairpinned() {
     let c = counters(&mut dp);
     assert_eq!((c.get("new_flow"), c.get("reverse_nat"), c.get("established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
 }
+
+#[test]
+fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
+    let Some(mut dp) = setup("ten_thousand_create_delete_cycles_leak_no_map_entries") else { return };
+    for i in 0..10_000u32 {
+        // Different addresses each cycle, so ids move through the whole range and wrap.
+        let vip = SocketAddrV4::new(Ipv4Addr::from(0x0a60_0000 + (i % 3000)), 80);
+        let backends: Vec<String> = (0..4).map(|b| SocketAddrV4::new(Ipv4Addr::from(0x0a80_0000 + i * 4 + b), 8080).to_string()).collect();
+        let refs: Vec<&str> = backends.iter().map(String::as_str).collect();
+        program(&mut dp, &vip.to_string(), Protocol::Tcp, &refs);
+        dp.remove(&FrontendKey { addr: *vip.ip(), port: 80, protocol: Protocol::Tcp }).expect("remove");
+    }
+    assert!(dp.programmed_keys().is_empty());
+    assert_eq!(dp.backend_count(), 0, "the writer holds no backend");
+    let counts = dp.count_in_kernel().expect("count map entries");
+    assert!(counts.values().all(|n| *n == 0), "every map must be empty after 10,000 create/delete cycles: {counts:?}");
+    assert_eq!(counts.len(), 4);
+}

@@ -254,7 +254,8 @@ fn bench(extra: &[String]) -> Result {
     let out = target_dir()?.join("bench");
     std::fs::create_dir_all(&out).map_err(|e| format!("creating {}: {e}", out.display()))?;
     check(cargo().current_dir(workspace_root()).args(["build", "--release", "-p", "proxy-tests", "--bins"]))?;
-    let which = if extra.is_empty() { vec!["datapath".to_string()] } else { extra.to_vec() };
+    // No argument: every benchmark.
+    let which = extra.to_vec();
     check(
         cargo()
             .current_dir(workspace_root())

@@ -198,6 +198,147 @@ fn profile() {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// control: API server change -> map write, and memory
+
+fn svc_vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a60_0000 + i + 1)
+}
+
+fn svc_objects(i: u32, first_endpoint: Ipv4Addr) -> [String; 2] {
+    let name = format!("svc-{i}");
+    let mut eps = vec![first_endpoint];
+    eps.extend((1..4).map(|b| Ipv4Addr::from(0x0ac8_0000 + i * 4 + b)));
+    [
+        proxy_tests::lab::service(&name, &svc_vip(i).to_string(), &[("http", 80, "TCP", 8080)]),
+        proxy_tests::lab::endpoint_slice(&name, &format!("{name}-1"), &eps, &[("http", 8080, "TCP")]),
+    ]
+}
+
+/// The backends the pinned maps give frontend `vip`:80/TCP, read straight from the kernel.
+struct Probe {
+    services: aya::maps::HashMap<aya::maps::MapData, proxy_common::ServiceKey, proxy_common::ServiceValue>,
+    backends: aya::maps::Array<aya::maps::MapData, proxy_common::Backend>,
+}
+
+impl Probe {
+    /// None until the agent has pinned its maps.
+    fn open(root: &std::path::Path) -> Option<Self> {
+        let open = |n: &str| aya::maps::MapData::from_pin(root.join("maps").join(n)).ok();
+        Some(Self {
+            services: aya::maps::HashMap::try_from(aya::maps::Map::HashMap(open(map_names::SERVICES)?)).ok()?,
+            backends: aya::maps::Array::try_from(aya::maps::Map::Array(open(map_names::BACKENDS)?)).ok()?,
+        })
+    }
+
+    fn has_backend(&self, vip: Ipv4Addr, addr: Ipv4Addr) -> bool {
+        let key = proxy_common::ServiceKey::frontend(vip, 80, proxy_common::IPPROTO_TCP);
+        let Ok(master) = self.services.get(&key, 0) else { return false };
+        (1..=master.count).any(|slot| {
+            self.services
+                .get(&key.with_slot(slot), 0)
+                .ok()
+                .and_then(|s| self.backends.get(&s.backend_id, 0).ok())
+                .is_some_and(|b| b.addr == addr.octets())
+        })
+    }
+
+    fn frontends(&self) -> usize {
+        self.services.keys().filter(|k| k.as_ref().is_ok_and(|k| k.slot == 0)).count()
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map(|kib| kib / 1024.0)
+        .unwrap_or(0.0)
+}
+
+fn control(out_dir: &std::path::Path) {
+    use proxy_tests::{apiserver::ApiServer, lab};
+    const SAMPLES: u32 = 200;
+    let sizes = [1_000u32, 10_000];
+    let mut lab = lab::Lab::new(lab::sibling("proxy-lab-agent"), 0);
+    let api = ApiServer::start(&lab.node, 0);
+    api.apply(&lab::node_manifest());
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    let first = |i: u32| Ipv4Addr::from(0x0ac8_0000 + i * 4);
+    let mut added = 0;
+    let mut rows = Vec::new();
+    let mut rss = 0.0;
+    for (round, n) in sizes.iter().enumerate() {
+        eprintln!("control plane: {n} services x 4 endpoints...");
+        for i in added..*n {
+            for obj in svc_objects(i, first(i)) {
+                api.apply(&obj);
+            }
+        }
+        added = *n;
+        if round == 0 {
+            lab.agent_log_level = "info";
+            lab.start_agent_kube(&kubeconfig, &[]);
+        }
+        let t = Instant::now();
+        let probe = loop {
+            if let Some(p) = Probe::open(&lab.bpffs()) {
+                if p.frontends() >= *n as usize {
+                    break p;
+                }
+            }
+            assert!(lab.agent_running(), "the agent exited:\n{}", lab.agent_log());
+            assert!(t.elapsed() < std::time::Duration::from_secs(300), "the agent never programmed {n} services:\n{}", lab.agent_log());
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
+        let initial = t.elapsed();
+        let mut lat = Vec::new();
+        for s in 0..SAMPLES {
+            let i = (s * 7919) % n;
+            let fresh = Ipv4Addr::from(0x0b00_0000 + round as u32 * 0x10000 + s);
+            let [_, slice] = svc_objects(i, fresh);
+            let t0 = Instant::now();
+            api.apply(&slice);
+            while !probe.has_backend(svc_vip(i), fresh) {
+                assert!(t0.elapsed() < std::time::Duration::from_secs(30), "change {s} never reached the maps");
+            }
+            lat.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        if *n == 10_000 {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            rss = lab_agent_rss(&lab);
+        }
+        rows.push((*n, percentile(&lat, 0.5), percentile(&lat, 0.99), lat[lat.len() - 1], initial.as_secs_f64()));
+    }
+    println!("\nControl plane: one EndpointSlice change in the API server -> the maps ({SAMPLES} changes each)");
+    println!("{:<28}{:>12}{:>12}{:>12}{:>26}", "services x 4 endpoints", "p50 ms", "p99 ms", "max ms", "all programmed after (s)");
+    for (n, p50, p99, max, init) in &rows {
+        println!("{n:<28}{p50:>12.2}{p99:>12.2}{max:>12.2}{init:>26.2}");
+    }
+    println!("agent RSS with 10,000 services x 4 endpoints programmed: {rss:.1} MiB");
+    let json = serde_json::json!({
+        "benchmark": "control",
+        "samples": SAMPLES,
+        "rows": rows.iter().map(|(n, p50, p99, max, init)| serde_json::json!({"services": n, "p50_ms": p50, "p99_ms": p99, "max_ms": max, "added_batch_programmed_s": init})).collect::<Vec<_>>(),
+        "rss_mib_10k": rss,
+    });
+    let path = out_dir.join("control.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
+fn lab_agent_rss(lab: &proxy_tests::lab::Lab) -> f64 {
+    lab.agent_pid().map(rss_mib).unwrap_or(0.0)
+}
+
 fn pct(a: f64, b: f64) -> String {
     format!("{:+.1}%", (a / b - 1.0) * 100.0)
 }
@@ -280,14 +421,15 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
-        which.push("datapath".into());
+        which = vec!["datapath".into(), "control".into()];
     }
     for b in which {
         match b.as_str() {
             "datapath" => datapath(&out_dir),
+            "control" => control(&out_dir),
             "profile" => profile(),
             other => {
-                eprintln!("unknown benchmark {other:?}; available: datapath, profile");
+                eprintln!("unknown benchmark {other:?}; available: datapath, control, profile");
                 std::process::exit(2);
             }
         }

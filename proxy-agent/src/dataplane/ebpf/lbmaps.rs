@@ -181,6 +181,22 @@ impl LbMaps {
         self.by_ident.len()
     }
 
+    /// Entries the kernel holds in each hash map the writer owns, and set entries of the
+    /// backends array, counted in the maps themselves (not from the writer's own picture).
+    pub fn count_in_kernel(&self) -> std::io::Result<BTreeMap<&'static str, u64>> {
+        use std::os::fd::AsFd as _;
+        use aya::maps::IterableMap as _;
+        use proxy_common::ServiceName;
+        let mut out = BTreeMap::new();
+        let hash = |m: &MapData, k: usize, v: usize| super::batch::count_entries(m.fd().as_fd(), k, v);
+        out.insert(map_names::SERVICES, hash(self.services.map(), size_of::<ServiceKey>(), size_of::<ServiceValue>())?);
+        out.insert(map_names::REVNAT, hash(self.revnat.map(), size_of::<u32>(), size_of::<RevNat>())?);
+        out.insert(map_names::NAMES, hash(self.names.map(), size_of::<u32>(), size_of::<ServiceName>())?);
+        let set = self.backends.iter().filter(|b| b.as_ref().is_ok_and(|b| b.addr != [0; 4])).count();
+        out.insert(map_names::BACKENDS, set as u64);
+        Ok(out)
+    }
+
     /// Entries in the services map: a master per frontend and its slots.
     pub fn service_entries(&self) -> usize {
         self.frontends.values().map(|p| 1 + p.slots.len()).sum()

@@ -88,6 +88,11 @@ impl EbpfDataplane {
         self.lb.backend_count()
     }
 
+    /// Entries counted in the kernel's maps (see `LbMaps::count_in_kernel`).
+    pub fn count_in_kernel(&self) -> std::io::Result<std::collections::BTreeMap<&'static str, u64>> {
+        self.lb.count_in_kernel()
+    }
+
     pub fn service_entries(&self) -> usize {
         self.lb.service_entries()
     }
