@@ -28,36 +28,21 @@ use tokio::sync::mpsc;
 
 use crate::netns::{enter, Netns};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Kind {
-    Service,
-    EndpointSlice,
-    Node,
+pub use proxy_agent::model::store::Kind;
+
+fn kind_of(obj: &Value) -> Kind {
+    match obj["kind"].as_str() {
+        Some("Service") => Kind::Service,
+        Some("EndpointSlice") => Kind::EndpointSlice,
+        Some("Node") => Kind::Node,
+        other => panic!("the test API server serves Services, EndpointSlices and Nodes, not {other:?}"),
+    }
 }
 
-impl Kind {
-    fn of(obj: &Value) -> Kind {
-        match obj["kind"].as_str() {
-            Some("Service") => Kind::Service,
-            Some("EndpointSlice") => Kind::EndpointSlice,
-            Some("Node") => Kind::Node,
-            other => panic!("the test API server serves Services, EndpointSlices and Nodes, not {other:?}"),
-        }
-    }
-
-    fn api_version(self) -> &'static str {
-        match self {
-            Kind::EndpointSlice => "discovery.k8s.io/v1",
-            _ => "v1",
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Kind::Service => "Service",
-            Kind::EndpointSlice => "EndpointSlice",
-            Kind::Node => "Node",
-        }
+fn api_version(kind: Kind) -> &'static str {
+    match kind {
+        Kind::EndpointSlice => "discovery.k8s.io/v1",
+        _ => "v1",
     }
 }
 
@@ -192,7 +177,7 @@ impl ApiServer {
     /// Creates or updates an object (a Kubernetes manifest, YAML or JSON).
     pub fn apply(&self, manifest: &str) {
         let mut obj: Value = serde_yaml::from_str(manifest).expect("manifest parses");
-        let kind = Kind::of(&obj);
+        let kind = kind_of(&obj);
         let mut inner = self.inner.lock().unwrap();
         inner.rv += 1;
         let rv = inner.rv;
@@ -277,13 +262,13 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, Query(p): Query<Params>, 
         p.watch.clone().unwrap_or_default(),
         p.resource_version.clone().unwrap_or_default()
     );
-    g.requests.push((kind.name().into(), query));
+    g.requests.push((kind.as_str().into(), query));
     if p.watch.as_deref() != Some("true") && p.watch.as_deref() != Some("1") {
         let items: Vec<Value> =
             g.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(&labels, &fields, o)).map(|(_, o)| o.clone()).collect();
         let body = json!({
-            "apiVersion": kind.api_version(),
-            "kind": format!("{}List", kind.name()),
+            "apiVersion": api_version(kind),
+            "kind": format!("{}List", kind.as_str()),
             "metadata": {"resourceVersion": g.rv.to_string()},
             "items": items,
         });
@@ -324,7 +309,7 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, Query(p): Query<Params>, 
                     }
                     let rv = g.rv;
                     drop(g);
-                    let mark = json!({"kind": kind.name(), "apiVersion": kind.api_version(), "metadata": {"resourceVersion": rv.to_string()}});
+                    let mark = json!({"kind": kind.as_str(), "apiVersion": api_version(kind), "metadata": {"resourceVersion": rv.to_string()}});
                     if tx.send(line("BOOKMARK", &mark)).is_err() {
                         return;
                     }
