@@ -35,6 +35,14 @@ pub fn update4(check: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
     (!fold(sum)).to_be_bytes()
 }
 
+/// As `update4`, for one 16-bit word (a port, or the TTL/protocol word).
+#[inline(always)]
+pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
+    let mut sum = u64::from(!u16::from_be_bytes(check));
+    sum += u64::from(!u16::from_be_bytes(old)) + u64::from(u16::from_be_bytes(new));
+    (!fold(sum)).to_be_bytes()
+}
+
 /// The checksum field value for an IPv4 header whose checksum field is zero.
 #[inline(always)]
 pub fn ipv4_header(header: &[u8; 20]) -> [u8; 2] {
@@ -84,6 +92,19 @@ mod tests {
             h[11] = updated[1];
             assert_eq!(fold(add_be_words(0, &h)), 0xffff, "updated {updated:?} vs recomputed {full:?}");
         }
+    }
+
+    #[test]
+    fn word_update_matches_recomputation() {
+        let mut h = [
+            0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8,
+            0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7,
+        ];
+        let c = ipv4_header(&h);
+        // Decrement the TTL (the TTL/protocol word).
+        let updated = update2(c, [h[8], h[9]], [h[8] - 1, h[9]]);
+        h[8] -= 1;
+        assert_eq!(updated, ipv4_header(&h));
     }
 
     #[test]

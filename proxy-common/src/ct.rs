@@ -17,6 +17,10 @@ pub mod flags {
     /// The client is its own backend: its source is translated to `HAIRPIN_ADDR` so the
     /// packet it gets back is not from itself, and replies are handled on ingress.
     pub const HAIRPIN: u8 = 1 << 5;
+    /// Forward entry: the source was translated to `snat_addr:snat_port` (north-south flow to
+    /// a remote backend). Reply entry: the destination is restored to the client in
+    /// `nat_addr:nat_port`.
+    pub const SNAT: u8 = 1 << 6;
 }
 
 /// Source address of hairpinned flows (a pod reaching itself through a Service). Link-local

@@ -11,6 +11,7 @@
 
 pub mod csum;
 pub mod ct;
+pub mod hash;
 #[cfg(feature = "user")]
 pub mod user;
 
@@ -23,19 +24,38 @@ pub mod map_names {
     pub const BACKENDS: &str = "LB4_BACKENDS_V1";
     pub const REVNAT: &str = "LB4_REVNAT_V1";
     pub const BACKEND_FLOWS: &str = "LB4_FLOWS_V1";
-    pub const CT: &str = "CT4_V1";
+    pub const CT: &str = "CT4_V2";
     pub const FRAGS: &str = "FRAG4_V1";
     pub const STATS: &str = "STATS_V1";
     /// Service names for people (`inspect`, bpftool); the datapath never reads it.
     pub const NAMES: &str = "LB4_NAMES_V1";
+    /// Service id -> that service's Maglev lookup table (an inner array of backend ids).
+    pub const MAGLEV: &str = "LB4_MAGLEV_V1";
+    /// ClientIP session affinity: (service, scope, client) -> backend.
+    pub const AFFINITY: &str = "LB4_AFFINITY_V1";
+    /// (service, scope, backend) pairs affinity may still lead to.
+    pub const AFFINITY_MATCH: &str = "LB4_AFFMATCH_V1";
+    /// External interface index -> its IPv4 address (the SNAT source).
+    pub const IFADDRS: &str = "NODE_IFADDR_V1";
+    /// Node-wide settings (one entry).
+    pub const CONFIG: &str = "CONFIG_V1";
+    /// What the last `trace` packet did (one entry; only trace packets write it).
+    pub const TRACE: &str = "TRACE_V1";
 
-    pub const ALL: [&str; 8] = [SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES];
+    pub const ALL: [&str; 14] = [
+        SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
+        CONFIG, TRACE,
+    ];
 }
 
 /// Program names (ELF symbols) and the file names they are pinned under in `<bpffs-root>/progs/`.
 pub mod prog_names {
     pub const TC_INGRESS: &str = "proxy_tc_ingress";
     pub const TC_EGRESS: &str = "proxy_tc_egress";
+    /// TC ingress of external interfaces: NodePort, load-balancer and external IPs.
+    pub const TC_EXT_INGRESS: &str = "proxy_tc_ext_ingress";
+    /// XDP on external interfaces: the fast path to remote backends.
+    pub const XDP_EXT: &str = "proxy_xdp_ext";
     /// An empty classifier, only loaded by the benchmark as its floor.
     pub const TC_FLOOR: &str = "proxy_tc_floor";
 }
@@ -50,6 +70,17 @@ pub mod limits {
     pub const FRAG_MAP_MAX: u32 = 8192;
     /// Slots a single service may have (`ServiceValue::count` is a u16).
     pub const MAX_SLOTS: u32 = u16::MAX as u32;
+    /// Default Maglev table size per service: a prime, as the algorithm needs (Cilium's default;
+    /// good for ~160 backends at <= 1% imbalance).
+    pub const MAGLEV_TABLE_SIZE: u32 = 16381;
+    /// Client IP affinity entries.
+    pub const AFFINITY_MAP_MAX: u32 = 65536;
+    /// External interfaces.
+    pub const IFADDR_MAP_MAX: u32 = 256;
+    /// Source ports for SNAT of north-south flows: above Linux's default local port range
+    /// (32768-60999), so the node's own connections do not compete for them.
+    pub const SNAT_PORT_MIN: u16 = 61000;
+    pub const SNAT_PORT_MAX: u16 = 65535;
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -111,6 +142,14 @@ pub mod svc_flags {
     /// With no backends, drop instead of answering port unreachable: the Service has endpoints,
     /// just none this traffic may use (kube-proxy's "has no local endpoints" DROP).
     pub const DROP_WHEN_EMPTY: u16 = 1 << 0;
+    /// Reachable from outside (NodePort, load-balancer IP, external IP): served on external
+    /// interfaces too.
+    pub const EXTERNAL: u16 = 1 << 1;
+    /// Pods see other backends than outside clients (externalTrafficPolicy Local): pod-facing
+    /// hooks look the frontend up again with `scope::INTERNAL`.
+    pub const TWO_SCOPES: u16 = 1 << 2;
+    /// A Maglev table for this service id is in `LB4_MAGLEV_V1`.
+    pub const MAGLEV: u16 = 1 << 3;
 }
 
 /// Value of `LB4_BACKENDS_V1`, an array indexed by backend id (the lookup is inlined by the
@@ -177,7 +216,7 @@ pub struct CtKey {
 }
 const _: () = assert!(size_of::<CtKey>() == 16);
 
-/// Value of `CT4_V1`.
+/// Value of `CT4_V2`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtEntry {
@@ -188,14 +227,96 @@ pub struct CtEntry {
     /// `ct::flags`.
     pub flags: u8,
     pub _pad: u8,
-    /// Forward entry: the backend's port; reply entry: the service's (network order).
+    /// Forward entry: the backend's port. Reply entry: the service's, or with `SNAT` the
+    /// client's (network order).
     pub nat_port: [u8; 2],
     /// Forward entry: the backend's address, so a backend id reused by another backend is not
     /// mistaken for this one, and the reply entry can be found to delete it. Reply entry: the
-    /// service's address.
+    /// service's address, or with `SNAT` the client's.
     pub nat_addr: [u8; 4],
+    /// Forward entry with `SNAT`: the source port the node put on the flow.
+    pub snat_port: [u8; 2],
+    pub _pad2: [u8; 2],
+    /// Forward entry with `SNAT`: the source address the node put on the flow.
+    pub snat_addr: [u8; 4],
 }
-const _: () = assert!(size_of::<CtEntry>() == 24);
+const _: () = assert!(size_of::<CtEntry>() == 32);
+
+/// Key of `LB4_AFFINITY_V1`.
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    pub service_id: u32,
+    pub client: [u8; 4],
+    pub scope: u8,
+    pub _pad: u8,
+    pub _pad2: u16,
+}
+const _: () = assert!(size_of::<AffinityKey>() == 12);
+
+/// Value of `LB4_AFFINITY_V1`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityValue {
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<AffinityValue>() == 16);
+
+/// Key of `LB4_AFFMATCH_V1` (value: a u32, 1).
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityMatchKey {
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub scope: u8,
+    pub _pad: u8,
+    pub _pad2: u16,
+}
+const _: () = assert!(size_of::<AffinityMatchKey>() == 12);
+
+/// Value of `NODE_IFADDR_V1`.
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IfAddr {
+    pub addr: [u8; 4],
+}
+const _: () = assert!(size_of::<IfAddr>() == 4);
+
+/// Value of `CONFIG_V1` (index 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Entries of each Maglev table (a prime).
+    pub maglev_size: u32,
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+}
+const _: () = assert!(size_of::<Config>() == 8);
+
+/// `__sk_buff.mark` of a `proxy-agent trace` packet. Together with arriving on loopback (where
+/// the programs are never attached, but where BPF_PROG_TEST_RUN puts its packets) it makes
+/// the external ingress program decide without side effects (no conntrack, affinity or counter
+/// writes) and record its decision in `TRACE_V1`.
+pub const TRACE_MARK: u32 = 0x7ace_0001;
+
+/// Value of `TRACE_V1`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceResult {
+    /// Incremented by every trace packet, so the caller knows the entry is its own.
+    pub seq: u32,
+    /// `Reason` of the decision.
+    pub reason: u32,
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// Source the packet would leave with (SNAT), else zero.
+    pub snat_addr: [u8; 4],
+    /// Interface the packet would leave by (FIB lookup), else zero.
+    pub ifindex: u32,
+}
+const _: () = assert!(size_of::<TraceResult>() == 24);
 
 /// Key of `FRAG4_V1`: identifies the fragments of one datagram (RFC 791).
 #[repr(C, align(4))]
@@ -314,6 +435,29 @@ reasons! {
     /// Ingress: a Local traffic policy Service whose endpoints are all on other nodes: dropped,
     /// as kube-proxy does.
     DropNoLocalEndpoints = 18 => "drop_no_local_endpoints",
+    /// External ingress: a new north-south flow to a backend on this node (DNAT only, the
+    /// client's address is kept).
+    ExtNewLocal = 19 => "ext_new_local",
+    /// External ingress: a new north-south flow to a backend on another node (DNAT and SNAT to
+    /// this node's address, sent on by FIB lookup).
+    ExtNewRemote = 20 => "ext_new_remote",
+    /// External ingress: a packet of a tracked north-south flow.
+    ExtEstablished = 21 => "ext_established",
+    /// External ingress: a reply from a remote backend, translated back to the client.
+    ExtReply = 22 => "ext_reply",
+    /// No source port left for SNAT towards that backend.
+    DropSnatExhausted = 23 => "drop_snat_exhausted",
+    /// No route to the backend or the client (FIB lookup failed).
+    DropNoRoute = 24 => "drop_no_route",
+    /// XDP: a north-south packet to a remote backend, translated and sent from XDP.
+    XdpForward = 25 => "xdp_forward",
+    /// XDP: a reply from a remote backend, translated and sent from XDP.
+    XdpReply = 26 => "xdp_reply",
+    /// XDP: left for TC (not north-south to a remote backend, or needs the stack).
+    XdpPass = 27 => "xdp_pass",
+    /// External ingress: a packet to a remote backend or a client whose TTL would expire on
+    /// this hop: left to the kernel, which answers it with ICMP time exceeded.
+    PassTtl = 28 => "pass_ttl",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.

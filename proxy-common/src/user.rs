@@ -22,6 +22,12 @@ unsafe impl aya::Pod for FragKey {}
 unsafe impl aya::Pod for FragPorts {}
 unsafe impl aya::Pod for Counter {}
 unsafe impl aya::Pod for ServiceName {}
+unsafe impl aya::Pod for crate::AffinityKey {}
+unsafe impl aya::Pod for crate::AffinityValue {}
+unsafe impl aya::Pod for crate::AffinityMatchKey {}
+unsafe impl aya::Pod for crate::IfAddr {}
+unsafe impl aya::Pod for crate::Config {}
+unsafe impl aya::Pod for crate::TraceResult {}
 
 /// Protocol name as Kubernetes spells it.
 pub fn proto_name(proto: u8) -> &'static str {

@@ -3,8 +3,8 @@
 //! service whose address replies must carry.
 
 use aya_ebpf::{
-    bindings::BPF_ANY,
-    helpers::{bpf_jiffies64, bpf_ktime_get_coarse_ns},
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
 };
 use proxy_common::{
     ct::{self, flags},
@@ -12,7 +12,7 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CLOCK, CT4_V1},
+    maps::{CLOCK, CT4_V2},
     parse::{Packet, TCP_FIN, TCP_RST},
 };
 
@@ -134,7 +134,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
     if !gains_flags && !due {
         return true;
     }
-    let live = match CT4_V1.get_ptr_mut(fwd_key) {
+    let live = match CT4_V2.get_ptr_mut(fwd_key) {
         // SAFETY: a live map value; racing writers store the same kind of data.
         Some(f) => unsafe {
             let fwd = *f;
@@ -150,7 +150,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
         None => false,
     };
     if !live {
-        let _ = CT4_V1.remove(key(pkt));
+        let _ = CT4_V2.remove(key(pkt));
         return false;
     }
     // SAFETY: as in touch_forward.
@@ -166,16 +166,17 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
 /// happens to reuse the same ports.
 #[inline(always)]
 pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
+    let snat = fwd.flags & flags::SNAT != 0;
     let stale = CtKey {
         saddr: fwd.nat_addr,
-        daddr: reply_daddr(pkt, fwd.flags & flags::HAIRPIN != 0),
+        daddr: if snat { fwd.snat_addr } else { reply_daddr(pkt, fwd.flags & flags::HAIRPIN != 0) },
         sport: fwd.nat_port,
-        dport: pkt.sport,
+        dport: if snat { fwd.snat_port } else { pkt.sport },
         proto: pkt.proto,
         _pad: 0,
         _pad2: 0,
     };
-    let _ = CT4_V1.remove(stale);
+    let _ = CT4_V2.remove(stale);
 }
 
 /// Tracks a new connection (or re-tracks one whose backend changed).
@@ -198,8 +199,11 @@ pub fn create(
         _pad: 0,
         nat_port: backend.port,
         nat_addr: backend.addr,
+        snat_port: [0; 2],
+        _pad2: [0; 2],
+        snat_addr: [0; 4],
     };
-    CT4_V1.insert(key(pkt), fwd, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+    CT4_V2.insert(key(pkt), fwd, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
     let rev = CtEntry {
         last_seen_ns: now,
         backend_id,
@@ -208,8 +212,95 @@ pub fn create(
         _pad: 0,
         nat_port: pkt.dport,
         nat_addr: pkt.daddr,
+        snat_port: [0; 2],
+        _pad2: [0; 2],
+        snat_addr: [0; 4],
     };
-    CT4_V1
+    CT4_V2
         .insert(reply_key(pkt, backend, hairpin), rev, BPF_ANY as u64)
         .map_err(|_| Reason::DropCtInsert)
+}
+
+/// Tries for a free SNAT source port before giving up. Each try is one insert that fails only
+/// when that exact (backend, node address, port) tuple is taken, so with a few thousand ports
+/// per backend this many misses in a row means the range is nearly used up.
+const SNAT_TRIES: u32 = 8;
+
+/// Tracks a new north-south flow to a remote backend, with its source translated to
+/// `snat_addr` and a free port of `[port_min, port_max]`. The port is claimed by inserting the
+/// reply entry only if its tuple is free, so two flows never share a reply tuple. Returns the
+/// port (network order).
+#[inline(always)]
+pub fn create_snat(
+    pkt: &Packet,
+    service_id: u32,
+    backend_id: u32,
+    backend: &Backend,
+    snat_addr: [u8; 4],
+    port_min: u16,
+    port_max: u16,
+    now: u64,
+) -> Result<[u8; 2], Reason> {
+    let range = u32::from(port_max.saturating_sub(port_min)) + 1;
+    // SAFETY: plain helper call.
+    let start = unsafe { bpf_get_prandom_u32() };
+    let rev = CtEntry {
+        last_seen_ns: now,
+        backend_id,
+        service_id,
+        flags: flags::REPLY | flags::SNAT,
+        _pad: 0,
+        nat_port: pkt.sport,
+        nat_addr: pkt.saddr,
+        snat_port: [0; 2],
+        _pad2: [0; 2],
+        snat_addr: [0; 4],
+    };
+    let mut port = [0u8; 2];
+    let mut claimed = false;
+    for i in 0..SNAT_TRIES {
+        port = ((port_min as u32 + start.wrapping_add(i) % range) as u16).to_be_bytes();
+        let k = CtKey {
+            saddr: backend.addr,
+            daddr: snat_addr,
+            sport: backend.port,
+            dport: port,
+            proto: pkt.proto,
+            _pad: 0,
+            _pad2: 0,
+        };
+        if CT4_V2.insert(k, rev, BPF_NOEXIST as u64).is_ok() {
+            claimed = true;
+            break;
+        }
+    }
+    if !claimed {
+        return Err(Reason::DropSnatExhausted);
+    }
+    let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
+    let fwd = CtEntry {
+        last_seen_ns: now,
+        backend_id,
+        service_id,
+        flags: fin_rst | flags::SNAT,
+        _pad: 0,
+        nat_port: backend.port,
+        nat_addr: backend.addr,
+        snat_port: port,
+        _pad2: [0; 2],
+        snat_addr,
+    };
+    if CT4_V2.insert(key(pkt), fwd, BPF_ANY as u64).is_err() {
+        let _ = CT4_V2.remove(CtKey {
+            saddr: backend.addr,
+            daddr: snat_addr,
+            sport: backend.port,
+            dport: port,
+            proto: pkt.proto,
+            _pad: 0,
+            _pad2: 0,
+        });
+        return Err(Reason::DropCtInsert);
+    }
+    Ok(port)
 }

@@ -14,7 +14,7 @@ use proxy_common::{csum, ct::flags, CtKey, Reason, IPPROTO_ICMP, IPPROTO_TCP, IP
 
 use crate::{
     lb::Verdict,
-    maps::CT4_V1,
+    maps::CT4_V2,
     parse::{ptr_at, Packet, ETH_LEN, IP_OFF},
     revnat::revnat_of,
 };
@@ -148,7 +148,7 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
     let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
     let reply_key = CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
     // SAFETY: the value is copied out at once.
-    let Some(entry) = CT4_V1.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
+    let Some(entry) = CT4_V2.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     if entry.flags & flags::REPLY == 0 {

@@ -7,16 +7,15 @@
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
-use aya_ebpf::{bindings::TC_ACT_OK, helpers::bpf_get_prandom_u32, programs::TcContext};
-use proxy_common::{
-    ct::flags, svc_flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP,
-};
+use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use proxy_common::{ct::flags, svc_flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct, frag, icmp,
-    maps::{LB4_BACKENDS_V1, LB4_FLOWS_V1, LB4_SERVICES_V1, CT4_V1},
+    maps::{CT4_V2, LB4_FLOWS_V1},
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed},
+    select::{self, backend, service},
 };
 
 pub struct Verdict {
@@ -43,7 +42,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let now = ct::now();
-    if let Some(e) = CT4_V1.get_ptr_mut(ct::key(&pkt)) {
+    if let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) {
         // SAFETY: live map value; CtEntry is plain data.
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
@@ -58,24 +57,20 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         // Tracked afresh below; the old connection's reply entry must not outlive it.
         ct::drop_reply(&pkt, &entry);
     }
-    let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-    match service(&key) {
-        Some(master) => new_flow(ctx, &pkt, &key, &master, now, Reason::NewFlow),
+    to_service(ctx, &pkt, now, Reason::NewFlow)
+}
+
+/// A packet without a usable conntrack entry: a new flow if it is addressed to a service.
+#[inline(always)]
+fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+    let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+    let Some(master) = service(&key) else {
+        return Ok(Verdict::pass(Reason::PassNotService));
+    };
+    match select::internal_master(&mut key, master) {
+        Some(master) => new_flow(ctx, pkt, &key, &master, now, reason),
         None => Ok(Verdict::pass(Reason::PassNotService)),
     }
-}
-
-#[inline(always)]
-fn service(key: &ServiceKey) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once.
-    LB4_SERVICES_V1.get_ptr(key).map(|p| unsafe { *p })
-}
-
-/// The backend with this id, if it is set (an unset array entry is all zeroes).
-#[inline(always)]
-fn backend(id: u32) -> Option<Backend> {
-    // SAFETY: the value is copied out at once.
-    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != [0; 4])
 }
 
 /// A packet of a tracked connection towards the service.
@@ -93,11 +88,7 @@ fn established(
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging.
         ct::drop_reply(pkt, entry);
-        let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-        return match service(&key) {
-            Some(master) => new_flow(ctx, pkt, &key, &master, now, Reason::Reselected),
-            None => Ok(Verdict::pass(Reason::PassNotService)),
-        };
+        return to_service(ctx, pkt, now, Reason::Reselected);
     };
     ct::touch_forward(pkt, e, now);
     frag::remember(pkt);
@@ -161,20 +152,21 @@ fn new_flow(
         }
         return icmp::reject(ctx, pkt);
     }
-    // SAFETY: plain helper call.
-    let slot = unsafe { bpf_get_prandom_u32() } % u32::from(master.count) + 1;
-    let backend_id = service(&key.with_slot(slot as u16))
-        .map(|s| s.backend_id)
-        .ok_or(Reason::DropBackendMissing)?;
-    let be = backend(backend_id).ok_or(Reason::DropBackendMissing)?;
+    let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;
     let hairpin = be.addr == pkt.saddr;
     ct::create(pkt, master.service_id, backend_id, &be, now, hairpin)?;
+    count_flow(backend_id);
+    frag::remember(pkt);
+    let action = translate(ctx, pkt, &be, hairpin)?;
+    Ok(Verdict { action, reason })
+}
+
+/// Counts a new flow to the backend.
+#[inline(always)]
+pub fn count_flow(backend_id: u32) {
     if let Some(c) = LB4_FLOWS_V1.get_ptr_mut(backend_id) {
         // SAFETY: a live array value shared by all CPUs, hence the atomic add. The bpf target
         // does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to BPF_ATOMIC_ADD.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).flows, 1) };
     }
-    frag::remember(pkt);
-    let action = translate(ctx, pkt, &be, hairpin)?;
-    Ok(Verdict { action, reason })
 }

@@ -4,16 +4,24 @@
 #![expect(internal_features, reason = "atomic_xadd: the bpf target has no AtomicU64::fetch_add")]
 
 mod ct;
+mod ext;
 mod frag;
 mod icmp;
 mod lb;
 mod maps;
 mod nat;
+mod north;
 mod parse;
 mod revnat;
+mod select;
 mod stats;
+mod xdp;
 
-use aya_ebpf::{bindings::TC_ACT_SHOT, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_SHOT,
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
 use proxy_common::Reason;
 
 #[inline(always)]
@@ -37,6 +45,24 @@ pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
     finish(&ctx, revnat::try_tc_egress(&ctx))
+}
+
+/// TC ingress on external interfaces: NodePort, load-balancer and external IPs (north-south),
+/// replies of flows SNATed to remote backends, and `proxy-agent trace` packets.
+#[classifier]
+pub fn proxy_tc_ext_ingress(ctx: TcContext) -> i32 {
+    match ext::try_tc_ext_ingress(&ctx) {
+        ext::Outcome::Counted(v) => finish(&ctx, v),
+        ext::Outcome::Traced => ext::TRACE_ACTION,
+    }
+}
+
+/// XDP on external interfaces: the fast path for north-south flows to remote backends.
+#[xdp]
+pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
+    let v = xdp::try_xdp(&ctx);
+    stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
+    v.action
 }
 
 /// An empty program of the same type: the floor `cargo xtask bench` measures the others

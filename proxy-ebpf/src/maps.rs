@@ -2,13 +2,14 @@
 //! `proxy_common::map_names`; sizes are defaults the agent may override at creation.
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    bindings::{BPF_F_INNER_MAP, BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
+    btf_maps::{Array, HashMap, HashOfMaps, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    limits, Backend, ClockCache, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat,
-    ServiceKey, ServiceName, ServiceValue, REASON_SLOTS,
+    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
+    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, TraceResult,
+    REASON_SLOTS,
 };
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
@@ -34,7 +35,7 @@ pub static LB4_FLOWS_V1: Array<BackendFlows, LB_MAX> = Array::new();
 /// lock, but split the capacity evenly between CPUs: a CPU that sees most new connections would
 /// start evicting live ones at 1/N of the map, and an evicted entry is a reset connection.
 #[btf_map]
-pub static CT4_V1: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }> = LruHashMap::new();
+pub static CT4_V2: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }> = LruHashMap::new();
 
 #[btf_map]
 pub static FRAG4_V1: LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }> =
@@ -51,3 +52,35 @@ pub static LB4_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMa
 /// Per-CPU cache of the coarse clock (see `ct::now`). Scratch, never pinned.
 #[btf_map]
 pub static CLOCK: PerCpuArray<ClockCache, 1> = PerCpuArray::new();
+
+/// Flags of every Maglev table: user space fills and updates them through a memory mapping,
+/// and their size is chosen at run time (`--maglev-table-size`), which the inner-map template
+/// must allow.
+pub const MAGLEV_INNER_FLAGS: usize = (BPF_F_INNER_MAP | BPF_F_MMAPABLE) as usize;
+
+/// The template of the inner maps: an array of backend ids.
+pub type MaglevTable = Array<u32, { limits::MAGLEV_TABLE_SIZE as usize }, MAGLEV_INNER_FLAGS>;
+
+/// Maglev table id (a service's master entry, `backend_id`) -> its table.
+#[btf_map]
+pub static LB4_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = HashOfMaps::new();
+
+/// ClientIP session affinity. An LRU: a client that went away is forgotten first.
+#[btf_map]
+pub static LB4_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }> =
+    LruHashMap::new();
+
+/// The (service, backend) pairs affinity may lead to: an affinity entry naming a backend that
+/// left the service is ignored.
+#[btf_map]
+pub static LB4_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+/// External interface index -> the address SNAT puts on flows leaving by it.
+#[btf_map]
+pub static NODE_IFADDR_V1: HashMap<u32, IfAddr, { limits::IFADDR_MAP_MAX as usize }> = HashMap::new();
+
+#[btf_map]
+pub static CONFIG_V1: Array<Config, 1> = Array::new();
+
+#[btf_map]
+pub static TRACE_V1: Array<TraceResult, 1> = Array::new();

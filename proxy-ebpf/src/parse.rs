@@ -3,7 +3,7 @@
 
 use core::mem::size_of;
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::programs::{TcContext, XdpContext};
 use network_types::{
     eth::{EthHdr, EtherType},
     ip::Ipv4Hdr,
@@ -25,13 +25,59 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
+/// What parsing needs from a program's context: TC and XDP share the parser.
+pub trait Frame {
+    fn start(&self) -> usize;
+    fn end(&self) -> usize;
+    /// Length of the whole packet (TC: including paged data).
+    fn total_len(&self) -> u32;
+    /// Makes the first `len` bytes directly readable (TC may hold headers in paged data).
+    fn pull(&self, len: u32);
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.data()
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.data_end()
+    }
+    #[inline(always)]
+    fn total_len(&self) -> u32 {
+        self.len()
+    }
+    #[inline(always)]
+    fn pull(&self, len: u32) {
+        let _ = self.pull_data(len);
+    }
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn start(&self) -> usize {
+        self.data()
+    }
+    #[inline(always)]
+    fn end(&self) -> usize {
+        self.data_end()
+    }
+    #[inline(always)]
+    fn total_len(&self) -> u32 {
+        (self.data_end() - self.data()) as u32
+    }
+    #[inline(always)]
+    fn pull(&self, _len: u32) {}
+}
+
 /// Bounds-checked pointer into the linear part of the packet, for reading or writing (TC may
 /// write packet data directly; the verifier adds an unclone prologue). The comparison is written
 /// against `data_end` on a pointer derived from `data`, the form the verifier can track.
 #[inline(always)]
-pub fn ptr_at<T>(ctx: &TcContext, off: usize) -> Option<*mut T> {
-    let start = ctx.data();
-    let end = ctx.data_end();
+pub fn ptr_at<T>(ctx: &impl Frame, off: usize) -> Option<*mut T> {
+    let start = ctx.start();
+    let end = ctx.end();
     if start + off + size_of::<T>() > end {
         return None;
     }
@@ -61,6 +107,7 @@ pub struct Packet {
     pub ip_id: [u8; 2],
     /// IPv4 total length, network order.
     pub tot_len: [u8; 2],
+    pub ttl: u8,
     pub frag: Frag,
 }
 
@@ -89,13 +136,14 @@ pub enum Parsed {
 }
 
 #[inline(always)]
-pub fn ipv4(ctx: &TcContext) -> Parsed {
+pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     // Drivers and GRO may leave headers in paged fragments; pull what we read into the linear
     // area, but only when it is not there already (pull may copy).
-    let linear = (ctx.data_end() - ctx.data()) as u32;
-    let wanted = if ctx.len() < HEADERS_MAX { ctx.len() } else { HEADERS_MAX };
+    let linear = (ctx.end() - ctx.start()) as u32;
+    let len = ctx.total_len();
+    let wanted = if len < HEADERS_MAX { len } else { HEADERS_MAX };
     if linear < wanted {
-        let _ = ctx.pull_data(wanted);
+        ctx.pull(wanted);
     }
 
     let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
@@ -139,6 +187,7 @@ pub fn ipv4(ctx: &TcContext) -> Parsed {
         tcp_flags: 0,
         ip_id: ip.id,
         tot_len: ip.tot_len,
+        ttl: ip.ttl,
         frag,
     };
     if frag == Frag::Later {

@@ -8,7 +8,7 @@ use proxy_common::{ct::flags, CtEntry, Reason, RevNat};
 use crate::{
     ct, frag, icmp,
     lb::Verdict,
-    maps::{CT4_V1, LB4_REVNAT_V1},
+    maps::{CT4_V2, LB4_REVNAT_V1},
     nat::{self, Side},
     parse::{self, Frag, Parsed},
 };
@@ -31,7 +31,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(e) = CT4_V1.get_ptr_mut(ct::key(&pkt)) else {
+    let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     // SAFETY: live map value; CtEntry is plain data.

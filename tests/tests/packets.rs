@@ -8,7 +8,7 @@ use std::{
 
 use proxy_agent::{
     dataplane::{ebpf::EbpfDataplane, Dataplane},
-    model::{Backend, Frontend, FrontendKey, ObjectKey, Protocol, ServicePortName},
+    model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
 use proxy_tests::{
     packet::{self, dissect, tcp_frame, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
@@ -38,6 +38,8 @@ fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]
         retained: vec![],
         affinity_timeout: None,
         drop_when_empty: false,
+        kind: FrontendKind::ClusterIp,
+        internal_backends: None,
     };
     dp.upsert(&key, &fe).expect("program frontend");
 }
@@ -421,6 +423,8 @@ fn a_local_policy_service_with_remote_endpoints_only_drops() {
         retained: vec![],
         affinity_timeout: None,
         drop_when_empty: true,
+        kind: FrontendKind::ClusterIp,
+        internal_backends: None,
     };
     dp.upsert(&FrontendKey { addr: *v.ip(), port: v.port(), protocol: Protocol::Tcp }, &fe).unwrap();
     let out = run(&mut dp, &tcp_frame(sock(CLIENT), v, SYN));

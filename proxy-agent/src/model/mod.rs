@@ -126,10 +126,32 @@ impl fmt::Display for Backend {
     }
 }
 
+/// How clients reach a frontend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKind {
+    /// A cluster IP: reached from inside the cluster only.
+    #[default]
+    ClusterIp,
+    /// A node address and a nodePort.
+    NodePort,
+    /// A `status.loadBalancer.ingress` IP.
+    LoadBalancer,
+    /// A `spec.externalIPs` address.
+    ExternalIp,
+}
+
+impl FrontendKind {
+    /// Reached from outside the cluster: served on external interfaces too.
+    pub fn is_external(self) -> bool {
+        self != FrontendKind::ClusterIp
+    }
+}
+
 /// What one frontend should do on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frontend {
     pub name: ServicePortName,
+    pub kind: FrontendKind,
     /// Endpoints new flows are spread over, sorted. Empty: clients get "connection refused".
     pub backends: Vec<Backend>,
     /// Endpoints that take no new flows but keep the ones they have (not ready, terminating,
@@ -140,6 +162,17 @@ pub struct Frontend {
     /// With no backends: drop (endpoints exist, but none this traffic may use: a Local policy
     /// with endpoints only on other nodes) instead of rejecting (no endpoints at all).
     pub drop_when_empty: bool,
+    /// Set on external frontends of externalTrafficPolicy Local Services: the endpoints pods
+    /// get when they reach this frontend (all of the Service's, as with kube-proxy), while
+    /// `backends` holds the local ones outside clients get.
+    pub internal_backends: Option<Vec<Backend>>,
+}
+
+impl Frontend {
+    /// A frontend of `kind` for `name` with these backends and nothing else set.
+    pub fn new(name: ServicePortName, kind: FrontendKind, backends: Vec<Backend>) -> Self {
+        Self { name, kind, backends, retained: vec![], affinity_timeout: None, drop_when_empty: false, internal_backends: None }
+    }
 }
 
 /// This node's identity, as translation needs it.
@@ -148,4 +181,6 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone` of the Node object, once known.
     pub zone: Option<String>,
+    /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
+    pub nodeport_addresses: Vec<Ipv4Addr>,
 }

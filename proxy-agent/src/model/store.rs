@@ -67,6 +67,52 @@ pub struct Report {
     pub message: String,
 }
 
+/// An IPv4 CIDR, as `--nodeport-addresses` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn contains(&self, a: std::net::Ipv4Addr) -> bool {
+        let mask = if self.prefix == 0 { 0 } else { u32::MAX << (32 - u32::from(self.prefix)) };
+        u32::from(a) & mask == u32::from(self.addr) & mask
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a CIDR (address/prefix)"))?;
+        let addr = a.parse().map_err(|_| format!("{s:?}: {a:?} is not an IPv4 address"))?;
+        let prefix: u8 = p.parse().ok().filter(|p| *p <= 32).ok_or_else(|| format!("{s:?}: prefix {p:?} is not 0-32"))?;
+        Ok(Self { addr, prefix })
+    }
+}
+
+/// kube-proxy's `--nodeport-addresses`: which of the node's addresses serve NodePorts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NodePortAddresses {
+    /// Every address of the node (kube-proxy's iptables and IPVS default).
+    #[default]
+    All,
+    /// The node's primary address (the Node's first InternalIP).
+    Primary,
+    /// Addresses within these CIDRs.
+    Cidrs(Vec<Cidr>),
+}
+
+impl std::str::FromStr for NodePortAddresses {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "primary" {
+            return Ok(Self::Primary);
+        }
+        s.split(',').map(str::trim).filter(|c| !c.is_empty()).map(str::parse).collect::<Result<Vec<_>, _>>().map(Self::Cidrs)
+    }
+}
+
 /// Change accounting, as kube-proxy's change trackers keep it for its metrics.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChangeCounts {
@@ -91,6 +137,9 @@ pub struct Dirty {
 #[derive(Default)]
 pub struct Store {
     node_name: String,
+    nodeport_config: NodePortAddresses,
+    /// The node's own IPv4 addresses (loopback excluded), from netlink.
+    local_addresses: Vec<std::net::Ipv4Addr>,
     services: HashMap<ObjectKey, CheckedService>,
     slices: HashMap<ObjectKey, CheckedSlice>,
     slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
@@ -120,6 +169,34 @@ impl Store {
         NodeInfo {
             name: self.node_name.clone(),
             zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
+            nodeport_addresses: self.nodeport_addresses(),
+        }
+    }
+
+    pub fn set_nodeport_config(&mut self, config: NodePortAddresses) {
+        self.nodeport_config = config;
+        self.dirty.extend(self.services.keys().cloned());
+    }
+
+    /// The node's addresses changed: NodePort frontends follow them.
+    pub fn set_local_addresses(&mut self, mut addrs: Vec<std::net::Ipv4Addr>) {
+        addrs.retain(|a| !a.is_loopback());
+        addrs.sort();
+        addrs.dedup();
+        let before = self.nodeport_addresses();
+        self.local_addresses = addrs;
+        if self.nodeport_addresses() != before {
+            self.dirty.extend(self.services.keys().cloned());
+        }
+    }
+
+    fn nodeport_addresses(&self) -> Vec<std::net::Ipv4Addr> {
+        match &self.nodeport_config {
+            NodePortAddresses::All => self.local_addresses.clone(),
+            NodePortAddresses::Primary => self.node.as_ref().and_then(|n| n.internal_ip).into_iter().collect(),
+            NodePortAddresses::Cidrs(cidrs) => {
+                self.local_addresses.iter().copied().filter(|a| cidrs.iter().any(|c| c.contains(*a))).collect()
+            }
         }
     }
 
@@ -295,9 +372,10 @@ impl Store {
                     return None;
                 }
                 let key = ObjectKey::new("", checked.name.clone());
-                let zone_changed = self.node.as_ref().map(|n| n.labels.get(LABEL_ZONE)) != Some(checked.labels.get(LABEL_ZONE));
+                let before = self.node_info();
                 self.node = Some(checked);
-                if zone_changed {
+                // Zone (topology) and primary address (NodePorts) shape every translation.
+                if self.node_info() != before {
                     self.dirty.extend(self.services.keys().cloned());
                 }
                 Some(key)
@@ -460,6 +538,26 @@ mod tests {
         s.apply(Event::Apply(slice(&WEB_SLICE.replace("service-name: web", "service-name: other"))));
         assert_eq!(s.take_dirty().services, BTreeSet::from([web(), ObjectKey::new("default", "other")]));
         assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
+    }
+
+    #[test]
+    fn nodeport_addresses_follow_the_flag_and_the_node() {
+        let np = "metadata: {name: web}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, nodePort: 30080}]}";
+        let addrs = |s: &Store| s.translate(&web()).frontends.iter().skip(1).map(|(k, _)| k.addr.to_string()).collect::<Vec<_>>();
+        let mut s = Store::new("node-a");
+        s.apply(Event::Apply(svc(np)));
+        s.set_local_addresses(vec!["127.0.0.1".parse().unwrap(), "192.168.1.5".parse().unwrap(), "10.0.0.5".parse().unwrap()]);
+        assert_eq!(addrs(&s), ["10.0.0.5", "192.168.1.5"], "all node addresses but loopback");
+        s.set_nodeport_config("192.168.0.0/16".parse().unwrap());
+        assert_eq!(addrs(&s), ["192.168.1.5"]);
+        s.set_nodeport_config("primary".parse().unwrap());
+        assert!(addrs(&s).is_empty(), "no Node yet, so no primary address");
+        s.take_dirty();
+        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a}\nstatus: {addresses: [{type: Hostname, address: a}, {type: InternalIP, address: 10.0.0.5}]}").unwrap()))));
+        assert_eq!(addrs(&s), ["10.0.0.5"]);
+        assert!(s.take_dirty().services.contains(&web()), "a new primary address re-translates");
+        assert!("10.0.0.0/33".parse::<NodePortAddresses>().is_err());
+        assert!("bogus".parse::<NodePortAddresses>().is_err());
     }
 
     #[test]

@@ -8,20 +8,32 @@ use std::{
 use super::{
     endpoints::{categorize, Endpoint, Policies},
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
-    Backend, Frontend, FrontendKey, NodeInfo, Protocol, ServicePortName,
+    Backend, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, Protocol, ServicePortName,
 };
+
+/// A health-check node port to serve (externalTrafficPolicy Local LoadBalancer Services).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    pub service: ObjectKey,
+    /// Usable local endpoints (the load balancer sends traffic here only when > 0).
+    pub local_endpoints: usize,
+}
 
 /// The frontends of one Service, and remarks worth a log line (not errors).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Translation {
     pub frontends: Vec<(FrontendKey, Frontend)>,
+    pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
 }
 
 /// Which endpoint sets the Service's traffic uses (kube-proxy `UsesClusterEndpoints` /
 /// `UsesLocalEndpoints`).
 fn policies(svc: &CheckedService) -> Policies {
-    let external = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
+    let external = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
+        || !svc.external_ips.is_empty()
+        || !svc.lb_ingress.is_empty();
     Policies {
         uses_cluster: !svc.internal_local || (external && !svc.external_local),
         uses_local: svc.internal_local || (external && svc.external_local),
@@ -49,6 +61,25 @@ fn backend(ep: &Endpoint) -> Backend {
     Backend { addr: ep.addr, port: ep.port, terminating: ep.terminating, local: ep.local }
 }
 
+fn backends(eps: &[Endpoint]) -> Vec<Backend> {
+    let mut b: Vec<Backend> = eps.iter().map(backend).collect();
+    b.sort();
+    b
+}
+
+fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ipv4Addr> {
+    addrs
+        .iter()
+        .filter_map(|a| match a {
+            IpAddr::V4(v4) => Some(*v4),
+            IpAddr::V6(v6) => {
+                notes.push(format!("{what} {v6} skipped: this dataplane serves IPv4 only"));
+                None
+            }
+        })
+        .collect()
+}
+
 /// Translates one Service. `slices` are the Service's slices, sorted by name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
@@ -56,46 +87,70 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         return out;
     }
     let policies = policies(svc);
-    let vips: Vec<_> = svc
-        .cluster_ips
-        .iter()
-        .filter_map(|a| match a {
-            IpAddr::V4(v4) => Some(*v4),
-            IpAddr::V6(v6) => {
-                out.notes.push(format!("cluster IP {v6} skipped: this dataplane serves IPv4 only"));
-                None
-            }
-        })
-        .collect();
+    let cluster_ips = v4(&svc.cluster_ips, "cluster IP", &mut out.notes);
+    let lb_ips = v4(&svc.lb_ingress, "load-balancer IP", &mut out.notes);
+    let external_ips = v4(&svc.external_ips, "external IP", &mut out.notes);
+    let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
+    let mut local_endpoints = 0;
     for port in &svc.ports {
         let endpoints = port_endpoints(port, slices, node);
         let sets = categorize(&endpoints, policies, &node.name, node.zone.as_deref());
-        let chosen = if svc.internal_local { &sets.local } else { &sets.cluster };
-        let mut backends: Vec<Backend> = chosen.iter().map(backend).collect();
-        backends.sort();
-        let in_use: HashSet<_> = backends.iter().map(|b| (b.addr, b.port)).collect();
+        local_endpoints += sets.local.len();
+        let name = ServicePortName { service: svc.key.clone(), port: port.name.clone(), protocol: port.protocol };
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
-        let mut retained: Vec<Backend> = endpoints
-            .iter()
-            .filter(|e| !in_use.contains(&(e.addr, e.port)))
-            .filter(|e| port.protocol != Protocol::Udp || e.serving)
-            .map(backend)
-            .collect();
-        retained.sort();
-        let name = ServicePortName { service: svc.key.clone(), port: port.name.clone(), protocol: port.protocol };
-        for vip in &vips {
-            out.frontends.push((
-                FrontendKey { addr: *vip, port: port.port, protocol: port.protocol },
-                Frontend {
-                    name: name.clone(),
-                    backends: backends.clone(),
-                    retained: retained.clone(),
-                    affinity_timeout: svc.affinity_timeout,
-                    drop_when_empty: backends.is_empty() && sets.has_any,
-                },
-            ));
+        let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>| {
+            let active = backends(chosen);
+            let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
+            let retained = backends(
+                &endpoints
+                    .iter()
+                    .filter(|e| !in_use.contains(&(e.addr, e.port)))
+                    .filter(|e| port.protocol != Protocol::Udp || e.serving)
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+            Frontend {
+                name: name.clone(),
+                kind,
+                drop_when_empty: active.is_empty() && sets.has_any,
+                backends: active,
+                retained,
+                affinity_timeout: svc.affinity_timeout,
+                internal_backends: internal,
+            }
+        };
+        let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
+        for vip in &cluster_ips {
+            out.frontends.push((FrontendKey { addr: *vip, port: port.port, protocol: port.protocol }, view(internal, FrontendKind::ClusterIp, None)));
+        }
+        // External frontends: outside clients get the local endpoints under
+        // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
+        let (external, for_pods) = if svc.external_local {
+            (&sets.local, Some(backends(&sets.cluster)))
+        } else {
+            (&sets.cluster, None)
+        };
+        let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
+            let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
+            out.frontends.push((key, view(external, kind, for_pods.clone())));
+        };
+        if let (true, Some(np)) = (node_ports, port.node_port) {
+            for a in &node.nodeport_addresses {
+                add(*a, np, FrontendKind::NodePort);
+            }
+        }
+        for a in &lb_ips {
+            add(*a, port.port, FrontendKind::LoadBalancer);
+        }
+        for a in &external_ips {
+            add(*a, port.port, FrontendKind::ExternalIp);
+        }
+    }
+    if svc.service_type == ServiceType::LoadBalancer && svc.external_local {
+        if let Some(port) = svc.health_check_node_port {
+            out.health_check = Some(HealthCheck { port, service: svc.key.clone(), local_endpoints });
         }
     }
     out
@@ -111,7 +166,7 @@ mod tests {
     use crate::model::validate;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()) }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), nodeport_addresses: vec!["192.168.0.10".parse().unwrap()] }
     }
 
     fn svc(yaml: &str) -> CheckedService {
@@ -209,6 +264,57 @@ mod tests {
         assert!(fe.backends.is_empty() && fe.drop_when_empty, "kube-proxy drops: the Service has endpoints, none local");
         let fe = &service(&s, &[], &node()).frontends[0].1;
         assert!(!fe.drop_when_empty, "no endpoints at all: reject");
+    }
+
+    fn find(t: &Translation, key: FrontendKey) -> &Frontend {
+        &t.frontends.iter().find(|(k, _)| *k == key).unwrap_or_else(|| panic!("no frontend {key} in {:?}", t.frontends)).1
+    }
+
+    const NS_SLICE: &str = "metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], nodeName: node-a}\n- {addresses: [10.1.0.2], nodeName: node-b}\n";
+
+    #[test]
+    fn node_ports_load_balancer_and_external_ips_are_frontends() {
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalIPs: [192.0.2.7], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: 203.0.113.2, ipMode: Proxy}]}}");
+        let t = service(&s, &[&slice(NS_SLICE)], &node());
+        let kinds: Vec<_> = t.frontends.iter().map(|(k, f)| (k.to_string(), f.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("10.96.0.10:80/TCP".to_string(), FrontendKind::ClusterIp),
+                ("192.168.0.10:30080/TCP".to_string(), FrontendKind::NodePort),
+                ("203.0.113.1:80/TCP".to_string(), FrontendKind::LoadBalancer),
+                ("192.0.2.7:80/TCP".to_string(), FrontendKind::ExternalIp),
+            ],
+            "ipMode Proxy ingress is not served"
+        );
+        assert!(t.frontends.iter().all(|(_, f)| f.backends.len() == 2 && f.internal_backends.is_none()), "Cluster policy: every endpoint");
+        assert_eq!(t.health_check, None);
+    }
+
+    #[test]
+    fn external_traffic_policy_local_keeps_outside_traffic_local_and_pods_cluster_wide() {
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, healthCheckNodePort: 32000, ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}");
+        let t = service(&s, &[&slice(NS_SLICE)], &node());
+        let np = find(&t, fk("192.168.0.10", 30080, Protocol::Tcp));
+        assert_eq!(np.backends.iter().map(|b| b.to_string()).collect::<Vec<_>>(), ["10.1.0.1:8080"], "outside: local only");
+        assert_eq!(np.internal_backends.as_ref().map(Vec::len), Some(2), "pods: cluster-wide");
+        let cip = find(&t, fk("10.96.0.10", 80, Protocol::Tcp));
+        assert_eq!(cip.backends.len(), 2, "the cluster IP is not affected by externalTrafficPolicy");
+        assert_eq!(t.health_check, Some(HealthCheck { port: 32000, service: ObjectKey::new("default", "web"), local_endpoints: 1 }));
+
+        // No local endpoint: outside traffic is dropped (kube-proxy), pods still get through.
+        let remote_only = slice("metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n- {addresses: [10.1.0.2], nodeName: node-b}\n");
+        let t = service(&s, &[&remote_only], &node());
+        let np = find(&t, fk("192.168.0.10", 30080, Protocol::Tcp));
+        assert!(np.backends.is_empty() && np.drop_when_empty);
+        assert_eq!(np.internal_backends.as_ref().map(Vec::len), Some(1));
+        assert_eq!(t.health_check.unwrap().local_endpoints, 0);
+    }
+
+    #[test]
+    fn a_cluster_ip_service_has_no_node_ports() {
+        let s = svc("metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, nodePort: 30080}]}");
+        assert_eq!(service(&s, &[], &node()).frontends.len(), 1);
     }
 
     #[test]

@@ -89,6 +89,13 @@ pub struct CheckedService {
     pub affinity_timeout: Option<u32>,
     pub internal_local: bool,
     pub external_local: bool,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`, without those in `ipMode: Proxy` (KEP-1860: the
+    /// load balancer proxies, so traffic must reach it rather than be short-circuited).
+    pub lb_ingress: Vec<IpAddr>,
+    /// `spec.healthCheckNodePort`, for LoadBalancer Services with externalTrafficPolicy Local.
+    pub health_check_node_port: Option<u16>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -227,6 +234,9 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
                 affinity_timeout: None,
                 internal_local: false,
                 external_local: false,
+                external_ips: vec![],
+                lb_ingress: vec![],
+                health_check_node_port: None,
             })
         } else {
             Err(Invalid(errs))
@@ -314,6 +324,29 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
     };
     let internal_local = policy(spec.internal_traffic_policy.as_deref(), "spec.internalTrafficPolicy", &mut errs);
     let external_local = policy(spec.external_traffic_policy.as_deref(), "spec.externalTrafficPolicy", &mut errs);
+    let external_ips: Vec<IpAddr> = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .enumerate()
+        .filter_map(|(i, s)| ip(s, &format!("spec.externalIPs[{i}]"), &mut errs))
+        .collect();
+    let health_check_node_port = match spec.health_check_node_port {
+        None | Some(0) => None,
+        Some(p) => Some(port_number(p, "spec.healthCheckNodePort", &mut errs)),
+    };
+    // Status is written by a load-balancer controller; an entry we cannot use is skipped, not
+    // a reason to refuse the whole Service.
+    let lb_ingress: Vec<IpAddr> = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+        .filter_map(|i| i.ip.as_deref()?.parse().ok())
+        .collect();
 
     if !errs.is_empty() {
         return Err(Invalid(errs));
@@ -330,6 +363,9 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         affinity_timeout,
         internal_local,
         external_local,
+        external_ips,
+        lb_ingress,
+        health_check_node_port,
     })
 }
 
@@ -414,6 +450,9 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
 pub struct CheckedNode {
     pub name: String,
     pub labels: BTreeMap<String, String>,
+    /// First IPv4 InternalIP of `status.addresses`: the "primary" address of
+    /// `--nodeport-addresses primary`.
+    pub internal_ip: Option<Ipv4Addr>,
     /// Being deleted, or tainted for deletion by the Cluster Autoscaler: kube-proxy reports the
     /// node ineligible on /healthz so load balancers drain it.
     pub deleting: bool,
@@ -429,9 +468,18 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
         .as_ref()
         .and_then(|s| s.taints.as_ref())
         .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    let internal_ip = n
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP")
+        .find_map(|a| a.address.parse::<Ipv4Addr>().ok());
     Ok(CheckedNode {
         name,
         labels: n.metadata.labels.clone().unwrap_or_default(),
+        internal_ip,
         deleting: n.metadata.deletion_timestamp.is_some() || tainted,
     })
 }
@@ -503,6 +551,20 @@ mod tests {
             service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(),
             "metadata.name is missing"
         );
+    }
+
+    #[test]
+    fn external_addresses_are_read_and_proxy_mode_ingress_skipped() {
+        let s = service(&svc(
+            "metadata: {name: a}\nspec: {type: LoadBalancer, clusterIP: 10.0.0.1, externalIPs: [192.0.2.7], externalTrafficPolicy: Local, healthCheckNodePort: 32100, ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: 203.0.113.2, ipMode: Proxy}, {ip: 203.0.113.3, ipMode: VIP}, {hostname: lb.example.com}]}}",
+        ))
+        .unwrap();
+        assert_eq!(s.external_ips, vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_ingress, vec!["203.0.113.1".parse::<IpAddr>().unwrap(), "203.0.113.3".parse().unwrap()], "ipMode Proxy skipped");
+        assert_eq!(s.health_check_node_port, Some(32100));
+        assert_eq!(s.ports[0].node_port, Some(30080));
+        let bad = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, externalIPs: [nope], ports: [{port: 80}]}")).unwrap_err();
+        assert!(bad.to_string().contains("spec.externalIPs[0] \"nope\""), "{bad}");
     }
 
     #[test]

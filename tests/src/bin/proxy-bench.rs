@@ -31,7 +31,7 @@ use proxy_agent::{
         },
         Dataplane,
     },
-    model::{Backend, Frontend, FrontendKey, ObjectKey, Protocol, ServicePortName},
+    model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
 use proxy_common::{map_names, prog_names, Counter, Reason};
 use proxy_tests::packet::{tcp_frame, ACK, SYN};
@@ -52,6 +52,8 @@ fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
         retained: vec![],
         affinity_timeout: None,
         drop_when_empty: false,
+        kind: FrontendKind::ClusterIp,
+        internal_backends: None,
     }
 }
 

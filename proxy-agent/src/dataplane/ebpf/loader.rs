@@ -9,12 +9,13 @@ use std::{
 
 use aya::{
     maps::{MapInfo, MapType},
-    programs::SchedClassifier,
+    programs::{SchedClassifier, Xdp},
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    limits, map_names, prog_names, Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts,
-    RevNat, ServiceKey, ServiceName, ServiceValue, REASON_SLOTS,
+    limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config,
+    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, TraceResult,
+    REASON_SLOTS,
 };
 
 use crate::bpffs;
@@ -102,6 +103,12 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::CT => (MapType::LruHash, size_of::<CtKey>(), size_of::<CtEntry>()),
         map_names::FRAGS => (MapType::LruHash, size_of::<FragKey>(), size_of::<FragPorts>()),
         map_names::STATS => (MapType::PerCpuArray, size_of::<u32>(), size_of::<Counter>()),
+        map_names::MAGLEV => (MapType::HashOfMaps, size_of::<u32>(), size_of::<u32>()),
+        map_names::AFFINITY => (MapType::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
+        map_names::AFFINITY_MATCH => (MapType::Hash, size_of::<AffinityMatchKey>(), size_of::<u32>()),
+        map_names::IFADDRS => (MapType::Hash, size_of::<u32>(), size_of::<IfAddr>()),
+        map_names::CONFIG => (MapType::Array, size_of::<u32>(), size_of::<Config>()),
+        map_names::TRACE => (MapType::Array, size_of::<u32>(), size_of::<TraceResult>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -151,7 +158,15 @@ pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
     raise_memlock();
     let mut loader = EbpfLoader::new();
     let lb = options.lb_map_max.max(2);
-    for name in [map_names::SERVICES, map_names::BACKENDS, map_names::REVNAT, map_names::NAMES, map_names::BACKEND_FLOWS] {
+    for name in [
+        map_names::SERVICES,
+        map_names::BACKENDS,
+        map_names::REVNAT,
+        map_names::NAMES,
+        map_names::BACKEND_FLOWS,
+        map_names::MAGLEV,
+        map_names::AFFINITY_MATCH,
+    ] {
         loader.map_max_entries(name, lb);
     }
     loader.map_max_entries(map_names::CT, options.ct_map_max.max(2));
@@ -171,16 +186,23 @@ pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
         loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
-    for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS] {
-        let prog = classifier(&mut ebpf, name);
-        prog.load().map_err(|source| LoadError::Program { name, source })?;
-        if let Some(root) = &options.pin_root {
+    for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_EXT_INGRESS, prog_names::XDP_EXT] {
+        let pin = |pin: &mut dyn FnMut(&Path) -> Result<(), aya::pin::PinError>| -> Result<(), LoadError> {
+            let Some(root) = &options.pin_root else { return Ok(()) };
             let path = progs_dir(root).join(name);
             // Replace the previous run's pin; its links keep the old program alive until they
             // are updated to this one.
             let _ = fs::remove_file(&path);
-            prog.pin(&path)
-                .map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
+            pin(&path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })
+        };
+        if name == prog_names::XDP_EXT {
+            let prog = xdp(&mut ebpf, name);
+            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            pin(&mut |p| prog.pin(p))?;
+        } else {
+            let prog = classifier(&mut ebpf, name);
+            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            pin(&mut |p| prog.pin(p))?;
         }
     }
     Ok(Loaded { ebpf, options })
@@ -200,4 +222,12 @@ pub fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut SchedCl
         .unwrap_or_else(|| panic!("the object defines {name}"))
         .try_into()
         .unwrap_or_else(|_| panic!("{name} is a classifier"))
+}
+
+/// An XDP program of the loaded object, by name (`prog_names`).
+pub fn xdp<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut Xdp {
+    ebpf.program_mut(name)
+        .unwrap_or_else(|| panic!("the object defines {name}"))
+        .try_into()
+        .unwrap_or_else(|_| panic!("{name} is an XDP program"))
 }

@@ -1,0 +1,150 @@
+//! TC ingress of external interfaces: applies the north-south decision (`north`) with the
+//! kernel's checksum helpers, and answers `proxy-agent trace` packets.
+
+use aya_ebpf::{
+    bindings::{bpf_redir_neigh, TC_ACT_OK, TC_ACT_REDIRECT},
+    helpers::{bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+use proxy_common::{csum, Reason, TraceResult, TRACE_MARK};
+
+use crate::{
+    ct, frag, icmp,
+    lb::Verdict,
+    maps::TRACE_V1,
+    nat::{self, Side},
+    north::{self, Env, Route, Step},
+    parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF},
+};
+
+const AF_INET: u32 = 2;
+const LOOPBACK_IFINDEX: u32 = 1;
+
+/// Outcome of the program: verdict, or for a trace the decision it recorded instead.
+pub enum Outcome {
+    Counted(Result<Verdict, Reason>),
+    Traced,
+}
+
+#[inline(always)]
+pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
+    // SAFETY: reads fields of our own context.
+    let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
+    let dry = mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX;
+    let mut pkt = match parse::ipv4(ctx) {
+        Parsed::Packet(p) => p,
+        Parsed::NotIpv4 => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
+        Parsed::Icmp { .. } | Parsed::OtherProto => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
+    };
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
+    }
+    let env = Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry };
+    let step = north::decide(&env, &pkt, ct::now());
+    if dry {
+        trace(&step);
+        return Outcome::Traced;
+    }
+    Outcome::Counted(apply(ctx, &pkt, step))
+}
+
+#[inline(always)]
+fn apply(ctx: &TcContext, pkt: &Packet, step: Step) -> Result<Verdict, Reason> {
+    match step {
+        Step::Pass(reason) => Ok(Verdict::pass(reason)),
+        Step::Drop(reason) => Err(reason),
+        Step::Reject { .. } => icmp::reject(ctx, pkt),
+        Step::Dnat { backend, reason, .. } => {
+            frag::remember(pkt);
+            nat::rewrite(ctx, pkt, Side::Dst, backend.addr, backend.port)?;
+            let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { reason };
+            Ok(Verdict::pass(reason))
+        }
+        Step::Forward { dst, src, route, reason, .. } => {
+            if pkt.ttl <= 1 {
+                return Ok(Verdict::pass(Reason::PassTtl));
+            }
+            frag::remember(pkt);
+            nat::rewrite(ctx, pkt, Side::Dst, dst.0, dst.1)?;
+            nat::rewrite(ctx, pkt, Side::Src, src.0, src.1)?;
+            decrement_ttl(ctx)?;
+            Ok(Verdict { action: send(ctx, &route)?, reason })
+        }
+    }
+}
+
+/// The packet is routed here, past the stack: the TTL goes down as the stack would take it.
+#[inline(always)]
+pub fn decrement_ttl<F: Frame>(ctx: &F) -> Result<(), Reason> {
+    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
+    // SAFETY: bounds checked by ptr_at; the program owns the packet data.
+    let ip = unsafe { &mut *ip };
+    let old = [ip[8], ip[9]];
+    let new = [ip[8].wrapping_sub(1), ip[9]];
+    let check = csum::update2([ip[10], ip[11]], old, new);
+    ip[8] = new[0];
+    ip[10] = check[0];
+    ip[11] = check[1];
+    Ok(())
+}
+
+/// Out by `route`: with the next hop's address known, straight to the device; otherwise the
+/// kernel resolves the neighbour first.
+#[inline(always)]
+fn send(ctx: &TcContext, route: &Route) -> Result<i32, Reason> {
+    if route.no_neigh {
+        let mut nh = bpf_redir_neigh { nh_family: AF_INET, __bindgen_anon_1: unsafe { core::mem::zeroed() } };
+        nh.__bindgen_anon_1.ipv4_nh = u32::from_ne_bytes(route.nexthop);
+        // SAFETY: a valid parameter block of the size passed.
+        let rc = unsafe { bpf_redirect_neigh(route.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) } as i32;
+        return if rc == TC_ACT_REDIRECT { Ok(rc) } else { Err(Reason::DropNoRoute) };
+    }
+    let macs = ptr_at::<[u8; 12]>(ctx, 0).ok_or(Reason::DropRewrite)?;
+    // SAFETY: bounds checked by ptr_at.
+    let macs = unsafe { &mut *macs };
+    macs[..6].copy_from_slice(&route.dmac);
+    macs[6..].copy_from_slice(&route.smac);
+    // SAFETY: plain helper call.
+    let rc = unsafe { bpf_redirect(route.ifindex, 0) } as i32;
+    if rc == TC_ACT_REDIRECT {
+        Ok(rc)
+    } else {
+        Err(Reason::DropNoRoute)
+    }
+}
+
+/// Records a trace packet's decision for `proxy-agent trace`.
+#[inline(always)]
+fn trace(step: &Step) {
+    let mut r = TraceResult::default();
+    match step {
+        Step::Pass(reason) | Step::Drop(reason) => r.reason = *reason as u32,
+        Step::Reject { service_id } => {
+            r.reason = Reason::RejectNoEndpoints as u32;
+            r.service_id = *service_id;
+        }
+        Step::Dnat { backend_id, service_id, reason, .. } => {
+            r.reason = *reason as u32;
+            r.backend_id = *backend_id;
+            r.service_id = *service_id;
+        }
+        Step::Forward { src, route, backend_id, service_id, reason, .. } => {
+            r.reason = *reason as u32;
+            r.backend_id = *backend_id;
+            r.service_id = *service_id;
+            r.snat_addr = src.0;
+            r.ifindex = route.ifindex;
+        }
+    }
+    if let Some(slot) = TRACE_V1.get_ptr_mut(0) {
+        // SAFETY: a live array value; only trace packets write it.
+        unsafe {
+            r.seq = (*slot).seq.wrapping_add(1);
+            *slot = r;
+        }
+    }
+}
+
+/// Returned for a trace packet: nothing leaves.
+pub const TRACE_ACTION: i32 = TC_ACT_OK as i32;

@@ -1,0 +1,241 @@
+//! North-south decisions, shared by TC and XDP on external interfaces: NodePort, load-balancer
+//! and external IPs. A flow to a backend on this node is only DNATed (the client's address is
+//! kept, and the reply leaves through TC egress); a flow to a backend on another node is DNATed
+//! and SNATed to this node's address with a tracked port mapping, and sent on past the stack
+//! (its source is one of our addresses, which the stack would drop as martian on ingress), so
+//! its reply comes back here and is translated back the same way.
+//!
+//! XDP handles what it can finish on its own (remote backends with a resolved neighbour, their
+//! replies) and leaves the rest to TC, which makes the same choice: Maglev and affinity are
+//! deterministic for a flow.
+
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
+    cty::c_void,
+    helpers::bpf_fib_lookup,
+};
+use proxy_common::{ct::flags, limits, svc_flags, Backend, CtKey, Reason, ServiceKey, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::{
+    ct,
+    lb::count_flow,
+    maps::{CONFIG_V1, CT4_V2, NODE_IFADDR_V1},
+    parse::Packet,
+    revnat::revnat_of,
+    select::{self, backend, service},
+};
+
+const AF_INET: u8 = 2;
+
+/// Where the FIB sends a packet.
+#[derive(Clone, Copy)]
+pub struct Route {
+    pub ifindex: u32,
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+    /// The next hop has no neighbour entry yet: `dmac` is unknown.
+    pub no_neigh: bool,
+    /// The next hop (gateway, or the destination itself).
+    pub nexthop: [u8; 4],
+}
+
+pub struct Env {
+    /// `xdp_md` or `__sk_buff`, for the FIB helper.
+    pub ctx: *mut c_void,
+    pub ifindex: u32,
+    /// Running in XDP: anything that needs the stack is passed on untouched.
+    pub xdp: bool,
+    /// A trace: decide, but write nothing.
+    pub dry: bool,
+}
+
+pub enum Step {
+    /// Not ours to change.
+    Pass(Reason),
+    /// DNAT only, and on through the stack (a backend on this node).
+    Dnat { backend: Backend, backend_id: u32, service_id: u32, reason: Reason },
+    /// Rewrite both addresses and send by `route`.
+    Forward { dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2]), route: Route, backend_id: u32, service_id: u32, reason: Reason },
+    /// No endpoints: ICMP port unreachable.
+    Reject { service_id: u32 },
+    Drop(Reason),
+}
+
+#[inline(always)]
+pub fn fib(env: &Env, pkt: &Packet, src: [u8; 4], dst: [u8; 4]) -> Result<Route, Reason> {
+    // SAFETY: a plain-data struct of integers and arrays; all-zero is a valid value.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = pkt.proto;
+    p.ifindex = env.ifindex;
+    // tot_len stays 0: no MTU check (translation does not change the size).
+    p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
+    p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    // SAFETY: `p` is a valid, fully initialised parameter block of the size passed.
+    let rc = unsafe { bpf_fib_lookup(env.ctx, &mut p, size_of::<FibParams>() as i32, 0) };
+    let no_neigh = rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64;
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && !no_neigh {
+        return Err(Reason::DropNoRoute);
+    }
+    // SAFETY: union fields the helper filled in for an IPv4 lookup.
+    let nexthop = unsafe { p.__bindgen_anon_4.ipv4_dst }.to_ne_bytes();
+    Ok(Route { ifindex: p.ifindex, smac: p.smac, dmac: p.dmac, no_neigh, nexthop })
+}
+
+/// XDP gives up on anything it cannot finish itself; TC decides it again.
+#[inline(always)]
+fn xdp_pass(env: &Env) -> Option<Step> {
+    env.xdp.then_some(Step::Pass(Reason::XdpPass))
+}
+
+#[inline(always)]
+pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
+    if let Some(e) = CT4_V2.get_ptr_mut(ct::key(pkt)) {
+        // SAFETY: live map value; CtEntry is plain data.
+        let entry = unsafe { *e };
+        if entry.flags & flags::REPLY != 0 {
+            if entry.flags & flags::SNAT == 0 {
+                // A local backend's flow (TC egress translates its replies), or a pod's reply
+                // coming back from another node.
+                return xdp_pass(env).unwrap_or(Step::Pass(Reason::ReplyIngress));
+            }
+            let Some(rn) = revnat_of(&entry) else {
+                return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
+            };
+            let route = match fib(env, pkt, rn.addr, entry.nat_addr) {
+                Ok(r) if !(env.xdp && r.no_neigh) => r,
+                Ok(_) => return Step::Pass(Reason::XdpPass),
+                Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+            };
+            if !env.dry {
+                let fwd = CtKey {
+                    saddr: entry.nat_addr,
+                    daddr: rn.addr,
+                    sport: entry.nat_port,
+                    dport: rn.port,
+                    proto: pkt.proto,
+                    _pad: 0,
+                    _pad2: 0,
+                };
+                if !ct::touch_reply(pkt, e, &entry, &fwd, now) {
+                    return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
+                }
+            }
+            return Step::Forward {
+                dst: (entry.nat_addr, entry.nat_port),
+                src: (rn.addr, rn.port),
+                route,
+                backend_id: entry.backend_id,
+                service_id: entry.service_id,
+                reason: if env.xdp { Reason::XdpReply } else { Reason::ExtReply },
+            };
+        }
+        let live = !ct::forward_stale(pkt, &entry, now);
+        let be = backend(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+        if let (true, Some(be)) = (live, be) {
+            if entry.flags & flags::SNAT == 0 {
+                if let Some(s) = xdp_pass(env) {
+                    return s;
+                }
+                if !env.dry {
+                    ct::touch_forward(pkt, e, now);
+                }
+                return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established };
+            }
+            let route = match fib(env, pkt, pkt.saddr, be.addr) {
+                Ok(r) if !(env.xdp && r.no_neigh) => r,
+                Ok(_) => return Step::Pass(Reason::XdpPass),
+                Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+            };
+            if !env.dry {
+                ct::touch_forward(pkt, e, now);
+            }
+            return Step::Forward {
+                dst: (be.addr, be.port),
+                src: (entry.snat_addr, entry.snat_port),
+                route,
+                backend_id: entry.backend_id,
+                service_id: entry.service_id,
+                reason: if env.xdp { Reason::XdpForward } else { Reason::ExtEstablished },
+            };
+        }
+        // Expired, or its backend is gone: TC tracks it afresh.
+        if let Some(s) = xdp_pass(env) {
+            return s;
+        }
+        if !env.dry {
+            ct::drop_reply(pkt, &entry);
+        }
+    }
+    new_flow(env, pkt, now)
+}
+
+#[inline(always)]
+fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
+    let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+    let master = match service(&key) {
+        Some(m) if m.flags & svc_flags::EXTERNAL != 0 => m,
+        _ => return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService)),
+    };
+    if master.count == 0 {
+        if let Some(s) = xdp_pass(env) {
+            return s;
+        }
+        if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
+            return Step::Drop(Reason::DropNoLocalEndpoints);
+        }
+        if pkt.frag == crate::parse::Frag::Later || (pkt.proto != IPPROTO_TCP && pkt.proto != IPPROTO_UDP) {
+            return Step::Drop(Reason::DropNoEndpoints);
+        }
+        return Step::Reject { service_id: master.service_id };
+    }
+    let choice = match select::choose(pkt, &key, &master, now, !env.dry) {
+        Ok(c) => c,
+        Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+    };
+    let be = choice.backend;
+    if be.flags & proxy_common::backend_flags::LOCAL != 0 {
+        if let Some(s) = xdp_pass(env) {
+            return s;
+        }
+        if !env.dry {
+            if let Err(r) = ct::create(pkt, master.service_id, choice.id, &be, now, false) {
+                return Step::Drop(r);
+            }
+            count_flow(choice.id);
+        }
+        return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal };
+    }
+    let route = match fib(env, pkt, pkt.saddr, be.addr) {
+        Ok(r) if !(env.xdp && r.no_neigh) => r,
+        Ok(_) => return Step::Pass(Reason::XdpPass),
+        Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(snat_addr) = NODE_IFADDR_V1.get_ptr(&route.ifindex).map(|a| unsafe { (*a).addr }) else {
+        return xdp_pass(env).unwrap_or(Step::Drop(Reason::DropNoRoute));
+    };
+    let (min, max) = match CONFIG_V1.get(0) {
+        Some(c) if c.snat_port_min != 0 && c.snat_port_min <= c.snat_port_max => (c.snat_port_min, c.snat_port_max),
+        _ => (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
+    };
+    let port = if env.dry {
+        [0; 2]
+    } else {
+        match ct::create_snat(pkt, master.service_id, choice.id, &be, snat_addr, min, max, now) {
+            Ok(p) => p,
+            Err(r) => return Step::Drop(r),
+        }
+    };
+    if !env.dry {
+        count_flow(choice.id);
+    }
+    Step::Forward {
+        dst: (be.addr, be.port),
+        src: (snat_addr, port),
+        route,
+        backend_id: choice.id,
+        service_id: master.service_id,
+        reason: if env.xdp { Reason::XdpForward } else { Reason::ExtNewRemote },
+    }
+}

@@ -1,0 +1,102 @@
+//! Backend selection for new flows: ClientIP affinity first, then the service's Maglev table
+//! (north-south: every node picks the same backend for the same flow), else a random slot.
+
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32};
+use proxy_common::{
+    hash, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue,
+};
+
+use crate::{
+    maps::{CONFIG_V1, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1},
+    parse::Packet,
+};
+
+const NS_PER_SEC: u64 = 1_000_000_000;
+
+#[inline(always)]
+pub fn service(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: the value is copied out at once.
+    LB4_SERVICES_V1.get_ptr(key).map(|p| unsafe { *p })
+}
+
+/// The backend with this id, if it is set (an unset array entry is all zeroes).
+#[inline(always)]
+pub fn backend(id: u32) -> Option<Backend> {
+    // SAFETY: the value is copied out at once.
+    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != [0; 4])
+}
+
+/// The master entry pods use for `key`: the frontend's own, or for a frontend whose outside
+/// clients see other backends (externalTrafficPolicy Local) the internal scope's.
+#[inline(always)]
+pub fn internal_master(key: &mut ServiceKey, master: ServiceValue) -> Option<ServiceValue> {
+    if master.flags & svc_flags::TWO_SCOPES == 0 {
+        return Some(master);
+    }
+    key.scope = proxy_common::scope::INTERNAL;
+    service(key)
+}
+
+pub struct Choice {
+    pub id: u32,
+    pub backend: Backend,
+}
+
+fn affinity_key(pkt: &Packet, master: &ServiceValue, scope: u8) -> AffinityKey {
+    AffinityKey { service_id: master.service_id, client: pkt.saddr, scope, _pad: 0, _pad2: 0 }
+}
+
+/// The backend this client was last sent to, if that was within the timeout and the backend
+/// still serves the service.
+#[inline(always)]
+fn affinity(pkt: &Packet, master: &ServiceValue, scope: u8, now: u64) -> Option<Choice> {
+    // SAFETY: the value is copied out at once.
+    let a = LB4_AFFINITY_V1.get_ptr(&affinity_key(pkt, master, scope)).map(|p| unsafe { *p })?;
+    if now.saturating_sub(a.last_used_ns) > u64::from(master.affinity_timeout) * NS_PER_SEC {
+        return None;
+    }
+    let m = AffinityMatchKey { service_id: master.service_id, backend_id: a.backend_id, scope, _pad: 0, _pad2: 0 };
+    LB4_AFFMATCH_V1.get_ptr(&m)?;
+    backend(a.backend_id).map(|backend| Choice { id: a.backend_id, backend })
+}
+
+/// The Maglev table's pick for this flow; None when the table or the config is missing.
+#[inline(always)]
+fn maglev(pkt: &Packet, table_id: u32) -> Option<u32> {
+    let size = CONFIG_V1.get(0)?.maglev_size;
+    if size == 0 {
+        return None;
+    }
+    let index = hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
+    // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
+    let id = unsafe { LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()?;
+    (id != 0).then_some(id)
+}
+
+/// Picks the backend of a new flow to the frontend `key` whose master entry is `master` (which
+/// has at least one slot). `record`: remember the choice for affinity (false for a trace).
+#[inline(always)]
+pub fn choose(pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, record: bool) -> Result<Choice, Reason> {
+    let sticky = master.affinity_timeout != 0;
+    let choice = match if sticky { affinity(pkt, master, key.scope, now) } else { None } {
+        Some(c) => c,
+        None => {
+            let picked = if master.flags & svc_flags::MAGLEV != 0 { maglev(pkt, master.backend_id) } else { None };
+            let id = match picked {
+                Some(id) => id,
+                None => {
+                    // SAFETY: plain helper call.
+                    let slot = unsafe { bpf_get_prandom_u32() } % u32::from(master.count) + 1;
+                    service(&key.with_slot(slot as u16)).map(|s| s.backend_id).ok_or(Reason::DropBackendMissing)?
+                }
+            };
+            Choice { id, backend: backend(id).ok_or(Reason::DropBackendMissing)? }
+        }
+    };
+    if sticky && record {
+        // As kube-proxy's `recent --set`: every new connection restarts the client's timeout.
+        let v = AffinityValue { last_used_ns: now, backend_id: choice.id, _pad: 0 };
+        let _ = LB4_AFFINITY_V1.insert(affinity_key(pkt, master, key.scope), v, BPF_ANY as u64);
+    }
+    Ok(choice)
+}
