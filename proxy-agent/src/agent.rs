@@ -22,16 +22,18 @@ use tokio::{
 use crate::{
     dataplane::{
         ebpf::{
-            attach::{Attachments, DevicePatterns},
+            attach::{Attachments, DevicePatterns, XdpSetting},
             batch,
             loader::{self, LoadOptions},
             EbpfDataplane,
         },
         Dataplane as _,
     },
+    devices::Devices,
+    healthcheck::HealthServers,
     http,
-    model::store::{Kind, Store},
-    netlink::{self, LinkChange},
+    model::store::{Kind, NodePortAddresses, Store},
+    netlink,
     reconcile::{Reconciler, SyncStats},
     source::{self, manifests::ManifestDir},
     telemetry::Telemetry,
@@ -49,6 +51,11 @@ pub enum Source {
 pub struct RunConfig {
     pub source: Source,
     pub pod_devices: Vec<String>,
+    /// External interfaces (glob patterns); empty: those with a global IPv4 address.
+    pub devices: Vec<String>,
+    pub nodeport_addresses: NodePortAddresses,
+    pub xdp: XdpSetting,
+    pub maglev_size: u32,
     pub bpffs_root: PathBuf,
     pub hostname: String,
     pub lb_map_max: u32,
@@ -85,34 +92,6 @@ fn log_sync(s: &SyncStats) {
     }
 }
 
-/// Attaches to interfaces as they appear; `failed` keeps the ones to retry.
-fn on_link(dp: &mut EbpfDataplane, patterns: &DevicePatterns, failed: &mut BTreeMap<u32, String>, change: LinkChange) {
-    match change {
-        LinkChange::Present { index, name } => {
-            if dp.is_attached(index) {
-                dp.interface_renamed(index, &name);
-            } else if patterns.matches(&name) {
-                match dp.attach(index, &name) {
-                    Ok(()) => {
-                        failed.remove(&index);
-                    }
-                    Err(e) => {
-                        if failed.insert(index, name).is_none() {
-                            tracing::error!("{e}; retrying every 5 s");
-                        }
-                    }
-                }
-            }
-        }
-        LinkChange::Gone { index } => {
-            failed.remove(&index);
-            if let Some(name) = dp.forget_interface(index) {
-                tracing::info!(interface = name, ifindex = index, "interface gone");
-            }
-        }
-    }
-}
-
 /// Counts conntrack entries every 15 s for the map gauge (a batched walk of the map).
 fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
     tokio::spawn(async move {
@@ -136,6 +115,11 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
 
 pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
+    let external = if cfg.devices.is_empty() {
+        None
+    } else {
+        Some(DevicePatterns::parse(&cfg.devices).map_err(|e| anyhow::anyhow!("--devices: {e}"))?)
+    };
     let (src_tx, mut src_rx) = mpsc::channel(256);
     // Hold the directory watcher for the life of the agent.
     let mut _watcher = None;
@@ -157,6 +141,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         pin_root: Some(cfg.bpffs_root.clone()),
         lb_map_max: cfg.lb_map_max,
         ct_map_max: cfg.ct_map_max,
+        maglev_size: cfg.maglev_size,
     })?;
     tracing::info!(
         bpffs_root = %cfg.bpffs_root.display(),
@@ -169,24 +154,35 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     http::spawn("healthz", "--healthz-bind-address", cfg.healthz_bind, http::health_router(telemetry.clone()));
     spawn_conntrack_gauge(cfg.bpffs_root.clone(), telemetry.clone());
 
-    let mut rec = Reconciler::new(
-        Store::new(cfg.hostname.clone()),
-        dp,
-        vec![Kind::Service, Kind::EndpointSlice, Kind::Node],
-    );
+    let mut store = Store::new(cfg.hostname.clone());
+    store.set_nodeport_config(cfg.nodeport_addresses.clone());
+    let mut rec = Reconciler::new(store, dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
+    let mut health = HealthServers::new(telemetry.clone());
 
     let (link_tx, mut link_rx) = mpsc::channel(256);
-    let links = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
+    let (links, addrs) = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
     let live: BTreeMap<u32, String> = links.iter().cloned().collect();
     Attachments::prune_pins(&cfg.bpffs_root, &live);
-    let mut failed_attach = BTreeMap::new();
+    let mut devices = Devices::new(patterns, external, cfg.xdp);
     for (index, name) in links {
-        on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, LinkChange::Present { index, name });
+        devices.apply(&netlink::LinkChange::Present { index, name });
     }
-    if rec.dataplane().attached().is_empty() {
+    for a in &addrs {
+        devices.apply(a);
+    }
+    rec.store.set_local_addresses(devices.node_addresses());
+    devices.sync(rec.dataplane_mut());
+    if !rec.dataplane().attached().values().any(|n| devices.role(0, n) == Some(crate::dataplane::ebpf::attach::Role::Pod)) {
         tracing::warn!(
             patterns = ?cfg.pod_devices,
             "no interface matches --pod-devices yet; attaching as matching interfaces appear"
+        );
+    }
+    if rec.dataplane().external_interfaces().is_empty() {
+        tracing::warn!(
+            devices = ?cfg.devices,
+            "no external interface (--devices, or one with a global IPv4 address); NodePort and load-balancer \
+             traffic from outside is not served until one appears"
         );
     }
 
@@ -224,15 +220,24 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
                 if rec.store.has_dirty() {
                     telemetry.queued();
                 }
-                sync(&mut rec, &telemetry);
+                sync(&mut rec, &telemetry, &mut health);
             }
-            Some(change) = link_rx.recv() => on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, change),
-            _ = retry.tick(), if rec.has_failures() => sync(&mut rec, &telemetry),
-            _ = attach_retry.tick(), if !failed_attach.is_empty() => {
-                for (index, name) in failed_attach.clone() {
-                    on_link(rec.dataplane_mut(), &patterns, &mut failed_attach, LinkChange::Present { index, name });
+            Some(change) = link_rx.recv() => {
+                let mut addresses_changed = devices.apply(&change);
+                while let Ok(change) = link_rx.try_recv() {
+                    addresses_changed |= devices.apply(&change);
+                }
+                devices.sync(rec.dataplane_mut());
+                if addresses_changed {
+                    rec.store.set_local_addresses(devices.node_addresses());
+                    if rec.store.has_dirty() {
+                        telemetry.queued();
+                        sync(&mut rec, &telemetry, &mut health);
+                    }
                 }
             }
+            _ = retry.tick(), if rec.has_failures() => sync(&mut rec, &telemetry, &mut health),
+            _ = attach_retry.tick(), if !devices.failed.is_empty() => devices.sync(rec.dataplane_mut()),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -244,8 +249,9 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn sync(rec: &mut Reconciler<EbpfDataplane>, telemetry: &Telemetry) {
+fn sync(rec: &mut Reconciler<EbpfDataplane>, telemetry: &Telemetry, health: &mut HealthServers) {
     if let Some(s) = rec.sync() {
+        health.update(&rec.health_checks());
         log_sync(&s);
         telemetry.synced(&s, &rec.store.change_counts());
         if !rec.has_failures() {

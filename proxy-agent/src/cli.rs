@@ -7,7 +7,9 @@ use proxy_common::limits;
 
 use crate::{
     agent::{self, Source},
+    dataplane::ebpf::attach::XdpSetting,
     inspect,
+    model::{store::NodePortAddresses, Protocol},
 };
 
 const DEFAULT_BPFFS_ROOT: &str = "/sys/fs/bpf/proxy-agent";
@@ -33,6 +35,34 @@ enum Cmd {
     Inspect(InspectArgs),
     /// Remove every program, map and link the agent pinned (tracked connections are lost).
     Cleanup(RootArgs),
+    /// Run a synthetic packet arriving from outside through the loaded program and print what
+    /// it would do (verdict, Service, backend). Run it in the node's network namespace.
+    Trace(TraceArgs),
+}
+
+#[derive(Args)]
+struct TraceArgs {
+    #[command(flatten)]
+    root: RootArgs,
+    /// Source of the packet, IP:PORT.
+    #[arg(long)]
+    from: std::net::SocketAddrV4,
+    /// Destination, IP:PORT/PROTO (TCP or UDP; TCP when omitted), e.g. 192.168.1.10:30080/TCP.
+    #[arg(long, value_parser = parse_destination)]
+    to: (std::net::SocketAddrV4, Protocol),
+    #[arg(long, value_enum, default_value = "text")]
+    output: Output,
+}
+
+fn parse_destination(s: &str) -> Result<(std::net::SocketAddrV4, Protocol), String> {
+    let (addr, proto) = s.split_once('/').unwrap_or((s, "TCP"));
+    let addr = addr.parse().map_err(|_| format!("{addr:?} is not IPv4:PORT"))?;
+    let proto = match proto.to_ascii_uppercase().as_str() {
+        "TCP" => Protocol::Tcp,
+        "UDP" => Protocol::Udp,
+        other => return Err(format!("protocol {other:?}: TCP or UDP")),
+    };
+    Ok((addr, proto))
 }
 
 #[derive(Args)]
@@ -67,6 +97,22 @@ struct RunArgs {
     /// Glob patterns of the host-side pod interfaces to attach to.
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_POD_DEVICES)]
     pod_devices: Vec<String>,
+    /// Glob patterns of the external interfaces (NodePort, load-balancer and external IP
+    /// traffic; XDP). Default: every interface with a global IPv4 address that is not a pod
+    /// interface, a container bridge or a tunnel.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Node addresses NodePorts are served on, as kube-proxy's flag: `primary` (the Node's
+    /// InternalIP) or a comma-separated list of CIDRs. Default: every address of the node.
+    #[arg(long, value_parser = parse_nodeport_addresses)]
+    nodeport_addresses: Option<NodePortAddresses>,
+    /// XDP on external interfaces: native (in the driver), generic, or disabled.
+    #[arg(long, value_enum, default_value = "native")]
+    xdp: XdpArg,
+    /// Entries of each Maglev table (a prime; about 100x the largest backend count keeps the
+    /// load within 1%). Applies to tables as they are next written.
+    #[arg(long, default_value_t = limits::MAGLEV_TABLE_SIZE)]
+    maglev_table_size: u32,
     /// This node's name, as in its Node object. Defaults to $NODE_NAME, then the hostname.
     #[arg(long, env = "NODE_NAME")]
     hostname_override: Option<String>,
@@ -77,6 +123,17 @@ struct RunArgs {
     /// Connection-tracking entries (two per connection). Applies when the map is first created.
     #[arg(long, default_value_t = limits::CT_MAP_MAX)]
     ct_map_max: u32,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum XdpArg {
+    Native,
+    Generic,
+    Disabled,
+}
+
+fn parse_nodeport_addresses(s: &str) -> Result<NodePortAddresses, String> {
+    s.parse()
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -149,6 +206,14 @@ pub fn main() -> ExitCode {
                 healthz_bind: a.healthz_bind_address,
                 sync_period: a.sync_period,
                 pod_devices: a.pod_devices,
+                devices: a.devices,
+                nodeport_addresses: a.nodeport_addresses.unwrap_or_default(),
+                xdp: match a.xdp {
+                    XdpArg::Native => XdpSetting::Native,
+                    XdpArg::Generic => XdpSetting::Generic,
+                    XdpArg::Disabled => XdpSetting::Disabled,
+                },
+                maglev_size: a.maglev_table_size,
                 bpffs_root: a.root.bpffs_root,
                 hostname: a.hostname_override.unwrap_or_else(hostname),
                 lb_map_max: a.lb_map_max,
@@ -165,6 +230,12 @@ pub fn main() -> ExitCode {
         Cmd::Inspect(a) => inspect::read(&a.root.bpffs_root).map_err(anyhow::Error::from).map(|r| match a.output {
             Output::Text => print!("{}", inspect::render(&r)),
             Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
+        }),
+        Cmd::Trace(a) => crate::trace::run(&a.root.bpffs_root, a.from, a.to.0, a.to.1).map_err(anyhow::Error::from).map(|r| {
+            match a.output {
+                Output::Text => print!("{}", crate::trace::render(&r)),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
+            }
         }),
         Cmd::Cleanup(a) => inspect::cleanup(&a.bpffs_root).map_err(anyhow::Error::from).map(|removed| {
             println!("removed {} pinned objects under {}", removed.len(), a.bpffs_root.display());

@@ -1,8 +1,12 @@
-//! Interfaces coming and going, from rtnetlink: the current list, then every change.
+//! Interfaces and their IPv4 addresses coming and going, from rtnetlink: the current state,
+//! then every change.
+
+use std::net::{IpAddr, Ipv4Addr};
 
 use futures::{StreamExt, TryStreamExt};
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::{
+    address::{AddressAttribute, AddressMessage, AddressScope},
     link::{LinkAttribute, LinkMessage},
     RouteNetlinkMessage,
 };
@@ -14,6 +18,26 @@ pub enum LinkChange {
     /// A link exists (new, renamed, or changed state).
     Present { index: u32, name: String },
     Gone { index: u32 },
+    /// An IPv4 address was added to (or removed from) interface `index`. `global`: scope
+    /// universe (not host or link scope).
+    Address { index: u32, addr: Ipv4Addr, global: bool, added: bool },
+}
+
+fn address_of(msg: &AddressMessage) -> Option<(u32, Ipv4Addr, bool)> {
+    let addr = msg
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            AddressAttribute::Local(IpAddr::V4(v4)) => Some(*v4),
+            _ => None,
+        })
+        .or_else(|| {
+            msg.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Address(IpAddr::V4(v4)) => Some(*v4),
+                _ => None,
+            })
+        })?;
+    Some((msg.header.index, addr, msg.header.scope == AddressScope::Universe))
 }
 
 fn name_of(msg: &LinkMessage) -> Option<String> {
@@ -23,17 +47,26 @@ fn name_of(msg: &LinkMessage) -> Option<String> {
     })
 }
 
-/// Subscribes to link changes, then lists the links that exist. Subscribing first means a link
-/// created during the listing is not missed (it may be reported twice, which is harmless).
-pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<Vec<(u32, String)>> {
+/// Subscribes to link and address changes, then lists what exists. Subscribing first means a
+/// change during the listing is not missed (it may be reported twice, which is harmless).
+/// Returns the links and, as `LinkChange::Address` events, their IPv4 addresses.
+pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, String)>, Vec<LinkChange>)> {
     let (mut conn, handle, mut messages) = rtnetlink::new_connection()?;
-    conn.socket_mut().socket_mut().bind(&SocketAddr::new(0, rtnetlink::constants::RTMGRP_LINK))?;
+    let groups = rtnetlink::constants::RTMGRP_LINK | rtnetlink::constants::RTMGRP_IPV4_IFADDR;
+    conn.socket_mut().socket_mut().bind(&SocketAddr::new(0, groups))?;
     tokio::spawn(conn);
     let mut links = Vec::new();
     let mut dump = handle.link().get().execute();
     while let Some(msg) = dump.try_next().await.map_err(std::io::Error::other)? {
         if let Some(name) = name_of(&msg) {
             links.push((msg.header.index, name));
+        }
+    }
+    let mut addrs = Vec::new();
+    let mut dump = handle.address().get().execute();
+    while let Some(msg) = dump.try_next().await.map_err(std::io::Error::other)? {
+        if let Some((index, addr, global)) = address_of(&msg) {
+            addrs.push(LinkChange::Address { index, addr, global, added: true });
         }
     }
     tokio::spawn(async move {
@@ -47,6 +80,12 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<Vec<(u32, St
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
                     Some(LinkChange::Gone { index: m.header.index })
                 }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(m)) => {
+                    address_of(&m).map(|(index, addr, global)| LinkChange::Address { index, addr, global, added: true })
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelAddress(m)) => {
+                    address_of(&m).map(|(index, addr, global)| LinkChange::Address { index, addr, global, added: false })
+                }
                 _ => None,
             };
             if let Some(c) = change {
@@ -57,5 +96,5 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<Vec<(u32, St
         }
         tracing::error!("the netlink link watch ended; new interfaces will not be attached");
     });
-    Ok(links)
+    Ok((links, addrs))
 }

@@ -11,8 +11,10 @@ use std::{
 
 use crate::{
     dataplane::Dataplane,
+    healthcheck::PortState,
     model::{
         store::{Event, Kind, Store},
+        translate::HealthCheck,
         Frontend, FrontendKey, ObjectKey,
     },
 };
@@ -48,6 +50,8 @@ pub struct Reconciler<D> {
     triggers: BTreeMap<ObjectKey, Vec<SystemTime>>,
     /// Frontends the dataplane cannot express, with the reason last reported.
     unsupported: HashMap<FrontendKey, String>,
+    /// Health-check node ports to serve, per Service.
+    health_checks: BTreeMap<ObjectKey, HealthCheck>,
 }
 
 impl<D: Dataplane> Reconciler<D> {
@@ -65,7 +69,18 @@ impl<D: Dataplane> Reconciler<D> {
             retry: BTreeSet::new(),
             triggers: BTreeMap::new(),
             unsupported: HashMap::new(),
+            health_checks: BTreeMap::new(),
         }
+    }
+
+    /// Health-check node ports and what each should report (a port two Services claim goes
+    /// to the first by name; the API server does not allow that anyway).
+    pub fn health_checks(&self) -> BTreeMap<u16, PortState> {
+        let mut out = BTreeMap::new();
+        for h in self.health_checks.values() {
+            out.entry(h.port).or_insert_with(|| PortState { service: h.service.clone(), local_endpoints: h.local_endpoints });
+        }
+        out
     }
 
     pub fn dataplane(&self) -> &D {
@@ -147,6 +162,14 @@ impl<D: Dataplane> Reconciler<D> {
         let translation = self.store.translate(svc);
         for note in &translation.notes {
             tracing::info!(service = %svc, "{note}");
+        }
+        match translation.health_check {
+            Some(h) => {
+                self.health_checks.insert(svc.clone(), h);
+            }
+            None => {
+                self.health_checks.remove(svc);
+            }
         }
         let mut failed = false;
         let wanted: BTreeMap<FrontendKey, Frontend> = translation.frontends.into_iter().collect();

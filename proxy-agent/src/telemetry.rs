@@ -206,6 +206,12 @@ impl Telemetry {
         (!late, h.node_eligible, h.last_updated)
     }
 
+    /// The proxy programs changes in time (kube-proxy's `serviceProxyHealthy` of the
+    /// health-check node ports).
+    pub fn proxy_healthy(&self) -> bool {
+        self.healthy().0
+    }
+
     /// `/healthz`: status code and kube-proxy's JSON body.
     pub fn healthz(&self) -> (u16, String) {
         let (healthy, eligible, last) = self.healthy();

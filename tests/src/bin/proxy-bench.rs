@@ -128,7 +128,7 @@ struct Measured {
 }
 
 fn measure(services: u32) -> Measured {
-    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: 1 << 21 })
+    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: 1 << 21, ..Default::default() })
         .expect("load the dataplane (as root)");
     let t = Instant::now();
     // The measured services: `bench` with 4 real backends, `mirror` whose backend is its own

@@ -13,13 +13,14 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions, TcAttachType},
-        LinkOrder, SchedClassifier,
+        xdp::XdpLink,
+        LinkOrder, SchedClassifier, Xdp, XdpMode,
     },
     Ebpf,
 };
 use proxy_common::prog_names;
 
-use super::loader::{classifier, links_dir};
+use super::loader::{self, classifier, links_dir};
 
 /// Glob patterns for pod-facing interface names.
 #[derive(Clone, Debug)]
@@ -38,13 +39,67 @@ impl DevicePatterns {
     }
 }
 
-/// The hooks every pod interface gets: (attach point, program, pin file prefix). Egress comes
-/// first: on its own it is harmless (it only translates replies of flows tracked elsewhere),
-/// while ingress on its own would DNAT flows whose replies nobody translates back.
-const HOOKS: [(TcAttachType, &str, &str); 2] = [
-    (TcAttachType::Egress, prog_names::TC_EGRESS, "tc_egress_"),
-    (TcAttachType::Ingress, prog_names::TC_INGRESS, "tc_ingress_"),
-];
+/// What an interface is to the dataplane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Faces pods: ClusterIP DNAT on ingress, reverse NAT on egress.
+    Pod,
+    /// Carries traffic from outside the node: north-south on XDP and TC ingress, reverse NAT of
+    /// local backends' replies on egress.
+    External,
+}
+
+/// XDP attach mode for external interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XdpSetting {
+    /// In the driver (veth, and most physical NICs); the interface is served by TC alone if
+    /// the driver refuses.
+    Native,
+    /// Generic (skb) mode: works everywhere, gains little over TC.
+    Generic,
+    Disabled,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hook {
+    Tc(TcAttachType, &'static str),
+    Xdp,
+}
+
+impl Hook {
+    fn program(self) -> &'static str {
+        match self {
+            Hook::Tc(_, p) => p,
+            Hook::Xdp => prog_names::XDP_EXT,
+        }
+    }
+
+    /// Prefix of the hook's link pin files.
+    fn prefix(self) -> &'static str {
+        match self.program() {
+            prog_names::TC_EGRESS => "tc_egress_",
+            prog_names::TC_INGRESS => "tc_ingress_",
+            prog_names::TC_EXT_INGRESS => "tc_ext_ingress_",
+            _ => "xdp_",
+        }
+    }
+}
+
+/// The hooks of each role, in attach order. Egress comes first: on its own it is harmless (it
+/// only translates replies of flows tracked elsewhere), while ingress on its own would DNAT
+/// flows whose replies nobody translates back. XDP comes last: it only takes over flows TC
+/// would handle the same way.
+const POD_HOOKS: [Hook; 2] = [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_INGRESS)];
+const EXTERNAL_HOOKS: [Hook; 3] =
+    [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_EXT_INGRESS), Hook::Xdp];
+const ALL_PREFIXES: [&str; 4] = ["tc_egress_", "tc_ingress_", "tc_ext_ingress_", "xdp_"];
+
+fn hooks(role: Role) -> &'static [Hook] {
+    match role {
+        Role::Pod => &POD_HOOKS,
+        Role::External => &EXTERNAL_HOOKS,
+    }
+}
 
 /// Where a hook's link of interface `ifindex` is pinned: `<hook>_<ifindex>_<ifname>`. The index
 /// identifies the interface (a renamed interface keeps it); the name is there for people and
@@ -53,11 +108,16 @@ fn pin_path(root: &Path, prefix: &str, ifindex: u32, ifname: &str) -> PathBuf {
     links_dir(root).join(format!("{prefix}{ifindex}_{ifname}"))
 }
 
+/// The hook prefix, interface index and name a link pin file is for.
+pub fn parse_pin_hook(file_name: &str) -> Option<(&'static str, u32, String)> {
+    let (prefix, rest) = ALL_PREFIXES.iter().find_map(|p| file_name.strip_prefix(p).map(|r| (*p, r)))?;
+    let (idx, name) = rest.split_once('_').unwrap_or((rest, ""));
+    Some((prefix, idx.parse().ok()?, name.to_string()))
+}
+
 /// The interface index and name a link pin file is for.
 pub fn parse_pin(file_name: &str) -> Option<(u32, String)> {
-    let rest = HOOKS.iter().find_map(|(_, _, prefix)| file_name.strip_prefix(prefix))?;
-    let (idx, name) = rest.split_once('_').unwrap_or((rest, ""));
-    Some((idx.parse().ok()?, name.to_string()))
+    parse_pin_hook(file_name).map(|(_, i, n)| (i, n))
 }
 
 /// Pins of `prefix` for interface `ifindex`, whatever name they carry.
@@ -65,7 +125,7 @@ fn pins_of(root: &Path, prefix: &str, ifindex: u32) -> Vec<PathBuf> {
     let Ok(dir) = fs::read_dir(links_dir(root)) else { return Vec::new() };
     dir.flatten()
         .filter(|e| {
-            e.file_name().to_str().is_some_and(|n| n.starts_with(prefix) && parse_pin(n).is_some_and(|(i, _)| i == ifindex))
+            e.file_name().to_str().and_then(parse_pin_hook).is_some_and(|(p, i, _)| p == prefix && i == ifindex)
         })
         .map(|e| e.path())
         .collect()
@@ -85,41 +145,103 @@ pub enum AttachError {
     Pin { program: &'static str, ifname: String, detail: String },
 }
 
-/// Interfaces the programs are attached to: index -> name.
+/// Interfaces the programs are attached to.
 #[derive(Default)]
 pub struct Attachments {
+    /// Index -> name.
     pub interfaces: BTreeMap<u32, String>,
+    pub roles: BTreeMap<u32, Role>,
+    /// External interfaces where XDP could not be attached (the driver refused).
+    pub xdp_failed: BTreeMap<u32, String>,
     /// Link handles of this process. Pinned links stay attached without them; unpinned ones
     /// (no --bpffs-root) detach when these drop.
     links: BTreeMap<(u32, &'static str), FdLink>,
 }
 
 impl Attachments {
-    /// Attaches both hooks to `ifname`, taking over links pinned by a previous run.
-    pub fn attach(&mut self, ebpf: &mut Ebpf, root: Option<&Path>, ifindex: u32, ifname: &str) -> Result<(), AttachError> {
+    /// Attaches the hooks of `role` to `ifname`, taking over links pinned by a previous run.
+    pub fn attach(
+        &mut self,
+        ebpf: &mut Ebpf,
+        root: Option<&Path>,
+        ifindex: u32,
+        ifname: &str,
+        role: Role,
+        xdp: XdpSetting,
+    ) -> Result<(), AttachError> {
         if self.interfaces.contains_key(&ifindex) {
             return Ok(());
         }
-        for (hook, program, prefix) in HOOKS {
-            let prog = classifier(ebpf, program);
+        let mut done = Vec::new();
+        for hook in hooks(role) {
+            let program = hook.program();
+            let prefix = hook.prefix();
             let pins = root.map(|r| (pins_of(r, prefix, ifindex), pin_path(r, prefix, ifindex, ifname)));
-            let link = attach_one(prog, hook, program, pins, ifindex, ifname)?;
-            self.links.insert((ifindex, program), link);
+            let attached = match hook {
+                Hook::Tc(at, _) => attach_tc(classifier(ebpf, program), *at, program, pins, ifindex, ifname),
+                Hook::Xdp if xdp == XdpSetting::Disabled => continue,
+                Hook::Xdp => {
+                    let mode = if xdp == XdpSetting::Native { XdpMode::Driver } else { XdpMode::Skb };
+                    match attach_xdp(loader::xdp(ebpf, program), mode, pins, ifindex, ifname) {
+                        Ok(l) => Ok(l),
+                        Err(e) => {
+                            // TC serves the interface without it, only slower.
+                            if self.xdp_failed.insert(ifindex, ifname.into()).is_none() {
+                                tracing::warn!(interface = ifname, "{e}; north-south traffic on it is handled by TC only");
+                            }
+                            continue;
+                        }
+                    }
+                }
+            };
+            match attached {
+                Ok(link) => {
+                    self.links.insert((ifindex, program), link);
+                    done.push(program);
+                }
+                Err(e) => {
+                    // Leave nothing half-attached: an ingress without its egress would DNAT
+                    // flows whose replies are not translated back.
+                    for p in done {
+                        self.links.remove(&(ifindex, p));
+                    }
+                    if let Some(r) = root {
+                        for hook in hooks(role) {
+                            for pin in pins_of(r, hook.prefix(), ifindex) {
+                                let _ = fs::remove_file(pin);
+                            }
+                        }
+                    }
+                    return Err(e);
+                }
+            }
         }
-        tracing::info!(interface = ifname, ifindex, "attached tc ingress and egress (tcx)");
+        let with_xdp = done.contains(&prog_names::XDP_EXT);
+        match role {
+            Role::Pod => tracing::info!(interface = ifname, ifindex, "attached to pod interface: tc ingress and egress (tcx)"),
+            Role::External => tracing::info!(
+                interface = ifname,
+                ifindex,
+                xdp = if with_xdp { "native/generic as configured" } else { "off" },
+                "attached to external interface: tc ingress and egress (tcx), xdp"
+            ),
+        }
         self.interfaces.insert(ifindex, ifname.into());
+        self.roles.insert(ifindex, role);
         Ok(())
     }
 
-    /// Forgets an interface that went away and removes its pins (the kernel already detached
-    /// the links when the device was unregistered).
+    /// Forgets an interface that went away, or that the agent detaches, and removes its pins
+    /// (dropping the last handle of a link detaches it).
     pub fn forget(&mut self, root: Option<&Path>, ifindex: u32) -> Option<String> {
-        for (_, program, prefix) in HOOKS {
-            self.links.remove(&(ifindex, program));
+        for prefix in ALL_PREFIXES {
             for pin in root.map(|r| pins_of(r, prefix, ifindex)).unwrap_or_default() {
                 let _ = fs::remove_file(pin);
             }
         }
+        self.links.retain(|(i, _), _| *i != ifindex);
+        self.roles.remove(&ifindex);
+        self.xdp_failed.remove(&ifindex);
         self.interfaces.remove(&ifindex)
     }
 
@@ -131,7 +253,7 @@ impl Attachments {
         }
         tracing::info!(ifindex, from = %old, to = ifname, "interface renamed");
         *old = ifname.to_string();
-        for (_, _, prefix) in HOOKS {
+        for prefix in ALL_PREFIXES {
             let Some(root) = root else { break };
             for pin in pins_of(root, prefix, ifindex) {
                 let _ = fs::rename(pin, pin_path(root, prefix, ifindex, ifname));
@@ -153,7 +275,7 @@ impl Attachments {
 }
 
 /// `pins`: the pins a previous run left for this interface, and where to pin now.
-fn attach_one(
+fn attach_tc(
     prog: &mut SchedClassifier,
     hook: TcAttachType,
     program: &'static str,
@@ -200,4 +322,48 @@ fn adopt(prog: &mut SchedClassifier, pin: &Path) -> Result<FdLink, String> {
     let id = prog.attach_to_link(link).map_err(|e| e.to_string())?;
     let link = prog.take_link(id).map_err(|e| e.to_string())?;
     FdLink::try_from(link).map_err(|e| e.to_string())
+}
+
+fn attach_xdp(
+    prog: &mut Xdp,
+    mode: XdpMode,
+    pins: Option<(Vec<PathBuf>, PathBuf)>,
+    ifindex: u32,
+    ifname: &str,
+) -> Result<FdLink, AttachError> {
+    let program = prog_names::XDP_EXT;
+    let attach_err = |source| AttachError::Attach { program, ifname: ifname.into(), ifindex, source };
+    let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
+    let (old_pins, pin) = match pins {
+        Some((old, new)) => (old, Some(new)),
+        None => (Vec::new(), None),
+    };
+    for old in &old_pins {
+        let adopted = PinnedLink::from_pin(old)
+            .map_err(|e| e.to_string())
+            .and_then(|p| XdpLink::try_from(FdLink::from(p)).map_err(|e| e.to_string()))
+            .and_then(|l| prog.attach_to_link(l).map_err(|e| e.to_string()))
+            .and_then(|id| prog.take_link(id).map_err(|e| e.to_string()))
+            .and_then(|l| FdLink::try_from(l).map_err(|e| e.to_string()));
+        match adopted {
+            Ok(link) => {
+                if let Some(pin) = pin.as_ref().filter(|p| *p != old) {
+                    let _ = fs::rename(old, pin);
+                }
+                return Ok(link);
+            }
+            Err(e) => {
+                tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
+                let _ = fs::remove_file(old);
+            }
+        }
+    }
+    let id = prog.attach_to_if_index(ifindex, mode).map_err(attach_err)?;
+    // A netlink attachment (kernels without XDP links) cannot be pinned: it stays until detached.
+    let link = FdLink::try_from(prog.take_link(id).map_err(attach_err)?)
+        .map_err(|e| pin_err(format!("{e} (this kernel has no XDP links; 5.9+ is needed)")))?;
+    match pin {
+        Some(pin) => link.pin(pin).map(FdLink::from).map_err(|e| pin_err(e.to_string())),
+        None => Ok(link),
+    }
 }

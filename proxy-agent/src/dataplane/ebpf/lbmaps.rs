@@ -1,8 +1,12 @@
 //! The load-balancer map writer. It keeps the agent's picture of what the maps hold (rebuilt
 //! from the maps at start) and applies per-frontend changes make-before-break:
-//! backends -> new slots -> reverse NAT -> existing slots -> master -> surplus slots -> unused
-//! backends. A packet never sees a count that points at a missing slot or a slot that names a
-//! missing backend.
+//! backends -> new slots -> reverse NAT -> Maglev table -> affinity matches -> existing slots ->
+//! master -> surplus slots -> stale affinity matches -> unused backends. A packet never sees a
+//! count that points at a missing slot or a slot that names a missing backend.
+//!
+//! A frontend whose outside clients get other backends than pods (externalTrafficPolicy Local)
+//! has two scopes: the internal one is written completely before the external master points
+//! at it (`TWO_SCOPES`), and removed only after the master stopped pointing at it.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap as StdHashMap, HashSet},
@@ -15,18 +19,75 @@ use aya::{
     Ebpf,
 };
 use proxy_common::{
-    backend_flags, limits, map_names, svc_flags, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
-    ServiceValue,
+    backend_flags, limits, map_names, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey,
+    ServiceName, ServiceValue,
 };
 
 use super::{
     ids::{assign_slots, IdAllocator},
+    maglev::{self, Maglev},
     snapshot,
 };
 use crate::{
     dataplane::DataplaneError,
     model::{self, Frontend, FrontendKey, Protocol},
 };
+
+/// A frontend in one scope (`proxy_common::scope`).
+type Scoped = (FrontendKey, u8);
+
+/// What one scope of a frontend should hold.
+struct View {
+    backends: Vec<model::Backend>,
+    retained: Vec<model::Backend>,
+    flags: u16,
+    /// Selection by Maglev (external scope of a north-south frontend with backends).
+    maglev: bool,
+    affinity_timeout: Option<u32>,
+}
+
+/// The scopes `fe` needs: the external (always) and the internal one (when pods see other
+/// backends than outside clients).
+fn views(fe: &Frontend) -> (View, Option<View>) {
+    let external = fe.kind.is_external();
+    let mut flags = svc_flags::NONE;
+    if fe.drop_when_empty {
+        flags |= svc_flags::DROP_WHEN_EMPTY;
+    }
+    if external {
+        flags |= svc_flags::EXTERNAL;
+    }
+    let internal = fe.internal_backends.as_ref().map(|ib| {
+        let mut retained: Vec<model::Backend> = fe
+            .backends
+            .iter()
+            .chain(&fe.retained)
+            .filter(|b| !ib.iter().any(|i| (i.addr, i.port) == (b.addr, b.port)))
+            .copied()
+            .collect();
+        retained.sort();
+        View { backends: ib.clone(), retained, flags: svc_flags::NONE, maglev: false, affinity_timeout: fe.affinity_timeout }
+    });
+    if internal.is_some() {
+        flags |= svc_flags::TWO_SCOPES;
+    }
+    let ext = View {
+        backends: fe.backends.clone(),
+        retained: fe.retained.clone(),
+        flags,
+        maglev: external && !fe.backends.is_empty(),
+        affinity_timeout: fe.affinity_timeout,
+    };
+    (ext, internal)
+}
+
+/// Maglev members of `backends`, sorted (as every node sorts them), with the backends.
+fn maglev_members(backends: &[model::Backend]) -> Vec<(maglev::Member, model::Backend)> {
+    let mut m: Vec<_> = backends.iter().map(|b| (maglev::member(b.addr, b.port), *b)).collect();
+    m.sort_by_key(|(k, _)| *k);
+    m.dedup_by_key(|(k, _)| *k);
+    m
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Ident {
@@ -51,6 +112,10 @@ struct Programmed {
     retained: Vec<u32>,
     name: String,
     master: ServiceValue,
+    /// Name of the Maglev table the master points at.
+    maglev: Option<String>,
+    /// Backend ids with an affinity-match entry for this service id.
+    affinity_matches: BTreeSet<u32>,
 }
 
 pub struct LbMaps {
@@ -60,15 +125,18 @@ pub struct LbMaps {
     revnat: HashMap<MapData, u32, RevNat>,
     names: HashMap<MapData, u32, ServiceName>,
     flows: Array<MapData, BackendFlows>,
+    affinity_match: HashMap<MapData, AffinityMatchKey, u32>,
+    maglev: Maglev,
     limit: u32,
     by_ident: StdHashMap<Ident, BackendEntry>,
     by_id: StdHashMap<u32, Ident>,
     backend_ids: IdAllocator,
     service_ids: IdAllocator,
-    frontends: BTreeMap<FrontendKey, Programmed>,
+    frontends: BTreeMap<Scoped, Programmed>,
     /// Service ids found in REVNAT/NAMES with no frontend, removed by `collect_garbage`.
     stray_service_ids: Vec<u32>,
     stray_slots: Vec<ServiceKey>,
+    stray_affinity_matches: Vec<AffinityMatchKey>,
 }
 
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
@@ -121,13 +189,30 @@ fn flags_of(b: &model::Backend) -> u8 {
 
 impl LbMaps {
     /// Opens the maps of a loaded object and adopts whatever a previous run left in them.
-    pub fn adopt(ebpf: &mut Ebpf, limit: u32) -> Result<Self, DataplaneError> {
+    /// `maglev_size`: entries of each Maglev table (a prime).
+    pub fn adopt(ebpf: &mut Ebpf, limit: u32, maglev_size: u32) -> Result<Self, DataplaneError> {
+        let outer = ebpf.take_map(map_names::MAGLEV).ok_or(DataplaneError::Map {
+            op: "take",
+            map: map_names::MAGLEV,
+            source: MapError::InvalidName { name: map_names::MAGLEV.into() },
+        })?;
+        let outer = match outer {
+            aya::maps::Map::HashOfMaps(m) => m,
+            _ => return Err(DataplaneError::Unsupported(format!("{} is not a hash of maps", map_names::MAGLEV))),
+        };
+        let maglev = Maglev::adopt(outer, maglev_size, limit).map_err(|e| DataplaneError::Map {
+            op: "read",
+            map: map_names::MAGLEV,
+            source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
+        })?;
         let mut me = Self {
             services: take(ebpf, map_names::SERVICES)?,
             backends: take(ebpf, map_names::BACKENDS)?,
             revnat: take(ebpf, map_names::REVNAT)?,
             names: take(ebpf, map_names::NAMES)?,
             flows: take(ebpf, map_names::BACKEND_FLOWS)?,
+            affinity_match: take(ebpf, map_names::AFFINITY_MATCH)?,
+            maglev,
             limit,
             by_ident: StdHashMap::new(),
             by_id: StdHashMap::new(),
@@ -136,6 +221,7 @@ impl LbMaps {
             frontends: BTreeMap::new(),
             stray_service_ids: Vec::new(),
             stray_slots: Vec::new(),
+            stray_affinity_matches: Vec::new(),
         };
         let snap = snapshot::read(&me.services, &me.backends, &me.revnat, &me.names)
             .map_err(|source| DataplaneError::Map { op: "read", map: map_names::SERVICES, source })?;
@@ -157,24 +243,54 @@ impl LbMaps {
             for id in &fe.slots {
                 me.add_ref(*id);
             }
+            let name = fe.name.clone().unwrap_or_default();
+            let mut table = None;
+            if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
+                let by_id = &me.by_id;
+                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| {
+                    by_id.get(&id).map(|i| maglev::member(i.addr, i.port))
+                });
+                for id in held {
+                    me.add_ref(id);
+                }
+                table = Some(name.clone());
+            }
             me.frontends.insert(
-                key,
+                (key, fe.key.scope),
                 Programmed {
                     service_id: fe.master.service_id,
                     slots: fe.slots.clone(),
                     retained: Vec::new(),
-                    name: fe.name.clone().unwrap_or_default(),
+                    name,
                     master: fe.master,
+                    maglev: table,
+                    affinity_matches: BTreeSet::new(),
                 },
             );
+        }
+        let by_service: StdHashMap<u32, Scoped> = me.frontends.iter().map(|(k, p)| (p.service_id, *k)).collect();
+        for k in me.affinity_match.keys() {
+            let k = k.map_err(|source| DataplaneError::Map { op: "read", map: map_names::AFFINITY_MATCH, source })?;
+            match by_service.get(&k.service_id).and_then(|s| me.frontends.get_mut(s)) {
+                Some(p) => {
+                    p.affinity_matches.insert(k.backend_id);
+                }
+                None => me.stray_affinity_matches.push(k),
+            }
         }
         me.stray_service_ids = snap.stray_service_ids;
         me.stray_slots = snap.stray_slots;
         Ok(me)
     }
 
+    pub fn maglev(&self) -> &Maglev {
+        &self.maglev
+    }
+
+    /// Programmed frontends (either scope).
     pub fn keys(&self) -> Vec<FrontendKey> {
-        self.frontends.keys().copied().collect()
+        let set: BTreeSet<FrontendKey> = self.frontends.keys().map(|(k, _)| *k).collect();
+        set.into_iter().collect()
     }
 
     pub fn backend_count(&self) -> usize {
@@ -306,35 +422,95 @@ impl LbMaps {
         })
     }
 
-    fn master_for(fe: &Frontend, service_id: u32, count: usize) -> ServiceValue {
+    /// The master entry of a view. `maglev_id`: the table it selects with, if any.
+    fn master_for(view: &View, service_id: u32, count: usize, maglev_id: Option<u32>) -> ServiceValue {
+        let mut flags = view.flags;
+        if maglev_id.is_some() {
+            flags |= svc_flags::MAGLEV;
+        }
         ServiceValue {
-            backend_id: 0,
+            // In a master entry this field names the Maglev table.
+            backend_id: maglev_id.unwrap_or(0),
             service_id,
             count: count as u16,
-            flags: if fe.drop_when_empty { svc_flags::DROP_WHEN_EMPTY } else { svc_flags::NONE },
-            affinity_timeout: fe.affinity_timeout.unwrap_or(0),
+            flags,
+            affinity_timeout: view.affinity_timeout.unwrap_or(0),
         }
+    }
+
+    /// Backend ids of `list` as the maps hold them now, if every one is there.
+    fn ids_of(&self, list: &[model::Backend], proto: u8) -> Option<Vec<u32>> {
+        list.iter()
+            .map(|b| {
+                self.by_ident
+                    .get(&Ident { addr: b.addr, port: b.port, proto })
+                    .filter(|e| e.flags == flags_of(b))
+                    .map(|e| e.id)
+            })
+            .collect()
+    }
+
+    fn scope_current(&self, key: &FrontendKey, scope_id: u8, view: &View, name: &str, proto: u8) -> bool {
+        let Some(p) = self.frontends.get(&(*key, scope_id)) else { return false };
+        let maglev_id = if view.maglev {
+            let members = maglev_members(&view.backends);
+            let backends: Vec<model::Backend> = members.iter().map(|(_, b)| *b).collect();
+            let Some(ids) = self.ids_of(&backends, proto) else { return false };
+            let keys: Vec<maglev::Member> = members.iter().map(|(k, _)| *k).collect();
+            if !self.maglev.is_current(name, &keys, &ids) {
+                return false;
+            }
+            self.maglev.table_id(name)
+        } else {
+            None
+        };
+        let wants_matches: BTreeSet<u32> =
+            if view.affinity_timeout.is_some() { p.slots.iter().copied().collect() } else { BTreeSet::new() };
+        p.name == name
+            && p.master == Self::master_for(view, p.service_id, view.backends.len(), maglev_id)
+            && p.maglev.as_deref() == maglev_id.map(|_| name)
+            && p.affinity_matches == wants_matches
+            && self.set_ids_equal(&p.slots, &view.backends, proto)
+            && self.set_ids_equal(&p.retained, &view.retained, proto)
     }
 
     pub fn is_current(&self, key: &FrontendKey, fe: &Frontend) -> bool {
         let Ok(proto) = ipproto(key.protocol) else { return false };
-        let Some(p) = self.frontends.get(key) else { return false };
-        p.name == fe.name.to_string()
-            && p.master == Self::master_for(fe, p.service_id, fe.backends.len())
-            && self.set_ids_equal(&p.slots, &fe.backends, proto)
-            && self.set_ids_equal(&p.retained, &fe.retained, proto)
+        let fe = normalized(fe);
+        let name = fe.name.to_string();
+        let (ext, int) = views(&fe);
+        self.scope_current(key, scope::EXTERNAL, &ext, &name, proto)
+            && match &int {
+                Some(v) => self.scope_current(key, scope::INTERNAL, v, &name, proto),
+                None => !self.frontends.contains_key(&(*key, scope::INTERNAL)),
+            }
     }
 
     pub fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
+        ipproto(key.protocol)?;
+        let fe = normalized(fe);
+        for b in fe.internal_backends.iter().flatten().chain(&fe.backends) {
+            if b.addr.is_unspecified() {
+                return Err(DataplaneError::Unsupported(format!("endpoint address {b} cannot be programmed")));
+            }
+        }
+        let name = fe.name.to_string();
+        let (ext, int) = views(&fe);
+        // Internal scope first: the external master may only point at a complete one.
+        if let Some(v) = &int {
+            self.upsert_scope(key, scope::INTERNAL, v, &name)?;
+        }
+        self.upsert_scope(key, scope::EXTERNAL, &ext, &name)?;
+        if int.is_none() && self.frontends.contains_key(&(*key, scope::INTERNAL)) {
+            self.remove_scope(key, scope::INTERNAL)?;
+        }
+        Ok(())
+    }
+
+    fn upsert_scope(&mut self, key: &FrontendKey, scope_id: u8, view: &View, name: &str) -> Result<(), DataplaneError> {
         let proto = ipproto(key.protocol)?;
-        // Each endpoint once: a duplicate would take a second reference and never match.
-        let mut fe = fe.clone();
-        fe.backends.sort();
-        fe.backends.dedup_by_key(|b| (b.addr, b.port));
-        fe.retained.retain(|r| !fe.backends.iter().any(|b| (b.addr, b.port) == (r.addr, r.port)));
-        fe.retained.sort();
-        fe.retained.dedup_by_key(|b| (b.addr, b.port));
-        let fe = &fe;
+        let scoped = (*key, scope_id);
+        let fe = view;
         if fe.backends.len() > limits::MAX_SLOTS as usize {
             return Err(DataplaneError::Unsupported(format!(
                 "{} endpoints is more than the {} a frontend can hold",
@@ -342,10 +518,11 @@ impl LbMaps {
                 limits::MAX_SLOTS
             )));
         }
-        let old = self.frontends.get(key).cloned();
+        let old = self.frontends.get(&scoped).cloned();
         let old_slots: Vec<u32> = old.as_ref().map(|o| o.slots.clone()).unwrap_or_default();
-        let name = fe.name.to_string();
-        let skey = ServiceKey::frontend(key.addr, key.port, proto);
+        let name = name.to_string();
+        let mut skey = ServiceKey::frontend(key.addr, key.port, proto);
+        skey.scope = scope_id;
 
         // Phase A: everything that adds entries, and so may find a map full. Undone on failure,
         // leaving the frontend exactly as it was.
@@ -393,7 +570,47 @@ impl LbMaps {
             }
             Ok(())
         })();
+        // The Maglev table (shared by the Service port's external frontends) and the affinity
+        // matches of new backends, before the master that uses them.
+        let mut maglev_id = None;
+        let mut new_matches = Vec::new();
+        let phase_a = phase_a.and_then(|()| {
+            if view.maglev {
+                let members = maglev_members(&view.backends);
+                let backends: Vec<model::Backend> = members.iter().map(|(_, b)| *b).collect();
+                let keys: Vec<maglev::Member> = members.iter().map(|(k, _)| *k).collect();
+                let ids = self.acquire_all(&backends, proto)?;
+                match self.maglev.write(&name, &keys, &ids, *key) {
+                    Ok((id, release)) => {
+                        self.release_all(&release);
+                        maglev_id = Some(id);
+                    }
+                    Err(e) => {
+                        self.release_all(&ids);
+                        return Err(map_error(
+                            "write",
+                            map_names::MAGLEV,
+                            self.limit,
+                            MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
+                        ));
+                    }
+                }
+            }
+            if view.affinity_timeout.is_some() {
+                for id in slots.iter().filter(|id| !old.as_ref().is_some_and(|o| o.affinity_matches.contains(id))) {
+                    let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
+                    self.affinity_match
+                        .insert(k, 1, 0)
+                        .map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
+                    new_matches.push(*id);
+                }
+            }
+            Ok(())
+        });
         if let Err(e) = phase_a {
+            for id in &new_matches {
+                let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+            }
             for k in &added {
                 let _ = self.services.remove(k);
             }
@@ -408,7 +625,7 @@ impl LbMaps {
         }
 
         // Phase B: rewrites of existing entries, then the master, then the surplus.
-        let master = Self::master_for(fe, service_id, slots.len());
+        let master = Self::master_for(view, service_id, slots.len(), maglev_id);
         let phase_b = (|| {
             for (i, id) in slots.iter().enumerate().take(old_slots.len()) {
                 if old_slots[i] != *id {
@@ -436,37 +653,75 @@ impl LbMaps {
             keep.extend(active);
             keep.extend(retained);
             let slots = vec![0; old_slots.len().max(slots.len())];
-            // The old slot references move into `keep`; they are released with it.
+            let mut matches = old.as_ref().map(|o| o.affinity_matches.clone()).unwrap_or_default();
+            matches.extend(new_matches);
+            // The old slot references move into `keep`; they are released with it. The table
+            // stays in use by this frontend until it is written again.
+            let table = maglev_id.map(|_| name.clone()).or(old.as_ref().and_then(|o| o.maglev.clone()));
             self.frontends.insert(
-                *key,
-                Programmed { service_id, slots, retained: keep, name: String::new(), master: ServiceValue::default() },
+                scoped,
+                Programmed {
+                    service_id,
+                    slots,
+                    retained: keep,
+                    name: String::new(),
+                    master: ServiceValue::default(),
+                    maglev: table,
+                    affinity_matches: matches,
+                },
             );
             return Err(e);
         }
 
         // Phase C: the old references go last.
+        let mut matches: BTreeSet<u32> = old.as_ref().map(|o| o.affinity_matches.clone()).unwrap_or_default();
+        matches.extend(new_matches);
+        let keep: BTreeSet<u32> = if view.affinity_timeout.is_some() { slots.iter().copied().collect() } else { BTreeSet::new() };
+        for id in matches.difference(&keep) {
+            let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+        }
         if let Some(o) = &old {
             self.release_all(&o.slots);
             self.release_all(&o.retained);
+            if let Some(t) = o.maglev.as_ref().filter(|t| maglev_id.is_none() || **t != name) {
+                let released = self.maglev.release(t, key);
+                self.release_all(&released);
+            }
         }
-        self.frontends.insert(*key, Programmed { service_id, slots, retained, name, master });
+        let table = maglev_id.map(|_| name.clone());
+        self.frontends.insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep });
         Ok(())
     }
 
     pub fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
-        let Some(p) = self.frontends.get(key).cloned() else { return Ok(()) };
-        let skey = ServiceKey::frontend(key.addr, key.port, key.protocol.ipproto());
+        // External first: its master may point at the internal scope.
+        self.remove_scope(key, scope::EXTERNAL)?;
+        self.remove_scope(key, scope::INTERNAL)
+    }
+
+    fn remove_scope(&mut self, key: &FrontendKey, scope_id: u8) -> Result<(), DataplaneError> {
+        let scoped = (*key, scope_id);
+        let Some(p) = self.frontends.get(&scoped).cloned() else { return Ok(()) };
+        let mut skey = ServiceKey::frontend(key.addr, key.port, key.protocol.ipproto());
+        skey.scope = scope_id;
         // Master first: from here on new packets see no service.
         self.remove_key(&skey)?;
         for slot in 1..=p.slots.len() {
             self.remove_key(&skey.with_slot(slot as u16))?;
+        }
+        for id in &p.affinity_matches {
+            let _ = self.affinity_match.remove(&AffinityMatchKey { service_id: p.service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+        }
+        if let Some(t) = &p.maglev {
+            let released = self.maglev.release(t, key);
+            self.release_all(&released);
         }
         let _ = self.revnat.remove(&p.service_id);
         let _ = self.names.remove(&p.service_id);
         self.service_ids.free(p.service_id);
         self.release_all(&p.slots);
         self.release_all(&p.retained);
-        self.frontends.remove(key);
+        self.frontends.remove(&scoped);
         Ok(())
     }
 
@@ -479,10 +734,20 @@ impl LbMaps {
             self.delete_backend(id, ident);
             removed += 1;
         }
+        removed += self.maglev.collect_garbage();
+        for k in std::mem::take(&mut self.stray_affinity_matches) {
+            if self.frontends.values().any(|p| p.service_id == k.service_id) {
+                continue;
+            }
+            let _ = self.affinity_match.remove(&k);
+            removed += 1;
+        }
         for k in std::mem::take(&mut self.stray_slots) {
             // A frontend that grew during the initial sync may use this slot again now.
-            let reused = self.frontends.iter().any(|(fk, p)| {
-                ServiceKey::frontend(fk.addr, fk.port, fk.protocol.ipproto()) == k.with_slot(0) && usize::from(k.slot) <= p.slots.len()
+            let reused = self.frontends.iter().any(|((fk, sc), p)| {
+                let mut master = ServiceKey::frontend(fk.addr, fk.port, fk.protocol.ipproto());
+                master.scope = *sc;
+                master == k.with_slot(0) && usize::from(k.slot) <= p.slots.len()
             });
             if reused {
                 continue;
@@ -500,4 +765,20 @@ impl LbMaps {
         }
         Ok(removed)
     }
+}
+
+/// `fe` with each endpoint once (a duplicate would take a second reference and never match)
+/// and retained endpoints that are not also active.
+fn normalized(fe: &Frontend) -> Frontend {
+    let mut fe = fe.clone();
+    fe.backends.sort();
+    fe.backends.dedup_by_key(|b| (b.addr, b.port));
+    fe.retained.retain(|r| !fe.backends.iter().any(|b| (b.addr, b.port) == (r.addr, r.port)));
+    fe.retained.sort();
+    fe.retained.dedup_by_key(|b| (b.addr, b.port));
+    if let Some(ib) = fe.internal_backends.as_mut() {
+        ib.sort();
+        ib.dedup_by_key(|b| (b.addr, b.port));
+    }
+    fe
 }

@@ -31,11 +31,18 @@ pub struct LoadOptions {
     pub lb_map_max: u32,
     /// Entries of the conntrack map.
     pub ct_map_max: u32,
+    /// Entries of each Maglev table (a prime).
+    pub maglev_size: u32,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { pin_root: None, lb_map_max: limits::LB_MAP_MAX, ct_map_max: limits::CT_MAP_MAX }
+        Self {
+            pin_root: None,
+            lb_map_max: limits::LB_MAP_MAX,
+            ct_map_max: limits::CT_MAP_MAX,
+            maglev_size: limits::MAGLEV_TABLE_SIZE,
+        }
     }
 }
 

@@ -5,15 +5,20 @@ pub mod batch;
 pub mod ids;
 pub mod lbmaps;
 pub mod loader;
+pub mod maglev;
 pub mod snapshot;
 
 use std::path::{Path, PathBuf};
 
-use aya::{programs::SchedClassifier, Ebpf};
-use proxy_common::prog_names;
+use aya::{
+    maps::{Array, MapData},
+    programs::SchedClassifier,
+    Ebpf,
+};
+use proxy_common::{limits, map_names, prog_names, Config, IfAddr};
 
 use self::{
-    attach::{AttachError, Attachments},
+    attach::{AttachError, Attachments, Role, XdpSetting},
     lbmaps::LbMaps,
     loader::{LoadError, LoadOptions},
 };
@@ -26,6 +31,8 @@ pub enum EbpfError {
     Load(#[from] LoadError),
     #[error(transparent)]
     Maps(#[from] DataplaneError),
+    #[error("{0}")]
+    Config(String),
 }
 
 pub struct EbpfDataplane {
@@ -39,10 +46,48 @@ impl EbpfDataplane {
     /// Loads the programs, creates or adopts the pinned maps and reads back what they hold.
     pub fn load(options: LoadOptions) -> Result<Self, EbpfError> {
         let lb_max = options.lb_map_max;
+        let maglev_size = options.maglev_size;
+        if !maglev::is_prime(maglev_size) || maglev_size > (1 << 20) {
+            return Err(EbpfError::Config(format!(
+                "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
+            )));
+        }
         let pin_root = options.pin_root.clone();
         let mut loaded = loader::load(options)?;
-        let lb = LbMaps::adopt(&mut loaded.ebpf, lb_max)?;
-        Ok(Self { ebpf: loaded.ebpf, lb, pin_root, attachments: Attachments::default() })
+        let lb = LbMaps::adopt(&mut loaded.ebpf, lb_max, maglev_size)?;
+        let mut me = Self { ebpf: loaded.ebpf, lb, pin_root, attachments: Attachments::default() };
+        me.write_config(Config { maglev_size, snat_port_min: limits::SNAT_PORT_MIN, snat_port_max: limits::SNAT_PORT_MAX })?;
+        Ok(me)
+    }
+
+    fn write_config(&mut self, config: Config) -> Result<(), EbpfError> {
+        let map = self.ebpf.map_mut(map_names::CONFIG).expect("the object defines the config map");
+        let mut array: Array<&mut MapData, Config> = Array::try_from(map)
+            .map_err(|source| DataplaneError::Map { op: "open", map: map_names::CONFIG, source })?;
+        array.set(0, config, 0).map_err(|source| DataplaneError::Map { op: "update", map: map_names::CONFIG, source })?;
+        Ok(())
+    }
+
+    /// Records the address SNAT uses on flows leaving by external interface `ifindex` (None:
+    /// the interface has no IPv4 address any more).
+    pub fn set_interface_address(&mut self, ifindex: u32, addr: Option<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+        let map = self.ebpf.map_mut(map_names::IFADDRS).expect("the object defines the interface address map");
+        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr> = aya::maps::HashMap::try_from(map)
+            .map_err(|source| DataplaneError::Map { op: "open", map: map_names::IFADDRS, source })?;
+        match addr {
+            Some(a) => m
+                .insert(ifindex, IfAddr { addr: a.octets() }, 0)
+                .map_err(|source| DataplaneError::Map { op: "update", map: map_names::IFADDRS, source }),
+            None => match m.remove(&ifindex) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(aya::maps::MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::IFADDRS, source }),
+            },
+        }
+    }
+
+    pub fn maglev(&self) -> &maglev::Maglev {
+        self.lb.maglev()
     }
 
     pub fn pin_root(&self) -> Option<&Path> {
@@ -64,8 +109,28 @@ impl EbpfDataplane {
         &mut self.ebpf
     }
 
-    pub fn attach(&mut self, ifindex: u32, ifname: &str) -> Result<(), AttachError> {
-        self.attachments.attach(&mut self.ebpf, self.pin_root.as_deref(), ifindex, ifname)
+    pub fn attach(&mut self, ifindex: u32, ifname: &str, role: Role, xdp: XdpSetting) -> Result<(), AttachError> {
+        self.attachments.attach(&mut self.ebpf, self.pin_root.as_deref(), ifindex, ifname, role, xdp)
+    }
+
+    /// Indexes of the external interfaces attached.
+    pub fn external_interfaces(&self) -> Vec<u32> {
+        self.attachments.roles.iter().filter(|(_, r)| **r == Role::External).map(|(i, _)| *i).collect()
+    }
+
+    /// External interfaces where XDP could not be attached.
+    pub fn xdp_failed(&self) -> &std::collections::BTreeMap<u32, String> {
+        &self.attachments.xdp_failed
+    }
+
+    /// The external ingress program (north-south; `trace` runs packets through it).
+    pub fn ext_ingress_program(&mut self) -> &mut SchedClassifier {
+        loader::classifier(&mut self.ebpf, prog_names::TC_EXT_INGRESS)
+    }
+
+    /// The XDP program.
+    pub fn xdp_program(&mut self) -> &mut aya::programs::Xdp {
+        loader::xdp(&mut self.ebpf, prog_names::XDP_EXT)
     }
 
     pub fn interface_renamed(&mut self, ifindex: u32, ifname: &str) {

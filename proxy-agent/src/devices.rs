@@ -1,0 +1,145 @@
+//! Which interfaces the dataplane hooks, and in which role, from what netlink reports: pod
+//! interfaces by name (`--pod-devices`), external ones by name (`--devices`) or, by default,
+//! those that carry a global IPv4 address (the node's addresses, and so its default route).
+//! Also the node's addresses, which NodePorts are served on, and the address each external
+//! interface gives north-south SNAT.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use crate::{
+    dataplane::ebpf::{
+        attach::{DevicePatterns, Role, XdpSetting},
+        EbpfDataplane,
+    },
+    netlink::LinkChange,
+};
+
+/// Never external by default: loopback, container bridges and overlay or tunnel devices hold
+/// addresses but do not face the network the node serves NodePorts on.
+const NOT_EXTERNAL: &[&str] =
+    &["lo", "docker*", "cni*", "br-*", "virbr*", "kube-ipvs0", "flannel*", "cilium_*", "tunl*", "vxlan*", "genev*", "wg*", "nodelocaldns"];
+
+pub struct Devices {
+    pod: DevicePatterns,
+    /// `--devices`; None: automatic.
+    external: Option<DevicePatterns>,
+    not_external: DevicePatterns,
+    xdp: XdpSetting,
+    pub links: BTreeMap<u32, String>,
+    /// IPv4 addresses per interface, and whether each is global.
+    addrs: BTreeMap<u32, BTreeSet<(Ipv4Addr, bool)>>,
+    /// Interfaces to attach again (the last try failed).
+    pub failed: BTreeMap<u32, String>,
+    /// What the interface-address map holds, per external interface.
+    snat_addrs: BTreeMap<u32, Option<Ipv4Addr>>,
+}
+
+impl Devices {
+    pub fn new(pod: DevicePatterns, external: Option<DevicePatterns>, xdp: XdpSetting) -> Self {
+        let not_external = DevicePatterns::parse(&NOT_EXTERNAL.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .expect("built-in patterns are valid");
+        Self {
+            pod,
+            external,
+            not_external,
+            xdp,
+            links: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            failed: BTreeMap::new(),
+            snat_addrs: BTreeMap::new(),
+        }
+    }
+
+    fn global_addrs(&self, index: u32) -> impl Iterator<Item = Ipv4Addr> + '_ {
+        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).map(|(a, _)| *a)
+    }
+
+    /// The role `name` should have, if any. Pod patterns win.
+    pub fn role(&self, index: u32, name: &str) -> Option<Role> {
+        if self.pod.matches(name) {
+            return Some(Role::Pod);
+        }
+        let external = match &self.external {
+            Some(p) => p.matches(name),
+            None => !self.not_external.matches(name) && self.global_addrs(index).next().is_some(),
+        };
+        external.then_some(Role::External)
+    }
+
+    /// Every IPv4 address of the node but loopback ones: where NodePorts are served by default.
+    pub fn node_addresses(&self) -> Vec<Ipv4Addr> {
+        let mut v: Vec<Ipv4Addr> = self.addrs.values().flatten().map(|(a, _)| *a).filter(|a| !a.is_loopback()).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Applies a netlink change. True when the node's addresses changed.
+    pub fn apply(&mut self, change: &LinkChange) -> bool {
+        match change {
+            LinkChange::Present { index, name } => {
+                self.links.insert(*index, name.clone());
+                false
+            }
+            LinkChange::Gone { index } => {
+                self.links.remove(index);
+                self.failed.remove(index);
+                self.snat_addrs.remove(index);
+                self.addrs.remove(index).is_some_and(|a| !a.is_empty())
+            }
+            LinkChange::Address { index, addr, global, added } => {
+                let set = self.addrs.entry(*index).or_default();
+                if *added {
+                    set.insert((*addr, *global))
+                } else {
+                    set.remove(&(*addr, *global))
+                }
+            }
+        }
+    }
+
+    /// Attaches to every interface that should be and is not yet, follows renames, detaches
+    /// vanished ones, and keeps the SNAT address of each external interface current.
+    pub fn sync(&mut self, dp: &mut EbpfDataplane) {
+        let gone: Vec<u32> = dp.attached().keys().filter(|i| !self.links.contains_key(i)).copied().collect();
+        for index in gone {
+            if let Some(name) = dp.forget_interface(index) {
+                tracing::info!(interface = name, ifindex = index, "interface gone");
+            }
+        }
+        for (index, name) in self.links.clone() {
+            if dp.is_attached(index) {
+                dp.interface_renamed(index, &name);
+                continue;
+            }
+            let Some(role) = self.role(index, &name) else { continue };
+            match dp.attach(index, &name, role, self.xdp) {
+                Ok(()) => {
+                    self.failed.remove(&index);
+                }
+                Err(e) => {
+                    if self.failed.insert(index, name).is_none() {
+                        tracing::error!("{e}; retrying every 5 s");
+                    }
+                }
+            }
+        }
+        let externals: Vec<u32> = dp.external_interfaces();
+        for index in externals {
+            let want = self.global_addrs(index).next();
+            if self.snat_addrs.get(&index) == Some(&want) {
+                continue;
+            }
+            match dp.set_interface_address(index, want) {
+                Ok(()) => {
+                    tracing::info!(ifindex = index, address = ?want, "north-south SNAT address of external interface");
+                    self.snat_addrs.insert(index, want);
+                }
+                Err(e) => tracing::error!(ifindex = index, "recording the interface address for SNAT: {e}"),
+            }
+        }
+    }
+}
