@@ -80,9 +80,58 @@ pub fn conntrack(dp: &mut EbpfDataplane) -> Vec<(CtKey, CtEntry)> {
 /// A map of the loaded programs by its kernel name, opened afresh (for maps the agent's writer
 /// owns, which tests poke at to simulate what the writer would never do).
 pub fn map_by_name(dp: &mut EbpfDataplane, name: &str) -> aya::maps::MapData {
-    let ids = dp.ingress_program().info().expect("program info").map_ids().expect("map ids").unwrap_or_default();
+    let mut ids = dp.ingress_program().info().expect("program info").map_ids().expect("map ids").unwrap_or_default();
+    ids.extend(dp.ext_ingress_program().info().expect("program info").map_ids().expect("map ids").unwrap_or_default());
     ids.into_iter()
         .map(|id| aya::maps::MapData::from_id(id).expect("open map by id"))
         .find(|m| m.info().ok().and_then(|i| i.name_as_str().map(|n| n == name)).unwrap_or(false))
         .unwrap_or_else(|| panic!("no map named {name}"))
+}
+
+pub const XDP_DROP: i32 = 1;
+pub const XDP_PASS: i32 = 2;
+pub const XDP_TX: i32 = 3;
+pub const XDP_REDIRECT: i32 = 4;
+
+/// Runs a frame arriving on external interface `ifindex` through the TC external ingress
+/// program (FIB lookups use the calling thread's network namespace).
+pub fn run_ext(dp: &mut EbpfDataplane, frame: &[u8], ifindex: u32) -> Output {
+    let mut out = vec![0u8; frame.len() + 512];
+    // `struct __sk_buff` up to `ifindex`: ingress_ifindex at 36, ifindex at 40.
+    let mut ctx = [0u8; 44];
+    ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat: 1, ..Default::default() };
+    let res = dp.ext_ingress_program().test_run(opts).unwrap_or_else(|e| panic!("test run of the external ingress: {e:?}"));
+    out.truncate(res.data_size_out as usize);
+    Output { action: res.return_value as i32, frame: out }
+}
+
+/// Runs a frame arriving on external interface `ifindex` through the XDP program.
+pub fn run_xdp(dp: &mut EbpfDataplane, frame: &[u8], ifindex: u32) -> Output {
+    let mut out = vec![0u8; frame.len() + 512];
+    // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat: 1, ..Default::default() };
+    let res = dp.xdp_program().test_run(opts).unwrap_or_else(|e| panic!("test run of XDP: {e:?}"));
+    out.truncate(res.data_size_out as usize);
+    Output { action: res.return_value as i32, frame: out }
+}
+
+/// Runs a `proxy-agent trace` packet (marked, arriving on loopback) through the external
+/// ingress program and returns what it recorded: (reason, backend id).
+pub fn run_trace(dp: &mut EbpfDataplane, frame: &[u8]) -> (Reason, u32) {
+    let map = map_by_name(dp, map_names::TRACE);
+    let trace = aya::maps::Array::<_, proxy_common::TraceResult>::try_from(aya::maps::Map::Array(map)).expect("trace map");
+    let before = trace.get(&0, 0).expect("trace entry").seq;
+    let mut out = vec![0u8; frame.len() + 512];
+    let mut ctx = [0u8; 12];
+    ctx[8..12].copy_from_slice(&proxy_common::TRACE_MARK.to_ne_bytes());
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat: 1, ..Default::default() };
+    dp.ext_ingress_program().test_run(opts).expect("trace test run");
+    let r = trace.get(&0, 0).expect("trace entry");
+    assert_eq!(r.seq, before.wrapping_add(1), "the program recorded the trace");
+    (Reason::try_from(r.reason).expect("known reason"), r.backend_id)
 }

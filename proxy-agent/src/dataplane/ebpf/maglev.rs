@@ -136,6 +136,9 @@ fn elem(fd: i32, cmd: libc::c_long, key: &u32, value: Option<&mut u32>, flags: u
     sys_bpf(cmd, &mut attr).map(|_| ())
 }
 
+/// The kernel lays array elements out 8-byte aligned: a 4-byte value takes 8 in the mapping.
+const ELEM_STRIDE: usize = 8;
+
 /// One table: an mmapped array of backend ids.
 struct Inner {
     fd: OwnedFd,
@@ -186,7 +189,7 @@ impl Inner {
     fn map(fd: OwnedFd, entries: usize) -> io::Result<Self> {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let bytes = (entries * 4).div_ceil(page) * page;
+        let bytes = (entries * ELEM_STRIDE).div_ceil(page) * page;
         // SAFETY: maps `bytes` of an mmapable array map, shared with the kernel.
         let ptr = unsafe {
             libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
@@ -200,13 +203,13 @@ impl Inner {
     fn get(&self, i: usize) -> u32 {
         assert!(i < self.entries);
         // SAFETY: in bounds of the mapping; the kernel side only reads it.
-        unsafe { AtomicU32::from_ptr(self.ptr.add(i)) }.load(Ordering::Relaxed)
+        unsafe { AtomicU32::from_ptr(self.ptr.byte_add(i * ELEM_STRIDE)) }.load(Ordering::Relaxed)
     }
 
     fn set(&mut self, i: usize, v: u32) {
         assert!(i < self.entries);
         // SAFETY: in bounds of the mapping; a 32-bit aligned store the datapath reads whole.
-        unsafe { AtomicU32::from_ptr(self.ptr.add(i)) }.store(v, Ordering::Relaxed);
+        unsafe { AtomicU32::from_ptr(self.ptr.byte_add(i * ELEM_STRIDE)) }.store(v, Ordering::Relaxed);
     }
 }
 

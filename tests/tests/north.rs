@@ -1,0 +1,353 @@
+//! North-south packet tables: frames arriving on an external interface through the real TC
+//! external ingress and XDP programs (BPF_PROG_TEST_RUN), inside a namespace of the test's own
+//! whose routes and neighbours the programs' FIB lookups use. Outputs are dissected and every
+//! checksum is verified independently.
+
+use std::{
+    collections::BTreeSet,
+    ffi::CString,
+    net::{Ipv4Addr, SocketAddrV4},
+};
+
+use proxy_agent::{
+    dataplane::{ebpf::EbpfDataplane, Dataplane},
+    model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
+};
+use proxy_common::{ct::flags, Config};
+use proxy_tests::{
+    netns::{enter, unique_id, Netns},
+    packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
+    require,
+    testrun::{self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS, XDP_TX},
+};
+
+const NODE_IP: &str = "192.168.50.1";
+const ROUTER: &str = "192.168.50.2";
+const ROUTER_MAC: [u8; 6] = [0x02, 0x50, 0, 0, 0, 0x02];
+const CLIENT: &str = "198.51.100.7:40000";
+const NODE_PORT: &str = "192.168.50.1:30080";
+const REMOTE: &str = "10.244.2.5:8080";
+const LOCAL: &str = "10.244.1.5:8080";
+
+fn sock(s: &str) -> SocketAddrV4 {
+    s.parse().unwrap()
+}
+
+/// A node namespace with one external interface (`ext0`, 192.168.50.1/24) whose next hop
+/// (192.168.50.2) leads to the client's network and to the other node's pods. The test's
+/// thread enters it, so the programs' FIB lookups see its routes.
+struct Node {
+    _ns: Netns,
+    ifindex: u32,
+    mac: [u8; 6],
+    dp: EbpfDataplane,
+}
+
+fn node(test: &str) -> Option<Node> {
+    if !require::root(test) {
+        return None;
+    }
+    let ns = Netns::create(format!("pxn-{}", unique_id()));
+    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
+    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
+    ns.ip(&["link", "set", "ext0", "up"]);
+    ns.ip(&["link", "set", "ext1", "up"]);
+    ns.ip(&["neigh", "add", ROUTER, "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    ns.ip(&["route", "add", "10.244.2.0/24", "via", ROUTER]);
+    ns.ip(&["route", "add", "198.51.100.0/24", "via", ROUTER]);
+    ns.sysctl("net.ipv4.ip_forward", "1");
+    enter(&ns.file()).expect("enter the node namespace");
+    let name = CString::new("ext0").unwrap();
+    // SAFETY: a valid C string; looks the name up in this thread's namespace.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0);
+    let mut dp = testrun::dataplane();
+    dp.set_interface_address(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();
+    Some(Node { _ns: ns, ifindex, mac: [0x02, 0x50, 0, 0, 0, 1], dp })
+}
+
+fn backend(s: &str, local: bool) -> Backend {
+    let s = sock(s);
+    Backend { addr: *s.ip(), port: s.port(), terminating: false, local }
+}
+
+fn frontend(kind: FrontendKind, backends: Vec<Backend>) -> Frontend {
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    Frontend::new(name, kind, backends)
+}
+
+fn key(s: &str, protocol: Protocol) -> FrontendKey {
+    let s = sock(s);
+    FrontendKey { addr: *s.ip(), port: s.port(), protocol }
+}
+
+#[test]
+fn a_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib() {
+    let Some(mut n) = node("a_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
+    let d = dissect(&out.frame);
+    assert_eq!(d.dst_sock(), sock(REMOTE));
+    assert_eq!(d.src, NODE_IP.parse::<Ipv4Addr>().unwrap(), "SNAT to the node's address");
+    let snat_port = d.sport.unwrap();
+    assert!((61000..=65535).contains(&snat_port), "SNAT port {snat_port} outside the reserved range");
+    assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{d:?}");
+    assert_eq!((d.eth_dst, d.eth_src), (ROUTER_MAC, n.mac), "addressed to the next hop");
+    assert_eq!(out.frame[14 + 8], 63, "TTL decremented");
+
+    // The port mapping is tracked both ways.
+    let ct = conntrack(&mut n.dp);
+    let fwd = ct.iter().find(|(k, _)| k.src() == sock(CLIENT)).expect("forward entry").1;
+    assert!(fwd.flags & flags::SNAT != 0 && u16::from_be_bytes(fwd.snat_port) == snat_port);
+    let reply_key = ct.iter().find(|(k, _)| k.src() == sock(REMOTE)).expect("reply entry").0;
+    assert_eq!(reply_key.dst(), SocketAddrV4::new(NODE_IP.parse().unwrap(), snat_port));
+
+    // The backend's reply comes back to the node and leaves towards the client as the NodePort.
+    let reply = tcp_frame(sock(REMOTE), SocketAddrV4::new(NODE_IP.parse().unwrap(), snat_port), SYN | ACK);
+    let out = run_ext(&mut n.dp, &reply, n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(NODE_PORT), sock(CLIENT)));
+    assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true));
+
+    // Later packets of the flow keep their port mapping.
+    let ack = tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK);
+    let d = dissect(&run_ext(&mut n.dp, &ack, n.ifindex).frame);
+    assert_eq!((d.src.to_string(), d.sport), (NODE_IP.to_string(), Some(snat_port)));
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("ext_new_remote"), c.get("ext_reply"), c.get("ext_established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+}
+
+#[test]
+fn xdp_forwards_remote_flows_and_their_replies_with_valid_checksums() {
+    let Some(mut n) = node("xdp_forwards_remote_flows_and_their_replies_with_valid_checksums") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Udp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    for (frame, proto) in [(udp_frame(sock(CLIENT), sock(NODE_PORT), b"ping"), "UDP"), (tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), "TCP")] {
+        let out = run_xdp(&mut n.dp, &frame, n.ifindex);
+        assert_eq!(out.action, XDP_TX, "{proto}: out the interface it came in on, from the driver");
+        let d = dissect(&out.frame);
+        assert_eq!(d.dst_sock(), sock(REMOTE), "{proto}");
+        assert_eq!(d.src.to_string(), NODE_IP);
+        assert!(d.ip_checksum_ok, "{proto}: IP checksum");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: checksum computed by hand in XDP");
+        assert_eq!((d.eth_dst, d.eth_src), (ROUTER_MAC, n.mac));
+
+        let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), d.sport.unwrap());
+        let reply = if proto == "UDP" { udp_frame(sock(REMOTE), back, b"pong") } else { tcp_frame(sock(REMOTE), back, SYN | ACK) };
+        let out = run_xdp(&mut n.dp, &reply, n.ifindex);
+        assert_eq!(out.action, XDP_TX, "{proto}: the reply too");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (sock(NODE_PORT), sock(CLIENT)), "{proto}");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto}");
+    }
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("xdp_forward"), c.get("xdp_reply")), (Some(&2), Some(&2)), "{c:?}");
+}
+
+#[test]
+fn a_local_backend_is_only_dnatted_and_keeps_the_client_address() {
+    let Some(mut n) = node("a_local_backend_is_only_dnatted_and_keeps_the_client_address") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(LOCAL, true)])).unwrap();
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves local delivery to TC and the stack");
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!(out.action, TC_ACT_OK, "routed by the stack to the pod");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(CLIENT), sock(LOCAL)));
+    assert!(d.l4_checksum_ok == Some(true));
+    // The pod's reply leaves through TC egress with the NodePort as its source.
+    let reply = tcp_frame(sock(LOCAL), sock(CLIENT), SYN | ACK);
+    let d = dissect(&run_egress(&mut n.dp, &reply).frame);
+    assert_eq!(d.src_sock(), sock(NODE_PORT));
+    assert_eq!(counters(&mut n.dp).get("ext_new_local"), Some(&1));
+}
+
+#[test]
+fn without_endpoints_the_client_is_refused_or_with_only_remote_ones_under_local_policy_dropped() {
+    let Some(mut n) = node("without_endpoints_the_client_is_refused_or_with_only_remote_ones_under_local_policy_dropped") else {
+        return;
+    };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![])).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.proto, d.dst), (ICMP, *sock(CLIENT).ip()));
+    assert_eq!(d.icmp.map(|i| (i.kind, i.code)), Some((3, 3)), "port unreachable");
+
+    let mut fe = frontend(FrontendKind::NodePort, vec![]);
+    fe.drop_when_empty = true;
+    fe.internal_backends = Some(vec![backend(REMOTE, false)]);
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &fe).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_SHOT, "externalTrafficPolicy Local without a local endpoint drops");
+    // Pods reaching the same address are not subject to the external policy.
+    let pod = sock("10.244.1.9:33333");
+    let d = dissect(&run(&mut n.dp, &tcp_frame(pod, sock(NODE_PORT), SYN)).frame);
+    assert_eq!(d.dst_sock(), sock(REMOTE), "pods get the cluster-wide endpoints");
+}
+
+#[test]
+fn traffic_for_a_cluster_ip_or_the_node_itself_passes_the_external_hooks() {
+    let Some(mut n) = node("traffic_for_a_cluster_ip_or_the_node_itself_passes_the_external_hooks") else { return };
+    n.dp.upsert(&key("10.96.0.10:80", Protocol::Tcp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
+    for to in ["10.96.0.10:80", "192.168.50.1:22"] {
+        let f = tcp_frame(sock(CLIENT), sock(to), SYN);
+        let out = run_ext(&mut n.dp, &f, n.ifindex);
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &f), "{to}: untouched");
+        assert_eq!(run_xdp(&mut n.dp, &f, n.ifindex).action, XDP_PASS, "{to}");
+    }
+    assert!(conntrack(&mut n.dp).is_empty());
+}
+
+#[test]
+fn maglev_picks_the_same_backend_on_every_node_whatever_the_ids() {
+    if !require::root("maglev_picks_the_same_backend_on_every_node_whatever_the_ids") {
+        return;
+    }
+    let backends: Vec<Backend> = (1..=7).map(|i| backend(&format!("10.244.2.{i}:8080"), false)).collect();
+    let mut picks: Vec<Vec<SocketAddrV4>> = Vec::new();
+    for order in 0..2 {
+        let mut n = node("maglev").unwrap();
+        // Another node learns the backends in another order, with other ids: a filler
+        // frontend takes ids first on the second node.
+        if order == 1 {
+            let filler: Vec<Backend> = (1..=5).map(|i| backend(&format!("10.244.9.{i}:80"), false)).collect();
+            n.dp.upsert(&key("10.96.9.9:80", Protocol::Tcp), &frontend(FrontendKind::ClusterIp, filler)).unwrap();
+        }
+        let mut list = backends.clone();
+        if order == 1 {
+            list.reverse();
+        }
+        n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, list)).unwrap();
+        let mut seen = Vec::new();
+        for port in 0..200u16 {
+            let f = tcp_frame(SocketAddrV4::new("198.51.100.7".parse().unwrap(), 20000 + port), sock(NODE_PORT), SYN);
+            seen.push(dissect(&run_xdp(&mut n.dp, &f, n.ifindex).frame).dst_sock());
+        }
+        picks.push(seen);
+    }
+    assert_eq!(picks[0], picks[1], "two nodes must send each flow to the same backend");
+    let distinct: BTreeSet<_> = picks[0].iter().collect();
+    assert_eq!(distinct.len(), 7, "200 flows spread over all 7 backends");
+}
+
+#[test]
+fn client_ip_affinity_holds_across_connections_for_node_ports_and_cluster_ips() {
+    let Some(mut n) = node("client_ip_affinity_holds_across_connections_for_node_ports_and_cluster_ips") else { return };
+    let backends: Vec<Backend> = (1..=5).map(|i| backend(&format!("10.244.2.{i}:8080"), false)).collect();
+    for (k, kind) in [(NODE_PORT, FrontendKind::NodePort), ("10.96.0.10:80", FrontendKind::ClusterIp)] {
+        let mut fe = frontend(kind, backends.clone());
+        fe.affinity_timeout = Some(10800);
+        n.dp.upsert(&key(k, Protocol::Tcp), &fe).unwrap();
+    }
+    for (to, external) in [(NODE_PORT, true), ("10.96.0.10:80", false)] {
+        let mut seen = BTreeSet::new();
+        for port in 0..30u16 {
+            let from = SocketAddrV4::new("198.51.100.7".parse().unwrap(), 30000 + port);
+            let f = tcp_frame(from, sock(to), SYN);
+            let out = if external { run_ext(&mut n.dp, &f, n.ifindex) } else { run(&mut n.dp, &f) };
+            seen.insert(dissect(&out.frame).dst_sock());
+        }
+        assert_eq!(seen.len(), 1, "{to}: one client, one backend: {seen:?}");
+    }
+    // Another client may land elsewhere, but also sticks.
+    let mut seen = BTreeSet::new();
+    for port in 0..30u16 {
+        let f = tcp_frame(SocketAddrV4::new("10.244.1.77".parse().unwrap(), 30000 + port), sock("10.96.0.10:80"), SYN);
+        seen.insert(dissect(&run(&mut n.dp, &f).frame).dst_sock());
+    }
+    assert_eq!(seen.len(), 1);
+    // A backend that leaves the Service is not picked again through affinity.
+    let first = dissect(&run(&mut n.dp, &tcp_frame(sock("10.244.1.77:50000"), sock("10.96.0.10:80"), SYN)).frame).dst_sock();
+    let rest: Vec<Backend> = backends.iter().filter(|b| SocketAddrV4::new(b.addr, b.port) != first).copied().collect();
+    let mut fe = frontend(FrontendKind::ClusterIp, rest);
+    fe.affinity_timeout = Some(10800);
+    n.dp.upsert(&key("10.96.0.10:80", Protocol::Tcp), &fe).unwrap();
+    let now = dissect(&run(&mut n.dp, &tcp_frame(sock("10.244.1.77:50001"), sock("10.96.0.10:80"), SYN)).frame).dst_sock();
+    assert_ne!(now, first, "affinity to a removed backend is ignored");
+}
+
+#[test]
+fn snat_ports_run_out_cleanly() {
+    let Some(mut n) = node("snat_ports_run_out_cleanly") else { return };
+    // One SNAT port only: the second client to the same backend cannot get a mapping.
+    let cfg = testrun::map_by_name(&mut n.dp, "CONFIG_V1");
+    let mut cfg: aya::maps::Array<_, Config> = aya::maps::Array::try_from(aya::maps::Map::Array(cfg)).unwrap();
+    cfg.set(0, Config { maglev_size: 16381, snat_port_min: 62000, snat_port_max: 62000 }, 0).unwrap();
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let a = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(dissect(&a.frame).sport, Some(62000));
+    let b = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40000"), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(b.action, TC_ACT_SHOT);
+    assert_eq!(counters(&mut n.dp).get("drop_snat_exhausted"), Some(&1));
+    // The first flow is unaffected.
+    let d = dissect(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).frame);
+    assert_eq!(d.sport, Some(62000));
+}
+
+#[test]
+fn a_packet_whose_ttl_would_expire_is_left_to_the_kernel() {
+    let Some(mut n) = node("a_packet_whose_ttl_would_expire_is_left_to_the_kernel") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let mut ip = Ipv4::new(*sock(CLIENT).ip(), *sock(NODE_PORT).ip(), TCP, proxy_tests::packet::tcp_segment(sock(CLIENT), sock(NODE_PORT), SYN, b""));
+    ip.ttl = 1;
+    let f = ip.frame();
+    assert_eq!(run_xdp(&mut n.dp, &f, n.ifindex).action, XDP_PASS);
+    let out = run_ext(&mut n.dp, &f, n.ifindex);
+    assert_eq!((out.action, out.frame), (TC_ACT_OK, f), "the kernel answers with time exceeded");
+}
+
+
+#[test]
+fn a_trace_decides_like_a_real_packet_without_writing_anything() {
+    let Some(mut n) = node("a_trace_decides_like_a_real_packet_without_writing_anything") else { return };
+    let backends: Vec<Backend> = (1..=5).map(|i| backend(&format!("10.244.2.{i}:8080"), false)).collect();
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, backends)).unwrap();
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    let (reason, id) = testrun::run_trace(&mut n.dp, &syn);
+    assert_eq!(reason, proxy_common::Reason::ExtNewRemote);
+    assert!(conntrack(&mut n.dp).is_empty(), "a trace tracks nothing");
+    assert!(counters(&mut n.dp).is_empty(), "a trace counts nothing");
+    let real = dissect(&run_ext(&mut n.dp, &syn, n.ifindex).frame).dst_sock();
+    let backend_of_id = conntrack(&mut n.dp).iter().find(|(k, _)| k.src() == sock(CLIENT)).map(|(_, e)| e.backend_id);
+    assert_eq!(backend_of_id, Some(id), "the real packet went where the trace said ({real})");
+}
+
+/// Maglev disruption measured in the datapath: many synthetic flows, one backend removed.
+#[test]
+fn removing_a_backend_moves_only_about_its_share_of_flows() {
+    let Some(mut n) = node("removing_a_backend_moves_only_about_its_share_of_flows") else { return };
+    let all: Vec<Backend> = (1..=10).map(|i| backend(&format!("10.244.2.{i}:8080"), false)).collect();
+    let picks = |n: &mut Node| -> Vec<u32> {
+        (0..5000u32)
+            .map(|i| {
+                let from = SocketAddrV4::new(Ipv4Addr::from(0xc633_6400 + (i % 250)), 10000 + (i / 250) as u16);
+                testrun::run_trace(&mut n.dp, &tcp_frame(from, sock(NODE_PORT), SYN)).1
+            })
+            .collect()
+    };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, all.clone())).unwrap();
+    let before = picks(&mut n);
+    let removed_id = before[0];
+    let rest: Vec<Backend> = all.iter().copied().filter(|b| {
+        let id = n.dp.maglev().tables.values().next().unwrap();
+        let pos = id.members.iter().position(|m| m[..4] == b.addr.octets()).unwrap();
+        id.backend_ids[pos] != removed_id
+    }).collect();
+    assert_eq!(rest.len(), 9);
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, rest)).unwrap();
+    let after = picks(&mut n);
+    let on_removed = before.iter().filter(|b| **b == removed_id).count();
+    let moved = before.iter().zip(&after).filter(|(b, a)| b != a).count();
+    let collateral = moved - on_removed;
+    eprintln!(
+        "maglev disruption: 10 -> 9 backends, {moved} of 5000 flows moved ({:.1}%), {on_removed} had to, {collateral} others ({:.2}%)",
+        moved as f64 / 50.0,
+        collateral as f64 / 50.0
+    );
+    assert!(after.iter().all(|a| *a != removed_id));
+    assert!(moved as f64 / 5000.0 < 0.1 + 0.03, "at most about 1/N of flows move: {moved}");
+}
