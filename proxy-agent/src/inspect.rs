@@ -8,7 +8,7 @@ use std::{
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    backend_flags, ct, map_names, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason,
+    backend_flags, ct, map_names, svc_flags, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason,
 };
 use serde::Serialize;
 
@@ -23,8 +23,16 @@ pub struct Report {
     pub conntrack: ConntrackReport,
     /// Packets and bytes per datapath reason, summed over CPUs.
     pub counters: BTreeMap<String, CounterReport>,
-    /// Interface indexes with a pinned tc ingress link, and their current names.
+    /// Pod interfaces (index -> name): a pinned tc ingress link.
     pub interfaces: BTreeMap<u32, String>,
+    /// External interfaces: a pinned external tc ingress link, and whether XDP is attached.
+    pub external_interfaces: BTreeMap<u32, ExternalInterface>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ExternalInterface {
+    pub name: String,
+    pub xdp: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -33,6 +41,12 @@ pub struct FrontendReport {
     pub protocol: String,
     pub service: Option<String>,
     pub service_id: u32,
+    /// "external": what clients of the address get; "internal": what pods get instead, for
+    /// a Service whose external traffic policy differs.
+    pub scope: &'static str,
+    /// Master entry flags: external (served on external interfaces), maglev,
+    /// drop-when-empty, two-scopes.
+    pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
     pub backends: Vec<BackendReport>,
     /// Live tracked connections of this frontend.
@@ -139,11 +153,24 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         .values()
         .map(|fe| {
             in_slots.extend(fe.slots.iter().copied());
+            let f = fe.master.flags;
+            let flags = [
+                (svc_flags::EXTERNAL, "external"),
+                (svc_flags::MAGLEV, "maglev"),
+                (svc_flags::DROP_WHEN_EMPTY, "drop-when-empty"),
+                (svc_flags::TWO_SCOPES, "two-scopes"),
+            ]
+            .iter()
+            .filter(|(bit, _)| f & bit != 0)
+            .map(|(_, n)| *n)
+            .collect();
             FrontendReport {
                 address: fe.key.socket().to_string(),
                 protocol: proto_name(fe.key.proto).to_string(),
                 service: fe.name.clone(),
                 service_id: fe.master.service_id,
+                scope: if fe.key.scope == proxy_common::scope::INTERNAL { "internal" } else { "external" },
+                flags,
                 affinity_timeout: (fe.master.affinity_timeout != 0).then_some(fe.master.affinity_timeout),
                 backends: fe.slots.iter().filter_map(|id| backend_report(*id)).collect(),
                 connections: per_service.get(&fe.master.service_id).copied().unwrap_or(0),
@@ -166,14 +193,28 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     }
 
     let mut interfaces = BTreeMap::new();
+    let mut external_interfaces = BTreeMap::new();
+    let mut with_xdp = BTreeSet::new();
     if let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) {
         for e in dir.flatten() {
-            if let Some((idx, name)) = e.file_name().to_str().and_then(attach::parse_pin) {
-                interfaces.insert(idx, name);
+            match e.file_name().to_str().and_then(attach::parse_pin_hook) {
+                Some(("tc_ingress_", idx, name)) => {
+                    interfaces.insert(idx, name);
+                }
+                Some(("tc_ext_ingress_", idx, name)) => {
+                    external_interfaces.insert(idx, ExternalInterface { name, xdp: false });
+                }
+                Some(("xdp_", idx, _)) => {
+                    with_xdp.insert(idx);
+                }
+                _ => {}
             }
         }
     }
-    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces })
+    for (idx, e) in external_interfaces.iter_mut() {
+        e.xdp = with_xdp.contains(idx);
+    }
+    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces, external_interfaces })
 }
 
 /// The report for people.
@@ -191,6 +232,12 @@ pub fn render(r: &Report) -> String {
         let address = format!("{}/{}", f.address, f.protocol);
         let _ = write!(s, "  {address:<24} {:<32}", f.service.as_deref().unwrap_or("(unnamed)"));
         let _ = write!(s, " connections {}", f.connections);
+        if f.scope == "internal" {
+            s.push_str("  (pods' view)");
+        }
+        if !f.flags.is_empty() {
+            let _ = write!(s, "  [{}]", f.flags.join(","));
+        }
         if let Some(t) = f.affinity_timeout {
             let _ = write!(s, "  affinity ClientIP {t}s");
         }
@@ -236,6 +283,13 @@ pub fn render(r: &Report) -> String {
         let _ = write!(s, " {name}({idx})");
     }
     s.push('\n');
+    if !r.external_interfaces.is_empty() {
+        s.push_str("External:   ");
+        for (idx, e) in &r.external_interfaces {
+            let _ = write!(s, " {}({idx}){}", e.name, if e.xdp { " +xdp" } else { "" });
+        }
+        s.push('\n');
+    }
     s
 }
 

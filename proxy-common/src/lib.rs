@@ -58,6 +58,8 @@ pub mod prog_names {
     pub const XDP_EXT: &str = "proxy_xdp_ext";
     /// An empty classifier, only loaded by the benchmark as its floor.
     pub const TC_FLOOR: &str = "proxy_tc_floor";
+    /// XDP_PASS for everything, only loaded by the lab (see the program's comment).
+    pub const XDP_PASS: &str = "proxy_xdp_pass";
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.

@@ -65,6 +65,14 @@ pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
     v.action
 }
 
+/// Passes every frame. The agent never loads it; the lab attaches it to the far end of veths
+/// that XDP_TX and XDP_REDIRECT send into, because veth delivers XDP frames promptly only to a
+/// peer that runs XDP itself.
+#[xdp]
+pub fn proxy_xdp_pass(_ctx: XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
 /// An empty program of the same type: the floor `cargo xtask bench` measures the others
 /// against (test-run and skb set-up cost). The agent never loads it.
 #[classifier]

@@ -144,23 +144,13 @@ impl Lab {
     /// the given source flags.
     pub fn start_agent_with(&mut self, source: &[&std::ffi::OsStr]) {
         assert!(self.agent.is_none(), "agent already running");
-        let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("agent log");
-        let ns = self.node.file();
-        let mut cmd = Command::new(&self.agent_bin);
-        cmd.args(["run", "--hostname-override", NODE_NAME, "--log-level", self.agent_log_level])
-            .args(source)
-            .arg("--bpffs-root")
-            .arg(self.bpffs())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log fd"))
-            .stderr(log);
-        // SAFETY: only async-signal-safe work (setns) between fork and exec. Entering only the
-        // network namespace keeps the agent's bpffs mount in the host's mount namespace, where
-        // it outlives the agent.
-        unsafe {
-            cmd.pre_exec(move || enter(&ns));
-        }
-        self.agent = Some(cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", self.agent_bin.display())));
+        let fixed = ["--hostname-override", NODE_NAME, "--log-level", self.agent_log_level];
+        let mut args: Vec<&std::ffi::OsStr> = fixed.iter().map(std::ffi::OsStr::new).collect();
+        args.extend_from_slice(source);
+        let root = self.bpffs();
+        args.push(std::ffi::OsStr::new("--bpffs-root"));
+        args.push(root.as_os_str());
+        self.agent = Some(spawn_agent(&self.agent_bin, &self.node, &args, &self.log_path()));
     }
 
     fn signal_agent(&mut self, sig: i32) {
@@ -277,8 +267,23 @@ impl Drop for Lab {
     }
 }
 
+/// Starts `proxy-agent run <args>` inside `node`'s network namespace, logging to `log`.
+pub fn spawn_agent(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path) -> Child {
+    let log = fs::OpenOptions::new().create(true).append(true).open(log).expect("agent log");
+    let ns = node.file();
+    let mut cmd = Command::new(bin);
+    cmd.arg("run").args(args).stdin(Stdio::null()).stdout(log.try_clone().expect("log fd")).stderr(log);
+    // SAFETY: only async-signal-safe work (setns) between fork and exec. Entering only the
+    // network namespace keeps the agent's bpffs mount in the host's mount namespace, where
+    // it outlives the agent.
+    unsafe {
+        cmd.pre_exec(move || enter(&ns));
+    }
+    cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()))
+}
+
 impl Pod {
-    fn create(id: &str, node: &Netns, name: &str, host_if: &str, ip: Ipv4Addr) -> Self {
+    pub fn create(id: &str, node: &Netns, name: &str, host_if: &str, ip: Ipv4Addr) -> Self {
         let ns = Netns::create(format!("pxl-{id}-{name}"));
         let pod_mac = format!("02:00:0a:f4:{:02x}:{:02x}", ip.octets()[2], ip.octets()[3]);
         node.ip(&["link", "add", host_if, "address", NODE_MAC, "type", "veth", "peer", "name", "eth0", "address", &pod_mac, "netns", &ns.name]);

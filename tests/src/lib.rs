@@ -2,6 +2,7 @@
 //! benchmarks (`cargo xtask bench`).
 
 pub mod apiserver;
+pub mod cluster;
 pub mod lab;
 pub mod netns;
 pub mod packet;

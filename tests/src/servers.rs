@@ -176,6 +176,15 @@ pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
 
 /// A plain HTTP/1.0 GET from inside `ns`: (status code, body).
 pub fn http_get(ns: &Netns, addr: SocketAddrV4, path: &str) -> io::Result<(u16, String)> {
+    http_get_with_headers(ns, addr, path).map(|(c, _, b)| (c, b))
+}
+
+/// As `http_get`, with the response headers (names lower-cased).
+pub fn http_get_with_headers(
+    ns: &Netns,
+    addr: SocketAddrV4,
+    path: &str,
+) -> io::Result<(u16, std::collections::BTreeMap<String, String>, String)> {
     use std::io::Read as _;
     let mut stream = ns.run(move || TcpStream::connect_timeout(&addr.into(), TIMEOUT))?;
     stream.set_read_timeout(Some(TIMEOUT))?;
@@ -187,6 +196,12 @@ pub fn http_get(ns: &Netns, addr: SocketAddrV4, path: &str) -> io::Result<(u16, 
         .nth(1)
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("not an HTTP response: {text:?}")))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    Ok((code, body))
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Ok((code, headers, body.to_string()))
 }

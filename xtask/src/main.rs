@@ -18,6 +18,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("iptables", "netfilter tools (fallback modes, benchmarks)"),
     ("nftables", "netfilter tools (fallback modes, benchmarks)"),
     ("iperf3", "traffic generation in benchmarks"),
+    ("ethtool", "turning checksum offload off on lab veths, so XDP sees complete checksums as on a wire"),
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

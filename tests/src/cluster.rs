@@ -1,0 +1,304 @@
+//! The north-south lab: two node namespaces and an external client on one shared link (a
+//! bridge in a switch namespace), each node with its own pods, its own agent and its own pin
+//! root. Node A is 192.168.100.1 with pods in 10.244.1.0/24, node B 192.168.100.2 with pods
+//! in 10.244.2.0/24; each routes the other's pod range through it, as a routed CNI does. The
+//! client (192.168.100.100) reaches load-balancer and external IPs through node A, as an
+//! upstream router announcing them would send it.
+//!
+//! Checksum offload is off on every interface that originates traffic, so frames carry
+//! complete checksums as they do on a wire (XDP rewrites them by hand). Everything is created
+//! with names unique to the lab and removed on drop, also on panic.
+
+use std::{
+    ffi::OsStr,
+    fs,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    process::Child,
+    time::{Duration, Instant},
+};
+
+use proxy_agent::inspect::{self, Report};
+
+use crate::{
+    lab::{spawn_agent, Pod},
+    netns::{sh, unique_id, Netns},
+    servers,
+};
+
+pub const CLIENT_IP: &str = "192.168.100.100";
+pub const TCP_PORT: u16 = 8080;
+pub const UDP_PORT: u16 = 5353;
+
+pub struct Node {
+    pub name: String,
+    pub ns: Netns,
+    pub ip: Ipv4Addr,
+    pub pods: Vec<Pod>,
+    /// A pod without a server, to connect from.
+    pub client_pod: Pod,
+    dir: PathBuf,
+    agent: Option<Child>,
+}
+
+impl Node {
+    pub fn bpffs(&self) -> PathBuf {
+        self.dir.join("bpf")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.join("agent.log")
+    }
+
+    pub fn agent_log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn inspect(&self) -> Result<Report, inspect::InspectError> {
+        inspect::read(&self.bpffs())
+    }
+
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.pods.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no pod {name} on {}", self.name))
+    }
+}
+
+/// `proxy_xdp_pass` attached to interfaces; detached when dropped.
+pub struct XdpPass {
+    _ebpf: aya::Ebpf,
+}
+
+/// Attaches the pass-everything XDP program natively to `devs` in `ns`: veth hands XDP_TX and
+/// XDP_REDIRECT frames on promptly only to a peer that runs XDP itself.
+pub fn xdp_pass_on(ns: &Netns, devs: &[&str]) -> XdpPass {
+    let devs: Vec<String> = devs.iter().map(|d| d.to_string()).collect();
+    let ebpf = ns.run(move || {
+        let mut loader = aya::EbpfLoader::new();
+        // Only the program is used: keep the maps it drags along tiny.
+        for name in proxy_common::map_names::ALL {
+            loader.map_max_entries(name, 1);
+        }
+        let mut ebpf = loader.load(proxy_agent::dataplane::ebpf::loader::OBJECT).expect("load the eBPF object");
+        let prog: &mut aya::programs::Xdp =
+            ebpf.program_mut(proxy_common::prog_names::XDP_PASS).expect("pass program").try_into().expect("an XDP program");
+        prog.load().expect("load the pass program");
+        for d in &devs {
+            prog.attach(d, aya::programs::XdpMode::Driver).unwrap_or_else(|e| panic!("attach XDP pass to {d}: {e}"));
+        }
+        ebpf
+    });
+    XdpPass { _ebpf: ebpf }
+}
+
+pub struct Cluster {
+    pub id: String,
+    dir: PathBuf,
+    _xdp_pass: XdpPass,
+    _switch: Netns,
+    pub client: Netns,
+    pub nodes: Vec<Node>,
+    servers: Vec<servers::Backend>,
+    agent_bin: PathBuf,
+}
+
+/// `ethtool -K <dev> tx off` inside `ns`.
+fn checksum_offload_off(ns: &Netns, dev: &str) {
+    sh(&["ip", "netns", "exec", &ns.name, "ethtool", "-K", dev, "tx", "off"]);
+}
+
+impl Cluster {
+    /// Builds the lab. `pods[i]`: names of the backend pods of node i (each answers with its
+    /// name on TCP 8080 and UDP 5353). Agents are not started: write manifests first.
+    pub fn new(agent_bin: impl Into<PathBuf>, pods: [&[&str]; 2]) -> Self {
+        let id = unique_id();
+        let dir = PathBuf::from("/run/proxy-lab").join(format!("c{id}"));
+        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        let switch = Netns::create(format!("pxc-{id}-sw"));
+        switch.ip(&["link", "add", "br0", "type", "bridge"]);
+        switch.ip(&["link", "set", "br0", "up"]);
+        let wire = |ns: &Netns, dev: &str, port: &str, addr: &str| {
+            ns.ip(&["link", "add", dev, "type", "veth", "peer", "name", port, "netns", &switch.name]);
+            ns.ip(&["addr", "add", addr, "dev", dev]);
+            ns.ip(&["link", "set", dev, "up"]);
+            switch.ip(&["link", "set", port, "master", "br0"]);
+            switch.ip(&["link", "set", port, "up"]);
+            checksum_offload_off(ns, dev);
+        };
+        let client = Netns::create(format!("pxc-{id}-ext"));
+        wire(&client, "eth0", "pc", &format!("{CLIENT_IP}/24"));
+        // Load-balancer and external IPs are announced by node A.
+        for net in ["203.0.113.0/24", "192.0.2.0/24"] {
+            client.ip(&["route", "add", net, "via", "192.168.100.1"]);
+        }
+        let mut nodes = Vec::new();
+        let mut servers = Vec::new();
+        for (i, names) in pods.iter().enumerate() {
+            let n = i as u8 + 1;
+            let name = format!("node-{}", (b'a' + i as u8) as char);
+            let ns = Netns::create(format!("pxc-{id}-{name}"));
+            ns.sysctl("net.ipv4.ip_forward", "1");
+            ns.sysctl("net.ipv4.conf.all.rp_filter", "0");
+            ns.sysctl("net.ipv4.conf.default.rp_filter", "0");
+            let ip = Ipv4Addr::new(192, 168, 100, n);
+            wire(&ns, "wire0", &format!("p{n}"), &format!("{ip}/24"));
+            let other = 3 - n;
+            ns.ip(&["route", "add", &format!("10.244.{other}.0/24"), "via", &format!("192.168.100.{other}")]);
+            let mut node_pods = Vec::new();
+            for (j, pod) in names.iter().enumerate() {
+                let p = Pod::create(&id, &ns, pod, &format!("veth{n}{j}"), Ipv4Addr::new(10, 244, n, 11 + j as u8));
+                checksum_offload_off(&p.ns, "eth0");
+                servers.push(servers::Backend::start(&p.ns, pod, TCP_PORT, UDP_PORT));
+                node_pods.push(p);
+            }
+            let client_pod = Pod::create(&id, &ns, &format!("client-{name}"), &format!("veth{n}c"), Ipv4Addr::new(10, 244, n, 2));
+            checksum_offload_off(&client_pod.ns, "eth0");
+            let node_dir = dir.join(&name);
+            fs::create_dir_all(&node_dir).expect("node directory");
+            nodes.push(Node { name, ns, ip, pods: node_pods, client_pod, dir: node_dir, agent: None });
+        }
+        let xdp_pass = xdp_pass_on(&switch, &["pc", "p1", "p2"]);
+        Self { id, dir, _xdp_pass: xdp_pass, _switch: switch, client, nodes, servers, agent_bin: agent_bin.into() }
+    }
+
+    pub fn manifests(&self) -> PathBuf {
+        self.dir.join("manifests")
+    }
+
+    /// Writes a manifest atomically, as editors and ConfigMap updates do.
+    pub fn write_manifest(&self, name: &str, text: &str) {
+        let tmp = self.manifests().join(format!(".{name}.tmp"));
+        fs::write(&tmp, text).expect("write manifest");
+        fs::rename(&tmp, self.manifests().join(name)).expect("rename manifest");
+    }
+
+    /// Starts both agents on the shared manifest directory, each with its node's name and pin
+    /// root, plus `extra` flags.
+    pub fn start_agents(&mut self, extra: &[&str]) {
+        let manifests = self.manifests();
+        for node in &mut self.nodes {
+            let root = node.bpffs();
+            let fixed = ["--hostname-override", node.name.as_str(), "--log-level", "debug"];
+            let mut args: Vec<&OsStr> = fixed.iter().map(OsStr::new).collect();
+            args.extend([OsStr::new("--manifests"), manifests.as_os_str(), OsStr::new("--bpffs-root"), root.as_os_str()]);
+            args.extend(extra.iter().map(OsStr::new));
+            node.agent = Some(spawn_agent(&self.agent_bin, &node.ns, &args, &node.log_path()));
+        }
+    }
+
+    fn log_tails(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let log = n.agent_log();
+                let lines: Vec<&str> = log.lines().collect();
+                format!("--- {} agent log ---\n{}", n.name, lines[lines.len().saturating_sub(30)..].join("\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Waits until `cond` holds on every node's programmed state (15 s at most).
+    pub fn wait_all(&mut self, what: &str, cond: impl Fn(&Node, &Report) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let mut ok = true;
+            for node in &mut self.nodes {
+                if let Some(a) = node.agent.as_mut() {
+                    if !matches!(a.try_wait(), Ok(None)) {
+                        panic!("the agent of {} exited while waiting for {what}\n{}", node.name, node.agent_log());
+                    }
+                }
+                ok &= node.inspect().is_ok_and(|r| cond(node, &r));
+            }
+            if ok {
+                return;
+            }
+            if Instant::now() > deadline {
+                panic!("timed out waiting for {what}\n{}", self.log_tails());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until frontend `addr:port/proto` is programmed on both nodes with `backends`
+    /// backends in its external scope, and each node has its external interface attached.
+    /// `NODE` in `address` stands for each node's own address (NodePorts).
+    pub fn wait_frontend(&mut self, address: &str, proto: &str, backends: usize) {
+        self.wait_all(&format!("{address}/{proto} with {backends} backends"), |node, r| {
+            let address = address.replace("NODE", &node.ip.to_string());
+            !r.external_interfaces.is_empty()
+                && r.frontends.iter().any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
+        });
+    }
+
+    /// As `wait_frontend`, on one node only.
+    pub fn wait_frontend_on(&mut self, node_name: &str, address: &str, proto: &str, backends: usize) {
+        let node_name = node_name.to_string();
+        self.wait_all(&format!("{address}/{proto} with {backends} backends on {node_name}"), |node, r| {
+            node.name != node_name
+                || r.frontends.iter().any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
+        });
+    }
+
+    pub fn node(&self, name: &str) -> &Node {
+        self.nodes.iter().find(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut a) = node.agent.take() {
+                let _ = a.kill();
+                let _ = a.wait();
+            }
+        }
+        self.servers.clear();
+        for node in &self.nodes {
+            let root = node.bpffs();
+            let _ = inspect::cleanup(&root);
+            if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
+                // SAFETY: plain umount of the bpffs the agent mounted for this lab.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A Service manifest with the given spec body (YAML, indented two spaces under `spec:`),
+/// and optional status.
+pub fn service(name: &str, spec: &str, status: Option<&str>) -> String {
+    let mut s = format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n{spec}");
+    if let Some(st) = status {
+        s += &format!("status:\n{st}");
+    }
+    s
+}
+
+/// An EndpointSlice for `svc`: (address, node) endpoints on TCP 8080 "http" and UDP 5353 "dns".
+pub fn slice(svc: &str, endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-1\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n- {{name: http, port: {TCP_PORT}, protocol: TCP}}\n- {{name: dns, port: {UDP_PORT}, protocol: UDP}}\n"
+    );
+    s += if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
+    for (ip, node) in endpoints {
+        s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {node}\n");
+    }
+    s
+}
+
+/// The two Node objects, with their InternalIPs.
+pub fn nodes_manifest() -> String {
+    (1..=2)
+        .map(|n| {
+            let name = format!("node-{}", (b'a' + n - 1) as char);
+            format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\nstatus:\n  addresses:\n  - {{type: InternalIP, address: 192.168.100.{n}}}\n")
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+pub fn sock(s: &str) -> SocketAddrV4 {
+    s.parse().expect("socket address")
+}

@@ -1,0 +1,259 @@
+//! North-south end to end: an external client, two nodes each running its own agent, pods
+//! behind each node; real TCP and UDP through NodePorts, load-balancer IPs and external IPs.
+//! Backends answer with their name and the client address they saw, so the tests assert where
+//! the source address was kept and where it was translated.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    time::Duration,
+};
+
+use proxy_tests::{
+    cluster::{nodes_manifest, service, slice, sock, Cluster, CLIENT_IP},
+    require,
+    servers::{http_get_with_headers, tcp_ask, udp_ask, Answer},
+};
+
+fn cluster(test: &str, pods: [&[&str]; 2]) -> Option<Cluster> {
+    require::root(test).then(|| Cluster::new(env!("CARGO_BIN_EXE_proxy-lab-agent"), pods))
+}
+
+const A1: &str = "10.244.1.11";
+const B1: &str = "10.244.2.11";
+const B2: &str = "10.244.2.12";
+
+fn ip(s: &str) -> Ipv4Addr {
+    s.parse().unwrap()
+}
+
+/// Asks `to` over TCP (or UDP) from the client `n` times, on fresh connections.
+fn ask_many(c: &Cluster, to: &str, udp: bool, n: usize) -> Vec<Answer> {
+    (0..n)
+        .map(|i| {
+            let r = if udp { udp_ask(&c.client, sock(to)).map(|(a, _)| a) } else { tcp_ask(&c.client, sock(to)) };
+            r.unwrap_or_else(|e| {
+                let state: Vec<String> = c
+                    .nodes
+                    .iter()
+                    .map(|n| format!("--- {} ---\n{}", n.name, n.inspect().map(|r| proxy_agent::inspect::render(&r)).unwrap_or_else(|e| e.to_string())))
+                    .collect();
+                panic!("request {i} to {to} ({}): {e}\n{}", if udp { "UDP" } else { "TCP" }, state.join("\n"))
+            })
+        })
+        .collect()
+}
+
+fn peers_by_backend(answers: &[Answer]) -> BTreeMap<String, BTreeSet<Ipv4Addr>> {
+    let mut m: BTreeMap<String, BTreeSet<Ipv4Addr>> = BTreeMap::new();
+    for a in answers {
+        let SocketAddr::V4(p) = a.peer else { panic!("IPv6 peer") };
+        m.entry(a.backend.clone()).or_default().insert(*p.ip());
+    }
+    m
+}
+
+fn web(spec_extra: &str) -> String {
+    service(
+        "web",
+        &format!(
+            "  type: NodePort\n  clusterIP: 10.96.0.10\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n{spec_extra}"
+        ),
+        None,
+    )
+}
+
+#[test]
+fn node_port_cluster_policy_keeps_the_client_ip_for_local_backends_and_snats_for_remote_ones() {
+    let Some(mut c) = cluster("node_port_cluster_policy", [&["a1"], &["b1", "b2"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("NODE:30080", "TCP", 3);
+    c.wait_frontend("NODE:30053", "UDP", 3);
+    for (to, udp) in [("192.168.100.1:30080", false), ("192.168.100.1:30053", true), ("192.168.100.2:30080", false)] {
+        let answers = ask_many(&c, to, udp, 40);
+        let peers = peers_by_backend(&answers);
+        assert_eq!(peers.keys().cloned().collect::<Vec<_>>(), ["a1", "b1", "b2"], "{to}: every backend, on both nodes: {peers:?}");
+        let via: Ipv4Addr = sock(to).ip().to_owned();
+        for (backend, seen) in &peers {
+            let local = (backend == "a1") == (via == ip("192.168.100.1"));
+            let want = if local { ip(CLIENT_IP) } else { via };
+            assert_eq!(seen, &BTreeSet::from([want]), "{to}: {backend} ({}) must see {want}", if local { "local" } else { "remote" });
+        }
+    }
+    // Remote flows took the XDP path on the node that forwarded them.
+    let r = c.node("node-a").inspect().unwrap();
+    assert!(r.external_interfaces.values().all(|e| e.xdp), "XDP attached natively: {:?}", r.external_interfaces);
+    let count = |k: &str| r.counters.get(k).map_or(0, |c| c.packets);
+    assert!(count("xdp_forward") > 0 && count("xdp_reply") > 0, "XDP forwarded remote flows: {:?}", r.counters);
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_the_client_ip_and_answers_health_checks() {
+    let Some(mut c) = cluster("external_traffic_policy_local", [&["a1"], &["b1"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    let lb = service(
+        "web",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n",
+        Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n"),
+    );
+    c.write_manifest("web.yaml", &lb);
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a")]));
+    c.start_agents(&[]);
+    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", 1);
+    c.wait_frontend_on("node-b", "192.168.100.2:30080", "TCP", 0);
+    // Through node A (which has the endpoint): the backend sees the real client.
+    for to in ["192.168.100.1:30080", "203.0.113.10:80"] {
+        let peers = peers_by_backend(&ask_many(&c, to, false, 5));
+        assert_eq!(peers, BTreeMap::from([("a1".to_string(), BTreeSet::from([ip(CLIENT_IP)]))]), "{to}");
+    }
+    // Through node B (no local endpoint): dropped, as kube-proxy does; the client times out
+    // rather than being refused.
+    let err = tcp_ask(&c.client, sock("192.168.100.2:30080")).expect_err("node B has no local endpoint");
+    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "dropped, not refused: {err}");
+    // Health checks tell the load balancer which node to use.
+    let (code, headers, body) = http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(headers.get("x-load-balancing-endpoint-weight").map(String::as_str), Some("1"));
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v, serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 1, "serviceProxyHealthy": true}));
+    let (code, headers, body) = http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/healthz").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(headers.get("x-load-balancing-endpoint-weight").map(String::as_str), Some("0"));
+    // Pods on node B reaching the load-balancer IP are not bound by the external policy.
+    let from_pod = tcp_ask(&c.node("node-b").client_pod.ns, sock("203.0.113.10:80")).unwrap();
+    assert_eq!(from_pod.backend, "a1");
+    // The endpoint moves to node B: the health checks follow.
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(B1), "node-b")]));
+    c.wait_frontend_on("node-b", "192.168.100.2:30080", "TCP", 1);
+    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", 0);
+    let (code, _, _) = http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/").unwrap();
+    assert_eq!(code, 200);
+    let (code, _, _) = http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").unwrap();
+    assert_eq!(code, 503);
+}
+
+#[test]
+fn load_balancer_and_external_ips_are_served_but_proxy_mode_ingress_is_not() {
+    let Some(mut c) = cluster("load_balancer_and_external_ips", [&["a1"], &["b1"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    let lb = service(
+        "web",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  - {name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}\n",
+        Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n    - {ip: 203.0.113.11, ipMode: Proxy}\n"),
+    );
+    c.write_manifest("web.yaml", &lb);
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("203.0.113.10:80", "TCP", 2);
+    c.wait_frontend("192.0.2.7:53", "UDP", 2);
+    for (to, udp) in [("203.0.113.10:80", false), ("203.0.113.10:53", true), ("192.0.2.7:80", false), ("192.0.2.7:53", true)] {
+        let peers = peers_by_backend(&ask_many(&c, to, udp, 30));
+        assert_eq!(peers.len(), 2, "{to}: both backends: {peers:?}");
+    }
+    let r = c.node("node-a").inspect().unwrap();
+    assert!(!r.frontends.iter().any(|f| f.address.starts_with("203.0.113.11")), "ipMode Proxy: the load balancer proxies, not us");
+    assert!(tcp_ask(&c.client, sock("203.0.113.11:80")).is_err());
+}
+
+#[test]
+fn a_node_port_without_endpoints_refuses_at_once() {
+    let Some(mut c) = cluster("a_node_port_without_endpoints_refuses_at_once", [&[], &[]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[]));
+    c.start_agents(&[]);
+    c.wait_frontend("NODE:30080", "TCP", 0);
+    let start = std::time::Instant::now();
+    let err = tcp_ask(&c.client, sock("192.168.100.1:30080")).expect_err("no endpoints");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    assert!(start.elapsed() < Duration::from_secs(1));
+    let udp = proxy_tests::servers::udp_ask_connected(&c.client, sock("192.168.100.1:30053")).expect_err("no endpoints");
+    assert_eq!(udp.kind(), io::ErrorKind::ConnectionRefused, "{udp}");
+}
+
+#[test]
+fn client_ip_affinity_keeps_each_client_on_one_backend() {
+    let Some(mut c) = cluster("client_ip_affinity", [&["a1"], &["b1", "b2"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n"));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("NODE:30080", "TCP", 3);
+    for to in ["192.168.100.1:30080", "192.168.100.1:30053"] {
+        let answers = ask_many(&c, to, to.ends_with("53"), 20);
+        let backends: BTreeSet<_> = answers.iter().map(|a| a.backend.clone()).collect();
+        assert_eq!(backends.len(), 1, "NodePort {to}: one client, one backend: {backends:?}");
+    }
+    // The same from a pod through the cluster IP.
+    let pod = &c.node("node-a").client_pod.ns;
+    let backends: BTreeSet<_> = (0..20).map(|_| tcp_ask(pod, sock("10.96.0.10:80")).unwrap().backend).collect();
+    assert_eq!(backends.len(), 1, "ClusterIP: {backends:?}");
+}
+
+#[test]
+fn internal_traffic_policy_local_keeps_pods_on_their_node() {
+    let Some(mut c) = cluster("internal_traffic_policy_local", [&["a1"], &["b1"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web("  internalTrafficPolicy: Local\n"));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_all("cluster IP with its node's endpoint", |_, r| {
+        r.frontends.iter().any(|f| f.address == "10.96.0.10:80" && f.backends.len() == 1)
+    });
+    for (node, want) in [("node-a", "a1"), ("node-b", "b1")] {
+        let pod = &c.node(node).client_pod.ns;
+        let seen: BTreeSet<_> = (0..10).map(|_| tcp_ask(pod, sock("10.96.0.10:80")).unwrap().backend).collect();
+        assert_eq!(seen, BTreeSet::from([want.to_string()]), "pods on {node}");
+    }
+    // Outside clients are not affected by the internal policy.
+    let peers = peers_by_backend(&ask_many(&c, "192.168.100.1:30080", false, 30));
+    assert_eq!(peers.len(), 2);
+}
+
+#[test]
+fn every_node_sends_a_flow_to_the_same_backend() {
+    let Some(mut c) = cluster("every_node_sends_a_flow_to_the_same_backend", [&["a1", "a2"], &["b1", "b2"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    let lb = service(
+        "web",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n",
+        Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n"),
+    );
+    c.write_manifest("web.yaml", &lb);
+    let eps = [(ip(A1), "node-a"), (ip("10.244.1.12"), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")];
+    c.write_manifest("web-eps.yaml", &slice("web", &eps));
+    c.start_agents(&[]);
+    c.wait_frontend("203.0.113.10:80", "TCP", 4);
+    let mut picks: Vec<Vec<String>> = Vec::new();
+    for node in &c.nodes {
+        let root = node.bpffs();
+        let seen = node.ns.run(move || {
+            (0..100u16)
+                .map(|p| {
+                    let from = SocketAddrV4::new(ip("198.51.100.20"), 40000 + p);
+                    let r = proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp)
+                        .expect("trace");
+                    r.backend.unwrap_or_default()
+                })
+                .collect::<Vec<_>>()
+        });
+        picks.push(seen);
+    }
+    assert_eq!(picks[0], picks[1], "node A and node B must agree on every flow");
+    assert_eq!(picks[0].iter().collect::<BTreeSet<_>>().len(), 4, "100 flows reach all 4 backends");
+    // And the command line says the same, for people.
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &c.node("node-b").ns.name, env!("CARGO_BIN_EXE_proxy-lab-agent"), "trace", "--bpffs-root"])
+        .arg(c.node("node-b").bpffs())
+        .args(["--from", "198.51.100.20:40000", "--to", "203.0.113.10:80/TCP"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains(&format!("backend   {}", picks[0][0])), "{text}");
+    assert!(text.contains("service   default/web:http"), "{text}");
+}
