@@ -56,6 +56,8 @@ pub struct RunConfig {
     pub nodeport_addresses: NodePortAddresses,
     pub xdp: XdpSetting,
     pub maglev_size: u32,
+    /// North-south SNAT source ports (inclusive).
+    pub snat_ports: (u16, u16),
     pub bpffs_root: PathBuf,
     pub hostname: String,
     pub lb_map_max: u32,
@@ -142,6 +144,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         lb_map_max: cfg.lb_map_max,
         ct_map_max: cfg.ct_map_max,
         maglev_size: cfg.maglev_size,
+        snat_ports: cfg.snat_ports,
     })?;
     tracing::info!(
         bpffs_root = %cfg.bpffs_root.display(),

@@ -109,6 +109,10 @@ struct RunArgs {
     /// XDP on external interfaces: native (in the driver), generic, or disabled.
     #[arg(long, value_enum, default_value = "native")]
     xdp: XdpArg,
+    /// Source ports north-south SNAT uses towards each backend, MIN-MAX. Keep it outside the
+    /// node's ephemeral port range (net.ipv4.ip_local_port_range) and its listening ports.
+    #[arg(long, default_value = "61000-65535", value_parser = parse_port_range)]
+    snat_port_range: (u16, u16),
     /// Entries of each Maglev table (a prime; about 100x the largest backend count keeps the
     /// load within 1%). Applies to tables as they are next written.
     #[arg(long, default_value_t = limits::MAGLEV_TABLE_SIZE)]
@@ -130,6 +134,16 @@ enum XdpArg {
     Native,
     Generic,
     Disabled,
+}
+
+fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s.split_once('-').ok_or_else(|| format!("{s:?} is not MIN-MAX"))?;
+    let a: u16 = a.trim().parse().map_err(|_| format!("{a:?} is not a port"))?;
+    let b: u16 = b.trim().parse().map_err(|_| format!("{b:?} is not a port"))?;
+    if a == 0 || a > b {
+        return Err(format!("{s:?}: need 1 <= MIN <= MAX"));
+    }
+    Ok((a, b))
 }
 
 fn parse_nodeport_addresses(s: &str) -> Result<NodePortAddresses, String> {
@@ -214,6 +228,7 @@ pub fn main() -> ExitCode {
                     XdpArg::Disabled => XdpSetting::Disabled,
                 },
                 maglev_size: a.maglev_table_size,
+                snat_ports: a.snat_port_range,
                 bpffs_root: a.root.bpffs_root,
                 hostname: a.hostname_override.unwrap_or_else(hostname),
                 lb_map_max: a.lb_map_max,

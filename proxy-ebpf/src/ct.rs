@@ -273,6 +273,16 @@ pub fn create_snat(
             claimed = true;
             break;
         }
+        // Taken, but perhaps by a flow that has ended: its mapping may be reused. (The LRU
+        // would only evict it once the whole table is full.)
+        // SAFETY: the value is copied out at once.
+        let stale = CT4_V2.get_ptr(&k).map(|p| unsafe { *p }).is_some_and(|old| {
+            ct::expired(pkt.proto, old.flags, old.last_seen_ns, now)
+        });
+        if stale && CT4_V2.insert(k, rev, BPF_ANY as u64).is_ok() {
+            claimed = true;
+            break;
+        }
     }
     if !claimed {
         return Err(Reason::DropSnatExhausted);

@@ -286,6 +286,19 @@ fn snat_ports_run_out_cleanly() {
     // The first flow is unaffected.
     let d = dissect(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).frame);
     assert_eq!(d.sport, Some(62000));
+    // Once that flow has ended (its entries expired), its port is taken by the next flow, long
+    // before the LRU would evict the entry.
+    let ct = testrun::map_by_name(&mut n.dp, proxy_common::map_names::CT);
+    let mut ct: aya::maps::HashMap<_, proxy_common::CtKey, proxy_common::CtEntry> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(ct)).unwrap();
+    let entries: Vec<_> = ct.iter().map(|e| e.unwrap()).collect();
+    for (k, mut e) in entries {
+        e.last_seen_ns = 1;
+        ct.insert(k, e, 0).unwrap();
+    }
+    let b = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40000"), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(b.action, TC_ACT_REDIRECT, "an expired mapping's port is reused");
+    assert_eq!(dissect(&b.frame).sport, Some(62000));
 }
 
 #[test]

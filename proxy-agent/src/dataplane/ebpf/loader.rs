@@ -33,6 +33,8 @@ pub struct LoadOptions {
     pub ct_map_max: u32,
     /// Entries of each Maglev table (a prime).
     pub maglev_size: u32,
+    /// North-south SNAT source ports (inclusive).
+    pub snat_ports: (u16, u16),
 }
 
 impl Default for LoadOptions {
@@ -42,6 +44,7 @@ impl Default for LoadOptions {
             lb_map_max: limits::LB_MAP_MAX,
             ct_map_max: limits::CT_MAP_MAX,
             maglev_size: limits::MAGLEV_TABLE_SIZE,
+            snat_ports: (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
         }
     }
 }

@@ -15,7 +15,7 @@ use aya::{
     programs::SchedClassifier,
     Ebpf,
 };
-use proxy_common::{limits, map_names, prog_names, Config, IfAddr};
+use proxy_common::{map_names, prog_names, Config, IfAddr};
 
 use self::{
     attach::{AttachError, Attachments, Role, XdpSetting},
@@ -47,6 +47,7 @@ impl EbpfDataplane {
     pub fn load(options: LoadOptions) -> Result<Self, EbpfError> {
         let lb_max = options.lb_map_max;
         let maglev_size = options.maglev_size;
+        let (snat_port_min, snat_port_max) = options.snat_ports;
         if !maglev::is_prime(maglev_size) || maglev_size > (1 << 20) {
             return Err(EbpfError::Config(format!(
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
@@ -56,7 +57,7 @@ impl EbpfDataplane {
         let mut loaded = loader::load(options)?;
         let lb = LbMaps::adopt(&mut loaded.ebpf, lb_max, maglev_size)?;
         let mut me = Self { ebpf: loaded.ebpf, lb, pin_root, attachments: Attachments::default() };
-        me.write_config(Config { maglev_size, snat_port_min: limits::SNAT_PORT_MIN, snat_port_max: limits::SNAT_PORT_MAX })?;
+        me.write_config(Config { maglev_size, snat_port_min, snat_port_max })?;
         Ok(me)
     }
 
