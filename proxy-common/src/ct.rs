@@ -45,6 +45,12 @@ pub const UDP_STREAM_TIMEOUT_NS: u64 = 120 * SEC;
 /// the shared entry on every packet.
 pub const REFRESH_NS: u64 = SEC;
 
+/// The period a cached route stays valid in: the coarse clock in units of 2^30 ns (~1.07 s).
+#[inline(always)]
+pub const fn route_epoch(now_ns: u64) -> u16 {
+    (now_ns >> 30) as u16
+}
+
 /// True when a TCP flow is closing: a RST, or a FIN each way.
 #[inline(always)]
 pub const fn tcp_closing(f: u8) -> bool {

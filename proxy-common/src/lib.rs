@@ -60,6 +60,12 @@ pub mod prog_names {
     pub const TC_FLOOR: &str = "proxy_tc_floor";
     /// XDP_PASS for everything, only loaded by the lab (see the program's comment).
     pub const XDP_PASS: &str = "proxy_xdp_pass";
+    /// Benchmark frame generators (restore the frame, then the external XDP logic, or pass).
+    pub const XDP_BENCH_EXT: &str = "proxy_xdp_bench_ext";
+    pub const XDP_BENCH_PASS: &str = "proxy_xdp_bench_pass";
+    pub const XDP_BENCH_TX: &str = "proxy_xdp_bench_tx";
+    /// XDP_DROP for everything, only loaded by the benchmark as a sink.
+    pub const XDP_DROP: &str = "proxy_xdp_drop";
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -241,8 +247,17 @@ pub struct CtEntry {
     pub _pad2: [u8; 2],
     /// Forward entry with `SNAT`: the source address the node put on the flow.
     pub snat_addr: [u8; 4],
+    /// Entries of flows the datapath sends on itself (SNAT, both ways): where the last FIB
+    /// lookup sent them, reused while `route_epoch` is the current one (about a second), so
+    /// established packets skip the lookup. 0: nothing cached.
+    pub route_ifindex: u32,
+    pub route_dmac: [u8; 6],
+    pub route_smac: [u8; 6],
+    /// `ct::route_epoch` of the cached route.
+    pub route_epoch: u16,
+    pub _pad3: [u8; 6],
 }
-const _: () = assert!(size_of::<CtEntry>() == 32);
+const _: () = assert!(size_of::<CtEntry>() == 56);
 
 /// Key of `LB4_AFFINITY_V1`.
 #[repr(C, align(4))]

@@ -12,8 +12,27 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CLOCK, CT4_V2},
+    maps::{CLOCK, CT4_V2, CT_SCRATCH},
     parse::{Packet, TCP_FIN, TCP_RST},
+};
+
+/// An entry without a cached route (the route fields of a new entry).
+pub const NO_ROUTE: CtEntry = CtEntry {
+    last_seen_ns: 0,
+    backend_id: 0,
+    service_id: 0,
+    flags: 0,
+    _pad: 0,
+    nat_port: [0; 2],
+    nat_addr: [0; 4],
+    snat_port: [0; 2],
+    _pad2: [0; 2],
+    snat_addr: [0; 4],
+    route_ifindex: 0,
+    route_dmac: [0; 6],
+    route_smac: [0; 6],
+    route_epoch: 0,
+    _pad3: [0; 6],
 };
 
 /// Monotonic nanoseconds at the last timer tick (`bpf_ktime_get_coarse_ns`). Timeouts are in
@@ -137,10 +156,10 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
     let live = match CT4_V2.get_ptr_mut(fwd_key) {
         // SAFETY: a live map value; racing writers store the same kind of data.
         Some(f) => unsafe {
-            let fwd = *f;
-            let ok = fwd.flags & flags::REPLY == 0
-                && fwd.backend_id == entry.backend_id
-                && !ct::expired(pkt.proto, fwd.flags, fwd.last_seen_ns, now);
+            let fwd_flags = (*f).flags;
+            let ok = fwd_flags & flags::REPLY == 0
+                && (*f).backend_id == entry.backend_id
+                && !ct::expired(pkt.proto, fwd_flags, (*f).last_seen_ns, now);
             if ok {
                 (*f).flags |= add;
                 (*f).last_seen_ns = now;
@@ -179,6 +198,49 @@ pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
     let _ = CT4_V2.remove(stale);
 }
 
+/// True when the SNAT reply entry `old` no longer guards a connection, so its port may be given
+/// to a new flow: it has expired, or its flow has: the forward entry is gone, expired, moved to
+/// another backend, or was reset (a reset connection has no socket left on either side that a
+/// new SYN could confuse; a connection closed with FINs waits for expiry, as the backend may
+/// hold it in TIME_WAIT).
+#[inline(always)]
+fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
+    // SAFETY: fields of a live map value, read at once.
+    let (oflags, olast, nat_addr, nat_port, service_id, backend_id) =
+        unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).service_id, (*old).backend_id) };
+    if oflags & flags::SNAT == 0 {
+        // Not a port mapping: not ours to hand out.
+        return false;
+    }
+    if ct::expired(proto, oflags, olast, now) {
+        return true;
+    }
+    // SAFETY: the value is copied out at once.
+    let Some(rn) = crate::maps::LB4_REVNAT_V1.get_ptr(&service_id).map(|p| unsafe { *p }) else { return true };
+    let fwd_key = CtKey { saddr: nat_addr, daddr: rn.addr, sport: nat_port, dport: rn.port, proto, _pad: 0, _pad2: 0 };
+    match CT4_V2.get_ptr(&fwd_key) {
+        None => true,
+        // SAFETY: fields of a live map value, read at once.
+        Some(f) => unsafe {
+            let ff = (*f).flags;
+            ff & flags::REPLY != 0
+                || (*f).backend_id != backend_id
+                || ff & flags::RST != 0
+                || ct::expired(proto, ff, (*f).last_seen_ns, now)
+        },
+    }
+}
+
+/// A per-CPU entry to build new entries in: map values, unlike stack variables, do not count
+/// against the programs' 512-byte stack.
+#[inline(always)]
+fn scratch() -> Result<*mut CtEntry, Reason> {
+    let p = CT_SCRATCH.get_ptr_mut(0).ok_or(Reason::DropCtInsert)?;
+    // SAFETY: this CPU's slot; the program does not migrate while it runs.
+    unsafe { *p = NO_ROUTE };
+    Ok(p)
+}
+
 /// Tracks a new connection (or re-tracks one whose backend changed).
 #[inline(always)]
 pub fn create(
@@ -191,33 +253,21 @@ pub fn create(
 ) -> Result<(), Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     let hp = if hairpin { flags::HAIRPIN } else { 0 };
-    let fwd = CtEntry {
-        last_seen_ns: now,
-        backend_id,
-        service_id,
-        flags: fin_rst | hp,
-        _pad: 0,
-        nat_port: backend.port,
-        nat_addr: backend.addr,
-        snat_port: [0; 2],
-        _pad2: [0; 2],
-        snat_addr: [0; 4],
-    };
-    CT4_V2.insert(key(pkt), fwd, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
-    let rev = CtEntry {
-        last_seen_ns: now,
-        backend_id,
-        service_id,
-        flags: flags::REPLY | hp,
-        _pad: 0,
-        nat_port: pkt.dport,
-        nat_addr: pkt.daddr,
-        snat_port: [0; 2],
-        _pad2: [0; 2],
-        snat_addr: [0; 4],
-    };
+    let e = scratch()?;
+    // SAFETY: this CPU's scratch slot (see `scratch`).
+    let e = unsafe { &mut *e };
+    e.last_seen_ns = now;
+    e.backend_id = backend_id;
+    e.service_id = service_id;
+    e.flags = fin_rst | hp;
+    e.nat_port = backend.port;
+    e.nat_addr = backend.addr;
+    CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+    e.flags = flags::REPLY | hp;
+    e.nat_port = pkt.dport;
+    e.nat_addr = pkt.daddr;
     CT4_V2
-        .insert(reply_key(pkt, backend, hairpin), rev, BPF_ANY as u64)
+        .insert(reply_key(pkt, backend, hairpin), &*e, BPF_ANY as u64)
         .map_err(|_| Reason::DropCtInsert)
 }
 
@@ -244,18 +294,15 @@ pub fn create_snat(
     let range = u32::from(port_max.saturating_sub(port_min)) + 1;
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() };
-    let rev = CtEntry {
-        last_seen_ns: now,
-        backend_id,
-        service_id,
-        flags: flags::REPLY | flags::SNAT,
-        _pad: 0,
-        nat_port: pkt.sport,
-        nat_addr: pkt.saddr,
-        snat_port: [0; 2],
-        _pad2: [0; 2],
-        snat_addr: [0; 4],
-    };
+    let e = scratch()?;
+    // SAFETY: this CPU's scratch slot (see `scratch`).
+    let e = unsafe { &mut *e };
+    e.last_seen_ns = now;
+    e.backend_id = backend_id;
+    e.service_id = service_id;
+    e.flags = flags::REPLY | flags::SNAT;
+    e.nat_port = pkt.sport;
+    e.nat_addr = pkt.saddr;
     let mut port = [0u8; 2];
     let mut claimed = false;
     for i in 0..SNAT_TRIES {
@@ -269,17 +316,14 @@ pub fn create_snat(
             _pad: 0,
             _pad2: 0,
         };
-        if CT4_V2.insert(k, rev, BPF_NOEXIST as u64).is_ok() {
+        if CT4_V2.insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             claimed = true;
             break;
         }
         // Taken, but perhaps by a flow that has ended: its mapping may be reused. (The LRU
         // would only evict it once the whole table is full.)
-        // SAFETY: the value is copied out at once.
-        let stale = CT4_V2.get_ptr(&k).map(|p| unsafe { *p }).is_some_and(|old| {
-            ct::expired(pkt.proto, old.flags, old.last_seen_ns, now)
-        });
-        if stale && CT4_V2.insert(k, rev, BPF_ANY as u64).is_ok() {
+        let stale = CT4_V2.get_ptr(&k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
+        if stale && CT4_V2.insert(k, &*e, BPF_ANY as u64).is_ok() {
             claimed = true;
             break;
         }
@@ -288,19 +332,12 @@ pub fn create_snat(
         return Err(Reason::DropSnatExhausted);
     }
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
-    let fwd = CtEntry {
-        last_seen_ns: now,
-        backend_id,
-        service_id,
-        flags: fin_rst | flags::SNAT,
-        _pad: 0,
-        nat_port: backend.port,
-        nat_addr: backend.addr,
-        snat_port: port,
-        _pad2: [0; 2],
-        snat_addr,
-    };
-    if CT4_V2.insert(key(pkt), fwd, BPF_ANY as u64).is_err() {
+    e.flags = fin_rst | flags::SNAT;
+    e.nat_port = backend.port;
+    e.nat_addr = backend.addr;
+    e.snat_port = port;
+    e.snat_addr = snat_addr;
+    if CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).is_err() {
         let _ = CT4_V2.remove(CtKey {
             saddr: backend.addr,
             daddr: snat_addr,

@@ -3,6 +3,7 @@
 #![feature(core_intrinsics)]
 #![expect(internal_features, reason = "atomic_xadd: the bpf target has no AtomicU64::fetch_add")]
 
+mod bench;
 mod ct;
 mod ext;
 mod frag;
@@ -60,7 +61,12 @@ pub fn proxy_tc_ext_ingress(ctx: TcContext) -> i32 {
 /// XDP on external interfaces: the fast path for north-south flows to remote backends.
 #[xdp]
 pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
-    let v = xdp::try_xdp(&ctx);
+    xdp_ext(&ctx)
+}
+
+#[inline(always)]
+fn xdp_ext(ctx: &XdpContext) -> u32 {
+    let v = xdp::try_xdp(ctx);
     stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
     v.action
 }
@@ -71,6 +77,42 @@ pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn proxy_xdp_pass(_ctx: XdpContext) -> u32 {
     aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
+/// Benchmark only (never loaded by the agent): restores the frame from `BENCH_FRAME_V1`, then
+/// runs the external XDP logic on it. XDP live-frame test runs recycle frames with whatever the
+/// program wrote into them; the restore makes every run see the same arriving frame.
+#[xdp]
+pub fn proxy_xdp_bench_ext(ctx: XdpContext) -> u32 {
+    if !bench::restore(&ctx) {
+        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
+    }
+    xdp_ext(&ctx)
+}
+
+/// Benchmark only: restores the frame and sends it straight back out (the floor: generator,
+/// transmit and sink with no processing at all).
+#[xdp]
+pub fn proxy_xdp_bench_tx(ctx: XdpContext) -> u32 {
+    if !bench::restore(&ctx) {
+        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
+    }
+    aya_ebpf::bindings::xdp_action::XDP_TX
+}
+
+/// Benchmark only: restores the frame, then hands it to the stack.
+#[xdp]
+pub fn proxy_xdp_bench_pass(ctx: XdpContext) -> u32 {
+    if !bench::restore(&ctx) {
+        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
+    }
+    aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
+/// Drops every frame: the benchmark's sink on the far side of the forwarding node.
+#[xdp]
+pub fn proxy_xdp_drop(_ctx: XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_DROP
 }
 
 /// An empty program of the same type: the floor `cargo xtask bench` measures the others

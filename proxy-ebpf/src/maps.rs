@@ -49,6 +49,10 @@ pub static STATS_V1: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArr
 #[btf_map]
 pub static LB4_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMap::new();
 
+/// Where new conntrack entries are built (see `ct::scratch`). Scratch, never pinned.
+#[btf_map]
+pub static CT_SCRATCH: PerCpuArray<CtEntry, 1> = PerCpuArray::new();
+
 /// Per-CPU cache of the coarse clock (see `ct::now`). Scratch, never pinned.
 #[btf_map]
 pub static CLOCK: PerCpuArray<ClockCache, 1> = PerCpuArray::new();

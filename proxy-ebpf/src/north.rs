@@ -14,7 +14,7 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_fib_lookup,
 };
-use proxy_common::{ct::flags, limits, svc_flags, Backend, CtKey, Reason, ServiceKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{ct::flags, limits, svc_flags, Backend, CtEntry, CtKey, Reason, ServiceKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,
@@ -82,6 +82,28 @@ pub fn fib(env: &Env, pkt: &Packet, src: [u8; 4], dst: [u8; 4]) -> Result<Route,
     Ok(Route { ifindex: p.ifindex, smac: p.smac, dmac: p.dmac, no_neigh, nexthop })
 }
 
+/// The route of a tracked flow: the one cached in its entry while it is fresh, else a FIB lookup
+/// whose answer is cached (not for a neighbour that is not resolved yet, nor in a trace).
+#[inline(always)]
+fn route_of(env: &Env, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, src: [u8; 4], dst: [u8; 4], now: u64) -> Result<Route, Reason> {
+    let epoch = proxy_common::ct::route_epoch(now);
+    if entry.route_ifindex != 0 && entry.route_epoch == epoch {
+        return Ok(Route { ifindex: entry.route_ifindex, smac: entry.route_smac, dmac: entry.route_dmac, no_neigh: false, nexthop: dst });
+    }
+    let r = fib(env, pkt, src, dst)?;
+    if !r.no_neigh && !env.dry {
+        // SAFETY: a live map value; racing writers store the same kind of data, and a torn
+        // route is at worst looked up again when the epoch moves on.
+        unsafe {
+            (*e).route_ifindex = r.ifindex;
+            (*e).route_dmac = r.dmac;
+            (*e).route_smac = r.smac;
+            (*e).route_epoch = epoch;
+        }
+    }
+    Ok(r)
+}
+
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
 #[inline(always)]
 fn xdp_pass(env: &Env) -> Option<Step> {
@@ -102,7 +124,7 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
             let Some(rn) = revnat_of(&entry) else {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             };
-            let route = match fib(env, pkt, rn.addr, entry.nat_addr) {
+            let route = match route_of(env, pkt, e, &entry, rn.addr, entry.nat_addr, now) {
                 Ok(r) if !(env.xdp && r.no_neigh) => r,
                 Ok(_) => return Step::Pass(Reason::XdpPass),
                 Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
@@ -142,7 +164,7 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
                 }
                 return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established };
             }
-            let route = match fib(env, pkt, pkt.saddr, be.addr) {
+            let route = match route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now) {
                 Ok(r) if !(env.xdp && r.no_neigh) => r,
                 Ok(_) => return Step::Pass(Reason::XdpPass),
                 Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),

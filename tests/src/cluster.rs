@@ -71,6 +71,11 @@ pub struct XdpPass {
 /// Attaches the pass-everything XDP program natively to `devs` in `ns`: veth hands XDP_TX and
 /// XDP_REDIRECT frames on promptly only to a peer that runs XDP itself.
 pub fn xdp_pass_on(ns: &Netns, devs: &[&str]) -> XdpPass {
+    xdp_program_on(ns, devs, proxy_common::prog_names::XDP_PASS)
+}
+
+/// Attaches one of the object's XDP programs natively to `devs` in `ns`.
+pub fn xdp_program_on(ns: &Netns, devs: &[&str], program: &'static str) -> XdpPass {
     let devs: Vec<String> = devs.iter().map(|d| d.to_string()).collect();
     let ebpf = ns.run(move || {
         let mut loader = aya::EbpfLoader::new();
@@ -79,9 +84,8 @@ pub fn xdp_pass_on(ns: &Netns, devs: &[&str]) -> XdpPass {
             loader.map_max_entries(name, 1);
         }
         let mut ebpf = loader.load(proxy_agent::dataplane::ebpf::loader::OBJECT).expect("load the eBPF object");
-        let prog: &mut aya::programs::Xdp =
-            ebpf.program_mut(proxy_common::prog_names::XDP_PASS).expect("pass program").try_into().expect("an XDP program");
-        prog.load().expect("load the pass program");
+        let prog: &mut aya::programs::Xdp = ebpf.program_mut(program).expect("program").try_into().expect("an XDP program");
+        prog.load().expect("load the program");
         for d in &devs {
             prog.attach(d, aya::programs::XdpMode::Driver).unwrap_or_else(|e| panic!("attach XDP pass to {d}: {e}"));
         }
@@ -93,8 +97,9 @@ pub fn xdp_pass_on(ns: &Netns, devs: &[&str]) -> XdpPass {
 pub struct Cluster {
     pub id: String,
     dir: PathBuf,
-    _xdp_pass: XdpPass,
-    _switch: Netns,
+    /// XDP programs on the switch's ports, by port.
+    switch_xdp: std::collections::BTreeMap<String, XdpPass>,
+    switch: Netns,
     pub client: Netns,
     pub nodes: Vec<Node>,
     servers: Vec<servers::Backend>,
@@ -156,8 +161,19 @@ impl Cluster {
             fs::create_dir_all(&node_dir).expect("node directory");
             nodes.push(Node { name, ns, ip, pods: node_pods, client_pod, dir: node_dir, agent: None });
         }
-        let xdp_pass = xdp_pass_on(&switch, &["pc", "p1", "p2"]);
-        Self { id, dir, _xdp_pass: xdp_pass, _switch: switch, client, nodes, servers, agent_bin: agent_bin.into() }
+        let switch_xdp = ["pc", "p1", "p2"].iter().map(|p| (p.to_string(), xdp_pass_on(&switch, &[p]))).collect();
+        Self { id, dir, switch_xdp, switch, client, nodes, servers, agent_bin: agent_bin.into() }
+    }
+
+    /// Replaces the XDP program on switch port `port` (`pc`, `p1`, `p2`) with `program`.
+    pub fn set_switch_xdp(&mut self, port: &str, program: &'static str) {
+        self.switch_xdp.remove(port);
+        self.switch_xdp.insert(port.to_string(), xdp_program_on(&self.switch, &[port], program));
+    }
+
+    /// The switch namespace (the bench reads its ports' counters).
+    pub fn switch(&self) -> &Netns {
+        &self.switch
     }
 
     pub fn manifests(&self) -> PathBuf {
@@ -174,8 +190,25 @@ impl Cluster {
     /// Starts both agents on the shared manifest directory, each with its node's name and pin
     /// root, plus `extra` flags.
     pub fn start_agents(&mut self, extra: &[&str]) {
+        for name in ["node-a", "node-b"] {
+            self.start_agent_on(name, extra);
+        }
+    }
+
+    /// Stops a node's agent and removes everything it pinned (its programs detach).
+    pub fn stop_agent_on(&mut self, name: &str) {
+        let node = self.nodes.iter_mut().find(|n| n.name == name).expect("node");
+        if let Some(mut a) = node.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+        let _ = inspect::cleanup(&node.bpffs());
+    }
+
+    /// Starts the agent of one node (see `start_agents`).
+    pub fn start_agent_on(&mut self, name: &str, extra: &[&str]) {
         let manifests = self.manifests();
-        for node in &mut self.nodes {
+        for node in self.nodes.iter_mut().filter(|n| n.name == name) {
             let root = node.bpffs();
             let fixed = ["--hostname-override", node.name.as_str(), "--log-level", "debug"];
             let mut args: Vec<&OsStr> = fixed.iter().map(OsStr::new).collect();
@@ -202,7 +235,8 @@ impl Cluster {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let mut ok = true;
-            for node in &mut self.nodes {
+            // Nodes without an agent (the benchmark runs one on node A only) are not asked.
+            for node in self.nodes.iter_mut().filter(|n| n.agent.is_some()) {
                 if let Some(a) = node.agent.as_mut() {
                     if !matches!(a.try_wait(), Ok(None)) {
                         panic!("the agent of {} exited while waiting for {what}\n{}", node.name, node.agent_log());

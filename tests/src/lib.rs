@@ -5,6 +5,7 @@ pub mod apiserver;
 pub mod cluster;
 pub mod lab;
 pub mod netns;
+pub mod northbench;
 pub mod packet;
 pub mod require;
 pub mod servers;

@@ -286,7 +286,12 @@ fn snat_ports_run_out_cleanly() {
     // The first flow is unaffected.
     let d = dissect(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).frame);
     assert_eq!(d.sport, Some(62000));
-    // Once that flow has ended (its entries expired), its port is taken by the next flow, long
+    // A flow the client resets gives its port back at once.
+    let rst = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), proxy_tests::packet::RST), n.ifindex);
+    assert_eq!(rst.action, TC_ACT_REDIRECT, "the reset is forwarded too");
+    let b = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40000"), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!((b.action, dissect(&b.frame).sport), (TC_ACT_REDIRECT, Some(62000)), "a reset flow's port is reused");
+    // Once a flow has ended (its entries expired), its port is taken by the next flow, long
     // before the LRU would evict the entry.
     let ct = testrun::map_by_name(&mut n.dp, proxy_common::map_names::CT);
     let mut ct: aya::maps::HashMap<_, proxy_common::CtKey, proxy_common::CtEntry> =
@@ -296,7 +301,7 @@ fn snat_ports_run_out_cleanly() {
         e.last_seen_ns = 1;
         ct.insert(k, e, 0).unwrap();
     }
-    let b = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40000"), sock(NODE_PORT), SYN), n.ifindex);
+    let b = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.9:40000"), sock(NODE_PORT), SYN), n.ifindex);
     assert_eq!(b.action, TC_ACT_REDIRECT, "an expired mapping's port is reused");
     assert_eq!(dissect(&b.frame).sport, Some(62000));
 }

@@ -413,6 +413,50 @@ fn datapath(out_dir: &std::path::Path) {
     println!("written to {}", path.display());
 }
 
+fn north(out_dir: &std::path::Path) {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let filler = 1000;
+    println!("\nNodePort forwarding, client -> node A -> backend on node B ({filler} other Services programmed)");
+    let figures = proxy_tests::northbench::run(proxy_tests::lab::sibling("proxy-lab-agent"), quick, filler);
+    let ipt = figures.iter().find(|f| f.mode == proxy_tests::northbench::Mode::Iptables).expect("iptables figures");
+    let floor = figures[0].floor_pps;
+    println!(
+        "\nfloor (frames generated, sent straight back out, dropped at the far end; no processing): {floor:.0} pps = {:.0} ns/packet",
+        1e9 / floor
+    );
+    println!(
+        "\n{:<12} {:>13} {:>8} {:>13} {:>15} {:>8}",
+        "node A runs", "UDP 64B pps", "vs ipt", "ns/pkt > floor", "new TCP conn/s", "vs ipt"
+    );
+    for f in &figures {
+        println!(
+            "{:<12} {:>13.0} {:>7.2}x {:>13.0} {:>15.0} {:>7.2}x",
+            format!("{:?}", f.mode),
+            f.pps_delivered,
+            f.pps_delivered / ipt.pps_delivered,
+            1e9 / f.pps_delivered - 1e9 / floor,
+            f.conns_per_sec,
+            f.conns_per_sec / ipt.conns_per_sec
+        );
+    }
+    let json = serde_json::json!({
+        "benchmark": "north",
+        "filler_services": filler,
+        "floor_pps": floor,
+        "modes": figures.iter().map(|f| serde_json::json!({
+            "mode": format!("{:?}", f.mode),
+            "udp_pps_delivered": f.pps_delivered,
+            "udp_pps_offered": f.pps_offered,
+            "tcp_new_conns_per_sec": f.conns_per_sec,
+            "pps_vs_iptables": f.pps_delivered / ipt.pps_delivered,
+            "conns_vs_iptables": f.conns_per_sec / ipt.conns_per_sec,
+        })).collect::<Vec<_>>(),
+    });
+    let path = out_dir.join("north.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
 fn main() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -423,15 +467,16 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
-        which = vec!["datapath".into(), "control".into()];
+        which = vec!["datapath".into(), "control".into(), "north".into()];
     }
     for b in which {
         match b.as_str() {
             "datapath" => datapath(&out_dir),
             "control" => control(&out_dir),
             "profile" => profile(),
+            "north" => north(&out_dir),
             other => {
-                eprintln!("unknown benchmark {other:?}; available: datapath, control, profile");
+                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, profile");
                 std::process::exit(2);
             }
         }

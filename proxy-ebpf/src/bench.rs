@@ -1,0 +1,45 @@
+//! Support for the forwarding benchmark's frame generator (see `proxy_xdp_bench_ext`).
+
+use aya_ebpf::{
+    btf_maps::{Array, PerCpuArray},
+    macros::btf_map,
+    programs::XdpContext,
+};
+
+use crate::parse::ptr_at;
+
+/// Length of the benchmark's frames (the classic minimum Ethernet frame, without FCS).
+pub const FRAME_LEN: usize = 64;
+/// Offset of the UDP source port in the frame (Ethernet + a 20-byte IPv4 header).
+const SPORT_OFF: usize = 34;
+/// Flows the generator cycles through (consecutive source ports).
+const FLOWS: u32 = 16;
+
+/// The frame every benchmark run starts from (a UDP datagram without checksum, so the source
+/// port can change without one). Not pinned; only the benchmark writes it.
+#[btf_map]
+pub static BENCH_FRAME_V1: Array<[u8; FRAME_LEN], 1> = Array::new();
+
+/// Frames generated on this CPU, to pick the next flow.
+#[btf_map]
+pub static BENCH_SEQ_V1: PerCpuArray<u32, 1> = PerCpuArray::new();
+
+/// Copies the template over the frame and gives it the next flow's source port. False when
+/// either is missing or the frame is too short.
+#[inline(always)]
+pub fn restore(ctx: &XdpContext) -> bool {
+    let Some(t) = BENCH_FRAME_V1.get(0) else { return false };
+    let Some(seq) = BENCH_SEQ_V1.get_ptr_mut(0) else { return false };
+    let Some(p) = ptr_at::<[u8; FRAME_LEN]>(ctx, 0) else { return false };
+    // SAFETY: bounds checked by ptr_at; the per-CPU slot is this CPU's.
+    unsafe {
+        *p = *t;
+        let n = *seq;
+        *seq = n.wrapping_add(1);
+        let base = u16::from_be_bytes([(*p)[SPORT_OFF], (*p)[SPORT_OFF + 1]]);
+        let port = base.wrapping_add((n % FLOWS) as u16).to_be_bytes();
+        (*p)[SPORT_OFF] = port[0];
+        (*p)[SPORT_OFF + 1] = port[1];
+    }
+    true
+}
