@@ -195,6 +195,16 @@ impl Cluster {
         }
     }
 
+    /// Kills a node's agent (SIGKILL): its programs, maps and links stay pinned and keep
+    /// serving, as after a crash.
+    pub fn kill_agent_on(&mut self, name: &str) {
+        let node = self.nodes.iter_mut().find(|n| n.name == name).expect("node");
+        if let Some(mut a) = node.agent.take() {
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+
     /// Stops a node's agent and removes everything it pinned (its programs detach).
     pub fn stop_agent_on(&mut self, name: &str) {
         let node = self.nodes.iter_mut().find(|n| n.name == name).expect("node");

@@ -257,3 +257,60 @@ fn every_node_sends_a_flow_to_the_same_backend() {
     assert!(text.contains(&format!("backend   {}", picks[0][0])), "{text}");
     assert!(text.contains("service   default/web:http"), "{text}");
 }
+
+#[test]
+fn a_north_south_connection_survives_an_agent_restart() {
+    let Some(mut c) = cluster("a_north_south_connection_survives_an_agent_restart", [&["a1"], &["b1", "b2"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("NODE:30080", "TCP", 3);
+    // Open connections until one goes to a backend on node B (SNAT and a port mapping).
+    let mut remote = None;
+    for _ in 0..40 {
+        let mut k = proxy_tests::servers::Conn::open(&c.client, sock("192.168.100.1:30080")).unwrap();
+        let a = k.ask().unwrap();
+        if a.backend.starts_with('b') {
+            remote = Some((k, a.backend));
+            break;
+        }
+    }
+    let (mut conn, backend) = remote.expect("a connection to a backend on node B");
+    let picks_before: Vec<String> = (0..20).map(|_| tcp_ask(&c.client, sock("192.168.100.1:30080")).unwrap().backend).collect();
+    c.kill_agent_on("node-a");
+    // While the agent is down, the pinned dataplane keeps serving the connection.
+    assert_eq!(conn.ask().unwrap().backend, backend);
+    c.start_agent_on("node-a", &[]);
+    let log_has_sync = |c: &Cluster| c.node("node-a").agent_log().matches("initial sync done").count() >= 2;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !log_has_sync(&c) {
+        assert!(std::time::Instant::now() < deadline, "the restarted agent did not sync:\n{}", c.node("node-a").agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        c.node("node-a").agent_log().lines().rev().find(|l| l.contains("initial sync done")).is_some_and(|l| l.contains("programmed=0")),
+        "nothing to reprogram: the Maglev tables and slots were adopted as they were"
+    );
+    assert_eq!(conn.ask().unwrap().backend, backend, "the connection kept its backend and port mapping");
+    // Maglev picks the same backends for the same flows as before the restart: the client's
+    // source ports differ each time, so compare the spread, not single flows.
+    let picks_after: BTreeSet<String> = (0..20).map(|_| tcp_ask(&c.client, sock("192.168.100.1:30080")).unwrap().backend).collect();
+    assert_eq!(picks_after, picks_before.into_iter().collect::<BTreeSet<_>>());
+}
+
+#[test]
+fn node_ports_are_served_only_on_the_addresses_asked_for() {
+    let Some(mut c) = cluster("node_ports_are_served_only_on_the_addresses_asked_for", [&["a1"], &[]]) else { return };
+    c.node("node-a").ns.ip(&["addr", "add", "192.168.100.11/24", "dev", "wire0"]);
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a")]));
+    c.start_agents(&["--nodeport-addresses", "primary"]);
+    c.wait_frontend("NODE:30080", "TCP", 1);
+    assert_eq!(tcp_ask(&c.client, sock("192.168.100.1:30080")).unwrap().backend, "a1", "the Node's InternalIP serves");
+    let r = c.node("node-a").inspect().unwrap();
+    assert!(!r.frontends.iter().any(|f| f.address.starts_with("192.168.100.11:")), "the second address serves no NodePort");
+    let err = tcp_ask(&c.client, sock("192.168.100.11:30080")).expect_err("not a NodePort address");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "the node's own stack answers: nothing listens there");
+}
