@@ -198,6 +198,12 @@ pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
     let _ = CT4_V2.remove(stale);
 }
 
+/// The tuple replies from `backend` to the node's `snat_addr`:`port` carry.
+#[inline(always)]
+fn snat_reply_key(pkt: &Packet, backend: &Backend, snat_addr: [u8; 4], port: [u8; 2]) -> CtKey {
+    CtKey { saddr: backend.addr, daddr: snat_addr, sport: backend.port, dport: port, proto: pkt.proto, _pad: 0, _pad2: 0 }
+}
+
 /// True when the SNAT reply entry `old` no longer guards a connection, so its port may be given
 /// to a new flow: it has expired, or its flow has: the forward entry is gone, expired, moved to
 /// another backend, or was reset (a reset connection has no socket left on either side that a
@@ -307,15 +313,7 @@ pub fn create_snat(
     let mut claimed = false;
     for i in 0..SNAT_TRIES {
         port = ((port_min as u32 + start.wrapping_add(i) % range) as u16).to_be_bytes();
-        let k = CtKey {
-            saddr: backend.addr,
-            daddr: snat_addr,
-            sport: backend.port,
-            dport: port,
-            proto: pkt.proto,
-            _pad: 0,
-            _pad2: 0,
-        };
+        let k = snat_reply_key(pkt, backend, snat_addr, port);
         if CT4_V2.insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             claimed = true;
             break;
@@ -338,15 +336,7 @@ pub fn create_snat(
     e.snat_port = port;
     e.snat_addr = snat_addr;
     if CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).is_err() {
-        let _ = CT4_V2.remove(CtKey {
-            saddr: backend.addr,
-            daddr: snat_addr,
-            sport: backend.port,
-            dport: port,
-            proto: pkt.proto,
-            _pad: 0,
-            _pad2: 0,
-        });
+        let _ = CT4_V2.remove(snat_reply_key(pkt, backend, snat_addr, port));
         return Err(Reason::DropCtInsert);
     }
     Ok(port)

@@ -104,6 +104,17 @@ fn route_of(env: &Env, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, src: [u8;
     Ok(r)
 }
 
+/// A route XDP can use, or the step to take instead: XDP passes what needs a neighbour resolved
+/// (and everything else it cannot finish); TC drops what has no route.
+#[inline(always)]
+fn usable(env: &Env, route: Result<Route, Reason>) -> Result<Route, Step> {
+    match route {
+        Ok(r) if !(env.xdp && r.no_neigh) => Ok(r),
+        Ok(_) => Err(Step::Pass(Reason::XdpPass)),
+        Err(r) => Err(xdp_pass(env).unwrap_or(Step::Drop(r))),
+    }
+}
+
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
 #[inline(always)]
 fn xdp_pass(env: &Env) -> Option<Step> {
@@ -124,10 +135,9 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
             let Some(rn) = revnat_of(&entry) else {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             };
-            let route = match route_of(env, pkt, e, &entry, rn.addr, entry.nat_addr, now) {
-                Ok(r) if !(env.xdp && r.no_neigh) => r,
-                Ok(_) => return Step::Pass(Reason::XdpPass),
-                Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+            let route = match usable(env, route_of(env, pkt, e, &entry, rn.addr, entry.nat_addr, now)) {
+                Ok(r) => r,
+                Err(step) => return step,
             };
             if !env.dry {
                 let fwd = CtKey {
@@ -164,10 +174,9 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
                 }
                 return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established };
             }
-            let route = match route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now) {
-                Ok(r) if !(env.xdp && r.no_neigh) => r,
-                Ok(_) => return Step::Pass(Reason::XdpPass),
-                Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+            let route = match usable(env, route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now)) {
+                Ok(r) => r,
+                Err(step) => return step,
             };
             if !env.dry {
                 ct::touch_forward(pkt, e, now);
@@ -228,10 +237,9 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         }
         return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal };
     }
-    let route = match fib(env, pkt, pkt.saddr, be.addr) {
-        Ok(r) if !(env.xdp && r.no_neigh) => r,
-        Ok(_) => return Step::Pass(Reason::XdpPass),
-        Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),
+    let route = match usable(env, fib(env, pkt, pkt.saddr, be.addr)) {
+        Ok(r) => r,
+        Err(step) => return step,
     };
     // SAFETY: the value is copied out at once.
     let Some(snat_addr) = NODE_IFADDR_V1.get_ptr(&route.ifindex).map(|a| unsafe { (*a).addr }) else {

@@ -182,9 +182,7 @@ impl Cluster {
 
     /// Writes a manifest atomically, as editors and ConfigMap updates do.
     pub fn write_manifest(&self, name: &str, text: &str) {
-        let tmp = self.manifests().join(format!(".{name}.tmp"));
-        fs::write(&tmp, text).expect("write manifest");
-        fs::rename(&tmp, self.manifests().join(name)).expect("rename manifest");
+        crate::lab::write_atomically(&self.manifests(), name, text);
     }
 
     /// Starts both agents on the shared manifest directory, each with its node's name and pin

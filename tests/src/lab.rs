@@ -114,12 +114,9 @@ impl Lab {
         self.dir.join("agent.log")
     }
 
-    /// Writes a manifest atomically (a hidden temporary file, then a rename), as editors and
-    /// ConfigMap updates do.
+    /// Writes a manifest atomically (see `write_atomically`).
     pub fn write_manifest(&self, name: &str, text: &str) {
-        let tmp = self.manifests().join(format!(".{name}.tmp"));
-        fs::write(&tmp, text).expect("write manifest");
-        fs::rename(&tmp, self.manifests().join(name)).expect("rename manifest");
+        write_atomically(&self.manifests(), name, text);
     }
 
     pub fn remove_manifest(&self, name: &str) {
@@ -265,6 +262,14 @@ impl Drop for Lab {
         let _ = fs::remove_dir_all(&self.dir);
         // The namespaces (and the veths in them) go when the fields drop.
     }
+}
+
+/// Writes `dir/name` atomically (a hidden temporary file, then a rename), as editors and
+/// ConfigMap updates do, so the agent never reads half a manifest.
+pub fn write_atomically(dir: &Path, name: &str, text: &str) {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    fs::write(&tmp, text).expect("write manifest");
+    fs::rename(&tmp, dir.join(name)).expect("rename manifest");
 }
 
 /// Starts `proxy-agent run <args>` inside `node`'s network namespace, logging to `log`.

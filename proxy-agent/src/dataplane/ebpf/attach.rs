@@ -274,7 +274,45 @@ impl Attachments {
     }
 }
 
-/// `pins`: the pins a previous run left for this interface, and where to pin now.
+/// Takes over a link a previous run pinned for this hook (`adopt` swaps our program into it),
+/// or else makes a new one (`attach`), and pins it. `pins`: the pins a previous run left for
+/// this interface, and where to pin now.
+fn take_over_or_attach(
+    program: &'static str,
+    ifname: &str,
+    pins: Option<(Vec<PathBuf>, PathBuf)>,
+    mut adopt: impl FnMut(&Path) -> Result<FdLink, String>,
+    attach: impl FnOnce() -> Result<FdLink, AttachError>,
+) -> Result<FdLink, AttachError> {
+    let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
+    let (old_pins, pin) = match pins {
+        Some((old, new)) => (old, Some(new)),
+        None => (Vec::new(), None),
+    };
+    for old in &old_pins {
+        match adopt(old) {
+            Ok(link) => {
+                tracing::debug!(interface = ifname, program, "took over pinned link; program replaced atomically");
+                if let Some(pin) = pin.as_ref().filter(|p| *p != old) {
+                    let _ = fs::rename(old, pin);
+                }
+                return Ok(link);
+            }
+            Err(e) => {
+                // The interface it was made for is gone (its index was reused) or the pin is
+                // not a link of this kind: start afresh.
+                tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
+                let _ = fs::remove_file(old);
+            }
+        }
+    }
+    let link = attach()?;
+    match pin {
+        Some(pin) => link.pin(pin).map(FdLink::from).map_err(|e| pin_err(e.to_string())),
+        None => Ok(link),
+    }
+}
+
 fn attach_tc(
     prog: &mut SchedClassifier,
     hook: TcAttachType,
@@ -285,43 +323,22 @@ fn attach_tc(
 ) -> Result<FdLink, AttachError> {
     let attach_err = |source| AttachError::Attach { program, ifname: ifname.into(), ifindex, source };
     let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
-    let (old_pins, pin) = match pins {
-        Some((old, new)) => (old, Some(new)),
-        None => (Vec::new(), None),
+    let prog = std::cell::RefCell::new(prog);
+    let adopt = |pin: &Path| -> Result<FdLink, String> {
+        let mut prog = prog.borrow_mut();
+        let pinned = PinnedLink::from_pin(pin).map_err(|e| e.to_string())?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|e| e.to_string())?;
+        let id = prog.attach_to_link(link).map_err(|e| e.to_string())?;
+        FdLink::try_from(prog.take_link(id).map_err(|e| e.to_string())?).map_err(|e| e.to_string())
     };
-    for old in &old_pins {
-        match adopt(prog, old) {
-            Ok(link) => {
-                tracing::debug!(interface = ifname, program, "took over pinned link; program replaced atomically");
-                if let Some(pin) = pin.as_ref().filter(|p| *p != old) {
-                    let _ = fs::rename(old, pin);
-                }
-                return Ok(link);
-            }
-            Err(e) => {
-                // The interface it was made for is gone (its index was reused) or the pin is
-                // not a tcx link: start afresh.
-                tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
-                let _ = fs::remove_file(old);
-            }
-        }
-    }
-    // First in the tcx chain: services must be translated before other programs look at
-    // addresses.
-    let id = prog.attach_with_options(ifname, hook, TcAttachOptions::TcxOrder(LinkOrder::first())).map_err(attach_err)?;
-    let link = FdLink::try_from(prog.take_link(id).map_err(attach_err)?).map_err(|e| pin_err(e.to_string()))?;
-    match pin {
-        Some(pin) => link.pin(pin).map(FdLink::from).map_err(|e| pin_err(e.to_string())),
-        None => Ok(link),
-    }
-}
-
-fn adopt(prog: &mut SchedClassifier, pin: &Path) -> Result<FdLink, String> {
-    let pinned = PinnedLink::from_pin(pin).map_err(|e| e.to_string())?;
-    let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|e| e.to_string())?;
-    let id = prog.attach_to_link(link).map_err(|e| e.to_string())?;
-    let link = prog.take_link(id).map_err(|e| e.to_string())?;
-    FdLink::try_from(link).map_err(|e| e.to_string())
+    let attach = || {
+        let mut prog = prog.borrow_mut();
+        // First in the tcx chain: services must be translated before other programs look at
+        // addresses.
+        let id = prog.attach_with_options(ifname, hook, TcAttachOptions::TcxOrder(LinkOrder::first())).map_err(attach_err)?;
+        FdLink::try_from(prog.take_link(id).map_err(attach_err)?).map_err(|e| pin_err(e.to_string()))
+    };
+    take_over_or_attach(program, ifname, pins, adopt, attach)
 }
 
 fn attach_xdp(
@@ -334,36 +351,20 @@ fn attach_xdp(
     let program = prog_names::XDP_EXT;
     let attach_err = |source| AttachError::Attach { program, ifname: ifname.into(), ifindex, source };
     let pin_err = |detail: String| AttachError::Pin { program, ifname: ifname.into(), detail };
-    let (old_pins, pin) = match pins {
-        Some((old, new)) => (old, Some(new)),
-        None => (Vec::new(), None),
+    let prog = std::cell::RefCell::new(prog);
+    let adopt = |pin: &Path| -> Result<FdLink, String> {
+        let mut prog = prog.borrow_mut();
+        let pinned = PinnedLink::from_pin(pin).map_err(|e| e.to_string())?;
+        let link = XdpLink::try_from(FdLink::from(pinned)).map_err(|e| e.to_string())?;
+        let id = prog.attach_to_link(link).map_err(|e| e.to_string())?;
+        FdLink::try_from(prog.take_link(id).map_err(|e| e.to_string())?).map_err(|e| e.to_string())
     };
-    for old in &old_pins {
-        let adopted = PinnedLink::from_pin(old)
-            .map_err(|e| e.to_string())
-            .and_then(|p| XdpLink::try_from(FdLink::from(p)).map_err(|e| e.to_string()))
-            .and_then(|l| prog.attach_to_link(l).map_err(|e| e.to_string()))
-            .and_then(|id| prog.take_link(id).map_err(|e| e.to_string()))
-            .and_then(|l| FdLink::try_from(l).map_err(|e| e.to_string()));
-        match adopted {
-            Ok(link) => {
-                if let Some(pin) = pin.as_ref().filter(|p| *p != old) {
-                    let _ = fs::rename(old, pin);
-                }
-                return Ok(link);
-            }
-            Err(e) => {
-                tracing::info!(interface = ifname, program, reason = %e, "dropping stale pinned link");
-                let _ = fs::remove_file(old);
-            }
-        }
-    }
-    let id = prog.attach_to_if_index(ifindex, mode).map_err(attach_err)?;
-    // A netlink attachment (kernels without XDP links) cannot be pinned: it stays until detached.
-    let link = FdLink::try_from(prog.take_link(id).map_err(attach_err)?)
-        .map_err(|e| pin_err(format!("{e} (this kernel has no XDP links; 5.9+ is needed)")))?;
-    match pin {
-        Some(pin) => link.pin(pin).map(FdLink::from).map_err(|e| pin_err(e.to_string())),
-        None => Ok(link),
-    }
+    let attach = || {
+        let mut prog = prog.borrow_mut();
+        let id = prog.attach_to_if_index(ifindex, mode).map_err(attach_err)?;
+        // A netlink attachment (kernels without XDP links) cannot be pinned.
+        FdLink::try_from(prog.take_link(id).map_err(attach_err)?)
+            .map_err(|e| pin_err(format!("{e} (this kernel has no XDP links; 5.9+ is needed)")))
+    };
+    take_over_or_attach(program, ifname, pins, adopt, attach)
 }
