@@ -29,11 +29,13 @@ use crate::{
         },
         Dataplane as _,
     },
+    dataplane::ProxyMode,
     devices::Devices,
     healthcheck::HealthServers,
     http,
-    model::store::{Kind, NodePortAddresses, Store},
+    model::store::{Event, Kind, NodePortAddresses, Store},
     netlink,
+    proxier::NetfilterProxier,
     reconcile::{Reconciler, SyncStats},
     source::{self, manifests::ManifestDir},
     telemetry::Telemetry,
@@ -50,6 +52,12 @@ pub enum Source {
 #[derive(Clone, Debug)]
 pub struct RunConfig {
     pub source: Source,
+    /// None: auto.
+    pub proxy_mode: Option<ProxyMode>,
+    /// `--cluster-cidr` (netfilter modes: what counts as pod traffic).
+    pub cluster_cidr: Option<crate::model::store::Cidr>,
+    /// `--masquerade-all` (netfilter modes).
+    pub masquerade_all: bool,
     pub pod_devices: Vec<String>,
     /// External interfaces (glob patterns); empty: those with a global IPv4 address.
     pub devices: Vec<String>,
@@ -115,22 +123,16 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
     });
 }
 
-pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
-    let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
-    let external = if cfg.devices.is_empty() {
-        None
-    } else {
-        Some(DevicePatterns::parse(&cfg.devices).map_err(|e| anyhow::anyhow!("--devices: {e}"))?)
-    };
-    let (src_tx, mut src_rx) = mpsc::channel(256);
-    // Hold the directory watcher for the life of the agent.
-    let mut _watcher = None;
+/// The source of Services and endpoints, started; the returned guard keeps a directory
+/// watcher alive.
+async fn start_source(cfg: &RunConfig) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
+    let (src_tx, src_rx) = mpsc::channel(256);
+    let mut watcher = None;
     match &cfg.source {
         Source::Manifests(dir) => {
             let dir = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
-            _watcher = Some(
-                source::manifests::spawn(dir, src_tx, cfg.resync)
-                    .with_context(|| format!("watching {:?}", cfg.source))?,
+            watcher = Some(
+                source::manifests::spawn(dir, src_tx, cfg.resync).with_context(|| format!("watching {:?}", cfg.source))?,
             );
         }
         Source::Kube(kubeconfig) => {
@@ -138,14 +140,150 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
             source::kube::spawn(client, &cfg.hostname, src_tx);
         }
     }
+    Ok((src_rx, watcher))
+}
 
-    let dp = EbpfDataplane::load(LoadOptions {
+fn load_ebpf(cfg: &RunConfig) -> Result<EbpfDataplane, crate::dataplane::ebpf::EbpfError> {
+    EbpfDataplane::load(LoadOptions {
         pin_root: Some(cfg.bpffs_root.clone()),
         lb_map_max: cfg.lb_map_max,
         ct_map_max: cfg.ct_map_max,
         maglev_size: cfg.maglev_size,
         snat_ports: cfg.snat_ports,
-    })?;
+    })
+}
+
+/// `--proxy-mode auto`: ebpf when this kernel and these privileges run our programs, else
+/// nftables, else iptables. Says why.
+fn choose_mode(cfg: &RunConfig) -> (ProxyMode, Option<EbpfDataplane>) {
+    match crate::dataplane::modes::ebpf_unsupported() {
+        None => match load_ebpf(cfg) {
+            Ok(dp) => {
+                tracing::info!(mode = "ebpf", "proxy mode auto: the kernel runs the eBPF dataplane");
+                return (ProxyMode::Ebpf, Some(dp));
+            }
+            Err(e) => tracing::warn!("proxy mode auto: the eBPF dataplane cannot load ({e}); falling back"),
+        },
+        Some(why) => tracing::warn!("proxy mode auto: not using eBPF: {why}; falling back"),
+    }
+    match crate::dataplane::modes::nftables_unsupported() {
+        None => {
+            tracing::info!(mode = "nftables", "proxy mode auto: nf_tables and nft are available");
+            (ProxyMode::Nftables, None)
+        }
+        Some(why) => {
+            tracing::warn!(mode = "iptables", "proxy mode auto: not using nftables: {why}; using iptables");
+            (ProxyMode::Iptables, None)
+        }
+    }
+}
+
+pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
+    let (mode, loaded) = match cfg.proxy_mode {
+        Some(m) => {
+            tracing::info!(mode = %m, "proxy mode as configured (--proxy-mode)");
+            (m, None)
+        }
+        None => choose_mode(&cfg),
+    };
+    crate::dataplane::modes::cleanup_other_modes(mode, &cfg.bpffs_root);
+    match mode {
+        ProxyMode::Ebpf => {
+            let dp = match loaded {
+                Some(dp) => dp,
+                None => load_ebpf(&cfg)?,
+            };
+            run_ebpf(cfg, dp).await
+        }
+        other => run_netfilter(cfg, other).await,
+    }
+}
+
+async fn run_netfilter(cfg: RunConfig, mode: ProxyMode) -> anyhow::Result<()> {
+    let rules = crate::dataplane::modes::rules_for(mode).map_err(anyhow::Error::msg)?;
+    let (mut src_rx, _watcher) = start_source(&cfg).await?;
+    let telemetry = Telemetry::new(2 * cfg.sync_period, None, (0, 0));
+    http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
+    http::spawn("healthz", "--healthz-bind-address", cfg.healthz_bind, http::health_router(telemetry.clone()));
+    let mut store = Store::new(cfg.hostname.clone());
+    store.set_nodeport_config(cfg.nodeport_addresses.clone());
+    let mut proxier = NetfilterProxier::new(
+        store,
+        rules,
+        vec![Kind::Service, Kind::EndpointSlice, Kind::Node],
+        cfg.cluster_cidr,
+        cfg.masquerade_all,
+    );
+    let mut health = HealthServers::new(telemetry.clone());
+    // Node addresses, for NodePorts.
+    let (link_tx, mut link_rx) = mpsc::channel(256);
+    let (links, addrs) = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
+    let no_devices = DevicePatterns::parse(&[]).expect("empty pattern list");
+    let mut devices = Devices::new(no_devices, Some(DevicePatterns::parse(&[]).expect("empty")), XdpSetting::Disabled);
+    for (index, name) in links {
+        devices.apply(&netlink::LinkChange::Present { index, name });
+    }
+    for a in &addrs {
+        devices.apply(a);
+    }
+    proxier.store.set_local_addresses(devices.node_addresses());
+    tracing::info!(mode = %mode, node = cfg.hostname, "programming Services with the kernel's netfilter");
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut retry = tokio::time::interval(Duration::from_secs(2));
+    let netfilter_sync = |p: &mut NetfilterProxier, health: &mut HealthServers| {
+        if let Some(s) = p.sync() {
+            log_sync(&s);
+            health.update(&p.health_checks());
+            telemetry.synced(&s, &p.store.change_counts());
+            if !p.has_failures() {
+                telemetry.updated();
+            }
+        }
+    };
+    loop {
+        tokio::select! {
+            Some(ev) = src_rx.recv() => {
+                proxier.handle(ev);
+                while let Ok(ev) = src_rx.try_recv() {
+                    proxier.handle(ev);
+                }
+                if let Some(n) = proxier.store.node() {
+                    telemetry.set_node_eligible(!n.deleting);
+                }
+                if proxier.store.has_dirty() {
+                    telemetry.queued();
+                }
+                netfilter_sync(&mut proxier, &mut health);
+            }
+            Some(change) = link_rx.recv() => {
+                let mut changed = devices.apply(&change);
+                while let Ok(change) = link_rx.try_recv() {
+                    changed |= devices.apply(&change);
+                }
+                if changed {
+                    proxier.store.set_local_addresses(devices.node_addresses());
+                    netfilter_sync(&mut proxier, &mut health);
+                }
+            }
+            _ = retry.tick(), if proxier.has_failures() => netfilter_sync(&mut proxier, &mut health),
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    tracing::info!(mode = %mode, "stopping; the rules stay in place (`proxy-agent cleanup` removes them)");
+    Ok(())
+}
+
+async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
+    let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
+    let external = if cfg.devices.is_empty() {
+        None
+    } else {
+        Some(DevicePatterns::parse(&cfg.devices).map_err(|e| anyhow::anyhow!("--devices: {e}"))?)
+    };
+    let (mut src_rx, _watcher) = start_source(&cfg).await?;
     tracing::info!(
         bpffs_root = %cfg.bpffs_root.display(),
         node = cfg.hostname,

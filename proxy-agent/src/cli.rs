@@ -7,6 +7,8 @@ use proxy_common::limits;
 
 use crate::{
     agent::{self, Source},
+    dataplane::ProxyMode,
+    model::store::Cidr,
     dataplane::ebpf::attach::XdpSetting,
     inspect,
     model::{store::NodePortAddresses, Protocol},
@@ -33,8 +35,12 @@ enum Cmd {
     Run(RunArgs),
     /// Print what is programmed: services, backends, connections, counters.
     Inspect(InspectArgs),
-    /// Remove every program, map and link the agent pinned (tracked connections are lost).
+    /// Remove what the agent installed in every mode: pinned programs, maps and links (tracked
+    /// connections are lost), iptables chains, the nftables table, IPVS services.
     Cleanup(RootArgs),
+    /// Print what the agent would program for a manifest directory, in one mode, without
+    /// touching the kernel.
+    Rules(RulesArgs),
     /// Run a synthetic packet arriving from outside through the loaded program and print what
     /// it would do (verdict, Service, backend). Run it in the node's network namespace.
     Trace(TraceArgs),
@@ -73,9 +79,58 @@ struct RootArgs {
 }
 
 #[derive(Args)]
+struct RulesArgs {
+    /// ebpf (the map entries), iptables (iptables-restore input), nftables (nft -f input) or
+    /// ipvs (virtual servers, ipsets and iptables rules).
+    #[arg(long, value_parser = parse_mode)]
+    proxy_mode: ProxyMode,
+    #[arg(long)]
+    manifests: PathBuf,
+    /// This node's name, as in its Node object (which endpoints are local).
+    #[arg(long, env = "NODE_NAME")]
+    hostname_override: Option<String>,
+    /// The node's addresses NodePorts are served on (default: none listed; iptables then
+    /// matches every local address, as kube-proxy does).
+    #[arg(long, value_delimiter = ',')]
+    node_ip: Vec<std::net::Ipv4Addr>,
+    #[arg(long, value_parser = parse_cidr)]
+    cluster_cidr: Option<Cidr>,
+    #[arg(long)]
+    masquerade_all: bool,
+}
+
+fn parse_mode(s: &str) -> Result<ProxyMode, String> {
+    s.parse()
+}
+
+fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    s.parse()
+}
+
+/// `--proxy-mode`: a mode, or auto (None).
+fn parse_mode_or_auto(s: &str) -> Result<Option<ProxyMode>, String> {
+    if s == "auto" {
+        Ok(None)
+    } else {
+        s.parse().map(Some)
+    }
+}
+
+#[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
     root: RootArgs,
+    /// ebpf, iptables, ipvs, nftables, or auto: ebpf where the kernel and privileges allow,
+    /// else nftables, else iptables (the choice and its reason are logged).
+    #[arg(long, default_value = "auto", value_parser = parse_mode_or_auto)]
+    proxy_mode: Option<ProxyMode>,
+    /// The pods' address range: in the netfilter modes, traffic from outside it to a cluster IP
+    /// is masqueraded, and externalTrafficPolicy Local short-circuits traffic from inside it.
+    #[arg(long, value_parser = parse_cidr)]
+    cluster_cidr: Option<Cidr>,
+    /// Netfilter modes: masquerade all traffic to Services.
+    #[arg(long)]
+    masquerade_all: bool,
     /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`
     /// prints them) from this directory, watched for changes, instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
@@ -212,6 +267,9 @@ pub fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run(a) => {
             let cfg = agent::RunConfig {
+                proxy_mode: a.proxy_mode,
+                cluster_cidr: a.cluster_cidr,
+                masquerade_all: a.masquerade_all,
                 source: match a.manifests {
                     Some(dir) => Source::Manifests(dir),
                     None => Source::Kube(a.kubeconfig),
@@ -252,9 +310,31 @@ pub fn main() -> ExitCode {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
             }
         }),
-        Cmd::Cleanup(a) => inspect::cleanup(&a.bpffs_root).map_err(anyhow::Error::from).map(|removed| {
-            println!("removed {} pinned objects under {}", removed.len(), a.bpffs_root.display());
-        }),
+        Cmd::Cleanup(a) => {
+            let mut lines = Vec::new();
+            for mode in ProxyMode::ALL {
+                lines.extend(crate::dataplane::modes::cleanup(mode, &a.bpffs_root));
+            }
+            if lines.is_empty() {
+                println!("nothing to remove");
+            }
+            for l in lines {
+                println!("removed {l}");
+            }
+            Ok(())
+        }
+        Cmd::Rules(a) => crate::rules::print(
+            a.proxy_mode,
+            &a.manifests,
+            &a.hostname_override.unwrap_or_else(hostname),
+            crate::dataplane::netfilter::NodeContext {
+                nodeport_all: a.node_ip.is_empty(),
+                nodeport_ips: a.node_ip,
+                cluster_cidr: a.cluster_cidr,
+                masquerade_all: a.masquerade_all,
+            },
+        )
+        .map(|text| print!("{text}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

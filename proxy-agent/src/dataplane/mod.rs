@@ -1,6 +1,46 @@
 //! Dataplanes program the kernel from the model. The reconciler owns exactly one.
 
 pub mod ebpf;
+pub mod modes;
+pub mod netfilter;
+
+/// How Services are programmed (`--proxy-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProxyMode {
+    Ebpf,
+    Iptables,
+    Ipvs,
+    Nftables,
+}
+
+impl ProxyMode {
+    pub const ALL: [ProxyMode; 4] = [ProxyMode::Ebpf, ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Nftables];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Ebpf => "ebpf",
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Nftables => "nftables",
+        }
+    }
+}
+
+impl std::fmt::Display for ProxyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ProxyMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        ProxyMode::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| format!("unknown proxy mode {s:?} (ebpf, iptables, ipvs, nftables or auto)"))
+    }
+}
 
 use crate::model::{Frontend, FrontendKey};
 

@@ -184,3 +184,74 @@ pub struct NodeInfo {
     /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
     pub nodeport_addresses: Vec<Ipv4Addr>,
 }
+
+/// One endpoint of a service port as the netfilter renderers need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointView {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub local: bool,
+}
+
+impl EndpointView {
+    /// `ip:port`, as kube-proxy writes endpoints.
+    pub fn socket(&self) -> std::net::SocketAddrV4 {
+        std::net::SocketAddrV4::new(self.addr, self.port)
+    }
+}
+
+/// One Service port with everything a rule renderer needs: addresses, policies and the
+/// endpoint sets kube-proxy's `CategorizeEndpoints` yields. The eBPF dataplane works from
+/// frontends instead; the netfilter renderers (iptables, nftables, IPVS) from this.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortView {
+    pub name: ServicePortName,
+    pub port: u16,
+    pub cluster_ips: Vec<Ipv4Addr>,
+    pub node_port: Option<u16>,
+    pub external_ips: Vec<Ipv4Addr>,
+    pub lb_ips: Vec<Ipv4Addr>,
+    /// Reachable from outside the cluster (NodePort or LoadBalancer type, external or LB IPs).
+    pub external: bool,
+    pub internal_local: bool,
+    /// externalTrafficPolicy Local (NodePort and LoadBalancer Services only).
+    pub external_local: bool,
+    /// `spec.loadBalancerSourceRanges`.
+    pub lb_source_ranges: Vec<store::Cidr>,
+    pub affinity_timeout: Option<u32>,
+    pub health_check_node_port: Option<u16>,
+    /// Endpoints for Cluster traffic policy (ready, or serving+terminating as a fallback;
+    /// topology applied), in slice order.
+    pub cluster_endpoints: Vec<EndpointView>,
+    /// Endpoints for Local traffic policy.
+    pub local_endpoints: Vec<EndpointView>,
+    /// The Service has a usable endpoint somewhere (so "no local endpoint" drops rather than
+    /// rejects).
+    pub has_endpoints: bool,
+}
+
+impl PortView {
+    /// Endpoints either policy may use: the ones rules are written for.
+    pub fn reachable_endpoints(&self) -> Vec<EndpointView> {
+        let mut v: Vec<EndpointView> = self.cluster_endpoints.clone();
+        for e in &self.local_endpoints {
+            if !v.contains(e) {
+                v.push(*e);
+            }
+        }
+        v
+    }
+
+    /// The endpoints internal (cluster IP) traffic uses.
+    pub fn internal_endpoints(&self) -> &[EndpointView] {
+        if self.internal_local { &self.local_endpoints } else { &self.cluster_endpoints }
+    }
+
+    /// The endpoints external (NodePort, LB, external IP) traffic uses.
+    pub fn external_endpoints(&self) -> &[EndpointView] {
+        if self.external_local { &self.local_endpoints } else { &self.cluster_endpoints }
+    }
+}

@@ -68,16 +68,30 @@ pub struct Report {
 }
 
 /// An IPv4 CIDR, as `--nodeport-addresses` takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
     pub addr: std::net::Ipv4Addr,
     pub prefix: u8,
 }
 
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
 impl Cidr {
+    fn mask(&self) -> u32 {
+        if self.prefix == 0 { 0 } else { u32::MAX << (32 - u32::from(self.prefix)) }
+    }
+
+    /// The same range written with its network address (`10.1.2.3/8` -> `10.0.0.0/8`).
+    pub fn network(self) -> Self {
+        Self { addr: std::net::Ipv4Addr::from(u32::from(self.addr) & self.mask()), prefix: self.prefix }
+    }
+
     pub fn contains(&self, a: std::net::Ipv4Addr) -> bool {
-        let mask = if self.prefix == 0 { 0 } else { u32::MAX << (32 - u32::from(self.prefix)) };
-        u32::from(a) & mask == u32::from(self.addr) & mask
+        u32::from(a) & self.mask() == u32::from(self.addr) & self.mask()
     }
 }
 
@@ -171,6 +185,10 @@ impl Store {
             zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
             nodeport_addresses: self.nodeport_addresses(),
         }
+    }
+
+    pub fn nodeport_config(&self) -> &NodePortAddresses {
+        &self.nodeport_config
     }
 
     pub fn set_nodeport_config(&mut self, config: NodePortAddresses) {

@@ -8,8 +8,13 @@ use std::{
 use super::{
     endpoints::{categorize, Endpoint, Policies},
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
-    Backend, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, Protocol, ServicePortName,
+    Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol,
+    ServicePortName,
 };
+
+fn endpoint_view(ep: &Endpoint) -> EndpointView {
+    EndpointView { addr: ep.addr, port: ep.port, ready: ep.ready, serving: ep.serving, terminating: ep.terminating, local: ep.local }
+}
 
 /// A health-check node port to serve (externalTrafficPolicy Local LoadBalancer Services).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,19 +29,29 @@ pub struct HealthCheck {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Translation {
     pub frontends: Vec<(FrontendKey, Frontend)>,
+    /// The same Service per port, for rule renderers.
+    pub ports: Vec<PortView>,
     pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
 }
 
+/// externalTrafficPolicy counts only for NodePort and LoadBalancer Services (a ClusterIP
+/// Service with external IPs is served as Cluster).
+fn external_local(svc: &CheckedService) -> bool {
+    svc.external_local && matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
+}
+
 /// Which endpoint sets the Service's traffic uses (kube-proxy `UsesClusterEndpoints` /
-/// `UsesLocalEndpoints`).
+/// `UsesLocalEndpoints`). An externally reachable Service always needs the Cluster set: pods
+/// and the node itself reaching its external addresses are short-circuited to it even under
+/// externalTrafficPolicy Local.
 fn policies(svc: &CheckedService) -> Policies {
     let external = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
         || !svc.external_ips.is_empty()
         || !svc.lb_ingress.is_empty();
     Policies {
-        uses_cluster: !svc.internal_local || (external && !svc.external_local),
-        uses_local: svc.internal_local || (external && svc.external_local),
+        uses_cluster: !svc.internal_local || external,
+        uses_local: svc.internal_local || (external && external_local(svc)),
     }
 }
 
@@ -97,6 +112,23 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         let sets = categorize(&endpoints, policies, &node.name, node.zone.as_deref());
         local_endpoints += sets.local.len();
         let name = ServicePortName { service: svc.key.clone(), port: port.name.clone(), protocol: port.protocol };
+        out.ports.push(PortView {
+            name: name.clone(),
+            port: port.port,
+            cluster_ips: cluster_ips.clone(),
+            node_port: port.node_port.filter(|_| node_ports),
+            external_ips: external_ips.clone(),
+            lb_ips: lb_ips.clone(),
+            external: node_ports || !external_ips.is_empty() || !lb_ips.is_empty(),
+            internal_local: svc.internal_local,
+            external_local: external_local(svc),
+            lb_source_ranges: svc.lb_source_ranges.clone(),
+            affinity_timeout: svc.affinity_timeout,
+            health_check_node_port: svc.health_check_node_port.filter(|_| svc.service_type == ServiceType::LoadBalancer && external_local(svc)),
+            cluster_endpoints: sets.cluster.iter().map(endpoint_view).collect(),
+            local_endpoints: sets.local.iter().map(endpoint_view).collect(),
+            has_endpoints: sets.has_any,
+        });
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
@@ -127,7 +159,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         }
         // External frontends: outside clients get the local endpoints under
         // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
-        let (external, for_pods) = if svc.external_local {
+        let (external, for_pods) = if external_local(svc) {
             (&sets.local, Some(backends(&sets.cluster)))
         } else {
             (&sets.cluster, None)
@@ -148,7 +180,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             add(*a, port.port, FrontendKind::ExternalIp);
         }
     }
-    if svc.service_type == ServiceType::LoadBalancer && svc.external_local {
+    if svc.service_type == ServiceType::LoadBalancer && external_local(svc) {
         if let Some(port) = svc.health_check_node_port {
             out.health_check = Some(HealthCheck { port, service: svc.key.clone(), local_endpoints });
         }

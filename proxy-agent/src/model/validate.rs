@@ -96,6 +96,8 @@ pub struct CheckedService {
     pub lb_ingress: Vec<IpAddr>,
     /// `spec.healthCheckNodePort`, for LoadBalancer Services with externalTrafficPolicy Local.
     pub health_check_node_port: Option<u16>,
+    /// `spec.loadBalancerSourceRanges` (IPv4), canonical (network address).
+    pub lb_source_ranges: Vec<crate::model::store::Cidr>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -237,6 +239,7 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
                 external_ips: vec![],
                 lb_ingress: vec![],
                 health_check_node_port: None,
+                lb_source_ranges: vec![],
             })
         } else {
             Err(Invalid(errs))
@@ -331,6 +334,26 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         .enumerate()
         .filter_map(|(i, s)| ip(s, &format!("spec.externalIPs[{i}]"), &mut errs))
         .collect();
+    let lb_source_ranges: Vec<crate::model::store::Cidr> = spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let r = r.trim();
+            // IPv6 ranges apply to the other family: not ours.
+            if r.contains(':') {
+                return None;
+            }
+            match r.parse::<crate::model::store::Cidr>() {
+                Ok(c) => Some(c.network()),
+                Err(e) => {
+                    errs.push(format!("spec.loadBalancerSourceRanges[{i}]: {e}"));
+                    None
+                }
+            }
+        })
+        .collect();
     let health_check_node_port = match spec.health_check_node_port {
         None | Some(0) => None,
         Some(p) => Some(port_number(p, "spec.healthCheckNodePort", &mut errs)),
@@ -366,6 +389,7 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         external_ips,
         lb_ingress,
         health_check_node_port,
+        lb_source_ranges,
     })
 }
 

@@ -1,0 +1,75 @@
+//! Choosing, building and cleaning up after proxy modes.
+
+use std::path::Path;
+
+use super::{
+    netfilter::{self, iptables::IptablesRules, ipvs::IpvsRules, nftables::NftablesRules, RuleSet},
+    ProxyMode,
+};
+
+/// Why this node cannot run the eBPF dataplane, if it cannot: tcx links need Linux 6.6, the
+/// programs need kernel BTF, and loading them needs root (CAP_BPF, CAP_NET_ADMIN,
+/// CAP_SYS_ADMIN).
+pub fn ebpf_unsupported() -> Option<String> {
+    // SAFETY: uname fills the struct.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    if unsafe { libc::uname(&mut u) } == 0 {
+        // SAFETY: NUL-terminated by the kernel.
+        let release = unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) }.to_string_lossy().into_owned();
+        let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty()).map(|p| p.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        if (major, minor) < (6, 6) {
+            return Some(format!("kernel {release} is older than 6.6 (tcx links)"));
+        }
+    }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        return Some("the kernel has no BTF (/sys/kernel/btf/vmlinux; CONFIG_DEBUG_INFO_BTF)".into());
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not running as root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN are needed)".into());
+    }
+    None
+}
+
+/// Why nftables mode cannot run here, if it cannot.
+pub fn nftables_unsupported() -> Option<String> {
+    match netfilter::run("nft", "nftables", &["list", "tables"]) {
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// The rules of a netfilter mode.
+pub fn rules_for(mode: ProxyMode) -> Result<Box<dyn RuleSet + Send>, String> {
+    match mode {
+        ProxyMode::Iptables => Ok(Box::new(IptablesRules::new())),
+        ProxyMode::Nftables => Ok(Box::new(NftablesRules::new())),
+        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(netfilter::ipvs::Scheduler::default()))),
+        ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
+    }
+}
+
+/// Removes what `mode` installs. Returns a line per thing removed.
+pub fn cleanup(mode: ProxyMode, bpffs_root: &Path) -> Vec<String> {
+    match mode {
+        ProxyMode::Ebpf => crate::inspect::cleanup(bpffs_root)
+            .map(|removed| if removed.is_empty() { vec![] } else { vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())] })
+            .unwrap_or_default(),
+        ProxyMode::Iptables => netfilter::iptables::cleanup(),
+        ProxyMode::Nftables => netfilter::nftables::cleanup(),
+        ProxyMode::Ipvs => netfilter::ipvs::cleanup(),
+    }
+}
+
+/// Switching mode leaves nothing of the others behind (as kube-proxy cleans up at start).
+pub fn cleanup_other_modes(current: ProxyMode, bpffs_root: &Path) {
+    for mode in ProxyMode::ALL.into_iter().filter(|m| *m != current) {
+        // IPVS mode keeps a few iptables chains of its own; the iptables mode's service chains
+        // are still removed.
+        for line in cleanup(mode, bpffs_root) {
+            tracing::info!(mode = %mode, "removed what an earlier run in another mode left: {line}");
+        }
+    }
+}

@@ -1,0 +1,555 @@
+//! iptables mode, in kube-proxy's layout: `KUBE-SERVICES` -> `KUBE-SVC-*` / `KUBE-SVL-*` /
+//! `KUBE-EXT-*` / `KUBE-FW-*` -> `KUBE-SEP-*` in the nat table, REJECT and DROP for Services
+//! without (local) endpoints in the filter table, chain names hashed exactly as kube-proxy
+//! hashes them, random selection by `statistic`, ClientIP affinity by `recent`. Applied with
+//! `iptables-restore --noflush`: the fixed chains every time, a Service's own chains only when
+//! they changed, and chains of Services that went away deleted.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{hash_name, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use crate::dataplane::ProxyMode;
+
+/// Host-dependent choices kube-proxy makes by probing (make them explicit for tests).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IptablesOptions {
+    /// The masquerade mark, as written in rules.
+    pub mark: String,
+    /// NodePorts on 127.0.0.1 (needs `route_localnet`; kube-proxy's default when
+    /// `--nodeport-addresses` is unset). Off here by default: it is CVE-2020-8558's surface.
+    pub localhost_nodeports: bool,
+    /// The nfacct counters kube-proxy adds exist (`xt_nfacct`).
+    pub nfacct: bool,
+    /// MASQUERADE `--random-fully`.
+    pub random_fully: bool,
+    /// Drop conntrack-INVALID forwarded packets (off when `nf_conntrack_tcp_be_liberal`).
+    pub drop_invalid: bool,
+}
+
+impl Default for IptablesOptions {
+    fn default() -> Self {
+        Self { mark: "0x4000".into(), localhost_nodeports: false, nfacct: false, random_fully: true, drop_invalid: true }
+    }
+}
+
+impl IptablesOptions {
+    /// The options kube-proxy's own unit tests use (for golden comparisons).
+    pub fn upstream_fixture() -> Self {
+        Self { mark: "0x4000".into(), localhost_nodeports: true, nfacct: true, random_fully: false, drop_invalid: true }
+    }
+}
+
+/// `KUBE-SVC-`/`SVL-`/`EXT-`/`FW-` suffix of a service port.
+pub fn port_hash(spn: &str, proto: &str) -> String {
+    hash_name(&format!("{spn}{proto}"), 16)
+}
+
+/// `KUBE-SEP-` suffix of an endpoint of a service port.
+pub fn endpoint_hash(spn: &str, proto: &str, endpoint: &str) -> String {
+    hash_name(&format!("{spn}{proto}{endpoint}"), 16)
+}
+
+/// Quotes a comment of several words, as kube-proxy writes it.
+fn comment(text: &str) -> String {
+    if text.contains(' ') {
+        format!("-m comment --comment \"{text}\"")
+    } else {
+        format!("-m comment --comment {text}")
+    }
+}
+
+/// One table of the restore input: chains in declaration order, rules in emission order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Table {
+    pub chains: Vec<String>,
+    pub rules: Vec<(String, String)>,
+}
+
+impl Table {
+    fn chain(&mut self, name: impl Into<String>) {
+        let name = name.into();
+        if !self.chains.contains(&name) {
+            self.chains.push(name);
+        }
+    }
+
+    fn rule(&mut self, chain: &str, rule: impl Into<String>) {
+        self.rules.push((chain.to_string(), rule.into()));
+    }
+
+    /// The rules of each chain, in order.
+    pub fn by_chain(&self) -> BTreeMap<String, Vec<String>> {
+        let mut m: BTreeMap<String, Vec<String>> = self.chains.iter().map(|c| (c.clone(), Vec::new())).collect();
+        for (c, r) in &self.rules {
+            m.entry(c.clone()).or_default().push(r.clone());
+        }
+        m
+    }
+}
+
+/// The complete desired state of both tables.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rendered {
+    pub filter: Table,
+    pub nat: Table,
+}
+
+const FILTER_FIXED: [&str; 5] = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL"];
+const NAT_FIXED: [&str; 4] = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
+const NODEPORTS_LAST: &str = "kubernetes service nodeports; NOTE: this must be the last rule in this chain";
+/// Prefixes of the per-Service chains (what stale-chain cleanup looks for).
+const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
+
+/// kube-proxy omits per-endpoint comments past this many endpoints in total.
+const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
+
+/// Renders every Service's rules.
+pub fn render(services: &Services, node: &NodeContext, opts: &IptablesOptions) -> Rendered {
+    let mut out = Rendered::default();
+    let (f, n) = (&mut out.filter, &mut out.nat);
+    for c in FILTER_FIXED {
+        f.chain(c);
+    }
+    if opts.localhost_nodeports {
+        f.chain("KUBE-FIREWALL");
+        f.rule(
+            "KUBE-FIREWALL",
+            "-m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
+        );
+    }
+    for c in NAT_FIXED {
+        n.chain(c);
+    }
+    let mark = &opts.mark;
+    n.rule("KUBE-POSTROUTING", format!("-m mark ! --mark {mark}/{mark} -j RETURN"));
+    n.rule("KUBE-POSTROUTING", format!("-j MARK --xor-mark {mark}"));
+    n.rule(
+        "KUBE-POSTROUTING",
+        format!(
+            "-m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE{}",
+            if opts.random_fully { " --random-fully" } else { "" }
+        ),
+    );
+    n.rule("KUBE-MARK-MASQ", format!("-j MARK --or-mark {mark}"));
+
+    let total_endpoints: usize = services.values().flatten().map(|p| p.reachable_endpoints().len()).sum();
+    let large = total_endpoints > LARGE_CLUSTER_ENDPOINTS;
+    for port in services.values().flatten() {
+        render_port(&Plan::new(port), node, opts, large, f, n);
+    }
+
+    f.rule(
+        "KUBE-FORWARD",
+        format!(
+            "-m conntrack --ctstate INVALID{} -j DROP",
+            if opts.nfacct { " -m nfacct --nfacct-name ct_state_invalid_dropped_pkts" } else { "" }
+        ),
+    );
+    if !opts.drop_invalid {
+        f.rules.pop();
+    }
+    f.rule("KUBE-FORWARD", format!("-m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"));
+    f.rule(
+        "KUBE-FORWARD",
+        "-m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+    );
+    if node.nodeport_all {
+        let not_localhost = if opts.localhost_nodeports { "" } else { " ! -d 127.0.0.0/8" };
+        n.rule("KUBE-SERVICES", format!("{} -m addrtype --dst-type LOCAL{not_localhost} -j KUBE-NODEPORTS", comment(NODEPORTS_LAST)));
+    } else {
+        for ip in node.nodeport_ips.iter().filter(|ip| !ip.is_loopback() || opts.localhost_nodeports) {
+            n.rule("KUBE-SERVICES", format!("{} -d {ip} -j KUBE-NODEPORTS", comment(NODEPORTS_LAST)));
+        }
+    }
+    out
+}
+
+fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool, f: &mut Table, n: &mut Table) {
+    let Some(cluster_ip) = p.cluster_ip else { return };
+    let (spn, proto, port) = (&p.spn, p.proto, p.port.port);
+    let h = port_hash(spn, proto);
+    let svc = format!("KUBE-SVC-{h}");
+    let svl = format!("KUBE-SVL-{h}");
+    let ext = format!("KUBE-EXT-{h}");
+    let fw = format!("KUBE-FW-{h}");
+    let int_chain = if p.port.internal_local { &svl } else { &svc };
+    let ext_policy = if p.port.external_local { &svl } else { &svc };
+    let m = format!("-m {proto} -p {proto}");
+    let (no_ep_comment, no_ep_target) =
+        if p.has_endpoints { (format!("{spn} has no local endpoints"), "DROP") } else { (format!("{spn} has no endpoints"), "REJECT") };
+    let rejected = |f: &mut Table, chain: &str, dst: &str| {
+        f.rule(chain, format!("{} {m} {dst} --dport {port} -j {no_ep_target}", comment(&no_ep_comment)));
+    };
+
+    // filter
+    if !p.has_internal_endpoints {
+        let (c, t) = if p.has_endpoints { (format!("{spn} has no local endpoints"), "DROP") } else { (format!("{spn} has no endpoints"), "REJECT") };
+        f.rule("KUBE-SERVICES", format!("{} {m} -d {cluster_ip} --dport {port} -j {t}", comment(&c)));
+    }
+    for ip in &p.port.external_ips {
+        if !p.has_external_endpoints {
+            rejected(f, "KUBE-EXTERNAL-SERVICES", &format!("-d {ip}"));
+        }
+    }
+    let uses_fw = p.has_endpoints && p.has_firewall;
+    for ip in &p.port.lb_ips {
+        if uses_fw {
+            f.rule(
+                "KUBE-PROXY-FIREWALL",
+                format!("{} {m} -d {ip} --dport {port} -j DROP", comment(&format!("{spn} traffic not accepted by {fw}"))),
+            );
+        }
+    }
+    for ip in &p.port.lb_ips {
+        if !p.has_external_endpoints {
+            rejected(f, "KUBE-EXTERNAL-SERVICES", &format!("-d {ip}"));
+        }
+    }
+    if let Some(np) = p.port.node_port {
+        if !p.has_external_endpoints {
+            f.rule("KUBE-EXTERNAL-SERVICES", format!("{} -m addrtype --dst-type LOCAL {m} --dport {np} -j {no_ep_target}", comment(&no_ep_comment)));
+        }
+    }
+    if let Some(hc) = p.port.health_check_node_port {
+        f.rule("KUBE-NODEPORTS", format!("{} -m tcp -p tcp --dport {hc} -j ACCEPT", comment(&format!("{spn} health check node port"))));
+    }
+
+    // nat: chains
+    if p.uses_external_chain {
+        n.chain(&ext);
+    }
+    if uses_fw {
+        n.chain(&fw);
+    }
+    if p.uses_cluster_chain {
+        n.chain(&svc);
+    }
+    if p.uses_local_chain {
+        n.chain(&svl);
+    }
+    for e in &p.reachable {
+        n.chain(format!("KUBE-SEP-{}", endpoint_hash(spn, proto, &e.socket().to_string())));
+    }
+
+    // nat: dispatch
+    if p.has_internal_endpoints {
+        n.rule("KUBE-SERVICES", format!("{} {m} -d {cluster_ip} --dport {port} -j {int_chain}", comment(&format!("{spn} cluster IP"))));
+    }
+    if p.has_endpoints {
+        for ip in &p.port.external_ips {
+            n.rule("KUBE-SERVICES", format!("{} {m} -d {ip} --dport {port} -j {ext}", comment(&format!("{spn} external IP"))));
+        }
+        for ip in &p.port.lb_ips {
+            let to = if uses_fw { &fw } else { &ext };
+            n.rule("KUBE-SERVICES", format!("{} {m} -d {ip} --dport {port} -j {to}", comment(&format!("{spn} loadbalancer IP"))));
+        }
+        if let Some(np) = p.port.node_port {
+            if opts.localhost_nodeports && opts.nfacct {
+                n.rule(
+                    "KUBE-NODEPORTS",
+                    format!("{} {m} -d 127.0.0.0/8 --dport {np} -m nfacct --nfacct-name localhost_nps_accepted_pkts -j {ext}", comment(spn)),
+                );
+            }
+            n.rule("KUBE-NODEPORTS", format!("{} {m} --dport {np} -j {ext}", comment(spn)));
+        }
+    }
+    if p.has_internal_endpoints {
+        let c = comment(&format!("{spn} cluster IP"));
+        if node.masquerade_all {
+            n.rule(int_chain, format!("{c} {m} -d {cluster_ip} --dport {port} -j KUBE-MARK-MASQ"));
+        } else if let Some(cidr) = node.cluster_cidr {
+            n.rule(int_chain, format!("{c} {m} -d {cluster_ip} --dport {port} ! -s {cidr} -j KUBE-MARK-MASQ"));
+        }
+    }
+    if p.uses_external_chain {
+        if !p.port.external_local {
+            n.rule(&ext, format!("{} -j KUBE-MARK-MASQ", comment(&format!("masquerade traffic for {spn} external destinations"))));
+        } else {
+            if let Some(cidr) = node.cluster_cidr {
+                n.rule(&ext, format!("{} -s {cidr} -j {svc}", comment(&format!("pod traffic for {spn} external destinations"))));
+            }
+            n.rule(
+                &ext,
+                format!("{} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ", comment(&format!("masquerade LOCAL traffic for {spn} external destinations"))),
+            );
+            n.rule(
+                &ext,
+                format!("{} -m addrtype --src-type LOCAL -j {svc}", comment(&format!("route LOCAL traffic for {spn} external destinations"))),
+            );
+        }
+        if p.has_external_endpoints {
+            n.rule(&ext, format!("-j {ext_policy}"));
+        }
+    }
+    if uses_fw {
+        let c = comment(&format!("{spn} loadbalancer IP"));
+        for r in &p.port.lb_source_ranges {
+            n.rule(&fw, format!("{c} -s {r} -j {ext}"));
+        }
+        let node_in_ranges = node.nodeport_ips.iter().any(|ip| p.port.lb_source_ranges.iter().any(|r| r.contains(*ip)));
+        if node_in_ranges {
+            for ip in &p.port.lb_ips {
+                n.rule(&fw, format!("{c} -s {ip} -j {ext}"));
+            }
+        }
+        n.rule(&fw, comment(&format!("other traffic to {spn} will be dropped by KUBE-PROXY-FIREWALL")));
+    }
+    let ep_comment = |text: String| if large { String::new() } else { format!("{} ", comment(&text)) };
+    let dispatch = |n: &mut Table, chain: &str, eps: &[crate::model::EndpointView]| {
+        let names: Vec<(String, String)> = eps
+            .iter()
+            .map(|e| {
+                let s = e.socket().to_string();
+                (format!("KUBE-SEP-{}", endpoint_hash(spn, proto, &s)), s)
+            })
+            .collect();
+        if let Some(t) = p.port.affinity_timeout {
+            for (sep, s) in &names {
+                n.rule(chain, format!("{}-m recent --name {sep} --rcheck --seconds {t} --reap -j {sep}", ep_comment(format!("{spn} -> {s}"))));
+            }
+        }
+        let count = names.len();
+        for (i, (sep, s)) in names.iter().enumerate() {
+            let c = ep_comment(format!("{spn} -> {s}"));
+            if i + 1 < count {
+                let prob = 1.0f64 / (count - i) as f64;
+                n.rule(chain, format!("{c}-m statistic --mode random --probability {prob:.10} -j {sep}"));
+            } else {
+                n.rule(chain, format!("{c}-j {sep}"));
+            }
+        }
+    };
+    if p.uses_cluster_chain {
+        dispatch(n, &svc, &p.cluster);
+    }
+    if p.uses_local_chain {
+        dispatch(n, &svl, &p.local);
+    }
+    for e in &p.reachable {
+        let s = e.socket().to_string();
+        let sep = format!("KUBE-SEP-{}", endpoint_hash(spn, proto, &s));
+        let c = if large { String::new() } else { format!("{} ", comment(spn)) };
+        n.rule(&sep, format!("{c}-s {} -j KUBE-MARK-MASQ", e.addr));
+        let recent = if p.port.affinity_timeout.is_some() { format!("-m recent --name {sep} --set ") } else { String::new() };
+        n.rule(&sep, format!("{c}{recent}{m} -j DNAT --to-destination {s}"));
+    }
+}
+
+/// The restore input. `declare`: the non-fixed nat chains to (re)write; `stale`: nat chains
+/// to delete.
+pub fn restore_text(r: &Rendered, declare: &dyn Fn(&str) -> bool, stale: &BTreeSet<String>) -> String {
+    let mut s = String::from("*filter\n");
+    for c in &r.filter.chains {
+        s += &format!(":{c} - [0:0]\n");
+    }
+    for (c, rule) in &r.filter.rules {
+        s += &format!("-A {c} {rule}\n");
+    }
+    s += "COMMIT\n*nat\n";
+    let keep = |c: &str| NAT_FIXED.contains(&c) || declare(c);
+    for c in r.nat.chains.iter().filter(|c| keep(c)) {
+        s += &format!(":{c} - [0:0]\n");
+    }
+    for c in stale {
+        s += &format!(":{c} - [0:0]\n");
+    }
+    let (last, body): (Vec<_>, Vec<_>) = r.nat.rules.iter().partition(|(c, rule)| c == "KUBE-SERVICES" && rule.contains(NODEPORTS_LAST));
+    for (c, rule) in body.into_iter().filter(|(c, _)| keep(c)) {
+        s += &format!("-A {c} {rule}\n");
+    }
+    for c in stale {
+        s += &format!("-X {c}\n");
+    }
+    for (c, rule) in last {
+        s += &format!("-A {c} {rule}\n");
+    }
+    s += "COMMIT\n";
+    s
+}
+
+/// The jumps from the built-in chains into kube-proxy's chains: (table, chain, extra match,
+/// comment, target), in the order kube-proxy ensures them (each is inserted at the top).
+const JUMPS: [(&str, &str, &str, &str, &str); 12] = [
+    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
+    ("filter", "INPUT", "", "kubernetes health check service ports", "KUBE-NODEPORTS"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
+    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes service portals", "KUBE-SERVICES"),
+    ("filter", "FORWARD", "", "kubernetes forwarding rules", "KUBE-FORWARD"),
+    ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "OUTPUT", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes load balancer firewall", "KUBE-PROXY-FIREWALL"),
+    ("nat", "OUTPUT", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "PREROUTING", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "POSTROUTING", "", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+];
+
+fn jump_args<'a>(table: &'a str, chain: &'a str, extra: &'a str, cmt: &'a str, target: &'a str) -> Vec<&'a str> {
+    let mut v = vec!["-w", "5", "-t", table, chain];
+    v.extend(extra.split_whitespace());
+    v.extend(["-m", "comment", "--comment", cmt, "-j", target]);
+    v
+}
+
+const IPTABLES_PACKAGE: &str = "iptables";
+
+/// Programs iptables, remembering what it wrote so later syncs rewrite only what changed.
+pub struct IptablesRules {
+    opts: IptablesOptions,
+    /// The nat chains written by the last successful apply, with their rules.
+    applied: Option<BTreeMap<String, Vec<String>>>,
+}
+
+impl IptablesRules {
+    pub fn new() -> Self {
+        Self::with_options(IptablesOptions::default())
+    }
+
+    pub fn with_options(opts: IptablesOptions) -> Self {
+        Self { opts, applied: None }
+    }
+
+    /// Creates kube-proxy's chains and the jumps into them where missing.
+    fn ensure_jumps(&self) -> Result<(), NetfilterError> {
+        for (table, chain) in [("filter", "KUBE-EXTERNAL-SERVICES"), ("filter", "KUBE-NODEPORTS"), ("filter", "KUBE-SERVICES"), ("filter", "KUBE-FORWARD"), ("filter", "KUBE-PROXY-FIREWALL"), ("nat", "KUBE-SERVICES"), ("nat", "KUBE-POSTROUTING")] {
+            let _ = run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", chain]);
+        }
+        for (table, chain, extra, cmt, target) in JUMPS {
+            let mut check = jump_args(table, chain, extra, cmt, target);
+            check.insert(4, "-C");
+            if run("iptables", IPTABLES_PACKAGE, &check).is_err() {
+                let mut insert = jump_args(table, chain, extra, cmt, target);
+                insert.insert(4, "-I");
+                run("iptables", IPTABLES_PACKAGE, &insert)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for IptablesRules {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Per-Service nat chains in the kernel now (`iptables-save -t nat`).
+fn service_chains_in_kernel() -> Result<BTreeSet<String>, NetfilterError> {
+    let out = run("iptables-save", IPTABLES_PACKAGE, &["-t", "nat"])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.strip_prefix(':'))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
+        .map(String::from)
+        .collect())
+}
+
+impl RuleSet for IptablesRules {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Iptables
+    }
+
+    fn render(&self, services: &Services, node: &NodeContext) -> String {
+        restore_text(&render(services, node, &self.opts), &|_| true, &BTreeSet::new())
+    }
+
+    fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+        let rendered = render(services, node, &self.opts);
+        let wanted = rendered.nat.by_chain();
+        let (previous, existing) = match &self.applied {
+            Some(prev) => (prev.clone(), prev.keys().cloned().collect::<BTreeSet<_>>()),
+            None => {
+                // First sync (or after a failure): everything is written, and the jumps and
+                // leftovers of an earlier run are dealt with.
+                self.ensure_jumps()?;
+                (BTreeMap::new(), service_chains_in_kernel()?)
+            }
+        };
+        let changed = |c: &str| previous.get(c) != wanted.get(c);
+        let stale: BTreeSet<String> = existing
+            .iter()
+            .filter(|c| !wanted.contains_key(*c) && SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
+            .cloned()
+            .collect();
+        let written = wanted.keys().filter(|c| changed(c)).count() + stale.len();
+        let text = restore_text(&rendered, &|c| changed(c), &stale);
+        let result = run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text);
+        match result {
+            Ok(_) => {
+                self.applied = Some(wanted);
+                Ok(written)
+            }
+            Err(e) => {
+                self.applied = None;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Removes the iptables mode's chains and jumps (`proxy-agent cleanup`, or another mode
+/// starting). Returns a line per thing removed; nothing when iptables is not installed.
+pub fn cleanup() -> Vec<String> {
+    let mut removed = Vec::new();
+    if run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-S"]).is_err() {
+        return removed;
+    }
+    for (table, chain, extra, cmt, target) in JUMPS {
+        let mut del = jump_args(table, chain, extra, cmt, target);
+        del.insert(4, "-D");
+        while run("iptables", IPTABLES_PACKAGE, &del).is_ok() {
+            removed.push(format!("iptables: jump {table}/{chain} -> {target}"));
+        }
+    }
+    for table in ["nat", "filter"] {
+        let Ok(out) = run("iptables-save", IPTABLES_PACKAGE, &["-t", table]) else { continue };
+        let chains: Vec<String> = out
+            .lines()
+            .filter_map(|l| l.strip_prefix(':'))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|c| c.starts_with("KUBE-") && *c != "KUBE-FIREWALL" && *c != "KUBE-PROXY-CANARY")
+            .map(String::from)
+            .collect();
+        if chains.is_empty() {
+            continue;
+        }
+        let mut text = format!("*{table}\n");
+        for c in &chains {
+            text += &format!(":{c} - [0:0]\n");
+        }
+        for c in &chains {
+            text += &format!("-X {c}\n");
+        }
+        text += "COMMIT\n";
+        if run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text).is_ok() {
+            removed.push(format!("iptables: {} chains in the {table} table", chains.len()));
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_names_hash_as_kube_proxy_does() {
+        // Names seen in every cluster and in kube-proxy's own tests.
+        assert_eq!(port_hash("default/kubernetes:https", "tcp"), "NPX46M4PTMTKRN6Y");
+        assert_eq!(port_hash("kube-system/kube-dns:dns", "udp"), "TCOU7JCQXEZGVUNU");
+        assert_eq!(port_hash("kube-system/kube-dns:dns-tcp", "tcp"), "ERIFXISQEP7F7OF4");
+        assert_eq!(port_hash("kube-system/kube-dns:metrics", "tcp"), "JD5MR3NA4I4DYORP");
+        assert_eq!(port_hash("ns1/svc1:p80", "tcp"), "XPGD46QRK7WJZT7O");
+        assert_eq!(endpoint_hash("ns1/svc1:p80", "tcp", "10.180.0.1:80"), "SXIVWICOYRO3J4NJ");
+        assert_eq!(endpoint_hash("ns4/svc4:p80", "tcp", "10.180.0.5:80"), "C6EBXVWJJZMIWKLZ");
+        assert_eq!(endpoint_hash("ns3/svc3:p8081", "tcp", "203.0.113.4:8081"), "RUVVH7YV3PHQBDOS");
+    }
+
+    #[test]
+    fn probabilities_have_ten_decimals() {
+        for (k, want) in [(2u32, "0.5000000000"), (3, "0.3333333333"), (6, "0.1666666667"), (100_001, "0.0000099999")] {
+            assert_eq!(format!("{:.10}", 1.0f64 / f64::from(k)), want);
+        }
+    }
+}

@@ -1,0 +1,429 @@
+//! IPVS mode, as kube-proxy's: an IPVS virtual server per Service address and port (cluster
+//! IP, external IPs, load-balancer IPs, node address + NodePort) with the endpoints as real
+//! servers, the Service addresses on a dummy `kube-ipvs0` interface so the node accepts them,
+//! and ipsets plus a few iptables rules for what IPVS does not do itself (masquerade, hairpin).
+//! Programmed with `ipvsadm-restore`, `ipset restore` (swapping in each set whole) and
+//! `iptables-restore`; only virtual and real servers that changed are touched, so existing
+//! IPVS connections keep their real server.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::Ipv4Addr,
+};
+
+use super::{run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use crate::dataplane::ProxyMode;
+
+pub const DUMMY: &str = "kube-ipvs0";
+
+/// `--ipvs-scheduler`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scheduler(pub String);
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Self("rr".into())
+    }
+}
+
+impl std::str::FromStr for Scheduler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        const KNOWN: [&str; 11] = ["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh"];
+        if KNOWN.contains(&s) {
+            Ok(Self(s.into()))
+        } else {
+            Err(format!("unknown IPVS scheduler {s:?} (one of {})", KNOWN.join(", ")))
+        }
+    }
+}
+
+/// A virtual server: protocol, address, port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct VirtualKey {
+    pub proto: &'static str,
+    pub addr: Ipv4Addr,
+    pub port: u16,
+}
+
+impl VirtualKey {
+    fn flag(&self) -> &'static str {
+        if self.proto == "udp" { "-u" } else { "-t" }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Virtual {
+    /// ClientIP affinity timeout (IPVS persistence).
+    pub persistence: Option<u32>,
+    pub reals: BTreeSet<(Ipv4Addr, u16)>,
+}
+
+/// What IPVS mode programs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub virtuals: BTreeMap<VirtualKey, Virtual>,
+    /// Addresses bound to `kube-ipvs0`.
+    pub addresses: BTreeSet<Ipv4Addr>,
+    /// ipset name -> (type, entries).
+    pub sets: BTreeMap<&'static str, (&'static str, BTreeSet<String>)>,
+    /// The iptables-restore input (nat and filter).
+    pub iptables: String,
+}
+
+const SETS: [(&str, &str); 8] = [
+    ("KUBE-CLUSTER-IP", "hash:ip,port"),
+    ("KUBE-LOOP-BACK", "hash:ip,port,ip"),
+    ("KUBE-EXTERNAL-IP", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER", "hash:ip,port"),
+    ("KUBE-NODE-PORT-TCP", "bitmap:port"),
+    ("KUBE-NODE-PORT-UDP", "bitmap:port"),
+    ("KUBE-NODE-PORT-LOCAL-TCP", "bitmap:port"),
+    ("KUBE-NODE-PORT-LOCAL-UDP", "bitmap:port"),
+];
+
+pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -> Desired {
+    let _ = scheduler;
+    let mut d = Desired::default();
+    for (name, ty) in SETS {
+        d.sets.insert(name, (ty, BTreeSet::new()));
+    }
+    let add = |d: &mut Desired, set: &'static str, entry: String| {
+        d.sets.get_mut(set).expect("known set").1.insert(entry);
+    };
+    for port in services.values().flatten() {
+        let p = Plan::new(port);
+        let Some(cip) = p.cluster_ip else { continue };
+        let reals = |eps: &[crate::model::EndpointView]| eps.iter().map(|e| (e.addr, e.port)).collect::<BTreeSet<_>>();
+        let virt = |eps: &[crate::model::EndpointView]| Virtual { persistence: port.affinity_timeout, reals: reals(eps) };
+        let proto = p.proto;
+        if proto == "sctp" {
+            continue;
+        }
+        d.virtuals.insert(VirtualKey { proto, addr: cip, port: port.port }, virt(p.internal()));
+        d.addresses.insert(cip);
+        add(&mut d, "KUBE-CLUSTER-IP", format!("{cip},{proto}:{}", port.port));
+        for e in p.reachable.iter() {
+            add(&mut d, "KUBE-LOOP-BACK", format!("{},{proto}:{},{}", e.addr, e.port, e.addr));
+        }
+        for ip in &port.external_ips {
+            d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            d.addresses.insert(*ip);
+            add(&mut d, "KUBE-EXTERNAL-IP", format!("{ip},{proto}:{}", port.port));
+        }
+        for ip in &port.lb_ips {
+            d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            d.addresses.insert(*ip);
+            add(&mut d, "KUBE-LOAD-BALANCER", format!("{ip},{proto}:{}", port.port));
+        }
+        if let Some(np) = port.node_port {
+            for ip in &node.nodeport_ips {
+                d.virtuals.insert(VirtualKey { proto, addr: *ip, port: np }, virt(p.external()));
+            }
+            let (all, local) = if proto == "udp" { ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP") } else { ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP") };
+            add(&mut d, all, np.to_string());
+            if port.external_local {
+                add(&mut d, local, np.to_string());
+            }
+        }
+    }
+    d.iptables = iptables_rules(node);
+    d
+}
+
+fn iptables_rules(node: &NodeContext) -> String {
+    let mut s = String::from("*nat\n");
+    for c in ["KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"] {
+        let _ = writeln!(s, ":{c} - [0:0]");
+    }
+    let mark = "0x4000";
+    let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE");
+    let _ = writeln!(s, "-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN");
+    let _ = writeln!(s, "-A KUBE-POSTROUTING -j MARK --xor-mark {mark}");
+    let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully");
+    let _ = writeln!(s, "-A KUBE-MARK-MASQ -j MARK --or-mark {mark}");
+    match (node.masquerade_all, node.cluster_cidr) {
+        (true, _) => {
+            let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
+        }
+        (false, Some(cidr)) => {
+            let _ = writeln!(s, "-A KUBE-SERVICES ! -s {cidr} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
+        }
+        (false, None) => {}
+    }
+    let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service external ip + port for masquerade and filter purpose\" -m set --match-set KUBE-EXTERNAL-IP dst,dst -j KUBE-MARK-MASQ");
+    let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service lb portal\" -m set --match-set KUBE-LOAD-BALANCER dst,dst -j KUBE-LOAD-BALANCER");
+    if node.nodeport_all {
+        let _ = writeln!(s, "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT");
+    } else {
+        for ip in &node.nodeport_ips {
+            let _ = writeln!(s, "-A KUBE-SERVICES -d {ip} -j KUBE-NODE-PORT");
+        }
+    }
+    let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ");
+    for proto in ["TCP", "UDP"] {
+        let p = proto.to_lowercase();
+        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port with externalTrafficPolicy=local\" -m set --match-set KUBE-NODE-PORT-LOCAL-{proto} dst -j RETURN");
+        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-{proto} dst -j KUBE-MARK-MASQ");
+    }
+    s += "COMMIT\n";
+    s
+}
+
+/// The jumps from the built-in nat chains.
+const JUMPS: [(&str, &str, &str); 3] = [
+    ("PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
+    ("OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
+    ("POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+];
+
+/// ipvsadm-restore commands for a virtual server and its real servers.
+fn add_virtual(out: &mut String, k: &VirtualKey, v: &Virtual, scheduler: &Scheduler) {
+    let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
+    let _ = writeln!(out, "-A {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, scheduler.0);
+    for (ip, port) in &v.reals {
+        let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
+    }
+}
+
+/// What `ipvsadm-restore` needs to go from `from` to `to`.
+pub fn ipvsadm_delta(from: &BTreeMap<VirtualKey, Virtual>, to: &BTreeMap<VirtualKey, Virtual>, scheduler: &Scheduler) -> String {
+    let mut out = String::new();
+    for (k, v) in to {
+        match from.get(k) {
+            None => add_virtual(&mut out, k, v, scheduler),
+            Some(old) => {
+                if old.persistence != v.persistence {
+                    let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
+                    let _ = writeln!(out, "-E {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, scheduler.0);
+                }
+                for (ip, port) in v.reals.difference(&old.reals) {
+                    let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
+                }
+                for (ip, port) in old.reals.difference(&v.reals) {
+                    let _ = writeln!(out, "-d {} {}:{} -r {ip}:{port}", k.flag(), k.addr, k.port);
+                }
+            }
+        }
+    }
+    for k in from.keys().filter(|k| !to.contains_key(*k)) {
+        let _ = writeln!(out, "-D {} {}:{}", k.flag(), k.addr, k.port);
+    }
+    out
+}
+
+/// Parses `ipvsadm -Sn` output.
+pub fn parse_ipvsadm_save(text: &str) -> BTreeMap<VirtualKey, Virtual> {
+    let mut out: BTreeMap<VirtualKey, Virtual> = BTreeMap::new();
+    let parse_vk = |flag: &str, addr: &str| -> Option<VirtualKey> {
+        let proto = match flag {
+            "-t" => "tcp",
+            "-u" => "udp",
+            _ => return None,
+        };
+        let (a, p) = addr.rsplit_once(':')?;
+        Some(VirtualKey { proto, addr: a.parse().ok()?, port: p.parse().ok()? })
+    };
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() < 3 {
+            continue;
+        }
+        let Some(k) = parse_vk(w[1], w[2]) else { continue };
+        match w[0] {
+            "-A" => {
+                let persistence = w.iter().position(|x| *x == "-p").and_then(|i| w.get(i + 1)).and_then(|t| t.parse().ok());
+                out.insert(k, Virtual { persistence, reals: BTreeSet::new() });
+            }
+            "-a" => {
+                let real = w.iter().position(|x| *x == "-r").and_then(|i| w.get(i + 1)).and_then(|r| {
+                    let (a, p) = r.rsplit_once(':')?;
+                    Some((a.parse().ok()?, p.parse().ok()?))
+                });
+                if let (Some(v), Some(r)) = (out.get_mut(&k), real) {
+                    v.reals.insert(r);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+const IPVSADM: &str = "ipvsadm";
+const IPSET: &str = "ipset";
+
+pub struct IpvsRules {
+    scheduler: Scheduler,
+    /// Virtual servers as of the last successful apply (None: read them from the kernel).
+    applied: Option<BTreeMap<VirtualKey, Virtual>>,
+    addresses: Option<BTreeSet<Ipv4Addr>>,
+}
+
+impl IpvsRules {
+    pub fn new(scheduler: Scheduler) -> Self {
+        Self { scheduler, applied: None, addresses: None }
+    }
+}
+
+fn ensure_dummy() -> Result<BTreeSet<Ipv4Addr>, NetfilterError> {
+    if run("ip", "iproute2", &["link", "show", DUMMY]).is_err() {
+        run("ip", "iproute2", &["link", "add", DUMMY, "type", "dummy"])?;
+    }
+    let out = run("ip", "iproute2", &["-4", "-o", "addr", "show", "dev", DUMMY])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "inet").nth(1))
+        .filter_map(|a| a.split('/').next()?.parse().ok())
+        .collect())
+}
+
+fn ipset_restore(sets: &BTreeMap<&'static str, (&'static str, BTreeSet<String>)>) -> Result<(), NetfilterError> {
+    // Each set is filled as a temporary one and swapped in whole: a packet never sees it half
+    // written.
+    let mut s = String::new();
+    for (name, (ty, entries)) in sets {
+        let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
+        let tmp = format!("{name}-TMP");
+        let _ = writeln!(s, "create {name} {ty}{range} -exist");
+        let _ = writeln!(s, "create {tmp} {ty}{range} -exist");
+        let _ = writeln!(s, "flush {tmp}");
+        for e in entries {
+            let _ = writeln!(s, "add {tmp} {e} -exist");
+        }
+        let _ = writeln!(s, "swap {tmp} {name}");
+        let _ = writeln!(s, "destroy {tmp}");
+    }
+    run_with_input(IPSET, IPSET, &["restore"], &s).map(|_| ())
+}
+
+impl RuleSet for IpvsRules {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ipvs
+    }
+
+    fn render(&self, services: &Services, node: &NodeContext) -> String {
+        let d = desired(services, node, &self.scheduler);
+        let mut s = String::from("# IPVS virtual and real servers (ipvsadm-restore)\n");
+        s += &ipvsadm_delta(&BTreeMap::new(), &d.virtuals, &self.scheduler);
+        s += &format!("\n# addresses on {DUMMY}\n");
+        for a in &d.addresses {
+            s += &format!("{a}/32\n");
+        }
+        s += "\n# ipsets\n";
+        for (name, (ty, entries)) in &d.sets {
+            s += &format!("create {name} {ty}\n");
+            for e in entries {
+                s += &format!("add {name} {e}\n");
+            }
+        }
+        s += "\n# iptables (iptables-restore --noflush)\n";
+        s += &d.iptables;
+        s
+    }
+
+    fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+        let d = desired(services, node, &self.scheduler);
+        let have_addrs = match &self.addresses {
+            Some(a) => a.clone(),
+            None => ensure_dummy()?,
+        };
+        let current = match &self.applied {
+            Some(v) => v.clone(),
+            None => parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?),
+        };
+        let result = (|| {
+            // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
+            for a in d.addresses.difference(&have_addrs) {
+                run("ip", "iproute2", &["addr", "add", &format!("{a}/32"), "dev", DUMMY])?;
+            }
+            ipset_restore(&d.sets)?;
+            run_with_input("iptables-restore", "iptables", &["-w", "5", "--noflush"], &d.iptables)?;
+            for (chain, cmt, target) in JUMPS {
+                let check = ["-w", "5", "-t", "nat", "-C", chain, "-m", "comment", "--comment", cmt, "-j", target];
+                if run("iptables", "iptables", &check).is_err() {
+                    run("iptables", "iptables", &["-w", "5", "-t", "nat", "-I", chain, "-m", "comment", "--comment", cmt, "-j", target])?;
+                }
+            }
+            let delta = ipvsadm_delta(&current, &d.virtuals, &self.scheduler);
+            if !delta.is_empty() {
+                run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
+            }
+            for a in have_addrs.difference(&d.addresses) {
+                let _ = run("ip", "iproute2", &["addr", "del", &format!("{a}/32"), "dev", DUMMY]);
+            }
+            Ok::<usize, NetfilterError>(delta.lines().count())
+        })();
+        match result {
+            Ok(n) => {
+                self.applied = Some(d.virtuals);
+                self.addresses = Some(d.addresses);
+                Ok(n)
+            }
+            Err(e) => {
+                self.applied = None;
+                self.addresses = None;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Removes IPVS mode's state: its virtual servers (all of them, as kube-proxy's cleanup does),
+/// `kube-ipvs0`, its ipsets and iptables chains. Nothing when IPVS is not available.
+pub fn cleanup() -> Vec<String> {
+    let mut removed = Vec::new();
+    if run("ip", "iproute2", &["link", "show", DUMMY]).is_ok() {
+        if run(IPVSADM, IPVSADM, &["-C"]).is_ok() {
+            removed.push("ipvs: virtual servers".into());
+        }
+        if run("ip", "iproute2", &["link", "del", DUMMY]).is_ok() {
+            removed.push(format!("ipvs: {DUMMY}"));
+        }
+    }
+    for (chain, cmt, target) in JUMPS {
+        while run("iptables", "iptables", &["-w", "5", "-t", "nat", "-D", chain, "-m", "comment", "--comment", cmt, "-j", target]).is_ok() {}
+    }
+    for (name, _) in SETS {
+        if run(IPSET, IPSET, &["list", "-n", name]).is_ok() {
+            // The iptables rules that match on it must go first.
+            let _ = run_with_input(
+                "iptables-restore",
+                "iptables",
+                &["-w", "5", "--noflush"],
+                "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
+            );
+            if run(IPSET, IPSET, &["destroy", name]).is_ok() {
+                removed.push(format!("ipvs: ipset {name}"));
+            }
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_touch_only_what_changed() {
+        let k = VirtualKey { proto: "tcp", addr: "10.96.0.10".parse().unwrap(), port: 80 };
+        let v = |reals: &[&str]| Virtual {
+            persistence: None,
+            reals: reals.iter().map(|r| {
+                let (a, p) = r.split_once(':').unwrap();
+                (a.parse().unwrap(), p.parse().unwrap())
+            }).collect(),
+        };
+        let s = Scheduler::default();
+        let from = BTreeMap::from([(k, v(&["10.0.0.1:80", "10.0.0.2:80"]))]);
+        let to = BTreeMap::from([(k, v(&["10.0.0.2:80", "10.0.0.3:80"]))]);
+        assert_eq!(ipvsadm_delta(&from, &to, &s), "-a -t 10.96.0.10:80 -r 10.0.0.3:80 -m -w 1\n-d -t 10.96.0.10:80 -r 10.0.0.1:80\n");
+        assert_eq!(ipvsadm_delta(&to, &to, &s), "");
+        assert_eq!(ipvsadm_delta(&to, &BTreeMap::new(), &s), "-D -t 10.96.0.10:80\n");
+        let saved = "-A -t 10.96.0.10:80 -s rr\n-a -t 10.96.0.10:80 -r 10.0.0.2:80 -m -w 1\n-a -t 10.96.0.10:80 -r 10.0.0.3:80 -m -w 1\n";
+        assert_eq!(parse_ipvsadm_save(saved), to);
+        assert!("bogus".parse::<Scheduler>().is_err());
+    }
+}

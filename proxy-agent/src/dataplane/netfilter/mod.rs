@@ -1,0 +1,206 @@
+//! The fallback modes: the kernel's netfilter (iptables, nftables) or IPVS programmed from the
+//! same node view as the eBPF dataplane, for nodes that cannot run our programs. Each mode
+//! renders the whole desired state from every Service's ports (`PortView`) with kube-proxy's
+//! layout, so operators' tooling and runbooks still apply, and brings the kernel to it.
+
+pub mod iptables;
+pub mod ipvs;
+pub mod nftables;
+
+use std::{
+    collections::BTreeMap,
+    io::Write as _,
+    net::Ipv4Addr,
+    process::{Command, Stdio},
+};
+
+use crate::model::{store::Cidr, EndpointView, ObjectKey, PortView};
+
+/// Every Service's ports, by Service (sorted, so output is deterministic).
+pub type Services = BTreeMap<ObjectKey, Vec<PortView>>;
+
+/// What the renderers need to know about the node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
+    pub nodeport_ips: Vec<Ipv4Addr>,
+    /// `--nodeport-addresses` was not given: NodePorts are served on every local address
+    /// (iptables: `-m addrtype --dst-type LOCAL`).
+    pub nodeport_all: bool,
+    /// `--cluster-cidr`: traffic from it is pod traffic (no masquerade for cluster IPs, and the
+    /// externalTrafficPolicy Local short-circuit).
+    pub cluster_cidr: Option<Cidr>,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetfilterError {
+    #[error("{tool} is not installed or not on PATH ({why}); install the Debian package {package}")]
+    Missing { tool: &'static str, package: &'static str, why: String },
+    #[error("{command} failed: {stderr}")]
+    Failed { command: String, stderr: String },
+}
+
+/// A mode's rules: rendered as text (what `proxy-agent rules` prints) and applied.
+pub trait RuleSet {
+    fn mode(&self) -> super::ProxyMode;
+    /// The complete rules for these Services, in the mode's own input format.
+    fn render(&self, services: &Services, node: &NodeContext) -> String;
+    /// Brings the kernel to the rules for `services` (each mode writes only what changed
+    /// where its tools allow). Returns how many chains (or objects) were written.
+    fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError>;
+}
+
+/// Runs `program args` with `input` on stdin.
+pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str], input: &str) -> Result<String, NetfilterError> {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetfilterError::Missing { tool: program, package, why: e.to_string() })?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let written = stdin.write_all(input.as_bytes());
+    drop(stdin);
+    let out = child.wait_with_output().map_err(|e| NetfilterError::Failed { command: program.into(), stderr: e.to_string() })?;
+    if let Err(e) = written {
+        return Err(NetfilterError::Failed { command: format!("{program} {}", args.join(" ")), stderr: e.to_string() });
+    }
+    if !out.status.success() {
+        return Err(NetfilterError::Failed {
+            command: format!("{program} {}", args.join(" ")),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs `program args`; Ok(stdout) on success.
+pub fn run(program: &'static str, package: &'static str, args: &[&str]) -> Result<String, NetfilterError> {
+    run_with_input(program, package, args, "")
+}
+
+/// RFC 4648 base32 (standard alphabet, with padding) of `data`.
+pub fn base32(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
+    for chunk in data.chunks(5) {
+        let mut buf = [0u8; 5];
+        buf[..chunk.len()].copy_from_slice(chunk);
+        let bits = u64::from_be_bytes([0, 0, 0, buf[0], buf[1], buf[2], buf[3], buf[4]]);
+        let chars = (chunk.len() * 8).div_ceil(5);
+        for i in 0..8 {
+            if i < chars {
+                out.push(ALPHABET[((bits >> (35 - i * 5)) & 31) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The first `len` characters of base32(sha256(`input`)): how kube-proxy names per-Service
+/// chains.
+pub fn hash_name(input: &str, len: usize) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(input.as_bytes());
+    base32(&digest)[..len].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base32_matches_rfc4648_vectors() {
+        assert_eq!(base32(b""), "");
+        assert_eq!(base32(b"f"), "MY======");
+        assert_eq!(base32(b"fo"), "MZXQ====");
+        assert_eq!(base32(b"foo"), "MZXW6===");
+        assert_eq!(base32(b"foob"), "MZXW6YQ=");
+        assert_eq!(base32(b"fooba"), "MZXW6YTB");
+        assert_eq!(base32(b"foobar"), "MZXW6YTBOI======");
+    }
+}
+
+/// One service port with kube-proxy's derived predicates (`pkg/proxy` semantics), shared by
+/// the renderers.
+pub struct Plan<'a> {
+    pub port: &'a PortView,
+    /// `ns/name:port` (`ns/name` for an unnamed port).
+    pub spn: String,
+    /// Lower-case protocol: tcp, udp, sctp.
+    pub proto: &'static str,
+    pub cluster_ip: Option<Ipv4Addr>,
+    pub externally_accessible: bool,
+    /// Endpoints for the Cluster policy, ordered as kube-proxy orders them (by the `ip:port`
+    /// string).
+    pub cluster: Vec<EndpointView>,
+    pub local: Vec<EndpointView>,
+    pub has_endpoints: bool,
+    pub has_internal_endpoints: bool,
+    pub has_external_endpoints: bool,
+    pub uses_cluster_chain: bool,
+    pub uses_local_chain: bool,
+    pub uses_external_chain: bool,
+    /// loadBalancerSourceRanges apply (with endpoints, in iptables mode).
+    pub has_firewall: bool,
+    /// Endpoints either chain leads to (each gets an endpoint chain), in string order.
+    pub reachable: Vec<EndpointView>,
+}
+
+fn by_string(mut v: Vec<EndpointView>) -> Vec<EndpointView> {
+    v.sort_by_key(|e| e.socket().to_string());
+    v
+}
+
+impl<'a> Plan<'a> {
+    pub fn new(port: &'a PortView) -> Self {
+        let externally_accessible = port.node_port.is_some() || !port.lb_ips.is_empty() || !port.external_ips.is_empty();
+        let uses_cluster = !port.internal_local || externally_accessible;
+        let uses_local = port.internal_local || (port.external_local && externally_accessible);
+        let cluster = if uses_cluster { by_string(port.cluster_endpoints.clone()) } else { Vec::new() };
+        let local = if uses_local { by_string(port.local_endpoints.clone()) } else { Vec::new() };
+        let has_endpoints = port.has_endpoints;
+        let mut reachable = cluster.clone();
+        for e in &local {
+            if !reachable.contains(e) {
+                reachable.push(*e);
+            }
+        }
+        Self {
+            spn: port.name.to_string(),
+            proto: match port.name.protocol {
+                crate::model::Protocol::Tcp => "tcp",
+                crate::model::Protocol::Udp => "udp",
+                crate::model::Protocol::Sctp => "sctp",
+            },
+            cluster_ip: port.cluster_ips.first().copied(),
+            externally_accessible,
+            has_endpoints,
+            has_internal_endpoints: has_endpoints && !(port.internal_local && local.is_empty()),
+            has_external_endpoints: has_endpoints && !(port.external_local && local.is_empty()),
+            uses_cluster_chain: !cluster.is_empty() && uses_cluster,
+            uses_local_chain: !local.is_empty() && uses_local,
+            uses_external_chain: has_endpoints && externally_accessible,
+            has_firewall: !port.lb_ips.is_empty() && !port.lb_source_ranges.is_empty(),
+            reachable: by_string(reachable),
+            cluster,
+            local,
+            port,
+        }
+    }
+
+    /// The endpoints internal traffic uses.
+    pub fn internal(&self) -> &[EndpointView] {
+        if self.port.internal_local { &self.local } else { &self.cluster }
+    }
+
+    /// The endpoints external traffic uses.
+    pub fn external(&self) -> &[EndpointView] {
+        if self.port.external_local { &self.local } else { &self.cluster }
+    }
+}

@@ -1,0 +1,413 @@
+//! nftables mode, in the style of kube-proxy's: one table `ip kube-proxy`, verdict maps that
+//! dispatch a packet to its Service's chain in one lookup (`service-ips`,
+//! `service-nodeports`), `numgen` maps that pick an endpoint, maps that drop or reject traffic
+//! to Services without endpoints, sets for ClientIP affinity. Every sync is one `nft -f`
+//! transaction: atomic, and after the first one it carries only what changed.
+
+use std::collections::BTreeMap;
+
+use super::{hash_name, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use crate::{dataplane::ProxyMode, model::store::Cidr};
+
+pub const TABLE: &str = "ip kube-proxy";
+const PACKAGE: &str = "nftables";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NftablesOptions {
+    pub mark: String,
+    /// The Service CIDRs, when known: traffic to an unallocated cluster IP in them is dropped.
+    pub service_cidrs: Vec<Cidr>,
+}
+
+impl Default for NftablesOptions {
+    fn default() -> Self {
+        Self { mark: "0x4000".into(), service_cidrs: Vec::new() }
+    }
+}
+
+/// `HASH8-name` as kube-proxy builds chain names: the readable name behind its hash.
+pub fn base_name(name: &str) -> String {
+    let base = format!("{}-{name}", hash_name(name, 8));
+    if base.len() > 240 {
+        format!("{}...", &base[..237])
+    } else {
+        base
+    }
+}
+
+/// `ns/name/proto/port`.
+fn port_name(p: &Plan) -> String {
+    let n = &p.port.name;
+    format!("{}/{}/{}/{}", n.service.namespace, n.service.name, p.proto, n.port)
+}
+
+/// The desired ruleset, object by object.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    /// Table, sets, maps, fixed chains and their rules: written in full syncs only.
+    pub base: Vec<String>,
+    /// Per-Service chains and their rules.
+    pub chains: BTreeMap<String, Vec<String>>,
+    /// Per-endpoint affinity sets: name -> its `add set` line.
+    pub sets: BTreeMap<String, String>,
+    /// Map and set elements: (set, key) -> the text after the key (` : goto x`, comments).
+    pub elements: BTreeMap<(String, String), String>,
+}
+
+impl Ruleset {
+    /// As nft lists a ruleset: one `add` line per object.
+    pub fn dump(&self) -> String {
+        let mut out: Vec<String> = self.base.clone();
+        out.extend(self.sets.values().cloned());
+        for (name, rules) in &self.chains {
+            out.push(format!("add chain {TABLE} {name}"));
+            out.extend(rules.iter().map(|r| format!("add rule {TABLE} {name} {r}")));
+        }
+        out.extend(self.elements.iter().map(|((set, key), rest)| element_line("add", set, key, rest)));
+        out.join("\n") + "\n"
+    }
+}
+
+fn element_line(op: &str, set: &str, key: &str, rest: &str) -> String {
+    format!("{op} element {TABLE} {set} {{ {key}{rest} }}")
+}
+
+pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -> Ruleset {
+    let mut r = Ruleset::default();
+    let b = &mut r.base;
+    let mark = &opts.mark;
+    b.push(format!("add table {TABLE} {{ comment \"rules for kube-proxy\" ; }}"));
+    b.push(format!("add set {TABLE} cluster-ips {{ type ipv4_addr ; comment \"Active ClusterIPs\" ; }}"));
+    if !node.nodeport_all {
+        b.push(format!("add set {TABLE} nodeport-ips {{ type ipv4_addr ; comment \"IPs that accept NodePort traffic\" ; }}"));
+    }
+    for (name, ty, c) in [
+        ("firewall-ips", "ipv4_addr . inet_proto . inet_service : verdict", "destinations that are subject to LoadBalancerSourceRanges"),
+        ("no-endpoint-nodeports", "inet_proto . inet_service : verdict", "vmap to drop or reject packets to service nodeports with no endpoints"),
+        ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service : verdict", "vmap to drop or reject packets to services with no endpoints"),
+        ("service-ips", "ipv4_addr . inet_proto . inet_service : verdict", "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+        ("service-nodeports", "inet_proto . inet_service : verdict", "NodePort traffic"),
+    ] {
+        b.push(format!("add map {TABLE} {name} {{ type {ty} ; comment \"{c}\" ; }}"));
+    }
+    for c in [
+        "cluster-ips-check",
+        "filter-prerouting-pre-dnat { type filter hook prerouting priority -110 ; }",
+        "filter-output-pre-dnat { type filter hook output priority -110 ; }",
+        "filter-forward { type filter hook forward priority 0 ; }",
+        "filter-input { type filter hook input priority 0 ; }",
+        "filter-output { type filter hook output priority 0 ; }",
+        "firewall-check",
+        "mark-for-masquerade",
+        "masquerading",
+        "nat-output { type nat hook output priority -100 ; }",
+        "nat-postrouting { type nat hook postrouting priority 100 ; }",
+        "nat-prerouting { type nat hook prerouting priority -100 ; }",
+        "nodeport-endpoints-check",
+        "reject-chain { comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }",
+        "services",
+        "service-endpoints-check",
+    ] {
+        b.push(format!("add chain {TABLE} {c}"));
+    }
+    let mut rule = |chain: &str, text: String| b.push(format!("add rule {TABLE} {chain} {text}"));
+    rule("cluster-ips-check", "ip daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\"".into());
+    if !opts.service_cidrs.is_empty() {
+        let cidrs: Vec<String> = opts.service_cidrs.iter().map(|c| c.to_string()).collect();
+        rule("cluster-ips-check", format!("ip daddr {{ {} }} drop comment \"Drop traffic to unallocated ClusterIPs\"", cidrs.join(" , ")));
+    }
+    rule("filter-prerouting-pre-dnat", "ct state new jump firewall-check".into());
+    rule("filter-forward", "ct state new jump service-endpoints-check".into());
+    rule("filter-forward", "ct state new jump cluster-ips-check".into());
+    rule("filter-input", "ct state new jump nodeport-endpoints-check".into());
+    rule("filter-input", "ct state new jump service-endpoints-check".into());
+    rule("filter-output", "ct state new jump service-endpoints-check".into());
+    rule("filter-output-pre-dnat", "ct state new jump firewall-check".into());
+    rule("filter-output", "ct state new jump cluster-ips-check".into());
+    rule("firewall-check", "ip daddr . meta l4proto . th dport vmap @firewall-ips".into());
+    rule("mark-for-masquerade", format!("mark set mark or {mark}"));
+    rule("masquerading", format!("mark and {mark} == 0 return"));
+    rule("masquerading", format!("mark set mark xor {mark}"));
+    rule("masquerading", "masquerade fully-random".into());
+    rule("nat-output", "jump services".into());
+    rule("nat-postrouting", "jump masquerading".into());
+    rule("nat-prerouting", "jump services".into());
+    if node.nodeport_all {
+        rule("nodeport-endpoints-check", "ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports".into());
+    } else {
+        rule("nodeport-endpoints-check", "ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports".into());
+    }
+    rule("reject-chain", "reject".into());
+    rule("services", "ip daddr . meta l4proto . th dport vmap @service-ips".into());
+    if node.nodeport_all {
+        rule("services", "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports".into());
+    } else {
+        rule("services", "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports".into());
+    }
+    rule("service-endpoints-check", "ip daddr . meta l4proto . th dport vmap @no-endpoint-services".into());
+    if !node.nodeport_all {
+        for ip in node.nodeport_ips.iter().filter(|ip| !ip.is_loopback()) {
+            r.elements.insert(("nodeport-ips".into(), ip.to_string()), String::new());
+        }
+    }
+    for port in services.values().flatten() {
+        render_port(&Plan::new(port), node, &mut r);
+    }
+    r
+}
+
+fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
+    let Some(cluster_ip) = p.cluster_ip else { return };
+    let (spn, proto, port) = (&p.spn, p.proto, p.port.port);
+    let name = port_name(p);
+    let base = base_name(&name);
+    let svc = format!("service-{base}");
+    let loc = format!("local-{base}");
+    let ext = format!("external-{base}");
+    let fw = format!("firewall-{base}");
+    let int_chain = if p.port.internal_local { &loc } else { &svc };
+    let ext_policy = if p.port.external_local { &loc } else { &svc };
+    let verdict = if p.has_endpoints { "drop".to_string() } else { "goto reject-chain".to_string() };
+    let mut elem = |set: &str, key: String, rest: String| {
+        r.elements.insert((set.to_string(), key), rest);
+    };
+    let no_ep = |v: &str| format!(" comment \"{spn}\" : {v}");
+
+    elem("cluster-ips", cluster_ip.to_string(), String::new());
+    if p.has_internal_endpoints {
+        elem("service-ips", format!("{cluster_ip} . {proto} . {port}"), format!(" : goto {int_chain}"));
+    } else {
+        elem("no-endpoint-services", format!("{cluster_ip} . {proto} . {port}"), no_ep(&verdict));
+    }
+    for ip in &p.port.external_ips {
+        if p.has_endpoints {
+            elem("service-ips", format!("{ip} . {proto} . {port}"), format!(" : goto {ext}"));
+        }
+        if !p.has_external_endpoints {
+            elem("no-endpoint-services", format!("{ip} . {proto} . {port}"), no_ep(&verdict));
+        }
+    }
+    for ip in &p.port.lb_ips {
+        if p.has_endpoints {
+            elem("service-ips", format!("{ip} . {proto} . {port}"), format!(" : goto {ext}"));
+        }
+        if p.has_firewall {
+            elem("firewall-ips", format!("{ip} . {proto} . {port}"), format!(" : goto {fw}"));
+        }
+        if !p.has_external_endpoints {
+            elem("no-endpoint-services", format!("{ip} . {proto} . {port}"), no_ep(&verdict));
+        }
+    }
+    if let Some(np) = p.port.node_port {
+        if p.has_endpoints {
+            elem("service-nodeports", format!("{proto} . {np}"), format!(" : goto {ext}"));
+        }
+        if !p.has_external_endpoints {
+            elem("no-endpoint-nodeports", format!("{proto} . {np}"), no_ep(&verdict));
+        }
+    }
+
+    let mut chain = |name: &str, rules: Vec<String>| {
+        r.chains.entry(name.to_string()).or_default().extend(rules);
+    };
+    if p.has_internal_endpoints {
+        let mut rules = Vec::new();
+        if node.masquerade_all {
+            rules.push(format!("ip daddr {cluster_ip} jump mark-for-masquerade"));
+        } else if let Some(cidr) = node.cluster_cidr {
+            rules.push(format!("ip daddr {cluster_ip} ip saddr != {cidr} jump mark-for-masquerade"));
+        }
+        chain(int_chain, rules);
+    }
+    if p.uses_external_chain {
+        let mut rules = Vec::new();
+        if !p.port.external_local {
+            rules.push("jump mark-for-masquerade".to_string());
+        } else {
+            if let Some(cidr) = node.cluster_cidr {
+                rules.push(format!("ip saddr {cidr} goto {svc} comment \"short-circuit pod traffic\""));
+            }
+            rules.push("fib saddr type local jump mark-for-masquerade comment \"masquerade local traffic\"".to_string());
+            rules.push(format!("fib saddr type local goto {svc} comment \"short-circuit local traffic\""));
+        }
+        if p.has_external_endpoints {
+            rules.push(format!("goto {ext_policy}"));
+        }
+        chain(&ext, rules);
+    }
+    if p.has_firewall {
+        let mut allowed: Vec<String> = p.port.lb_source_ranges.iter().map(|c| c.to_string()).collect();
+        if node.nodeport_ips.iter().any(|ip| p.port.lb_source_ranges.iter().any(|c| c.contains(*ip))) {
+            allowed.extend(p.port.lb_ips.iter().map(|ip| ip.to_string()));
+        }
+        chain(&fw, vec![format!("ip saddr != {{ {} }} drop", allowed.join(" , "))]);
+    }
+    let endpoint = |e: &crate::model::EndpointView| base_name(&format!("{name}__{}/{}", e.addr, e.port));
+    let dispatch = |eps: &[crate::model::EndpointView]| {
+        let mut rules = Vec::new();
+        if p.port.affinity_timeout.is_some() {
+            for e in eps {
+                let b = endpoint(e);
+                rules.push(format!("ip saddr @affinity-{b} goto endpoint-{b}"));
+            }
+        }
+        let arms: Vec<String> = eps.iter().enumerate().map(|(i, e)| format!("{i} : goto endpoint-{}", endpoint(e))).collect();
+        rules.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(" , ")));
+        rules
+    };
+    if p.uses_cluster_chain {
+        chain(&svc, dispatch(&p.cluster));
+    }
+    if p.uses_local_chain {
+        chain(&loc, dispatch(&p.local));
+    }
+    for e in &p.reachable {
+        let b = endpoint(e);
+        let mut rules = vec![format!("ip saddr {} jump mark-for-masquerade", e.addr)];
+        if let Some(t) = p.port.affinity_timeout {
+            r.sets.insert(format!("affinity-{b}"), format!("add set {TABLE} affinity-{b} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {t}s ; }}"));
+            rules.push(format!("update @affinity-{b} {{ ip saddr }}"));
+        }
+        rules.push(format!("meta l4proto {proto} dnat to {}", e.socket()));
+        r.chains.entry(format!("endpoint-{b}")).or_default().extend(rules);
+    }
+}
+
+/// Programs nftables, one transaction per sync.
+pub struct NftablesRules {
+    opts: NftablesOptions,
+    applied: Option<Ruleset>,
+}
+
+impl NftablesRules {
+    pub fn new() -> Self {
+        Self { opts: NftablesOptions::default(), applied: None }
+    }
+}
+
+impl Default for NftablesRules {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The transaction that brings the kernel from `from` (None: unknown, rebuild the table) to
+/// `to`.
+pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
+    let mut t: Vec<String> = Vec::new();
+    let empty = Ruleset::default();
+    let from = match from {
+        Some(f) if f.base == to.base => f,
+        _ => {
+            // The whole table, atomically replaced.
+            t.push(format!("add table {TABLE}"));
+            t.push(format!("delete table {TABLE}"));
+            t.extend(to.base.iter().cloned());
+            &empty
+        }
+    };
+    // Elements that go or change first: they may point at chains that are deleted below.
+    for ((set, key), rest) in &from.elements {
+        if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
+            t.push(element_line("delete", set, key, ""));
+        }
+    }
+    for (name, rules) in &to.chains {
+        match from.chains.get(name) {
+            Some(old) if old == rules => {}
+            Some(_) => {
+                t.push(format!("add chain {TABLE} {name}"));
+                t.push(format!("flush chain {TABLE} {name}"));
+            }
+            None => t.push(format!("add chain {TABLE} {name}")),
+        }
+    }
+    for (name, line) in &to.sets {
+        if !from.sets.contains_key(name) {
+            t.push(line.clone());
+        }
+    }
+    for (name, rules) in &to.chains {
+        if from.chains.get(name) != Some(rules) {
+            t.extend(rules.iter().map(|r| format!("add rule {TABLE} {name} {r}")));
+        }
+    }
+    for ((set, key), rest) in &to.elements {
+        if from.elements.get(&(set.clone(), key.clone())) != Some(rest) {
+            t.push(element_line("add", set, key, rest));
+        }
+    }
+    let gone: Vec<&String> = from.chains.keys().filter(|c| !to.chains.contains_key(*c)).collect();
+    for c in &gone {
+        t.push(format!("flush chain {TABLE} {c}"));
+    }
+    for c in &gone {
+        t.push(format!("delete chain {TABLE} {c}"));
+    }
+    for name in from.sets.keys().filter(|s| !to.sets.contains_key(*s)) {
+        t.push(format!("delete set {TABLE} {name}"));
+    }
+    if t.is_empty() {
+        String::new()
+    } else {
+        t.join("\n") + "\n"
+    }
+}
+
+impl RuleSet for NftablesRules {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Nftables
+    }
+
+    fn render(&self, services: &Services, node: &NodeContext) -> String {
+        render(services, node, &self.opts).dump()
+    }
+
+    fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+        let wanted = render(services, node, &self.opts);
+        let tx = transaction(self.applied.as_ref(), &wanted);
+        if tx.is_empty() {
+            return Ok(0);
+        }
+        let ops = tx.lines().count();
+        match run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
+            Ok(_) => {
+                self.applied = Some(wanted);
+                Ok(ops)
+            }
+            Err(e) => {
+                // The next sync rebuilds the table from scratch.
+                self.applied = None;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Removes the nftables mode's table. Returns a line per thing removed.
+pub fn cleanup() -> Vec<String> {
+    match run("nft", PACKAGE, &["list", "table", "ip", "kube-proxy"]) {
+        Ok(_) => match run("nft", PACKAGE, &["delete", "table", "ip", "kube-proxy"]) {
+            Ok(_) => vec!["nftables: table ip kube-proxy".into()],
+            Err(e) => vec![format!("nftables: could not delete table ip kube-proxy: {e}")],
+        },
+        Err(_) => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_names_hash_as_kube_proxy_does() {
+        assert_eq!(base_name("ns1/svc1/tcp/p80"), "ULMVA6XW-ns1/svc1/tcp/p80");
+        assert_eq!(base_name("ns2/svc2/tcp/p8080"), "MHHHYRWA-ns2/svc2/tcp/p8080");
+        assert_eq!(base_name("testing/service/tcp/https"), "LZBRENCP-testing/service/tcp/https");
+        assert!(base_name("ns1/svc1/tcp/p80__10.180.0.1/80").starts_with("5OJB2KTY-"));
+        assert!(base_name("ns4/svc4/tcp/p80__10.180.0.5/80").starts_with("5RFCDDV7-"));
+        let long = base_name(&"x".repeat(300));
+        assert_eq!(long.len(), 240);
+        assert!(long.ends_with("..."));
+    }
+}

@@ -1,0 +1,153 @@
+//! The reconciling loop of the netfilter modes: every pending Service change is translated into
+//! its ports, and the mode's rules are rendered and applied once per sync (a burst of changes
+//! is one kernel transaction). Nothing is written until every source has listed everything.
+
+use std::{
+    collections::BTreeMap,
+    time::{Instant, SystemTime},
+};
+
+use crate::{
+    dataplane::netfilter::{NodeContext, RuleSet, Services},
+    healthcheck::PortState,
+    model::{
+        store::{Event, Kind, NodePortAddresses, Store},
+        translate::HealthCheck,
+        ObjectKey,
+    },
+    reconcile::SyncStats,
+};
+
+pub struct NetfilterProxier {
+    pub store: Store,
+    rules: Box<dyn RuleSet + Send>,
+    required: Vec<Kind>,
+    services: Services,
+    health_checks: BTreeMap<ObjectKey, HealthCheck>,
+    cluster_cidr: Option<crate::model::store::Cidr>,
+    masquerade_all: bool,
+    /// The last apply failed: everything is applied again on the next sync.
+    failed: bool,
+    synced_once: bool,
+    triggers: Vec<SystemTime>,
+}
+
+impl NetfilterProxier {
+    pub fn new(
+        store: Store,
+        rules: Box<dyn RuleSet + Send>,
+        required: Vec<Kind>,
+        cluster_cidr: Option<crate::model::store::Cidr>,
+        masquerade_all: bool,
+    ) -> Self {
+        Self {
+            store,
+            rules,
+            required,
+            services: Services::new(),
+            health_checks: BTreeMap::new(),
+            cluster_cidr,
+            masquerade_all,
+            failed: false,
+            synced_once: false,
+            triggers: Vec::new(),
+        }
+    }
+
+    pub fn handle(&mut self, event: Event) {
+        for r in self.store.apply(event) {
+            if r.warning {
+                tracing::warn!(object = %r.object, "{}", r.message);
+            } else {
+                tracing::info!(object = %r.object, "{}", r.message);
+            }
+        }
+    }
+
+    pub fn ready(&self) -> bool {
+        self.store.synced(&self.required)
+    }
+
+    pub fn has_failures(&self) -> bool {
+        self.failed
+    }
+
+    pub fn node_context(&self) -> NodeContext {
+        NodeContext {
+            nodeport_ips: self.store.node_info().nodeport_addresses,
+            nodeport_all: *self.store.nodeport_config() == NodePortAddresses::All,
+            cluster_cidr: self.cluster_cidr,
+            masquerade_all: self.masquerade_all,
+        }
+    }
+
+    pub fn services(&self) -> &Services {
+        &self.services
+    }
+
+    pub fn health_checks(&self) -> BTreeMap<u16, PortState> {
+        let mut out = BTreeMap::new();
+        for h in self.health_checks.values() {
+            out.entry(h.port).or_insert_with(|| PortState { service: h.service.clone(), local_endpoints: h.local_endpoints });
+        }
+        out
+    }
+
+    /// Takes in every pending change and applies the rules. None until the sources are synced
+    /// or when there is nothing to do.
+    pub fn sync(&mut self) -> Option<SyncStats> {
+        if !self.ready() {
+            return None;
+        }
+        let start = Instant::now();
+        let dirty = self.store.take_dirty();
+        for (_, times) in dirty.trigger_times {
+            self.triggers.extend(times);
+        }
+        if dirty.services.is_empty() && self.synced_once && !self.failed {
+            return None;
+        }
+        let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
+        for svc in &dirty.services {
+            let t = self.store.translate(svc);
+            for note in &t.notes {
+                tracing::info!(service = %svc, "{note}");
+            }
+            match t.health_check {
+                Some(h) => {
+                    self.health_checks.insert(svc.clone(), h);
+                }
+                None => {
+                    self.health_checks.remove(svc);
+                }
+            }
+            if t.ports.is_empty() {
+                if self.services.remove(svc).is_some() {
+                    stats.removed += 1;
+                }
+            } else if self.services.get(svc) != Some(&t.ports) {
+                self.services.insert(svc.clone(), t.ports);
+                stats.upserted += 1;
+            } else {
+                stats.unchanged += 1;
+            }
+        }
+        let node = self.node_context();
+        match self.rules.apply(&self.services, &node) {
+            Ok(written) => {
+                self.failed = false;
+                stats.garbage = written;
+                stats.trigger_times = std::mem::take(&mut self.triggers);
+            }
+            Err(e) => {
+                self.failed = true;
+                stats.failed = stats.services.max(1);
+                tracing::error!(mode = %self.rules.mode(), "applying the rules failed; retrying: {e}");
+            }
+        }
+        stats.initial = !self.synced_once;
+        self.synced_once = true;
+        stats.duration = start.elapsed();
+        Some(stats)
+    }
+}

@@ -1,0 +1,158 @@
+//! Golden tests: the rules rendered for a set of Services and EndpointSlices match what
+//! kube-proxy produces for the same objects, compared as kube-proxy's own unit tests compare
+//! (order-insensitive where kube-proxy's output order is not defined). The expected files were
+//! written from kube-proxy's documented rule format (see tests/golden/README.md).
+
+use std::{net::Ipv4Addr, path::Path};
+
+use proxy_agent::{
+    dataplane::netfilter::{iptables, nftables, NodeContext},
+    model::store::Cidr,
+    rules::services_of,
+};
+
+fn golden(case: &str, file: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case).join(file)).expect("golden file")
+}
+
+fn comment_of(rule: &str) -> Option<String> {
+    let rest = &rule[rule.find("--comment ")? + "--comment ".len()..];
+    Some(match rest.strip_prefix('"') {
+        Some(q) => q[..q.find('"')?].to_string(),
+        None => rest.split(' ').next()?.to_string(),
+    })
+}
+
+/// The Service a rule belongs to, by its comment: text up to the first space or colon.
+fn service_of(comment: &str) -> String {
+    comment.split([' ', ':']).next().unwrap_or("").to_string()
+}
+
+/// kube-proxy's test normalisation of iptables-restore input: tables by name; chains with
+/// KUBE-NODEPORTS, KUBE-SERVICES first, then KUBE-* and others by name; rules grouped by
+/// chain in their order, KUBE-NODEPORTS and KUBE-SERVICES rules stably sorted by Service
+/// (the nodeports catch-all last); deleted chains as -X lines.
+fn normalize_iptables(text: &str) -> String {
+    struct Table {
+        name: String,
+        chains: Vec<String>,
+        rules: std::collections::BTreeMap<String, Vec<String>>,
+        deleted: Vec<String>,
+    }
+    let mut tables: Vec<Table> = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(name) = line.strip_prefix('*') {
+            tables.push(Table { name: name.into(), chains: vec![], rules: Default::default(), deleted: vec![] });
+            continue;
+        }
+        let Some(t) = tables.last_mut() else { continue };
+        if let Some(decl) = line.strip_prefix(':') {
+            let c = decl.split(' ').next().unwrap().to_string();
+            if !t.chains.contains(&c) {
+                t.chains.push(c.clone());
+                t.rules.insert(c, vec![]);
+            }
+        } else if let Some(rule) = line.strip_prefix("-A ") {
+            let c = rule.split(' ').next().unwrap().to_string();
+            t.rules.entry(c).or_default().push(line.to_string());
+        } else if let Some(c) = line.strip_prefix("-X ") {
+            t.deleted.push(c.to_string());
+        }
+    }
+    tables.sort_by(|a, b| a.name.cmp(&b.name));
+    let rank = |c: &str| match c {
+        "KUBE-NODEPORTS" => (0, String::new()),
+        "KUBE-SERVICES" => (1, String::new()),
+        c if c.starts_with("KUBE-") => (2, c.to_string()),
+        c => (3, c.to_string()),
+    };
+    let mut out = Vec::new();
+    for mut t in tables {
+        t.chains.sort_by_key(|c| rank(c));
+        for chain in ["KUBE-NODEPORTS", "KUBE-SERVICES"] {
+            let nat = t.name == "nat";
+            if let Some(rules) = t.rules.get_mut(chain) {
+                rules.sort_by_key(|r| {
+                    let c = comment_of(r);
+                    let last = nat && chain == "KUBE-SERVICES" && c.as_deref().is_some_and(|c| c.contains("must be the last rule"));
+                    (last, c.map(|c| service_of(&c)).unwrap_or_default())
+                });
+            }
+        }
+        out.push(format!("*{}", t.name));
+        for c in t.chains.iter().filter(|c| !t.deleted.contains(c)) {
+            out.push(format!(":{c} - [0:0]"));
+        }
+        for c in t.chains.iter().filter(|c| !t.deleted.contains(c)) {
+            out.extend(t.rules.get(c).cloned().unwrap_or_default());
+        }
+        out.extend(t.chains.iter().filter(|c| t.deleted.contains(c)).map(|c| format!("-X {c}")));
+        out.push("COMMIT".into());
+    }
+    out.join("\n")
+}
+
+/// kube-proxy's test normalisation of an nftables dump: tables, chains, rules, sets, maps,
+/// elements in that order; by object name; rules keep their order within a chain; other
+/// objects of one name by their text.
+fn normalize_nft(text: &str) -> String {
+    let rank = |kind: &str| match kind {
+        "table" => 0,
+        "chain" => 1,
+        "rule" => 2,
+        "set" => 3,
+        "map" => 4,
+        "element" => 5,
+        _ => 6,
+    };
+    let mut lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect();
+    lines.sort_by_key(|l| {
+        let w: Vec<&str> = l.split(' ').collect();
+        let kind = w.get(1).copied().unwrap_or("");
+        let name = w.get(4).copied().unwrap_or("").to_string();
+        let tail = if kind == "rule" { String::new() } else { l.to_string() };
+        (rank(kind), name, tail)
+    });
+    lines.join("\n")
+}
+
+fn cidr(s: &str) -> Cidr {
+    s.parse().unwrap()
+}
+
+fn assert_same(what: &str, got: &str, want: &str) {
+    if got != want {
+        let diff: Vec<String> = want
+            .lines()
+            .filter(|l| !got.lines().any(|g| g == *l))
+            .map(|l| format!("- {l}"))
+            .chain(got.lines().filter(|g| !want.lines().any(|l| l == *g)).map(|g| format!("+ {g}")))
+            .collect();
+        panic!("{what} differs from kube-proxy's (- missing, + extra):\n{}\n\nfull output:\n{got}", diff.join("\n"));
+    }
+}
+
+#[test]
+fn iptables_rules_match_kube_proxys_for_the_overall_case() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, cluster_cidr: Some(cidr("10.0.0.0/8")), masquerade_all: false };
+    let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+    let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
+    let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
+    assert_same("iptables-restore input", &normalize_iptables(&text), &normalize_iptables(&golden("overall", "iptables.txt")));
+}
+
+#[test]
+fn nftables_rules_match_kube_proxys_for_the_overall_case() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+    let node = NodeContext {
+        nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
+        nodeport_all: false,
+        cluster_cidr: Some(cidr("10.0.0.0/8")),
+        masquerade_all: false,
+    };
+    let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+    let dump = nftables::render(&services, &node, &opts).dump();
+    assert_same("nftables ruleset", &normalize_nft(&dump), &normalize_nft(&golden("overall", "nftables.txt")));
+}
