@@ -107,12 +107,15 @@ fn parse_cidr(s: &str) -> Result<Cidr, String> {
     s.parse()
 }
 
-/// `--proxy-mode`: a mode, or auto (None).
-fn parse_mode_or_auto(s: &str) -> Result<Option<ProxyMode>, String> {
+/// `--proxy-mode`: a mode, or auto.
+#[derive(Clone, Copy, Debug)]
+struct ModeChoice(Option<ProxyMode>);
+
+fn parse_mode_or_auto(s: &str) -> Result<ModeChoice, String> {
     if s == "auto" {
-        Ok(None)
+        Ok(ModeChoice(None))
     } else {
-        s.parse().map(Some)
+        s.parse().map(|m| ModeChoice(Some(m)))
     }
 }
 
@@ -123,7 +126,7 @@ struct RunArgs {
     /// ebpf, iptables, ipvs, nftables, or auto: ebpf where the kernel and privileges allow,
     /// else nftables, else iptables (the choice and its reason are logged).
     #[arg(long, default_value = "auto", value_parser = parse_mode_or_auto)]
-    proxy_mode: Option<ProxyMode>,
+    proxy_mode: ModeChoice,
     /// The pods' address range: in the netfilter modes, traffic from outside it to a cluster IP
     /// is masqueraded, and externalTrafficPolicy Local short-circuits traffic from inside it.
     #[arg(long, value_parser = parse_cidr)]
@@ -267,7 +270,7 @@ pub fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run(a) => {
             let cfg = agent::RunConfig {
-                proxy_mode: a.proxy_mode,
+                proxy_mode: a.proxy_mode.0,
                 cluster_cidr: a.cluster_cidr,
                 masquerade_all: a.masquerade_all,
                 source: match a.manifests {

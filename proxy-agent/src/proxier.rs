@@ -136,7 +136,7 @@ impl NetfilterProxier {
         match self.rules.apply(&self.services, &node) {
             Ok(written) => {
                 self.failed = false;
-                stats.garbage = written;
+                tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
                 stats.trigger_times = std::mem::take(&mut self.triggers);
             }
             Err(e) => {

@@ -71,6 +71,14 @@ impl Lab {
         // lab keeps the kernel default (off) explicit so it does not depend on the host.
         node.sysctl("net.ipv4.conf.all.rp_filter", "0");
         node.sysctl("net.ipv4.conf.default.rp_filter", "0");
+        // An uplink with an address and a default route, as every node has: traffic for an
+        // address no route leads to would otherwise die in routing before netfilter's FORWARD
+        // chain (where the netfilter modes REJECT), and masquerading needs a node address.
+        node.ip(&["link", "add", "uplink0", "type", "veth", "peer", "name", "uplink1"]);
+        node.ip(&["addr", "add", "192.168.250.1/24", "dev", "uplink0"]);
+        node.ip(&["link", "set", "uplink0", "up"]);
+        node.ip(&["link", "set", "uplink1", "up"]);
+        node.ip(&["route", "add", "default", "via", "192.168.250.254"]);
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
             backends: Vec::new(),

@@ -3,6 +3,7 @@
 
 pub mod apiserver;
 pub mod cluster;
+pub mod conformance;
 pub mod lab;
 pub mod netns;
 pub mod northbench;
