@@ -58,6 +58,8 @@ pub struct RunConfig {
     pub cluster_cidr: Option<crate::model::store::Cidr>,
     /// `--masquerade-all` (netfilter modes).
     pub masquerade_all: bool,
+    /// `--ipvs-scheduler` (IPVS mode).
+    pub ipvs_scheduler: crate::dataplane::netfilter::ipvs::Scheduler,
     pub pod_devices: Vec<String>,
     /// External interfaces (glob patterns); empty: those with a global IPv4 address.
     pub devices: Vec<String>,
@@ -200,7 +202,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
 }
 
 async fn run_netfilter(cfg: RunConfig, mode: ProxyMode) -> anyhow::Result<()> {
-    let rules = crate::dataplane::modes::rules_for(mode).map_err(anyhow::Error::msg)?;
+    let rules = crate::dataplane::modes::rules_for(mode, cfg.ipvs_scheduler.clone()).map_err(anyhow::Error::msg)?;
     let (mut src_rx, _watcher) = start_source(&cfg).await?;
     let telemetry = Telemetry::new(2 * cfg.sync_period, None, (0, 0));
     http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
@@ -232,6 +234,8 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(2));
+    // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let netfilter_sync = |p: &mut NetfilterProxier, health: &mut HealthServers| {
         if let Some(s) = p.sync() {
             log_sync(&s);
@@ -330,6 +334,8 @@ async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(2));
+    // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut attach_retry = tokio::time::interval(Duration::from_secs(5));
     let mut node_seen = false;
     let mut warned_no_node = false;

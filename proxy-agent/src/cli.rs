@@ -1,5 +1,6 @@
 //! Command line: `run`, `inspect`, `cleanup`. Flags use kube-proxy's names where it has one.
 
+use crate::dataplane::netfilter::ipvs::Scheduler;
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -97,6 +98,9 @@ struct RulesArgs {
     cluster_cidr: Option<Cidr>,
     #[arg(long)]
     masquerade_all: bool,
+    /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
+    #[arg(long, default_value = "rr")]
+    ipvs_scheduler: Scheduler,
 }
 
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
@@ -134,6 +138,9 @@ struct RunArgs {
     /// Netfilter modes: masquerade all traffic to Services.
     #[arg(long)]
     masquerade_all: bool,
+    /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
+    #[arg(long, default_value = "rr")]
+    ipvs_scheduler: Scheduler,
     /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`
     /// prints them) from this directory, watched for changes, instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
@@ -273,6 +280,7 @@ pub fn main() -> ExitCode {
                 proxy_mode: a.proxy_mode.0,
                 cluster_cidr: a.cluster_cidr,
                 masquerade_all: a.masquerade_all,
+                ipvs_scheduler: a.ipvs_scheduler,
                 source: match a.manifests {
                     Some(dir) => Source::Manifests(dir),
                     None => Source::Kube(a.kubeconfig),
@@ -336,6 +344,7 @@ pub fn main() -> ExitCode {
                 cluster_cidr: a.cluster_cidr,
                 masquerade_all: a.masquerade_all,
             },
+            a.ipvs_scheduler,
         )
         .map(|text| print!("{text}")),
     };

@@ -71,7 +71,14 @@ impl Devices {
 
     /// Every IPv4 address of the node but loopback ones: where NodePorts are served by default.
     pub fn node_addresses(&self) -> Vec<Ipv4Addr> {
-        let mut v: Vec<Ipv4Addr> = self.addrs.values().flatten().map(|(a, _)| *a).filter(|a| !a.is_loopback()).collect();
+        // Service addresses IPVS mode binds to its dummy interface are not the node's.
+        let mut v: Vec<Ipv4Addr> = self
+            .addrs
+            .iter()
+            .filter(|(index, _)| self.links.get(index).map(String::as_str) != Some(crate::dataplane::netfilter::ipvs::DUMMY))
+            .flat_map(|(_, addrs)| addrs.iter().map(|(a, _)| *a))
+            .filter(|a| !a.is_loopback())
+            .collect();
         v.sort();
         v.dedup();
         v
@@ -91,12 +98,10 @@ impl Devices {
                 self.addrs.remove(index).is_some_and(|a| !a.is_empty())
             }
             LinkChange::Address { index, addr, global, added } => {
+                let on_dummy = self.links.get(index).map(String::as_str) == Some(crate::dataplane::netfilter::ipvs::DUMMY);
                 let set = self.addrs.entry(*index).or_default();
-                if *added {
-                    set.insert((*addr, *global))
-                } else {
-                    set.remove(&(*addr, *global))
-                }
+                let changed = if *added { set.insert((*addr, *global)) } else { set.remove(&(*addr, *global)) };
+                changed && !on_dummy
             }
         }
     }
@@ -141,5 +146,23 @@ impl Devices {
                 Err(e) => tracing::error!(ifindex = index, "recording the interface address for SNAT: {e}"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_addresses_on_the_ipvs_dummy_are_not_node_addresses() {
+        let mut d = Devices::new(DevicePatterns::parse(&[]).unwrap(), None, XdpSetting::Disabled);
+        let addr = |index, a: &str, added| LinkChange::Address { index, addr: a.parse().unwrap(), global: true, added };
+        d.apply(&LinkChange::Present { index: 2, name: "eth0".into() });
+        d.apply(&LinkChange::Present { index: 7, name: "kube-ipvs0".into() });
+        assert!(d.apply(&addr(2, "192.168.1.10", true)), "a node address is a change");
+        assert!(!d.apply(&addr(7, "10.96.0.10", true)), "a VIP bound by IPVS mode is not");
+        assert_eq!(d.node_addresses(), vec![Ipv4Addr::new(192, 168, 1, 10)]);
+        assert!(d.apply(&addr(2, "192.168.1.10", false)));
+        assert!(d.node_addresses().is_empty());
     }
 }

@@ -23,14 +23,18 @@ fn comment_of(rule: &str) -> Option<String> {
     })
 }
 
-/// The Service a rule belongs to, by its comment: text up to the first space or colon.
+/// The Service port a rule belongs to, by its comment: text up to the first space.
+/// kube-proxy's own normaliser keys on the Service (up to the first colon too) because its
+/// tests have one port per Service; with several ports, kube-proxy emits the ports of a
+/// Service in Go map order (undefined), so the ports are ordered by name here, and the rules
+/// of one port keep their order.
 fn service_of(comment: &str) -> String {
-    comment.split([' ', ':']).next().unwrap_or("").to_string()
+    comment.split(' ').next().unwrap_or("").to_string()
 }
 
 /// kube-proxy's test normalisation of iptables-restore input: tables by name; chains with
 /// KUBE-NODEPORTS, KUBE-SERVICES first, then KUBE-* and others by name; rules grouped by
-/// chain in their order, KUBE-NODEPORTS and KUBE-SERVICES rules stably sorted by Service
+/// chain in their order, KUBE-NODEPORTS and KUBE-SERVICES rules stably sorted by Service port
 /// (the nodeports catch-all last); deleted chains as -X lines.
 fn normalize_iptables(text: &str) -> String {
     struct Table {
@@ -132,19 +136,17 @@ fn assert_same(what: &str, got: &str, want: &str) {
     }
 }
 
-#[test]
-fn iptables_rules_match_kube_proxys_for_the_overall_case() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+fn iptables_case(case: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
     let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, cluster_cidr: Some(cidr("10.0.0.0/8")), masquerade_all: false };
     let (_, services) = services_of(&dir, "test-node", &node).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
     let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
-    assert_same("iptables-restore input", &normalize_iptables(&text), &normalize_iptables(&golden("overall", "iptables.txt")));
+    assert_same(&format!("{case}: iptables-restore input"), &normalize_iptables(&text), &normalize_iptables(&golden(case, "iptables.txt")));
 }
 
-#[test]
-fn nftables_rules_match_kube_proxys_for_the_overall_case() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+fn nftables_case(case: &str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
     let node = NodeContext {
         nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
         nodeport_all: false,
@@ -154,5 +156,52 @@ fn nftables_rules_match_kube_proxys_for_the_overall_case() {
     let (_, services) = services_of(&dir, "test-node", &node).unwrap();
     let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
     let dump = nftables::render(&services, &node, &opts).dump();
-    assert_same("nftables ruleset", &normalize_nft(&dump), &normalize_nft(&golden("overall", "nftables.txt")));
+    assert_same(&format!("{case}: nftables ruleset"), &normalize_nft(&dump), &normalize_nft(&golden(case, "nftables.txt")));
+}
+
+/// kube-proxy's TestOverall Services: ClusterIP, LoadBalancer with eTP=Local, NodePort,
+/// externalIPs, source ranges with affinity, no endpoints.
+#[test]
+fn iptables_rules_match_kube_proxys_for_the_overall_case() {
+    iptables_case("overall");
+}
+
+#[test]
+fn nftables_rules_match_kube_proxys_for_the_overall_case() {
+    nftables_case("overall");
+}
+
+/// Several ports per Service, TCP and UDP, targetPorts, one port without endpoints.
+#[test]
+fn iptables_rules_match_kube_proxys_for_services_with_several_ports() {
+    iptables_case("multiport");
+}
+
+#[test]
+fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
+    nftables_case("multiport");
+}
+
+/// A large nftables table is built Service by Service in several transactions (the kernel's
+/// cost per transaction grows with its square); that relies on the ruleset of a set of
+/// Services being the union of each Service's.
+#[test]
+fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
+    for case in ["overall", "multiport"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
+        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, cluster_cidr: Some(cidr("10.0.0.0/8")), masquerade_all: false };
+        let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+        let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+        let whole = nftables::render(&services, &node, &opts);
+        let mut union = nftables::Ruleset { base: whole.base.clone(), ..Default::default() };
+        for (k, v) in &services {
+            let one = nftables::render(&[(k.clone(), v.clone())].into_iter().collect(), &node, &opts);
+            assert_eq!(one.base, whole.base, "{case}: the base does not depend on the Services");
+            union.chains.extend(one.chains);
+            union.sets.extend(one.sets);
+            union.elements.extend(one.elements);
+        }
+        assert!(services.len() > 1);
+        assert_eq!(union, whole, "{case}");
+    }
 }

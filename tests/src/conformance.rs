@@ -227,12 +227,15 @@ pub fn external_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {
         });
         assert_eq!(m, BTreeMap::from([("a1".to_string(), BTreeSet::from([ip(CLIENT_IP)]))]), "{mode} {to}: the client address is kept");
     }
-    let err = tcp_ask(&c.client, sock("192.168.100.2:30080")).expect_err("node B has no local endpoint");
-    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, not refused: {err}");
     let (code, headers, _) = eventually("the health check on node A", || http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").map_err(|e| e.to_string()));
     assert_eq!((code, headers.get("x-load-balancing-endpoint-weight").map(String::as_str)), (200, Some("1")), "{mode}");
+    // Node B's health check answers once its agent has synced the Service: only then is
+    // what node B does with the NodePort its answer (before, nothing listens and the kernel
+    // refuses).
     let (code, _, _) = eventually("the health check on node B", || http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/").map_err(|e| e.to_string()));
     assert_eq!(code, 503, "{mode}");
+    let err = tcp_ask(&c.client, sock("192.168.100.2:30080")).expect_err("node B has no local endpoint");
+    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, not refused: {err}");
 }
 
 pub fn internal_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {

@@ -19,6 +19,12 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nftables", "netfilter tools (fallback modes, benchmarks)"),
     ("iperf3", "traffic generation in benchmarks"),
     ("ethtool", "turning checksum offload off on lab veths, so XDP sees complete checksums as on a wire"),
+    ("ipvsadm", "IPVS mode (run in the qemu guest: this kernel has no IPVS)"),
+    ("ipset", "IPVS mode's sets"),
+    ("qemu-system-x86", "the guest that runs the IPVS conformance suite on Debian's kernel"),
+    ("busybox-static", "the IPVS guest's initramfs"),
+    ("cpio", "packing the IPVS guest's initramfs"),
+    ("kmod", "depmod/modprobe for the IPVS guest's kernel modules"),
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -42,11 +42,12 @@ pub fn nftables_unsupported() -> Option<String> {
 }
 
 /// The rules of a netfilter mode.
-pub fn rules_for(mode: ProxyMode) -> Result<Box<dyn RuleSet + Send>, String> {
+/// `scheduler` is IPVS mode's `--ipvs-scheduler`; the other modes ignore it.
+pub fn rules_for(mode: ProxyMode, scheduler: netfilter::ipvs::Scheduler) -> Result<Box<dyn RuleSet + Send>, String> {
     match mode {
         ProxyMode::Iptables => Ok(Box::new(IptablesRules::new())),
         ProxyMode::Nftables => Ok(Box::new(NftablesRules::new())),
-        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(netfilter::ipvs::Scheduler::default()))),
+        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(scheduler))),
         ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
     }
 }

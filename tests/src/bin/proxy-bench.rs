@@ -457,6 +457,80 @@ fn north(out_dir: &std::path::Path) {
     println!("written to {}", path.display());
 }
 
+// ---------------------------------------------------------------------------------------------
+// modes: time to program N Services in each mode
+
+fn modes(out_dir: &std::path::Path) {
+    use proxy_agent::dataplane::ProxyMode;
+    use proxy_tests::modesbench::{run_mode, Row, SIZES};
+    let mut rows: Vec<Row> = Vec::new();
+    for mode in [ProxyMode::Ebpf, ProxyMode::Iptables, ProxyMode::Nftables] {
+        rows.extend(run_mode(mode, &SIZES));
+    }
+    let (ipvs, ipvs_note) = modes_ipvs_in_guest();
+    println!("\nModes: ClusterIP Services x 4 endpoints handed to the mode -> programmed in the kernel");
+    println!("(one endpoint change: {} changes at each size; p50 / max)", proxy_tests::modesbench::CHANGES);
+    println!("{:<10}{:>10}{:>16}{:>24}", "mode", "services", "program (s)", "one change (ms)");
+    for r in rows.iter().chain(ipvs.iter()) {
+        let mode = if r.mode == "ipvs" { "ipvs*".to_string() } else { r.mode.clone() };
+        println!("{mode:<10}{:>10}{:>16.3}{:>24}", r.services, r.program_s, format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max));
+    }
+    println!("* {ipvs_note}");
+    let json = serde_json::json!({ "benchmark": "modes", "rows": rows, "ipvs_guest": ipvs, "ipvs_note": ipvs_note });
+    let path = out_dir.join("modes.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
+/// IPVS mode in the qemu guest of the IPVS conformance test. Returns the rows and what they
+/// are (or why there are none).
+fn modes_ipvs_in_guest() -> (Vec<proxy_tests::modesbench::Row>, String) {
+    use std::process::Command;
+    let tests = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let guest = tests.parent().unwrap().join("target/ipvs-guest");
+    let missing: Vec<&str> = ["qemu-system-x86_64", "busybox", "cpio", "ipvsadm", "ipset"]
+        .into_iter()
+        .filter(|t| !Command::new("sh").args(["-c", &format!("command -v {t}")]).status().is_ok_and(|s| s.success()))
+        .collect();
+    if !missing.is_empty() {
+        return (vec![], format!("IPVS not measured: the guest needs {missing:?} (`cargo xtask setup` installs them)"));
+    }
+    let build = Command::new("bash").arg(tests.join("guest/build-guest.sh")).arg(&guest).output().expect("build-guest.sh");
+    if !build.status.success() {
+        return (vec![], format!("IPVS not measured: building the guest failed: {}", String::from_utf8_lossy(&build.stderr)));
+    }
+    let me = std::env::current_exe().expect("own path");
+    let job = guest.join("modes-job.sh");
+    std::fs::write(
+        &job,
+        format!("#!/bin/sh\nset -e\nfor m in ip_vs ip_vs_rr ip_set xt_set dummy; do modprobe $m || true; done\nexec {} modes-guest\n", me.display()),
+    )
+    .unwrap();
+    eprintln!("modes: ipvs in the qemu guest (emulated; this takes minutes)...");
+    let out = Command::new("bash").arg(tests.join("guest/run-guest.sh")).arg(&guest).arg(&job).arg("3000").output().expect("run-guest.sh");
+    let console = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<proxy_tests::modesbench::Row> =
+        console.lines().filter_map(|l| l.split_once("MODES-ROW ")).filter_map(|(_, j)| serde_json::from_str(j.trim()).ok()).collect();
+    let accel = if console.contains("accel kvm") { "KVM" } else { "TCG, i.e. emulated: several times slower than this machine" };
+    let note = if rows.len() == SIZES_LEN {
+        format!("IPVS ran in a qemu guest booted from Debian's kernel ({accel}); compare its rows with each other, not with the modes above")
+    } else {
+        format!("IPVS in the guest gave {} of {SIZES_LEN} rows (guest exit {:?}); console tail:\n{}", rows.len(), out.status.code(), console.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
+    };
+    (rows, note)
+}
+
+const SIZES_LEN: usize = proxy_tests::modesbench::SIZES.len();
+
+/// Inside the guest: IPVS mode at every size, a JSON line per size.
+fn modes_guest() {
+    for n in proxy_tests::modesbench::SIZES {
+        for r in proxy_tests::modesbench::run_mode(proxy_agent::dataplane::ProxyMode::Ipvs, &[n]) {
+            println!("MODES-ROW {}", serde_json::to_string(&r).unwrap());
+        }
+    }
+}
+
 fn main() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -467,7 +541,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
-        which = vec!["datapath".into(), "control".into(), "north".into()];
+        which = vec!["datapath".into(), "control".into(), "north".into(), "modes".into()];
     }
     for b in which {
         match b.as_str() {
@@ -475,8 +549,10 @@ fn main() {
             "control" => control(&out_dir),
             "profile" => profile(),
             "north" => north(&out_dir),
+            "modes" => modes(&out_dir),
+            "modes-guest" => modes_guest(),
             other => {
-                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, profile");
+                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, modes, profile");
                 std::process::exit(2);
             }
         }

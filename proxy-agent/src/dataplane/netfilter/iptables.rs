@@ -61,14 +61,17 @@ fn comment(text: &str) -> String {
 /// One table of the restore input: chains in declaration order, rules in emission order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Table {
+    /// Chains in the order they were first declared.
     pub chains: Vec<String>,
     pub rules: Vec<(String, String)>,
+    /// The same names, for the membership test (tens of thousands of chains at scale).
+    declared: std::collections::HashSet<String>,
 }
 
 impl Table {
     fn chain(&mut self, name: impl Into<String>) {
         let name = name.into();
-        if !self.chains.contains(&name) {
+        if self.declared.insert(name.clone()) {
             self.chains.push(name);
         }
     }

@@ -55,6 +55,8 @@ impl VirtualKey {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Virtual {
+    /// The scheduler (`--ipvs-scheduler`).
+    pub scheduler: String,
     /// ClientIP affinity timeout (IPVS persistence).
     pub persistence: Option<u32>,
     pub reals: BTreeSet<(Ipv4Addr, u16)>,
@@ -72,11 +74,28 @@ pub struct Desired {
     pub iptables: String,
 }
 
-const SETS: [(&str, &str); 8] = [
+/// The sysctls IPVS mode needs, as kube-proxy sets them: netfilter must see IPVS-forwarded
+/// packets (masquerade, hairpin), connections to removed real servers are expired, and the
+/// VIPs on the dummy interface are not answered for in ARP.
+pub const SYSCTLS: [(&str, &str); 6] = [
+    ("net/ipv4/vs/conntrack", "1"),
+    ("net/ipv4/vs/expire_nodest_conn", "1"),
+    ("net/ipv4/vs/expire_quiescent_template", "1"),
+    ("net/ipv4/ip_forward", "1"),
+    ("net/ipv4/conf/all/arp_ignore", "1"),
+    ("net/ipv4/conf/all/arp_announce", "2"),
+];
+
+const SETS: [(&str, &str); 13] = [
     ("KUBE-CLUSTER-IP", "hash:ip,port"),
     ("KUBE-LOOP-BACK", "hash:ip,port,ip"),
     ("KUBE-EXTERNAL-IP", "hash:ip,port"),
+    ("KUBE-EXTERNAL-IP-LOCAL", "hash:ip,port"),
     ("KUBE-LOAD-BALANCER", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-LOCAL", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-FW", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-SOURCE-CIDR", "hash:ip,port,net"),
+    ("KUBE-LOAD-BALANCER-SOURCE-IP", "hash:ip,port,ip"),
     ("KUBE-NODE-PORT-TCP", "bitmap:port"),
     ("KUBE-NODE-PORT-UDP", "bitmap:port"),
     ("KUBE-NODE-PORT-LOCAL-TCP", "bitmap:port"),
@@ -84,7 +103,6 @@ const SETS: [(&str, &str); 8] = [
 ];
 
 pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -> Desired {
-    let _ = scheduler;
     let mut d = Desired::default();
     for (name, ty) in SETS {
         d.sets.insert(name, (ty, BTreeSet::new()));
@@ -92,34 +110,77 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
     let add = |d: &mut Desired, set: &'static str, entry: String| {
         d.sets.get_mut(set).expect("known set").1.insert(entry);
     };
+    let mut drops: Vec<String> = Vec::new();
     for port in services.values().flatten() {
         let p = Plan::new(port);
         let Some(cip) = p.cluster_ip else { continue };
+        // Without endpoints there is no virtual server: the address is still on kube-ipvs0,
+        // so the node's own stack refuses the connection (TCP reset, ICMP port unreachable),
+        // as kube-proxy's REJECT does. Endpoints elsewhere but none here under a Local
+        // policy: dropped, as kube-proxy does.
+        let proto_name = p.proto;
+        let drop_rule = |dst: String, dport: u16| format!("-A KUBE-IPVS-DROP {dst}-p {proto_name} -m {proto_name} --dport {dport} -m comment --comment \"{} has no local endpoints\" -j DROP", p.spn);
         let reals = |eps: &[crate::model::EndpointView]| eps.iter().map(|e| (e.addr, e.port)).collect::<BTreeSet<_>>();
-        let virt = |eps: &[crate::model::EndpointView]| Virtual { persistence: port.affinity_timeout, reals: reals(eps) };
+        let virt = |eps: &[crate::model::EndpointView]| Virtual { scheduler: scheduler.0.clone(), persistence: port.affinity_timeout, reals: reals(eps) };
         let proto = p.proto;
         if proto == "sctp" {
             continue;
         }
-        d.virtuals.insert(VirtualKey { proto, addr: cip, port: port.port }, virt(p.internal()));
+        if p.has_internal_endpoints {
+            d.virtuals.insert(VirtualKey { proto, addr: cip, port: port.port }, virt(p.internal()));
+        } else if p.has_endpoints {
+            drops.push(drop_rule(format!("-d {cip}/32 "), port.port));
+        }
         d.addresses.insert(cip);
         add(&mut d, "KUBE-CLUSTER-IP", format!("{cip},{proto}:{}", port.port));
         for e in p.reachable.iter() {
             add(&mut d, "KUBE-LOOP-BACK", format!("{},{proto}:{},{}", e.addr, e.port, e.addr));
         }
+        let external_ok = p.has_external_endpoints;
+        let local_drop = !external_ok && p.has_endpoints;
         for ip in &port.external_ips {
-            d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            if external_ok {
+                d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            } else if local_drop {
+                drops.push(drop_rule(format!("-d {ip}/32 "), port.port));
+            }
             d.addresses.insert(*ip);
-            add(&mut d, "KUBE-EXTERNAL-IP", format!("{ip},{proto}:{}", port.port));
+            // Under externalTrafficPolicy Local the client address is kept: no masquerade mark.
+            let set = if port.external_local { "KUBE-EXTERNAL-IP-LOCAL" } else { "KUBE-EXTERNAL-IP" };
+            add(&mut d, set, format!("{ip},{proto}:{}", port.port));
         }
         for ip in &port.lb_ips {
-            d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            if external_ok {
+                d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
+            } else if local_drop {
+                drops.push(drop_rule(format!("-d {ip}/32 "), port.port));
+            }
             d.addresses.insert(*ip);
-            add(&mut d, "KUBE-LOAD-BALANCER", format!("{ip},{proto}:{}", port.port));
+            let entry = format!("{ip},{proto}:{}", port.port);
+            if port.external_local {
+                add(&mut d, "KUBE-LOAD-BALANCER-LOCAL", entry.clone());
+            }
+            if !port.lb_source_ranges.is_empty() {
+                // loadBalancerSourceRanges: only these sources get through; the node itself
+                // too when one of its addresses is in a range (hairpin through the LB).
+                add(&mut d, "KUBE-LOAD-BALANCER-FW", entry.clone());
+                for r in &port.lb_source_ranges {
+                    add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-CIDR", format!("{entry},{r}"));
+                }
+                if node.nodeport_ips.iter().any(|n| port.lb_source_ranges.iter().any(|r| r.contains(*n))) {
+                    add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-IP", format!("{entry},{ip}"));
+                }
+            }
+            add(&mut d, "KUBE-LOAD-BALANCER", entry);
         }
         if let Some(np) = port.node_port {
             for ip in &node.nodeport_ips {
-                d.virtuals.insert(VirtualKey { proto, addr: *ip, port: np }, virt(p.external()));
+                if external_ok {
+                    d.virtuals.insert(VirtualKey { proto, addr: *ip, port: np }, virt(p.external()));
+                }
+            }
+            if local_drop {
+                drops.push(drop_rule("-m addrtype --dst-type LOCAL ".into(), np));
             }
             let (all, local) = if proto == "udp" { ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP") } else { ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP") };
             add(&mut d, all, np.to_string());
@@ -128,12 +189,20 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
             }
         }
     }
-    d.iptables = iptables_rules(node);
+    d.iptables = iptables_rules(node, &drops);
     d
 }
 
-fn iptables_rules(node: &NodeContext) -> String {
-    let mut s = String::from("*nat\n");
+fn iptables_rules(node: &NodeContext, drops: &[String]) -> String {
+    let mut s = String::from("*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n");
+    for r in drops {
+        let _ = writeln!(s, "{r}");
+    }
+    let _ = writeln!(s, "-A KUBE-IPVS-DROP -m comment --comment \"load balancer with loadBalancerSourceRanges\" -m set --match-set KUBE-LOAD-BALANCER-FW dst,dst -j KUBE-IPVS-SOURCE-RANGES");
+    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set KUBE-LOAD-BALANCER-SOURCE-CIDR dst,dst,src -j RETURN");
+    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set KUBE-LOAD-BALANCER-SOURCE-IP dst,dst,src -j RETURN");
+    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m comment --comment \"source not in loadBalancerSourceRanges\" -j DROP");
+    s += "COMMIT\n*nat\n";
     for c in ["KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"] {
         let _ = writeln!(s, ":{c} - [0:0]");
     }
@@ -161,6 +230,7 @@ fn iptables_rules(node: &NodeContext) -> String {
             let _ = writeln!(s, "-A KUBE-SERVICES -d {ip} -j KUBE-NODE-PORT");
         }
     }
+    let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" -m set --match-set KUBE-LOAD-BALANCER-LOCAL dst,dst -j RETURN");
     let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ");
     for proto in ["TCP", "UDP"] {
         let p = proto.to_lowercase();
@@ -171,32 +241,33 @@ fn iptables_rules(node: &NodeContext) -> String {
     s
 }
 
-/// The jumps from the built-in nat chains.
-const JUMPS: [(&str, &str, &str); 3] = [
-    ("PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
-    ("OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
-    ("POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+/// The jumps from the built-in chains: (table, chain, comment, target).
+const JUMPS: [(&str, &str, &str, &str); 4] = [
+    ("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+    ("filter", "INPUT", "kubernetes services without local endpoints", "KUBE-IPVS-DROP"),
 ];
 
 /// ipvsadm-restore commands for a virtual server and its real servers.
-fn add_virtual(out: &mut String, k: &VirtualKey, v: &Virtual, scheduler: &Scheduler) {
+fn add_virtual(out: &mut String, k: &VirtualKey, v: &Virtual) {
     let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
-    let _ = writeln!(out, "-A {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, scheduler.0);
+    let _ = writeln!(out, "-A {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, v.scheduler);
     for (ip, port) in &v.reals {
         let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
     }
 }
 
 /// What `ipvsadm-restore` needs to go from `from` to `to`.
-pub fn ipvsadm_delta(from: &BTreeMap<VirtualKey, Virtual>, to: &BTreeMap<VirtualKey, Virtual>, scheduler: &Scheduler) -> String {
+pub fn ipvsadm_delta(from: &BTreeMap<VirtualKey, Virtual>, to: &BTreeMap<VirtualKey, Virtual>) -> String {
     let mut out = String::new();
     for (k, v) in to {
         match from.get(k) {
-            None => add_virtual(&mut out, k, v, scheduler),
+            None => add_virtual(&mut out, k, v),
             Some(old) => {
-                if old.persistence != v.persistence {
+                if old.persistence != v.persistence || old.scheduler != v.scheduler {
                     let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
-                    let _ = writeln!(out, "-E {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, scheduler.0);
+                    let _ = writeln!(out, "-E {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, v.scheduler);
                 }
                 for (ip, port) in v.reals.difference(&old.reals) {
                     let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
@@ -234,7 +305,8 @@ pub fn parse_ipvsadm_save(text: &str) -> BTreeMap<VirtualKey, Virtual> {
         match w[0] {
             "-A" => {
                 let persistence = w.iter().position(|x| *x == "-p").and_then(|i| w.get(i + 1)).and_then(|t| t.parse().ok());
-                out.insert(k, Virtual { persistence, reals: BTreeSet::new() });
+                let scheduler = w.iter().position(|x| *x == "-s").and_then(|i| w.get(i + 1)).map(|s| s.to_string()).unwrap_or_default();
+                out.insert(k, Virtual { scheduler, persistence, reals: BTreeSet::new() });
             }
             "-a" => {
                 let real = w.iter().position(|x| *x == "-r").and_then(|i| w.get(i + 1)).and_then(|r| {
@@ -259,11 +331,15 @@ pub struct IpvsRules {
     /// Virtual servers as of the last successful apply (None: read them from the kernel).
     applied: Option<BTreeMap<VirtualKey, Virtual>>,
     addresses: Option<BTreeSet<Ipv4Addr>>,
+    /// The ipsets as of the last successful apply.
+    sets: Option<Sets>,
+    /// The iptables-restore input of the last successful apply.
+    iptables: Option<String>,
 }
 
 impl IpvsRules {
     pub fn new(scheduler: Scheduler) -> Self {
-        Self { scheduler, applied: None, addresses: None }
+        Self { scheduler, applied: None, addresses: None, sets: None, iptables: None }
     }
 }
 
@@ -279,13 +355,19 @@ fn ensure_dummy() -> Result<BTreeSet<Ipv4Addr>, NetfilterError> {
         .collect())
 }
 
-fn ipset_restore(sets: &BTreeMap<&'static str, (&'static str, BTreeSet<String>)>) -> Result<(), NetfilterError> {
+type Sets = BTreeMap<&'static str, (&'static str, BTreeSet<String>)>;
+
+/// Writes the sets that differ from `applied` (all of them when it is None).
+fn ipset_restore(sets: &Sets, applied: Option<&Sets>) -> Result<(), NetfilterError> {
     // Each set is filled as a temporary one and swapped in whole: a packet never sees it half
-    // written.
+    // written. (Set names are at most 31 characters, hence the short temporary names.)
     let mut s = String::new();
-    for (name, (ty, entries)) in sets {
+    for (i, (name, (ty, entries))) in sets.iter().enumerate() {
+        if applied.and_then(|a| a.get(name)) == Some(&(*ty, entries.clone())) {
+            continue;
+        }
         let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
-        let tmp = format!("{name}-TMP");
+        let tmp = format!("KUBE-PROXY-TMP-{i}");
         let _ = writeln!(s, "create {name} {ty}{range} -exist");
         let _ = writeln!(s, "create {tmp} {ty}{range} -exist");
         let _ = writeln!(s, "flush {tmp}");
@@ -294,6 +376,9 @@ fn ipset_restore(sets: &BTreeMap<&'static str, (&'static str, BTreeSet<String>)>
         }
         let _ = writeln!(s, "swap {tmp} {name}");
         let _ = writeln!(s, "destroy {tmp}");
+    }
+    if s.is_empty() {
+        return Ok(());
     }
     run_with_input(IPSET, IPSET, &["restore"], &s).map(|_| ())
 }
@@ -306,7 +391,7 @@ impl RuleSet for IpvsRules {
     fn render(&self, services: &Services, node: &NodeContext) -> String {
         let d = desired(services, node, &self.scheduler);
         let mut s = String::from("# IPVS virtual and real servers (ipvsadm-restore)\n");
-        s += &ipvsadm_delta(&BTreeMap::new(), &d.virtuals, &self.scheduler);
+        s += &ipvsadm_delta(&BTreeMap::new(), &d.virtuals);
         s += &format!("\n# addresses on {DUMMY}\n");
         for a in &d.addresses {
             s += &format!("{a}/32\n");
@@ -327,7 +412,16 @@ impl RuleSet for IpvsRules {
         let d = desired(services, node, &self.scheduler);
         let have_addrs = match &self.addresses {
             Some(a) => a.clone(),
-            None => ensure_dummy()?,
+            None => {
+                for (key, value) in SYSCTLS {
+                    let path = format!("/proc/sys/{key}");
+                    std::fs::write(&path, value).map_err(|e| NetfilterError::Failed {
+                        command: format!("sysctl {key}={value}"),
+                        stderr: format!("{e} (is the ip_vs module loaded?)"),
+                    })?;
+                }
+                ensure_dummy()?
+            }
         };
         let current = match &self.applied {
             Some(v) => v.clone(),
@@ -335,23 +429,29 @@ impl RuleSet for IpvsRules {
         };
         let result = (|| {
             // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
-            for a in d.addresses.difference(&have_addrs) {
-                run("ip", "iproute2", &["addr", "add", &format!("{a}/32"), "dev", DUMMY])?;
+            // One `ip -batch` for all of them: thousands of Services are thousands of addresses.
+            let add: String = d.addresses.difference(&have_addrs).map(|a| format!("addr replace {a}/32 dev {DUMMY}\n")).collect();
+            if !add.is_empty() {
+                run_with_input("ip", "iproute2", &["-batch", "-"], &add)?;
             }
-            ipset_restore(&d.sets)?;
-            run_with_input("iptables-restore", "iptables", &["-w", "5", "--noflush"], &d.iptables)?;
-            for (chain, cmt, target) in JUMPS {
-                let check = ["-w", "5", "-t", "nat", "-C", chain, "-m", "comment", "--comment", cmt, "-j", target];
+            ipset_restore(&d.sets, self.sets.as_ref())?;
+            if self.iptables.as_ref() != Some(&d.iptables) {
+                run_with_input("iptables-restore", "iptables", &["-w", "5", "--noflush"], &d.iptables)?;
+            }
+            for (table, chain, cmt, target) in JUMPS {
+                let check = ["-w", "5", "-t", table, "-C", chain, "-m", "comment", "--comment", cmt, "-j", target];
                 if run("iptables", "iptables", &check).is_err() {
-                    run("iptables", "iptables", &["-w", "5", "-t", "nat", "-I", chain, "-m", "comment", "--comment", cmt, "-j", target])?;
+                    run("iptables", "iptables", &["-w", "5", "-t", table, "-I", chain, "-m", "comment", "--comment", cmt, "-j", target])?;
                 }
             }
-            let delta = ipvsadm_delta(&current, &d.virtuals, &self.scheduler);
+            let delta = ipvsadm_delta(&current, &d.virtuals);
             if !delta.is_empty() {
                 run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
             }
-            for a in have_addrs.difference(&d.addresses) {
-                let _ = run("ip", "iproute2", &["addr", "del", &format!("{a}/32"), "dev", DUMMY]);
+            let del: String = have_addrs.difference(&d.addresses).map(|a| format!("addr del {a}/32 dev {DUMMY}\n")).collect();
+            if !del.is_empty() {
+                // -force: an address someone else removed already is not an error.
+                let _ = run_with_input("ip", "iproute2", &["-force", "-batch", "-"], &del);
             }
             Ok::<usize, NetfilterError>(delta.lines().count())
         })();
@@ -359,11 +459,15 @@ impl RuleSet for IpvsRules {
             Ok(n) => {
                 self.applied = Some(d.virtuals);
                 self.addresses = Some(d.addresses);
+                self.sets = Some(d.sets);
+                self.iptables = Some(d.iptables);
                 Ok(n)
             }
             Err(e) => {
                 self.applied = None;
                 self.addresses = None;
+                self.sets = None;
+                self.iptables = None;
                 Err(e)
             }
         }
@@ -382,8 +486,8 @@ pub fn cleanup() -> Vec<String> {
             removed.push(format!("ipvs: {DUMMY}"));
         }
     }
-    for (chain, cmt, target) in JUMPS {
-        while run("iptables", "iptables", &["-w", "5", "-t", "nat", "-D", chain, "-m", "comment", "--comment", cmt, "-j", target]).is_ok() {}
+    for (table, chain, cmt, target) in JUMPS {
+        while run("iptables", "iptables", &["-w", "5", "-t", table, "-D", chain, "-m", "comment", "--comment", cmt, "-j", target]).is_ok() {}
     }
     for (name, _) in SETS {
         if run(IPSET, IPSET, &["list", "-n", name]).is_ok() {
@@ -392,7 +496,7 @@ pub fn cleanup() -> Vec<String> {
                 "iptables-restore",
                 "iptables",
                 &["-w", "5", "--noflush"],
-                "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
+                "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
             );
             if run(IPSET, IPSET, &["destroy", name]).is_ok() {
                 removed.push(format!("ipvs: ipset {name}"));
@@ -410,20 +514,25 @@ mod tests {
     fn deltas_touch_only_what_changed() {
         let k = VirtualKey { proto: "tcp", addr: "10.96.0.10".parse().unwrap(), port: 80 };
         let v = |reals: &[&str]| Virtual {
+            scheduler: "rr".into(),
             persistence: None,
             reals: reals.iter().map(|r| {
                 let (a, p) = r.split_once(':').unwrap();
                 (a.parse().unwrap(), p.parse().unwrap())
             }).collect(),
         };
-        let s = Scheduler::default();
         let from = BTreeMap::from([(k, v(&["10.0.0.1:80", "10.0.0.2:80"]))]);
         let to = BTreeMap::from([(k, v(&["10.0.0.2:80", "10.0.0.3:80"]))]);
-        assert_eq!(ipvsadm_delta(&from, &to, &s), "-a -t 10.96.0.10:80 -r 10.0.0.3:80 -m -w 1\n-d -t 10.96.0.10:80 -r 10.0.0.1:80\n");
-        assert_eq!(ipvsadm_delta(&to, &to, &s), "");
-        assert_eq!(ipvsadm_delta(&to, &BTreeMap::new(), &s), "-D -t 10.96.0.10:80\n");
+        assert_eq!(ipvsadm_delta(&from, &to), "-a -t 10.96.0.10:80 -r 10.0.0.3:80 -m -w 1\n-d -t 10.96.0.10:80 -r 10.0.0.1:80\n");
+        assert_eq!(ipvsadm_delta(&to, &to), "");
+        assert_eq!(ipvsadm_delta(&to, &BTreeMap::new()), "-D -t 10.96.0.10:80\n");
         let saved = "-A -t 10.96.0.10:80 -s rr\n-a -t 10.96.0.10:80 -r 10.0.0.2:80 -m -w 1\n-a -t 10.96.0.10:80 -r 10.0.0.3:80 -m -w 1\n";
         assert_eq!(parse_ipvsadm_save(saved), to);
         assert!("bogus".parse::<Scheduler>().is_err());
+        // A virtual server left by a run with another scheduler is edited, not re-created
+        // (its connections stay).
+        let mut sh = to.clone();
+        sh.get_mut(&k).unwrap().scheduler = "sh".into();
+        assert_eq!(ipvsadm_delta(&to, &sh), "-E -t 10.96.0.10:80 -s sh\n");
     }
 }

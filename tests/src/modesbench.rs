@@ -1,0 +1,225 @@
+//! `cargo xtask bench modes`: how long each mode takes to program 1,000, 10,000 and 30,000
+//! ClusterIP Services with 4 endpoints each, and to apply one endpoint change with the largest
+//! number present.
+//!
+//! Every mode runs the agent's own reconciling code (the eBPF `Reconciler`, the netfilter
+//! `NetfilterProxier`) on the same Service and EndpointSlice objects, from "the objects are in
+//! hand" to "the kernel has them", in a network namespace of its own (netfilter state, ipsets
+//! and IPVS are per namespace; eBPF maps are the process's own, unpinned). Not measured: the
+//! API server watch, which is the same for every mode. Each run checks in the kernel that what
+//! it timed was programmed. IPVS runs in the qemu guest of the IPVS conformance test (this
+//! kernel has no IPVS); that guest is emulated (TCG), so its figures are not comparable with
+//! the others and are reported apart.
+
+use std::{
+    net::Ipv4Addr,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_agent::{
+    dataplane::{
+        ebpf::{loader::LoadOptions, EbpfDataplane},
+        modes::rules_for,
+        ProxyMode,
+    },
+    model::store::{Event, Kind, Object, Store},
+    proxier::NetfilterProxier,
+    reconcile::{Reconciler, SyncStats},
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{lab, netns};
+
+pub const SIZES: [u32; 3] = [1_000, 10_000, 30_000];
+/// Endpoint changes timed at the largest size; the median and the largest are reported.
+pub const CHANGES: u32 = 9;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    pub mode: String,
+    pub services: u32,
+    /// All Services and EndpointSlices handed over -> the kernel programmed.
+    pub program_s: f64,
+    /// One EndpointSlice change -> the kernel programmed (median, max), measured at each size.
+    pub change_ms_p50: f64,
+    pub change_ms_max: f64,
+    /// What the run counted in the kernel afterwards.
+    pub checked: String,
+}
+
+fn vip(i: u32) -> Ipv4Addr {
+    // 10.96.0.0/16 and up: 30,000 fit below 10.96.117.48.
+    Ipv4Addr::from(0x0a60_0000 + i + 1)
+}
+
+fn endpoint(i: u32, b: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a80_0000 + i * 4 + b)
+}
+
+fn slice(i: u32, first: Ipv4Addr) -> EndpointSlice {
+    let mut eps = vec![first];
+    eps.extend((1..4).map(|b| endpoint(i, b)));
+    let name = format!("svc-{i}");
+    serde_yaml::from_str(&lab::endpoint_slice(&name, &format!("{name}-1"), &eps, &[("http", 8080, "TCP")])).expect("slice YAML")
+}
+
+fn objects(n: u32) -> (Vec<Object>, Vec<Object>) {
+    let services = (0..n)
+        .map(|i| {
+            let svc: Service = serde_yaml::from_str(&lab::service(&format!("svc-{i}"), &vip(i).to_string(), &[("http", 80, "TCP", 8080)]))
+                .expect("service YAML");
+            Object::Service(Box::new(svc))
+        })
+        .collect();
+    let slices = (0..n).map(|i| Object::EndpointSlice(Box::new(slice(i, endpoint(i, 0))))).collect();
+    (services, slices)
+}
+
+/// A fresh endpoint for change `c`, outside every range above.
+fn fresh(c: u32) -> Ipv4Addr {
+    Ipv4Addr::new(10, 250, (c >> 8) as u8, c as u8)
+}
+
+trait Programmer {
+    fn handle(&mut self, e: Event);
+    fn sync(&mut self) -> Option<SyncStats>;
+}
+
+impl Programmer for Reconciler<EbpfDataplane> {
+    fn handle(&mut self, e: Event) {
+        Reconciler::handle(self, e)
+    }
+    fn sync(&mut self) -> Option<SyncStats> {
+        Reconciler::sync(self)
+    }
+}
+
+impl Programmer for NetfilterProxier {
+    fn handle(&mut self, e: Event) {
+        NetfilterProxier::handle(self, e)
+    }
+    fn sync(&mut self) -> Option<SyncStats> {
+        NetfilterProxier::sync(self)
+    }
+}
+
+fn timed_sync(p: &mut dyn Programmer, what: &str) -> Duration {
+    let t = Instant::now();
+    let s = p.sync().unwrap_or_else(|| panic!("{what}: nothing was synced"));
+    let took = t.elapsed();
+    assert_eq!(s.failed, 0, "{what}: the sync failed (see the log above)");
+    took
+}
+
+fn output(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Counts what `mode` has in the kernel for the benchmark's Services: (Services, endpoints
+/// found with address `probe`).
+fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> (usize, usize) {
+    let needle = format!("{probe}:8080");
+    match mode {
+        ProxyMode::Ebpf => {
+            // What `proxy-agent inspect` reads: the pinned maps.
+            let root = p.downcast_ref::<Reconciler<EbpfDataplane>>().and_then(|r| r.dataplane().pin_root()).expect("pinned").to_path_buf();
+            let report = proxy_agent::inspect::read(&root).expect("read the pinned maps");
+            let found = report.frontends.iter().flat_map(|f| &f.backends).filter(|b| b.address == needle).count();
+            (report.frontends.len(), found)
+        }
+        ProxyMode::Iptables => {
+            let nat = output("iptables-save", &["-t", "nat"]);
+            (nat.lines().filter(|l| l.starts_with(":KUBE-SVC-")).count(), nat.matches(&format!("--to-destination {needle}")).count())
+        }
+        ProxyMode::Nftables => {
+            let t = output("nft", &["list", "table", "ip", "kube-proxy"]);
+            (t.lines().filter(|l| l.trim_start().starts_with("chain service-")).count(), t.matches(&format!("dnat to {needle}")).count())
+        }
+        ProxyMode::Ipvs => {
+            let s = output("ipvsadm", &["-Sn"]);
+            (s.lines().filter(|l| l.starts_with("-A ")).count(), s.matches(&format!("-r {needle}")).count())
+        }
+    }
+}
+
+/// Programs `n` Services in `mode` (in the calling thread's network namespace), then times
+/// `changes` single-endpoint changes.
+fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
+    let (services, slices) = objects(n);
+    let pin_root = std::env::temp_dir().join(format!("pxbm-{}", netns::unique_id()));
+    struct Unpin(std::path::PathBuf);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = proxy_agent::inspect::cleanup(&self.0);
+            let _ = Command::new("umount").arg(&self.0).status();
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _unpin = (mode == ProxyMode::Ebpf).then(|| {
+        // A bpffs of its own, mounted on a temporary directory.
+        proxy_agent::bpffs::ensure(&pin_root).unwrap_or_else(|e| panic!("{}: {e}", pin_root.display()));
+        Unpin(pin_root.clone())
+    });
+    let store = Store::new("bench-node");
+    let kinds = vec![Kind::Service, Kind::EndpointSlice];
+    let mut boxed: Box<dyn std::any::Any> = match mode {
+        ProxyMode::Ebpf => {
+            let dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pin_root.clone()), lb_map_max: 1 << 18, ct_map_max: 1 << 16, ..Default::default() })
+                .expect("load the eBPF dataplane (as root)");
+            Box::new(Reconciler::new(store, dp, kinds))
+        }
+        _ => {
+            let rules = rules_for(mode, Default::default()).expect("netfilter rules");
+            Box::new(NetfilterProxier::new(store, rules, kinds, Some("10.0.0.0/8".parse().unwrap()), false))
+        }
+    };
+    let prog: &mut dyn Programmer = match mode {
+        ProxyMode::Ebpf => boxed.downcast_mut::<Reconciler<EbpfDataplane>>().unwrap(),
+        _ => boxed.downcast_mut::<NetfilterProxier>().unwrap(),
+    };
+    let t = Instant::now();
+    prog.handle(Event::Replace { kind: Kind::Service, objects: services });
+    prog.handle(Event::Replace { kind: Kind::EndpointSlice, objects: slices });
+    let _ = timed_sync(prog, &format!("{mode}: programming {n} services"));
+    let program_s = t.elapsed().as_secs_f64();
+    let mut lat = Vec::new();
+    let mut last = endpoint(0, 0);
+    for c in 0..changes {
+        let i = (c * 7919 + n / 2) % n;
+        last = fresh(c);
+        let t = Instant::now();
+        prog.handle(Event::Apply(Object::EndpointSlice(Box::new(slice(i, last)))));
+        let _ = timed_sync(prog, &format!("{mode}: endpoint change {c}"));
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let (programmed, found) = kernel_count(mode, boxed.as_mut(), last);
+    assert_eq!(programmed, n as usize, "{mode}: the kernel should have {n} services");
+    assert!(found >= 1, "{mode}: the last endpoint change ({last}) is not in the kernel");
+    Row {
+        mode: mode.to_string(),
+        services: n,
+        program_s,
+        change_ms_p50: lat.get(lat.len() / 2).copied().unwrap_or(0.0),
+        change_ms_max: lat.last().copied().unwrap_or(0.0),
+        checked: format!("{programmed} services in the kernel, the changed endpoint present"),
+    }
+}
+
+/// Runs `mode` at each size, each in a fresh network namespace.
+pub fn run_mode(mode: ProxyMode, sizes: &[u32]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for &n in sizes {
+        eprintln!("modes: {mode}, {n} services x 4 endpoints...");
+        let ns = netns::Netns::create(format!("pxbm-{}", netns::unique_id()));
+        let row = ns.run(move || one(mode, n, CHANGES));
+        drop(ns);
+        eprintln!("  programmed in {:.2} s; one endpoint change p50 {:.2} ms", row.program_s, row.change_ms_p50);
+        rows.push(row);
+    }
+    rows
+}
