@@ -94,8 +94,18 @@ struct RulesArgs {
     /// matches every local address, as kube-proxy does).
     #[arg(long, value_delimiter = ',')]
     node_ip: Vec<std::net::Ipv4Addr>,
+    #[command(flatten)]
+    netfilter: NetfilterArgs,
+}
+
+/// What only the netfilter modes use (`run` and `rules`).
+#[derive(Args)]
+struct NetfilterArgs {
+    /// The pods' address range: traffic from outside it to a cluster IP is masqueraded, and
+    /// externalTrafficPolicy Local short-circuits traffic from inside it.
     #[arg(long, value_parser = parse_cidr)]
     cluster_cidr: Option<Cidr>,
+    /// Masquerade all traffic to Services.
     #[arg(long)]
     masquerade_all: bool,
     /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
@@ -131,16 +141,8 @@ struct RunArgs {
     /// else nftables, else iptables (the choice and its reason are logged).
     #[arg(long, default_value = "auto", value_parser = parse_mode_or_auto)]
     proxy_mode: ModeChoice,
-    /// The pods' address range: in the netfilter modes, traffic from outside it to a cluster IP
-    /// is masqueraded, and externalTrafficPolicy Local short-circuits traffic from inside it.
-    #[arg(long, value_parser = parse_cidr)]
-    cluster_cidr: Option<Cidr>,
-    /// Netfilter modes: masquerade all traffic to Services.
-    #[arg(long)]
-    masquerade_all: bool,
-    /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
-    #[arg(long, default_value = "rr")]
-    ipvs_scheduler: Scheduler,
+    #[command(flatten)]
+    netfilter: NetfilterArgs,
     /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`
     /// prints them) from this directory, watched for changes, instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
@@ -278,9 +280,9 @@ pub fn main() -> ExitCode {
         Cmd::Run(a) => {
             let cfg = agent::RunConfig {
                 proxy_mode: a.proxy_mode.0,
-                cluster_cidr: a.cluster_cidr,
-                masquerade_all: a.masquerade_all,
-                ipvs_scheduler: a.ipvs_scheduler,
+                cluster_cidr: a.netfilter.cluster_cidr,
+                masquerade_all: a.netfilter.masquerade_all,
+                ipvs_scheduler: a.netfilter.ipvs_scheduler,
                 source: match a.manifests {
                     Some(dir) => Source::Manifests(dir),
                     None => Source::Kube(a.kubeconfig),
@@ -341,10 +343,10 @@ pub fn main() -> ExitCode {
             crate::dataplane::netfilter::NodeContext {
                 nodeport_all: a.node_ip.is_empty(),
                 nodeport_ips: a.node_ip,
-                cluster_cidr: a.cluster_cidr,
-                masquerade_all: a.masquerade_all,
+                cluster_cidr: a.netfilter.cluster_cidr,
+                masquerade_all: a.netfilter.masquerade_all,
             },
-            a.ipvs_scheduler,
+            a.netfilter.ipvs_scheduler,
         )
         .map(|text| print!("{text}")),
     };

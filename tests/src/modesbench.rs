@@ -137,7 +137,7 @@ fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> 
         }
         ProxyMode::Nftables => {
             let t = output("nft", &["list", "table", "ip", "kube-proxy"]);
-            (t.lines().filter(|l| l.trim_start().starts_with("chain service-")).count(), t.matches(&format!("dnat to {needle}")).count())
+            (t.lines().filter(|l| l.trim_start().starts_with("chain service-") && l.contains('/')).count(), t.matches(&format!("dnat to {needle}")).count())
         }
         ProxyMode::Ipvs => {
             let s = output("ipvsadm", &["-Sn"]);
@@ -210,10 +210,22 @@ fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
     }
 }
 
-/// Runs `mode` at each size, each in a fresh network namespace.
+/// A size whose programming took longer than this is the mode's last: the next would take
+/// many times longer (iptables-nft's `--noflush` restore looks chains up by name one by one,
+/// so its time grows with the square of the Services).
+pub const LAST_SIZE_AFTER: Duration = Duration::from_secs(120);
+
+/// Runs `mode` at each size, each in a fresh network namespace. Sizes past one that took
+/// longer than LAST_SIZE_AFTER are skipped, and a row says so.
 pub fn run_mode(mode: ProxyMode, sizes: &[u32]) -> Vec<Row> {
-    let mut rows = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     for &n in sizes {
+        if let Some(slow) = rows.iter().find(|r| r.program_s > LAST_SIZE_AFTER.as_secs_f64()) {
+            let why = format!("not run: {} Services took {:.0} s already", slow.services, slow.program_s);
+            eprintln!("modes: {mode}, {n} services: {why}");
+            rows.push(Row { mode: mode.to_string(), services: n, program_s: f64::NAN, change_ms_p50: f64::NAN, change_ms_max: f64::NAN, checked: why });
+            continue;
+        }
         eprintln!("modes: {mode}, {n} services x 4 endpoints...");
         let ns = netns::Netns::create(format!("pxbm-{}", netns::unique_id()));
         let row = ns.run(move || one(mode, n, CHANGES));

@@ -473,7 +473,11 @@ fn modes(out_dir: &std::path::Path) {
     println!("{:<10}{:>10}{:>16}{:>24}", "mode", "services", "program (s)", "one change (ms)");
     for r in rows.iter().chain(ipvs.iter()) {
         let mode = if r.mode == "ipvs" { "ipvs*".to_string() } else { r.mode.clone() };
-        println!("{mode:<10}{:>10}{:>16.3}{:>24}", r.services, r.program_s, format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max));
+        if r.program_s.is_nan() {
+            println!("{mode:<10}{:>10}    {}", r.services, r.checked);
+        } else {
+            println!("{mode:<10}{:>10}{:>16.3}{:>24}", r.services, r.program_s, format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max));
+        }
     }
     println!("* {ipvs_note}");
     let json = serde_json::json!({ "benchmark": "modes", "rows": rows, "ipvs_guest": ipvs, "ipvs_note": ipvs_note });
