@@ -54,10 +54,6 @@ impl HealthServers {
         Self { telemetry, servers: BTreeMap::new() }
     }
 
-    pub fn ports(&self) -> Vec<u16> {
-        self.servers.keys().copied().collect()
-    }
-
     /// Serves exactly `wanted`: starts new ports, updates counts, stops ports no longer wanted.
     pub fn update(&mut self, wanted: &BTreeMap<u16, PortState>) {
         self.servers.retain(|port, s| {

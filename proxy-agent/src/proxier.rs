@@ -81,10 +81,6 @@ impl NetfilterProxier {
         }
     }
 
-    pub fn services(&self) -> &Services {
-        &self.services
-    }
-
     pub fn health_checks(&self) -> BTreeMap<u16, PortState> {
         let mut out = BTreeMap::new();
         for h in self.health_checks.values() {

@@ -107,11 +107,6 @@ impl<D: Dataplane> Reconciler<D> {
         self.store.synced(&self.required)
     }
 
-    /// Synced at least once.
-    pub fn initial_sync_done(&self) -> bool {
-        self.adopted.is_none()
-    }
-
     pub fn has_failures(&self) -> bool {
         !self.retry.is_empty()
     }

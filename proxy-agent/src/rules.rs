@@ -53,10 +53,8 @@ pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, sche
     if mode == ProxyMode::Ebpf {
         // The frontends the map writer would program.
         let mut out = String::new();
-        let mut keys: Vec<_> = services.keys().cloned().collect();
-        keys.sort();
-        for svc in keys {
-            for (key, fe) in store.translate(&svc).frontends {
+        for svc in services.keys() {
+            for (key, fe) in store.translate(svc).frontends {
                 let backends: Vec<String> = fe.backends.iter().map(|b| b.to_string()).collect();
                 let _ = writeln!(out, "{key} {:?} {} -> [{}]", fe.kind, fe.name, backends.join(", "));
             }

@@ -1,6 +1,7 @@
-//! One's-complement checksum arithmetic (RFC 1071) for headers the datapath builds itself.
-//! Rewrites of existing packets use the kernel's incremental helpers instead, because only they
-//! know how to treat a CHECKSUM_PARTIAL skb.
+//! One's-complement checksum arithmetic (RFC 1071) for headers the datapath builds itself, and
+//! incremental updates (RFC 1624) for rewrites in XDP and of the IPv4 header on TC, where the
+//! checksum is complete. L4 checksums of skbs on TC are rewritten with the kernel's helpers,
+//! because only they know how to treat a CHECKSUM_PARTIAL skb.
 
 /// Folds a 64-bit one's-complement accumulator to 16 bits. Written without a data-dependent loop
 /// so the verifier sees straight-line code.

@@ -8,7 +8,7 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use proxy_common::{ct::flags, svc_flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{ct::flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
 
 use crate::{
     ct, frag, icmp,
@@ -144,12 +144,7 @@ fn new_flow(
     reason: Reason,
 ) -> Result<Verdict, Reason> {
     if master.count == 0 {
-        if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
-            return Err(Reason::DropNoLocalEndpoints);
-        }
-        if pkt.frag == Frag::Later || (pkt.proto != IPPROTO_TCP && pkt.proto != IPPROTO_UDP) {
-            return Err(Reason::DropNoEndpoints);
-        }
+        select::without_endpoints(pkt, master)?;
         return icmp::reject(ctx, pkt);
     }
     let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;

@@ -18,8 +18,8 @@ use crate::parse::{ptr_at, Packet, IP_OFF};
 const IP_CSUM: usize = 10;
 const IP_SRC: usize = 12;
 const IP_DST: usize = 16;
-const TCP_CSUM_OFF: usize = 16;
-const UDP_CSUM_OFF: usize = 6;
+pub const TCP_CSUM_OFF: usize = 16;
+pub const UDP_CSUM_OFF: usize = 6;
 
 #[derive(Clone, Copy)]
 pub enum Side {

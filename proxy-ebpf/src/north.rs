@@ -14,7 +14,7 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_fib_lookup,
 };
-use proxy_common::{ct::flags, limits, svc_flags, Backend, CtEntry, CtKey, Reason, ServiceKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{ct::flags, limits, svc_flags, Backend, CtEntry, CtKey, Reason, ServiceKey};
 
 use crate::{
     ct,
@@ -212,13 +212,10 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         if let Some(s) = xdp_pass(env) {
             return s;
         }
-        if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
-            return Step::Drop(Reason::DropNoLocalEndpoints);
-        }
-        if pkt.frag == crate::parse::Frag::Later || (pkt.proto != IPPROTO_TCP && pkt.proto != IPPROTO_UDP) {
-            return Step::Drop(Reason::DropNoEndpoints);
-        }
-        return Step::Reject { service_id: master.service_id };
+        return match select::without_endpoints(pkt, &master) {
+            Ok(()) => Step::Reject { service_id: master.service_id },
+            Err(r) => Step::Drop(r),
+        };
     }
     let choice = match select::choose(pkt, &key, &master, now, !env.dry) {
         Ok(c) => c,

@@ -8,10 +8,24 @@ use proxy_common::{
 
 use crate::{
     maps::{CONFIG_V1, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1},
-    parse::Packet,
+    parse::{Frag, Packet},
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
+
+/// A new flow to a Service port without endpoints: Ok to answer it with port unreachable (as
+/// kube-proxy's REJECT), or the reason to drop it (a Local policy with endpoints elsewhere; a
+/// later fragment, which cannot be quoted).
+#[inline(always)]
+pub fn without_endpoints(pkt: &Packet, master: &ServiceValue) -> Result<(), Reason> {
+    if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
+        return Err(Reason::DropNoLocalEndpoints);
+    }
+    if pkt.frag == Frag::Later {
+        return Err(Reason::DropNoEndpoints);
+    }
+    Ok(())
+}
 
 #[inline(always)]
 pub fn service(key: &ServiceKey) -> Option<ServiceValue> {

@@ -12,13 +12,10 @@ use proxy_common::{csum, Reason, IPPROTO_TCP};
 
 use crate::{
     ct,
-    ext::decrement_ttl,
+    nat::{TCP_CSUM_OFF, UDP_CSUM_OFF},
     north::{self, Env, Step},
     parse::{self, ptr_at, Frag, Packet, Parsed, IP_OFF},
 };
-
-const TCP_CSUM_OFF: usize = 16;
-const UDP_CSUM_OFF: usize = 6;
 
 pub struct XdpVerdict {
     pub action: u32,
@@ -46,7 +43,7 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
     let env = Env { ctx: ctx.ctx as *mut _, ifindex, xdp: true, dry: false };
     match north::decide(&env, &pkt, ct::now()) {
         Step::Forward { dst, src, route, reason, .. } => {
-            if rewrite(ctx, &pkt, dst, src).is_err() || decrement_ttl(ctx).is_err() {
+            if rewrite(ctx, &pkt, dst, src).is_err() {
                 // Half-written: must not reach the stack.
                 return XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropRewrite };
             }
@@ -69,8 +66,9 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
     }
 }
 
-/// Both addresses and ports, with the IPv4 and L4 checksums updated by hand (RFC 1624): XDP
-/// has no checksum helpers, and frames from the wire carry complete checksums.
+/// Both addresses and ports, and the TTL (the packet is routed here, past the stack), with the
+/// IPv4 and L4 checksums updated by hand (RFC 1624): XDP has no checksum helpers, and frames
+/// from the wire carry complete checksums. The IPv4 header is fetched and summed once.
 #[inline(always)]
 fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2])) -> Result<(), ()> {
     let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())?;
@@ -78,6 +76,9 @@ fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4
     let ip = unsafe { &mut *ip };
     let mut check = csum::update4([ip[10], ip[11]], pkt.saddr, src.0);
     check = csum::update4(check, pkt.daddr, dst.0);
+    let ttl = [ip[8].wrapping_sub(1), ip[9]];
+    check = csum::update2(check, [ip[8], ip[9]], ttl);
+    ip[8] = ttl[0];
     ip[12..16].copy_from_slice(&src.0);
     ip[16..20].copy_from_slice(&dst.0);
     ip[10] = check[0];

@@ -113,12 +113,6 @@ fn timed_sync(p: &mut dyn Programmer, what: &str) -> Duration {
     took
 }
 
-fn output(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    assert!(out.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Counts what `mode` has in the kernel for the benchmark's Services: (Services, endpoints
 /// found with address `probe`).
 fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> (usize, usize) {
@@ -132,15 +126,15 @@ fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> 
             (report.frontends.len(), found)
         }
         ProxyMode::Iptables => {
-            let nat = output("iptables-save", &["-t", "nat"]);
+            let nat = netns::sh(&["iptables-save", "-t", "nat"]);
             (nat.lines().filter(|l| l.starts_with(":KUBE-SVC-")).count(), nat.matches(&format!("--to-destination {needle}")).count())
         }
         ProxyMode::Nftables => {
-            let t = output("nft", &["list", "table", "ip", "kube-proxy"]);
+            let t = netns::sh(&["nft", "list", "table", "ip", "kube-proxy"]);
             (t.lines().filter(|l| l.trim_start().starts_with("chain service-") && l.contains('/')).count(), t.matches(&format!("dnat to {needle}")).count())
         }
         ProxyMode::Ipvs => {
-            let s = output("ipvsadm", &["-Sn"]);
+            let s = netns::sh(&["ipvsadm", "-Sn"]);
             (s.lines().filter(|l| l.starts_with("-A ")).count(), s.matches(&format!("-r {needle}")).count())
         }
     }

@@ -214,8 +214,6 @@ pub struct PortView {
     pub node_port: Option<u16>,
     pub external_ips: Vec<Ipv4Addr>,
     pub lb_ips: Vec<Ipv4Addr>,
-    /// Reachable from outside the cluster (NodePort or LoadBalancer type, external or LB IPs).
-    pub external: bool,
     pub internal_local: bool,
     /// externalTrafficPolicy Local (NodePort and LoadBalancer Services only).
     pub external_local: bool,
@@ -236,22 +234,19 @@ pub struct PortView {
 impl PortView {
     /// Endpoints either policy may use: the ones rules are written for.
     pub fn reachable_endpoints(&self) -> Vec<EndpointView> {
-        let mut v: Vec<EndpointView> = self.cluster_endpoints.clone();
-        for e in &self.local_endpoints {
+        EndpointView::union(&self.cluster_endpoints, &self.local_endpoints)
+    }
+}
+
+impl EndpointView {
+    /// `a`, then those of `b` not in `a`.
+    pub fn union(a: &[EndpointView], b: &[EndpointView]) -> Vec<EndpointView> {
+        let mut v = a.to_vec();
+        for e in b {
             if !v.contains(e) {
                 v.push(*e);
             }
         }
         v
-    }
-
-    /// The endpoints internal (cluster IP) traffic uses.
-    pub fn internal_endpoints(&self) -> &[EndpointView] {
-        if self.internal_local { &self.local_endpoints } else { &self.cluster_endpoints }
-    }
-
-    /// The endpoints external (NodePort, LB, external IP) traffic uses.
-    pub fn external_endpoints(&self) -> &[EndpointView] {
-        if self.external_local { &self.local_endpoints } else { &self.cluster_endpoints }
     }
 }

@@ -119,7 +119,6 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             node_port: port.node_port.filter(|_| node_ports),
             external_ips: external_ips.clone(),
             lb_ips: lb_ips.clone(),
-            external: node_ports || !external_ips.is_empty() || !lb_ips.is_empty(),
             internal_local: svc.internal_local,
             external_local: external_local(svc),
             lb_source_ranges: svc.lb_source_ranges.clone(),

@@ -139,16 +139,15 @@ pub struct LbMaps {
     stray_affinity_matches: Vec<AffinityMatchKey>,
 }
 
+fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, DataplaneError> {
+    ebpf.take_map(name).ok_or(DataplaneError::Map { op: "take", map: name, source: MapError::InvalidName { name: name.into() } })
+}
+
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DataplaneError>
 where
     T: TryFrom<aya::maps::Map, Error = MapError>,
 {
-    let map = ebpf.take_map(name).ok_or(DataplaneError::Map {
-        op: "take",
-        map: name,
-        source: MapError::InvalidName { name: name.into() },
-    })?;
-    T::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: name, source })
+    T::try_from(take_raw(ebpf, name)?).map_err(|source| DataplaneError::Map { op: "open", map: name, source })
 }
 
 fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) -> DataplaneError {
@@ -160,7 +159,7 @@ fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) ->
     DataplaneError::Map { op, map, source }
 }
 
-fn is_not_found(e: &MapError) -> bool {
+pub(super) fn is_not_found(e: &MapError) -> bool {
     matches!(e, MapError::KeyNotFound)
         || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
 }
@@ -191,11 +190,7 @@ impl LbMaps {
     /// Opens the maps of a loaded object and adopts whatever a previous run left in them.
     /// `maglev_size`: entries of each Maglev table (a prime).
     pub fn adopt(ebpf: &mut Ebpf, limit: u32, maglev_size: u32) -> Result<Self, DataplaneError> {
-        let outer = ebpf.take_map(map_names::MAGLEV).ok_or(DataplaneError::Map {
-            op: "take",
-            map: map_names::MAGLEV,
-            source: MapError::InvalidName { name: map_names::MAGLEV.into() },
-        })?;
+        let outer = take_raw(ebpf, map_names::MAGLEV)?;
         let outer = match outer {
             aya::maps::Map::HashOfMaps(m) => m,
             _ => return Err(DataplaneError::Unsupported(format!("{} is not a hash of maps", map_names::MAGLEV))),

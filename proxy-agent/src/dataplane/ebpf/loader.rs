@@ -159,12 +159,7 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
 }
 
 /// The loaded object: maps (created, or adopted from pins) and the verified programs.
-pub struct Loaded {
-    pub ebpf: Ebpf,
-    pub options: LoadOptions,
-}
-
-pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
+pub fn load(options: &LoadOptions) -> Result<Ebpf, LoadError> {
     raise_memlock();
     let mut loader = EbpfLoader::new();
     let lb = options.lb_map_max.max(2);
@@ -215,7 +210,7 @@ pub fn load(options: LoadOptions) -> Result<Loaded, LoadError> {
             pin(&mut |p| prog.pin(p))?;
         }
     }
-    Ok(Loaded { ebpf, options })
+    Ok(ebpf)
 }
 
 /// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; lift it so map creation does not

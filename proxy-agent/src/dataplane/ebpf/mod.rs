@@ -45,7 +45,6 @@ pub struct EbpfDataplane {
 impl EbpfDataplane {
     /// Loads the programs, creates or adopts the pinned maps and reads back what they hold.
     pub fn load(options: LoadOptions) -> Result<Self, EbpfError> {
-        let lb_max = options.lb_map_max;
         let maglev_size = options.maglev_size;
         let (snat_port_min, snat_port_max) = options.snat_ports;
         if !maglev::is_prime(maglev_size) || maglev_size > (1 << 20) {
@@ -53,10 +52,9 @@ impl EbpfDataplane {
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
             )));
         }
-        let pin_root = options.pin_root.clone();
-        let mut loaded = loader::load(options)?;
-        let lb = LbMaps::adopt(&mut loaded.ebpf, lb_max, maglev_size)?;
-        let mut me = Self { ebpf: loaded.ebpf, lb, pin_root, attachments: Attachments::default() };
+        let mut ebpf = loader::load(&options)?;
+        let lb = LbMaps::adopt(&mut ebpf, options.lb_map_max, maglev_size)?;
+        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default() };
         me.write_config(Config { maglev_size, snat_port_min, snat_port_max })?;
         Ok(me)
     }
@@ -80,8 +78,8 @@ impl EbpfDataplane {
                 .insert(ifindex, IfAddr { addr: a.octets() }, 0)
                 .map_err(|source| DataplaneError::Map { op: "update", map: map_names::IFADDRS, source }),
             None => match m.remove(&ifindex) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-                Err(aya::maps::MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Ok(()) => Ok(()),
+                Err(e) if lbmaps::is_not_found(&e) => Ok(()),
                 Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::IFADDRS, source }),
             },
         }
@@ -117,11 +115,6 @@ impl EbpfDataplane {
     /// Indexes of the external interfaces attached.
     pub fn external_interfaces(&self) -> Vec<u32> {
         self.attachments.roles.iter().filter(|(_, r)| **r == Role::External).map(|(i, _)| *i).collect()
-    }
-
-    /// External interfaces where XDP could not be attached.
-    pub fn xdp_failed(&self) -> &std::collections::BTreeMap<u32, String> {
-        &self.attachments.xdp_failed
     }
 
     /// The external ingress program (north-south; `trace` runs packets through it).

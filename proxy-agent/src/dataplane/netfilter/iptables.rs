@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{hash_name, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use super::{delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services, IPTABLES_PACKAGE};
 use crate::dataplane::ProxyMode;
 
 /// Host-dependent choices kube-proxy makes by probing (make them explicit for tests).
@@ -141,15 +141,14 @@ pub fn render(services: &Services, node: &NodeContext, opts: &IptablesOptions) -
         render_port(&Plan::new(port), node, opts, large, f, n);
     }
 
-    f.rule(
-        "KUBE-FORWARD",
-        format!(
-            "-m conntrack --ctstate INVALID{} -j DROP",
-            if opts.nfacct { " -m nfacct --nfacct-name ct_state_invalid_dropped_pkts" } else { "" }
-        ),
-    );
-    if !opts.drop_invalid {
-        f.rules.pop();
+    if opts.drop_invalid {
+        f.rule(
+            "KUBE-FORWARD",
+            format!(
+                "-m conntrack --ctstate INVALID{} -j DROP",
+                if opts.nfacct { " -m nfacct --nfacct-name ct_state_invalid_dropped_pkts" } else { "" }
+            ),
+        );
     }
     f.rule("KUBE-FORWARD", format!("-m comment --comment \"kubernetes forwarding rules\" -m mark --mark {mark}/{mark} -j ACCEPT"));
     f.rule(
@@ -186,8 +185,7 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
 
     // filter
     if !p.has_internal_endpoints {
-        let (c, t) = if p.has_endpoints { (format!("{spn} has no local endpoints"), "DROP") } else { (format!("{spn} has no endpoints"), "REJECT") };
-        f.rule("KUBE-SERVICES", format!("{} {m} -d {cluster_ip} --dport {port} -j {t}", comment(&c)));
+        rejected(f, "KUBE-SERVICES", &format!("-d {cluster_ip}"));
     }
     for ip in &p.port.external_ips {
         if !p.has_external_endpoints {
@@ -372,7 +370,7 @@ pub fn restore_text(r: &Rendered, declare: &dyn Fn(&str) -> bool, stale: &BTreeS
 
 /// The jumps from the built-in chains into kube-proxy's chains: (table, chain, extra match,
 /// comment, target), in the order kube-proxy ensures them (each is inserted at the top).
-const JUMPS: [(&str, &str, &str, &str, &str); 12] = [
+const JUMPS: [Jump; 12] = [
     ("filter", "INPUT", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
     ("filter", "FORWARD", "-m conntrack --ctstate NEW", "kubernetes externally-visible service portals", "KUBE-EXTERNAL-SERVICES"),
     ("filter", "INPUT", "", "kubernetes health check service ports", "KUBE-NODEPORTS"),
@@ -386,15 +384,6 @@ const JUMPS: [(&str, &str, &str, &str, &str); 12] = [
     ("nat", "PREROUTING", "", "kubernetes service portals", "KUBE-SERVICES"),
     ("nat", "POSTROUTING", "", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
 ];
-
-fn jump_args<'a>(table: &'a str, chain: &'a str, extra: &'a str, cmt: &'a str, target: &'a str) -> Vec<&'a str> {
-    let mut v = vec!["-w", "5", "-t", table, chain];
-    v.extend(extra.split_whitespace());
-    v.extend(["-m", "comment", "--comment", cmt, "-j", target]);
-    v
-}
-
-const IPTABLES_PACKAGE: &str = "iptables";
 
 /// Programs iptables, remembering what it wrote so later syncs rewrite only what changed.
 pub struct IptablesRules {
@@ -412,21 +401,15 @@ impl IptablesRules {
         Self { opts, applied: None }
     }
 
-    /// Creates kube-proxy's chains and the jumps into them where missing.
+    /// Creates the chains the jumps lead to (where missing) and the jumps.
     fn ensure_jumps(&self) -> Result<(), NetfilterError> {
-        for (table, chain) in [("filter", "KUBE-EXTERNAL-SERVICES"), ("filter", "KUBE-NODEPORTS"), ("filter", "KUBE-SERVICES"), ("filter", "KUBE-FORWARD"), ("filter", "KUBE-PROXY-FIREWALL"), ("nat", "KUBE-SERVICES"), ("nat", "KUBE-POSTROUTING")] {
-            let _ = run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", chain]);
-        }
-        for (table, chain, extra, cmt, target) in JUMPS {
-            let mut check = jump_args(table, chain, extra, cmt, target);
-            check.insert(4, "-C");
-            if run("iptables", IPTABLES_PACKAGE, &check).is_err() {
-                let mut insert = jump_args(table, chain, extra, cmt, target);
-                insert.insert(4, "-I");
-                run("iptables", IPTABLES_PACKAGE, &insert)?;
+        let mut created = BTreeSet::new();
+        for (table, _, _, _, target) in JUMPS {
+            if created.insert((table, target)) {
+                let _ = run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", target]);
             }
         }
-        Ok(())
+        ensure_jumps(&JUMPS)
     }
 }
 
@@ -460,8 +443,13 @@ impl RuleSet for IptablesRules {
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let rendered = render(services, node, &self.opts);
         let wanted = rendered.nat.by_chain();
-        let (previous, existing) = match &self.applied {
-            Some(prev) => (prev.clone(), prev.keys().cloned().collect::<BTreeSet<_>>()),
+        // Taken, not cloned: it stays None if anything below fails, so the next sync writes
+        // everything again.
+        let (previous, existing) = match self.applied.take() {
+            Some(prev) => {
+                let existing = prev.keys().cloned().collect::<BTreeSet<_>>();
+                (prev, existing)
+            }
             None => {
                 // First sync (or after a failure): everything is written, and the jumps and
                 // leftovers of an earlier run are dealt with.
@@ -469,25 +457,17 @@ impl RuleSet for IptablesRules {
                 (BTreeMap::new(), service_chains_in_kernel()?)
             }
         };
-        let changed = |c: &str| previous.get(c) != wanted.get(c);
+        let changed: std::collections::HashSet<&str> =
+            wanted.iter().filter(|(c, rules)| previous.get(*c) != Some(*rules)).map(|(c, _)| c.as_str()).collect();
         let stale: BTreeSet<String> = existing
             .iter()
             .filter(|c| !wanted.contains_key(*c) && SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
             .cloned()
             .collect();
-        let written = wanted.keys().filter(|c| changed(c)).count() + stale.len();
-        let text = restore_text(&rendered, &|c| changed(c), &stale);
-        let result = run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text);
-        match result {
-            Ok(_) => {
-                self.applied = Some(wanted);
-                Ok(written)
-            }
-            Err(e) => {
-                self.applied = None;
-                Err(e)
-            }
-        }
+        let written = changed.len() + stale.len();
+        iptables_restore(&restore_text(&rendered, &|c| changed.contains(c), &stale))?;
+        self.applied = Some(wanted);
+        Ok(written)
     }
 }
 
@@ -498,12 +478,8 @@ pub fn cleanup() -> Vec<String> {
     if run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-S"]).is_err() {
         return removed;
     }
-    for (table, chain, extra, cmt, target) in JUMPS {
-        let mut del = jump_args(table, chain, extra, cmt, target);
-        del.insert(4, "-D");
-        while run("iptables", IPTABLES_PACKAGE, &del).is_ok() {
-            removed.push(format!("iptables: jump {table}/{chain} -> {target}"));
-        }
+    for (table, chain, _, _, target) in delete_jumps(&JUMPS) {
+        removed.push(format!("iptables: jump {table}/{chain} -> {target}"));
     }
     for table in ["nat", "filter"] {
         let Ok(out) = run("iptables-save", IPTABLES_PACKAGE, &["-t", table]) else { continue };
@@ -525,7 +501,7 @@ pub fn cleanup() -> Vec<String> {
             text += &format!("-X {c}\n");
         }
         text += "COMMIT\n";
-        if run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text).is_ok() {
+        if iptables_restore(&text).is_ok() {
             removed.push(format!("iptables: {} chains in the {table} table", chains.len()));
         }
     }

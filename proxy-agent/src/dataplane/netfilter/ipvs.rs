@@ -12,7 +12,7 @@ use std::{
     net::Ipv4Addr,
 };
 
-use super::{run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use super::{delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::dataplane::ProxyMode;
 
 pub const DUMMY: &str = "kube-ipvs0";
@@ -118,11 +118,10 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
         // so the node's own stack refuses the connection (TCP reset, ICMP port unreachable),
         // as kube-proxy's REJECT does. Endpoints elsewhere but none here under a Local
         // policy: dropped, as kube-proxy does.
-        let proto_name = p.proto;
-        let drop_rule = |dst: String, dport: u16| format!("-A KUBE-IPVS-DROP {dst}-p {proto_name} -m {proto_name} --dport {dport} -m comment --comment \"{} has no local endpoints\" -j DROP", p.spn);
+        let proto = p.proto;
+        let drop_rule = |dst: String, dport: u16| format!("-A KUBE-IPVS-DROP {dst}-p {proto} -m {proto} --dport {dport} -m comment --comment \"{} has no local endpoints\" -j DROP", p.spn);
         let reals = |eps: &[crate::model::EndpointView]| eps.iter().map(|e| (e.addr, e.port)).collect::<BTreeSet<_>>();
         let virt = |eps: &[crate::model::EndpointView]| Virtual { scheduler: scheduler.0.clone(), persistence: port.affinity_timeout, reals: reals(eps) };
-        let proto = p.proto;
         if proto == "sctp" {
             continue;
         }
@@ -138,24 +137,20 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
         }
         let external_ok = p.has_external_endpoints;
         let local_drop = !external_ok && p.has_endpoints;
-        for ip in &port.external_ips {
+        for ip in port.external_ips.iter().chain(&port.lb_ips) {
             if external_ok {
                 d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
             } else if local_drop {
                 drops.push(drop_rule(format!("-d {ip}/32 "), port.port));
             }
             d.addresses.insert(*ip);
+        }
+        for ip in &port.external_ips {
             // Under externalTrafficPolicy Local the client address is kept: no masquerade mark.
             let set = if port.external_local { "KUBE-EXTERNAL-IP-LOCAL" } else { "KUBE-EXTERNAL-IP" };
             add(&mut d, set, format!("{ip},{proto}:{}", port.port));
         }
         for ip in &port.lb_ips {
-            if external_ok {
-                d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
-            } else if local_drop {
-                drops.push(drop_rule(format!("-d {ip}/32 "), port.port));
-            }
-            d.addresses.insert(*ip);
             let entry = format!("{ip},{proto}:{}", port.port);
             if port.external_local {
                 add(&mut d, "KUBE-LOAD-BALANCER-LOCAL", entry.clone());
@@ -241,12 +236,12 @@ fn iptables_rules(node: &NodeContext, drops: &[String]) -> String {
     s
 }
 
-/// The jumps from the built-in chains: (table, chain, comment, target).
-const JUMPS: [(&str, &str, &str, &str); 4] = [
-    ("nat", "PREROUTING", "kubernetes service portals", "KUBE-SERVICES"),
-    ("nat", "OUTPUT", "kubernetes service portals", "KUBE-SERVICES"),
-    ("nat", "POSTROUTING", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
-    ("filter", "INPUT", "kubernetes services without local endpoints", "KUBE-IPVS-DROP"),
+/// The jumps from the built-in chains.
+const JUMPS: [Jump; 4] = [
+    ("nat", "PREROUTING", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "OUTPUT", "", "kubernetes service portals", "KUBE-SERVICES"),
+    ("nat", "POSTROUTING", "", "kubernetes postrouting rules", "KUBE-POSTROUTING"),
+    ("filter", "INPUT", "", "kubernetes services without local endpoints", "KUBE-IPVS-DROP"),
 ];
 
 /// ipvsadm-restore commands for a virtual server and its real servers.
@@ -328,18 +323,13 @@ const IPSET: &str = "ipset";
 
 pub struct IpvsRules {
     scheduler: Scheduler,
-    /// Virtual servers as of the last successful apply (None: read them from the kernel).
-    applied: Option<BTreeMap<VirtualKey, Virtual>>,
-    addresses: Option<BTreeSet<Ipv4Addr>>,
-    /// The ipsets as of the last successful apply.
-    sets: Option<Sets>,
-    /// The iptables-restore input of the last successful apply.
-    iptables: Option<String>,
+    /// What the last successful apply left in the kernel (None: read it from the kernel).
+    applied: Option<Desired>,
 }
 
 impl IpvsRules {
     pub fn new(scheduler: Scheduler) -> Self {
-        Self { scheduler, applied: None, addresses: None, sets: None, iptables: None }
+        Self { scheduler, applied: None }
     }
 }
 
@@ -357,13 +347,13 @@ fn ensure_dummy() -> Result<BTreeSet<Ipv4Addr>, NetfilterError> {
 
 type Sets = BTreeMap<&'static str, (&'static str, BTreeSet<String>)>;
 
-/// Writes the sets that differ from `applied` (all of them when it is None).
-fn ipset_restore(sets: &Sets, applied: Option<&Sets>) -> Result<(), NetfilterError> {
+/// Writes the sets that differ from `applied` (all of them when it is empty: nothing known).
+fn ipset_restore(sets: &Sets, applied: &Sets) -> Result<(), NetfilterError> {
     // Each set is filled as a temporary one and swapped in whole: a packet never sees it half
     // written. (Set names are at most 31 characters, hence the short temporary names.)
     let mut s = String::new();
     for (i, (name, (ty, entries))) in sets.iter().enumerate() {
-        if applied.and_then(|a| a.get(name)) == Some(&(*ty, entries.clone())) {
+        if applied.get(name).is_some_and(|(t, e)| t == ty && e == entries) {
             continue;
         }
         let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
@@ -410,8 +400,9 @@ impl RuleSet for IpvsRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let d = desired(services, node, &self.scheduler);
-        let have_addrs = match &self.addresses {
-            Some(a) => a.clone(),
+        // Taken: it stays None if anything below fails, so the next sync starts from the kernel.
+        let prev = match self.applied.take() {
+            Some(prev) => prev,
             None => {
                 for (key, value) in SYSCTLS {
                     let path = format!("/proc/sys/{key}");
@@ -420,57 +411,35 @@ impl RuleSet for IpvsRules {
                         stderr: format!("{e} (is the ip_vs module loaded?)"),
                     })?;
                 }
-                ensure_dummy()?
-            }
-        };
-        let current = match &self.applied {
-            Some(v) => v.clone(),
-            None => parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?),
-        };
-        let result = (|| {
-            // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
-            // One `ip -batch` for all of them: thousands of Services are thousands of addresses.
-            let add: String = d.addresses.difference(&have_addrs).map(|a| format!("addr replace {a}/32 dev {DUMMY}\n")).collect();
-            if !add.is_empty() {
-                run_with_input("ip", "iproute2", &["-batch", "-"], &add)?;
-            }
-            ipset_restore(&d.sets, self.sets.as_ref())?;
-            if self.iptables.as_ref() != Some(&d.iptables) {
-                run_with_input("iptables-restore", "iptables", &["-w", "5", "--noflush"], &d.iptables)?;
-            }
-            for (table, chain, cmt, target) in JUMPS {
-                let check = ["-w", "5", "-t", table, "-C", chain, "-m", "comment", "--comment", cmt, "-j", target];
-                if run("iptables", "iptables", &check).is_err() {
-                    run("iptables", "iptables", &["-w", "5", "-t", table, "-I", chain, "-m", "comment", "--comment", cmt, "-j", target])?;
+                Desired {
+                    addresses: ensure_dummy()?,
+                    virtuals: parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?),
+                    ..Desired::default()
                 }
             }
-            let delta = ipvsadm_delta(&current, &d.virtuals);
-            if !delta.is_empty() {
-                run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
-            }
-            let del: String = have_addrs.difference(&d.addresses).map(|a| format!("addr del {a}/32 dev {DUMMY}\n")).collect();
-            if !del.is_empty() {
-                // -force: an address someone else removed already is not an error.
-                let _ = run_with_input("ip", "iproute2", &["-force", "-batch", "-"], &del);
-            }
-            Ok::<usize, NetfilterError>(delta.lines().count())
-        })();
-        match result {
-            Ok(n) => {
-                self.applied = Some(d.virtuals);
-                self.addresses = Some(d.addresses);
-                self.sets = Some(d.sets);
-                self.iptables = Some(d.iptables);
-                Ok(n)
-            }
-            Err(e) => {
-                self.applied = None;
-                self.addresses = None;
-                self.sets = None;
-                self.iptables = None;
-                Err(e)
-            }
+        };
+        // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
+        // One `ip -batch` for all of them: thousands of Services are thousands of addresses.
+        let add: String = d.addresses.difference(&prev.addresses).map(|a| format!("addr replace {a}/32 dev {DUMMY}\n")).collect();
+        if !add.is_empty() {
+            run_with_input("ip", "iproute2", &["-batch", "-"], &add)?;
         }
+        ipset_restore(&d.sets, &prev.sets)?;
+        if prev.iptables != d.iptables {
+            iptables_restore(&d.iptables)?;
+        }
+        ensure_jumps(&JUMPS)?;
+        let delta = ipvsadm_delta(&prev.virtuals, &d.virtuals);
+        if !delta.is_empty() {
+            run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
+        }
+        let del: String = prev.addresses.difference(&d.addresses).map(|a| format!("addr del {a}/32 dev {DUMMY}\n")).collect();
+        if !del.is_empty() {
+            // -force: an address someone else removed already is not an error.
+            let _ = run_with_input("ip", "iproute2", &["-force", "-batch", "-"], &del);
+        }
+        self.applied = Some(d);
+        Ok(delta.lines().count())
     }
 }
 
@@ -486,21 +455,17 @@ pub fn cleanup() -> Vec<String> {
             removed.push(format!("ipvs: {DUMMY}"));
         }
     }
-    for (table, chain, cmt, target) in JUMPS {
-        while run("iptables", "iptables", &["-w", "5", "-t", table, "-D", chain, "-m", "comment", "--comment", cmt, "-j", target]).is_ok() {}
+    delete_jumps(&JUMPS);
+    let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| run(IPSET, IPSET, &["list", "-n", name]).is_ok()).collect();
+    if !sets.is_empty() {
+        // The iptables rules that match on the sets must go first.
+        let _ = iptables_restore(
+            "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
+        );
     }
-    for (name, _) in SETS {
-        if run(IPSET, IPSET, &["list", "-n", name]).is_ok() {
-            // The iptables rules that match on it must go first.
-            let _ = run_with_input(
-                "iptables-restore",
-                "iptables",
-                &["-w", "5", "--noflush"],
-                "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
-            );
-            if run(IPSET, IPSET, &["destroy", name]).is_ok() {
-                removed.push(format!("ipvs: ipset {name}"));
-            }
+    for name in sets {
+        if run(IPSET, IPSET, &["destroy", name]).is_ok() {
+            removed.push(format!("ipvs: ipset {name}"));
         }
     }
     removed

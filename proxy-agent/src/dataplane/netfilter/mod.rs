@@ -82,6 +82,44 @@ pub fn run(program: &'static str, package: &'static str, args: &[&str]) -> Resul
     run_with_input(program, package, args, "")
 }
 
+pub const IPTABLES_PACKAGE: &str = "iptables";
+
+/// `iptables-restore --noflush`: only the chains `text` names are touched.
+pub fn iptables_restore(text: &str) -> Result<String, NetfilterError> {
+    run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], text)
+}
+
+/// A jump from a built-in chain into one of ours: (table, chain, extra match, comment, target).
+pub type Jump = (&'static str, &'static str, &'static str, &'static str, &'static str);
+
+fn jump(op: &str, (table, chain, extra, comment, target): Jump) -> Result<String, NetfilterError> {
+    let mut args = vec!["-w", "5", "-t", table, op, chain];
+    args.extend(extra.split_whitespace());
+    args.extend(["-m", "comment", "--comment", comment, "-j", target]);
+    run("iptables", IPTABLES_PACKAGE, &args)
+}
+
+/// Inserts each jump at the top of its chain unless it is there already.
+pub fn ensure_jumps(jumps: &[Jump]) -> Result<(), NetfilterError> {
+    for &j in jumps {
+        if jump("-C", j).is_err() {
+            jump("-I", j)?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes every copy of each jump. Returns one entry per rule deleted.
+pub fn delete_jumps(jumps: &[Jump]) -> Vec<Jump> {
+    let mut deleted = Vec::new();
+    for &j in jumps {
+        while jump("-D", j).is_ok() {
+            deleted.push(j);
+        }
+    }
+    deleted
+}
+
 /// RFC 4648 base32 (standard alphabet, with padding) of `data`.
 pub fn base32(data: &[u8]) -> String {
     const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
@@ -165,12 +203,6 @@ impl<'a> Plan<'a> {
         let cluster = if uses_cluster { by_string(port.cluster_endpoints.clone()) } else { Vec::new() };
         let local = if uses_local { by_string(port.local_endpoints.clone()) } else { Vec::new() };
         let has_endpoints = port.has_endpoints;
-        let mut reachable = cluster.clone();
-        for e in &local {
-            if !reachable.contains(e) {
-                reachable.push(*e);
-            }
-        }
         Self {
             spn: port.name.to_string(),
             proto: match port.name.protocol {
@@ -187,7 +219,7 @@ impl<'a> Plan<'a> {
             uses_local_chain: !local.is_empty() && uses_local,
             uses_external_chain: has_endpoints && externally_accessible,
             has_firewall: !port.lb_ips.is_empty() && !port.lb_source_ranges.is_empty(),
-            reachable: by_string(reachable),
+            reachable: by_string(EndpointView::union(&cluster, &local)),
             cluster,
             local,
             port,

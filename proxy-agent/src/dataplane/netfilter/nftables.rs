@@ -414,21 +414,16 @@ impl NftablesRules {
             }
             let tx = transaction(done.as_ref(), &next);
             ops += tx.lines().count();
-            if let Err(e) = run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
-                self.applied = None;
-                return Err(e);
-            }
+            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
             done = Some(next);
         }
         // Whatever the union missed (nothing, if rendering is truly per Service).
         let tx = transaction(done.as_ref(), &wanted);
         if !tx.is_empty() {
             ops += tx.lines().count();
-            if let Err(e) = run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
-                self.applied = None;
-                return Err(e);
-            }
+            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
         }
+        // (Called with nothing applied: a failure above leaves it so.)
         self.applied = Some(wanted);
         Ok(ops)
     }
