@@ -60,6 +60,8 @@ pub struct RunConfig {
     pub masquerade_all: bool,
     /// `--ipvs-scheduler` (IPVS mode).
     pub ipvs_scheduler: crate::dataplane::netfilter::ipvs::Scheduler,
+    /// `--iptables-backend` (iptables and IPVS modes); None: auto.
+    pub iptables_backend: Option<crate::dataplane::netfilter::Iptables>,
     pub pod_devices: Vec<String>,
     /// External interfaces (glob patterns); empty: those with a global IPv4 address.
     pub devices: Vec<String>,
@@ -188,7 +190,18 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         }
         None => choose_mode(&cfg),
     };
-    crate::dataplane::modes::cleanup_other_modes(mode, &cfg.bpffs_root);
+    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| match cfg.iptables_backend {
+        Some(b) => {
+            tracing::info!(backend = %b, "iptables backend as configured (--iptables-backend)");
+            b
+        }
+        None => {
+            let (b, why) = crate::dataplane::netfilter::Iptables::detect();
+            tracing::info!(backend = %b, "iptables backend auto: {why}");
+            b
+        }
+    });
+    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &cfg.bpffs_root);
     match mode {
         ProxyMode::Ebpf => {
             let dp = match loaded {
@@ -197,12 +210,13 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
             };
             run_ebpf(cfg, dp).await
         }
-        other => run_netfilter(cfg, other).await,
+        other => run_netfilter(cfg, other, ipt.unwrap_or_default()).await,
     }
 }
 
-async fn run_netfilter(cfg: RunConfig, mode: ProxyMode) -> anyhow::Result<()> {
-    let rules = crate::dataplane::modes::rules_for(mode, cfg.ipvs_scheduler.clone()).map_err(anyhow::Error::msg)?;
+async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::dataplane::netfilter::Iptables) -> anyhow::Result<()> {
+    let opts = crate::dataplane::modes::RuleOptions { scheduler: cfg.ipvs_scheduler.clone(), iptables };
+    let rules = crate::dataplane::modes::rules_for(mode, opts).map_err(anyhow::Error::msg)?;
     let (mut src_rx, _watcher) = start_source(&cfg).await?;
     let telemetry = Telemetry::new(2 * cfg.sync_period, None, (0, 0));
     http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));

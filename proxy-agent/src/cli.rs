@@ -1,6 +1,6 @@
 //! Command line: `run`, `inspect`, `cleanup`. Flags use kube-proxy's names where it has one.
 
-use crate::dataplane::netfilter::ipvs::Scheduler;
+use crate::dataplane::netfilter::{ipvs::Scheduler, Iptables};
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -111,6 +111,23 @@ struct NetfilterArgs {
     /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
     #[arg(long, default_value = "rr")]
     ipvs_scheduler: Scheduler,
+    /// The iptables the iptables and IPVS modes write to: nft (iptables-nft), legacy
+    /// (iptables-legacy) or auto (the one the node already uses: kubelet's hint chains, else the
+    /// one holding more rules, else nft).
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    iptables_backend: BackendChoice,
+}
+
+/// `--iptables-backend`: a backend, or auto (None).
+#[derive(Clone, Copy, Debug)]
+struct BackendChoice(Option<Iptables>);
+
+fn parse_backend(s: &str) -> Result<BackendChoice, String> {
+    if s == "auto" {
+        Ok(BackendChoice(None))
+    } else {
+        s.parse().map(|b| BackendChoice(Some(b)))
+    }
 }
 
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
@@ -283,6 +300,7 @@ pub fn main() -> ExitCode {
                 cluster_cidr: a.netfilter.cluster_cidr,
                 masquerade_all: a.netfilter.masquerade_all,
                 ipvs_scheduler: a.netfilter.ipvs_scheduler,
+                iptables_backend: a.netfilter.iptables_backend.0,
                 source: match a.manifests {
                     Some(dir) => Source::Manifests(dir),
                     None => Source::Kube(a.kubeconfig),
@@ -325,7 +343,7 @@ pub fn main() -> ExitCode {
         }),
         Cmd::Cleanup(a) => {
             let mut lines = Vec::new();
-            for mode in ProxyMode::ALL {
+            for mode in crate::dataplane::modes::CLEANUP_ORDER {
                 lines.extend(crate::dataplane::modes::cleanup(mode, &a.bpffs_root));
             }
             if lines.is_empty() {
@@ -346,7 +364,11 @@ pub fn main() -> ExitCode {
                 cluster_cidr: a.netfilter.cluster_cidr,
                 masquerade_all: a.netfilter.masquerade_all,
             },
-            a.netfilter.ipvs_scheduler,
+            crate::dataplane::modes::RuleOptions {
+                scheduler: a.netfilter.ipvs_scheduler,
+                // What is printed does not depend on the backend.
+                iptables: a.netfilter.iptables_backend.0.unwrap_or_default(),
+            },
         )
         .map(|text| print!("{text}")),
     };

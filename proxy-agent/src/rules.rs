@@ -48,7 +48,7 @@ pub fn services_of(dir: &Path, node: &str, context: &NodeContext) -> anyhow::Res
     Ok((store, services))
 }
 
-pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, scheduler: crate::dataplane::netfilter::ipvs::Scheduler) -> anyhow::Result<String> {
+pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, opts: modes::RuleOptions) -> anyhow::Result<String> {
     let (store, services) = services_of(dir, node, &context)?;
     if mode == ProxyMode::Ebpf {
         // The frontends the map writer would program.
@@ -61,6 +61,6 @@ pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, sche
         }
         return Ok(out);
     }
-    let rules = modes::rules_for(mode, scheduler).map_err(anyhow::Error::msg)?;
+    let rules = modes::rules_for(mode, opts).map_err(anyhow::Error::msg)?;
     Ok(rules.render(&services, &context))
 }

@@ -76,9 +76,17 @@ fn peer_ip(a: &Answer) -> Ipv4Addr {
 pub fn lab(agent: &PathBuf, mode: ProxyMode) -> Lab {
     let mut lab = Lab::new(agent.clone(), 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    start(&mut lab, mode, &[]);
+    lab
+}
+
+/// Starts the agent in `mode` (with `extra` flags) and waits until the web Service reaches
+/// every backend.
+fn start(lab: &mut Lab, mode: ProxyMode, extra: &[&str]) {
     let dir = lab.manifests();
     let mut args: Vec<std::ffi::OsString> = vec!["--manifests".into(), dir.into_os_string()];
     args.extend(mode_args(mode).into_iter().map(Into::into));
+    args.extend(extra.iter().map(Into::into));
     let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
     lab.start_agent_with(&refs);
     let all: BTreeSet<String> = (1..=3).map(|i| format!("backend-{i}")).collect();
@@ -86,7 +94,43 @@ pub fn lab(agent: &PathBuf, mode: ProxyMode) -> Lab {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
         if seen == all { Ok(()) } else { Err(format!("answered by {seen:?}")) }
     });
-    lab
+}
+
+/// `--iptables-backend`: with kubelet's hint chain in iptables-legacy, `auto` writes there and
+/// Services work from there; restarted with `--iptables-backend nft`, the rules move to
+/// iptables-nft and nothing of ours stays in legacy, while kubelet's chain does.
+pub fn iptables_backends(agent: &PathBuf) {
+    let mut lab = Lab::new(agent.clone(), 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    let node = lab.node.name.clone();
+    let in_node = |args: &[&str]| {
+        let mut a = vec!["ip", "netns", "exec", node.as_str()];
+        a.extend_from_slice(args);
+        crate::netns::sh(&a)
+    };
+    // What kubelet does on a legacy node.
+    in_node(&["iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
+    let nat = |save: &str| in_node(&[save, "-t", "nat"]);
+    let ours = |save: &str| -> Vec<String> {
+        nat(save).lines().filter(|l| l.starts_with(":KUBE-") || l.contains("-j KUBE-")).map(String::from).collect()
+    };
+    start(&mut lab, ProxyMode::Iptables, &[]);
+    let legacy = nat("iptables-legacy-save");
+    assert!(legacy.contains(":KUBE-SERVICES") && legacy.contains(":KUBE-SVC-") && legacy.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"), "auto: the rules are in iptables-legacy:\n{legacy}");
+    assert_eq!(ours("iptables-nft-save"), Vec::<String>::new(), "auto: nothing in iptables-nft");
+    let log = lab.agent_log();
+    assert!(log.contains("KUBE-IPTABLES-HINT"), "the agent says why it chose legacy:\n{log}");
+    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "legacy: {err}");
+
+    lab.stop_agent();
+    start(&mut lab, ProxyMode::Iptables, &["--iptables-backend", "nft"]);
+    let nft = nat("iptables-nft-save");
+    assert!(nft.contains(":KUBE-SVC-"), "nft: the rules are in iptables-nft:\n{nft}");
+    assert_eq!(ours("iptables-legacy-save"), Vec::<String>::new(), "switching to nft leaves nothing of ours in legacy");
+    assert!(in_node(&["iptables-legacy-save", "-t", "mangle"]).contains(":KUBE-IPTABLES-HINT"), "kubelet's chain stays");
+    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "nft: {err}");
 }
 
 pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &PathBuf, mode: ProxyMode) {

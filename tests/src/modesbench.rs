@@ -21,7 +21,8 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     dataplane::{
         ebpf::{loader::LoadOptions, EbpfDataplane},
-        modes::rules_for,
+        modes::{rules_for, RuleOptions},
+        netfilter::Iptables,
         ProxyMode,
     },
     model::store::{Event, Kind, Object, Store},
@@ -33,6 +34,14 @@ use serde::{Deserialize, Serialize};
 use crate::{lab, netns};
 
 pub const SIZES: [u32; 3] = [1_000, 10_000, 30_000];
+
+/// The sizes to run: `PROXY_BENCH_SIZES=1000,5000` overrides SIZES (for a quick look).
+pub fn sizes() -> Vec<u32> {
+    match std::env::var("PROXY_BENCH_SIZES") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').map(|n| n.trim().parse().unwrap_or_else(|_| panic!("PROXY_BENCH_SIZES: {n:?} is not a number"))).collect(),
+        _ => SIZES.to_vec(),
+    }
+}
 /// Endpoint changes timed at the largest size; the median and the largest are reported.
 pub const CHANGES: u32 = 9;
 
@@ -115,7 +124,7 @@ fn timed_sync(p: &mut dyn Programmer, what: &str) -> Duration {
 
 /// Counts what `mode` has in the kernel for the benchmark's Services: (Services, endpoints
 /// found with address `probe`).
-fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> (usize, usize) {
+fn kernel_count(mode: ProxyMode, ipt: Iptables, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> (usize, usize) {
     let needle = format!("{probe}:8080");
     match mode {
         ProxyMode::Ebpf => {
@@ -126,7 +135,7 @@ fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> 
             (report.frontends.len(), found)
         }
         ProxyMode::Iptables => {
-            let nat = netns::sh(&["iptables-save", "-t", "nat"]);
+            let nat = netns::sh(&[ipt.save(), "-t", "nat"]);
             (nat.lines().filter(|l| l.starts_with(":KUBE-SVC-")).count(), nat.matches(&format!("--to-destination {needle}")).count())
         }
         ProxyMode::Nftables => {
@@ -140,9 +149,35 @@ fn kernel_count(mode: ProxyMode, p: &mut dyn std::any::Any, probe: Ipv4Addr) -> 
     }
 }
 
-/// Programs `n` Services in `mode` (in the calling thread's network namespace), then times
+/// A mode as benchmarked: iptables runs once per backend.
+#[derive(Clone, Copy, Debug)]
+pub struct Variant {
+    pub mode: ProxyMode,
+    pub iptables: Iptables,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 5] = [
+        Variant { mode: ProxyMode::Ebpf, iptables: Iptables::Nft },
+        Variant { mode: ProxyMode::Iptables, iptables: Iptables::Nft },
+        Variant { mode: ProxyMode::Iptables, iptables: Iptables::Legacy },
+        Variant { mode: ProxyMode::Nftables, iptables: Iptables::Nft },
+        Variant { mode: ProxyMode::Ipvs, iptables: Iptables::Nft },
+    ];
+
+    /// ebpf, iptables-nft, iptables-legacy, nftables, ipvs.
+    pub fn label(&self) -> String {
+        match self.mode {
+            ProxyMode::Iptables => self.iptables.iptables().to_string(),
+            m => m.to_string(),
+        }
+    }
+}
+
+/// Programs `n` Services in `v` (in the calling thread's network namespace), then times
 /// `changes` single-endpoint changes.
-fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
+fn one(v: Variant, n: u32, changes: u32) -> Row {
+    let mode = v.mode;
     let (services, slices) = objects(n);
     let pin_root = std::env::temp_dir().join(format!("pxbm-{}", netns::unique_id()));
     struct Unpin(std::path::PathBuf);
@@ -167,7 +202,7 @@ fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
             Box::new(Reconciler::new(store, dp, kinds))
         }
         _ => {
-            let rules = rules_for(mode, Default::default()).expect("netfilter rules");
+            let rules = rules_for(mode, RuleOptions { iptables: v.iptables, ..Default::default() }).expect("netfilter rules");
             Box::new(NetfilterProxier::new(store, rules, kinds, Some("10.0.0.0/8".parse().unwrap()), false))
         }
     };
@@ -191,11 +226,11 @@ fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
         lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let (programmed, found) = kernel_count(mode, boxed.as_mut(), last);
+    let (programmed, found) = kernel_count(mode, v.iptables, boxed.as_mut(), last);
     assert_eq!(programmed, n as usize, "{mode}: the kernel should have {n} services");
     assert!(found >= 1, "{mode}: the last endpoint change ({last}) is not in the kernel");
     Row {
-        mode: mode.to_string(),
+        mode: v.label(),
         services: n,
         program_s,
         change_ms_p50: lat.get(lat.len() / 2).copied().unwrap_or(0.0),
@@ -204,25 +239,29 @@ fn one(mode: ProxyMode, n: u32, changes: u32) -> Row {
     }
 }
 
-/// A size whose programming took longer than this is the mode's last: the next would take
-/// many times longer (iptables-nft's `--noflush` restore looks chains up by name one by one,
-/// so its time grows with the square of the Services).
-pub const LAST_SIZE_AFTER: Duration = Duration::from_secs(120);
+/// A size is skipped when the one before it, scaled by the square of the size ratio (the worst
+/// growth seen: iptables-nft's `--noflush` restore looks chains up by name one by one), would
+/// take longer than this.
+pub const SKIP_PROJECTED_OVER: Duration = Duration::from_secs(45 * 60);
 
-/// Runs `mode` at each size, each in a fresh network namespace. Sizes past one that took
-/// longer than LAST_SIZE_AFTER are skipped, and a row says so.
-pub fn run_mode(mode: ProxyMode, sizes: &[u32]) -> Vec<Row> {
+/// Runs `v` at each size, each in a fresh network namespace. A size projected to take longer
+/// than SKIP_PROJECTED_OVER is skipped, and its row says so.
+pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
+    let label = v.label();
     let mut rows: Vec<Row> = Vec::new();
     for &n in sizes {
-        if let Some(slow) = rows.iter().find(|r| r.program_s > LAST_SIZE_AFTER.as_secs_f64()) {
-            let why = format!("not run: {} Services took {:.0} s already", slow.services, slow.program_s);
-            eprintln!("modes: {mode}, {n} services: {why}");
-            rows.push(Row { mode: mode.to_string(), services: n, program_s: f64::NAN, change_ms_p50: f64::NAN, change_ms_max: f64::NAN, checked: why });
-            continue;
+        if let Some(prev) = rows.last().filter(|r| !r.program_s.is_nan()) {
+            let projected = prev.program_s * (f64::from(n) / f64::from(prev.services)).powi(2);
+            if projected > SKIP_PROJECTED_OVER.as_secs_f64() {
+                let why = format!("not run: {} Services took {:.0} s, so {n} would take about {:.0} s", prev.services, prev.program_s, projected);
+                eprintln!("modes: {label}, {n} services: {why}");
+                rows.push(Row { mode: label.clone(), services: n, program_s: f64::NAN, change_ms_p50: f64::NAN, change_ms_max: f64::NAN, checked: why });
+                continue;
+            }
         }
-        eprintln!("modes: {mode}, {n} services x 4 endpoints...");
+        eprintln!("modes: {label}, {n} services x 4 endpoints...");
         let ns = netns::Netns::create(format!("pxbm-{}", netns::unique_id()));
-        let row = ns.run(move || one(mode, n, CHANGES));
+        let row = ns.run(move || one(v, n, CHANGES));
         drop(ns);
         eprintln!("  programmed in {:.2} s; one endpoint change p50 {:.2} ms", row.program_s, row.change_ms_p50);
         rows.push(row);

@@ -80,6 +80,15 @@ suite!(ebpf, ProxyMode::Ebpf);
 suite!(iptables, ProxyMode::Iptables);
 suite!(nftables, ProxyMode::Nftables);
 
+/// Not a scenario of every mode: which iptables the iptables mode writes to.
+#[test]
+fn iptables_backend_auto_and_switching() {
+    if !require::root("iptables backends") {
+        return;
+    }
+    conformance::iptables_backends(&agent());
+}
+
 #[test]
 fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.

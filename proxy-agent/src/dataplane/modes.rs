@@ -41,36 +41,60 @@ pub fn nftables_unsupported() -> Option<String> {
     }
 }
 
+/// How the netfilter modes are configured beyond the node view.
+#[derive(Clone, Debug, Default)]
+pub struct RuleOptions {
+    /// `--ipvs-scheduler` (IPVS mode).
+    pub scheduler: netfilter::ipvs::Scheduler,
+    /// The iptables backend (iptables mode, and IPVS mode's few rules).
+    pub iptables: netfilter::Iptables,
+}
+
 /// The rules of a netfilter mode.
-/// `scheduler` is IPVS mode's `--ipvs-scheduler`; the other modes ignore it.
-pub fn rules_for(mode: ProxyMode, scheduler: netfilter::ipvs::Scheduler) -> Result<Box<dyn RuleSet + Send>, String> {
+pub fn rules_for(mode: ProxyMode, opts: RuleOptions) -> Result<Box<dyn RuleSet + Send>, String> {
     match mode {
-        ProxyMode::Iptables => Ok(Box::new(IptablesRules::new())),
+        ProxyMode::Iptables => Ok(Box::new(IptablesRules::new(opts.iptables))),
         ProxyMode::Nftables => Ok(Box::new(NftablesRules::new())),
-        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(scheduler))),
+        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(opts.scheduler, opts.iptables))),
         ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
     }
 }
 
-/// Removes what `mode` installs. Returns a line per thing removed.
+/// Removes what `mode` installs (in every iptables backend the node has). Returns a line per
+/// thing removed.
 pub fn cleanup(mode: ProxyMode, bpffs_root: &Path) -> Vec<String> {
     match mode {
         ProxyMode::Ebpf => crate::inspect::cleanup(bpffs_root)
             .map(|removed| if removed.is_empty() { vec![] } else { vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())] })
             .unwrap_or_default(),
-        ProxyMode::Iptables => netfilter::iptables::cleanup(),
+        ProxyMode::Iptables => netfilter::Iptables::available().into_iter().flat_map(netfilter::iptables::cleanup).collect(),
         ProxyMode::Nftables => netfilter::nftables::cleanup(),
-        ProxyMode::Ipvs => netfilter::ipvs::cleanup(),
+        ProxyMode::Ipvs => netfilter::ipvs::cleanup(&netfilter::Iptables::available()),
     }
 }
 
-/// Switching mode leaves nothing of the others behind (as kube-proxy cleans up at start).
-pub fn cleanup_other_modes(current: ProxyMode, bpffs_root: &Path) {
-    for mode in ProxyMode::ALL.into_iter().filter(|m| *m != current) {
+/// The order modes are cleaned up in: IPVS before iptables, since the iptables mode's cleanup
+/// removes every KUBE- chain and cannot while IPVS mode's jumps still lead to some.
+pub const CLEANUP_ORDER: [ProxyMode; 4] = [ProxyMode::Ipvs, ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Ebpf];
+
+/// Switching mode, or iptables backend, leaves nothing of the others behind (as kube-proxy
+/// cleans up at start). `ipt` is the backend `current` uses, if it uses iptables.
+pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>, bpffs_root: &Path) {
+    let mut lines: Vec<(ProxyMode, String)> = Vec::new();
+    for mode in CLEANUP_ORDER.into_iter().filter(|m| *m != current) {
         // IPVS mode keeps a few iptables chains of its own; the iptables mode's service chains
         // are still removed.
-        for line in cleanup(mode, bpffs_root) {
-            tracing::info!(mode = %mode, "removed what an earlier run in another mode left: {line}");
+        lines.extend(cleanup(mode, bpffs_root).into_iter().map(|l| (mode, l)));
+    }
+    let others: Vec<netfilter::Iptables> = netfilter::Iptables::available().into_iter().filter(|b| Some(*b) != ipt).collect();
+    for b in others {
+        match current {
+            ProxyMode::Iptables => lines.extend(netfilter::iptables::cleanup(b).into_iter().map(|l| (current, l))),
+            ProxyMode::Ipvs => lines.extend(netfilter::ipvs::cleanup_iptables(b).into_iter().map(|l| (current, l))),
+            _ => {}
         }
+    }
+    for (mode, line) in lines {
+        tracing::info!(mode = %mode, "removed what an earlier run in another mode or iptables backend left: {line}");
     }
 }

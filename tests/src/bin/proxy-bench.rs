@@ -462,21 +462,27 @@ fn north(out_dir: &std::path::Path) {
 
 fn modes(out_dir: &std::path::Path) {
     use proxy_agent::dataplane::ProxyMode;
-    use proxy_tests::modesbench::{run_mode, Row, SIZES};
+    use proxy_tests::modesbench::{run_mode, sizes, Row, Variant};
+    // PROXY_BENCH_MODES=nftables,ipvs runs only those (labels: ebpf, iptables-nft,
+    // iptables-legacy, nftables, ipvs).
+    let wanted = std::env::var("PROXY_BENCH_MODES").unwrap_or_default();
+    let wanted = |m: &str| wanted.trim().is_empty() || wanted.split(',').any(|w| w.trim() == m);
     let mut rows: Vec<Row> = Vec::new();
-    for mode in [ProxyMode::Ebpf, ProxyMode::Iptables, ProxyMode::Nftables] {
-        rows.extend(run_mode(mode, &SIZES));
+    for v in Variant::ALL.into_iter().filter(|v| v.mode != ProxyMode::Ipvs) {
+        if wanted(&v.label()) {
+            rows.extend(run_mode(v, &sizes()));
+        }
     }
-    let (ipvs, ipvs_note) = modes_ipvs_in_guest();
+    let (ipvs, ipvs_note) = if wanted("ipvs") { modes_ipvs_in_guest() } else { (vec![], "IPVS not asked for (PROXY_BENCH_MODES)".into()) };
     println!("\nModes: ClusterIP Services x 4 endpoints handed to the mode -> programmed in the kernel");
     println!("(one endpoint change: {} changes at each size; p50 / max)", proxy_tests::modesbench::CHANGES);
-    println!("{:<10}{:>10}{:>16}{:>24}", "mode", "services", "program (s)", "one change (ms)");
+    println!("{:<17}{:>10}{:>16}{:>24}", "mode", "services", "program (s)", "one change (ms)");
     for r in rows.iter().chain(ipvs.iter()) {
         let mode = if r.mode == "ipvs" { "ipvs*".to_string() } else { r.mode.clone() };
         if r.program_s.is_nan() {
-            println!("{mode:<10}{:>10}    {}", r.services, r.checked);
+            println!("{mode:<17}{:>10}    {}", r.services, r.checked);
         } else {
-            println!("{mode:<10}{:>10}{:>16.3}{:>24}", r.services, r.program_s, format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max));
+            println!("{mode:<17}{:>10}{:>16.3}{:>24}", r.services, r.program_s, format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max));
         }
     }
     println!("* {ipvs_note}");
@@ -507,7 +513,7 @@ fn modes_ipvs_in_guest() -> (Vec<proxy_tests::modesbench::Row>, String) {
     let job = guest.join("modes-job.sh");
     std::fs::write(
         &job,
-        format!("#!/bin/sh\nset -e\nfor m in ip_vs ip_vs_rr ip_set xt_set dummy; do modprobe $m || true; done\nexec {} modes-guest\n", me.display()),
+        format!("#!/bin/sh\nset -e\nfor m in ip_vs ip_vs_rr ip_set xt_set dummy; do modprobe $m || true; done\nRUST_LOG='{}' PROXY_BENCH_SIZES='{}' exec {} modes-guest\n", std::env::var("RUST_LOG").unwrap_or_default(), std::env::var("PROXY_BENCH_SIZES").unwrap_or_default(), me.display()),
     )
     .unwrap();
     eprintln!("modes: ipvs in the qemu guest (emulated; this takes minutes)...");
@@ -516,20 +522,20 @@ fn modes_ipvs_in_guest() -> (Vec<proxy_tests::modesbench::Row>, String) {
     let rows: Vec<proxy_tests::modesbench::Row> =
         console.lines().filter_map(|l| l.split_once("MODES-ROW ")).filter_map(|(_, j)| serde_json::from_str(j.trim()).ok()).collect();
     let accel = if console.contains("accel kvm") { "KVM" } else { "TCG, i.e. emulated: several times slower than this machine" };
-    let note = if rows.len() == SIZES_LEN {
+    let expected = proxy_tests::modesbench::sizes().len();
+    let note = if rows.len() == expected {
         format!("IPVS ran in a qemu guest booted from Debian's kernel ({accel}); compare its rows with each other, not with the modes above")
     } else {
-        format!("IPVS in the guest gave {} of {SIZES_LEN} rows (guest exit {:?}); console tail:\n{}", rows.len(), out.status.code(), console.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
+        format!("IPVS in the guest gave {} of {expected} rows (guest exit {:?}); console tail:\n{}", rows.len(), out.status.code(), console.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
     };
     (rows, note)
 }
 
-const SIZES_LEN: usize = proxy_tests::modesbench::SIZES.len();
-
 /// Inside the guest: IPVS mode at every size, a JSON line per size.
 fn modes_guest() {
-    for n in proxy_tests::modesbench::SIZES {
-        for r in proxy_tests::modesbench::run_mode(proxy_agent::dataplane::ProxyMode::Ipvs, &[n]) {
+    for n in proxy_tests::modesbench::sizes() {
+        let ipvs = proxy_tests::modesbench::Variant { mode: proxy_agent::dataplane::ProxyMode::Ipvs, iptables: Default::default() };
+        for r in proxy_tests::modesbench::run_mode(ipvs, &[n]) {
             println!("MODES-ROW {}", serde_json::to_string(&r).unwrap());
         }
     }
@@ -540,6 +546,9 @@ fn main() {
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("the benchmark loads eBPF programs: run it as root (`sudo -E cargo xtask bench`)");
         std::process::exit(1);
+    }
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     }
     let out_dir = std::path::PathBuf::from(std::env::var_os("BENCH_OUT_DIR").unwrap_or_else(|| ".".into()));
     let args: Vec<String> = std::env::args().skip(1).collect();

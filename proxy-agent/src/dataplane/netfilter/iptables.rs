@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services, IPTABLES_PACKAGE};
+use super::{delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services, IPTABLES_PACKAGE};
 use crate::dataplane::ProxyMode;
 
 /// Host-dependent choices kube-proxy makes by probing (make them explicit for tests).
@@ -100,6 +100,8 @@ pub struct Rendered {
 const FILTER_FIXED: [&str; 5] = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL"];
 const NAT_FIXED: [&str; 4] = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
 const NODEPORTS_LAST: &str = "kubernetes service nodeports; NOTE: this must be the last rule in this chain";
+/// Fixed chains only the iptables mode has (IPVS mode has the others).
+const IPTABLES_ONLY: [&str; 4] = ["KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-PROXY-FIREWALL"];
 /// Prefixes of the per-Service chains (what stale-chain cleanup looks for).
 const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
 
@@ -388,17 +390,18 @@ const JUMPS: [Jump; 12] = [
 /// Programs iptables, remembering what it wrote so later syncs rewrite only what changed.
 pub struct IptablesRules {
     opts: IptablesOptions,
+    ipt: Iptables,
     /// The nat chains written by the last successful apply, with their rules.
     applied: Option<BTreeMap<String, Vec<String>>>,
 }
 
 impl IptablesRules {
-    pub fn new() -> Self {
-        Self::with_options(IptablesOptions::default())
+    pub fn new(ipt: Iptables) -> Self {
+        Self::with_options(IptablesOptions::default(), ipt)
     }
 
-    pub fn with_options(opts: IptablesOptions) -> Self {
-        Self { opts, applied: None }
+    pub fn with_options(opts: IptablesOptions, ipt: Iptables) -> Self {
+        Self { opts, ipt, applied: None }
     }
 
     /// Creates the chains the jumps lead to (where missing) and the jumps.
@@ -406,22 +409,16 @@ impl IptablesRules {
         let mut created = BTreeSet::new();
         for (table, _, _, _, target) in JUMPS {
             if created.insert((table, target)) {
-                let _ = run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", target]);
+                let _ = run(self.ipt.iptables(), IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", target]);
             }
         }
-        ensure_jumps(&JUMPS)
-    }
-}
-
-impl Default for IptablesRules {
-    fn default() -> Self {
-        Self::new()
+        ensure_jumps(self.ipt, &JUMPS)
     }
 }
 
 /// Per-Service nat chains in the kernel now (`iptables-save -t nat`).
-fn service_chains_in_kernel() -> Result<BTreeSet<String>, NetfilterError> {
-    let out = run("iptables-save", IPTABLES_PACKAGE, &["-t", "nat"])?;
+fn service_chains_in_kernel(ipt: Iptables) -> Result<BTreeSet<String>, NetfilterError> {
+    let out = run(ipt.save(), IPTABLES_PACKAGE, &["-t", "nat"])?;
     Ok(out
         .lines()
         .filter_map(|l| l.strip_prefix(':'))
@@ -454,7 +451,7 @@ impl RuleSet for IptablesRules {
                 // First sync (or after a failure): everything is written, and the jumps and
                 // leftovers of an earlier run are dealt with.
                 self.ensure_jumps()?;
-                (BTreeMap::new(), service_chains_in_kernel()?)
+                (BTreeMap::new(), service_chains_in_kernel(self.ipt)?)
             }
         };
         let changed: std::collections::HashSet<&str> =
@@ -465,29 +462,37 @@ impl RuleSet for IptablesRules {
             .cloned()
             .collect();
         let written = changed.len() + stale.len();
-        iptables_restore(&restore_text(&rendered, &|c| changed.contains(c), &stale))?;
+        iptables_restore(self.ipt, &restore_text(&rendered, &|c| changed.contains(c), &stale))?;
         self.applied = Some(wanted);
         Ok(written)
     }
 }
 
-/// Removes the iptables mode's chains and jumps (`proxy-agent cleanup`, or another mode
-/// starting). Returns a line per thing removed; nothing when iptables is not installed.
-pub fn cleanup() -> Vec<String> {
+/// Removes the iptables mode's chains and jumps from `ipt` (`proxy-agent cleanup`, or another
+/// mode or backend starting). Returns a line per thing removed; nothing when that iptables is
+/// not installed.
+pub fn cleanup(ipt: Iptables) -> Vec<String> {
     let mut removed = Vec::new();
-    if run("iptables", IPTABLES_PACKAGE, &["-w", "5", "-S"]).is_err() {
+    // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and
+    // KUBE-MARK-MASQ have the names IPVS mode's have, and a running IPVS mode must keep them.
+    let ours = |c: &str| IPTABLES_ONLY.contains(&c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
+    let ran = ["nat", "filter"].iter().any(|table| {
+        run(ipt.save(), IPTABLES_PACKAGE, &["-t", table]).is_ok_and(|out| out.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next()).any(ours))
+    });
+    if !ran {
         return removed;
     }
-    for (table, chain, _, _, target) in delete_jumps(&JUMPS) {
-        removed.push(format!("iptables: jump {table}/{chain} -> {target}"));
+    for (table, chain, _, _, target) in delete_jumps(ipt, &JUMPS) {
+        removed.push(format!("{ipt}: jump {table}/{chain} -> {target}"));
     }
     for table in ["nat", "filter"] {
-        let Ok(out) = run("iptables-save", IPTABLES_PACKAGE, &["-t", table]) else { continue };
+        let Ok(out) = run(ipt.save(), IPTABLES_PACKAGE, &["-t", table]) else { continue };
         let chains: Vec<String> = out
             .lines()
             .filter_map(|l| l.strip_prefix(':'))
             .filter_map(|l| l.split_whitespace().next())
-            .filter(|c| c.starts_with("KUBE-") && *c != "KUBE-FIREWALL" && *c != "KUBE-PROXY-CANARY")
+            // Only ours: kubelet's chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) stay.
+            .filter(|c| FILTER_FIXED.contains(c) || NAT_FIXED.contains(c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
             .map(String::from)
             .collect();
         if chains.is_empty() {
@@ -501,8 +506,8 @@ pub fn cleanup() -> Vec<String> {
             text += &format!("-X {c}\n");
         }
         text += "COMMIT\n";
-        if iptables_restore(&text).is_ok() {
-            removed.push(format!("iptables: {} chains in the {table} table", chains.len()));
+        if iptables_restore(ipt, &text).is_ok() {
+            removed.push(format!("{ipt}: {} chains in the {table} table", chains.len()));
         }
     }
     removed

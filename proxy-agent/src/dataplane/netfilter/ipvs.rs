@@ -2,9 +2,9 @@
 //! IP, external IPs, load-balancer IPs, node address + NodePort) with the endpoints as real
 //! servers, the Service addresses on a dummy `kube-ipvs0` interface so the node accepts them,
 //! and ipsets plus a few iptables rules for what IPVS does not do itself (masquerade, hairpin).
-//! Programmed with `ipvsadm-restore`, `ipset restore` (swapping in each set whole) and
-//! `iptables-restore`; only virtual and real servers that changed are touched, so existing
-//! IPVS connections keep their real server.
+//! Programmed with `ipvsadm-restore`, `ipset restore` and `iptables-restore`; only virtual and
+//! real servers and set entries that changed are touched, so existing IPVS connections keep
+//! their real server and one endpoint change costs a few commands at any scale.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -12,7 +12,7 @@ use std::{
     net::Ipv4Addr,
 };
 
-use super::{delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use super::{delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::dataplane::ProxyMode;
 
 pub const DUMMY: &str = "kube-ipvs0";
@@ -323,13 +323,15 @@ const IPSET: &str = "ipset";
 
 pub struct IpvsRules {
     scheduler: Scheduler,
+    /// Where the masquerade and drop rules go.
+    ipt: Iptables,
     /// What the last successful apply left in the kernel (None: read it from the kernel).
     applied: Option<Desired>,
 }
 
 impl IpvsRules {
-    pub fn new(scheduler: Scheduler) -> Self {
-        Self { scheduler, applied: None }
+    pub fn new(scheduler: Scheduler, ipt: Iptables) -> Self {
+        Self { scheduler, ipt, applied: None }
     }
 }
 
@@ -347,30 +349,47 @@ fn ensure_dummy() -> Result<BTreeSet<Ipv4Addr>, NetfilterError> {
 
 type Sets = BTreeMap<&'static str, (&'static str, BTreeSet<String>)>;
 
-/// Writes the sets that differ from `applied` (all of them when it is empty: nothing known).
+/// Brings the sets to `sets`. A set whose applied entries are known gets only the entries
+/// that were added and removed (one endpoint change is a few lines, whatever the number of
+/// Services); one whose content is unknown (the first sync) is filled as a temporary set and
+/// swapped in whole, so a packet never sees it half written.
 fn ipset_restore(sets: &Sets, applied: &Sets) -> Result<(), NetfilterError> {
-    // Each set is filled as a temporary one and swapped in whole: a packet never sees it half
-    // written. (Set names are at most 31 characters, hence the short temporary names.)
-    let mut s = String::new();
-    for (i, (name, (ty, entries))) in sets.iter().enumerate() {
-        if applied.get(name).is_some_and(|(t, e)| t == ty && e == entries) {
-            continue;
-        }
-        let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
-        let tmp = format!("KUBE-PROXY-TMP-{i}");
-        let _ = writeln!(s, "create {name} {ty}{range} -exist");
-        let _ = writeln!(s, "create {tmp} {ty}{range} -exist");
-        let _ = writeln!(s, "flush {tmp}");
-        for e in entries {
-            let _ = writeln!(s, "add {tmp} {e} -exist");
-        }
-        let _ = writeln!(s, "swap {tmp} {name}");
-        let _ = writeln!(s, "destroy {tmp}");
-    }
+    let s = ipset_delta(sets, applied);
     if s.is_empty() {
         return Ok(());
     }
     run_with_input(IPSET, IPSET, &["restore"], &s).map(|_| ())
+}
+
+/// The `ipset restore` input for [`ipset_restore`].
+pub fn ipset_delta(sets: &Sets, applied: &Sets) -> String {
+    let mut s = String::new();
+    for (i, (name, (ty, entries))) in sets.iter().enumerate() {
+        match applied.get(name) {
+            Some((t, old)) if t == ty => {
+                for e in entries.difference(old) {
+                    let _ = writeln!(s, "add {name} {e} -exist");
+                }
+                for e in old.difference(entries) {
+                    let _ = writeln!(s, "del {name} {e} -exist");
+                }
+            }
+            _ => {
+                // Set names are at most 31 characters, hence the short temporary names.
+                let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
+                let tmp = format!("KUBE-PROXY-TMP-{i}");
+                let _ = writeln!(s, "create {name} {ty}{range} -exist");
+                let _ = writeln!(s, "create {tmp} {ty}{range} -exist");
+                let _ = writeln!(s, "flush {tmp}");
+                for e in entries {
+                    let _ = writeln!(s, "add {tmp} {e} -exist");
+                }
+                let _ = writeln!(s, "swap {tmp} {name}");
+                let _ = writeln!(s, "destroy {tmp}");
+            }
+        }
+    }
+    s
 }
 
 impl RuleSet for IpvsRules {
@@ -399,7 +418,9 @@ impl RuleSet for IpvsRules {
     }
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+        let t0 = std::time::Instant::now();
         let d = desired(services, node, &self.scheduler);
+        let t_desired = t0.elapsed();
         // Taken: it stays None if anything below fails, so the next sync starts from the kernel.
         let prev = match self.applied.take() {
             Some(prev) => prev,
@@ -424,28 +445,42 @@ impl RuleSet for IpvsRules {
         if !add.is_empty() {
             run_with_input("ip", "iproute2", &["-batch", "-"], &add)?;
         }
+        let t_addresses = t0.elapsed();
         ipset_restore(&d.sets, &prev.sets)?;
+        let t_sets = t0.elapsed();
         if prev.iptables != d.iptables {
-            iptables_restore(&d.iptables)?;
+            iptables_restore(self.ipt, &d.iptables)?;
         }
-        ensure_jumps(&JUMPS)?;
+        ensure_jumps(self.ipt, &JUMPS)?;
+        let t_iptables = t0.elapsed();
         let delta = ipvsadm_delta(&prev.virtuals, &d.virtuals);
         if !delta.is_empty() {
             run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
         }
+        let t_ipvs = t0.elapsed();
         let del: String = prev.addresses.difference(&d.addresses).map(|a| format!("addr del {a}/32 dev {DUMMY}\n")).collect();
         if !del.is_empty() {
             // -force: an address someone else removed already is not an error.
             let _ = run_with_input("ip", "iproute2", &["-force", "-batch", "-"], &del);
         }
+        tracing::debug!(
+            desired_ms = t_desired.as_millis() as u64,
+            addresses_ms = (t_addresses - t_desired).as_millis() as u64,
+            ipsets_ms = (t_sets - t_addresses).as_millis() as u64,
+            iptables_ms = (t_iptables - t_sets).as_millis() as u64,
+            ipvs_ms = (t_ipvs - t_iptables).as_millis() as u64,
+            total_ms = t0.elapsed().as_millis() as u64,
+            "ipvs apply"
+        );
         self.applied = Some(d);
         Ok(delta.lines().count())
     }
 }
 
 /// Removes IPVS mode's state: its virtual servers (all of them, as kube-proxy's cleanup does),
-/// `kube-ipvs0`, its ipsets and iptables chains. Nothing when IPVS is not available.
-pub fn cleanup() -> Vec<String> {
+/// `kube-ipvs0`, its ipsets and its iptables chains in each of `backends`. Nothing when IPVS is
+/// not available.
+pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     let mut removed = Vec::new();
     if run("ip", "iproute2", &["link", "show", DUMMY]).is_ok() {
         if run(IPVSADM, IPVSADM, &["-C"]).is_ok() {
@@ -455,18 +490,33 @@ pub fn cleanup() -> Vec<String> {
             removed.push(format!("ipvs: {DUMMY}"));
         }
     }
-    delete_jumps(&JUMPS);
     let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| run(IPSET, IPSET, &["list", "-n", name]).is_ok()).collect();
-    if !sets.is_empty() {
+    for &ipt in backends {
         // The iptables rules that match on the sets must go first.
-        let _ = iptables_restore(
-            "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n-X KUBE-NODE-PORT\n-X KUBE-LOAD-BALANCER\nCOMMIT\n",
-        );
+        removed.extend(cleanup_iptables(ipt));
     }
     for name in sets {
         if run(IPSET, IPSET, &["destroy", name]).is_ok() {
             removed.push(format!("ipvs: ipset {name}"));
         }
+    }
+    removed
+}
+
+/// Removes IPVS mode's jumps and chains from `ipt`.
+pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
+    let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS).into_iter().map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}")).collect();
+    // Its filter chain says whether it ran in this backend at all (declaring the nat chains
+    // below would create them otherwise).
+    let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"]).is_ok_and(|out| out.lines().any(|l| l.starts_with(":KUBE-IPVS-DROP ")));
+    if ran
+        && iptables_restore(
+            ipt,
+            "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-X KUBE-SERVICES\n-X KUBE-NODE-PORT\n-X KUBE-POSTROUTING\n-X KUBE-LOAD-BALANCER\n-X KUBE-MARK-MASQ\nCOMMIT\n",
+        )
+        .is_ok()
+    {
+        removed.push(format!("ipvs: {ipt} chains"));
     }
     removed
 }
@@ -499,5 +549,29 @@ mod tests {
         let mut sh = to.clone();
         sh.get_mut(&k).unwrap().scheduler = "sh".into();
         assert_eq!(ipvsadm_delta(&to, &sh), "-E -t 10.96.0.10:80 -s sh\n");
+    }
+
+    #[test]
+    fn known_sets_get_entry_deltas_unknown_ones_are_swapped_in_whole() {
+        let set = |entries: &[&str]| -> Sets {
+            BTreeMap::from([("KUBE-LOOP-BACK", ("hash:ip,port,ip", entries.iter().map(|e| e.to_string()).collect()))])
+        };
+        let a = set(&["10.0.0.1,tcp:80,10.0.0.1", "10.0.0.2,tcp:80,10.0.0.2"]);
+        let b = set(&["10.0.0.2,tcp:80,10.0.0.2", "10.0.0.3,tcp:80,10.0.0.3"]);
+        // Known: only the entries that changed.
+        assert_eq!(ipset_delta(&b, &a), "add KUBE-LOOP-BACK 10.0.0.3,tcp:80,10.0.0.3 -exist\ndel KUBE-LOOP-BACK 10.0.0.1,tcp:80,10.0.0.1 -exist\n");
+        assert_eq!(ipset_delta(&b, &b), "");
+        // Unknown (first sync): filled aside and swapped in, so no packet sees it half written.
+        let whole = ipset_delta(&b, &Sets::new());
+        assert_eq!(
+            whole,
+            "create KUBE-LOOP-BACK hash:ip,port,ip -exist\ncreate KUBE-PROXY-TMP-0 hash:ip,port,ip -exist\nflush KUBE-PROXY-TMP-0\n\
+             add KUBE-PROXY-TMP-0 10.0.0.2,tcp:80,10.0.0.2 -exist\nadd KUBE-PROXY-TMP-0 10.0.0.3,tcp:80,10.0.0.3 -exist\n\
+             swap KUBE-PROXY-TMP-0 KUBE-LOOP-BACK\ndestroy KUBE-PROXY-TMP-0\n"
+        );
+        // A set applied with another type is re-created whole as well.
+        let mut other = a.clone();
+        other.get_mut("KUBE-LOOP-BACK").unwrap().0 = "hash:ip,port";
+        assert_eq!(ipset_delta(&b, &other), whole);
     }
 }

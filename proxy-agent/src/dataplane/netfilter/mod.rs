@@ -84,36 +84,142 @@ pub fn run(program: &'static str, package: &'static str, args: &[&str]) -> Resul
 
 pub const IPTABLES_PACKAGE: &str = "iptables";
 
+/// Which iptables a node uses. The two kernel backends do not see each other's rules, so the
+/// agent must write where kubelet, the CNI plugin and the rest of the node write, as kube-proxy's
+/// image does with its iptables wrapper (`--iptables-backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Iptables {
+    /// iptables over nf_tables (`iptables-nft`): Debian's and most distributions' default.
+    #[default]
+    Nft,
+    /// The x_tables backend (`iptables-legacy`).
+    Legacy,
+    /// Whatever `iptables` is on PATH, for systems without the suffixed names.
+    Path,
+}
+
+impl Iptables {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Nft => "nft",
+            Self::Legacy => "legacy",
+            Self::Path => "path",
+        }
+    }
+    pub fn iptables(self) -> &'static str {
+        match self {
+            Self::Nft => "iptables-nft",
+            Self::Legacy => "iptables-legacy",
+            Self::Path => "iptables",
+        }
+    }
+    pub fn restore(self) -> &'static str {
+        match self {
+            Self::Nft => "iptables-nft-restore",
+            Self::Legacy => "iptables-legacy-restore",
+            Self::Path => "iptables-restore",
+        }
+    }
+    pub fn save(self) -> &'static str {
+        match self {
+            Self::Nft => "iptables-nft-save",
+            Self::Legacy => "iptables-legacy-save",
+            Self::Path => "iptables-save",
+        }
+    }
+
+    /// The backends this node has tools for (`Path` only when neither suffixed one exists).
+    pub fn available() -> Vec<Self> {
+        let found: Vec<Self> = [Self::Nft, Self::Legacy].into_iter().filter(|b| run(b.save(), IPTABLES_PACKAGE, &["--version"]).is_ok()).collect();
+        if found.is_empty() && run(Self::Path.save(), IPTABLES_PACKAGE, &["--version"]).is_ok() {
+            return vec![Self::Path];
+        }
+        found
+    }
+
+    /// `--iptables-backend auto`: the backend the node already uses, and why. Reads both
+    /// backends' rules (`iptables-*-save`) and decides with [`choose_backend`].
+    pub fn detect() -> (Self, String) {
+        let available = Self::available();
+        match available.as_slice() {
+            [] => (Self::Nft, "no iptables tools found; assuming nft (install the iptables package)".into()),
+            [only] => (*only, format!("only {} is installed", only.iptables())),
+            _ => {
+                let save = |b: Self| run(b.save(), IPTABLES_PACKAGE, &[]).unwrap_or_default();
+                choose_backend(&save(Self::Nft), &save(Self::Legacy))
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Iptables {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "nft" => Ok(Self::Nft),
+            "legacy" => Ok(Self::Legacy),
+            other => Err(format!("unknown iptables backend {other:?} (nft, legacy or auto)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Iptables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.iptables())
+    }
+}
+
+/// Chains kubelet creates in the backend it uses; their presence settles the question.
+const BACKEND_HINTS: [&str; 2] = ["KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"];
+
+/// Picks the backend from what each one holds (`iptables-save` output of both): the one with
+/// kubelet's hint chains; else the one with more rules, nft on a tie (a fresh node).
+pub fn choose_backend(nft: &str, legacy: &str) -> (Iptables, String) {
+    let hinted = |save: &str| BACKEND_HINTS.iter().find(|h| save.lines().any(|l| l.strip_prefix(':').is_some_and(|c| c.split_whitespace().next() == Some(**h)))).copied();
+    match (hinted(nft), hinted(legacy)) {
+        (Some(h), None) => return (Iptables::Nft, format!("kubelet's {h} chain is in iptables-nft")),
+        (None, Some(h)) => return (Iptables::Legacy, format!("kubelet's {h} chain is in iptables-legacy")),
+        _ => {}
+    }
+    let rules = |save: &str| save.lines().filter(|l| l.starts_with("-A ")).count();
+    let (n, l) = (rules(nft), rules(legacy));
+    if l > n {
+        (Iptables::Legacy, format!("iptables-legacy holds more rules ({l}) than iptables-nft ({n})"))
+    } else {
+        (Iptables::Nft, format!("iptables-nft holds at least as many rules ({n}) as iptables-legacy ({l})"))
+    }
+}
+
 /// `iptables-restore --noflush`: only the chains `text` names are touched.
-pub fn iptables_restore(text: &str) -> Result<String, NetfilterError> {
-    run_with_input("iptables-restore", IPTABLES_PACKAGE, &["-w", "5", "--noflush"], text)
+pub fn iptables_restore(ipt: Iptables, text: &str) -> Result<String, NetfilterError> {
+    run_with_input(ipt.restore(), IPTABLES_PACKAGE, &["-w", "5", "--noflush"], text)
 }
 
 /// A jump from a built-in chain into one of ours: (table, chain, extra match, comment, target).
 pub type Jump = (&'static str, &'static str, &'static str, &'static str, &'static str);
 
-fn jump(op: &str, (table, chain, extra, comment, target): Jump) -> Result<String, NetfilterError> {
+fn jump(ipt: Iptables, op: &str, (table, chain, extra, comment, target): Jump) -> Result<String, NetfilterError> {
     let mut args = vec!["-w", "5", "-t", table, op, chain];
     args.extend(extra.split_whitespace());
     args.extend(["-m", "comment", "--comment", comment, "-j", target]);
-    run("iptables", IPTABLES_PACKAGE, &args)
+    run(ipt.iptables(), IPTABLES_PACKAGE, &args)
 }
 
 /// Inserts each jump at the top of its chain unless it is there already.
-pub fn ensure_jumps(jumps: &[Jump]) -> Result<(), NetfilterError> {
+pub fn ensure_jumps(ipt: Iptables, jumps: &[Jump]) -> Result<(), NetfilterError> {
     for &j in jumps {
-        if jump("-C", j).is_err() {
-            jump("-I", j)?;
+        if jump(ipt, "-C", j).is_err() {
+            jump(ipt, "-I", j)?;
         }
     }
     Ok(())
 }
 
 /// Deletes every copy of each jump. Returns one entry per rule deleted.
-pub fn delete_jumps(jumps: &[Jump]) -> Vec<Jump> {
+pub fn delete_jumps(ipt: Iptables, jumps: &[Jump]) -> Vec<Jump> {
     let mut deleted = Vec::new();
     for &j in jumps {
-        while jump("-D", j).is_ok() {
+        while jump(ipt, "-D", j).is_ok() {
             deleted.push(j);
         }
     }
@@ -161,6 +267,27 @@ mod tests {
         assert_eq!(base32(b"foob"), "MZXW6YQ=");
         assert_eq!(base32(b"fooba"), "MZXW6YTB");
         assert_eq!(base32(b"foobar"), "MZXW6YTBOI======");
+    }
+
+    #[test]
+    fn the_backend_is_the_one_the_node_uses() {
+        let empty = "*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n";
+        let docker = "*nat\n:DOCKER - [0:0]\n-A PREROUTING -j DOCKER\n-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE\nCOMMIT\n";
+        let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
+        // A fresh node: nft.
+        assert_eq!(choose_backend(empty, empty).0, Iptables::Nft);
+        // Rules only in legacy (Docker on an older host): legacy.
+        assert_eq!(choose_backend(empty, docker).0, Iptables::Legacy);
+        assert_eq!(choose_backend(docker, empty).0, Iptables::Nft);
+        // kubelet's hint wins over rule counts.
+        let (b, why) = choose_backend(hint, docker);
+        assert_eq!(b, Iptables::Nft, "{why}");
+        assert!(why.contains("KUBE-IPTABLES-HINT"), "{why}");
+        assert_eq!(choose_backend(docker, &format!("{hint}{empty}")).0, Iptables::Legacy);
+        // A rule that merely mentions the name is not the chain.
+        assert_eq!(choose_backend("-A INPUT -m comment --comment KUBE-IPTABLES-HINT -j ACCEPT\n", docker).0, Iptables::Legacy);
+        assert!("bogus".parse::<Iptables>().is_err());
+        assert_eq!("legacy".parse::<Iptables>(), Ok(Iptables::Legacy));
     }
 }
 
