@@ -354,15 +354,31 @@ type Sets = BTreeMap<&'static str, (&'static str, BTreeSet<String>)>;
 /// Services); one whose content is unknown (the first sync) is filled as a temporary set and
 /// swapped in whole, so a packet never sees it half written.
 fn ipset_restore(sets: &Sets, applied: &Sets) -> Result<(), NetfilterError> {
-    let s = ipset_delta(sets, applied);
+    let unknown = sets.keys().any(|name| !applied.contains_key(name));
+    // Sets an earlier run left may have been sized for more entries: only missing ones are
+    // created under their own name.
+    let existing: BTreeSet<String> = if unknown { run(IPSET, IPSET, &["list", "-n"])?.lines().map(String::from).collect() } else { BTreeSet::new() };
+    let s = ipset_delta(sets, applied, &existing);
     if s.is_empty() {
         return Ok(());
     }
     run_with_input(IPSET, IPSET, &["restore"], &s).map(|_| ())
 }
 
-/// The `ipset restore` input for [`ipset_restore`].
-pub fn ipset_delta(sets: &Sets, applied: &Sets) -> String {
+/// `create` options sizing a set for `entries`: a hash set's default limit is 65,536 entries,
+/// which 30,000 Services of 4 endpoints exceed in KUBE-LOOP-BACK, so the limit is twice the
+/// entries (an incremental add past it fails, and the next sync re-creates the set bigger).
+fn set_options(ty: &str, entries: usize) -> String {
+    if ty.starts_with("bitmap:port") {
+        return " range 0-65535".into();
+    }
+    let maxelem = (2 * entries).next_power_of_two().max(65_536);
+    let hashsize = (entries / 4).next_power_of_two().max(1024);
+    format!(" hashsize {hashsize} maxelem {maxelem}")
+}
+
+/// The `ipset restore` input for [`ipset_restore`]; `existing` names the sets the kernel has.
+pub fn ipset_delta(sets: &Sets, applied: &Sets, existing: &BTreeSet<String>) -> String {
     let mut s = String::new();
     for (i, (name, (ty, entries))) in sets.iter().enumerate() {
         match applied.get(name) {
@@ -376,10 +392,12 @@ pub fn ipset_delta(sets: &Sets, applied: &Sets) -> String {
             }
             _ => {
                 // Set names are at most 31 characters, hence the short temporary names.
-                let range = if ty.starts_with("bitmap:port") { " range 0-65535" } else { "" };
+                let opts = set_options(ty, entries.len());
                 let tmp = format!("KUBE-PROXY-TMP-{i}");
-                let _ = writeln!(s, "create {name} {ty}{range} -exist");
-                let _ = writeln!(s, "create {tmp} {ty}{range} -exist");
+                if !existing.contains(*name) {
+                    let _ = writeln!(s, "create {name} {ty}{opts}");
+                }
+                let _ = writeln!(s, "create {tmp} {ty}{opts} -exist");
                 let _ = writeln!(s, "flush {tmp}");
                 for e in entries {
                     let _ = writeln!(s, "add {tmp} {e} -exist");
@@ -559,19 +577,27 @@ mod tests {
         let a = set(&["10.0.0.1,tcp:80,10.0.0.1", "10.0.0.2,tcp:80,10.0.0.2"]);
         let b = set(&["10.0.0.2,tcp:80,10.0.0.2", "10.0.0.3,tcp:80,10.0.0.3"]);
         // Known: only the entries that changed.
-        assert_eq!(ipset_delta(&b, &a), "add KUBE-LOOP-BACK 10.0.0.3,tcp:80,10.0.0.3 -exist\ndel KUBE-LOOP-BACK 10.0.0.1,tcp:80,10.0.0.1 -exist\n");
-        assert_eq!(ipset_delta(&b, &b), "");
+        let none = BTreeSet::new();
+        assert_eq!(ipset_delta(&b, &a, &none), "add KUBE-LOOP-BACK 10.0.0.3,tcp:80,10.0.0.3 -exist\ndel KUBE-LOOP-BACK 10.0.0.1,tcp:80,10.0.0.1 -exist\n");
+        assert_eq!(ipset_delta(&b, &b, &none), "");
         // Unknown (first sync): filled aside and swapped in, so no packet sees it half written.
-        let whole = ipset_delta(&b, &Sets::new());
+        let whole = ipset_delta(&b, &Sets::new(), &none);
         assert_eq!(
             whole,
-            "create KUBE-LOOP-BACK hash:ip,port,ip -exist\ncreate KUBE-PROXY-TMP-0 hash:ip,port,ip -exist\nflush KUBE-PROXY-TMP-0\n\
+            "create KUBE-LOOP-BACK hash:ip,port,ip hashsize 1024 maxelem 65536\n\
+             create KUBE-PROXY-TMP-0 hash:ip,port,ip hashsize 1024 maxelem 65536 -exist\nflush KUBE-PROXY-TMP-0\n\
              add KUBE-PROXY-TMP-0 10.0.0.2,tcp:80,10.0.0.2 -exist\nadd KUBE-PROXY-TMP-0 10.0.0.3,tcp:80,10.0.0.3 -exist\n\
              swap KUBE-PROXY-TMP-0 KUBE-LOOP-BACK\ndestroy KUBE-PROXY-TMP-0\n"
         );
         // A set applied with another type is re-created whole as well.
         let mut other = a.clone();
         other.get_mut("KUBE-LOOP-BACK").unwrap().0 = "hash:ip,port";
-        assert_eq!(ipset_delta(&b, &other), whole);
+        assert_eq!(ipset_delta(&b, &other, &none), whole);
+        // A set the kernel has already (an earlier run) is not created again, whatever its size.
+        let existing = BTreeSet::from(["KUBE-LOOP-BACK".to_string()]);
+        assert_eq!(ipset_delta(&b, &Sets::new(), &existing), whole.replace("create KUBE-LOOP-BACK hash:ip,port,ip hashsize 1024 maxelem 65536\n", ""));
+        // Sized for what they hold: 120,000 loopback entries (30,000 Services x 4).
+        assert_eq!(set_options("hash:ip,port,ip", 120_000), " hashsize 32768 maxelem 262144");
+        assert_eq!(set_options("bitmap:port", 10), " range 0-65535");
     }
 }
