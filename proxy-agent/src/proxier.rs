@@ -30,6 +30,9 @@ pub struct NetfilterProxier {
     failed: bool,
     synced_once: bool,
     triggers: Vec<SystemTime>,
+    /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
+    /// first: flows from before the agent ran may be stale too).
+    udp_changed: bool,
 }
 
 impl NetfilterProxier {
@@ -51,6 +54,7 @@ impl NetfilterProxier {
             failed: false,
             synced_once: false,
             triggers: Vec::new(),
+            udp_changed: true,
         }
     }
 
@@ -117,6 +121,10 @@ impl NetfilterProxier {
                     self.health_checks.remove(svc);
                 }
             }
+            let udp = |ports: &[crate::model::PortView]| ports.iter().any(|p| p.name.protocol == crate::model::Protocol::Udp);
+            if self.services.get(svc) != Some(&t.ports) && (udp(&t.ports) || self.services.get(svc).is_some_and(|old| udp(old))) {
+                self.udp_changed = true;
+            }
             if t.ports.is_empty() {
                 if self.services.remove(svc).is_some() {
                     stats.removed += 1;
@@ -134,6 +142,12 @@ impl NetfilterProxier {
                 self.failed = false;
                 tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
                 stats.trigger_times = std::mem::take(&mut self.triggers);
+                if std::mem::take(&mut self.udp_changed) {
+                    // After the rules: new flows must not pick the old endpoint again.
+                    if let Err(e) = crate::dataplane::netfilter::conntrack::reconcile(&self.services, &node) {
+                        tracing::warn!("stale UDP conntrack entries were not deleted (UDP flows to removed endpoints last until their conntrack timeout): {e}");
+                    }
+                }
             }
             Err(e) => {
                 self.failed = true;

@@ -163,6 +163,26 @@ pub fn udp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<(Answer, SocketAddr)>
     Ok((parse_answer(&String::from_utf8_lossy(&buf[..n]))?, from))
 }
 
+/// A UDP flow that keeps its socket, as a DNS resolver does: every request has the same
+/// 5-tuple.
+pub struct UdpFlow(UdpSocket);
+
+impl UdpFlow {
+    pub fn open(ns: &Netns, to: SocketAddrV4) -> io::Result<Self> {
+        let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
+        sock.set_read_timeout(Some(TIMEOUT))?;
+        sock.connect(to)?;
+        Ok(Self(sock))
+    }
+
+    pub fn ask(&self) -> io::Result<Answer> {
+        self.0.send(b"hello")?;
+        let mut buf = [0u8; 2048];
+        let n = self.0.recv(&mut buf)?;
+        parse_answer(&String::from_utf8_lossy(&buf[..n]))
+    }
+}
+
 /// A UDP request on a connected socket, so ICMP errors surface as errors (ECONNREFUSED).
 pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
     let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;

@@ -17,6 +17,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("bpftool", "dumping pinned maps in tests and by hand"),
     ("iptables", "netfilter tools (fallback modes, benchmarks)"),
     ("nftables", "netfilter tools (fallback modes, benchmarks)"),
+    ("conntrack", "the netfilter modes delete stale UDP conntrack entries, as kube-proxy does"),
     ("iperf3", "traffic generation in benchmarks"),
     ("ethtool", "turning checksum offload off on lab veths, so XDP sees complete checksums as on a wire"),
     ("ipvsadm", "IPVS mode (run in the qemu guest: this kernel has no IPVS)"),

@@ -3,6 +3,7 @@
 //! renders the whole desired state from every Service's ports (`PortView`) with kube-proxy's
 //! layout, so operators' tooling and runbooks still apply, and brings the kernel to it.
 
+pub mod conntrack;
 pub mod iptables;
 pub mod ipvs;
 pub mod nftables;

@@ -1,0 +1,171 @@
+//! Stale UDP conntrack entries in the netfilter modes. The kernel's conntrack keeps translating
+//! a UDP flow to the endpoint it first chose for as long as packets keep coming, so a client
+//! that reuses its socket (a DNS resolver) keeps talking to an endpoint that is gone; and a
+//! flow that started before the Service had endpoints stays untranslated. kube-proxy deletes
+//! such entries after each sync; so do we: after a sync that changed a UDP Service, one
+//! `conntrack -L -p udp` dump, then one `conntrack -D` per stale (Service address, endpoint)
+//! pair. TCP needs none of this: a removed endpoint's connections end with a reset.
+//! (The eBPF dataplane re-selects such flows itself, on their next packet.)
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use super::{run, NetfilterError, NodeContext, Services};
+use crate::model::Protocol;
+
+const CONNTRACK: &str = "conntrack";
+
+/// One tracked UDP flow: its original direction and where replies come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flow {
+    pub dst: Ipv4Addr,
+    pub dport: u16,
+    pub reply_src: Ipv4Addr,
+    pub reply_sport: u16,
+}
+
+/// Parses `conntrack -L -p udp` output (the first src/dst/sport/dport are the original
+/// direction, the second the reply).
+pub fn parse(text: &str) -> Vec<Flow> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut fields: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (k, v) in line.split_whitespace().filter_map(|w| w.split_once('=')) {
+            fields.entry(k).or_default().push(v);
+        }
+        let get = |k: &str, i: usize| fields.get(k).and_then(|v| v.get(i)).copied();
+        let flow = (|| {
+            Some(Flow {
+                dst: get("dst", 0)?.parse().ok()?,
+                dport: get("dport", 0)?.parse().ok()?,
+                reply_src: get("src", 1)?.parse().ok()?,
+                reply_sport: get("sport", 1)?.parse().ok()?,
+            })
+        })();
+        out.extend(flow);
+    }
+    out
+}
+
+/// What to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Stale {
+    pub dst: Ipv4Addr,
+    pub dport: u16,
+    pub reply_src: Ipv4Addr,
+    pub reply_sport: u16,
+}
+
+/// The flows that no longer lead where the rules do: to a UDP Service address (cluster IP,
+/// external IP, load-balancer IP, or a node address on its NodePort) with endpoints, answered
+/// by something that is not one of its endpoints (a removed endpoint, or nothing translated
+/// at all). Services without endpoints are left alone: their packets are refused anyway.
+pub fn stale(flows: &[Flow], services: &Services, node: &NodeContext) -> BTreeSet<Stale> {
+    // (address, port) -> the endpoints replies may come from.
+    let mut frontends: BTreeMap<(Ipv4Addr, u16), BTreeSet<(Ipv4Addr, u16)>> = BTreeMap::new();
+    for port in services.values().flatten().filter(|p| p.name.protocol == Protocol::Udp && p.has_endpoints) {
+        let eps: BTreeSet<(Ipv4Addr, u16)> = port.reachable_endpoints().iter().map(|e| (e.addr, e.port)).collect();
+        for addr in port.cluster_ips.iter().chain(&port.external_ips).chain(&port.lb_ips) {
+            frontends.entry((*addr, port.port)).or_default().extend(&eps);
+        }
+        if let Some(np) = port.node_port {
+            for addr in &node.nodeport_ips {
+                frontends.entry((*addr, np)).or_default().extend(&eps);
+            }
+        }
+    }
+    flows
+        .iter()
+        .filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport))))
+        .map(|f| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport })
+        .collect()
+}
+
+/// Deletes the stale UDP flows for `services`. Returns how many (Service address, endpoint)
+/// pairs had flows deleted.
+pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+    let flows = parse(&run(CONNTRACK, CONNTRACK, &["-L", "-p", "udp"])?);
+    let stale = stale(&flows, services, node);
+    for s in &stale {
+        let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
+        // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
+        let _ = run(
+            CONNTRACK,
+            CONNTRACK,
+            &["-D", "-p", "udp", "--orig-dst", &dst, "--orig-port-dst", &dport, "--reply-src", &src, "--reply-port-src", &sport],
+        );
+        tracing::info!(service = %format!("{dst}:{dport}/udp"), stale = %format!("{src}:{sport}"), "deleted stale UDP conntrack entries");
+    }
+    Ok(stale.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{EndpointView, ObjectKey, PortView, ServicePortName};
+
+    fn ep(addr: &str, port: u16) -> EndpointView {
+        EndpointView { addr: addr.parse().unwrap(), port, ready: true, serving: true, terminating: false, local: false }
+    }
+
+    fn dns(endpoints: Vec<EndpointView>, node_port: Option<u16>) -> PortView {
+        PortView {
+            name: ServicePortName { service: ObjectKey::new("kube-system", "dns"), port: "dns".into(), protocol: Protocol::Udp },
+            port: 53,
+            cluster_ips: vec!["10.96.0.10".parse().unwrap()],
+            node_port,
+            external_ips: vec![],
+            lb_ips: vec![],
+            internal_local: false,
+            external_local: false,
+            lb_source_ranges: vec![],
+            affinity_timeout: None,
+            health_check_node_port: None,
+            has_endpoints: !endpoints.is_empty(),
+            cluster_endpoints: endpoints,
+            local_endpoints: vec![],
+        }
+    }
+
+    #[test]
+    fn parses_conntrack_listings() {
+        let text = "udp      17 27 src=10.244.0.2 dst=10.96.0.10 sport=40000 dport=53 src=10.244.1.3 dst=10.244.0.2 sport=5353 dport=40000 mark=0 use=1\n\
+                    udp      17 29 src=10.244.0.2 dst=10.96.0.10 sport=40001 dport=53 [UNREPLIED] src=10.96.0.10 dst=10.244.0.2 sport=53 dport=40001 mark=0 use=1\n\
+                    conntrack v1.4.7 (conntrack-tools): 2 flow entries have been shown.\n";
+        assert_eq!(
+            parse(text),
+            vec![
+                Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.244.1.3".parse().unwrap(), reply_sport: 5353 },
+                Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.96.0.10".parse().unwrap(), reply_sport: 53 },
+            ]
+        );
+    }
+
+    #[test]
+    fn stale_flows_are_those_to_a_service_not_answered_by_its_endpoints() {
+        let node = NodeContext { nodeport_ips: vec!["192.168.0.1".parse().unwrap()], ..Default::default() };
+        let services = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![ep("10.244.1.1", 5353)], Some(30053))])]);
+        let flow = |dst: &str, dport, src: &str, sport| Flow { dst: dst.parse().unwrap(), dport, reply_src: src.parse().unwrap(), reply_sport: sport };
+        let flows = [
+            // Live: answered by the endpoint.
+            flow("10.96.0.10", 53, "10.244.1.1", 5353),
+            // A removed endpoint.
+            flow("10.96.0.10", 53, "10.244.1.2", 5353),
+            // Never translated (started before the Service had endpoints).
+            flow("10.96.0.10", 53, "10.96.0.10", 53),
+            // The endpoint's address, another port: not this endpoint.
+            flow("10.96.0.10", 53, "10.244.1.1", 53),
+            // Through the NodePort, to a removed endpoint.
+            flow("192.168.0.1", 30053, "10.244.1.2", 5353),
+            // Not a Service: left alone.
+            flow("8.8.8.8", 53, "8.8.8.8", 53),
+        ];
+        let s = |f: Flow| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport };
+        assert_eq!(stale(&flows, &services, &node), flows[1..5].iter().map(|f| s(*f)).collect::<BTreeSet<_>>());
+        // Without endpoints nothing is stale: the rules refuse those packets.
+        let empty = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![], Some(30053))])]);
+        assert!(stale(&flows, &empty, &node).is_empty());
+    }
+}
