@@ -1,7 +1,10 @@
 //! One's-complement checksum arithmetic (RFC 1071) for headers the datapath builds itself, and
 //! incremental updates (RFC 1624) for rewrites in XDP and of the IPv4 header on TC, where the
-//! checksum is complete. L4 checksums of skbs on TC are rewritten with the kernel's helpers,
-//! because only they know how to treat a CHECKSUM_PARTIAL skb.
+//! checksum is complete. L4 checksums of skbs on TC have two forms: complete (`l4_update`), or,
+//! for a CHECKSUM_PARTIAL skb (what a pod's own stack sends with checksum offload), only the
+//! pseudo-header sum (`pseudo_header`, `partial_update4`), which the device or the kernel
+//! completes later. Which one a packet holds is the skb's business; see the TC datapath's
+//! `nat` module for how it tells them apart.
 
 /// Folds a 64-bit one's-complement accumulator to 16 bits. Written without a data-dependent loop
 /// so the verifier sees straight-line code.
@@ -42,6 +45,36 @@ pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
     let mut sum = u64::from(!u16::from_be_bytes(check));
     sum += u64::from(!u16::from_be_bytes(old)) + u64::from(u16::from_be_bytes(new));
     (!fold(sum)).to_be_bytes()
+}
+
+/// The TCP/UDP pseudo-header sum, folded and not complemented: what the checksum field of a
+/// CHECKSUM_PARTIAL packet holds (as the kernel's `~csum_tcpudp_magic(...)`).
+#[inline(always)]
+pub fn pseudo_header(saddr: [u8; 4], daddr: [u8; 4], proto: u8, l4_len: u16) -> [u8; 2] {
+    let sum = add_be_words(add_be_words(u64::from(proto) + u64::from(l4_len), &saddr), &daddr);
+    fold(sum).to_be_bytes()
+}
+
+/// A pseudo-header sum (CHECKSUM_PARTIAL field) after an address in it changed from `old` to
+/// `new`. Ports are not in it: their change needs nothing.
+#[inline(always)]
+pub fn partial_update4(field: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
+    let mut sum = u64::from(u16::from_be_bytes(field));
+    sum += u64::from(!u16::from_be_bytes([old[0], old[1]])) + u64::from(u16::from_be_bytes([new[0], new[1]]));
+    sum += u64::from(!u16::from_be_bytes([old[2], old[3]])) + u64::from(u16::from_be_bytes([new[2], new[3]]));
+    fold(sum).to_be_bytes()
+}
+
+/// A complete TCP/UDP checksum after an address of the pseudo-header and a port changed. For
+/// UDP (`udp_zero`), zero means "no checksum" and stays zero, and a computed zero is sent as
+/// 0xffff (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0.
+#[inline(always)]
+pub fn l4_update(field: [u8; 2], old_addr: [u8; 4], new_addr: [u8; 4], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
+    if udp_zero && field == [0, 0] {
+        return field;
+    }
+    let c = update2(update4(field, old_addr, new_addr), old_port, new_port);
+    if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
 }
 
 /// The checksum field value for an IPv4 header whose checksum field is zero.
@@ -106,6 +139,52 @@ mod tests {
         let updated = update2(c, [h[8], h[9]], [h[8] - 1, h[9]]);
         h[8] -= 1;
         assert_eq!(updated, ipv4_header(&h));
+    }
+
+    /// A TCP segment's complete checksum, computed from scratch (RFC 793), for the tests.
+    fn tcp_checksum(saddr: [u8; 4], daddr: [u8; 4], segment: &[u8]) -> [u8; 2] {
+        let sum = add_be_words(u64::from(u16::from_be_bytes(pseudo_header(saddr, daddr, 6, segment.len() as u16))), segment);
+        (!fold(sum)).to_be_bytes()
+    }
+
+    #[test]
+    fn l4_rewrites_in_both_checksum_forms_match_recomputation() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..10_000 {
+            let saddr = (next() as u32).to_be_bytes();
+            let (old_addr, new_addr) = ((next() as u32).to_be_bytes(), (next() as u32).to_be_bytes());
+            let mut seg = [0u8; 40];
+            seg.iter_mut().for_each(|b| *b = next() as u8);
+            seg[16] = 0;
+            seg[17] = 0;
+            let old_port = [seg[2], seg[3]];
+            let new_port = (next() as u16).to_be_bytes();
+            let len = seg.len() as u16;
+            // Complete form: the updated checksum verifies against the rewritten segment.
+            let complete = tcp_checksum(saddr, old_addr, &seg);
+            let updated = l4_update(complete, old_addr, new_addr, old_port, new_port, false);
+            seg[2..4].copy_from_slice(&new_port);
+            seg[16..18].copy_from_slice(&updated);
+            let verify = add_be_words(u64::from(u16::from_be_bytes(pseudo_header(saddr, new_addr, 6, len))), &seg);
+            assert_eq!(fold(verify), 0xffff, "complete form after the rewrite");
+            // Partial form: the field is the new pseudo-header sum, whatever the port.
+            let partial = pseudo_header(saddr, old_addr, 6, len);
+            assert_eq!(partial_update4(partial, old_addr, new_addr), pseudo_header(saddr, new_addr, 6, len));
+        }
+    }
+
+    #[test]
+    fn udp_zero_checksum_stays_zero_and_a_computed_zero_is_sent_as_ones() {
+        assert_eq!(l4_update([0, 0], [10, 0, 0, 1], [10, 0, 0, 2], [0, 53], [0, 54], true), [0, 0]);
+        // An update that computes to zero: the address grows by one from a field of 1.
+        assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], false), [0, 0]);
+        assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], true), [0xff, 0xff]);
     }
 
     #[test]

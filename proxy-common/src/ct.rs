@@ -23,6 +23,16 @@ pub mod flags {
     pub const SNAT: u8 = 1 << 6;
 }
 
+/// `CtEntry::l4_csum`: how the flow's packets carried their TCP/UDP checksum.
+pub mod l4_csum {
+    /// Not learned (the rewrite changed nothing it could tell by): the helpers do every packet.
+    pub const UNKNOWN: u8 = 0;
+    /// Only the pseudo-header sum (CHECKSUM_PARTIAL: a pod's own stack with offload).
+    pub const PARTIAL: u8 = 1;
+    /// A complete checksum.
+    pub const COMPLETE: u8 = 2;
+}
+
 /// Source address of hairpinned flows (a pod reaching itself through a Service). Link-local
 /// and never assigned, so the pod routes its replies to the node, where they are translated
 /// back. kube-proxy masquerades to the node's address instead; the effect is the same.

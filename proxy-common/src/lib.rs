@@ -234,7 +234,10 @@ pub struct CtEntry {
     pub service_id: u32,
     /// `ct::flags`.
     pub flags: u8,
-    pub _pad: u8,
+    /// Forward entry: the form of the TCP/UDP checksum the flow's packets carried when it
+    /// was translated first (`ct::l4_csum`), so later packets can be rewritten without the
+    /// kernel's checksum helpers.
+    pub l4_csum: u8,
     /// Forward entry: the backend's port. Reply entry: the service's, or with `SNAT` the
     /// client's (network order).
     pub nat_port: [u8; 2],

@@ -22,7 +22,7 @@ pub const NO_ROUTE: CtEntry = CtEntry {
     backend_id: 0,
     service_id: 0,
     flags: 0,
-    _pad: 0,
+    l4_csum: 0,
     nat_port: [0; 2],
     nat_addr: [0; 4],
     snat_port: [0; 2],
@@ -256,6 +256,7 @@ pub fn create(
     backend: &Backend,
     now: u64,
     hairpin: bool,
+    l4_csum: u8,
 ) -> Result<(), Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     let hp = if hairpin { flags::HAIRPIN } else { 0 };
@@ -266,10 +267,12 @@ pub fn create(
     e.backend_id = backend_id;
     e.service_id = service_id;
     e.flags = fin_rst | hp;
+    e.l4_csum = l4_csum;
     e.nat_port = backend.port;
     e.nat_addr = backend.addr;
     CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
     e.flags = flags::REPLY | hp;
+    e.l4_csum = proxy_common::ct::l4_csum::UNKNOWN;
     e.nat_port = pkt.dport;
     e.nat_addr = pkt.daddr;
     CT4_V2

@@ -92,7 +92,12 @@ fn established(
     };
     ct::touch_forward(pkt, e, now);
     frag::remember(pkt);
-    let action = translate(ctx, pkt, &be, entry.flags & flags::HAIRPIN != 0)?;
+    let action = if entry.flags & flags::HAIRPIN != 0 {
+        translate(ctx, pkt, &be, true)?
+    } else {
+        nat::rewrite_known(ctx, pkt, be.addr, be.port, entry.l4_csum)?;
+        TC_ACT_OK
+    };
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
     Ok(Verdict { action, reason })
 }
@@ -149,10 +154,16 @@ fn new_flow(
     }
     let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;
     let hairpin = be.addr == pkt.saddr;
-    ct::create(pkt, master.service_id, backend_id, &be, now, hairpin)?;
+    // Translated before it is tracked, to track the checksum form the translation found; a
+    // failed insert drops the packet all the same.
+    let (action, l4_csum) = if hairpin {
+        (translate(ctx, pkt, &be, true)?, proxy_common::ct::l4_csum::UNKNOWN)
+    } else {
+        (TC_ACT_OK, nat::rewrite_learning(ctx, pkt, be.addr, be.port)?)
+    };
+    ct::create(pkt, master.service_id, backend_id, &be, now, hairpin, l4_csum)?;
     count_flow(backend_id);
     frag::remember(pkt);
-    let action = translate(ctx, pkt, &be, hairpin)?;
     Ok(Verdict { action, reason })
 }
 

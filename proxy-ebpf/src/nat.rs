@@ -1,17 +1,32 @@
 //! Address and port rewrites. The IPv4 header and the port are written in place, and the IPv4
-//! header checksum is updated with plain arithmetic (it is never offloaded). The TCP/UDP
-//! checksum goes through the kernel helper on purpose: for a CHECKSUM_PARTIAL skb (anything a
-//! local pod sends through a veth) the field holds only the pseudo-header sum, and only the
-//! helper knows to update it for an address change but leave it alone for a port change.
+//! header checksum is updated with plain arithmetic (it is never offloaded).
+//!
+//! The TCP/UDP checksum comes in two forms. A CHECKSUM_PARTIAL skb (what a pod's own stack
+//! sends through its veth with checksum offload) carries only the pseudo-header sum, which an
+//! address change must update and a port change must leave alone; any other skb carries the
+//! complete checksum, which both change. The skb's `ip_summed` that says which is not visible
+//! to the program, but the kernel's helper knows it, so a flow's first translation goes
+//! through the helper and learns the form from what the helper did to the field
+//! (`rewrite_learning`). Later packets of the flow are rewritten with plain arithmetic
+//! (`rewrite_known`): two helper calls are most of an established packet's cost. Each packet is
+//! still checked against the learned form, since a field in the partial form equals the
+//! pseudo-header sum the program can compute; a packet that does not fit goes through the
+//! helper again.
+//!
+//! One case the arithmetic does not cover: a CHECKSUM_COMPLETE skb also carries the checksum of
+//! its whole payload in `skb->csum`, which only the helper updates. Pod-facing interfaces are
+//! veths, whose packets come from a pod's stack or its forwarding and are never
+//! CHECKSUM_COMPLETE from hardware; one made complete in software by GRO is verified again in
+//! software if it is delivered locally, and forwarding drops the state.
 //!
 //! The work is the same whether or not the values change, so a no-op rewrite costs what a real
-//! one does (the benchmark relies on that).
+//! one does.
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{csum, Reason, IPPROTO_TCP};
+use proxy_common::{ct::l4_csum, csum, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::parse::{ptr_at, Packet, IP_OFF};
 
@@ -69,6 +84,95 @@ pub fn rewrite(
     let old_p = u64::from(u16::from_ne_bytes(old_port));
     let new_p = u64::from(u16::from_ne_bytes(port));
     ctx.l4_csum_replace(csum_off, old_p, new_p, mangled | 2).map_err(|_| Reason::DropRewrite)
+}
+
+/// The checksum field of the packet's L4 header.
+#[inline(always)]
+fn l4_csum_field(ctx: &TcContext, pkt: &Packet) -> Option<[u8; 2]> {
+    let off = if pkt.proto == IPPROTO_TCP { pkt.l4_off + TCP_CSUM_OFF } else { pkt.l4_off + UDP_CSUM_OFF };
+    // SAFETY: bounds checked by ptr_at.
+    ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { *p })
+}
+
+/// The pseudo-header sum of the packet as it arrived: what its checksum field holds in the
+/// partial form.
+#[inline(always)]
+fn pseudo_header(pkt: &Packet) -> [u8; 2] {
+    let ip_len = u16::from_be_bytes(pkt.tot_len);
+    let l4_len = ip_len.wrapping_sub((pkt.l4_off - IP_OFF) as u16);
+    csum::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len)
+}
+
+/// DNAT of a flow's first packet, through the helper (`rewrite`); returns the checksum form it
+/// found (`l4_csum`), told by what the helper did to the field: the partial form moves by the
+/// address change alone, the complete one by the address and port change the other way. When
+/// both give the same value (nothing changed, or a fragment) the form stays unknown.
+#[inline(always)]
+pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<u8, Reason> {
+    let before = if pkt.has_l4() && pkt.frag == crate::parse::Frag::Whole { l4_csum_field(ctx, pkt) } else { None };
+    rewrite(ctx, pkt, Side::Dst, addr, port)?;
+    let (Some(before), Some(after)) = (before, l4_csum_field(ctx, pkt)) else {
+        return Ok(l4_csum::UNKNOWN);
+    };
+    let partial = csum::partial_update4(before, pkt.daddr, addr);
+    let complete = csum::l4_update(before, pkt.daddr, addr, pkt.dport, port, pkt.proto == IPPROTO_UDP);
+    Ok(if partial == complete {
+        l4_csum::UNKNOWN
+    } else if after == partial && before == pseudo_header(pkt) {
+        l4_csum::PARTIAL
+    } else if after == complete {
+        l4_csum::COMPLETE
+    } else {
+        l4_csum::UNKNOWN
+    })
+}
+
+/// DNAT of a later packet of a flow whose checksum form is `form`: plain arithmetic when the
+/// packet fits that form (a partial-form field is the pseudo-header sum; a complete one, but
+/// for one value in 65,536, is not), else the helper (`rewrite`).
+#[inline(always)]
+pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
+    if form == l4_csum::UNKNOWN || pkt.frag != crate::parse::Frag::Whole {
+        return rewrite(ctx, pkt, Side::Dst, addr, port);
+    }
+    if pkt.proto == IPPROTO_TCP {
+        let Some(l4) = ptr_at::<[u8; TCP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        // SAFETY: bounds checked by ptr_at.
+        let l4 = unsafe { &mut *l4 };
+        let field = [l4[TCP_CSUM_OFF], l4[TCP_CSUM_OFF + 1]];
+        let Some(new) = known_update(pkt, field, addr, port, form) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        l4[2..4].copy_from_slice(&port);
+        l4[TCP_CSUM_OFF..TCP_CSUM_OFF + 2].copy_from_slice(&new);
+    } else {
+        let Some(l4) = ptr_at::<[u8; UDP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        // SAFETY: bounds checked by ptr_at.
+        let l4 = unsafe { &mut *l4 };
+        let field = [l4[UDP_CSUM_OFF], l4[UDP_CSUM_OFF + 1]];
+        let Some(new) = known_update(pkt, field, addr, port, form) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        l4[2..4].copy_from_slice(&port);
+        l4[UDP_CSUM_OFF..UDP_CSUM_OFF + 2].copy_from_slice(&new);
+    }
+    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
+    // SAFETY: bounds checked by ptr_at.
+    let ip = unsafe { &mut *ip };
+    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], pkt.daddr, addr);
+    ip[IP_DST..IP_DST + 4].copy_from_slice(&addr);
+    ip[IP_CSUM..IP_CSUM + 2].copy_from_slice(&check);
+    Ok(())
+}
+
+/// The new checksum field for a DNAT in the learned form, or None when the packet does not fit
+/// it.
+#[inline(always)]
+fn known_update(pkt: &Packet, field: [u8; 2], addr: [u8; 4], port: [u8; 2], form: u8) -> Option<[u8; 2]> {
+    let is_partial = field == pseudo_header(pkt);
+    if form == l4_csum::PARTIAL && is_partial {
+        Some(csum::partial_update4(field, pkt.daddr, addr))
+    } else if form == l4_csum::COMPLETE && !is_partial {
+        Some(csum::l4_update(field, pkt.daddr, addr, pkt.dport, port, pkt.proto == IPPROTO_UDP))
+    } else {
+        None
+    }
 }
 
 /// Sends the packet back out the interface it came in on, to the host it came from: hairpinned

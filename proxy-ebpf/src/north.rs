@@ -227,7 +227,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
             return s;
         }
         if !env.dry {
-            if let Err(r) = ct::create(pkt, master.service_id, choice.id, &be, now, false) {
+            if let Err(r) = ct::create(pkt, master.service_id, choice.id, &be, now, false, proxy_common::ct::l4_csum::UNKNOWN) {
                 return Step::Drop(r);
             }
             count_flow(choice.id);

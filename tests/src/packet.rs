@@ -32,7 +32,8 @@ pub fn internet_checksum(data: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
+/// The TCP/UDP pseudo-header bytes (RFC 793, RFC 768).
+pub fn pseudo_header(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> Vec<u8> {
     let mut p = Vec::with_capacity(12);
     p.extend_from_slice(&src.octets());
     p.extend_from_slice(&dst.octets());

@@ -11,7 +11,7 @@ use proxy_agent::{
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
 use proxy_tests::{
-    packet::{self, dissect, tcp_frame, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
+    packet::{self, dissect, tcp_frame, tcp_segment, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
     require,
     testrun::{self, conntrack, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT},
 };
@@ -103,6 +103,73 @@ fn udp_is_dnatted_and_a_zero_checksum_stays_zero() {
     let d = dissect(&run(&mut dp, &no_csum).frame);
     assert_eq!(d.dport, Some(5353));
     assert!(d.udp_checksum_zero, "a UDP datagram without checksum must keep checksum 0");
+}
+
+/// A TCP segment of the flow `client` -> `vip` carrying two payload bytes chosen so that its
+/// (valid, complete) checksum equals its pseudo-header sum: what a CHECKSUM_PARTIAL packet's
+/// field holds, so the datapath cannot tell the two forms apart by the field alone.
+fn segment_looking_partial(client: SocketAddrV4, vip: SocketAddrV4) -> Vec<u8> {
+    let len = tcp_segment(client, vip, ACK, &[0, 0]).len();
+    let pseudo_sum = !packet::internet_checksum(&packet::pseudo_header(*client.ip(), *vip.ip(), TCP, len));
+    let seg = (0..=u16::MAX)
+        .map(|w| tcp_segment(client, vip, ACK, &w.to_be_bytes()))
+        .find(|s| u16::from_be_bytes([s[16], s[17]]) == pseudo_sum)
+        .expect("some payload word gives the checksum any value");
+    Ipv4::new(*client.ip(), *vip.ip(), TCP, seg).frame()
+}
+
+/// A flow's first packet teaches the datapath its checksum form (complete, for test-run skbs);
+/// later packets are rewritten with plain arithmetic, and must come out as valid as the
+/// helper's. A packet that does not fit the learned form goes through the helper.
+#[test]
+fn established_packets_are_rewritten_in_their_learned_checksum_form() {
+    let Some(mut dp) = setup("established_packets_are_rewritten_in_their_learned_checksum_form") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let form_of = |dp: &mut EbpfDataplane, client: SocketAddrV4, proto: u8| {
+        let ct = conntrack(dp);
+        let (_, e) = ct
+            .iter()
+            .find(|(k, e)| k.saddr == client.ip().octets() && k.sport == client.port().to_be_bytes() && k.proto == proto && e.flags & proxy_common::ct::flags::REPLY == 0)
+            .expect("forward entry");
+        e.l4_csum
+    };
+    let check = |out: &testrun::Output, backend: &str, what: &str| {
+        let d = dissect(&out.frame);
+        assert_eq!(d.dst_sock(), sock(backend), "{what}: destination");
+        assert!(d.ip_checksum_ok, "{what}: IPv4 checksum");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{what}: L4 checksum");
+    };
+    // TCP: learned from the SYN, then several segments with payloads.
+    let client = sock(CLIENT);
+    check(&run(&mut dp, &tcp_frame(client, sock(VIP), SYN)), "10.244.1.2:8080", "SYN");
+    assert_eq!(form_of(&mut dp, client, TCP), proxy_common::ct::l4_csum::COMPLETE, "the SYN's checksum form is learned");
+    for (i, payload) in [&b"GET / HTTP/1.1\r\n\r\n"[..], b"x", b"", &[0xff; 1400]].iter().enumerate() {
+        let frame = Ipv4::new(*client.ip(), *sock(VIP).ip(), TCP, tcp_segment(client, sock(VIP), ACK, payload)).frame();
+        check(&run(&mut dp, &frame), "10.244.1.2:8080", &format!("segment {i}"));
+    }
+    // A segment whose field looks like the partial form: the helper does it, still right.
+    check(&run(&mut dp, &segment_looking_partial(client, sock(VIP))), "10.244.1.2:8080", "segment looking partial");
+    // The same as a flow's first packet: the helper shows it is complete.
+    let c2 = sock("10.244.0.5:40002");
+    check(&run(&mut dp, &segment_looking_partial(c2, sock(VIP))), "10.244.1.2:8080", "first packet looking partial");
+    assert_eq!(form_of(&mut dp, c2, TCP), proxy_common::ct::l4_csum::COMPLETE);
+    check(&run(&mut dp, &tcp_frame(c2, sock(VIP), ACK)), "10.244.1.2:8080", "its next packet");
+    // UDP, with a checksum and without.
+    let dns = sock("10.96.0.53:53");
+    for q in [&b"query one"[..], b"query two", b"q3"] {
+        check(&run(&mut dp, &udp_frame(client, dns, q)), "10.244.1.9:5353", "UDP datagram");
+    }
+    assert_eq!(form_of(&mut dp, client, UDP), proxy_common::ct::l4_csum::COMPLETE);
+    let c3 = sock("10.244.0.5:40003");
+    for q in [&b"a"[..], b"bb"] {
+        let no_csum = Ipv4::new(*c3.ip(), *dns.ip(), UDP, packet::udp_datagram(c3, dns, q, false)).frame();
+        let d = dissect(&run(&mut dp, &no_csum).frame);
+        assert_eq!(d.dst_sock(), sock("10.244.1.9:5353"));
+        assert!(d.udp_checksum_zero && d.ip_checksum_ok, "a UDP datagram without checksum keeps checksum 0");
+    }
+    let c = counters(&mut dp);
+    assert_eq!((c["new_flow"], c["established"]), (4, 9));
 }
 
 #[test]
