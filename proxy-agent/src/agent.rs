@@ -258,8 +258,11 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
             if !p.has_failures() {
                 telemetry.updated();
             }
+        } else {
+            telemetry.record_changes(&p.store.change_counts());
         }
     };
+    let mut node_watch = NodeWatch::default();
     loop {
         tokio::select! {
             Some(ev) = src_rx.recv() => {
@@ -267,9 +270,7 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
                 while let Ok(ev) = src_rx.try_recv() {
                     proxier.handle(ev);
                 }
-                if let Some(n) = proxier.store.node() {
-                    telemetry.set_node_eligible(!n.deleting);
-                }
+                node_watch.observe(&proxier.store, proxier.ready(), &telemetry, &cfg.hostname);
                 if proxier.store.has_dirty() {
                     telemetry.queued();
                 }
@@ -282,7 +283,10 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
                 }
                 if changed {
                     proxier.store.set_local_addresses(devices.node_addresses());
-                    netfilter_sync(&mut proxier, &mut health);
+                    if proxier.store.has_dirty() {
+                        telemetry.queued();
+                        netfilter_sync(&mut proxier, &mut health);
+                    }
                 }
             }
             _ = retry.tick(), if proxier.has_failures() => netfilter_sync(&mut proxier, &mut health),
@@ -351,8 +355,7 @@ async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
     // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut attach_retry = tokio::time::interval(Duration::from_secs(5));
-    let mut node_seen = false;
-    let mut warned_no_node = false;
+    let mut node_watch = NodeWatch::default();
     loop {
         tokio::select! {
             Some(ev) = src_rx.recv() => {
@@ -361,23 +364,7 @@ async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
                 while let Ok(ev) = src_rx.try_recv() {
                     rec.handle(ev);
                 }
-                match rec.store.node() {
-                    Some(n) => {
-                        node_seen = true;
-                        telemetry.set_node_eligible(!n.deleting);
-                    }
-                    // A Node that was there and is gone is being deleted.
-                    None if node_seen => telemetry.set_node_eligible(false),
-                    None => {}
-                }
-                if rec.ready() && rec.store.node().is_none() && !warned_no_node {
-                    warned_no_node = true;
-                    tracing::warn!(
-                        node = cfg.hostname,
-                        "no Node object of this name: topology hints and node-local endpoints need it; \
-                         check --hostname-override"
-                    );
-                }
+                node_watch.observe(&rec.store, rec.ready(), &telemetry, &cfg.hostname);
                 if rec.store.has_dirty() {
                     telemetry.queued();
                 }
@@ -408,6 +395,34 @@ async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
         "stopping; programs, maps and links stay pinned and keep serving (`proxy-agent cleanup` removes them)"
     );
     Ok(())
+}
+
+/// Follows this node's Node object for `/healthz`, in every mode: eligible while it exists
+/// and is not being deleted; a Node that was there and is gone is being deleted.
+#[derive(Default)]
+struct NodeWatch {
+    seen: bool,
+    warned: bool,
+}
+
+impl NodeWatch {
+    fn observe(&mut self, store: &Store, ready: bool, telemetry: &Telemetry, hostname: &str) {
+        match store.node() {
+            Some(n) => {
+                self.seen = true;
+                telemetry.set_node_eligible(!n.deleting);
+            }
+            None if self.seen => telemetry.set_node_eligible(false),
+            None => {}
+        }
+        if ready && store.node().is_none() && !self.warned {
+            self.warned = true;
+            tracing::warn!(
+                node = hostname,
+                "no Node object of this name: topology hints and node-local endpoints need it; check --hostname-override"
+            );
+        }
+    }
 }
 
 fn sync(rec: &mut Reconciler<EbpfDataplane>, telemetry: &Telemetry, health: &mut HealthServers) {

@@ -198,6 +198,39 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
     assert!(body.contains("\"nodeEligible\": false"), "{body}");
 }
 
+/// The fallback modes report the Node's state as the eBPF dataplane does: a Node that goes
+/// away makes `/healthz` fail, so load balancers stop sending to the node.
+#[test]
+fn netfilter_modes_health_follows_the_node() {
+    if !require::root("netfilter_modes_health_follows_the_node") {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    let api = ApiServer::start(&lab.node, 0);
+    api.apply(&node_manifest());
+    for obj in standard_objects(&lab.backend_ips()) {
+        api.apply(&obj);
+    }
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    lab.start_agent_kube(&kubeconfig, &["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"]);
+    let health = |path: &str| http_get(&lab.node, sock(HEALTHZ), path).map(|r| r.0).unwrap_or(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_err() || health("/healthz") != 200 {
+        assert!(std::time::Instant::now() < deadline, "nftables mode never served web; log:\n{}", lab.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
+    api.delete(Kind::Node, "", "lab-node");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while health("/healthz") != 503 {
+        assert!(std::time::Instant::now() < deadline, "/healthz ignored the Node's deletion; log:\n{}", lab.agent_log());
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(health("/livez"), 200, "the proxy itself is alive");
+    // Services keep working meanwhile.
+    assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok());
+}
+
 #[test]
 fn bad_objects_are_named_and_never_stop_the_watch() {
     let Some(mut k) = kube_lab("bad_objects_are_named_and_never_stop_the_watch", &[]) else { return };
