@@ -95,7 +95,7 @@ fn established(
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate(ctx, pkt, &be, true)?
     } else {
-        nat::rewrite_known(ctx, pkt, be.addr, be.port, entry.l4_csum)?;
+        nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum)?;
         TC_ACT_OK
     };
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
@@ -159,7 +159,7 @@ fn new_flow(
     let (action, l4_csum) = if hairpin {
         (translate(ctx, pkt, &be, true)?, proxy_common::ct::l4_csum::UNKNOWN)
     } else {
-        (TC_ACT_OK, nat::rewrite_learning(ctx, pkt, be.addr, be.port)?)
+        (TC_ACT_OK, nat::rewrite_learning(ctx, pkt, Side::Dst, be.addr, be.port)?)
     };
     ct::create(pkt, master.service_id, backend_id, &be, now, hairpin, l4_csum)?;
     count_flow(backend_id);

@@ -5,8 +5,8 @@
 //! sends through its veth with checksum offload) carries only the pseudo-header sum, which an
 //! address change must update and a port change must leave alone; any other skb carries the
 //! complete checksum, which both change. The skb's `ip_summed` that says which is not visible
-//! to the program, but the kernel's helper knows it, so a flow's first translation goes
-//! through the helper and learns the form from what the helper did to the field
+//! to the program, but the kernel's helper knows it, so a flow's first translation (and its
+//! first reply's) goes through the helper and learns the form from what the helper did to the field
 //! (`rewrite_learning`). Later packets of the flow are rewritten with plain arithmetic
 //! (`rewrite_known`): two helper calls are most of an established packet's cost. Each packet is
 //! still checked against the learned form, since a field in the partial form equals the
@@ -44,6 +44,17 @@ pub enum Side {
     Src,
 }
 
+impl Side {
+    /// (IPv4 header offset of the address, L4 offset of the port, the address, the port).
+    #[inline(always)]
+    fn fields(self, pkt: &Packet) -> (usize, usize, [u8; 4], [u8; 2]) {
+        match self {
+            Side::Dst => (IP_DST, 2, pkt.daddr, pkt.dport),
+            Side::Src => (IP_SRC, 0, pkt.saddr, pkt.sport),
+        }
+    }
+}
+
 /// Replaces the address and port on `side` with `addr`:`port`, fixing the IPv4 header checksum
 /// and, when this packet carries the L4 header, the TCP/UDP checksum.
 #[inline(always)]
@@ -54,10 +65,7 @@ pub fn rewrite(
     addr: [u8; 4],
     port: [u8; 2],
 ) -> Result<(), Reason> {
-    let (addr_off, port_off, old_addr, old_port) = match side {
-        Side::Dst => (IP_DST, 2, pkt.daddr, pkt.dport),
-        Side::Src => (IP_SRC, 0, pkt.saddr, pkt.sport),
-    };
+    let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
     let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
     // SAFETY: bounds checked by ptr_at; the program owns the (unshared) packet data.
     let ip = unsafe { &mut *ip };
@@ -103,19 +111,21 @@ fn pseudo_header(pkt: &Packet) -> [u8; 2] {
     csum::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len)
 }
 
-/// DNAT of a flow's first packet, through the helper (`rewrite`); returns the checksum form it
-/// found (`l4_csum`), told by what the helper did to the field: the partial form moves by the
-/// address change alone, the complete one by the address and port change the other way. When
-/// both give the same value (nothing changed, or a fragment) the form stays unknown.
+/// The rewrite of a flow's first packet (or first reply), through the helper (`rewrite`);
+/// returns the checksum form it found (`l4_csum`), told by what the helper did to the field:
+/// the partial form moves by the address change alone, the complete one by the address and
+/// port change the other way. When both give the same value (nothing changed, or a fragment)
+/// the form stays unknown.
 #[inline(always)]
-pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, addr: [u8; 4], port: [u8; 2]) -> Result<u8, Reason> {
-    let before = if pkt.has_l4() && pkt.frag == crate::parse::Frag::Whole { l4_csum_field(ctx, pkt) } else { None };
-    rewrite(ctx, pkt, Side::Dst, addr, port)?;
+pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2]) -> Result<u8, Reason> {
+    let before = if pkt.frag == crate::parse::Frag::Whole { l4_csum_field(ctx, pkt) } else { None };
+    rewrite(ctx, pkt, side, addr, port)?;
     let (Some(before), Some(after)) = (before, l4_csum_field(ctx, pkt)) else {
         return Ok(l4_csum::UNKNOWN);
     };
-    let partial = csum::partial_update4(before, pkt.daddr, addr);
-    let complete = csum::l4_update(before, pkt.daddr, addr, pkt.dport, port, pkt.proto == IPPROTO_UDP);
+    let (_, _, old_addr, old_port) = side.fields(pkt);
+    let partial = csum::partial_update4(before, old_addr, addr);
+    let complete = csum::l4_update(before, old_addr, addr, old_port, port, pkt.proto == IPPROTO_UDP);
     Ok(if partial == complete {
         l4_csum::UNKNOWN
     } else if after == partial && before == pseudo_header(pkt) {
@@ -127,52 +137,47 @@ pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, addr: [u8; 4], port: [u8;
     })
 }
 
-/// DNAT of a later packet of a flow whose checksum form is `form`: plain arithmetic when the
-/// packet fits that form (a partial-form field is the pseudo-header sum; a complete one, but
-/// for one value in 65,536, is not), else the helper (`rewrite`).
+/// The rewrite of a later packet of a flow whose checksum form is `form`: plain arithmetic
+/// when the packet fits that form (a partial-form field is the pseudo-header sum; a complete
+/// one, but for one value in 65,536, is not), else the helper (`rewrite`).
 #[inline(always)]
-pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
+pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
     if form == l4_csum::UNKNOWN || pkt.frag != crate::parse::Frag::Whole {
-        return rewrite(ctx, pkt, Side::Dst, addr, port);
+        return rewrite(ctx, pkt, side, addr, port);
     }
+    let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
+    let fits = |field: [u8; 2]| {
+        let is_partial = field == pseudo_header(pkt);
+        if form == l4_csum::PARTIAL && is_partial {
+            Some(csum::partial_update4(field, old_addr, addr))
+        } else if form == l4_csum::COMPLETE && !is_partial {
+            Some(csum::l4_update(field, old_addr, addr, old_port, port, pkt.proto == IPPROTO_UDP))
+        } else {
+            None
+        }
+    };
     if pkt.proto == IPPROTO_TCP {
-        let Some(l4) = ptr_at::<[u8; TCP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        let Some(l4) = ptr_at::<[u8; TCP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, side, addr, port) };
         // SAFETY: bounds checked by ptr_at.
         let l4 = unsafe { &mut *l4 };
-        let field = [l4[TCP_CSUM_OFF], l4[TCP_CSUM_OFF + 1]];
-        let Some(new) = known_update(pkt, field, addr, port, form) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
-        l4[2..4].copy_from_slice(&port);
+        let Some(new) = fits([l4[TCP_CSUM_OFF], l4[TCP_CSUM_OFF + 1]]) else { return rewrite(ctx, pkt, side, addr, port) };
+        l4[port_off..port_off + 2].copy_from_slice(&port);
         l4[TCP_CSUM_OFF..TCP_CSUM_OFF + 2].copy_from_slice(&new);
     } else {
-        let Some(l4) = ptr_at::<[u8; UDP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
+        let Some(l4) = ptr_at::<[u8; UDP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, side, addr, port) };
         // SAFETY: bounds checked by ptr_at.
         let l4 = unsafe { &mut *l4 };
-        let field = [l4[UDP_CSUM_OFF], l4[UDP_CSUM_OFF + 1]];
-        let Some(new) = known_update(pkt, field, addr, port, form) else { return rewrite(ctx, pkt, Side::Dst, addr, port) };
-        l4[2..4].copy_from_slice(&port);
+        let Some(new) = fits([l4[UDP_CSUM_OFF], l4[UDP_CSUM_OFF + 1]]) else { return rewrite(ctx, pkt, side, addr, port) };
+        l4[port_off..port_off + 2].copy_from_slice(&port);
         l4[UDP_CSUM_OFF..UDP_CSUM_OFF + 2].copy_from_slice(&new);
     }
     let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
     // SAFETY: bounds checked by ptr_at.
     let ip = unsafe { &mut *ip };
-    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], pkt.daddr, addr);
-    ip[IP_DST..IP_DST + 4].copy_from_slice(&addr);
+    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], old_addr, addr);
+    ip[addr_off..addr_off + 4].copy_from_slice(&addr);
     ip[IP_CSUM..IP_CSUM + 2].copy_from_slice(&check);
     Ok(())
-}
-
-/// The new checksum field for a DNAT in the learned form, or None when the packet does not fit
-/// it.
-#[inline(always)]
-fn known_update(pkt: &Packet, field: [u8; 2], addr: [u8; 4], port: [u8; 2], form: u8) -> Option<[u8; 2]> {
-    let is_partial = field == pseudo_header(pkt);
-    if form == l4_csum::PARTIAL && is_partial {
-        Some(csum::partial_update4(field, pkt.daddr, addr))
-    } else if form == l4_csum::COMPLETE && !is_partial {
-        Some(csum::l4_update(field, pkt.daddr, addr, pkt.dport, port, pkt.proto == IPPROTO_UDP))
-    } else {
-        None
-    }
 }
 
 /// Sends the packet back out the interface it came in on, to the host it came from: hairpinned

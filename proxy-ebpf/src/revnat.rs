@@ -3,7 +3,10 @@
 //! client's socket recognises them.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{ct::flags, CtEntry, Reason, RevNat};
+use proxy_common::{
+    ct::{flags, l4_csum},
+    CtEntry, Reason, RevNat,
+};
 
 use crate::{
     ct, frag, icmp,
@@ -47,7 +50,16 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
     frag::remember(&pkt);
-    nat::rewrite(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
+    if entry.l4_csum == l4_csum::UNKNOWN {
+        // The first reply (or one the form could not be told from): learn the form.
+        let form = nat::rewrite_learning(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
+        if form != l4_csum::UNKNOWN {
+            // SAFETY: a live map value; a racing writer stores the same value.
+            unsafe { (*e).l4_csum = form };
+        }
+    } else {
+        nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum)?;
+    }
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
     Ok(Verdict::pass(reason))
 }

@@ -148,6 +148,18 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
         let frame = Ipv4::new(*client.ip(), *sock(VIP).ip(), TCP, tcp_segment(client, sock(VIP), ACK, payload)).frame();
         check(&run(&mut dp, &frame), "10.244.1.2:8080", &format!("segment {i}"));
     }
+    // Replies: learned on the first, arithmetic after.
+    for (i, payload) in [&b"HTTP/1.1 200 OK\r\n\r\n"[..], b"y", &[0x5a; 1400]].iter().enumerate() {
+        let frame = Ipv4::new(*sock("10.244.1.2:8080").ip(), *client.ip(), TCP, tcp_segment(sock("10.244.1.2:8080"), client, ACK, payload)).frame();
+        let d = dissect(&run_egress(&mut dp, &frame).frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (sock(VIP), client), "reply {i}");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "reply {i}: checksums");
+    }
+    let reply_form = conntrack(&mut dp)
+        .iter()
+        .find(|(k, e)| k.daddr == client.ip().octets() && k.dport == client.port().to_be_bytes() && e.flags & proxy_common::ct::flags::REPLY != 0)
+        .map(|(_, e)| e.l4_csum);
+    assert_eq!(reply_form, Some(proxy_common::ct::l4_csum::COMPLETE), "the reply entry learned its form");
     // A segment whose field looks like the partial form: the helper does it, still right.
     check(&run(&mut dp, &segment_looking_partial(client, sock(VIP))), "10.244.1.2:8080", "segment looking partial");
     // The same as a flow's first packet: the helper shows it is complete.
@@ -169,7 +181,7 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
         assert!(d.udp_checksum_zero && d.ip_checksum_ok, "a UDP datagram without checksum keeps checksum 0");
     }
     let c = counters(&mut dp);
-    assert_eq!((c["new_flow"], c["established"]), (4, 9));
+    assert_eq!((c["new_flow"], c["established"], c["reverse_nat"]), (4, 9, 3));
 }
 
 #[test]
