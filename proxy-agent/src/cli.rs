@@ -114,20 +114,8 @@ struct NetfilterArgs {
     /// The iptables the iptables and IPVS modes write to: nft (iptables-nft), legacy
     /// (iptables-legacy) or auto (the one the node already uses: kubelet's hint chains, else the
     /// one holding more rules, else nft).
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
-    iptables_backend: BackendChoice,
-}
-
-/// `--iptables-backend`: a backend, or auto (None).
-#[derive(Clone, Copy, Debug)]
-struct BackendChoice(Option<Iptables>);
-
-fn parse_backend(s: &str) -> Result<BackendChoice, String> {
-    if s == "auto" {
-        Ok(BackendChoice(None))
-    } else {
-        s.parse().map(|b| BackendChoice(Some(b)))
-    }
+    #[arg(long, default_value = "auto", value_parser = parse_or_auto::<Iptables>)]
+    iptables_backend: OrAuto<Iptables>,
 }
 
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
@@ -138,15 +126,15 @@ fn parse_cidr(s: &str) -> Result<Cidr, String> {
     s.parse()
 }
 
-/// `--proxy-mode`: a mode, or auto.
+/// A flag that is `auto` (None) or a value (`--proxy-mode`, `--iptables-backend`).
 #[derive(Clone, Copy, Debug)]
-struct ModeChoice(Option<ProxyMode>);
+struct OrAuto<T>(Option<T>);
 
-fn parse_mode_or_auto(s: &str) -> Result<ModeChoice, String> {
+fn parse_or_auto<T: std::str::FromStr<Err = String>>(s: &str) -> Result<OrAuto<T>, String> {
     if s == "auto" {
-        Ok(ModeChoice(None))
+        Ok(OrAuto(None))
     } else {
-        s.parse().map(|m| ModeChoice(Some(m)))
+        s.parse().map(|v| OrAuto(Some(v)))
     }
 }
 
@@ -156,8 +144,8 @@ struct RunArgs {
     root: RootArgs,
     /// ebpf, iptables, ipvs, nftables, or auto: ebpf where the kernel and privileges allow,
     /// else nftables, else iptables (the choice and its reason are logged).
-    #[arg(long, default_value = "auto", value_parser = parse_mode_or_auto)]
-    proxy_mode: ModeChoice,
+    #[arg(long, default_value = "auto", value_parser = parse_or_auto::<ProxyMode>)]
+    proxy_mode: OrAuto<ProxyMode>,
     #[command(flatten)]
     netfilter: NetfilterArgs,
     /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`

@@ -87,6 +87,16 @@ pub fn ipv4_header(header: &[u8; 20]) -> [u8; 2] {
 mod tests {
     use super::*;
 
+    /// A simple generator keeps the tests deterministic without a dependency.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
+    }
+
     #[test]
     fn fold_carries_repeatedly() {
         assert_eq!(fold(0), 0);
@@ -98,14 +108,7 @@ mod tests {
 
     #[test]
     fn incremental_update_matches_recomputation() {
-        // A simple generator keeps the test deterministic without a dependency.
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for _ in 0..10_000 {
             let mut h = [0u8; 20];
             h.iter_mut().for_each(|b| *b = next() as u8);
@@ -149,13 +152,7 @@ mod tests {
 
     #[test]
     fn l4_rewrites_in_both_checksum_forms_match_recomputation() {
-        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for _ in 0..10_000 {
             let saddr = (next() as u32).to_be_bytes();
             let (old_addr, new_addr) = ((next() as u32).to_be_bytes(), (next() as u32).to_be_bytes());

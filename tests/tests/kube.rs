@@ -22,6 +22,14 @@ struct KubeLab {
 /// A lab with three backends, the standard objects and the Node in the API server, and the
 /// agent watching it. `extra`: more agent flags.
 fn kube_lab(test: &str, extra: &[&str]) -> Option<KubeLab> {
+    let mut k = kube_lab_started(test, extra)?;
+    k.lab.wait_programmed(WEB_VIP, "TCP", 3);
+    k.lab.wait_programmed(DNS_VIP, "UDP", 3);
+    Some(k)
+}
+
+/// As `kube_lab`, without waiting for the eBPF maps (for the netfilter modes).
+fn kube_lab_started(test: &str, extra: &[&str]) -> Option<KubeLab> {
     if !require::root(test) {
         return None;
     }
@@ -34,8 +42,6 @@ fn kube_lab(test: &str, extra: &[&str]) -> Option<KubeLab> {
     let kubeconfig = lab.dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig);
     lab.start_agent_kube(&kubeconfig, extra);
-    lab.wait_programmed(WEB_VIP, "TCP", 3);
-    lab.wait_programmed(DNS_VIP, "UDP", 3);
     Some(KubeLab { lab, api })
 }
 
@@ -202,18 +208,9 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
 /// away makes `/healthz` fail, so load balancers stop sending to the node.
 #[test]
 fn netfilter_modes_health_follows_the_node() {
-    if !require::root("netfilter_modes_health_follows_the_node") {
+    let Some(KubeLab { lab, api }) = kube_lab_started("netfilter_modes_health_follows_the_node", &["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"]) else {
         return;
-    }
-    let mut lab = Lab::new(AGENT, 3);
-    let api = ApiServer::start(&lab.node, 0);
-    api.apply(&node_manifest());
-    for obj in standard_objects(&lab.backend_ips()) {
-        api.apply(&obj);
-    }
-    let kubeconfig = lab.dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig);
-    lab.start_agent_kube(&kubeconfig, &["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"]);
+    };
     let health = |path: &str| http_get(&lab.node, sock(HEALTHZ), path).map(|r| r.0).unwrap_or(0);
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_err() || health("/healthz") != 200 {
