@@ -6,18 +6,23 @@
 //! address change must update and a port change must leave alone; any other skb carries the
 //! complete checksum, which both change. The skb's `ip_summed` that says which is not visible
 //! to the program, but the kernel's helper knows it, so a flow's first translation (and its
-//! first reply's) goes through the helper and learns the form from what the helper did to the field
-//! (`rewrite_learning`). Later packets of the flow are rewritten with plain arithmetic
+//! first reply's) goes through the helper and learns the form from what the helper did to the
+//! field (`rewrite_learning`). Later packets of the flow are rewritten with plain arithmetic
 //! (`rewrite_known`): two helper calls are most of an established packet's cost. Each packet is
-//! still checked against the learned form, since a field in the partial form equals the
-//! pseudo-header sum the program can compute; a packet that does not fit goes through the
-//! helper again.
+//! still checked against the learned form: its IPv4 length must be the packet's (IPv4 BIG TCP
+//! packets have none, and go to the helper), and a field in the partial form equals the
+//! pseudo-header sum the program computes, one in the complete form does so only by a 1 in
+//! 65,536 chance. A packet that does not fit goes through the helper. So do TCP resets: the
+//! kernel sends them (and TIME_WAIT acks) from its control socket with a complete checksum even
+//! in an offloaded flow, and for those few packets the chance is not worth taking.
 //!
-//! One case the arithmetic does not cover: a CHECKSUM_COMPLETE skb also carries the checksum of
-//! its whole payload in `skb->csum`, which only the helper updates. Pod-facing interfaces are
-//! veths, whose packets come from a pod's stack or its forwarding and are never
-//! CHECKSUM_COMPLETE from hardware; one made complete in software by GRO is verified again in
-//! software if it is delivered locally, and forwarding drops the state.
+//! A CHECKSUM_COMPLETE skb also carries the checksum of its whole payload in `skb->csum`, which
+//! only the helper updates; left stale, the receiving stack checks the packet again in software
+//! and logs "hw csum failure". On TC ingress of a pod's veth packets come from the pod's stack
+//! or its forwarding (which clears CHECKSUM_COMPLETE), so there the complete form is rewritten
+//! with arithmetic. On egress, towards the pod, a packet from a NIC may arrive still
+//! CHECKSUM_COMPLETE (an OVS datapath or a TC redirect delivers it without clearing the state),
+//! so replies use the arithmetic only for the partial form, which a NIC never produces.
 //!
 //! The work is the same whether or not the values change, so a no-op rewrite costs what a real
 //! one does.
@@ -138,11 +143,13 @@ pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4]
 }
 
 /// The rewrite of a later packet of a flow whose checksum form is `form`: plain arithmetic
-/// when the packet fits that form (a partial-form field is the pseudo-header sum; a complete
-/// one, but for one value in 65,536, is not), else the helper (`rewrite`).
+/// when the packet fits that form (see the module comment), else the helper (`rewrite`).
 #[inline(always)]
 pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
-    if form == l4_csum::UNKNOWN || pkt.frag != crate::parse::Frag::Whole {
+    // Complete-form arithmetic only on ingress (see the module comment).
+    let usable = form == l4_csum::PARTIAL || (form == l4_csum::COMPLETE && matches!(side, Side::Dst));
+    let whole = pkt.frag == crate::parse::Frag::Whole && u32::from(u16::from_be_bytes(pkt.tot_len)) + IP_OFF as u32 == ctx.len();
+    if !usable || !whole || pkt.tcp_flags & crate::parse::TCP_RST != 0 {
         return rewrite(ctx, pkt, side, addr, port);
     }
     let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
