@@ -190,18 +190,19 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
         }
         None => choose_mode(&cfg),
     };
+    let backends = crate::dataplane::netfilter::Iptables::available();
     let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| match cfg.iptables_backend {
         Some(b) => {
             tracing::info!(backend = %b, "iptables backend as configured (--iptables-backend)");
             b
         }
         None => {
-            let (b, why) = crate::dataplane::netfilter::Iptables::detect();
+            let (b, why) = crate::dataplane::netfilter::Iptables::detect(&backends);
             tracing::info!(backend = %b, "iptables backend auto: {why}");
             b
         }
     });
-    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &cfg.bpffs_root);
+    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &cfg.bpffs_root);
     match mode {
         ProxyMode::Ebpf => {
             let dp = match loaded {

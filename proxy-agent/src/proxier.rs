@@ -59,13 +59,7 @@ impl NetfilterProxier {
     }
 
     pub fn handle(&mut self, event: Event) {
-        for r in self.store.apply(event) {
-            if r.warning {
-                tracing::warn!(object = %r.object, "{}", r.message);
-            } else {
-                tracing::info!(object = %r.object, "{}", r.message);
-            }
-        }
+        self.store.apply_logged(event);
     }
 
     pub fn ready(&self) -> bool {
@@ -122,7 +116,8 @@ impl NetfilterProxier {
                 }
             }
             let udp = |ports: &[crate::model::PortView]| ports.iter().any(|p| p.name.protocol == crate::model::Protocol::Udp);
-            if self.services.get(svc) != Some(&t.ports) && (udp(&t.ports) || self.services.get(svc).is_some_and(|old| udp(old))) {
+            let old = self.services.get(svc);
+            if old != Some(&t.ports) && (udp(&t.ports) || old.is_some_and(|o| udp(o))) {
                 self.udp_changed = true;
             }
             if t.ports.is_empty() {

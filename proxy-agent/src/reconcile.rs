@@ -93,13 +93,7 @@ impl<D: Dataplane> Reconciler<D> {
 
     /// Feeds one source event to the store, logging what it reports.
     pub fn handle(&mut self, event: Event) {
-        for r in self.store.apply(event) {
-            if r.warning {
-                tracing::warn!(object = %r.object, "{}", r.message);
-            } else {
-                tracing::info!(object = %r.object, "{}", r.message);
-            }
-        }
+        self.store.apply_logged(event);
     }
 
     /// Every required kind has been listed.

@@ -93,7 +93,7 @@ fn established(
     ct::touch_forward(pkt, e, now);
     frag::remember(pkt);
     let action = if entry.flags & flags::HAIRPIN != 0 {
-        translate(ctx, pkt, &be, true)?
+        translate_hairpin(ctx, pkt, &be)?
     } else {
         nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum)?;
         TC_ACT_OK
@@ -102,13 +102,11 @@ fn established(
     Ok(Verdict { action, reason })
 }
 
-/// DNAT towards `be`; a hairpinned flow also gets the hairpin source and goes straight back.
+/// DNAT of a hairpinned flow towards `be` (the sender itself), with the hairpin address as
+/// source, straight back out (through the helper: rare, and two rewrites).
 #[inline(always)]
-fn translate(ctx: &TcContext, pkt: &Packet, be: &Backend, hairpin: bool) -> Result<i32, Reason> {
+fn translate_hairpin(ctx: &TcContext, pkt: &Packet, be: &Backend) -> Result<i32, Reason> {
     nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
-    if !hairpin {
-        return Ok(TC_ACT_OK);
-    }
     nat::rewrite(ctx, pkt, Side::Src, proxy_common::ct::HAIRPIN_ADDR, pkt.sport)?;
     nat::bounce(ctx)
 }
@@ -157,7 +155,7 @@ fn new_flow(
     // Translated before it is tracked, to track the checksum form the translation found; a
     // failed insert drops the packet all the same.
     let (action, l4_csum) = if hairpin {
-        (translate(ctx, pkt, &be, true)?, proxy_common::ct::l4_csum::UNKNOWN)
+        (translate_hairpin(ctx, pkt, &be)?, proxy_common::ct::l4_csum::UNKNOWN)
     } else {
         (TC_ACT_OK, nat::rewrite_learning(ctx, pkt, Side::Dst, be.addr, be.port)?)
     };

@@ -71,12 +71,7 @@ pub fn rewrite(
     port: [u8; 2],
 ) -> Result<(), Reason> {
     let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
-    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
-    // SAFETY: bounds checked by ptr_at; the program owns the (unshared) packet data.
-    let ip = unsafe { &mut *ip };
-    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], old_addr, addr);
-    ip[addr_off..addr_off + 4].copy_from_slice(&addr);
-    ip[IP_CSUM..IP_CSUM + 2].copy_from_slice(&check);
+    rewrite_ip(ctx, addr_off, old_addr, addr)?;
     if !pkt.has_l4() {
         return Ok(());
     }
@@ -163,26 +158,40 @@ pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], p
             None
         }
     };
-    if pkt.proto == IPPROTO_TCP {
-        let Some(l4) = ptr_at::<[u8; TCP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, side, addr, port) };
-        // SAFETY: bounds checked by ptr_at.
-        let l4 = unsafe { &mut *l4 };
-        let Some(new) = fits([l4[TCP_CSUM_OFF], l4[TCP_CSUM_OFF + 1]]) else { return rewrite(ctx, pkt, side, addr, port) };
-        l4[port_off..port_off + 2].copy_from_slice(&port);
-        l4[TCP_CSUM_OFF..TCP_CSUM_OFF + 2].copy_from_slice(&new);
+    let written = if pkt.proto == IPPROTO_TCP {
+        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, port, fits)
     } else {
-        let Some(l4) = ptr_at::<[u8; UDP_CSUM_OFF + 2]>(ctx, pkt.l4_off) else { return rewrite(ctx, pkt, side, addr, port) };
-        // SAFETY: bounds checked by ptr_at.
-        let l4 = unsafe { &mut *l4 };
-        let Some(new) = fits([l4[UDP_CSUM_OFF], l4[UDP_CSUM_OFF + 1]]) else { return rewrite(ctx, pkt, side, addr, port) };
-        l4[port_off..port_off + 2].copy_from_slice(&port);
-        l4[UDP_CSUM_OFF..UDP_CSUM_OFF + 2].copy_from_slice(&new);
+        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, port, fits)
+    };
+    if !written {
+        return rewrite(ctx, pkt, side, addr, port);
     }
-    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
+    rewrite_ip(ctx, addr_off, old_addr, addr)
+}
+
+/// Writes `port` at `port_off` of the L4 header and the checksum `new_field` makes of the one
+/// at its end (`LEN` is the checksum's offset + 2). False, with nothing written, when the
+/// header is out of bounds or `new_field` declines.
+#[inline(always)]
+fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, port: [u8; 2], new_field: impl Fn([u8; 2]) -> Option<[u8; 2]>) -> bool {
+    let Some(l4) = ptr_at::<[u8; LEN]>(ctx, l4_off) else { return false };
     // SAFETY: bounds checked by ptr_at.
+    let l4 = unsafe { &mut *l4 };
+    let Some(new) = new_field([l4[LEN - 2], l4[LEN - 1]]) else { return false };
+    l4[port_off..port_off + 2].copy_from_slice(&port);
+    l4[LEN - 2..].copy_from_slice(&new);
+    true
+}
+
+/// Replaces the address at `addr_off` of the IPv4 header, `old` with `new`, and updates the
+/// header checksum.
+#[inline(always)]
+fn rewrite_ip(ctx: &TcContext, addr_off: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
+    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
+    // SAFETY: bounds checked by ptr_at; the program owns the (unshared) packet data.
     let ip = unsafe { &mut *ip };
-    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], old_addr, addr);
-    ip[addr_off..addr_off + 4].copy_from_slice(&addr);
+    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], old, new);
+    ip[addr_off..addr_off + 4].copy_from_slice(&new);
     ip[IP_CSUM..IP_CSUM + 2].copy_from_slice(&check);
     Ok(())
 }

@@ -60,16 +60,16 @@ pub fn rules_for(mode: ProxyMode, opts: RuleOptions) -> Result<Box<dyn RuleSet +
     }
 }
 
-/// Removes what `mode` installs (in every iptables backend the node has). Returns a line per
-/// thing removed.
-pub fn cleanup(mode: ProxyMode, bpffs_root: &Path) -> Vec<String> {
+/// Removes what `mode` installs (in each of `backends`, the iptables backends the node has).
+/// Returns a line per thing removed.
+pub fn cleanup(mode: ProxyMode, bpffs_root: &Path, backends: &[netfilter::Iptables]) -> Vec<String> {
     match mode {
         ProxyMode::Ebpf => crate::inspect::cleanup(bpffs_root)
             .map(|removed| if removed.is_empty() { vec![] } else { vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())] })
             .unwrap_or_default(),
-        ProxyMode::Iptables => netfilter::Iptables::available().into_iter().flat_map(netfilter::iptables::cleanup).collect(),
+        ProxyMode::Iptables => backends.iter().flat_map(|b| netfilter::iptables::cleanup(*b)).collect(),
         ProxyMode::Nftables => netfilter::nftables::cleanup(),
-        ProxyMode::Ipvs => netfilter::ipvs::cleanup(&netfilter::Iptables::available()),
+        ProxyMode::Ipvs => netfilter::ipvs::cleanup(backends),
     }
 }
 
@@ -78,16 +78,16 @@ pub fn cleanup(mode: ProxyMode, bpffs_root: &Path) -> Vec<String> {
 pub const CLEANUP_ORDER: [ProxyMode; 4] = [ProxyMode::Ipvs, ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Ebpf];
 
 /// Switching mode, or iptables backend, leaves nothing of the others behind (as kube-proxy
-/// cleans up at start). `ipt` is the backend `current` uses, if it uses iptables.
-pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>, bpffs_root: &Path) {
+/// cleans up at start). `ipt` is the backend `current` uses, if it uses iptables; `backends`
+/// are the ones the node has.
+pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>, backends: &[netfilter::Iptables], bpffs_root: &Path) {
     let mut lines: Vec<(ProxyMode, String)> = Vec::new();
     for mode in CLEANUP_ORDER.into_iter().filter(|m| *m != current) {
         // IPVS mode keeps a few iptables chains of its own; the iptables mode's service chains
         // are still removed.
-        lines.extend(cleanup(mode, bpffs_root).into_iter().map(|l| (mode, l)));
+        lines.extend(cleanup(mode, bpffs_root, backends).into_iter().map(|l| (mode, l)));
     }
-    let others: Vec<netfilter::Iptables> = netfilter::Iptables::available().into_iter().filter(|b| Some(*b) != ipt).collect();
-    for b in others {
+    for &b in backends.iter().filter(|b| Some(**b) != ipt) {
         match current {
             ProxyMode::Iptables => lines.extend(netfilter::iptables::cleanup(b).into_iter().map(|l| (current, l))),
             ProxyMode::Ipvs => lines.extend(netfilter::ipvs::cleanup_iptables(b).into_iter().map(|l| (current, l))),

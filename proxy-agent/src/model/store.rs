@@ -278,6 +278,17 @@ impl Store {
         translate::service(svc, &slices, &self.node_info())
     }
 
+    /// `apply`, logging what it reports (what the agent's loops feed every source event to).
+    pub fn apply_logged(&mut self, event: Event) {
+        for r in self.apply(event) {
+            if r.warning {
+                tracing::warn!(object = %r.object, "{}", r.message);
+            } else {
+                tracing::info!(object = %r.object, "{}", r.message);
+            }
+        }
+    }
+
     pub fn apply(&mut self, event: Event) -> Vec<Report> {
         let mut reports = Vec::new();
         match event {

@@ -29,24 +29,18 @@ pub struct Flow {
 /// Parses `conntrack -L -p udp` output (the first src/dst/sport/dport are the original
 /// direction, the second the reply).
 pub fn parse(text: &str) -> Vec<Flow> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut fields: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (k, v) in line.split_whitespace().filter_map(|w| w.split_once('=')) {
-            fields.entry(k).or_default().push(v);
-        }
-        let get = |k: &str, i: usize| fields.get(k).and_then(|v| v.get(i)).copied();
-        let flow = (|| {
+    text.lines()
+        .filter_map(|line| {
+            // The n-th value of `key=` on the line.
+            let nth = |key: &str, n: usize| line.split_whitespace().filter_map(|w| w.strip_prefix(key)?.strip_prefix('=')).nth(n);
             Some(Flow {
-                dst: get("dst", 0)?.parse().ok()?,
-                dport: get("dport", 0)?.parse().ok()?,
-                reply_src: get("src", 1)?.parse().ok()?,
-                reply_sport: get("sport", 1)?.parse().ok()?,
+                dst: nth("dst", 0)?.parse().ok()?,
+                dport: nth("dport", 0)?.parse().ok()?,
+                reply_src: nth("src", 1)?.parse().ok()?,
+                reply_sport: nth("sport", 1)?.parse().ok()?,
             })
-        })();
-        out.extend(flow);
-    }
-    out
+        })
+        .collect()
 }
 
 /// What to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.

@@ -473,28 +473,22 @@ impl RuleSet for IptablesRules {
 /// not installed.
 pub fn cleanup(ipt: Iptables) -> Vec<String> {
     let mut removed = Vec::new();
+    let chains_of = |save: &str| -> Vec<String> { save.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next()).map(String::from).collect() };
+    let tables: Vec<(&str, Vec<String>)> =
+        ["nat", "filter"].into_iter().filter_map(|t| run(ipt.save(), IPTABLES_PACKAGE, &["-t", t]).ok().map(|out| (t, chains_of(&out)))).collect();
     // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and
     // KUBE-MARK-MASQ have the names IPVS mode's have, and a running IPVS mode must keep them.
-    let ours = |c: &str| IPTABLES_ONLY.contains(&c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
-    let ran = ["nat", "filter"].iter().any(|table| {
-        run(ipt.save(), IPTABLES_PACKAGE, &["-t", table]).is_ok_and(|out| out.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next()).any(ours))
-    });
-    if !ran {
+    let ours_only = |c: &str| IPTABLES_ONLY.contains(&c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
+    if !tables.iter().any(|(_, chains)| chains.iter().any(|c| ours_only(c))) {
         return removed;
     }
     for (table, chain, _, _, target) in delete_jumps(ipt, &JUMPS) {
         removed.push(format!("{ipt}: jump {table}/{chain} -> {target}"));
     }
-    for table in ["nat", "filter"] {
-        let Ok(out) = run(ipt.save(), IPTABLES_PACKAGE, &["-t", table]) else { continue };
-        let chains: Vec<String> = out
-            .lines()
-            .filter_map(|l| l.strip_prefix(':'))
-            .filter_map(|l| l.split_whitespace().next())
-            // Only ours: kubelet's chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) stay.
-            .filter(|c| FILTER_FIXED.contains(c) || NAT_FIXED.contains(c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
-            .map(String::from)
-            .collect();
+    for (table, chains) in tables {
+        // Only ours: kubelet's chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) stay.
+        let chains: Vec<String> =
+            chains.into_iter().filter(|c| FILTER_FIXED.contains(&c.as_str()) || NAT_FIXED.contains(&c.as_str()) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))).collect();
         if chains.is_empty() {
             continue;
         }

@@ -138,11 +138,11 @@ impl Iptables {
         found
     }
 
-    /// `--iptables-backend auto`: the backend the node already uses, and why. Reads both
-    /// backends' rules (`iptables-*-save`) and decides with [`choose_backend`].
-    pub fn detect() -> (Self, String) {
-        let available = Self::available();
-        match available.as_slice() {
+    /// `--iptables-backend auto`: of the `available` backends, the one the node already uses,
+    /// and why. Reads both backends' rules (`iptables-*-save`) and decides with
+    /// [`choose_backend`].
+    pub fn detect(available: &[Self]) -> (Self, String) {
+        match available {
             [] => (Self::Nft, "no iptables tools found; assuming nft (install the iptables package)".into()),
             [only] => (*only, format!("only {} is installed", only.iptables())),
             _ => {
