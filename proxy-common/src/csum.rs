@@ -29,51 +29,75 @@ pub fn add_be_words(mut acc: u64, bytes: &[u8]) -> u64 {
     acc
 }
 
+// The functions below sum in the machine's byte order: the one's-complement sum does not
+// depend on it (RFC 1071 §2(B)), as long as the result is stored in the same order, so fields
+// and addresses are read with `from_ne_bytes` and written with `to_ne_bytes`, and no word is
+// byte-swapped. Addresses are added as 32-bit words: a 32-bit word is congruent to the sum of
+// its two 16-bit halves modulo 0xffff, and so is its complement to the sum of their
+// complements. This is the datapath's per-packet arithmetic; the byte-swapping form took three
+// times as many instructions.
+
+/// A 2-byte field as a native-order word.
+#[inline(always)]
+fn w16(b: [u8; 2]) -> u64 {
+    u64::from(u16::from_ne_bytes(b))
+}
+
+/// The complement of a 2-byte field, as a native-order word.
+#[inline(always)]
+fn not16(b: [u8; 2]) -> u64 {
+    u64::from(!u16::from_ne_bytes(b))
+}
+
+/// A 4-byte field as a native-order word.
+#[inline(always)]
+fn w32(b: [u8; 4]) -> u64 {
+    u64::from(u32::from_ne_bytes(b))
+}
+
+/// The complement of a 4-byte field, as a native-order word.
+#[inline(always)]
+fn not32(b: [u8; 4]) -> u64 {
+    u64::from(!u32::from_ne_bytes(b))
+}
+
 /// RFC 1624 (eqn. 3) incremental update: the checksum field after the 16-bit words `old` of the
 /// covered data became `new`. Values are as the packet stores them (network order).
 #[inline(always)]
 pub fn update4(check: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
-    let mut sum = u64::from(!u16::from_be_bytes(check));
-    sum += u64::from(!u16::from_be_bytes([old[0], old[1]])) + u64::from(u16::from_be_bytes([new[0], new[1]]));
-    sum += u64::from(!u16::from_be_bytes([old[2], old[3]])) + u64::from(u16::from_be_bytes([new[2], new[3]]));
-    (!fold(sum)).to_be_bytes()
+    (!fold(not16(check) + not32(old) + w32(new))).to_ne_bytes()
 }
 
 /// As `update4`, for one 16-bit word (a port, or the TTL/protocol word).
 #[inline(always)]
 pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
-    let mut sum = u64::from(!u16::from_be_bytes(check));
-    sum += u64::from(!u16::from_be_bytes(old)) + u64::from(u16::from_be_bytes(new));
-    (!fold(sum)).to_be_bytes()
+    (!fold(not16(check) + not16(old) + w16(new))).to_ne_bytes()
 }
 
 /// The TCP/UDP pseudo-header sum, folded and not complemented: what the checksum field of a
 /// CHECKSUM_PARTIAL packet holds (as the kernel's `~csum_tcpudp_magic(...)`).
 #[inline(always)]
 pub fn pseudo_header(saddr: [u8; 4], daddr: [u8; 4], proto: u8, l4_len: u16) -> [u8; 2] {
-    let sum = add_be_words(add_be_words(u64::from(proto) + u64::from(l4_len), &saddr), &daddr);
-    fold(sum).to_be_bytes()
+    fold(w32(saddr) + w32(daddr) + w16([0, proto]) + w16(l4_len.to_be_bytes())).to_ne_bytes()
 }
 
 /// A pseudo-header sum (CHECKSUM_PARTIAL field) after an address in it changed from `old` to
 /// `new`. Ports are not in it: their change needs nothing.
 #[inline(always)]
 pub fn partial_update4(field: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
-    let mut sum = u64::from(u16::from_be_bytes(field));
-    sum += u64::from(!u16::from_be_bytes([old[0], old[1]])) + u64::from(u16::from_be_bytes([new[0], new[1]]));
-    sum += u64::from(!u16::from_be_bytes([old[2], old[3]])) + u64::from(u16::from_be_bytes([new[2], new[3]]));
-    fold(sum).to_be_bytes()
+    fold(w16(field) + not32(old) + w32(new)).to_ne_bytes()
 }
 
 /// A complete TCP/UDP checksum after an address of the pseudo-header and a port changed. For
 /// UDP (`udp_zero`), zero means "no checksum" and stays zero, and a computed zero is sent as
-/// 0xffff (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0.
+/// 0xffff (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0. (One sum for both
+/// changes: it folds to what `update2(update4(..))` gives, as a fold is zero only for a zero sum.)
 #[inline(always)]
 pub fn l4_update(field: [u8; 2], old_addr: [u8; 4], new_addr: [u8; 4], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
     if udp_zero && field == [0, 0] {
         return field;
     }
-    let c = update2(update4(field, old_addr, new_addr), old_port, new_port);
+    let c = (!fold(not16(field) + not32(old_addr) + w32(new_addr) + not16(old_port) + w16(new_port))).to_ne_bytes();
     if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
 }
 
@@ -128,6 +152,42 @@ mod tests {
             h[10] = updated[0];
             h[11] = updated[1];
             assert_eq!(fold(add_be_words(0, &h)), 0xffff, "updated {updated:?} vs recomputed {full:?}");
+        }
+    }
+
+    /// RFC 1624 eqn. 3 over big-endian 16-bit words, one word at a time: the reference the
+    /// native-order, 32-bit-word arithmetic must equal bit for bit.
+    fn reference_update(check: [u8; 2], old: &[u8], new: &[u8]) -> [u8; 2] {
+        let mut sum = u64::from(!u16::from_be_bytes(check));
+        for (o, n) in old.chunks(2).zip(new.chunks(2)) {
+            sum += u64::from(!u16::from_be_bytes([o[0], o[1]])) + u64::from(u16::from_be_bytes([n[0], n[1]]));
+        }
+        (!fold(sum)).to_be_bytes()
+    }
+
+    #[test]
+    fn native_order_arithmetic_equals_the_big_endian_reference_bit_for_bit() {
+        let mut next = xorshift(0x51_7cc1_b727_220a);
+        // Random values, and the edges where one's complement has two zeros.
+        let edges: [u64; 4] = [0, 0xffff_ffff, 0xffff, 0xffff_0000];
+        for i in 0..100_000u32 {
+            let pick = |r: u64, k: u32| if k % 7 < 4 { edges[(k % 7) as usize] } else { r };
+            let check = (pick(next(), i) as u16).to_be_bytes();
+            let old = (pick(next(), i / 7) as u32).to_be_bytes();
+            let new = (pick(next(), i / 49) as u32).to_be_bytes();
+            let (op, np) = ((next() as u16).to_be_bytes(), (pick(next(), i / 3) as u16).to_be_bytes());
+            assert_eq!(update4(check, old, new), reference_update(check, &old, &new));
+            assert_eq!(update2(check, op, np), reference_update(check, &op, &np));
+            let both = reference_update(reference_update(check, &old, &new), &op, &np);
+            assert_eq!(l4_update(check, old, new, op, np, false), both);
+            assert_eq!(partial_update4(check, old, new), (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes());
+            let len = next() as u16;
+            let mut ph = [0u8; 12];
+            ph[..4].copy_from_slice(&old);
+            ph[4..8].copy_from_slice(&new);
+            ph[9] = 6;
+            ph[10..].copy_from_slice(&len.to_be_bytes());
+            assert_eq!(pseudo_header(old, new, 6, len), fold(add_be_words(0, &ph)).to_be_bytes());
         }
     }
 
