@@ -1,8 +1,9 @@
 #![no_std]
 #![no_main]
-#![feature(core_intrinsics)]
+#![feature(core_intrinsics, asm_experimental_arch)]
 #![expect(internal_features, reason = "atomic_xadd: the bpf target has no AtomicU64::fetch_add")]
 
+mod access;
 mod bench;
 mod ct;
 mod ext;

@@ -33,7 +33,10 @@ use aya_ebpf::{
 };
 use proxy_common::{ct::l4_csum, csum, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::parse::{ptr_at, Packet, IP_OFF};
+use crate::{
+    access,
+    parse::{ptr_at, Packet, IP_OFF},
+};
 
 const IP_CSUM: usize = 10;
 const IP_SRC: usize = 12;
@@ -76,9 +79,8 @@ pub fn rewrite(
         return Ok(());
     }
     let ports = ptr_at::<[u8; 4]>(ctx, pkt.l4_off).ok_or(Reason::DropRewrite)?;
-    // SAFETY: as above.
-    let ports = unsafe { &mut *ports };
-    ports[port_off..port_off + 2].copy_from_slice(&port);
+    // SAFETY: bounds checked by ptr_at.
+    unsafe { access::store2(ports as usize + port_off, port) };
     let (csum_off, mangled) = if pkt.proto == IPPROTO_TCP {
         (pkt.l4_off + TCP_CSUM_OFF, 0)
     } else {
@@ -99,7 +101,7 @@ pub fn rewrite(
 fn l4_csum_field(ctx: &TcContext, pkt: &Packet) -> Option<[u8; 2]> {
     let off = if pkt.proto == IPPROTO_TCP { pkt.l4_off + TCP_CSUM_OFF } else { pkt.l4_off + UDP_CSUM_OFF };
     // SAFETY: bounds checked by ptr_at.
-    ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { *p })
+    ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { access::load2(p as usize) })
 }
 
 /// The pseudo-header sum of the packet as it arrived: what its checksum field holds in the
@@ -147,21 +149,12 @@ pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], p
     if !usable || !whole || pkt.tcp_flags & crate::parse::TCP_RST != 0 {
         return rewrite(ctx, pkt, side, addr, port);
     }
-    let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
-    let fits = |field: [u8; 2]| {
-        let is_partial = field == pseudo_header(pkt);
-        if form == l4_csum::PARTIAL && is_partial {
-            Some(csum::partial_update4(field, old_addr, addr))
-        } else if form == l4_csum::COMPLETE && !is_partial {
-            Some(csum::l4_update(field, old_addr, addr, old_port, port, pkt.proto == IPPROTO_UDP))
-        } else {
-            None
-        }
-    };
+    let (addr_off, port_off, old_addr, _) = side.fields(pkt);
+    let fit = Fit { pkt, side, addr, port, form };
     let written = if pkt.proto == IPPROTO_TCP {
-        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, port, fits)
+        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     } else {
-        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, port, fits)
+        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     };
     if !written {
         return rewrite(ctx, pkt, side, addr, port);
@@ -169,17 +162,46 @@ pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], p
     rewrite_ip(ctx, addr_off, old_addr, addr)
 }
 
-/// Writes `port` at `port_off` of the L4 header and the checksum `new_field` makes of the one
-/// at its end (`LEN` is the checksum's offset + 2). False, with nothing written, when the
-/// header is out of bounds or `new_field` declines.
+/// An arithmetic rewrite of a packet of a flow whose checksum form is `form`.
+struct Fit<'a> {
+    pkt: &'a Packet,
+    side: Side,
+    addr: [u8; 4],
+    port: [u8; 2],
+    form: u8,
+}
+
+impl Fit<'_> {
+    /// The new checksum field, if the packet's `field` fits the learned form. (A function
+    /// rather than a closure: the closure was compiled as a BPF subprogram, a call per packet.)
+    #[inline(always)]
+    fn new_field(&self, field: [u8; 2]) -> Option<[u8; 2]> {
+        let (_, _, old_addr, old_port) = self.side.fields(self.pkt);
+        let is_partial = field == pseudo_header(self.pkt);
+        if self.form == l4_csum::PARTIAL && is_partial {
+            Some(csum::partial_update4(field, old_addr, self.addr))
+        } else if self.form == l4_csum::COMPLETE && !is_partial {
+            Some(csum::l4_update(field, old_addr, self.addr, old_port, self.port, self.pkt.proto == IPPROTO_UDP))
+        } else {
+            None
+        }
+    }
+}
+
+/// Writes the port at `port_off` of the L4 header and the checksum `fit` makes of the one at
+/// its end (`LEN` is the checksum's offset + 2). False, with nothing written, when the header
+/// is out of bounds or the packet does not fit.
 #[inline(always)]
-fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, port: [u8; 2], new_field: impl Fn([u8; 2]) -> Option<[u8; 2]>) -> bool {
+fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, fit: &Fit) -> bool {
     let Some(l4) = ptr_at::<[u8; LEN]>(ctx, l4_off) else { return false };
-    // SAFETY: bounds checked by ptr_at.
-    let l4 = unsafe { &mut *l4 };
-    let Some(new) = new_field([l4[LEN - 2], l4[LEN - 1]]) else { return false };
-    l4[port_off..port_off + 2].copy_from_slice(&port);
-    l4[LEN - 2..].copy_from_slice(&new);
+    let l4 = l4 as usize;
+    // SAFETY: bounds checked by ptr_at, for these accesses too.
+    let Some(new) = fit.new_field(unsafe { access::load2(l4 + LEN - 2) }) else { return false };
+    // SAFETY: as above.
+    unsafe {
+        access::store2(l4 + port_off, fit.port);
+        access::store2(l4 + LEN - 2, new);
+    }
     true
 }
 
@@ -187,12 +209,13 @@ fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usi
 /// header checksum.
 #[inline(always)]
 fn rewrite_ip(ctx: &TcContext, addr_off: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
-    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)?;
+    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)? as usize;
     // SAFETY: bounds checked by ptr_at; the program owns the (unshared) packet data.
-    let ip = unsafe { &mut *ip };
-    let check = csum::update4([ip[IP_CSUM], ip[IP_CSUM + 1]], old, new);
-    ip[addr_off..addr_off + 4].copy_from_slice(&new);
-    ip[IP_CSUM..IP_CSUM + 2].copy_from_slice(&check);
+    unsafe {
+        let check = csum::update4(access::load2(ip + IP_CSUM), old, new);
+        access::store4(ip + addr_off, new);
+        access::store2(ip + IP_CSUM, check);
+    }
     Ok(())
 }
 

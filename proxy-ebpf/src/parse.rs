@@ -12,6 +12,8 @@ use network_types::{
 };
 use proxy_common::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
+use crate::access;
+
 pub const ETH_LEN: usize = size_of::<EthHdr>();
 pub const IP_OFF: usize = ETH_LEN;
 /// Ethernet + the longest IPv4 header + a TCP header without options.
@@ -156,16 +158,26 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, IP_OFF) else {
         return Parsed::Malformed;
     };
-    // SAFETY: bounds checked by ptr_at.
-    let ip = unsafe { &*ip };
-    let ihl = usize::from(ip.vihl & 0x0f) * 4;
-    if ip.vihl >> 4 != 4 || ihl < size_of::<Ipv4Hdr>() {
+    // SAFETY: bounds checked by ptr_at (the 20 bytes of Ipv4Hdr), for every read below.
+    let (vihl, proto, frags, tot_len, ip_id, ttl, saddr, daddr) = unsafe {
+        let ip = ip as usize;
+        (
+            *(ip as *const u8),
+            *((ip + 9) as *const u8),
+            u16::from_be_bytes(access::load2(ip + 6)),
+            access::load2(ip + 2),
+            access::load2(ip + 4),
+            *((ip + 8) as *const u8),
+            access::load4(ip + 12),
+            access::load4(ip + 16),
+        )
+    };
+    let ihl = usize::from(vihl & 0x0f) * 4;
+    if vihl >> 4 != 4 || ihl < size_of::<Ipv4Hdr>() {
         return Parsed::Malformed;
     }
-    let proto = ip.proto;
-    let frags = u16::from_be_bytes(ip.frags);
     if proto == IPPROTO_ICMP && frags & IP_OFFSET_MASK == 0 {
-        return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr: ip.src_addr };
+        return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr };
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
         return Parsed::OtherProto;
@@ -180,37 +192,36 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     let mut pkt = Packet {
         l4_off: IP_OFF + ihl,
         proto,
-        saddr: ip.src_addr,
-        daddr: ip.dst_addr,
+        saddr,
+        daddr,
         sport: [0; 2],
         dport: [0; 2],
         tcp_flags: 0,
-        ip_id: ip.id,
-        tot_len: ip.tot_len,
-        ttl: ip.ttl,
+        ip_id,
+        tot_len,
+        ttl,
         frag,
     };
     if frag == Frag::Later {
         return Parsed::Packet(pkt);
     }
-    if proto == IPPROTO_TCP {
-        let Some(tcp) = ptr_at::<TcpHdr>(ctx, pkt.l4_off) else {
-            return Parsed::Malformed;
-        };
-        // SAFETY: bounds checked by ptr_at.
-        let tcp = unsafe { &*tcp };
-        pkt.sport = tcp.source;
-        pkt.dport = tcp.dest;
-        // SAFETY: byte 13 (the flags) lies inside the checked TcpHdr.
-        pkt.tcp_flags = unsafe { *(tcp as *const TcpHdr as *const u8).add(13) };
+    // The ports lead both headers; TCP's flags are its byte 13.
+    let l4 = if proto == IPPROTO_TCP {
+        ptr_at::<TcpHdr>(ctx, pkt.l4_off).map(|p| p as usize)
     } else {
-        let Some(udp) = ptr_at::<UdpHdr>(ctx, pkt.l4_off) else {
-            return Parsed::Malformed;
-        };
-        // SAFETY: bounds checked by ptr_at.
-        let udp = unsafe { &*udp };
-        pkt.sport = udp.src;
-        pkt.dport = udp.dst;
+        ptr_at::<UdpHdr>(ctx, pkt.l4_off).map(|p| p as usize)
+    };
+    let Some(l4) = l4 else {
+        return Parsed::Malformed;
+    };
+    // SAFETY: bounds checked by ptr_at: 4 bytes of ports, and for TCP the 20-byte header.
+    unsafe {
+        let ports = access::load4(l4);
+        pkt.sport = [ports[0], ports[1]];
+        pkt.dport = [ports[2], ports[3]];
+        if proto == IPPROTO_TCP {
+            pkt.tcp_flags = *((l4 + 13) as *const u8);
+        }
     }
     Parsed::Packet(pkt)
 }
