@@ -101,6 +101,17 @@ pub fn l4_update(field: [u8; 2], old_addr: [u8; 4], new_addr: [u8; 4], old_port:
     if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
 }
 
+/// A complete TCP/UDP checksum after a port changed (the address part left to someone else);
+/// `udp_zero` as in `l4_update`.
+#[inline(always)]
+pub fn l4_port_update(field: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
+    if udp_zero && field == [0, 0] {
+        return field;
+    }
+    let c = update2(field, old_port, new_port);
+    if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
+}
+
 /// The checksum field value for an IPv4 header whose checksum field is zero.
 #[inline(always)]
 pub fn ipv4_header(header: &[u8; 20]) -> [u8; 2] {
@@ -180,6 +191,7 @@ mod tests {
             assert_eq!(update2(check, op, np), reference_update(check, &op, &np));
             let both = reference_update(reference_update(check, &old, &new), &op, &np);
             assert_eq!(l4_update(check, old, new, op, np, false), both);
+            assert_eq!(update4(l4_port_update(check, op, np, false), old, new), both);
             assert_eq!(partial_update4(check, old, new), (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes());
             let len = next() as u16;
             let mut ph = [0u8; 12];

@@ -22,7 +22,9 @@
 //! or its forwarding (which clears CHECKSUM_COMPLETE), so there the complete form is rewritten
 //! with arithmetic. On egress, towards the pod, a packet from a NIC may arrive still
 //! CHECKSUM_COMPLETE (an OVS datapath or a TC redirect delivers it without clearing the state),
-//! so replies use the arithmetic only for the partial form, which a NIC never produces.
+//! so in the complete form a reply's address change goes through the helper (one call, not two:
+//! the port change needs no `skb->csum` update, so it is arithmetic). The partial form, which a
+//! NIC never produces, is all arithmetic.
 //!
 //! The work is the same whether or not the values change, so a no-op rewrite costs what a real
 //! one does.
@@ -87,13 +89,20 @@ pub fn rewrite(
         // A zero UDP checksum means "none" and must stay zero.
         (pkt.l4_off + UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
     };
-    let old_a = u64::from(u32::from_ne_bytes(old_addr));
-    let new_a = u64::from(u32::from_ne_bytes(addr));
-    ctx.l4_csum_replace(csum_off, old_a, new_a, u64::from(BPF_F_PSEUDO_HDR) | mangled | 4)
-        .map_err(|_| Reason::DropRewrite)?;
+    l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     let old_p = u64::from(u16::from_ne_bytes(old_port));
     let new_p = u64::from(u16::from_ne_bytes(port));
     ctx.l4_csum_replace(csum_off, old_p, new_p, mangled | 2).map_err(|_| Reason::DropRewrite)
+}
+
+/// The L4 checksum's update for an address of the pseudo-header, through the helper, which
+/// also keeps a CHECKSUM_COMPLETE skb's `skb->csum` right. `mangled` is BPF_F_MARK_MANGLED_0
+/// for UDP.
+#[inline(always)]
+fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
+    let old = u64::from(u32::from_ne_bytes(old));
+    let new = u64::from(u32::from_ne_bytes(new));
+    ctx.l4_csum_replace(csum_off, old, new, u64::from(BPF_F_PSEUDO_HDR) | mangled | 4).map_err(|_| Reason::DropRewrite)
 }
 
 /// The checksum field of the packet's L4 header.
@@ -143,21 +152,28 @@ pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4]
 /// when the packet fits that form (see the module comment), else the helper (`rewrite`).
 #[inline(always)]
 pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
-    // Complete-form arithmetic only on ingress (see the module comment).
-    let usable = form == l4_csum::PARTIAL || (form == l4_csum::COMPLETE && matches!(side, Side::Dst));
+    let usable = form == l4_csum::PARTIAL || form == l4_csum::COMPLETE;
     let whole = pkt.frag == crate::parse::Frag::Whole && u32::from(u16::from_be_bytes(pkt.tot_len)) + IP_OFF as u32 == ctx.len();
     if !usable || !whole || pkt.tcp_flags & crate::parse::TCP_RST != 0 {
         return rewrite(ctx, pkt, side, addr, port);
     }
     let (addr_off, port_off, old_addr, _) = side.fields(pkt);
-    let fit = Fit { pkt, side, addr, port, form };
-    let written = if pkt.proto == IPPROTO_TCP {
-        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+    // The complete form's address change on egress goes through the helper (see the module
+    // comment); its port change does not touch `skb->csum` (the port and the checksum field
+    // change by opposite amounts), so that part is arithmetic.
+    let address_by_helper = form == l4_csum::COMPLETE && matches!(side, Side::Src);
+    let fit = Fit { pkt, side, addr, port, form, address_by_helper };
+    let (written, csum_off, mangled) = if pkt.proto == IPPROTO_TCP {
+        (l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit), pkt.l4_off + TCP_CSUM_OFF, 0)
     } else {
-        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+        let mangled = u64::from(BPF_F_MARK_MANGLED_0);
+        (l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit), pkt.l4_off + UDP_CSUM_OFF, mangled)
     };
     if !written {
         return rewrite(ctx, pkt, side, addr, port);
+    }
+    if address_by_helper {
+        l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     }
     rewrite_ip(ctx, addr_off, old_addr, addr)
 }
@@ -169,6 +185,8 @@ struct Fit<'a> {
     addr: [u8; 4],
     port: [u8; 2],
     form: u8,
+    /// The address part of the complete form is left to the helper.
+    address_by_helper: bool,
 }
 
 impl Fit<'_> {
@@ -181,7 +199,12 @@ impl Fit<'_> {
         if self.form == l4_csum::PARTIAL && is_partial {
             Some(csum::partial_update4(field, old_addr, self.addr))
         } else if self.form == l4_csum::COMPLETE && !is_partial {
-            Some(csum::l4_update(field, old_addr, self.addr, old_port, self.port, self.pkt.proto == IPPROTO_UDP))
+            let udp = self.pkt.proto == IPPROTO_UDP;
+            Some(if self.address_by_helper {
+                csum::l4_port_update(field, old_port, self.port, udp)
+            } else {
+                csum::l4_update(field, old_addr, self.addr, old_port, self.port, udp)
+            })
         } else {
             None
         }

@@ -180,8 +180,22 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
         assert_eq!(d.dst_sock(), sock("10.244.1.9:5353"));
         assert!(d.udp_checksum_zero && d.ip_checksum_ok, "a UDP datagram without checksum keeps checksum 0");
     }
+    // UDP replies, with a checksum (learned on the first, then port arithmetic and the helper
+    // for the address) and without (zero stays zero either way).
+    let backend = sock("10.244.1.9:5353");
+    for r in [&b"answer one"[..], b"answer two"] {
+        let d = dissect(&run_egress(&mut dp, &udp_frame(backend, client, r)).frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (dns, client), "UDP reply");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "UDP reply: checksums");
+    }
+    for r in [&b"a"[..], b"bb"] {
+        let no_csum = Ipv4::new(*backend.ip(), *c3.ip(), UDP, packet::udp_datagram(backend, c3, r, false)).frame();
+        let d = dissect(&run_egress(&mut dp, &no_csum).frame);
+        assert_eq!(d.src_sock(), dns, "UDP reply without checksum");
+        assert!(d.udp_checksum_zero && d.ip_checksum_ok, "a UDP reply without checksum keeps checksum 0");
+    }
     let c = counters(&mut dp);
-    assert_eq!((c["new_flow"], c["established"], c["reverse_nat"]), (4, 9, 3));
+    assert_eq!((c["new_flow"], c["established"], c["reverse_nat"]), (4, 9, 7));
 }
 
 #[test]
