@@ -6,9 +6,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{lpm_trie::LpmTrie, Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
     backend_flags, ct, map_names, svc_flags, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason,
+    SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -48,6 +49,8 @@ pub struct FrontendReport {
     /// drop-when-empty, two-scopes.
     pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
+    /// loadBalancerSourceRanges: the only sources new flows are accepted from (empty: any).
+    pub source_ranges: Vec<String>,
     pub backends: Vec<BackendReport>,
     /// Live tracked connections of this frontend.
     pub connections: u64,
@@ -119,6 +122,15 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         PerCpuArray::try_from(Map::PerCpuArray(open(root, map_names::STATS)?)).map_err(err(map_names::STATS))?;
 
     let snap = snapshot::read(&services, &backends, &revnat, &names).map_err(err(map_names::SERVICES))?;
+    let mut ranges: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    // Absent in pins of a version without source ranges: none then.
+    if let Ok(m) = open(root, map_names::SOURCE_RANGES) {
+        let trie: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(Map::LpmTrie(m)).map_err(err(map_names::SOURCE_RANGES))?;
+        for k in trie.keys().flatten() {
+            let bits = k.prefix_len().saturating_sub(SourceRangeKey::ID_BITS);
+            ranges.entry(k.data().service_id).or_default().push(format!("{}/{bits}", std::net::Ipv4Addr::from(k.data().addr)));
+        }
+    }
 
     let now = monotonic_ns();
     let mut conntrack = ConntrackReport::default();
@@ -159,6 +171,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
                 (svc_flags::MAGLEV, "maglev"),
                 (svc_flags::DROP_WHEN_EMPTY, "drop-when-empty"),
                 (svc_flags::TWO_SCOPES, "two-scopes"),
+                (svc_flags::SOURCE_RANGES, "source-ranges"),
             ]
             .iter()
             .filter(|(bit, _)| f & bit != 0)
@@ -172,6 +185,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
                 scope: if fe.key.scope == proxy_common::scope::INTERNAL { "internal" } else { "external" },
                 flags,
                 affinity_timeout: (fe.master.affinity_timeout != 0).then_some(fe.master.affinity_timeout),
+                source_ranges: ranges.get(&fe.master.service_id).cloned().unwrap_or_default(),
                 backends: fe.slots.iter().filter_map(|id| backend_report(*id)).collect(),
                 connections: per_service.get(&fe.master.service_id).copied().unwrap_or(0),
             }
@@ -242,6 +256,9 @@ pub fn render(r: &Report) -> String {
             let _ = write!(s, "  affinity ClientIP {t}s");
         }
         s.push('\n');
+        if !f.source_ranges.is_empty() {
+            let _ = writeln!(s, "      new flows only from {}", f.source_ranges.join(", "));
+        }
         if f.backends.is_empty() {
             s.push_str("      no endpoints: clients get ICMP port unreachable (connection refused)\n");
         }

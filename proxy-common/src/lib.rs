@@ -41,10 +41,13 @@ pub mod map_names {
     pub const CONFIG: &str = "CONFIG_V1";
     /// What the last `trace` packet did (one entry; only trace packets write it).
     pub const TRACE: &str = "TRACE_V1";
+    /// loadBalancerSourceRanges: an LPM trie of (service id, source prefix) a load-balancer
+    /// frontend with the `SOURCE_RANGES` flag accepts new flows from.
+    pub const SOURCE_RANGES: &str = "LB4_SRCRANGE_V1";
 
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE,
+        CONFIG, TRACE, SOURCE_RANGES,
     ];
 }
 
@@ -158,6 +161,9 @@ pub mod svc_flags {
     pub const TWO_SCOPES: u16 = 1 << 2;
     /// A Maglev table for this service id is in `LB4_MAGLEV_V1`.
     pub const MAGLEV: u16 = 1 << 3;
+    /// New flows only from the sources `LB4_SRCRANGE_V1` holds for this service id
+    /// (loadBalancerSourceRanges); others are dropped.
+    pub const SOURCE_RANGES: u16 = 1 << 4;
 }
 
 /// Value of `LB4_BACKENDS_V1`, an array indexed by backend id (the lookup is inlined by the
@@ -283,6 +289,21 @@ pub struct AffinityValue {
     pub _pad: u32,
 }
 const _: () = assert!(size_of::<AffinityValue>() == 16);
+
+/// The data of a `LB4_SRCRANGE_V1` key (value: a u8, 1). The trie matches its bits in order,
+/// so the prefix length of an entry is 32 (the whole service id) plus the range's.
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRangeKey {
+    pub service_id: u32,
+    pub addr: [u8; 4],
+}
+const _: () = assert!(size_of::<SourceRangeKey>() == 8);
+
+impl SourceRangeKey {
+    /// Bits of the key before the address: the service id's.
+    pub const ID_BITS: u32 = 32;
+}
 
 /// Key of `LB4_AFFMATCH_V1` (value: a u32, 1).
 #[repr(C, align(4))]
@@ -478,6 +499,9 @@ reasons! {
     /// External ingress: a packet to a remote backend or a client whose TTL would expire on
     /// this hop: left to the kernel, which answers it with ICMP time exceeded.
     PassTtl = 28 => "pass_ttl",
+    /// A new flow to a load-balancer IP from a source outside its loadBalancerSourceRanges:
+    /// dropped, as kube-proxy's firewall chain does.
+    DropSourceRange = 29 => "drop_source_range",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.

@@ -67,6 +67,10 @@ fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result
     let Some(master) = service(&key) else {
         return Ok(Verdict::pass(Reason::PassNotService));
     };
+    // kube-proxy's firewall applies to pods too: it sits before the Service's own chains.
+    if !select::source_allowed(pkt, &master) {
+        return Err(Reason::DropSourceRange);
+    }
     match select::internal_master(&mut key, master) {
         Some(master) => new_flow(ctx, pkt, &key, &master, now, reason),
         None => Ok(Verdict::pass(Reason::PassNotService)),

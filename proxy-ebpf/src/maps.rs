@@ -3,12 +3,12 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_INNER_MAP, BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
-    btf_maps::{Array, HashMap, HashOfMaps, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
     limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
-    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, TraceResult,
+    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SourceRangeKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -78,6 +78,11 @@ pub static LB4_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { limits::AFF
 /// left the service is ignored.
 #[btf_map]
 pub static LB4_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+/// loadBalancerSourceRanges (see `proxy_common::map_names::SOURCE_RANGES`). An LPM trie is
+/// never preallocated.
+#[btf_map]
+pub static LB4_SRCRANGE_V1: LpmTrie<SourceRangeKey, u8, LB_MAX> = LpmTrie::new();
 
 /// External interface index -> the address SNAT puts on flows leaving by it.
 #[btf_map]

@@ -208,6 +208,10 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         Some(m) if m.flags & svc_flags::EXTERNAL != 0 => m,
         _ => return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService)),
     };
+    if !select::source_allowed(pkt, &master) {
+        // Dropped here, already in XDP: the ranges are a firewall.
+        return Step::Drop(Reason::DropSourceRange);
+    }
     if master.count == 0 {
         if let Some(s) = xdp_pass(env) {
             return s;

@@ -1,13 +1,14 @@
 //! Backend selection for new flows: ClientIP affinity first, then the service's Maglev table
 //! (north-south: every node picks the same backend for the same flow), else a random slot.
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32};
+use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
 use proxy_common::{
     hash, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue,
+    SourceRangeKey,
 };
 
 use crate::{
-    maps::{CONFIG_V1, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1},
+    maps::{CONFIG_V1, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1},
     parse::{Frag, Packet},
 };
 
@@ -25,6 +26,17 @@ pub fn without_endpoints(pkt: &Packet, master: &ServiceValue) -> Result<(), Reas
         return Err(Reason::DropNoEndpoints);
     }
     Ok(())
+}
+
+/// False when a new flow from this packet's source may not reach the frontend of `master`:
+/// the frontend has loadBalancerSourceRanges and none of them holds the source.
+#[inline(always)]
+pub fn source_allowed(pkt: &Packet, master: &ServiceValue) -> bool {
+    if master.flags & svc_flags::SOURCE_RANGES == 0 {
+        return true;
+    }
+    let key = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id: master.service_id, addr: pkt.saddr });
+    LB4_SRCRANGE_V1.get(&key).is_some()
 }
 
 #[inline(always)]

@@ -18,7 +18,7 @@ use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
     require,
-    testrun::{self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS, XDP_TX},
+    testrun::{self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX},
 };
 
 const NODE_IP: &str = "192.168.50.1";
@@ -368,4 +368,60 @@ fn removing_a_backend_moves_only_about_its_share_of_flows() {
     );
     assert!(after.iter().all(|a| *a != removed_id));
     assert!(moved as f64 / 5000.0 < 0.1 + 0.03, "at most about 1/N of flows move: {moved}");
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_pods() {
+    let Some(mut n) = node("load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_pods") else { return };
+    const LB: &str = "203.0.113.1:80";
+    let mut fe = frontend(FrontendKind::LoadBalancer, vec![backend(REMOTE, false)]);
+    fe.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+    n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
+    // The NodePort of the same Service is not subject to the ranges (as with kube-proxy).
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+
+    // A source inside a range is load-balanced, by XDP and by TC alike.
+    let allowed = tcp_frame(sock(CLIENT), sock(LB), SYN);
+    let out = run_xdp(&mut n.dp, &allowed, n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (XDP_TX, sock(REMOTE)), "allowed source, XDP");
+    let allowed2 = tcp_frame(sock("198.51.100.8:40000"), sock(LB), SYN);
+    let out = run_ext(&mut n.dp, &allowed2, n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "allowed source, TC");
+
+    // Any other source is dropped, already in XDP, and by TC when XDP is not attached.
+    let outsider = sock("192.0.2.9:40000");
+    let denied = tcp_frame(outsider, sock(LB), SYN);
+    assert_eq!(run_xdp(&mut n.dp, &denied, n.ifindex).action, XDP_DROP, "outside the ranges, XDP");
+    assert_eq!(run_ext(&mut n.dp, &denied, n.ifindex).action, TC_ACT_SHOT, "outside the ranges, TC");
+    let udp_denied = udp_frame(outsider, sock(LB), b"q");
+    assert_eq!(run_ext(&mut n.dp, &udp_denied, n.ifindex).action, TC_ACT_OK, "another protocol is another frontend");
+    // Pods are held to the ranges too: kube-proxy's firewall sits before the Service chains.
+    assert_eq!(run(&mut n.dp, &tcp_frame(sock("10.244.1.9:33333"), sock(LB), SYN)).action, TC_ACT_SHOT, "a pod outside the ranges");
+    // The same outsider reaches the NodePort.
+    let out = run_ext(&mut n.dp, &tcp_frame(outsider, sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "NodePort without ranges");
+    assert_eq!(counters(&mut n.dp).get("drop_source_range"), Some(&3));
+    assert!(conntrack(&mut n.dp).iter().all(|(k, _)| k.src() != outsider || k.dst() == sock(NODE_PORT)), "nothing tracked for a dropped flow");
+
+    // Narrowing the ranges keeps established flows (the firewall judges new flows only) and
+    // refuses new ones from the sources it no longer holds.
+    fe.source_ranges = vec!["198.51.100.7/32".parse().unwrap(), "10.244.1.0/24".parse().unwrap()];
+    n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
+    assert_eq!(n.dp.count_in_kernel().unwrap()["LB4_SRCRANGE_V1"], 2, "the old range is gone from the trie");
+    let out = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40000"), sock(LB), ACK), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "an established flow carries on");
+    assert_eq!(run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.8:40001"), sock(LB), SYN), n.ifindex).action, TC_ACT_SHOT);
+    let out = run(&mut n.dp, &tcp_frame(sock("10.244.1.9:33333"), sock(LB), SYN));
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_OK, sock(REMOTE)), "a pod inside the new range");
+
+    // Without ranges the load balancer is open again, and the trie holds nothing.
+    fe.source_ranges.clear();
+    n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(sock("192.0.2.9:40001"), sock(LB), SYN), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "no ranges: open");
+    assert_eq!(n.dp.count_in_kernel().unwrap()["LB4_SRCRANGE_V1"], 0);
+    fe.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+    n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
+    n.dp.remove(&key(LB, Protocol::Tcp)).unwrap();
+    assert_eq!(n.dp.count_in_kernel().unwrap()["LB4_SRCRANGE_V1"], 0, "removing the frontend removes its ranges");
 }

@@ -314,3 +314,34 @@ fn node_ports_are_served_only_on_the_addresses_asked_for() {
     let err = tcp_ask(&c.client, sock("192.168.100.11:30080")).expect_err("not a NodePort address");
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "the node's own stack answers: nothing listens there");
 }
+
+#[test]
+fn load_balancer_source_ranges_admit_only_their_clients() {
+    let Some(mut c) = cluster("load_balancer_source_ranges_admit_only_their_clients", [&["a1"], &["b1"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    let lb = |ranges: &str| {
+        service(
+            "web",
+            &format!("  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  loadBalancerSourceRanges: [{ranges}]\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n"),
+            Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n"),
+        )
+    };
+    c.write_manifest("web.yaml", &lb(&format!("{CLIENT_IP}/32")));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("203.0.113.10:80", "TCP", 2);
+    let peers = peers_by_backend(&ask_many(&c, "203.0.113.10:80", false, 20));
+    assert_eq!(peers.len(), 2, "a client inside the ranges reaches both backends: {peers:?}");
+
+    // The ranges move away from the client: its new connections are dropped (they time out,
+    // as with kube-proxy's DROP), while the NodePort of the same Service still serves it.
+    c.write_manifest("web.yaml", &lb("198.51.100.0/24"));
+    c.wait_all("the new source ranges", |_, r| {
+        r.frontends.iter().any(|f| f.address == "203.0.113.10:80" && f.source_ranges == ["198.51.100.0/24"])
+    });
+    let err = tcp_ask(&c.client, sock("203.0.113.10:80")).expect_err("a client outside the ranges");
+    assert_eq!(err.kind(), io::ErrorKind::TimedOut, "dropped, not refused: {err}");
+    assert_eq!(ask_many(&c, "192.168.100.1:30080", false, 5).len(), 5, "the NodePort is not subject to the ranges");
+    let dropped: u64 = c.nodes.iter().filter_map(|n| n.inspect().ok()).filter_map(|r| r.counters.get("drop_source_range").map(|c| c.packets)).sum();
+    assert!(dropped >= 1, "the drops are counted");
+}

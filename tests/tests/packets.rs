@@ -40,6 +40,7 @@ fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]
         drop_when_empty: false,
         kind: FrontendKind::ClusterIp,
         internal_backends: None,
+        source_ranges: vec![],
     };
     dp.upsert(&key, &fe).expect("program frontend");
 }
@@ -518,6 +519,7 @@ fn a_local_policy_service_with_remote_endpoints_only_drops() {
         drop_when_empty: true,
         kind: FrontendKind::ClusterIp,
         internal_backends: None,
+        source_ranges: vec![],
     };
     dp.upsert(&FrontendKey { addr: *v.ip(), port: v.port(), protocol: Protocol::Tcp }, &fe).unwrap();
     let out = run(&mut dp, &tcp_frame(sock(CLIENT), v, SYN));
@@ -562,10 +564,83 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
         let refs: Vec<&str> = backends.iter().map(String::as_str).collect();
         program(&mut dp, &vip.to_string(), Protocol::Tcp, &refs);
         dp.remove(&FrontendKey { addr: *vip.ip(), port: 80, protocol: Protocol::Tcp }).expect("remove");
+        if i % 10 == 0 {
+            // A load balancer with source ranges that change before it goes.
+            let lb = FrontendKey { addr: *vip.ip(), port: 443, protocol: Protocol::Tcp };
+            let name = ServicePortName { service: ObjectKey::new("default", "lb"), port: "https".into(), protocol: Protocol::Tcp };
+            let be = Backend { addr: Ipv4Addr::from(0x0a80_0000 + i * 4), port: 8443, terminating: false, local: false };
+            let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![be]);
+            fe.source_ranges = (0..3).map(|r| format!("{}/24", Ipv4Addr::from((i * 3 + r) << 8)).parse().unwrap()).collect();
+            dp.upsert(&lb, &fe).expect("load balancer");
+            fe.source_ranges.remove(1);
+            dp.upsert(&lb, &fe).expect("narrower ranges");
+            dp.remove(&lb).expect("remove the load balancer");
+        }
     }
     assert!(dp.programmed_keys().is_empty());
     assert_eq!(dp.backend_count(), 0, "the writer holds no backend");
     let counts = dp.count_in_kernel().expect("count map entries");
     assert!(counts.values().all(|n| *n == 0), "every map must be empty after 10,000 create/delete cycles: {counts:?}");
-    assert_eq!(counts.len(), 4);
+    assert_eq!(counts.len(), 5);
+}
+
+/// A bpffs of the test's own for pinned maps, unmounted and removed when the test ends.
+struct PinnedRoot(std::path::PathBuf);
+
+impl PinnedRoot {
+    fn new() -> Self {
+        Self(std::env::temp_dir().join(format!("pxpin-{}", proxy_tests::netns::unique_id())).join("bpf"))
+    }
+}
+
+impl Drop for PinnedRoot {
+    fn drop(&mut self) {
+        let _ = proxy_agent::inspect::cleanup(&self.0);
+        if let Ok(c) = std::ffi::CString::new(self.0.as_os_str().as_encoded_bytes()) {
+            // SAFETY: plain umount of the bpffs this test's loads mounted.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+#[test]
+fn source_ranges_are_adopted_after_a_restart_and_leftovers_removed() {
+    if !require::root("source_ranges_are_adopted_after_a_restart_and_leftovers_removed") {
+        return;
+    }
+    use aya::maps::lpm_trie::{Key, LpmTrie};
+    use proxy_agent::dataplane::ebpf::loader::LoadOptions;
+    use proxy_common::{map_names, SourceRangeKey};
+    let root = PinnedRoot::new();
+    let load = || EbpfDataplane::load(LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() }).expect("load with pins");
+    let lb = sock("203.0.113.1:80");
+    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
+    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);
+    fe.source_ranges = vec!["10.0.0.0/8".parse().unwrap(), "198.51.100.0/24".parse().unwrap()];
+    {
+        let mut dp = load();
+        dp.upsert(&key, &fe).expect("program");
+        // What a crashed run may leave: an entry for a service id no frontend has.
+        let map = testrun::map_by_name(&mut dp, map_names::SOURCE_RANGES);
+        let mut trie: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();
+        trie.insert(&Key::new(40, SourceRangeKey { service_id: 4242, addr: [192, 0, 0, 0] }), 1, 0).unwrap();
+        assert_eq!(dp.count_in_kernel().unwrap()[map_names::SOURCE_RANGES], 3);
+    }
+    // The agent restarts: it adopts the ranges as they are, and drops the leftover.
+    let mut dp = load();
+    assert!(dp.is_current(&key, &fe), "adopted as written: nothing to reprogram");
+    assert_eq!(dp.count_in_kernel().unwrap()[map_names::SOURCE_RANGES], 2, "the leftover entry is removed");
+    let from_pod = |dp: &mut EbpfDataplane, src: &str| run(dp, &tcp_frame(sock(src), lb, SYN));
+    assert_eq!(dissect(&from_pod(&mut dp, "10.244.0.5:40000").frame).dst_sock(), sock("10.244.1.2:8080"), "inside a range");
+    assert_eq!(from_pod(&mut dp, "192.0.2.9:40000").action, testrun::TC_ACT_SHOT, "outside every range");
+    // The adopted entries are the writer's to change.
+    fe.source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
+    dp.upsert(&key, &fe).expect("reprogram");
+    assert_eq!(dp.count_in_kernel().unwrap()[map_names::SOURCE_RANGES], 1);
+    assert_eq!(from_pod(&mut dp, "10.244.0.5:40001").action, testrun::TC_ACT_SHOT, "no longer inside a range");
 }

@@ -166,12 +166,25 @@ pub struct Frontend {
     /// get when they reach this frontend (all of the Service's, as with kube-proxy), while
     /// `backends` holds the local ones outside clients get.
     pub internal_backends: Option<Vec<Backend>>,
+    /// Load-balancer frontends of Services with `spec.loadBalancerSourceRanges`: new flows only
+    /// from these sources (networks, sorted), from pods as from outside, as kube-proxy's
+    /// firewall. Empty: no restriction.
+    pub source_ranges: Vec<store::Cidr>,
 }
 
 impl Frontend {
     /// A frontend of `kind` for `name` with these backends and nothing else set.
     pub fn new(name: ServicePortName, kind: FrontendKind, backends: Vec<Backend>) -> Self {
-        Self { name, kind, backends, retained: vec![], affinity_timeout: None, drop_when_empty: false, internal_backends: None }
+        Self {
+            name,
+            kind,
+            backends,
+            retained: vec![],
+            affinity_timeout: None,
+            drop_when_empty: false,
+            internal_backends: None,
+            source_ranges: vec![],
+        }
     }
 }
 

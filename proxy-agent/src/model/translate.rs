@@ -7,6 +7,7 @@ use std::{
 
 use super::{
     endpoints::{categorize, Endpoint, Policies},
+    store::Cidr,
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
     Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol,
     ServicePortName,
@@ -95,6 +96,20 @@ fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ip
         .collect()
 }
 
+/// The sources a load-balancer IP `lb_ip` of `svc` accepts new flows from: its
+/// loadBalancerSourceRanges, sorted, and, as kube-proxy allows, the load-balancer IP itself
+/// when a range holds one of the node's addresses (a node that has the load balancer's address
+/// reaches it from that address). Empty: the Service has no ranges.
+fn source_ranges(svc: &CheckedService, lb_ip: std::net::Ipv4Addr, node: &NodeInfo) -> Vec<Cidr> {
+    let mut ranges = svc.lb_source_ranges.clone();
+    if ranges.iter().any(|r| node.nodeport_addresses.iter().any(|a| r.contains(*a))) {
+        ranges.push(Cidr { addr: lb_ip, prefix: 32 });
+    }
+    ranges.sort();
+    ranges.dedup();
+    ranges
+}
+
 /// Translates one Service. `slices` are the Service's slices, sorted by name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
@@ -131,7 +146,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
-        let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>| {
+        let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>, source_ranges: Vec<Cidr>| {
             let active = backends(chosen);
             let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
             let retained = backends(
@@ -150,11 +165,12 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
                 retained,
                 affinity_timeout: svc.affinity_timeout,
                 internal_backends: internal,
+                source_ranges,
             }
         };
         let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
         for vip in &cluster_ips {
-            out.frontends.push((FrontendKey { addr: *vip, port: port.port, protocol: port.protocol }, view(internal, FrontendKind::ClusterIp, None)));
+            out.frontends.push((FrontendKey { addr: *vip, port: port.port, protocol: port.protocol }, view(internal, FrontendKind::ClusterIp, None, vec![])));
         }
         // External frontends: outside clients get the local endpoints under
         // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
@@ -165,7 +181,8 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         };
         let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
-            out.frontends.push((key, view(external, kind, for_pods.clone())));
+            let ranges = if kind == FrontendKind::LoadBalancer { source_ranges(svc, addr, node) } else { vec![] };
+            out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {
             for a in &node.nodeport_addresses {
@@ -320,6 +337,22 @@ mod tests {
         );
         assert!(t.frontends.iter().all(|(_, f)| f.backends.len() == 2 && f.internal_backends.is_none()), "Cluster policy: every endpoint");
         assert_eq!(t.health_check, None);
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_restrict_only_the_load_balancer_ips() {
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalIPs: [192.0.2.7], loadBalancerSourceRanges: [10.1.2.3/8, 2001:db8::/32], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}");
+        let t = service(&s, &[&slice(NS_SLICE)], &node());
+        let ranges = |t: &Translation, k: FrontendKey| find(t, k).source_ranges.iter().map(|c| c.to_string()).collect::<Vec<_>>();
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8"], "the network of each IPv4 range");
+        for other in [fk("10.96.0.10", 80, Protocol::Tcp), fk("192.168.0.10", 30080, Protocol::Tcp), fk("192.0.2.7", 80, Protocol::Tcp)] {
+            assert!(ranges(&t, other).is_empty(), "{other}: cluster IP, NodePort and external IP are not restricted");
+        }
+        // A range holding the node's own address lets the node reach the load balancer from
+        // the load balancer's address too, as kube-proxy allows.
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, loadBalancerSourceRanges: [192.168.0.0/16, 10.0.0.0/8], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}");
+        let t = service(&s, &[&slice(NS_SLICE)], &node());
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32"]);
     }
 
     #[test]

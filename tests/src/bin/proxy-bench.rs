@@ -58,6 +58,7 @@ fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
         drop_when_empty: false,
         kind: FrontendKind::ClusterIp,
         internal_backends: None,
+        source_ranges: vec![],
     }
 }
 

@@ -1,7 +1,8 @@
 //! The load-balancer map writer. It keeps the agent's picture of what the maps hold (rebuilt
 //! from the maps at start) and applies per-frontend changes make-before-break:
-//! backends -> new slots -> reverse NAT -> Maglev table -> affinity matches -> existing slots ->
-//! master -> surplus slots -> stale affinity matches -> unused backends. A packet never sees a
+//! backends -> new slots -> reverse NAT -> source ranges -> Maglev table -> affinity matches ->
+//! existing slots -> master -> surplus slots -> stale affinity matches and source ranges ->
+//! unused backends. A packet never sees a
 //! count that points at a missing slot or a slot that names a missing backend.
 //!
 //! A frontend whose outside clients get other backends than pods (externalTrafficPolicy Local)
@@ -15,12 +16,15 @@ use std::{
 };
 
 use aya::{
-    maps::{Array, HashMap, MapData, MapError},
+    maps::{
+        lpm_trie::{Key, LpmTrie},
+        Array, HashMap, MapData, MapError,
+    },
     Ebpf,
 };
 use proxy_common::{
     backend_flags, limits, map_names, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey,
-    ServiceName, ServiceValue,
+    ServiceName, ServiceValue, SourceRangeKey,
 };
 
 use super::{
@@ -30,7 +34,7 @@ use super::{
 };
 use crate::{
     dataplane::DataplaneError,
-    model::{self, Frontend, FrontendKey, Protocol},
+    model::{self, store::Cidr, Frontend, FrontendKey, Protocol},
 };
 
 /// A frontend in one scope (`proxy_common::scope`).
@@ -44,6 +48,9 @@ struct View {
     /// Selection by Maglev (external scope of a north-south frontend with backends).
     maglev: bool,
     affinity_timeout: Option<u32>,
+    /// loadBalancerSourceRanges (external scope only; the datapath checks them on the external
+    /// master, before it turns to the internal scope).
+    source_ranges: BTreeSet<Cidr>,
 }
 
 /// The scopes `fe` needs: the external (always) and the internal one (when pods see other
@@ -66,10 +73,20 @@ fn views(fe: &Frontend) -> (View, Option<View>) {
             .copied()
             .collect();
         retained.sort();
-        View { backends: ib.clone(), retained, flags: svc_flags::NONE, maglev: false, affinity_timeout: fe.affinity_timeout }
+        View {
+            backends: ib.clone(),
+            retained,
+            flags: svc_flags::NONE,
+            maglev: false,
+            affinity_timeout: fe.affinity_timeout,
+            source_ranges: BTreeSet::new(),
+        }
     });
     if internal.is_some() {
         flags |= svc_flags::TWO_SCOPES;
+    }
+    if !fe.source_ranges.is_empty() {
+        flags |= svc_flags::SOURCE_RANGES;
     }
     let ext = View {
         backends: fe.backends.clone(),
@@ -77,6 +94,7 @@ fn views(fe: &Frontend) -> (View, Option<View>) {
         flags,
         maglev: external && !fe.backends.is_empty(),
         affinity_timeout: fe.affinity_timeout,
+        source_ranges: fe.source_ranges.iter().map(|c| c.network()).collect(),
     };
     (ext, internal)
 }
@@ -116,6 +134,13 @@ struct Programmed {
     maglev: Option<String>,
     /// Backend ids with an affinity-match entry for this service id.
     affinity_matches: BTreeSet<u32>,
+    /// Entries of the source-range trie for this service id.
+    source_ranges: BTreeSet<Cidr>,
+}
+
+/// The source-range trie's key for `range` of service `service_id`.
+fn range_key(service_id: u32, range: Cidr) -> Key<SourceRangeKey> {
+    Key::new(SourceRangeKey::ID_BITS + u32::from(range.prefix), SourceRangeKey { service_id, addr: range.addr.octets() })
 }
 
 pub struct LbMaps {
@@ -126,6 +151,7 @@ pub struct LbMaps {
     names: HashMap<MapData, u32, ServiceName>,
     flows: Array<MapData, BackendFlows>,
     affinity_match: HashMap<MapData, AffinityMatchKey, u32>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     maglev: Maglev,
     limit: u32,
     by_ident: StdHashMap<Ident, BackendEntry>,
@@ -207,6 +233,7 @@ impl LbMaps {
             names: take(ebpf, map_names::NAMES)?,
             flows: take(ebpf, map_names::BACKEND_FLOWS)?,
             affinity_match: take(ebpf, map_names::AFFINITY_MATCH)?,
+            source_ranges: take(ebpf, map_names::SOURCE_RANGES)?,
             maglev,
             limit,
             by_ident: StdHashMap::new(),
@@ -260,6 +287,7 @@ impl LbMaps {
                     master: fe.master,
                     maglev: table,
                     affinity_matches: BTreeSet::new(),
+                    source_ranges: BTreeSet::new(),
                 },
             );
         }
@@ -272,6 +300,31 @@ impl LbMaps {
                 }
                 None => me.stray_affinity_matches.push(k),
             }
+        }
+        // Source ranges go to the external scope's frontend of their service id. Entries of no
+        // frontend guard nothing (no master names their id), but would open a frontend that is
+        // given the id later: they go at once.
+        let by_external: StdHashMap<u32, Scoped> =
+            me.frontends.iter().filter(|((_, sc), _)| *sc == scope::EXTERNAL).map(|(k, p)| (p.service_id, *k)).collect();
+        let mut stray_ranges = Vec::new();
+        for k in me.source_ranges.keys() {
+            let k = k.map_err(|source| DataplaneError::Map { op: "read", map: map_names::SOURCE_RANGES, source })?;
+            let (data, bits) = (k.data(), k.prefix_len());
+            let range = bits
+                .checked_sub(SourceRangeKey::ID_BITS)
+                .filter(|b| *b <= 32)
+                .map(|b| Cidr { addr: Ipv4Addr::from(data.addr), prefix: b as u8 });
+            match (range, by_external.get(&data.service_id).and_then(|s| me.frontends.get_mut(s))) {
+                (Some(r), Some(p)) => {
+                    p.source_ranges.insert(r);
+                }
+                _ => stray_ranges.push(k),
+            }
+        }
+        for k in stray_ranges {
+            me.source_ranges
+                .remove(&k)
+                .map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
         }
         me.stray_service_ids = snap.stray_service_ids;
         me.stray_slots = snap.stray_slots;
@@ -305,6 +358,7 @@ impl LbMaps {
         out.insert(map_names::NAMES, hash(self.names.map(), size_of::<u32>(), size_of::<ServiceName>())?);
         let set = self.backends.iter().filter(|b| b.as_ref().is_ok_and(|b| b.addr != [0; 4])).count();
         out.insert(map_names::BACKENDS, set as u64);
+        out.insert(map_names::SOURCE_RANGES, self.source_ranges.keys().filter(|k| k.is_ok()).count() as u64);
         Ok(out)
     }
 
@@ -465,6 +519,7 @@ impl LbMaps {
             && p.master == Self::master_for(view, p.service_id, view.backends.len(), maglev_id)
             && p.maglev.as_deref() == maglev_id.map(|_| name)
             && p.affinity_matches == wants_matches
+            && p.source_ranges == view.source_ranges
             && self.set_ids_equal(&p.slots, &view.backends, proto)
             && self.set_ids_equal(&p.retained, &view.retained, proto)
     }
@@ -569,7 +624,15 @@ impl LbMaps {
         // matches of new backends, before the master that uses them.
         let mut maglev_id = None;
         let mut new_matches = Vec::new();
+        let mut new_ranges = Vec::new();
         let phase_a = phase_a.and_then(|()| {
+            // Source ranges before the master that turns them on.
+            for r in view.source_ranges.iter().filter(|r| !old.as_ref().is_some_and(|o| o.source_ranges.contains(r))) {
+                self.source_ranges
+                    .insert(&range_key(service_id, *r), 1, 0)
+                    .map_err(|s| map_error("insert", map_names::SOURCE_RANGES, self.limit, s))?;
+                new_ranges.push(*r);
+            }
             if view.maglev {
                 let members = maglev_members(&view.backends);
                 let backends: Vec<model::Backend> = members.iter().map(|(_, b)| *b).collect();
@@ -603,6 +666,9 @@ impl LbMaps {
             Ok(())
         });
         if let Err(e) = phase_a {
+            for r in &new_ranges {
+                let _ = self.source_ranges.remove(&range_key(service_id, *r));
+            }
             for id in &new_matches {
                 let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
             }
@@ -653,6 +719,8 @@ impl LbMaps {
             // The old slot references move into `keep`; they are released with it. The table
             // stays in use by this frontend until it is written again.
             let table = maglev_id.map(|_| name.clone()).or(old.as_ref().and_then(|o| o.maglev.clone()));
+            let mut ranges = old.as_ref().map(|o| o.source_ranges.clone()).unwrap_or_default();
+            ranges.extend(new_ranges);
             self.frontends.insert(
                 scoped,
                 Programmed {
@@ -663,6 +731,7 @@ impl LbMaps {
                     master: ServiceValue::default(),
                     maglev: table,
                     affinity_matches: matches,
+                    source_ranges: ranges,
                 },
             );
             return Err(e);
@@ -675,6 +744,9 @@ impl LbMaps {
         for id in matches.difference(&keep) {
             let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
         }
+        for r in old.iter().flat_map(|o| o.source_ranges.difference(&view.source_ranges)) {
+            let _ = self.source_ranges.remove(&range_key(service_id, *r));
+        }
         if let Some(o) = &old {
             self.release_all(&o.slots);
             self.release_all(&o.retained);
@@ -684,7 +756,8 @@ impl LbMaps {
             }
         }
         let table = maglev_id.map(|_| name.clone());
-        self.frontends.insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep });
+        let source_ranges = view.source_ranges.clone();
+        self.frontends.insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges });
         Ok(())
     }
 
@@ -706,6 +779,9 @@ impl LbMaps {
         }
         for id in &p.affinity_matches {
             let _ = self.affinity_match.remove(&AffinityMatchKey { service_id: p.service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+        }
+        for r in &p.source_ranges {
+            let _ = self.source_ranges.remove(&range_key(p.service_id, *r));
         }
         if let Some(t) = &p.maglev {
             let released = self.maglev.release(t, key);

@@ -14,7 +14,7 @@ use aya::{
 };
 use proxy_common::{
     limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config,
-    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, TraceResult,
+    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SourceRangeKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -119,6 +119,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::IFADDRS => (MapType::Hash, size_of::<u32>(), size_of::<IfAddr>()),
         map_names::CONFIG => (MapType::Array, size_of::<u32>(), size_of::<Config>()),
         map_names::TRACE => (MapType::Array, size_of::<u32>(), size_of::<TraceResult>()),
+        map_names::SOURCE_RANGES => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey>(), size_of::<u8>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -171,6 +172,7 @@ pub fn load(options: &LoadOptions) -> Result<Ebpf, LoadError> {
         map_names::BACKEND_FLOWS,
         map_names::MAGLEV,
         map_names::AFFINITY_MATCH,
+        map_names::SOURCE_RANGES,
     ] {
         loader.map_max_entries(name, lb);
     }
