@@ -85,6 +85,7 @@ fn meaning(r: Reason) -> &'static str {
         Reason::DropNoLocalEndpoints => "externalTrafficPolicy Local and no endpoint on this node: dropped",
         Reason::DropNoRoute => "no route to the chosen backend: dropped",
         Reason::DropBackendMissing => "the chosen backend is missing from the maps: dropped",
+        Reason::DropSourceRange => "the source is outside the load balancer's loadBalancerSourceRanges: dropped",
         Reason::PassNotService => "not addressed to a NodePort, load-balancer or external IP: left to the kernel",
         _ => "see the reason label",
     }

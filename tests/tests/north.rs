@@ -393,6 +393,7 @@ fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_po
     let denied = tcp_frame(outsider, sock(LB), SYN);
     assert_eq!(run_xdp(&mut n.dp, &denied, n.ifindex).action, XDP_DROP, "outside the ranges, XDP");
     assert_eq!(run_ext(&mut n.dp, &denied, n.ifindex).action, TC_ACT_SHOT, "outside the ranges, TC");
+    assert_eq!(testrun::run_trace(&mut n.dp, &denied).0, proxy_common::Reason::DropSourceRange, "trace says why");
     let udp_denied = udp_frame(outsider, sock(LB), b"q");
     assert_eq!(run_ext(&mut n.dp, &udp_denied, n.ifindex).action, TC_ACT_OK, "another protocol is another frontend");
     // Pods are held to the ranges too: kube-proxy's firewall sits before the Service chains.
