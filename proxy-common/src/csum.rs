@@ -254,6 +254,11 @@ mod tests {
         // An update that computes to zero: the address grows by one from a field of 1.
         assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], false), [0, 0]);
         assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], true), [0xff, 0xff]);
+        // The port-only update of a reply: the same rules.
+        assert_eq!(l4_port_update([0, 0], [0, 53], [0, 54], true), [0, 0], "no checksum stays none");
+        assert_eq!(l4_port_update([0, 1], [0, 0], [0, 1], false), [0, 0]);
+        assert_eq!(l4_port_update([0, 1], [0, 0], [0, 1], true), [0xff, 0xff], "a computed zero is sent as ones");
+        assert_eq!(l4_port_update([0x12, 0x34], [0, 53], [0, 54], true), l4_port_update([0x12, 0x34], [0, 53], [0, 54], false));
     }
 
     #[test]

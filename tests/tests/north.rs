@@ -415,6 +415,22 @@ fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_po
     let out = run(&mut n.dp, &tcp_frame(sock("10.244.1.9:33333"), sock(LB), SYN));
     assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_OK, sock(REMOTE)), "a pod inside the new range");
 
+    // externalTrafficPolicy Local: pods get every endpoint (the internal scope), but the ranges
+    // of the external master still judge them first.
+    fe.internal_backends = Some(vec![backend(REMOTE, false), backend(LOCAL, true)]);
+    fe.backends = vec![backend(LOCAL, true)];
+    n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
+    assert_eq!(run(&mut n.dp, &tcp_frame(sock("10.244.3.9:33333"), sock(LB), SYN)).action, TC_ACT_SHOT, "Local policy: a pod outside");
+    let pods: BTreeSet<SocketAddrV4> = (0..40)
+        .map(|i| dissect(&run(&mut n.dp, &tcp_frame(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 9), 34000 + i), sock(LB), SYN)).frame).dst_sock())
+        .collect();
+    assert_eq!(pods, BTreeSet::from([sock(REMOTE), sock(LOCAL)]), "Local policy: a pod inside gets the cluster's endpoints");
+    let out = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.7:40009"), sock(LB), SYN), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_OK, sock(LOCAL)), "Local policy: an allowed client, local endpoint");
+    assert_eq!(run_ext(&mut n.dp, &tcp_frame(sock("192.0.2.9:40009"), sock(LB), SYN), n.ifindex).action, TC_ACT_SHOT);
+    fe.internal_backends = None;
+    fe.backends = vec![backend(REMOTE, false)];
+
     // Without ranges the load balancer is open again, and the trie holds nothing.
     fe.source_ranges.clear();
     n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();

@@ -644,3 +644,30 @@ fn source_ranges_are_adopted_after_a_restart_and_leftovers_removed() {
     assert_eq!(dp.count_in_kernel().unwrap()[map_names::SOURCE_RANGES], 1);
     assert_eq!(from_pod(&mut dp, "10.244.0.5:40001").action, testrun::TC_ACT_SHOT, "no longer inside a range");
 }
+
+#[test]
+fn too_many_source_ranges_are_refused_whole_and_the_old_ones_keep_working() {
+    if !require::root("too_many_source_ranges_are_refused_whole_and_the_old_ones_keep_working") {
+        return;
+    }
+    use proxy_agent::dataplane::{ebpf::loader::LoadOptions, DataplaneError};
+    use proxy_common::map_names;
+    let mut dp = EbpfDataplane::load(LoadOptions { lb_map_max: 8, ..Default::default() }).expect("load");
+    let lb = sock("203.0.113.1:80");
+    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
+    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);
+    fe.source_ranges = vec!["10.244.0.0/24".parse().unwrap()];
+    dp.upsert(&key, &fe).expect("one range");
+    // More ranges than the trie holds: refused as a full map, with nothing half-written.
+    fe.source_ranges = (0..12).map(|i| format!("192.0.{i}.0/24").parse().unwrap()).collect();
+    match dp.upsert(&key, &fe) {
+        Err(DataplaneError::MapFull { map, .. }) => assert_eq!(map, map_names::SOURCE_RANGES),
+        other => panic!("expected the source-range map to be full, got {other:?}"),
+    }
+    assert_eq!(dp.count_in_kernel().unwrap()[map_names::SOURCE_RANGES], 1, "the new ranges were rolled back");
+    let out = run(&mut dp, &tcp_frame(sock("10.244.0.5:40000"), lb, SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "the old range still admits its sources");
+    assert_eq!(run(&mut dp, &tcp_frame(sock("192.0.3.9:40000"), lb, SYN)).action, testrun::TC_ACT_SHOT, "and only them");
+}

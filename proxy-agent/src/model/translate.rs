@@ -96,14 +96,14 @@ fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ip
         .collect()
 }
 
-/// The sources a load-balancer IP `lb_ip` of `svc` accepts new flows from: its
-/// loadBalancerSourceRanges, sorted, and, as kube-proxy allows, the load-balancer IP itself
-/// when a range holds one of the node's addresses (a node that has the load balancer's address
-/// reaches it from that address). Empty: the Service has no ranges.
-fn source_ranges(svc: &CheckedService, lb_ip: std::net::Ipv4Addr, node: &NodeInfo) -> Vec<Cidr> {
+/// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its
+/// loadBalancerSourceRanges, sorted, and, as kube-proxy allows (and the netfilter modes), the
+/// load-balancer IPs themselves when a range holds one of the node's addresses (a node that has
+/// a load balancer's address reaches it from that address). Empty: the Service has no ranges.
+fn source_ranges(svc: &CheckedService, lb_ips: &[std::net::Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
     let mut ranges = svc.lb_source_ranges.clone();
     if ranges.iter().any(|r| node.nodeport_addresses.iter().any(|a| r.contains(*a))) {
-        ranges.push(Cidr { addr: lb_ip, prefix: 32 });
+        ranges.extend(lb_ips.iter().map(|a| Cidr { addr: *a, prefix: 32 }));
     }
     ranges.sort();
     ranges.dedup();
@@ -181,7 +181,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         };
         let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
-            let ranges = if kind == FrontendKind::LoadBalancer { source_ranges(svc, addr, node) } else { vec![] };
+            let ranges = if kind == FrontendKind::LoadBalancer { source_ranges(svc, &lb_ips, node) } else { vec![] };
             out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {
@@ -350,9 +350,11 @@ mod tests {
         }
         // A range holding the node's own address lets the node reach the load balancer from
         // the load balancer's address too, as kube-proxy allows.
-        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, loadBalancerSourceRanges: [192.168.0.0/16, 10.0.0.0/8], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}");
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, loadBalancerSourceRanges: [192.168.0.0/16, 10.0.0.0/8], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: 203.0.113.2}]}}");
         let t = service(&s, &[&slice(NS_SLICE)], &node());
-        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32"]);
+        for lb in ["203.0.113.1", "203.0.113.2"] {
+            assert_eq!(ranges(&t, fk(lb, 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32", "203.0.113.2/32"], "{lb}");
+        }
     }
 
     #[test]

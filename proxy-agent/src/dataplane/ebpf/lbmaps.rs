@@ -178,7 +178,8 @@ where
 
 fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) -> DataplaneError {
     if let MapError::SyscallError(e) = &source {
-        if e.io_error.raw_os_error() == Some(libc::E2BIG) {
+        // Hash maps say E2BIG when full, the LPM trie ENOSPC.
+        if matches!(e.io_error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC)) {
             return DataplaneError::MapFull { map, max };
         }
     }
@@ -744,8 +745,16 @@ impl LbMaps {
         for id in matches.difference(&keep) {
             let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
         }
+        // A range that could not be deleted stays on record (the frontend is then not current,
+        // and the next sync deletes it again): left unrecorded, it would admit its sources to
+        // whatever frontend gets this id next.
+        let mut source_ranges = view.source_ranges.clone();
         for r in old.iter().flat_map(|o| o.source_ranges.difference(&view.source_ranges)) {
-            let _ = self.source_ranges.remove(&range_key(service_id, *r));
+            if let Err(e) = self.source_ranges.remove(&range_key(service_id, *r)) {
+                if !is_not_found(&e) {
+                    source_ranges.insert(*r);
+                }
+            }
         }
         if let Some(o) = &old {
             self.release_all(&o.slots);
@@ -756,7 +765,6 @@ impl LbMaps {
             }
         }
         let table = maglev_id.map(|_| name.clone());
-        let source_ranges = view.source_ranges.clone();
         self.frontends.insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges });
         Ok(())
     }
@@ -780,8 +788,14 @@ impl LbMaps {
         for id in &p.affinity_matches {
             let _ = self.affinity_match.remove(&AffinityMatchKey { service_id: p.service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
         }
+        // Before the id is freed: a range left behind would admit its sources to the next
+        // frontend with this id.
         for r in &p.source_ranges {
-            let _ = self.source_ranges.remove(&range_key(p.service_id, *r));
+            match self.source_ranges.remove(&range_key(p.service_id, *r)) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(source) => return Err(DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source }),
+            }
         }
         if let Some(t) = &p.maglev {
             let released = self.maglev.release(t, key);
