@@ -3,13 +3,16 @@
 //! that reuses its socket (a DNS resolver) keeps talking to an endpoint that is gone; and a
 //! flow that started before the Service had endpoints stays untranslated. kube-proxy deletes
 //! such entries after each sync; so do we: after a sync that changed a UDP Service, one
-//! `conntrack -L -p udp` dump, then one `conntrack -D` per stale (Service address, endpoint)
-//! pair. TCP needs none of this: a removed endpoint's connections end with a reset.
+//! `conntrack -L -p udp` dump, read line by line as it comes (a busy node's table is large;
+//! only the stale pairs are kept), then one `conntrack -D` per stale (Service address,
+//! endpoint) pair. TCP needs none of this: a removed endpoint's connections end with a reset.
 //! (The eBPF dataplane re-selects such flows itself, on their next packet.)
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    io::{BufRead as _, BufReader, Read as _},
     net::Ipv4Addr,
+    process::{Command, Stdio},
 };
 
 use super::{run, NetfilterError, NodeContext, Services};
@@ -26,21 +29,17 @@ pub struct Flow {
     pub reply_sport: u16,
 }
 
-/// Parses `conntrack -L -p udp` output (the first src/dst/sport/dport are the original
-/// direction, the second the reply).
-pub fn parse(text: &str) -> Vec<Flow> {
-    text.lines()
-        .filter_map(|line| {
-            // The n-th value of `key=` on the line.
-            let nth = |key: &str, n: usize| line.split_whitespace().filter_map(|w| w.strip_prefix(key)?.strip_prefix('=')).nth(n);
-            Some(Flow {
-                dst: nth("dst", 0)?.parse().ok()?,
-                dport: nth("dport", 0)?.parse().ok()?,
-                reply_src: nth("src", 1)?.parse().ok()?,
-                reply_sport: nth("sport", 1)?.parse().ok()?,
-            })
-        })
-        .collect()
+/// Parses one line of `conntrack -L -p udp` output (the first src/dst/sport/dport are the
+/// original direction, the second the reply).
+pub fn parse_line(line: &str) -> Option<Flow> {
+    // The n-th value of `key=` on the line.
+    let nth = |key: &str, n: usize| line.split_whitespace().filter_map(|w| w.strip_prefix(key)?.strip_prefix('=')).nth(n);
+    Some(Flow {
+        dst: nth("dst", 0)?.parse().ok()?,
+        dport: nth("dport", 0)?.parse().ok()?,
+        reply_src: nth("src", 1)?.parse().ok()?,
+        reply_sport: nth("sport", 1)?.parse().ok()?,
+    })
 }
 
 /// What to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
@@ -56,7 +55,7 @@ pub struct Stale {
 /// external IP, load-balancer IP, or a node address on its NodePort) with endpoints, answered
 /// by something that is not one of its endpoints (a removed endpoint, or nothing translated
 /// at all). Services without endpoints are left alone: their packets are refused anyway.
-pub fn stale(flows: &[Flow], services: &Services, node: &NodeContext) -> BTreeSet<Stale> {
+pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &NodeContext) -> BTreeSet<Stale> {
     // (address, port) -> the endpoints replies may come from.
     let mut frontends: BTreeMap<(Ipv4Addr, u16), BTreeSet<(Ipv4Addr, u16)>> = BTreeMap::new();
     for port in services.values().flatten().filter(|p| p.name.protocol == Protocol::Udp && p.has_endpoints) {
@@ -71,7 +70,7 @@ pub fn stale(flows: &[Flow], services: &Services, node: &NodeContext) -> BTreeSe
         }
     }
     flows
-        .iter()
+        .into_iter()
         .filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport))))
         .map(|f| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport })
         .collect()
@@ -80,8 +79,7 @@ pub fn stale(flows: &[Flow], services: &Services, node: &NodeContext) -> BTreeSe
 /// Deletes the stale UDP flows for `services`. Returns how many (Service address, endpoint)
 /// pairs had flows deleted.
 pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
-    let flows = parse(&run(CONNTRACK, CONNTRACK, &["-L", "-p", "udp"])?);
-    let stale = stale(&flows, services, node);
+    let stale = list_stale(services, node)?;
     for s in &stale {
         let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
         // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
@@ -93,6 +91,32 @@ pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, Netfi
         tracing::info!(service = %format!("{dst}:{dport}/udp"), stale = %format!("{src}:{sport}"), "deleted stale UDP conntrack entries");
     }
     Ok(stale.len())
+}
+
+/// Lists the UDP flows and keeps the stale ones, reading the listing as `conntrack` writes it.
+fn list_stale(services: &Services, node: &NodeContext) -> Result<BTreeSet<Stale>, NetfilterError> {
+    let args = ["-L", "-p", "udp"];
+    let command = || format!("{CONNTRACK} {}", args.join(" "));
+    let mut child = Command::new(CONNTRACK)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetfilterError::Missing { tool: CONNTRACK, package: CONNTRACK, why: e.to_string() })?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    // Its summary line ("... flow entries have been shown") goes to stderr, which stays small;
+    // it is read after stdout ends.
+    let stale = stale(BufReader::new(stdout).lines().map_while(Result::ok).filter_map(|l| parse_line(&l)), services, node);
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut stderr);
+    }
+    let status = child.wait().map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
+    if !status.success() {
+        return Err(NetfilterError::Failed { command: command(), stderr: stderr.trim().to_string() });
+    }
+    Ok(stale)
 }
 
 #[cfg(test)]
@@ -129,7 +153,7 @@ mod tests {
                     udp      17 29 src=10.244.0.2 dst=10.96.0.10 sport=40001 dport=53 [UNREPLIED] src=10.96.0.10 dst=10.244.0.2 sport=53 dport=40001 mark=0 use=1\n\
                     conntrack v1.4.7 (conntrack-tools): 2 flow entries have been shown.\n";
         assert_eq!(
-            parse(text),
+            text.lines().filter_map(parse_line).collect::<Vec<_>>(),
             vec![
                 Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.244.1.3".parse().unwrap(), reply_sport: 5353 },
                 Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.96.0.10".parse().unwrap(), reply_sport: 53 },
@@ -157,9 +181,9 @@ mod tests {
             flow("8.8.8.8", 53, "8.8.8.8", 53),
         ];
         let s = |f: Flow| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport };
-        assert_eq!(stale(&flows, &services, &node), flows[1..5].iter().map(|f| s(*f)).collect::<BTreeSet<_>>());
+        assert_eq!(stale(flows, &services, &node), flows[1..5].iter().map(|f| s(*f)).collect::<BTreeSet<_>>());
         // Without endpoints nothing is stale: the rules refuse those packets.
         let empty = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![], Some(30053))])]);
-        assert!(stale(&flows, &empty, &node).is_empty());
+        assert!(stale(flows, &empty, &node).is_empty());
     }
 }
