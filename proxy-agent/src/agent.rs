@@ -67,6 +67,8 @@ pub struct RunConfig {
     pub devices: Vec<String>,
     pub nodeport_addresses: NodePortAddresses,
     pub xdp: XdpSetting,
+    /// `--cgroup-root`: None: no socket hooks; Some(None): the cgroup v2 root.
+    pub cgroup_root: Option<Option<PathBuf>>,
     pub maglev_size: u32,
     /// North-south SNAT source ports (inclusive).
     pub snat_ports: (u16, u16),
@@ -299,6 +301,23 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
     Ok(())
 }
 
+/// Attaches the socket hooks that serve Services to host-network processes (`--cgroup-root`).
+/// A failure is reported and the agent goes on: pods and outside clients are served all the
+/// same.
+fn serve_host_sockets(cfg: &RunConfig, dp: &mut EbpfDataplane) {
+    let Some(root) = &cfg.cgroup_root else {
+        tracing::info!("--cgroup-root none: host-network processes do not reach Services through this agent");
+        return;
+    };
+    let Some(cgroup) = root.clone().or_else(crate::dataplane::ebpf::hostsock::cgroup2_mount) else {
+        tracing::warn!("no cgroup v2 hierarchy is mounted: host-network processes do not reach Services (mount one, or pass --cgroup-root)");
+        return;
+    };
+    if let Err(e) = dp.serve_host_sockets(&cgroup) {
+        tracing::warn!("{e}; host-network processes do not reach Services");
+    }
+}
+
 async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
     let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
     let external = if cfg.devices.is_empty() {
@@ -342,6 +361,7 @@ async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
             "no interface matches --pod-devices yet; attaching as matching interfaces appear"
         );
     }
+    serve_host_sockets(&cfg, rec.dataplane_mut());
     if rec.dataplane().external_interfaces().is_empty() {
         tracing::warn!(
             devices = ?cfg.devices,

@@ -181,6 +181,11 @@ struct RunArgs {
     /// XDP on external interfaces: native (in the driver), generic, or disabled.
     #[arg(long, value_enum, default_value = "native")]
     xdp: XdpArg,
+    /// The cgroup v2 directory whose processes' sockets in the agent's network namespace
+    /// (host-network processes) reach Services through socket hooks: `auto` (the root of the
+    /// cgroup v2 hierarchy), a path, or `none`.
+    #[arg(long, default_value = "auto")]
+    cgroup_root: String,
     /// Source ports north-south SNAT uses towards each backend, MIN-MAX. Keep it outside the
     /// node's ephemeral port range (net.ipv4.ip_local_port_range) and its listening ports.
     #[arg(long, default_value = "61000-65535", value_parser = parse_port_range)]
@@ -303,6 +308,11 @@ pub fn main() -> ExitCode {
                     XdpArg::Native => XdpSetting::Native,
                     XdpArg::Generic => XdpSetting::Generic,
                     XdpArg::Disabled => XdpSetting::Disabled,
+                },
+                cgroup_root: match a.cgroup_root.as_str() {
+                    "none" => None,
+                    "auto" => Some(None),
+                    path => Some(Some(PathBuf::from(path))),
                 },
                 maglev_size: a.maglev_table_size,
                 snat_ports: a.snat_port_range,

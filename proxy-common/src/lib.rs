@@ -44,10 +44,16 @@ pub mod map_names {
     /// loadBalancerSourceRanges: an LPM trie of (service id, source prefix) a load-balancer
     /// frontend with the `SOURCE_RANGES` flag accepts new flows from.
     pub const SOURCE_RANGES: &str = "LB4_SRCRANGE_V1";
+    /// Host-network sockets translated at connect/sendmsg: (socket cookie, backend) -> the
+    /// Service address their peer must appear as (getpeername, recvmsg).
+    pub const SOCK_REVNAT: &str = "SOCK_REVNAT_V1";
+    /// The network namespace whose sockets the socket hooks serve (one entry: its cookie; 0 is
+    /// none).
+    pub const HOST_NETNS: &str = "HOST_NETNS_V1";
 
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 17] = [
         SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE, SOURCE_RANGES,
+        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, HOST_NETNS,
     ];
 }
 
@@ -69,10 +75,19 @@ pub mod prog_names {
     pub const XDP_BENCH_TX: &str = "proxy_xdp_bench_tx";
     /// XDP_DROP for everything, only loaded by the benchmark as a sink.
     pub const XDP_DROP: &str = "proxy_xdp_drop";
+    /// cgroup socket hooks serving Services to host-network processes.
+    pub const SOCK_CONNECT4: &str = "proxy_sock_connect4";
+    pub const SOCK_SENDMSG4: &str = "proxy_sock_sendmsg4";
+    pub const SOCK_RECVMSG4: &str = "proxy_sock_recvmsg4";
+    pub const SOCK_GETPEERNAME4: &str = "proxy_sock_getpeername4";
+    /// The socket hooks with the attach type each needs.
+    pub const SOCK_HOOKS: [&str; 4] = [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4];
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
 pub mod limits {
+    /// Host-network sockets remembered for getpeername/recvmsg (an LRU).
+    pub const SOCK_REVNAT_MAX: u32 = 65536;
     /// Entries in each load-balancer map (services+slots, backends, reverse NAT, flow counters).
     pub const LB_MAP_MAX: u32 = 65536;
     /// Connection-tracking entries; a connection takes two (one per direction).
@@ -290,6 +305,17 @@ pub struct AffinityValue {
 }
 const _: () = assert!(size_of::<AffinityValue>() == 16);
 
+/// Key of `SOCK_REVNAT_V1` (value: a `RevNat`, the Service address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevKey {
+    pub cookie: u64,
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<SockRevKey>() == 16);
+
 /// The data of a `LB4_SRCRANGE_V1` key (value: a u8, 1). The trie matches its bits in order,
 /// so the prefix length of an entry is 32 (the whole service id) plus the range's.
 #[repr(C, align(4))]
@@ -502,6 +528,12 @@ reasons! {
     /// A new flow to a load-balancer IP from a source outside its loadBalancerSourceRanges:
     /// dropped, as kube-proxy's firewall chain does.
     DropSourceRange = 29 => "drop_source_range",
+    /// A host-network socket's connect (or unconnected UDP send) to a Service, sent straight
+    /// to a backend by the socket hooks (counted per socket or datagram, 0 bytes).
+    HostConnect = 30 => "host_connect",
+    /// A host-network socket's connect or send to a Service without endpoints: refused
+    /// (ECONNREFUSED), as kube-proxy's REJECT.
+    HostReject = 31 => "host_reject",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.

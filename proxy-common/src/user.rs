@@ -26,6 +26,7 @@ unsafe impl aya::Pod for crate::AffinityKey {}
 unsafe impl aya::Pod for crate::AffinityValue {}
 unsafe impl aya::Pod for crate::AffinityMatchKey {}
 unsafe impl aya::Pod for crate::SourceRangeKey {}
+unsafe impl aya::Pod for crate::SockRevKey {}
 unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::TraceResult {}

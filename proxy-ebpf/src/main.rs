@@ -16,13 +16,14 @@ mod north;
 mod parse;
 mod revnat;
 mod select;
+mod sock;
 mod stats;
 mod xdp;
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT,
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::Reason;
 
@@ -70,6 +71,30 @@ fn xdp_ext(ctx: &XdpContext) -> u32 {
     let v = xdp::try_xdp(ctx);
     stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
     v.action
+}
+
+/// connect() of host-network sockets: Services to backends (see `sock`).
+#[cgroup_sock_addr(connect4)]
+pub fn proxy_sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// sendmsg() of unconnected host-network UDP sockets.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn proxy_sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// recvmsg() of unconnected host-network UDP sockets: answers show the Service as sender.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn proxy_sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
+}
+
+/// getpeername() of host-network sockets connected to a Service.
+#[cgroup_sock_addr(getpeername4)]
+pub fn proxy_sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx)
 }
 
 /// Passes every frame. The agent never loads it; the lab attaches it to the far end of veths

@@ -8,7 +8,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
-    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SourceRangeKey, TraceResult,
+    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockRevKey, SourceRangeKey,
+    TraceResult,
     REASON_SLOTS,
 };
 
@@ -83,6 +84,14 @@ pub static LB4_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> 
 /// never preallocated.
 #[btf_map]
 pub static LB4_SRCRANGE_V1: LpmTrie<SourceRangeKey, u8, LB_MAX> = LpmTrie::new();
+
+/// Host-network sockets sent to a backend (see `sock`).
+#[btf_map]
+pub static SOCK_REVNAT_V1: LruHashMap<SockRevKey, RevNat, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+
+/// The cookie of the network namespace the socket hooks serve (0: none).
+#[btf_map]
+pub static HOST_NETNS_V1: Array<u64, 1> = Array::new();
 
 /// External interface index -> the address SNAT puts on flows leaving by it.
 #[btf_map]

@@ -218,7 +218,8 @@ impl Cluster {
         let manifests = self.manifests();
         for node in self.nodes.iter_mut().filter(|n| n.name == name) {
             let root = node.bpffs();
-            let fixed = ["--hostname-override", node.name.as_str(), "--log-level", "debug"];
+            // No socket hooks: these tests are about traffic from outside and from pods.
+            let fixed = ["--hostname-override", node.name.as_str(), "--log-level", "debug", "--cgroup-root", "none"];
             let mut args: Vec<&OsStr> = fixed.iter().map(OsStr::new).collect();
             args.extend([OsStr::new("--manifests"), manifests.as_os_str(), OsStr::new("--bpffs-root"), root.as_os_str()]);
             args.extend(extra.iter().map(OsStr::new));

@@ -56,6 +56,10 @@ pub struct Lab {
     agent: Option<Child>,
     /// `--log-level` of the agent (debug by default, for test failures' logs).
     pub agent_log_level: &'static str,
+    /// The lab's own cgroup (v2), the agent's `--cgroup-root`: host-network processes of the
+    /// lab (`host_ask`) run in it, so the socket hooks touch nothing outside the lab. None: no
+    /// cgroup v2 hierarchy is mounted.
+    pub cgroup: Option<PathBuf>,
 }
 
 impl Lab {
@@ -79,6 +83,10 @@ impl Lab {
         node.ip(&["link", "set", "uplink0", "up"]);
         node.ip(&["link", "set", "uplink1", "up"]);
         node.ip(&["route", "add", "default", "via", "192.168.250.254"]);
+        let cgroup = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount().and_then(|m| {
+            let dir = m.join(format!("proxy-lab-{id}"));
+            fs::create_dir(&dir).ok().map(|()| dir)
+        });
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
             backends: Vec::new(),
@@ -90,6 +98,7 @@ impl Lab {
             agent_bin: agent_bin.into(),
             agent: None,
             agent_log_level: "debug",
+            cgroup,
         };
         for i in 1..=backends {
             let pod = Pod::create(&lab.id, &lab.node, &format!("backend-{i}"), &format!("vethb{i}"), Ipv4Addr::new(10, 244, 1, i as u8));
@@ -155,6 +164,9 @@ impl Lab {
         let root = self.bpffs();
         args.push(std::ffi::OsStr::new("--bpffs-root"));
         args.push(root.as_os_str());
+        let none = PathBuf::from("none");
+        args.push(std::ffi::OsStr::new("--cgroup-root"));
+        args.push(self.cgroup.as_ref().unwrap_or(&none).as_os_str());
         self.agent = Some(spawn_agent(&self.agent_bin, &self.node, &args, &self.log_path()));
     }
 
@@ -252,6 +264,21 @@ impl Lab {
         })
     }
 
+    /// Asks `to` once from a host-network process of the node (in the lab's cgroup): `ok
+    /// <backend> <peer the backend saw> <peer the socket reports>` or `err <kind>` (see
+    /// `proxy-host-client`). `proto`: tcp or udp (unconnected).
+    pub fn host_ask(&self, proto: &str, to: &str) -> String {
+        let cgroup = self.cgroup.as_ref().expect("a cgroup v2 hierarchy (see Lab::cgroup)");
+        let bin = self.agent_bin.with_file_name("proxy-host-client");
+        let netns = format!("/run/netns/{}", self.node.name);
+        let out = Command::new(&bin)
+            .args([cgroup.as_os_str(), std::ffi::OsStr::new(&netns), std::ffi::OsStr::new(proto), std::ffi::OsStr::new(to)])
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
+        assert!(out.status.success(), "{}: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
     pub fn backend_ips(&self) -> Vec<Ipv4Addr> {
         self.backends.iter().map(|b| b.ip).collect()
     }
@@ -268,6 +295,10 @@ impl Drop for Lab {
             unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
         }
         let _ = fs::remove_dir_all(&self.dir);
+        // Empty once the host clients have exited; the hooks' links went with their pins.
+        if let Some(c) = &self.cgroup {
+            let _ = fs::remove_dir(c);
+        }
         // The namespaces (and the veths in them) go when the fields drop.
     }
 }

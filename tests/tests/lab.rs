@@ -269,3 +269,57 @@ fn a_pod_reaching_its_own_service_gets_through_when_it_picks_itself() {
     assert_eq!(from, sock(DNS_VIP).into());
     assert!(a.backend.starts_with("backend-"));
 }
+
+/// A host-network process (in the node's namespace, as a hostNetwork pod or a node daemon)
+/// reaches Services as kube-proxy's OUTPUT chain lets it: the socket hooks send its TCP
+/// connections and unconnected UDP datagrams to backends, and its socket reports the Service
+/// as its peer.
+#[test]
+fn host_network_processes_reach_services_through_the_socket_hooks() {
+    let Some(mut lab) = lab("host_network_processes_reach_services_through_the_socket_hooks") else { return };
+    if lab.cgroup.is_none() {
+        println!("SKIPPED host_network_processes_reach_services_through_the_socket_hooks: no cgroup v2 hierarchy is mounted");
+        return;
+    }
+    let mut backends = BTreeMap::new();
+    for i in 0..15 {
+        let out = lab.host_ask("tcp", WEB_VIP);
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok", "TCP connection {i} from the node: {out}\n{}", lab.agent_log());
+        assert_eq!(f[3], WEB_VIP, "getpeername shows the Service, not the backend");
+        assert!(f[2].starts_with("10.244.0.") || f[2].starts_with("192.168.250.1:"), "the backend saw the node: {out}");
+        *backends.entry(f[1].to_string()).or_insert(0) += 1;
+    }
+    assert!(backends.len() >= 2, "connections from the node are spread over the backends: {backends:?}");
+    for i in 0..5 {
+        let out = lab.host_ask("udp", DNS_VIP);
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok", "UDP query {i} from the node: {out}");
+        assert_eq!(f[3], DNS_VIP, "recvfrom shows the answer as coming from the Service");
+    }
+    // Without endpoints: refused at once, as kube-proxy's REJECT.
+    let start = std::time::Instant::now();
+    assert_eq!(lab.host_ask("tcp", EMPTY_VIP), "err ConnectionRefused");
+    assert!(start.elapsed() < Duration::from_secs(2));
+    let r = lab.inspect().unwrap();
+    assert!(r.counters.get("host_connect").is_some_and(|c| c.packets >= 20), "{:?}", r.counters);
+    assert!(r.counters.get("host_reject").is_some_and(|c| c.packets >= 1), "{:?}", r.counters);
+    // Pods are left to the packet path: nothing of theirs goes through the socket hooks.
+    let before = r.counters.get("host_connect").map(|c| c.packets);
+    tcp_ask(&lab.client.ns, sock(WEB_VIP)).expect("a pod's connection");
+    assert_eq!(lab.inspect().unwrap().counters.get("host_connect").map(|c| c.packets), before);
+
+    // The hooks are pinned: they serve while the agent is down, and a restarted agent replaces
+    // them instead of adding a second set.
+    let hooks = |lab: &Lab| {
+        let cgroup = lab.cgroup.as_ref().unwrap().to_str().unwrap().to_string();
+        netns::sh(&["bpftool", "cgroup", "show", &cgroup]).lines().filter(|l| l.contains("proxy_sock_")).count()
+    };
+    assert_eq!(hooks(&lab), 4, "connect4, sendmsg4, recvmsg4, getpeername4");
+    lab.kill_agent();
+    assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "), "served with the agent down");
+    lab.start_agent();
+    lab.wait_log("socket hooks attached", 2);
+    assert_eq!(hooks(&lab), 4, "the restarted agent's hooks replaced the old ones");
+    assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "));
+}

@@ -2,6 +2,7 @@
 
 pub mod attach;
 pub mod batch;
+pub mod hostsock;
 pub mod ids;
 pub mod lbmaps;
 pub mod loader;
@@ -40,6 +41,8 @@ pub struct EbpfDataplane {
     lb: LbMaps,
     pin_root: Option<PathBuf>,
     attachments: Attachments,
+    /// The socket hooks' links (see `hostsock`).
+    host_sockets: Vec<aya::programs::links::FdLink>,
 }
 
 impl EbpfDataplane {
@@ -54,7 +57,7 @@ impl EbpfDataplane {
         }
         let mut ebpf = loader::load(&options)?;
         let lb = LbMaps::adopt(&mut ebpf, options.lb_map_max, maglev_size)?;
-        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default() };
+        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default(), host_sockets: Vec::new() };
         me.write_config(Config { maglev_size, snat_port_min, snat_port_max })?;
         Ok(me)
     }
@@ -83,6 +86,15 @@ impl EbpfDataplane {
                 Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::IFADDRS, source }),
             },
         }
+    }
+
+    /// Serves Services to the sockets of this network namespace in `cgroup` (and below it) with
+    /// the socket hooks.
+    pub fn serve_host_sockets(&mut self, cgroup: &Path) -> Result<(), hostsock::HostSockError> {
+        if self.host_sockets.is_empty() {
+            self.host_sockets = hostsock::attach(&mut self.ebpf, self.pin_root.as_deref(), cgroup)?;
+        }
+        Ok(())
     }
 
     pub fn maglev(&self) -> &maglev::Maglev {

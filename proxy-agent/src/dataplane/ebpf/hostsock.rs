@@ -1,0 +1,111 @@
+//! Services for host-network processes: the cgroup socket hooks (`proxy-ebpf/src/sock.rs`)
+//! attached to a cgroup v2 directory, acting on the sockets of the agent's own network
+//! namespace (the host's, for a hostNetwork DaemonSet).
+
+use std::{
+    fs, io,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, MapData},
+    programs::{links::FdLink, CgroupAttachMode, CgroupSockAddr},
+    Ebpf,
+};
+use proxy_common::{map_names, prog_names};
+
+use super::loader::links_dir;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostSockError {
+    #[error("reading this network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+): {0}")]
+    Cookie(io::Error),
+    #[error("opening cgroup {path} (a cgroup v2 directory is needed; --cgroup-root none turns the socket hooks off): {source}")]
+    Cgroup { path: String, source: io::Error },
+    #[error("{program}: {detail}")]
+    Program { program: &'static str, detail: String },
+}
+
+/// The cookie the kernel gives this thread's network namespace.
+fn netns_cookie() -> Result<u64, HostSockError> {
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(HostSockError::Cookie(io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh fd of ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into a u64 of the size given.
+    let r = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &mut len) };
+    if r != 0 {
+        return Err(HostSockError::Cookie(io::Error::last_os_error()));
+    }
+    Ok(cookie)
+}
+
+/// An error with its sources (aya's say which call failed; the source says why).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(c) = source {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        source = c.source();
+    }
+    s
+}
+
+/// The mount point of the cgroup v2 hierarchy, from /proc/self/mounts.
+pub fn cgroup2_mount() -> Option<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts.lines().find_map(|l| {
+        let mut f = l.split_whitespace();
+        let (_, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+        (fstype == "cgroup2").then(|| PathBuf::from(dir))
+    })
+}
+
+fn pin_path(root: &Path, program: &str) -> PathBuf {
+    links_dir(root).join(format!("cgroup_{program}"))
+}
+
+/// Attaches the socket hooks to `cgroup` for the sockets of this network namespace. A link a
+/// previous run pinned stays attached until the new one is (both act the same way, and a
+/// second translation finds no Service in a backend's address), then it is replaced. Returns
+/// the links: without a pin root, the hooks detach when they drop.
+pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec<FdLink>, HostSockError> {
+    let cookie = netns_cookie()?;
+    let map = ebpf.map_mut(map_names::HOST_NETNS).expect("the object defines the host netns map");
+    let mut array: Array<&mut MapData, u64> =
+        Array::try_from(map).map_err(|e| HostSockError::Program { program: map_names::HOST_NETNS, detail: e.to_string() })?;
+    array.set(0, cookie, 0).map_err(|e| HostSockError::Program { program: map_names::HOST_NETNS, detail: e.to_string() })?;
+    let dir = fs::File::open(cgroup).map_err(|source| HostSockError::Cgroup { path: cgroup.display().to_string(), source })?;
+    let mut links = Vec::new();
+    for program in prog_names::SOCK_HOOKS {
+        let err = |detail: String| HostSockError::Program { program, detail };
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(program)
+            .unwrap_or_else(|| panic!("the object defines {program}"))
+            .try_into()
+            .unwrap_or_else(|_| panic!("{program} is a cgroup sock_addr program"));
+        prog.load().map_err(|e| err(format!("loading: {e}")))?;
+        // A BPF link: the kernel runs it beside other programs of the cgroup whatever the mode,
+        // and takes no attach flags with it.
+        let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
+        let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+        if let Some(root) = root {
+            let path = pin_path(root, program);
+            // The previous run's link goes with its pin (nothing else holds it).
+            let _ = fs::remove_file(&path);
+            let pinned = link.pin(&path).map_err(|e| err(format!("pinning {}: {e}", path.display())))?;
+            links.push(FdLink::from(pinned));
+        } else {
+            links.push(link);
+        }
+    }
+    tracing::info!(cgroup = %cgroup.display(), netns_cookie = cookie, "socket hooks attached: host-network processes reach Services");
+    Ok(links)
+}

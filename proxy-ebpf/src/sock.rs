@@ -1,0 +1,131 @@
+//! Services for host-network processes: cgroup socket hooks. A process in the host's network
+//! namespace (a hostNetwork pod, a node daemon) sends its packets out of the node, past the
+//! pod-facing TC hooks, so its Service traffic is translated where the socket names its peer,
+//! as kube-proxy's OUTPUT chain does for it: `connect` (TCP, and connected UDP) and `sendmsg`
+//! (unconnected UDP) get a backend's address instead of the Service's, and `getpeername` and
+//! `recvmsg` give the Service's back. Other namespaces are left to the TC hooks: the hooks act
+//! only on sockets of the namespace in `HOST_NETNS_V1`.
+//!
+//! Backends are chosen as for pods (the internal scope, ClientIP affinity with the node as one
+//! client). Frontends with loadBalancerSourceRanges are left to the packet path, which judges
+//! the real source address. Without endpoints the call fails with ECONNREFUSED.
+
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::{
+    ct,
+    lb::count_flow,
+    maps::{HOST_NETNS_V1, SOCK_REVNAT_V1},
+    parse::{Frag, Packet},
+    select, stats,
+};
+
+/// What a socket hook returns to let the call go on.
+const PROCEED: i32 = 1;
+/// What it returns to fail the call (with the error `bpf_set_retval` gave).
+const REFUSE: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+/// True when the socket belongs to the host's network namespace.
+#[inline(always)]
+fn in_host_netns(ctx: &SockAddrContext) -> bool {
+    let Some(host) = HOST_NETNS_V1.get(0) else { return false };
+    // SAFETY: plain helper call on our own context.
+    *host != 0 && unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) } == *host
+}
+
+/// The socket's IP protocol, if Services have it.
+#[inline(always)]
+fn protocol(ctx: &SockAddrContext) -> Option<u8> {
+    // SAFETY: a field of our own context.
+    let p = unsafe { (*ctx.sock_addr).protocol } as u8;
+    (p == IPPROTO_TCP || p == IPPROTO_UDP).then_some(p)
+}
+
+/// The address the call names: (address, port), both as the packet would carry them.
+#[inline(always)]
+fn peer(ctx: &SockAddrContext) -> ([u8; 4], [u8; 2]) {
+    // SAFETY: fields of our own context; both hold network byte order (the port in the low
+    // 16 bits).
+    unsafe { ((*ctx.sock_addr).user_ip4.to_ne_bytes(), ((*ctx.sock_addr).user_port as u16).to_ne_bytes()) }
+}
+
+#[inline(always)]
+fn set_peer(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) {
+    // SAFETY: 4-byte writes to the two fields the hook may write.
+    unsafe {
+        (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(addr);
+        (*ctx.sock_addr).user_port = u32::from(u16::from_ne_bytes(port));
+    }
+}
+
+#[inline(always)]
+fn rev_key(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) -> SockRevKey {
+    // SAFETY: plain helper call on our own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    SockRevKey { cookie, addr, port, _pad: [0; 2] }
+}
+
+/// `connect` and `sendmsg`: a Service address becomes one of its backends'.
+#[inline(always)]
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    if !in_host_netns(ctx) {
+        return PROCEED;
+    }
+    let Some(proto) = protocol(ctx) else { return PROCEED };
+    let (vip, vport) = peer(ctx);
+    let mut key = ServiceKey::new(vip, vport, proto, 0);
+    let Some(master) = select::service(&key) else { return PROCEED };
+    if master.flags & svc_flags::SOURCE_RANGES != 0 {
+        return PROCEED;
+    }
+    let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
+    if master.count == 0 {
+        stats::count(Reason::HostReject, 0);
+        // SAFETY: plain helper call; the hook's return value then fails the call with it.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return REFUSE;
+    }
+    // The node is one client (its source address is not chosen yet).
+    let pkt = Packet {
+        l4_off: 0,
+        proto,
+        saddr: [0; 4],
+        daddr: vip,
+        sport: [0; 2],
+        dport: vport,
+        tcp_flags: 0,
+        ip_id: [0; 2],
+        tot_len: [0; 2],
+        ttl: 0,
+        frag: Frag::Whole,
+    };
+    let Ok(choice) = select::choose(&pkt, &key, &master, ct::now(), true) else { return PROCEED };
+    let be = choice.backend;
+    let rn = RevNat { addr: vip, port: vport, _pad: [0; 2] };
+    // A full LRU evicts; at worst getpeername shows the backend.
+    let _ = SOCK_REVNAT_V1.insert(&rev_key(ctx, be.addr, be.port), &rn, BPF_ANY as u64);
+    set_peer(ctx, be.addr, be.port);
+    count_flow(choice.id);
+    stats::count(Reason::HostConnect, 0);
+    PROCEED
+}
+
+/// `getpeername` and `recvmsg`: a backend this socket was sent to shows as its Service.
+#[inline(always)]
+pub fn restore(ctx: &SockAddrContext) -> i32 {
+    if !in_host_netns(ctx) || protocol(ctx).is_none() {
+        return PROCEED;
+    }
+    let (addr, port) = peer(ctx);
+    // SAFETY: the value is copied out at once.
+    if let Some(rn) = SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, addr, port)).map(|p| unsafe { *p }) {
+        set_peer(ctx, rn.addr, rn.port);
+    }
+    PROCEED
+}
