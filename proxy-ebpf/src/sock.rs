@@ -7,20 +7,23 @@
 //! only on sockets of the namespace in `HOST_NETNS_V1`.
 //!
 //! Backends are chosen as for pods (the internal scope, ClientIP affinity with the node as one
-//! client). Frontends with loadBalancerSourceRanges are left to the packet path, which judges
-//! the real source address. Without endpoints the call fails with ECONNREFUSED.
+//! client). Without endpoints the call fails with ECONNREFUSED. A load-balancer IP with
+//! loadBalancerSourceRanges admits the node when a range holds one of its addresses (then the
+//! agent lists the load-balancer IP itself among the ranges, as kube-proxy allows); otherwise
+//! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets.
 
 use aya_ebpf::{
     bindings::BPF_ANY,
+    btf_maps::lpm_trie::Key,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockRevKey, SourceRangeKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,
     lb::count_flow,
-    maps::{HOST_NETNS_V1, SOCK_REVNAT_V1},
+    maps::{HOST_NETNS_V1, LB4_SRCRANGE_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
     select, stats,
 };
@@ -30,6 +33,16 @@ const PROCEED: i32 = 1;
 /// What it returns to fail the call (with the error `bpf_set_retval` gave).
 const REFUSE: i32 = 0;
 const ECONNREFUSED: i32 = 111;
+const EPERM: i32 = 1;
+
+/// Fails the call with `errno`, counted under `reason`.
+#[inline(always)]
+fn refuse(reason: Reason, errno: i32) -> i32 {
+    stats::count(reason, 0);
+    // SAFETY: plain helper call; the hook's return value then fails the call with it.
+    unsafe { bpf_set_retval(-errno) };
+    REFUSE
+}
 
 /// True when the socket belongs to the host's network namespace.
 #[inline(always)]
@@ -82,14 +95,14 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let mut key = ServiceKey::new(vip, vport, proto, 0);
     let Some(master) = select::service(&key) else { return PROCEED };
     if master.flags & svc_flags::SOURCE_RANGES != 0 {
-        return PROCEED;
+        let node = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id: master.service_id, addr: vip });
+        if LB4_SRCRANGE_V1.get(&node).is_none() {
+            return refuse(Reason::DropSourceRange, EPERM);
+        }
     }
     let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
     if master.count == 0 {
-        stats::count(Reason::HostReject, 0);
-        // SAFETY: plain helper call; the hook's return value then fails the call with it.
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
-        return REFUSE;
+        return refuse(Reason::HostReject, ECONNREFUSED);
     }
     // The node is one client (its source address is not chosen yet).
     let pkt = Packet {

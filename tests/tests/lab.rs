@@ -301,7 +301,25 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     let start = std::time::Instant::now();
     assert_eq!(lab.host_ask("tcp", EMPTY_VIP), "err ConnectionRefused");
     assert!(start.elapsed() < Duration::from_secs(2));
+    // Load balancers with source ranges: the node gets through when a range holds its address
+    // (kube-proxy admits the load balancer's own address then), and is refused otherwise.
+    let lb = |name: &str, ip: &str, ranges: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: {}\n  loadBalancerSourceRanges: [{ranges}]\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: {}}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: {ip}}}]}}}}\n---\n{}",
+            if name == "lb-open" { "10.96.0.71" } else { "10.96.0.72" },
+            if name == "lb-open" { 30071 } else { 30072 },
+            lab::endpoint_slice(name, &format!("{name}-1"), &lab.backend_ips(), &[("http", 8080, "TCP")]),
+        )
+    };
+    lab.write_manifest("lb-open.yaml", &lb("lb-open", "203.0.113.71", "192.168.250.0/24"));
+    lab.write_manifest("lb-closed.yaml", &lb("lb-closed", "203.0.113.72", "198.51.100.0/24"));
+    lab.wait_programmed("203.0.113.72:80", "TCP", 3);
+    lab.wait_programmed("203.0.113.71:80", "TCP", 3);
+    let out = lab.host_ask("tcp", "203.0.113.71:80");
+    assert!(out.starts_with("ok ") && out.ends_with(" 203.0.113.71:80"), "a range holds the node: {out}");
+    assert_eq!(lab.host_ask("tcp", "203.0.113.72:80"), "err PermissionDenied", "no range holds the node");
     let r = lab.inspect().unwrap();
+    assert!(r.counters.get("drop_source_range").is_some_and(|c| c.packets >= 1), "{:?}", r.counters);
     assert!(r.counters.get("host_connect").is_some_and(|c| c.packets >= 20), "{:?}", r.counters);
     assert!(r.counters.get("host_reject").is_some_and(|c| c.packets >= 1), "{:?}", r.counters);
     // Pods are left to the packet path: nothing of theirs goes through the socket hooks.
