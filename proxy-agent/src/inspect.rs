@@ -28,6 +28,8 @@ pub struct Report {
     pub interfaces: BTreeMap<u32, String>,
     /// External interfaces: a pinned external tc ingress link, and whether XDP is attached.
     pub external_interfaces: BTreeMap<u32, ExternalInterface>,
+    /// Socket hooks with a pinned link (host-network processes reach Services through them).
+    pub socket_hooks: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -209,8 +211,13 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     let mut interfaces = BTreeMap::new();
     let mut external_interfaces = BTreeMap::new();
     let mut with_xdp = BTreeSet::new();
+    let mut socket_hooks = Vec::new();
     if let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) {
         for e in dir.flatten() {
+            if let Some(hook) = e.file_name().to_str().and_then(|n| n.strip_prefix(crate::dataplane::ebpf::hostsock::PIN_PREFIX)) {
+                socket_hooks.push(hook.trim_start_matches("proxy_sock_").to_string());
+                continue;
+            }
             match e.file_name().to_str().and_then(attach::parse_pin_hook) {
                 Some(("tc_ingress_", idx, name)) => {
                     interfaces.insert(idx, name);
@@ -228,7 +235,8 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     for (idx, e) in external_interfaces.iter_mut() {
         e.xdp = with_xdp.contains(idx);
     }
-    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces, external_interfaces })
+    socket_hooks.sort();
+    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces, external_interfaces, socket_hooks })
 }
 
 /// The report for people.
@@ -306,6 +314,9 @@ pub fn render(r: &Report) -> String {
             let _ = write!(s, " {}({idx}){}", e.name, if e.xdp { " +xdp" } else { "" });
         }
         s.push('\n');
+    }
+    if !r.socket_hooks.is_empty() {
+        let _ = writeln!(s, "Host sockets: {} (host-network processes reach Services)", r.socket_hooks.join(", "));
     }
     s
 }

@@ -334,6 +334,7 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
         netns::sh(&["bpftool", "cgroup", "show", &cgroup]).lines().filter(|l| l.contains("proxy_sock_")).count()
     };
     assert_eq!(hooks(&lab), 4, "connect4, sendmsg4, recvmsg4, getpeername4");
+    assert_eq!(lab.inspect().unwrap().socket_hooks, ["connect4", "getpeername4", "recvmsg4", "sendmsg4"], "inspect lists them");
     lab.kill_agent();
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "), "served with the agent down");
     lab.start_agent();

@@ -68,8 +68,11 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
     })
 }
 
+/// Link pins of the socket hooks are `<PIN_PREFIX><program>`.
+pub const PIN_PREFIX: &str = "cgroup_";
+
 fn pin_path(root: &Path, program: &str) -> PathBuf {
-    links_dir(root).join(format!("cgroup_{program}"))
+    links_dir(root).join(format!("{PIN_PREFIX}{program}"))
 }
 
 /// Attaches the socket hooks to `cgroup` for the sockets of this network namespace. A link a
