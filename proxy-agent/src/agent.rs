@@ -305,16 +305,32 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
 /// A failure is reported and the agent goes on: pods and outside clients are served all the
 /// same.
 fn serve_host_sockets(cfg: &RunConfig, dp: &mut EbpfDataplane) {
+    use crate::dataplane::ebpf::hostsock;
     let Some(root) = &cfg.cgroup_root else {
-        tracing::info!("--cgroup-root none: host-network processes do not reach Services through this agent");
+        let removed = dp.stop_serving_host_sockets();
+        tracing::info!(removed_hooks = removed, "--cgroup-root none: host-network processes do not reach Services through this agent");
         return;
     };
-    let Some(cgroup) = root.clone().or_else(crate::dataplane::ebpf::hostsock::cgroup2_mount) else {
-        tracing::warn!("no cgroup v2 hierarchy is mounted: host-network processes do not reach Services (mount one, or pass --cgroup-root)");
-        return;
+    let cgroup = match root {
+        Some(path) => path.clone(),
+        None if !hostsock::in_host_cgroup_namespace() => {
+            tracing::warn!(
+                "the agent runs in a cgroup namespace of its own (a container): the cgroup v2 hierarchy it sees is its \
+                 own container's, so host-network processes would not be served. Mount the host's (hostPath /sys/fs/cgroup) \
+                 and pass it as --cgroup-root"
+            );
+            return;
+        }
+        None => match hostsock::cgroup2_mount() {
+            Some(m) => m,
+            None => {
+                tracing::warn!("no cgroup v2 hierarchy is mounted: host-network processes do not reach Services (mount one, or pass --cgroup-root)");
+                return;
+            }
+        },
     };
     if let Err(e) = dp.serve_host_sockets(&cgroup) {
-        tracing::warn!("{e}; host-network processes do not reach Services");
+        tracing::warn!("{e}; host-network processes are served only by hooks a previous run left attached, if any");
     }
 }
 

@@ -47,13 +47,16 @@ pub mod map_names {
     /// Host-network sockets translated at connect/sendmsg: (socket cookie, backend) -> the
     /// Service address their peer must appear as (getpeername, recvmsg).
     pub const SOCK_REVNAT: &str = "SOCK_REVNAT_V1";
+    /// Unconnected host-network UDP sockets: (socket cookie, Service address) -> the backend
+    /// its datagrams go to, so a socket keeps one backend per Service as conntrack keeps it.
+    pub const SOCK_FWD: &str = "SOCK_FWD_V1";
     /// The network namespace whose sockets the socket hooks serve (one entry: its cookie; 0 is
     /// none).
     pub const HOST_NETNS: &str = "HOST_NETNS_V1";
 
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, HOST_NETNS,
+        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS,
     ];
 }
 
@@ -316,6 +319,17 @@ pub struct SockRevKey {
 }
 const _: () = assert!(size_of::<SockRevKey>() == 16);
 
+/// Value of `SOCK_FWD_V1` (keyed by a `SockRevKey` holding the Service address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockFwd {
+    pub backend_id: u32,
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(size_of::<SockFwd>() == 12);
+
 /// The data of a `LB4_SRCRANGE_V1` key (value: a u8, 1). The trie matches its bits in order,
 /// so the prefix length of an entry is 32 (the whole service id) plus the range's.
 #[repr(C, align(4))]
@@ -528,8 +542,9 @@ reasons! {
     /// A new flow to a load-balancer IP from a source outside its loadBalancerSourceRanges:
     /// dropped, as kube-proxy's firewall chain does.
     DropSourceRange = 29 => "drop_source_range",
-    /// A host-network socket's connect (or unconnected UDP send) to a Service, sent straight
-    /// to a backend by the socket hooks (counted per socket or datagram, 0 bytes).
+    /// A host-network socket's connect (or an unconnected UDP socket's first send) to a
+    /// Service, sent straight to a backend by the socket hooks (counted once per socket and
+    /// Service, 0 bytes).
     HostConnect = 30 => "host_connect",
     /// A host-network socket's connect or send to a Service without endpoints: refused
     /// (ECONNREFUSED), as kube-proxy's REJECT.

@@ -27,6 +27,7 @@ unsafe impl aya::Pod for crate::AffinityValue {}
 unsafe impl aya::Pod for crate::AffinityMatchKey {}
 unsafe impl aya::Pod for crate::SourceRangeKey {}
 unsafe impl aya::Pod for crate::SockRevKey {}
+unsafe impl aya::Pod for crate::SockFwd {}
 unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::TraceResult {}

@@ -8,7 +8,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
-    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockRevKey, SourceRangeKey,
+    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey,
     TraceResult,
     REASON_SLOTS,
 };
@@ -88,6 +88,10 @@ pub static LB4_SRCRANGE_V1: LpmTrie<SourceRangeKey, u8, LB_MAX> = LpmTrie::new()
 /// Host-network sockets sent to a backend (see `sock`).
 #[btf_map]
 pub static SOCK_REVNAT_V1: LruHashMap<SockRevKey, RevNat, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+
+/// Unconnected host-network UDP sockets: their backend per Service (see `sock`).
+#[btf_map]
+pub static SOCK_FWD_V1: LruHashMap<SockRevKey, SockFwd, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
 
 /// The cookie of the network namespace the socket hooks serve (0: none).
 #[btf_map]

@@ -7,7 +7,10 @@
 //! only on sockets of the namespace in `HOST_NETNS_V1`.
 //!
 //! Backends are chosen as for pods (the internal scope, ClientIP affinity with the node as one
-//! client). Without endpoints the call fails with ECONNREFUSED. A load-balancer IP with
+//! client, Maglev by socket), and an unconnected UDP socket keeps its backend per Service while
+//! that backend is there, as conntrack keeps a UDP flow's. Without endpoints the call fails
+//! with ECONNREFUSED (or EPERM where kube-proxy drops: a Local policy without a local
+//! endpoint). A load-balancer IP with
 //! loadBalancerSourceRanges admits the node when a range holds one of its addresses (then the
 //! agent lists the load-balancer IP itself among the ranges, as kube-proxy allows); otherwise
 //! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets.
@@ -18,12 +21,12 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockRevKey, SourceRangeKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockFwd, SockRevKey, SourceRangeKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,
     lb::count_flow,
-    maps::{HOST_NETNS_V1, LB4_SRCRANGE_V1, SOCK_REVNAT_V1},
+    maps::{HOST_NETNS_V1, LB4_SRCRANGE_V1, SOCK_FWD_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
     select, stats,
 };
@@ -102,15 +105,32 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     }
     let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
     if master.count == 0 {
+        if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
+            return refuse(Reason::DropNoLocalEndpoints, EPERM);
+        }
         return refuse(Reason::HostReject, ECONNREFUSED);
     }
-    // The node is one client (its source address is not chosen yet).
+    // An unconnected UDP socket's next datagram to this Service: the backend of the last one,
+    // if its id still names it (as the TC path checks a tracked flow's).
+    let fwd_key = rev_key(ctx, vip, vport);
+    if proto == IPPROTO_UDP {
+        // SAFETY: the value is copied out at once.
+        if let Some(f) = SOCK_FWD_V1.get_ptr(&fwd_key).map(|p| unsafe { *p }) {
+            if select::backend(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
+                set_peer(ctx, f.addr, f.port);
+                return PROCEED;
+            }
+        }
+    }
+    // The node is one client for affinity (its source address is not chosen yet); Maglev
+    // hashes the socket's cookie in the source port's place, so sockets spread.
+    let cookie = fwd_key.cookie;
     let pkt = Packet {
         l4_off: 0,
         proto,
         saddr: [0; 4],
         daddr: vip,
-        sport: [0; 2],
+        sport: ((cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16).to_ne_bytes(),
         dport: vport,
         tcp_flags: 0,
         ip_id: [0; 2],
@@ -121,8 +141,13 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let Ok(choice) = select::choose(&pkt, &key, &master, ct::now(), true) else { return PROCEED };
     let be = choice.backend;
     let rn = RevNat { addr: vip, port: vport, _pad: [0; 2] };
-    // A full LRU evicts; at worst getpeername shows the backend.
+    // A full LRU evicts; at worst getpeername shows the backend, or a UDP socket's next
+    // datagram picks a backend afresh.
     let _ = SOCK_REVNAT_V1.insert(&rev_key(ctx, be.addr, be.port), &rn, BPF_ANY as u64);
+    if proto == IPPROTO_UDP {
+        let f = SockFwd { backend_id: choice.id, addr: be.addr, port: be.port, _pad: [0; 2] };
+        let _ = SOCK_FWD_V1.insert(&fwd_key, &f, BPF_ANY as u64);
+    }
     set_peer(ctx, be.addr, be.port);
     count_flow(choice.id);
     stats::count(Reason::HostConnect, 0);

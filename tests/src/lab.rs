@@ -83,9 +83,10 @@ impl Lab {
         node.ip(&["link", "set", "uplink0", "up"]);
         node.ip(&["link", "set", "uplink1", "up"]);
         node.ip(&["route", "add", "default", "via", "192.168.250.254"]);
-        let cgroup = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount().and_then(|m| {
+        let cgroup = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount().map(|m| {
             let dir = m.join(format!("proxy-lab-{id}"));
-            fs::create_dir(&dir).ok().map(|()| dir)
+            fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the lab's cgroup {}: {e}", dir.display()));
+            dir
         });
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
@@ -147,6 +148,14 @@ impl Lab {
         self.start_agent_with(&[std::ffi::OsStr::new("--manifests"), dir.as_os_str()]);
     }
 
+    /// Starts the agent on the manifest directory with `extra` flags.
+    pub fn start_agent_with_extra(&mut self, extra: &[&str]) {
+        let dir = self.manifests();
+        let mut args = vec![std::ffi::OsStr::new("--manifests"), dir.as_os_str()];
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        self.start_agent_with(&args);
+    }
+
     /// Starts the agent against an API server through `kubeconfig`, with `extra` flags.
     pub fn start_agent_kube(&mut self, kubeconfig: &Path, extra: &[&str]) {
         let mut args = vec![std::ffi::OsStr::new("--kubeconfig"), kubeconfig.as_os_str()];
@@ -165,8 +174,10 @@ impl Lab {
         args.push(std::ffi::OsStr::new("--bpffs-root"));
         args.push(root.as_os_str());
         let none = PathBuf::from("none");
-        args.push(std::ffi::OsStr::new("--cgroup-root"));
-        args.push(self.cgroup.as_ref().unwrap_or(&none).as_os_str());
+        if !source.iter().any(|a| *a == "--cgroup-root") {
+            args.push(std::ffi::OsStr::new("--cgroup-root"));
+            args.push(self.cgroup.as_ref().unwrap_or(&none).as_os_str());
+        }
         self.agent = Some(spawn_agent(&self.agent_bin, &self.node, &args, &self.log_path()));
     }
 

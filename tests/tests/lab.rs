@@ -315,8 +315,14 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     lab.write_manifest("lb-closed.yaml", &lb("lb-closed", "203.0.113.72", "198.51.100.0/24"));
     lab.wait_programmed("203.0.113.72:80", "TCP", 3);
     lab.wait_programmed("203.0.113.71:80", "TCP", 3);
-    let out = lab.host_ask("tcp", "203.0.113.71:80");
-    assert!(out.starts_with("ok ") && out.ends_with(" 203.0.113.71:80"), "a range holds the node: {out}");
+    let mut lb_backends = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        let out = lab.host_ask("tcp", "203.0.113.71:80");
+        assert!(out.starts_with("ok ") && out.ends_with(" 203.0.113.71:80"), "a range holds the node: {out}");
+        lb_backends.insert(out.split_whitespace().nth(1).unwrap_or("").to_string());
+    }
+    // A load balancer selects with Maglev, which hashes each socket apart.
+    assert!(lb_backends.len() >= 2, "connections from the node to a load balancer spread: {lb_backends:?}");
     assert_eq!(lab.host_ask("tcp", "203.0.113.72:80"), "err PermissionDenied", "no range holds the node");
     let r = lab.inspect().unwrap();
     assert!(r.counters.get("drop_source_range").is_some_and(|c| c.packets >= 1), "{:?}", r.counters);
@@ -339,6 +345,19 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "), "served with the agent down");
     lab.start_agent();
     lab.wait_log("socket hooks attached", 2);
+    // An unpinned link is freed after an RCU grace period: give it a moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while hooks(&lab) != 4 && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(hooks(&lab), 4, "the restarted agent's hooks replaced the old ones");
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "));
+    // An unconnected UDP socket keeps its backend per Service, as conntrack keeps a flow's.
+    let out = lab.host_ask("udp-many", DNS_VIP);
+    assert!(out.starts_with("ok ") && out.split_whitespace().nth(1).is_some_and(|n| n.parse::<usize>() == Ok(1)), "one backend for one socket: {out}");
+    // --cgroup-root none takes the hooks away, a previous run's pinned ones too.
+    lab.stop_agent();
+    lab.start_agent_with_extra(&["--cgroup-root", "none"]);
+    lab.wait_log("--cgroup-root none", 1);
+    assert_eq!(hooks(&lab), 0, "no hooks left");
 }

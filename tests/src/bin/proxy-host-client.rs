@@ -3,7 +3,9 @@
 //! cgroup holds whole processes).
 //!
 //! `proxy-host-client CGROUP_DIR NETNS_FILE tcp|udp ADDR:PORT` prints
-//! `ok <backend> <peer the backend saw> <peer this socket reports>` or `err <io::ErrorKind>`.
+//! `ok <backend> <peer the backend saw> <peer this socket reports>` or `err <io::ErrorKind>`;
+//! `udp-many` sends 10 datagrams from one unconnected socket and prints `ok <how many backends
+//! answered> <their names>`.
 
 use std::{
     fs,
@@ -44,7 +46,27 @@ fn main() {
     let ns = fs::File::open(netns).expect("open the network namespace");
     // SAFETY: setns on a valid namespace fd; this process is single-threaded here.
     assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns: {}", std::io::Error::last_os_error());
-    match ask(proto, to.parse().expect("ADDR:PORT")) {
+    let to: SocketAddr = to.parse().expect("ADDR:PORT");
+    if proto == "udp-many" {
+        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        s.set_read_timeout(Some(TIMEOUT)).expect("timeout");
+        let mut names = std::collections::BTreeSet::new();
+        for _ in 0..10 {
+            let mut buf = [0u8; 512];
+            match s.send_to(b"hello", to).and_then(|_| s.recv_from(&mut buf)) {
+                Ok((n, _)) => {
+                    names.insert(String::from_utf8_lossy(&buf[..n]).split_whitespace().next().unwrap_or("").to_string());
+                }
+                Err(e) => {
+                    println!("err {:?}", e.kind());
+                    return;
+                }
+            }
+        }
+        println!("ok {} {}", names.len(), names.into_iter().collect::<Vec<_>>().join(" "));
+        return;
+    }
+    match ask(proto, to) {
         Ok((answer, peer)) => println!("ok {answer} {peer}"),
         Err(e) => println!("err {:?}", e.kind()),
     }

@@ -58,6 +58,34 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The inode number of the initial cgroup namespace (the kernel's fixed
+/// PROC_CGROUP_INIT_INO).
+const INIT_CGROUP_NS_INO: u64 = 0xEFFF_FFFB;
+
+/// True when this process sees the host's cgroup hierarchy. In a cgroup namespace of its own
+/// (a container under cgroup v2), the hierarchy mounted at /sys/fs/cgroup is only the
+/// container's cgroup: hooks attached there would serve the agent's own sockets alone.
+pub fn in_host_cgroup_namespace() -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    fs::metadata("/proc/self/ns/cgroup").map(|m| m.ino() == INIT_CGROUP_NS_INO).unwrap_or(true)
+}
+
+/// Removes the socket hooks' link pins (detaching them) and clears the namespace they serve:
+/// `--cgroup-root none` after a run that had them.
+pub fn detach(ebpf: &mut Ebpf, root: Option<&Path>) -> usize {
+    if let Some(map) = ebpf.map_mut(map_names::HOST_NETNS) {
+        if let Ok(mut array) = Array::<&mut MapData, u64>::try_from(map) {
+            let _ = array.set(0, 0, 0);
+        }
+    }
+    let Some(root) = root else { return 0 };
+    let Ok(dir) = fs::read_dir(links_dir(root)) else { return 0 };
+    dir.flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(PIN_PREFIX)))
+        .filter(|e| fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
 /// The mount point of the cgroup v2 hierarchy, from /proc/self/mounts.
 pub fn cgroup2_mount() -> Option<PathBuf> {
     let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
@@ -100,10 +128,14 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
         let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
         let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
         if let Some(root) = root {
+            // Pinned beside the previous run's link, then moved over its pin: that link goes
+            // with it (nothing else holds it), and only once this one is pinned.
             let path = pin_path(root, program);
-            // The previous run's link goes with its pin (nothing else holds it).
-            let _ = fs::remove_file(&path);
-            let pinned = link.pin(&path).map_err(|e| err(format!("pinning {}: {e}", path.display())))?;
+            // (bpffs names may not hold a dot.)
+            let fresh = path.with_file_name(format!("{PIN_PREFIX}{program}_new"));
+            let _ = fs::remove_file(&fresh);
+            let pinned = link.pin(&fresh).map_err(|e| err(format!("pinning {}: {e}", fresh.display())))?;
+            fs::rename(&fresh, &path).map_err(|e| err(format!("renaming {} to {}: {e}", fresh.display(), path.display())))?;
             links.push(FdLink::from(pinned));
         } else {
             links.push(link);

@@ -14,7 +14,7 @@ use aya::{
 };
 use proxy_common::{
     limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config,
-    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockRevKey, SourceRangeKey, TraceResult,
+    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -121,6 +121,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::TRACE => (MapType::Array, size_of::<u32>(), size_of::<TraceResult>()),
         map_names::SOURCE_RANGES => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey>(), size_of::<u8>()),
         map_names::SOCK_REVNAT => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<RevNat>()),
+        map_names::SOCK_FWD => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockFwd>()),
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         other => unreachable!("unknown map {other}"),
     }

@@ -97,6 +97,13 @@ impl EbpfDataplane {
         Ok(())
     }
 
+    /// Detaches the socket hooks, this run's and any a previous run pinned. Returns how many
+    /// pinned links were removed.
+    pub fn stop_serving_host_sockets(&mut self) -> usize {
+        self.host_sockets.clear();
+        hostsock::detach(&mut self.ebpf, self.pin_root.as_deref())
+    }
+
     pub fn maglev(&self) -> &maglev::Maglev {
         self.lb.maglev()
     }
