@@ -12,10 +12,9 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead as _, BufReader, Read as _},
     net::Ipv4Addr,
-    process::{Command, Stdio},
 };
 
-use super::{run, NetfilterError, NodeContext, Services};
+use super::{run, spawn, NetfilterError, NodeContext, Services};
 use crate::model::Protocol;
 
 const CONNTRACK: &str = "conntrack";
@@ -97,13 +96,7 @@ pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, Netfi
 fn list_stale(services: &Services, node: &NodeContext) -> Result<BTreeSet<Stale>, NetfilterError> {
     let args = ["-L", "-p", "udp"];
     let command = || format!("{CONNTRACK} {}", args.join(" "));
-    let mut child = Command::new(CONNTRACK)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| NetfilterError::Missing { tool: CONNTRACK, package: CONNTRACK, why: e.to_string() })?;
+    let mut child = spawn(CONNTRACK, CONNTRACK, &args, false)?;
     let stdout = child.stdout.take().expect("piped stdout");
     // Its summary line ("... flow entries have been shown") goes to stderr, which stays small;
     // it is read after stdout ends.

@@ -53,15 +53,21 @@ pub trait RuleSet {
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError>;
 }
 
-/// Runs `program args` with `input` on stdin.
-pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str], input: &str) -> Result<String, NetfilterError> {
-    let mut child = Command::new(program)
+/// Starts `program args` with stdout and stderr piped, and stdin piped when `stdin` (else
+/// empty). A program that cannot be started is reported as missing, with its package.
+pub fn spawn(program: &'static str, package: &'static str, args: &[&str], stdin: bool) -> Result<std::process::Child, NetfilterError> {
+    Command::new(program)
         .args(args)
-        .stdin(Stdio::piped())
+        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| NetfilterError::Missing { tool: program, package, why: e.to_string() })?;
+        .map_err(|e| NetfilterError::Missing { tool: program, package, why: e.to_string() })
+}
+
+/// Runs `program args` with `input` on stdin.
+pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str], input: &str) -> Result<String, NetfilterError> {
+    let mut child = spawn(program, package, args, true)?;
     let mut stdin = child.stdin.take().expect("piped stdin");
     let written = stdin.write_all(input.as_bytes());
     drop(stdin);
