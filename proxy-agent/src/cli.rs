@@ -342,7 +342,7 @@ pub fn main() -> ExitCode {
         Cmd::Cleanup(a) => {
             let mut lines = Vec::new();
             let backends = crate::dataplane::netfilter::Iptables::available();
-            for mode in crate::dataplane::modes::CLEANUP_ORDER {
+            for mode in crate::dataplane::ProxyMode::ALL {
                 lines.extend(crate::dataplane::modes::cleanup(mode, &a.bpffs_root, &backends));
             }
             if lines.is_empty() {

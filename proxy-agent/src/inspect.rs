@@ -13,7 +13,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::dataplane::ebpf::{attach, loader, snapshot};
+use crate::dataplane::ebpf::{attach, lbmaps, loader, snapshot};
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -129,8 +129,12 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     if let Ok(m) = open(root, map_names::SOURCE_RANGES) {
         let trie: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(Map::LpmTrie(m)).map_err(err(map_names::SOURCE_RANGES))?;
         for k in trie.keys().flatten() {
-            let bits = k.prefix_len().saturating_sub(SourceRangeKey::ID_BITS);
-            ranges.entry(k.data().service_id).or_default().push(format!("{}/{bits}", std::net::Ipv4Addr::from(k.data().addr)));
+            let shown = match lbmaps::range_of(&k) {
+                Some(r) => r.to_string(),
+                // Not a key the agent writes: shown as it is.
+                None => format!("{}/{}", std::net::Ipv4Addr::from(k.data().addr), k.prefix_len().saturating_sub(SourceRangeKey::ID_BITS)),
+            };
+            ranges.entry(k.data().service_id).or_default().push(shown);
         }
     }
 

@@ -115,17 +115,17 @@ impl NetfilterProxier {
                     self.health_checks.remove(svc);
                 }
             }
+            // A change to a Service with UDP ports (before or after) calls for a conntrack sweep.
             let udp = |ports: &[crate::model::PortView]| ports.iter().any(|p| p.name.protocol == crate::model::Protocol::Udp);
-            let old = self.services.get(svc);
-            if old != Some(&t.ports) && (udp(&t.ports) || old.is_some_and(|o| udp(o))) {
-                self.udp_changed = true;
-            }
             if t.ports.is_empty() {
-                if self.services.remove(svc).is_some() {
+                if let Some(old) = self.services.remove(svc) {
+                    self.udp_changed |= udp(&old);
                     stats.removed += 1;
                 }
             } else if self.services.get(svc) != Some(&t.ports) {
-                self.services.insert(svc.clone(), t.ports);
+                let new_udp = udp(&t.ports);
+                let old = self.services.insert(svc.clone(), t.ports);
+                self.udp_changed |= new_udp || old.is_some_and(|o| udp(&o));
                 stats.upserted += 1;
             } else {
                 stats.unchanged += 1;

@@ -83,16 +83,22 @@ pub fn rewrite(
     let ports = ptr_at::<[u8; 4]>(ctx, pkt.l4_off).ok_or(Reason::DropRewrite)?;
     // SAFETY: bounds checked by ptr_at.
     unsafe { access::store2(ports as usize + port_off, port) };
-    let (csum_off, mangled) = if pkt.proto == IPPROTO_TCP {
-        (pkt.l4_off + TCP_CSUM_OFF, 0)
-    } else {
-        // A zero UDP checksum means "none" and must stay zero.
-        (pkt.l4_off + UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
-    };
+    let (csum_off, mangled) = l4_csum_at(pkt);
     l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     let old_p = u64::from(u16::from_ne_bytes(old_port));
     let new_p = u64::from(u16::from_ne_bytes(port));
     ctx.l4_csum_replace(csum_off, old_p, new_p, mangled | 2).map_err(|_| Reason::DropRewrite)
+}
+
+/// Where the packet's L4 checksum is, and the helper flag its protocol needs: UDP's
+/// BPF_F_MARK_MANGLED_0, as a zero UDP checksum means "none" and must stay zero.
+#[inline(always)]
+fn l4_csum_at(pkt: &Packet) -> (usize, u64) {
+    if pkt.proto == IPPROTO_TCP {
+        (pkt.l4_off + TCP_CSUM_OFF, 0)
+    } else {
+        (pkt.l4_off + UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
+    }
 }
 
 /// The L4 checksum's update for an address of the pseudo-header, through the helper, which
@@ -108,7 +114,7 @@ fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: [u8; 4
 /// The checksum field of the packet's L4 header.
 #[inline(always)]
 fn l4_csum_field(ctx: &TcContext, pkt: &Packet) -> Option<[u8; 2]> {
-    let off = if pkt.proto == IPPROTO_TCP { pkt.l4_off + TCP_CSUM_OFF } else { pkt.l4_off + UDP_CSUM_OFF };
+    let (off, _) = l4_csum_at(pkt);
     // SAFETY: bounds checked by ptr_at.
     ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { access::load2(p as usize) })
 }
@@ -158,21 +164,17 @@ pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], p
         return rewrite(ctx, pkt, side, addr, port);
     }
     let (addr_off, port_off, old_addr, _) = side.fields(pkt);
-    // The complete form's address change on egress goes through the helper (see the module
-    // comment); its port change does not touch `skb->csum` (the port and the checksum field
-    // change by opposite amounts), so that part is arithmetic.
-    let address_by_helper = form == l4_csum::COMPLETE && matches!(side, Side::Src);
-    let fit = Fit { pkt, side, addr, port, form, address_by_helper };
-    let (written, csum_off, mangled) = if pkt.proto == IPPROTO_TCP {
-        (l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit), pkt.l4_off + TCP_CSUM_OFF, 0)
+    let fit = Fit { pkt, side, addr, port, form };
+    let written = if pkt.proto == IPPROTO_TCP {
+        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     } else {
-        let mangled = u64::from(BPF_F_MARK_MANGLED_0);
-        (l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit), pkt.l4_off + UDP_CSUM_OFF, mangled)
+        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     };
     if !written {
         return rewrite(ctx, pkt, side, addr, port);
     }
-    if address_by_helper {
+    if fit.address_by_helper() {
+        let (csum_off, mangled) = l4_csum_at(pkt);
         l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     }
     rewrite_ip(ctx, addr_off, old_addr, addr)
@@ -185,11 +187,17 @@ struct Fit<'a> {
     addr: [u8; 4],
     port: [u8; 2],
     form: u8,
-    /// The address part of the complete form is left to the helper.
-    address_by_helper: bool,
 }
 
 impl Fit<'_> {
+    /// The complete form's address change on egress goes through the helper (see the module
+    /// comment); its port change does not touch `skb->csum` (the port and the checksum field
+    /// change by opposite amounts), so that part is arithmetic.
+    #[inline(always)]
+    fn address_by_helper(&self) -> bool {
+        self.form == l4_csum::COMPLETE && matches!(self.side, Side::Src)
+    }
+
     /// The new checksum field, if the packet's `field` fits the learned form. (A function
     /// rather than a closure: the closure was compiled as a BPF subprogram, a call per packet.)
     #[inline(always)]
@@ -200,7 +208,7 @@ impl Fit<'_> {
             Some(csum::partial_update4(field, old_addr, self.addr))
         } else if self.form == l4_csum::COMPLETE && !is_partial {
             let udp = self.pkt.proto == IPPROTO_UDP;
-            Some(if self.address_by_helper {
+            Some(if self.address_by_helper() {
                 csum::l4_port_update(field, old_port, self.port, udp)
             } else {
                 csum::l4_update(field, old_addr, self.addr, old_port, self.port, udp)

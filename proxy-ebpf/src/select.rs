@@ -32,10 +32,13 @@ pub fn without_endpoints(pkt: &Packet, master: &ServiceValue) -> Result<(), Reas
 /// the frontend has loadBalancerSourceRanges and none of them holds the source.
 #[inline(always)]
 pub fn source_allowed(pkt: &Packet, master: &ServiceValue) -> bool {
-    if master.flags & svc_flags::SOURCE_RANGES == 0 {
-        return true;
-    }
-    let key = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id: master.service_id, addr: pkt.saddr });
+    master.flags & svc_flags::SOURCE_RANGES == 0 || in_source_ranges(master.service_id, pkt.saddr)
+}
+
+/// True when one of service `service_id`'s loadBalancerSourceRanges holds `addr`.
+#[inline(always)]
+pub fn in_source_ranges(service_id: u32, addr: [u8; 4]) -> bool {
+    let key = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id, addr });
     LB4_SRCRANGE_V1.get(&key).is_some()
 }
 

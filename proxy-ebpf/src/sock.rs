@@ -17,16 +17,15 @@
 
 use aya_ebpf::{
     bindings::BPF_ANY,
-    btf_maps::lpm_trie::Key,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockFwd, SockRevKey, SourceRangeKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,
     lb::count_flow,
-    maps::{HOST_NETNS_V1, LB4_SRCRANGE_V1, SOCK_FWD_V1, SOCK_REVNAT_V1},
+    maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
     select, stats,
 };
@@ -97,11 +96,9 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let (vip, vport) = peer(ctx);
     let mut key = ServiceKey::new(vip, vport, proto, 0);
     let Some(master) = select::service(&key) else { return PROCEED };
-    if master.flags & svc_flags::SOURCE_RANGES != 0 {
-        let node = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id: master.service_id, addr: vip });
-        if LB4_SRCRANGE_V1.get(&node).is_none() {
-            return refuse(Reason::DropSourceRange, EPERM);
-        }
+    // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
+    if master.flags & svc_flags::SOURCE_RANGES != 0 && !select::in_source_ranges(master.service_id, vip) {
+        return refuse(Reason::DropSourceRange, EPERM);
     }
     let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
     if master.count == 0 {

@@ -298,12 +298,7 @@ impl Drop for Cluster {
         }
         self.servers.clear();
         for node in &self.nodes {
-            let root = node.bpffs();
-            let _ = inspect::cleanup(&root);
-            if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
-                // SAFETY: plain umount of the bpffs the agent mounted for this lab.
-                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-            }
+            crate::lab::release_bpffs(&node.bpffs());
         }
         let _ = fs::remove_dir_all(&self.dir);
     }

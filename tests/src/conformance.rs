@@ -83,12 +83,9 @@ pub fn lab(agent: &PathBuf, mode: ProxyMode) -> Lab {
 /// Starts the agent in `mode` (with `extra` flags) and waits until the web Service reaches
 /// every backend.
 fn start(lab: &mut Lab, mode: ProxyMode, extra: &[&str]) {
-    let dir = lab.manifests();
-    let mut args: Vec<std::ffi::OsString> = vec!["--manifests".into(), dir.into_os_string()];
-    args.extend(mode_args(mode).into_iter().map(Into::into));
-    args.extend(extra.iter().map(Into::into));
-    let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
-    lab.start_agent_with(&refs);
+    let mode_args = mode_args(mode);
+    let args: Vec<&str> = mode_args.iter().map(String::as_str).chain(extra.iter().copied()).collect();
+    lab.start_agent_with_extra(&args);
     let all: BTreeSet<String> = (1..=3).map(|i| format!("backend-{i}")).collect();
     eventually("the web Service to reach every backend", || {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();

@@ -144,8 +144,7 @@ impl Lab {
     /// Starts the agent inside the node namespace on the manifest directory (its log goes to
     /// `agent.log`).
     pub fn start_agent(&mut self) {
-        let dir = self.manifests();
-        self.start_agent_with(&[std::ffi::OsStr::new("--manifests"), dir.as_os_str()]);
+        self.start_agent_with_extra(&[]);
     }
 
     /// Starts the agent on the manifest directory with `extra` flags.
@@ -299,12 +298,7 @@ impl Drop for Lab {
     fn drop(&mut self) {
         self.kill_agent();
         self.servers.clear();
-        let root = self.bpffs();
-        let _ = inspect::cleanup(&root);
-        if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
-            // SAFETY: plain umount of the bpffs the agent mounted for this lab.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
+        release_bpffs(&self.bpffs());
         let _ = fs::remove_dir_all(&self.dir);
         // Empty once the host clients have exited; the hooks' links went with their pins.
         if let Some(c) = &self.cgroup {
@@ -320,6 +314,33 @@ pub fn write_atomically(dir: &Path, name: &str, text: &str) {
     let tmp = dir.join(format!(".{name}.tmp"));
     fs::write(&tmp, text).expect("write manifest");
     fs::rename(&tmp, dir.join(name)).expect("rename manifest");
+}
+
+/// Unpins everything pinned under `root` (detaching its links) and unmounts the bpffs the
+/// agent or a test mounted there. The directory itself is the caller's to remove.
+pub fn release_bpffs(root: &Path) {
+    let _ = inspect::cleanup(root);
+    if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
+        // SAFETY: plain umount of a bpffs mounted for a test.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// A temporary directory for pins (a bpffs is mounted there when they are first made),
+/// released and removed when it drops, also when a test fails.
+pub struct TempBpffs(pub PathBuf);
+
+impl TempBpffs {
+    pub fn new(prefix: &str) -> Self {
+        Self(std::env::temp_dir().join(format!("{prefix}-{}", unique_id())))
+    }
+}
+
+impl Drop for TempBpffs {
+    fn drop(&mut self) {
+        release_bpffs(&self.0);
+        let _ = fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Starts `proxy-agent run <args>` inside `node`'s network namespace, logging to `log`.

@@ -13,7 +13,6 @@
 
 use std::{
     net::Ipv4Addr,
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -179,20 +178,12 @@ impl Variant {
 fn one(v: Variant, n: u32, changes: u32) -> Row {
     let mode = v.mode;
     let (services, slices) = objects(n);
-    let pin_root = std::env::temp_dir().join(format!("pxbm-{}", netns::unique_id()));
-    struct Unpin(std::path::PathBuf);
-    impl Drop for Unpin {
-        fn drop(&mut self) {
-            let _ = proxy_agent::inspect::cleanup(&self.0);
-            let _ = Command::new("umount").arg(&self.0).status();
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _unpin = (mode == ProxyMode::Ebpf).then(|| {
+    let pins = crate::lab::TempBpffs::new("pxbm");
+    let pin_root = pins.0.clone();
+    if mode == ProxyMode::Ebpf {
         // A bpffs of its own, mounted on a temporary directory.
         proxy_agent::bpffs::ensure(&pin_root).unwrap_or_else(|e| panic!("{}: {e}", pin_root.display()));
-        Unpin(pin_root.clone())
-    });
+    }
     let store = Store::new("bench-node");
     let kinds = vec![Kind::Service, Kind::EndpointSlice];
     let mut boxed: Box<dyn std::any::Any> = match mode {

@@ -185,13 +185,7 @@ impl UdpFlow {
 
 /// A UDP request on a connected socket, so ICMP errors surface as errors (ECONNREFUSED).
 pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
-    let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
-    sock.set_read_timeout(Some(TIMEOUT))?;
-    sock.connect(to)?;
-    sock.send(b"hello")?;
-    let mut buf = [0u8; 2048];
-    let n = sock.recv(&mut buf)?;
-    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+    UdpFlow::open(ns, to)?.ask()
 }
 
 /// A plain HTTP/1.0 GET from inside `ns`: (status code, body).

@@ -303,16 +303,16 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     assert!(start.elapsed() < Duration::from_secs(2));
     // Load balancers with source ranges: the node gets through when a range holds its address
     // (kube-proxy admits the load balancer's own address then), and is refused otherwise.
-    let lb = |name: &str, ip: &str, ranges: &str| {
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: {}\n  loadBalancerSourceRanges: [{ranges}]\n  ports: [{{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: {}}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: {ip}}}]}}}}\n---\n{}",
-            if name == "lb-open" { "10.96.0.71" } else { "10.96.0.72" },
-            if name == "lb-open" { 30071 } else { 30072 },
-            lab::endpoint_slice(name, &format!("{name}-1"), &lab.backend_ips(), &[("http", 8080, "TCP")]),
-        )
+    let lb = |name: &str, cluster_ip: &str, node_port: u16, ip: &str, ranges: &str| {
+        let spec = format!(
+            "  type: LoadBalancer\n  clusterIP: {cluster_ip}\n  loadBalancerSourceRanges: [{ranges}]\n  ports:\n  - {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: {node_port}}}\n"
+        );
+        let status = format!("  loadBalancer:\n    ingress:\n    - {{ip: {ip}}}\n");
+        let slice = lab::endpoint_slice(name, &format!("{name}-1"), &lab.backend_ips(), &[("http", 8080, "TCP")]);
+        format!("{}---\n{slice}", proxy_tests::cluster::service(name, &spec, Some(&status)))
     };
-    lab.write_manifest("lb-open.yaml", &lb("lb-open", "203.0.113.71", "192.168.250.0/24"));
-    lab.write_manifest("lb-closed.yaml", &lb("lb-closed", "203.0.113.72", "198.51.100.0/24"));
+    lab.write_manifest("lb-open.yaml", &lb("lb-open", "10.96.0.71", 30071, "203.0.113.71", "192.168.250.0/24"));
+    lab.write_manifest("lb-closed.yaml", &lb("lb-closed", "10.96.0.72", 30072, "203.0.113.72", "198.51.100.0/24"));
     lab.wait_programmed("203.0.113.72:80", "TCP", 3);
     lab.wait_programmed("203.0.113.71:80", "TCP", 3);
     let mut lb_backends = std::collections::BTreeSet::new();

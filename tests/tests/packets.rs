@@ -584,26 +584,15 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
     assert_eq!(counts.len(), 5);
 }
 
-/// A bpffs of the test's own for pinned maps, unmounted and removed when the test ends.
-struct PinnedRoot(std::path::PathBuf);
-
-impl PinnedRoot {
-    fn new() -> Self {
-        Self(std::env::temp_dir().join(format!("pxpin-{}", proxy_tests::netns::unique_id())).join("bpf"))
-    }
-}
-
-impl Drop for PinnedRoot {
-    fn drop(&mut self) {
-        let _ = proxy_agent::inspect::cleanup(&self.0);
-        if let Ok(c) = std::ffi::CString::new(self.0.as_os_str().as_encoded_bytes()) {
-            // SAFETY: plain umount of the bpffs this test's loads mounted.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
-        if let Some(dir) = self.0.parent() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
+/// A load balancer at 203.0.113.1:80/TCP with one backend (10.244.1.2:8080) and `ranges`.
+fn load_balancer(ranges: &[&str]) -> (SocketAddrV4, FrontendKey, Frontend) {
+    let lb = sock("203.0.113.1:80");
+    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
+    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);
+    fe.source_ranges = ranges.iter().map(|r| r.parse().unwrap()).collect();
+    (lb, key, fe)
 }
 
 #[test]
@@ -614,14 +603,10 @@ fn source_ranges_are_adopted_after_a_restart_and_leftovers_removed() {
     use aya::maps::lpm_trie::{Key, LpmTrie};
     use proxy_agent::dataplane::ebpf::loader::LoadOptions;
     use proxy_common::{map_names, SourceRangeKey};
-    let root = PinnedRoot::new();
+    // A bpffs of the test's own, unmounted and removed when the test ends.
+    let root = proxy_tests::lab::TempBpffs::new("pxpin");
     let load = || EbpfDataplane::load(LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() }).expect("load with pins");
-    let lb = sock("203.0.113.1:80");
-    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
-    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
-    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
-    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);
-    fe.source_ranges = vec!["10.0.0.0/8".parse().unwrap(), "198.51.100.0/24".parse().unwrap()];
+    let (lb, key, mut fe) = load_balancer(&["10.0.0.0/8", "198.51.100.0/24"]);
     {
         let mut dp = load();
         dp.upsert(&key, &fe).expect("program");
@@ -653,12 +638,7 @@ fn too_many_source_ranges_are_refused_whole_and_the_old_ones_keep_working() {
     use proxy_agent::dataplane::{ebpf::loader::LoadOptions, DataplaneError};
     use proxy_common::map_names;
     let mut dp = EbpfDataplane::load(LoadOptions { lb_map_max: 8, ..Default::default() }).expect("load");
-    let lb = sock("203.0.113.1:80");
-    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
-    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
-    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
-    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);
-    fe.source_ranges = vec!["10.244.0.0/24".parse().unwrap()];
+    let (lb, key, mut fe) = load_balancer(&["10.244.0.0/24"]);
     dp.upsert(&key, &fe).expect("one range");
     // More ranges than the trie holds: refused as a full map, with nothing half-written.
     fe.source_ranges = (0..12).map(|i| format!("192.0.{i}.0/24").parse().unwrap()).collect();

@@ -14,7 +14,9 @@ pub enum ProxyMode {
 }
 
 impl ProxyMode {
-    pub const ALL: [ProxyMode; 4] = [ProxyMode::Ebpf, ProxyMode::Iptables, ProxyMode::Ipvs, ProxyMode::Nftables];
+    /// Every mode, in the order cleanup removes them: IPVS before iptables (IPVS mode's jumps
+    /// would block the removal of the iptables chains they lead to).
+    pub const ALL: [ProxyMode; 4] = [ProxyMode::Ipvs, ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Ebpf];
 
     pub fn as_str(self) -> &'static str {
         match self {

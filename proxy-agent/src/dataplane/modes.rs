@@ -73,16 +73,12 @@ pub fn cleanup(mode: ProxyMode, bpffs_root: &Path, backends: &[netfilter::Iptabl
     }
 }
 
-/// The order modes are cleaned up in: IPVS before iptables, since the iptables mode's cleanup
-/// removes every KUBE- chain and cannot while IPVS mode's jumps still lead to some.
-pub const CLEANUP_ORDER: [ProxyMode; 4] = [ProxyMode::Ipvs, ProxyMode::Iptables, ProxyMode::Nftables, ProxyMode::Ebpf];
-
 /// Switching mode, or iptables backend, leaves nothing of the others behind (as kube-proxy
 /// cleans up at start). `ipt` is the backend `current` uses, if it uses iptables; `backends`
 /// are the ones the node has.
 pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>, backends: &[netfilter::Iptables], bpffs_root: &Path) {
     let mut lines: Vec<(ProxyMode, String)> = Vec::new();
-    for mode in CLEANUP_ORDER.into_iter().filter(|m| *m != current) {
+    for mode in ProxyMode::ALL.into_iter().filter(|m| *m != current) {
         // IPVS mode keeps a few iptables chains of its own; the iptables mode's service chains
         // are still removed.
         lines.extend(cleanup(mode, bpffs_root, backends).into_iter().map(|l| (mode, l)));

@@ -93,6 +93,12 @@ impl Cidr {
     pub fn contains(&self, a: std::net::Ipv4Addr) -> bool {
         u32::from(a) & self.mask() == u32::from(self.addr) & self.mask()
     }
+
+    /// True when one of `ranges` holds one of `addrs` (loadBalancerSourceRanges holding a node
+    /// address, which then admit the load balancer's own address too, as kube-proxy does).
+    pub fn any_contains(ranges: &[Cidr], addrs: &[std::net::Ipv4Addr]) -> bool {
+        ranges.iter().any(|r| addrs.iter().any(|a| r.contains(*a)))
+    }
 }
 
 impl std::str::FromStr for Cidr {

@@ -102,7 +102,7 @@ fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ip
 /// a load balancer's address reaches it from that address). Empty: the Service has no ranges.
 fn source_ranges(svc: &CheckedService, lb_ips: &[std::net::Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
     let mut ranges = svc.lb_source_ranges.clone();
-    if ranges.iter().any(|r| node.nodeport_addresses.iter().any(|a| r.contains(*a))) {
+    if Cidr::any_contains(&ranges, &node.nodeport_addresses) {
         ranges.extend(lb_ips.iter().map(|a| Cidr { addr: *a, prefix: 32 }));
     }
     ranges.sort();
@@ -121,6 +121,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
     let lb_ips = v4(&svc.lb_ingress, "load-balancer IP", &mut out.notes);
     let external_ips = v4(&svc.external_ips, "external IP", &mut out.notes);
     let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
+    let lb_source_ranges = source_ranges(svc, &lb_ips, node);
     let mut local_endpoints = 0;
     for port in &svc.ports {
         let endpoints = port_endpoints(port, slices, node);
@@ -181,7 +182,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         };
         let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
-            let ranges = if kind == FrontendKind::LoadBalancer { source_ranges(svc, &lb_ips, node) } else { vec![] };
+            let ranges = if kind == FrontendKind::LoadBalancer { lb_source_ranges.clone() } else { vec![] };
             out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {

@@ -86,18 +86,22 @@ fn ping_pong(dp: &mut EbpfDataplane) -> (SocketAddrV4, SocketAddrV4) {
     (ping, pong)
 }
 
-fn run(prog: &mut SchedClassifier, frame: &[u8], repeat: u32) -> (u32, u64) {
+/// Mean ns per packet over `repeat` runs of `frame` in one test run.
+fn run(prog: &mut SchedClassifier, frame: &[u8], repeat: u32) -> u64 {
     let mut out = vec![0u8; frame.len() + 256];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
-    let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN");
-    (r.return_value, r.duration.as_nanos() as u64)
+    prog.test_run(opts).expect("BPF_PROG_TEST_RUN").duration.as_nanos() as u64
 }
 
-/// Mean ns per packet over `repeat` runs of one frame in one call; the median of ROUNDS calls.
-fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
-    let mut ns: Vec<u64> = (0..ROUNDS).map(|_| run(prog, frame, REPEAT / scale()).1).collect();
+/// The median of per-call figures.
+fn median(mut ns: Vec<u64>) -> f64 {
     ns.sort_unstable();
-    ns[ROUNDS / 2] as f64
+    ns[ns.len() / 2] as f64
+}
+
+/// Mean ns per packet over REPEAT runs of one frame in one call; the median of ROUNDS calls.
+fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
+    median((0..ROUNDS).map(|_| run(prog, frame, REPEAT / scale())).collect())
 }
 
 /// Mean ns per packet over CALLS calls, the frame for call i from `frame(i)`.
@@ -105,7 +109,7 @@ fn calls(prog: &mut SchedClassifier, frame: impl Fn(u32) -> Vec<u8>) -> f64 {
     let n = CALLS / scale();
     let mut total = 0u64;
     for i in 0..n {
-        total += run(prog, &frame(i), 1).1;
+        total += run(prog, &frame(i), 1);
     }
     total as f64 / f64::from(n)
 }
@@ -160,7 +164,7 @@ fn measure(services: u32) -> Measured {
     let bench_vip = Ipv4Addr::new(10, 100, 0, 1);
     dp.upsert(&key(bench_vip, 80), &frontend("bench", (1..=4).map(|b| (Ipv4Addr::new(10, 200, 0, b), 8080)).collect())).unwrap();
     let (ping, pong) = ping_pong(&mut dp);
-    program_services(&mut dp, services.saturating_sub(3).max(0));
+    program_services(&mut dp, services.saturating_sub(3));
     let program_ms = t.elapsed().as_secs_f64() * 1e3;
 
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
@@ -172,7 +176,8 @@ fn measure(services: u32) -> Measured {
 
     // Each measurement checks that every run took the path it is named for.
     let mut check = Checker::new(&mut dp);
-    let n_repeat = u64::from(REPEAT / scale());
+    let repeat = REPEAT / scale();
+    let n_repeat = u64::from(repeat);
     let n_calls = u64::from(CALLS / scale());
     // First packets create the flows; every later one is established.
     run(dp.ingress_program(), &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
@@ -187,19 +192,18 @@ fn measure(services: u32) -> Measured {
     let mut rounds: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
     for _ in 0..ROUNDS {
         let floor = loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR);
-        rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, REPEAT / scale()).1);
-        rounds.entry("not_service/repeat").or_default().push(run(dp.ingress_program(), &not_service, REPEAT / scale()).1);
-        rounds.entry("established/repeat").or_default().push(run(dp.ingress_program(), &established, REPEAT / scale()).1);
-        rounds.entry("reply/repeat").or_default().push(run(dp.egress_program(), &reply, REPEAT / scale()).1);
+        rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, repeat));
+        rounds.entry("not_service/repeat").or_default().push(run(dp.ingress_program(), &not_service, repeat));
+        rounds.entry("established/repeat").or_default().push(run(dp.ingress_program(), &established, repeat));
+        rounds.entry("reply/repeat").or_default().push(run(dp.egress_program(), &reply, repeat));
     }
     check.took_all(
         &mut dp,
         &[(Reason::PassNotService, n_repeat * ROUNDS as u64), (Reason::Established, n_repeat * ROUNDS as u64), (Reason::ReverseNat, n_repeat * ROUNDS as u64)],
         "repeat rounds",
     );
-    for (case, mut ns) in rounds {
-        ns.sort_unstable();
-        cases.insert(case, ns[ROUNDS / 2] as f64);
+    for (case, ns) in rounds {
+        cases.insert(case, median(ns));
     }
     cases.insert("floor/calls", calls(loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR), |_| not_service.clone()));
     cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));

@@ -10,12 +10,12 @@ use std::{
 
 use aya::{
     maps::{Array, MapData},
-    programs::{links::FdLink, CgroupAttachMode, CgroupSockAddr},
+    programs::{links::FdLink, CgroupAttachMode},
     Ebpf,
 };
 use proxy_common::{map_names, prog_names};
 
-use super::loader::links_dir;
+use super::loader::{self, links_dir};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostSockError {
@@ -117,11 +117,7 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
     let mut links = Vec::new();
     for program in prog_names::SOCK_HOOKS {
         let err = |detail: String| HostSockError::Program { program, detail };
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(program)
-            .unwrap_or_else(|| panic!("the object defines {program}"))
-            .try_into()
-            .unwrap_or_else(|_| panic!("{program} is a cgroup sock_addr program"));
+        let prog = loader::sock_addr(ebpf, program);
         prog.load().map_err(|e| err(format!("loading: {e}")))?;
         // A BPF link: the kernel runs it beside other programs of the cgroup whatever the mode,
         // and takes no attach flags with it.
@@ -132,7 +128,7 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
             // with it (nothing else holds it), and only once this one is pinned.
             let path = pin_path(root, program);
             // (bpffs names may not hold a dot.)
-            let fresh = path.with_file_name(format!("{PIN_PREFIX}{program}_new"));
+            let fresh = pin_path(root, &format!("{program}_new"));
             let _ = fs::remove_file(&fresh);
             let pinned = link.pin(&fresh).map_err(|e| err(format!("pinning {}: {e}", fresh.display())))?;
             fs::rename(&fresh, &path).map_err(|e| err(format!("renaming {} to {}: {e}", fresh.display(), path.display())))?;

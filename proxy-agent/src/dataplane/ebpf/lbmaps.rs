@@ -143,6 +143,13 @@ fn range_key(service_id: u32, range: Cidr) -> Key<SourceRangeKey> {
     Key::new(SourceRangeKey::ID_BITS + u32::from(range.prefix), SourceRangeKey { service_id, addr: range.addr.octets() })
 }
 
+/// The range a source-range trie key holds (the inverse of `range_key`); None for a key no
+/// writer of ours makes.
+pub fn range_of(key: &Key<SourceRangeKey>) -> Option<Cidr> {
+    let bits = key.prefix_len().checked_sub(SourceRangeKey::ID_BITS).filter(|b| *b <= 32)?;
+    Some(Cidr { addr: Ipv4Addr::from(key.data().addr), prefix: bits as u8 })
+}
+
 pub struct LbMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     /// An array: an entry with address 0.0.0.0 is unset.
@@ -305,17 +312,11 @@ impl LbMaps {
         // Source ranges go to the external scope's frontend of their service id. Entries of no
         // frontend guard nothing (no master names their id), but would open a frontend that is
         // given the id later: they go at once.
-        let by_external: StdHashMap<u32, Scoped> =
-            me.frontends.iter().filter(|((_, sc), _)| *sc == scope::EXTERNAL).map(|(k, p)| (p.service_id, *k)).collect();
         let mut stray_ranges = Vec::new();
         for k in me.source_ranges.keys() {
             let k = k.map_err(|source| DataplaneError::Map { op: "read", map: map_names::SOURCE_RANGES, source })?;
-            let (data, bits) = (k.data(), k.prefix_len());
-            let range = bits
-                .checked_sub(SourceRangeKey::ID_BITS)
-                .filter(|b| *b <= 32)
-                .map(|b| Cidr { addr: Ipv4Addr::from(data.addr), prefix: b as u8 });
-            match (range, by_external.get(&data.service_id).and_then(|s| me.frontends.get_mut(s))) {
+            let external = by_service.get(&k.data().service_id).filter(|(_, sc)| *sc == scope::EXTERNAL);
+            match (range_of(&k), external.and_then(|s| me.frontends.get_mut(s))) {
                 (Some(r), Some(p)) => {
                     p.source_ranges.insert(r);
                 }

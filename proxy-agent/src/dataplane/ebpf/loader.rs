@@ -234,6 +234,14 @@ pub fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut SchedCl
         .unwrap_or_else(|_| panic!("{name} is a classifier"))
 }
 
+/// A cgroup sock_addr program of the loaded object, by name (`prog_names::SOCK_HOOKS`).
+pub fn sock_addr<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::programs::CgroupSockAddr {
+    ebpf.program_mut(name)
+        .unwrap_or_else(|| panic!("the object defines {name}"))
+        .try_into()
+        .unwrap_or_else(|_| panic!("{name} is a cgroup sock_addr program"))
+}
+
 /// An XDP program of the loaded object, by name (`prog_names`).
 pub fn xdp<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut Xdp {
     ebpf.program_mut(name)

@@ -19,8 +19,9 @@ use crate::model::Protocol;
 
 const CONNTRACK: &str = "conntrack";
 
-/// One tracked UDP flow: its original direction and where replies come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One tracked UDP flow: its original direction and where replies come from. As a stale one,
+/// what to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Flow {
     pub dst: Ipv4Addr,
     pub dport: u16,
@@ -41,20 +42,11 @@ pub fn parse_line(line: &str) -> Option<Flow> {
     })
 }
 
-/// What to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Stale {
-    pub dst: Ipv4Addr,
-    pub dport: u16,
-    pub reply_src: Ipv4Addr,
-    pub reply_sport: u16,
-}
-
 /// The flows that no longer lead where the rules do: to a UDP Service address (cluster IP,
 /// external IP, load-balancer IP, or a node address on its NodePort) with endpoints, answered
 /// by something that is not one of its endpoints (a removed endpoint, or nothing translated
 /// at all). Services without endpoints are left alone: their packets are refused anyway.
-pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &NodeContext) -> BTreeSet<Stale> {
+pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &NodeContext) -> BTreeSet<Flow> {
     // (address, port) -> the endpoints replies may come from.
     let mut frontends: BTreeMap<(Ipv4Addr, u16), BTreeSet<(Ipv4Addr, u16)>> = BTreeMap::new();
     for port in services.values().flatten().filter(|p| p.name.protocol == Protocol::Udp && p.has_endpoints) {
@@ -71,15 +63,13 @@ pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &
     flows
         .into_iter()
         .filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport))))
-        .map(|f| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport })
         .collect()
 }
 
-/// Deletes the stale UDP flows for `services`. Returns how many (Service address, endpoint)
-/// pairs had flows deleted.
-pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
-    let stale = list_stale(services, node)?;
-    for s in &stale {
+/// Deletes the stale UDP flows for `services`, one `conntrack -D` per (Service address,
+/// endpoint) pair.
+pub fn reconcile(services: &Services, node: &NodeContext) -> Result<(), NetfilterError> {
+    for s in list_stale(services, node)? {
         let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
         // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
         let _ = run(
@@ -89,11 +79,11 @@ pub fn reconcile(services: &Services, node: &NodeContext) -> Result<usize, Netfi
         );
         tracing::info!(service = %format!("{dst}:{dport}/udp"), stale = %format!("{src}:{sport}"), "deleted stale UDP conntrack entries");
     }
-    Ok(stale.len())
+    Ok(())
 }
 
 /// Lists the UDP flows and keeps the stale ones, reading the listing as `conntrack` writes it.
-fn list_stale(services: &Services, node: &NodeContext) -> Result<BTreeSet<Stale>, NetfilterError> {
+fn list_stale(services: &Services, node: &NodeContext) -> Result<BTreeSet<Flow>, NetfilterError> {
     let args = ["-L", "-p", "udp"];
     let command = || format!("{CONNTRACK} {}", args.join(" "));
     let mut child = spawn(CONNTRACK, CONNTRACK, &args, false)?;
@@ -173,8 +163,7 @@ mod tests {
             // Not a Service: left alone.
             flow("8.8.8.8", 53, "8.8.8.8", 53),
         ];
-        let s = |f: Flow| Stale { dst: f.dst, dport: f.dport, reply_src: f.reply_src, reply_sport: f.reply_sport };
-        assert_eq!(stale(flows, &services, &node), flows[1..5].iter().map(|f| s(*f)).collect::<BTreeSet<_>>());
+        assert_eq!(stale(flows, &services, &node), flows[1..5].iter().copied().collect::<BTreeSet<_>>());
         // Without endpoints nothing is stale: the rules refuse those packets.
         let empty = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![], Some(30053))])]);
         assert!(stale(flows, &empty, &node).is_empty());

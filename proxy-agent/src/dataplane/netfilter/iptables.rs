@@ -100,8 +100,6 @@ pub struct Rendered {
 const FILTER_FIXED: [&str; 5] = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-FIREWALL"];
 const NAT_FIXED: [&str; 4] = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
 const NODEPORTS_LAST: &str = "kubernetes service nodeports; NOTE: this must be the last rule in this chain";
-/// Fixed chains only the iptables mode has (IPVS mode has the others).
-const IPTABLES_ONLY: [&str; 4] = ["KUBE-NODEPORTS", "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-PROXY-FIREWALL"];
 /// Prefixes of the per-Service chains (what stale-chain cleanup looks for).
 const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
 
@@ -289,7 +287,7 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
         for r in &p.port.lb_source_ranges {
             n.rule(&fw, format!("{c} -s {r} -j {ext}"));
         }
-        let node_in_ranges = node.nodeport_ips.iter().any(|ip| p.port.lb_source_ranges.iter().any(|r| r.contains(*ip)));
+        let node_in_ranges = crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.nodeport_ips);
         if node_in_ranges {
             for ip in &p.port.lb_ips {
                 n.rule(&fw, format!("{c} -s {ip} -j {ext}"));
@@ -419,13 +417,7 @@ impl IptablesRules {
 /// Per-Service nat chains in the kernel now (`iptables-save -t nat`).
 fn service_chains_in_kernel(ipt: Iptables) -> Result<BTreeSet<String>, NetfilterError> {
     let out = run(ipt.save(), IPTABLES_PACKAGE, &["-t", "nat"])?;
-    Ok(out
-        .lines()
-        .filter_map(|l| l.strip_prefix(':'))
-        .filter_map(|l| l.split_whitespace().next())
-        .filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p)))
-        .map(String::from)
-        .collect())
+    Ok(super::declared_chains(&out).filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))).map(String::from).collect())
 }
 
 impl RuleSet for IptablesRules {
@@ -473,12 +465,14 @@ impl RuleSet for IptablesRules {
 /// not installed.
 pub fn cleanup(ipt: Iptables) -> Vec<String> {
     let mut removed = Vec::new();
-    let chains_of = |save: &str| -> Vec<String> { save.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next()).map(String::from).collect() };
+    let chains_of = |save: &str| -> Vec<String> { super::declared_chains(save).map(String::from).collect() };
     let tables: Vec<(&str, Vec<String>)> =
         ["nat", "filter"].into_iter().filter_map(|t| run(ipt.save(), IPTABLES_PACKAGE, &["-t", t]).ok().map(|out| (t, chains_of(&out)))).collect();
     // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and
     // KUBE-MARK-MASQ have the names IPVS mode's have, and a running IPVS mode must keep them.
-    let ours_only = |c: &str| IPTABLES_ONLY.contains(&c) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
+    // The fixed filter chains but KUBE-SERVICES are the iptables mode's alone (IPVS mode has
+    // KUBE-SERVICES too), as are the per-Service chains.
+    let ours_only = |c: &str| (c != "KUBE-SERVICES" && FILTER_FIXED.contains(&c)) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
     if !tables.iter().any(|(_, chains)| chains.iter().any(|c| ours_only(c))) {
         return removed;
     }

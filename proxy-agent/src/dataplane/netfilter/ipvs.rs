@@ -162,7 +162,7 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
                 for r in &port.lb_source_ranges {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-CIDR", format!("{entry},{r}"));
                 }
-                if node.nodeport_ips.iter().any(|n| port.lb_source_ranges.iter().any(|r| r.contains(*n))) {
+                if crate::model::store::Cidr::any_contains(&port.lb_source_ranges, &node.nodeport_ips) {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-IP", format!("{entry},{ip}"));
                 }
             }
@@ -508,7 +508,8 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
             removed.push(format!("ipvs: {DUMMY}"));
         }
     }
-    let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| run(IPSET, IPSET, &["list", "-n", name]).is_ok()).collect();
+    let present: BTreeSet<String> = run(IPSET, IPSET, &["list", "-n"]).map(|out| out.lines().map(String::from).collect()).unwrap_or_default();
+    let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| present.contains(*name)).collect();
     for &ipt in backends {
         // The iptables rules that match on the sets must go first.
         removed.extend(cleanup_iptables(ipt));
@@ -526,7 +527,7 @@ pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
     let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS).into_iter().map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}")).collect();
     // Its filter chain says whether it ran in this backend at all (declaring the nat chains
     // below would create them otherwise).
-    let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"]).is_ok_and(|out| out.lines().any(|l| l.starts_with(":KUBE-IPVS-DROP ")));
+    let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"]).is_ok_and(|out| super::declared_chains(&out).any(|c| c == "KUBE-IPVS-DROP"));
     if ran
         && iptables_restore(
             ipt,

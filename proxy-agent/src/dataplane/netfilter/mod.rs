@@ -176,13 +176,18 @@ impl std::fmt::Display for Iptables {
     }
 }
 
+/// The chains an `iptables-save` listing declares (its `:NAME POLICY [counters]` lines).
+pub fn declared_chains(save: &str) -> impl Iterator<Item = &str> {
+    save.lines().filter_map(|l| l.strip_prefix(':')?.split_whitespace().next())
+}
+
 /// Chains kubelet creates in the backend it uses; their presence settles the question.
 const BACKEND_HINTS: [&str; 2] = ["KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"];
 
 /// Picks the backend from what each one holds (`iptables-save` output of both): the one with
 /// kubelet's hint chains; else the one with more rules, nft on a tie (a fresh node).
 pub fn choose_backend(nft: &str, legacy: &str) -> (Iptables, String) {
-    let hinted = |save: &str| BACKEND_HINTS.iter().find(|h| save.lines().any(|l| l.strip_prefix(':').is_some_and(|c| c.split_whitespace().next() == Some(**h)))).copied();
+    let hinted = |save: &str| BACKEND_HINTS.iter().find(|h| declared_chains(save).any(|c| c == **h)).copied();
     match (hinted(nft), hinted(legacy)) {
         (Some(h), None) => return (Iptables::Nft, format!("kubelet's {h} chain is in iptables-nft")),
         (None, Some(h)) => return (Iptables::Legacy, format!("kubelet's {h} chain is in iptables-legacy")),
