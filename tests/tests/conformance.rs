@@ -94,3 +94,25 @@ fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.
     assert_eq!(conformance::SCENARIOS.len(), 12);
 }
+
+/// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's
+/// nat jumps alone where IPVS mode never ran: they are the same rules, and a starting iptables
+/// mode would otherwise translate no new connection until its first sync.
+#[test]
+fn ipvs_cleanup_leaves_the_iptables_modes_jumps() {
+    if !require::root("ipvs cleanup beside the iptables mode") {
+        return;
+    }
+    use proxy_agent::dataplane::netfilter::{ipvs, Iptables};
+    use proxy_tests::{
+        lab::{sock, WEB_VIP},
+        servers::tcp_ask,
+    };
+    let mut lab = conformance::lab(&agent(), ProxyMode::Iptables);
+    // The agent's own syncs must not put back what the cleanup takes.
+    lab.kill_agent();
+    let removed: Vec<String> = lab.node.run(|| [Iptables::Nft, Iptables::Legacy].into_iter().flat_map(ipvs::cleanup_iptables).collect());
+    assert!(removed.is_empty(), "IPVS mode never ran here, yet its cleanup removed {removed:?}");
+    let answer = tcp_ask(&lab.client.ns, sock(WEB_VIP)).expect("a new connection to the Service is still translated");
+    assert!(answer.backend.starts_with("backend-"), "{answer:?}");
+}

@@ -522,14 +522,18 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     removed
 }
 
-/// Removes IPVS mode's jumps and chains from `ipt`.
+/// Removes IPVS mode's jumps and chains from `ipt`, if IPVS mode ran there.
 pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
-    let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS).into_iter().map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}")).collect();
-    // Its filter chain says whether it ran in this backend at all (declaring the nat chains
-    // below would create them otherwise).
+    // Its filter chain says whether it ran in this backend at all. Nothing is touched
+    // otherwise: its nat jumps are the iptables mode's too (deleting them would leave an
+    // iptables mode that is starting without them until its first sync), and declaring the
+    // nat chains below would create them.
     let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"]).is_ok_and(|out| super::declared_chains(&out).any(|c| c == "KUBE-IPVS-DROP"));
-    if ran
-        && iptables_restore(
+    if !ran {
+        return Vec::new();
+    }
+    let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS).into_iter().map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}")).collect();
+    if iptables_restore(
             ipt,
             "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-X KUBE-SERVICES\n-X KUBE-NODE-PORT\n-X KUBE-POSTROUTING\n-X KUBE-LOAD-BALANCER\n-X KUBE-MARK-MASQ\nCOMMIT\n",
         )
