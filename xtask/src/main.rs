@@ -26,6 +26,9 @@ const PACKAGES: &[(&str, &str)] = &[
     ("busybox-static", "the IPVS guest's initramfs"),
     ("cpio", "packing the IPVS guest's initramfs"),
     ("kmod", "depmod/modprobe for the IPVS guest's kernel modules"),
+    ("buildah", "building the agent's image (cargo xtask image)"),
+    ("debootstrap", "a Debian 12 base for the image where no registry is reachable"),
+    ("runc", "the container test runs the image the way kubelet runs the DaemonSet"),
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -38,7 +41,9 @@ fn main() {
         None => ("help", &[][..]),
     };
     let result = match task {
+        "setup" if rest.iter().any(|a| a == "--toolchain") => nightly_rust_src().and_then(|()| bpf_linker()),
         "setup" => setup(),
+        "image" => setup().and_then(|()| image(rest)),
         "build" => setup().and_then(|()| build(rest)),
         "run" => setup().and_then(|()| run_demo(rest)),
         "test" => setup().and_then(|()| test(rest)),
@@ -58,9 +63,14 @@ fn main() {
 fn print_help() {
     println!(
         "cargo xtask <task>\n\n\
-         \x20 setup   install what the build and tests need (nightly rust-src, bpf-linker, Debian packages)\n\
+         \x20 setup   install what the build and tests need (nightly rust-src, bpf-linker, Debian packages);\n\
+         \x20         `--toolchain`: only what building the agent needs (no Debian packages)\n\
+         \x20 image   the agent's container image (deploy/Containerfile) as localhost/proxy-agent:dev;\n\
+         \x20         `--base IMAGE` for another runtime base\n\
          \x20 build   build the agent and the lab binaries\n\
          \x20 run     the demo: a lab of network namespaces, the agent on examples/, traffic; Ctrl-C ends it\n\
+         \x20         `cargo xtask run -- <agent arguments>` runs the agent on this node instead,\n\
+         \x20         e.g. `cargo xtask run -- run --kubeconfig ~/.kube/config`\n\
          \x20 test    every test (run as root: the lab and the eBPF tests need it)\n\
          \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost"
     );
@@ -231,10 +241,24 @@ fn require_root(what: &str) -> Result {
     }
 }
 
+/// `cargo xtask run`: the demo. `cargo xtask run -- <agent arguments>`: the agent itself on
+/// this node, e.g. `cargo xtask run -- run --kubeconfig ~/.kube/config`.
 fn run_demo(extra: &[String]) -> Result {
+    if let Some(("--", agent_args)) = extra.split_first().map(|(a, rest)| (a.as_str(), rest)) {
+        return run_agent(agent_args);
+    }
     require_root("the demo")?;
     check(cargo().current_dir(workspace_root()).args(["build", "-p", "proxy-tests", "--bins"]))?;
     check(cargo().current_dir(workspace_root()).args(["run", "-q", "-p", "proxy-tests", "--bin", "proxy-demo", "--"]).args(extra))
+}
+
+fn run_agent(args: &[String]) -> Result {
+    check(cargo().current_dir(workspace_root()).args(["build", "-p", "proxy-agent", "--bin", "proxy-agent"]))?;
+    let bin = target_dir()?.join("debug").join("proxy-agent");
+    if !is_root() {
+        println!("xtask run: not root; the agent will say which capabilities it lacks (run with sudo -E for the eBPF mode)");
+    }
+    check(Command::new(&bin).args(args))
 }
 
 fn test(extra: &[String]) -> Result {
@@ -247,6 +271,83 @@ fn test(extra: &[String]) -> Result {
         println!("xtask test: not root; tests that need root (eBPF, network namespaces) will say so and not run");
     }
     check(&mut cmd)
+}
+
+// ---------------------------------------------------------------------------------------------
+// image
+
+/// What `cargo xtask image` makes (in the containers-storage that buildah and podman share).
+pub const IMAGE: &str = "localhost/proxy-agent:dev";
+/// The runtime base deploy/Containerfile names by default.
+const DEFAULT_BASE: &str = "docker.io/library/debian:bookworm-slim";
+/// The Debian 12 base made with debootstrap where no registry is reachable.
+const LOCAL_BASE: &str = "localhost/proxy-agent-base:bookworm";
+
+fn buildah() -> Command {
+    Command::new("buildah")
+}
+
+fn image_exists(name: &str) -> bool {
+    buildah().args(["inspect", "--type", "image", name]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+/// `cargo xtask image [--base IMAGE]`: the release agent built here (a Debian 12 host, as the
+/// base is), then deploy/Containerfile's `prebuilt` path with buildah, tagged `IMAGE`.
+fn image(extra: &[String]) -> Result {
+    require_root("building the image (buildah, debootstrap)")?;
+    let base = match extra.iter().position(|a| a == "--base") {
+        Some(i) => extra.get(i + 1).ok_or("--base needs an image name")?.clone(),
+        None => DEFAULT_BASE.to_string(),
+    };
+    let root = workspace_root();
+    check(cargo().current_dir(&root).args(["build", "--release", "-p", "proxy-agent", "--bin", "proxy-agent"]))?;
+    let base = runtime_base(&base)?;
+    println!("image: building {IMAGE} on {base}");
+    check(
+        buildah()
+            .current_dir(&root)
+            .args(["bud", "--isolation", "chroot", "--network", "host", "--layers=false", "-f", "deploy/Containerfile"])
+            .args(["--build-arg", &format!("BASE={base}"), "--build-arg", "AGENT_FROM=prebuilt", "-t", IMAGE, "."]),
+    )?;
+    let json = output(buildah().args(["images", "--json", IMAGE]))?;
+    let size = json.lines().find_map(|l| l.trim().strip_prefix("\"size\": \"")).map(|s| s.trim_end_matches(['"', ','])).unwrap_or("?");
+    println!("image: {IMAGE} built, {size}");
+    Ok(())
+}
+
+/// The base to build on: `wanted` if it is here or can be pulled; for the default base where
+/// no registry answers, a Debian 12 made with debootstrap from the Debian mirror.
+fn runtime_base(wanted: &str) -> Result<String> {
+    if image_exists(wanted) {
+        return Ok(wanted.to_string());
+    }
+    if buildah().args(["pull", "--quiet", wanted]).stdout(Stdio::null()).status().is_ok_and(|s| s.success()) {
+        return Ok(wanted.to_string());
+    }
+    if wanted != DEFAULT_BASE {
+        return Err(format!("the base image {wanted} is neither here nor pullable"));
+    }
+    if image_exists(LOCAL_BASE) {
+        println!("image: no registry reachable; using {LOCAL_BASE} (Debian 12 from debootstrap)");
+        return Ok(LOCAL_BASE.to_string());
+    }
+    let mirror = env::var("PROXY_DEBIAN_MIRROR").unwrap_or_else(|_| "http://deb.debian.org/debian".into());
+    println!("image: no registry reachable; making {LOCAL_BASE} with debootstrap from {mirror} (about half a minute)");
+    let ctr = output(buildah().args(["from", "scratch"]))?.trim().to_string();
+    let made = (|| {
+        let mnt = PathBuf::from(output(buildah().args(["mount", &ctr]))?.trim());
+        check(Command::new("debootstrap").args(["--variant=minbase", "bookworm"]).arg(&mnt).arg(&mirror))?;
+        // What a slim image leaves out: package caches and lists, documentation.
+        for dir in ["var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/info"] {
+            let _ = std::fs::remove_dir_all(mnt.join(dir));
+        }
+        let _ = std::fs::create_dir_all(mnt.join("var/lib/apt/lists/partial"));
+        let _ = std::fs::create_dir_all(mnt.join("var/cache/apt/archives/partial"));
+        check(buildah().args(["config", "--cmd", "/bin/bash", &ctr]))?;
+        check(buildah().args(["commit", "--quiet", &ctr, LOCAL_BASE]).stdout(Stdio::null()))
+    })();
+    let _ = buildah().args(["rm", &ctr]).stdout(Stdio::null()).status();
+    made.map(|()| LOCAL_BASE.to_string())
 }
 
 fn target_dir() -> Result<PathBuf> {
