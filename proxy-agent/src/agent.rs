@@ -1,12 +1,13 @@
-//! `proxy-agent run`: load or adopt the dataplane, attach to pod interfaces as they appear,
-//! and keep the maps in step with the source (API server or manifest directory) until SIGTERM.
-//! On exit the programs, maps and links stay pinned, so traffic keeps flowing until the next
-//! run adopts them.
+//! `proxy-agent run`: choose the mode, load or adopt its dataplane, and keep it in step with
+//! the source (API server or manifest directory) until SIGTERM. One control loop serves every
+//! mode: the eBPF dataplane's reconciler and the netfilter modes' proxier both implement
+//! `Proxier`, as kube-proxy's proxiers implement its `Provider`. In eBPF mode the programs,
+//! maps and links stay pinned on exit, so traffic keeps flowing until the next run adopts them;
+//! the netfilter modes' rules stay in the kernel likewise.
 
 use std::{
     collections::BTreeMap,
-    net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{atomic::Ordering, Arc},
     time::Duration,
 };
@@ -17,71 +18,117 @@ use anyhow::Context as _;
 use tokio::{
     signal::unix::{signal, SignalKind},
     sync::mpsc,
+    time::Instant,
 };
 
 use crate::{
+    config::{Config, Source, SyncPeriods},
     dataplane::{
         ebpf::{
-            attach::{Attachments, DevicePatterns, XdpSetting},
+            attach::{Attachments, DevicePatterns, Role, XdpSetting},
             batch,
             loader::{self, LoadOptions},
             EbpfDataplane,
         },
-        Dataplane as _,
+        netfilter::Iptables,
+        Dataplane as _, ProxyMode,
     },
-    dataplane::ProxyMode,
     devices::Devices,
-    healthcheck::HealthServers,
+    healthcheck::{HealthServers, PortState},
     http,
-    model::store::{Event, Kind, NodePortAddresses, Store},
+    model::store::{Event, Kind, Store},
     netlink,
-    proxier::NetfilterProxier,
+    proxier::{Masquerading, NetfilterProxier},
     reconcile::{Reconciler, SyncStats},
     source::{self, manifests::ManifestDir},
     telemetry::Telemetry,
 };
 
-#[derive(Clone, Debug)]
-pub enum Source {
-    /// A directory of manifests, watched for changes.
-    Manifests(PathBuf),
-    /// The API server, from a kubeconfig (None: $KUBECONFIG, in-cluster, ~/.kube/config).
-    Kube(Option<PathBuf>),
+/// What the control loop drives: one mode's way of programming the kernel.
+pub(crate) trait Proxier {
+    fn store(&self) -> &Store;
+    fn store_mut(&mut self) -> &mut Store;
+    /// Feeds one source event to the store.
+    fn handle(&mut self, event: Event) {
+        self.store_mut().apply_logged(event);
+    }
+    /// Every source has listed everything (nothing is written before).
+    fn ready(&self) -> bool;
+    fn has_failures(&self) -> bool;
+    /// Applies pending changes. None when not ready or nothing was done.
+    fn sync(&mut self) -> Option<SyncStats>;
+    /// Health-check node ports and what each reports.
+    fn health_checks(&self) -> BTreeMap<u16, PortState>;
+    /// After a sync: what the mode reports besides (map fill).
+    fn report(&self, _telemetry: &Telemetry) {}
+    /// Interfaces came, went or were renamed.
+    fn interfaces_changed(&mut self, _devices: &mut Devices) {}
+    /// Every few seconds.
+    async fn housekeeping(&mut self, _devices: &mut Devices) {}
+    /// The next sync rewrites everything (periodic full resync).
+    fn resync_all(&mut self) {}
 }
 
-#[derive(Clone, Debug)]
-pub struct RunConfig {
-    pub source: Source,
-    /// None: auto.
-    pub proxy_mode: Option<ProxyMode>,
-    /// `--cluster-cidr` (netfilter modes: what counts as pod traffic).
-    pub cluster_cidr: Option<crate::model::store::Cidr>,
-    /// `--masquerade-all` (netfilter modes).
-    pub masquerade_all: bool,
-    /// `--ipvs-scheduler` (IPVS mode).
-    pub ipvs_scheduler: crate::dataplane::netfilter::ipvs::Scheduler,
-    /// `--iptables-backend` (iptables and IPVS modes); None: auto.
-    pub iptables_backend: Option<crate::dataplane::netfilter::Iptables>,
-    pub pod_devices: Vec<String>,
-    /// External interfaces (glob patterns); empty: those with a global IPv4 address.
-    pub devices: Vec<String>,
-    pub nodeport_addresses: NodePortAddresses,
-    pub xdp: XdpSetting,
-    /// `--cgroup-root`: None: no socket hooks; Some(None): the cgroup v2 root.
-    pub cgroup_root: Option<Option<PathBuf>>,
-    pub maglev_size: u32,
-    /// North-south SNAT source ports (inclusive).
-    pub snat_ports: (u16, u16),
-    pub bpffs_root: PathBuf,
-    pub hostname: String,
-    pub lb_map_max: u32,
-    pub ct_map_max: u32,
-    pub metrics_bind: SocketAddr,
-    pub healthz_bind: SocketAddr,
-    /// kube-proxy's --sync-period: programming later than twice this fails /healthz.
-    pub sync_period: Duration,
-    /// Rescan the manifest directory at least this often, in case inotify misses a change.
-    pub resync: Duration,
+impl Proxier for Reconciler<EbpfDataplane> {
+    fn store(&self) -> &Store {
+        &self.store
+    }
+    fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
+    fn ready(&self) -> bool {
+        Reconciler::ready(self)
+    }
+    fn has_failures(&self) -> bool {
+        Reconciler::has_failures(self)
+    }
+    fn sync(&mut self) -> Option<SyncStats> {
+        Reconciler::sync(self)
+    }
+    fn health_checks(&self) -> BTreeMap<u16, PortState> {
+        Reconciler::health_checks(self)
+    }
+    fn report(&self, telemetry: &Telemetry) {
+        telemetry.fill.services.store(self.dataplane().service_entries() as u64, Ordering::Relaxed);
+        telemetry.fill.backends.store(self.dataplane().backend_count() as u64, Ordering::Relaxed);
+    }
+    fn interfaces_changed(&mut self, devices: &mut Devices) {
+        devices.sync(self.dataplane_mut());
+    }
+    async fn housekeeping(&mut self, devices: &mut Devices) {
+        if !devices.failed.is_empty() {
+            devices.sync(self.dataplane_mut());
+        }
+        // A veth's xdp_features follow its peer, which changes without a netlink event here.
+        match crate::dataplane::ebpf::xdpdevs::read().await {
+            Ok(devs) => devices.sync_xdp(self.dataplane_mut(), &devs),
+            Err(e) => tracing::debug!("listing interfaces for XDP: {e}"),
+        }
+    }
+}
+
+impl Proxier for NetfilterProxier {
+    fn store(&self) -> &Store {
+        &self.store
+    }
+    fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
+    }
+    fn ready(&self) -> bool {
+        NetfilterProxier::ready(self)
+    }
+    fn has_failures(&self) -> bool {
+        NetfilterProxier::has_failures(self)
+    }
+    fn sync(&mut self) -> Option<SyncStats> {
+        NetfilterProxier::sync(self)
+    }
+    fn health_checks(&self) -> BTreeMap<u16, PortState> {
+        NetfilterProxier::health_checks(self)
+    }
+    fn resync_all(&mut self) {
+        NetfilterProxier::resync_all(self);
+    }
 }
 
 fn log_sync(s: &SyncStats) {
@@ -131,37 +178,36 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory
 /// watcher alive.
-async fn start_source(cfg: &RunConfig) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
+async fn start_source(cfg: &Config) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
     let (src_tx, src_rx) = mpsc::channel(256);
     let mut watcher = None;
-    match &cfg.source {
+    match &cfg.common.source {
         Source::Manifests(dir) => {
             let dir = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
-            watcher = Some(
-                source::manifests::spawn(dir, src_tx, cfg.resync).with_context(|| format!("watching {:?}", cfg.source))?,
-            );
+            watcher = Some(source::manifests::spawn(dir, src_tx, cfg.common.resync).with_context(|| format!("watching {:?}", cfg.common.source))?);
         }
-        Source::Kube(kubeconfig) => {
-            let client = source::kube::client(kubeconfig.as_deref()).await?;
-            source::kube::spawn(client, &cfg.hostname, src_tx);
+        Source::Kube(api) => {
+            let client = source::kube::client(api).await?;
+            source::kube::spawn(client, &cfg.common.hostname, src_tx);
         }
     }
     Ok((src_rx, watcher))
 }
 
-fn load_ebpf(cfg: &RunConfig) -> Result<EbpfDataplane, crate::dataplane::ebpf::EbpfError> {
+fn load_ebpf(cfg: &Config) -> Result<EbpfDataplane, crate::dataplane::ebpf::EbpfError> {
     EbpfDataplane::load(LoadOptions {
-        pin_root: Some(cfg.bpffs_root.clone()),
-        lb_map_max: cfg.lb_map_max,
-        ct_map_max: cfg.ct_map_max,
-        maglev_size: cfg.maglev_size,
-        snat_ports: cfg.snat_ports,
+        pin_root: Some(cfg.common.bpffs_root.clone()),
+        lb_map_max: cfg.ebpf.lb_map_max,
+        ct_map_max: cfg.ebpf.ct_map_max,
+        maglev_size: cfg.ebpf.maglev_size,
+        snat_ports: cfg.ebpf.snat_ports,
+        ct_lifetimes: cfg.ct_lifetimes(),
     })
 }
 
 /// `--proxy-mode auto`: ebpf when this kernel and these privileges run our programs, else
 /// nftables, else iptables. Says why.
-fn choose_mode(cfg: &RunConfig) -> (ProxyMode, Option<EbpfDataplane>) {
+fn choose_mode(cfg: &Config) -> (ProxyMode, Option<EbpfDataplane>) {
     match crate::dataplane::modes::ebpf_unsupported() {
         None => match load_ebpf(cfg) {
             Ok(dp) => {
@@ -184,27 +230,53 @@ fn choose_mode(cfg: &RunConfig) -> (ProxyMode, Option<EbpfDataplane>) {
     }
 }
 
-pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
-    let (mode, loaded) = match cfg.proxy_mode {
-        Some(m) => {
-            tracing::info!(mode = %m, "proxy mode as configured (--proxy-mode)");
-            (m, None)
-        }
-        None => choose_mode(&cfg),
-    };
-    let backends = crate::dataplane::netfilter::Iptables::available();
-    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| match cfg.iptables_backend {
+/// kube-proxy's `oomScoreAdj`: lowering it needs CAP_SYS_RESOURCE, which a DaemonSet's agent
+/// need not have (kubelet gives node-critical pods a low score anyway).
+fn set_oom_score_adj(value: Option<i32>) {
+    let Some(v) = value else { return };
+    let current = std::fs::read_to_string("/proc/self/oom_score_adj").ok().and_then(|s| s.trim().parse::<i32>().ok());
+    if current == Some(v) {
+        return;
+    }
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", v.to_string()) {
+        tracing::info!(
+            current = ?current,
+            "oomScoreAdj {v} not set ({e}): lowering it needs CAP_SYS_RESOURCE; kubelet gives system-node-critical pods a low score"
+        );
+    }
+}
+
+/// The iptables backend of `mode`, for the modes that write iptables rules.
+fn iptables_backend(cfg: &Config, mode: ProxyMode, backends: &[Iptables]) -> Option<Iptables> {
+    matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| match cfg.netfilter.iptables_backend {
         Some(b) => {
             tracing::info!(backend = %b, "iptables backend as configured (--iptables-backend)");
             b
         }
         None => {
-            let (b, why) = crate::dataplane::netfilter::Iptables::detect(&backends);
+            let (b, why) = Iptables::detect(backends);
             tracing::info!(backend = %b, "iptables backend auto: {why}");
             b
         }
-    });
-    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &cfg.bpffs_root);
+    })
+}
+
+pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    let (mode, loaded) = match cfg.common.proxy_mode {
+        Some(m) => {
+            tracing::info!(mode = %m, "proxy mode as configured");
+            (m, None)
+        }
+        None => choose_mode(&cfg),
+    };
+    let unused = cfg.unused_in(mode);
+    if !unused.is_empty() {
+        tracing::warn!("configuration fields not used in mode {mode}: {} (kube-proxy's other modes use them)", unused.join(", "));
+    }
+    set_oom_score_adj(cfg.common.oom_score_adj);
+    let backends = Iptables::available();
+    let ipt = iptables_backend(&cfg, mode, &backends);
+    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
     match mode {
         ProxyMode::Ebpf => {
             let dp = match loaded {
@@ -217,86 +289,66 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<()> {
     }
 }
 
-async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::dataplane::netfilter::Iptables) -> anyhow::Result<()> {
-    let opts = crate::dataplane::modes::RuleOptions { scheduler: cfg.ipvs_scheduler.clone(), iptables };
-    let rules = crate::dataplane::modes::rules_for(mode, opts).map_err(anyhow::Error::msg)?;
-    let (mut src_rx, _watcher) = start_source(&cfg).await?;
-    let telemetry = Telemetry::new(2 * cfg.sync_period, None, (0, 0));
-    http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
-    http::spawn("healthz", "--healthz-bind-address", cfg.healthz_bind, http::health_router(telemetry.clone()));
-    let mut store = Store::new(cfg.hostname.clone());
-    store.set_nodeport_config(cfg.nodeport_addresses.clone());
-    let mut proxier = NetfilterProxier::new(
-        store,
-        rules,
-        vec![Kind::Service, Kind::EndpointSlice, Kind::Node],
-        cfg.cluster_cidr,
-        cfg.masquerade_all,
-    );
-    let mut health = HealthServers::new(telemetry.clone());
-    // Node addresses, for NodePorts.
-    let (link_tx, mut link_rx) = mpsc::channel(256);
+/// What every mode's loop is fed from: the source, the interfaces and their addresses.
+struct Inputs {
+    src_rx: mpsc::Receiver<Event>,
+    /// Keeps a manifest directory's watcher alive.
+    _watcher: Option<notify::RecommendedWatcher>,
+    link_rx: mpsc::Receiver<netlink::LinkChange>,
+    devices: Devices,
+}
+
+/// Starts the source and the interface watch, and brings `devices` to what exists now.
+async fn start_inputs(cfg: &Config, mut devices: Devices) -> anyhow::Result<(Inputs, BTreeMap<u32, String>)> {
+    let (src_rx, watcher) = start_source(cfg).await?;
+    let (link_tx, link_rx) = mpsc::channel(256);
     let (links, addrs) = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
-    let no_devices = DevicePatterns::parse(&[]).expect("empty pattern list");
-    let mut devices = Devices::new(no_devices, Some(DevicePatterns::parse(&[]).expect("empty")), XdpSetting::Disabled);
+    let live: BTreeMap<u32, String> = links.iter().cloned().collect();
     for (index, name) in links {
         devices.apply(&netlink::LinkChange::Present { index, name });
     }
     for a in &addrs {
         devices.apply(a);
     }
-    proxier.store.set_local_addresses(devices.node_addresses());
-    tracing::info!(mode = %mode, node = cfg.hostname, "programming Services with the kernel's netfilter");
+    Ok((Inputs { src_rx, _watcher: watcher, link_rx, devices }, live))
+}
 
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut retry = tokio::time::interval(Duration::from_secs(2));
-    // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let netfilter_sync = |p: &mut NetfilterProxier, health: &mut HealthServers| {
-        if let Some(s) = p.sync() {
-            log_sync(&s);
-            health.update(&p.health_checks());
-            telemetry.synced(&s, &p.store.change_counts());
-            if !p.has_failures() {
-                telemetry.updated();
-            }
-        } else {
-            telemetry.record_changes(&p.store.change_counts());
-        }
-    };
-    let mut node_watch = NodeWatch::default();
-    loop {
-        tokio::select! {
-            Some(ev) = src_rx.recv() => {
-                proxier.handle(ev);
-                while let Ok(ev) = src_rx.try_recv() {
-                    proxier.handle(ev);
-                }
-                node_watch.observe(&proxier.store, proxier.ready(), &telemetry, &cfg.hostname);
-                if proxier.store.has_dirty() {
-                    telemetry.queued();
-                }
-                netfilter_sync(&mut proxier, &mut health);
-            }
-            Some(change) = link_rx.recv() => {
-                let mut changed = devices.apply(&change);
-                while let Ok(change) = link_rx.try_recv() {
-                    changed |= devices.apply(&change);
-                }
-                if changed {
-                    proxier.store.set_local_addresses(devices.node_addresses());
-                    if proxier.store.has_dirty() {
-                        telemetry.queued();
-                        netfilter_sync(&mut proxier, &mut health);
-                    }
-                }
-            }
-            _ = retry.tick(), if proxier.has_failures() => netfilter_sync(&mut proxier, &mut health),
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
-        }
+fn telemetry_and_servers(cfg: &Config, health_timeout: Duration, mode: ProxyMode, pins: Option<&Path>, capacities: (u64, u64)) -> Arc<Telemetry> {
+    let telemetry = Telemetry::new(health_timeout, pins, capacities);
+    http::spawn("metrics", "--metrics-bind-address", cfg.common.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
+    http::spawn("healthz", "--healthz-bind-address", cfg.common.healthz_bind, http::health_router(telemetry.clone()));
+    telemetry
+}
+
+fn new_store(cfg: &Config) -> Store {
+    let mut store = Store::new(cfg.common.hostname.clone());
+    store.set_nodeport_config(cfg.common.nodeport_addresses.clone());
+    if cfg.common.node_ip.is_some() {
+        store.set_node_ip_override(cfg.common.node_ip);
     }
+    store
+}
+
+async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyhow::Result<()> {
+    let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables).map_err(anyhow::Error::msg)?;
+    let settings = cfg.netfilter.for_mode(mode);
+    let telemetry = telemetry_and_servers(&cfg, 2 * settings.sync.sync, mode, None, (0, 0));
+    let masquerading = Masquerading {
+        masquerade_all: settings.masquerade_all,
+        detect_local: Some(cfg.netfilter.detect_local.clone()),
+        cluster_cidrs: cfg.common.cluster_cidrs.clone(),
+    };
+    let sysctls = crate::dataplane::netfilter::sysctl::settings(mode, &cfg);
+    let mut proxier = NetfilterProxier::new(new_store(&cfg), rules, vec![Kind::Service, Kind::EndpointSlice, Kind::Node], masquerading, sysctls);
+    // Node addresses only, for NodePorts: nothing is attached.
+    let no_patterns = DevicePatterns::parse(&[]).expect("empty pattern list");
+    let devices = Devices::new(no_patterns.clone(), Some(no_patterns), XdpSetting::Disabled);
+    let (mut inputs, _) = start_inputs(&cfg, devices).await?;
+    proxier.store.set_local_addresses(inputs.devices.node_addresses());
+    tracing::info!(mode = %mode, node = cfg.common.hostname, "programming Services with the kernel's netfilter");
+    let health = HealthServers::new(telemetry.clone());
+    let hostname = cfg.common.hostname.clone();
+    control_loop(&mut proxier, &mut inputs, &telemetry, health, settings.sync, &hostname).await?;
     tracing::info!(mode = %mode, "stopping; the rules stay in place (`proxy-agent cleanup` removes them)");
     Ok(())
 }
@@ -304,9 +356,9 @@ async fn run_netfilter(cfg: RunConfig, mode: ProxyMode, iptables: crate::datapla
 /// Attaches the socket hooks that serve Services to host-network processes (`--cgroup-root`).
 /// A failure is reported and the agent goes on: pods and outside clients are served all the
 /// same.
-fn serve_host_sockets(cfg: &RunConfig, dp: &mut EbpfDataplane) {
+fn serve_host_sockets(cfg: &Config, dp: &mut EbpfDataplane) {
     use crate::dataplane::ebpf::hostsock;
-    let Some(root) = &cfg.cgroup_root else {
+    let Some(root) = &cfg.ebpf.cgroup_root else {
         let removed = dp.stop_serving_host_sockets();
         tracing::info!(removed_hooks = removed, "--cgroup-root none: host-network processes do not reach Services through this agent");
         return;
@@ -324,8 +376,23 @@ fn serve_host_sockets(cfg: &RunConfig, dp: &mut EbpfDataplane) {
         None => match hostsock::cgroup2_mount() {
             Some(m) => m,
             None => {
-                tracing::warn!("no cgroup v2 hierarchy is mounted: host-network processes do not reach Services (mount one, or pass --cgroup-root)");
-                return;
+                let dir = Path::new(hostsock::CGROUP2_DIR);
+                match hostsock::mount_cgroup2(dir) {
+                    Ok(()) => {
+                        tracing::info!(cgroup = %dir.display(), "no cgroup v2 hierarchy was mounted (a cgroup v1 host): mounted one for the socket hooks");
+                        dir.to_path_buf()
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "no cgroup v2 hierarchy is mounted and mounting one at {} failed ({e}): host-network processes \
+                             do not reach Services. Mount one on the host (`mount -t cgroup2 none {}`, as \
+                             deploy/daemonset.yaml's init container does) and pass it as --cgroup-root",
+                            dir.display(),
+                            dir.display()
+                        );
+                        return;
+                    }
+                }
             }
         },
     };
@@ -334,103 +401,125 @@ fn serve_host_sockets(cfg: &RunConfig, dp: &mut EbpfDataplane) {
     }
 }
 
-async fn run_ebpf(cfg: RunConfig, dp: EbpfDataplane) -> anyhow::Result<()> {
-    let patterns = DevicePatterns::parse(&cfg.pod_devices).map_err(anyhow::Error::msg)?;
-    let external = if cfg.devices.is_empty() {
+async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
+    let patterns = DevicePatterns::parse(&cfg.ebpf.pod_devices).map_err(anyhow::Error::msg)?;
+    let external = if cfg.ebpf.devices.is_empty() {
         None
     } else {
-        Some(DevicePatterns::parse(&cfg.devices).map_err(|e| anyhow::anyhow!("--devices: {e}"))?)
+        Some(DevicePatterns::parse(&cfg.ebpf.devices).map_err(|e| anyhow::anyhow!("--devices: {e}"))?)
     };
-    let (mut src_rx, _watcher) = start_source(&cfg).await?;
-    tracing::info!(
-        bpffs_root = %cfg.bpffs_root.display(),
-        node = cfg.hostname,
-        adopted_frontends = dp.programmed_keys().len(),
-        "dataplane loaded"
-    );
-    let telemetry = Telemetry::new(2 * cfg.sync_period, Some(&cfg.bpffs_root), (cfg.lb_map_max.into(), cfg.ct_map_max.into()));
-    http::spawn("metrics", "--metrics-bind-address", cfg.metrics_bind, http::metrics_router(telemetry.clone(), "ebpf"));
-    http::spawn("healthz", "--healthz-bind-address", cfg.healthz_bind, http::health_router(telemetry.clone()));
-    spawn_conntrack_gauge(cfg.bpffs_root.clone(), telemetry.clone());
-
-    let mut store = Store::new(cfg.hostname.clone());
-    store.set_nodeport_config(cfg.nodeport_addresses.clone());
-    let mut rec = Reconciler::new(store, dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
-    let mut health = HealthServers::new(telemetry.clone());
-
-    let (link_tx, mut link_rx) = mpsc::channel(256);
-    let (links, addrs) = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
-    let live: BTreeMap<u32, String> = links.iter().cloned().collect();
-    Attachments::prune_pins(&cfg.bpffs_root, &live);
-    let mut devices = Devices::new(patterns, external, cfg.xdp);
-    for (index, name) in links {
-        devices.apply(&netlink::LinkChange::Present { index, name });
-    }
-    for a in &addrs {
-        devices.apply(a);
-    }
-    rec.store.set_local_addresses(devices.node_addresses());
-    devices.sync(rec.dataplane_mut());
-    if !rec.dataplane().attached().values().any(|n| devices.role(0, n) == Some(crate::dataplane::ebpf::attach::Role::Pod)) {
-        tracing::warn!(
-            patterns = ?cfg.pod_devices,
-            "no interface matches --pod-devices yet; attaching as matching interfaces appear"
-        );
+    let root = &cfg.common.bpffs_root;
+    tracing::info!(bpffs_root = %root.display(), node = cfg.common.hostname, adopted_frontends = dp.programmed_keys().len(), "dataplane loaded");
+    let telemetry = telemetry_and_servers(&cfg, 2 * cfg.common.sync_period, ProxyMode::Ebpf, Some(root), (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()));
+    spawn_conntrack_gauge(root.clone(), telemetry.clone());
+    let mut rec = Reconciler::new(new_store(&cfg), dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
+    let (mut inputs, live) = start_inputs(&cfg, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
+    Attachments::prune_pins(root, &live);
+    rec.store.set_local_addresses(inputs.devices.node_addresses());
+    inputs.devices.sync(rec.dataplane_mut());
+    if !rec.dataplane().attached().values().any(|n| inputs.devices.role(0, n) == Some(Role::Pod)) {
+        tracing::warn!(patterns = ?cfg.ebpf.pod_devices, "no interface matches --pod-devices yet; attaching as matching interfaces appear");
     }
     serve_host_sockets(&cfg, rec.dataplane_mut());
     if rec.dataplane().external_interfaces().is_empty() {
         tracing::warn!(
-            devices = ?cfg.devices,
+            devices = ?cfg.ebpf.devices,
             "no external interface (--devices, or one with a global IPv4 address); NodePort and load-balancer \
              traffic from outside is not served until one appears"
         );
     }
+    let health = HealthServers::new(telemetry.clone());
+    // The eBPF dataplane programs every change at once: a change costs microseconds.
+    let periods = SyncPeriods { sync: cfg.common.sync_period, min: Duration::ZERO };
+    control_loop(&mut rec, &mut inputs, &telemetry, health, periods, &cfg.common.hostname).await?;
+    if rec.dataplane().pins_outlive_agent() {
+        tracing::info!(
+            bpffs_root = %root.display(),
+            "stopping; programs, maps and links stay pinned and keep serving (`proxy-agent cleanup` removes them)"
+        );
+    } else {
+        tracing::warn!(
+            bpffs_root = %root.display(),
+            "stopping; the pins are on a BPF filesystem private to this process's mount namespace and go with it: \
+             Services stop being served"
+        );
+    }
+    Ok(())
+}
 
+/// Everything is written again at least this often (kube-proxy's nftables mode does a full
+/// sync hourly; between them only what changed is written).
+const FULL_RESYNC: Duration = Duration::from_secs(3600);
+
+/// The one control loop: source events and interface changes in, syncs out, no closer
+/// together than `periods.min`, and a full resync every `max(periods.sync, FULL_RESYNC)`.
+async fn control_loop<P: Proxier>(
+    p: &mut P,
+    inputs: &mut Inputs,
+    telemetry: &Telemetry,
+    mut health: HealthServers,
+    periods: SyncPeriods,
+    hostname: &str,
+) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(2));
     // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut attach_retry = tokio::time::interval(Duration::from_secs(5));
+    let mut housekeeping = tokio::time::interval(Duration::from_secs(5));
+    housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let full = periods.sync.max(FULL_RESYNC);
+    let mut full_resync = tokio::time::interval_at(Instant::now() + full, full);
     let mut node_watch = NodeWatch::default();
+    let mut wanted = false;
+    let mut last_sync: Option<Instant> = None;
     loop {
+        let due = last_sync.map_or(Instant::now(), |t| t + periods.min);
         tokio::select! {
-            Some(ev) = src_rx.recv() => {
-                rec.handle(ev);
+            Some(ev) = inputs.src_rx.recv() => {
+                p.handle(ev);
                 // Coalesce a burst: take what is already queued, then program once.
-                while let Ok(ev) = src_rx.try_recv() {
-                    rec.handle(ev);
+                while let Ok(ev) = inputs.src_rx.try_recv() {
+                    p.handle(ev);
                 }
-                node_watch.observe(&rec.store, rec.ready(), &telemetry, &cfg.hostname);
-                if rec.store.has_dirty() {
+                node_watch.observe(p.store(), p.ready(), telemetry, hostname);
+                if p.store().has_dirty() {
                     telemetry.queued();
                 }
-                sync(&mut rec, &telemetry, &mut health);
+                wanted = true;
             }
-            Some(change) = link_rx.recv() => {
-                let mut addresses_changed = devices.apply(&change);
-                while let Ok(change) = link_rx.try_recv() {
-                    addresses_changed |= devices.apply(&change);
+            Some(change) = inputs.link_rx.recv() => {
+                let mut addresses_changed = inputs.devices.apply(&change);
+                while let Ok(change) = inputs.link_rx.try_recv() {
+                    addresses_changed |= inputs.devices.apply(&change);
                 }
-                devices.sync(rec.dataplane_mut());
+                p.interfaces_changed(&mut inputs.devices);
                 if addresses_changed {
-                    rec.store.set_local_addresses(devices.node_addresses());
-                    if rec.store.has_dirty() {
+                    p.store_mut().set_local_addresses(inputs.devices.node_addresses());
+                    if p.store().has_dirty() {
                         telemetry.queued();
-                        sync(&mut rec, &telemetry, &mut health);
+                        wanted = true;
                     }
                 }
             }
-            _ = retry.tick(), if rec.has_failures() => sync(&mut rec, &telemetry, &mut health),
-            _ = attach_retry.tick(), if !devices.failed.is_empty() => devices.sync(rec.dataplane_mut()),
+            // minSyncPeriod: a sync wanted too soon after the last one waits for its turn.
+            _ = tokio::time::sleep_until(due), if wanted => {}
+            _ = retry.tick(), if p.has_failures() => wanted = true,
+            _ = housekeeping.tick() => p.housekeeping(&mut inputs.devices).await,
+            _ = full_resync.tick() => {
+                p.resync_all();
+                wanted = true;
+            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
+        let now = Instant::now();
+        if wanted && last_sync.is_none_or(|t| now >= t + periods.min) {
+            wanted = false;
+            last_sync = Some(Instant::now());
+            sync(p, telemetry, &mut health);
+        }
     }
-    tracing::info!(
-        bpffs_root = %cfg.bpffs_root.display(),
-        "stopping; programs, maps and links stay pinned and keep serving (`proxy-agent cleanup` removes them)"
-    );
     Ok(())
 }
 
@@ -462,17 +551,16 @@ impl NodeWatch {
     }
 }
 
-fn sync(rec: &mut Reconciler<EbpfDataplane>, telemetry: &Telemetry, health: &mut HealthServers) {
-    if let Some(s) = rec.sync() {
-        health.update(&rec.health_checks());
+fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers) {
+    if let Some(s) = p.sync() {
+        health.update(&p.health_checks());
         log_sync(&s);
-        telemetry.synced(&s, &rec.store.change_counts());
-        if !rec.has_failures() {
+        telemetry.synced(&s, &p.store().change_counts());
+        if !p.has_failures() {
             telemetry.updated();
         }
-        telemetry.fill.services.store(rec.dataplane().service_entries() as u64, Ordering::Relaxed);
-        telemetry.fill.backends.store(rec.dataplane().backend_count() as u64, Ordering::Relaxed);
+        p.report(telemetry);
     } else {
-        telemetry.record_changes(&rec.store.change_counts());
+        telemetry.record_changes(&p.store().change_counts());
     }
 }

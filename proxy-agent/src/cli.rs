@@ -1,47 +1,58 @@
-//! Command line: `run`, `inspect`, `cleanup`. Flags use kube-proxy's names where it has one.
+//! Command line: `run`, `inspect`, `cleanup`, `rules`, `trace`. Flags use kube-proxy's names
+//! where it has one, and `proxy-agent --config F ...` (no subcommand, as kube-proxy is
+//! invoked) means `run`. A flag given overrides the configuration file; defaults are
+//! kube-proxy's (see `config`).
 
-use crate::dataplane::netfilter::{ipvs::Scheduler, Iptables};
-use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
-
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use proxy_common::limits;
-
-use crate::{
-    agent::{self, Source},
-    dataplane::ProxyMode,
-    model::store::Cidr,
-    dataplane::ebpf::attach::XdpSetting,
-    inspect,
-    model::{store::NodePortAddresses, Protocol},
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    process::ExitCode,
+    time::Duration,
 };
 
-const DEFAULT_BPFFS_ROOT: &str = "/sys/fs/bpf/proxy-agent";
-/// Host-side names of pod interfaces in common CNIs: veth (bridge, flannel, kindnet), lxc
-/// (Cilium), cali (Calico), eni (AWS VPC CNI), gke (GKE), azv (Azure CNI).
-const DEFAULT_POD_DEVICES: &str = "veth*,lxc*,cali*,eni*,gke*,azv*";
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::{
+    config::{self, Config, ConntrackFlags, Flags, LogFormat},
+    dataplane::{
+        ebpf::attach::XdpSetting,
+        netfilter::{ipvs::Scheduler, Iptables},
+        ProxyMode,
+    },
+    inspect,
+    model::{
+        store::{Cidr, NodePortAddresses},
+        Protocol,
+    },
+};
 
 #[derive(Parser)]
 #[command(name = "proxy-agent", version, about = "eBPF kube-proxy replacement: node agent")]
 struct Cli {
-    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides it.
-    #[arg(long, global = true, default_value = "info")]
-    log_level: String,
+    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides it. Default: info, or
+    /// what the configuration file's logging.verbosity says.
+    #[arg(long, global = true)]
+    log_level: Option<String>,
+    /// klog-style verbosity, as kube-proxy's -v (2: info, 4: debug, 6: trace).
+    #[arg(long = "v", global = true)]
+    verbosity: Option<u32>,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Program Services into the eBPF dataplane and keep them up to date.
-    Run(RunArgs),
+    /// Program Services into the kernel and keep them up to date.
+    Run(Box<RunArgs>),
     /// Print what is programmed: services, backends, connections, counters.
     Inspect(InspectArgs),
-    /// Remove what the agent installed in every mode: pinned programs, maps and links (tracked
-    /// connections are lost), iptables chains, the nftables table, IPVS services.
+    /// Remove what the agent installed in every mode (pinned programs, maps and links: tracked
+    /// connections are lost; iptables chains, nftables tables, IPVS services), and what
+    /// kube-proxy installed (the same chains and tables).
     Cleanup(RootArgs),
     /// Print what the agent would program for a manifest directory, in one mode, without
     /// touching the kernel.
-    Rules(RulesArgs),
+    Rules(Box<RulesArgs>),
     /// Run a synthetic packet arriving from outside through the loaded program and print what
     /// it would do (verdict, Service, backend). Run it in the node's network namespace.
     Trace(TraceArgs),
@@ -75,8 +86,98 @@ fn parse_destination(s: &str) -> Result<(std::net::SocketAddrV4, Protocol), Stri
 #[derive(Args)]
 struct RootArgs {
     /// Where maps, programs and links are pinned (a bpffs is mounted there if needed).
-    #[arg(long, default_value = DEFAULT_BPFFS_ROOT)]
+    #[arg(long, default_value = config::DEFAULT_BPFFS_ROOT)]
     bpffs_root: PathBuf,
+}
+
+/// A boolean flag that may be given bare (`--masquerade-all`) or with a value
+/// (`--masquerade-all=false`), as Go's flags take them.
+#[derive(Args)]
+struct Settings {
+    /// kube-proxy's configuration file (a KubeProxyConfiguration, YAML or JSON); flags given
+    /// override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// This node's name, as in its Node object. Default: $NODE_NAME, the file's
+    /// hostnameOverride, then the hostname.
+    #[arg(long, env = "NODE_NAME")]
+    hostname_override: Option<String>,
+    /// The node's primary IP when not 0.0.0.0 (default: the Node's InternalIP).
+    #[arg(long)]
+    bind_address: Option<IpAddr>,
+    /// Node addresses NodePorts are served on: `primary` (the node IP) or CIDRs. Default: every
+    /// address of the node.
+    #[arg(long, value_parser = parse_nodeport_addresses)]
+    nodeport_addresses: Option<NodePortAddresses>,
+    /// The pods' ranges (netfilter modes: traffic from outside them to a cluster IP is
+    /// masqueraded). Comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    cluster_cidr: Option<Vec<Cidr>>,
+    /// How the netfilter modes tell pod traffic: ClusterCIDR, NodeCIDR, BridgeInterface or
+    /// InterfaceNamePrefix.
+    #[arg(long)]
+    detect_local_mode: Option<String>,
+    /// The bridge pods hang off (detect-local-mode BridgeInterface).
+    #[arg(long)]
+    pod_bridge_interface: Option<String>,
+    /// The prefix of pod interfaces' names (detect-local-mode InterfaceNamePrefix).
+    #[arg(long)]
+    pod_interface_name_prefix: Option<String>,
+    /// Masquerade all traffic to Services (netfilter modes).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    masquerade_all: Option<bool>,
+    /// The bit of the packet mark that asks for masquerading (0-31; default 14).
+    #[arg(long)]
+    iptables_masquerade_bit: Option<u8>,
+    /// iptables mode serves NodePorts on 127.0.0.1 too (default true, as kube-proxy).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    iptables_localhost_nodeports: Option<bool>,
+    /// Everything is applied again at least this often, iptables and nftables modes (default 30s).
+    #[arg(long, value_parser = parse_duration)]
+    iptables_sync_period: Option<Duration>,
+    /// Syncs come no closer together than this, iptables and nftables modes (default 1s).
+    #[arg(long, value_parser = parse_duration)]
+    iptables_min_sync_period: Option<Duration>,
+    /// The iptables the iptables and IPVS modes write to: nft, legacy or auto (the one the node
+    /// already uses: kubelet's hint chains, else the one holding more rules, else nft).
+    #[arg(long, value_parser = parse_or_auto::<Iptables>)]
+    iptables_backend: Option<OrAuto<Iptables>>,
+    /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
+    #[arg(long)]
+    ipvs_scheduler: Option<Scheduler>,
+    /// IPVS virtual servers in these ranges are not removed (comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    ipvs_exclude_cidrs: Option<Vec<Cidr>>,
+    /// arp_ignore=1 and arp_announce=2 in IPVS mode.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    ipvs_strict_arp: Option<bool>,
+    #[arg(long, value_parser = parse_duration)]
+    ipvs_tcp_timeout: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    ipvs_tcpfin_timeout: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    ipvs_udp_timeout: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    ipvs_sync_period: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    ipvs_min_sync_period: Option<Duration>,
+    /// The kernel's conntrack table: entries per CPU, and at least (netfilter modes).
+    #[arg(long)]
+    conntrack_max_per_core: Option<u32>,
+    #[arg(long)]
+    conntrack_min: Option<u32>,
+    /// TCP established and close-wait, UDP and UDP stream timeouts: the kernel's conntrack in
+    /// the netfilter modes, the eBPF dataplane's own in eBPF mode.
+    #[arg(long, value_parser = parse_duration)]
+    conntrack_tcp_timeout_established: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    conntrack_tcp_timeout_close_wait: Option<Duration>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    conntrack_tcp_be_liberal: Option<bool>,
+    #[arg(long, value_parser = parse_duration)]
+    conntrack_udp_timeout: Option<Duration>,
+    #[arg(long, value_parser = parse_duration)]
+    conntrack_udp_timeout_stream: Option<Duration>,
 }
 
 #[derive(Args)]
@@ -87,35 +188,12 @@ struct RulesArgs {
     proxy_mode: ProxyMode,
     #[arg(long)]
     manifests: PathBuf,
-    /// This node's name, as in its Node object (which endpoints are local).
-    #[arg(long, env = "NODE_NAME")]
-    hostname_override: Option<String>,
-    /// The node's addresses NodePorts are served on (default: none listed; iptables then
-    /// matches every local address, as kube-proxy does).
+    /// The node's own addresses (where `run` reads them from the kernel). Default: none listed;
+    /// iptables then matches every local address, as kube-proxy does.
     #[arg(long, value_delimiter = ',')]
     node_ip: Vec<std::net::Ipv4Addr>,
     #[command(flatten)]
-    netfilter: NetfilterArgs,
-}
-
-/// What only the netfilter modes use (`run` and `rules`).
-#[derive(Args)]
-struct NetfilterArgs {
-    /// The pods' address range: traffic from outside it to a cluster IP is masqueraded, and
-    /// externalTrafficPolicy Local short-circuits traffic from inside it.
-    #[arg(long, value_parser = parse_cidr)]
-    cluster_cidr: Option<Cidr>,
-    /// Masquerade all traffic to Services.
-    #[arg(long)]
-    masquerade_all: bool,
-    /// IPVS mode's scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh.
-    #[arg(long, default_value = "rr")]
-    ipvs_scheduler: Scheduler,
-    /// The iptables the iptables and IPVS modes write to: nft (iptables-nft), legacy
-    /// (iptables-legacy) or auto (the one the node already uses: kubelet's hint chains, else the
-    /// one holding more rules, else nft).
-    #[arg(long, default_value = "auto", value_parser = parse_or_auto::<Iptables>)]
-    iptables_backend: OrAuto<Iptables>,
+    settings: Settings,
 }
 
 fn parse_mode(s: &str) -> Result<ProxyMode, String> {
@@ -131,7 +209,7 @@ fn parse_cidr(s: &str) -> Result<Cidr, String> {
 struct OrAuto<T>(Option<T>);
 
 fn parse_or_auto<T: std::str::FromStr<Err = String>>(s: &str) -> Result<OrAuto<T>, String> {
-    if s == "auto" {
+    if s == "auto" || s.is_empty() {
         Ok(OrAuto(None))
     } else {
         s.parse().map(|v| OrAuto(Some(v)))
@@ -141,69 +219,91 @@ fn parse_or_auto<T: std::str::FromStr<Err = String>>(s: &str) -> Result<OrAuto<T
 #[derive(Args)]
 struct RunArgs {
     #[command(flatten)]
-    root: RootArgs,
+    settings: Settings,
     /// ebpf, iptables, ipvs, nftables, or auto: ebpf where the kernel and privileges allow,
-    /// else nftables, else iptables (the choice and its reason are logged).
-    #[arg(long, default_value = "auto", value_parser = parse_or_auto::<ProxyMode>)]
-    proxy_mode: OrAuto<ProxyMode>,
-    #[command(flatten)]
-    netfilter: NetfilterArgs,
+    /// else nftables, else iptables (the choice and its reason are logged). Default: the
+    /// file's mode, else auto.
+    #[arg(long, value_parser = parse_or_auto::<ProxyMode>)]
+    proxy_mode: Option<OrAuto<ProxyMode>>,
     /// Read Service, EndpointSlice and Node manifests (YAML or JSON, as `kubectl get -o yaml`
     /// prints them) from this directory, watched for changes, instead of the API server.
     #[arg(long, conflicts_with = "kubeconfig")]
     manifests: Option<PathBuf>,
-    /// Kubeconfig for the API server. Without it (and without --manifests): $KUBECONFIG, the
-    /// in-cluster service account, then ~/.kube/config.
+    /// Kubeconfig for the API server. Without it (nor the file's clientConnection.kubeconfig):
+    /// $KUBECONFIG, the in-cluster service account, then ~/.kube/config.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
-    /// Address for /metrics, /proxyMode and /healthz ("ok"), as kube-proxy's.
-    #[arg(long, default_value = "127.0.0.1:10249")]
-    metrics_bind_address: SocketAddr,
-    /// Address for /healthz and /livez, as kube-proxy's.
-    #[arg(long, default_value = "0.0.0.0:10256")]
-    healthz_bind_address: SocketAddr,
-    /// Changes not programmed within twice this (kube-proxy's --sync-period) fail /healthz.
-    /// Units: ms, s, m, h.
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    sync_period: Duration,
-    /// Glob patterns of the host-side pod interfaces to attach to.
-    #[arg(long, value_delimiter = ',', default_value = DEFAULT_POD_DEVICES)]
-    pod_devices: Vec<String>,
+    /// API server requests per second on average, and at once (default 5 and 10).
+    #[arg(long)]
+    kube_api_qps: Option<f32>,
+    #[arg(long)]
+    kube_api_burst: Option<u32>,
+    /// Accepted for kube-proxy's sake; the API server is spoken to in JSON.
+    #[arg(long, hide = true)]
+    kube_api_content_type: Option<String>,
+    /// Rescan the manifest directory at least this often (default 30s).
+    #[arg(long, value_parser = parse_duration)]
+    config_sync_period: Option<Duration>,
+    /// Address for /metrics, /proxyMode and /healthz (default 127.0.0.1:10249).
+    #[arg(long)]
+    metrics_bind_address: Option<SocketAddr>,
+    /// Address for /healthz and /livez (default 0.0.0.0:10256).
+    #[arg(long)]
+    healthz_bind_address: Option<SocketAddr>,
+    /// eBPF mode: changes not programmed within twice this fail /healthz (default 30s; the
+    /// netfilter modes take their own sync period).
+    #[arg(long, value_parser = parse_duration)]
+    sync_period: Option<Duration>,
+    /// kube-proxy's oomScoreAdj (default -999; lowering it needs CAP_SYS_RESOURCE).
+    #[arg(long, allow_hyphen_values = true)]
+    oom_score_adj: Option<i32>,
+    /// Where maps, programs and links are pinned (a bpffs is mounted there if needed).
+    #[arg(long)]
+    bpffs_root: Option<PathBuf>,
+    /// Glob patterns of the host-side pod interfaces to attach to (default: veth*, lxc*,
+    /// cali*, eni*, gke*, azv*).
+    #[arg(long, value_delimiter = ',')]
+    pod_devices: Option<Vec<String>>,
     /// Glob patterns of the external interfaces (NodePort, load-balancer and external IP
     /// traffic; XDP). Default: every interface with a global IPv4 address that is not a pod
     /// interface, a container bridge or a tunnel.
     #[arg(long, value_delimiter = ',')]
-    devices: Vec<String>,
-    /// Node addresses NodePorts are served on, as kube-proxy's flag: `primary` (the Node's
-    /// InternalIP) or a comma-separated list of CIDRs. Default: every address of the node.
-    #[arg(long, value_parser = parse_nodeport_addresses)]
-    nodeport_addresses: Option<NodePortAddresses>,
-    /// XDP on external interfaces: native (in the driver), generic, or disabled.
-    #[arg(long, value_enum, default_value = "native")]
-    xdp: XdpArg,
+    devices: Option<Vec<String>>,
+    /// XDP on external interfaces: native (in the driver; flows leaving by a device that cannot
+    /// take XDP frames are handed to TC), generic, or disabled. Default: native.
+    #[arg(long, value_enum)]
+    xdp: Option<XdpArg>,
     /// The cgroup v2 directory whose processes' sockets in the agent's network namespace
     /// (host-network processes) reach Services through socket hooks: `auto` (the root of the
-    /// cgroup v2 hierarchy), a path, or `none`.
-    #[arg(long, default_value = "auto")]
-    cgroup_root: String,
-    /// Source ports north-south SNAT uses towards each backend, MIN-MAX. Keep it outside the
-    /// node's ephemeral port range (net.ipv4.ip_local_port_range) and its listening ports.
-    #[arg(long, default_value = "61000-65535", value_parser = parse_port_range)]
-    snat_port_range: (u16, u16),
-    /// Entries of each Maglev table (a prime; about 100x the largest backend count keeps the
-    /// load within 1%). Applies to tables as they are next written.
-    #[arg(long, default_value_t = limits::MAGLEV_TABLE_SIZE)]
-    maglev_table_size: u32,
-    /// This node's name, as in its Node object. Defaults to $NODE_NAME, then the hostname.
-    #[arg(long, env = "NODE_NAME")]
-    hostname_override: Option<String>,
-    /// Entries of each load-balancer map (services + slots, backends). Applies when the maps
-    /// are first created.
-    #[arg(long, default_value_t = limits::LB_MAP_MAX)]
-    lb_map_max: u32,
-    /// Connection-tracking entries (two per connection). Applies when the map is first created.
-    #[arg(long, default_value_t = limits::CT_MAP_MAX)]
-    ct_map_max: u32,
+    /// cgroup v2 hierarchy, mounted at /run/proxy-agent/cgroupv2 when none is), a path, or
+    /// `none`.
+    #[arg(long)]
+    cgroup_root: Option<String>,
+    /// Source ports north-south SNAT uses towards each backend, MIN-MAX (default
+    /// 61000-65535). Keep it outside the node's ephemeral port range and listening ports.
+    #[arg(long, value_parser = parse_port_range)]
+    snat_port_range: Option<(u16, u16)>,
+    /// Entries of each Maglev table (a prime; default 16381). Applies to tables as they are
+    /// next written.
+    #[arg(long)]
+    maglev_table_size: Option<u32>,
+    /// Entries of each load-balancer map (default 65536). Applies when the maps are created.
+    #[arg(long)]
+    lb_map_max: Option<u32>,
+    /// Connection-tracking entries, two per connection (default 262144). Applies when the map
+    /// is created.
+    #[arg(long)]
+    ct_map_max: Option<u32>,
+    /// Prepare the node for the configured mode with full privileges, then exit: mount a bpffs
+    /// at the pin root and a cgroup v2 hierarchy at --cgroup-root where missing, set the
+    /// mode's sysctls and load its kernel modules, remove what other modes (and kube-proxy)
+    /// left. For a privileged init container (see deploy/daemonset.yaml).
+    #[arg(long)]
+    init_only: bool,
+    /// With --init-only: the host's /proc (a hostPath volume), to mount the cgroup v2
+    /// hierarchy in the host's cgroup namespace.
+    #[arg(long)]
+    host_proc: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -241,22 +341,9 @@ struct InspectArgs {
     output: Output,
 }
 
-/// A Go-style duration as kube-proxy takes: a number and a unit (ms, s, m, h).
+/// A Go duration, as kube-proxy's flags take them (`30s`, `1m0s`, `250ms`).
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').ok_or_else(|| format!("{s:?} has no unit (ms, s, m, h)"))?;
-    let (n, unit) = s.split_at(split);
-    let n: f64 = n.parse().map_err(|_| format!("{s:?} does not start with a number"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (ms, s, m, h)")),
-    };
-    if secs <= 0.0 {
-        return Err(format!("{s:?} must be positive"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    config::duration::parse(s)
 }
 
 fn hostname() -> String {
@@ -271,80 +358,167 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).to_lowercase()
 }
 
-fn init_logging(level: &str) {
+/// klog verbosity as a level: kube-proxy logs its routine at -v 2, details at 4 and more.
+fn level_of_verbosity(v: u32) -> &'static str {
+    match v {
+        0..=3 => "info",
+        4 | 5 => "debug",
+        _ => "trace",
+    }
+}
+
+fn init_logging(level: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("warn,proxy_agent={level}")));
-    // Colours only on a terminal: log files and `kubectl logs` get plain text.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_target(false).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        // Colours only on a terminal: log files and `kubectl logs` get plain text.
+        LogFormat::Text => builder.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+    }
+}
+
+impl Settings {
+    fn flags(&self) -> Flags {
+        Flags {
+            config: self.config.clone(),
+            hostname_override: self.hostname_override.clone(),
+            bind_address: self.bind_address,
+            nodeport_addresses: self.nodeport_addresses.clone(),
+            cluster_cidr: self.cluster_cidr.clone(),
+            detect_local_mode: self.detect_local_mode.clone(),
+            pod_bridge_interface: self.pod_bridge_interface.clone(),
+            pod_interface_name_prefix: self.pod_interface_name_prefix.clone(),
+            masquerade_all: self.masquerade_all,
+            iptables_masquerade_bit: self.iptables_masquerade_bit,
+            iptables_localhost_nodeports: self.iptables_localhost_nodeports,
+            iptables_sync_period: self.iptables_sync_period,
+            iptables_min_sync_period: self.iptables_min_sync_period,
+            nftables_sync_period: self.iptables_sync_period,
+            nftables_min_sync_period: self.iptables_min_sync_period,
+            iptables_backend: self.iptables_backend.map(|b| b.0),
+            ipvs_scheduler: self.ipvs_scheduler.clone(),
+            ipvs_exclude_cidrs: self.ipvs_exclude_cidrs.clone(),
+            ipvs_strict_arp: self.ipvs_strict_arp,
+            ipvs_tcp_timeout: self.ipvs_tcp_timeout,
+            ipvs_tcpfin_timeout: self.ipvs_tcpfin_timeout,
+            ipvs_udp_timeout: self.ipvs_udp_timeout,
+            ipvs_sync_period: self.ipvs_sync_period,
+            ipvs_min_sync_period: self.ipvs_min_sync_period,
+            conntrack: ConntrackFlags {
+                max_per_core: self.conntrack_max_per_core,
+                min: self.conntrack_min,
+                tcp_timeout_established: self.conntrack_tcp_timeout_established,
+                tcp_timeout_close_wait: self.conntrack_tcp_timeout_close_wait,
+                tcp_be_liberal: self.conntrack_tcp_be_liberal,
+                udp_timeout: self.conntrack_udp_timeout,
+                udp_timeout_stream: self.conntrack_udp_timeout_stream,
+            },
+            ..Default::default()
+        }
+    }
+}
+
+impl RunArgs {
+    fn flags(&self) -> Result<Flags, String> {
+        Ok(Flags {
+            manifests: self.manifests.clone(),
+            kubeconfig: self.kubeconfig.clone(),
+            kube_api_qps: self.kube_api_qps,
+            kube_api_burst: self.kube_api_burst,
+            proxy_mode: self.proxy_mode.map(|m| m.0),
+            metrics_bind_address: self.metrics_bind_address,
+            healthz_bind_address: self.healthz_bind_address,
+            oom_score_adj: self.oom_score_adj,
+            config_sync_period: self.config_sync_period,
+            sync_period: self.sync_period,
+            bpffs_root: self.bpffs_root.clone(),
+            pod_devices: self.pod_devices.clone(),
+            devices: self.devices.clone(),
+            xdp: self.xdp.map(|x| match x {
+                XdpArg::Native => XdpSetting::Native,
+                XdpArg::Generic => XdpSetting::Generic,
+                XdpArg::Disabled => XdpSetting::Disabled,
+            }),
+            cgroup_root: self.cgroup_root.as_deref().map(|c| match c {
+                "none" => None,
+                "auto" => Some(None),
+                path => Some(Some(PathBuf::from(path))),
+            }),
+            maglev_table_size: self.maglev_table_size,
+            snat_port_range: self.snat_port_range,
+            lb_map_max: self.lb_map_max,
+            ct_map_max: self.ct_map_max,
+            ..self.settings.flags()
+        })
+    }
+}
+
+/// kube-proxy is run without a subcommand (`kube-proxy --config=...`): so may we.
+fn args() -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let first = args.get(1).and_then(|a| a.to_str()).unwrap_or("");
+    let global = ["-h", "--help", "-V", "--version", "--log-level", "--v"];
+    if first.starts_with('-') && !global.iter().any(|g| first == *g || first.starts_with(&format!("{g}="))) {
+        args.insert(1, "run".into());
+    }
+    args
 }
 
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    init_logging(&cli.log_level);
-    let result = match cli.cmd {
-        Cmd::Run(a) => {
-            let cfg = agent::RunConfig {
-                proxy_mode: a.proxy_mode.0,
-                cluster_cidr: a.netfilter.cluster_cidr,
-                masquerade_all: a.netfilter.masquerade_all,
-                ipvs_scheduler: a.netfilter.ipvs_scheduler,
-                iptables_backend: a.netfilter.iptables_backend.0,
-                source: match a.manifests {
-                    Some(dir) => Source::Manifests(dir),
-                    None => Source::Kube(a.kubeconfig),
-                },
-                metrics_bind: a.metrics_bind_address,
-                healthz_bind: a.healthz_bind_address,
-                sync_period: a.sync_period,
-                pod_devices: a.pod_devices,
-                devices: a.devices,
-                nodeport_addresses: a.nodeport_addresses.unwrap_or_default(),
-                xdp: match a.xdp {
-                    XdpArg::Native => XdpSetting::Native,
-                    XdpArg::Generic => XdpSetting::Generic,
-                    XdpArg::Disabled => XdpSetting::Disabled,
-                },
-                cgroup_root: match a.cgroup_root.as_str() {
-                    "none" => None,
-                    "auto" => Some(None),
-                    path => Some(Some(PathBuf::from(path))),
-                },
-                maglev_size: a.maglev_table_size,
-                snat_ports: a.snat_port_range,
-                bpffs_root: a.root.bpffs_root,
-                hostname: a.hostname_override.unwrap_or_else(hostname),
-                lb_map_max: a.lb_map_max,
-                ct_map_max: a.ct_map_max,
-                resync: Duration::from_secs(30),
-            };
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .map_err(anyhow::Error::from)
-                .and_then(|rt| rt.block_on(agent::run(cfg)))
+    let cli = Cli::parse_from(args());
+    let level = |file_verbosity: Option<u32>| -> String {
+        match (&cli.log_level, cli.verbosity.or(file_verbosity)) {
+            (Some(l), _) => l.clone(),
+            (None, Some(v)) => level_of_verbosity(v).into(),
+            (None, None) => "info".into(),
         }
-        Cmd::Inspect(a) => inspect::read(&a.root.bpffs_root).map_err(anyhow::Error::from).map(|r| match a.output {
-            Output::Text => print!("{}", inspect::render(&r)),
-            Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
-        }),
-        Cmd::Trace(a) => crate::trace::run(&a.root.bpffs_root, a.from, a.to.0, a.to.1).map_err(anyhow::Error::from).map(|r| {
-            match a.output {
+    };
+    let result = match cli.cmd {
+        Cmd::Run(ref a) => {
+            let resolved = a.flags().and_then(|flags| Config::resolve(flags, hostname));
+            let (cfg, notes) = match resolved {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("proxy-agent: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            init_logging(&level(cfg.common.log_verbosity), cfg.common.log_format);
+            for n in notes {
+                tracing::warn!("{n}");
+            }
+            if a.kube_api_content_type.as_deref().is_some_and(|c| c != "application/json") {
+                tracing::warn!("--kube-api-content-type: this agent's client speaks JSON to the API server");
+            }
+            if a.init_only {
+                crate::init::run(&cfg, a.host_proc.as_deref())
+            } else {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(anyhow::Error::from)
+                    .and_then(|rt| rt.block_on(crate::agent::run(cfg)))
+            }
+        }
+        Cmd::Inspect(a) => {
+            init_logging(&level(None), LogFormat::Text);
+            inspect::read(&a.root.bpffs_root).map_err(anyhow::Error::from).map(|r| match a.output {
+                Output::Text => print!("{}", inspect::render(&r)),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
+            })
+        }
+        Cmd::Trace(a) => {
+            init_logging(&level(None), LogFormat::Text);
+            crate::trace::run(&a.root.bpffs_root, a.from, a.to.0, a.to.1).map_err(anyhow::Error::from).map(|r| match a.output {
                 Output::Text => print!("{}", crate::trace::render(&r)),
                 Output::Json => println!("{}", serde_json::to_string_pretty(&r).expect("report serialises")),
-            }
-        }),
+            })
+        }
         Cmd::Cleanup(a) => {
-            let mut lines = Vec::new();
-            let backends = crate::dataplane::netfilter::Iptables::available();
-            for mode in crate::dataplane::ProxyMode::ALL {
-                lines.extend(crate::dataplane::modes::cleanup(mode, &a.bpffs_root, &backends));
-            }
+            init_logging(&level(None), LogFormat::Text);
+            let lines = crate::dataplane::modes::cleanup_all(&a.bpffs_root);
             if lines.is_empty() {
                 println!("nothing to remove");
             }
@@ -353,23 +527,19 @@ pub fn main() -> ExitCode {
             }
             Ok(())
         }
-        Cmd::Rules(a) => crate::rules::print(
-            a.proxy_mode,
-            &a.manifests,
-            &a.hostname_override.unwrap_or_else(hostname),
-            crate::dataplane::netfilter::NodeContext {
-                nodeport_all: a.node_ip.is_empty(),
-                nodeport_ips: a.node_ip,
-                cluster_cidr: a.netfilter.cluster_cidr,
-                masquerade_all: a.netfilter.masquerade_all,
-            },
-            crate::dataplane::modes::RuleOptions {
-                scheduler: a.netfilter.ipvs_scheduler,
-                // What is printed does not depend on the backend.
-                iptables: a.netfilter.iptables_backend.0.unwrap_or_default(),
-            },
-        )
-        .map(|text| print!("{text}")),
+        Cmd::Rules(a) => {
+            init_logging(&level(None), LogFormat::Text);
+            let flags = Flags { manifests: Some(a.manifests.clone()), proxy_mode: Some(Some(a.proxy_mode)), ..a.settings.flags() };
+            match Config::resolve(flags, hostname) {
+                Ok((cfg, notes)) => {
+                    for n in notes {
+                        eprintln!("note: {n}");
+                    }
+                    crate::rules::print(a.proxy_mode, &a.manifests, &cfg, &a.node_ip).map(|text| print!("{text}"))
+                }
+                Err(e) => Err(anyhow::anyhow!(e)),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -385,13 +555,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_parse_like_kube_proxy_flags() {
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
-        assert!(parse_duration("30").unwrap_err().contains("no unit"));
-        assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
-        assert!(parse_duration("0s").is_err());
+    fn kube_proxy_style_flags_parse() {
+        let cli = Cli::try_parse_from([
+            "proxy-agent",
+            "run",
+            "--config=/var/lib/kube-proxy/config.conf",
+            "--hostname-override=node-1",
+            "--masquerade-all",
+            "--iptables-localhost-nodeports=false",
+            "--iptables-sync-period=1m0s",
+            "--oom-score-adj=-999",
+            "--cluster-cidr=10.244.0.0/16",
+        ])
+        .unwrap();
+        let Cmd::Run(a) = cli.cmd else { panic!("run") };
+        let f = a.flags().unwrap();
+        assert_eq!(f.config, Some(PathBuf::from("/var/lib/kube-proxy/config.conf")));
+        assert_eq!(f.masquerade_all, Some(true));
+        assert_eq!(f.iptables_localhost_nodeports, Some(false));
+        assert_eq!(f.iptables_sync_period, Some(Duration::from_secs(60)));
+        assert_eq!(f.oom_score_adj, Some(-999));
+        assert_eq!(f.proxy_mode, None, "not given: the file's, else auto");
+        assert_eq!(level_of_verbosity(2), "info");
+        assert_eq!(level_of_verbosity(4), "debug");
     }
 }

@@ -12,6 +12,7 @@ use std::{
 use crate::{
     dataplane::ebpf::{
         attach::{DevicePatterns, Role, XdpSetting},
+        xdpdevs::XdpDevice,
         EbpfDataplane,
     },
     netlink::LinkChange,
@@ -35,6 +36,8 @@ pub struct Devices {
     pub failed: BTreeMap<u32, String>,
     /// What the interface-address map holds, per external interface.
     snat_addrs: BTreeMap<u32, Option<Ipv4Addr>>,
+    /// Why native XDP on an external interface hands its flows to TC, as last logged.
+    xdp_to_tc: BTreeMap<u32, Option<&'static str>>,
 }
 
 impl Devices {
@@ -50,6 +53,7 @@ impl Devices {
             addrs: BTreeMap::new(),
             failed: BTreeMap::new(),
             snat_addrs: BTreeMap::new(),
+            xdp_to_tc: BTreeMap::new(),
         }
     }
 
@@ -145,6 +149,41 @@ impl Devices {
                 }
                 Err(e) => tracing::error!(ifindex = index, "recording the interface address for SNAT: {e}"),
             }
+        }
+    }
+}
+
+impl Devices {
+    /// Records what native XDP may send out of each interface (see `xdpdevs`) and says, once
+    /// per change, when XDP on an external interface has to hand the flows leaving by it to TC.
+    pub fn sync_xdp(&mut self, dp: &mut EbpfDataplane, devices: &BTreeMap<u32, XdpDevice>) {
+        let flags = devices.iter().map(|(i, d)| (*i, d.flags())).collect();
+        if let Err(e) = dp.set_xdp_devices(&flags) {
+            tracing::error!("recording what XDP may send out of each interface: {e}; XDP hands the flows it cannot send to TC");
+        }
+        if self.xdp == XdpSetting::Disabled {
+            return;
+        }
+        self.xdp_to_tc.retain(|i, _| devices.contains_key(i));
+        for index in dp.external_interfaces() {
+            let Some(dev) = devices.get(&index) else { continue };
+            let why = dev.why_not_native();
+            if self.xdp_to_tc.get(&index) == Some(&why) {
+                continue;
+            }
+            match why {
+                Some(why) => tracing::warn!(
+                    interface = dev.name,
+                    "XDP hands the north-south flows leaving by {} to TC instead of sending them itself: {why} \
+                     (turn GRO on for the peer, `ethtool -K <peer> gro on`, or use --xdp generic)",
+                    dev.name
+                ),
+                None if self.xdp_to_tc.contains_key(&index) => {
+                    tracing::info!(interface = dev.name, "XDP sends north-south flows out of {} itself again", dev.name)
+                }
+                None => {}
+            }
+            self.xdp_to_tc.insert(index, why);
         }
     }
 }

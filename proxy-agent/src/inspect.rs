@@ -36,6 +36,9 @@ pub struct Report {
 pub struct ExternalInterface {
     pub name: String,
     pub xdp: bool,
+    /// XDP may send frames out of it itself (else it hands the flows leaving by it to TC: a
+    /// veth whose peer runs no XDP program, say).
+    pub xdp_sends: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -147,7 +150,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         if e.flags & ct::flags::REPLY != 0 {
             continue;
         }
-        if ct::expired(k.proto, e.flags, e.last_seen_ns, now) {
+        if ct::expired(k.proto, e.flags, e.last_seen_ns, now, &ct::Lifetimes::DEFAULT) {
             conntrack.expired += 1;
         } else {
             conntrack.connections += 1;
@@ -227,7 +230,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
                     interfaces.insert(idx, name);
                 }
                 Some(("tc_ext_ingress_", idx, name)) => {
-                    external_interfaces.insert(idx, ExternalInterface { name, xdp: false });
+                    external_interfaces.insert(idx, ExternalInterface { name, xdp: false, xdp_sends: false });
                 }
                 Some(("xdp_", idx, _)) => {
                     with_xdp.insert(idx);
@@ -236,8 +239,15 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
             }
         }
     }
+    // Absent in pins of a version before it: nothing recorded then.
+    let xdp_devs: BTreeMap<u32, u32> = open(root, map_names::XDP_DEVS)
+        .ok()
+        .and_then(|m| HashMap::<_, u32, u32>::try_from(Map::HashMap(m)).ok())
+        .map(|m| m.iter().flatten().collect())
+        .unwrap_or_default();
     for (idx, e) in external_interfaces.iter_mut() {
         e.xdp = with_xdp.contains(idx);
+        e.xdp_sends = e.xdp && xdp_devs.get(idx).is_some_and(|f| f & (proxy_common::xdp_dev::TX | proxy_common::xdp_dev::GENERIC) != 0);
     }
     socket_hooks.sort();
     Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces, external_interfaces, socket_hooks })
@@ -315,7 +325,12 @@ pub fn render(r: &Report) -> String {
     if !r.external_interfaces.is_empty() {
         s.push_str("External:   ");
         for (idx, e) in &r.external_interfaces {
-            let _ = write!(s, " {}({idx}){}", e.name, if e.xdp { " +xdp" } else { "" });
+            let xdp = match (e.xdp, e.xdp_sends) {
+                (true, true) => " +xdp",
+                (true, false) => " +xdp(hands flows to tc)",
+                (false, _) => "",
+            };
+            let _ = write!(s, " {}({idx}){xdp}", e.name);
         }
         s.push('\n');
     }
@@ -323,19 +338,4 @@ pub fn render(r: &Report) -> String {
         let _ = writeln!(s, "Host sockets: {} (host-network processes reach Services)", r.socket_hooks.join(", "));
     }
     s
-}
-
-/// `proxy-agent cleanup`: unpins links (detaching the programs), programs and maps.
-pub fn cleanup(root: &Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut removed = Vec::new();
-    for dir in [loader::links_dir(root), loader::progs_dir(root), loader::maps_dir(root)] {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for e in entries.flatten() {
-            std::fs::remove_file(e.path())?;
-            removed.push(e.path());
-        }
-        std::fs::remove_dir(&dir)?;
-    }
-    // The root itself may be a bpffs mount point; leave it.
-    Ok(removed)
 }

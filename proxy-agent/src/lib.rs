@@ -5,9 +5,11 @@
 pub mod agent;
 pub mod bpffs;
 pub mod cli;
+pub mod config;
 pub mod dataplane;
 pub mod devices;
 pub mod healthcheck;
+pub mod init;
 pub mod http;
 pub mod inspect;
 pub mod model;

@@ -18,16 +18,42 @@ use crate::{
     reconcile::SyncStats,
 };
 
+/// How the node's traffic is recognised and masqueraded in the rules.
+#[derive(Clone, Debug, Default)]
+pub struct Masquerading {
+    pub masquerade_all: bool,
+    pub detect_local: Option<crate::config::DetectLocal>,
+    /// `clusterCIDR` (IPv4).
+    pub cluster_cidrs: Vec<crate::model::store::Cidr>,
+}
+
+impl Masquerading {
+    /// How the rules tell pod traffic, from `detectLocalMode` (NodeCIDR needs the Node).
+    pub fn local_traffic(&self, store: &Store) -> crate::dataplane::netfilter::LocalTraffic {
+        use crate::{config::DetectLocal, dataplane::netfilter::LocalTraffic};
+        let cidr = |c: Option<&crate::model::store::Cidr>| c.copied().map_or(LocalTraffic::Unknown, LocalTraffic::Cidr);
+        match &self.detect_local {
+            None | Some(DetectLocal::ClusterCidr) => cidr(self.cluster_cidrs.first()),
+            Some(DetectLocal::NodeCidr) => cidr(store.node().and_then(|n| n.pod_cidrs.first())),
+            Some(DetectLocal::BridgeInterface(b)) => LocalTraffic::Interface(b.clone()),
+            Some(DetectLocal::InterfaceNamePrefix(p)) => LocalTraffic::InterfacePrefix(p.clone()),
+        }
+    }
+}
+
 pub struct NetfilterProxier {
     pub store: Store,
     rules: Box<dyn RuleSet + Send>,
     required: Vec<Kind>,
     services: Services,
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
-    cluster_cidr: Option<crate::model::store::Cidr>,
-    masquerade_all: bool,
+    masquerading: Masquerading,
+    /// Kernel settings to make at the first sync (sysctls; see `netfilter::sysctl`).
+    settings: Vec<crate::dataplane::netfilter::sysctl::Setting>,
     /// The last apply failed: everything is applied again on the next sync.
     failed: bool,
+    /// A full resync is due (`resync_all`).
+    resync: bool,
     synced_once: bool,
     triggers: Vec<SystemTime>,
     /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
@@ -40,8 +66,8 @@ impl NetfilterProxier {
         store: Store,
         rules: Box<dyn RuleSet + Send>,
         required: Vec<Kind>,
-        cluster_cidr: Option<crate::model::store::Cidr>,
-        masquerade_all: bool,
+        masquerading: Masquerading,
+        settings: Vec<crate::dataplane::netfilter::sysctl::Setting>,
     ) -> Self {
         Self {
             store,
@@ -49,9 +75,10 @@ impl NetfilterProxier {
             required,
             services: Services::new(),
             health_checks: BTreeMap::new(),
-            cluster_cidr,
-            masquerade_all,
+            masquerading,
+            settings,
             failed: false,
+            resync: false,
             synced_once: false,
             triggers: Vec::new(),
             udp_changed: true,
@@ -74,9 +101,16 @@ impl NetfilterProxier {
         NodeContext {
             nodeport_ips: self.store.node_info().nodeport_addresses,
             nodeport_all: *self.store.nodeport_config() == NodePortAddresses::All,
-            cluster_cidr: self.cluster_cidr,
-            masquerade_all: self.masquerade_all,
+            local: self.masquerading.local_traffic(&self.store),
+            masquerade_all: self.masquerading.masquerade_all,
         }
+    }
+
+    /// A full resync: the next sync writes every rule again (repairing what someone else
+    /// changed), as kube-proxy does periodically.
+    pub fn resync_all(&mut self) {
+        self.rules.forget_applied();
+        self.resync = true;
     }
 
     pub fn health_checks(&self) -> BTreeMap<u16, PortState> {
@@ -98,7 +132,7 @@ impl NetfilterProxier {
         for (_, times) in dirty.trigger_times {
             self.triggers.extend(times);
         }
-        if dirty.services.is_empty() && self.synced_once && !self.failed {
+        if dirty.services.is_empty() && self.synced_once && !self.failed && !self.resync {
             return None;
         }
         let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
@@ -132,9 +166,16 @@ impl NetfilterProxier {
             }
         }
         let node = self.node_context();
+        if !self.synced_once {
+            // kube-proxy's kernel settings (conntrack table, route_localnet, IPVS), once.
+            for failure in crate::dataplane::netfilter::sysctl::apply(&self.settings) {
+                tracing::warn!("{failure}");
+            }
+        }
         match self.rules.apply(&self.services, &node) {
             Ok(written) => {
                 self.failed = false;
+                self.resync = false;
                 tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
                 stats.trigger_times = std::mem::take(&mut self.triggers);
                 if std::mem::take(&mut self.udp_changed) {

@@ -4,6 +4,7 @@
 use std::{fmt::Write as _, path::Path};
 
 use crate::{
+    config::Config,
     dataplane::{
         modes,
         netfilter::{NodeContext, Services},
@@ -48,8 +49,24 @@ pub fn services_of(dir: &Path, node: &str, context: &NodeContext) -> anyhow::Res
     Ok((store, services))
 }
 
-pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, opts: modes::RuleOptions) -> anyhow::Result<String> {
-    let (store, services) = services_of(dir, node, &context)?;
+/// What `mode` would program for the manifests in `dir`, configured as `run` would be with the
+/// same settings (`cfg`), on a node with addresses `node_ips`.
+pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ipv4Addr]) -> anyhow::Result<String> {
+    let all = node_ips.is_empty() && cfg.common.nodeport_addresses == NodePortAddresses::All;
+    let settings = cfg.netfilter.for_mode(mode);
+    let mut context = NodeContext {
+        nodeport_ips: node_ips.to_vec(),
+        nodeport_all: all,
+        local: Default::default(),
+        masquerade_all: settings.masquerade_all,
+    };
+    let (store, services) = services_of(dir, &cfg.common.hostname, &context)?;
+    let masquerading = crate::proxier::Masquerading {
+        masquerade_all: settings.masquerade_all,
+        detect_local: Some(cfg.netfilter.detect_local.clone()),
+        cluster_cidrs: cfg.common.cluster_cidrs.clone(),
+    };
+    context.local = masquerading.local_traffic(&store);
     if mode == ProxyMode::Ebpf {
         // The frontends the map writer would program.
         let mut out = String::new();
@@ -61,6 +78,7 @@ pub fn print(mode: ProxyMode, dir: &Path, node: &str, context: NodeContext, opts
         }
         return Ok(out);
     }
-    let rules = modes::rules_for(mode, opts).map_err(anyhow::Error::msg)?;
+    // What is printed does not depend on the backend.
+    let rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default()).map_err(anyhow::Error::msg)?;
     Ok(rules.render(&services, &context))
 }

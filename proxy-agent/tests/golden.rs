@@ -6,7 +6,7 @@
 use std::{net::Ipv4Addr, path::Path};
 
 use proxy_agent::{
-    dataplane::netfilter::{iptables, nftables, NodeContext},
+    dataplane::netfilter::{iptables, nftables, LocalTraffic, NodeContext},
     model::store::Cidr,
     rules::services_of,
 };
@@ -138,7 +138,7 @@ fn assert_same(what: &str, got: &str, want: &str) {
 
 fn iptables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, cluster_cidr: Some(cidr("10.0.0.0/8")), masquerade_all: false };
+    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
     let (_, services) = services_of(&dir, "test-node", &node).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
     let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
@@ -150,7 +150,7 @@ fn nftables_case(case: &str) {
     let node = NodeContext {
         nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
         nodeport_all: false,
-        cluster_cidr: Some(cidr("10.0.0.0/8")),
+        local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
         masquerade_all: false,
     };
     let (_, services) = services_of(&dir, "test-node", &node).unwrap();
@@ -189,7 +189,7 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, cluster_cidr: Some(cidr("10.0.0.0/8")), masquerade_all: false };
+        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
         let (_, services) = services_of(&dir, "test-node", &node).unwrap();
         let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
         let whole = nftables::render(&services, &node, &opts);

@@ -67,28 +67,62 @@ pub const fn tcp_closing(f: u8) -> bool {
     f & flags::RST != 0 || (f & flags::FIN_FWD != 0 && f & flags::FIN_REV != 0)
 }
 
+/// How long an entry stays valid after its last packet, per state. The agent sets them when it
+/// loads the programs (from kube-proxy's conntrack settings); `DEFAULT` holds otherwise.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetimes {
+    pub tcp_syn_ns: u64,
+    pub tcp_established_ns: u64,
+    /// One side sent FIN (nf_conntrack's CLOSE_WAIT): the other may go on sending.
+    pub tcp_half_closed_ns: u64,
+    pub tcp_closing_ns: u64,
+    pub udp_ns: u64,
+    pub udp_stream_ns: u64,
+}
+const _: () = assert!(size_of::<Lifetimes>() == 48);
+
+impl Lifetimes {
+    pub const DEFAULT: Self = Self {
+        tcp_syn_ns: TCP_SYN_TIMEOUT_NS,
+        tcp_established_ns: TCP_ESTABLISHED_TIMEOUT_NS,
+        tcp_half_closed_ns: TCP_ESTABLISHED_TIMEOUT_NS,
+        tcp_closing_ns: TCP_CLOSING_TIMEOUT_NS,
+        udp_ns: UDP_TIMEOUT_NS,
+        udp_stream_ns: UDP_STREAM_TIMEOUT_NS,
+    };
+}
+
+impl Default for Lifetimes {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
 /// How long an entry with `flags` stays valid after its last packet.
 #[inline(always)]
-pub const fn lifetime_ns(proto: u8, f: u8) -> u64 {
+pub const fn lifetime_ns(proto: u8, f: u8, lt: &Lifetimes) -> u64 {
     if proto == crate::IPPROTO_TCP {
         if tcp_closing(f) {
-            TCP_CLOSING_TIMEOUT_NS
+            lt.tcp_closing_ns
+        } else if f & flags::SEEN_REPLY != 0 && f & (flags::FIN_FWD | flags::FIN_REV) != 0 {
+            lt.tcp_half_closed_ns
         } else if f & flags::SEEN_REPLY != 0 {
-            TCP_ESTABLISHED_TIMEOUT_NS
+            lt.tcp_established_ns
         } else {
-            TCP_SYN_TIMEOUT_NS
+            lt.tcp_syn_ns
         }
     } else if f & flags::SEEN_REPLY != 0 {
-        UDP_STREAM_TIMEOUT_NS
+        lt.udp_stream_ns
     } else {
-        UDP_TIMEOUT_NS
+        lt.udp_ns
     }
 }
 
 /// True when the entry no longer steers packets at time `now_ns`.
 #[inline(always)]
-pub const fn expired(proto: u8, f: u8, last_seen_ns: u64, now_ns: u64) -> bool {
-    now_ns.saturating_sub(last_seen_ns) > lifetime_ns(proto, f)
+pub const fn expired(proto: u8, f: u8, last_seen_ns: u64, now_ns: u64, lt: &Lifetimes) -> bool {
+    now_ns.saturating_sub(last_seen_ns) > lifetime_ns(proto, f, lt)
 }
 
 #[cfg(test)]
@@ -96,34 +130,40 @@ mod tests {
     use super::*;
     use crate::{IPPROTO_TCP, IPPROTO_UDP};
 
+    const D: &Lifetimes = &Lifetimes::DEFAULT;
+
     #[test]
     fn tcp_lifetimes_follow_state() {
-        assert_eq!(lifetime_ns(IPPROTO_TCP, 0), TCP_SYN_TIMEOUT_NS);
-        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY), TCP_ESTABLISHED_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, 0, D), TCP_SYN_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY, D), TCP_ESTABLISHED_TIMEOUT_NS);
         // One FIN is a half-close: the other side may keep sending for a long time.
-        assert_eq!(
-            lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD),
-            TCP_ESTABLISHED_TIMEOUT_NS
-        );
-        assert_eq!(
-            lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD | flags::FIN_REV),
-            TCP_CLOSING_TIMEOUT_NS
-        );
-        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::RST), TCP_CLOSING_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD, D), TCP_ESTABLISHED_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_FWD | flags::FIN_REV, D), TCP_CLOSING_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::RST, D), TCP_CLOSING_TIMEOUT_NS);
+    }
+
+    #[test]
+    fn configured_lifetimes_apply_to_their_state() {
+        let lt = Lifetimes { tcp_established_ns: 7 * SEC, tcp_half_closed_ns: 3 * SEC, udp_ns: 11 * SEC, udp_stream_ns: 13 * SEC, ..Lifetimes::DEFAULT };
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY, &lt), 7 * SEC);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_REV, &lt), 3 * SEC);
+        assert_eq!(lifetime_ns(IPPROTO_TCP, 0, &lt), TCP_SYN_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_UDP, 0, &lt), 11 * SEC);
+        assert_eq!(lifetime_ns(IPPROTO_UDP, flags::SEEN_REPLY, &lt), 13 * SEC);
     }
 
     #[test]
     fn udp_lifetimes_grow_once_answered() {
-        assert_eq!(lifetime_ns(IPPROTO_UDP, 0), UDP_TIMEOUT_NS);
-        assert_eq!(lifetime_ns(IPPROTO_UDP, flags::SEEN_REPLY), UDP_STREAM_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_UDP, 0, D), UDP_TIMEOUT_NS);
+        assert_eq!(lifetime_ns(IPPROTO_UDP, flags::SEEN_REPLY, D), UDP_STREAM_TIMEOUT_NS);
     }
 
     #[test]
     fn expiry_is_strictly_after_lifetime() {
         let t0 = 5 * SEC;
-        assert!(!expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS));
-        assert!(expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS + 1));
+        assert!(!expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS, D));
+        assert!(expired(IPPROTO_UDP, 0, t0, t0 + UDP_TIMEOUT_NS + 1, D));
         // A clock that reads earlier than last_seen (another CPU refreshed it) is not expiry.
-        assert!(!expired(IPPROTO_UDP, 0, t0, t0 - 1));
+        assert!(!expired(IPPROTO_UDP, 0, t0, t0 - 1, D));
     }
 }

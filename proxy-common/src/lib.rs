@@ -53,10 +53,13 @@ pub mod map_names {
     /// The network namespace whose sockets the socket hooks serve (one entry: its cookie; 0 is
     /// none).
     pub const HOST_NETNS: &str = "HOST_NETNS_V1";
+    /// Interface index -> what XDP may do with it (`xdp_dev` flags), from the kernel's
+    /// xdp_features and the mode XDP runs in there.
+    pub const XDP_DEVS: &str = "XDP_DEVS_V1";
 
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS,
+        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS, XDP_DEVS,
     ];
 }
 
@@ -106,10 +109,25 @@ pub mod limits {
     pub const AFFINITY_MAP_MAX: u32 = 65536;
     /// External interfaces.
     pub const IFADDR_MAP_MAX: u32 = 256;
+    /// Interfaces whose XDP capabilities are recorded (`XDP_DEVS_V1`).
+    pub const XDP_DEVS_MAX: u32 = 1024;
     /// Source ports for SNAT of north-south flows: above Linux's default local port range
     /// (32768-60999), so the node's own connections do not compete for them.
     pub const SNAT_PORT_MIN: u16 = 61000;
     pub const SNAT_PORT_MAX: u16 = 65535;
+}
+
+/// Values of `XDP_DEVS_V1`. Native XDP can only send a frame out of a device whose driver takes
+/// XDP frames: a veth does so only while its peer runs XDP or has GRO on, and drops them
+/// otherwise. Without the bit XDP hands the flow to TC, which sends it as an skb.
+pub mod xdp_dev {
+    /// XDP_TX from native XDP on this device (the frame leaves where it came in).
+    pub const TX: u32 = 1 << 0;
+    /// XDP_REDIRECT from native XDP on another device into this one (ndo_xdp_xmit).
+    pub const XMIT: u32 = 1 << 1;
+    /// XDP runs in generic (skb) mode on this device: frames it sends are skbs, which every
+    /// device takes.
+    pub const GENERIC: u32 = 1 << 2;
 }
 
 pub const IPPROTO_ICMP: u8 = 1;

@@ -12,6 +12,7 @@ use crate::{
 // SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
 // fields, so every bit pattern is valid and there are no uninitialised bytes.
 unsafe impl aya::Pod for ServiceKey {}
+unsafe impl aya::Pod for crate::ct::Lifetimes {}
 unsafe impl aya::Pod for ServiceValue {}
 unsafe impl aya::Pod for Backend {}
 unsafe impl aya::Pod for RevNat {}

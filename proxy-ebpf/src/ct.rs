@@ -100,6 +100,20 @@ pub fn forward_key_of_reply(pkt: &Packet, vip: [u8; 4], vport: [u8; 2]) -> CtKey
     }
 }
 
+/// The lifetimes the agent set at load (kube-proxy's conntrack settings). A read-only global:
+/// the verifier sees its frozen value.
+#[no_mangle]
+static CT_LIFETIMES: ct::Lifetimes = ct::Lifetimes::DEFAULT;
+
+/// True when an entry no longer steers packets at `now` (see `proxy_common::ct::expired`).
+#[inline(always)]
+pub fn expired(proto: u8, f: u8, last_seen_ns: u64, now: u64) -> bool {
+    // SAFETY: a plain read of our own static; volatile so that the default is not folded in
+    // before the loader sets the value.
+    let lt = unsafe { core::ptr::read_volatile(&raw const CT_LIFETIMES) };
+    ct::expired(proto, f, last_seen_ns, now, &lt)
+}
+
 /// CT flags a TCP packet contributes. `fin` is the FIN flag for its direction.
 #[inline(always)]
 fn tcp_state_flags(pkt: &Packet, fin: u8) -> u8 {
@@ -117,7 +131,7 @@ fn tcp_state_flags(pkt: &Packet, fin: u8) -> u8 {
 /// the tuple of a connection that was closing.
 #[inline(always)]
 pub fn forward_stale(pkt: &Packet, e: &CtEntry, now: u64) -> bool {
-    ct::expired(pkt.proto, e.flags, e.last_seen_ns, now)
+    expired(pkt.proto, e.flags, e.last_seen_ns, now)
         || (pkt.proto == IPPROTO_TCP && pkt.is_tcp_syn() && e.flags & (flags::FIN_FWD | flags::FIN_REV | flags::RST) != 0)
 }
 
@@ -159,7 +173,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
             let fwd_flags = (*f).flags;
             let ok = fwd_flags & flags::REPLY == 0
                 && (*f).backend_id == entry.backend_id
-                && !ct::expired(pkt.proto, fwd_flags, (*f).last_seen_ns, now);
+                && !expired(pkt.proto, fwd_flags, (*f).last_seen_ns, now);
             if ok {
                 (*f).flags |= add;
                 (*f).last_seen_ns = now;
@@ -218,7 +232,7 @@ fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
         // Not a port mapping: not ours to hand out.
         return false;
     }
-    if ct::expired(proto, oflags, olast, now) {
+    if expired(proto, oflags, olast, now) {
         return true;
     }
     // SAFETY: the value is copied out at once.
@@ -232,7 +246,7 @@ fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
             ff & flags::REPLY != 0
                 || (*f).backend_id != backend_id
                 || ff & flags::RST != 0
-                || ct::expired(proto, ff, (*f).last_seen_ns, now)
+                || expired(proto, ff, (*f).last_seen_ns, now)
         },
     }
 }

@@ -14,12 +14,12 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_fib_lookup,
 };
-use proxy_common::{ct::flags, limits, svc_flags, Backend, CtEntry, CtKey, Reason, ServiceKey};
+use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, CtKey, Reason, ServiceKey};
 
 use crate::{
     ct,
     lb::count_flow,
-    maps::{CONFIG_V1, CT4_V2, NODE_IFADDR_V1},
+    maps::{CONFIG_V1, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
     parse::Packet,
     revnat::revnat_of,
     select::{self, backend, service},
@@ -105,14 +105,28 @@ fn route_of(env: &Env, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, src: [u8;
 }
 
 /// A route XDP can use, or the step to take instead: XDP passes what needs a neighbour resolved
-/// (and everything else it cannot finish); TC drops what has no route.
+/// or leaves by a device that cannot take its frames (and everything else it cannot finish);
+/// TC drops what has no route.
 #[inline(always)]
 fn usable(env: &Env, route: Result<Route, Reason>) -> Result<Route, Step> {
     match route {
-        Ok(r) if !(env.xdp && r.no_neigh) => Ok(r),
+        Ok(r) if !env.xdp || (!r.no_neigh && xdp_can_send(env.ifindex, r.ifindex)) => Ok(r),
         Ok(_) => Err(Step::Pass(Reason::XdpPass)),
         Err(r) => Err(xdp_pass(env).unwrap_or(Step::Drop(r))),
     }
+}
+
+/// Whether XDP running on `ingress` may send a frame out of `egress` (XDP_TX when they are the
+/// same device, XDP_REDIRECT otherwise). A frame native XDP sends into a device that cannot
+/// take it is dropped by the kernel, a veth whose peer runs no XDP program being the common
+/// case; the agent records what each device takes (`xdp_dev`), and what it has not recorded
+/// goes to TC.
+#[inline(always)]
+fn xdp_can_send(ingress: u32, egress: u32) -> bool {
+    // SAFETY: the value is copied out at once.
+    let flags = |i: u32| XDP_DEVS_V1.get_ptr(&i).map_or(0, |f| unsafe { *f });
+    let need = if ingress == egress { xdp_dev::TX } else { xdp_dev::XMIT };
+    flags(egress) & need != 0 || flags(ingress) & xdp_dev::GENERIC != 0
 }
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.

@@ -68,12 +68,6 @@ pub struct XdpPass {
     _ebpf: aya::Ebpf,
 }
 
-/// Attaches the pass-everything XDP program natively to `devs` in `ns`: veth hands XDP_TX and
-/// XDP_REDIRECT frames on promptly only to a peer that runs XDP itself.
-pub fn xdp_pass_on(ns: &Netns, devs: &[&str]) -> XdpPass {
-    xdp_program_on(ns, devs, proxy_common::prog_names::XDP_PASS)
-}
-
 /// Attaches one of the object's XDP programs natively to `devs` in `ns`.
 pub fn xdp_program_on(ns: &Netns, devs: &[&str], program: &'static str) -> XdpPass {
     let devs: Vec<String> = devs.iter().map(|d| d.to_string()).collect();
@@ -161,8 +155,21 @@ impl Cluster {
             fs::create_dir_all(&node_dir).expect("node directory");
             nodes.push(Node { name, ns, ip, pods: node_pods, client_pod, dir: node_dir, agent: None });
         }
-        let switch_xdp = ["pc", "p1", "p2"].iter().map(|p| (p.to_string(), xdp_pass_on(&switch, &[p]))).collect();
-        Self { id, dir, switch_xdp, switch, client, nodes, servers, agent_bin: agent_bin.into() }
+        // The switch's ports are plain veths, as the far end of a node's uplink is on kind and
+        // many VM and container setups: native XDP on a node cannot send frames into them.
+        Self { id, dir, switch_xdp: Default::default(), switch, client, nodes, servers, agent_bin: agent_bin.into() }
+    }
+
+    /// Lets the switch's ports take frames from the nodes' native XDP, as a NIC's far end
+    /// does: a veth takes them when it runs an XDP program itself (here one that passes
+    /// everything). The agents see it in the ports' xdp_features within their refresh period
+    /// (5 s).
+    pub fn switch_takes_xdp_frames(&mut self) {
+        for port in ["pc", "p1", "p2"] {
+            if !self.switch_xdp.contains_key(port) {
+                self.set_switch_xdp(port, proxy_common::prog_names::XDP_PASS);
+            }
+        }
     }
 
     /// Replaces the XDP program on switch port `port` (`pc`, `p1`, `p2`) with `program`.
@@ -210,7 +217,7 @@ impl Cluster {
             let _ = a.kill();
             let _ = a.wait();
         }
-        let _ = inspect::cleanup(&node.bpffs());
+        let _ = proxy_agent::dataplane::ebpf::loader::unpin_all(&node.bpffs());
     }
 
     /// Starts the agent of one node (see `start_agents`).

@@ -180,6 +180,27 @@ impl Lab {
         self.agent = Some(spawn_agent(&self.agent_bin, &self.node, &args, &self.log_path()));
     }
 
+    /// Starts the agent as `ip netns exec <node> proxy-agent run --manifests DIR` with every
+    /// other setting at its default (pin root, cgroup root), the way a newcomer tries it. Unlike
+    /// `start_agent`, `ip netns exec` gives the agent a mount namespace of its own with a fresh
+    /// /sys: no bpffs at /sys/fs/bpf and no cgroup v2 hierarchy, as inside a container or on a
+    /// cgroup v1 host.
+    pub fn start_agent_with_defaults_in_ip_netns_exec(&mut self) {
+        assert!(self.agent.is_none(), "agent already running");
+        let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).expect("agent log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.node.name])
+            .arg(&self.agent_bin)
+            .args(["run", "--hostname-override", NODE_NAME, "--log-level", self.agent_log_level, "--manifests"])
+            .arg(self.manifests())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {} in ip netns exec: {e}", self.agent_bin.display()));
+        self.agent = Some(child);
+    }
+
     fn signal_agent(&mut self, sig: i32) {
         if let Some(mut child) = self.agent.take() {
             // SAFETY: signalling our own child.
@@ -319,7 +340,7 @@ pub fn write_atomically(dir: &Path, name: &str, text: &str) {
 /// Unpins everything pinned under `root` (detaching its links) and unmounts the bpffs the
 /// agent or a test mounted there. The directory itself is the caller's to remove.
 pub fn release_bpffs(root: &Path) {
-    let _ = inspect::cleanup(root);
+    let _ = proxy_agent::dataplane::ebpf::loader::unpin_all(root);
     if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
         // SAFETY: plain umount of a bpffs mounted for a test.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };

@@ -18,14 +18,15 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
+    config::{Config, Flags},
     dataplane::{
         ebpf::{loader::LoadOptions, EbpfDataplane},
-        modes::{rules_for, RuleOptions},
+        modes::rules_for,
         netfilter::Iptables,
         ProxyMode,
     },
     model::store::{Event, Kind, Object, Store},
-    proxier::NetfilterProxier,
+    proxier::{Masquerading, NetfilterProxier},
     reconcile::{Reconciler, SyncStats},
 };
 use serde::{Deserialize, Serialize};
@@ -182,7 +183,7 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
     let pin_root = pins.0.clone();
     if mode == ProxyMode::Ebpf {
         // A bpffs of its own, mounted on a temporary directory.
-        proxy_agent::bpffs::ensure(&pin_root).unwrap_or_else(|e| panic!("{}: {e}", pin_root.display()));
+        proxy_agent::bpffs::prepare(&pin_root).unwrap_or_else(|e| panic!("{}: {e}", pin_root.display()));
     }
     let store = Store::new("bench-node");
     let kinds = vec![Kind::Service, Kind::EndpointSlice];
@@ -193,8 +194,12 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
             Box::new(Reconciler::new(store, dp, kinds))
         }
         _ => {
-            let rules = rules_for(mode, RuleOptions { iptables: v.iptables, ..Default::default() }).expect("netfilter rules");
-            Box::new(NetfilterProxier::new(store, rules, kinds, Some("10.0.0.0/8".parse().unwrap()), false))
+            let cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
+            let flags = Flags { cluster_cidr: Some(cluster_cidrs.clone()), ..Default::default() };
+            let (cfg, _) = Config::resolve(flags, || "bench-node".into()).expect("configuration");
+            let rules = rules_for(mode, &cfg, v.iptables).expect("netfilter rules");
+            let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs };
+            Box::new(NetfilterProxier::new(store, rules, kinds, masquerading, vec![]))
         }
     };
     let prog: &mut dyn Programmer = match mode {

@@ -361,3 +361,47 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     lab.wait_log("--cgroup-root none", 1);
     assert_eq!(hooks(&lab), 0, "no hooks left");
 }
+
+#[test]
+fn with_every_default_inside_ip_netns_exec_the_agent_mounts_what_it_needs_and_says_pins_are_private() {
+    let test = "with_every_default_inside_ip_netns_exec_the_agent_mounts_what_it_needs_and_says_pins_are_private";
+    if !require::root(test) {
+        return;
+    }
+    let Some(cgroup) = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount() else {
+        println!("SKIPPED {test}: the host has no cgroup v2 hierarchy for the lab's host clients to run in");
+        return;
+    };
+    let mut lab = Lab::new(AGENT, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    let made_cgroup_dir = !std::path::Path::new(proxy_agent::dataplane::ebpf::hostsock::CGROUP2_DIR).exists();
+    lab.start_agent_with_defaults_in_ip_netns_exec();
+    // No --bpffs-root: /sys/fs/bpf there is a bare sysfs directory. The agent mounts a bpffs
+    // and serves in eBPF mode (auto), instead of stopping or falling back to nftables.
+    lab.wait_log("initial sync done", 1);
+    let log = lab.agent_log();
+    assert!(log.contains("the kernel runs the eBPF dataplane"), "auto chose eBPF:\n{log}");
+    assert!(log.contains("private to this agent's mount namespace"), "the private pins are said loudly:\n{log}");
+    // No cgroup v2 hierarchy there either: the agent mounts one for the socket hooks.
+    assert!(log.contains("mounted one for the socket hooks"), "{log}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let seen = loop {
+        match tcp_ask(&lab.client.ns, sock(WEB_VIP)) {
+            Ok(a) => break a,
+            Err(e) if std::time::Instant::now() > deadline => panic!("the pod reaches the Service: {e}\n{}", lab.agent_log()),
+            Err(_) => thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    assert!(seen.backend.starts_with("backend-"));
+    // The hooks sit on the root of the one cgroup v2 hierarchy, so the lab's cgroup (seen
+    // through the host's mount) is served too.
+    assert!(lab.cgroup.as_deref().is_some_and(|c| c.starts_with(&cgroup)));
+    let out = lab.host_ask("tcp", WEB_VIP);
+    assert!(out.starts_with("ok backend-"), "a host-network process reaches the Service: {out}\n{}", lab.agent_log());
+    lab.kill_agent();
+    if made_cgroup_dir {
+        // The mount went with the agent's namespace; the directory it made is ours to remove.
+        let _ = std::fs::remove_dir(proxy_agent::dataplane::ebpf::hostsock::CGROUP2_DIR);
+        let _ = std::fs::remove_dir("/run/proxy-agent");
+    }
+}

@@ -10,10 +10,13 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::{ebpf::EbpfDataplane, Dataplane},
+    dataplane::{
+        ebpf::{xdpdevs, EbpfDataplane},
+        Dataplane,
+    },
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
-use proxy_common::{ct::flags, Config};
+use proxy_common::{ct::flags, xdp_dev, Config};
 use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
@@ -63,6 +66,9 @@ fn node(test: &str) -> Option<Node> {
     assert_ne!(ifindex, 0);
     let mut dp = testrun::dataplane();
     dp.set_interface_address(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();
+    // What the agent records for an uplink whose far end takes frames from native XDP, as a
+    // NIC's does (see `xdp_hands_flows_to_tc_when_the_uplink_cannot_take_its_frames`).
+    dp.set_xdp_devices(&[(ifindex, xdp_dev::TX | xdp_dev::XMIT)].into()).unwrap();
     Some(Node { _ns: ns, ifindex, mac: [0x02, 0x50, 0, 0, 0, 1], dp })
 }
 
@@ -118,6 +124,36 @@ fn a_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib() {
     assert_eq!((d.src.to_string(), d.sport), (NODE_IP.to_string(), Some(snat_port)));
     let c = counters(&mut n.dp);
     assert_eq!((c.get("ext_new_remote"), c.get("ext_reply"), c.get("ext_established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+}
+
+/// Records what the kernel says XDP may send out of each interface of the node, as the agent
+/// does.
+fn sync_xdp_devices(n: &mut Node) -> std::collections::BTreeMap<u32, xdpdevs::XdpDevice> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let devs = rt.block_on(xdpdevs::read()).expect("listing the node's interfaces");
+    n.dp.set_xdp_devices(&devs.iter().map(|(i, d)| (*i, d.flags())).collect()).unwrap();
+    devs
+}
+
+#[test]
+fn xdp_hands_flows_to_tc_when_the_uplink_cannot_take_its_frames() {
+    let Some(mut n) = node("xdp_hands_flows_to_tc_when_the_uplink_cannot_take_its_frames") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    // ext0 is in truth a veth whose peer runs no XDP program and has GRO off: the kernel would
+    // drop a frame native XDP sent out of it. The agent records what the kernel says.
+    let devs = sync_xdp_devices(&mut n);
+    assert!(devs[&n.ifindex].why_not_native().is_some(), "the kernel reports ext0 unable: {:?}", devs[&n.ifindex]);
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    let out = run_xdp(&mut n.dp, &syn, n.ifindex);
+    assert_eq!((out.action, &out.frame), (XDP_PASS, &syn), "handed to TC untouched");
+    assert!(conntrack(&mut n.dp).is_empty(), "XDP tracked nothing it did not send");
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "TC sends it on as an skb");
+    assert_eq!(dissect(&out.frame).dst_sock(), sock(REMOTE));
+    // Later packets of the flow are TC's too.
+    assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).action, XDP_PASS);
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("xdp_forward"), c.get("ext_new_remote")), (None, Some(&1)), "{c:?}");
 }
 
 #[test]

@@ -67,6 +67,8 @@ fn web(spec_extra: &str) -> String {
 #[test]
 fn node_port_cluster_policy_keeps_the_client_ip_for_local_backends_and_snats_for_remote_ones() {
     let Some(mut c) = cluster("node_port_cluster_policy", [&["a1"], &["b1", "b2"]]) else { return };
+    // The far end of each uplink takes XDP frames, as a NIC's does.
+    c.switch_takes_xdp_frames();
     c.write_manifest("nodes.yaml", &nodes_manifest());
     c.write_manifest("web.yaml", &web(""));
     c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
@@ -84,7 +86,10 @@ fn node_port_cluster_policy_keeps_the_client_ip_for_local_backends_and_snats_for
             assert_eq!(seen, &BTreeSet::from([want]), "{to}: {backend} ({}) must see {want}", if local { "local" } else { "remote" });
         }
     }
-    // Remote flows took the XDP path on the node that forwarded them.
+    // Remote flows took the XDP path on the node that forwarded them (once the agent had seen
+    // that the switch takes XDP frames: before, TC sent them).
+    c.wait_all("XDP to send frames itself", |_, r| r.external_interfaces.values().all(|e| e.xdp_sends));
+    let _ = ask_many(&c, "192.168.100.1:30080", false, 40);
     let r = c.node("node-a").inspect().unwrap();
     assert!(r.external_interfaces.values().all(|e| e.xdp), "XDP attached natively: {:?}", r.external_interfaces);
     let count = |k: &str| r.counters.get(k).map_or(0, |c| c.packets);

@@ -651,3 +651,27 @@ fn too_many_source_ranges_are_refused_whole_and_the_old_ones_keep_working() {
     assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "the old range still admits its sources");
     assert_eq!(run(&mut dp, &tcp_frame(sock("192.0.3.9:40000"), lb, SYN)).action, testrun::TC_ACT_SHOT, "and only them");
 }
+
+#[test]
+fn conntrack_lifetimes_set_at_load_decide_when_a_flow_is_balanced_afresh() {
+    if !require::root("conntrack_lifetimes_set_at_load_decide_when_a_flow_is_balanced_afresh") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::loader::LoadOptions;
+    use proxy_common::ct::Lifetimes;
+    let flow = udp_frame(sock(CLIENT), sock("10.96.0.53:53"), b"q");
+    let counts = |lifetimes: Lifetimes| {
+        let mut dp = EbpfDataplane::load(LoadOptions { ct_lifetimes: lifetimes, ..Default::default() }).expect("load");
+        program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.2:5353"]);
+        run(&mut dp, &flow);
+        run(&mut dp, &flow);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        run(&mut dp, &flow);
+        let c = counters(&mut dp);
+        (c.get("new_flow").copied(), c.get("established").copied())
+    };
+    // By default an unanswered UDP flow lasts 30 s: the third datagram is still the flow's.
+    assert_eq!(counts(Lifetimes::DEFAULT), (Some(1), Some(2)));
+    // With conntrack.udpTimeout 100ms it has expired and is balanced afresh.
+    assert_eq!(counts(Lifetimes { udp_ns: 100_000_000, ..Lifetimes::DEFAULT }), (Some(2), Some(1)));
+}

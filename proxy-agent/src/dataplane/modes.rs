@@ -6,10 +6,11 @@ use super::{
     netfilter::{self, iptables::IptablesRules, ipvs::IpvsRules, nftables::NftablesRules, RuleSet},
     ProxyMode,
 };
+use crate::config::Config;
 
 /// Why this node cannot run the eBPF dataplane, if it cannot: tcx links need Linux 6.6, the
-/// programs need kernel BTF, and loading them needs root (CAP_BPF, CAP_NET_ADMIN,
-/// CAP_SYS_ADMIN).
+/// programs need kernel BTF, and loading and attaching them needs CAP_BPF, CAP_NET_ADMIN and
+/// CAP_PERFMON (or CAP_SYS_ADMIN, which covers the first and the last).
 pub fn ebpf_unsupported() -> Option<String> {
     // SAFETY: uname fills the struct.
     let mut u: libc::utsname = unsafe { std::mem::zeroed() };
@@ -26,11 +27,40 @@ pub fn ebpf_unsupported() -> Option<String> {
     if !Path::new("/sys/kernel/btf/vmlinux").exists() {
         return Some("the kernel has no BTF (/sys/kernel/btf/vmlinux; CONFIG_DEBUG_INFO_BTF)".into());
     }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root (CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN are needed)".into());
+    let missing = missing_ebpf_capabilities(effective_capabilities());
+    if !missing.is_empty() {
+        return Some(format!(
+            "missing {} (the eBPF mode needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON; add them to the container's \
+             securityContext.capabilities, as deploy/daemonset.yaml does)",
+            missing.join(", ")
+        ));
     }
     None
+}
+
+pub const CAP_NET_ADMIN: u32 = 12;
+pub const CAP_SYS_ADMIN: u32 = 21;
+pub const CAP_PERFMON: u32 = 38;
+pub const CAP_BPF: u32 = 39;
+
+/// The effective capability set of this process (CapEff of /proc/self/status).
+pub fn effective_capabilities() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()))
+        .unwrap_or(0)
+}
+
+/// The capabilities the eBPF mode needs that `effective` lacks, by name. CAP_SYS_ADMIN stands
+/// in for CAP_BPF and CAP_PERFMON, as the kernel lets it.
+pub fn missing_ebpf_capabilities(effective: u64) -> Vec<&'static str> {
+    let has = |cap: u32| effective & (1 << cap) != 0;
+    let admin = has(CAP_SYS_ADMIN);
+    [(CAP_BPF, "CAP_BPF"), (CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_PERFMON, "CAP_PERFMON")]
+        .into_iter()
+        .filter(|(cap, _)| !(has(*cap) || (admin && *cap != CAP_NET_ADMIN)))
+        .map(|(_, name)| name)
+        .collect()
 }
 
 /// Why nftables mode cannot run here, if it cannot.
@@ -41,21 +71,50 @@ pub fn nftables_unsupported() -> Option<String> {
     }
 }
 
-/// How the netfilter modes are configured beyond the node view.
-#[derive(Clone, Debug, Default)]
-pub struct RuleOptions {
-    /// `--ipvs-scheduler` (IPVS mode).
-    pub scheduler: netfilter::ipvs::Scheduler,
-    /// The iptables backend (iptables mode, and IPVS mode's few rules).
-    pub iptables: netfilter::Iptables,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_missing_capabilities_are_named() {
+        let caps = |list: &[u32]| list.iter().fold(0u64, |a, c| a | 1 << c);
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON])), Vec::<&str>::new());
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN])), vec!["CAP_PERFMON"]);
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_SYS_ADMIN])), vec!["CAP_NET_ADMIN"]);
+        assert_eq!(missing_ebpf_capabilities(0), vec!["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"]);
+    }
 }
 
-/// The rules of a netfilter mode.
-pub fn rules_for(mode: ProxyMode, opts: RuleOptions) -> Result<Box<dyn RuleSet + Send>, String> {
+/// IPVS mode's options from the configuration.
+pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
+    let ipvs = &cfg.netfilter.ipvs;
+    netfilter::ipvs::IpvsOptions {
+        scheduler: ipvs.scheduler.clone(),
+        mark: cfg.netfilter.for_mode(ProxyMode::Ipvs).mark(),
+        exclude_cidrs: ipvs.exclude_cidrs.clone(),
+        strict_arp: ipvs.strict_arp,
+        timeouts: (ipvs.tcp_timeout, ipvs.tcp_fin_timeout, ipvs.udp_timeout),
+    }
+}
+
+/// The rules of a netfilter mode, configured as `cfg` says, written with iptables backend
+/// `iptables` (iptables mode, and IPVS mode's few rules).
+pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables) -> Result<Box<dyn RuleSet + Send>, String> {
+    let settings = cfg.netfilter.for_mode(mode);
     match mode {
-        ProxyMode::Iptables => Ok(Box::new(IptablesRules::new(opts.iptables))),
-        ProxyMode::Nftables => Ok(Box::new(NftablesRules::new())),
-        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(opts.scheduler, opts.iptables))),
+        ProxyMode::Iptables => Ok(Box::new(IptablesRules::with_options(
+            netfilter::iptables::IptablesOptions {
+                mark: settings.mark(),
+                localhost_nodeports: netfilter::sysctl::localhost_nodeports(cfg),
+                nfacct: false,
+                random_fully: true,
+                // kube-proxy leaves INVALID packets alone when conntrack is told to be liberal.
+                drop_invalid: !cfg.common.conntrack.tcp_be_liberal,
+            },
+            iptables,
+        ))),
+        ProxyMode::Nftables => Ok(Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), ..Default::default() }))),
+        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(ipvs_options(cfg), iptables))),
         ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
     }
 }
@@ -64,13 +123,20 @@ pub fn rules_for(mode: ProxyMode, opts: RuleOptions) -> Result<Box<dyn RuleSet +
 /// Returns a line per thing removed.
 pub fn cleanup(mode: ProxyMode, bpffs_root: &Path, backends: &[netfilter::Iptables]) -> Vec<String> {
     match mode {
-        ProxyMode::Ebpf => crate::inspect::cleanup(bpffs_root)
+        ProxyMode::Ebpf => super::ebpf::loader::unpin_all(bpffs_root)
             .map(|removed| if removed.is_empty() { vec![] } else { vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())] })
             .unwrap_or_default(),
         ProxyMode::Iptables => backends.iter().flat_map(|b| netfilter::iptables::cleanup(*b)).collect(),
         ProxyMode::Nftables => netfilter::nftables::cleanup(),
         ProxyMode::Ipvs => netfilter::ipvs::cleanup(backends),
     }
+}
+
+/// Removes what every mode installed (`proxy-agent cleanup`), and so what kube-proxy installed:
+/// the same chains, tables, virtual servers and sets. Returns a line per thing removed.
+pub fn cleanup_all(bpffs_root: &Path) -> Vec<String> {
+    let backends = netfilter::Iptables::available();
+    ProxyMode::ALL.into_iter().flat_map(|mode| cleanup(mode, bpffs_root, &backends)).collect()
 }
 
 /// Switching mode, or iptables backend, leaves nothing of the others behind (as kube-proxy

@@ -158,6 +158,8 @@ pub struct Dirty {
 pub struct Store {
     node_name: String,
     nodeport_config: NodePortAddresses,
+    /// `bindAddress`: the node's primary IP over its Node's InternalIP.
+    node_ip_override: Option<std::net::Ipv4Addr>,
     /// The node's own IPv4 addresses (loopback excluded), from netlink.
     local_addresses: Vec<std::net::Ipv4Addr>,
     services: HashMap<ObjectKey, CheckedService>,
@@ -217,11 +219,22 @@ impl Store {
     fn nodeport_addresses(&self) -> Vec<std::net::Ipv4Addr> {
         match &self.nodeport_config {
             NodePortAddresses::All => self.local_addresses.clone(),
-            NodePortAddresses::Primary => self.node.as_ref().and_then(|n| n.internal_ip).into_iter().collect(),
+            NodePortAddresses::Primary => self.node_ip().into_iter().collect(),
             NodePortAddresses::Cidrs(cidrs) => {
                 self.local_addresses.iter().copied().filter(|a| cidrs.iter().any(|c| c.contains(*a))).collect()
             }
         }
+    }
+
+    /// The node's primary IP: `bindAddress` when set, else the Node's InternalIP (kube-proxy's
+    /// rule).
+    pub fn node_ip(&self) -> Option<std::net::Ipv4Addr> {
+        self.node_ip_override.or_else(|| self.node.as_ref().and_then(|n| n.internal_ip))
+    }
+
+    pub fn set_node_ip_override(&mut self, ip: Option<std::net::Ipv4Addr>) {
+        self.node_ip_override = ip;
+        self.dirty.extend(self.services.keys().cloned());
     }
 
     pub fn node(&self) -> Option<&CheckedNode> {

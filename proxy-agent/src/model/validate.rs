@@ -477,6 +477,8 @@ pub struct CheckedNode {
     /// First IPv4 InternalIP of `status.addresses`: the "primary" address of
     /// `--nodeport-addresses primary`.
     pub internal_ip: Option<Ipv4Addr>,
+    /// `spec.podCIDRs` (IPv4 ones): this node's pods' range, for `detectLocalMode NodeCIDR`.
+    pub pod_cidrs: Vec<super::store::Cidr>,
     /// Being deleted, or tainted for deletion by the Cluster Autoscaler: kube-proxy reports the
     /// node ineligible on /healthz so load balancers drain it.
     pub deleting: bool,
@@ -500,10 +502,19 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
         .flatten()
         .filter(|a| a.type_ == "InternalIP")
         .find_map(|a| a.address.parse::<Ipv4Addr>().ok());
+    let spec = n.spec.as_ref();
+    let pod_cidrs = spec
+        .and_then(|s| s.pod_cidrs.clone())
+        .or_else(|| spec.and_then(|s| s.pod_cidr.clone()).map(|c| vec![c]))
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|c| c.parse().ok())
+        .collect();
     Ok(CheckedNode {
         name,
         labels: n.metadata.labels.clone().unwrap_or_default(),
         internal_ip,
+        pod_cidrs,
         deleting: n.metadata.deletion_timestamp.is_some() || tainted,
     })
 }

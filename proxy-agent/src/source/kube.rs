@@ -25,9 +25,11 @@ use crate::model::{
     ObjectKey,
 };
 
-/// Builds a client from `--kubeconfig`, else $KUBECONFIG, in-cluster config, ~/.kube/config.
-pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
-    let config = match kubeconfig {
+/// Builds a client from `--kubeconfig`, else $KUBECONFIG, in-cluster config, ~/.kube/config,
+/// whose requests keep to `qps` on average and `burst` at once (kube-proxy's client-go rate
+/// limiter).
+pub async fn client(api: &crate::config::ApiClient) -> anyhow::Result<Client> {
+    let config = match api.kubeconfig.as_deref() {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
@@ -42,7 +44,113 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Clie
             )
         })?,
     };
-    Ok(Client::try_from(config)?)
+    let builder = kube::client::ClientBuilder::try_from(config)?;
+    Ok(builder.with_layer(&rate::Layer::new(api.qps, api.burst)).build())
+}
+
+/// A token bucket in front of the client: `burst` requests at once, then `qps` a second.
+mod rate {
+    use std::{
+        future::Future,
+        pin::Pin,
+        sync::{Arc, Mutex},
+        task::{Context, Poll},
+        time::Duration,
+    };
+
+    use tokio::time::{Instant, Sleep};
+
+    struct Bucket {
+        tokens: f64,
+        at: Instant,
+    }
+
+    #[derive(Clone)]
+    pub struct Layer {
+        bucket: Arc<Mutex<Bucket>>,
+        qps: f64,
+        burst: f64,
+    }
+
+    impl Layer {
+        pub fn new(qps: f32, burst: u32) -> Self {
+            let burst = f64::from(burst.max(1));
+            Self { bucket: Arc::new(Mutex::new(Bucket { tokens: burst, at: Instant::now() })), qps: f64::from(qps).max(0.01), burst }
+        }
+
+        /// Takes a token, or says how long until one is there.
+        fn take(&self) -> Result<(), Duration> {
+            let mut b = self.bucket.lock().expect("rate bucket");
+            let now = Instant::now();
+            b.tokens = (b.tokens + now.duration_since(b.at).as_secs_f64() * self.qps).min(self.burst);
+            b.at = now;
+            if b.tokens >= 1.0 {
+                b.tokens -= 1.0;
+                Ok(())
+            } else {
+                Err(Duration::from_secs_f64((1.0 - b.tokens) / self.qps))
+            }
+        }
+    }
+
+    impl<S> tower::Layer<S> for Layer {
+        type Service = Limited<S>;
+        fn layer(&self, inner: S) -> Limited<S> {
+            Limited { inner, limit: self.clone(), permit: false, wait: None }
+        }
+    }
+
+    pub struct Limited<S> {
+        inner: S,
+        limit: Layer,
+        permit: bool,
+        wait: Option<Pin<Box<Sleep>>>,
+    }
+
+    impl<S: tower::Service<R>, R> tower::Service<R> for Limited<S> {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = S::Future;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+            while !self.permit {
+                if let Some(w) = self.wait.as_mut() {
+                    if w.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    self.wait = None;
+                }
+                match self.limit.take() {
+                    Ok(()) => self.permit = true,
+                    Err(d) => self.wait = Some(Box::pin(tokio::time::sleep(d))),
+                }
+            }
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, req: R) -> S::Future {
+            self.permit = false;
+            self.inner.call(req)
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[tokio::test(start_paused = true)]
+        async fn a_burst_goes_at_once_and_the_rest_at_the_rate() {
+            let l = Layer::new(5.0, 10);
+            for _ in 0..10 {
+                assert!(l.take().is_ok());
+            }
+            let wait = l.take().unwrap_err();
+            assert!((wait.as_secs_f64() - 0.2).abs() < 0.01, "the 11th waits a fifth of a second: {wait:?}");
+            tokio::time::advance(Duration::from_secs(1)).await;
+            let taken = (0..10).filter(|_| l.take().is_ok()).count();
+            assert_eq!(taken, 5, "a second later, 5 more");
+        }
+    }
 }
 
 fn key_of<K: Resource>(obj: &K, namespaced: bool) -> ObjectKey {

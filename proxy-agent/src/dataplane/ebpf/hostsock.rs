@@ -88,12 +88,45 @@ pub fn detach(ebpf: &mut Ebpf, root: Option<&Path>) -> usize {
 
 /// The mount point of the cgroup v2 hierarchy, from /proc/self/mounts.
 pub fn cgroup2_mount() -> Option<PathBuf> {
-    let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
-    mounts.lines().find_map(|l| {
-        let mut f = l.split_whitespace();
-        let (_, dir, fstype) = (f.next()?, f.next()?, f.next()?);
-        (fstype == "cgroup2").then(|| PathBuf::from(dir))
-    })
+    cgroup2_mount_points().into_iter().next()
+}
+
+/// Where the agent mounts a cgroup v2 hierarchy for the socket hooks when none is mounted (a
+/// cgroup v1 host), as Cilium mounts one at /run/cilium/cgroupv2. Every cgroup v2 mount shows
+/// the same single hierarchy, so hooks attached to its root serve every process, wherever
+/// (and whether) the host mounts it.
+pub const CGROUP2_DIR: &str = "/run/proxy-agent/cgroupv2";
+
+/// Mounts the cgroup v2 hierarchy at `dir` (created if missing), unless one is there already.
+pub fn mount_cgroup2(dir: &Path) -> io::Result<()> {
+    fs::create_dir_all(dir)?;
+    if cgroup2_mount_points().iter().any(|m| m == dir) {
+        return Ok(());
+    }
+    let target = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    // SAFETY: valid C strings; a plain cgroup2 mount.
+    let rc = unsafe { libc::mount(c"cgroup2".as_ptr(), target.as_ptr(), c"cgroup2".as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// True when `dir` is where a cgroup v2 hierarchy is mounted.
+pub fn is_cgroup2(dir: &Path) -> bool {
+    cgroup2_mount_points().iter().any(|m| m == dir)
+}
+
+fn cgroup2_mount_points() -> Vec<PathBuf> {
+    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else { return Vec::new() };
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            (fstype == "cgroup2").then(|| PathBuf::from(dir))
+        })
+        .collect()
 }
 
 /// Link pins of the socket hooks are `<PIN_PREFIX><program>`.

@@ -35,6 +35,8 @@ pub struct LoadOptions {
     pub maglev_size: u32,
     /// North-south SNAT source ports (inclusive).
     pub snat_ports: (u16, u16),
+    /// How long tracked connections last per state (kube-proxy's conntrack timeouts).
+    pub ct_lifetimes: proxy_common::ct::Lifetimes,
 }
 
 impl Default for LoadOptions {
@@ -45,14 +47,17 @@ impl Default for LoadOptions {
             ct_map_max: limits::CT_MAP_MAX,
             maglev_size: limits::MAGLEV_TABLE_SIZE,
             snat_ports: (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
+            ct_lifetimes: proxy_common::ct::Lifetimes::DEFAULT,
         }
     }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("preparing the BPF filesystem: {0}")]
-    Bpffs(#[source] io::Error),
+    #[error("{0}")]
+    Bpffs(#[from] bpffs::BpffsError),
+    #[error("creating {path}: {source}")]
+    PinDir { path: String, source: io::Error },
     #[error(
         "pinned map {path} was created by an incompatible version ({found}; this agent needs \
          {wanted}). Run `proxy-agent cleanup --bpffs-root {root}` (tracked connections are \
@@ -84,21 +89,28 @@ fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-fn permission_hint(e: &aya::EbpfError) -> &'static str {
-    if is_eperm(e) {
-        " (permission denied: the agent needs CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN or root; \
-         run it privileged or as root)"
-    } else {
-        ""
-    }
+fn permission_hint(e: &aya::EbpfError) -> String {
+    capability_hint(is_eperm(e))
 }
 
-fn program_hint(e: &aya::programs::ProgramError) -> &'static str {
-    if is_eperm(e) {
-        " (permission denied: the agent needs CAP_BPF and CAP_NET_ADMIN)"
+fn program_hint(e: &aya::programs::ProgramError) -> String {
+    capability_hint(is_eperm(e))
+}
+
+/// What to do about a load failure: the capabilities this process lacks, if any (without
+/// CAP_PERFMON the verifier refuses the programs with EACCES rather than EPERM), else what the
+/// kernel must have.
+fn capability_hint(eperm: bool) -> String {
+    use crate::dataplane::modes::{effective_capabilities, missing_ebpf_capabilities};
+    let missing = missing_ebpf_capabilities(effective_capabilities());
+    if !missing.is_empty() {
+        format!(" (this process lacks {}: the eBPF mode needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)", missing.join(", "))
+    } else if eperm {
+        " (permission denied although CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON are held: a seccomp or LSM policy may \
+         forbid bpf(2))"
+            .into()
     } else {
-        " (the kernel verifier or BTF support may be missing: a 5.15+ kernel with \
-         CONFIG_DEBUG_INFO_BTF is required)"
+        " (the kernel refused the program: the eBPF mode needs Linux 6.6+ with CONFIG_DEBUG_INFO_BTF)".into()
     }
 }
 
@@ -123,6 +135,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOCK_REVNAT => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<RevNat>()),
         map_names::SOCK_FWD => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockFwd>()),
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
+        map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -162,8 +175,9 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
     Ok(())
 }
 
-/// The loaded object: maps (created, or adopted from pins) and the verified programs.
-pub fn load(options: &LoadOptions) -> Result<Ebpf, LoadError> {
+/// The loaded object: maps (created, or adopted from pins) and the verified programs; and
+/// whether the pins outlive this process (see `bpffs`).
+pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
     raise_memlock();
     let mut loader = EbpfLoader::new();
     let lb = options.lb_map_max.max(2);
@@ -181,11 +195,15 @@ pub fn load(options: &LoadOptions) -> Result<Ebpf, LoadError> {
     }
     loader.map_max_entries(map_names::CT, options.ct_map_max.max(2));
     loader.map_max_entries(map_names::STATS, REASON_SLOTS);
+    loader.override_global("CT_LIFETIMES", &options.ct_lifetimes, true);
+    let mut outlives_agent = false;
     let pin_paths: Vec<(&str, PathBuf)> = match &options.pin_root {
         Some(root) => {
-            bpffs::ensure(root).map_err(LoadError::Bpffs)?;
+            let prepared = bpffs::prepare(root)?;
+            report_bpffs(root, &prepared);
+            outlives_agent = prepared.outlives_agent;
             for dir in [maps_dir(root), progs_dir(root), links_dir(root)] {
-                fs::create_dir_all(&dir).map_err(LoadError::Bpffs)?;
+                fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir.display().to_string(), source })?;
             }
             check_pins(root)?;
             map_names::ALL.iter().map(|n| (*n, maps_dir(root).join(n))).collect()
@@ -215,7 +233,24 @@ pub fn load(options: &LoadOptions) -> Result<Ebpf, LoadError> {
             pin(&mut |p| prog.pin(p))?;
         }
     }
-    Ok(ebpf)
+    Ok((ebpf, outlives_agent))
+}
+
+fn report_bpffs(root: &Path, p: &bpffs::Prepared) {
+    let Some(mounted) = &p.mounted else { return };
+    if p.outlives_agent {
+        tracing::info!(bpffs = %mounted.display(), "mounted a BPF filesystem for the pins");
+    } else {
+        tracing::error!(
+            bpffs = %mounted.display(),
+            "mounted a BPF filesystem that is private to this agent's mount namespace (a container, or `ip netns exec`): \
+             every pin under {} dies with this process, so the next start resets every tracked connection and the \
+             programs stop when the agent stops. Mount a bpffs on the host (`mount -t bpf bpf /sys/fs/bpf`) and give the \
+             agent the host's /sys/fs/bpf (deploy/daemonset.yaml does), or start it with `nsenter --net=...` instead of \
+             `ip netns exec`",
+            root.display()
+        );
+    }
 }
 
 /// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; lift it so map creation does not
@@ -224,6 +259,21 @@ fn raise_memlock() {
     let lim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: plain setrlimit call with a valid struct.
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) };
+}
+
+/// `proxy-agent cleanup`: unpins links (detaching the programs), programs and maps.
+pub fn unpin_all(root: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for dir in [links_dir(root), progs_dir(root), maps_dir(root)] {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries.flatten() {
+            std::fs::remove_file(e.path())?;
+            removed.push(e.path());
+        }
+        std::fs::remove_dir(&dir)?;
+    }
+    // The root itself may be a bpffs mount point; leave it.
+    Ok(removed)
 }
 
 /// A classifier program of the loaded object, by name (`prog_names`).

@@ -8,6 +8,7 @@ pub mod lbmaps;
 pub mod loader;
 pub mod maglev;
 pub mod snapshot;
+pub mod xdpdevs;
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +44,11 @@ pub struct EbpfDataplane {
     attachments: Attachments,
     /// The socket hooks' links (see `hostsock`).
     host_sockets: Vec<aya::programs::links::FdLink>,
+    /// The pins stay when the agent stops (false: they are on a bpffs private to its mount
+    /// namespace).
+    pins_outlive_agent: bool,
+    /// What `XDP_DEVS_V1` holds: interface index -> `xdp_dev` flags (none are 0).
+    xdp_devs: std::collections::BTreeMap<u32, u32>,
 }
 
 impl EbpfDataplane {
@@ -55,9 +61,9 @@ impl EbpfDataplane {
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
             )));
         }
-        let mut ebpf = loader::load(&options)?;
+        let (mut ebpf, pins_outlive_agent) = loader::load(&options)?;
         let lb = LbMaps::adopt(&mut ebpf, options.lb_map_max, maglev_size)?;
-        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default(), host_sockets: Vec::new() };
+        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default(), host_sockets: Vec::new(), xdp_devs: Default::default(), pins_outlive_agent };
         me.write_config(Config { maglev_size, snat_port_min, snat_port_max })?;
         Ok(me)
     }
@@ -88,6 +94,33 @@ impl EbpfDataplane {
         }
     }
 
+    /// Records what native XDP may send out of each interface (`xdpdevs`): the entries that
+    /// changed are written, those of interfaces gone or now unable are deleted. A stale map
+    /// (adopted from a previous run) is rewritten whole the first time.
+    pub fn set_xdp_devices(&mut self, want: &std::collections::BTreeMap<u32, u32>) -> Result<(), DataplaneError> {
+        let map = self.ebpf.map_mut(map_names::XDP_DEVS).expect("the object defines the XDP device map");
+        let err = |op, source| DataplaneError::Map { op, map: map_names::XDP_DEVS, source };
+        let mut m: aya::maps::HashMap<&mut MapData, u32, u32> = aya::maps::HashMap::try_from(map).map_err(|e| err("open", e))?;
+        let want: std::collections::BTreeMap<u32, u32> = want.iter().filter(|(_, f)| **f != 0).map(|(i, f)| (*i, *f)).collect();
+        if self.xdp_devs.is_empty() {
+            self.xdp_devs = m.iter().flatten().collect();
+        }
+        for (index, flags) in &want {
+            if self.xdp_devs.get(index) != Some(flags) {
+                m.insert(index, flags, 0).map_err(|e| err("update", e))?;
+            }
+        }
+        for index in self.xdp_devs.keys().filter(|i| !want.contains_key(i)) {
+            match m.remove(index) {
+                Ok(()) => {}
+                Err(e) if lbmaps::is_not_found(&e) => {}
+                Err(e) => return Err(err("delete", e)),
+            }
+        }
+        self.xdp_devs = want;
+        Ok(())
+    }
+
     /// Serves Services to the sockets of this network namespace in `cgroup` (and below it) with
     /// the socket hooks.
     pub fn serve_host_sockets(&mut self, cgroup: &Path) -> Result<(), hostsock::HostSockError> {
@@ -106,6 +139,10 @@ impl EbpfDataplane {
 
     pub fn maglev(&self) -> &maglev::Maglev {
         self.lb.maglev()
+    }
+
+    pub fn pins_outlive_agent(&self) -> bool {
+        self.pins_outlive_agent
     }
 
     pub fn pin_root(&self) -> Option<&Path> {

@@ -258,16 +258,16 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
         let c = comment(&format!("{spn} cluster IP"));
         if node.masquerade_all {
             n.rule(int_chain, format!("{c} {m} -d {cluster_ip} --dport {port} -j KUBE-MARK-MASQ"));
-        } else if let Some(cidr) = node.cluster_cidr {
-            n.rule(int_chain, format!("{c} {m} -d {cluster_ip} --dport {port} ! -s {cidr} -j KUBE-MARK-MASQ"));
+        } else if let Some(not_local) = node.local.iptables(true) {
+            n.rule(int_chain, format!("{c} {m} -d {cluster_ip} --dport {port} {not_local} -j KUBE-MARK-MASQ"));
         }
     }
     if p.uses_external_chain {
         if !p.port.external_local {
             n.rule(&ext, format!("{} -j KUBE-MARK-MASQ", comment(&format!("masquerade traffic for {spn} external destinations"))));
         } else {
-            if let Some(cidr) = node.cluster_cidr {
-                n.rule(&ext, format!("{} -s {cidr} -j {svc}", comment(&format!("pod traffic for {spn} external destinations"))));
+            if let Some(local) = node.local.iptables(false) {
+                n.rule(&ext, format!("{} {local} -j {svc}", comment(&format!("pod traffic for {spn} external destinations"))));
             }
             n.rule(
                 &ext,
@@ -457,6 +457,10 @@ impl RuleSet for IptablesRules {
         iptables_restore(self.ipt, &restore_text(&rendered, &|c| changed.contains(c), &stale))?;
         self.applied = Some(wanted);
         Ok(written)
+    }
+
+    fn forget_applied(&mut self) {
+        self.applied = None;
     }
 }
 

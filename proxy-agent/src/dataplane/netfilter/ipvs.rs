@@ -77,14 +77,53 @@ pub struct Desired {
 /// The sysctls IPVS mode needs, as kube-proxy sets them: netfilter must see IPVS-forwarded
 /// packets (masquerade, hairpin), connections to removed real servers are expired, and the
 /// VIPs on the dummy interface are not answered for in ARP.
-pub const SYSCTLS: [(&str, &str); 6] = [
+pub const SYSCTLS: [(&str, &str); 4] = [
     ("net/ipv4/vs/conntrack", "1"),
     ("net/ipv4/vs/expire_nodest_conn", "1"),
     ("net/ipv4/vs/expire_quiescent_template", "1"),
     ("net/ipv4/ip_forward", "1"),
-    ("net/ipv4/conf/all/arp_ignore", "1"),
-    ("net/ipv4/conf/all/arp_announce", "2"),
 ];
+
+/// `ipvs.strictARP`: the node answers ARP only for addresses of the interface asked on, so the
+/// VIPs on kube-ipvs0 are not announced (what MetalLB's L2 mode needs).
+pub const STRICT_ARP_SYSCTLS: [(&str, &str); 2] = [("net/ipv4/conf/all/arp_ignore", "1"), ("net/ipv4/conf/all/arp_announce", "2")];
+
+/// IPVS mode's settings beyond the node view (kube-proxy's `ipvs` section and the mark).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpvsOptions {
+    pub scheduler: Scheduler,
+    /// The masquerade mark, as rules write it.
+    pub mark: String,
+    /// Virtual servers in these ranges are not ours: never removed.
+    pub exclude_cidrs: Vec<crate::model::store::Cidr>,
+    pub strict_arp: bool,
+    /// `ipvsadm --set`: TCP, TCP after FIN, UDP session timeouts (None: the kernel's).
+    pub timeouts: (Option<std::time::Duration>, Option<std::time::Duration>, Option<std::time::Duration>),
+}
+
+impl Default for IpvsOptions {
+    fn default() -> Self {
+        Self { scheduler: Scheduler::default(), mark: "0x4000".into(), exclude_cidrs: Vec::new(), strict_arp: false, timeouts: (None, None, None) }
+    }
+}
+
+impl IpvsOptions {
+    /// The sysctls the mode needs.
+    pub fn sysctls(&self) -> Vec<(&'static str, &'static str)> {
+        let strict = if self.strict_arp { &STRICT_ARP_SYSCTLS[..] } else { &[] };
+        SYSCTLS.iter().chain(strict).copied().collect()
+    }
+
+    /// `ipvsadm --set TCP TCPFIN UDP` arguments (seconds; 0 leaves one as it is), when any is set.
+    pub fn set_timeouts_args(&self) -> Option<Vec<String>> {
+        let (t, f, u) = self.timeouts;
+        if t.is_none() && f.is_none() && u.is_none() {
+            return None;
+        }
+        let secs = |d: Option<std::time::Duration>| d.map_or(0, |d| d.as_secs().max(1)).to_string();
+        Some(vec!["--set".into(), secs(t), secs(f), secs(u)])
+    }
+}
 
 const SETS: [(&str, &str); 13] = [
     ("KUBE-CLUSTER-IP", "hash:ip,port"),
@@ -102,7 +141,8 @@ const SETS: [(&str, &str); 13] = [
     ("KUBE-NODE-PORT-LOCAL-UDP", "bitmap:port"),
 ];
 
-pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -> Desired {
+pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> Desired {
+    let scheduler = &opts.scheduler;
     let mut d = Desired::default();
     for (name, ty) in SETS {
         d.sets.insert(name, (ty, BTreeSet::new()));
@@ -184,11 +224,11 @@ pub fn desired(services: &Services, node: &NodeContext, scheduler: &Scheduler) -
             }
         }
     }
-    d.iptables = iptables_rules(node, &drops);
+    d.iptables = iptables_rules(node, &drops, &opts.mark);
     d
 }
 
-fn iptables_rules(node: &NodeContext, drops: &[String]) -> String {
+fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str) -> String {
     let mut s = String::from("*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n");
     for r in drops {
         let _ = writeln!(s, "{r}");
@@ -201,18 +241,17 @@ fn iptables_rules(node: &NodeContext, drops: &[String]) -> String {
     for c in ["KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"] {
         let _ = writeln!(s, ":{c} - [0:0]");
     }
-    let mark = "0x4000";
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -j MARK --xor-mark {mark}");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully");
     let _ = writeln!(s, "-A KUBE-MARK-MASQ -j MARK --or-mark {mark}");
-    match (node.masquerade_all, node.cluster_cidr) {
+    match (node.masquerade_all, node.local.iptables(true)) {
         (true, _) => {
             let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
         }
-        (false, Some(cidr)) => {
-            let _ = writeln!(s, "-A KUBE-SERVICES ! -s {cidr} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
+        (false, Some(not_local)) => {
+            let _ = writeln!(s, "-A KUBE-SERVICES {not_local} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
         }
         (false, None) => {}
     }
@@ -322,7 +361,7 @@ const IPVSADM: &str = "ipvsadm";
 const IPSET: &str = "ipset";
 
 pub struct IpvsRules {
-    scheduler: Scheduler,
+    opts: IpvsOptions,
     /// Where the masquerade and drop rules go.
     ipt: Iptables,
     /// What the last successful apply left in the kernel (None: read it from the kernel).
@@ -330,8 +369,8 @@ pub struct IpvsRules {
 }
 
 impl IpvsRules {
-    pub fn new(scheduler: Scheduler, ipt: Iptables) -> Self {
-        Self { scheduler, ipt, applied: None }
+    pub fn new(opts: IpvsOptions, ipt: Iptables) -> Self {
+        Self { opts, ipt, applied: None }
     }
 }
 
@@ -416,7 +455,7 @@ impl RuleSet for IpvsRules {
     }
 
     fn render(&self, services: &Services, node: &NodeContext) -> String {
-        let d = desired(services, node, &self.scheduler);
+        let d = desired(services, node, &self.opts);
         let mut s = String::from("# IPVS virtual and real servers (ipvsadm-restore)\n");
         s += &ipvsadm_delta(&BTreeMap::new(), &d.virtuals);
         s += &format!("\n# addresses on {DUMMY}\n");
@@ -437,24 +476,27 @@ impl RuleSet for IpvsRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let t0 = std::time::Instant::now();
-        let d = desired(services, node, &self.scheduler);
+        let d = desired(services, node, &self.opts);
         let t_desired = t0.elapsed();
         // Taken: it stays None if anything below fails, so the next sync starts from the kernel.
         let prev = match self.applied.take() {
             Some(prev) => prev,
             None => {
-                for (key, value) in SYSCTLS {
-                    let path = format!("/proc/sys/{key}");
-                    std::fs::write(&path, value).map_err(|e| NetfilterError::Failed {
+                for (key, value) in self.opts.sysctls() {
+                    super::sysctl::ensure(key, value).map_err(|e| NetfilterError::Failed {
                         command: format!("sysctl {key}={value}"),
                         stderr: format!("{e} (is the ip_vs module loaded?)"),
                     })?;
                 }
-                Desired {
-                    addresses: ensure_dummy()?,
-                    virtuals: parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?),
-                    ..Desired::default()
+                if let Some(args) = self.opts.set_timeouts_args() {
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    run(IPVSADM, IPVSADM, &args)?;
                 }
+                let mut virtuals = parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?);
+                // Virtual servers in ipvs.excludeCIDRs are someone else's: never touched.
+                let excluded = &self.opts.exclude_cidrs;
+                virtuals.retain(|k, _| !excluded.iter().any(|c| c.contains(k.addr)));
+                Desired { addresses: ensure_dummy()?, virtuals, ..Desired::default() }
             }
         };
         // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
@@ -492,6 +534,10 @@ impl RuleSet for IpvsRules {
         );
         self.applied = Some(d);
         Ok(delta.lines().count())
+    }
+
+    fn forget_applied(&mut self) {
+        self.applied = None;
     }
 }
 

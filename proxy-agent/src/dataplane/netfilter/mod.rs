@@ -7,6 +7,7 @@ pub mod conntrack;
 pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
+pub mod sysctl;
 
 use std::{
     collections::BTreeMap,
@@ -28,11 +29,49 @@ pub struct NodeContext {
     /// `--nodeport-addresses` was not given: NodePorts are served on every local address
     /// (iptables: `-m addrtype --dst-type LOCAL`).
     pub nodeport_all: bool,
-    /// `--cluster-cidr`: traffic from it is pod traffic (no masquerade for cluster IPs, and the
-    /// externalTrafficPolicy Local short-circuit).
-    pub cluster_cidr: Option<Cidr>,
+    /// How pod traffic is recognised (no masquerade for cluster IPs, and the
+    /// externalTrafficPolicy Local short-circuit); kube-proxy's `detectLocalMode`.
+    pub local: LocalTraffic,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
+}
+
+/// How the rules tell traffic from the node's pods (kube-proxy's local traffic detector).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum LocalTraffic {
+    /// Nothing is known: nothing counts as local.
+    #[default]
+    Unknown,
+    /// From this range (the cluster CIDR, or the node's pod CIDR).
+    Cidr(Cidr),
+    /// Arriving on this interface (a bridge: `br0`).
+    Interface(String),
+    /// Arriving on interfaces whose name starts with this (`veth`, `cali`).
+    InterfacePrefix(String),
+}
+
+impl LocalTraffic {
+    /// The iptables match for "from a pod" (`negate`: "not from a pod"), if one is known.
+    pub fn iptables(&self, negate: bool) -> Option<String> {
+        let not = if negate { "! " } else { "" };
+        Some(match self {
+            Self::Unknown => return None,
+            Self::Cidr(c) => format!("{not}-s {c}"),
+            Self::Interface(i) => format!("{not}-i {i}"),
+            Self::InterfacePrefix(p) => format!("{not}-i {p}+"),
+        })
+    }
+
+    /// The same in nftables syntax.
+    pub fn nftables(&self, negate: bool) -> Option<String> {
+        let op = if negate { "!= " } else { "" };
+        Some(match self {
+            Self::Unknown => return None,
+            Self::Cidr(c) => format!("ip saddr {op}{c}"),
+            Self::Interface(i) => format!("iifname {op}\"{i}\""),
+            Self::InterfacePrefix(p) => format!("iifname {op}\"{p}*\""),
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +90,9 @@ pub trait RuleSet {
     /// Brings the kernel to the rules for `services` (each mode writes only what changed
     /// where its tools allow). Returns how many chains (or objects) were written.
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError>;
+    /// Forgets what was applied: the next `apply` writes everything again (a full resync,
+    /// which repairs rules someone else changed).
+    fn forget_applied(&mut self);
 }
 
 /// Starts `program args` with stdout and stderr piped, and stdin piped when `stdin` (else

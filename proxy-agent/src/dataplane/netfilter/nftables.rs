@@ -214,8 +214,8 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
         let mut rules = Vec::new();
         if node.masquerade_all {
             rules.push(format!("ip daddr {cluster_ip} jump mark-for-masquerade"));
-        } else if let Some(cidr) = node.cluster_cidr {
-            rules.push(format!("ip daddr {cluster_ip} ip saddr != {cidr} jump mark-for-masquerade"));
+        } else if let Some(not_local) = node.local.nftables(true) {
+            rules.push(format!("ip daddr {cluster_ip} {not_local} jump mark-for-masquerade"));
         }
         chain(int_chain, rules);
     }
@@ -224,8 +224,8 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
         if !p.port.external_local {
             rules.push("jump mark-for-masquerade".to_string());
         } else {
-            if let Some(cidr) = node.cluster_cidr {
-                rules.push(format!("ip saddr {cidr} goto {svc} comment \"short-circuit pod traffic\""));
+            if let Some(local) = node.local.nftables(false) {
+                rules.push(format!("{local} goto {svc} comment \"short-circuit pod traffic\""));
             }
             rules.push("fib saddr type local jump mark-for-masquerade comment \"masquerade local traffic\"".to_string());
             rules.push(format!("fib saddr type local goto {svc} comment \"short-circuit local traffic\""));
@@ -280,14 +280,14 @@ pub struct NftablesRules {
 }
 
 impl NftablesRules {
-    pub fn new() -> Self {
-        Self { opts: NftablesOptions::default(), applied: None }
+    pub fn new(opts: NftablesOptions) -> Self {
+        Self { opts, applied: None }
     }
 }
 
 impl Default for NftablesRules {
     fn default() -> Self {
-        Self::new()
+        Self::new(NftablesOptions::default())
     }
 }
 
@@ -384,6 +384,10 @@ impl RuleSet for NftablesRules {
                 Err(e)
             }
         }
+    }
+
+    fn forget_applied(&mut self) {
+        self.applied = None;
     }
 }
 

@@ -1,0 +1,227 @@
+//! What native XDP may send out of each interface (`XDP_DEVS_V1`).
+//!
+//! A frame native XDP sends (XDP_TX, or XDP_REDIRECT into another device) is handed to the
+//! egress driver's XDP transmit path. A driver without one drops it, and so does a veth whose
+//! peer has no NAPI context: the peer must run an XDP program itself or have GRO on
+//! (`veth_xdp_xmit`, "veth: allow enabling NAPI even without XDP"). A veth uplink with nothing
+//! on its far end, as kind nodes and many VM and container setups have, is exactly that. The
+//! kernel says which devices take XDP frames in each device's `xdp_features`
+//! (NETDEV_XDP_ACT_NDO_XMIT, which for a veth follows its peer), over the `netdev` generic
+//! netlink family; the datapath hands a flow whose egress device lacks it to TC.
+
+use std::{collections::BTreeMap, io};
+
+use futures::TryStreamExt as _;
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkXdp, XdpAttached};
+use netlink_sys::{protocols::NETLINK_GENERIC, Socket, SocketAddr};
+use proxy_common::xdp_dev;
+
+/// NETDEV_XDP_ACT_* bits of `xdp_features` (include/uapi/linux/netdev.h).
+pub const XDP_ACT_BASIC: u64 = 1 << 0;
+pub const XDP_ACT_NDO_XMIT: u64 = 1 << 2;
+
+/// One interface as XDP sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct XdpDevice {
+    pub name: String,
+    pub veth: bool,
+    /// An XDP program runs on it in generic (skb) mode.
+    pub generic: bool,
+    /// NETDEV_XDP_ACT_* bits; None when the kernel did not say.
+    pub features: Option<u64>,
+}
+
+impl XdpDevice {
+    /// Its `xdp_dev` flags.
+    pub fn flags(&self) -> u32 {
+        let features = self.features.unwrap_or(0);
+        let xmit = features & XDP_ACT_NDO_XMIT != 0;
+        // A veth's XDP_TX goes to its peer the way a redirect into it does; other drivers
+        // transmit from their own XDP_TX ring (part of the basic set).
+        let tx = xmit || (!self.veth && features & XDP_ACT_BASIC != 0);
+        let mut flags = 0;
+        if tx {
+            flags |= xdp_dev::TX;
+        }
+        if xmit {
+            flags |= xdp_dev::XMIT;
+        }
+        if self.generic {
+            flags |= xdp_dev::GENERIC;
+        }
+        flags
+    }
+
+    /// Why native XDP cannot send frames out of this device, if it cannot.
+    pub fn why_not_native(&self) -> Option<&'static str> {
+        if self.flags() & xdp_dev::TX != 0 || self.generic {
+            return None;
+        }
+        Some(match (self.features, self.veth) {
+            (None, _) => "the kernel does not report this device's XDP features",
+            (Some(_), true) => "a veth whose peer runs no XDP program and has GRO off drops frames sent from native XDP",
+            (Some(_), false) => "its driver has no XDP transmit path",
+        })
+    }
+}
+
+/// Every interface of this network namespace: name, kind and XDP mode from rtnetlink, features
+/// from the `netdev` generic netlink family.
+pub async fn read() -> io::Result<BTreeMap<u32, XdpDevice>> {
+    // A few hundred bytes each way on a netlink socket: quick enough not to leave the task.
+    let features = xdp_features();
+    let (conn, handle, _) = rtnetlink::new_connection()?;
+    let conn = tokio::spawn(conn);
+    let mut out = BTreeMap::new();
+    let mut dump = handle.link().get().execute();
+    while let Some(msg) = dump.try_next().await.map_err(io::Error::other)? {
+        let mut dev = XdpDevice::default();
+        for a in &msg.attributes {
+            match a {
+                LinkAttribute::IfName(n) => dev.name = n.clone(),
+                LinkAttribute::LinkInfo(info) => dev.veth = info.iter().any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth))),
+                LinkAttribute::Xdp(xdp) => dev.generic = xdp.iter().any(|x| matches!(x, LinkXdp::Attached(XdpAttached::SocketBuffer))),
+                _ => {}
+            }
+        }
+        dev.features = features.as_ref().ok().and_then(|f| f.get(&msg.header.index).copied());
+        out.insert(msg.header.index, dev);
+    }
+    conn.abort();
+    if let Err(e) = features {
+        tracing::debug!("reading xdp_features: {e}");
+    }
+    Ok(out)
+}
+
+const GENL_ID_CTRL: u16 = 0x10;
+const CTRL_CMD_GETFAMILY: u8 = 3;
+const CTRL_ATTR_FAMILY_ID: u16 = 1;
+const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+const NETDEV_CMD_DEV_GET: u8 = 1;
+const NETDEV_A_DEV_IFINDEX: u16 = 1;
+const NETDEV_A_DEV_XDP_FEATURES: u16 = 3;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+
+/// `xdp_features` of every device, by index (Linux 6.3+).
+pub fn xdp_features() -> io::Result<BTreeMap<u32, u64>> {
+    let mut socket = Socket::new(NETLINK_GENERIC)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    let mut name = attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0");
+    let family = request(&mut socket, GENL_ID_CTRL, NLM_F_REQUEST, CTRL_CMD_GETFAMILY, &mut name)
+        .map_err(|e| io::Error::new(e.kind(), format!("the netdev generic netlink family (Linux 6.3+): {e}")))?
+        .iter()
+        .find_map(|m| attrs(m).find(|(t, _)| *t == CTRL_ATTR_FAMILY_ID).and_then(|(_, v)| v.get(..2)))
+        .map(|v| u16::from_ne_bytes([v[0], v[1]]))
+        .ok_or_else(|| io::Error::other("no id for the netdev generic netlink family"))?;
+    let mut devices = BTreeMap::new();
+    for m in request(&mut socket, family, NLM_F_REQUEST | NLM_F_DUMP, NETDEV_CMD_DEV_GET, &mut Vec::new())? {
+        let (mut index, mut features) = (None, None);
+        for (t, v) in attrs(&m) {
+            match (t, v.len()) {
+                (NETDEV_A_DEV_IFINDEX, 4) => index = Some(u32::from_ne_bytes(v.try_into().expect("4 bytes"))),
+                (NETDEV_A_DEV_XDP_FEATURES, 8) => features = Some(u64::from_ne_bytes(v.try_into().expect("8 bytes"))),
+                _ => {}
+            }
+        }
+        if let (Some(i), Some(f)) = (index, features) {
+            devices.insert(i, f);
+        }
+    }
+    Ok(devices)
+}
+
+fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+    let len = 4 + value.len();
+    let mut v = Vec::with_capacity(len.next_multiple_of(4));
+    v.extend_from_slice(&(len as u16).to_ne_bytes());
+    v.extend_from_slice(&kind.to_ne_bytes());
+    v.extend_from_slice(value);
+    v.resize(len.next_multiple_of(4), 0);
+    v
+}
+
+/// The attributes of a generic netlink message's payload (after its 4-byte header).
+fn attrs(payload: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut rest = payload.get(4..).unwrap_or(&[]);
+    std::iter::from_fn(move || {
+        let len = u16::from_ne_bytes([*rest.first()?, *rest.get(1)?]) as usize;
+        let kind = u16::from_ne_bytes([*rest.get(2)?, *rest.get(3)?]) & 0x3fff;
+        let value = rest.get(4..len)?;
+        rest = rest.get(len.next_multiple_of(4)..).unwrap_or(&[]);
+        Some((kind, value))
+    })
+}
+
+/// Sends one request and returns the payloads of the replies (a dump's until NLMSG_DONE).
+fn request(socket: &mut Socket, family: u16, flags: u16, cmd: u8, body: &mut Vec<u8>) -> io::Result<Vec<Vec<u8>>> {
+    let mut msg = Vec::with_capacity(20 + body.len());
+    msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&family.to_ne_bytes());
+    msg.extend_from_slice(&flags.to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&[cmd, 1, 0, 0]);
+    msg.append(body);
+    socket.send(&msg, 0)?;
+    let mut out = Vec::new();
+    loop {
+        let (buf, _) = socket.recv_from_full()?;
+        let mut rest = &buf[..];
+        while rest.len() >= 16 {
+            let len = u32::from_ne_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
+            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+            if len < 16 || len > rest.len() {
+                return Err(io::Error::other("truncated netlink message"));
+            }
+            match kind {
+                NLMSG_DONE => return Ok(out),
+                NLMSG_ERROR => {
+                    let code = i32::from_ne_bytes(rest[16..20].try_into().expect("4 bytes"));
+                    return if code == 0 { Ok(out) } else { Err(io::Error::from_raw_os_error(-code)) };
+                }
+                _ => out.push(rest[16..len].to_vec()),
+            }
+            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        }
+        if flags & NLM_F_DUMP == 0 {
+            return Ok(out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_veth_takes_xdp_frames_only_when_the_kernel_says_its_peer_can() {
+        let veth = |features| XdpDevice { name: "uplink0".into(), veth: true, generic: false, features: Some(features) };
+        // What this kernel reports for a veth whose peer has neither XDP nor GRO (0x23), and
+        // once the peer turns GRO on (0x67).
+        assert_eq!(veth(0x23).flags(), 0);
+        assert!(veth(0x23).why_not_native().unwrap().contains("peer"));
+        assert_eq!(veth(0x67).flags(), xdp_dev::TX | xdp_dev::XMIT);
+        assert_eq!(veth(0x67).why_not_native(), None);
+        let nic = XdpDevice { name: "eth0".into(), veth: false, generic: false, features: Some(XDP_ACT_BASIC) };
+        assert_eq!(nic.flags(), xdp_dev::TX, "XDP_TX, but nothing may be redirected into it");
+        let unknown = XdpDevice { features: None, ..nic.clone() };
+        assert_eq!(unknown.flags(), 0);
+        let generic = XdpDevice { generic: true, ..veth(0x23) };
+        assert_eq!(generic.flags(), xdp_dev::GENERIC);
+        assert_eq!(generic.why_not_native(), None);
+    }
+
+    #[test]
+    fn attributes_are_walked_with_their_padding() {
+        let mut payload = vec![1, 1, 0, 0];
+        payload.extend(attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0"));
+        payload.extend(attr(CTRL_ATTR_FAMILY_ID, &33u16.to_ne_bytes()));
+        let got: Vec<(u16, Vec<u8>)> = attrs(&payload).map(|(t, v)| (t, v.to_vec())).collect();
+        assert_eq!(got, vec![(CTRL_ATTR_FAMILY_NAME, b"netdev\0".to_vec()), (CTRL_ATTR_FAMILY_ID, 33u16.to_ne_bytes().to_vec())]);
+    }
+}

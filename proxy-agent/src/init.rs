@@ -1,0 +1,97 @@
+//! `proxy-agent run --init-only`: what needs full privileges, done once by a short privileged
+//! init container so that the long-running agent needs only its mode's capabilities (kube-proxy
+//! has the same flag for the same split). Mounts made here reach the host through the
+//! DaemonSet's Bidirectional hostPath volumes, so they outlive every container.
+
+use std::{io, os::fd::AsRawFd as _, path::Path};
+
+use crate::{
+    bpffs,
+    config::Config,
+    dataplane::{ebpf::hostsock, modes, netfilter, ProxyMode},
+};
+
+/// The mode the agent will run in: the configured one, or what auto would pick on this
+/// node's kernel (the checks that need no privileges beyond ours).
+fn expected_mode(cfg: &Config) -> ProxyMode {
+    cfg.common.proxy_mode.unwrap_or_else(|| match modes::ebpf_unsupported() {
+        None => ProxyMode::Ebpf,
+        Some(_) if modes::nftables_unsupported().is_none() => ProxyMode::Nftables,
+        Some(_) => ProxyMode::Iptables,
+    })
+}
+
+/// Mounts the cgroup v2 hierarchy at `dir` as the host sees it: from inside the host's cgroup
+/// namespace (that of `host_proc`/1), since one mounted from a container's own namespace shows
+/// only the container's cgroup.
+fn mount_host_cgroup2(dir: &Path, host_proc: Option<&Path>) -> io::Result<()> {
+    if let Some(proc) = host_proc {
+        let ns = std::fs::File::open(proc.join("1/ns/cgroup"))?;
+        // SAFETY: setns on a namespace fd; this process is single-threaded here.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWCGROUP) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    hostsock::mount_cgroup2(dir)
+}
+
+/// Loads the kernel modules a mode needs (IPVS and its scheduler; conntrack).
+fn load_modules(mode: ProxyMode, cfg: &Config) -> Vec<String> {
+    let mut modules: Vec<String> = vec!["nf_conntrack".into()];
+    if mode == ProxyMode::Ipvs {
+        modules.extend(["ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh"].map(String::from));
+        modules.push(format!("ip_vs_{}", cfg.netfilter.ipvs.scheduler.0));
+    }
+    modules.dedup();
+    let mut failures = Vec::new();
+    for m in &modules {
+        match std::process::Command::new("modprobe").arg(m).output() {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => failures.push(format!("modprobe {m}: {}", String::from_utf8_lossy(&o.stderr).trim())),
+            Err(e) => failures.push(format!("modprobe {m}: {e} (install kmod)")),
+        }
+    }
+    failures
+}
+
+/// Does what `--init-only` promises. Fails on what the agent cannot do without; what it can
+/// do without is reported.
+pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
+    let mode = expected_mode(cfg);
+    tracing::info!(mode = %mode, "preparing the node");
+    if mode == ProxyMode::Ebpf {
+        let root = &cfg.common.bpffs_root;
+        let prepared = bpffs::prepare(root)?;
+        match (&prepared.mounted, prepared.outlives_agent) {
+            (None, _) => tracing::info!(bpffs = %root.display(), "a BPF filesystem is there already"),
+            (Some(m), true) => tracing::info!(bpffs = %m.display(), "mounted a BPF filesystem the host shares"),
+            (Some(m), false) => anyhow::bail!(
+                "mounted a BPF filesystem at {} but it does not reach the host (the volume needs mountPropagation: \
+                 Bidirectional and a privileged container): the agent's pins would die with each container",
+                m.display()
+            ),
+        }
+        match &cfg.ebpf.cgroup_root {
+            Some(Some(dir)) if !hostsock::is_cgroup2(dir) => {
+                mount_host_cgroup2(dir, host_proc).map_err(|e| anyhow::anyhow!("mounting the cgroup v2 hierarchy at {}: {e}", dir.display()))?;
+                tracing::info!(cgroup = %dir.display(), "mounted the host's cgroup v2 hierarchy for the socket hooks");
+            }
+            Some(Some(dir)) => tracing::info!(cgroup = %dir.display(), "a cgroup v2 hierarchy is there already"),
+            _ => {}
+        }
+    } else {
+        for failure in netfilter::sysctl::apply(&netfilter::sysctl::settings(mode, cfg)) {
+            tracing::warn!("{failure}");
+        }
+    }
+    for failure in load_modules(mode, cfg) {
+        tracing::warn!("{failure}");
+    }
+    // What kube-proxy, or this agent in another mode, left (both iptables backends: only a
+    // privileged container may read iptables-legacy).
+    let backends = netfilter::Iptables::available();
+    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));
+    modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
+    tracing::info!(mode = %mode, "node prepared");
+    Ok(())
+}
