@@ -130,6 +130,82 @@ pub fn iptables_backends(agent: &PathBuf) {
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "nft: {err}");
 }
 
+/// Taking a node over from kube-proxy: what kube-proxy left (its IPv4 and IPv6 iptables rules,
+/// each in another backend, and both of its nftables tables) is gone once the agent starts in
+/// `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
+/// `proxy-agent cleanup` leaves nothing of the agent's and still keeps theirs. (IPVS state is
+/// not loaded here: this kernel has no IPVS; the IPVS mode's own cleanup covers it.)
+pub fn taking_over_from_kube_proxy(agent: &PathBuf, mode: ProxyMode) {
+    let mut lab = Lab::new(agent.clone(), 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    let node = lab.node.name.clone();
+    let in_node = |args: &[&str]| {
+        let mut a = vec!["ip", "netns", "exec", node.as_str()];
+        a.extend_from_slice(args);
+        crate::netns::sh(&a)
+    };
+    let load = |tool: &str, file: &str| {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(file);
+        let status = std::process::Command::new("ip")
+            .args(["netns", "exec", &node, tool, "--noflush"])
+            .stdin(std::fs::File::open(&path).expect("fixture"))
+            .status()
+            .expect("restore");
+        assert!(status.success(), "{tool} < {}", path.display());
+    };
+    load("iptables-nft-restore", "kube-proxy-ipv4.rules");
+    load("ip6tables-legacy-restore", "kube-proxy-ipv6.rules");
+    in_node(&["nft", "-f", concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/kube-proxy.nft")]);
+    // kube-proxy's chains in every family, backend and table, and the nftables tables left.
+    let leftovers = |in_node: &dyn Fn(&[&str]) -> String| -> Vec<String> {
+        let mut out = Vec::new();
+        for save in ["iptables-nft-save", "iptables-legacy-save", "ip6tables-nft-save", "ip6tables-legacy-save"] {
+            for line in in_node(&[save]).lines().filter(|l| l.starts_with(":KUBE-")) {
+                let chain = line[1..].split(' ').next().unwrap_or("");
+                if !["KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-FIREWALL"].contains(&chain) {
+                    out.push(format!("{save}: {chain}"));
+                }
+            }
+        }
+        out.extend(in_node(&["nft", "list", "tables"]).lines().filter(|l| l.ends_with("kube-proxy")).map(String::from));
+        out
+    };
+    let theirs = |in_node: &dyn Fn(&[&str]) -> String| {
+        for (save, chain) in [
+            ("iptables-nft-save", ":KUBE-KUBELET-CANARY"),
+            ("iptables-nft-save", ":CNI-FORWARD"),
+            ("iptables-nft-save", "-A FORWARD -m comment --comment \"CNI firewall plugin rules\" -j CNI-FORWARD"),
+            ("iptables-nft-save", ":KUBE-IPTABLES-HINT"),
+            ("ip6tables-legacy-save", ":KUBE-KUBELET-CANARY"),
+            ("ip6tables-legacy-save", ":CNI-HOSTPORT-DNAT"),
+        ] {
+            assert!(in_node(&[save]).contains(chain), "{mode}: {save} keeps {chain}");
+        }
+        assert!(in_node(&["nft", "list", "tables"]).contains("table inet cni-firewall"), "{mode}: the CNI's table stays");
+    };
+    assert!(leftovers(&in_node).len() > 20, "the fixtures load kube-proxy's state");
+    start(&mut lab, mode, &[]);
+    let left = leftovers(&in_node);
+    // The agent's own mode writes some of the same names in IPv4: those are its own.
+    let own: &[&str] = match mode {
+        ProxyMode::Iptables => &["iptables-nft-save"],
+        ProxyMode::Nftables => &["table ip kube-proxy"],
+        _ => &[],
+    };
+    let foreign: Vec<&String> = left.iter().filter(|l| !own.iter().any(|o| l.starts_with(o))).collect();
+    assert!(foreign.is_empty(), "{mode}: kube-proxy's state is gone once the agent runs: {foreign:?}");
+    assert!(!left.iter().any(|l| l.contains("KUBE-PROXY-CANARY") || l.contains("XPGD46QRK7WJZT7O")), "{mode}: nor its canaries and stale Services: {left:?}");
+    theirs(&in_node);
+
+    // Going back: the agent's cleanup leaves nothing of its own.
+    lab.stop_agent();
+    let out = in_node(&[lab.agent_bin().to_str().unwrap(), "cleanup", "--bpffs-root", lab.bpffs().to_str().unwrap()]);
+    assert!(!out.contains("nothing to remove"), "{mode}: cleanup removed what the agent had: {out}");
+    assert_eq!(leftovers(&in_node), Vec::<String>::new(), "{mode}: nothing of ours after cleanup");
+    assert!(lab.inspect().is_err(), "{mode}: no pins after cleanup");
+    theirs(&in_node);
+}
+
 pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &PathBuf, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let mut tcp = BTreeMap::<String, usize>::new();

@@ -120,6 +120,11 @@ impl Lab {
         self.extra.last().unwrap()
     }
 
+    /// The agent binary the lab runs.
+    pub fn agent_bin(&self) -> &Path {
+        &self.agent_bin
+    }
+
     pub fn bpffs(&self) -> PathBuf {
         self.dir.join("bpf")
     }

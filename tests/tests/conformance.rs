@@ -80,6 +80,31 @@ suite!(ebpf, ProxyMode::Ebpf);
 suite!(iptables, ProxyMode::Iptables);
 suite!(nftables, ProxyMode::Nftables);
 
+/// Not a scenario of every mode (IPVS state cannot be loaded on this kernel): taking a node
+/// over from kube-proxy, and going back.
+mod takeover {
+    use super::*;
+
+    fn takeover(mode: ProxyMode) {
+        if require::root(&format!("taking over from kube-proxy ({mode})")) {
+            conformance::taking_over_from_kube_proxy(&agent(), mode);
+        }
+    }
+
+    #[test]
+    fn ebpf() {
+        takeover(ProxyMode::Ebpf)
+    }
+    #[test]
+    fn iptables() {
+        takeover(ProxyMode::Iptables)
+    }
+    #[test]
+    fn nftables() {
+        takeover(ProxyMode::Nftables)
+    }
+}
+
 /// Not a scenario of every mode: which iptables the iptables mode writes to.
 #[test]
 fn iptables_backend_auto_and_switching() {

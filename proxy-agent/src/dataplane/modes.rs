@@ -136,7 +136,9 @@ pub fn cleanup(mode: ProxyMode, bpffs_root: &Path, backends: &[netfilter::Iptabl
 /// the same chains, tables, virtual servers and sets. Returns a line per thing removed.
 pub fn cleanup_all(bpffs_root: &Path) -> Vec<String> {
     let backends = netfilter::Iptables::available();
-    ProxyMode::ALL.into_iter().flat_map(|mode| cleanup(mode, bpffs_root, &backends)).collect()
+    let mut lines: Vec<String> = ProxyMode::ALL.into_iter().flat_map(|mode| cleanup(mode, bpffs_root, &backends)).collect();
+    lines.extend(netfilter::takeover::cleanup(&backends));
+    lines
 }
 
 /// Switching mode, or iptables backend, leaves nothing of the others behind (as kube-proxy
@@ -157,6 +159,9 @@ pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>,
         }
     }
     for (mode, line) in lines {
-        tracing::info!(mode = %mode, "removed what an earlier run in another mode or iptables backend left: {line}");
+        tracing::info!(mode = %mode, "removed what an earlier run in another mode or iptables backend (or kube-proxy) left: {line}");
+    }
+    for line in netfilter::takeover::cleanup(backends) {
+        tracing::info!("removed what kube-proxy left: {line}");
     }
 }

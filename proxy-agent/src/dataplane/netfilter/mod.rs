@@ -8,6 +8,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod nftables;
 pub mod sysctl;
+pub mod takeover;
 
 use std::{
     collections::BTreeMap,

@@ -1,0 +1,185 @@
+//! What kube-proxy leaves on a node that no mode of this agent writes, removed when the agent
+//! takes the node over (as `kube-proxy --cleanup` would): its IPv6 rules in both iptables
+//! backends and its `ip6 kube-proxy` nftables table (the agent serves IPv4 only so far, so no
+//! IPv6 Service may stay translated by a kube-proxy that no longer follows the API), its
+//! canary chains, and its IPv6 ipsets. The IPv4 chains, the `ip kube-proxy` table and the
+//! IPVS state have the names of the agent's own modes and go with their cleanup.
+//!
+//! kubelet's chains (KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT, KUBE-FIREWALL, KUBE-MARK-DROP)
+//! and everything not named KUBE- (the CNI's) are never touched.
+
+use super::{run, run_with_input, Iptables, IPTABLES_PACKAGE};
+
+/// Chains kubelet makes (or made), which stay.
+const KUBELET_CHAINS: [&str; 4] = ["KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-FIREWALL", "KUBE-MARK-DROP"];
+/// kube-proxy's canary, made in these tables to notice a flush.
+const CANARY: &str = "KUBE-PROXY-CANARY";
+const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
+
+/// An iptables family's tools in one backend.
+#[derive(Clone, Copy)]
+struct Tools {
+    cmd: &'static str,
+    save: &'static str,
+    restore: &'static str,
+}
+
+fn ip6tables(backend: Iptables) -> Tools {
+    match backend {
+        Iptables::Nft => Tools { cmd: "ip6tables-nft", save: "ip6tables-nft-save", restore: "ip6tables-nft-restore" },
+        Iptables::Legacy => Tools { cmd: "ip6tables-legacy", save: "ip6tables-legacy-save", restore: "ip6tables-legacy-restore" },
+        Iptables::Path => Tools { cmd: "ip6tables", save: "ip6tables-save", restore: "ip6tables-restore" },
+    }
+}
+
+fn ip4tables(backend: Iptables) -> Tools {
+    Tools { cmd: backend.iptables(), save: backend.save(), restore: backend.restore() }
+}
+
+/// Splits an iptables-save rule into arguments, as a shell would (comments are quoted).
+pub fn split_rule(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut any = false;
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                quoted = !quoted;
+                any = true;
+            }
+            '\\' if quoted => {
+                if let Some(n) = chars.next() {
+                    cur.push(n);
+                }
+            }
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    out.push(std::mem::take(&mut cur));
+                    any = false;
+                }
+            }
+            c => {
+                cur.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        out.push(cur);
+    }
+    out
+}
+
+/// In one table's iptables-save output: the chains `remove` selects, and the rules of other
+/// chains that jump to them (as `-A CHAIN ...` argument lists, for `-D`).
+pub fn plan(save: &str, remove: impl Fn(&str) -> bool) -> (Vec<String>, Vec<Vec<String>>) {
+    let chains: Vec<String> = super::declared_chains(save).filter(|c| remove(c)).map(String::from).collect();
+    let jumps = save
+        .lines()
+        .filter_map(|l| l.strip_prefix("-A "))
+        .map(split_rule)
+        .filter(|args| {
+            let owner = args.first().map(String::as_str).unwrap_or("");
+            let target = args.iter().position(|a| a == "-j" || a == "-g").and_then(|i| args.get(i + 1));
+            !chains.iter().any(|c| c == owner) && target.is_some_and(|t| chains.contains(t))
+        })
+        .collect();
+    (chains, jumps)
+}
+
+/// Removes the chains `remove` selects from every table of one family's tools, with the
+/// jumps into them. Returns a line per table changed.
+fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> Vec<String> {
+    let mut done = Vec::new();
+    for table in TABLES {
+        let Ok(save) = run(tools.save, IPTABLES_PACKAGE, &["-t", table]) else { continue };
+        let (chains, jumps) = plan(&save, remove);
+        if chains.is_empty() {
+            continue;
+        }
+        for mut args in jumps {
+            let chain = args.remove(0);
+            let mut cmd: Vec<&str> = vec!["-w", "5", "-t", table, "-D", &chain];
+            cmd.extend(args.iter().map(String::as_str));
+            let _ = run(tools.cmd, IPTABLES_PACKAGE, &cmd);
+        }
+        let mut text = format!("*{table}\n");
+        for c in &chains {
+            text += &format!(":{c} - [0:0]\n");
+        }
+        for c in &chains {
+            text += &format!("-X {c}\n");
+        }
+        text += "COMMIT\n";
+        match run_with_input(tools.restore, IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text) {
+            Ok(_) => done.push(format!("{} ({family}): {} kube-proxy chains in the {table} table", tools.cmd, chains.len())),
+            Err(e) => done.push(format!("{} ({family}): could not remove kube-proxy's chains in the {table} table: {e}", tools.cmd)),
+        }
+    }
+    done
+}
+
+fn kube_proxy_chain(c: &str) -> bool {
+    c.starts_with("KUBE-") && !KUBELET_CHAINS.contains(&c)
+}
+
+/// Removes what kube-proxy left that no mode of the agent writes (see the module notes), in
+/// each of `backends`. Returns a line per thing removed.
+pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
+    let mut removed = Vec::new();
+    for &b in backends {
+        removed.extend(remove_chains(ip6tables(b), "IPv6", &kube_proxy_chain));
+        removed.extend(remove_chains(ip4tables(b), "IPv4", &|c| c == CANARY));
+    }
+    if run("nft", "nftables", &["list", "table", "ip6", "kube-proxy"]).is_ok() {
+        match run("nft", "nftables", &["delete", "table", "ip6", "kube-proxy"]) {
+            Ok(_) => removed.push("nftables: table ip6 kube-proxy".into()),
+            Err(e) => removed.push(format!("nftables: could not delete table ip6 kube-proxy: {e}")),
+        }
+    }
+    if let Ok(sets) = run("ipset", "ipset", &["list", "-n"]) {
+        for set in sets.lines().filter(|s| s.starts_with("KUBE-6-")) {
+            if run("ipset", "ipset", &["destroy", set]).is_ok() {
+                removed.push(format!("ipvs: ipset {set}"));
+            }
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAVE: &str = r#"*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:KUBE-KUBELET-CANARY - [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-XYZ - [0:0]
+:CNI-HOSTPORT-DNAT - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -m addrtype --dst-type LOCAL -j CNI-HOSTPORT-DNAT
+-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-SERVICES -d fd00::10/128 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-XYZ
+COMMIT
+"#;
+
+    #[test]
+    fn kube_proxy_chains_and_the_jumps_into_them_are_planned_for_removal() {
+        let (chains, jumps) = plan(SAVE, kube_proxy_chain);
+        assert_eq!(chains, ["KUBE-SERVICES", "KUBE-SVC-XYZ"], "kubelet's canary and the CNI's chain stay");
+        assert_eq!(jumps.len(), 2, "the jumps from PREROUTING and OUTPUT, not the one between removed chains: {jumps:?}");
+        assert_eq!(jumps[0], ["PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"]);
+    }
+
+    #[test]
+    fn rules_split_as_a_shell_splits_them() {
+        assert_eq!(split_rule(r#"A -m comment --comment "a \"b\" c" -j X"#), ["A", "-m", "comment", "--comment", "a \"b\" c", "-j", "X"]);
+        assert_eq!(split_rule("  -j   X  "), ["-j", "X"]);
+        assert_eq!(split_rule(r#"--comment """#), ["--comment", ""]);
+    }
+}
