@@ -22,10 +22,19 @@ fn expected_mode(cfg: &Config) -> ProxyMode {
 }
 
 /// Mounts the cgroup v2 hierarchy at `dir` as the host sees it: from inside the host's cgroup
-/// namespace (that of `host_proc`/1), since one mounted from a container's own namespace shows
-/// only the container's cgroup.
+/// namespace (that of `host_proc`/1) when the container has one of its own (containerd's
+/// default on cgroup v2 hosts), since one mounted from a container's own namespace shows only
+/// the container's cgroup.
 fn mount_host_cgroup2(dir: &Path, host_proc: Option<&Path>) -> io::Result<()> {
-    if let Some(proc) = host_proc {
+    if hostsock::in_host_cgroup_namespace() {
+        return hostsock::mount_cgroup2(dir);
+    }
+    let Some(proc) = host_proc else {
+        return Err(io::Error::other(
+            "this container has a cgroup namespace of its own: pass --host-proc (the host's /proc as a hostPath volume) to mount the host's hierarchy",
+        ));
+    };
+    {
         let ns = std::fs::File::open(proc.join("1/ns/cgroup"))?;
         // SAFETY: setns on a namespace fd; this process is single-threaded here.
         if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWCGROUP) } != 0 {
@@ -35,7 +44,7 @@ fn mount_host_cgroup2(dir: &Path, host_proc: Option<&Path>) -> io::Result<()> {
     hostsock::mount_cgroup2(dir)
 }
 
-/// Loads the kernel modules a mode needs (IPVS and its scheduler; conntrack).
+/// Loads the kernel modules a netfilter mode needs (conntrack; IPVS and its scheduler).
 fn load_modules(mode: ProxyMode, cfg: &Config) -> Vec<String> {
     let mut modules: Vec<String> = vec!["nf_conntrack".into()];
     if mode == ProxyMode::Ipvs {
@@ -84,8 +93,10 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
             tracing::warn!("{failure}");
         }
     }
-    for failure in load_modules(mode, cfg) {
-        tracing::warn!("{failure}");
+    if mode != ProxyMode::Ebpf {
+        for failure in load_modules(mode, cfg) {
+            tracing::warn!("{failure}");
+        }
     }
     // What kube-proxy, or this agent in another mode, left (both iptables backends: only a
     // privileged container may read iptables-legacy).

@@ -67,6 +67,8 @@ struct Inner {
     watches: Vec<Watch>,
     /// Requests seen: (path, query), for assertions.
     requests: Vec<(String, String)>,
+    /// Authorization headers seen.
+    authorizations: std::collections::BTreeSet<String>,
     bookmark_every: Option<Duration>,
     next_watch: u64,
 }
@@ -149,9 +151,9 @@ impl ApiServer {
                 let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.expect("bind the API server");
                 tx.send(listener.local_addr().unwrap()).unwrap();
                 let app = Router::new()
-                    .route("/api/v1/services", get(|s, q| serve(s, q, Kind::Service)))
-                    .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, q| serve(s, q, Kind::EndpointSlice)))
-                    .route("/api/v1/nodes", get(|s, q| serve(s, q, Kind::Node)))
+                    .route("/api/v1/services", get(|s, h, q| serve(s, h, q, Kind::Service)))
+                    .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, h, q| serve(s, h, q, Kind::EndpointSlice)))
+                    .route("/api/v1/nodes", get(|s, h, q| serve(s, h, q, Kind::Node)))
                     .with_state(state);
                 // Go's net/http (the real API server) sets TCP_NODELAY; without it, watch events
                 // written one by one can wait ~40 ms for a delayed ACK.
@@ -248,12 +250,17 @@ impl ApiServer {
     }
 
     /// Requests so far: (path, query string).
+    /// The Authorization headers requests came with (the service account token, say).
+    pub fn authorizations(&self) -> Vec<String> {
+        self.inner.lock().unwrap().authorizations.iter().cloned().collect()
+    }
+
     pub fn requests(&self) -> Vec<(String, String)> {
         self.inner.lock().unwrap().requests.clone()
     }
 }
 
-async fn serve(State(inner): State<Arc<Mutex<Inner>>>, Query(p): Query<Params>, kind: Kind) -> Response {
+async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::HeaderMap, Query(p): Query<Params>, kind: Kind) -> Response {
     let labels = p.label_selector.clone().unwrap_or_default();
     let fields = p.field_selector.clone().unwrap_or_default();
     let mut g = inner.lock().unwrap();
@@ -263,6 +270,9 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, Query(p): Query<Params>, 
         p.resource_version.clone().unwrap_or_default()
     );
     g.requests.push((kind.as_str().into(), query));
+    if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        g.authorizations.insert(auth.to_string());
+    }
     if p.watch.as_deref() != Some("true") && p.watch.as_deref() != Some("1") {
         let items: Vec<Value> =
             g.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(&labels, &fields, o)).map(|(_, o)| o.clone()).collect();

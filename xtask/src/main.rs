@@ -29,6 +29,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("buildah", "building the agent's image (cargo xtask image)"),
     ("debootstrap", "a Debian 12 base for the image where no registry is reachable"),
     ("runc", "the container test runs the image the way kubelet runs the DaemonSet"),
+    ("ca-certificates", "the container test's ServiceAccount CA file"),
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
@@ -119,7 +120,18 @@ fn workspace_root() -> PathBuf {
 fn setup() -> Result {
     nightly_rust_src()?;
     bpf_linker()?;
-    packages()
+    packages()?;
+    python_tools()
+}
+
+/// kubernetes-validate (PyPI): the tests check deploy/'s manifests against Kubernetes' schemas
+/// with it, offline.
+fn python_tools() -> Result {
+    if Command::new("kubernetes-validate").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
+        return Ok(());
+    }
+    println!("setup: installing kubernetes-validate (PyPI) to check deploy/'s manifests");
+    check(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--root-user-action=ignore", "kubernetes-validate==1.37.0"]))
 }
 
 fn nightly_rust_src() -> Result {
@@ -262,6 +274,10 @@ fn run_agent(args: &[String]) -> Result {
 }
 
 fn test(extra: &[String]) -> Result {
+    if is_root() {
+        // The container test runs the image as kubelet would: it must hold this tree's agent.
+        image(&[])?;
+    }
     let mut cmd = cargo();
     cmd.current_dir(workspace_root()).arg("test").args(extra);
     if is_root() {
@@ -309,6 +325,8 @@ fn image(extra: &[String]) -> Result {
             .args(["bud", "--isolation", "chroot", "--network", "host", "--layers=false", "-f", "deploy/Containerfile"])
             .args(["--build-arg", &format!("BASE={base}"), "--build-arg", "AGENT_FROM=prebuilt", "-t", IMAGE, "."]),
     )?;
+    // The previous build's image and the prebuilt stage are dangling now.
+    let _ = buildah().args(["rmi", "--prune"]).stdout(Stdio::null()).stderr(Stdio::null()).status();
     let json = output(buildah().args(["images", "--json", IMAGE]))?;
     let size = json.lines().find_map(|l| l.trim().strip_prefix("\"size\": \"")).map(|s| s.trim_end_matches(['"', ','])).unwrap_or("?");
     println!("image: {IMAGE} built, {size}");
