@@ -175,7 +175,7 @@ impl Devices {
                 Some(why) => tracing::warn!(
                     interface = dev.name,
                     "XDP hands the north-south flows leaving by {} to TC instead of sending them itself: {why} \
-                     (turn GRO on for the peer, `ethtool -K <peer> gro on`, or use --xdp generic)",
+                     (attach an XDP program to the peer, or use --xdp generic)",
                     dev.name
                 ),
                 None if self.xdp_to_tc.contains_key(&index) => {

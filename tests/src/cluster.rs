@@ -160,6 +160,14 @@ impl Cluster {
         Self { id, dir, switch_xdp: Default::default(), switch, client, nodes, servers, agent_bin: agent_bin.into() }
     }
 
+    /// Turns GRO on for the switch's ports (which makes the kernel report that they take XDP
+    /// frames, though frames sent into them vanish).
+    pub fn switch_gro_on(&self) {
+        for port in ["pc", "p1", "p2"] {
+            sh(&["ip", "netns", "exec", &self.switch.name, "ethtool", "-K", port, "gro", "on"]);
+        }
+    }
+
     /// Lets the switch's ports take frames from the nodes' native XDP, as a NIC's far end
     /// does: a veth takes them when it runs an XDP program itself (here one that passes
     /// everything). The agents see it in the ports' xdp_features within their refresh period
