@@ -206,6 +206,40 @@ pub fn taking_over_from_kube_proxy(agent: &PathBuf, mode: ProxyMode) {
     theirs(&in_node);
 }
 
+/// localhost NodePorts: iptables mode serves `127.0.0.1:<nodePort>` by default, as kube-proxy
+/// does (route_localnet, with KUBE-FIREWALL's guard against martian localnet packets), and not
+/// when `--iptables-localhost-nodeports=false`; nftables mode never does, as kube-proxy's.
+pub fn localhost_node_ports(agent: &PathBuf, mode: ProxyMode, enabled: bool) {
+    let mut lab = Lab::new(agent.clone(), 3);
+    let mut objects = crate::lab::standard_objects(&lab.backend_ips());
+    objects.push(crate::cluster::service(
+        "web-np",
+        "  type: NodePort\n  clusterIP: 10.96.0.11\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n",
+        None,
+    ));
+    objects.push(crate::lab::endpoint_slice("web-np", "web-np-1", &lab.backend_ips(), &[("http", crate::lab::TCP_PORT, "TCP")]));
+    lab.write_manifest("services.yaml", &objects.join("---\n"));
+    let flag = format!("--iptables-localhost-nodeports={enabled}");
+    start(&mut lab, mode, &[&flag]);
+    eventually("the NodePort on the node's address", || tcp_ask(&lab.client.ns, sock("192.168.250.1:30080")).map_err(|e| e.to_string()));
+    let served = mode == ProxyMode::Iptables && enabled;
+    let node = lab.node.name.clone();
+    let localnet = lab.node.run(|| std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/route_localnet").unwrap_or_default());
+    if served {
+        assert_eq!(localnet.trim(), "1", "route_localnet is set for localhost NodePorts");
+        let filter = crate::netns::sh(&["ip", "netns", "exec", &node, "iptables-save", "-t", "filter"]);
+        assert!(filter.contains("block incoming localnet connections"), "the CVE-2020-8558 guard is in place:\n{filter}");
+        let out = eventually("127.0.0.1:30080 to answer", || {
+            let out = lab.host_ask("tcp", "127.0.0.1:30080");
+            if out.starts_with("ok ") { Ok(out) } else { Err(out) }
+        });
+        assert!(out.starts_with("ok backend-"), "{mode}: {out}");
+    } else {
+        let out = lab.host_ask("tcp", "127.0.0.1:30080");
+        assert!(out.starts_with("err"), "{mode} (localhost NodePorts {enabled}): 127.0.0.1:30080 is not a NodePort: {out}");
+    }
+}
+
 pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &PathBuf, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let mut tcp = BTreeMap::<String, usize>::new();

@@ -105,6 +105,31 @@ mod takeover {
     }
 }
 
+/// Not a scenario of every mode: localhost NodePorts are an iptables mode matter (and not yet
+/// served by the eBPF mode's socket hooks).
+mod localhost_node_ports {
+    use super::*;
+
+    fn check(mode: ProxyMode, enabled: bool) {
+        if require::root(&format!("localhost NodePorts ({mode})")) {
+            conformance::localhost_node_ports(&agent(), mode, enabled);
+        }
+    }
+
+    #[test]
+    fn iptables_serves_them_by_default() {
+        check(ProxyMode::Iptables, true)
+    }
+    #[test]
+    fn iptables_does_not_when_told_not_to() {
+        check(ProxyMode::Iptables, false)
+    }
+    #[test]
+    fn nftables_does_not_as_kube_proxy() {
+        check(ProxyMode::Nftables, true)
+    }
+}
+
 /// Not a scenario of every mode: which iptables the iptables mode writes to.
 #[test]
 fn iptables_backend_auto_and_switching() {
