@@ -100,11 +100,7 @@ pub fn iptables_backends(agent: &PathBuf) {
     let mut lab = Lab::new(agent.clone(), 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
-    let in_node = |args: &[&str]| {
-        let mut a = vec!["ip", "netns", "exec", node.as_str()];
-        a.extend_from_slice(args);
-        crate::netns::sh(&a)
-    };
+    let in_node = |args: &[&str]| in_netns(&node, args);
     // What kubelet does on a legacy node.
     in_node(&["iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
     let nat = |save: &str| in_node(&[save, "-t", "nat"]);
@@ -130,6 +126,13 @@ pub fn iptables_backends(agent: &PathBuf) {
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "nft: {err}");
 }
 
+/// Runs a command in network namespace `ns` (`ip netns exec`), panicking if it fails.
+fn in_netns(ns: &str, args: &[&str]) -> String {
+    let mut a = vec!["ip", "netns", "exec", ns];
+    a.extend_from_slice(args);
+    crate::netns::sh(&a)
+}
+
 /// Taking a node over from kube-proxy: what kube-proxy left (its IPv4 and IPv6 iptables rules,
 /// each in another backend, and both of its nftables tables) is gone once the agent starts in
 /// `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
@@ -139,11 +142,7 @@ pub fn taking_over_from_kube_proxy(agent: &PathBuf, mode: ProxyMode) {
     let mut lab = Lab::new(agent.clone(), 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
-    let in_node = |args: &[&str]| {
-        let mut a = vec!["ip", "netns", "exec", node.as_str()];
-        a.extend_from_slice(args);
-        crate::netns::sh(&a)
-    };
+    let in_node = |args: &[&str]| in_netns(&node, args);
     let load = |tool: &str, file: &str| {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(file);
         let status = std::process::Command::new("ip")

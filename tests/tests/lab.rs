@@ -405,3 +405,21 @@ fn with_every_default_inside_ip_netns_exec_the_agent_mounts_what_it_needs_and_sa
         let _ = std::fs::remove_dir("/run/proxy-agent");
     }
 }
+
+#[test]
+fn link_loops_in_the_manifest_directory_wedge_nothing() {
+    let Some(mut lab) = lab("link_loops_in_the_manifest_directory_wedge_nothing") else { return };
+    for link in ["x", "y"] {
+        std::os::unix::fs::symlink(".", lab.manifests().join(link)).unwrap();
+    }
+    // Changes are still programmed and the endpoints still answer.
+    lab.write_manifest("more.yaml", &lab::service("more", "10.96.0.20", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    lab.wait_for("the Service added after the loops", |r| r.frontends.iter().any(|f| f.address == "10.96.0.20:80"));
+    let (code, _) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics answers");
+    assert_eq!(code, 200);
+    // Each link is named once, however often the directory is scanned.
+    lab.write_manifest("more.yaml", &lab::service("more", "10.96.0.21", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    lab.wait_for("the change after that", |r| r.frontends.iter().any(|f| f.address == "10.96.0.21:80"));
+    let log = lab.agent_log();
+    assert_eq!(log.matches("links to directories are not followed").count(), 2, "{log}");
+}

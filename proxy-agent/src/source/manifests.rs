@@ -158,7 +158,16 @@ struct Stamp {
 struct FileState {
     stamp: Stamp,
     objects: BTreeMap<Ident, Object>,
+    /// What its last read found wrong (reported while it lasts, see `spawn`).
+    problems: Vec<Problem>,
 }
+
+/// How far the walk goes: a manifest directory is a ConfigMap or a checkout, not a file system.
+pub const MAX_DEPTH: usize = 16;
+pub const MAX_FILES: usize = 10_000;
+/// The largest manifest read: `kubectl get services,endpointslices -A -o yaml` of 30,000
+/// Services is about 90 MB; a larger file is refused, not read.
+pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
 /// The directory and what each file held at its last good parse.
 pub struct ManifestDir {
@@ -171,14 +180,23 @@ fn is_manifest(path: &Path) -> bool {
 }
 
 /// Files below `dir`, skipping hidden entries (editor swap files, ConfigMap `..data` links).
-/// An entry that cannot be read (a dangling symlink, a temporary file deleted meanwhile) is
-/// reported and skipped; `complete` turns false, so the caller keeps what it knew instead of
-/// deleting the objects of files it could not see.
-fn list_files(dir: &Path, out: &mut Vec<PathBuf>, problems: &mut Vec<Problem>, complete: &mut bool) {
+/// Symbolic links to files are followed (a ConfigMap volume's files are links into a hidden
+/// directory); links to directories are not, so a link loop cannot make the walk endless; and
+/// the walk stops at `MAX_DEPTH` levels and `MAX_FILES` files. An entry that cannot be read (a
+/// dangling symlink, a temporary file deleted meanwhile) is reported and skipped; `complete`
+/// turns false, so the caller keeps what it knew instead of deleting the objects of files it
+/// could not see.
+fn list_files(dir: &Path, depth: usize, out: &mut Vec<PathBuf>, problems: &mut Vec<Problem>, complete: &mut bool) {
+    let problem = |file: &Path, message: String| Problem { file: file.into(), document: None, object: None, message };
+    if depth > MAX_DEPTH {
+        problems.push(problem(dir, format!("is more than {MAX_DEPTH} directories deep; not read further")));
+        *complete = false;
+        return;
+    }
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) => {
-            problems.push(Problem { file: dir.into(), document: None, object: None, message: format!("cannot be read: {e}") });
+            problems.push(problem(dir, format!("cannot be read: {e}")));
             *complete = false;
             return;
         }
@@ -191,10 +209,18 @@ fn list_files(dir: &Path, out: &mut Vec<PathBuf>, problems: &mut Vec<Problem>, c
         if entry.file_name().to_string_lossy().starts_with('.') {
             continue;
         }
+        if out.len() >= MAX_FILES {
+            problems.push(problem(dir, format!("holds more than {MAX_FILES} files below it; the rest are not read")));
+            *complete = false;
+            return;
+        }
         let path = entry.path();
-        // Follows symlinks: ConfigMap volumes are links into a hidden directory.
+        let link = entry.file_type().is_ok_and(|t| t.is_symlink());
         match std::fs::metadata(&path) {
-            Ok(meta) if meta.is_dir() => list_files(&path, out, problems, complete),
+            Ok(meta) if meta.is_dir() && link => {
+                problems.push(problem(&path, "is a link to a directory; links to directories are not followed".into()));
+            }
+            Ok(meta) if meta.is_dir() => list_files(&path, depth + 1, out, problems, complete),
             Ok(meta) => {
                 if meta.is_file() && is_manifest(&path) {
                     out.push(path);
@@ -202,12 +228,28 @@ fn list_files(dir: &Path, out: &mut Vec<PathBuf>, problems: &mut Vec<Problem>, c
             }
             Err(e) => {
                 if is_manifest(&path) {
-                    problems.push(Problem { file: path, document: None, object: None, message: format!("cannot be read: {e}") });
+                    problems.push(problem(&path, format!("cannot be read: {e}")));
                     *complete = false;
                 }
             }
         }
     }
+}
+
+/// A file's text, refused past `MAX_FILE_BYTES` (before reading) and when it is not UTF-8 (with
+/// where).
+fn read_text(path: &Path, len: u64) -> Result<String, String> {
+    if len > MAX_FILE_BYTES {
+        return Err(format!("is {len} bytes; manifests larger than {} MiB are not read", MAX_FILE_BYTES >> 20));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let text = &e.as_bytes()[..at];
+        let line = text.iter().filter(|b| **b == b'\n').count() + 1;
+        let column = at - text.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1) + 1;
+        format!("is not UTF-8 text: invalid byte at line {line}, column {column} (offset {at})")
+    })
 }
 
 impl ManifestDir {
@@ -229,7 +271,7 @@ impl ManifestDir {
         let mut problems = Vec::new();
         let mut paths = Vec::new();
         let mut complete = true;
-        list_files(&self.dir, &mut paths, &mut problems, &mut complete);
+        list_files(&self.dir, 0, &mut paths, &mut problems, &mut complete);
         // Only a complete listing says a file is gone; otherwise keep what it held.
         if complete {
             let present: std::collections::HashSet<&PathBuf> = paths.iter().collect();
@@ -244,15 +286,10 @@ impl ManifestDir {
             if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
                 continue;
             }
-            let text = match std::fs::read_to_string(path) {
-                Ok(t) => t,
-                Err(e) => {
-                    problems.push(Problem { file: path.clone(), document: None, object: None, message: format!("cannot be read: {e}") });
-                    continue;
-                }
-            };
             let previous = self.files.remove(path).map(|f| f.objects).unwrap_or_default();
-            let objects = match parse_file(path, &text) {
+            let kept = if previous.is_empty() { "" } else { "; keeping what it held before" };
+            let mut file_problems = Vec::new();
+            let objects = match read_text(path, stamp.len).map_err(|message| Problem { file: path.clone(), document: None, object: None, message }).and_then(|text| parse_file(path, &text)) {
                 Ok(parsed) => {
                     let mut objects: BTreeMap<Ident, Object> = parsed.objects.into_iter().collect();
                     for id in parsed.broken {
@@ -260,17 +297,20 @@ impl ManifestDir {
                             objects.entry(id).or_insert_with(|| old.clone());
                         }
                     }
-                    problems.extend(parsed.problems);
+                    file_problems.extend(parsed.problems);
                     objects
                 }
                 Err(p) => {
-                    let kept = if previous.is_empty() { "" } else { "; keeping what it held before" };
-                    problems.push(Problem { message: format!("{}{kept}", p.message), ..p });
+                    file_problems.push(Problem { message: format!("{}{kept}", p.message), ..p });
                     previous
                 }
             };
-            self.files.insert(path.clone(), FileState { stamp, objects });
+            self.files.insert(path.clone(), FileState { stamp, objects, problems: file_problems });
         }
+        // Every file's standing problems, not only those of the files read now.
+        let mut files: Vec<(&PathBuf, &FileState)> = self.files.iter().collect();
+        files.sort_by_key(|(p, _)| *p);
+        problems.extend(files.into_iter().flat_map(|(_, f)| f.problems.iter().cloned()));
         (self.events(), problems)
     }
 
@@ -299,18 +339,30 @@ impl ManifestDir {
 pub fn spawn(mut dir: ManifestDir, tx: mpsc::Sender<Event>, resync: Duration) -> notify::Result<notify::RecommendedWatcher> {
     use notify::Watcher as _;
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<()>();
-    let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
-            let _ = wake_tx.send(());
-        }
-    })?;
+    // Links are not followed by the watch either: a link loop would make it endless.
+    let mut watcher = notify::RecommendedWatcher::new(
+        move |res: notify::Result<notify::Event>| {
+            if res.is_ok() {
+                let _ = wake_tx.send(());
+            }
+        },
+        notify::Config::default().with_follow_symlinks(false),
+    )?;
     watcher.watch(dir.path(), notify::RecursiveMode::Recursive)?;
     tokio::spawn(async move {
+        // Each problem is said once when it appears and once when it clears, however often
+        // the directory is scanned.
+        let mut reported: std::collections::BTreeSet<String> = Default::default();
         loop {
             let (events, problems) = dir.scan();
-            for p in problems {
+            let now: std::collections::BTreeSet<String> = problems.iter().map(|p| p.to_string()).collect();
+            for p in now.difference(&reported) {
                 tracing::warn!("manifest {p}");
             }
+            for p in reported.difference(&now) {
+                tracing::info!("manifest problem cleared: {p}");
+            }
+            reported = now;
             for ev in events {
                 if tx.send(ev).await.is_err() {
                     return;
@@ -453,5 +505,55 @@ mod tests {
     fn a_missing_directory_is_a_clear_error() {
         let err = ManifestDir::new("/nonexistent/manifests").err().unwrap();
         assert!(err.contains("--manifests /nonexistent/manifests"), "{err}");
+    }
+
+    #[test]
+    fn link_loops_end_the_walk_and_are_named() {
+        let d = tempdir("loops");
+        write(&d, "a.yaml", SVC);
+        std::fs::create_dir(d.join("sub")).unwrap();
+        for (link, to) in [("x", "."), ("y", "."), ("sub/up", "..")] {
+            std::os::unix::fs::symlink(to, d.join(link)).unwrap();
+        }
+        let mut m = ManifestDir::new(&d).unwrap();
+        let (events, problems) = m.scan();
+        assert_eq!(names(&events, Kind::Service), ["web"]);
+        let linked: Vec<String> = problems.iter().filter(|p| p.message.contains("links to directories are not followed")).map(|p| p.file.display().to_string()).collect();
+        assert_eq!(linked.len(), 3, "{problems:?}");
+        // A file link is followed, as a ConfigMap volume's are.
+        std::fs::create_dir(d.join(".data")).unwrap();
+        write(&d.join(".data"), "db.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n");
+        std::os::unix::fs::symlink(".data/db.yaml", d.join("db.yaml")).unwrap();
+        assert_eq!(names(&m.scan().0, Kind::Service), ["db", "web"]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_too_large_is_refused_unread_and_problems_stand_while_they_last() {
+        let d = tempdir("large");
+        write(&d, "a.yaml", SVC);
+        let big = std::fs::File::create(d.join("big.yaml")).unwrap();
+        // Sparse: the size is what the agent looks at before reading.
+        big.set_len(MAX_FILE_BYTES + 1).unwrap();
+        let mut m = ManifestDir::new(&d).unwrap();
+        let (events, problems) = m.scan();
+        assert_eq!(names(&events, Kind::Service), ["web"]);
+        let big_problem = problems.iter().find(|p| p.file.ends_with("big.yaml")).expect("the large file is named");
+        assert!(big_problem.message.contains("not read"), "{big_problem}");
+        // Scanned again, unchanged: the problem is still there (so it is not reported as cleared).
+        assert_eq!(m.scan().1, problems);
+        std::fs::remove_file(d.join("big.yaml")).unwrap();
+        assert!(m.scan().1.is_empty(), "cleared once the file is gone");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_that_is_not_utf8_is_named_with_the_position() {
+        let d = tempdir("utf8");
+        std::fs::write(d.join("a.yaml"), b"apiVersion: v1\nkind: Service\nmetadata: {name: w\xffb}\n").unwrap();
+        let (_, problems) = ManifestDir::new(&d).unwrap().scan();
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].message.contains("line 3, column 19"), "{}", problems[0]);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -490,14 +490,7 @@ pub fn cleanup(ipt: Iptables) -> Vec<String> {
         if chains.is_empty() {
             continue;
         }
-        let mut text = format!("*{table}\n");
-        for c in &chains {
-            text += &format!(":{c} - [0:0]\n");
-        }
-        for c in &chains {
-            text += &format!("-X {c}\n");
-        }
-        text += "COMMIT\n";
+        let text = super::delete_chains_text(table, &chains);
         if iptables_restore(ipt, &text).is_ok() {
             removed.push(format!("{ipt}: {} chains in the {table} table", chains.len()));
         }

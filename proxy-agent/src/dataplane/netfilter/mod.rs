@@ -250,6 +250,18 @@ pub fn iptables_restore(ipt: Iptables, text: &str) -> Result<String, NetfilterEr
     run_with_input(ipt.restore(), IPTABLES_PACKAGE, &["-w", "5", "--noflush"], text)
 }
 
+/// iptables-restore input (with --noflush) that flushes and deletes `chains` of `table`.
+pub fn delete_chains_text(table: &str, chains: &[String]) -> String {
+    let mut text = format!("*{table}\n");
+    for c in chains {
+        text += &format!(":{c} - [0:0]\n");
+    }
+    for c in chains {
+        text += &format!("-X {c}\n");
+    }
+    text + "COMMIT\n"
+}
+
 /// A jump from a built-in chain into one of ours: (table, chain, extra match, comment, target).
 pub type Jump = (&'static str, &'static str, &'static str, &'static str, &'static str);
 

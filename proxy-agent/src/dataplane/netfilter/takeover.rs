@@ -105,14 +105,7 @@ fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> V
             cmd.extend(args.iter().map(String::as_str));
             let _ = run(tools.cmd, IPTABLES_PACKAGE, &cmd);
         }
-        let mut text = format!("*{table}\n");
-        for c in &chains {
-            text += &format!(":{c} - [0:0]\n");
-        }
-        for c in &chains {
-            text += &format!("-X {c}\n");
-        }
-        text += "COMMIT\n";
+        let text = super::delete_chains_text(table, &chains);
         match run_with_input(tools.restore, IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text) {
             Ok(_) => done.push(format!("{} ({family}): {} kube-proxy chains in the {table} table", tools.cmd, chains.len())),
             Err(e) => done.push(format!("{} ({family}): could not remove kube-proxy's chains in the {table} table: {e}", tools.cmd)),
