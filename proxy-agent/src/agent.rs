@@ -261,7 +261,21 @@ fn iptables_backend(cfg: &Config, mode: ProxyMode, backends: &[Iptables]) -> Opt
     })
 }
 
+/// Lifts the soft limit on open files to the hard one: every pod may open connections to the
+/// node's health port, and running out of descriptors must not stop the agent.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    raise_fd_limit();
     let (mode, loaded) = match cfg.common.proxy_mode {
         Some(m) => {
             tracing::info!(mode = %m, "proxy mode as configured");
@@ -553,7 +567,10 @@ impl NodeWatch {
 
 fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers) {
     if let Some(s) = p.sync() {
-        health.update(&p.health_checks());
+        // On the NodePort addresses, as kube-proxy binds its health-check servers.
+        let store = p.store();
+        let addresses = (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
+        health.update(&p.health_checks(), addresses);
         log_sync(&s);
         telemetry.synced(&s, &p.store().change_counts());
         if !p.has_failures() {

@@ -8,7 +8,6 @@ use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
 use axum::{
@@ -40,26 +39,38 @@ pub fn answer(state: &PortState, proxy_healthy: bool) -> (u16, String) {
 
 struct Server {
     state: Arc<Mutex<PortState>>,
-    task: JoinHandle<()>,
+    /// One listener per address.
+    tasks: Vec<JoinHandle<()>>,
 }
 
 /// The running health-check servers, one per port.
 pub struct HealthServers {
     telemetry: Arc<Telemetry>,
     servers: BTreeMap<u16, Server>,
+    /// Where they listen: the addresses NodePorts are served on (None: every address).
+    addresses: Option<Vec<Ipv4Addr>>,
 }
 
 impl HealthServers {
     pub fn new(telemetry: Arc<Telemetry>) -> Self {
-        Self { telemetry, servers: BTreeMap::new() }
+        Self { telemetry, servers: BTreeMap::new(), addresses: None }
     }
 
-    /// Serves exactly `wanted`: starts new ports, updates counts, stops ports no longer wanted.
-    pub fn update(&mut self, wanted: &BTreeMap<u16, PortState>) {
+    /// Serves exactly `wanted`, on `addresses` (the NodePort addresses, as kube-proxy binds
+    /// them; None: every address): starts new ports, updates counts, stops ports no longer
+    /// wanted, and moves every port when the addresses change.
+    pub fn update(&mut self, wanted: &BTreeMap<u16, PortState>, addresses: Option<Vec<Ipv4Addr>>) {
+        if addresses != self.addresses {
+            for s in self.servers.values() {
+                s.tasks.iter().for_each(JoinHandle::abort);
+            }
+            self.servers.clear();
+            self.addresses = addresses;
+        }
         self.servers.retain(|port, s| {
             let keep = wanted.contains_key(port);
             if !keep {
-                s.task.abort();
+                s.tasks.iter().for_each(JoinHandle::abort);
                 tracing::info!(port, "health-check node port closed");
             }
             keep
@@ -74,9 +85,14 @@ impl HealthServers {
                 }
                 None => {
                     let shared = Arc::new(Mutex::new(state.clone()));
-                    let task = spawn(*port, shared.clone(), self.telemetry.clone());
-                    tracing::info!(port, service = %state.service, "health-check node port opened");
-                    self.servers.insert(*port, Server { state: shared, task });
+                    let router = router(shared.clone(), self.telemetry.clone());
+                    let addrs = self.addresses.clone().unwrap_or_else(|| vec![Ipv4Addr::UNSPECIFIED]);
+                    let tasks = addrs
+                        .iter()
+                        .map(|a| crate::http::listen("health-check", "a Service's healthCheckNodePort", SocketAddr::from((*a, *port)), router.clone()))
+                        .collect();
+                    tracing::info!(port, service = %state.service, addresses = ?addrs, "health-check node port opened");
+                    self.servers.insert(*port, Server { state: shared, tasks });
                 }
             }
         }
@@ -86,12 +102,12 @@ impl HealthServers {
 impl Drop for HealthServers {
     fn drop(&mut self) {
         for s in self.servers.values() {
-            s.task.abort();
+            s.tasks.iter().for_each(JoinHandle::abort);
         }
     }
 }
 
-fn spawn(port: u16, state: Arc<Mutex<PortState>>, telemetry: Arc<Telemetry>) -> JoinHandle<()> {
+fn router(state: Arc<Mutex<PortState>>, telemetry: Arc<Telemetry>) -> Router {
     let handler = move || {
         let (code, body) = answer(&state.lock().unwrap(), telemetry.proxy_healthy());
         let weight = state.lock().unwrap().local_endpoints.to_string();
@@ -108,27 +124,7 @@ fn spawn(port: u16, state: Arc<Mutex<PortState>>, telemetry: Arc<Telemetry>) -> 
                 .into_response()
         }
     };
-    let router = Router::new().fallback(handler);
-    let addr = SocketAddr::from((Ipv4Addr::UNSPECIFIED, port));
-    tokio::spawn(async move {
-        let mut warned = false;
-        loop {
-            match tokio::net::TcpListener::bind(addr).await {
-                Ok(listener) => {
-                    if let Err(e) = axum::serve(listener, router.clone()).await {
-                        tracing::error!(port, error = %e, "health-check server stopped; restarting");
-                    }
-                }
-                Err(e) => {
-                    if !warned {
-                        warned = true;
-                        tracing::error!(port, error = %e, "cannot listen on health-check node port; retrying every 5 s");
-                    }
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                }
-            }
-        }
-    })
+    Router::new().fallback(handler)
 }
 
 #[cfg(test)]

@@ -1,6 +1,9 @@
 //! kube-proxy's HTTP endpoints: `--metrics-bind-address` serves /metrics, /proxyMode and
 //! /healthz ("ok"); `--healthz-bind-address` serves /healthz and /livez with kube-proxy's JSON.
 //! A server that cannot bind is retried; the dataplane never waits for it.
+//!
+//! Every server here is bounded (`serve_bounded`): pods can reach the node's health port, and
+//! a client that opens connections and never speaks must not exhaust the agent's descriptors.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -49,28 +52,91 @@ pub fn health_router(t: Arc<Telemetry>) -> Router {
         }))
 }
 
+/// Connections one server holds at once; a new one beyond closes the oldest.
+pub const MAX_CONNECTIONS: usize = 64;
+/// A request's headers must arrive within this.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// No connection lasts longer (these are probes and scrapes, answered at once).
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+
+/// Serves `router` on `listener` holding at most `MAX_CONNECTIONS` connections: when full, a
+/// new connection closes the oldest (a probe is answered in milliseconds, so the oldest is an
+/// idle one), so idle connections can neither exhaust the agent's descriptors nor lock probes
+/// out. A connection is also closed when its headers are slow or it outlives
+/// `CONNECTION_LIFETIME`. Out of descriptors, it waits and accepts again rather than stopping.
+pub async fn serve_bounded(name: &'static str, listener: tokio::net::TcpListener, router: Router) {
+    use std::collections::VecDeque;
+    let open: Arc<std::sync::Mutex<VecDeque<(u64, tokio::task::AbortHandle)>>> = Default::default();
+    let mut next = 0u64;
+    let mut shed_warned = false;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // EMFILE/ENFILE and the like: the listener is fine, descriptors are short.
+                tracing::debug!(server = name, error = %e, "accept failed; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        {
+            let mut open = open.lock().expect("connection list");
+            while open.len() >= MAX_CONNECTIONS {
+                if let Some((_, oldest)) = open.pop_front() {
+                    oldest.abort();
+                }
+                if !shed_warned {
+                    shed_warned = true;
+                    tracing::warn!(server = name, "more than {MAX_CONNECTIONS} connections at once; closing the oldest as new ones come");
+                }
+            }
+        }
+        let id = next;
+        next += 1;
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let list = open.clone();
+        let task = tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, conn).await;
+            list.lock().expect("connection list").retain(|(i, _)| *i != id);
+        });
+        open.lock().expect("connection list").push_back((id, task.abort_handle()));
+    }
+}
+
 /// Serves `router` on `addr` forever, retrying the bind every 5 s when it fails (another
-/// kube-proxy still on the port, say), so the agent itself keeps running.
-pub fn spawn(name: &'static str, flag: &'static str, addr: SocketAddr, router: Router) {
+/// kube-proxy still on the port, say), so the agent itself keeps running. `flag` names what
+/// sets the address, for the error.
+pub fn listen(name: &'static str, flag: &'static str, addr: SocketAddr, router: Router) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let mut warned = false;
         loop {
             match tokio::net::TcpListener::bind(addr).await {
                 Ok(listener) => {
                     tracing::info!(server = name, %addr, "serving");
-                    if let Err(e) = axum::serve(listener, router.clone()).await {
-                        tracing::error!(server = name, %addr, error = %e, "HTTP server stopped; restarting");
-                    }
+                    serve_bounded(name, listener, router.clone()).await;
                 }
                 Err(e) => {
-                    tracing::error!(
-                        server = name,
-                        %addr,
-                        error = %e,
-                        "cannot listen on {flag} {addr}; is kube-proxy or another proxy still running on this node? retrying in 5 s"
-                    );
+                    if !warned {
+                        warned = true;
+                        tracing::error!(
+                            server = name,
+                            %addr,
+                            error = %e,
+                            "cannot listen on {flag} {addr}; is kube-proxy or another proxy still running on this node? retrying every 5 s"
+                        );
+                    }
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
             }
         }
-    });
+    })
+}
+
+/// `listen` for kube-proxy's two fixed servers.
+pub fn spawn(name: &'static str, flag: &'static str, addr: SocketAddr, router: Router) {
+    listen(name, flag, addr, router);
 }

@@ -56,6 +56,8 @@ pub struct Lab {
     agent: Option<Child>,
     /// `--log-level` of the agent (debug by default, for test failures' logs).
     pub agent_log_level: &'static str,
+    /// The agent's limit on open files (soft, hard), when a test sets one.
+    pub agent_nofile: Option<(u64, u64)>,
     /// The lab's own cgroup (v2), the agent's `--cgroup-root`: host-network processes of the
     /// lab (`host_ask`) run in it, so the socket hooks touch nothing outside the lab. None: no
     /// cgroup v2 hierarchy is mounted.
@@ -99,6 +101,7 @@ impl Lab {
             agent_bin: agent_bin.into(),
             agent: None,
             agent_log_level: "debug",
+            agent_nofile: None,
             cgroup,
         };
         for i in 1..=backends {
@@ -182,7 +185,7 @@ impl Lab {
             args.push(std::ffi::OsStr::new("--cgroup-root"));
             args.push(self.cgroup.as_ref().unwrap_or(&none).as_os_str());
         }
-        self.agent = Some(spawn_agent(&self.agent_bin, &self.node, &args, &self.log_path()));
+        self.agent = Some(spawn_agent_limited(&self.agent_bin, &self.node, &args, &self.log_path(), self.agent_nofile));
     }
 
     /// Starts the agent as `ip netns exec <node> proxy-agent run --manifests DIR` with every
@@ -371,15 +374,26 @@ impl Drop for TempBpffs {
 
 /// Starts `proxy-agent run <args>` inside `node`'s network namespace, logging to `log`.
 pub fn spawn_agent(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path) -> Child {
+    spawn_agent_limited(bin, node, args, log, None)
+}
+
+/// As `spawn_agent`, with a limit on open files (soft, hard) when `nofile` says.
+pub fn spawn_agent_limited(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path, nofile: Option<(u64, u64)>) -> Child {
     let log = fs::OpenOptions::new().create(true).append(true).open(log).expect("agent log");
     let ns = node.file();
     let mut cmd = Command::new(bin);
     cmd.arg("run").args(args).stdin(Stdio::null()).stdout(log.try_clone().expect("log fd")).stderr(log);
-    // SAFETY: only async-signal-safe work (setns) between fork and exec. Entering only the
+    // SAFETY: only async-signal-safe work (setrlimit, setns) between fork and exec. Entering only the
     // network namespace keeps the agent's bpffs mount in the host's mount namespace, where
     // it outlives the agent.
     unsafe {
-        cmd.pre_exec(move || enter(&ns));
+        cmd.pre_exec(move || {
+            if let Some((soft, hard)) = nofile {
+                let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            }
+            enter(&ns)
+        });
     }
     cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()))
 }

@@ -423,3 +423,31 @@ fn link_loops_in_the_manifest_directory_wedge_nothing() {
     let log = lab.agent_log();
     assert_eq!(log.matches("links to directories are not followed").count(), 2, "{log}");
 }
+
+#[test]
+fn idle_connections_from_a_pod_to_the_health_port_exhaust_nothing() {
+    let test = "idle_connections_from_a_pod_to_the_health_port_exhaust_nothing";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    // The soft limit most hosts give a process; the agent lifts it to the hard one.
+    lab.agent_nofile = Some((1024, 8192));
+    lab.start_agent();
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    // 1,100 connections from a pod to the node's health port, opened and left idle.
+    let idle: Vec<std::net::TcpStream> = lab.client.ns.run(|| {
+        (0..1100).filter_map(|_| std::net::TcpStream::connect_timeout(&"192.168.250.1:10256".parse().unwrap(), Duration::from_secs(2)).ok()).collect()
+    });
+    assert!(idle.len() > 1000, "the pod opened its connections: {}", idle.len());
+    // Health and metrics still answer, and a change is still programmed.
+    let get = |addr: &str, path: &str| proxy_tests::servers::http_get(&lab.node, addr.parse().unwrap(), path);
+    assert_eq!(get("127.0.0.1:10256", "/healthz").expect("/healthz answers").0, 200);
+    assert_eq!(get("127.0.0.1:10249", "/metrics").expect("/metrics answers").0, 200);
+    lab.write_manifest("more.yaml", &lab::service("more", "10.96.0.20", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    lab.wait_for("a Service added meanwhile", |r| r.frontends.iter().any(|f| f.address == "10.96.0.20:80"));
+    let log = lab.agent_log();
+    assert_eq!(log.matches("closing the oldest").count(), 1, "the pressure is said once:\n{log}");
+    drop(idle);
+}
