@@ -178,7 +178,7 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory
 /// watcher alive.
-async fn start_source(cfg: &Config) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
+async fn start_source(cfg: &Config, telemetry: &Arc<Telemetry>) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
     let (src_tx, src_rx) = mpsc::channel(256);
     let mut watcher = None;
     match &cfg.common.source {
@@ -187,7 +187,7 @@ async fn start_source(cfg: &Config) -> anyhow::Result<(mpsc::Receiver<Event>, Op
             watcher = Some(source::manifests::spawn(dir, src_tx, cfg.common.resync).with_context(|| format!("watching {:?}", cfg.common.source))?);
         }
         Source::Kube(api) => {
-            let client = source::kube::client(api).await?;
+            let client = source::kube::client(api, telemetry.clone()).await?;
             source::kube::spawn(client, &cfg.common.hostname, src_tx);
         }
     }
@@ -313,8 +313,8 @@ struct Inputs {
 }
 
 /// Starts the source and the interface watch, and brings `devices` to what exists now.
-async fn start_inputs(cfg: &Config, mut devices: Devices) -> anyhow::Result<(Inputs, BTreeMap<u32, String>)> {
-    let (src_rx, watcher) = start_source(cfg).await?;
+async fn start_inputs(cfg: &Config, telemetry: &Arc<Telemetry>, mut devices: Devices) -> anyhow::Result<(Inputs, BTreeMap<u32, String>)> {
+    let (src_rx, watcher) = start_source(cfg, telemetry).await?;
     let (link_tx, link_rx) = mpsc::channel(256);
     let (links, addrs) = netlink::watch(link_tx).await.context("watching network interfaces over rtnetlink")?;
     let live: BTreeMap<u32, String> = links.iter().cloned().collect();
@@ -357,7 +357,7 @@ async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyh
     // Node addresses only, for NodePorts: nothing is attached.
     let no_patterns = DevicePatterns::parse(&[]).expect("empty pattern list");
     let devices = Devices::new(no_patterns.clone(), Some(no_patterns), XdpSetting::Disabled);
-    let (mut inputs, _) = start_inputs(&cfg, devices).await?;
+    let (mut inputs, _) = start_inputs(&cfg, &telemetry, devices).await?;
     proxier.store.set_local_addresses(inputs.devices.node_addresses());
     tracing::info!(mode = %mode, node = cfg.common.hostname, "programming Services with the kernel's netfilter");
     let health = HealthServers::new(telemetry.clone());
@@ -427,7 +427,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     let telemetry = telemetry_and_servers(&cfg, 2 * cfg.common.sync_period, ProxyMode::Ebpf, Some(root), (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()));
     spawn_conntrack_gauge(root.clone(), telemetry.clone());
     let mut rec = Reconciler::new(new_store(&cfg), dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
-    let (mut inputs, live) = start_inputs(&cfg, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
+    let (mut inputs, live) = start_inputs(&cfg, &telemetry, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
     Attachments::prune_pins(root, &live);
     rec.store.set_local_addresses(inputs.devices.node_addresses());
     inputs.devices.sync(rec.dataplane_mut());

@@ -238,6 +238,10 @@ struct RunArgs {
     kube_api_qps: Option<f32>,
     #[arg(long)]
     kube_api_burst: Option<u32>,
+    /// A watch that brings no event nor bookmark for this long is started again, and /healthz
+    /// fails meanwhile (default 120s; the API server sends a bookmark about every minute).
+    #[arg(long, value_parser = parse_duration)]
+    watch_stall_timeout: Option<Duration>,
     /// Accepted for kube-proxy's sake; the API server is spoken to in JSON.
     #[arg(long, hide = true)]
     kube_api_content_type: Option<String>,
@@ -426,6 +430,7 @@ impl RunArgs {
             kubeconfig: self.kubeconfig.clone(),
             kube_api_qps: self.kube_api_qps,
             kube_api_burst: self.kube_api_burst,
+            watch_stall: self.watch_stall_timeout,
             proxy_mode: self.proxy_mode.map(|m| m.0),
             metrics_bind_address: self.metrics_bind_address,
             healthz_bind_address: self.healthz_bind_address,

@@ -52,6 +52,8 @@ struct Health {
     last_updated: Option<SystemTime>,
     oldest_pending: Option<Instant>,
     node_eligible: bool,
+    /// API resources whose watch stalled and has brought nothing since.
+    stalled_watches: std::collections::BTreeSet<String>,
 }
 
 /// Map sizes the reconciler reports after each sync.
@@ -206,6 +208,19 @@ impl Telemetry {
         (!late, h.node_eligible, h.last_updated)
     }
 
+    /// A watch of `resource` brought an event or a bookmark.
+    pub fn watch_progress(&self, resource: &str) {
+        let mut h = self.health.lock().unwrap();
+        if h.stalled_watches.remove(resource) {
+            tracing::info!(resource, "the watch brings updates again");
+        }
+    }
+
+    /// A watch of `resource` brought nothing for too long: updates may be missed.
+    pub fn watch_stalled(&self, resource: &str) {
+        self.health.lock().unwrap().stalled_watches.insert(resource.to_string());
+    }
+
     /// The proxy programs changes in time (kube-proxy's `serviceProxyHealthy` of the
     /// health-check node ports).
     pub fn proxy_healthy(&self) -> bool {
@@ -215,14 +230,17 @@ impl Telemetry {
     /// `/healthz`: status code and kube-proxy's JSON body.
     pub fn healthz(&self) -> (u16, String) {
         let (healthy, eligible, last) = self.healthy();
-        let ok = healthy && eligible;
+        let stalled: Vec<String> = self.health.lock().unwrap().stalled_watches.iter().cloned().collect();
+        let ok = healthy && eligible && stalled.is_empty();
         let now = SystemTime::now();
         let code = if ok { 200 } else { 503 };
         self.healthz.get_or_create(&CodeLabel { code: code.to_string() }).inc();
         // As kube-proxy: a healthy server reports lastUpdated as now.
         let last = if ok { Some(now) } else { last };
+        // Beyond kube-proxy's fields: which watches bring no updates.
+        let stalled = if stalled.is_empty() { String::new() } else { format!(r#", "stalledWatches": {}"#, serde_json::to_string(&stalled).unwrap_or_default()) };
         let body = format!(
-            r#"{{"lastUpdated": "{}","currentTime": "{}", "nodeEligible": {eligible}}}"#,
+            r#"{{"lastUpdated": "{}","currentTime": "{}", "nodeEligible": {eligible}{stalled}}}"#,
             last.map(rfc3339).unwrap_or_default(),
             rfc3339(now)
         );

@@ -56,6 +56,15 @@ struct Watch {
     tx: mpsc::UnboundedSender<Bytes>,
 }
 
+/// What a misbehaving API server sends on a watch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hostile {
+    /// One byte every half second, never a whole line.
+    Trickle,
+    /// One line that never ends, a megabyte at a time.
+    EndlessLine,
+}
+
 #[derive(Default)]
 struct Inner {
     rv: u64,
@@ -69,6 +78,8 @@ struct Inner {
     requests: Vec<(String, String)>,
     /// Authorization headers seen.
     authorizations: std::collections::BTreeSet<String>,
+    /// Watches of a kind answered with hostile bodies instead of events.
+    hostile: BTreeMap<Kind, Hostile>,
     bookmark_every: Option<Duration>,
     next_watch: u64,
 }
@@ -250,6 +261,17 @@ impl ApiServer {
     }
 
     /// Requests so far: (path, query string).
+    /// Answers new watches of `kind` with `hostile` bodies (None: as a real server again). The
+    /// watches open now are cut, so the agent comes back for a new one.
+    pub fn set_hostile(&self, kind: Kind, hostile: Option<Hostile>) {
+        let mut g = self.inner.lock().unwrap();
+        match hostile {
+            Some(h) => g.hostile.insert(kind, h),
+            None => g.hostile.remove(&kind),
+        };
+        g.watches.retain(|w| w.kind != kind);
+    }
+
     /// The Authorization headers requests came with (the service account token, say).
     pub fn authorizations(&self) -> Vec<String> {
         self.inner.lock().unwrap().authorizations.iter().cloned().collect()
@@ -285,6 +307,26 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
         return (StatusCode::OK, [("content-type", "application/json")], body.to_string()).into_response();
     }
 
+    if let Some(h) = g.hostile.get(&kind).copied() {
+        drop(g);
+        let stream = futures::stream::unfold(0u64, move |n| async move {
+            let chunk = match h {
+                Hostile::Trickle => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    Bytes::from_static(b" ")
+                }
+                Hostile::EndlessLine => {
+                    // Paced a little, so the test measures the agent, not the loop.
+                    if n % 16 == 0 {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Bytes::from(vec![b'x'; 1 << 20])
+                }
+            };
+            Some((Ok::<_, std::io::Error>(chunk), n + 1))
+        });
+        return (StatusCode::OK, [("content-type", "application/json")], Body::from_stream(stream)).into_response();
+    }
     let from: u64 = p.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(g.rv);
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     if from < g.compacted_below {

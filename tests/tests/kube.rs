@@ -299,3 +299,61 @@ fn a_burst_of_changes_is_programmed_in_fewer_syncs_and_a_lone_change_at_once() {
     k.lab.wait_programmed(WEB_VIP, "TCP", 3);
     eprintln!("lone change programmed after {:?} (incl. polling)", t.elapsed());
 }
+
+fn wait_until(what: &str, limit: Duration, log: impl Fn() -> String, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}; log:\n{}", log());
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_stalled_watch_is_restarted_and_healthz_says_so_meanwhile() {
+    let Some(k) = kube_lab("a_stalled_watch_is_restarted_and_healthz_says_so_meanwhile", &["--watch-stall-timeout", "3s"]) else { return };
+    let healthz = || http_get(&k.lab.node, sock(HEALTHZ), "/healthz").unwrap_or((0, String::new()));
+    assert_eq!(healthz().0, 200);
+    // The EndpointSlice watch now trickles a byte every half second and never a whole event.
+    k.api.set_hostile(Kind::EndpointSlice, Some(proxy_tests::apiserver::Hostile::Trickle));
+    wait_until("/healthz to say the watch brings nothing", Duration::from_secs(15), || k.lab.agent_log(), || {
+        let (code, body) = healthz();
+        code == 503 && body.contains("\"stalledWatches\": [\"endpointslices\"]")
+    });
+    assert!(k.lab.agent_log().contains("no complete watch event or bookmark for 3 s"), "{}", k.lab.agent_log());
+    // A change made meanwhile, and the server behaving again: the agent catches up.
+    k.api.apply(&web_slice(&k.lab, 2, None));
+    k.api.set_hostile(Kind::EndpointSlice, None);
+    wait_until("/healthz to recover", Duration::from_secs(15), || k.lab.agent_log(), || healthz().0 == 200);
+    let mut lab = k.lab;
+    lab.wait_programmed(WEB_VIP, "TCP", 2);
+}
+
+/// The agent's resident memory, in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()))
+        .map_or(0, |kb| kb / 1024)
+}
+
+#[test]
+fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
+    let Some(k) = kube_lab("an_endless_watch_line_is_cut_and_memory_stays_bounded", &[]) else { return };
+    let pid = k.lab.agent_pid().expect("agent running");
+    let before = rss_mib(pid);
+    k.api.set_hostile(Kind::EndpointSlice, Some(proxy_tests::apiserver::Hostile::EndlessLine));
+    wait_until("the endless line to be cut", Duration::from_secs(30), || k.lab.agent_log(), || k.lab.agent_log().contains("one line is over 16 MiB"));
+    // Several times over, while the server keeps at it: the footprint stays bounded.
+    let mut peak = 0;
+    for _ in 0..20 {
+        peak = peak.max(rss_mib(pid));
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(peak < before + 200, "resident memory stays bounded: {before} MiB before, {peak} MiB at most while hostile");
+    assert_eq!(http_get(&k.lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics").0, 200);
+    k.api.set_hostile(Kind::EndpointSlice, None);
+    k.api.apply(&web_slice(&k.lab, 2, None));
+    let mut lab = k.lab;
+    lab.wait_programmed(WEB_VIP, "TCP", 2);
+    assert!(rss_mib(pid) < before + 100, "and comes back down: {} MiB", rss_mib(pid));
+}

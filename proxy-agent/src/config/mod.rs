@@ -42,11 +42,14 @@ pub struct ApiClient {
     /// Requests per second, on average, and in a burst.
     pub qps: f32,
     pub burst: u32,
+    /// A watch that brings no event (nor bookmark) for this long is started again, and
+    /// `/healthz` says so meanwhile.
+    pub watch_stall: Duration,
 }
 
 impl Default for ApiClient {
     fn default() -> Self {
-        Self { kubeconfig: None, qps: 5.0, burst: 10 }
+        Self { kubeconfig: None, qps: 5.0, burst: 10, watch_stall: Duration::from_secs(120) }
     }
 }
 
@@ -240,6 +243,7 @@ pub struct Flags {
     pub kubeconfig: Option<PathBuf>,
     pub kube_api_qps: Option<f32>,
     pub kube_api_burst: Option<u32>,
+    pub watch_stall: Option<Duration>,
     pub proxy_mode: Option<Option<ProxyMode>>,
     pub hostname_override: Option<String>,
     pub bind_address: Option<IpAddr>,
@@ -392,7 +396,7 @@ impl Config {
         used("clientConnection.acceptContentTypes", non_empty(&cc.accept_content_types), NONE);
         let source = match (&flags.manifests, kubeconfig) {
             (Some(dir), _) => Source::Manifests(dir.clone()),
-            (None, kubeconfig) => Source::Kube(ApiClient { kubeconfig, qps, burst }),
+            (None, kubeconfig) => Source::Kube(ApiClient { kubeconfig, qps, burst, watch_stall: flags.watch_stall.unwrap_or(Duration::from_secs(120)) }),
         };
         let hostname = match first([flags.hostname_override.clone(), file.hostname_override.clone().filter(|s| !s.is_empty())]) {
             Some(h) => h,

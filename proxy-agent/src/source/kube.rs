@@ -27,8 +27,9 @@ use crate::model::{
 
 /// Builds a client from `--kubeconfig`, else $KUBECONFIG, in-cluster config, ~/.kube/config,
 /// whose requests keep to `qps` on average and `burst` at once (kube-proxy's client-go rate
-/// limiter).
-pub async fn client(api: &crate::config::ApiClient) -> anyhow::Result<Client> {
+/// limiter), and whose responses are bounded (`guard`): their watches are reported to
+/// `telemetry` as they progress or stall.
+pub async fn client(api: &crate::config::ApiClient, telemetry: std::sync::Arc<crate::telemetry::Telemetry>) -> anyhow::Result<Client> {
     let config = match api.kubeconfig.as_deref() {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -45,7 +46,178 @@ pub async fn client(api: &crate::config::ApiClient) -> anyhow::Result<Client> {
         })?,
     };
     let builder = kube::client::ClientBuilder::try_from(config)?;
-    Ok(builder.with_layer(&rate::Layer::new(api.qps, api.burst)).build())
+    let guard = guard::Layer { limits: guard::Limits { stall: api.watch_stall, ..Default::default() }, telemetry };
+    Ok(builder.with_layer(&guard).with_layer(&rate::Layer::new(api.qps, api.burst)).build())
+}
+
+/// Bounds on what the API server sends: a watch event must arrive whole within `stall` of the
+/// one before (the server sends a BOOKMARK about every minute when nothing else happens) and
+/// may not exceed `max_line`; a List's body may not exceed `max_body`.
+/// Beyond them the response fails; the watcher starts again (from where it was) and what
+/// was read is freed. Sized to real clusters: the API server stores objects of at most
+/// 1.5 MiB (etcd's limit) and the watcher lists 500 objects a page.
+pub mod guard {
+    use std::{
+        future::Future,
+        pin::Pin,
+        sync::Arc,
+        task::{Context, Poll},
+        time::Duration,
+    };
+
+    use bytes::Bytes;
+    use http_body::{Body, Frame};
+    use tokio::time::Sleep;
+
+    use crate::telemetry::Telemetry;
+
+    type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+    #[derive(Clone, Copy, Debug)]
+    pub struct Limits {
+        pub stall: Duration,
+        pub max_line: usize,
+        pub max_body: usize,
+    }
+
+    impl Default for Limits {
+        fn default() -> Self {
+            Self { stall: Duration::from_secs(120), max_line: 16 << 20, max_body: 1 << 30 }
+        }
+    }
+
+    #[derive(Clone)]
+    pub struct Layer {
+        pub limits: Limits,
+        pub telemetry: Arc<Telemetry>,
+    }
+
+    impl<S> tower::Layer<S> for Layer {
+        type Service = Guarded<S>;
+        fn layer(&self, inner: S) -> Guarded<S> {
+            Guarded { inner, layer: self.clone() }
+        }
+    }
+
+    pub struct Guarded<S> {
+        inner: S,
+        layer: Layer,
+    }
+
+    impl<S, ReqB, B> tower::Service<http::Request<ReqB>> for Guarded<S>
+    where
+        S: tower::Service<http::Request<ReqB>, Response = http::Response<B>>,
+        S::Future: Send + 'static,
+        B: Body<Data = Bytes> + Unpin + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        type Response = http::Response<GuardedBody<B>>;
+        type Error = S::Error;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+            self.inner.poll_ready(cx)
+        }
+
+        fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+            let uri = req.uri();
+            let watch = uri.query().is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
+            let resource = uri.path().rsplit('/').next().unwrap_or_default().to_string();
+            let (limits, telemetry) = (self.layer.limits, self.layer.telemetry.clone());
+            let fut = self.inner.call(req);
+            Box::pin(async move {
+                let resp = fut.await?;
+                Ok(resp.map(|body| GuardedBody::new(body, watch, resource, limits, telemetry)))
+            })
+        }
+    }
+
+    pub struct GuardedBody<B> {
+        inner: B,
+        watch: bool,
+        resource: String,
+        limits: Limits,
+        telemetry: Arc<Telemetry>,
+        /// Bytes since the last newline, and in all.
+        line: usize,
+        total: usize,
+        deadline: Pin<Box<Sleep>>,
+        failed: bool,
+    }
+
+    impl<B> GuardedBody<B> {
+        fn new(inner: B, watch: bool, resource: String, limits: Limits, telemetry: Arc<Telemetry>) -> Self {
+            let deadline = Box::pin(tokio::time::sleep(limits.stall));
+            Self { inner, watch, resource, limits, telemetry, line: 0, total: 0, deadline, failed: false }
+        }
+
+        fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.failed = true;
+            tracing::warn!(resource = %self.resource, "the API server's response was cut: {why}");
+            Poll::Ready(Some(Err(why.into())))
+        }
+    }
+
+    impl<B> Body for GuardedBody<B>
+    where
+        B: Body<Data = Bytes> + Unpin,
+        B::Error: Into<BoxError>,
+    {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            let this = &mut *self;
+            if this.failed {
+                return Poll::Ready(None);
+            }
+            let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => {
+                    if this.watch && this.deadline.as_mut().poll(cx).is_ready() {
+                        this.telemetry.watch_stalled(&this.resource);
+                        let stall = this.limits.stall;
+                        return this.fail(format!("no complete watch event or bookmark for {} s; watching again", stall.as_secs()));
+                    }
+                    return Poll::Pending;
+                }
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
+                Poll::Ready(Some(Ok(f))) => f,
+            };
+            if let Some(data) = frame.data_ref() {
+                this.total += data.len();
+                match data.iter().rposition(|b| *b == b'\n') {
+                    Some(i) => {
+                        this.line = data.len() - i - 1;
+                        if this.watch {
+                            let stall = this.limits.stall;
+                            this.deadline.as_mut().reset(tokio::time::Instant::now() + stall);
+                            this.telemetry.watch_progress(&this.resource);
+                        }
+                    }
+                    None => this.line += data.len(),
+                }
+                // A List's body is one line; a watch's events are one a line.
+                if this.watch && this.line > this.limits.max_line {
+                    let max = this.limits.max_line >> 20;
+                    return this.fail(format!("one line is over {max} MiB; the API server stores objects of 1.5 MiB at most"));
+                }
+                if !this.watch && this.total > this.limits.max_body {
+                    let max = this.limits.max_body >> 20;
+                    return this.fail(format!("the response is over {max} MiB"));
+                }
+            }
+            Poll::Ready(Some(Ok(frame)))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.failed || self.inner.is_end_stream()
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.inner.size_hint()
+        }
+    }
 }
 
 /// A token bucket in front of the client: `burst` requests at once, then `qps` a second.
