@@ -42,7 +42,7 @@ fn without_a_file_the_defaults_are_kube_proxys() {
     assert_eq!(c.common.metrics_bind.to_string(), "127.0.0.1:10249");
     assert_eq!(c.common.healthz_bind.to_string(), "0.0.0.0:10256");
     assert_eq!(c.common.oom_score_adj, Some(-999));
-    assert!(matches!(c.common.source, Source::Kube(ApiClient { kubeconfig: None, qps, burst: 10 }) if qps == 5.0));
+    assert!(matches!(c.common.source, Source::Kube(ApiClient { kubeconfig: None, qps, burst: 10, .. }) if qps == 5.0));
     assert_eq!(c.netfilter.iptables, ModeSettings { masquerade_all: false, masquerade_bit: 14, sync: SyncPeriods { sync: Duration::from_secs(30), min: Duration::from_secs(1) } });
     assert_eq!(c.netfilter.for_mode(ProxyMode::Ipvs).sync.min, Duration::ZERO);
     assert_eq!(c.netfilter.iptables.mark(), "0x4000");
