@@ -336,6 +336,7 @@ fn telemetry_and_servers(cfg: &Config, health_timeout: Duration, mode: ProxyMode
 
 fn new_store(cfg: &Config) -> Store {
     let mut store = Store::new(cfg.common.hostname.clone());
+    store.set_rules(crate::model::validate::Rules { node_port_range: cfg.common.node_port_range });
     store.set_nodeport_config(cfg.common.nodeport_addresses.clone());
     if cfg.common.node_ip.is_some() {
         store.set_node_ip_override(cfg.common.node_ip);

@@ -113,6 +113,10 @@ struct Settings {
     /// masqueraded). Comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
     cluster_cidr: Option<Vec<Cidr>>,
+    /// The cluster's NodePort range (the API server's --service-node-port-range): Services
+    /// with NodePorts outside it are refused, as the API server refuses them. MIN-MAX.
+    #[arg(long, value_parser = parse_port_range)]
+    service_node_port_range: Option<(u16, u16)>,
     /// How the netfilter modes tell pod traffic: ClusterCIDR, NodeCIDR, BridgeInterface or
     /// InterfaceNamePrefix.
     #[arg(long)]
@@ -393,6 +397,7 @@ impl Settings {
             detect_local_mode: self.detect_local_mode.clone(),
             pod_bridge_interface: self.pod_bridge_interface.clone(),
             pod_interface_name_prefix: self.pod_interface_name_prefix.clone(),
+            service_node_port_range: self.service_node_port_range,
             masquerade_all: self.masquerade_all,
             iptables_masquerade_bit: self.iptables_masquerade_bit,
             iptables_localhost_nodeports: self.iptables_localhost_nodeports,

@@ -15,13 +15,14 @@ use crate::{
 };
 
 /// Every Service's ports as the manifest directory describes them for node `node`.
-pub fn services_of(dir: &Path, node: &str, context: &NodeContext) -> anyhow::Result<(Store, Services)> {
+pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::model::validate::Rules) -> anyhow::Result<(Store, Services)> {
     let mut manifests = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
     let (events, problems) = manifests.scan();
     for p in problems {
         eprintln!("skipped: {p}");
     }
     let mut store = Store::new(node);
+    store.set_rules(rules);
     store.set_nodeport_config(if context.nodeport_all {
         NodePortAddresses::All
     } else {
@@ -60,7 +61,8 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         local: Default::default(),
         masquerade_all: settings.masquerade_all,
     };
-    let (store, services) = services_of(dir, &cfg.common.hostname, &context)?;
+    let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
+    let (store, services) = services_of(dir, &cfg.common.hostname, &context, rules)?;
     let masquerading = crate::proxier::Masquerading {
         masquerade_all: settings.masquerade_all,
         detect_local: Some(cfg.netfilter.detect_local.clone()),

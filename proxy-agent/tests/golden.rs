@@ -11,6 +11,10 @@ use proxy_agent::{
     rules::services_of,
 };
 
+/// kube-proxy's own test fixtures use NodePorts (3001, ...) outside the API server's default
+/// range, which its proxier does not check: the range is left wide open here.
+const FIXTURE_RULES: proxy_agent::model::validate::Rules = proxy_agent::model::validate::Rules { node_port_range: (1, 65535) };
+
 fn golden(case: &str, file: &str) -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case).join(file)).expect("golden file")
 }
@@ -139,7 +143,7 @@ fn assert_same(what: &str, got: &str, want: &str) {
 fn iptables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
     let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
-    let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
     let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
     assert_same(&format!("{case}: iptables-restore input"), &normalize_iptables(&text), &normalize_iptables(&golden(case, "iptables.txt")));
@@ -153,7 +157,7 @@ fn nftables_case(case: &str) {
         local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
         masquerade_all: false,
     };
-    let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
     let dump = nftables::render(&services, &node, &opts).dump();
     assert_same(&format!("{case}: nftables ruleset"), &normalize_nft(&dump), &normalize_nft(&golden(case, "nftables.txt")));
@@ -190,7 +194,7 @@ fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
         let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
-        let (_, services) = services_of(&dir, "test-node", &node).unwrap();
+        let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
         let whole = nftables::render(&services, &node, &opts);
         let mut union = nftables::Ruleset { base: whole.base.clone(), ..Default::default() };

@@ -140,6 +140,8 @@ pub struct Common {
     pub log_format: LogFormat,
     /// `logging.verbosity` (klog's -v) when no --log-level was given.
     pub log_verbosity: Option<u32>,
+    /// The API server's `--service-node-port-range`, which objects are checked against.
+    pub node_port_range: (u16, u16),
 }
 
 /// What only the eBPF dataplane uses.
@@ -259,6 +261,7 @@ pub struct Flags {
     pub sync_period: Option<Duration>,
     pub conntrack: ConntrackFlags,
     pub bpffs_root: Option<PathBuf>,
+    pub service_node_port_range: Option<(u16, u16)>,
     // eBPF
     pub pod_devices: Option<Vec<String>>,
     pub devices: Option<Vec<String>>,
@@ -526,6 +529,7 @@ impl Config {
             sync_period: flags.sync_period.unwrap_or(Duration::from_secs(30)),
             log_format,
             log_verbosity: logging.verbosity,
+            node_port_range: flags.service_node_port_range.unwrap_or((30000, 32767)),
         };
 
         // eBPF. detectLocal's interface prefix names the pod interfaces for it too.

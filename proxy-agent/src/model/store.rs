@@ -160,6 +160,8 @@ pub struct Store {
     nodeport_config: NodePortAddresses,
     /// `bindAddress`: the node's primary IP over its Node's InternalIP.
     node_ip_override: Option<std::net::Ipv4Addr>,
+    /// What the API server would enforce (the NodePort range).
+    rules: validate::Rules,
     /// The node's own IPv4 addresses (loopback excluded), from netlink.
     local_addresses: Vec<std::net::Ipv4Addr>,
     services: HashMap<ObjectKey, CheckedService>,
@@ -210,9 +212,19 @@ impl Store {
         addrs.sort();
         addrs.dedup();
         let before = self.nodeport_addresses();
+        let changed: BTreeSet<std::net::Ipv4Addr> = self.local_addresses.iter().copied().collect::<BTreeSet<_>>().symmetric_difference(&addrs.iter().copied().collect()).copied().collect();
         self.local_addresses = addrs;
         if self.nodeport_addresses() != before {
             self.dirty.extend(self.services.keys().cloned());
+        } else if !changed.is_empty() {
+            // Services whose cluster IP became (or stopped being) a node address.
+            let hit: Vec<ObjectKey> = self
+                .services
+                .iter()
+                .filter(|(_, s)| s.cluster_ips.iter().any(|a| matches!(a, std::net::IpAddr::V4(v) if changed.contains(v))))
+                .map(|(k, _)| k.clone())
+                .collect();
+            self.dirty.extend(hit);
         }
     }
 
@@ -230,6 +242,11 @@ impl Store {
     /// rule).
     pub fn node_ip(&self) -> Option<std::net::Ipv4Addr> {
         self.node_ip_override.or_else(|| self.node.as_ref().and_then(|n| n.internal_ip))
+    }
+
+    /// The API server's rules objects are checked against (manifests are not checked by one).
+    pub fn set_rules(&mut self, rules: validate::Rules) {
+        self.rules = rules;
     }
 
     pub fn set_node_ip_override(&mut self, ip: Option<std::net::Ipv4Addr>) {
@@ -294,6 +311,12 @@ impl Store {
             .flatten()
             .filter_map(|k| self.slices.get(k))
             .collect();
+        // A cluster IP that is one of this node's own addresses would capture the node's own
+        // traffic to that address (its SSH, its kubelet): refused, as the API server never
+        // allocates one.
+        if let Some(ip) = svc.cluster_ips.iter().find(|a| matches!(a, std::net::IpAddr::V4(v) if self.local_addresses.contains(v))) {
+            return Translation { notes: vec![format!("refused: cluster IP {ip} is one of this node's own addresses")], ..Default::default() };
+        }
         translate::service(svc, &slices, &self.node_info())
     }
 
@@ -346,7 +369,7 @@ impl Store {
         match obj {
             Object::Service(svc) => {
                 let key = validate::object_key(&svc.metadata);
-                match validate::service(&svc) {
+                match validate::service_with(&svc, &self.rules) {
                     Ok(checked) => {
                         let key = checked.key.clone();
                         self.clear_report(Kind::Service, &key);
@@ -515,6 +538,22 @@ mod tests {
 
     fn web() -> ObjectKey {
         ObjectKey::new("default", "web")
+    }
+
+    #[test]
+    fn a_cluster_ip_that_is_a_node_address_is_refused_while_it_is_one() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.take_dirty();
+        s.set_local_addresses(vec!["10.96.0.10".parse().unwrap(), "192.168.1.5".parse().unwrap()]);
+        assert!(s.take_dirty().services.contains(&web()), "the address change re-checks the Service");
+        let t = s.translate(&web());
+        assert!(t.frontends.is_empty() && t.ports.is_empty());
+        assert_eq!(t.notes, ["refused: cluster IP 10.96.0.10 is one of this node's own addresses"]);
+        s.set_local_addresses(vec!["192.168.1.5".parse().unwrap()]);
+        assert!(s.take_dirty().services.contains(&web()));
+        assert_eq!(s.translate(&web()).frontends.len(), 1, "programmed again once it is not");
     }
 
     #[test]

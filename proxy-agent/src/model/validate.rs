@@ -167,6 +167,42 @@ impl fmt::Display for SliceIgnored {
     }
 }
 
+/// What the API server requires of a name (apimachinery's validation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NameRule {
+    /// RFC 1035 label: Service names.
+    Dns1035Label,
+    /// RFC 1123 label: namespaces.
+    Dns1123Label,
+    /// RFC 1123 subdomain: EndpointSlice and Node names.
+    Dns1123Subdomain,
+}
+
+/// Why `name` breaks `rule`, if it does.
+pub fn name_problem(name: &str, rule: NameRule) -> Option<String> {
+    let label_ok = |l: &str, first_alpha: bool| {
+        let b = l.as_bytes();
+        !b.is_empty()
+            && b.len() <= 63
+            && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            && (if first_alpha { b[0].is_ascii_lowercase() } else { b[0].is_ascii_alphanumeric() })
+            && b[b.len() - 1].is_ascii_alphanumeric()
+    };
+    let ok = match rule {
+        NameRule::Dns1035Label => label_ok(name, true),
+        NameRule::Dns1123Label => label_ok(name, false),
+        NameRule::Dns1123Subdomain => name.len() <= 253 && name.split('.').all(|l| label_ok(l, false)),
+    };
+    (!ok).then(|| {
+        let what = match rule {
+            NameRule::Dns1035Label => "an RFC 1035 label (lower-case letters, digits and '-', starting with a letter, at most 63)",
+            NameRule::Dns1123Label => "an RFC 1123 label (lower-case letters, digits and '-', at most 63)",
+            NameRule::Dns1123Subdomain => "an RFC 1123 subdomain (lower-case labels joined by '.', at most 253)",
+        };
+        format!("{name:?} is not {what}")
+    })
+}
+
 pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<ObjectKey, Invalid> {
     let name = meta.name.clone().filter(|n| !n.is_empty());
     let Some(name) = name else {
@@ -175,6 +211,64 @@ pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
     // kubectl apply puts namespace-less objects in "default"; do the same.
     let namespace = meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into());
     Ok(ObjectKey { namespace, name })
+}
+
+/// `object_key`, and the name and namespace checked as the API server checks them.
+fn checked_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, rule: NameRule, errs: &mut Vec<String>) -> Result<ObjectKey, Invalid> {
+    let key = object_key(meta)?;
+    if let Some(p) = name_problem(&key.name, rule) {
+        errs.push(format!("metadata.name {p}"));
+    }
+    if let Some(p) = name_problem(&key.namespace, NameRule::Dns1123Label) {
+        errs.push(format!("metadata.namespace {p}"));
+    }
+    Ok(key)
+}
+
+/// What the API server enforces that depends on its configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rules {
+    /// `--service-node-port-range` (inclusive).
+    pub node_port_range: (u16, u16),
+}
+
+impl Default for Rules {
+    fn default() -> Self {
+        Self { node_port_range: (30000, 32767) }
+    }
+}
+
+/// Why a cluster IP or an external address cannot be a Service's, if it cannot: addresses the
+/// API server never allocates and no node can route to a Service.
+fn special_service_ip(a: IpAddr) -> Option<&'static str> {
+    match a {
+        IpAddr::V4(v) if v.is_unspecified() => Some("unspecified"),
+        IpAddr::V4(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V4(v) if v.is_multicast() => Some("a multicast address"),
+        IpAddr::V4(v) if v.is_broadcast() => Some("the broadcast address"),
+        IpAddr::V4(v) if v.is_link_local() => Some("a link-local address"),
+        IpAddr::V6(v) if v.is_unspecified() || v.is_loopback() || v.is_multicast() => Some("a special IPv6 address"),
+        _ => None,
+    }
+}
+
+/// The API server's rule for endpoint addresses (ValidateEndpointIP): not unspecified,
+/// loopback, link-local or multicast. (The node's own address is allowed: hostNetwork pods'
+/// endpoints are.)
+fn special_endpoint_ip(a: Ipv4Addr) -> Option<&'static str> {
+    if a.is_unspecified() {
+        Some("unspecified")
+    } else if a.is_loopback() {
+        Some("a loopback address")
+    } else if a.is_link_local() {
+        Some("a link-local address")
+    } else if a.is_multicast() {
+        Some("a multicast address")
+    } else if a.is_broadcast() {
+        Some("the broadcast address")
+    } else {
+        None
+    }
 }
 
 fn port_number(v: i32, field: &str, errs: &mut Vec<String>) -> u16 {
@@ -198,8 +292,12 @@ fn ip(s: &str, field: &str, errs: &mut Vec<String>) -> Option<IpAddr> {
 }
 
 pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
-    let key = object_key(&svc.metadata)?;
+    service_with(svc, &Rules::default())
+}
+
+pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Invalid> {
     let mut errs = Vec::new();
+    let key = checked_key(&svc.metadata, NameRule::Dns1035Label, &mut errs)?;
     let spec = svc.spec.clone().unwrap_or_default();
     let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
         "ClusterIP" => ServiceType::ClusterIp,
@@ -259,7 +357,10 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         let all = if listed.is_empty() { vec![cluster_ip.clone()] } else { listed };
         for (i, s) in all.iter().enumerate() {
             if let Some(a) = ip(s, &format!("spec.clusterIPs[{i}]"), &mut errs) {
-                cluster_ips.push(a);
+                match special_service_ip(a) {
+                    Some(why) => errs.push(format!("spec.clusterIPs[{i}] {a} is {why}")),
+                    None => cluster_ips.push(a),
+                }
             }
         }
     }
@@ -283,8 +384,13 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         if !seen.insert((port, protocol)) {
             errs.push(format!("spec.ports[{i}]: port {port}/{protocol} is listed twice"));
         }
+        let (lo, hi) = rules.node_port_range;
         let node_port = match p.node_port {
             None | Some(0) => None,
+            Some(np) if np < i32::from(lo) || np > i32::from(hi) => {
+                errs.push(format!("spec.ports[{i}].nodePort {np} is outside the NodePort range {lo}-{hi} (--service-node-port-range)"));
+                None
+            }
             Some(np) => Some(port_number(np, &format!("spec.ports[{i}].nodePort"), &mut errs)),
         };
         if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) = &p.target_port {
@@ -332,7 +438,16 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         .iter()
         .flatten()
         .enumerate()
-        .filter_map(|(i, s)| ip(s, &format!("spec.externalIPs[{i}]"), &mut errs))
+        .filter_map(|(i, s)| {
+            let a = ip(s, &format!("spec.externalIPs[{i}]"), &mut errs)?;
+            match special_service_ip(a) {
+                Some(why) => {
+                    errs.push(format!("spec.externalIPs[{i}] {a} is {why}"));
+                    None
+                }
+                None => Some(a),
+            }
+        })
         .collect();
     let lb_source_ranges: Vec<crate::model::store::Cidr> = spec
         .load_balancer_source_ranges
@@ -356,6 +471,11 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         .collect();
     let health_check_node_port = match spec.health_check_node_port {
         None | Some(0) => None,
+        Some(p) if p < i32::from(rules.node_port_range.0) || p > i32::from(rules.node_port_range.1) => {
+            let (lo, hi) = rules.node_port_range;
+            errs.push(format!("spec.healthCheckNodePort {p} is outside the NodePort range {lo}-{hi} (--service-node-port-range)"));
+            None
+        }
         Some(p) => Some(port_number(p, "spec.healthCheckNodePort", &mut errs)),
     };
     // Status is written by a load-balancer controller; an entry we cannot use is skipped, not
@@ -369,6 +489,7 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
         .flatten()
         .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|i| i.ip.as_deref()?.parse().ok())
+        .filter(|a| special_service_ip(*a).is_none())
         .collect();
 
     if !errs.is_empty() {
@@ -395,9 +516,9 @@ pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
 
 /// Checks an EndpointSlice. `Ok(Err(_))` is a valid slice this proxy does not use.
 pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, SliceIgnored>, Invalid> {
-    let key = object_key(&slice.metadata)?;
-    let labels = slice.metadata.labels.clone().unwrap_or_default();
     let mut errs = Vec::new();
+    let key = checked_key(&slice.metadata, NameRule::Dns1123Subdomain, &mut errs)?;
+    let labels = slice.metadata.labels.clone().unwrap_or_default();
     match slice.address_type.as_str() {
         "IPv4" => {}
         "IPv6" | "FQDN" => return Ok(Err(SliceIgnored::AddressType(slice.address_type.clone()))),
@@ -408,7 +529,12 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         }
     }
     let mut ports = Vec::new();
+    let mut port_names = HashSet::new();
     for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let name = p.name.clone().unwrap_or_default();
+        if !port_names.insert(name.clone()) {
+            errs.push(format!("ports[{i}].name {name:?} is used twice"));
+        }
         let protocol = Protocol::parse(p.protocol.as_deref())
             .map_err(|e| errs.push(format!("ports[{i}].protocol: {e}")))
             .unwrap_or(Protocol::Tcp);
@@ -428,9 +554,12 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         }
         for (j, a) in e.addresses.iter().enumerate() {
             match a.parse::<Ipv4Addr>() {
-                Ok(addr) => {
-                    first.get_or_insert(addr);
-                }
+                Ok(addr) => match special_endpoint_ip(addr) {
+                    Some(why) => errs.push(format!("endpoints[{i}].addresses[{j}] {addr} is {why}")),
+                    None => {
+                        first.get_or_insert(addr);
+                    }
+                },
                 Err(_) => errs.push(format!("endpoints[{i}].addresses[{j}] {a:?} is not an IPv4 address")),
             }
         }
@@ -489,6 +618,9 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
     let Some(name) = name else {
         return Err(Invalid(vec!["metadata.name is missing".into()]));
     };
+    if let Some(p) = name_problem(&name, NameRule::Dns1123Subdomain) {
+        return Err(Invalid(vec![format!("metadata.name {p}")]));
+    }
     let tainted = n
         .spec
         .as_ref()
@@ -577,6 +709,14 @@ mod tests {
             ("spec: {clusterIP: 10.0.0.1, type: Weird, ports: [{port: 80}]}", "spec.type \"Weird\""),
             ("spec: {clusterIP: 10.0.0.1, internalTrafficPolicy: Nearby, ports: [{port: 80}]}", "spec.internalTrafficPolicy \"Nearby\""),
             ("spec: {clusterIP: 10.0.0.1, clusterIPs: [10.0.0.2], ports: [{port: 80}]}", "must equal spec.clusterIP"),
+            // What the API server never allocates nor accepts.
+            ("spec: {clusterIP: 0.0.0.0, ports: [{port: 80}]}", "spec.clusterIPs[0] 0.0.0.0 is unspecified"),
+            ("spec: {clusterIP: 127.0.0.1, ports: [{port: 80}]}", "is a loopback address"),
+            ("spec: {clusterIP: 224.0.0.5, ports: [{port: 80}]}", "is a multicast address"),
+            ("spec: {clusterIP: 255.255.255.255, ports: [{port: 80}]}", "is the broadcast address"),
+            ("spec: {clusterIP: 10.0.0.1, externalIPs: [127.0.0.2], ports: [{port: 80}]}", "spec.externalIPs[0] 127.0.0.2 is a loopback address"),
+            ("spec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}", "nodePort 22 is outside the NodePort range 30000-32767"),
+            ("spec: {clusterIP: 10.0.0.1, type: LoadBalancer, healthCheckNodePort: 10256, ports: [{port: 80}]}", "spec.healthCheckNodePort 10256 is outside"),
         ];
         for (spec, want) in cases {
             let err = service(&svc(&format!("metadata: {{name: a}}\n{spec}"))).unwrap_err();
@@ -586,6 +726,15 @@ mod tests {
             service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(),
             "metadata.name is missing"
         );
+        let named = |meta: &str| service(&svc(&format!("metadata: {meta}\nspec: {{clusterIP: 10.0.0.1, ports: [{{port: 80}}]}}")));
+        assert!(named("{name: Web_1}").unwrap_err().to_string().contains("metadata.name \"Web_1\" is not an RFC 1035 label"));
+        assert!(named("{name: 1web}").is_err(), "a Service name starts with a letter");
+        assert!(named("{name: web, namespace: Prod!}").unwrap_err().to_string().contains("metadata.namespace"));
+        assert!(named(&format!("{{name: {}}}", "a".repeat(64))).is_err(), "at most 63");
+        assert!(named("{name: web-1, namespace: team-a}").is_ok());
+        // A wider range, as an API server configured so allows.
+        let wide = Rules { node_port_range: (1, 65535) };
+        assert!(service_with(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}"), &wide).is_ok());
     }
 
     #[test]
@@ -653,5 +802,13 @@ mod tests {
         assert!(refused("metadata: {name: s}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.999]}]").contains("endpoints[0].addresses[0] \"10.0.0.999\" is not an IPv4 address"));
         assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 65536}]").contains("ports[0].port 65536 is out of range"));
         assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 0}]").contains("ports[0].port 0 is out of range"));
+        // The API server's rules for endpoint addresses, port names and object names.
+        for (addr, why) in [("127.0.0.1", "a loopback address"), ("224.0.0.5", "a multicast address"), ("0.0.0.0", "unspecified"), ("169.254.3.4", "a link-local address")] {
+            let e = refused(&format!("metadata: {{name: s}}\naddressType: IPv4\nendpoints: [{{addresses: [{addr}]}}]"));
+            assert!(e.contains(&format!("endpoints[0].addresses[0] {addr} is {why}")), "{e}");
+        }
+        let e = refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: http, port: 80}, {name: http, port: 81}]");
+        assert!(e.contains("ports[1].name \"http\" is used twice"), "{e}");
+        assert!(refused("metadata: {name: S..1}\naddressType: IPv4").contains("RFC 1123 subdomain"));
     }
 }
