@@ -140,8 +140,10 @@ pub struct Common {
     pub log_format: LogFormat,
     /// `logging.verbosity` (klog's -v) when no --log-level was given.
     pub log_verbosity: Option<u32>,
-    /// The API server's `--service-node-port-range`, which objects are checked against.
-    pub node_port_range: (u16, u16),
+    /// The API server's `--service-node-port-range`, which objects are checked against: the
+    /// flag's, else for a manifest directory the API server's default, else (objects the API
+    /// server checked already) none.
+    pub node_port_range: Option<(u16, u16)>,
 }
 
 /// What only the eBPF dataplane uses.
@@ -529,7 +531,7 @@ impl Config {
             sync_period: flags.sync_period.unwrap_or(Duration::from_secs(30)),
             log_format,
             log_verbosity: logging.verbosity,
-            node_port_range: flags.service_node_port_range.unwrap_or((30000, 32767)),
+            node_port_range: flags.service_node_port_range.or(flags.manifests.as_ref().map(|_| crate::model::validate::DEFAULT_NODE_PORT_RANGE)),
         };
 
         // eBPF. detectLocal's interface prefix names the pod interfaces for it too.

@@ -228,13 +228,24 @@ fn checked_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
 /// What the API server enforces that depends on its configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rules {
-    /// `--service-node-port-range` (inclusive).
-    pub node_port_range: (u16, u16),
+    /// `--service-node-port-range` (inclusive). None: not checked (objects from an API server
+    /// were checked against the range it has, which the agent need not know).
+    pub node_port_range: Option<(u16, u16)>,
 }
+
+/// The API server's default NodePort range.
+pub const DEFAULT_NODE_PORT_RANGE: (u16, u16) = (30000, 32767);
 
 impl Default for Rules {
     fn default() -> Self {
-        Self { node_port_range: (30000, 32767) }
+        Self { node_port_range: Some(DEFAULT_NODE_PORT_RANGE) }
+    }
+}
+
+impl Rules {
+    fn outside(&self, port: i32) -> Option<String> {
+        let (lo, hi) = self.node_port_range?;
+        (port < i32::from(lo) || port > i32::from(hi)).then(|| format!("is outside the NodePort range {lo}-{hi} (--service-node-port-range)"))
     }
 }
 
@@ -384,14 +395,15 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         if !seen.insert((port, protocol)) {
             errs.push(format!("spec.ports[{i}]: port {port}/{protocol} is listed twice"));
         }
-        let (lo, hi) = rules.node_port_range;
         let node_port = match p.node_port {
             None | Some(0) => None,
-            Some(np) if np < i32::from(lo) || np > i32::from(hi) => {
-                errs.push(format!("spec.ports[{i}].nodePort {np} is outside the NodePort range {lo}-{hi} (--service-node-port-range)"));
-                None
-            }
-            Some(np) => Some(port_number(np, &format!("spec.ports[{i}].nodePort"), &mut errs)),
+            Some(np) => match rules.outside(np) {
+                Some(why) => {
+                    errs.push(format!("spec.ports[{i}].nodePort {np} {why}"));
+                    None
+                }
+                None => Some(port_number(np, &format!("spec.ports[{i}].nodePort"), &mut errs)),
+            },
         };
         if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) = &p.target_port {
             port_number(*t, &format!("spec.ports[{i}].targetPort"), &mut errs);
@@ -471,12 +483,13 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .collect();
     let health_check_node_port = match spec.health_check_node_port {
         None | Some(0) => None,
-        Some(p) if p < i32::from(rules.node_port_range.0) || p > i32::from(rules.node_port_range.1) => {
-            let (lo, hi) = rules.node_port_range;
-            errs.push(format!("spec.healthCheckNodePort {p} is outside the NodePort range {lo}-{hi} (--service-node-port-range)"));
-            None
-        }
-        Some(p) => Some(port_number(p, "spec.healthCheckNodePort", &mut errs)),
+        Some(p) => match rules.outside(p) {
+            Some(why) => {
+                errs.push(format!("spec.healthCheckNodePort {p} {why}"));
+                None
+            }
+            None => Some(port_number(p, "spec.healthCheckNodePort", &mut errs)),
+        },
     };
     // Status is written by a load-balancer controller; an entry we cannot use is skipped, not
     // a reason to refuse the whole Service.
@@ -733,7 +746,7 @@ mod tests {
         assert!(named(&format!("{{name: {}}}", "a".repeat(64))).is_err(), "at most 63");
         assert!(named("{name: web-1, namespace: team-a}").is_ok());
         // A wider range, as an API server configured so allows.
-        let wide = Rules { node_port_range: (1, 65535) };
+        let wide = Rules { node_port_range: None };
         assert!(service_with(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}"), &wide).is_ok());
     }
 
