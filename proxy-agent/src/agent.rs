@@ -462,6 +462,9 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     Ok(())
 }
 
+const RETRY_FIRST: Duration = Duration::from_secs(2);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
 /// Everything is written again at least this often (kube-proxy's nftables mode does a full
 /// sync hourly; between them only what changed is written).
 const FULL_RESYNC: Duration = Duration::from_secs(3600);
@@ -478,9 +481,9 @@ async fn control_loop<P: Proxier>(
 ) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
-    let mut retry = tokio::time::interval(Duration::from_secs(2));
-    // A retry comes 2 s after the last one, never as a burst of ticks missed meanwhile.
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Failed work is retried 2 s later, then ever later up to a minute while it keeps failing.
+    let mut backoff = RETRY_FIRST;
+    let mut retry_at = Instant::now() + backoff;
     let mut housekeeping = tokio::time::interval(Duration::from_secs(5));
     housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let full = periods.sync.max(FULL_RESYNC);
@@ -519,7 +522,7 @@ async fn control_loop<P: Proxier>(
             }
             // minSyncPeriod: a sync wanted too soon after the last one waits for its turn.
             _ = tokio::time::sleep_until(due), if wanted => {}
-            _ = retry.tick(), if p.has_failures() => wanted = true,
+            _ = tokio::time::sleep_until(retry_at), if p.has_failures() => wanted = true,
             _ = housekeeping.tick() => p.housekeeping(&mut inputs.devices).await,
             _ = full_resync.tick() => {
                 p.resync_all();
@@ -532,7 +535,14 @@ async fn control_loop<P: Proxier>(
         if wanted && last_sync.is_none_or(|t| now >= t + periods.min) {
             wanted = false;
             last_sync = Some(Instant::now());
+            let failing_before = p.has_failures();
             sync(p, telemetry, &mut health);
+            if p.has_failures() {
+                backoff = if failing_before { (backoff * 2).min(RETRY_MAX) } else { RETRY_FIRST };
+                retry_at = Instant::now() + backoff;
+            } else {
+                backoff = RETRY_FIRST;
+            }
         }
     }
     Ok(())

@@ -54,6 +54,8 @@ pub struct NetfilterProxier {
     failed: bool,
     /// A full resync is due (`resync_all`).
     resync: bool,
+    /// The last apply's error, as reported (a retry that fails alike says nothing more).
+    last_error: Option<String>,
     synced_once: bool,
     triggers: Vec<SystemTime>,
     /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
@@ -79,6 +81,7 @@ impl NetfilterProxier {
             settings,
             failed: false,
             resync: false,
+            last_error: None,
             synced_once: false,
             triggers: Vec::new(),
             udp_changed: true,
@@ -174,6 +177,9 @@ impl NetfilterProxier {
         }
         match self.rules.apply(&self.services, &node) {
             Ok(written) => {
+                if self.last_error.take().is_some() {
+                    tracing::info!(mode = %self.rules.mode(), "the rules are applied again");
+                }
                 self.failed = false;
                 self.resync = false;
                 tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
@@ -188,7 +194,11 @@ impl NetfilterProxier {
             Err(e) => {
                 self.failed = true;
                 stats.failed = stats.services.max(1);
-                tracing::error!(mode = %self.rules.mode(), "applying the rules failed; retrying: {e}");
+                let msg = e.to_string();
+                if self.last_error.as_ref() != Some(&msg) {
+                    tracing::error!(mode = %self.rules.mode(), "applying the rules failed; retrying: {msg}");
+                    self.last_error = Some(msg);
+                }
             }
         }
         stats.initial = !self.synced_once;

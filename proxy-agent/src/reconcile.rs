@@ -50,6 +50,9 @@ pub struct Reconciler<D> {
     triggers: BTreeMap<ObjectKey, Vec<SystemTime>>,
     /// Frontends the dataplane cannot express, with the reason last reported.
     unsupported: HashMap<FrontendKey, String>,
+    /// Frontends whose programming fails for now (a full map, say), with the error last
+    /// reported: a retry that fails alike says nothing more.
+    failing: HashMap<FrontendKey, String>,
     /// Health-check node ports to serve, per Service.
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
 }
@@ -69,6 +72,7 @@ impl<D: Dataplane> Reconciler<D> {
             retry: BTreeSet::new(),
             triggers: BTreeMap::new(),
             unsupported: HashMap::new(),
+            failing: HashMap::new(),
             health_checks: BTreeMap::new(),
         }
     }
@@ -181,6 +185,9 @@ impl<D: Dataplane> Reconciler<D> {
                     Ok(()) => {
                         stats.upserted += 1;
                         self.unsupported.remove(key);
+                        if self.failing.remove(key).is_some() {
+                            tracing::info!(service = %fe.name, frontend = %key, "programmed after all");
+                        }
                         tracing::debug!(service = %fe.name, frontend = %key, backends = fe.backends.len(), "programmed");
                     }
                     // Retrying cannot help until the Service changes: say so once, and neither
@@ -195,7 +202,11 @@ impl<D: Dataplane> Reconciler<D> {
                     Err(e) => {
                         stats.failed += 1;
                         failed = true;
-                        tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {e}");
+                        let msg = e.to_string();
+                        if self.failing.get(key) != Some(&msg) {
+                            tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {msg}; retrying");
+                            self.failing.insert(*key, msg);
+                        }
                     }
                 }
             }
@@ -210,6 +221,7 @@ impl<D: Dataplane> Reconciler<D> {
                 Ok(()) => {
                     stats.removed += 1;
                     self.unsupported.remove(key);
+                    self.failing.remove(key);
                     tracing::debug!(service = %svc, frontend = %key, "removed");
                     self.owners.remove(key);
                     if let Some(set) = self.by_service.get_mut(svc) {

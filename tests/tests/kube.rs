@@ -181,6 +181,10 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
     }
     assert_eq!(health("/livez"), 503);
     assert!(k.lab.agent_log().contains("is full"), "the map-full error is logged");
+    // Retried while it fails (2 s, then ever later), but said once, not at every retry.
+    thread::sleep(Duration::from_secs(7));
+    let log = k.lab.agent_log();
+    assert_eq!(log.matches("not programmed:").count(), 1, "the failure is said once, not at every retry:\n{log}");
     // Other Services keep working while one cannot be programmed.
     assert!(tcp_ask(&k.lab.client.ns, sock(WEB_VIP)).is_ok());
 
