@@ -464,6 +464,16 @@ impl RunArgs {
     }
 }
 
+/// `cleanup` removes netfilter rules (CAP_NET_ADMIN) and pins (access to the bpffs): without
+/// them it would find nothing and say so, which is not true.
+fn privileged_for_cleanup(root: &std::path::Path) -> Result<(), String> {
+    use crate::dataplane::modes::{effective_capabilities, CAP_NET_ADMIN};
+    if effective_capabilities() & (1 << CAP_NET_ADMIN) == 0 {
+        return Err("cleanup removes netfilter rules and pinned programs: it needs CAP_NET_ADMIN (run it as root)".into());
+    }
+    inspect::pinned(root).map(|_| ()).map_err(|e| e.to_string())
+}
+
 /// kube-proxy is run without a subcommand (`kube-proxy --config=...`): so may we.
 fn args() -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -528,6 +538,10 @@ pub fn main() -> ExitCode {
         }
         Cmd::Cleanup(a) => {
             init_logging(&level(None), LogFormat::Text);
+            if let Err(e) = privileged_for_cleanup(&a.bpffs_root) {
+                eprintln!("proxy-agent: {e}");
+                return ExitCode::FAILURE;
+            }
             let lines = crate::dataplane::modes::cleanup_all(&a.bpffs_root);
             if lines.is_empty() {
                 println!("nothing to remove");

@@ -91,6 +91,8 @@ pub enum InspectError {
          --bpffs-root {0}?"
     )]
     NotFound(String),
+    #[error("{path}: permission denied: reading what the agent pinned needs root (CAP_BPF, and access to the BPF filesystem)")]
+    Permission { path: String },
     #[error("reading {map}: {source}")]
     Map {
         map: &'static str,
@@ -110,8 +112,24 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Whether `path` is there; a directory on the way this process may not read is an error,
+/// not "nothing there".
+pub fn pinned(path: &Path) -> Result<bool, InspectError> {
+    for p in path.ancestors().collect::<Vec<_>>().into_iter().rev() {
+        match std::fs::symlink_metadata(p) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Err(InspectError::Permission { path: p.display().to_string() }),
+            Err(_) => return Ok(false),
+        }
+        if p != path && std::fs::read_dir(p).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+            return Err(InspectError::Permission { path: p.display().to_string() });
+        }
+    }
+    Ok(true)
+}
+
 pub fn read(root: &Path) -> Result<Report, InspectError> {
-    if !loader::maps_dir(root).join(map_names::SERVICES).exists() {
+    if !pinned(&loader::maps_dir(root).join(map_names::SERVICES))? {
         return Err(InspectError::NotFound(root.display().to_string()));
     }
     let err = |map| move |source| InspectError::Map { map, source };

@@ -26,6 +26,8 @@ pub enum TraceError {
     Run(String),
     #[error("the program recorded no decision (an agent older than this command?)")]
     NoDecision,
+    #[error(transparent)]
+    Access(#[from] crate::inspect::InspectError),
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -103,6 +105,9 @@ fn open_map(root: &Path, name: &'static str) -> Result<MapData, TraceError> {
 /// Must run in the node's network namespace (the program's FIB lookups use the caller's).
 pub fn run(root: &Path, from: SocketAddrV4, to: SocketAddrV4, proto: Protocol) -> Result<TraceReport, TraceError> {
     let path = loader::progs_dir(root).join(prog_names::TC_EXT_INGRESS);
+    if !crate::inspect::pinned(&path)? {
+        return Err(crate::inspect::InspectError::NotFound(root.display().to_string()).into());
+    }
     let prog = SchedClassifier::from_pin(&path).map_err(|e| TraceError::Open {
         what: format!("program {}", prog_names::TC_EXT_INGRESS),
         root: root.display().to_string(),

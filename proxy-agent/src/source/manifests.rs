@@ -86,6 +86,19 @@ fn decode(value: serde_yaml::Value, kind: Kind) -> Result<Object, serde_yaml::Er
     })
 }
 
+/// What a YAML error means for the user: the syntax, or a number no field can hold (valid YAML,
+/// but beyond 64 bits).
+fn yaml_problem(e: &serde_yaml::Error) -> String {
+    let text = e.to_string();
+    if text.contains("invalid type: integer") {
+        let at = e.location().map(|l| format!(" at line {} column {}", l.line(), l.column())).unwrap_or_default();
+        let field = text.split(": invalid type").next().filter(|f| !f.starts_with("invalid")).map(|f| format!("{f}: ")).unwrap_or_default();
+        format!("{field}a number out of range (no Kubernetes field holds more than 64 bits){at}")
+    } else {
+        format!("is not valid YAML/JSON: {text}")
+    }
+}
+
 fn collect(file: &Path, doc: usize, value: serde_yaml::Value, out: &mut Parsed) {
     if value.is_null() {
         return; // an empty document, e.g. a trailing `---`
@@ -117,8 +130,13 @@ fn collect(file: &Path, doc: usize, value: serde_yaml::Value, out: &mut Parsed) 
     match decode(value, k) {
         Ok(obj) => match ident {
             Some(id) => out.objects.push((id, obj)),
-            // Without a name the store reports it; give it an identity nobody else has.
-            None => out.objects.push(((k, ObjectKey::new("", format!("#{}:{doc}", file.display()))), obj)),
+            // Nothing can refer to an object without a name: say where it is, and skip it.
+            None => out.problems.push(Problem {
+                file: file.into(),
+                document: Some(doc),
+                object: Some(format!("a {} without a name", k.as_str())),
+                message: "metadata.name is missing; skipped".into(),
+            }),
         },
         Err(e) => {
             out.problems.push(Problem {
@@ -142,7 +160,7 @@ fn parse_file(file: &Path, text: &str) -> Result<Parsed, Problem> {
             file: file.into(),
             document: Some(i + 1),
             object: None,
-            message: format!("is not valid YAML/JSON: {e}"),
+            message: yaml_problem(&e),
         })?;
         collect(file, i + 1, value, &mut out);
     }
@@ -554,6 +572,18 @@ mod tests {
         let (_, problems) = ManifestDir::new(&d).unwrap().scan();
         assert_eq!(problems.len(), 1);
         assert!(problems[0].message.contains("line 3, column 19"), "{}", problems[0]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_number_too_large_and_a_nameless_object_are_named_with_their_file() {
+        let d = tempdir("messages");
+        write(&d, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 99999999999999999999999}]}\n");
+        write(&d, "b.yaml", "apiVersion: v1\nkind: Service\nmetadata: {namespace: x}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n");
+        let (_, problems) = ManifestDir::new(&d).unwrap().scan();
+        let shown: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        assert!(shown[0].contains("a.yaml (document 1): spec.ports[0].port: a number out of range") && !shown[0].contains("not valid YAML"), "{shown:?}");
+        assert!(shown[1].contains("b.yaml (document 1): a Service without a name: metadata.name is missing"), "{shown:?}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }
