@@ -209,3 +209,30 @@ fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
         assert_eq!(union, whole, "{case}");
     }
 }
+
+/// kube-proxy's local traffic detectors (`detectLocalMode`): what "from a pod" means in the
+/// masquerade and short-circuit rules, for a cluster CIDR, a bridge and an interface prefix.
+#[test]
+fn local_traffic_is_told_as_detect_local_mode_says() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+    let cases = [
+        (LocalTraffic::Cidr(cidr("10.0.0.0/8")), "! -s 10.0.0.0/8", "-s 10.0.0.0/8 -j KUBE-SVC", "ip saddr != 10.0.0.0/8", "ip saddr 10.0.0.0/8 goto"),
+        (LocalTraffic::Interface("cbr0".into()), "! -i cbr0", "-i cbr0 -j KUBE-SVC", "iifname != \"cbr0\"", "iifname \"cbr0\" goto"),
+        (LocalTraffic::InterfacePrefix("veth".into()), "! -i veth+", "-i veth+ -j KUBE-SVC", "iifname != \"veth*\"", "iifname \"veth*\" goto"),
+    ];
+    for (local, ipt_not_local, ipt_local, nft_not_local, nft_local) in cases {
+        let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: local.clone(), masquerade_all: false };
+        let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+        let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
+        assert!(ipt.contains(&format!("--dport 80 {ipt_not_local} -j KUBE-MARK-MASQ")), "{local:?}: cluster IP masquerade:\n{ipt}");
+        assert!(ipt.contains(ipt_local), "{local:?}: eTP Local short-circuit of pod traffic:\n{ipt}");
+        let nft = nftables::render(&services, &node, &nftables::NftablesOptions::default()).dump();
+        assert!(nft.contains(&format!("{nft_not_local} jump mark-for-masquerade")), "{local:?}:\n{nft}");
+        assert!(nft.contains(nft_local), "{local:?}:\n{nft}");
+    }
+    // Nothing known (ClusterCIDR without a clusterCIDR): nothing is local, no such rule.
+    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Unknown, masquerade_all: false };
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
+    assert!(!ipt.contains("cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 !"), "{ipt}");
+}

@@ -114,6 +114,12 @@ impl IpvsOptions {
         SYSCTLS.iter().chain(strict).copied().collect()
     }
 
+    /// Forgets the virtual servers in ipvs.excludeCIDRs: they are someone else's, and what is
+    /// not known is not touched.
+    pub fn keep_only_ours<V>(&self, virtuals: &mut BTreeMap<VirtualKey, V>) {
+        virtuals.retain(|k, _| !self.exclude_cidrs.iter().any(|c| c.contains(k.addr)));
+    }
+
     /// `ipvsadm --set TCP TCPFIN UDP` arguments (seconds; 0 leaves one as it is), when any is set.
     pub fn set_timeouts_args(&self) -> Option<Vec<String>> {
         let (t, f, u) = self.timeouts;
@@ -493,9 +499,7 @@ impl RuleSet for IpvsRules {
                     run(IPVSADM, IPVSADM, &args)?;
                 }
                 let mut virtuals = parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?);
-                // Virtual servers in ipvs.excludeCIDRs are someone else's: never touched.
-                let excluded = &self.opts.exclude_cidrs;
-                virtuals.retain(|k, _| !excluded.iter().any(|c| c.contains(k.addr)));
+                self.opts.keep_only_ours(&mut virtuals);
                 Desired { addresses: ensure_dummy()?, virtuals, ..Desired::default() }
             }
         };
@@ -593,6 +597,22 @@ pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipvs_settings_become_sysctls_timeouts_and_exclusions() {
+        let mut o = IpvsOptions::default();
+        assert!(!o.sysctls().iter().any(|(k, _)| k.contains("arp")), "strictARP is off by default, as kube-proxy's");
+        assert_eq!(o.set_timeouts_args(), None, "no timeouts set, the kernel's stay");
+        o.strict_arp = true;
+        o.timeouts = (Some(std::time::Duration::from_secs(900)), None, Some(std::time::Duration::from_secs(300)));
+        assert!(o.sysctls().contains(&("net/ipv4/conf/all/arp_ignore", "1")) && o.sysctls().contains(&("net/ipv4/conf/all/arp_announce", "2")));
+        assert_eq!(o.set_timeouts_args().unwrap(), ["--set", "900", "0", "300"]);
+        o.exclude_cidrs = vec!["10.100.0.0/16".parse().unwrap()];
+        let key = |a: &str| VirtualKey { proto: "tcp", addr: a.parse().unwrap(), port: 80 };
+        let mut v: BTreeMap<VirtualKey, ()> = [(key("10.100.3.4"), ()), (key("10.96.0.10"), ())].into();
+        o.keep_only_ours(&mut v);
+        assert_eq!(v.keys().map(|k| k.addr.to_string()).collect::<Vec<_>>(), ["10.96.0.10"], "an excluded virtual server is never ours to delete");
+    }
 
     #[test]
     fn deltas_touch_only_what_changed() {
