@@ -451,3 +451,30 @@ fn idle_connections_from_a_pod_to_the_health_port_exhaust_nothing() {
     assert_eq!(log.matches("closing the oldest").count(), 1, "the pressure is said once:\n{log}");
     drop(idle);
 }
+
+#[test]
+fn health_check_node_ports_listen_where_node_ports_are_served() {
+    let test = "health_check_node_ports_listen_where_node_ports_are_served";
+    if !require::root(test) {
+        return;
+    }
+    let lb = proxy_tests::cluster::service(
+        "lb",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.30\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n",
+        Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.30}\n"),
+    );
+    for (flags, loopback_answers) in [(vec![], true), (vec!["--nodeport-addresses", "192.168.250.1/32"], false)] {
+        let mut lab = Lab::new(AGENT, 1);
+        let slice = lab::endpoint_slice("lb", "lb-1", &lab.backend_ips(), &[("http", lab::TCP_PORT, "TCP")]);
+        lab.write_manifest("lb.yaml", &format!("{lb}---\n{slice}---\n{}", lab::node_manifest()));
+        lab.start_agent_with_extra(&flags);
+        lab.wait_programmed("10.96.0.30:80", "TCP", 1);
+        let get = |addr: &str| proxy_tests::servers::http_get(&lab.node, addr.parse().unwrap(), "/");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while get("192.168.250.1:32000").is_err() {
+            assert!(std::time::Instant::now() < deadline, "{flags:?}: the health check answers on the NodePort address:\n{}", lab.agent_log());
+            thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(get("127.0.0.1:32000").is_ok(), loopback_answers, "{flags:?}: on 127.0.0.1 only when NodePorts are served on every address");
+    }
+}
