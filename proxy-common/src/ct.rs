@@ -21,6 +21,12 @@ pub mod flags {
     /// a remote backend). Reply entry: the destination is restored to the client in
     /// `nat_addr:nat_port`.
     pub const SNAT: u8 = 1 << 6;
+    /// The client's source port was changed, to keep the translated tuple unique: another
+    /// flow from the same client port already reached the same backend (through another
+    /// Service address), as netfilter's NAT rewrites a clashing source port. Forward entry:
+    /// the port it is changed to, in `snat_port`. Reply entry: the client's own port, restored
+    /// as destination, in `snat_port`.
+    pub const PORT_NAT: u8 = 1 << 7;
 }
 
 /// `CtEntry::l4_csum`: how the flow's packets carried their TCP/UDP checksum.

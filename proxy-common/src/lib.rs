@@ -567,8 +567,18 @@ reasons! {
     /// A host-network socket's connect or send to a Service without endpoints: refused
     /// (ECONNREFUSED), as kube-proxy's REJECT.
     HostReject = 31 => "host_reject",
+    /// Ingress: a new flow whose client port was moved, because another flow from the same
+    /// client address and port already reaches the same backend (through another Service
+    /// address); as netfilter's NAT does, the translated tuples are kept apart.
+    NewFlowPortNat = 32 => "new_flow_port_nat",
+    /// Ingress: a TCP segment without SYN to a Service, with no tracked flow: its conntrack
+    /// entry was lost (evicted from a full map by newer flows, or expired). It is balanced
+    /// afresh; unless it reaches the same backend, its connection is reset. A rising count
+    /// means `--ct-map-max` (conntrack.maxPerCore) is too small for the node's flows.
+    NewFlowMidConnection = 33 => "new_flow_mid_connection",
 }
 
-/// Entries in `STATS_V1`; leaves room for new reasons without resizing the map.
-pub const REASON_SLOTS: u32 = 32;
+/// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of
+/// another size is replaced at load: it holds counters only.)
+pub const REASON_SLOTS: u32 = 64;
 const _: () = assert!((Reason::ALL.len() as u32) <= REASON_SLOTS);

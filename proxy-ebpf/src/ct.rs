@@ -86,13 +86,14 @@ fn reply_key(pkt: &Packet, backend: &Backend, hairpin: bool) -> CtKey {
     }
 }
 
-/// The forward tuple of the connection a reply belongs to, given the service address.
+/// The forward tuple of the connection a reply (tracked by `entry`) belongs to, given the
+/// service address: the client at its own port, moved or not.
 #[inline(always)]
-pub fn forward_key_of_reply(pkt: &Packet, vip: [u8; 4], vport: [u8; 2]) -> CtKey {
+pub fn forward_key_of_reply(pkt: &Packet, entry: &CtEntry, vip: [u8; 4], vport: [u8; 2]) -> CtKey {
     CtKey {
         saddr: pkt.daddr,
         daddr: vip,
-        sport: pkt.dport,
+        sport: if entry.flags & flags::PORT_NAT != 0 { entry.snat_port } else { pkt.dport },
         dport: vport,
         proto: pkt.proto,
         _pad: 0,
@@ -200,11 +201,12 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
 #[inline(always)]
 pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
     let snat = fwd.flags & flags::SNAT != 0;
+    let moved = fwd.flags & (flags::SNAT | flags::PORT_NAT) != 0;
     let stale = CtKey {
         saddr: fwd.nat_addr,
         daddr: if snat { fwd.snat_addr } else { reply_daddr(pkt, fwd.flags & flags::HAIRPIN != 0) },
         sport: fwd.nat_port,
-        dport: if snat { fwd.snat_port } else { pkt.sport },
+        dport: if moved { fwd.snat_port } else { pkt.sport },
         proto: pkt.proto,
         _pad: 0,
         _pad2: 0,
@@ -261,7 +263,70 @@ fn scratch() -> Result<*mut CtEntry, Reason> {
     Ok(p)
 }
 
-/// Tracks a new connection (or re-tracks one whose backend changed).
+/// Whether the reply entry `old`, at the backend -> client tuple a new flow `own` would take,
+/// still answers for a live connection other than `own` (then the new flow must not take the
+/// tuple: the backend would see two connections as one, and the first would die).
+#[inline(always)]
+fn reply_in_use(pkt: &Packet, old: *const CtEntry, client_port: [u8; 2], own: &CtKey, now: u64) -> bool {
+    // SAFETY: fields of a live map value, read at once.
+    let (oflags, olast, nat_addr, nat_port, snat_port, backend_id) =
+        unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).snat_port, (*old).backend_id) };
+    if oflags & flags::SNAT != 0 {
+        return !reply_reusable(pkt.proto, old, now);
+    }
+    if oflags & flags::REPLY == 0 || expired(pkt.proto, oflags, olast, now) {
+        return false;
+    }
+    // Its connection's forward tuple: the client (the tuple's destination, at its own port,
+    // `client_port` unless it was moved), to the Service address it reached.
+    let cport = if oflags & flags::PORT_NAT != 0 { snat_port } else { client_port };
+    let fwd = CtKey { saddr: pkt.saddr, daddr: nat_addr, sport: cport, dport: nat_port, proto: pkt.proto, _pad: 0, _pad2: 0 };
+    if fwd == *own {
+        // The same connection, tracked afresh.
+        return false;
+    }
+    match CT4_V2.get_ptr(&fwd) {
+        None => false,
+        // SAFETY: fields of a live map value, read at once.
+        Some(f) => unsafe {
+            let ff = (*f).flags;
+            ff & flags::REPLY == 0 && (*f).backend_id == backend_id && ff & flags::RST == 0 && !expired(pkt.proto, ff, (*f).last_seen_ns, now)
+        },
+    }
+}
+
+/// Client ports a clashing flow is moved to (nf_nat's range for ports above the privileged).
+const PORT_NAT_MIN: u32 = 1024;
+const PORT_NAT_TRIES: u32 = 8;
+
+/// Claims a free client port for a flow whose translated tuple is taken: the reply entry (in
+/// `e`, already filled in) is inserted at backend -> client:port only where that is free.
+#[inline(always)]
+fn claim_client_port(pkt: &Packet, backend: &Backend, e: &mut CtEntry, own: &CtKey, now: u64) -> Result<[u8; 2], Reason> {
+    // SAFETY: plain helper call.
+    let start = unsafe { bpf_get_prandom_u32() };
+    e.flags |= flags::PORT_NAT;
+    e.snat_port = pkt.sport;
+    for i in 0..PORT_NAT_TRIES {
+        let port = ((PORT_NAT_MIN + start.wrapping_add(i) % (65536 - PORT_NAT_MIN)) as u16).to_be_bytes();
+        if port == pkt.sport {
+            continue;
+        }
+        let k = CtKey { saddr: backend.addr, daddr: pkt.saddr, sport: backend.port, dport: port, proto: pkt.proto, _pad: 0, _pad2: 0 };
+        if CT4_V2.insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
+            return Ok(port);
+        }
+        let free = CT4_V2.get_ptr(&k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
+        if free && CT4_V2.insert(k, &*e, BPF_ANY as u64).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(Reason::DropCtInsert)
+}
+
+/// Tracks a new connection (or re-tracks one whose backend changed). The reply tuple is taken
+/// only when no other live connection holds it; otherwise the client's port is moved to a free
+/// one, which is returned (the caller rewrites the packet's source port to it).
 #[inline(always)]
 pub fn create(
     pkt: &Packet,
@@ -271,7 +336,7 @@ pub fn create(
     now: u64,
     hairpin: bool,
     l4_csum: u8,
-) -> Result<(), Reason> {
+) -> Result<Option<[u8; 2]>, Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     let hp = if hairpin { flags::HAIRPIN } else { 0 };
     let e = scratch()?;
@@ -280,18 +345,36 @@ pub fn create(
     e.last_seen_ns = now;
     e.backend_id = backend_id;
     e.service_id = service_id;
-    e.flags = fin_rst | hp;
-    e.l4_csum = l4_csum;
-    e.nat_port = backend.port;
-    e.nat_addr = backend.addr;
-    CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
     e.flags = flags::REPLY | hp;
     e.l4_csum = proxy_common::ct::l4_csum::UNKNOWN;
     e.nat_port = pkt.dport;
     e.nat_addr = pkt.daddr;
-    CT4_V2
-        .insert(reply_key(pkt, backend, hairpin), &*e, BPF_ANY as u64)
-        .map_err(|_| Reason::DropCtInsert)
+    let reply = reply_key(pkt, backend, hairpin);
+    let own = key(pkt);
+    // A hairpinned flow's replies go to the hairpin address: no other flow has them.
+    let mut moved = None;
+    if hairpin || CT4_V2.insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
+        let in_use = !hairpin && CT4_V2.get_ptr(&reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
+        if in_use {
+            moved = Some(claim_client_port(pkt, backend, e, &own, now)?);
+        } else {
+            CT4_V2.insert(reply, &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+        }
+    }
+    e.flags = fin_rst | hp | if moved.is_some() { flags::PORT_NAT } else { 0 };
+    e.l4_csum = l4_csum;
+    e.nat_port = backend.port;
+    e.nat_addr = backend.addr;
+    e.snat_port = moved.unwrap_or([0; 2]);
+    if CT4_V2.insert(own, &*e, BPF_ANY as u64).is_err() {
+        let taken = match moved {
+            Some(port) => CtKey { dport: port, ..reply },
+            None => reply,
+        };
+        let _ = CT4_V2.remove(taken);
+        return Err(Reason::DropCtInsert);
+    }
+    Ok(moved)
 }
 
 /// Tries for a free SNAT source port before giving up. Each try is one insert that fails only

@@ -55,9 +55,12 @@ fn apply(ctx: &TcContext, pkt: &Packet, step: Step) -> Result<Verdict, Reason> {
         Step::Pass(reason) => Ok(Verdict::pass(reason)),
         Step::Drop(reason) => Err(reason),
         Step::Reject { .. } => icmp::reject(ctx, pkt),
-        Step::Dnat { backend, reason, .. } => {
+        Step::Dnat { backend, reason, sport, .. } => {
             frag::remember(pkt);
             nat::rewrite(ctx, pkt, Side::Dst, backend.addr, backend.port)?;
+            if let Some(port) = sport {
+                nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, port)?;
+            }
             let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { reason };
             Ok(Verdict::pass(reason))
         }

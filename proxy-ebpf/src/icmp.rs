@@ -174,6 +174,13 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
     ctx.store(inner_l4 + 2, &rn.port, 0).map_err(fail)?;
     ctx.l4_csum_replace(icmp_csum, word2(dport), word2(rn.port), 2).map_err(fail)?;
 
+    // Quoted source port, when the flow's client port was moved (`PORT_NAT`).
+    let moved = entry.flags & flags::PORT_NAT != 0;
+    if moved {
+        ctx.store(inner_l4, &entry.snat_port, 0).map_err(fail)?;
+        ctx.l4_csum_replace(icmp_csum, word2(sport), word2(entry.snat_port), 2).map_err(fail)?;
+    }
+
     // The quoted UDP checksum (inside the 8 quoted bytes; TCP's is not) follows the new
     // destination, as nf_nat keeps it.
     if inner.proto == IPPROTO_UDP && (l4[6] != 0 || l4[7] != 0) {
@@ -181,6 +188,9 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
         let udp_csum = inner_l4 + 6;
         ctx.l4_csum_replace(udp_csum, word4(inner.dst_addr), word4(rn.addr), mangled | 4).map_err(fail)?;
         ctx.l4_csum_replace(udp_csum, word2(dport), word2(rn.port), mangled | 2).map_err(fail)?;
+        if moved {
+            ctx.l4_csum_replace(udp_csum, word2(sport), word2(entry.snat_port), mangled | 2).map_err(fail)?;
+        }
         let new_udp: [u8; 2] = ctx.load(udp_csum).map_err(fail)?;
         ctx.l4_csum_replace(icmp_csum, word2([l4[6], l4[7]]), word2(new_udp), 2).map_err(fail)?;
     }

@@ -57,7 +57,8 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         // Tracked afresh below; the old connection's reply entry must not outlive it.
         ct::drop_reply(&pkt, &entry);
     }
-    to_service(ctx, &pkt, now, Reason::NewFlow)
+    let reason = if pkt.is_tcp_mid_connection() { Reason::NewFlowMidConnection } else { Reason::NewFlow };
+    to_service(ctx, &pkt, now, reason)
 }
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.
@@ -100,6 +101,9 @@ fn established(
         translate_hairpin(ctx, pkt, &be)?
     } else {
         nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum)?;
+        if entry.flags & flags::PORT_NAT != 0 {
+            nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, entry.snat_port)?;
+        }
         TC_ACT_OK
     };
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::Established };
@@ -163,7 +167,14 @@ fn new_flow(
     } else {
         (TC_ACT_OK, nat::rewrite_learning(ctx, pkt, Side::Dst, be.addr, be.port)?)
     };
-    ct::create(pkt, master.service_id, backend_id, &be, now, hairpin, l4_csum)?;
+    let mut reason = reason;
+    if let Some(port) = ct::create(pkt, master.service_id, backend_id, &be, now, hairpin, l4_csum)? {
+        // Another flow from this client port already reaches this backend: keep the tuples apart.
+        nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, port)?;
+        if reason == Reason::NewFlow {
+            reason = Reason::NewFlowPortNat;
+        }
+    }
     count_flow(backend_id);
     frag::remember(pkt);
     Ok(Verdict { action, reason })

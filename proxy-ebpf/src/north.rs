@@ -53,7 +53,8 @@ pub enum Step {
     /// Not ours to change.
     Pass(Reason),
     /// DNAT only, and on through the stack (a backend on this node).
-    Dnat { backend: Backend, backend_id: u32, service_id: u32, reason: Reason },
+    /// `sport`: the client's source port moved to keep the translated tuple unique.
+    Dnat { backend: Backend, backend_id: u32, service_id: u32, reason: Reason, sport: Option<[u8; 2]> },
     /// Rewrite both addresses and send by `route`.
     Forward { dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2]), route: Route, backend_id: u32, service_id: u32, reason: Reason },
     /// No endpoints: ICMP port unreachable.
@@ -186,7 +187,8 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
                 if !env.dry {
                     ct::touch_forward(pkt, e, now);
                 }
-                return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established };
+                let sport = (entry.flags & flags::PORT_NAT != 0).then_some(entry.snat_port);
+                return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established, sport };
             }
             let route = match usable(env, route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now)) {
                 Ok(r) => r,
@@ -244,13 +246,15 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         if let Some(s) = xdp_pass(env) {
             return s;
         }
+        let mut sport = None;
         if !env.dry {
-            if let Err(r) = ct::create(pkt, master.service_id, choice.id, &be, now, false, proxy_common::ct::l4_csum::UNKNOWN) {
-                return Step::Drop(r);
+            match ct::create(pkt, master.service_id, choice.id, &be, now, false, proxy_common::ct::l4_csum::UNKNOWN) {
+                Ok(moved) => sport = moved,
+                Err(r) => return Step::Drop(r),
             }
             count_flow(choice.id);
         }
-        return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal };
+        return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal, sport };
     }
     let route = match usable(env, fib(env, pkt, pkt.saddr, be.addr)) {
         Ok(r) => r,

@@ -124,6 +124,13 @@ impl Packet {
     pub fn is_tcp_syn(&self) -> bool {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
     }
+
+    /// A TCP segment of a connection under way (no SYN): one that finds no conntrack entry
+    /// lost it (evicted from a full map, or expired).
+    #[inline(always)]
+    pub fn is_tcp_mid_connection(&self) -> bool {
+        self.proto == IPPROTO_TCP && self.has_l4() && self.tcp_flags & TCP_SYN == 0
+    }
 }
 
 pub enum Parsed {

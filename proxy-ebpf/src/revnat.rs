@@ -46,7 +46,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(rn) = revnat_of(&entry) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
-    if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, rn.addr, rn.port), ct::now()) {
+    if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
     frag::remember(&pkt);
@@ -59,6 +59,10 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         }
     } else {
         nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum)?;
+    }
+    if entry.flags & flags::PORT_NAT != 0 {
+        // The client's own port, which the forward direction moved.
+        nat::rewrite(ctx, &pkt, Side::Dst, pkt.daddr, entry.snat_port)?;
     }
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
     Ok(Verdict::pass(reason))

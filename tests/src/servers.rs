@@ -148,6 +148,66 @@ impl Conn {
     }
 }
 
+/// A socket in `ns` bound to `port` with SO_REUSEADDR, so several sockets may share the port
+/// as long as their peers differ (what a client reusing its source port towards two Services
+/// does).
+fn bound_socket(ns: &Netns, kind: libc::c_int, port: u16) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    ns.run(move || {
+        // SAFETY: plain socket calls on a descriptor this function owns from creation on.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, kind | libc::SOCK_CLOEXEC, 0);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let one: libc::c_int = 1;
+            let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+            if libc::setsockopt(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as u16;
+            sa.sin_port = port.to_be();
+            if libc::bind(raw, (&sa as *const libc::sockaddr_in).cast(), size_of::<libc::sockaddr_in>() as u32) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(fd)
+        }
+    })
+}
+
+impl Conn {
+    /// Connects from inside `ns`, from source port `port` (shared with other sockets).
+    pub fn open_from_port(ns: &Netns, port: u16, to: SocketAddrV4) -> io::Result<Self> {
+        let fd = bound_socket(ns, libc::SOCK_STREAM, port)?;
+        let stream = TcpStream::from(fd);
+        let sa = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(*to.ip()).to_be() },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: connect on the stream's own descriptor with a valid address.
+        if unsafe { libc::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), (&sa as *const libc::sockaddr_in).cast(), size_of::<libc::sockaddr_in>() as u32) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        stream.set_read_timeout(Some(TIMEOUT))?;
+        stream.set_write_timeout(Some(TIMEOUT))?;
+        Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
+    }
+}
+
+impl UdpFlow {
+    /// A connected UDP flow from source port `port` (shared with other sockets).
+    pub fn open_from_port(ns: &Netns, port: u16, to: SocketAddrV4) -> io::Result<Self> {
+        let sock = UdpSocket::from(bound_socket(ns, libc::SOCK_DGRAM, port)?);
+        sock.set_read_timeout(Some(TIMEOUT))?;
+        sock.connect(to)?;
+        Ok(Self(sock))
+    }
+}
+
 /// One TCP request on a fresh connection.
 pub fn tcp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
     Conn::open(ns, to)?.ask()

@@ -10,7 +10,7 @@ use std::{
 use proxy_tests::{
     lab::{self, sock, standard_manifests, Lab, DNS_VIP, EMPTY_VIP, WEB_VIP},
     netns, require,
-    servers::{tcp_ask, udp_ask, udp_ask_connected, Conn},
+    servers::{tcp_ask, udp_ask, udp_ask_connected, Conn, UdpFlow},
 };
 
 const AGENT: &str = env!("CARGO_BIN_EXE_proxy-lab-agent");
@@ -477,4 +477,72 @@ fn health_check_node_ports_listen_where_node_ports_are_served() {
         }
         assert_eq!(get("127.0.0.1:32000").is_ok(), loopback_answers, "{flags:?}: on 127.0.0.1 only when NodePorts are served on every address");
     }
+}
+
+/// Two Services share a backend and a pod reuses one source port towards both (Linux allows
+/// it: the destinations differ). At the backend both flows would be one tuple; the dataplane
+/// moves the second flow's source port, as netfilter's NAT does on a clash, and both
+/// connections (and both UDP flows) keep working.
+#[test]
+fn a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connections() {
+    let Some(mut lab) = lab("a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connections") else { return };
+    let one = &lab.backend_ips()[..1];
+    let (tcp_a, tcp_b, udp_a, udp_b) = ("10.96.0.61:80", "10.96.0.62:80", "10.96.0.63:53", "10.96.0.64:53");
+    let mut objects = Vec::new();
+    for (name, vip, proto, port, target) in [("same-a", tcp_a, "TCP", 80, lab::TCP_PORT), ("same-b", tcp_b, "TCP", 80, lab::TCP_PORT), ("same-c", udp_a, "UDP", 53, lab::UDP_PORT), ("same-d", udp_b, "UDP", 53, lab::UDP_PORT)] {
+        objects.push(lab::service(name, vip.split(':').next().unwrap(), &[("p", port, proto, target)]));
+        objects.push(lab::endpoint_slice(name, &format!("{name}-1"), one, &[("p", target, proto)]));
+    }
+    lab.write_manifest("same-backend.yaml", &objects.join("---\n"));
+    for (vip, proto) in [(tcp_a, "TCP"), (tcp_b, "TCP"), (udp_a, "UDP"), (udp_b, "UDP")] {
+        lab.wait_programmed(vip, proto, 1);
+    }
+    let port = 41061;
+    let mut a = Conn::open_from_port(&lab.client.ns, port, sock(tcp_a)).expect("first connection");
+    let first = a.ask().expect("first connection answers");
+    assert_eq!(first.peer, std::net::SocketAddr::from((lab.client.ip, port)), "the first flow keeps its port");
+    let mut b = Conn::open_from_port(&lab.client.ns, port, sock(tcp_b)).expect("second connection from the same port");
+    let second = b.ask().expect("second connection answers");
+    assert_eq!(second.peer.ip(), std::net::IpAddr::V4(lab.client.ip));
+    assert_ne!(second.peer.port(), port, "the backend sees the second flow on another port");
+    for i in 0..5 {
+        assert_eq!(a.ask().unwrap_or_else(|e| panic!("request {i} on the first connection: {e}")).peer, first.peer, "the first connection lives");
+        assert_eq!(b.ask().unwrap_or_else(|e| panic!("request {i} on the second connection: {e}")).peer, second.peer);
+    }
+    let (ua, ub) = (UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_a)).expect("udp a"), UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_b)).expect("udp b"));
+    let (fa, fb) = (ua.ask().expect("first UDP flow"), ub.ask().expect("second UDP flow"));
+    assert_ne!(fa.peer, fb.peer, "the backend tells the two UDP flows apart");
+    for i in 0..5 {
+        assert_eq!(ua.ask().unwrap_or_else(|e| panic!("datagram {i} of the first UDP flow: {e}")).peer, fa.peer);
+        assert_eq!(ub.ask().unwrap_or_else(|e| panic!("datagram {i} of the second UDP flow: {e}")).peer, fb.peer);
+    }
+    let ct = lab.inspect().unwrap();
+    assert!(ct.counters.get("new_flow_port_nat").is_some_and(|c| c.packets >= 2), "moved ports are counted: {:?}", ct.counters);
+}
+
+/// The same from a host-network process, whose connections the socket hooks send straight to
+/// the backend at connect time: there is no packet to move the port of, so the second connect
+/// from the same port fails at once with EADDRNOTAVAIL (the tuple at the backend is taken), as
+/// with Cilium's socket load balancing, and the first connection is untouched. kube-proxy's
+/// NAT would let both through: the difference is stated in the README.
+#[test]
+fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing() {
+    let Some(mut lab) = lab("a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing") else { return };
+    if lab.cgroup.is_none() {
+        println!("SKIPPED a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing: no cgroup v2 hierarchy is mounted");
+        return;
+    }
+    let one = &lab.backend_ips()[..1];
+    let mut objects = Vec::new();
+    for (name, ip) in [("host-a", "10.96.0.65"), ("host-b", "10.96.0.66")] {
+        objects.push(lab::service(name, ip, &[("p", 80, "TCP", lab::TCP_PORT)]));
+        objects.push(lab::endpoint_slice(name, &format!("{name}-1"), one, &[("p", lab::TCP_PORT, "TCP")]));
+    }
+    lab.write_manifest("host-same-backend.yaml", &objects.join("---\n"));
+    lab.wait_programmed("10.96.0.65:80", "TCP", 1);
+    lab.wait_programmed("10.96.0.66:80", "TCP", 1);
+    let out = lab.host_ask("tcp-same-port", "10.96.0.65:80,10.96.0.66:80");
+    let f: Vec<&str> = out.split_whitespace().collect();
+    assert!(f.len() == 4 && f[0].starts_with("first=backend-1/") && f[3] == format!("first-again={}", &f[0]["first=".len()..]), "the first connection answers before and after: {out}");
+    assert_eq!(f[1..3].join(" "), "second=err AddrNotAvailable", "{out}");
 }

@@ -478,3 +478,35 @@ fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_po
     n.dp.remove(&key(LB, Protocol::Tcp)).unwrap();
     assert_eq!(n.dp.count_in_kernel().unwrap()["LB4_SRCRANGE_V1"], 0, "removing the frontend removes its ranges");
 }
+
+/// An outside client reaches two NodePorts of one local backend from one source port: at the
+/// backend both flows would be one tuple (the client's address is kept), so the second flow's
+/// port is moved, as netfilter's NAT does, and each reply goes back as its own NodePort.
+#[test]
+fn one_client_port_to_two_node_ports_of_one_local_backend_keeps_both_flows() {
+    let Some(mut n) = node("one_client_port_to_two_node_ports_of_one_local_backend_keeps_both_flows") else { return };
+    let other = "192.168.50.1:30081";
+    for np in [NODE_PORT, other] {
+        n.dp.upsert(&key(np, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(LOCAL, true)])).unwrap();
+    }
+    let checked = |out: &testrun::Output| {
+        let d = dissect(&out.frame);
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{d:?}");
+        d
+    };
+    let first = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex));
+    assert_eq!((first.src_sock(), first.dst_sock()), (sock(CLIENT), sock(LOCAL)));
+    let second = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(other), SYN), n.ifindex));
+    assert_eq!((second.src, second.dst_sock()), (*sock(CLIENT).ip(), sock(LOCAL)));
+    let moved = second.sport.unwrap();
+    assert_ne!(moved, sock(CLIENT).port(), "the second flow's port is moved");
+    let back = SocketAddrV4::new(*sock(CLIENT).ip(), moved);
+    let r2 = checked(&run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), back, SYN | ACK)));
+    assert_eq!((r2.src_sock(), r2.dst_sock()), (sock(other), sock(CLIENT)), "the second reply goes back as its NodePort, to the client's port");
+    let r1 = checked(&run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), sock(CLIENT), SYN | ACK)));
+    assert_eq!((r1.src_sock(), r1.dst_sock()), (sock(NODE_PORT), sock(CLIENT)), "the first flow is intact");
+    let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(other), ACK), n.ifindex));
+    assert_eq!(again.sport, Some(moved), "later packets keep the moved port");
+    let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex));
+    assert_eq!(again.src_sock(), sock(CLIENT));
+}

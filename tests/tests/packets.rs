@@ -196,7 +196,8 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
         assert!(d.udp_checksum_zero && d.ip_checksum_ok, "a UDP reply without checksum keeps checksum 0");
     }
     let c = counters(&mut dp);
-    assert_eq!((c["new_flow"], c["established"], c["reverse_nat"]), (4, 9, 7));
+    // c2's first packet is no SYN: counted as a connection whose flow was lost.
+    assert_eq!((c["new_flow"], c["new_flow_mid_connection"], c["established"], c["reverse_nat"]), (3, 1, 9, 7));
 }
 
 #[test]
@@ -383,7 +384,7 @@ fn odd_frames_pass_without_a_fault() {
     let c = counters(&mut dp);
     assert_eq!(c.get("pass_not_ipv4"), Some(&2));
     assert_eq!(c.get("pass_malformed"), Some(&4), "{c:?}");
-    assert_eq!(c.get("new_flow"), None, "no malformed frame may be translated");
+    assert_eq!((c.get("new_flow"), c.get("new_flow_mid_connection")), (None, None), "no malformed frame may be translated");
 }
 
 #[test]
@@ -674,4 +675,88 @@ fn conntrack_lifetimes_set_at_load_decide_when_a_flow_is_balanced_afresh() {
     assert_eq!(counts(Lifetimes::DEFAULT), (Some(1), Some(2)));
     // With conntrack.udpTimeout 100ms it has expired and is balanced afresh.
     assert_eq!(counts(Lifetimes { udp_ns: 100_000_000, ..Lifetimes::DEFAULT }), (Some(2), Some(1)));
+}
+
+/// Two Services share a backend, and a client uses one source port towards both (Linux lets
+/// it: the destinations differ). After DNAT both flows would be the same tuple at the backend,
+/// and the second would silently kill the first; as netfilter's NAT does, the second flow's
+/// client port is moved, and both live.
+#[test]
+fn a_client_port_reused_towards_two_services_of_one_backend_keeps_both_flows() {
+    let Some(mut dp) = setup("a_client_port_reused_towards_two_services_of_one_backend_keeps_both_flows") else { return };
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let (vip1, vip2, be) = ("10.96.0.10:80", "10.96.0.11:80", "10.244.1.2:8080");
+        program(&mut dp, vip1, proto, &[be]);
+        program(&mut dp, vip2, proto, &[be]);
+        let frame = |from: SocketAddrV4, to: SocketAddrV4, tcp_flags: u8| match proto {
+            Protocol::Tcp => tcp_frame(from, to, tcp_flags),
+            _ => udp_frame(from, to, b"q"),
+        };
+        let checked = |out: &testrun::Output, what: &str| {
+            let d = dissect(&out.frame);
+            assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto:?} {what}: checksums {d:?}");
+            d
+        };
+        let first = checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip1), SYN)), "first flow");
+        assert_eq!((first.src_sock(), first.dst_sock()), (sock(CLIENT), sock(be)), "{proto:?}: the first flow keeps its port");
+        let second = checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip2), SYN)), "second flow");
+        assert_eq!(second.dst_sock(), sock(be));
+        let moved = second.sport.unwrap();
+        assert_ne!(moved, sock(CLIENT).port(), "{proto:?}: the second flow's client port is moved");
+        // Replies of each flow go back to the client's own port, from the address it reached.
+        let back = |p: u16| SocketAddrV4::new(*sock(CLIENT).ip(), p);
+        let r2 = checked(&run_egress(&mut dp, &frame(sock(be), back(moved), SYN | ACK)), "reply of the second flow");
+        assert_eq!((r2.src_sock(), r2.dst_sock()), (sock(vip2), sock(CLIENT)), "{proto:?}");
+        let r1 = checked(&run_egress(&mut dp, &frame(sock(be), sock(CLIENT), SYN | ACK)), "reply of the first flow");
+        assert_eq!((r1.src_sock(), r1.dst_sock()), (sock(vip1), sock(CLIENT)), "{proto:?}: the first flow is intact");
+        // Later packets of each flow keep their translation.
+        assert_eq!(checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip2), ACK)), "second flow again").sport, Some(moved));
+        assert_eq!(checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip1), ACK)), "first flow again").sport, Some(sock(CLIENT).port()));
+        let ct = conntrack(&mut dp);
+        let ipproto = if proto == Protocol::Tcp { 6 } else { 17 };
+        let fwd = ct.iter().find(|(k, _)| k.proto == ipproto && k.src() == sock(CLIENT) && k.dst() == sock(vip2)).expect("the second flow is tracked").1;
+        assert!(fwd.flags & proxy_common::ct::flags::PORT_NAT != 0 && u16::from_be_bytes(fwd.snat_port) == moved, "{proto:?}: {fwd:?}");
+    }
+}
+
+/// A full conntrack map evicts the least recently used flows to make room for new ones. A
+/// connection that loses its entry this way is counted when its next segment arrives (a TCP
+/// segment without SYN that finds no flow), so `inspect` and the metrics say why connections
+/// were reset.
+#[test]
+fn a_connection_whose_entry_a_flood_evicted_is_counted() {
+    if !require::root("a_connection_whose_entry_a_flood_evicted_is_counted") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::loader::LoadOptions;
+    let mut dp = EbpfDataplane::load(LoadOptions { ct_map_max: 64, ..Default::default() }).expect("load");
+    program(&mut dp, "10.96.0.10:80", Protocol::Tcp, &["10.244.1.2:8080"]);
+    let client = sock(CLIENT);
+    run(&mut dp, &tcp_frame(client, sock("10.96.0.10:80"), SYN));
+    run(&mut dp, &tcp_frame(client, sock("10.96.0.10:80"), ACK));
+    assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), None, "a tracked connection is not counted");
+    // The kernel's LRU gives an entry used more than once a second chance: a flood of single
+    // SYNs (a SYN flood, a port scan) is evicted among itself and spares the connection.
+    for port in 30000..32000 {
+        run(&mut dp, &tcp_frame(SocketAddrV4::new(*client.ip(), port), sock("10.96.0.10:80"), SYN));
+    }
+    assert!(conntrack(&mut dp).iter().any(|(k, _)| k.src() == client), "2000 single SYNs evicted an established connection from a map of 64");
+    // Connections that carry data (two segments each here) rotate the whole map, and an idle
+    // connection goes.
+    let mut flood = 2000;
+    while conntrack(&mut dp).iter().any(|(k, _)| k.src() == client) {
+        assert!(flood < 20_000, "20000 new connections never evicted the idle connection from a map of 64");
+        for _ in 0..50 {
+            let from = SocketAddrV4::new(*client.ip(), 40000 + flood);
+            run(&mut dp, &tcp_frame(from, sock("10.96.0.10:80"), SYN));
+            run(&mut dp, &tcp_frame(from, sock("10.96.0.10:80"), ACK));
+            flood += 1;
+        }
+    }
+    println!("{} new connections evicted the idle connection from a map of 64 entries", flood - 2000);
+    let out = run(&mut dp, &tcp_frame(client, sock("10.96.0.10:80"), ACK));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "balanced afresh");
+    let c = counters(&mut dp);
+    assert_eq!(c.get("new_flow_mid_connection"), Some(&1), "{c:?}");
+    assert_eq!(c.get("new_flow"), Some(&(1 + u64::from(flood))), "{c:?}");
 }

@@ -5,7 +5,9 @@
 //! `proxy-host-client CGROUP_DIR NETNS_FILE tcp|udp ADDR:PORT` prints
 //! `ok <backend> <peer the backend saw> <peer this socket reports>` or `err <io::ErrorKind>`;
 //! `udp-many` sends 10 datagrams from one unconnected socket and prints `ok <how many backends
-//! answered> <their names>`.
+//! answered> <their names>`. `tcp-same-port` takes `ADDR:PORT,ADDR:PORT`: two connections from
+//! one source port (SO_REUSEADDR), one to each; prints `first=<answer|err kind>
+//! second=<answer|err kind> first-again=<answer|err kind>` (answers as `<backend>/<peer seen>`).
 
 use std::{
     fs,
@@ -46,6 +48,11 @@ fn main() {
     let ns = fs::File::open(netns).expect("open the network namespace");
     // SAFETY: setns on a valid namespace fd; this process is single-threaded here.
     assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns: {}", std::io::Error::last_os_error());
+    if proto == "tcp-same-port" {
+        let (a, b) = to.split_once(',').expect("ADDR:PORT,ADDR:PORT");
+        same_port(a.parse().expect("ADDR:PORT"), b.parse().expect("ADDR:PORT"));
+        return;
+    }
     let to: SocketAddr = to.parse().expect("ADDR:PORT");
     if proto == "udp-many" {
         let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
@@ -70,4 +77,53 @@ fn main() {
         Ok((answer, peer)) => println!("ok {answer} {peer}"),
         Err(e) => println!("err {:?}", e.kind()),
     }
+}
+
+/// A TCP connection from source port `port`, shared (SO_REUSEADDR) with other sockets.
+fn connect_from(port: u16, to: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd as _;
+    let SocketAddr::V4(to) = to else { return Err(std::io::ErrorKind::Unsupported.into()) };
+    // SAFETY: plain socket calls on a descriptor owned by the returned stream from creation on.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        let len = size_of::<libc::sockaddr_in>() as u32;
+        let sa = |ip: u32, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr { s_addr: ip.to_be() },
+            sin_zero: [0; 8],
+        };
+        let (local, remote) = (sa(0, port), sa(u32::from(*to.ip()), to.port()));
+        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) != 0
+            || libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len) != 0
+            || libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        s.set_read_timeout(Some(TIMEOUT))?;
+        Ok(s)
+    }
+}
+
+fn request(s: &TcpStream) -> String {
+    let mut line = String::new();
+    match (&*s).write_all(b"hello\n").and_then(|()| BufReader::new(s).read_line(&mut line)) {
+        Ok(0) => "err UnexpectedEof".into(),
+        Ok(_) => line.split_whitespace().collect::<Vec<_>>().join("/"),
+        Err(e) => format!("err {:?}", e.kind()),
+    }
+}
+
+fn same_port(a: SocketAddr, b: SocketAddr) {
+    const PORT: u16 = 41062;
+    let first = connect_from(PORT, a);
+    let first_answer = first.as_ref().map(request).unwrap_or_else(|e| format!("err {:?}", e.kind()));
+    let second = connect_from(PORT, b).map(|s| request(&s)).unwrap_or_else(|e| format!("err {:?}", e.kind()));
+    let again = first.as_ref().map(request).unwrap_or_else(|e| format!("err {:?}", e.kind()));
+    println!("first={first_answer} second={second} first-again={again}");
 }

@@ -171,6 +171,12 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
         if found_ty != ty || info.key_size() as usize != k || info.value_size() as usize != v {
             return Err(bad(format!("{found_ty:?} key {} value {}", info.key_size(), info.value_size())));
         }
+        // The counters of an older build with fewer reasons: counters only, so replaced (the
+        // programs would not count the reasons beyond its end).
+        if *name == *map_names::STATS && info.max_entries() != REASON_SLOTS {
+            tracing::info!(pin = %path.display(), entries = info.max_entries(), "replacing the packet counters of an older build");
+            fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
+        }
     }
     Ok(())
 }
