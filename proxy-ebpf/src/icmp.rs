@@ -140,6 +140,13 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
         return Ok(Verdict::pass(Reason::EgressPass));
     }
     let inner_l4 = inner_off + inner_ihl;
+    // The quote must hold the inner header and 8 bytes of ports and checksum within the
+    // outer packet's total length (bytes past it are a trailer the ICMP checksum does not
+    // cover; the parser has checked that length against the frame).
+    let outer_len: [u8; 2] = ctx.load(IP_OFF + 2).map_err(|_| Reason::DropRewrite)?;
+    if inner_l4 + 8 > IP_OFF + usize::from(u16::from_be_bytes(outer_len)) {
+        return Ok(Verdict::pass(Reason::EgressPass));
+    }
     let Some(l4) = ptr_at::<[u8; 8]>(ctx, inner_l4) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };

@@ -183,6 +183,17 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     if vihl >> 4 != 4 || ihl < size_of::<Ipv4Hdr>() {
         return Parsed::Malformed;
     }
+    // What the kernel's ip_rcv drops (a total length shorter than the header, or longer than
+    // what arrived) is left to it untouched: translating it would track a flow for a packet
+    // that is never delivered.
+    let mut total = u32::from(u16::from_be_bytes(tot_len));
+    if total == 0 && len > 0xffff + IP_OFF as u32 {
+        // BIG TCP: a GSO packet beyond 64 KiB says 0, and its length is the skb's.
+        total = len - IP_OFF as u32;
+    }
+    if total < ihl as u32 || total + IP_OFF as u32 > len {
+        return Parsed::Malformed;
+    }
     if proto == IPPROTO_ICMP && frags & IP_OFFSET_MASK == 0 {
         return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr };
     }
@@ -221,6 +232,11 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     let Some(l4) = l4 else {
         return Parsed::Malformed;
     };
+    // The header must lie within the total length too, not in a trailer the kernel trims.
+    let l4_hdr = if proto == IPPROTO_TCP { size_of::<TcpHdr>() } else { size_of::<UdpHdr>() };
+    if (pkt.l4_off + l4_hdr) as u32 > IP_OFF as u32 + total {
+        return Parsed::Malformed;
+    }
     // SAFETY: bounds checked by ptr_at: 4 bytes of ports, and for TCP the 20-byte header.
     unsafe {
         let ports = access::load4(l4);

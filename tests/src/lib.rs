@@ -5,6 +5,7 @@ pub mod apiserver;
 pub mod cluster;
 pub mod conformance;
 pub mod container;
+pub mod fuzz;
 pub mod lab;
 pub mod modesbench;
 pub mod netns;

@@ -49,6 +49,7 @@ fn main() {
         "run" => setup().and_then(|()| run_demo(rest)),
         "test" => setup().and_then(|()| test(rest)),
         "bench" => setup().and_then(|()| bench(rest)),
+        "fuzz" => setup().and_then(|()| fuzz(rest)),
         "help" | "-h" | "--help" => {
             print_help();
             Ok(())
@@ -73,6 +74,8 @@ fn print_help() {
          \x20         `cargo xtask run -- <agent arguments>` runs the agent on this node instead,\n\
          \x20         e.g. `cargo xtask run -- run --kubeconfig ~/.kube/config`\n\
          \x20 test    every test (run as root: the lab and the eBPF tests need it)\n\
+         \x20 fuzz    mutated frames through every eBPF program, longer than the test's fixed seed:\n\
+         \x20         `--frames N` (2,000,000), `--seed S` (new each run; printed, to replay a failure)\n\
          \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost"
     );
 }
@@ -287,6 +290,26 @@ fn test(extra: &[String]) -> Result {
         println!("xtask test: not root; tests that need root (eBPF, network namespaces) will say so and not run");
     }
     check(&mut cmd)
+}
+
+/// `cargo xtask fuzz [--frames N] [--seed S]`: the fuzz test with a new seed and more frames.
+fn fuzz(extra: &[String]) -> Result {
+    require_root("running eBPF programs with BPF_PROG_TEST_RUN")?;
+    let arg = |name: &str| extra.iter().position(|a| a == name).and_then(|i| extra.get(i + 1)).cloned();
+    let frames = arg("--frames").unwrap_or_else(|| "2000000".into());
+    let seed = arg("--seed").unwrap_or_else(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        (now.as_nanos() as u64 | 1).to_string()
+    });
+    println!("fuzz: {frames} frames, seed {seed} (replay with --seed {seed})");
+    check(
+        cargo()
+            .current_dir(workspace_root())
+            .args(["test", "-p", "proxy-tests", "--test", "fuzz", "--", "--nocapture"])
+            .env("PROXY_FUZZ_FRAMES", &frames)
+            .env("PROXY_FUZZ_SEED", &seed)
+            .env("PROXY_TESTS_STRICT", "1"),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
