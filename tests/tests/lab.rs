@@ -546,3 +546,54 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
     assert!(f.len() == 4 && f[0].starts_with("first=backend-1/") && f[3] == format!("first-again={}", &f[0]["first=".len()..]), "the first connection answers before and after: {out}");
     assert_eq!(f[1..3].join(" "), "second=err AddrNotAvailable", "{out}");
 }
+
+/// A restart storm under load: the agent killed (SIGKILL) 100 times, at random moments of its
+/// start (loading, adopting pins, attaching, syncing) or after it has synced, while long-lived
+/// TCP connections keep talking and new TCP connections and UDP queries keep coming. Not one is
+/// lost, and the agent that finally stays up serves as before.
+#[test]
+fn a_hundred_kill_restarts_under_load_lose_no_connection() {
+    let Some(mut lab) = lab("a_hundred_kill_restarts_under_load_lose_no_connection") else { return };
+    let mut conns: Vec<(Conn, String)> = (0..8)
+        .map(|i| {
+            let mut c = Conn::open(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("long-lived connection {i}: {e}"));
+            let b = c.ask().expect("first answer").backend;
+            (c, b)
+        })
+        .collect();
+    let dns = UdpFlow::open(&lab.client.ns, sock(DNS_VIP)).expect("a resolver's flow");
+    let resolver = dns.ask().expect("first query").backend;
+    let mut seed = 0x2545_f491_u64;
+    let (mut new_conns, mut queries) = (0, 0);
+    for round in 0..100 {
+        lab.kill_agent();
+        lab.start_agent();
+        // Somewhere in the first 400 ms of the start, or after the initial sync.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        if round % 10 == 9 {
+            lab.wait_log("initial sync done", round / 10 + 1);
+        } else {
+            thread::sleep(Duration::from_millis(seed % 400));
+        }
+        for (i, (c, backend)) in conns.iter_mut().enumerate() {
+            let a = c.ask().unwrap_or_else(|e| panic!("round {round}: long-lived connection {i}: {e}\n{}", lab.agent_log()));
+            assert_eq!(&a.backend, backend, "round {round}: connection {i} keeps its backend");
+        }
+        tcp_ask(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("round {round}: a new connection: {e}\n{}", lab.agent_log()));
+        assert_eq!(dns.ask().unwrap_or_else(|e| panic!("round {round}: the resolver's flow: {e}")).backend, resolver);
+        udp_ask(&lab.client.ns, sock(DNS_VIP)).unwrap_or_else(|e| panic!("round {round}: a new UDP query: {e}"));
+        new_conns += 1;
+        queries += 2;
+    }
+    lab.kill_agent();
+    lab.start_agent();
+    lab.wait_log("initial sync done", 11);
+    lab.wait_for("the last agent to attach", |r| r.interfaces.len() == 4 && r.frontends.len() == 3);
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections spread over every backend after the storm");
+    for (i, (c, backend)) in conns.iter_mut().enumerate() {
+        assert_eq!(&c.ask().unwrap_or_else(|e| panic!("after the storm, connection {i}: {e}")).backend, backend);
+    }
+    println!("100 kill -9 restarts: 8 long-lived connections and a resolver flow kept, {new_conns} new connections and {queries} queries answered");
+}
