@@ -103,7 +103,7 @@ struct Settings {
     #[arg(long, env = "NODE_NAME")]
     hostname_override: Option<String>,
     /// The node's primary IP when not 0.0.0.0 (default: the Node's InternalIP).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_ip)]
     bind_address: Option<IpAddr>,
     /// Node addresses NodePorts are served on: `primary` (the node IP) or CIDRs. Default: every
     /// address of the node.
@@ -194,7 +194,7 @@ struct RulesArgs {
     manifests: PathBuf,
     /// The node's own addresses (where `run` reads them from the kernel). Default: none listed;
     /// iptables then matches every local address, as kube-proxy does.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_ipv4)]
     node_ip: Vec<std::net::Ipv4Addr>,
     #[command(flatten)]
     settings: Settings,
@@ -206,6 +206,18 @@ fn parse_mode(s: &str) -> Result<ProxyMode, String> {
 
 fn parse_cidr(s: &str) -> Result<Cidr, String> {
     s.parse()
+}
+
+/// An address as kube-proxy reads its flags (leading zeros are decimal).
+fn parse_ip(s: &str) -> Result<IpAddr, String> {
+    crate::model::addr::parse_ip(s).ok_or_else(|| format!("{s:?} is not an IP address"))
+}
+
+fn parse_ipv4(s: &str) -> Result<std::net::Ipv4Addr, String> {
+    match parse_ip(s)? {
+        IpAddr::V4(a) => Ok(a),
+        IpAddr::V6(_) => Err(format!("{s} is IPv6; this agent serves IPv4 only so far")),
+    }
 }
 
 /// A flag that is `auto` (None) or a value (`--proxy-mode`, `--iptables-backend`).

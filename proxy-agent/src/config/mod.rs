@@ -326,7 +326,12 @@ fn parse_bind(field: &str, s: &str, port: u16) -> Result<SocketAddr, String> {
     if let Ok(a) = s.parse::<SocketAddr>() {
         return Ok(a);
     }
-    s.parse::<IpAddr>().map(|ip| SocketAddr::new(ip, port)).map_err(|_| format!("{field}: {s:?} is not IP:PORT"))
+    if let Some((host, p)) = s.rsplit_once(':').filter(|(h, _)| !h.contains(':')) {
+        if let (Some(ip), Ok(p)) = (crate::model::addr::parse_ip(host), p.parse::<u16>()) {
+            return Ok(SocketAddr::new(ip, p));
+        }
+    }
+    crate::model::addr::parse_ip(s).map(|ip| SocketAddr::new(ip, port)).ok_or_else(|| format!("{field}: {s:?} is not IP:PORT"))
 }
 
 /// CIDRs, comma-separated or listed. IPv6 ones are left out (with a note): this agent serves
@@ -411,7 +416,7 @@ impl Config {
         let bind = match flags.bind_address {
             Some(a) => Some(a),
             None => match file.bind_address.as_deref().filter(|s| !s.is_empty()) {
-                Some(s) => Some(s.parse::<IpAddr>().map_err(|_| format!("bindAddress: {s:?} is not an IP address"))?),
+                Some(s) => Some(crate::model::addr::parse_ip(s).ok_or_else(|| format!("bindAddress: {s:?} is not an IP address"))?),
                 None => None,
             },
         };

@@ -1,6 +1,7 @@
 //! The pure translation layer: Kubernetes objects in, this node's view of its Services out.
 //! Nothing here touches the kernel, so kube-proxy's semantics are unit-tested here.
 
+pub mod addr;
 pub mod endpoints;
 pub mod store;
 pub mod translate;

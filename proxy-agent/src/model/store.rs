@@ -105,9 +105,14 @@ impl std::str::FromStr for Cidr {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let (a, p) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a CIDR (address/prefix)"))?;
-        let addr = a.parse().map_err(|_| format!("{s:?}: {a:?} is not an IPv4 address"))?;
-        let prefix: u8 = p.parse().ok().filter(|p| *p <= 32).ok_or_else(|| format!("{s:?}: prefix {p:?} is not 0-32"))?;
-        Ok(Self { addr, prefix })
+        // Read as kube-proxy reads CIDRs (ParseCIDRSloppy): leading zeros are decimal.
+        let Some(std::net::IpAddr::V4(addr)) = super::addr::parse_ip(a) else {
+            return Err(format!("{s:?}: {a:?} is not an IPv4 address"));
+        };
+        match super::addr::parse_cidr(s) {
+            Some((_, prefix)) => Ok(Self { addr, prefix }),
+            None => Err(format!("{s:?}: prefix {p:?} is not 0-32")),
+        }
     }
 }
 

@@ -293,13 +293,11 @@ fn port_number(v: i32, field: &str, errs: &mut Vec<String>) -> u16 {
 }
 
 fn ip(s: &str, field: &str, errs: &mut Vec<String>) -> Option<IpAddr> {
-    match s.parse::<IpAddr>() {
-        Ok(a) => Some(a),
-        Err(_) => {
-            errs.push(format!("{field} {s:?} is not a valid IP address"));
-            None
-        }
+    let a = super::addr::parse_ip(s);
+    if a.is_none() {
+        errs.push(format!("{field} {s:?} is not a valid IP address"));
     }
+    a
 }
 
 pub fn service(svc: &Service) -> Result<CheckedService, Invalid> {
@@ -501,7 +499,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .into_iter()
         .flatten()
         .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
-        .filter_map(|i| i.ip.as_deref()?.parse().ok())
+        .filter_map(|i| super::addr::parse_ip(i.ip.as_deref()?))
         .filter(|a| special_service_ip(*a).is_none())
         .collect();
 
@@ -566,14 +564,14 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
             errs.push(format!("endpoints[{i}].addresses is empty"));
         }
         for (j, a) in e.addresses.iter().enumerate() {
-            match a.parse::<Ipv4Addr>() {
-                Ok(addr) => match special_endpoint_ip(addr) {
+            match super::addr::parse_ip(a) {
+                Some(IpAddr::V4(addr)) => match special_endpoint_ip(addr) {
                     Some(why) => errs.push(format!("endpoints[{i}].addresses[{j}] {addr} is {why}")),
                     None => {
                         first.get_or_insert(addr);
                     }
                 },
-                Err(_) => errs.push(format!("endpoints[{i}].addresses[{j}] {a:?} is not an IPv4 address")),
+                _ => errs.push(format!("endpoints[{i}].addresses[{j}] {a:?} is not an IPv4 address")),
             }
         }
         let Some(addr) = first else { continue };
@@ -646,7 +644,10 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
         .into_iter()
         .flatten()
         .filter(|a| a.type_ == "InternalIP")
-        .find_map(|a| a.address.parse::<Ipv4Addr>().ok());
+        .find_map(|a| match super::addr::parse_ip(&a.address) {
+            Some(IpAddr::V4(v)) => Some(v),
+            _ => None,
+        });
     let spec = n.spec.as_ref();
     let pod_cidrs = spec
         .and_then(|s| s.pod_cidrs.clone())
@@ -823,5 +824,26 @@ mod tests {
         let e = refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: http, port: 80}, {name: http, port: 81}]");
         assert!(e.contains("ports[1].name \"http\" is used twice"), "{e}");
         assert!(refused("metadata: {name: S..1}\naddressType: IPv4").contains("RFC 1123 subdomain"));
+    }
+
+    #[test]
+    fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
+        // Stored before Go 1.17 and still served: every part is decimal (041 is 41).
+        let s = service(&svc(
+            "metadata: {name: old}\nspec: {type: LoadBalancer, clusterIP: 010.096.000.010, externalIPs: [192.000.002.007], loadBalancerSourceRanges: [010.001.000.000/016], ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.001}]}}",
+        ))
+        .unwrap();
+        assert_eq!(s.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.external_ips, vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_ingress, vec!["203.0.113.1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_source_ranges, vec!["10.1.0.0/16".parse().unwrap()]);
+        let e = endpoint_slice(&slice("metadata: {name: s, labels: {kubernetes.io/service-name: old}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.001.041]}]")).unwrap().unwrap();
+        assert_eq!(e.endpoints[0].addr, "10.244.1.41".parse::<Ipv4Addr>().unwrap());
+        let n = node(&serde_yaml::from_str("metadata: {name: n}\nspec: {podCIDR: 10.244.001.000/24}\nstatus: {addresses: [{type: InternalIP, address: 192.168.001.010}]}").unwrap()).unwrap();
+        assert_eq!(n.internal_ip, Some("192.168.1.10".parse().unwrap()));
+        assert_eq!(n.pod_cidrs, vec!["10.244.1.0/24".parse().unwrap()]);
+        // What Go never accepted is still refused, naming the field.
+        let e = service(&svc("metadata: {name: bad}\nspec: {clusterIP: 10.96.0.0256, ports: [{port: 80}]}")).unwrap_err().to_string();
+        assert!(e.contains("spec.clusterIPs[0] \"10.96.0.0256\" is not a valid IP address"), "{e}");
     }
 }
