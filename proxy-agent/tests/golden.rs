@@ -236,3 +236,53 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
     let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
     assert!(!ipt.contains("cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 !"), "{ipt}");
 }
+
+/// Every dotted quad of `text` with its parts zero-padded to three digits (`10.0.0.1` becomes
+/// `010.000.000.001`), as objects stored before Go 1.17 may hold them.
+fn zero_padded(text: &str) -> String {
+    let mut out = String::new();
+    let mut token = String::new();
+    let flush = |token: &mut String, out: &mut String| {
+        let parts: Vec<&str> = token.split('.').collect();
+        if parts.len() == 4 && parts.iter().all(|p| !p.is_empty() && p.len() <= 3 && p.bytes().all(|b| b.is_ascii_digit())) {
+            out.push_str(&parts.iter().map(|p| format!("{p:0>3}")).collect::<Vec<_>>().join("."));
+        } else {
+            out.push_str(token);
+        }
+        token.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_digit() || c == '.' {
+            token.push(c);
+        } else {
+            flush(&mut token, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut token, &mut out);
+    out
+}
+
+/// kube-proxy reads addresses with ParseIPSloppy: objects whose addresses carry leading zeros
+/// get exactly the rules of the same objects written canonically, in both modes.
+#[test]
+fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
+    let original = golden("overall", "manifests.yaml");
+    let padded = zero_padded(&original);
+    assert!(padded.contains("172.030.000.041") && padded != original, "the manifests must hold padded addresses");
+    let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
+    let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("010.0.0.0/08")), masquerade_all: false };
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default());
+    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+    let nft = nftables::render(&services, &node, &opts).dump();
+    let canonical_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
+    let (_, canonical) = services_of(&canonical_dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    assert_eq!(services.len(), canonical.len(), "every Service is read");
+    assert_same("iptables rules of zero-padded objects", &ipt, &iptables::restore_text(&iptables::render(&canonical, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default()));
+    assert_same("nftables rules of zero-padded objects", &nft, &nftables::render(&canonical, &node, &opts).dump());
+    assert!(nft.contains("172.30.0.41") && !nft.contains("172.030"), "{nft}");
+}
