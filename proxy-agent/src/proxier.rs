@@ -141,9 +141,7 @@ impl NetfilterProxier {
         let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
         for svc in &dirty.services {
             let t = self.store.translate(svc);
-            for note in &t.notes {
-                tracing::info!(service = %svc, "{note}");
-            }
+            crate::model::store::log_notes(svc, &t.notes);
             match t.health_check {
                 Some(h) => {
                     self.health_checks.insert(svc.clone(), h);

@@ -153,9 +153,7 @@ impl<D: Dataplane> Reconciler<D> {
     /// Programs one Service; false when something failed and it will be retried.
     fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) -> bool {
         let translation = self.store.translate(svc);
-        for note in &translation.notes {
-            tracing::info!(service = %svc, "{note}");
-        }
+        crate::model::store::log_notes(svc, &translation.notes);
         match translation.health_check {
             Some(h) => {
                 self.health_checks.insert(svc.clone(), h);

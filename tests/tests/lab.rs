@@ -597,3 +597,103 @@ fn a_hundred_kill_restarts_under_load_lose_no_connection() {
     }
     println!("100 kill -9 restarts: 8 long-lived connections and a resolver flow kept, {new_conns} new connections and {queries} queries answered");
 }
+
+/// The agent's resident memory, from /proc.
+fn rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).unwrap_or(0) >> 10
+}
+
+#[test]
+fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
+    let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    // Info, as nodes run it: the log volume checked below is what an operator would get.
+    lab.agent_log_level = "info";
+    // An address of the node's own, for the corpus's Service that claims it as cluster IP.
+    lab.node.ip(&["addr", "add", "10.250.0.1/32", "dev", "lo"]);
+    // First by name: the corpus's invalid copies of `web` and `web-1` come later and win, as
+    // with `kubectl apply -f dir`; being invalid, they must leave the last good versions.
+    lab.write_manifest("a-services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.start_agent_with_extra(&["--config-sync-period", "1s"]);
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.wait_programmed(DNS_VIP, "UDP", 3);
+
+    let corpus = proxy_tests::corpus::malformed("10.250.0.1");
+    assert!(corpus.len() >= 236, "the corpus has {} files", corpus.len());
+    for c in &corpus {
+        let path = lab.manifests().join(&c.file);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &c.content).unwrap();
+    }
+    // Files that would block a reader or never end: a pipe, a link to a device.
+    let fifo = lab.manifests().join("corpus-fifo.yaml");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    std::os::unix::fs::symlink("/dev/zero", lab.manifests().join("corpus-zero.yaml")).unwrap();
+    let mut needles: Vec<&str> = corpus.iter().filter_map(|c| c.needle.as_deref()).collect();
+    needles.extend(["corpus-fifo.yaml: is not a regular file", "corpus-zero.yaml: is not a regular file"]);
+    // Every problem is named: the file for what cannot be read, the object for what is refused.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let missing = loop {
+        let log = lab.agent_log();
+        let missing: Vec<&str> = needles.iter().copied().filter(|n| !log.contains(n)).collect();
+        if missing.is_empty() || std::time::Instant::now() > deadline {
+            break missing;
+        }
+        assert!(lab.agent_running(), "the agent exited:\n{log}");
+        thread::sleep(Duration::from_millis(200));
+    };
+    let log = lab.agent_log();
+    assert!(missing.is_empty(), "not named in the log after 60 s: {missing:?}\n\nlog:\n{log}");
+    assert!(log.contains("a-services.yaml: Service default/web: is defined again in"), "the shadowed copy is named:\n{log}");
+    assert!(log.lines().all(|l| l.len() < 4096), "a log line quotes too much");
+
+    // The standard Services are untouched: the same three backends, nothing the corpus's slices
+    // for `web` claimed.
+    let seen = counts(&lab, 30);
+    assert_eq!(seen.len(), 3, "web's backends: {seen:?}");
+    assert!(seen.keys().all(|b| b.starts_with("backend-")), "{seen:?}");
+    assert!(udp_ask(&lab.client.ns, sock(DNS_VIP)).is_ok(), "dns answers");
+    let refused = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("the Service without endpoints refuses");
+    assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
+    let report = lab.inspect().expect("inspect");
+    let web = report.frontends.iter().find(|f| f.address == WEB_VIP).expect("web programmed");
+    assert_eq!(web.backends.len(), 3, "{web:?}");
+    // Nothing the API server would refuse was programmed: no frontend beyond the standard ones.
+    let programmed: std::collections::BTreeSet<&str> = report.frontends.iter().map(|f| f.address.as_str()).collect();
+    assert_eq!(programmed, [WEB_VIP, DNS_VIP, EMPTY_VIP].into_iter().collect(), "{}", proxy_agent::inspect::render(&report));
+    let (code, _) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10256".parse().unwrap(), "/healthz").expect("/healthz answers");
+    assert_eq!(code, 200, "/healthz");
+    let pid = lab.agent_pid().unwrap();
+    let rss = rss_mib(pid);
+    assert!(rss < 256, "the agent holds {rss} MiB after the corpus");
+
+    // Rescans (one a second, and one per change) name nothing again, and changes still flow.
+    let before = lab.agent_log().len();
+    thread::sleep(Duration::from_secs(4));
+    lab.write_manifest("later.yaml", &lab::service("later", "10.96.0.20", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    lab.wait_for("a Service added after the corpus", |r| r.frontends.iter().any(|f| f.address == "10.96.0.20:80"));
+    thread::sleep(Duration::from_secs(2));
+    let log = lab.agent_log();
+    let since = &log[before..];
+    let repeated: Vec<&str> = needles.iter().copied().filter(|n| since.contains(n)).collect();
+    assert!(repeated.is_empty(), "named again on a rescan: {repeated:?}\n{since}");
+    assert!(since.lines().count() < 20, "log lines over 6 s of rescans with the corpus present:\n{since}");
+
+    // Removing the corpus clears its problems, once each, and leaves the Services as they were.
+    for c in &corpus {
+        let _ = std::fs::remove_file(lab.manifests().join(&c.file));
+    }
+    let _ = std::fs::remove_dir_all(lab.manifests().join("corpus-deep"));
+    let _ = std::fs::remove_file(&fifo);
+    let _ = std::fs::remove_file(lab.manifests().join("corpus-zero.yaml"));
+    let files = needles.iter().filter(|n| n.starts_with("corpus-")).count();
+    lab.wait_log("manifest problem cleared", files);
+    thread::sleep(Duration::from_secs(2));
+    assert_eq!(counts(&lab, 30).len(), 3, "web keeps its three backends");
+    assert!(lab.agent_running());
+    eprintln!("{test}: {} files, agent at {rss} MiB with them", corpus.len());
+}

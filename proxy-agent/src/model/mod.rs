@@ -76,7 +76,17 @@ impl ObjectKey {
 
 impl fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        // No valid name is longer than 253; an invalid one is shown clipped.
+        write!(f, "{}/{}", clip(&self.namespace, 253), clip(&self.name, 253))
+    }
+}
+
+/// `text`, or its first `max` characters and how long it was: what a log line quotes of
+/// something a user or an API server wrote, however long that is.
+pub fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(max) {
+        None => std::borrow::Cow::Borrowed(text),
+        Some((at, _)) => std::borrow::Cow::Owned(format!("{}... ({} bytes in all)", &text[..at], text.len())),
     }
 }
 

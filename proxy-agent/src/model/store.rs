@@ -67,6 +67,18 @@ pub struct Report {
     pub message: String,
 }
 
+/// Logs what translating Service `svc` noted, as the store logs what it refuses (`object` names
+/// the Service); refusals are warnings.
+pub fn log_notes(svc: &ObjectKey, notes: &[String]) {
+    for note in notes {
+        if note.starts_with("refused") {
+            tracing::warn!(object = %format_args!("Service {svc}"), "{note}");
+        } else {
+            tracing::info!(object = %format_args!("Service {svc}"), "{note}");
+        }
+    }
+}
+
 /// An IPv4 CIDR, as `--nodeport-addresses` takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
@@ -328,10 +340,11 @@ impl Store {
     /// `apply`, logging what it reports (what the agent's loops feed every source event to).
     pub fn apply_logged(&mut self, event: Event) {
         for r in self.apply(event) {
+            let message = super::clip(&r.message, 1024);
             if r.warning {
-                tracing::warn!(object = %r.object, "{}", r.message);
+                tracing::warn!(object = %r.object, "{message}");
             } else {
-                tracing::info!(object = %r.object, "{}", r.message);
+                tracing::info!(object = %r.object, "{message}");
             }
         }
     }

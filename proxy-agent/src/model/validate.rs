@@ -178,6 +178,23 @@ pub enum NameRule {
     Dns1123Subdomain,
 }
 
+/// Why a named target port is not an IANA service name (what a container port's name must
+/// be: at most 15 lower-case letters, digits and single '-', with a letter, not at an end).
+fn port_name_problem(name: &str) -> Option<&'static str> {
+    let b = name.as_bytes();
+    if b.is_empty() || b.len() > 15 {
+        Some("must be 1 to 15 characters")
+    } else if !b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-') {
+        Some("may hold only lower-case letters, digits and '-'")
+    } else if !b.iter().any(u8::is_ascii_lowercase) {
+        Some("must hold a letter")
+    } else if b[0] == b'-' || b[b.len() - 1] == b'-' || name.contains("--") {
+        Some("may not start or end with '-' or hold '--'")
+    } else {
+        None
+    }
+}
+
 /// Why `name` breaks `rule`, if it does.
 pub fn name_problem(name: &str, rule: NameRule) -> Option<String> {
     let label_ok = |l: &str, first_alpha: bool| {
@@ -199,7 +216,7 @@ pub fn name_problem(name: &str, rule: NameRule) -> Option<String> {
             NameRule::Dns1123Label => "an RFC 1123 label (lower-case letters, digits and '-', at most 63)",
             NameRule::Dns1123Subdomain => "an RFC 1123 subdomain (lower-case labels joined by '.', at most 253)",
         };
-        format!("{name:?} is not {what}")
+        format!("{:?} is not {what}", super::clip(name, 253))
     })
 }
 
@@ -331,8 +348,33 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
     } else {
         None
     };
+    let families = spec.ip_families.clone().unwrap_or_default();
+    for (i, f) in families.iter().enumerate() {
+        if f != "IPv4" && f != "IPv6" {
+            errs.push(format!("spec.ipFamilies[{i}] {f:?} is not IPv4 or IPv6"));
+        } else if families[..i].contains(f) {
+            errs.push(format!("spec.ipFamilies[{i}] {f} is listed twice"));
+        }
+    }
+    if let Some(p) = spec.ip_family_policy.as_deref() {
+        if !matches!(p, "SingleStack" | "PreferDualStack" | "RequireDualStack") {
+            errs.push(format!("spec.ipFamilyPolicy {p:?} is not SingleStack, PreferDualStack or RequireDualStack"));
+        }
+    }
     if service_type == ServiceType::ExternalName {
-        // Nothing else of an ExternalName Service matters to a proxy.
+        // The API server's rules for ExternalName; nothing else of such a Service matters to a
+        // proxy.
+        if !cluster_ip.is_empty() {
+            errs.push(format!("spec.clusterIP {cluster_ip:?} may not be set for ExternalName Services"));
+        }
+        match spec.external_name.as_deref().map(|n| n.strip_suffix('.').unwrap_or(n)) {
+            None | Some("") => errs.push("spec.externalName is required for ExternalName Services".into()),
+            Some(n) => {
+                if let Some(p) = name_problem(n, NameRule::Dns1123Subdomain) {
+                    errs.push(format!("spec.externalName {p}"));
+                }
+            }
+        }
         return if errs.is_empty() {
             Ok(CheckedService {
                 key,
@@ -386,6 +428,9 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         if !name.is_empty() && !names.insert(name.clone()) {
             errs.push(format!("spec.ports[{i}].name {name:?} is used twice"));
         }
+        if let Some(p) = (!name.is_empty()).then(|| name_problem(&name, NameRule::Dns1123Label)).flatten() {
+            errs.push(format!("spec.ports[{i}].name {p}"));
+        }
         let port = port_number(p.port, &format!("spec.ports[{i}].port"), &mut errs);
         let protocol = Protocol::parse(p.protocol.as_deref())
             .map_err(|e| errs.push(format!("spec.ports[{i}].protocol: {e}")))
@@ -403,10 +448,22 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
                 None => Some(port_number(np, &format!("spec.ports[{i}].nodePort"), &mut errs)),
             },
         };
-        if let Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) = &p.target_port {
-            port_number(*t, &format!("spec.ports[{i}].targetPort"), &mut errs);
+        match &p.target_port {
+            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(t)) => {
+                port_number(*t, &format!("spec.ports[{i}].targetPort"), &mut errs);
+            }
+            Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(t)) => {
+                if let Some(why) = port_name_problem(t) {
+                    errs.push(format!("spec.ports[{i}].targetPort {:?} {why}", super::clip(t, 64)));
+                }
+            }
+            None => {}
         }
         ports.push(ServicePort { name, port, protocol, node_port });
+    }
+
+    if ports_in.is_empty() && skip != Some(Skip::Headless) {
+        errs.push("spec.ports is required (only headless Services may have none)".into());
     }
 
     let affinity_timeout = match spec.session_affinity.as_deref().unwrap_or("None") {
@@ -545,6 +602,9 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         let name = p.name.clone().unwrap_or_default();
         if !port_names.insert(name.clone()) {
             errs.push(format!("ports[{i}].name {name:?} is used twice"));
+        }
+        if let Some(p) = (!name.is_empty()).then(|| name_problem(&name, NameRule::Dns1123Label)).flatten() {
+            errs.push(format!("ports[{i}].name {p}"));
         }
         let protocol = Protocol::parse(p.protocol.as_deref())
             .map_err(|e| errs.push(format!("ports[{i}].protocol: {e}")))
@@ -731,6 +791,19 @@ mod tests {
             ("spec: {clusterIP: 10.0.0.1, externalIPs: [127.0.0.2], ports: [{port: 80}]}", "spec.externalIPs[0] 127.0.0.2 is a loopback address"),
             ("spec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}", "nodePort 22 is outside the NodePort range 30000-32767"),
             ("spec: {clusterIP: 10.0.0.1, type: LoadBalancer, healthCheckNodePort: 10256, ports: [{port: 80}]}", "spec.healthCheckNodePort 10256 is outside"),
+            // Port names, named target ports, ports at all, families, ExternalName.
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, name: Http}]}", "spec.ports[0].name \"Http\" is not an RFC 1123 label"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, targetPort: web--port}]}", "spec.ports[0].targetPort \"web--port\" may not start or end"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, targetPort: a-very-long-port-name}]}", "must be 1 to 15 characters"),
+            ("spec: {clusterIP: 10.0.0.1, ports: [{port: 80, targetPort: '8080'}]}", "must hold a letter"),
+            ("spec: {clusterIP: 10.0.0.1, ports: []}", "spec.ports is required"),
+            ("spec: {clusterIP: 10.0.0.1}", "spec.ports is required"),
+            ("spec: {clusterIP: 10.0.0.1, ipFamilies: [IPv4, IPv4], ports: [{port: 80}]}", "spec.ipFamilies[1] IPv4 is listed twice"),
+            ("spec: {clusterIP: 10.0.0.1, ipFamilies: [IPv5], ports: [{port: 80}]}", "spec.ipFamilies[0] \"IPv5\" is not IPv4 or IPv6"),
+            ("spec: {clusterIP: 10.0.0.1, ipFamilyPolicy: Sometimes, ports: [{port: 80}]}", "spec.ipFamilyPolicy \"Sometimes\""),
+            ("spec: {type: ExternalName, clusterIP: 10.0.0.1, externalName: db.example.com}", "may not be set for ExternalName"),
+            ("spec: {type: ExternalName}", "spec.externalName is required"),
+            ("spec: {type: ExternalName, externalName: 'not a name'}", "spec.externalName \"not a name\""),
         ];
         for (spec, want) in cases {
             let err = service(&svc(&format!("metadata: {{name: a}}\n{spec}"))).unwrap_err();
@@ -824,6 +897,7 @@ mod tests {
         let e = refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: http, port: 80}, {name: http, port: 81}]");
         assert!(e.contains("ports[1].name \"http\" is used twice"), "{e}");
         assert!(refused("metadata: {name: S..1}\naddressType: IPv4").contains("RFC 1123 subdomain"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: HTTP_, port: 80}]").contains("ports[0].name \"HTTP_\" is not an RFC 1123 label"));
     }
 
     #[test]

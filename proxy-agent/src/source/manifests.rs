@@ -70,7 +70,7 @@ fn kind_of(kind: &str, api_version: &str) -> Option<Kind> {
 
 fn ident_of(value: &serde_yaml::Value, kind: Kind) -> Option<Ident> {
     let meta = value.get("metadata")?;
-    let name = meta.get("name")?.as_str()?.to_string();
+    let name = meta.get("name")?.as_str().filter(|n| !n.is_empty())?.to_string();
     let ns = match kind {
         Kind::Node => String::new(),
         _ => meta.get("namespace").and_then(|n| n.as_str()).unwrap_or("default").to_string(),
@@ -103,13 +103,28 @@ fn collect(file: &Path, doc: usize, value: serde_yaml::Value, out: &mut Parsed) 
     if value.is_null() {
         return; // an empty document, e.g. a trailing `---`
     }
-    let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or_default().to_string();
+    let problem = |out: &mut Parsed, message: String| out.problems.push(Problem { file: file.into(), document: Some(doc), object: None, message });
+    if !value.is_mapping() {
+        let what = match value {
+            serde_yaml::Value::Sequence(_) => "a list",
+            serde_yaml::Value::Tagged(_) => "a tagged value",
+            _ => "a scalar",
+        };
+        return problem(out, format!("is {what}, not a Kubernetes object (a mapping with apiVersion and kind)"));
+    }
+    let Some(kind) = value.get("kind").and_then(|k| k.as_str()).map(str::to_string) else {
+        return problem(out, "has no kind: not a Kubernetes object".into());
+    };
     let api_version = value.get("apiVersion").and_then(|k| k.as_str()).unwrap_or_default().to_string();
     if kind == "List" || kind.ends_with("List") {
         match value.get("items").and_then(|i| i.as_sequence()) {
             Some(items) => {
-                for item in items.clone() {
-                    collect(file, doc, item, out);
+                for (i, item) in items.iter().enumerate() {
+                    if item.is_null() || !item.is_mapping() {
+                        problem(out, format!("{kind} items[{i}] is not a Kubernetes object"));
+                        continue;
+                    }
+                    collect(file, doc, item.clone(), out);
                 }
             }
             None => out.problems.push(Problem {
@@ -240,8 +255,13 @@ fn list_files(dir: &Path, depth: usize, out: &mut Vec<PathBuf>, problems: &mut V
             }
             Ok(meta) if meta.is_dir() => list_files(&path, depth + 1, out, problems, complete),
             Ok(meta) => {
-                if meta.is_file() && is_manifest(&path) {
-                    out.push(path);
+                if is_manifest(&path) {
+                    if meta.is_file() {
+                        out.push(path);
+                    } else {
+                        // A pipe or a device (or a link to one) would block or never end.
+                        problems.push(problem(&path, "is not a regular file; not read".into()));
+                    }
                 }
             }
             Err(e) => {
@@ -257,10 +277,22 @@ fn list_files(dir: &Path, depth: usize, out: &mut Vec<PathBuf>, problems: &mut V
 /// A file's text, refused past `MAX_FILE_BYTES` (before reading) and when it is not UTF-8 (with
 /// where).
 fn read_text(path: &Path, len: u64) -> Result<String, String> {
+    use std::{io::Read as _, os::unix::fs::OpenOptionsExt as _};
+    let too_large = |len: u64| format!("is {len} bytes; manifests larger than {} MiB are not read", MAX_FILE_BYTES >> 20);
     if len > MAX_FILE_BYTES {
-        return Err(format!("is {len} bytes; manifests larger than {} MiB are not read", MAX_FILE_BYTES >> 20));
+        return Err(too_large(len));
     }
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot be read: {e}"))?;
+    // What was listed as a regular file may have been replaced since: never block on a pipe,
+    // and never read past the limit of a file that grew.
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| format!("cannot be read: {e}"))?;
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Err("is not a regular file; not read".into());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot be read: {e}"))?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!("grew past {} MiB while it was read; not read", MAX_FILE_BYTES >> 20));
+    }
     String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
         let text = &e.as_bytes()[..at];
@@ -329,10 +361,13 @@ impl ManifestDir {
         let mut files: Vec<(&PathBuf, &FileState)> = self.files.iter().collect();
         files.sort_by_key(|(p, _)| *p);
         problems.extend(files.into_iter().flat_map(|(_, f)| f.problems.iter().cloned()));
-        (self.events(), problems)
+        let events = self.events(&mut problems);
+        (events, problems)
     }
 
-    fn events(&self) -> Vec<Event> {
+    /// The object set per kind. An object defined in more than one file is a problem of the
+    /// files whose copy is not used.
+    fn events(&self, problems: &mut Vec<Problem>) -> Vec<Event> {
         let mut by_kind: BTreeMap<Kind, BTreeMap<Ident, Object>> = BTreeMap::new();
         for kind in [Kind::Service, Kind::EndpointSlice, Kind::Node] {
             by_kind.insert(kind, BTreeMap::new());
@@ -340,8 +375,17 @@ impl ManifestDir {
         // Files in name order; a later file's copy of an object wins, as `kubectl apply -f dir`.
         let mut paths: Vec<&PathBuf> = self.files.keys().collect();
         paths.sort();
+        let mut defined_in: HashMap<&Ident, &PathBuf> = HashMap::new();
         for p in paths {
             for (id, obj) in &self.files[p].objects {
+                if let Some(earlier) = defined_in.insert(id, p) {
+                    problems.push(Problem {
+                        file: earlier.clone(),
+                        document: None,
+                        object: Some(format!("{} {}", id.0.as_str(), id.1)),
+                        message: format!("is defined again in {}, whose copy is used", p.display()),
+                    });
+                }
                 by_kind.entry(id.0).or_default().insert(id.clone(), obj.clone());
             }
         }
@@ -360,7 +404,10 @@ pub fn spawn(mut dir: ManifestDir, tx: mpsc::Sender<Event>, resync: Duration) ->
     // Links are not followed by the watch either: a link loop would make it endless.
     let mut watcher = notify::RecommendedWatcher::new(
         move |res: notify::Result<notify::Event>| {
-            if res.is_ok() {
+            // Opening and reading (our own scans' included) change nothing: waking on them
+            // would make every scan start the next. A file closed after writing did change.
+            use notify::event::{AccessKind, AccessMode, EventKind};
+            if res.is_ok_and(|e| !matches!(e.kind, EventKind::Access(a) if a != AccessKind::Close(AccessMode::Write))) {
                 let _ = wake_tx.send(());
             }
         },
@@ -375,10 +422,10 @@ pub fn spawn(mut dir: ManifestDir, tx: mpsc::Sender<Event>, resync: Duration) ->
             let (events, problems) = dir.scan();
             let now: std::collections::BTreeSet<String> = problems.iter().map(|p| p.to_string()).collect();
             for p in now.difference(&reported) {
-                tracing::warn!("manifest {p}");
+                tracing::warn!("manifest {}", crate::model::clip(p, 1024));
             }
             for p in reported.difference(&now) {
-                tracing::info!("manifest problem cleared: {p}");
+                tracing::info!("manifest problem cleared: {}", crate::model::clip(p, 1024));
             }
             reported = now;
             for ev in events {
@@ -585,5 +632,49 @@ mod tests {
         assert!(shown[0].contains("a.yaml (document 1): spec.ports[0].port: a number out of range") && !shown[0].contains("not valid YAML"), "{shown:?}");
         assert!(shown[1].contains("b.yaml (document 1): a Service without a name: metadata.name is missing"), "{shown:?}");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The directory's own scans open it and its files; those events must not start another
+    /// scan (they did: the agent rescanned in a loop, about 50 times a second, forever).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_scan_does_not_wake_the_next() {
+        let dir = tempdir("no-wake");
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        write(&dir, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n");
+        write(&dir.join("sub"), "b.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n");
+        let (tx, mut rx) = mpsc::channel(1024);
+        let _watcher = spawn(ManifestDir::new(&dir).unwrap(), tx, Duration::from_secs(3600)).unwrap();
+        let count = |rx: &mut mpsc::Receiver<Event>| std::iter::from_fn(|| rx.try_recv().ok()).count();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(count(&mut rx), 3, "one scan: one Replace per kind");
+        // A change is one more scan.
+        write(&dir, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}\n");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let after = count(&mut rx);
+        assert!((3..=6).contains(&after), "a write (modify, close) is one or two scans, got {after} events");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn documents_that_are_not_objects_and_objects_defined_twice_are_named() {
+        let dir = tempdir("not-objects");
+        write(&dir, "a.yaml", "just text\n---\n[1, 2]\n---\n{}\n---\napiVersion: v1\nkind: List\nitems: [5]\n---\nnull\n");
+        let svc = |ip: &str| format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n");
+        write(&dir, "b.yaml", &svc("10.96.0.1"));
+        write(&dir, "c.yaml", &svc("10.96.0.2"));
+        let (events, problems) = ManifestDir::new(&dir).unwrap().scan();
+        let text: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        let has = |s: &str| text.iter().any(|t| t.contains(s));
+        assert!(has("a.yaml (document 1): is a scalar, not a Kubernetes object"), "{text:#?}");
+        assert!(has("a.yaml (document 2): is a list, not a Kubernetes object"), "{text:#?}");
+        assert!(has("a.yaml (document 3): has no kind"), "{text:#?}");
+        assert!(has("a.yaml (document 4): List items[0] is not a Kubernetes object"), "{text:#?}");
+        assert!(has("b.yaml: Service default/web: is defined again in"), "{text:#?}");
+        assert_eq!(text.len(), 5, "an empty document is no problem: {text:#?}");
+        // The later file's copy is the one used.
+        let Some(Event::Replace { objects, .. }) = events.iter().find(|e| matches!(e, Event::Replace { kind: Kind::Service, .. })) else { panic!() };
+        let Object::Service(s) = &objects[0] else { panic!() };
+        assert_eq!(s.spec.as_ref().unwrap().cluster_ip.as_deref(), Some("10.96.0.2"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
