@@ -341,6 +341,7 @@ fn new_store(cfg: &Config) -> Store {
     if cfg.common.node_ip.is_some() {
         store.set_node_ip_override(cfg.common.node_ip);
     }
+    store.set_service_cidr_flag(cfg.common.service_cidrs.clone());
     store
 }
 

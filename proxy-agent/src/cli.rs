@@ -113,6 +113,12 @@ struct Settings {
     /// masqueraded). Comma-separated.
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
     cluster_cidr: Option<Vec<Cidr>>,
+    /// The cluster's Service CIDRs (the API server's --service-cluster-ip-range), for a
+    /// manifest directory without ServiceCIDR objects: new flows to a free address of them are
+    /// dropped, to a cluster IP on a port its Service lacks rejected, as kube-proxy's
+    /// nftables mode does with ServiceCIDRs. Comma-separated; added to the ServiceCIDRs.
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    service_cluster_ip_range: Option<Vec<Cidr>>,
     /// The cluster's NodePort range (the API server's --service-node-port-range): Services
     /// with NodePorts outside it are refused, as the API server refuses them. MIN-MAX.
     #[arg(long, value_parser = parse_port_range)]
@@ -406,6 +412,7 @@ impl Settings {
             bind_address: self.bind_address,
             nodeport_addresses: self.nodeport_addresses.clone(),
             cluster_cidr: self.cluster_cidr.clone(),
+            service_cluster_ip_range: self.service_cluster_ip_range.clone(),
             detect_local_mode: self.detect_local_mode.clone(),
             pod_bridge_interface: self.pod_bridge_interface.clone(),
             pod_interface_name_prefix: self.pod_interface_name_prefix.clone(),

@@ -61,6 +61,9 @@ pub struct NetfilterProxier {
     /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
     /// first: flows from before the agent ran may be stale too).
     udp_changed: bool,
+    /// `Store::cluster_ip_generation` last looked at, and the Service CIDRs the rules hold.
+    cluster_ips_written: Option<u64>,
+    service_cidrs: Option<Vec<crate::model::store::Cidr>>,
 }
 
 impl NetfilterProxier {
@@ -85,6 +88,8 @@ impl NetfilterProxier {
             synced_once: false,
             triggers: Vec::new(),
             udp_changed: true,
+            cluster_ips_written: None,
+            service_cidrs: None,
         }
     }
 
@@ -134,6 +139,19 @@ impl NetfilterProxier {
         let dirty = self.store.take_dirty();
         for (_, times) in dirty.trigger_times {
             self.triggers.extend(times);
+        }
+        let generation = self.store.cluster_ip_generation();
+        let cidrs_changed = self.cluster_ips_written != Some(generation);
+        if cidrs_changed {
+            self.cluster_ips_written = Some(generation);
+            let (cidrs, _) = self.store.cluster_ip_ranges();
+            // Rewritten only when the ranges themselves changed (a Service change moves the
+            // generation too; the rules' own cluster-ips set follows the Services).
+            if self.service_cidrs.as_ref() != Some(&cidrs) {
+                self.rules.set_service_cidrs(cidrs.clone());
+                self.service_cidrs = Some(cidrs);
+                self.resync |= self.synced_once;
+            }
         }
         if dirty.services.is_empty() && self.synced_once && !self.failed && !self.resync {
             return None;

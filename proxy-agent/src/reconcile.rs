@@ -55,6 +55,8 @@ pub struct Reconciler<D> {
     failing: HashMap<FrontendKey, String>,
     /// Health-check node ports to serve, per Service.
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
+    /// `Store::cluster_ip_generation` the dataplane's cluster IP ranges were last written at.
+    cluster_ips_written: Option<u64>,
 }
 
 impl<D: Dataplane> Reconciler<D> {
@@ -74,6 +76,7 @@ impl<D: Dataplane> Reconciler<D> {
             unsupported: HashMap::new(),
             failing: HashMap::new(),
             health_checks: BTreeMap::new(),
+            cluster_ips_written: None,
         }
     }
 
@@ -131,6 +134,15 @@ impl<D: Dataplane> Reconciler<D> {
         for svc in dirty {
             if self.sync_service(&svc, &mut stats) {
                 stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
+            }
+        }
+        let generation = self.store.cluster_ip_generation();
+        if self.cluster_ips_written != Some(generation) {
+            let (cidrs, allocated) = self.store.cluster_ip_ranges();
+            match self.dp.set_cluster_ip_ranges(&cidrs, &allocated) {
+                Ok(()) => self.cluster_ips_written = Some(generation),
+                // Retried at the next sync; the Services themselves are programmed.
+                Err(e) => tracing::warn!(error = %e, "could not write the Service CIDRs"),
             }
         }
         if let Some(adopted) = self.adopted.take() {

@@ -35,7 +35,7 @@ pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::
         }
     }
     // Kinds the directory has none of are simply empty.
-    for kind in [Kind::Service, Kind::EndpointSlice, Kind::Node] {
+    for kind in [Kind::Service, Kind::EndpointSlice, Kind::Node, Kind::ServiceCidr] {
         if !store.synced(&[kind]) {
             store.apply(crate::model::store::Event::Replace { kind, objects: vec![] });
         }
@@ -81,6 +81,9 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         return Ok(out);
     }
     // What is printed does not depend on the backend.
-    let rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default()).map_err(anyhow::Error::msg)?;
+    let mut rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default()).map_err(anyhow::Error::msg)?;
+    let mut store = store;
+    store.set_service_cidr_flag(cfg.common.service_cidrs.clone());
+    rules.set_service_cidrs(store.cluster_ip_ranges().0);
     Ok(rules.render(&services, &context))
 }

@@ -38,7 +38,7 @@ pub mod map_names {
     /// External interface index -> its IPv4 address (the SNAT source).
     pub const IFADDRS: &str = "NODE_IFADDR_V1";
     /// Node-wide settings (one entry).
-    pub const CONFIG: &str = "CONFIG_V1";
+    pub const CONFIG: &str = "CONFIG_V2";
     /// What the last `trace` packet did (one entry; only trace packets write it).
     pub const TRACE: &str = "TRACE_V1";
     /// loadBalancerSourceRanges: an LPM trie of (service id, source prefix) a load-balancer
@@ -56,10 +56,14 @@ pub mod map_names {
     /// Interface index -> what XDP may do with it (`xdp_dev` flags), from the kernel's
     /// xdp_features and the mode XDP runs in there.
     pub const XDP_DEVS: &str = "XDP_DEVS_V1";
+    /// The cluster's Service CIDRs (ServiceCIDR objects) and, as /32 entries, the cluster IPs
+    /// allocated in them: an LPM trie whose value (`svc_cidr`) says what a packet to an address
+    /// without a Service on its port meets there.
+    pub const SERVICE_CIDRS: &str = "LB4_SVCCIDR_V1";
 
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 20] = [
         SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS, XDP_DEVS,
+        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS, XDP_DEVS, SERVICE_CIDRS,
     ];
 }
 
@@ -383,7 +387,7 @@ pub struct IfAddr {
 }
 const _: () = assert!(size_of::<IfAddr>() == 4);
 
-/// Value of `CONFIG_V1` (index 0).
+/// Value of `CONFIG_V2` (index 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Config {
@@ -391,8 +395,35 @@ pub struct Config {
     pub maglev_size: u32,
     pub snat_port_min: u16,
     pub snat_port_max: u16,
+    /// The smallest prefix holding every Service CIDR (`svc_net & svc_mask`): a destination
+    /// outside it needs no lookup in `LB4_SVCCIDR_V1`, so traffic that is not for Services (most
+    /// of a node's) pays two ALU operations for the check.
+    pub svc_net: [u8; 4],
+    pub svc_mask: [u8; 4],
+    /// Service CIDRs in `LB4_SVCCIDR_V1`; 0: none known, nothing is checked.
+    pub svc_cidrs: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<Config>() == 8);
+const _: () = assert!(size_of::<Config>() == 24);
+
+/// Key of `LB4_SVCCIDR_V1` (after the LPM trie's prefix length).
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SvcCidrKey {
+    pub addr: [u8; 4],
+}
+const _: () = assert!(size_of::<SvcCidrKey>() == 4);
+
+/// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
+/// to an address of a Service CIDR that no Service serves on that port and protocol.
+pub mod svc_cidr {
+    /// A Service CIDR: the address is not allocated; dropped ("Drop traffic to unallocated
+    /// ClusterIPs").
+    pub const RANGE: u8 = 1;
+    /// A cluster IP (a /32): allocated, but not on this port; rejected ("Reject traffic to
+    /// invalid ports of ClusterIPs").
+    pub const ALLOCATED: u8 = 2;
+}
 
 /// `__sk_buff.mark` of a `proxy-agent trace` packet. Together with arriving on loopback (where
 /// the programs are never attached, but where BPF_PROG_TEST_RUN puts its packets) it makes
@@ -576,6 +607,12 @@ reasons! {
     /// afresh; unless it reaches the same backend, its connection is reset. A rising count
     /// means `--ct-map-max` (conntrack.maxPerCore) is too small for the node's flows.
     NewFlowMidConnection = 33 => "new_flow_mid_connection",
+    /// A new flow to an address of a Service CIDR that no Service holds: dropped, as
+    /// kube-proxy's nftables mode drops traffic to unallocated cluster IPs.
+    DropUnallocatedClusterIp = 34 => "drop_unallocated_cluster_ip",
+    /// A new flow to a cluster IP on a port or protocol its Service does not have: answered
+    /// with ICMP port unreachable (a host socket: ECONNREFUSED), as kube-proxy rejects it.
+    RejectClusterIpPort = 35 => "reject_cluster_ip_port",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

@@ -31,6 +31,7 @@ unsafe impl aya::Pod for crate::SockRevKey {}
 unsafe impl aya::Pod for crate::SockFwd {}
 unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
+unsafe impl aya::Pod for crate::SvcCidrKey {}
 unsafe impl aya::Pod for crate::TraceResult {}
 
 /// Protocol name as Kubernetes spells it.

@@ -66,7 +66,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
 fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let Some(master) = service(&key) else {
-        return Ok(Verdict::pass(Reason::PassNotService));
+        return unserved(ctx, pkt);
     };
     // kube-proxy's firewall applies to pods too: it sits before the Service's own chains.
     if !select::source_allowed(pkt, &master) {
@@ -75,6 +75,21 @@ fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result
     match select::internal_master(&mut key, master) {
         Some(master) => new_flow(ctx, pkt, &key, &master, now, reason),
         None => Ok(Verdict::pass(Reason::PassNotService)),
+    }
+}
+
+/// A new flow to no Service: passed, unless its destination is in a Service CIDR (kube-proxy's
+/// `cluster-ips-check`: an allocated cluster IP on a port it does not serve is rejected, a free
+/// address dropped).
+#[inline(always)]
+fn unserved(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
+    match select::cluster_ip_check(pkt.daddr) {
+        None => Ok(Verdict::pass(Reason::PassNotService)),
+        Some(Reason::RejectClusterIpPort) if pkt.frag != Frag::Later => {
+            let v = icmp::reject(ctx, pkt)?;
+            Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
+        }
+        Some(_) => Err(Reason::DropUnallocatedClusterIp),
     }
 }
 

@@ -9,7 +9,7 @@ use aya_ebpf::{
 use proxy_common::{
     limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
     CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey,
-    TraceResult,
+    SvcCidrKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -85,6 +85,11 @@ pub static LB4_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> 
 #[btf_map]
 pub static LB4_SRCRANGE_V1: LpmTrie<SourceRangeKey, u8, LB_MAX> = LpmTrie::new();
 
+/// Service CIDRs and the cluster IPs allocated in them (see `select::cluster_ip_check`); sized
+/// like the load-balancer maps.
+#[btf_map]
+pub static LB4_SVCCIDR_V1: LpmTrie<SvcCidrKey, u8, LB_MAX> = LpmTrie::new();
+
 /// Host-network sockets sent to a backend (see `sock`).
 #[btf_map]
 pub static SOCK_REVNAT_V1: LruHashMap<SockRevKey, RevNat, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
@@ -106,7 +111,7 @@ pub static NODE_IFADDR_V1: HashMap<u32, IfAddr, { limits::IFADDR_MAP_MAX as usiz
 pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = HashMap::new();
 
 #[btf_map]
-pub static CONFIG_V1: Array<Config, 1> = Array::new();
+pub static CONFIG_V2: Array<Config, 1> = Array::new();
 
 #[btf_map]
 pub static TRACE_V1: Array<TraceResult, 1> = Array::new();

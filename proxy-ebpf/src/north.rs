@@ -19,7 +19,7 @@ use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, CtKe
 use crate::{
     ct,
     lb::count_flow,
-    maps::{CONFIG_V1, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
+    maps::{CONFIG_V2, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
     parse::Packet,
     revnat::revnat_of,
     select::{self, backend, service},
@@ -264,7 +264,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
     let Some(snat_addr) = NODE_IFADDR_V1.get_ptr(&route.ifindex).map(|a| unsafe { (*a).addr }) else {
         return xdp_pass(env).unwrap_or(Step::Drop(Reason::DropNoRoute));
     };
-    let (min, max) = match CONFIG_V1.get(0) {
+    let (min, max) = match CONFIG_V2.get(0) {
         Some(c) if c.snat_port_min != 0 && c.snat_port_min <= c.snat_port_max => (c.snat_port_min, c.snat_port_max),
         _ => (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
     };

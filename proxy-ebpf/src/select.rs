@@ -3,12 +3,12 @@
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    hash, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue,
-    SourceRangeKey,
+    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue,
+    SourceRangeKey, SvcCidrKey,
 };
 
 use crate::{
-    maps::{CONFIG_V1, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1},
+    maps::{CONFIG_V2, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1, LB4_SVCCIDR_V1},
     parse::{Frag, Packet},
 };
 
@@ -40,6 +40,22 @@ pub fn source_allowed(pkt: &Packet, master: &ServiceValue) -> bool {
 pub fn in_source_ranges(service_id: u32, addr: [u8; 4]) -> bool {
     let key = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id, addr });
     LB4_SRCRANGE_V1.get(&key).is_some()
+}
+
+/// For a new flow to `daddr` that no Service serves on its port: what kube-proxy's
+/// `cluster-ips-check` does with it. None: `daddr` is in no Service CIDR (not ours, passed);
+/// `Reason::RejectClusterIpPort`: an allocated cluster IP (answered as refused);
+/// `Reason::DropUnallocatedClusterIp`: a free address of a Service CIDR (dropped).
+#[inline(always)]
+pub fn cluster_ip_check(daddr: [u8; 4]) -> Option<Reason> {
+    let cfg = CONFIG_V2.get(0)?;
+    if cfg.svc_cidrs == 0 || u32::from_ne_bytes(daddr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
+        return None;
+    }
+    match *LB4_SVCCIDR_V1.get(&Key::new(32, SvcCidrKey { addr: daddr }))? {
+        svc_cidr::ALLOCATED => Some(Reason::RejectClusterIpPort),
+        _ => Some(Reason::DropUnallocatedClusterIp),
+    }
 }
 
 #[inline(always)]
@@ -92,7 +108,7 @@ fn affinity(pkt: &Packet, master: &ServiceValue, scope: u8, now: u64) -> Option<
 /// The Maglev table's pick for this flow; None when the table or the config is missing.
 #[inline(always)]
 fn maglev(pkt: &Packet, table_id: u32) -> Option<u32> {
-    let size = CONFIG_V1.get(0)?.maglev_size;
+    let size = CONFIG_V2.get(0)?.maglev_size;
     if size == 0 {
         return None;
     }

@@ -13,7 +13,9 @@
 //! endpoint). A load-balancer IP with
 //! loadBalancerSourceRanges admits the node when a range holds one of its addresses (then the
 //! agent lists the load-balancer IP itself among the ranges, as kube-proxy allows); otherwise
-//! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets.
+//! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets. So
+//! does a call to a free address of a Service CIDR; a cluster IP on a port its Service does not
+//! have is refused (ECONNREFUSED), as kube-proxy's `cluster-ips-check` rejects it.
 
 use aya_ebpf::{
     bindings::BPF_ANY,
@@ -95,7 +97,15 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let Some(proto) = protocol(ctx) else { return PROCEED };
     let (vip, vport) = peer(ctx);
     let mut key = ServiceKey::new(vip, vport, proto, 0);
-    let Some(master) = select::service(&key) else { return PROCEED };
+    let Some(master) = select::service(&key) else {
+        // A cluster IP on a port it does not serve is refused; a free address of a Service
+        // CIDR fails at once (EPERM) where kube-proxy drops the packets.
+        return match select::cluster_ip_check(vip) {
+            None => PROCEED,
+            Some(Reason::RejectClusterIpPort) => refuse(Reason::RejectClusterIpPort, ECONNREFUSED),
+            Some(reason) => refuse(reason, EPERM),
+        };
+    };
     // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
     if master.flags & svc_flags::SOURCE_RANGES != 0 && !select::in_source_ranges(master.service_id, vip) {
         return refuse(Reason::DropSourceRange, EPERM);

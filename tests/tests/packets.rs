@@ -775,3 +775,41 @@ fn a_connection_whose_entry_a_flood_evicted_is_counted() {
     assert_eq!(c.get("new_flow_mid_connection"), Some(&1), "{c:?}");
     assert_eq!(c.get("new_flow"), Some(&(1 + u64::from(flood))), "{c:?}");
 }
+
+/// kube-proxy's `cluster-ips-check` (nftables mode, with ServiceCIDRs): in a Service CIDR, a new
+/// flow to a cluster IP on a port its Service lacks is rejected, to a free address dropped;
+/// outside the ranges nothing changes, and nothing is checked before ranges are known.
+#[test]
+fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
+    let Some(mut dp) = setup("service_cidrs_drop_free_addresses_and_reject_unserved_ports") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let client = sock(CLIENT);
+    let other_port = tcp_frame(client, sock("10.96.0.10:81"), SYN);
+    let free = tcp_frame(client, sock("10.96.0.77:80"), SYN);
+    let free_udp = udp_frame(client, sock("10.96.200.1:53"), b"q");
+    let outside = tcp_frame(client, sock("10.97.0.1:80"), SYN);
+    // No ranges known: as before.
+    assert_untouched(&mut dp, &other_port, "no ranges: another port of a cluster IP");
+    assert_untouched(&mut dp, &free, "no ranges: a free address");
+    let cidr = |s: &str| s.parse::<proxy_agent::model::store::Cidr>().unwrap();
+    let allocated: BTreeSet<Ipv4Addr> = [Ipv4Addr::new(10, 96, 0, 10)].into();
+    dp.set_cluster_ip_ranges(&[cidr("10.96.0.0/16"), cidr("10.100.0.0/24")], &allocated).expect("write the ranges");
+    assert_port_unreachable(&other_port, &run(&mut dp, &other_port), sock("10.96.0.10:81"), client);
+    for (frame, what) in [(&free, "a free TCP address"), (&free_udp, "a free UDP address")] {
+        assert_eq!(run(&mut dp, frame).action, testrun::TC_ACT_SHOT, "{what} is dropped");
+    }
+    assert_eq!(run(&mut dp, &tcp_frame(client, sock("10.100.0.9:443"), SYN)).action, testrun::TC_ACT_SHOT, "the second range too");
+    assert_untouched(&mut dp, &outside, "outside every range");
+    assert_untouched(&mut dp, &tcp_frame(client, sock("10.244.1.2:8080"), SYN), "pod to pod");
+    // The Service itself is served as before.
+    let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"));
+    let c = counters(&mut dp);
+    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&3)), "{c:?}");
+    // The ranges go: nothing is checked any more, and the map is empty again.
+    dp.set_cluster_ip_ranges(&[], &allocated).expect("clear the ranges");
+    assert_untouched(&mut dp, &free, "ranges removed");
+    let map = testrun::map_by_name(&mut dp, proxy_common::map_names::SERVICE_CIDRS);
+    let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey, u8> = aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();
+    assert_eq!(trie.keys().count(), 0, "no entries left");
+}

@@ -128,6 +128,8 @@ pub struct Common {
     pub nodeport_addresses: NodePortAddresses,
     /// The pods' ranges (IPv4; `clusterCIDR`).
     pub cluster_cidrs: Vec<Cidr>,
+    /// `--service-cluster-ip-range`: Service CIDRs besides the ServiceCIDR objects'.
+    pub service_cidrs: Vec<Cidr>,
     pub oom_score_adj: Option<i32>,
     pub conntrack: Conntrack,
     /// Rescan the manifest directory at least this often, in case inotify misses a change.
@@ -255,6 +257,7 @@ pub struct Flags {
     pub healthz_bind_address: Option<SocketAddr>,
     pub nodeport_addresses: Option<NodePortAddresses>,
     pub cluster_cidr: Option<Vec<Cidr>>,
+    pub service_cluster_ip_range: Option<Vec<Cidr>>,
     pub detect_local_mode: Option<String>,
     pub pod_bridge_interface: Option<String>,
     pub pod_interface_name_prefix: Option<String>,
@@ -529,6 +532,7 @@ impl Config {
             healthz_bind,
             nodeport_addresses,
             cluster_cidrs: cluster_cidrs.clone(),
+            service_cidrs: flags.service_cluster_ip_range.clone().unwrap_or_default().iter().map(|c| c.network()).collect(),
             oom_score_adj,
             conntrack,
             resync: config_sync.unwrap_or(Duration::from_secs(30)),

@@ -21,6 +21,8 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    /// `networking.k8s.io/v1` ServiceCIDR: the ranges cluster IPs are allocated from.
+    ServiceCidr,
 }
 
 impl Kind {
@@ -29,6 +31,7 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
 }
@@ -38,6 +41,7 @@ pub enum Object {
     Service(Box<Service>),
     EndpointSlice(Box<EndpointSlice>),
     Node(Box<Node>),
+    ServiceCidr(Box<k8s_openapi::api::networking::v1::ServiceCIDR>),
 }
 
 impl Object {
@@ -46,6 +50,7 @@ impl Object {
             Object::Service(_) => Kind::Service,
             Object::EndpointSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
+            Object::ServiceCidr(_) => Kind::ServiceCidr,
         }
     }
 }
@@ -194,6 +199,14 @@ pub struct Store {
     endpoint_changes: u64,
     /// Last problem reported per object, so a rescan does not repeat it.
     reported: HashMap<(Kind, ObjectKey), String>,
+    /// IPv4 ranges of each ServiceCIDR object, by name.
+    service_cidr_objects: BTreeMap<String, Vec<Cidr>>,
+    /// `--service-cluster-ip-range`: ranges given on the command line (a manifest directory
+    /// without ServiceCIDR objects).
+    service_cidr_flag: Vec<Cidr>,
+    /// Changes with every change to the Service CIDRs or the set of cluster IPs (see
+    /// `cluster_ip_ranges`), so a dataplane rewrites them only then.
+    cluster_ip_generation: u64,
 }
 
 impl Store {
@@ -231,6 +244,9 @@ impl Store {
         let before = self.nodeport_addresses();
         let changed: BTreeSet<std::net::Ipv4Addr> = self.local_addresses.iter().copied().collect::<BTreeSet<_>>().symmetric_difference(&addrs.iter().copied().collect()).copied().collect();
         self.local_addresses = addrs;
+        if !changed.is_empty() {
+            self.cluster_ip_generation += 1;
+        }
         if self.nodeport_addresses() != before {
             self.dirty.extend(self.services.keys().cloned());
         } else if !changed.is_empty() {
@@ -302,6 +318,7 @@ impl Store {
     }
 
     fn service_changed(&mut self, key: &ObjectKey) {
+        self.cluster_ip_generation += 1;
         self.service_changes += 1;
         self.svc_pending.insert(key.clone());
         self.dirty.insert(key.clone());
@@ -378,7 +395,40 @@ impl Store {
             Kind::Service => Box::new(self.services.keys().cloned()),
             Kind::EndpointSlice => Box::new(self.slices.keys().cloned()),
             Kind::Node => Box::new(self.node.iter().map(|n| ObjectKey::new("", n.name.clone()))),
+            Kind::ServiceCidr => Box::new(self.service_cidr_objects.keys().map(|n| ObjectKey::new("", n.clone()))),
         }
+    }
+
+    /// `--service-cluster-ip-range`.
+    pub fn set_service_cidr_flag(&mut self, cidrs: Vec<Cidr>) {
+        self.service_cidr_flag = cidrs;
+        self.cluster_ip_generation += 1;
+    }
+
+    /// The Service CIDRs (every ServiceCIDR object's, and the flag's; IPv4, networks, sorted)
+    /// and the cluster IPs of the Services this proxy serves: what kube-proxy's
+    /// `cluster-ips-check` drops (a free address of the ranges) and rejects (a cluster IP on a
+    /// port its Service does not have). No ranges: nothing is checked.
+    pub fn cluster_ip_ranges(&self) -> (Vec<Cidr>, BTreeSet<std::net::Ipv4Addr>) {
+        let mut cidrs: Vec<Cidr> = self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).map(|c| c.network()).collect();
+        cidrs.sort();
+        cidrs.dedup();
+        let ips = self
+            .services
+            .values()
+            .filter(|s| s.skip.is_none())
+            .flat_map(|s| s.cluster_ips.iter())
+            .filter_map(|a| match a {
+                std::net::IpAddr::V4(v) if !self.local_addresses.contains(v) => Some(*v),
+                _ => None,
+            })
+            .collect();
+        (cidrs, ips)
+    }
+
+    /// See `cluster_ip_generation`.
+    pub fn cluster_ip_generation(&self) -> u64 {
+        self.cluster_ip_generation
     }
 
     /// Validates and stores an object. Returns the key it is known under, also when an invalid
@@ -469,6 +519,25 @@ impl Store {
                 }
                 Some(key)
             }
+            Object::ServiceCidr(obj) => {
+                let key = validate::object_key(&obj.metadata).ok().map(|k| ObjectKey::new("", k.name));
+                match validate::service_cidr(&obj) {
+                    Ok(cidrs) => {
+                        let key = key?;
+                        self.clear_report(Kind::ServiceCidr, &key);
+                        if self.service_cidr_objects.get(&key.name) != Some(&cidrs) {
+                            self.service_cidr_objects.insert(key.name.clone(), cidrs);
+                            self.cluster_ip_generation += 1;
+                        }
+                        Some(key)
+                    }
+                    Err(invalid) => {
+                        let kept = key.as_ref().is_some_and(|k| self.service_cidr_objects.contains_key(&k.name));
+                        self.report_invalid(Kind::ServiceCidr, key.clone(), &invalid.to_string(), kept, reports);
+                        key.filter(|_| kept)
+                    }
+                }
+            }
         }
     }
 
@@ -489,6 +558,11 @@ impl Store {
                 if self.node.as_ref().is_some_and(|n| n.name == key.name) {
                     self.node = None;
                     self.dirty.extend(self.services.keys().cloned());
+                }
+            }
+            Kind::ServiceCidr => {
+                if self.service_cidr_objects.remove(&key.name).is_some() {
+                    self.cluster_ip_generation += 1;
                 }
             }
         }
@@ -556,6 +630,45 @@ mod tests {
 
     fn web() -> ObjectKey {
         ObjectKey::new("default", "web")
+    }
+
+    fn service_cidr(yaml: &str) -> Object {
+        Object::ServiceCidr(Box::new(serde_yaml::from_str(yaml).unwrap()))
+    }
+
+    #[test]
+    fn service_cidrs_and_the_cluster_ips_in_them() {
+        let mut s = Store::new("n");
+        let generation = s.cluster_ip_generation();
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(svc("metadata: {name: headless}\nspec: {clusterIP: None, ports: [{port: 80}]}")));
+        assert!(s.cluster_ip_generation() > generation, "a Service change moves the generation");
+        let (cidrs, ips) = s.cluster_ip_ranges();
+        assert!(cidrs.is_empty());
+        assert_eq!(ips, ["10.96.0.10".parse().unwrap()].into(), "headless Services hold no cluster IP");
+        let before = s.cluster_ip_generation();
+        let reports = s.apply(Event::Replace {
+            kind: Kind::ServiceCidr,
+            objects: vec![
+                service_cidr("metadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.1/16, 'fd00:10:96::/112']}"),
+                service_cidr("metadata: {name: extra}\nspec: {cidrs: [010.100.000.000/24]}"),
+                service_cidr("metadata: {name: bad}\nspec: {cidrs: [10.0.0.0/8, 10.1.0.0/16]}"),
+                service_cidr("metadata: {name: worse}\nspec: {cidrs: [not-a-cidr]}"),
+            ],
+        });
+        assert!(s.cluster_ip_generation() > before);
+        let text: Vec<String> = reports.iter().map(|r| format!("{}: {}", r.object, r.message)).collect();
+        assert!(text.iter().any(|t| t.contains("ServiceCIDR /bad") && t.contains("a second range of the same family")), "{text:?}");
+        assert!(text.iter().any(|t| t.contains("ServiceCIDR /worse") && t.contains("\"not-a-cidr\" is not a CIDR")), "{text:?}");
+        let (cidrs, _) = s.cluster_ip_ranges();
+        assert_eq!(cidrs, vec!["10.96.0.0/16".parse().unwrap(), "10.100.0.0/24".parse().unwrap()], "networks, IPv4, sorted; the invalid ones left out");
+        // The flag adds to them; deleting an object takes its ranges away.
+        s.set_service_cidr_flag(vec!["10.200.0.0/16".parse().unwrap()]);
+        s.apply(Event::Delete { kind: Kind::ServiceCidr, key: ObjectKey::new("", "extra") });
+        assert_eq!(s.cluster_ip_ranges().0, vec!["10.96.0.0/16".parse().unwrap(), "10.200.0.0/16".parse().unwrap()]);
+        // A cluster IP that is a node address is not the Service's (it is refused).
+        s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
+        assert!(s.cluster_ip_ranges().1.is_empty());
     }
 
     #[test]

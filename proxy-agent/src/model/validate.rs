@@ -582,6 +582,40 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
     })
 }
 
+/// Checks a ServiceCIDR (`networking.k8s.io/v1`) as the API server does (at most two ranges,
+/// one per family, each valid) and returns its IPv4 ranges (this dataplane serves IPv4 only so
+/// far; IPv6 ranges are left out).
+pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Result<Vec<super::store::Cidr>, Invalid> {
+    let mut errs = Vec::new();
+    checked_key(&obj.metadata, NameRule::Dns1123Subdomain, &mut errs)?;
+    let listed = obj.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
+    if listed.is_empty() {
+        errs.push("spec.cidrs is required".into());
+    }
+    if listed.len() > 2 {
+        errs.push(format!("spec.cidrs holds {} ranges; at most two (one per family)", listed.len()));
+    }
+    let mut out = Vec::new();
+    let mut families = Vec::new();
+    for (i, c) in listed.iter().enumerate() {
+        match super::addr::parse_cidr(c) {
+            None => errs.push(format!("spec.cidrs[{i}] {:?} is not a CIDR", super::clip(c, 64))),
+            Some((a, _)) if families.contains(&a.is_ipv4()) => errs.push(format!("spec.cidrs[{i}] {c}: a second range of the same family")),
+            Some((a, prefix)) => {
+                families.push(a.is_ipv4());
+                if let IpAddr::V4(v4) = a {
+                    out.push(super::store::Cidr { addr: v4, prefix }.network());
+                }
+            }
+        }
+    }
+    if errs.is_empty() {
+        Ok(out)
+    } else {
+        Err(Invalid(errs))
+    }
+}
+
 /// Checks an EndpointSlice. `Ok(Err(_))` is a valid slice this proxy does not use.
 pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, SliceIgnored>, Invalid> {
     let mut errs = Vec::new();

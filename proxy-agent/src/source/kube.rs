@@ -1,4 +1,5 @@
-//! The API-server source: kube-rs watchers on Services, EndpointSlices and this node's Node,
+//! The API-server source: kube-rs watchers on Services, EndpointSlices, this node's Node and
+//! the ServiceCIDRs,
 //! with the label selectors kube-proxy uses. Each watcher's initial list (and every relist,
 //! after a 410 Gone or a lost watch) becomes one `Replace` event, so objects that vanished
 //! while the watch was down are removed; changes after that are `Apply` and `Delete`. Errors
@@ -351,7 +352,11 @@ where
                 Err(e) => {
                     // The stream retries with exponential backoff on its own; say it once.
                     if !failing {
-                        tracing::warn!(kind = kind.as_str(), error = %e, "watch failed; retrying with backoff");
+                        if kind == Kind::ServiceCidr {
+                            tracing::warn!(kind = kind.as_str(), error = %e, "ServiceCIDRs cannot be watched (Kubernetes before 1.33 does not serve networking.k8s.io/v1 servicecidrs; RBAC needs list and watch on them): traffic to unallocated cluster IPs is not dropped meanwhile; retrying with backoff");
+                        } else {
+                            tracing::warn!(kind = kind.as_str(), error = %e, "watch failed; retrying with backoff");
+                        }
                     }
                     failing = true;
                     continue;
@@ -379,7 +384,7 @@ where
     });
 }
 
-/// Starts the three watchers.
+/// Starts the four watchers.
 pub fn spawn(client: Client, node_name: &str, tx: mpsc::Sender<Event>) {
     // kube-proxy's selectors: Services another proxy claims are not ours (KEP-2447), and slices
     // of headless Services are never needed.
@@ -400,10 +405,20 @@ pub fn spawn(client: Client, node_name: &str, tx: mpsc::Sender<Event>) {
         tx.clone(),
     );
     watch(
-        Api::<Node>::all(client),
+        Api::<Node>::all(client.clone()),
         watcher::Config::default().fields(&format!("metadata.name={node_name}")),
         Kind::Node,
         |n| Object::Node(Box::new(n)),
+        false,
+        tx.clone(),
+    );
+    // Not required for readiness: API servers before 1.33 do not serve ServiceCIDRs (GA), and
+    // without them only the drop of unallocated cluster IPs is missing.
+    watch(
+        Api::<k8s_openapi::api::networking::v1::ServiceCIDR>::all(client),
+        watcher::Config::default(),
+        Kind::ServiceCidr,
+        |c| Object::ServiceCidr(Box::new(c)),
         false,
         tx,
     );

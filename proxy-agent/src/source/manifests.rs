@@ -64,6 +64,7 @@ fn kind_of(kind: &str, api_version: &str) -> Option<Kind> {
         ("Service", "v1") => Some(Kind::Service),
         ("EndpointSlice", "discovery.k8s.io/v1") => Some(Kind::EndpointSlice),
         ("Node", "v1") => Some(Kind::Node),
+        ("ServiceCIDR", "networking.k8s.io/v1" | "networking.k8s.io/v1beta1") => Some(Kind::ServiceCidr),
         _ => None,
     }
 }
@@ -72,7 +73,7 @@ fn ident_of(value: &serde_yaml::Value, kind: Kind) -> Option<Ident> {
     let meta = value.get("metadata")?;
     let name = meta.get("name")?.as_str().filter(|n| !n.is_empty())?.to_string();
     let ns = match kind {
-        Kind::Node => String::new(),
+        Kind::Node | Kind::ServiceCidr => String::new(),
         _ => meta.get("namespace").and_then(|n| n.as_str()).unwrap_or("default").to_string(),
     };
     Some((kind, ObjectKey::new(ns, name)))
@@ -83,6 +84,7 @@ fn decode(value: serde_yaml::Value, kind: Kind) -> Result<Object, serde_yaml::Er
         Kind::Service => Object::Service(Box::new(Service::deserialize(value)?)),
         Kind::EndpointSlice => Object::EndpointSlice(Box::new(EndpointSlice::deserialize(value)?)),
         Kind::Node => Object::Node(Box::new(Node::deserialize(value)?)),
+        Kind::ServiceCidr => Object::ServiceCidr(Box::new(k8s_openapi::api::networking::v1::ServiceCIDR::deserialize(value)?)),
     })
 }
 
@@ -369,7 +371,7 @@ impl ManifestDir {
     /// files whose copy is not used.
     fn events(&self, problems: &mut Vec<Problem>) -> Vec<Event> {
         let mut by_kind: BTreeMap<Kind, BTreeMap<Ident, Object>> = BTreeMap::new();
-        for kind in [Kind::Service, Kind::EndpointSlice, Kind::Node] {
+        for kind in [Kind::Service, Kind::EndpointSlice, Kind::Node, Kind::ServiceCidr] {
             by_kind.insert(kind, BTreeMap::new());
         }
         // Files in name order; a later file's copy of an object wins, as `kubectl apply -f dir`.
@@ -485,6 +487,7 @@ mod tests {
                 Object::Service(s) => s.metadata.name.clone().unwrap_or_default(),
                 Object::EndpointSlice(s) => s.metadata.name.clone().unwrap_or_default(),
                 Object::Node(n) => n.metadata.name.clone().unwrap_or_default(),
+                Object::ServiceCidr(c) => c.metadata.name.clone().unwrap_or_default(),
             })
             .collect()
     }
@@ -646,12 +649,12 @@ mod tests {
         let _watcher = spawn(ManifestDir::new(&dir).unwrap(), tx, Duration::from_secs(3600)).unwrap();
         let count = |rx: &mut mpsc::Receiver<Event>| std::iter::from_fn(|| rx.try_recv().ok()).count();
         tokio::time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(count(&mut rx), 3, "one scan: one Replace per kind");
+        assert_eq!(count(&mut rx), 4, "one scan: one Replace per kind");
         // A change is one more scan.
         write(&dir, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}\n");
         tokio::time::sleep(Duration::from_millis(600)).await;
         let after = count(&mut rx);
-        assert!((3..=6).contains(&after), "a write (modify, close) is one or two scans, got {after} events");
+        assert!((4..=8).contains(&after), "a write (modify, close) is one or two scans, got {after} events");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

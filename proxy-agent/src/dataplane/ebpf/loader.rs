@@ -136,6 +136,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOCK_FWD => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockFwd>()),
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
+        map_names::SERVICE_CIDRS => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey>(), size_of::<u8>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -196,6 +197,7 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
         map_names::MAGLEV,
         map_names::AFFINITY_MATCH,
         map_names::SOURCE_RANGES,
+        map_names::SERVICE_CIDRS,
     ] {
         loader.map_max_entries(name, lb);
     }

@@ -25,7 +25,7 @@ use self::{
     loader::{LoadError, LoadOptions},
 };
 use super::{Dataplane, DataplaneError};
-use crate::model::{Frontend, FrontendKey};
+use crate::model::{store::Cidr, Frontend, FrontendKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -49,6 +49,11 @@ pub struct EbpfDataplane {
     pins_outlive_agent: bool,
     /// What `XDP_DEVS_V1` holds: interface index -> `xdp_dev` flags (none are 0).
     xdp_devs: std::collections::BTreeMap<u32, u32>,
+    /// What `CONFIG_V2` holds.
+    config: Config,
+    /// What `LB4_SVCCIDR_V1` holds: (prefix length, address) -> `svc_cidr` value; read from the
+    /// map the first time (a previous run's pins).
+    svc_cidrs: Option<std::collections::BTreeMap<(u8, [u8; 4]), u8>>,
 }
 
 impl EbpfDataplane {
@@ -63,16 +68,112 @@ impl EbpfDataplane {
         }
         let (mut ebpf, pins_outlive_agent) = loader::load(&options)?;
         let lb = LbMaps::adopt(&mut ebpf, options.lb_map_max, maglev_size)?;
-        let mut me = Self { ebpf, lb, pin_root: options.pin_root, attachments: Attachments::default(), host_sockets: Vec::new(), xdp_devs: Default::default(), pins_outlive_agent };
-        me.write_config(Config { maglev_size, snat_port_min, snat_port_max })?;
+        // The Service CIDR check stays as a previous run left it until the first sync.
+        let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
+        {
+            let map = ebpf.map(map_names::CONFIG).expect("the object defines the config map");
+            if let Ok(old) = Array::<&MapData, Config>::try_from(map).and_then(|a| a.get(&0, 0)) {
+                (config.svc_net, config.svc_mask, config.svc_cidrs) = (old.svc_net, old.svc_mask, old.svc_cidrs);
+            }
+        }
+        let mut me = Self {
+            ebpf,
+            lb,
+            pin_root: options.pin_root,
+            attachments: Attachments::default(),
+            host_sockets: Vec::new(),
+            xdp_devs: Default::default(),
+            pins_outlive_agent,
+            config,
+            svc_cidrs: None,
+        };
+        me.write_config(config)?;
         Ok(me)
     }
 
-    fn write_config(&mut self, config: Config) -> Result<(), EbpfError> {
+    fn write_config(&mut self, config: Config) -> Result<(), DataplaneError> {
         let map = self.ebpf.map_mut(map_names::CONFIG).expect("the object defines the config map");
         let mut array: Array<&mut MapData, Config> = Array::try_from(map)
             .map_err(|source| DataplaneError::Map { op: "open", map: map_names::CONFIG, source })?;
         array.set(0, config, 0).map_err(|source| DataplaneError::Map { op: "update", map: map_names::CONFIG, source })?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// See `Dataplane::set_cluster_ip_ranges`. Make-before-break: new entries are written
+    /// before the check is switched on or widened, and the check is narrowed or switched off
+    /// before entries go.
+    fn write_cluster_ip_ranges(&mut self, cidrs: &[Cidr], allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+        use aya::maps::lpm_trie::{Key, LpmTrie};
+        use proxy_common::{svc_cidr, SvcCidrKey};
+        let err = |op, source| DataplaneError::Map { op, map: map_names::SERVICE_CIDRS, source };
+        let mut want: std::collections::BTreeMap<(u8, [u8; 4]), u8> = cidrs.iter().map(|c| ((c.prefix, c.addr.octets()), svc_cidr::RANGE)).collect();
+        if !cidrs.is_empty() {
+            for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(**ip))) {
+                want.insert((32, ip.octets()), svc_cidr::ALLOCATED);
+            }
+        }
+        let (net, mask) = supernet(cidrs);
+        let off = Config { svc_net: [0; 4], svc_mask: [0; 4], svc_cidrs: 0, ..self.config };
+        let on = Config { svc_net: net, svc_mask: mask, svc_cidrs: cidrs.len() as u32, ..self.config };
+        if self.config.svc_cidrs != 0 && (cidrs.is_empty() || (self.config.svc_net, self.config.svc_mask) != (net, mask)) {
+            self.write_config(off)?;
+        }
+        fn open(ebpf: &mut aya::Ebpf) -> Result<LpmTrie<&mut MapData, SvcCidrKey, u8>, DataplaneError> {
+            let map = ebpf.map_mut(map_names::SERVICE_CIDRS).expect("the object defines the Service CIDR map");
+            LpmTrie::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: map_names::SERVICE_CIDRS, source })
+        }
+        let mut trie = open(&mut self.ebpf)?;
+        let have = match self.svc_cidrs.take() {
+            Some(h) => h,
+            None => trie
+                .keys()
+                .filter_map(Result::ok)
+                .filter_map(|k| Some(((k.prefix_len() as u8, k.data().addr), trie.get(&k, 0).ok()?)))
+                .collect(),
+        };
+        // What the map holds as this goes, kept when something fails (the next call diffs it).
+        let mut now = have.clone();
+        let mut failed = None;
+        for (&(prefix, addr), &value) in &want {
+            if have.get(&(prefix, addr)) != Some(&value) {
+                match trie.insert(&Key::new(u32::from(prefix), SvcCidrKey { addr }), value, 0) {
+                    Ok(()) => {
+                        now.insert((prefix, addr), value);
+                    }
+                    Err(e) => {
+                        failed = Some(err("insert", e));
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            self.svc_cidrs = Some(now);
+            return Err(e);
+        }
+        if !cidrs.is_empty() && self.config != on {
+            if let Err(e) = self.write_config(on) {
+                self.svc_cidrs = Some(now);
+                return Err(e);
+            }
+            trie = open(&mut self.ebpf)?;
+        }
+        for key in have.keys().filter(|k| !want.contains_key(*k)) {
+            match trie.remove(&Key::new(u32::from(key.0), SvcCidrKey { addr: key.1 })) {
+                Ok(()) => {
+                    now.remove(key);
+                }
+                Err(e) if lbmaps::is_not_found(&e) => {
+                    now.remove(key);
+                }
+                Err(e) => {
+                    self.svc_cidrs = Some(now);
+                    return Err(err("delete", e));
+                }
+            }
+        }
+        self.svc_cidrs = Some(now);
         Ok(())
     }
 
@@ -233,4 +334,21 @@ impl Dataplane for EbpfDataplane {
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         self.lb.collect_garbage()
     }
+
+    fn set_cluster_ip_ranges(&mut self, cidrs: &[Cidr], allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+        self.write_cluster_ip_ranges(cidrs, allocated)
+    }
+}
+
+/// The smallest prefix holding every range of `cidrs` (network address, mask; as the packet
+/// carries addresses). Empty: all zeroes.
+fn supernet(cidrs: &[Cidr]) -> ([u8; 4], [u8; 4]) {
+    let Some(first) = cidrs.first() else { return ([0; 4], [0; 4]) };
+    let mut prefix = cidrs.iter().map(|c| c.prefix).min().unwrap_or(0);
+    let mask_of = |p: u8| if p == 0 { 0 } else { u32::MAX << (32 - u32::from(p)) };
+    let base = u32::from(first.addr);
+    while prefix > 0 && cidrs.iter().any(|c| u32::from(c.addr) & mask_of(prefix) != base & mask_of(prefix)) {
+        prefix -= 1;
+    }
+    ((base & mask_of(prefix)).to_be_bytes(), mask_of(prefix).to_be_bytes())
 }

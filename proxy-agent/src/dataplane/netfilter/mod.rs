@@ -94,6 +94,9 @@ pub trait RuleSet {
     /// Forgets what was applied: the next `apply` writes everything again (a full resync,
     /// which repairs rules someone else changed).
     fn forget_applied(&mut self);
+    /// The cluster's Service CIDRs, for a mode that drops traffic to their unallocated
+    /// addresses (nftables, as kube-proxy's); the next `apply` writes them.
+    fn set_service_cidrs(&mut self, _cidrs: Vec<crate::model::store::Cidr>) {}
 }
 
 /// Starts `program args` with stdout and stderr piped, and stdin piped when `stdin` (else

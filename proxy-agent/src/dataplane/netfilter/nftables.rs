@@ -363,6 +363,10 @@ impl RuleSet for NftablesRules {
         render(services, node, &self.opts).dump()
     }
 
+    fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
+        self.opts.service_cidrs = cidrs;
+    }
+
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
         if self.applied.is_none() && services.len() > BUILD_STEP && run("nft", PACKAGE, &["list", "table", "ip", "kube-proxy"]).is_err() {
