@@ -198,8 +198,10 @@ struct RulesArgs {
     proxy_mode: ProxyMode,
     #[arg(long)]
     manifests: PathBuf,
-    /// The node's own addresses (where `run` reads them from the kernel). Default: none listed;
-    /// iptables then matches every local address, as kube-proxy does.
+    /// The node's own addresses (where `run` reads them from the kernel): NodePorts are on
+    /// those `--nodeport-addresses` selects, as with `run`. Default: none listed; iptables then
+    /// matches every local address, as kube-proxy does. The node's primary IP is not taken
+    /// from here but from `--bind-address` or the directory's Node (its InternalIP).
     #[arg(long, value_delimiter = ',', value_parser = parse_ipv4)]
     node_ip: Vec<std::net::Ipv4Addr>,
     #[command(flatten)]

@@ -111,6 +111,7 @@ impl NetfilterProxier {
             nodeport_all: *self.store.nodeport_config() == NodePortAddresses::All,
             local: self.masquerading.local_traffic(&self.store),
             masquerade_all: self.masquerading.masquerade_all,
+            node_ip: self.store.node_ip(),
         }
     }
 

@@ -14,8 +14,28 @@ use crate::{
     source::manifests::ManifestDir,
 };
 
-/// Every Service's ports as the manifest directory describes them for node `node`.
+/// Every Service's ports as the manifest directory describes them for node `node`, NodePorts on
+/// `context`'s addresses (as the golden tests give them).
 pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::model::validate::Rules) -> anyhow::Result<(Store, Services)> {
+    let nodeport = if context.nodeport_all {
+        NodePortAddresses::All
+    } else {
+        NodePortAddresses::Cidrs(context.nodeport_ips.iter().map(|a| crate::model::store::Cidr { addr: *a, prefix: 32 }).collect())
+    };
+    load(dir, node, rules, nodeport, context.nodeport_ips.clone(), context.node_ip)
+}
+
+/// The store and every Service's ports for the manifests in `dir`, on node `node` with local
+/// addresses `local`, NodePorts on the addresses `nodeport` selects of them, and the node IP
+/// `node_ip` over the Node manifest's InternalIP (kube-proxy's rule).
+fn load(
+    dir: &Path,
+    node: &str,
+    rules: crate::model::validate::Rules,
+    nodeport: NodePortAddresses,
+    local: Vec<std::net::Ipv4Addr>,
+    node_ip: Option<std::net::Ipv4Addr>,
+) -> anyhow::Result<(Store, Services)> {
     let mut manifests = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
     let (events, problems) = manifests.scan();
     for p in problems {
@@ -23,12 +43,11 @@ pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::
     }
     let mut store = Store::new(node);
     store.set_rules(rules);
-    store.set_nodeport_config(if context.nodeport_all {
-        NodePortAddresses::All
-    } else {
-        NodePortAddresses::Cidrs(context.nodeport_ips.iter().map(|a| crate::model::store::Cidr { addr: *a, prefix: 32 }).collect())
-    });
-    store.set_local_addresses(context.nodeport_ips.clone());
+    store.set_nodeport_config(nodeport);
+    store.set_local_addresses(local);
+    if node_ip.is_some() {
+        store.set_node_ip_override(node_ip);
+    }
     for e in events {
         for r in store.apply(e) {
             eprintln!("{}: {}", r.object, r.message);
@@ -51,18 +70,20 @@ pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::
 }
 
 /// What `mode` would program for the manifests in `dir`, configured as `run` would be with the
-/// same settings (`cfg`), on a node with addresses `node_ips`.
+/// same settings (`cfg`), on a node with addresses `node_ips`: NodePorts on those of them
+/// `--nodeport-addresses` selects, the node IP from `--bind-address` or the directory's Node.
 pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ipv4Addr]) -> anyhow::Result<String> {
-    let all = node_ips.is_empty() && cfg.common.nodeport_addresses == NodePortAddresses::All;
     let settings = cfg.netfilter.for_mode(mode);
+    let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
+    let (store, services) = load(dir, &cfg.common.hostname, rules, cfg.common.nodeport_addresses.clone(), node_ips.to_vec(), cfg.common.node_ip)?;
+    let info = store.node_info();
     let mut context = NodeContext {
-        nodeport_ips: node_ips.to_vec(),
-        nodeport_all: all,
+        nodeport_ips: info.nodeport_addresses,
+        nodeport_all: cfg.common.nodeport_addresses == NodePortAddresses::All,
         local: Default::default(),
         masquerade_all: settings.masquerade_all,
+        node_ip: info.node_ip,
     };
-    let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
-    let (store, services) = services_of(dir, &cfg.common.hostname, &context, rules)?;
     let masquerading = crate::proxier::Masquerading {
         masquerade_all: settings.masquerade_all,
         detect_local: Some(cfg.netfilter.detect_local.clone()),

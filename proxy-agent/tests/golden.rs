@@ -142,7 +142,7 @@ fn assert_same(what: &str, got: &str, want: &str) {
 
 fn iptables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
+    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
     let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
@@ -156,6 +156,7 @@ fn nftables_case(case: &str) {
         nodeport_all: false,
         local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
         masquerade_all: false,
+        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
@@ -193,7 +194,7 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false };
+        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
         let whole = nftables::render(&services, &node, &opts);
@@ -221,7 +222,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
         (LocalTraffic::InterfacePrefix("veth".into()), "! -i veth+", "-i veth+ -j KUBE-SVC", "iifname != \"veth*\"", "iifname \"veth*\" goto"),
     ];
     for (local, ipt_not_local, ipt_local, nft_not_local, nft_local) in cases {
-        let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: local.clone(), masquerade_all: false };
+        let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: local.clone(), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
         assert!(ipt.contains(&format!("--dport 80 {ipt_not_local} -j KUBE-MARK-MASQ")), "{local:?}: cluster IP masquerade:\n{ipt}");
@@ -231,7 +232,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
         assert!(nft.contains(nft_local), "{local:?}:\n{nft}");
     }
     // Nothing known (ClusterCIDR without a clusterCIDR): nothing is local, no such rule.
-    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Unknown, masquerade_all: false };
+    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Unknown, masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
     assert!(!ipt.contains("cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 !"), "{ipt}");
@@ -273,7 +274,7 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
-    let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("010.0.0.0/08")), masquerade_all: false };
+    let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("010.0.0.0/08")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default());
@@ -285,4 +286,38 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     assert_same("iptables rules of zero-padded objects", &ipt, &iptables::restore_text(&iptables::render(&canonical, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default()));
     assert_same("nftables rules of zero-padded objects", &nft, &nftables::render(&canonical, &node, &opts).dump());
     assert!(nft.contains("172.30.0.41") && !nft.contains("172.030"), "{nft}");
+}
+
+/// `rules` as `run`: the node IP (which decides whether load-balancer source ranges admit the
+/// node) comes from the Node's InternalIP, NodePorts from `--nodeport-addresses` (every local
+/// address by default, however many addresses `--node-ip` lists), as kube-proxy keeps the two
+/// apart.
+#[test]
+fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
+    let dir = std::env::temp_dir().join(format!("golden-nodeip-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let objects = |internal_ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nstatus: {{addresses: [{{type: InternalIP, address: {internal_ip}}}]}}\n---\n\
+             apiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: ns}}\nspec: {{type: LoadBalancer, clusterIP: 172.30.0.50, loadBalancerSourceRanges: [192.168.0.0/24], ports: [{{name: p, port: 80, nodePort: 30080}}]}}\nstatus: {{loadBalancer: {{ingress: [{{ip: 203.0.113.9}}]}}}}\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: lb-1, namespace: ns, labels: {{kubernetes.io/service-name: lb}}}}\naddressType: IPv4\nports: [{{name: p, port: 80}}]\nendpoints: [{{addresses: [10.180.0.1]}}]\n"
+        )
+    };
+    let cfg = |extra: proxy_agent::config::Flags| proxy_agent::config::Config::resolve(proxy_agent::config::Flags { hostname_override: Some("lab-node".into()), ..extra }, || "h".into()).unwrap().0;
+    let node_ips = [Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(10, 0, 0, 5)];
+    let admitted = "-s 203.0.113.9 -j KUBE-EXT";
+    std::fs::write(dir.join("objects.yaml"), objects("192.168.0.2")).unwrap();
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();
+    assert!(text.contains(admitted), "the range holds the Node's InternalIP: the LB IP is admitted:\n{text}");
+    assert!(text.contains("-m addrtype --dst-type LOCAL") && !text.contains("-d 10.0.0.5"), "NodePorts on every local address, as run serves them:\n{text}");
+    // The node IP elsewhere: the range no longer admits the node, although it holds one of the
+    // node's addresses.
+    std::fs::write(dir.join("objects.yaml"), objects("10.0.0.5")).unwrap();
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();
+    assert!(!text.contains(admitted), "{text}");
+    // --bind-address names the node IP over the Node's.
+    let flags = proxy_agent::config::Flags { bind_address: Some("192.168.0.2".parse().unwrap()), ..Default::default() };
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Nftables, &dir, &cfg(flags), &node_ips).unwrap();
+    assert!(text.contains("ip saddr != { 192.168.0.0/24 , 203.0.113.9 } drop"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,7 +5,8 @@
 //! cut mid-way. Objects that stop matching a watch's selector are DELETED on that watch, as the
 //! real server does.
 //!
-//! It serves Services, EndpointSlices and Nodes, cluster-wide, which is what the agent watches.
+//! It serves Services, EndpointSlices, Nodes and ServiceCIDRs, cluster-wide, which is what the
+//! agent watches.
 
 use std::{
     collections::BTreeMap,
@@ -35,15 +36,22 @@ fn kind_of(obj: &Value) -> Kind {
         Some("Service") => Kind::Service,
         Some("EndpointSlice") => Kind::EndpointSlice,
         Some("Node") => Kind::Node,
-        other => panic!("the test API server serves Services, EndpointSlices and Nodes, not {other:?}"),
+        Some("ServiceCIDR") => Kind::ServiceCidr,
+        other => panic!("the test API server serves Services, EndpointSlices, Nodes and ServiceCIDRs, not {other:?}"),
     }
 }
 
 fn api_version(kind: Kind) -> &'static str {
     match kind {
         Kind::EndpointSlice => "discovery.k8s.io/v1",
+        Kind::ServiceCidr => "networking.k8s.io/v1",
         _ => "v1",
     }
+}
+
+/// Kinds that are not namespaced.
+fn cluster_scoped(kind: Kind) -> bool {
+    matches!(kind, Kind::Node | Kind::ServiceCidr)
 }
 
 type Key = (Kind, String, String);
@@ -82,6 +90,8 @@ struct Inner {
     hostile: BTreeMap<Kind, Hostile>,
     bookmark_every: Option<Duration>,
     next_watch: u64,
+    /// Answer 404 for ServiceCIDRs, as API servers before 1.33 do.
+    no_service_cidrs: bool,
 }
 
 /// Matches a label selector of the forms kube-proxy uses: `key`, `!key`, `key=value`,
@@ -165,6 +175,7 @@ impl ApiServer {
                     .route("/api/v1/services", get(|s, h, q| serve(s, h, q, Kind::Service)))
                     .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, h, q| serve(s, h, q, Kind::EndpointSlice)))
                     .route("/api/v1/nodes", get(|s, h, q| serve(s, h, q, Kind::Node)))
+                    .route("/apis/networking.k8s.io/v1/servicecidrs", get(|s, h, q| serve(s, h, q, Kind::ServiceCidr)))
                     .with_state(state);
                 // Go's net/http (the real API server) sets TCP_NODELAY; without it, watch events
                 // written one by one can wait ~40 ms for a delayed ACK.
@@ -195,7 +206,7 @@ impl ApiServer {
         inner.rv += 1;
         let rv = inner.rv;
         let meta = obj["metadata"].as_object_mut().expect("metadata");
-        if kind != Kind::Node && !meta.contains_key("namespace") {
+        if !cluster_scoped(kind) && !meta.contains_key("namespace") {
             meta.insert("namespace".into(), json!("default"));
         }
         meta.insert("resourceVersion".into(), json!(rv.to_string()));
@@ -277,6 +288,11 @@ impl ApiServer {
         self.inner.lock().unwrap().authorizations.iter().cloned().collect()
     }
 
+    /// From now on, answer as an API server before 1.33: no ServiceCIDRs (404).
+    pub fn without_service_cidrs(&self) {
+        self.inner.lock().unwrap().no_service_cidrs = true;
+    }
+
     pub fn requests(&self) -> Vec<(String, String)> {
         self.inner.lock().unwrap().requests.clone()
     }
@@ -292,6 +308,10 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
         p.resource_version.clone().unwrap_or_default()
     );
     g.requests.push((kind.as_str().into(), query));
+    if kind == Kind::ServiceCidr && g.no_service_cidrs {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "the server could not find the requested resource", "reason": "NotFound", "code": 404});
+        return (StatusCode::NOT_FOUND, [("content-type", "application/json")], status.to_string()).into_response();
+    }
     if let Some(auth) = headers.get(axum::http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
         g.authorizations.insert(auth.to_string());
     }

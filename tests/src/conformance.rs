@@ -31,6 +31,9 @@ pub fn unsupported(mode: ProxyMode, feature: &str) -> Option<&'static str> {
         (_, "xdp") => Some("XDP is an eBPF program; the netfilter modes work in the kernel's stack"),
         (_, "maglev") => Some("consistent hashing is the eBPF dataplane's; iptables and nftables pick at random, IPVS by its scheduler"),
         (_, "trace") => Some("`proxy-agent trace` runs packets through the eBPF programs"),
+        (ProxyMode::Iptables | ProxyMode::Ipvs, "service-cidrs") => {
+            Some("kube-proxy's iptables and IPVS modes do not act on ServiceCIDRs (its nftables mode does: cluster-ips-check)")
+        }
         _ => None,
     }
 }
@@ -518,6 +521,78 @@ pub fn maglev_agreement(agent: &PathBuf, mode: ProxyMode) {
     assert_eq!(picks[0].iter().collect::<BTreeSet<_>>().len(), 3, "{mode}: 60 flows reach all 3 backends");
 }
 
+/// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
+/// the link's other traffic, IPv6 router solicitations say, does not count).
+fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize, T) {
+    let ifindex: i32 = lab.node.ip(&["-o", "link", "show", "uplink0"]).split(':').next().and_then(|i| i.trim().parse().ok()).expect("uplink0's index");
+    let fd = lab.node.run(move || {
+        // SAFETY: plain socket calls on a descriptor this function owns.
+        unsafe {
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from((libc::ETH_P_ALL as u16).to_be()));
+            assert!(fd >= 0, "a packet socket: {}", io::Error::last_os_error());
+            let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+            addr.sll_family = libc::AF_PACKET as u16;
+            // Outgoing frames reach only ETH_P_ALL taps.
+            addr.sll_protocol = (libc::ETH_P_ALL as u16).to_be();
+            addr.sll_ifindex = ifindex;
+            let rc = libc::bind(fd, (&raw const addr).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+            assert_eq!(rc, 0, "bind to uplink0: {}", io::Error::last_os_error());
+            fd
+        }
+    });
+    let out = f();
+    let mut count = 0;
+    let mut buf = [0u8; 2048];
+    loop {
+        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+        // SAFETY: buffers of the sizes given.
+        let n = unsafe { libc::recvfrom(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT, (&raw mut from).cast(), &mut len) };
+        if n < 0 {
+            break;
+        }
+        let n = n as usize;
+        // Outgoing frames only; the IPv4 destination at bytes 16..20 of the IP header.
+        if from.sll_pkttype == libc::PACKET_OUTGOING as u8 && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets() {
+            count += 1;
+        }
+    }
+    // SAFETY: the descriptor opened above.
+    unsafe { libc::close(fd) };
+    (count, out)
+}
+
+/// kube-proxy's `cluster-ips-check` with a ServiceCIDR: a cluster IP's unserved port is refused
+/// at once; a free address of the range is dropped on the node (without the check, the SYN
+/// would leave by the default route).
+pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &PathBuf, mode: ProxyMode) {
+    if not_applicable(mode, "service-cidrs", "service_cidrs_drop_free_addresses_and_reject_unserved_ports") {
+        return;
+    }
+    let mut lab = Lab::new(agent.clone(), 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.write_manifest("service-cidr.yaml", "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n");
+    start(&mut lab, mode, &[]);
+    let start = Instant::now();
+    let err = tcp_ask(&lab.client.ns, sock("10.96.0.10:81")).expect_err("no such port");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {err}");
+    assert!(start.elapsed() < Duration::from_secs(1), "{mode}: refused at once, not after a timeout");
+    // The uplink's far end answers no ARP: a neighbour entry for the gateway lets a SYN that is
+    // not dropped leave as it would on a node, where the gateway answers.
+    lab.node.ip(&["neigh", "replace", "192.168.250.254", "lladdr", "02:00:00:00:00:fe", "dev", "uplink0", "nud", "permanent"]);
+    let (sent, err) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 77), || tcp_ask(&lab.client.ns, sock("10.96.0.77:80")).expect_err("a free address answers nothing"));
+    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, so it times out: {err}");
+    assert_eq!(sent, 0, "{mode}: nothing left by the default route; log:\n{}", lab.agent_log());
+    // Outside the range, the same packet goes where routing sends it.
+    let (sent, _) = sent_by_uplink(&lab, Ipv4Addr::new(10, 97, 0, 77), || tcp_ask(&lab.client.ns, sock("10.97.0.77:80")));
+    assert!(sent >= 1, "{mode}: outside the ServiceCIDR the SYN leaves by the default route");
+    if mode == ProxyMode::Ebpf {
+        let c = lab.inspect().expect("inspect").counters;
+        assert!(c.get("drop_unallocated_cluster_ip").is_some_and(|c| c.packets >= 1), "{mode}: {c:?}");
+        assert!(c.get("reject_cluster_ip_port").is_some_and(|c| c.packets >= 1), "{mode}: {c:?}");
+    }
+}
+
 /// Every scenario, by name.
 pub const SCENARIOS: &[(&str, fn(&PathBuf, ProxyMode))] = &[
     ("clusterip_tcp_and_udp_reach_every_backend", clusterip_tcp_and_udp_reach_every_backend),
@@ -532,4 +607,5 @@ pub const SCENARIOS: &[(&str, fn(&PathBuf, ProxyMode))] = &[
     ("a_node_port_without_endpoints_refuses", a_node_port_without_endpoints_refuses),
     ("xdp_forwards_north_south", xdp_forwards_north_south),
     ("maglev_agreement", maglev_agreement),
+    ("service_cidrs_drop_free_addresses_and_reject_unserved_ports", service_cidrs_drop_free_addresses_and_reject_unserved_ports),
 ];

@@ -72,6 +72,10 @@ macro_rules! suite {
             fn maglev_agreement() {
                 run($m, "maglev_agreement")
             }
+            #[test]
+            fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
+                run($m, "service_cidrs_drop_free_addresses_and_reject_unserved_ports")
+            }
         }
     };
 }
@@ -142,7 +146,7 @@ fn iptables_backend_auto_and_switching() {
 #[test]
 fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.
-    assert_eq!(conformance::SCENARIOS.len(), 12);
+    assert_eq!(conformance::SCENARIOS.len(), 13);
 }
 
 /// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's

@@ -64,6 +64,8 @@ fn rbac_grants_what_kube_proxys_node_proxier_role_does_and_nothing_more() {
     for v in ["list", "watch"] {
         want.insert(("".into(), "services".into(), v.into()));
         want.insert(("discovery.k8s.io".into(), "endpointslices".into(), v.into()));
+        // system:node-proxier gained these with ServiceCIDRs (GA in 1.33).
+        want.insert(("networking.k8s.io".into(), "servicecidrs".into(), v.into()));
     }
     for v in ["get", "list", "watch"] {
         want.insert(("".into(), "nodes".into(), v.into()));

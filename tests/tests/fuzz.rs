@@ -86,9 +86,12 @@ fn mutated_frames_through_every_program_fault_nothing_and_break_no_checksum() {
     upsert(&mut dp, FrontendKind::NodePort, "192.168.50.1:30080", Protocol::Tcp, &[("10.244.2.5:8080", false), ("10.244.1.5:8080", true)]);
     upsert(&mut dp, FrontendKind::NodePort, "192.168.50.1:30053", Protocol::Udp, &[("10.244.2.5:5353", false)]);
     upsert(&mut dp, FrontendKind::LoadBalancer, "203.0.113.7:80", Protocol::Tcp, &[("10.244.2.5:8080", false), ("10.244.1.2:8080", false)]);
+    // A ServiceCIDR: unserved ports of the cluster IPs are rejected, free addresses dropped.
+    let allocated = ["10.96.0.10", "10.96.0.53", "10.96.0.99"].iter().map(|a| a.parse().unwrap()).collect();
+    dp.set_cluster_ip_ranges(&["10.96.0.0/16".parse().unwrap()], &allocated).expect("write the Service CIDR");
     let addrs = Addresses {
         clients: vec![Ipv4Addr::new(10, 244, 0, 5), Ipv4Addr::new(198, 51, 100, 7), NODE_IP.parse().unwrap()],
-        services: ["10.96.0.10", "10.96.0.53", "10.96.0.99", NODE_IP, "203.0.113.7"].iter().map(|a| a.parse().unwrap()).collect(),
+        services: ["10.96.0.10", "10.96.0.53", "10.96.0.99", NODE_IP, "203.0.113.7", "10.96.0.77"].iter().map(|a| a.parse().unwrap()).collect(),
         backends: ["10.244.1.2", "10.244.1.3", "10.244.1.9", "10.244.2.5", "10.244.1.5"].iter().map(|a| a.parse().unwrap()).collect(),
         ports: vec![80, 53, 8080, 5353, 30080, 30053, 40000, 40001, 61000, 65535],
         frontends: [("10.96.0.10:80", TCP), ("10.96.0.53:53", UDP), ("10.96.0.99:80", TCP), ("192.168.50.1:30080", TCP), ("192.168.50.1:30053", UDP), ("203.0.113.7:80", TCP)]

@@ -361,3 +361,43 @@ fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
     lab.wait_programmed(WEB_VIP, "TCP", 2);
     assert!(rss_mib(pid) < before + 100, "and comes back down: {} MiB", rss_mib(pid));
 }
+
+/// ServiceCIDRs from the API server: with one, a cluster IP's unserved port is refused; without
+/// it again, nothing is checked. An API server that does not serve them (before 1.33) is said
+/// once and changes nothing else.
+#[test]
+fn service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing() {
+    let Some(k) = kube_lab("service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing", &[]) else { return };
+    let unserved = sock("10.96.0.10:81");
+    k.api.apply("apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n");
+    wait_until("the unserved port to be refused", Duration::from_secs(15), || k.lab.agent_log(), || {
+        tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    });
+    let c = k.lab.inspect().expect("inspect").counters;
+    assert!(c.get("reject_cluster_ip_port").is_some_and(|c| c.packets >= 1), "{c:?}");
+    assert!(k.api.requests().iter().any(|(kind, _)| kind == "ServiceCIDR"), "the agent watches ServiceCIDRs");
+    k.api.delete(Kind::ServiceCidr, "", "kubernetes");
+    wait_until("the check to go with the ServiceCIDR", Duration::from_secs(15), || k.lab.agent_log(), || {
+        tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() != std::io::ErrorKind::ConnectionRefused)
+    });
+
+    // An API server before 1.33.
+    let mut lab = Lab::new(AGENT, 3);
+    let api = ApiServer::start(&lab.node, 0);
+    api.without_service_cidrs();
+    api.apply(&node_manifest());
+    for obj in standard_objects(&lab.backend_ips()) {
+        api.apply(&obj);
+    }
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    lab.start_agent_kube(&kubeconfig, &[]);
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    assert_eq!(spread(&lab, 30).len(), 3);
+    lab.wait_log("ServiceCIDRs cannot be watched", 1);
+    let (code, _) = http_get(&lab.node, sock(HEALTHZ), "/healthz").unwrap();
+    assert_eq!(code, 200, "healthy without ServiceCIDRs");
+    thread::sleep(Duration::from_secs(3));
+    let log = lab.agent_log();
+    assert_eq!(log.matches("ServiceCIDRs cannot be watched").count(), 1, "said once, however often it is retried:\n{log}");
+}

@@ -312,7 +312,7 @@ fn snat_ports_run_out_cleanly() {
     // One SNAT port only: the second client to the same backend cannot get a mapping.
     let cfg = testrun::map_by_name(&mut n.dp, "CONFIG_V2");
     let mut cfg: aya::maps::Array<_, Config> = aya::maps::Array::try_from(aya::maps::Map::Array(cfg)).unwrap();
-    cfg.set(0, Config { maglev_size: 16381, snat_port_min: 62000, snat_port_max: 62000 }, 0).unwrap();
+    cfg.set(0, Config { maglev_size: 16381, snat_port_min: 62000, snat_port_max: 62000, ..Default::default() }, 0).unwrap();
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
     let a = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
     assert_eq!(dissect(&a.frame).sport, Some(62000));

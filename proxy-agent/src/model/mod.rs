@@ -207,6 +207,10 @@ pub struct NodeInfo {
     pub zone: Option<String>,
     /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
     pub nodeport_addresses: Vec<Ipv4Addr>,
+    /// The node's primary IP (`bindAddress`, else the Node's InternalIP), which kube-proxy
+    /// keeps apart from the NodePort addresses: a load balancer's source ranges admit the node
+    /// when they hold this address.
+    pub node_ip: Option<Ipv4Addr>,
 }
 
 /// One endpoint of a service port as the netfilter renderers need it.

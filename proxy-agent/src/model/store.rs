@@ -224,6 +224,7 @@ impl Store {
             name: self.node_name.clone(),
             zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
             nodeport_addresses: self.nodeport_addresses(),
+            node_ip: self.node_ip(),
         }
     }
 

@@ -98,11 +98,12 @@ fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ip
 
 /// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its
 /// loadBalancerSourceRanges, sorted, and, as kube-proxy allows (and the netfilter modes), the
-/// load-balancer IPs themselves when a range holds one of the node's addresses (a node that has
-/// a load balancer's address reaches it from that address). Empty: the Service has no ranges.
+/// load-balancer IPs themselves when a range holds the node's primary IP (a node that has a
+/// load balancer's address reaches it from that address; kube-proxy checks its node IP only,
+/// not every NodePort address). Empty: the Service has no ranges.
 fn source_ranges(svc: &CheckedService, lb_ips: &[std::net::Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
     let mut ranges = svc.lb_source_ranges.clone();
-    if Cidr::any_contains(&ranges, &node.nodeport_addresses) {
+    if Cidr::any_contains(&ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
         ranges.extend(lb_ips.iter().map(|a| Cidr { addr: *a, prefix: 32 }));
     }
     ranges.sort();
@@ -215,7 +216,7 @@ mod tests {
     use crate::model::validate;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), nodeport_addresses: vec!["192.168.0.10".parse().unwrap()] }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), nodeport_addresses: vec!["192.168.0.10".parse().unwrap()], node_ip: Some("192.168.0.10".parse().unwrap()) }
     }
 
     fn svc(yaml: &str) -> CheckedService {
@@ -356,6 +357,13 @@ mod tests {
         for lb in ["203.0.113.1", "203.0.113.2"] {
             assert_eq!(ranges(&t, fk(lb, 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32", "203.0.113.2/32"], "{lb}");
         }
+        // Only the primary IP counts: a range holding another NodePort address admits nothing
+        // more; none known (no Node, no bindAddress), nothing either.
+        let other = NodeInfo { nodeport_addresses: vec!["192.168.0.10".parse().unwrap(), "10.9.9.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+        let t = service(&s, &[&slice(NS_SLICE)], &other);
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"]);
+        let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { node_ip: None, ..node() });
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"]);
     }
 
     #[test]

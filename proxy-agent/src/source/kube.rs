@@ -343,7 +343,9 @@ where
         while let Some(item) = stream.next().await {
             let event = match item {
                 Ok(e) => {
-                    if failing {
+                    // `Init` only starts a (re)list, which may fail again: the watch is back once
+                    // something arrives.
+                    if failing && !matches!(e, watcher::Event::Init) {
                         tracing::info!(kind = kind.as_str(), "watch re-established");
                         failing = false;
                     }

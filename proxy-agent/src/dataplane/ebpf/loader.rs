@@ -155,6 +155,17 @@ pub fn links_dir(root: &Path) -> PathBuf {
 
 /// Refuses pinned maps whose layout differs from ours; adopting them would corrupt both.
 fn check_pins(root: &Path) -> Result<(), LoadError> {
+    // Maps of an older build's layout (a bumped version suffix, `CONFIG_V1` say): no program
+    // of this build uses them; the old programs keep theirs alive until their links move on.
+    if let Ok(entries) = fs::read_dir(maps_dir(root)) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !map_names::ALL.contains(&name.as_str()) && e.file_type().is_ok_and(|t| t.is_file()) {
+                tracing::info!(pin = %e.path().display(), "removing the pin of a map an older build used");
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
     for name in map_names::ALL {
         let path = maps_dir(root).join(name);
         if !path.exists() {

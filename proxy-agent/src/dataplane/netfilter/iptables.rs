@@ -287,7 +287,7 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
         for r in &p.port.lb_source_ranges {
             n.rule(&fw, format!("{c} -s {r} -j {ext}"));
         }
-        let node_in_ranges = crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.nodeport_ips);
+        let node_in_ranges = crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>());
         if node_in_ranges {
             for ip in &p.port.lb_ips {
                 n.rule(&fw, format!("{c} -s {ip} -j {ext}"));

@@ -208,7 +208,7 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
                 for r in &port.lb_source_ranges {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-CIDR", format!("{entry},{r}"));
                 }
-                if crate::model::store::Cidr::any_contains(&port.lb_source_ranges, &node.nodeport_ips) {
+                if crate::model::store::Cidr::any_contains(&port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-IP", format!("{entry},{ip}"));
                 }
             }

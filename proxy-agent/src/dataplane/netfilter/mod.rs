@@ -35,6 +35,9 @@ pub struct NodeContext {
     pub local: LocalTraffic,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
+    /// The node's primary IP (see `NodeInfo::node_ip`): load-balancer source ranges that hold
+    /// it admit the node from the load balancer's own address.
+    pub node_ip: Option<Ipv4Addr>,
 }
 
 /// How the rules tell traffic from the node's pods (kube-proxy's local traffic detector).

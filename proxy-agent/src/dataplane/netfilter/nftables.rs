@@ -237,7 +237,7 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     }
     if p.has_firewall {
         let mut allowed: Vec<String> = p.port.lb_source_ranges.iter().map(|c| c.to_string()).collect();
-        if Cidr::any_contains(&p.port.lb_source_ranges, &node.nodeport_ips) {
+        if Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
             allowed.extend(p.port.lb_ips.iter().map(|ip| ip.to_string()));
         }
         chain(&fw, vec![format!("ip saddr != {{ {} }} drop", allowed.join(" , "))]);
