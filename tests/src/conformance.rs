@@ -587,6 +587,14 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &PathB
     let (sent, _) = sent_by_uplink(&lab, Ipv4Addr::new(10, 97, 0, 77), || tcp_ask(&lab.client.ns, sock("10.97.0.77:80")));
     assert!(sent >= 1, "{mode}: outside the ServiceCIDR the SYN leaves by the default route");
     if mode == ProxyMode::Ebpf {
+        // Host-network processes, through the socket hooks: refused, and failed at once.
+        if lab.cgroup.is_some() {
+            assert_eq!(lab.host_ask("tcp", "10.96.0.10:81"), "err ConnectionRefused");
+            assert_eq!(lab.host_ask("tcp", "10.96.0.77:80"), "err PermissionDenied");
+            assert_eq!(lab.host_ask("udp", "10.96.0.78:53"), "err PermissionDenied");
+        } else {
+            println!("{mode}: host sockets not checked: no cgroup v2 hierarchy is mounted for the socket hooks");
+        }
         let c = lab.inspect().expect("inspect").counters;
         assert!(c.get("drop_unallocated_cluster_ip").is_some_and(|c| c.packets >= 1), "{mode}: {c:?}");
         assert!(c.get("reject_cluster_ip_port").is_some_and(|c| c.packets >= 1), "{mode}: {c:?}");
