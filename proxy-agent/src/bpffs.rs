@@ -115,7 +115,7 @@ pub fn shared_at(mountinfo: &str, target: &Path) -> bool {
             let tags: Vec<&str> = f.skip(1).take_while(|t| *t != "-").collect();
             (unescape(point) == target).then(|| tags.iter().any(|t| t.starts_with("shared:")))
         })
-        .last()
+        .next_back()
         .unwrap_or(false)
 }
 

@@ -12,7 +12,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     io,
     net::{Ipv4Addr, SocketAddr},
-    path::PathBuf,
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -76,8 +76,8 @@ fn peer_ip(a: &Answer) -> Ipv4Addr {
 
 /// The single-node lab with three backends and the standard Services, agent running in
 /// `mode`, traffic flowing.
-pub fn lab(agent: &PathBuf, mode: ProxyMode) -> Lab {
-    let mut lab = Lab::new(agent.clone(), 3);
+pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
+    let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     start(&mut lab, mode, &[]);
     lab
@@ -99,8 +99,8 @@ fn start(lab: &mut Lab, mode: ProxyMode, extra: &[&str]) {
 /// `--iptables-backend`: with kubelet's hint chain in iptables-legacy, `auto` writes there and
 /// Services work from there; restarted with `--iptables-backend nft`, the rules move to
 /// iptables-nft and nothing of ours stays in legacy, while kubelet's chain does.
-pub fn iptables_backends(agent: &PathBuf) {
-    let mut lab = Lab::new(agent.clone(), 3);
+pub fn iptables_backends(agent: &Path) {
+    let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
     let in_node = |args: &[&str]| in_netns(&node, args);
@@ -141,8 +141,8 @@ fn in_netns(ns: &str, args: &[&str]) -> String {
 /// `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
 /// `proxy-agent cleanup` leaves nothing of the agent's and still keeps theirs. (IPVS state is
 /// not loaded here: this kernel has no IPVS; the IPVS mode's own cleanup covers it.)
-pub fn taking_over_from_kube_proxy(agent: &PathBuf, mode: ProxyMode) {
-    let mut lab = Lab::new(agent.clone(), 3);
+pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
+    let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
     let in_node = |args: &[&str]| in_netns(&node, args);
@@ -211,8 +211,8 @@ pub fn taking_over_from_kube_proxy(agent: &PathBuf, mode: ProxyMode) {
 /// localhost NodePorts: iptables mode serves `127.0.0.1:<nodePort>` by default, as kube-proxy
 /// does (route_localnet, with KUBE-FIREWALL's guard against martian localnet packets), and not
 /// when `--iptables-localhost-nodeports=false`; nftables mode never does, as kube-proxy's.
-pub fn localhost_node_ports(agent: &PathBuf, mode: ProxyMode, enabled: bool) {
-    let mut lab = Lab::new(agent.clone(), 3);
+pub fn localhost_node_ports(agent: &Path, mode: ProxyMode, enabled: bool) {
+    let mut lab = Lab::new(agent, 3);
     let mut objects = crate::lab::standard_objects(&lab.backend_ips());
     objects.push(crate::cluster::service(
         "web-np",
@@ -242,7 +242,7 @@ pub fn localhost_node_ports(agent: &PathBuf, mode: ProxyMode, enabled: bool) {
     }
 }
 
-pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &PathBuf, mode: ProxyMode) {
+pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let mut tcp = BTreeMap::<String, usize>::new();
     for _ in 0..90 {
@@ -260,7 +260,7 @@ pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &PathBuf, mode: ProxyMod
     assert!(udp.len() > 1, "{mode}: UDP flows spread: {udp:?}");
 }
 
-pub fn a_service_without_endpoints_refuses(agent: &PathBuf, mode: ProxyMode) {
+pub fn a_service_without_endpoints_refuses(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let start = Instant::now();
     let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints");
@@ -268,7 +268,7 @@ pub fn a_service_without_endpoints_refuses(agent: &PathBuf, mode: ProxyMode) {
     assert!(start.elapsed() < Duration::from_secs(1), "{mode}: refused at once, not after a timeout");
 }
 
-pub fn endpoint_changes_are_followed(agent: &PathBuf, mode: ProxyMode) {
+pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let ips = lab.backend_ips();
     // A resolver's UDP flow that backend-3 answers: it must move when backend-3 goes, though
@@ -299,7 +299,7 @@ pub fn endpoint_changes_are_followed(agent: &PathBuf, mode: ProxyMode) {
     });
 }
 
-pub fn a_pod_reaching_its_own_service_gets_through(agent: &PathBuf, mode: ProxyMode) {
+pub fn a_pod_reaching_its_own_service_gets_through(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let me = &lab.backends[0];
     let mut own = None;
@@ -324,8 +324,8 @@ fn web(spec_extra: &str) -> String {
 }
 
 /// The two-node lab running `mode` on both nodes, `web` programmed.
-fn cluster_with(agent: &PathBuf, mode: ProxyMode, pods: [&[&str]; 2], svc: &str, eps: &[(Ipv4Addr, &str)], extra: &[&str]) -> Cluster {
-    let mut c = Cluster::new(agent.clone(), pods);
+fn cluster_with(agent: &Path, mode: ProxyMode, pods: [&[&str]; 2], svc: &str, eps: &[(Ipv4Addr, &str)], extra: &[&str]) -> Cluster {
+    let mut c = Cluster::new(agent, pods);
     c.write_manifest("nodes.yaml", &nodes_manifest());
     c.write_manifest("web.yaml", svc);
     c.write_manifest("web-eps.yaml", &slice("web", eps));
@@ -354,7 +354,7 @@ fn by_backend(a: &[Answer]) -> BTreeMap<String, BTreeSet<Ipv4Addr>> {
     m
 }
 
-pub fn node_port_from_outside(agent: &PathBuf, mode: ProxyMode) {
+pub fn node_port_from_outside(agent: &Path, mode: ProxyMode) {
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b"), (ip("10.244.2.12"), "node-b")];
     let c = cluster_with(agent, mode, [&["a1"], &["b1", "b2"]], &web(""), &eps, &[]);
     for (to, udp) in [("192.168.100.1:30080", false), ("192.168.100.1:30053", true), ("192.168.100.2:30080", false)] {
@@ -378,7 +378,7 @@ pub fn node_port_from_outside(agent: &PathBuf, mode: ProxyMode) {
     }
 }
 
-pub fn external_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {
+pub fn external_traffic_policy_local(agent: &Path, mode: ProxyMode) {
     let lb = cluster::service(
         "web",
         "  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n",
@@ -403,7 +403,7 @@ pub fn external_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {
     assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, not refused: {err}");
 }
 
-pub fn internal_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {
+pub fn internal_traffic_policy_local(agent: &Path, mode: ProxyMode) {
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b")];
     let c = cluster_with(agent, mode, [&["a1"], &["b1"]], &web("  internalTrafficPolicy: Local\n"), &eps, &[]);
     for (node, want) in [("node-a", "a1"), ("node-b", "b1")] {
@@ -416,7 +416,7 @@ pub fn internal_traffic_policy_local(agent: &PathBuf, mode: ProxyMode) {
     }
 }
 
-pub fn load_balancer_and_external_ips(agent: &PathBuf, mode: ProxyMode) {
+pub fn load_balancer_and_external_ips(agent: &Path, mode: ProxyMode) {
     let lb = cluster::service(
         "web",
         "  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalIPs: [192.0.2.7]\n  ports:\n  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}\n  - {name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}\n",
@@ -432,7 +432,7 @@ pub fn load_balancer_and_external_ips(agent: &PathBuf, mode: ProxyMode) {
     assert!(tcp_ask(&c.client, sock("203.0.113.11:80")).is_err(), "{mode}: ipMode Proxy is the load balancer's to serve");
 }
 
-pub fn client_ip_affinity(agent: &PathBuf, mode: ProxyMode) {
+pub fn client_ip_affinity(agent: &Path, mode: ProxyMode) {
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b"), (ip("10.244.2.12"), "node-b")];
     let svc = web("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n");
     let c = cluster_with(agent, mode, [&["a1"], &["b1", "b2"]], &svc, &eps, &[]);
@@ -445,7 +445,7 @@ pub fn client_ip_affinity(agent: &PathBuf, mode: ProxyMode) {
     assert_eq!(seen.len(), 1, "{mode}: NodePort: one client, one backend: {seen:?}");
 }
 
-pub fn a_node_port_without_endpoints_refuses(agent: &PathBuf, mode: ProxyMode) {
+pub fn a_node_port_without_endpoints_refuses(agent: &Path, mode: ProxyMode) {
     let c = cluster_with(agent, mode, [&[], &[]], &web(""), &[], &[]);
     let err = eventually("the NodePort to refuse", || match tcp_ask(&c.client, sock("192.168.100.1:30080")) {
         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(e),
@@ -456,7 +456,7 @@ pub fn a_node_port_without_endpoints_refuses(agent: &PathBuf, mode: ProxyMode) {
     assert_eq!(udp.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {udp}");
 }
 
-pub fn xdp_forwards_north_south(agent: &PathBuf, mode: ProxyMode) {
+pub fn xdp_forwards_north_south(agent: &Path, mode: ProxyMode) {
     if not_applicable(mode, "xdp", "xdp_forwards_north_south") {
         return;
     }
@@ -490,7 +490,7 @@ pub fn xdp_forwards_north_south(agent: &PathBuf, mode: ProxyMode) {
     assert!(n(&r, "xdp_forward") > 0 && n(&r, "xdp_reply") > 0, "{:?}", r.counters);
 }
 
-pub fn maglev_agreement(agent: &PathBuf, mode: ProxyMode) {
+pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
     if not_applicable(mode, "maglev", "maglev_agreement") {
         return;
     }
@@ -553,7 +553,7 @@ fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize,
         }
         let n = n as usize;
         // Outgoing frames only; the IPv4 destination at bytes 16..20 of the IP header.
-        if from.sll_pkttype == libc::PACKET_OUTGOING as u8 && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets() {
+        if from.sll_pkttype == libc::PACKET_OUTGOING && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets() {
             count += 1;
         }
     }
@@ -565,11 +565,11 @@ fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize,
 /// kube-proxy's `cluster-ips-check` with a ServiceCIDR: a cluster IP's unserved port is refused
 /// at once; a free address of the range is dropped on the node (without the check, the SYN
 /// would leave by the default route).
-pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &PathBuf, mode: ProxyMode) {
+pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path, mode: ProxyMode) {
     if not_applicable(mode, "service-cidrs", "service_cidrs_drop_free_addresses_and_reject_unserved_ports") {
         return;
     }
-    let mut lab = Lab::new(agent.clone(), 3);
+    let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     lab.write_manifest("service-cidr.yaml", "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n");
     start(&mut lab, mode, &[]);
@@ -601,8 +601,11 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &PathB
     }
 }
 
+/// A scenario: the agent binary, the mode.
+pub type Scenario = fn(&Path, ProxyMode);
+
 /// Every scenario, by name.
-pub const SCENARIOS: &[(&str, fn(&PathBuf, ProxyMode))] = &[
+pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("clusterip_tcp_and_udp_reach_every_backend", clusterip_tcp_and_udp_reach_every_backend),
     ("a_service_without_endpoints_refuses", a_service_without_endpoints_refuses),
     ("endpoint_changes_are_followed", endpoint_changes_are_followed),

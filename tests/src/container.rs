@@ -53,6 +53,12 @@ pub struct Rootfs {
     pub path: PathBuf,
 }
 
+impl Default for Rootfs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Rootfs {
     pub fn new() -> Self {
         let container = format!("proxy-ct-{}", unique_id());

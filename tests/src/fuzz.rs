@@ -19,7 +19,7 @@ impl Rng {
         Self(seed.max(1))
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -28,7 +28,7 @@ impl Rng {
 
     /// 0..n
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next_u64() % n as u64) as usize
     }
 
     pub fn chance(&mut self, percent: usize) -> bool {
@@ -40,7 +40,7 @@ impl Rng {
     }
 
     fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        (0..n).map(|_| self.next_u64() as u8).collect()
     }
 }
 
@@ -64,7 +64,7 @@ impl Addresses {
             0..=2 => *rng.pick(&self.clients),
             3..=5 => *rng.pick(&self.services),
             6..=8 => *rng.pick(&self.backends),
-            _ => Ipv4Addr::from(rng.next() as u32),
+            _ => Ipv4Addr::from(rng.next_u64() as u32),
         }
     }
 
@@ -72,7 +72,7 @@ impl Addresses {
         if rng.chance(80) {
             *rng.pick(&self.ports)
         } else {
-            rng.next() as u16
+            rng.next_u64() as u16
         }
     }
 
@@ -100,7 +100,7 @@ pub fn frame(rng: &mut Rng, a: &Addresses) -> (Vec<u8>, String) {
     }
     let mut ip = match shape {
         0..=3 => {
-            let flags = if rng.chance(80) { *rng.pick(&TCP_FLAG_SETS) } else { rng.next() as u8 };
+            let flags = if rng.chance(80) { *rng.pick(&TCP_FLAG_SETS) } else { rng.next_u64() as u8 };
             let payload = { let n = rng.below(3) * rng.below(700); rng.bytes(n) };
             let _ = write!(label, "tcp {src}->{dst} flags {flags:#x} +{}", payload.len());
             Ipv4::new(*src.ip(), *dst.ip(), TCP, tcp_segment(src, dst, flags, &payload))
@@ -144,7 +144,7 @@ pub fn frame(rng: &mut Rng, a: &Addresses) -> (Vec<u8>, String) {
             Ipv4::new(from, *src.ip(), ICMP, icmp)
         }
         _ => {
-            let proto = rng.next() as u8;
+            let proto = rng.next_u64() as u8;
             let _ = write!(label, "proto {proto} {}->{}", src.ip(), dst.ip());
             Ipv4::new(*src.ip(), *dst.ip(), proto, { let n = rng.below(80); rng.bytes(n) })
         }
@@ -193,7 +193,7 @@ fn mutate(rng: &mut Rng, f: &mut Vec<u8>, label: &mut String) {
         }
         2 if f.len() > IP + 4 => {
             let len = match rng.below(3) {
-                0 => rng.next() as u16,
+                0 => rng.next_u64() as u16,
                 1 => (f.len() - IP + rng.below(40)) as u16,
                 _ => (f.len() - IP).saturating_sub(1 + rng.below(40)) as u16,
             };
@@ -202,14 +202,14 @@ fn mutate(rng: &mut Rng, f: &mut Vec<u8>, label: &mut String) {
             fix_ip_checksum(f, rng);
         }
         3 if f.len() > IP + 8 => {
-            let frag = rng.next() as u16;
+            let frag = rng.next_u64() as u16;
             f[IP + 6..IP + 8].copy_from_slice(&frag.to_be_bytes());
             let _ = write!(label, ", frag field {frag:#x}");
             fix_ip_checksum(f, rng);
         }
         4 if f.len() > IP + 33 => {
             // TCP flags byte at a 20-byte header's place.
-            f[IP + 33] = rng.next() as u8;
+            f[IP + 33] = rng.next_u64() as u8;
             let _ = write!(label, ", byte 47 = {:#x}", f[IP + 33]);
         }
         5 => {

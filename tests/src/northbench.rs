@@ -5,6 +5,7 @@
 //! - no agent and a kube-proxy-style iptables ruleset (KUBE-SERVICES -> KUBE-NODEPORTS ->
 //!   KUBE-EXT -> KUBE-SVC -> KUBE-SEP DNAT, KUBE-MARK-MASQ and MASQUERADE), written for the
 //!   bench until the fallback renderer exists.
+//!
 //! Each mode serves the same Services: the NodePort under test plus `filler` ClusterIP Services
 //! (kube-proxy's KUBE-SERVICES chain holds one rule per cluster IP, which new connections walk).
 //!
@@ -139,7 +140,7 @@ pub fn iptables_ruleset(node_ip: Ipv4Addr, filler: u32) -> String {
     }
     svc("bench:http", "tcp", Ipv4Addr::new(10, 96, 0, 10), 80, Some(30080), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), CONN_PORT));
     svc("bench:dns", "udp", Ipv4Addr::new(10, 96, 0, 10), 53, Some(30053), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 5353));
-    rules.push(format!(
+    rules.push(String::from(
         "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
     ));
     let _ = node_ip;

@@ -31,7 +31,7 @@ fn sock(s: &str) -> SocketAddrV4 {
 
 fn upsert(dp: &mut EbpfDataplane, kind: FrontendKind, at: &str, protocol: Protocol, backends: &[(&str, bool)]) {
     let at = sock(at);
-    let name = ServicePortName { service: ObjectKey::new("default", &format!("fuzz-{}", at.port())), port: "p".into(), protocol };
+    let name = ServicePortName { service: ObjectKey::new("default", format!("fuzz-{}", at.port())), port: "p".into(), protocol };
     let backends = backends.iter().map(|(b, local)| Backend { addr: *sock(b).ip(), port: sock(b).port(), terminating: false, local: *local }).collect();
     dp.upsert(&FrontendKey { addr: *at.ip(), port: at.port(), protocol }, &Frontend::new(name, kind, backends)).expect("program a frontend");
 }

@@ -62,12 +62,12 @@ fn udp_request_and_reply_through_the_service_address() {
 #[test]
 fn a_service_without_endpoints_refuses_at_once() {
     let Some(lab) = lab("a_service_without_endpoints_refuses_at_once") else { return };
-    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).err().expect("no endpoints: the connection must fail");
+    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints: the connection must fail");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "expected connection refused (ICMP), got {err}");
     lab.write_manifest("empty-udp.yaml", &[lab::service("empty-udp", "10.96.0.98", &[("dns", 53, "UDP", 5353)]), lab::endpoint_slice("empty-udp", "empty-udp-1", &[], &[("dns", 5353, "UDP")])].join("---\n"));
     let mut lab = lab;
     lab.wait_programmed("10.96.0.98:53", "UDP", 0);
-    let err = udp_ask_connected(&lab.client.ns, sock("10.96.0.98:53")).err().expect("no endpoints: UDP must fail");
+    let err = udp_ask_connected(&lab.client.ns, sock("10.96.0.98:53")).expect_err("no endpoints: UDP must fail");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "expected ECONNREFUSED from the ICMP error, got {err}");
     assert!(lab.inspect().unwrap().counters["reject_no_endpoints"].packets >= 2);
 }

@@ -53,9 +53,9 @@ pub fn format(d: Duration) -> String {
     }
     if d < Duration::from_secs(1) {
         let ns = d.as_nanos();
-        return if ns % 1_000_000 == 0 {
+        return if ns.is_multiple_of(1_000_000) {
             format!("{}ms", ns / 1_000_000)
-        } else if ns % 1000 == 0 {
+        } else if ns.is_multiple_of(1000) {
             format!("{}µs", ns / 1000)
         } else {
             format!("{ns}ns")

@@ -71,19 +71,6 @@ pub fn nftables_unsupported() -> Option<String> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_missing_capabilities_are_named() {
-        let caps = |list: &[u32]| list.iter().fold(0u64, |a, c| a | 1 << c);
-        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON])), Vec::<&str>::new());
-        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN])), vec!["CAP_PERFMON"]);
-        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_SYS_ADMIN])), vec!["CAP_NET_ADMIN"]);
-        assert_eq!(missing_ebpf_capabilities(0), vec!["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"]);
-    }
-}
 
 /// IPVS mode's options from the configuration.
 pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
@@ -163,5 +150,19 @@ pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>,
     }
     for line in netfilter::takeover::cleanup(backends) {
         tracing::info!("removed what kube-proxy left: {line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_missing_capabilities_are_named() {
+        let caps = |list: &[u32]| list.iter().fold(0u64, |a, c| a | 1 << c);
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON])), Vec::<&str>::new());
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_BPF, CAP_NET_ADMIN])), vec!["CAP_PERFMON"]);
+        assert_eq!(missing_ebpf_capabilities(caps(&[CAP_SYS_ADMIN])), vec!["CAP_NET_ADMIN"]);
+        assert_eq!(missing_ebpf_capabilities(0), vec!["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"]);
     }
 }

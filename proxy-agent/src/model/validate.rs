@@ -699,7 +699,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         .as_ref()
         .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
-        .and_then(|t| std::time::SystemTime::try_from(t).ok());
+        .map(std::time::SystemTime::from);
     Ok(Ok(CheckedSlice { key, service, ports, endpoints, trigger_time }))
 }
 

@@ -50,7 +50,7 @@ pub fn member(addr: std::net::Ipv4Addr, port: u16) -> Member {
 }
 
 pub fn is_prime(n: u32) -> bool {
-    n >= 2 && (2..).take_while(|d: &u32| u64::from(*d) * u64::from(*d) <= u64::from(n)).all(|d| n % d != 0)
+    n >= 2 && (2..).take_while(|d: &u32| u64::from(*d) * u64::from(*d) <= u64::from(n)).all(|d| !n.is_multiple_of(d))
 }
 
 /// The Maglev table of size `m` (a prime) for `members`: for each position, the index of the

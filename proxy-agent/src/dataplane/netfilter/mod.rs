@@ -327,42 +327,6 @@ pub fn hash_name(input: &str, len: usize) -> String {
     base32(&digest)[..len].to_string()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base32_matches_rfc4648_vectors() {
-        assert_eq!(base32(b""), "");
-        assert_eq!(base32(b"f"), "MY======");
-        assert_eq!(base32(b"fo"), "MZXQ====");
-        assert_eq!(base32(b"foo"), "MZXW6===");
-        assert_eq!(base32(b"foob"), "MZXW6YQ=");
-        assert_eq!(base32(b"fooba"), "MZXW6YTB");
-        assert_eq!(base32(b"foobar"), "MZXW6YTBOI======");
-    }
-
-    #[test]
-    fn the_backend_is_the_one_the_node_uses() {
-        let empty = "*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n";
-        let docker = "*nat\n:DOCKER - [0:0]\n-A PREROUTING -j DOCKER\n-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE\nCOMMIT\n";
-        let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
-        // A fresh node: nft.
-        assert_eq!(choose_backend(empty, empty).0, Iptables::Nft);
-        // Rules only in legacy (Docker on an older host): legacy.
-        assert_eq!(choose_backend(empty, docker).0, Iptables::Legacy);
-        assert_eq!(choose_backend(docker, empty).0, Iptables::Nft);
-        // kubelet's hint wins over rule counts.
-        let (b, why) = choose_backend(hint, docker);
-        assert_eq!(b, Iptables::Nft, "{why}");
-        assert!(why.contains("KUBE-IPTABLES-HINT"), "{why}");
-        assert_eq!(choose_backend(docker, &format!("{hint}{empty}")).0, Iptables::Legacy);
-        // A rule that merely mentions the name is not the chain.
-        assert_eq!(choose_backend("-A INPUT -m comment --comment KUBE-IPTABLES-HINT -j ACCEPT\n", docker).0, Iptables::Legacy);
-        assert!("bogus".parse::<Iptables>().is_err());
-        assert_eq!("legacy".parse::<Iptables>(), Ok(Iptables::Legacy));
-    }
-}
 
 /// One service port with kube-proxy's derived predicates (`pkg/proxy` semantics), shared by
 /// the renderers.
@@ -434,5 +398,42 @@ impl<'a> Plan<'a> {
     /// The endpoints external traffic uses.
     pub fn external(&self) -> &[EndpointView] {
         if self.port.external_local { &self.local } else { &self.cluster }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base32_matches_rfc4648_vectors() {
+        assert_eq!(base32(b""), "");
+        assert_eq!(base32(b"f"), "MY======");
+        assert_eq!(base32(b"fo"), "MZXQ====");
+        assert_eq!(base32(b"foo"), "MZXW6===");
+        assert_eq!(base32(b"foob"), "MZXW6YQ=");
+        assert_eq!(base32(b"fooba"), "MZXW6YTB");
+        assert_eq!(base32(b"foobar"), "MZXW6YTBOI======");
+    }
+
+    #[test]
+    fn the_backend_is_the_one_the_node_uses() {
+        let empty = "*nat\n:PREROUTING ACCEPT [0:0]\nCOMMIT\n";
+        let docker = "*nat\n:DOCKER - [0:0]\n-A PREROUTING -j DOCKER\n-A POSTROUTING -s 172.17.0.0/16 -j MASQUERADE\nCOMMIT\n";
+        let hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
+        // A fresh node: nft.
+        assert_eq!(choose_backend(empty, empty).0, Iptables::Nft);
+        // Rules only in legacy (Docker on an older host): legacy.
+        assert_eq!(choose_backend(empty, docker).0, Iptables::Legacy);
+        assert_eq!(choose_backend(docker, empty).0, Iptables::Nft);
+        // kubelet's hint wins over rule counts.
+        let (b, why) = choose_backend(hint, docker);
+        assert_eq!(b, Iptables::Nft, "{why}");
+        assert!(why.contains("KUBE-IPTABLES-HINT"), "{why}");
+        assert_eq!(choose_backend(docker, &format!("{hint}{empty}")).0, Iptables::Legacy);
+        // A rule that merely mentions the name is not the chain.
+        assert_eq!(choose_backend("-A INPUT -m comment --comment KUBE-IPTABLES-HINT -j ACCEPT\n", docker).0, Iptables::Legacy);
+        assert!("bogus".parse::<Iptables>().is_err());
+        assert_eq!("legacy".parse::<Iptables>(), Ok(Iptables::Legacy));
     }
 }
