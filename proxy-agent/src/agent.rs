@@ -178,13 +178,18 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory
 /// watcher alive.
-async fn start_source(cfg: &Config, telemetry: &Arc<Telemetry>) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
+async fn start_source(
+    cfg: &Config,
+    telemetry: &Arc<Telemetry>,
+) -> anyhow::Result<(mpsc::Receiver<Event>, Option<notify::RecommendedWatcher>)> {
     let (src_tx, src_rx) = mpsc::channel(256);
     let mut watcher = None;
     match &cfg.common.source {
         Source::Manifests(dir) => {
             let dir = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
-            watcher = Some(source::manifests::spawn(dir, src_tx, cfg.common.resync).with_context(|| format!("watching {:?}", cfg.common.source))?);
+            watcher = Some(
+                source::manifests::spawn(dir, src_tx, cfg.common.resync).with_context(|| format!("watching {:?}", cfg.common.source))?,
+            );
         }
         Source::Kube(api) => {
             let client = source::kube::client(api, telemetry.clone()).await?;
@@ -327,7 +332,13 @@ async fn start_inputs(cfg: &Config, telemetry: &Arc<Telemetry>, mut devices: Dev
     Ok((Inputs { src_rx, _watcher: watcher, link_rx, devices }, live))
 }
 
-fn telemetry_and_servers(cfg: &Config, health_timeout: Duration, mode: ProxyMode, pins: Option<&Path>, capacities: (u64, u64)) -> Arc<Telemetry> {
+fn telemetry_and_servers(
+    cfg: &Config,
+    health_timeout: Duration,
+    mode: ProxyMode,
+    pins: Option<&Path>,
+    capacities: (u64, u64),
+) -> Arc<Telemetry> {
     let telemetry = Telemetry::new(health_timeout, pins, capacities);
     http::spawn("metrics", "--metrics-bind-address", cfg.common.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
     http::spawn("healthz", "--healthz-bind-address", cfg.common.healthz_bind, http::health_router(telemetry.clone()));
@@ -355,7 +366,8 @@ async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyh
         cluster_cidrs: cfg.common.cluster_cidrs.clone(),
     };
     let sysctls = crate::dataplane::netfilter::sysctl::settings(mode, &cfg);
-    let mut proxier = NetfilterProxier::new(new_store(&cfg), rules, vec![Kind::Service, Kind::EndpointSlice, Kind::Node], masquerading, sysctls);
+    let mut proxier =
+        NetfilterProxier::new(new_store(&cfg), rules, vec![Kind::Service, Kind::EndpointSlice, Kind::Node], masquerading, sysctls);
     // Node addresses only, for NodePorts: nothing is attached.
     let no_patterns = DevicePatterns::parse(&[]).expect("empty pattern list");
     let devices = Devices::new(no_patterns.clone(), Some(no_patterns), XdpSetting::Disabled);
@@ -426,7 +438,13 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     };
     let root = &cfg.common.bpffs_root;
     tracing::info!(bpffs_root = %root.display(), node = cfg.common.hostname, adopted_frontends = dp.programmed_keys().len(), "dataplane loaded");
-    let telemetry = telemetry_and_servers(&cfg, 2 * cfg.common.sync_period, ProxyMode::Ebpf, Some(root), (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()));
+    let telemetry = telemetry_and_servers(
+        &cfg,
+        2 * cfg.common.sync_period,
+        ProxyMode::Ebpf,
+        Some(root),
+        (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()),
+    );
     spawn_conntrack_gauge(root.clone(), telemetry.clone());
     let mut rec = Reconciler::new(new_store(&cfg), dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
     let (mut inputs, live) = start_inputs(&cfg, &telemetry, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
@@ -581,7 +599,8 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
     if let Some(s) = p.sync() {
         // On the NodePort addresses, as kube-proxy binds its health-check servers.
         let store = p.store();
-        let addresses = (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
+        let addresses =
+            (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
         health.update(&p.health_checks(), addresses);
         log_sync(&s);
         telemetry.synced(&s, &p.store().change_counts());

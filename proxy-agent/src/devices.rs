@@ -42,8 +42,8 @@ pub struct Devices {
 
 impl Devices {
     pub fn new(pod: DevicePatterns, external: Option<DevicePatterns>, xdp: XdpSetting) -> Self {
-        let not_external = DevicePatterns::parse(&NOT_EXTERNAL.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .expect("built-in patterns are valid");
+        let not_external =
+            DevicePatterns::parse(&NOT_EXTERNAL.iter().map(|s| s.to_string()).collect::<Vec<_>>()).expect("built-in patterns are valid");
         Self {
             pod,
             external,

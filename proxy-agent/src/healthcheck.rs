@@ -89,7 +89,14 @@ impl HealthServers {
                     let addrs = self.addresses.clone().unwrap_or_else(|| vec![Ipv4Addr::UNSPECIFIED]);
                     let tasks = addrs
                         .iter()
-                        .map(|a| crate::http::listen("health-check", "a Service's healthCheckNodePort", SocketAddr::from((*a, *port)), router.clone()))
+                        .map(|a| {
+                            crate::http::listen(
+                                "health-check",
+                                "a Service's healthCheckNodePort",
+                                SocketAddr::from((*a, *port)),
+                                router.clone(),
+                            )
+                        })
                         .collect();
                     tracing::info!(port, service = %state.service, addresses = ?addrs, "health-check node port opened");
                     self.servers.insert(*port, Server { state: shared, tasks });
@@ -137,7 +144,10 @@ mod tests {
         let (code, body) = answer(&s, true);
         assert_eq!(code, 200);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(v, serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true}));
+        assert_eq!(
+            v,
+            serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true})
+        );
         assert_eq!(answer(&PortState { local_endpoints: 0, ..s.clone() }, true).0, 503, "no local endpoint");
         assert_eq!(answer(&s, false).0, 503, "the proxy is not keeping up");
     }

@@ -30,9 +30,7 @@ pub fn metrics_router(t: Arc<Telemetry>, mode: &'static str) -> Router {
             "/metrics",
             get(move || {
                 let t = t.clone();
-                async move {
-                    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], t.encode())
-                }
+                async move { ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], t.encode()) }
             }),
         )
         .route("/proxyMode", get(move || async move { mode }))
@@ -42,14 +40,20 @@ pub fn metrics_router(t: Arc<Telemetry>, mode: &'static str) -> Router {
 pub fn health_router(t: Arc<Telemetry>) -> Router {
     let t2 = t.clone();
     Router::new()
-        .route("/healthz", get(move || {
-            let (code, body) = t.healthz();
-            async move { json(code, body) }
-        }))
-        .route("/livez", get(move || {
-            let (code, body) = t2.livez();
-            async move { json(code, body) }
-        }))
+        .route(
+            "/healthz",
+            get(move || {
+                let (code, body) = t.healthz();
+                async move { json(code, body) }
+            }),
+        )
+        .route(
+            "/livez",
+            get(move || {
+                let (code, body) = t2.livez();
+                async move { json(code, body) }
+            }),
+        )
 }
 
 /// Connections one server holds at once; a new one beyond closes the oldest.

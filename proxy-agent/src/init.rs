@@ -82,7 +82,8 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
         }
         match &cfg.ebpf.cgroup_root {
             Some(Some(dir)) if !hostsock::is_cgroup2(dir) => {
-                mount_host_cgroup2(dir, host_proc).map_err(|e| anyhow::anyhow!("mounting the cgroup v2 hierarchy at {}: {e}", dir.display()))?;
+                mount_host_cgroup2(dir, host_proc)
+                    .map_err(|e| anyhow::anyhow!("mounting the cgroup v2 hierarchy at {}: {e}", dir.display()))?;
                 tracing::info!(cgroup = %dir.display(), "mounted the host's cgroup v2 hierarchy for the socket hooks");
             }
             Some(Some(dir)) => tracing::info!(cgroup = %dir.display(), "a cgroup v2 hierarchy is there already"),
@@ -101,7 +102,8 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
     // What kube-proxy, or this agent in another mode, left (both iptables backends: only a
     // privileged container may read iptables-legacy).
     let backends = netfilter::Iptables::available();
-    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs).then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));
+    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs)
+        .then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));
     modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
     tracing::info!(mode = %mode, "node prepared");
     Ok(())

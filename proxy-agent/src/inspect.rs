@@ -8,8 +8,7 @@ use std::{
 
 use aya::maps::{lpm_trie::LpmTrie, Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    backend_flags, ct, map_names, svc_flags, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason,
-    SourceRangeKey,
+    backend_flags, ct, map_names, svc_flags, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason, SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -118,7 +117,9 @@ pub fn pinned(path: &Path) -> Result<bool, InspectError> {
     for p in path.ancestors().collect::<Vec<_>>().into_iter().rev() {
         match std::fs::symlink_metadata(p) {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Err(InspectError::Permission { path: p.display().to_string() }),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(InspectError::Permission { path: p.display().to_string() })
+            }
             Err(_) => return Ok(false),
         }
         if p != path && std::fs::read_dir(p).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
@@ -139,8 +140,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     let names = HashMap::try_from(Map::HashMap(open(root, map_names::NAMES)?)).map_err(err(map_names::NAMES))?;
     let flows: Array<_, BackendFlows> =
         Array::try_from(Map::Array(open(root, map_names::BACKEND_FLOWS)?)).map_err(err(map_names::BACKEND_FLOWS))?;
-    let ct_map: HashMap<_, CtKey, CtEntry> =
-        HashMap::try_from(Map::LruHashMap(open(root, map_names::CT)?)).map_err(err(map_names::CT))?;
+    let ct_map: HashMap<_, CtKey, CtEntry> = HashMap::try_from(Map::LruHashMap(open(root, map_names::CT)?)).map_err(err(map_names::CT))?;
     let stats: PerCpuArray<_, Counter> =
         PerCpuArray::try_from(Map::PerCpuArray(open(root, map_names::STATS)?)).map_err(err(map_names::STATS))?;
 
@@ -223,10 +223,9 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     let mut counters = BTreeMap::new();
     for r in Reason::ALL {
         if let Ok(per_cpu) = stats.get(&(*r as u32), 0) {
-            let c = per_cpu.iter().fold(CounterReport::default(), |acc, c| CounterReport {
-                packets: acc.packets + c.packets,
-                bytes: acc.bytes + c.bytes,
-            });
+            let c = per_cpu
+                .iter()
+                .fold(CounterReport::default(), |acc, c| CounterReport { packets: acc.packets + c.packets, bytes: acc.bytes + c.bytes });
             if c.packets > 0 {
                 counters.insert(r.label().to_string(), c);
             }
@@ -268,7 +267,16 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         e.xdp_sends = e.xdp && xdp_devs.get(idx).is_some_and(|f| f & (proxy_common::xdp_dev::TX | proxy_common::xdp_dev::GENERIC) != 0);
     }
     socket_hooks.sort();
-    Ok(Report { bpffs_root: root.to_path_buf(), frontends, retained_backends, conntrack, counters, interfaces, external_interfaces, socket_hooks })
+    Ok(Report {
+        bpffs_root: root.to_path_buf(),
+        frontends,
+        retained_backends,
+        conntrack,
+        counters,
+        interfaces,
+        external_interfaces,
+        socket_hooks,
+    })
 }
 
 /// The report for people.

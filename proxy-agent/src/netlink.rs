@@ -16,11 +16,21 @@ use tokio::sync::mpsc;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LinkChange {
     /// A link exists (new, renamed, or changed state).
-    Present { index: u32, name: String },
-    Gone { index: u32 },
+    Present {
+        index: u32,
+        name: String,
+    },
+    Gone {
+        index: u32,
+    },
     /// An IPv4 address was added to (or removed from) interface `index`. `global`: scope
     /// universe (not host or link scope).
-    Address { index: u32, addr: Ipv4Addr, global: bool, added: bool },
+    Address {
+        index: u32,
+        addr: Ipv4Addr,
+        global: bool,
+        added: bool,
+    },
 }
 
 fn address_of(msg: &AddressMessage) -> Option<(u32, Ipv4Addr, bool)> {
@@ -77,9 +87,7 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, S
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(m)) => {
                     name_of(&m).map(|name| LinkChange::Present { index: m.header.index, name })
                 }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => {
-                    Some(LinkChange::Gone { index: m.header.index })
-                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => Some(LinkChange::Gone { index: m.header.index }),
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(m)) => {
                     address_of(&m).map(|(index, addr, global)| LinkChange::Address { index, addr, global, added: true })
                 }

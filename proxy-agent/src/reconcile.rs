@@ -317,10 +317,7 @@ mod tests {
     }
 
     fn replace(objects: Vec<Object>) -> Vec<Event> {
-        vec![
-            Event::Replace { kind: Kind::Service, objects },
-            Event::Replace { kind: Kind::EndpointSlice, objects: vec![] },
-        ]
+        vec![Event::Replace { kind: Kind::Service, objects }, Event::Replace { kind: Kind::EndpointSlice, objects: vec![] }]
     }
 
     fn rec(dp: Fake) -> Reconciler<Fake> {
@@ -400,7 +397,8 @@ mod tests {
         let mut r = rec(dp);
         // The Service changed while the agent was down, and the update fails (map full).
         let changed = Object::Service(Box::new(
-            serde_yaml::from_str("metadata: {name: a}\nspec: {clusterIP: 10.96.0.1, sessionAffinity: ClientIP, ports: [{port: 80}]}").unwrap(),
+            serde_yaml::from_str("metadata: {name: a}\nspec: {clusterIP: 10.96.0.1, sessionAffinity: ClientIP, ports: [{port: 80}]}")
+                .unwrap(),
         ));
         replace(vec![changed]).into_iter().for_each(|e| r.handle(e));
         let s = r.sync().unwrap();

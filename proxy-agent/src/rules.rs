@@ -16,7 +16,12 @@ use crate::{
 
 /// Every Service's ports as the manifest directory describes them for node `node`, NodePorts on
 /// `context`'s addresses (as the golden tests give them).
-pub fn services_of(dir: &Path, node: &str, context: &NodeContext, rules: crate::model::validate::Rules) -> anyhow::Result<(Store, Services)> {
+pub fn services_of(
+    dir: &Path,
+    node: &str,
+    context: &NodeContext,
+    rules: crate::model::validate::Rules,
+) -> anyhow::Result<(Store, Services)> {
     let nodeport = if context.nodeport_all {
         NodePortAddresses::All
     } else {
@@ -75,7 +80,8 @@ fn load(
 pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ipv4Addr]) -> anyhow::Result<String> {
     let settings = cfg.netfilter.for_mode(mode);
     let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
-    let (store, services) = load(dir, &cfg.common.hostname, rules, cfg.common.nodeport_addresses.clone(), node_ips.to_vec(), cfg.common.node_ip)?;
+    let (store, services) =
+        load(dir, &cfg.common.hostname, rules, cfg.common.nodeport_addresses.clone(), node_ips.to_vec(), cfg.common.node_ip)?;
     let info = store.node_info();
     let mut context = NodeContext {
         nodeport_ips: info.nodeport_addresses,

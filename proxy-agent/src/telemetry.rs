@@ -96,11 +96,7 @@ impl Telemetry {
     pub fn new(health_timeout: Duration, pin_root: Option<&Path>, capacities: (u64, u64)) -> Arc<Self> {
         let mut registry = Registry::default();
         let sync_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
-        registry.register(
-            "kubeproxy_sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds",
-            sync_duration.clone(),
-        );
+        registry.register("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", sync_duration.clone());
         let last_sync = Gauge::<f64, AtomicU64>::default();
         registry.register(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
@@ -122,11 +118,23 @@ impl Telemetry {
         let service_changes = Counter::default();
         registry.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", service_changes.clone());
         let service_pending = Gauge::default();
-        registry.register("kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", service_pending.clone());
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            service_pending.clone(),
+        );
         let endpoint_changes = Counter::default();
-        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", endpoint_changes.clone());
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            endpoint_changes.clone(),
+        );
         let endpoint_pending = Gauge::default();
-        registry.register("kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", endpoint_pending.clone());
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            endpoint_pending.clone(),
+        );
         let healthz = Family::<CodeLabel, Counter>::default();
         registry.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", healthz.clone());
         let livez = Family::<CodeLabel, Counter>::default();
@@ -238,7 +246,11 @@ impl Telemetry {
         // As kube-proxy: a healthy server reports lastUpdated as now.
         let last = if ok { Some(now) } else { last };
         // Beyond kube-proxy's fields: which watches bring no updates.
-        let stalled = if stalled.is_empty() { String::new() } else { format!(r#", "stalledWatches": {}"#, serde_json::to_string(&stalled).unwrap_or_default()) };
+        let stalled = if stalled.is_empty() {
+            String::new()
+        } else {
+            format!(r#", "stalledWatches": {}"#, serde_json::to_string(&stalled).unwrap_or_default())
+        };
         let body = format!(
             r#"{{"lastUpdated": "{}","currentTime": "{}", "nodeEligible": {eligible}{stalled}}}"#,
             last.map(rfc3339).unwrap_or_default(),
@@ -266,7 +278,8 @@ impl Telemetry {
 
 fn open_stats(root: &Path) -> Option<PerCpuArray<MapData, DpCounter>> {
     let path: PathBuf = loader::maps_dir(root).join(map_names::STATS);
-    let data = MapData::from_pin(&path).map_err(|e| tracing::warn!(path = %path.display(), error = %e, "datapath counters unavailable")).ok()?;
+    let data =
+        MapData::from_pin(&path).map_err(|e| tracing::warn!(path = %path.display(), error = %e, "datapath counters unavailable")).ok()?;
     PerCpuArray::try_from(Map::PerCpuArray(data)).ok()
 }
 
@@ -314,7 +327,8 @@ impl Collector for DatapathCollector {
                 ConstCounter::new(*b).encode(bytes.encode_family(&[("reason", r.label())])?)?;
             }
         }
-        let mut entries = encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
+        let mut entries =
+            encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
         let fill = [
             ("services", self.fill.services.load(Ordering::Relaxed), self.capacities.0),
             ("backends", self.fill.backends.load(Ordering::Relaxed), self.capacities.0),
@@ -323,7 +337,8 @@ impl Collector for DatapathCollector {
         for (map, n, _) in fill {
             ConstGauge::new(n as i64).encode(entries.encode_family(&[("map", map)])?)?;
         }
-        let mut capacity = encoder.encode_descriptor("proxy_agent_map_capacity", "Capacity of each datapath map", None, MetricType::Gauge)?;
+        let mut capacity =
+            encoder.encode_descriptor("proxy_agent_map_capacity", "Capacity of each datapath map", None, MetricType::Gauge)?;
         for (map, _, cap) in fill {
             ConstGauge::new(cap as i64).encode(capacity.encode_family(&[("map", map)])?)?;
         }

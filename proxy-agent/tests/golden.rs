@@ -142,7 +142,13 @@ fn assert_same(what: &str, got: &str, want: &str) {
 
 fn iptables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
+    let node = NodeContext {
+        nodeport_ips: vec![],
+        nodeport_all: true,
+        local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
+        masquerade_all: false,
+        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+    };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
     let text = iptables::restore_text(&rendered, &|_| true, &Default::default());
@@ -194,7 +200,13 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-        let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("10.0.0.0/8")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
+        let node = NodeContext {
+            nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
+            nodeport_all: false,
+            local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
+            masquerade_all: false,
+            node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+        };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
         let whole = nftables::render(&services, &node, &opts);
@@ -217,14 +229,36 @@ fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
 fn local_traffic_is_told_as_detect_local_mode_says() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
     let cases = [
-        (LocalTraffic::Cidr(cidr("10.0.0.0/8")), "! -s 10.0.0.0/8", "-s 10.0.0.0/8 -j KUBE-SVC", "ip saddr != 10.0.0.0/8", "ip saddr 10.0.0.0/8 goto"),
+        (
+            LocalTraffic::Cidr(cidr("10.0.0.0/8")),
+            "! -s 10.0.0.0/8",
+            "-s 10.0.0.0/8 -j KUBE-SVC",
+            "ip saddr != 10.0.0.0/8",
+            "ip saddr 10.0.0.0/8 goto",
+        ),
         (LocalTraffic::Interface("cbr0".into()), "! -i cbr0", "-i cbr0 -j KUBE-SVC", "iifname != \"cbr0\"", "iifname \"cbr0\" goto"),
-        (LocalTraffic::InterfacePrefix("veth".into()), "! -i veth+", "-i veth+ -j KUBE-SVC", "iifname != \"veth*\"", "iifname \"veth*\" goto"),
+        (
+            LocalTraffic::InterfacePrefix("veth".into()),
+            "! -i veth+",
+            "-i veth+ -j KUBE-SVC",
+            "iifname != \"veth*\"",
+            "iifname \"veth*\" goto",
+        ),
     ];
     for (local, ipt_not_local, ipt_local, nft_not_local, nft_local) in cases {
-        let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: local.clone(), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
+        let node = NodeContext {
+            nodeport_ips: vec![],
+            nodeport_all: true,
+            local: local.clone(),
+            masquerade_all: false,
+            node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+        };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-        let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
+        let ipt = iptables::restore_text(
+            &iptables::render(&services, &node, &iptables::IptablesOptions::default()),
+            &|_| true,
+            &Default::default(),
+        );
         assert!(ipt.contains(&format!("--dport 80 {ipt_not_local} -j KUBE-MARK-MASQ")), "{local:?}: cluster IP masquerade:\n{ipt}");
         assert!(ipt.contains(ipt_local), "{local:?}: eTP Local short-circuit of pod traffic:\n{ipt}");
         let nft = nftables::render(&services, &node, &nftables::NftablesOptions::default()).dump();
@@ -232,9 +266,16 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
         assert!(nft.contains(nft_local), "{local:?}:\n{nft}");
     }
     // Nothing known (ClusterCIDR without a clusterCIDR): nothing is local, no such rule.
-    let node = NodeContext { nodeport_ips: vec![], nodeport_all: true, local: LocalTraffic::Unknown, masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
+    let node = NodeContext {
+        nodeport_ips: vec![],
+        nodeport_all: true,
+        local: LocalTraffic::Unknown,
+        masquerade_all: false,
+        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+    };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-    let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
+    let ipt =
+        iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::default()), &|_| true, &Default::default());
     assert!(!ipt.contains("cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 !"), "{ipt}");
 }
 
@@ -274,16 +315,34 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
-    let node = NodeContext { nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)], nodeport_all: false, local: LocalTraffic::Cidr(cidr("010.0.0.0/08")), masquerade_all: false, node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)) };
+    let node = NodeContext {
+        nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
+        nodeport_all: false,
+        local: LocalTraffic::Cidr(cidr("010.0.0.0/08")),
+        masquerade_all: false,
+        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+    };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let ipt = iptables::restore_text(&iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default());
+    let ipt = iptables::restore_text(
+        &iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture()),
+        &|_| true,
+        &Default::default(),
+    );
     let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
     let nft = nftables::render(&services, &node, &opts).dump();
     let canonical_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
     let (_, canonical) = services_of(&canonical_dir, "test-node", &node, FIXTURE_RULES).unwrap();
     assert_eq!(services.len(), canonical.len(), "every Service is read");
-    assert_same("iptables rules of zero-padded objects", &ipt, &iptables::restore_text(&iptables::render(&canonical, &node, &iptables::IptablesOptions::upstream_fixture()), &|_| true, &Default::default()));
+    assert_same(
+        "iptables rules of zero-padded objects",
+        &ipt,
+        &iptables::restore_text(
+            &iptables::render(&canonical, &node, &iptables::IptablesOptions::upstream_fixture()),
+            &|_| true,
+            &Default::default(),
+        ),
+    );
     assert_same("nftables rules of zero-padded objects", &nft, &nftables::render(&canonical, &node, &opts).dump());
     assert!(nft.contains("172.30.0.41") && !nft.contains("172.030"), "{nft}");
 }
@@ -303,13 +362,22 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
              apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: lb-1, namespace: ns, labels: {{kubernetes.io/service-name: lb}}}}\naddressType: IPv4\nports: [{{name: p, port: 80}}]\nendpoints: [{{addresses: [10.180.0.1]}}]\n"
         )
     };
-    let cfg = |extra: proxy_agent::config::Flags| proxy_agent::config::Config::resolve(proxy_agent::config::Flags { hostname_override: Some("lab-node".into()), ..extra }, || "h".into()).unwrap().0;
+    let cfg = |extra: proxy_agent::config::Flags| {
+        proxy_agent::config::Config::resolve(proxy_agent::config::Flags { hostname_override: Some("lab-node".into()), ..extra }, || {
+            "h".into()
+        })
+        .unwrap()
+        .0
+    };
     let node_ips = [Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(10, 0, 0, 5)];
     let admitted = "-s 203.0.113.9 -j KUBE-EXT";
     std::fs::write(dir.join("objects.yaml"), objects("192.168.0.2")).unwrap();
     let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();
     assert!(text.contains(admitted), "the range holds the Node's InternalIP: the LB IP is admitted:\n{text}");
-    assert!(text.contains("-m addrtype --dst-type LOCAL") && !text.contains("-d 10.0.0.5"), "NodePorts on every local address, as run serves them:\n{text}");
+    assert!(
+        text.contains("-m addrtype --dst-type LOCAL") && !text.contains("-d 10.0.0.5"),
+        "NodePorts on every local address, as run serves them:\n{text}"
+    );
     // The node IP elsewhere: the range no longer admits the node, although it holds one of the
     // node's addresses.
     std::fs::write(dir.join("objects.yaml"), objects("10.0.0.5")).unwrap();

@@ -98,7 +98,11 @@ pub fn l4_update(field: [u8; 2], old_addr: [u8; 4], new_addr: [u8; 4], old_port:
         return field;
     }
     let c = (!fold(not16(field) + not32(old_addr) + w32(new_addr) + not16(old_port) + w16(new_port))).to_ne_bytes();
-    if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
+    if udp_zero && c == [0, 0] {
+        [0xff, 0xff]
+    } else {
+        c
+    }
 }
 
 /// A complete TCP/UDP checksum after a port changed (the address part left to someone else);
@@ -109,7 +113,11 @@ pub fn l4_port_update(field: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_
         return field;
     }
     let c = update2(field, old_port, new_port);
-    if udp_zero && c == [0, 0] { [0xff, 0xff] } else { c }
+    if udp_zero && c == [0, 0] {
+        [0xff, 0xff]
+    } else {
+        c
+    }
 }
 
 /// The checksum field value for an IPv4 header whose checksum field is zero.
@@ -192,7 +200,10 @@ mod tests {
             let both = reference_update(reference_update(check, &old, &new), &op, &np);
             assert_eq!(l4_update(check, old, new, op, np, false), both);
             assert_eq!(update4(l4_port_update(check, op, np, false), old, new), both);
-            assert_eq!(partial_update4(check, old, new), (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes());
+            assert_eq!(
+                partial_update4(check, old, new),
+                (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes()
+            );
             let len = next() as u16;
             let mut ph = [0u8; 12];
             ph[..4].copy_from_slice(&old);
@@ -205,10 +216,8 @@ mod tests {
 
     #[test]
     fn word_update_matches_recomputation() {
-        let mut h = [
-            0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8,
-            0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7,
-        ];
+        let mut h =
+            [0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8, 0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7];
         let c = ipv4_header(&h);
         // Decrement the TTL (the TTL/protocol word).
         let updated = update2(c, [h[8], h[9]], [h[8] - 1, h[9]]);
@@ -264,10 +273,8 @@ mod tests {
     #[test]
     fn ipv4_header_checksum_matches_rfc1071_example() {
         // Header from the classic worked example (Wikipedia "IPv4 header checksum").
-        let mut h = [
-            0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8,
-            0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7,
-        ];
+        let mut h =
+            [0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8, 0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7];
         assert_eq!(ipv4_header(&h), [0xb8, 0x61]);
         h[10] = 0xb8;
         h[11] = 0x61;

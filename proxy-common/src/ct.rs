@@ -150,7 +150,13 @@ mod tests {
 
     #[test]
     fn configured_lifetimes_apply_to_their_state() {
-        let lt = Lifetimes { tcp_established_ns: 7 * SEC, tcp_half_closed_ns: 3 * SEC, udp_ns: 11 * SEC, udp_stream_ns: 13 * SEC, ..Lifetimes::DEFAULT };
+        let lt = Lifetimes {
+            tcp_established_ns: 7 * SEC,
+            tcp_half_closed_ns: 3 * SEC,
+            udp_ns: 11 * SEC,
+            udp_stream_ns: 13 * SEC,
+            ..Lifetimes::DEFAULT
+        };
         assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY, &lt), 7 * SEC);
         assert_eq!(lifetime_ns(IPPROTO_TCP, flags::SEEN_REPLY | flags::FIN_REV, &lt), 3 * SEC);
         assert_eq!(lifetime_ns(IPPROTO_TCP, 0, &lt), TCP_SYN_TIMEOUT_NS);

@@ -62,8 +62,26 @@ pub mod map_names {
     pub const SERVICE_CIDRS: &str = "LB4_SVCCIDR_V1";
 
     pub const ALL: [&str; 20] = [
-        SERVICES, BACKENDS, REVNAT, BACKEND_FLOWS, CT, FRAGS, STATS, NAMES, MAGLEV, AFFINITY, AFFINITY_MATCH, IFADDRS,
-        CONFIG, TRACE, SOURCE_RANGES, SOCK_REVNAT, SOCK_FWD, HOST_NETNS, XDP_DEVS, SERVICE_CIDRS,
+        SERVICES,
+        BACKENDS,
+        REVNAT,
+        BACKEND_FLOWS,
+        CT,
+        FRAGS,
+        STATS,
+        NAMES,
+        MAGLEV,
+        AFFINITY,
+        AFFINITY_MATCH,
+        IFADDRS,
+        CONFIG,
+        TRACE,
+        SOURCE_RANGES,
+        SOCK_REVNAT,
+        SOCK_FWD,
+        HOST_NETNS,
+        XDP_DEVS,
+        SERVICE_CIDRS,
     ];
 }
 

@@ -4,10 +4,7 @@ extern crate std;
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use crate::{
-    Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat, ServiceKey,
-    ServiceName, ServiceValue,
-};
+use crate::{Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, RevNat, ServiceKey, ServiceName, ServiceValue};
 
 // SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
 // fields, so every bit pattern is valid and there are no uninitialised bytes.

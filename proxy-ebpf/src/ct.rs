@@ -161,8 +161,7 @@ pub fn touch_forward(pkt: &Packet, e: *mut CtEntry, now: u64) {
 /// backend talks stays alive. Returns false (after deleting the entry) when the reply is stale.
 #[inline(always)]
 pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtKey, now: u64) -> bool {
-    let add = flags::SEEN_REPLY
-        | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
+    let add = flags::SEEN_REPLY | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
     let gains_flags = entry.flags & add != add;
     let due = now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS;
     if !gains_flags && !due {
@@ -245,10 +244,7 @@ fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
         // SAFETY: fields of a live map value, read at once.
         Some(f) => unsafe {
             let ff = (*f).flags;
-            ff & flags::REPLY != 0
-                || (*f).backend_id != backend_id
-                || ff & flags::RST != 0
-                || expired(proto, ff, (*f).last_seen_ns, now)
+            ff & flags::REPLY != 0 || (*f).backend_id != backend_id || ff & flags::RST != 0 || expired(proto, ff, (*f).last_seen_ns, now)
         },
     }
 }
@@ -290,7 +286,10 @@ fn reply_in_use(pkt: &Packet, old: *const CtEntry, client_port: [u8; 2], own: &C
         // SAFETY: fields of a live map value, read at once.
         Some(f) => unsafe {
             let ff = (*f).flags;
-            ff & flags::REPLY == 0 && (*f).backend_id == backend_id && ff & flags::RST == 0 && !expired(pkt.proto, ff, (*f).last_seen_ns, now)
+            ff & flags::REPLY == 0
+                && (*f).backend_id == backend_id
+                && ff & flags::RST == 0
+                && !expired(pkt.proto, ff, (*f).last_seen_ns, now)
         },
     }
 }

@@ -56,12 +56,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
     msg[1] = ICMP_PORT_UNREACH;
     // SAFETY: `msg` has room for QUOTE_MAX bytes after the header and quote_len <= QUOTE_MAX.
     let rc = unsafe {
-        bpf_skb_load_bytes(
-            ctx.skb.skb as *const _,
-            IP_OFF as u32,
-            msg.as_mut_ptr().add(ICMP_HDR_LEN) as *mut _,
-            quote_len as u32,
-        )
+        bpf_skb_load_bytes(ctx.skb.skb as *const _, IP_OFF as u32, msg.as_mut_ptr().add(ICMP_HDR_LEN) as *mut _, quote_len as u32)
     };
     if rc != 0 {
         return Err(Reason::DropRejectFailed);
@@ -153,7 +148,8 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
     // SAFETY: bounds checked by ptr_at.
     let l4 = unsafe { *l4 };
     let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
-    let reply_key = CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
+    let reply_key =
+        CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
     // SAFETY: the value is copied out at once.
     let Some(entry) = CT4_V2.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
         return Ok(Verdict::pass(Reason::EgressPass));

@@ -95,13 +95,7 @@ fn unserved(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
 
 /// A packet of a tracked connection towards the service.
 #[inline(always)]
-fn established(
-    ctx: &TcContext,
-    pkt: &Packet,
-    e: *mut CtEntry,
-    entry: &CtEntry,
-    now: u64,
-) -> Result<Verdict, Reason> {
+fn established(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, now: u64) -> Result<Verdict, Reason> {
     // The id must still name the backend the flow went to: ids are reused eventually.
     let be = backend(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
     let Some(be) = be else {
@@ -142,15 +136,8 @@ fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry
         return Ok(Verdict::pass(Reason::ReplyIngress));
     };
     // The client is the pod itself: its forward tuple starts at this packet's source address.
-    let fwd_key = proxy_common::CtKey {
-        saddr: pkt.saddr,
-        daddr: rn.addr,
-        sport: pkt.dport,
-        dport: rn.port,
-        proto: pkt.proto,
-        _pad: 0,
-        _pad2: 0,
-    };
+    let fwd_key =
+        proxy_common::CtKey { saddr: pkt.saddr, daddr: rn.addr, sport: pkt.dport, dport: rn.port, proto: pkt.proto, _pad: 0, _pad2: 0 };
     if !ct::touch_reply(pkt, e, entry, &fwd_key, now) {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     }
@@ -161,14 +148,7 @@ fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry
 
 /// A flow without a usable conntrack entry: pick a backend, track, translate.
 #[inline(always)]
-fn new_flow(
-    ctx: &TcContext,
-    pkt: &Packet,
-    key: &ServiceKey,
-    master: &ServiceValue,
-    now: u64,
-    reason: Reason,
-) -> Result<Verdict, Reason> {
+fn new_flow(ctx: &TcContext, pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     if master.count == 0 {
         select::without_endpoints(pkt, master)?;
         return icmp::reject(ctx, pkt);

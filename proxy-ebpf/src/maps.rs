@@ -7,9 +7,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter,
-    CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey,
-    SvcCidrKey, TraceResult,
+    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter, CtEntry, CtKey, FragKey,
+    FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, SvcCidrKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -19,8 +18,7 @@ const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 #[btf_map]
-pub static LB4_SERVICES_V1: HashMap<ServiceKey, ServiceValue, LB_MAX, NO_PREALLOC> =
-    HashMap::new();
+pub static LB4_SERVICES_V1: HashMap<ServiceKey, ServiceValue, LB_MAX, NO_PREALLOC> = HashMap::new();
 
 /// An array: the verifier inlines array lookups, and every established packet does one.
 #[btf_map]
@@ -39,8 +37,7 @@ pub static LB4_FLOWS_V1: Array<BackendFlows, LB_MAX> = Array::new();
 pub static CT4_V2: LruHashMap<CtKey, CtEntry, { limits::CT_MAP_MAX as usize }> = LruHashMap::new();
 
 #[btf_map]
-pub static FRAG4_V1: LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }> =
-    LruHashMap::new();
+pub static FRAG4_V1: LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }> = LruHashMap::new();
 
 #[btf_map]
 pub static STATS_V1: PerCpuArray<Counter, { REASON_SLOTS as usize }> = PerCpuArray::new();
@@ -72,8 +69,7 @@ pub static LB4_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = Ha
 
 /// ClientIP session affinity. An LRU: a client that went away is forgotten first.
 #[btf_map]
-pub static LB4_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }> =
-    LruHashMap::new();
+pub static LB4_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }> = LruHashMap::new();
 
 /// The (service, backend) pairs affinity may lead to: an affinity entry naming a backend that
 /// left the service is ignored.

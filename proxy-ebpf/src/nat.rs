@@ -33,7 +33,7 @@ use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     programs::TcContext,
 };
-use proxy_common::{ct::l4_csum, csum, Reason, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{csum, ct::l4_csum, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     access,
@@ -68,13 +68,7 @@ impl Side {
 /// Replaces the address and port on `side` with `addr`:`port`, fixing the IPv4 header checksum
 /// and, when this packet carries the L4 header, the TCP/UDP checksum.
 #[inline(always)]
-pub fn rewrite(
-    ctx: &TcContext,
-    pkt: &Packet,
-    side: Side,
-    addr: [u8; 4],
-    port: [u8; 2],
-) -> Result<(), Reason> {
+pub fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2]) -> Result<(), Reason> {
     let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
     rewrite_ip(ctx, addr_off, old_addr, addr)?;
     if !pkt.has_l4() {

@@ -54,11 +54,26 @@ pub enum Step {
     Pass(Reason),
     /// DNAT only, and on through the stack (a backend on this node).
     /// `sport`: the client's source port moved to keep the translated tuple unique.
-    Dnat { backend: Backend, backend_id: u32, service_id: u32, reason: Reason, sport: Option<[u8; 2]> },
+    Dnat {
+        backend: Backend,
+        backend_id: u32,
+        service_id: u32,
+        reason: Reason,
+        sport: Option<[u8; 2]>,
+    },
     /// Rewrite both addresses and send by `route`.
-    Forward { dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2]), route: Route, backend_id: u32, service_id: u32, reason: Reason },
+    Forward {
+        dst: ([u8; 4], [u8; 2]),
+        src: ([u8; 4], [u8; 2]),
+        route: Route,
+        backend_id: u32,
+        service_id: u32,
+        reason: Reason,
+    },
     /// No endpoints: ICMP port unreachable.
-    Reject { service_id: u32 },
+    Reject {
+        service_id: u32,
+    },
     Drop(Reason),
 }
 
@@ -188,7 +203,13 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
                     ct::touch_forward(pkt, e, now);
                 }
                 let sport = (entry.flags & flags::PORT_NAT != 0).then_some(entry.snat_port);
-                return Step::Dnat { backend: be, backend_id: entry.backend_id, service_id: entry.service_id, reason: Reason::Established, sport };
+                return Step::Dnat {
+                    backend: be,
+                    backend_id: entry.backend_id,
+                    service_id: entry.service_id,
+                    reason: Reason::Established,
+                    sport,
+                };
             }
             let route = match usable(env, route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now)) {
                 Ok(r) => r,

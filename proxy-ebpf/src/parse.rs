@@ -136,7 +136,10 @@ impl Packet {
 pub enum Parsed {
     Packet(Packet),
     /// An ICMP message; `l4_off` is the offset of its header.
-    Icmp { l4_off: usize, saddr: [u8; 4] },
+    Icmp {
+        l4_off: usize,
+        saddr: [u8; 4],
+    },
     NotIpv4,
     /// IPv4, but not a protocol services use.
     OtherProto,
@@ -207,19 +210,8 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     } else {
         Frag::Whole
     };
-    let mut pkt = Packet {
-        l4_off: IP_OFF + ihl,
-        proto,
-        saddr,
-        daddr,
-        sport: [0; 2],
-        dport: [0; 2],
-        tcp_flags: 0,
-        ip_id,
-        tot_len,
-        ttl,
-        frag,
-    };
+    let mut pkt =
+        Packet { l4_off: IP_OFF + ihl, proto, saddr, daddr, sport: [0; 2], dport: [0; 2], tcp_flags: 0, ip_id, tot_len, ttl, frag };
     if frag == Frag::Later {
         return Parsed::Packet(pkt);
     }

@@ -3,8 +3,8 @@
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue,
-    SourceRangeKey, SvcCidrKey,
+    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue, SourceRangeKey,
+    SvcCidrKey,
 };
 
 use crate::{

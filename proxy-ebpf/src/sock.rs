@@ -22,7 +22,7 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{svc_flags, RevNat, Reason, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_flags, Reason, RevNat, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,

@@ -63,7 +63,9 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
         }
         Step::Pass(reason) => pass(reason),
         // A source outside a load balancer's ranges goes no further than here.
-        Step::Drop(Reason::DropSourceRange) => XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropSourceRange },
+        Step::Drop(Reason::DropSourceRange) => {
+            XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropSourceRange }
+        }
         _ => pass(Reason::XdpPass),
     }
 }

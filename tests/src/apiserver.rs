@@ -381,7 +381,8 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
                     }
                     let rv = g.rv;
                     drop(g);
-                    let mark = json!({"kind": kind.as_str(), "apiVersion": api_version(kind), "metadata": {"resourceVersion": rv.to_string()}});
+                    let mark =
+                        json!({"kind": kind.as_str(), "apiVersion": api_version(kind), "metadata": {"resourceVersion": rv.to_string()}});
                     if tx.send(line("BOOKMARK", &mark)).is_err() {
                         return;
                     }

@@ -285,7 +285,9 @@ impl Cluster {
         self.wait_all(&format!("{address}/{proto} with {backends} backends"), |node, r| {
             let address = address.replace("NODE", &node.ip.to_string());
             !r.external_interfaces.is_empty()
-                && r.frontends.iter().any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
+                && r.frontends
+                    .iter()
+                    .any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
         });
     }
 
@@ -294,7 +296,9 @@ impl Cluster {
         let node_name = node_name.to_string();
         self.wait_all(&format!("{address}/{proto} with {backends} backends on {node_name}"), |node, r| {
             node.name != node_name
-                || r.frontends.iter().any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
+                || r.frontends
+                    .iter()
+                    .any(|f| f.address == address && f.protocol == proto && f.scope == "external" && f.backends.len() == backends)
         });
     }
 

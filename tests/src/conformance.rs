@@ -92,7 +92,11 @@ fn start(lab: &mut Lab, mode: ProxyMode, extra: &[&str]) {
     let all: BTreeSet<String> = (1..=3).map(|i| format!("backend-{i}")).collect();
     eventually("the web Service to reach every backend", || {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
-        if seen == all { Ok(()) } else { Err(format!("answered by {seen:?}")) }
+        if seen == all {
+            Ok(())
+        } else {
+            Err(format!("answered by {seen:?}"))
+        }
     });
 }
 
@@ -112,7 +116,12 @@ pub fn iptables_backends(agent: &Path) {
     };
     start(&mut lab, ProxyMode::Iptables, &[]);
     let legacy = nat("iptables-legacy-save");
-    assert!(legacy.contains(":KUBE-SERVICES") && legacy.contains(":KUBE-SVC-") && legacy.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"), "auto: the rules are in iptables-legacy:\n{legacy}");
+    assert!(
+        legacy.contains(":KUBE-SERVICES")
+            && legacy.contains(":KUBE-SVC-")
+            && legacy.contains("-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"),
+        "auto: the rules are in iptables-legacy:\n{legacy}"
+    );
     assert_eq!(ours("iptables-nft-save"), Vec::<String>::new(), "auto: nothing in iptables-nft");
     let log = lab.agent_log();
     assert!(log.contains("KUBE-IPTABLES-HINT"), "the agent says why it chose legacy:\n{log}");
@@ -196,7 +205,10 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     };
     let foreign: Vec<&String> = left.iter().filter(|l| !own.iter().any(|o| l.starts_with(o))).collect();
     assert!(foreign.is_empty(), "{mode}: kube-proxy's state is gone once the agent runs: {foreign:?}");
-    assert!(!left.iter().any(|l| l.contains("KUBE-PROXY-CANARY") || l.contains("XPGD46QRK7WJZT7O")), "{mode}: nor its canaries and stale Services: {left:?}");
+    assert!(
+        !left.iter().any(|l| l.contains("KUBE-PROXY-CANARY") || l.contains("XPGD46QRK7WJZT7O")),
+        "{mode}: nor its canaries and stale Services: {left:?}"
+    );
     theirs(&in_node);
 
     // Going back: the agent's cleanup leaves nothing of its own.
@@ -233,7 +245,11 @@ pub fn localhost_node_ports(agent: &Path, mode: ProxyMode, enabled: bool) {
         assert!(filter.contains("block incoming localnet connections"), "the CVE-2020-8558 guard is in place:\n{filter}");
         let out = eventually("127.0.0.1:30080 to answer", || {
             let out = lab.host_ask("tcp", "127.0.0.1:30080");
-            if out.starts_with("ok ") { Ok(out) } else { Err(out) }
+            if out.starts_with("ok ") {
+                Ok(out)
+            } else {
+                Err(out)
+            }
         });
         assert!(out.starts_with("ok backend-"), "{mode}: {out}");
     } else {
@@ -282,11 +298,19 @@ pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     lab.write_manifest("services.yaml", &standard_manifests(&ips[..2]));
     eventually("backend-3 to get no new connections", || {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
-        if seen.contains("backend-3") || seen.len() != 2 { Err(format!("{seen:?}")) } else { Ok(()) }
+        if seen.contains("backend-3") || seen.len() != 2 {
+            Err(format!("{seen:?}"))
+        } else {
+            Ok(())
+        }
     });
     eventually("UDP to leave backend-3 too", || {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| udp_ask(&lab.client.ns, sock(DNS_VIP)).ok()).map(|(a, _)| a.backend).collect();
-        if seen.contains("backend-3") { Err(format!("{seen:?}")) } else { Ok(()) }
+        if seen.contains("backend-3") {
+            Err(format!("{seen:?}"))
+        } else {
+            Ok(())
+        }
     });
     eventually("the UDP flow that backend-3 answered to move to another backend", || match pinned.ask() {
         Ok(a) if a.backend != "backend-3" => Ok(()),
@@ -295,7 +319,11 @@ pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     lab.write_manifest("services.yaml", &standard_manifests(&ips));
     eventually("backend-3 to be back", || {
         let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
-        if seen.contains("backend-3") { Ok(()) } else { Err(format!("{seen:?}")) }
+        if seen.contains("backend-3") {
+            Ok(())
+        } else {
+            Err(format!("{seen:?}"))
+        }
     });
 }
 
@@ -341,9 +369,7 @@ fn ip(s: &str) -> Ipv4Addr {
 }
 
 fn answers(c: &Cluster, to: &str, udp: bool, n: usize) -> Vec<Answer> {
-    (0..n)
-        .filter_map(|_| if udp { udp_ask(&c.client, sock(to)).ok().map(|(a, _)| a) } else { tcp_ask(&c.client, sock(to)).ok() })
-        .collect()
+    (0..n).filter_map(|_| if udp { udp_ask(&c.client, sock(to)).ok().map(|(a, _)| a) } else { tcp_ask(&c.client, sock(to)).ok() }).collect()
 }
 
 fn by_backend(a: &[Answer]) -> BTreeMap<String, BTreeSet<Ipv4Addr>> {
@@ -360,7 +386,11 @@ pub fn node_port_from_outside(agent: &Path, mode: ProxyMode) {
     for (to, udp) in [("192.168.100.1:30080", false), ("192.168.100.1:30053", true), ("192.168.100.2:30080", false)] {
         let seen = eventually(&format!("{to} to reach all three backends"), || {
             let m = by_backend(&answers(&c, to, udp, 40));
-            if m.len() == 3 { Ok(m) } else { Err(format!("{m:?}")) }
+            if m.len() == 3 {
+                Ok(m)
+            } else {
+                Err(format!("{m:?}"))
+            }
         });
         let via: Ipv4Addr = *sock(to).ip();
         for (backend, peers) in &seen {
@@ -388,16 +418,24 @@ pub fn external_traffic_policy_local(agent: &Path, mode: ProxyMode) {
     for to in ["192.168.100.1:30080", "203.0.113.10:80"] {
         let m = eventually(&format!("{to} to answer"), || {
             let m = by_backend(&answers(&c, to, false, 5));
-            if m.is_empty() { Err("no answer".into()) } else { Ok(m) }
+            if m.is_empty() {
+                Err("no answer".into())
+            } else {
+                Ok(m)
+            }
         });
         assert_eq!(m, BTreeMap::from([("a1".to_string(), BTreeSet::from([ip(CLIENT_IP)]))]), "{mode} {to}: the client address is kept");
     }
-    let (code, headers, _) = eventually("the health check on node A", || http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").map_err(|e| e.to_string()));
+    let (code, headers, _) = eventually("the health check on node A", || {
+        http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").map_err(|e| e.to_string())
+    });
     assert_eq!((code, headers.get("x-load-balancing-endpoint-weight").map(String::as_str)), (200, Some("1")), "{mode}");
     // Node B's health check answers once its agent has synced the Service: only then is
     // what node B does with the NodePort its answer (before, nothing listens and the kernel
     // refuses).
-    let (code, _, _) = eventually("the health check on node B", || http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/").map_err(|e| e.to_string()));
+    let (code, _, _) = eventually("the health check on node B", || {
+        http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/").map_err(|e| e.to_string())
+    });
     assert_eq!(code, 503, "{mode}");
     let err = tcp_ask(&c.client, sock("192.168.100.2:30080")).expect_err("node B has no local endpoint");
     assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, not refused: {err}");
@@ -410,7 +448,11 @@ pub fn internal_traffic_policy_local(agent: &Path, mode: ProxyMode) {
         let pod = &c.node(node).client_pod.ns;
         let seen = eventually(&format!("pods on {node} to reach {want}"), || {
             let s: BTreeSet<String> = (0..10).filter_map(|_| tcp_ask(pod, sock("10.96.0.10:80")).ok()).map(|a| a.backend).collect();
-            if s.is_empty() { Err("no answer".into()) } else { Ok(s) }
+            if s.is_empty() {
+                Err("no answer".into())
+            } else {
+                Ok(s)
+            }
         });
         assert_eq!(seen, BTreeSet::from([want.to_string()]), "{mode}: pods on {node}");
     }
@@ -426,7 +468,11 @@ pub fn load_balancer_and_external_ips(agent: &Path, mode: ProxyMode) {
     for (to, udp) in [("203.0.113.10:80", false), ("203.0.113.10:53", true), ("192.0.2.7:80", false), ("192.0.2.7:53", true)] {
         eventually(&format!("{to} to reach both backends"), || {
             let m = by_backend(&answers(&c, to, udp, 30));
-            if m.len() == 2 { Ok(()) } else { Err(format!("{m:?}")) }
+            if m.len() == 2 {
+                Ok(())
+            } else {
+                Err(format!("{m:?}"))
+            }
         });
     }
     assert!(tcp_ask(&c.client, sock("203.0.113.11:80")).is_err(), "{mode}: ipMode Proxy is the load balancer's to serve");
@@ -524,7 +570,8 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
 /// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
 /// the link's other traffic, IPv6 router solicitations say, does not count).
 fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize, T) {
-    let ifindex: i32 = lab.node.ip(&["-o", "link", "show", "uplink0"]).split(':').next().and_then(|i| i.trim().parse().ok()).expect("uplink0's index");
+    let ifindex: i32 =
+        lab.node.ip(&["-o", "link", "show", "uplink0"]).split(':').next().and_then(|i| i.trim().parse().ok()).expect("uplink0's index");
     let fd = lab.node.run(move || {
         // SAFETY: plain socket calls on a descriptor this function owns.
         unsafe {
@@ -553,7 +600,8 @@ fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize,
         }
         let n = n as usize;
         // Outgoing frames only; the IPv4 destination at bytes 16..20 of the IP header.
-        if from.sll_pkttype == libc::PACKET_OUTGOING && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets() {
+        if from.sll_pkttype == libc::PACKET_OUTGOING && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets()
+        {
             count += 1;
         }
     }
@@ -571,7 +619,10 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     }
     let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.write_manifest("service-cidr.yaml", "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n");
+    lab.write_manifest(
+        "service-cidr.yaml",
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n",
+    );
     start(&mut lab, mode, &[]);
     let start = Instant::now();
     let err = tcp_ask(&lab.client.ns, sock("10.96.0.10:81")).expect_err("no such port");
@@ -580,7 +631,9 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     // The uplink's far end answers no ARP: a neighbour entry for the gateway lets a SYN that is
     // not dropped leave as it would on a node, where the gateway answers.
     lab.node.ip(&["neigh", "replace", "192.168.250.254", "lladdr", "02:00:00:00:00:fe", "dev", "uplink0", "nud", "permanent"]);
-    let (sent, err) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 77), || tcp_ask(&lab.client.ns, sock("10.96.0.77:80")).expect_err("a free address answers nothing"));
+    let (sent, err) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 77), || {
+        tcp_ask(&lab.client.ns, sock("10.96.0.77:80")).expect_err("a free address answers nothing")
+    });
     assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, so it times out: {err}");
     assert_eq!(sent, 0, "{mode}: nothing left by the default route; log:\n{}", lab.agent_log());
     // Outside the range, the same packet goes where routing sends it.

@@ -41,7 +41,8 @@ pub fn unavailable() -> Option<String> {
 /// The DaemonSet and the ConfigMap as deploy/ has them.
 pub fn manifests() -> (DaemonSet, BTreeMap<String, String>) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-    let ds: DaemonSet = serde_yaml::from_str(&fs::read_to_string(dir.join("daemonset.yaml")).expect("deploy/daemonset.yaml")).expect("a DaemonSet");
+    let ds: DaemonSet =
+        serde_yaml::from_str(&fs::read_to_string(dir.join("daemonset.yaml")).expect("deploy/daemonset.yaml")).expect("a DaemonSet");
     let cm: k8s_openapi::api::core::v1::ConfigMap =
         serde_yaml::from_str(&fs::read_to_string(dir.join("configmap.yaml")).expect("deploy/configmap.yaml")).expect("a ConfigMap");
     (ds, cm.data.unwrap_or_default())
@@ -149,10 +150,47 @@ fn all_capabilities() -> Vec<String> {
         .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapBnd:")).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()))
         .unwrap_or(0);
     const NAMES: [&str; 41] = [
-        "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID", "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE",
-        "NET_BROADCAST", "NET_ADMIN", "NET_RAW", "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
-        "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL",
-        "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "DAC_READ_SEARCH",
+        "FOWNER",
+        "FSETID",
+        "KILL",
+        "SETGID",
+        "SETUID",
+        "SETPCAP",
+        "LINUX_IMMUTABLE",
+        "NET_BIND_SERVICE",
+        "NET_BROADCAST",
+        "NET_ADMIN",
+        "NET_RAW",
+        "IPC_LOCK",
+        "IPC_OWNER",
+        "SYS_MODULE",
+        "SYS_RAWIO",
+        "SYS_CHROOT",
+        "SYS_PTRACE",
+        "SYS_PACCT",
+        "SYS_ADMIN",
+        "SYS_BOOT",
+        "SYS_NICE",
+        "SYS_RESOURCE",
+        "SYS_TIME",
+        "SYS_TTY_CONFIG",
+        "MKNOD",
+        "LEASE",
+        "AUDIT_WRITE",
+        "AUDIT_CONTROL",
+        "SETFCAP",
+        "MAC_OVERRIDE",
+        "MAC_ADMIN",
+        "SYSLOG",
+        "WAKE_ALARM",
+        "BLOCK_SUSPEND",
+        "AUDIT_READ",
+        "PERFMON",
+        "BPF",
+        "CHECKPOINT_RESTORE",
     ];
     NAMES.iter().enumerate().filter(|(i, _)| bounding & (1 << i) != 0).map(|(_, n)| capability(n)).collect()
 }
@@ -239,7 +277,17 @@ pub fn oci_config(ds: &DaemonSet, c: &Container, node: &Node, rootfs: &Path) -> 
         (vec![], vec![])
     } else {
         (
-            vec!["/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"],
+            vec![
+                "/proc/acpi",
+                "/proc/kcore",
+                "/proc/keys",
+                "/proc/latency_stats",
+                "/proc/timer_list",
+                "/proc/timer_stats",
+                "/proc/sched_debug",
+                "/proc/scsi",
+                "/sys/firmware",
+            ],
             vec!["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
         )
     };
@@ -314,7 +362,8 @@ impl Drop for SharedDir {
         // off they come, one by one.
         let target = self.0.to_string_lossy().to_string();
         for _ in 0..16 {
-            let mounted = fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(4) == Some(target.as_str())));
+            let mounted =
+                fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(4) == Some(target.as_str())));
             if !mounted {
                 break;
             }

@@ -94,7 +94,15 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
     for (i, text) in syntax.iter().enumerate() {
         out.push(case(format!("{}.yaml", name(&format!("syntax{i}"))), *text, true));
     }
-    for (i, text) in [r#"{"apiVersion": "v1", "kind": "Service","#, r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j"}, "spec": {"ports": [}}"#, "[1, 2,, 3]", r#"{"a": "\ud800"}"#].iter().enumerate() {
+    for (i, text) in [
+        r#"{"apiVersion": "v1", "kind": "Service","#,
+        r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "j"}, "spec": {"ports": [}}"#,
+        "[1, 2,, 3]",
+        r#"{"a": "\ud800"}"#,
+    ]
+    .iter()
+    .enumerate()
+    {
         out.push(case(format!("{}.json", name(&format!("json{i}"))), *text, true));
     }
     // Not UTF-8: a Latin-1 name, a lone continuation byte, a truncated sequence, a NUL byte
@@ -119,17 +127,27 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
     out.push(case(format!("{}.yaml", name("billion-laughs")), laughs.clone(), true));
     out.push(case(format!("{}.yaml", name("laughs-in-a-service")), format!("{laughs}apiVersion: v1\nkind: Service\nmetadata: {{name: laughs}}\nspec: {{clusterIP: 10.96.7.1, ports: [{{port: 80}}], externalIPs: *a9}}\n"), true));
     out.push(case(format!("{}.yaml", name("deep-flow")), format!("{}{}", "[".repeat(20_000), "]".repeat(20_000)), true));
-    out.push(case(format!("{}.yaml", name("deep-block")), (0..2_000).map(|i| format!("{}k{i}:\n", " ".repeat(i))).collect::<String>(), true));
+    out.push(case(
+        format!("{}.yaml", name("deep-block")),
+        (0..2_000).map(|i| format!("{}k{i}:\n", " ".repeat(i))).collect::<String>(),
+        true,
+    ));
     // One enormous line (4 MiB) inside an otherwise plausible Service.
     out.push(Case {
         file: format!("{}.yaml", name("long-line")),
-        content: format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {}}}\nspec: {{clusterIP: 10.96.7.2, ports: [{{port: 80}}]}}\n", "x".repeat(4 << 20)).into(),
+        content: format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {}}}\nspec: {{clusterIP: 10.96.7.2, ports: [{{port: 80}}]}}\n",
+            "x".repeat(4 << 20)
+        )
+        .into(),
         // Named, clipped: the log quotes the first characters and the length.
         needle: Some(format!("Service default/{}... ({} bytes in all)", "x".repeat(253), 4 << 20)),
     });
 
     // Empty of objects: not an error, nothing to name.
-    for (i, text) in ["", "\n\n", "---\n", "---\n---\n", "# only a comment\n", "null\n", "~\n", "&anchor\n", "--- # nothing\n"].iter().enumerate() {
+    for (i, text) in
+        ["", "\n\n", "---\n", "---\n---\n", "# only a comment\n", "null\n", "~\n", "&anchor\n", "--- # nothing\n"].iter().enumerate()
+    {
         out.push(case(format!("{}.yaml", name(&format!("empty{i}"))), *text, false));
     }
 
@@ -164,7 +182,10 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
         out.push(case(format!("{}.yaml", name(&format!("decode{i}"))), *text, true));
     }
     // Decodes, but the API server would refuse it: named as the object.
-    out.push(object_case(format!("{}.yaml", name("no-address-type")), "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: d18}\nendpoints: []\n".into()));
+    out.push(object_case(
+        format!("{}.yaml", name("no-address-type")),
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: d18}\nendpoints: []\n".into(),
+    ));
 
     // Services the API server would refuse. Each is wrong in one way and otherwise valid.
     let mut ip = 0u32;
@@ -173,7 +194,22 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
         format!("10.96.8.{ip}")
     };
     let port80 = "[{port: 80}]";
-    let bad_cluster_ips = ["0.0.0.0", "127.0.0.1", "127.0.0.53", "224.0.0.1", "239.255.255.250", "255.255.255.255", "169.254.169.254", "10.96.0.300", "abc", "1.2.3", "10.96.0.1/32", "0x0a.0.0.1", "1.2.3.4.5", node_ip];
+    let bad_cluster_ips = [
+        "0.0.0.0",
+        "127.0.0.1",
+        "127.0.0.53",
+        "224.0.0.1",
+        "239.255.255.250",
+        "255.255.255.255",
+        "169.254.169.254",
+        "10.96.0.300",
+        "abc",
+        "1.2.3",
+        "10.96.0.1/32",
+        "0x0a.0.0.1",
+        "1.2.3.4.5",
+        node_ip,
+    ];
     for (i, bad) in bad_cluster_ips.iter().enumerate() {
         both(&mut out, name(&format!("cluster-ip{i}")), service(&format!("bad-ip-{i}"), bad, "", port80));
     }
@@ -181,20 +217,37 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
         both(&mut out, name(&format!("port{i}")), service(&format!("bad-port-{i}"), &next_ip(), "", &format!("[{{port: {p}}}]")));
     }
     for (i, p) in ["0", "-1", "65536", "100000"].iter().enumerate() {
-        both(&mut out, name(&format!("target-port{i}")), service(&format!("bad-target-{i}"), &next_ip(), "", &format!("[{{port: 80, targetPort: {p}}}]")));
+        both(
+            &mut out,
+            name(&format!("target-port{i}")),
+            service(&format!("bad-target-{i}"), &next_ip(), "", &format!("[{{port: 80, targetPort: {p}}}]")),
+        );
     }
     for (i, p) in ["ICMP", "tcp", "\"\"", "SCTPX", "GRE"].iter().enumerate() {
-        both(&mut out, name(&format!("protocol{i}")), service(&format!("bad-proto-{i}"), &next_ip(), "", &format!("[{{port: 80, protocol: {p}}}]")));
+        both(
+            &mut out,
+            name(&format!("protocol{i}")),
+            service(&format!("bad-proto-{i}"), &next_ip(), "", &format!("[{{port: 80, protocol: {p}}}]")),
+        );
     }
     // NodePorts outside the default range land on the node's SSH, kubelet or health port.
     for (i, np) in ["22", "10250", "10256", "80", "29999", "32768", "65535", "65536", "-30000"].iter().enumerate() {
-        both(&mut out, name(&format!("node-port{i}")), service(&format!("bad-np-{i}"), &next_ip(), "  type: NodePort\n", &format!("[{{port: 80, nodePort: {np}}}]")));
+        both(
+            &mut out,
+            name(&format!("node-port{i}")),
+            service(&format!("bad-np-{i}"), &next_ip(), "  type: NodePort\n", &format!("[{{port: 80, nodePort: {np}}}]")),
+        );
     }
     for (i, hc) in ["22", "10256", "70000"].iter().enumerate() {
         both(
             &mut out,
             name(&format!("health-port{i}")),
-            service(&format!("bad-hc-{i}"), &next_ip(), &format!("  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: {hc}\n"), &format!("[{{port: 80, nodePort: {}}}]", 30990 + i)),
+            service(
+                &format!("bad-hc-{i}"),
+                &next_ip(),
+                &format!("  type: LoadBalancer\n  externalTrafficPolicy: Local\n  healthCheckNodePort: {hc}\n"),
+                &format!("[{{port: 80, nodePort: {}}}]", 30990 + i),
+            ),
         );
     }
     let port_sets = [
@@ -210,7 +263,8 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
     for (i, ports) in port_sets.iter().enumerate() {
         both(&mut out, name(&format!("ports{i}")), service(&format!("bad-ports-{i}"), &next_ip(), "", ports));
     }
-    let names = ["Upper", "under_score", "-lead", "trail-", "dots.in.name", &"n".repeat(64), "1starts-with-digit", "spa ce", "uni\u{e7}ode"];
+    let names =
+        ["Upper", "under_score", "-lead", "trail-", "dots.in.name", &"n".repeat(64), "1starts-with-digit", "spa ce", "uni\u{e7}ode"];
     for (i, bad) in names.iter().enumerate() {
         // YAML only: a suffix could make a name valid.
         out.push(object_case(format!("{}.yaml", name(&format!("name{i}"))), service(&format!("\"{bad}\""), &next_ip(), "", port80)));
@@ -240,7 +294,11 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
         "  type: ExternalName\n",
     ];
     for (i, extra) in specs.iter().enumerate() {
-        let ports = if extra.contains("NodePort") || extra.contains("LoadBalancer") { format!("[{{port: 80, nodePort: {}}}]", 31000 + i) } else { port80.to_string() };
+        let ports = if extra.contains("NodePort") || extra.contains("LoadBalancer") {
+            format!("[{{port: 80, nodePort: {}}}]", 31000 + i)
+        } else {
+            port80.to_string()
+        };
         both(&mut out, name(&format!("spec{i}")), service(&format!("bad-spec-{i}"), &next_ip(), extra, &ports));
     }
 
@@ -267,18 +325,35 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
     }
     // Invalid later copies of `web` and of its slice `web-1` (a later file's copy wins, as with
     // `kubectl apply -f dir`): the last good version must stay.
-    out.push(object_case(format!("{}.yaml", name("web-copy")), service("web", "10.96.0.300", "", "[{name: http, port: 80, targetPort: 8080}]")));
-    out.push(object_case(format!("{}.yaml", name("web-1-copy")), slice("web", "web-1", "addressType: IPv4\nports: [{name: http, port: 8080}, {name: http, port: 8081}]\nendpoints: [{addresses: [10.99.99.9]}]\n")));
+    out.push(object_case(
+        format!("{}.yaml", name("web-copy")),
+        service("web", "10.96.0.300", "", "[{name: http, port: 80, targetPort: 8080}]"),
+    ));
+    out.push(object_case(
+        format!("{}.yaml", name("web-1-copy")),
+        slice(
+            "web",
+            "web-1",
+            "addressType: IPv4\nports: [{name: http, port: 8080}, {name: http, port: 8081}]\nendpoints: [{addresses: [10.99.99.9]}]\n",
+        ),
+    ));
     // Invalid slices by name and labels.
     for (i, nm) in ["Web-Bad", "web_bad", &"w".repeat(254)].iter().enumerate() {
-        out.push(object_case(format!("{}.yaml", name(&format!("slice-name{i}"))), slice("web", &format!("\"{nm}\""), "addressType: IPv4\nendpoints: []\n")));
+        out.push(object_case(
+            format!("{}.yaml", name(&format!("slice-name{i}"))),
+            slice("web", &format!("\"{nm}\""), "addressType: IPv4\nendpoints: []\n"),
+        ));
     }
 
     // Several documents in one file, one of them broken: the file is reported, nothing of it
     // is taken.
     out.push(case(
         format!("{}.yaml", name("multi-doc")),
-        format!("{}---\nkind: [broken\n---\n{}", service("multi-a", "10.96.7.40", "", port80), service("multi-b", "10.96.7.41", "", port80)),
+        format!(
+            "{}---\nkind: [broken\n---\n{}",
+            service("multi-a", "10.96.7.40", "", port80),
+            service("multi-b", "10.96.7.41", "", port80)
+        ),
         true,
     ));
 

@@ -101,12 +101,18 @@ pub fn frame(rng: &mut Rng, a: &Addresses) -> (Vec<u8>, String) {
     let mut ip = match shape {
         0..=3 => {
             let flags = if rng.chance(80) { *rng.pick(&TCP_FLAG_SETS) } else { rng.next_u64() as u8 };
-            let payload = { let n = rng.below(3) * rng.below(700); rng.bytes(n) };
+            let payload = {
+                let n = rng.below(3) * rng.below(700);
+                rng.bytes(n)
+            };
             let _ = write!(label, "tcp {src}->{dst} flags {flags:#x} +{}", payload.len());
             Ipv4::new(*src.ip(), *dst.ip(), TCP, tcp_segment(src, dst, flags, &payload))
         }
         4..=6 => {
-            let payload = { let n = rng.below(600); rng.bytes(n) };
+            let payload = {
+                let n = rng.below(600);
+                rng.bytes(n)
+            };
             let with_csum = rng.chance(80);
             let _ = write!(label, "udp {src}->{dst} +{} csum {with_csum}", payload.len());
             Ipv4::new(*src.ip(), *dst.ip(), UDP, udp_datagram(src, dst, &payload, with_csum))
@@ -132,7 +138,10 @@ pub fn frame(rng: &mut Rng, a: &Addresses) -> (Vec<u8>, String) {
                 quoted.truncate(n);
             }
             if rng.chance(20) {
-                quoted = { let n = rng.below(64); rng.bytes(n) };
+                quoted = {
+                    let n = rng.below(64);
+                    rng.bytes(n)
+                };
             }
             let (kind, code) = *rng.pick(&[(3u8, 3u8), (3, 4), (3, 1), (11, 0), (12, 0), (8, 0), (0, 0)]);
             let mut icmp = vec![kind, code, 0, 0, 0, 0, 0x05, 0xdc];
@@ -146,7 +155,10 @@ pub fn frame(rng: &mut Rng, a: &Addresses) -> (Vec<u8>, String) {
         _ => {
             let proto = rng.next_u64() as u8;
             let _ = write!(label, "proto {proto} {}->{}", src.ip(), dst.ip());
-            Ipv4::new(*src.ip(), *dst.ip(), proto, { let n = rng.below(80); rng.bytes(n) })
+            Ipv4::new(*src.ip(), *dst.ip(), proto, {
+                let n = rng.below(80);
+                rng.bytes(n)
+            })
         }
     };
     if rng.chance(15) {

@@ -402,7 +402,9 @@ impl Pod {
     pub fn create(id: &str, node: &Netns, name: &str, host_if: &str, ip: Ipv4Addr) -> Self {
         let ns = Netns::create(format!("pxl-{id}-{name}"));
         let pod_mac = format!("02:00:0a:f4:{:02x}:{:02x}", ip.octets()[2], ip.octets()[3]);
-        node.ip(&["link", "add", host_if, "address", NODE_MAC, "type", "veth", "peer", "name", "eth0", "address", &pod_mac, "netns", &ns.name]);
+        node.ip(&[
+            "link", "add", host_if, "address", NODE_MAC, "type", "veth", "peer", "name", "eth0", "address", &pod_mac, "netns", &ns.name,
+        ]);
         node.ip(&["link", "set", host_if, "up"]);
         node.ip(&["route", "add", &format!("{ip}/32"), "dev", host_if, "scope", "link"]);
         // Static neighbours both ways: the lab needs no ARP to work.
@@ -435,7 +437,9 @@ pub fn endpoint_slice(svc: &str, name: &str, endpoints: &[Ipv4Addr], ports: &[(&
     }
     s += if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
     for ip in endpoints {
-        s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {NODE_NAME}\n");
+        s += &format!(
+            "- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {NODE_NAME}\n"
+        );
     }
     s
 }

@@ -4,8 +4,8 @@
 pub mod apiserver;
 pub mod cluster;
 pub mod conformance;
-pub mod corpus;
 pub mod container;
+pub mod corpus;
 pub mod fuzz;
 pub mod lab;
 pub mod modesbench;

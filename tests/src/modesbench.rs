@@ -38,7 +38,9 @@ pub const SIZES: [u32; 3] = [1_000, 10_000, 30_000];
 /// The sizes to run: `PROXY_BENCH_SIZES=1000,5000` overrides SIZES (for a quick look).
 pub fn sizes() -> Vec<u32> {
     match std::env::var("PROXY_BENCH_SIZES") {
-        Ok(v) if !v.trim().is_empty() => v.split(',').map(|n| n.trim().parse().unwrap_or_else(|_| panic!("PROXY_BENCH_SIZES: {n:?} is not a number"))).collect(),
+        Ok(v) if !v.trim().is_empty() => {
+            v.split(',').map(|n| n.trim().parse().unwrap_or_else(|_| panic!("PROXY_BENCH_SIZES: {n:?} is not a number"))).collect()
+        }
         _ => SIZES.to_vec(),
     }
 }
@@ -140,7 +142,10 @@ fn kernel_count(mode: ProxyMode, ipt: Iptables, p: &mut dyn std::any::Any, probe
         }
         ProxyMode::Nftables => {
             let t = netns::sh(&["nft", "list", "table", "ip", "kube-proxy"]);
-            (t.lines().filter(|l| l.trim_start().starts_with("chain service-") && l.contains('/')).count(), t.matches(&format!("dnat to {needle}")).count())
+            (
+                t.lines().filter(|l| l.trim_start().starts_with("chain service-") && l.contains('/')).count(),
+                t.matches(&format!("dnat to {needle}")).count(),
+            )
         }
         ProxyMode::Ipvs => {
             let s = netns::sh(&["ipvsadm", "-Sn"]);
@@ -189,8 +194,13 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
     let kinds = vec![Kind::Service, Kind::EndpointSlice];
     let mut boxed: Box<dyn std::any::Any> = match mode {
         ProxyMode::Ebpf => {
-            let dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pin_root.clone()), lb_map_max: 1 << 18, ct_map_max: 1 << 16, ..Default::default() })
-                .expect("load the eBPF dataplane (as root)");
+            let dp = EbpfDataplane::load(LoadOptions {
+                pin_root: Some(pin_root.clone()),
+                lb_map_max: 1 << 18,
+                ct_map_max: 1 << 16,
+                ..Default::default()
+            })
+            .expect("load the eBPF dataplane (as root)");
             Box::new(Reconciler::new(store, dp, kinds))
         }
         _ => {
@@ -250,9 +260,17 @@ pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
         if let Some(prev) = rows.last().filter(|r| !r.program_s.is_nan()) {
             let projected = prev.program_s * (f64::from(n) / f64::from(prev.services)).powi(3);
             if projected > SKIP_PROJECTED_OVER.as_secs_f64() {
-                let why = format!("not run: {} Services took {:.0} s, so {n} would take about {:.0} s", prev.services, prev.program_s, projected);
+                let why =
+                    format!("not run: {} Services took {:.0} s, so {n} would take about {:.0} s", prev.services, prev.program_s, projected);
                 eprintln!("modes: {label}, {n} services: {why}");
-                rows.push(Row { mode: label.clone(), services: n, program_s: f64::NAN, change_ms_p50: f64::NAN, change_ms_max: f64::NAN, checked: why });
+                rows.push(Row {
+                    mode: label.clone(),
+                    services: n,
+                    program_s: f64::NAN,
+                    change_ms_p50: f64::NAN,
+                    change_ms_max: f64::NAN,
+                    checked: why,
+                });
                 continue;
             }
         }

@@ -104,10 +104,8 @@ fn manifests(c: &Cluster, filler: u32) {
 /// kube-proxy's iptables layout for the bench's Services on node A.
 pub fn iptables_ruleset(node_ip: Ipv4Addr, filler: u32) -> String {
     let mut nat = String::from("*nat\n");
-    let mut chains = vec!["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"]
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>();
+    let mut chains =
+        vec!["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"].into_iter().map(String::from).collect::<Vec<_>>();
     let mut rules = vec![
         "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".to_string(),
         "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".to_string(),
@@ -130,8 +128,12 @@ pub fn iptables_ruleset(node_ip: Ipv4Addr, filler: u32) -> String {
         rules.push(format!("-A {sep_chain} -p {proto} -m {proto} -j DNAT --to-destination {backend}"));
         if let Some(np) = node_port {
             chains.push(ext_chain.clone());
-            rules.push(format!("-A KUBE-NODEPORTS -p {proto} -m comment --comment \"default/{name}\" -m {proto} --dport {np} -j {ext_chain}"));
-            rules.push(format!("-A {ext_chain} -m comment --comment \"masquerade traffic for default/{name} external destinations\" -j KUBE-MARK-MASQ"));
+            rules.push(format!(
+                "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"default/{name}\" -m {proto} --dport {np} -j {ext_chain}"
+            ));
+            rules.push(format!(
+                "-A {ext_chain} -m comment --comment \"masquerade traffic for default/{name} external destinations\" -j KUBE-MARK-MASQ"
+            ));
             rules.push(format!("-A {ext_chain} -j {svc_chain}"));
         }
     };
@@ -141,7 +143,7 @@ pub fn iptables_ruleset(node_ip: Ipv4Addr, filler: u32) -> String {
     svc("bench:http", "tcp", Ipv4Addr::new(10, 96, 0, 10), 80, Some(30080), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), CONN_PORT));
     svc("bench:dns", "udp", Ipv4Addr::new(10, 96, 0, 10), 53, Some(30053), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 5353));
     rules.push(String::from(
-        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"
+        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS",
     ));
     let _ = node_ip;
     for ch in &chains {
@@ -175,9 +177,7 @@ fn mac_of(ns: &Netns, dev: &str) -> [u8; 6] {
 
 fn xdp_stat(ns: &Netns, dev: &str, stat: &str) -> u64 {
     let out = sh(&["ip", "netns", "exec", &ns.name, "ethtool", "-S", dev]);
-    out.lines()
-        .find_map(|l| l.trim().strip_prefix(&format!("{stat}:")).map(|v| v.trim().parse().unwrap_or(0)))
-        .unwrap_or(0)
+    out.lines().find_map(|l| l.trim().strip_prefix(&format!("{stat}:")).map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0)
 }
 
 /// A 64-byte UDP frame (no UDP checksum, so the generator may vary the source port) from the
@@ -317,7 +317,13 @@ fn reset_on_close(s: &TcpStream) {
     let l = libc::linger { l_onoff: 1, l_linger: 0 };
     // SAFETY: valid socket and option struct.
     unsafe {
-        libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&l as *const libc::linger).cast(), size_of::<libc::linger>() as u32)
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            size_of::<libc::linger>() as u32,
+        )
     };
 }
 

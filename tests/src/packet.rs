@@ -232,12 +232,7 @@ pub fn dissect(frame: &[u8]) -> Dissected {
             }
         }
         ICMP => {
-            d.icmp = Some(Icmp {
-                kind: l4[0],
-                code: l4[1],
-                checksum_ok: internet_checksum(l4) == 0,
-                body: l4[8..].to_vec(),
-            });
+            d.icmp = Some(Icmp { kind: l4[0], code: l4[1], checksum_ok: internet_checksum(l4) == 0, body: l4[8..].to_vec() });
         }
         _ => {}
     }

@@ -163,7 +163,14 @@ fn bound_socket(ns: &Netns, kind: libc::c_int, port: u16) -> io::Result<std::os:
             let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
             let one: libc::c_int = 1;
             let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
-            if libc::setsockopt(raw, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) != 0 {
+            if libc::setsockopt(
+                raw,
+                libc::SOL_SOCKET,
+                libc::SO_REUSEADDR,
+                (&one as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as u32,
+            ) != 0
+            {
                 return Err(io::Error::last_os_error());
             }
             let mut sa: libc::sockaddr_in = std::mem::zeroed();
@@ -189,7 +196,14 @@ impl Conn {
             sin_zero: [0; 8],
         };
         // SAFETY: connect on the stream's own descriptor with a valid address.
-        if unsafe { libc::connect(std::os::fd::AsRawFd::as_raw_fd(&stream), (&sa as *const libc::sockaddr_in).cast(), size_of::<libc::sockaddr_in>() as u32) } != 0 {
+        if unsafe {
+            libc::connect(
+                std::os::fd::AsRawFd::as_raw_fd(&stream),
+                (&sa as *const libc::sockaddr_in).cast(),
+                size_of::<libc::sockaddr_in>() as u32,
+            )
+        } != 0
+        {
             return Err(io::Error::last_os_error());
         }
         stream.set_read_timeout(Some(TIMEOUT))?;

@@ -50,9 +50,7 @@ pub fn run_at(dp: &mut EbpfDataplane, hook: Hook, frame: &[u8]) -> Output {
         Hook::Ingress => dp.ingress_program(),
         Hook::Egress => dp.egress_program(),
     };
-    let res = prog
-        .test_run(opts)
-        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN with a {}-byte frame: {e:?}", frame.len()));
+    let res = prog.test_run(opts).unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN with a {}-byte frame: {e:?}", frame.len()));
     out.truncate(res.data_size_out as usize);
     Output { action: res.return_value as i32, frame: out }
 }

@@ -24,7 +24,11 @@ fn without_privileges_inspect_trace_and_cleanup_say_so_instead_of_nothing() {
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let root = dir.join("bpf");
     let root = root.to_str().unwrap();
-    for args in [vec!["inspect", "--bpffs-root", root], vec!["trace", "--bpffs-root", root, "--from", "198.51.100.1:4000", "--to", "10.96.0.10:80"], vec!["cleanup", "--bpffs-root", root]] {
+    for args in [
+        vec!["inspect", "--bpffs-root", root],
+        vec!["trace", "--bpffs-root", root, "--from", "198.51.100.1:4000", "--to", "10.96.0.10:80"],
+        vec!["cleanup", "--bpffs-root", root],
+    ] {
         let (ok, out) = run_as_nobody(&args);
         assert!(!ok, "{args:?} fails without privileges: {out}");
         assert!(out.contains("permission denied") || out.contains("needs CAP_NET_ADMIN"), "{args:?} says why: {out}");
@@ -38,7 +42,11 @@ fn a_malformed_configuration_file_is_an_error_naming_the_field() {
     let dir = std::env::temp_dir().join(format!("proxy-cli-{}", unique_id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("config.conf");
-    std::fs::write(&file, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables:\n  minSyncPeriod: often\n").unwrap();
+    std::fs::write(
+        &file,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables:\n  minSyncPeriod: often\n",
+    )
+    .unwrap();
     // As kube-proxy is run: no subcommand.
     let out = Command::new(AGENT).arg(format!("--config={}", file.display())).output().expect("run the agent");
     let text = String::from_utf8_lossy(&out.stderr);

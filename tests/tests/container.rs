@@ -35,7 +35,11 @@ fn eventually<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Result<T, S
 
 fn every_backend(lab: &Lab, to: &str) -> Result<(), String> {
     let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(to)).ok()).map(|a| a.backend).collect();
-    if seen.len() == 3 { Ok(()) } else { Err(format!("{to} answered by {seen:?}")) }
+    if seen.len() == 3 {
+        Ok(())
+    } else {
+        Err(format!("{to} answered by {seen:?}"))
+    }
 }
 
 #[test]
@@ -139,7 +143,11 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
         Ok(r) => Err(proxy_agent::inspect::render(&r)),
         Err(e) => Err(e.to_string()),
     });
-    assert!(api.authorizations().contains(&format!("Bearer {token}")), "the agent used the ServiceAccount token: {:?}", api.authorizations());
+    assert!(
+        api.authorizations().contains(&format!("Bearer {token}")),
+        "the agent used the ServiceAccount token: {:?}",
+        api.authorizations()
+    );
 
     // ClusterIP and NodePort through it.
     eventually("the cluster IP to reach every backend", Duration::from_secs(15), || every_backend(&lab, WEB_VIP));
@@ -170,7 +178,11 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     let second = &log2[log2.rfind("dataplane loaded").unwrap_or(0)..];
     assert!(second.contains("adopted_frontends="), "the new pod adopts the pins:\n{second}");
     for (i, (c, backend)) in open.iter_mut().enumerate() {
-        assert_eq!(&c.ask().unwrap_or_else(|e| panic!("connection {i} after the roll: {e}\n{log2}")).backend, backend, "connection {i} keeps its backend");
+        assert_eq!(
+            &c.ask().unwrap_or_else(|e| panic!("connection {i} after the roll: {e}\n{log2}")).backend,
+            backend,
+            "connection {i} keeps its backend"
+        );
     }
     eventually("new connections after the roll", Duration::from_secs(15), || every_backend(&lab, WEB_VIP));
     drop(open);

@@ -78,7 +78,11 @@ fn rbac_grants_what_kube_proxys_node_proxier_role_does_and_nothing_more() {
     assert_eq!(granted, want);
     let binding: ClusterRoleBinding = of_kind("rbac.yaml", "ClusterRoleBinding");
     assert_eq!(binding.role_ref.name, "proxy-agent");
-    assert!(binding.subjects.iter().flatten().any(|s| s.kind == "ServiceAccount" && s.name == "proxy-agent" && s.namespace.as_deref() == Some("kube-system")));
+    assert!(binding
+        .subjects
+        .iter()
+        .flatten()
+        .any(|s| s.kind == "ServiceAccount" && s.name == "proxy-agent" && s.namespace.as_deref() == Some("kube-system")));
 }
 
 #[test]
@@ -94,7 +98,10 @@ fn the_daemonset_runs_like_kube_proxy_with_least_privilege() {
     let pod = spec.template.spec.expect("pod spec");
     assert_eq!(pod.host_network, Some(true));
     assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
-    assert!(pod.tolerations.iter().flatten().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none() && t.effect.is_none()), "tolerates everything");
+    assert!(
+        pod.tolerations.iter().flatten().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none() && t.effect.is_none()),
+        "tolerates everything"
+    );
     assert_eq!(pod.service_account_name.as_deref(), Some("proxy-agent"));
 
     let agent = &pod.containers[0];
@@ -104,7 +111,9 @@ fn the_daemonset_runs_like_kube_proxy_with_least_privilege() {
     let caps = sc.capabilities.expect("capabilities");
     assert_eq!(caps.drop, Some(vec!["ALL".to_string()]));
     assert_eq!(caps.add, Some(vec!["BPF".to_string(), "NET_ADMIN".to_string(), "PERFMON".to_string()]));
-    let probe = |p: Option<k8s_openapi::api::core::v1::Probe>| p.and_then(|p| p.http_get).map(|h| (h.path.unwrap_or_default(), format!("{:?}", h.port)));
+    let probe = |p: Option<k8s_openapi::api::core::v1::Probe>| {
+        p.and_then(|p| p.http_get).map(|h| (h.path.unwrap_or_default(), format!("{:?}", h.port)))
+    };
     assert_eq!(probe(agent.liveness_probe.clone()), Some(("/livez".into(), "Int(10256)".into())));
     assert_eq!(probe(agent.readiness_probe.clone()), Some(("/healthz".into(), "Int(10256)".into())));
     let node_name = agent.env.iter().flatten().find(|e| e.name == "NODE_NAME").expect("NODE_NAME");

@@ -32,13 +32,21 @@ fn sock(s: &str) -> SocketAddrV4 {
 fn upsert(dp: &mut EbpfDataplane, kind: FrontendKind, at: &str, protocol: Protocol, backends: &[(&str, bool)]) {
     let at = sock(at);
     let name = ServicePortName { service: ObjectKey::new("default", format!("fuzz-{}", at.port())), port: "p".into(), protocol };
-    let backends = backends.iter().map(|(b, local)| Backend { addr: *sock(b).ip(), port: sock(b).port(), terminating: false, local: *local }).collect();
-    dp.upsert(&FrontendKey { addr: *at.ip(), port: at.port(), protocol }, &Frontend::new(name, kind, backends)).expect("program a frontend");
+    let backends = backends
+        .iter()
+        .map(|(b, local)| Backend { addr: *sock(b).ip(), port: sock(b).port(), terminating: false, local: *local })
+        .collect();
+    dp.upsert(&FrontendKey { addr: *at.ip(), port: at.port(), protocol }, &Frontend::new(name, kind, backends))
+        .expect("program a frontend");
 }
 
 /// Runs `frame` through a program with BPF_PROG_TEST_RUN: Some((verdict, output)), or None
 /// when the kernel refuses the frame itself (shorter than the headers it insists on).
-fn try_run<P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>>(prog: &P, frame: &[u8], ctx: Option<&[u8]>) -> Option<(i32, Vec<u8>)> {
+fn try_run<P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>>(
+    prog: &P,
+    frame: &[u8],
+    ctx: Option<&[u8]>,
+) -> Option<(i32, Vec<u8>)> {
     let mut out = vec![0u8; frame.len() + 512];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: ctx, repeat: 1, ..Default::default() };
     match prog.test_run(opts) {
@@ -91,17 +99,34 @@ fn mutated_frames_through_every_program_fault_nothing_and_break_no_checksum() {
     dp.set_cluster_ip_ranges(&["10.96.0.0/16".parse().unwrap()], &allocated).expect("write the Service CIDR");
     let addrs = Addresses {
         clients: vec![Ipv4Addr::new(10, 244, 0, 5), Ipv4Addr::new(198, 51, 100, 7), NODE_IP.parse().unwrap()],
-        services: ["10.96.0.10", "10.96.0.53", "10.96.0.99", NODE_IP, "203.0.113.7", "10.96.0.77"].iter().map(|a| a.parse().unwrap()).collect(),
+        services: ["10.96.0.10", "10.96.0.53", "10.96.0.99", NODE_IP, "203.0.113.7", "10.96.0.77"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect(),
         backends: ["10.244.1.2", "10.244.1.3", "10.244.1.9", "10.244.2.5", "10.244.1.5"].iter().map(|a| a.parse().unwrap()).collect(),
         ports: vec![80, 53, 8080, 5353, 30080, 30053, 40000, 40001, 61000, 65535],
-        frontends: [("10.96.0.10:80", TCP), ("10.96.0.53:53", UDP), ("10.96.0.99:80", TCP), ("192.168.50.1:30080", TCP), ("192.168.50.1:30053", UDP), ("203.0.113.7:80", TCP)]
-            .iter()
-            .map(|(s, p)| (sock(s), *p))
-            .collect(),
-        endpoints: [("10.244.1.2:8080", TCP), ("10.244.1.3:8080", TCP), ("10.244.1.9:5353", UDP), ("10.244.2.5:8080", TCP), ("10.244.2.5:5353", UDP), ("10.244.1.5:8080", TCP)]
-            .iter()
-            .map(|(s, p)| (sock(s), *p))
-            .collect(),
+        frontends: [
+            ("10.96.0.10:80", TCP),
+            ("10.96.0.53:53", UDP),
+            ("10.96.0.99:80", TCP),
+            ("192.168.50.1:30080", TCP),
+            ("192.168.50.1:30053", UDP),
+            ("203.0.113.7:80", TCP),
+        ]
+        .iter()
+        .map(|(s, p)| (sock(s), *p))
+        .collect(),
+        endpoints: [
+            ("10.244.1.2:8080", TCP),
+            ("10.244.1.3:8080", TCP),
+            ("10.244.1.9:5353", UDP),
+            ("10.244.2.5:8080", TCP),
+            ("10.244.2.5:5353", UDP),
+            ("10.244.1.5:8080", TCP),
+        ]
+        .iter()
+        .map(|(s, p)| (sock(s), *p))
+        .collect(),
     };
 
     // `struct __sk_buff` up to ifindex, and `struct xdp_md`, naming the uplink.
@@ -145,9 +170,18 @@ fn mutated_frames_through_every_program_fault_nothing_and_break_no_checksum() {
     // Every run is counted under exactly one reason.
     let counted: u64 = counters(&mut dp).values().sum();
     assert_eq!(counted, ran, "every packet is counted once: {:?}", counters(&mut dp));
-    assert!(tally.rewritten.get("tc ingress").copied().unwrap_or(0) > frames as u64 / 100, "the frames reached services: {}", tally.report());
+    assert!(
+        tally.rewritten.get("tc ingress").copied().unwrap_or(0) > frames as u64 / 100,
+        "the frames reached services: {}",
+        tally.report()
+    );
     // And the dataplane still serves a plain new flow.
     let out = run(&mut dp, &tcp_frame(sock("10.244.0.77:12345"), sock("10.96.0.10:80"), SYN));
     let d = dissect(&out.frame);
-    assert!(["10.244.1.2:8080", "10.244.1.3:8080"].contains(&d.dst_sock().to_string().as_str()) && d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{d:?}");
+    assert!(
+        ["10.244.1.2:8080", "10.244.1.3:8080"].contains(&d.dst_sock().to_string().as_str())
+            && d.ip_checksum_ok
+            && d.l4_checksum_ok == Some(true),
+        "{d:?}"
+    );
 }

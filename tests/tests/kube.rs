@@ -48,7 +48,8 @@ fn kube_lab_started(test: &str, extra: &[&str]) -> Option<KubeLab> {
 fn web_slice(lab: &Lab, backends: usize, trigger: Option<&str>) -> String {
     let mut s = endpoint_slice("web", "web-1", &lab.backend_ips()[..backends], &[("http", lab::TCP_PORT, "TCP")]);
     if let Some(t) = trigger {
-        s = s.replace("  labels:\n", &format!("  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"{t}\"\n  labels:\n"));
+        s = s
+            .replace("  labels:\n", &format!("  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"{t}\"\n  labels:\n"));
     }
     s
 }
@@ -84,8 +85,14 @@ fn api_server_objects_steer_traffic_and_follow_changes() {
     assert_eq!(spread(&k.lab, 60).len(), 3);
     // The watches use kube-proxy's selectors.
     let reqs = k.api.requests();
-    assert!(reqs.iter().any(|(kind, q)| kind == "Service" && q.contains("labelSelector=!service.kubernetes.io/service-proxy-name")), "{reqs:?}");
-    assert!(reqs.iter().any(|(kind, q)| kind == "EndpointSlice" && q.contains("labelSelector=!service.kubernetes.io/headless")), "{reqs:?}");
+    assert!(
+        reqs.iter().any(|(kind, q)| kind == "Service" && q.contains("labelSelector=!service.kubernetes.io/service-proxy-name")),
+        "{reqs:?}"
+    );
+    assert!(
+        reqs.iter().any(|(kind, q)| kind == "EndpointSlice" && q.contains("labelSelector=!service.kubernetes.io/headless")),
+        "{reqs:?}"
+    );
     assert!(reqs.iter().any(|(kind, q)| kind == "Node" && q.contains("fieldSelector=metadata.name=lab-node")), "{reqs:?}");
 
     // An endpoint removed in the API server stops getting flows.
@@ -94,7 +101,10 @@ fn api_server_objects_steer_traffic_and_follow_changes() {
     assert!(!spread(&k.lab, 40).contains_key("backend-3"));
 
     // A Service that another proxy claims is dropped, as the label selector excludes it.
-    k.api.apply(&service("web", "10.96.0.10", &[("http", 80, "TCP", lab::TCP_PORT)]).replace("  namespace: default\n", "  namespace: default\n  labels:\n    service.kubernetes.io/service-proxy-name: someone-else\n"));
+    k.api.apply(&service("web", "10.96.0.10", &[("http", 80, "TCP", lab::TCP_PORT)]).replace(
+        "  namespace: default\n",
+        "  namespace: default\n  labels:\n    service.kubernetes.io/service-proxy-name: someone-else\n",
+    ));
     k.lab.wait_for("web to be dropped", |r| !r.frontends.iter().any(|f| f.address == WEB_VIP));
     assert!(tcp_ask(&k.lab.client.ns, sock(WEB_VIP)).is_err());
 
@@ -165,7 +175,10 @@ fn each_endpoint_change_yields_a_programming_latency_sample() {
 
 #[test]
 fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
-    let Some(k) = kube_lab("healthz_turns_503_when_programming_stalls_or_the_node_goes", &["--lb-map-max", "32", "--sync-period", "1s"]) else { return };
+    let Some(k) = kube_lab("healthz_turns_503_when_programming_stalls_or_the_node_goes", &["--lb-map-max", "32", "--sync-period", "1s"])
+    else {
+        return;
+    };
     let health = |path: &str| http_get(&k.lab.node, sock(HEALTHZ), path).expect("GET health").0;
     assert_eq!((health("/healthz"), health("/livez")), (200, 200));
 
@@ -212,7 +225,9 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
 /// away makes `/healthz` fail, so load balancers stop sending to the node.
 #[test]
 fn netfilter_modes_health_follows_the_node() {
-    let Some(KubeLab { lab, api }) = kube_lab_started("netfilter_modes_health_follows_the_node", &["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"]) else {
+    let Some(KubeLab { lab, api }) =
+        kube_lab_started("netfilter_modes_health_follows_the_node", &["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"])
+    else {
         return;
     };
     let health = |path: &str| http_get(&lab.node, sock(HEALTHZ), path).map(|r| r.0).unwrap_or(0);
@@ -238,8 +253,13 @@ fn bad_objects_are_named_and_never_stop_the_watch() {
     k.api.apply(&service("bad-ip", "10.96.0.300", &[("http", 80, "TCP", 8080)]));
     k.api.apply(&service("bad-port", "10.96.0.31", &[("http", 7000, "TCP", 8080)]).replace("port: 7000", "port: 70000"));
     k.api.apply(&service("zero-port", "10.96.0.32", &[("http", 0, "TCP", 8080)]));
-    k.api.apply(&endpoint_slice("web", "orphan", &k.lab.backend_ips(), &[("http", 8080, "TCP")]).replace("  labels:\n    kubernetes.io/service-name: web\n", ""));
-    k.api.apply(&endpoint_slice("web", "weird", &k.lab.backend_ips(), &[("http", 8080, "TCP")]).replace("addressType: IPv4", "addressType: IPv5"));
+    k.api.apply(
+        &endpoint_slice("web", "orphan", &k.lab.backend_ips(), &[("http", 8080, "TCP")])
+            .replace("  labels:\n    kubernetes.io/service-name: web\n", ""),
+    );
+    k.api.apply(
+        &endpoint_slice("web", "weird", &k.lab.backend_ips(), &[("http", 8080, "TCP")]).replace("addressType: IPv4", "addressType: IPv5"),
+    );
     // A valid change after them is still applied: the watch goes on.
     k.api.apply(&web_slice(&k.lab, 1, None));
     k.lab.wait_programmed(WEB_VIP, "TCP", 1);
@@ -269,7 +289,11 @@ fn an_unreachable_api_server_at_start_is_retried_while_pins_keep_serving() {
     let port = k.lab.node.run(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
     let later = format!("127.0.0.1:{port}").parse::<SocketAddrV4>().unwrap();
     let kubeconfig = k.lab.dir.join("kubeconfig-later");
-    std::fs::write(&kubeconfig, std::fs::read_to_string(k.lab.dir.join("kubeconfig")).unwrap().replace(&k.api.addr.to_string(), &later.to_string())).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        std::fs::read_to_string(k.lab.dir.join("kubeconfig")).unwrap().replace(&k.api.addr.to_string(), &later.to_string()),
+    )
+    .unwrap();
     k.lab.start_agent_kube(&kubeconfig, &[]);
     thread::sleep(Duration::from_secs(2));
     assert!(k.lab.agent_running(), "the agent must keep retrying, not exit:\n{}", k.lab.agent_log());
@@ -319,10 +343,15 @@ fn a_stalled_watch_is_restarted_and_healthz_says_so_meanwhile() {
     assert_eq!(healthz().0, 200);
     // The EndpointSlice watch now trickles a byte every half second and never a whole event.
     k.api.set_hostile(Kind::EndpointSlice, Some(proxy_tests::apiserver::Hostile::Trickle));
-    wait_until("/healthz to say the watch brings nothing", Duration::from_secs(15), || k.lab.agent_log(), || {
-        let (code, body) = healthz();
-        code == 503 && body.contains("\"stalledWatches\": [\"endpointslices\"]")
-    });
+    wait_until(
+        "/healthz to say the watch brings nothing",
+        Duration::from_secs(15),
+        || k.lab.agent_log(),
+        || {
+            let (code, body) = healthz();
+            code == 503 && body.contains("\"stalledWatches\": [\"endpointslices\"]")
+        },
+    );
     assert!(k.lab.agent_log().contains("no complete watch event or bookmark for 3 s"), "{}", k.lab.agent_log());
     // A change made meanwhile, and the server behaving again: the agent catches up.
     k.api.apply(&web_slice(&k.lab, 2, None));
@@ -346,7 +375,12 @@ fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
     let pid = k.lab.agent_pid().expect("agent running");
     let before = rss_mib(pid);
     k.api.set_hostile(Kind::EndpointSlice, Some(proxy_tests::apiserver::Hostile::EndlessLine));
-    wait_until("the endless line to be cut", Duration::from_secs(30), || k.lab.agent_log(), || k.lab.agent_log().contains("one line is over 16 MiB"));
+    wait_until(
+        "the endless line to be cut",
+        Duration::from_secs(30),
+        || k.lab.agent_log(),
+        || k.lab.agent_log().contains("one line is over 16 MiB"),
+    );
     // Several times over, while the server keeps at it: the footprint stays bounded.
     let mut peak = 0;
     for _ in 0..20 {
@@ -370,16 +404,22 @@ fn service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing() {
     let Some(k) = kube_lab("service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing", &[]) else { return };
     let unserved = sock("10.96.0.10:81");
     k.api.apply("apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n");
-    wait_until("the unserved port to be refused", Duration::from_secs(15), || k.lab.agent_log(), || {
-        tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
-    });
+    wait_until(
+        "the unserved port to be refused",
+        Duration::from_secs(15),
+        || k.lab.agent_log(),
+        || tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
+    );
     let c = k.lab.inspect().expect("inspect").counters;
     assert!(c.get("reject_cluster_ip_port").is_some_and(|c| c.packets >= 1), "{c:?}");
     assert!(k.api.requests().iter().any(|(kind, _)| kind == "ServiceCIDR"), "the agent watches ServiceCIDRs");
     k.api.delete(Kind::ServiceCidr, "", "kubernetes");
-    wait_until("the check to go with the ServiceCIDR", Duration::from_secs(15), || k.lab.agent_log(), || {
-        tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() != std::io::ErrorKind::ConnectionRefused)
-    });
+    wait_until(
+        "the check to go with the ServiceCIDR",
+        Duration::from_secs(15),
+        || k.lab.agent_log(),
+        || tcp_ask(&k.lab.client.ns, unserved).is_err_and(|e| e.kind() != std::io::ErrorKind::ConnectionRefused),
+    );
 
     // An API server before 1.33.
     let mut lab = Lab::new(AGENT, 3);

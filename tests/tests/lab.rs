@@ -64,7 +64,14 @@ fn a_service_without_endpoints_refuses_at_once() {
     let Some(lab) = lab("a_service_without_endpoints_refuses_at_once") else { return };
     let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints: the connection must fail");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "expected connection refused (ICMP), got {err}");
-    lab.write_manifest("empty-udp.yaml", &[lab::service("empty-udp", "10.96.0.98", &[("dns", 53, "UDP", 5353)]), lab::endpoint_slice("empty-udp", "empty-udp-1", &[], &[("dns", 5353, "UDP")])].join("---\n"));
+    lab.write_manifest(
+        "empty-udp.yaml",
+        &[
+            lab::service("empty-udp", "10.96.0.98", &[("dns", 53, "UDP", 5353)]),
+            lab::endpoint_slice("empty-udp", "empty-udp-1", &[], &[("dns", 5353, "UDP")]),
+        ]
+        .join("---\n"),
+    );
     let mut lab = lab;
     lab.wait_programmed("10.96.0.98:53", "UDP", 0);
     let err = udp_ask_connected(&lab.client.ns, sock("10.96.0.98:53")).expect_err("no endpoints: UDP must fail");
@@ -112,7 +119,11 @@ fn an_established_connection_survives_kill_and_restart_of_the_agent() {
     assert!(second_run.contains("adopted_frontends=3"), "the restarted agent adopts what is pinned:\n{second_run}");
     assert!(second_run.contains("programmed=0"), "nothing unchanged is rewritten:\n{second_run}");
     for i in 0..5 {
-        assert_eq!(conn.ask().unwrap_or_else(|e| panic!("request {i} after restart: {e}")).backend, first, "the connection keeps its backend across the restart");
+        assert_eq!(
+            conn.ask().unwrap_or_else(|e| panic!("request {i} after restart: {e}")).backend,
+            first,
+            "the connection keeps its backend across the restart"
+        );
     }
     assert_eq!(counts(&lab, 30).len(), 3, "new connections still spread after the restart");
 }
@@ -131,7 +142,10 @@ fn a_pod_interface_created_later_is_attached() {
 #[test]
 fn a_broken_manifest_is_reported_and_breaks_nothing() {
     let Some(mut lab) = lab("a_broken_manifest_is_reported_and_breaks_nothing") else { return };
-    lab.write_manifest("bad.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
+    lab.write_manifest(
+        "bad.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n",
+    );
     lab.write_manifest("broken.yaml", "kind: [unclosed");
     // The valid Services keep working, and the problems are named in the log.
     thread::sleep(Duration::from_millis(500));
@@ -161,7 +175,12 @@ fn sigterm_leaves_traffic_flowing_and_cleanup_removes_everything() {
         assert!(!lab.bpffs().join(dir).exists(), "{dir}/ must be gone");
     }
     // bpftool lists the tcx programs of the namespace it runs in.
-    let progs = lab.node.run(|| std::process::Command::new("bpftool").args(["net", "show", "dev", "vethc"]).output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()));
+    let progs = lab.node.run(|| {
+        std::process::Command::new("bpftool")
+            .args(["net", "show", "dev", "vethc"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+    });
     let progs = progs.expect("bpftool net show");
     assert!(!progs.contains("proxy_tc"), "no program may stay attached after cleanup:\n{progs}");
     // With nothing translating, the service address is just an unrouted address.
@@ -217,7 +236,8 @@ fn checksum_offloaded_flows_arrive_intact_after_dnat() {
     let mut seen = BTreeMap::new();
     // 30 connections: all three backends answer but for a chance of 3 * (2/3)^30 (2e-5).
     for i in 0..30 {
-        let stream = lab.client.ns.run(|| std::net::TcpStream::connect_timeout(&sock(WEB_VIP).into(), Duration::from_secs(2))).expect("connect");
+        let stream =
+            lab.client.ns.run(|| std::net::TcpStream::connect_timeout(&sock(WEB_VIP).into(), Duration::from_secs(2))).expect("connect");
         stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         stream.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
         // Large enough for segmentation offload too.
@@ -238,7 +258,12 @@ fn checksum_offloaded_flows_arrive_intact_after_dnat() {
     let path = lab.bpffs().join("maps").join(proxy_common::map_names::CT);
     let out = std::process::Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&path).output().expect("bpftool");
     let dump: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
-    let partial = dump.as_array().expect("entries").iter().filter(|e| e["formatted"]["value"]["l4_csum"] == u64::from(proxy_common::ct::l4_csum::PARTIAL)).count();
+    let partial = dump
+        .as_array()
+        .expect("entries")
+        .iter()
+        .filter(|e| e["formatted"]["value"]["l4_csum"] == u64::from(proxy_common::ct::l4_csum::PARTIAL))
+        .count();
     // Forward and reply entries of the 30 TCP connections at least.
     assert!(partial >= 60, "the TCP flows and their replies were learned as partial-form: {partial} entries");
 }
@@ -354,7 +379,10 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "));
     // An unconnected UDP socket keeps its backend per Service, as conntrack keeps a flow's.
     let out = lab.host_ask("udp-many", DNS_VIP);
-    assert!(out.starts_with("ok ") && out.split_whitespace().nth(1).is_some_and(|n| n.parse::<usize>() == Ok(1)), "one backend for one socket: {out}");
+    assert!(
+        out.starts_with("ok ") && out.split_whitespace().nth(1).is_some_and(|n| n.parse::<usize>() == Ok(1)),
+        "one backend for one socket: {out}"
+    );
     // --cgroup-root none takes the hooks away, a previous run's pinned ones too.
     lab.stop_agent();
     lab.start_agent_with_extra(&["--cgroup-root", "none"]);
@@ -438,7 +466,9 @@ fn idle_connections_from_a_pod_to_the_health_port_exhaust_nothing() {
     lab.wait_programmed(WEB_VIP, "TCP", 3);
     // 1,100 connections from a pod to the node's health port, opened and left idle.
     let idle: Vec<std::net::TcpStream> = lab.client.ns.run(|| {
-        (0..1100).filter_map(|_| std::net::TcpStream::connect_timeout(&"192.168.250.1:10256".parse().unwrap(), Duration::from_secs(2)).ok()).collect()
+        (0..1100)
+            .filter_map(|_| std::net::TcpStream::connect_timeout(&"192.168.250.1:10256".parse().unwrap(), Duration::from_secs(2)).ok())
+            .collect()
     });
     assert!(idle.len() > 1000, "the pod opened its connections: {}", idle.len());
     // Health and metrics still answer, and a change is still programmed.
@@ -472,10 +502,18 @@ fn health_check_node_ports_listen_where_node_ports_are_served() {
         let get = |addr: &str| proxy_tests::servers::http_get(&lab.node, addr.parse().unwrap(), "/");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while get("192.168.250.1:32000").is_err() {
-            assert!(std::time::Instant::now() < deadline, "{flags:?}: the health check answers on the NodePort address:\n{}", lab.agent_log());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{flags:?}: the health check answers on the NodePort address:\n{}",
+                lab.agent_log()
+            );
             thread::sleep(Duration::from_millis(100));
         }
-        assert_eq!(get("127.0.0.1:32000").is_ok(), loopback_answers, "{flags:?}: on 127.0.0.1 only when NodePorts are served on every address");
+        assert_eq!(
+            get("127.0.0.1:32000").is_ok(),
+            loopback_answers,
+            "{flags:?}: on 127.0.0.1 only when NodePorts are served on every address"
+        );
     }
 }
 
@@ -489,7 +527,12 @@ fn a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connectio
     let one = &lab.backend_ips()[..1];
     let (tcp_a, tcp_b, udp_a, udp_b) = ("10.96.0.61:80", "10.96.0.62:80", "10.96.0.63:53", "10.96.0.64:53");
     let mut objects = Vec::new();
-    for (name, vip, proto, port, target) in [("same-a", tcp_a, "TCP", 80, lab::TCP_PORT), ("same-b", tcp_b, "TCP", 80, lab::TCP_PORT), ("same-c", udp_a, "UDP", 53, lab::UDP_PORT), ("same-d", udp_b, "UDP", 53, lab::UDP_PORT)] {
+    for (name, vip, proto, port, target) in [
+        ("same-a", tcp_a, "TCP", 80, lab::TCP_PORT),
+        ("same-b", tcp_b, "TCP", 80, lab::TCP_PORT),
+        ("same-c", udp_a, "UDP", 53, lab::UDP_PORT),
+        ("same-d", udp_b, "UDP", 53, lab::UDP_PORT),
+    ] {
         objects.push(lab::service(name, vip.split(':').next().unwrap(), &[("p", port, proto, target)]));
         objects.push(lab::endpoint_slice(name, &format!("{name}-1"), one, &[("p", target, proto)]));
     }
@@ -506,10 +549,17 @@ fn a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connectio
     assert_eq!(second.peer.ip(), std::net::IpAddr::V4(lab.client.ip));
     assert_ne!(second.peer.port(), port, "the backend sees the second flow on another port");
     for i in 0..5 {
-        assert_eq!(a.ask().unwrap_or_else(|e| panic!("request {i} on the first connection: {e}")).peer, first.peer, "the first connection lives");
+        assert_eq!(
+            a.ask().unwrap_or_else(|e| panic!("request {i} on the first connection: {e}")).peer,
+            first.peer,
+            "the first connection lives"
+        );
         assert_eq!(b.ask().unwrap_or_else(|e| panic!("request {i} on the second connection: {e}")).peer, second.peer);
     }
-    let (ua, ub) = (UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_a)).expect("udp a"), UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_b)).expect("udp b"));
+    let (ua, ub) = (
+        UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_a)).expect("udp a"),
+        UdpFlow::open_from_port(&lab.client.ns, port, sock(udp_b)).expect("udp b"),
+    );
     let (fa, fb) = (ua.ask().expect("first UDP flow"), ub.ask().expect("second UDP flow"));
     assert_ne!(fa.peer, fb.peer, "the backend tells the two UDP flows apart");
     for i in 0..5 {
@@ -543,7 +593,10 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
     lab.wait_programmed("10.96.0.66:80", "TCP", 1);
     let out = lab.host_ask("tcp-same-port", "10.96.0.65:80,10.96.0.66:80");
     let f: Vec<&str> = out.split_whitespace().collect();
-    assert!(f.len() == 4 && f[0].starts_with("first=backend-1/") && f[3] == format!("first-again={}", &f[0]["first=".len()..]), "the first connection answers before and after: {out}");
+    assert!(
+        f.len() == 4 && f[0].starts_with("first=backend-1/") && f[3] == format!("first-again={}", &f[0]["first=".len()..]),
+        "the first connection answers before and after: {out}"
+    );
     assert_eq!(f[1..3].join(" "), "second=err AddrNotAvailable", "{out}");
 }
 
@@ -601,7 +654,12 @@ fn a_hundred_kill_restarts_under_load_lose_no_connection() {
 /// The agent's resident memory, from /proc.
 fn rss_mib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).unwrap_or(0) >> 10
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        >> 10
 }
 
 #[test]

@@ -21,7 +21,9 @@ use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
     require,
-    testrun::{self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX},
+    testrun::{
+        self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
+    },
 };
 
 const NODE_IP: &str = "192.168.50.1";
@@ -161,7 +163,9 @@ fn xdp_forwards_remote_flows_and_their_replies_with_valid_checksums() {
     let Some(mut n) = node("xdp_forwards_remote_flows_and_their_replies_with_valid_checksums") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Udp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
-    for (frame, proto) in [(udp_frame(sock(CLIENT), sock(NODE_PORT), b"ping"), "UDP"), (tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), "TCP")] {
+    for (frame, proto) in
+        [(udp_frame(sock(CLIENT), sock(NODE_PORT), b"ping"), "UDP"), (tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), "TCP")]
+    {
         let out = run_xdp(&mut n.dp, &frame, n.ifindex);
         assert_eq!(out.action, XDP_TX, "{proto}: out the interface it came in on, from the driver");
         let d = dissect(&out.frame);
@@ -346,14 +350,18 @@ fn snat_ports_run_out_cleanly() {
 fn a_packet_whose_ttl_would_expire_is_left_to_the_kernel() {
     let Some(mut n) = node("a_packet_whose_ttl_would_expire_is_left_to_the_kernel") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
-    let mut ip = Ipv4::new(*sock(CLIENT).ip(), *sock(NODE_PORT).ip(), TCP, proxy_tests::packet::tcp_segment(sock(CLIENT), sock(NODE_PORT), SYN, b""));
+    let mut ip = Ipv4::new(
+        *sock(CLIENT).ip(),
+        *sock(NODE_PORT).ip(),
+        TCP,
+        proxy_tests::packet::tcp_segment(sock(CLIENT), sock(NODE_PORT), SYN, b""),
+    );
     ip.ttl = 1;
     let f = ip.frame();
     assert_eq!(run_xdp(&mut n.dp, &f, n.ifindex).action, XDP_PASS);
     let out = run_ext(&mut n.dp, &f, n.ifindex);
     assert_eq!((out.action, out.frame), (TC_ACT_OK, f), "the kernel answers with time exceeded");
 }
-
 
 #[test]
 fn a_trace_decides_like_a_real_packet_without_writing_anything() {
@@ -386,11 +394,15 @@ fn removing_a_backend_moves_only_about_its_share_of_flows() {
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, all.clone())).unwrap();
     let before = picks(&mut n);
     let removed_id = before[0];
-    let rest: Vec<Backend> = all.iter().copied().filter(|b| {
-        let id = n.dp.maglev().tables.values().next().unwrap();
-        let pos = id.members.iter().position(|m| m[..4] == b.addr.octets()).unwrap();
-        id.backend_ids[pos] != removed_id
-    }).collect();
+    let rest: Vec<Backend> = all
+        .iter()
+        .copied()
+        .filter(|b| {
+            let id = n.dp.maglev().tables.values().next().unwrap();
+            let pos = id.members.iter().position(|m| m[..4] == b.addr.octets()).unwrap();
+            id.backend_ids[pos] != removed_id
+        })
+        .collect();
     assert_eq!(rest.len(), 9);
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, rest)).unwrap();
     let after = picks(&mut n);
@@ -438,7 +450,10 @@ fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_po
     let out = run_ext(&mut n.dp, &tcp_frame(outsider, sock(NODE_PORT), SYN), n.ifindex);
     assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "NodePort without ranges");
     assert_eq!(counters(&mut n.dp).get("drop_source_range"), Some(&3));
-    assert!(conntrack(&mut n.dp).iter().all(|(k, _)| k.src() != outsider || k.dst() == sock(NODE_PORT)), "nothing tracked for a dropped flow");
+    assert!(
+        conntrack(&mut n.dp).iter().all(|(k, _)| k.src() != outsider || k.dst() == sock(NODE_PORT)),
+        "nothing tracked for a dropped flow"
+    );
 
     // Narrowing the ranges keeps established flows (the firewall judges new flows only) and
     // refuses new ones from the sources it no longer holds.
@@ -458,7 +473,9 @@ fn load_balancer_source_ranges_admit_only_their_sources_from_outside_and_from_po
     n.dp.upsert(&key(LB, Protocol::Tcp), &fe).unwrap();
     assert_eq!(run(&mut n.dp, &tcp_frame(sock("10.244.3.9:33333"), sock(LB), SYN)).action, TC_ACT_SHOT, "Local policy: a pod outside");
     let pods: BTreeSet<SocketAddrV4> = (0..40)
-        .map(|i| dissect(&run(&mut n.dp, &tcp_frame(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 9), 34000 + i), sock(LB), SYN)).frame).dst_sock())
+        .map(|i| {
+            dissect(&run(&mut n.dp, &tcp_frame(SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 9), 34000 + i), sock(LB), SYN)).frame).dst_sock()
+        })
         .collect();
     assert_eq!(pods, BTreeSet::from([sock(REMOTE), sock(LOCAL)]), "Local policy: a pod inside gets the cluster's endpoints");
     let out = run_ext(&mut n.dp, &tcp_frame(sock("198.51.100.7:40009"), sock(LB), SYN), n.ifindex);
@@ -502,7 +519,11 @@ fn one_client_port_to_two_node_ports_of_one_local_backend_keeps_both_flows() {
     assert_ne!(moved, sock(CLIENT).port(), "the second flow's port is moved");
     let back = SocketAddrV4::new(*sock(CLIENT).ip(), moved);
     let r2 = checked(&run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), back, SYN | ACK)));
-    assert_eq!((r2.src_sock(), r2.dst_sock()), (sock(other), sock(CLIENT)), "the second reply goes back as its NodePort, to the client's port");
+    assert_eq!(
+        (r2.src_sock(), r2.dst_sock()),
+        (sock(other), sock(CLIENT)),
+        "the second reply goes back as its NodePort, to the client's port"
+    );
     let r1 = checked(&run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), sock(CLIENT), SYN | ACK)));
     assert_eq!((r1.src_sock(), r1.dst_sock()), (sock(NODE_PORT), sock(CLIENT)), "the first flow is intact");
     let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(other), ACK), n.ifindex));

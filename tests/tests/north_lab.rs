@@ -37,7 +37,13 @@ fn ask_many(c: &Cluster, to: &str, udp: bool, n: usize) -> Vec<Answer> {
                 let state: Vec<String> = c
                     .nodes
                     .iter()
-                    .map(|n| format!("--- {} ---\n{}", n.name, n.inspect().map(|r| proxy_agent::inspect::render(&r)).unwrap_or_else(|e| e.to_string())))
+                    .map(|n| {
+                        format!(
+                            "--- {} ---\n{}",
+                            n.name,
+                            n.inspect().map(|r| proxy_agent::inspect::render(&r)).unwrap_or_else(|e| e.to_string())
+                        )
+                    })
                     .collect();
                 panic!("request {i} to {to} ({}): {e}\n{}", if udp { "UDP" } else { "TCP" }, state.join("\n"))
             })
@@ -124,7 +130,10 @@ fn external_traffic_policy_local_keeps_the_client_ip_and_answers_health_checks()
     assert_eq!(code, 200, "{body}");
     assert_eq!(headers.get("x-load-balancing-endpoint-weight").map(String::as_str), Some("1"));
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(v, serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 1, "serviceProxyHealthy": true}));
+    assert_eq!(
+        v,
+        serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 1, "serviceProxyHealthy": true})
+    );
     let (code, headers, body) = http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/healthz").unwrap();
     assert_eq!(code, 503, "{body}");
     assert_eq!(headers.get("x-load-balancing-endpoint-weight").map(String::as_str), Some("0"));
@@ -240,8 +249,8 @@ fn every_node_sends_a_flow_to_the_same_backend() {
             (0..100u16)
                 .map(|p| {
                     let from = SocketAddrV4::new(ip("198.51.100.20"), 40000 + p);
-                    let r = proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp)
-                        .expect("trace");
+                    let r =
+                        proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp).expect("trace");
                     r.backend.unwrap_or_default()
                 })
                 .collect::<Vec<_>>()
@@ -347,6 +356,7 @@ fn load_balancer_source_ranges_admit_only_their_clients() {
     let err = tcp_ask(&c.client, sock("203.0.113.10:80")).expect_err("a client outside the ranges");
     assert_eq!(err.kind(), io::ErrorKind::TimedOut, "dropped, not refused: {err}");
     assert_eq!(ask_many(&c, "192.168.100.1:30080", false, 5).len(), 5, "the NodePort is not subject to the ranges");
-    let dropped: u64 = c.nodes.iter().filter_map(|n| n.inspect().ok()).filter_map(|r| r.counters.get("drop_source_range").map(|c| c.packets)).sum();
+    let dropped: u64 =
+        c.nodes.iter().filter_map(|n| n.inspect().ok()).filter_map(|r| r.counters.get("drop_source_range").map(|c| c.packets)).sum();
     assert!(dropped >= 1, "the drops are counted");
 }

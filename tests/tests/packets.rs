@@ -100,7 +100,8 @@ fn udp_is_dnatted_and_a_zero_checksum_stays_zero() {
     assert!(d.ip_checksum_ok);
 
     let c2 = sock("10.244.0.5:40001");
-    let no_csum = Ipv4::new(*c2.ip(), Ipv4Addr::new(10, 96, 0, 53), UDP, packet::udp_datagram(c2, sock("10.96.0.53:53"), b"q", false)).frame();
+    let no_csum =
+        Ipv4::new(*c2.ip(), Ipv4Addr::new(10, 96, 0, 53), UDP, packet::udp_datagram(c2, sock("10.96.0.53:53"), b"q", false)).frame();
     let d = dissect(&run(&mut dp, &no_csum).frame);
     assert_eq!(d.dport, Some(5353));
     assert!(d.udp_checksum_zero, "a UDP datagram without checksum must keep checksum 0");
@@ -131,7 +132,12 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
         let ct = conntrack(dp);
         let (_, e) = ct
             .iter()
-            .find(|(k, e)| k.saddr == client.ip().octets() && k.sport == client.port().to_be_bytes() && k.proto == proto && e.flags & proxy_common::ct::flags::REPLY == 0)
+            .find(|(k, e)| {
+                k.saddr == client.ip().octets()
+                    && k.sport == client.port().to_be_bytes()
+                    && k.proto == proto
+                    && e.flags & proxy_common::ct::flags::REPLY == 0
+            })
             .expect("forward entry");
         e.l4_csum
     };
@@ -151,14 +157,17 @@ fn established_packets_are_rewritten_in_their_learned_checksum_form() {
     }
     // Replies: learned on the first, arithmetic after.
     for (i, payload) in [&b"HTTP/1.1 200 OK\r\n\r\n"[..], b"y", &[0x5a; 1400]].iter().enumerate() {
-        let frame = Ipv4::new(*sock("10.244.1.2:8080").ip(), *client.ip(), TCP, tcp_segment(sock("10.244.1.2:8080"), client, ACK, payload)).frame();
+        let frame =
+            Ipv4::new(*sock("10.244.1.2:8080").ip(), *client.ip(), TCP, tcp_segment(sock("10.244.1.2:8080"), client, ACK, payload)).frame();
         let d = dissect(&run_egress(&mut dp, &frame).frame);
         assert_eq!((d.src_sock(), d.dst_sock()), (sock(VIP), client), "reply {i}");
         assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "reply {i}: checksums");
     }
     let reply_form = conntrack(&mut dp)
         .iter()
-        .find(|(k, e)| k.daddr == client.ip().octets() && k.dport == client.port().to_be_bytes() && e.flags & proxy_common::ct::flags::REPLY != 0)
+        .find(|(k, e)| {
+            k.daddr == client.ip().octets() && k.dport == client.port().to_be_bytes() && e.flags & proxy_common::ct::flags::REPLY != 0
+        })
         .map(|(_, e)| e.l4_csum);
     assert_eq!(reply_form, Some(proxy_common::ct::l4_csum::COMPLETE), "the reply entry learned its form");
     // A segment whose field looks like the partial form: the helper does it, still right.
@@ -353,7 +362,8 @@ fn traffic_not_for_a_service_passes_untouched() {
     assert_untouched(&mut dp, &tcp_frame(sock(CLIENT), sock("10.244.1.2:8080"), SYN), "pod to pod");
     assert_untouched(&mut dp, &tcp_frame(sock(CLIENT), sock("10.96.0.10:81"), SYN), "service IP, other port");
     assert_untouched(&mut dp, &udp_frame(sock(CLIENT), sock(VIP), b"x"), "service port, other protocol");
-    let icmp_echo = Ipv4::new(Ipv4Addr::new(10, 244, 0, 5), Ipv4Addr::new(10, 96, 0, 10), packet::ICMP, vec![8, 0, 0xf7, 0xff, 0, 0, 0, 0]).frame();
+    let icmp_echo =
+        Ipv4::new(Ipv4Addr::new(10, 244, 0, 5), Ipv4Addr::new(10, 96, 0, 10), packet::ICMP, vec![8, 0, 0xf7, 0xff, 0, 0, 0, 0]).frame();
     assert_untouched(&mut dp, &icmp_echo, "ping to a service address");
     assert_eq!(counters(&mut dp).get("pass_not_service"), Some(&4));
 }
@@ -387,7 +397,11 @@ fn odd_frames_pass_without_a_fault() {
     v6[14] = 0x65;
     assert_untouched(&mut dp, &v6, "IP version 6 in an IPv4 ethertype");
     // Total lengths the kernel's ip_rcv drops (found by the fuzz test): not translated.
-    for (len, what) in [(good.len() - 14 + 1, "a total length beyond the frame"), (19, "a total length inside the header"), (30, "a total length that ends inside the TCP header")] {
+    for (len, what) in [
+        (good.len() - 14 + 1, "a total length beyond the frame"),
+        (19, "a total length inside the header"),
+        (30, "a total length that ends inside the TCP header"),
+    ] {
         let mut lie = good.clone();
         lie[16..18].copy_from_slice(&(len as u16).to_be_bytes());
         lie[24..26].copy_from_slice(&[0, 0]);
@@ -729,7 +743,11 @@ fn a_client_port_reused_towards_two_services_of_one_backend_keeps_both_flows() {
         assert_eq!(checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip1), ACK)), "first flow again").sport, Some(sock(CLIENT).port()));
         let ct = conntrack(&mut dp);
         let ipproto = if proto == Protocol::Tcp { 6 } else { 17 };
-        let fwd = ct.iter().find(|(k, _)| k.proto == ipproto && k.src() == sock(CLIENT) && k.dst() == sock(vip2)).expect("the second flow is tracked").1;
+        let fwd = ct
+            .iter()
+            .find(|(k, _)| k.proto == ipproto && k.src() == sock(CLIENT) && k.dst() == sock(vip2))
+            .expect("the second flow is tracked")
+            .1;
         assert!(fwd.flags & proxy_common::ct::flags::PORT_NAT != 0 && u16::from_be_bytes(fwd.snat_port) == moved, "{proto:?}: {fwd:?}");
     }
 }
@@ -755,7 +773,10 @@ fn a_connection_whose_entry_a_flood_evicted_is_counted() {
     for port in 30000..32000 {
         run(&mut dp, &tcp_frame(SocketAddrV4::new(*client.ip(), port), sock("10.96.0.10:80"), SYN));
     }
-    assert!(conntrack(&mut dp).iter().any(|(k, _)| k.src() == client), "2000 single SYNs evicted an established connection from a map of 64");
+    assert!(
+        conntrack(&mut dp).iter().any(|(k, _)| k.src() == client),
+        "2000 single SYNs evicted an established connection from a map of 64"
+    );
     // Connections that carry data (two segments each here) rotate the whole map, and an idle
     // connection goes.
     let mut flood = 2000;
@@ -810,6 +831,7 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     dp.set_cluster_ip_ranges(&[], &allocated).expect("clear the ranges");
     assert_untouched(&mut dp, &free, "ranges removed");
     let map = testrun::map_by_name(&mut dp, proxy_common::map_names::SERVICE_CIDRS);
-    let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey, u8> = aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();
+    let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey, u8> =
+        aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();
     assert_eq!(trie.keys().count(), 0, "no entries left");
 }

@@ -65,7 +65,7 @@ fn main() {
 fn print_help() {
     println!(
         "cargo xtask <task>\n\n\
-         \x20 setup   install what the build and tests need (nightly rust-src, bpf-linker, Debian packages);\n\
+         \x20 setup   install what the build and tests need (rustfmt, clippy, nightly rust-src, bpf-linker, Debian packages);\n\
          \x20         `--toolchain`: only what building the agent needs (no Debian packages)\n\
          \x20 image   the agent's container image (deploy/Containerfile) as localhost/proxy-agent:dev;\n\
          \x20         `--base IMAGE` for another runtime base\n\
@@ -73,7 +73,8 @@ fn print_help() {
          \x20 run     the demo: a lab of network namespaces, the agent on examples/, traffic; Ctrl-C ends it\n\
          \x20         `cargo xtask run -- <agent arguments>` runs the agent on this node instead,\n\
          \x20         e.g. `cargo xtask run -- run --kubeconfig ~/.kube/config`\n\
-         \x20 test    every test (run as root: the lab and the eBPF tests need it)\n\
+         \x20 test    every test (run as root: the lab and the eBPF tests need it), after `cargo fmt --check`\n\
+         \x20         and clippy with warnings as errors; `cargo xtask test <filter>` runs the tests only\n\
          \x20 fuzz    mutated frames through every eBPF program, longer than the test's fixed seed:\n\
          \x20         `--frames N` (2,000,000), `--seed S` (new each run; printed, to replay a failure)\n\
          \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost"
@@ -121,6 +122,7 @@ fn workspace_root() -> PathBuf {
 // setup
 
 fn setup() -> Result {
+    lint_components()?;
     nightly_rust_src()?;
     bpf_linker()?;
     packages()?;
@@ -130,11 +132,25 @@ fn setup() -> Result {
 /// kubernetes-validate (PyPI): the tests check deploy/'s manifests against Kubernetes' schemas
 /// with it, offline.
 fn python_tools() -> Result {
-    if Command::new("kubernetes-validate").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
+    if Command::new("kubernetes-validate").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    {
         return Ok(());
     }
     println!("setup: installing kubernetes-validate (PyPI) to check deploy/'s manifests");
     check(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--root-user-action=ignore", "kubernetes-validate==1.37.0"]))
+}
+
+/// rustfmt and clippy on the toolchain that builds the agent: the full test run checks the
+/// house style with them.
+fn lint_components() -> Result {
+    let installed = output(Command::new("rustup").args(["component", "list", "--installed"])).unwrap_or_default();
+    for c in ["rustfmt", "clippy"] {
+        if !installed.lines().any(|l| l.starts_with(c)) {
+            println!("setup: adding {c} (the test run checks formatting and lints)");
+            check(Command::new("rustup").args(["component", "add", c]))?;
+        }
+    }
+    Ok(())
 }
 
 fn nightly_rust_src() -> Result {
@@ -168,7 +184,9 @@ fn nightly_llvm() -> Result<(PathBuf, String, String)> {
         .flatten()
         .filter_map(|e| e.file_name().into_string().ok())
         .find(|n| n.starts_with(&prefix) && n.ends_with(".so"))
-        .ok_or_else(|| format!("no {prefix}*.so in {}/lib: the nightly toolchain ships no LLVM library to link bpf-linker against", sysroot.display()))?;
+        .ok_or_else(|| {
+            format!("no {prefix}*.so in {}/lib: the nightly toolchain ships no LLVM library to link bpf-linker against", sysroot.display())
+        })?;
     let name = lib.trim_start_matches("lib").trim_end_matches(".so").to_string();
     Ok((sysroot, major, name))
 }
@@ -281,6 +299,9 @@ fn test(extra: &[String]) -> Result {
         // The container test runs the image as kubelet would: it must hold this tree's agent.
         image(&[])?;
     }
+    if extra.is_empty() {
+        lint()?;
+    }
     let mut cmd = cargo();
     cmd.current_dir(workspace_root()).arg("test").args(extra);
     if is_root() {
@@ -290,6 +311,30 @@ fn test(extra: &[String]) -> Result {
         println!("xtask test: not root; tests that need root (eBPF, network namespaces) will say so and not run");
     }
     check(&mut cmd)
+}
+
+/// The house style, before the full test run: rustfmt's layout (rustfmt.toml) and no clippy
+/// warning, in every crate but the eBPF one (it builds for the bpf target only, through the
+/// agent's build script).
+fn lint() -> Result {
+    println!("xtask test: cargo fmt --check, then clippy with warnings as errors");
+    check(cargo().current_dir(workspace_root()).args(["fmt", "--all", "--", "--check"]))
+        .map_err(|e| format!("{e}\nformatting differs from rustfmt.toml's: run `cargo fmt --all`"))?;
+    check(cargo().current_dir(workspace_root()).args([
+        "clippy",
+        "-p",
+        "proxy-agent",
+        "-p",
+        "proxy-common",
+        "-p",
+        "proxy-tests",
+        "-p",
+        "xtask",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))
 }
 
 /// `cargo xtask fuzz [--frames N] [--seed S]`: the fuzz test with a new seed and more frames.

@@ -144,7 +144,9 @@ pub struct Conntrack {
 pub enum FileError {
     #[error("reading the configuration file {path}: {source}")]
     Read { path: String, source: std::io::Error },
-    #[error("the configuration file {path} is {size} bytes; a KubeProxyConfiguration is a few kilobytes (at most {MAX_FILE_BYTES} are read)")]
+    #[error(
+        "the configuration file {path} is {size} bytes; a KubeProxyConfiguration is a few kilobytes (at most {MAX_FILE_BYTES} are read)"
+    )]
     TooLarge { path: String, size: u64 },
     #[error("the configuration file {path} is not YAML or JSON: {detail}")]
     Syntax { path: String, detail: String },
@@ -176,7 +178,8 @@ pub fn load(path: &Path) -> Result<Loaded, FileError> {
 
 /// Decodes a configuration file's text (`path` is filled in by the caller).
 pub fn parse(text: &str) -> Result<Loaded, FileError> {
-    let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| FileError::Syntax { path: String::new(), detail: e.to_string() })?;
+    let value: serde_yaml::Value =
+        serde_yaml::from_str(text).map_err(|e| FileError::Syntax { path: String::new(), detail: e.to_string() })?;
     if !matches!(value, serde_yaml::Value::Mapping(_)) {
         return Err(FileError::Syntax { path: String::new(), detail: "expected a mapping of fields at the top".into() });
     }

@@ -94,7 +94,8 @@ impl Conntrack {
 
     /// The eBPF dataplane's own conntrack lifetimes: the TCP and UDP timeouts where set.
     pub fn lifetimes(&self) -> Lifetimes {
-        let ns = |d: Option<Duration>, default: u64| d.filter(|d| !d.is_zero()).map_or(default, |d| d.as_nanos().min(u64::MAX as u128) as u64);
+        let ns =
+            |d: Option<Duration>, default: u64| d.filter(|d| !d.is_zero()).map_or(default, |d| d.as_nanos().min(u64::MAX as u128) as u64);
         let d = Lifetimes::DEFAULT;
         Lifetimes {
             tcp_established_ns: ns(self.tcp_established_timeout, d.tcp_established_ns),
@@ -409,7 +410,9 @@ impl Config {
         used("clientConnection.acceptContentTypes", non_empty(&cc.accept_content_types), NONE);
         let source = match (&flags.manifests, kubeconfig) {
             (Some(dir), _) => Source::Manifests(dir.clone()),
-            (None, kubeconfig) => Source::Kube(ApiClient { kubeconfig, qps, burst, watch_stall: flags.watch_stall.unwrap_or(Duration::from_secs(120)) }),
+            (None, kubeconfig) => {
+                Source::Kube(ApiClient { kubeconfig, qps, burst, watch_stall: flags.watch_stall.unwrap_or(Duration::from_secs(120)) })
+            }
         };
         let hostname = match first([flags.hostname_override.clone(), file.hostname_override.clone().filter(|s| !s.is_empty())]) {
             Some(h) => h,
@@ -540,7 +543,9 @@ impl Config {
             sync_period: flags.sync_period.unwrap_or(Duration::from_secs(30)),
             log_format,
             log_verbosity: logging.verbosity,
-            node_port_range: flags.service_node_port_range.or(flags.manifests.as_ref().map(|_| crate::model::validate::DEFAULT_NODE_PORT_RANGE)),
+            node_port_range: flags
+                .service_node_port_range
+                .or(flags.manifests.as_ref().map(|_| crate::model::validate::DEFAULT_NODE_PORT_RANGE)),
         };
 
         // eBPF. detectLocal's interface prefix names the pod interfaces for it too.

@@ -14,7 +14,8 @@ mod tempfile_path {
         pub fn with(text: &str) -> Self {
             use std::sync::atomic::{AtomicU32, Ordering};
             static N: AtomicU32 = AtomicU32::new(0);
-            let path = std::env::temp_dir().join(format!("proxy-agent-config-{}-{}.yaml", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+            let path =
+                std::env::temp_dir().join(format!("proxy-agent-config-{}-{}.yaml", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
             std::fs::write(&path, text).expect("write the test's config file");
             Self(path)
         }
@@ -43,7 +44,14 @@ fn without_a_file_the_defaults_are_kube_proxys() {
     assert_eq!(c.common.healthz_bind.to_string(), "0.0.0.0:10256");
     assert_eq!(c.common.oom_score_adj, Some(-999));
     assert!(matches!(c.common.source, Source::Kube(ApiClient { kubeconfig: None, qps, burst: 10, .. }) if qps == 5.0));
-    assert_eq!(c.netfilter.iptables, ModeSettings { masquerade_all: false, masquerade_bit: 14, sync: SyncPeriods { sync: Duration::from_secs(30), min: Duration::from_secs(1) } });
+    assert_eq!(
+        c.netfilter.iptables,
+        ModeSettings {
+            masquerade_all: false,
+            masquerade_bit: 14,
+            sync: SyncPeriods { sync: Duration::from_secs(30), min: Duration::from_secs(1) }
+        }
+    );
     assert_eq!(c.netfilter.for_mode(ProxyMode::Ipvs).sync.min, Duration::ZERO);
     assert_eq!(c.netfilter.iptables.mark(), "0x4000");
     assert!(c.netfilter.localhost_nodeports);
@@ -55,7 +63,9 @@ fn without_a_file_the_defaults_are_kube_proxys() {
 fn a_kubeadm_config_map_applies_and_names_only_what_a_mode_does_not_use() {
     let (c, notes) = resolve(kubeproxy::tests_support::KUBEADM, Flags::default()).unwrap();
     assert!(notes.is_empty(), "{notes:?}");
-    assert!(matches!(&c.common.source, Source::Kube(a) if a.kubeconfig.as_deref() == Some(std::path::Path::new("/var/lib/kube-proxy/kubeconfig.conf"))));
+    assert!(
+        matches!(&c.common.source, Source::Kube(a) if a.kubeconfig.as_deref() == Some(std::path::Path::new("/var/lib/kube-proxy/kubeconfig.conf")))
+    );
     assert_eq!(c.common.cluster_cidrs, vec!["10.244.0.0/16".parse().unwrap()]);
     assert_eq!(c.common.proxy_mode, None, "mode \"\" is auto");
     // kubeadm writes zero values for what it leaves unset: those are defaults, not settings.
@@ -133,17 +143,22 @@ fn every_section_reaches_its_setting() {
     assert_eq!(c.common.log_verbosity, Some(4));
     assert_eq!(c.common.resync, Duration::from_secs(600));
     let unused = c.unused_in(ProxyMode::Ebpf);
-    for f in ["clusterCIDR", "ipvs.scheduler", "nftables.masqueradeAll", "conntrack.maxPerCore", "conntrack.tcpBeLiberal", "detectLocalMode"] {
+    for f in
+        ["clusterCIDR", "ipvs.scheduler", "nftables.masqueradeAll", "conntrack.maxPerCore", "conntrack.tcpBeLiberal", "detectLocalMode"]
+    {
         assert!(unused.contains(&f), "{f} is not used in eBPF mode: {unused:?}");
     }
-    for f in ["conntrack.udpStreamTimeout", "conntrack.tcpCloseWaitTimeout", "detectLocal.interfaceNamePrefix", "logging.format", "bindAddress"] {
+    for f in
+        ["conntrack.udpStreamTimeout", "conntrack.tcpCloseWaitTimeout", "detectLocal.interfaceNamePrefix", "logging.format", "bindAddress"]
+    {
         assert!(!unused.contains(&f), "{f} is used in eBPF mode: {unused:?}");
     }
 }
 
 #[test]
 fn what_no_mode_uses_is_named_in_every_mode() {
-    let text = format!("{HEAD}featureGates:\n  SomeGate: true\nenableProfiling: true\nportRange: 30000-32767\nwinkernel:\n  enableDSR: true\n");
+    let text =
+        format!("{HEAD}featureGates:\n  SomeGate: true\nenableProfiling: true\nportRange: 30000-32767\nwinkernel:\n  enableDSR: true\n");
     let (c, _) = resolve(&text, Flags::default()).unwrap();
     for mode in ProxyMode::ALL {
         assert_eq!(c.unused_in(mode), vec!["featureGates", "enableProfiling", "portRange", "winkernel"], "{mode}");

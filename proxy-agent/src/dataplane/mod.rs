@@ -94,7 +94,11 @@ pub trait Dataplane {
     /// The Service CIDRs and the cluster IPs allocated in them (`Store::cluster_ip_ranges`):
     /// new flows to a free address of the ranges are dropped, to a cluster IP on a port its
     /// Service lacks rejected. A dataplane without the check ignores it.
-    fn set_cluster_ip_ranges(&mut self, _cidrs: &[crate::model::store::Cidr], _allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+    fn set_cluster_ip_ranges(
+        &mut self,
+        _cidrs: &[crate::model::store::Cidr],
+        _allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    ) -> Result<(), DataplaneError> {
         Ok(())
     }
 }

@@ -71,7 +71,6 @@ pub fn nftables_unsupported() -> Option<String> {
     }
 }
 
-
 /// IPVS mode's options from the configuration.
 pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
     let ipvs = &cfg.netfilter.ipvs;
@@ -100,7 +99,9 @@ pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables) -
             },
             iptables,
         ))),
-        ProxyMode::Nftables => Ok(Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), ..Default::default() }))),
+        ProxyMode::Nftables => {
+            Ok(Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), ..Default::default() })))
+        }
         ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(ipvs_options(cfg), iptables))),
         ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
     }
@@ -111,7 +112,13 @@ pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables) -
 pub fn cleanup(mode: ProxyMode, bpffs_root: &Path, backends: &[netfilter::Iptables]) -> Vec<String> {
     match mode {
         ProxyMode::Ebpf => super::ebpf::loader::unpin_all(bpffs_root)
-            .map(|removed| if removed.is_empty() { vec![] } else { vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())] })
+            .map(|removed| {
+                if removed.is_empty() {
+                    vec![]
+                } else {
+                    vec![format!("ebpf: {} pinned objects under {}", removed.len(), bpffs_root.display())]
+                }
+            })
             .unwrap_or_default(),
         ProxyMode::Iptables => backends.iter().flat_map(|b| netfilter::iptables::cleanup(*b)).collect(),
         ProxyMode::Nftables => netfilter::nftables::cleanup(),

@@ -53,23 +53,14 @@ pub struct Categorized {
     pub has_any: bool,
 }
 
-pub fn categorize(
-    endpoints: &[Endpoint],
-    policies: Policies,
-    node_name: &str,
-    zone: Option<&str>,
-) -> Categorized {
+pub fn categorize(endpoints: &[Endpoint], policies: Policies, node_name: &str, zone: Option<&str>) -> Categorized {
     let mut out = Categorized::default();
     if endpoints.is_empty() {
         return out;
     }
     if policies.uses_cluster {
         let mode = topology_mode(endpoints, node_name, zone);
-        out.cluster = endpoints
-            .iter()
-            .filter(|ep| ep.ready && available_for_topology(ep, mode, node_name, zone))
-            .cloned()
-            .collect();
+        out.cluster = endpoints.iter().filter(|ep| ep.ready && available_for_topology(ep, mode, node_name, zone)).cloned().collect();
         // The topology mode is only chosen when a ready endpoint matches it, so an empty set
         // here means nothing is ready anywhere: fall back to serving+terminating endpoints.
         if out.cluster.is_empty() {
@@ -92,8 +83,7 @@ pub fn categorize(
         if local_ready {
             out.local = endpoints.iter().filter(|ep| ep.local && ep.ready).cloned().collect();
         } else if local_serving_terminating {
-            out.local =
-                endpoints.iter().filter(|ep| ep.local && ep.serving_terminating()).cloned().collect();
+            out.local = endpoints.iter().filter(|ep| ep.local && ep.serving_terminating()).cloned().collect();
         }
     }
     out
@@ -202,15 +192,7 @@ mod tests {
     #[test]
     fn categorize_table() {
         let cases = vec![
-            Case {
-                name: "no endpoints",
-                endpoints: vec![],
-                policies: BOTH,
-                zone: None,
-                cluster: vec![],
-                local: vec![],
-                has_any: false,
-            },
+            Case { name: "no endpoints", endpoints: vec![], policies: BOTH, zone: None, cluster: vec![], local: vec![], has_any: false },
             Case {
                 name: "ready endpoints only are used while any is ready",
                 endpoints: vec![ep(1), terminating(ep(2), true), {
@@ -317,10 +299,7 @@ mod tests {
             },
             Case {
                 name: "node hints win over zone hints (PreferSameNode)",
-                endpoints: vec![
-                    nodes(zones(ep(1), &["a"]), &[NODE]),
-                    nodes(zones(ep(2), &["a"]), &["node-b"]),
-                ],
+                endpoints: vec![nodes(zones(ep(1), &["a"]), &[NODE]), nodes(zones(ep(2), &["a"]), &["node-b"])],
                 policies: CLUSTER,
                 zone: Some("a"),
                 cluster: vec![1],
@@ -329,10 +308,7 @@ mod tests {
             },
             Case {
                 name: "node hints not for us: fall through to zone hints",
-                endpoints: vec![
-                    nodes(zones(ep(1), &["a"]), &["node-b"]),
-                    nodes(zones(ep(2), &["b"]), &["node-c"]),
-                ],
+                endpoints: vec![nodes(zones(ep(1), &["a"]), &["node-b"]), nodes(zones(ep(2), &["b"]), &["node-c"])],
                 policies: CLUSTER,
                 zone: Some("a"),
                 cluster: vec![1],

@@ -59,9 +59,15 @@ impl Object {
 pub enum Event {
     /// The complete current set of one kind: an initial list, a relist after a lost watch, or
     /// a rescan of the manifest directory. Objects not in it are deleted.
-    Replace { kind: Kind, objects: Vec<Object> },
+    Replace {
+        kind: Kind,
+        objects: Vec<Object>,
+    },
     Apply(Object),
-    Delete { kind: Kind, key: ObjectKey },
+    Delete {
+        kind: Kind,
+        key: ObjectKey,
+    },
 }
 
 /// Something the user should hear about: which object, and what.
@@ -99,7 +105,11 @@ impl std::fmt::Display for Cidr {
 
 impl Cidr {
     fn mask(&self) -> u32 {
-        if self.prefix == 0 { 0 } else { u32::MAX << (32 - u32::from(self.prefix)) }
+        if self.prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(self.prefix))
+        }
     }
 
     /// The same range written with its network address (`10.1.2.3/8` -> `10.0.0.0/8`).
@@ -243,7 +253,14 @@ impl Store {
         addrs.sort();
         addrs.dedup();
         let before = self.nodeport_addresses();
-        let changed: BTreeSet<std::net::Ipv4Addr> = self.local_addresses.iter().copied().collect::<BTreeSet<_>>().symmetric_difference(&addrs.iter().copied().collect()).copied().collect();
+        let changed: BTreeSet<std::net::Ipv4Addr> = self
+            .local_addresses
+            .iter()
+            .copied()
+            .collect::<BTreeSet<_>>()
+            .symmetric_difference(&addrs.iter().copied().collect())
+            .copied()
+            .collect();
         self.local_addresses = addrs;
         if !changed.is_empty() {
             self.cluster_ip_generation += 1;
@@ -339,18 +356,15 @@ impl Store {
         let Some(svc) = self.services.get(key) else {
             return Translation::default();
         };
-        let slices: Vec<&CheckedSlice> = self
-            .slices_by_service
-            .get(key)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.slices.get(k))
-            .collect();
+        let slices: Vec<&CheckedSlice> = self.slices_by_service.get(key).into_iter().flatten().filter_map(|k| self.slices.get(k)).collect();
         // A cluster IP that is one of this node's own addresses would capture the node's own
         // traffic to that address (its SSH, its kubelet): refused, as the API server never
         // allocates one.
         if let Some(ip) = svc.cluster_ips.iter().find(|a| matches!(a, std::net::IpAddr::V4(v) if self.local_addresses.contains(v))) {
-            return Translation { notes: vec![format!("refused: cluster IP {ip} is one of this node's own addresses")], ..Default::default() };
+            return Translation {
+                notes: vec![format!("refused: cluster IP {ip} is one of this node's own addresses")],
+                ..Default::default()
+            };
         }
         translate::service(svc, &slices, &self.node_info())
     }
@@ -411,7 +425,8 @@ impl Store {
     /// `cluster-ips-check` drops (a free address of the ranges) and rejects (a cluster IP on a
     /// port its Service does not have). No ranges: nothing is checked.
     pub fn cluster_ip_ranges(&self) -> (Vec<Cidr>, BTreeSet<std::net::Ipv4Addr>) {
-        let mut cidrs: Vec<Cidr> = self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).map(|c| c.network()).collect();
+        let mut cidrs: Vec<Cidr> =
+            self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).map(|c| c.network()).collect();
         cidrs.sort();
         cidrs.dedup();
         let ips = self
@@ -585,14 +600,7 @@ impl Store {
         self.reported.remove(&(kind, key.clone()));
     }
 
-    fn report_invalid(
-        &mut self,
-        kind: Kind,
-        key: Option<ObjectKey>,
-        problem: &str,
-        kept: bool,
-        reports: &mut Vec<Report>,
-    ) {
+    fn report_invalid(&mut self, kind: Kind, key: Option<ObjectKey>, problem: &str, kept: bool, reports: &mut Vec<Report>) {
         let consequence = if kept { "keeping the previous version" } else { "ignoring it" };
         let message = format!("rejected: {problem}; {consequence}");
         let object = match &key {
@@ -662,7 +670,11 @@ mod tests {
         assert!(text.iter().any(|t| t.contains("ServiceCIDR /bad") && t.contains("a second range of the same family")), "{text:?}");
         assert!(text.iter().any(|t| t.contains("ServiceCIDR /worse") && t.contains("\"not-a-cidr\" is not a CIDR")), "{text:?}");
         let (cidrs, _) = s.cluster_ip_ranges();
-        assert_eq!(cidrs, vec!["10.96.0.0/16".parse().unwrap(), "10.100.0.0/24".parse().unwrap()], "networks, IPv4, sorted; the invalid ones left out");
+        assert_eq!(
+            cidrs,
+            vec!["10.96.0.0/16".parse().unwrap(), "10.100.0.0/24".parse().unwrap()],
+            "networks, IPv4, sorted; the invalid ones left out"
+        );
         // The flag adds to them; deleting an object takes its ranges away.
         s.set_service_cidr_flag(vec!["10.200.0.0/16".parse().unwrap()]);
         s.apply(Event::Delete { kind: Kind::ServiceCidr, key: ObjectKey::new("", "extra") });
@@ -732,7 +744,10 @@ mod tests {
         let reports = s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(bad)] });
         assert_eq!(reports.len(), 1);
         assert_eq!(reports[0].object, "Service default/web");
-        assert!(reports[0].message.contains("70000 is out of range") && reports[0].message.contains("keeping the previous version"), "{reports:?}");
+        assert!(
+            reports[0].message.contains("70000 is out of range") && reports[0].message.contains("keeping the previous version"),
+            "{reports:?}"
+        );
         assert_eq!(s.translate(&web()).frontends.len(), 1, "the good version must stay programmed");
         assert!(s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(bad)] }).is_empty(), "reported once");
     }
@@ -742,7 +757,9 @@ mod tests {
         let mut s = Store::new("n");
         s.apply(Event::Apply(svc(WEB)));
         s.apply(Event::Apply(slice(WEB_SLICE)));
-        let reports = s.apply(Event::Apply(slice("metadata: {name: web-1}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]")));
+        let reports = s.apply(Event::Apply(slice(
+            "metadata: {name: web-1}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]",
+        )));
         assert!(reports[0].message.contains("kubernetes.io/service-name"), "{reports:?}");
         assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
     }
@@ -772,7 +789,12 @@ mod tests {
         s.set_nodeport_config("primary".parse().unwrap());
         assert!(addrs(&s).is_empty(), "no Node yet, so no primary address");
         s.take_dirty();
-        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a}\nstatus: {addresses: [{type: Hostname, address: a}, {type: InternalIP, address: 10.0.0.5}]}").unwrap()))));
+        s.apply(Event::Apply(Object::Node(Box::new(
+            serde_yaml::from_str(
+                "metadata: {name: node-a}\nstatus: {addresses: [{type: Hostname, address: a}, {type: InternalIP, address: 10.0.0.5}]}",
+            )
+            .unwrap(),
+        ))));
         assert_eq!(addrs(&s), ["10.0.0.5"]);
         assert!(s.take_dirty().services.contains(&web()), "a new primary address re-translates");
         assert!("10.0.0.0/33".parse::<NodePortAddresses>().is_err());
@@ -784,9 +806,13 @@ mod tests {
         let mut s = Store::new("node-a");
         s.apply(Event::Apply(svc(WEB)));
         s.take_dirty();
-        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-b, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
+        s.apply(Event::Apply(Object::Node(Box::new(
+            serde_yaml::from_str("metadata: {name: node-b, labels: {topology.kubernetes.io/zone: z}}").unwrap(),
+        ))));
         assert!(s.take_dirty().services.is_empty(), "other nodes do not matter");
-        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z}}").unwrap()))));
+        s.apply(Event::Apply(Object::Node(Box::new(
+            serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z}}").unwrap(),
+        ))));
         assert_eq!(s.node_info().zone.as_deref(), Some("z"));
         assert_eq!(s.take_dirty().services, BTreeSet::from([web()]));
     }
@@ -843,7 +869,9 @@ mod tests {
         s.apply(Event::Apply(svc(WEB)));
         s.apply(Event::Apply(slice("metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], hints: {forZones: [{name: z1}]}}\n- {addresses: [10.1.0.2], hints: {forZones: [{name: z2}]}}\n")));
         assert_eq!(s.translate(&web()).frontends[0].1.backends.len(), 2, "no Node yet: no zone, hints ignored");
-        s.apply(Event::Apply(Object::Node(Box::new(serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z2}}").unwrap()))));
+        s.apply(Event::Apply(Object::Node(Box::new(
+            serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z2}}").unwrap(),
+        ))));
         let b = &s.translate(&web()).frontends[0].1.backends;
         assert_eq!(b.iter().map(|b| b.addr.to_string()).collect::<Vec<_>>(), ["10.1.0.2"]);
     }

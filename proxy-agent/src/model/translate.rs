@@ -1,16 +1,12 @@
 //! Service + its EndpointSlices + this node -> the frontends this node programs.
 
-use std::{
-    collections::HashSet,
-    net::IpAddr,
-};
+use std::{collections::HashSet, net::IpAddr};
 
 use super::{
     endpoints::{categorize, Endpoint, Policies},
     store::Cidr,
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
-    Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol,
-    ServicePortName,
+    Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol, ServicePortName,
 };
 
 fn endpoint_view(ep: &Endpoint) -> EndpointView {
@@ -50,10 +46,7 @@ fn policies(svc: &CheckedService) -> Policies {
     let external = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer)
         || !svc.external_ips.is_empty()
         || !svc.lb_ingress.is_empty();
-    Policies {
-        uses_cluster: !svc.internal_local || external,
-        uses_local: svc.internal_local || (external && external_local(svc)),
-    }
+    Policies { uses_cluster: !svc.internal_local || external, uses_local: svc.internal_local || (external && external_local(svc)) }
 }
 
 /// Endpoints of one service port across all slices: matched by port name and protocol, the
@@ -140,7 +133,9 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             external_local: external_local(svc),
             lb_source_ranges: svc.lb_source_ranges.clone(),
             affinity_timeout: svc.affinity_timeout,
-            health_check_node_port: svc.health_check_node_port.filter(|_| svc.service_type == ServiceType::LoadBalancer && external_local(svc)),
+            health_check_node_port: svc
+                .health_check_node_port
+                .filter(|_| svc.service_type == ServiceType::LoadBalancer && external_local(svc)),
             cluster_endpoints: sets.cluster.iter().map(endpoint_view).collect(),
             local_endpoints: sets.local.iter().map(endpoint_view).collect(),
             has_endpoints: sets.has_any,
@@ -172,15 +167,14 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         };
         let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
         for vip in &cluster_ips {
-            out.frontends.push((FrontendKey { addr: *vip, port: port.port, protocol: port.protocol }, view(internal, FrontendKind::ClusterIp, None, vec![])));
+            out.frontends.push((
+                FrontendKey { addr: *vip, port: port.port, protocol: port.protocol },
+                view(internal, FrontendKind::ClusterIp, None, vec![]),
+            ));
         }
         // External frontends: outside clients get the local endpoints under
         // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
-        let (external, for_pods) = if external_local(svc) {
-            (&sets.local, Some(backends(&sets.cluster)))
-        } else {
-            (&sets.cluster, None)
-        };
+        let (external, for_pods) = if external_local(svc) { (&sets.local, Some(backends(&sets.cluster))) } else { (&sets.cluster, None) };
         let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
             let ranges = if kind == FrontendKind::LoadBalancer { lb_source_ranges.clone() } else { vec![] };
@@ -216,7 +210,12 @@ mod tests {
     use crate::model::validate;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-1".into()), nodeport_addresses: vec!["192.168.0.10".parse().unwrap()], node_ip: Some("192.168.0.10".parse().unwrap()) }
+        NodeInfo {
+            name: "node-a".into(),
+            zone: Some("zone-1".into()),
+            nodeport_addresses: vec!["192.168.0.10".parse().unwrap()],
+            node_ip: Some("192.168.0.10".parse().unwrap()),
+        }
     }
 
     fn svc(yaml: &str) -> CheckedService {
@@ -359,7 +358,11 @@ mod tests {
         }
         // Only the primary IP counts: a range holding another NodePort address admits nothing
         // more; none known (no Node, no bindAddress), nothing either.
-        let other = NodeInfo { nodeport_addresses: vec!["192.168.0.10".parse().unwrap(), "10.9.9.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+        let other = NodeInfo {
+            nodeport_addresses: vec!["192.168.0.10".parse().unwrap(), "10.9.9.9".parse().unwrap()],
+            node_ip: Some("172.16.0.1".parse().unwrap()),
+            ..node()
+        };
         let t = service(&s, &[&slice(NS_SLICE)], &other);
         assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"]);
         let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { node_ip: None, ..node() });

@@ -231,7 +231,11 @@ pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
 }
 
 /// `object_key`, and the name and namespace checked as the API server checks them.
-fn checked_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, rule: NameRule, errs: &mut Vec<String>) -> Result<ObjectKey, Invalid> {
+fn checked_key(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    rule: NameRule,
+    errs: &mut Vec<String>,
+) -> Result<ObjectKey, Invalid> {
     let key = object_key(meta)?;
     if let Some(p) = name_problem(&key.name, rule) {
         errs.push(format!("metadata.name {p}"));
@@ -262,7 +266,8 @@ impl Default for Rules {
 impl Rules {
     fn outside(&self, port: i32) -> Option<String> {
         let (lo, hi) = self.node_port_range?;
-        (port < i32::from(lo) || port > i32::from(hi)).then(|| format!("is outside the NodePort range {lo}-{hi} (--service-node-port-range)"))
+        (port < i32::from(lo) || port > i32::from(hi))
+            .then(|| format!("is outside the NodePort range {lo}-{hi} (--service-node-port-range)"))
     }
 }
 
@@ -331,9 +336,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         "LoadBalancer" => ServiceType::LoadBalancer,
         "ExternalName" => ServiceType::ExternalName,
         other => {
-            errs.push(format!(
-                "spec.type {other:?} is not one of ClusterIP, NodePort, LoadBalancer, ExternalName"
-            ));
+            errs.push(format!("spec.type {other:?} is not one of ClusterIP, NodePort, LoadBalancer, ExternalName"));
             ServiceType::ClusterIp
         }
     };
@@ -400,9 +403,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         let listed = spec.cluster_ips.clone().unwrap_or_default();
         if let Some(first) = listed.first() {
             if *first != cluster_ip {
-                errs.push(format!(
-                    "spec.clusterIPs[0] {first:?} must equal spec.clusterIP {cluster_ip:?}"
-                ));
+                errs.push(format!("spec.clusterIPs[0] {first:?} must equal spec.clusterIP {cluster_ip:?}"));
             }
         }
         let all = if listed.is_empty() { vec![cluster_ip.clone()] } else { listed };
@@ -469,18 +470,12 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
     let affinity_timeout = match spec.session_affinity.as_deref().unwrap_or("None") {
         "None" => None,
         "ClientIP" => {
-            let t = spec
-                .session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds);
+            let t = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
             match t {
                 None => Some(DEFAULT_AFFINITY_TIMEOUT),
                 Some(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Some(t as u32),
                 Some(t) => {
-                    errs.push(format!(
-                        "spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-{MAX_AFFINITY_TIMEOUT}"
-                    ));
+                    errs.push(format!("spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-{MAX_AFFINITY_TIMEOUT}"));
                     None
                 }
             }
@@ -624,11 +619,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
     match slice.address_type.as_str() {
         "IPv4" => {}
         "IPv6" | "FQDN" => return Ok(Err(SliceIgnored::AddressType(slice.address_type.clone()))),
-        other => {
-            return Err(Invalid(vec![format!(
-                "addressType {other:?} is unknown (expected IPv4, IPv6 or FQDN)"
-            )]))
-        }
+        other => return Err(Invalid(vec![format!("addressType {other:?} is unknown (expected IPv4, IPv6 or FQDN)")])),
     }
     let mut ports = Vec::new();
     let mut port_names = HashSet::new();
@@ -640,9 +631,8 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         if let Some(p) = (!name.is_empty()).then(|| name_problem(&name, NameRule::Dns1123Label)).flatten() {
             errs.push(format!("ports[{i}].name {p}"));
         }
-        let protocol = Protocol::parse(p.protocol.as_deref())
-            .map_err(|e| errs.push(format!("ports[{i}].protocol: {e}")))
-            .unwrap_or(Protocol::Tcp);
+        let protocol =
+            Protocol::parse(p.protocol.as_deref()).map_err(|e| errs.push(format!("ports[{i}].protocol: {e}"))).unwrap_or(Protocol::Tcp);
         // A port without a number means "all ports", which Services cannot express; kube-proxy
         // skips it too.
         if let Some(n) = p.port {
@@ -726,21 +716,13 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
     if let Some(p) = name_problem(&name, NameRule::Dns1123Subdomain) {
         return Err(Invalid(vec![format!("metadata.name {p}")]));
     }
-    let tainted = n
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
-    let internal_ip = n
-        .status
-        .as_ref()
-        .and_then(|s| s.addresses.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|a| a.type_ == "InternalIP")
-        .find_map(|a| match super::addr::parse_ip(&a.address) {
-            Some(IpAddr::V4(v)) => Some(v),
-            _ => None,
+    let tainted = n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    let internal_ip =
+        n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten().filter(|a| a.type_ == "InternalIP").find_map(|a| {
+            match super::addr::parse_ip(&a.address) {
+                Some(IpAddr::V4(v)) => Some(v),
+                _ => None,
+            }
         });
     let spec = n.spec.as_ref();
     let pod_cidrs = spec
@@ -773,10 +755,7 @@ mod tests {
 
     #[test]
     fn valid_service_is_checked_and_defaulted() {
-        let s = service(&svc(
-            "metadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {port: 80}\n",
-        ))
-        .unwrap();
+        let s = service(&svc("metadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {port: 80}\n")).unwrap();
         assert_eq!(s.key, ObjectKey::new("default", "web"));
         assert_eq!(s.skip, None);
         assert_eq!(s.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
@@ -843,10 +822,7 @@ mod tests {
             let err = service(&svc(&format!("metadata: {{name: a}}\n{spec}"))).unwrap_err();
             assert!(err.to_string().contains(want), "{spec}: got {err}, want it to mention {want}");
         }
-        assert_eq!(
-            service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(),
-            "metadata.name is missing"
-        );
+        assert_eq!(service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(), "metadata.name is missing");
         let named = |meta: &str| service(&svc(&format!("metadata: {meta}\nspec: {{clusterIP: 10.0.0.1, ports: [{{port: 80}}]}}")));
         assert!(named("{name: Web_1}").unwrap_err().to_string().contains("metadata.name \"Web_1\" is not an RFC 1035 label"));
         assert!(named("{name: 1web}").is_err(), "a Service name starts with a letter");
@@ -855,7 +831,11 @@ mod tests {
         assert!(named("{name: web-1, namespace: team-a}").is_ok());
         // A wider range, as an API server configured so allows.
         let wide = Rules { node_port_range: None };
-        assert!(service_with(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}"), &wide).is_ok());
+        assert!(service_with(
+            &svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}"),
+            &wide
+        )
+        .is_ok());
     }
 
     #[test]
@@ -889,7 +869,9 @@ mod tests {
         .unwrap();
         let want = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_795_251_600);
         assert_eq!(s.trigger_time, Some(want));
-        let n: Node = serde_yaml::from_str("metadata: {name: n}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}").unwrap();
+        let n: Node =
+            serde_yaml::from_str("metadata: {name: n}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}")
+                .unwrap();
         assert!(node(&n).unwrap().deleting);
         let n: Node = serde_yaml::from_str("metadata: {name: n, deletionTimestamp: '2026-11-21T09:00:00Z'}").unwrap();
         assert!(node(&n).unwrap().deleting);
@@ -920,18 +902,25 @@ mod tests {
         );
         let refused = |y: &str| endpoint_slice(&slice(y)).unwrap_err().to_string();
         assert!(refused("metadata: {name: s}\naddressType: IPv5").contains("addressType \"IPv5\" is unknown"));
-        assert!(refused("metadata: {name: s}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.999]}]").contains("endpoints[0].addresses[0] \"10.0.0.999\" is not an IPv4 address"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.999]}]")
+            .contains("endpoints[0].addresses[0] \"10.0.0.999\" is not an IPv4 address"));
         assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 65536}]").contains("ports[0].port 65536 is out of range"));
         assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{port: 0}]").contains("ports[0].port 0 is out of range"));
         // The API server's rules for endpoint addresses, port names and object names.
-        for (addr, why) in [("127.0.0.1", "a loopback address"), ("224.0.0.5", "a multicast address"), ("0.0.0.0", "unspecified"), ("169.254.3.4", "a link-local address")] {
+        for (addr, why) in [
+            ("127.0.0.1", "a loopback address"),
+            ("224.0.0.5", "a multicast address"),
+            ("0.0.0.0", "unspecified"),
+            ("169.254.3.4", "a link-local address"),
+        ] {
             let e = refused(&format!("metadata: {{name: s}}\naddressType: IPv4\nendpoints: [{{addresses: [{addr}]}}]"));
             assert!(e.contains(&format!("endpoints[0].addresses[0] {addr} is {why}")), "{e}");
         }
         let e = refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: http, port: 80}, {name: http, port: 81}]");
         assert!(e.contains("ports[1].name \"http\" is used twice"), "{e}");
         assert!(refused("metadata: {name: S..1}\naddressType: IPv4").contains("RFC 1123 subdomain"));
-        assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: HTTP_, port: 80}]").contains("ports[0].name \"HTTP_\" is not an RFC 1123 label"));
+        assert!(refused("metadata: {name: s}\naddressType: IPv4\nports: [{name: HTTP_, port: 80}]")
+            .contains("ports[0].name \"HTTP_\" is not an RFC 1123 label"));
     }
 
     #[test]
@@ -945,7 +934,11 @@ mod tests {
         assert_eq!(s.external_ips, vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
         assert_eq!(s.lb_ingress, vec!["203.0.113.1".parse::<IpAddr>().unwrap()]);
         assert_eq!(s.lb_source_ranges, vec!["10.1.0.0/16".parse().unwrap()]);
-        let e = endpoint_slice(&slice("metadata: {name: s, labels: {kubernetes.io/service-name: old}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.001.041]}]")).unwrap().unwrap();
+        let e = endpoint_slice(&slice(
+            "metadata: {name: s, labels: {kubernetes.io/service-name: old}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.001.041]}]",
+        ))
+        .unwrap()
+        .unwrap();
         assert_eq!(e.endpoints[0].addr, "10.244.1.41".parse::<Ipv4Addr>().unwrap());
         let n = node(&serde_yaml::from_str("metadata: {name: n}\nspec: {podCIDR: 10.244.001.000/24}\nstatus: {addresses: [{type: InternalIP, address: 192.168.001.010}]}").unwrap()).unwrap();
         assert_eq!(n.internal_ip, Some("192.168.1.10".parse().unwrap()));

@@ -33,8 +33,7 @@ use crate::model::{
 pub async fn client(api: &crate::config::ApiClient, telemetry: std::sync::Arc<crate::telemetry::Telemetry>) -> anyhow::Result<Client> {
     let config = match api.kubeconfig.as_deref() {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &Default::default())
                 .await
                 .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?

@@ -105,7 +105,8 @@ fn collect(file: &Path, doc: usize, value: serde_yaml::Value, out: &mut Parsed) 
     if value.is_null() {
         return; // an empty document, e.g. a trailing `---`
     }
-    let problem = |out: &mut Parsed, message: String| out.problems.push(Problem { file: file.into(), document: Some(doc), object: None, message });
+    let problem =
+        |out: &mut Parsed, message: String| out.problems.push(Problem { file: file.into(), document: Some(doc), object: None, message });
     if !value.is_mapping() {
         let what = match value {
             serde_yaml::Value::Sequence(_) => "a list",
@@ -286,7 +287,8 @@ fn read_text(path: &Path, len: u64) -> Result<String, String> {
     }
     // What was listed as a regular file may have been replaced since: never block on a pipe,
     // and never read past the limit of a file that grew.
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| format!("cannot be read: {e}"))?;
+    let file =
+        std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| format!("cannot be read: {e}"))?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
         return Err("is not a regular file; not read".into());
     }
@@ -331,17 +333,18 @@ impl ManifestDir {
         }
         for path in &paths {
             let meta = std::fs::metadata(path);
-            let stamp = Stamp {
-                modified: meta.as_ref().ok().and_then(|m| m.modified().ok()),
-                len: meta.as_ref().map(|m| m.len()).unwrap_or(0),
-            };
+            let stamp =
+                Stamp { modified: meta.as_ref().ok().and_then(|m| m.modified().ok()), len: meta.as_ref().map(|m| m.len()).unwrap_or(0) };
             if self.files.get(path).is_some_and(|f| f.stamp == stamp) {
                 continue;
             }
             let previous = self.files.remove(path).map(|f| f.objects).unwrap_or_default();
             let kept = if previous.is_empty() { "" } else { "; keeping what it held before" };
             let mut file_problems = Vec::new();
-            let objects = match read_text(path, stamp.len).map_err(|message| Problem { file: path.clone(), document: None, object: None, message }).and_then(|text| parse_file(path, &text)) {
+            let objects = match read_text(path, stamp.len)
+                .map_err(|message| Problem { file: path.clone(), document: None, object: None, message })
+                .and_then(|text| parse_file(path, &text))
+            {
                 Ok(parsed) => {
                     let mut objects: BTreeMap<Ident, Object> = parsed.objects.into_iter().collect();
                     for id in parsed.broken {
@@ -391,10 +394,7 @@ impl ManifestDir {
                 by_kind.entry(id.0).or_default().insert(id.clone(), obj.clone());
             }
         }
-        by_kind
-            .into_iter()
-            .map(|(kind, objs)| Event::Replace { kind, objects: objs.into_values().collect() })
-            .collect()
+        by_kind.into_iter().map(|(kind, objs)| Event::Replace { kind, objects: objs.into_values().collect() }).collect()
     }
 }
 
@@ -499,7 +499,11 @@ mod tests {
         let d = tempdir("multi");
         write(&d, "a.yaml", &format!("{SVC}---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: ignored}}\n"));
         write(&d, "b.yaml", "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Service\n  metadata: {name: db}\n  spec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n");
-        write(&d, "c.json", r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"cache"},"spec":{"clusterIP":"10.96.0.12","ports":[{"port":6379}]}}"#);
+        write(
+            &d,
+            "c.json",
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"cache"},"spec":{"clusterIP":"10.96.0.12","ports":[{"port":6379}]}}"#,
+        );
         write(&d, "notes.txt", "not a manifest");
         let mut m = ManifestDir::new(&d).unwrap();
         let (events, problems) = m.scan();
@@ -533,7 +537,11 @@ mod tests {
         let mut m = ManifestDir::new(&d).unwrap();
         m.scan();
         // web gets a port that is not a number; db is deleted from the file.
-        write(&d, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: eighty}]}\n");
+        write(
+            &d,
+            "a.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: eighty}]}\n",
+        );
         let (events, problems) = m.scan();
         assert_eq!(names(&events, Kind::Service), ["web"], "web kept, db removed");
         assert_eq!(problems.len(), 1);
@@ -586,11 +594,19 @@ mod tests {
         let mut m = ManifestDir::new(&d).unwrap();
         let (events, problems) = m.scan();
         assert_eq!(names(&events, Kind::Service), ["web"]);
-        let linked: Vec<String> = problems.iter().filter(|p| p.message.contains("links to directories are not followed")).map(|p| p.file.display().to_string()).collect();
+        let linked: Vec<String> = problems
+            .iter()
+            .filter(|p| p.message.contains("links to directories are not followed"))
+            .map(|p| p.file.display().to_string())
+            .collect();
         assert_eq!(linked.len(), 3, "{problems:?}");
         // A file link is followed, as a ConfigMap volume's are.
         std::fs::create_dir(d.join(".data")).unwrap();
-        write(&d.join(".data"), "db.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n");
+        write(
+            &d.join(".data"),
+            "db.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: db}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n",
+        );
         std::os::unix::fs::symlink(".data/db.yaml", d.join("db.yaml")).unwrap();
         assert_eq!(names(&m.scan().0, Kind::Service), ["db", "web"]);
         std::fs::remove_dir_all(&d).unwrap();
@@ -628,11 +644,18 @@ mod tests {
     #[test]
     fn a_number_too_large_and_a_nameless_object_are_named_with_their_file() {
         let d = tempdir("messages");
-        write(&d, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 99999999999999999999999}]}\n");
+        write(
+            &d,
+            "a.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 99999999999999999999999}]}\n",
+        );
         write(&d, "b.yaml", "apiVersion: v1\nkind: Service\nmetadata: {namespace: x}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n");
         let (_, problems) = ManifestDir::new(&d).unwrap().scan();
         let shown: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
-        assert!(shown[0].contains("a.yaml (document 1): spec.ports[0].port: a number out of range") && !shown[0].contains("not valid YAML"), "{shown:?}");
+        assert!(
+            shown[0].contains("a.yaml (document 1): spec.ports[0].port: a number out of range") && !shown[0].contains("not valid YAML"),
+            "{shown:?}"
+        );
         assert!(shown[1].contains("b.yaml (document 1): a Service without a name: metadata.name is missing"), "{shown:?}");
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -644,7 +667,11 @@ mod tests {
         let dir = tempdir("no-wake");
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         write(&dir, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n");
-        write(&dir.join("sub"), "b.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n");
+        write(
+            &dir.join("sub"),
+            "b.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n",
+        );
         let (tx, mut rx) = mpsc::channel(1024);
         let _watcher = spawn(ManifestDir::new(&dir).unwrap(), tx, Duration::from_secs(3600)).unwrap();
         let count = |rx: &mut mpsc::Receiver<Event>| std::iter::from_fn(|| rx.try_recv().ok()).count();
@@ -662,7 +689,9 @@ mod tests {
     fn documents_that_are_not_objects_and_objects_defined_twice_are_named() {
         let dir = tempdir("not-objects");
         write(&dir, "a.yaml", "just text\n---\n[1, 2]\n---\n{}\n---\napiVersion: v1\nkind: List\nitems: [5]\n---\nnull\n");
-        let svc = |ip: &str| format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n");
+        let svc = |ip: &str| {
+            format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
+        };
         write(&dir, "b.yaml", &svc("10.96.0.1"));
         write(&dir, "c.yaml", &svc("10.96.0.2"));
         let (events, problems) = ManifestDir::new(&dir).unwrap().scan();
@@ -675,7 +704,9 @@ mod tests {
         assert!(has("b.yaml: Service default/web: is defined again in"), "{text:#?}");
         assert_eq!(text.len(), 5, "an empty document is no problem: {text:#?}");
         // The later file's copy is the one used.
-        let Some(Event::Replace { objects, .. }) = events.iter().find(|e| matches!(e, Event::Replace { kind: Kind::Service, .. })) else { panic!() };
+        let Some(Event::Replace { objects, .. }) = events.iter().find(|e| matches!(e, Event::Replace { kind: Kind::Service, .. })) else {
+            panic!()
+        };
         let Object::Service(s) = &objects[0] else { panic!() };
         assert_eq!(s.spec.as_ref().unwrap().cluster_ip.as_deref(), Some("10.96.0.2"));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -47,7 +47,11 @@ const SIZES: [u32; 3] = [1, 10_000, 100_000];
 
 /// `--quick` (for development only): fewer repetitions; the reported figures come from a full run.
 fn scale() -> u32 {
-    if std::env::args().any(|a| a == "--quick") { 10 } else { 1 }
+    if std::env::args().any(|a| a == "--quick") {
+        10
+    } else {
+        1
+    }
 }
 
 fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
@@ -199,7 +203,11 @@ fn measure(services: u32) -> Measured {
     }
     check.took_all(
         &mut dp,
-        &[(Reason::PassNotService, n_repeat * ROUNDS as u64), (Reason::Established, n_repeat * ROUNDS as u64), (Reason::ReverseNat, n_repeat * ROUNDS as u64)],
+        &[
+            (Reason::PassNotService, n_repeat * ROUNDS as u64),
+            (Reason::Established, n_repeat * ROUNDS as u64),
+            (Reason::ReverseNat, n_repeat * ROUNDS as u64),
+        ],
         "repeat rounds",
     );
     for (case, ns) in rounds {
@@ -241,7 +249,8 @@ fn profile() {
     }
     if std::env::args().any(|a| a == "--new-flows") {
         let vip = ping;
-        let ns = calls(ingress, |i| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN));
+        let ns =
+            calls(ingress, |i| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN));
         println!("new flow {ns:.1} ns");
     }
 }
@@ -571,9 +580,16 @@ fn modes_ipvs_in_guest() -> (Vec<proxy_tests::modesbench::Row>, String) {
     let accel = if console.contains("accel kvm") { "KVM" } else { "TCG, i.e. emulated: several times slower than this machine" };
     let expected = proxy_tests::modesbench::sizes().len();
     let note = if rows.len() == expected {
-        format!("IPVS ran in a qemu guest booted from Debian's kernel ({accel}); compare its rows with each other, not with the modes above")
+        format!(
+            "IPVS ran in a qemu guest booted from Debian's kernel ({accel}); compare its rows with each other, not with the modes above"
+        )
     } else {
-        format!("IPVS in the guest gave {} of {expected} rows (guest exit {:?}); console tail:\n{}", rows.len(), out.status.code(), console.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n"))
+        format!(
+            "IPVS in the guest gave {} of {expected} rows (guest exit {:?}); console tail:\n{}",
+            rows.len(),
+            out.status.code(),
+            console.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        )
     };
     (rows, note)
 }

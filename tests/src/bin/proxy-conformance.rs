@@ -16,7 +16,10 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let agent = PathBuf::from(value("--agent").unwrap_or_else(|| proxy_tests::lab::sibling("proxy-lab-agent").display().to_string()));
-    let wanted: Vec<&String> = args.iter().filter(|a| !a.starts_with("--") && Some(*a) != value("--mode").as_ref() && Some(a.as_str()) != value("--agent").as_deref()).collect();
+    let wanted: Vec<&String> = args
+        .iter()
+        .filter(|a| !a.starts_with("--") && Some(*a) != value("--mode").as_ref() && Some(a.as_str()) != value("--agent").as_deref())
+        .collect();
     let mut failed = Vec::new();
     for (name, scenario) in SCENARIOS {
         if !wanted.is_empty() && !wanted.iter().any(|w| *w == name) {
@@ -28,7 +31,8 @@ fn main() -> ExitCode {
         match result {
             Ok(()) => println!("PASS {name} ({mode}, {secs:.1} s)"),
             Err(e) => {
-                let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let msg =
+                    e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 println!("FAIL {name} ({mode}, {secs:.1} s): {msg}");
                 failed.push(*name);
             }

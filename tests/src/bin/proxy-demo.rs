@@ -92,7 +92,10 @@ fn main() {
     println!("\nTCP to maintenance {EMPTY}, a Service without endpoints:");
     let t = Instant::now();
     match tcp_ask(&lab.client.ns, sock(EMPTY)) {
-        Err(e) => println!("  {e}, after {:.1} ms (ICMP port unreachable from the datapath, as kube-proxy's REJECT)", t.elapsed().as_secs_f64() * 1e3),
+        Err(e) => println!(
+            "  {e}, after {:.1} ms (ICMP port unreachable from the datapath, as kube-proxy's REJECT)",
+            t.elapsed().as_secs_f64() * 1e3
+        ),
         Ok(a) => println!("  unexpectedly answered by {}", a.backend),
     }
 

@@ -99,7 +99,8 @@ fn connect_from(port: u16, to: SocketAddr) -> std::io::Result<TcpStream> {
             sin_zero: [0; 8],
         };
         let (local, remote) = (sa(0, port), sa(u32::from(*to.ip()), to.port()));
-        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) != 0
+        if libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32)
+            != 0
             || libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len) != 0
             || libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) != 0
         {

@@ -89,7 +89,8 @@ impl Hook {
 /// only translates replies of flows tracked elsewhere), while ingress on its own would DNAT
 /// flows whose replies nobody translates back. XDP comes last: it only takes over flows TC
 /// would handle the same way.
-const POD_HOOKS: [Hook; 2] = [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_INGRESS)];
+const POD_HOOKS: [Hook; 2] =
+    [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_INGRESS)];
 const EXTERNAL_HOOKS: [Hook; 3] =
     [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_EXT_INGRESS), Hook::Xdp];
 const ALL_PREFIXES: [&str; 4] = ["tc_egress_", "tc_ingress_", "tc_ext_ingress_", "xdp_"];
@@ -124,9 +125,7 @@ pub fn parse_pin(file_name: &str) -> Option<(u32, String)> {
 fn pins_of(root: &Path, prefix: &str, ifindex: u32) -> Vec<PathBuf> {
     let Ok(dir) = fs::read_dir(links_dir(root)) else { return Vec::new() };
     dir.flatten()
-        .filter(|e| {
-            e.file_name().to_str().and_then(parse_pin_hook).is_some_and(|(p, i, _)| p == prefix && i == ifindex)
-        })
+        .filter(|e| e.file_name().to_str().and_then(parse_pin_hook).is_some_and(|(p, i, _)| p == prefix && i == ifindex))
         .map(|e| e.path())
         .collect()
 }

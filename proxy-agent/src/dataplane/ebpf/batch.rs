@@ -39,9 +39,7 @@ pub fn count_entries(fd: impl AsRawFd, key_size: usize, value_size: usize) -> io
             ..Default::default()
         };
         // SAFETY: the attribute points at live buffers of the sizes the kernel will fill.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>())
-        };
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
         let err = (rc < 0).then(io::Error::last_os_error);
         total += u64::from(attr.count);
         match err {

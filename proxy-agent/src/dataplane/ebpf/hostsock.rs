@@ -154,7 +154,9 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
         prog.load().map_err(|e| err(format!("loading: {e}")))?;
         // A BPF link: the kernel runs it beside other programs of the cgroup whatever the mode,
         // and takes no attach flags with it.
-        let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
+        let id = prog
+            .attach(&dir, CgroupAttachMode::Single)
+            .map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
         let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
         if let Some(root) = root {
             // Pinned beside the previous run's link, then moved over its pin: that link goes

@@ -23,8 +23,8 @@ use aya::{
     Ebpf,
 };
 use proxy_common::{
-    backend_flags, limits, map_names, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey,
-    ServiceName, ServiceValue, SourceRangeKey,
+    backend_flags, limits, map_names, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
+    ServiceValue, SourceRangeKey,
 };
 
 use super::{
@@ -65,13 +65,8 @@ fn views(fe: &Frontend) -> (View, Option<View>) {
         flags |= svc_flags::EXTERNAL;
     }
     let internal = fe.internal_backends.as_ref().map(|ib| {
-        let mut retained: Vec<model::Backend> = fe
-            .backends
-            .iter()
-            .chain(&fe.retained)
-            .filter(|b| !ib.iter().any(|i| (i.addr, i.port) == (b.addr, b.port)))
-            .copied()
-            .collect();
+        let mut retained: Vec<model::Backend> =
+            fe.backends.iter().chain(&fe.retained).filter(|b| !ib.iter().any(|i| (i.addr, i.port) == (b.addr, b.port))).copied().collect();
         retained.sort();
         View {
             backends: ib.clone(),
@@ -194,8 +189,7 @@ fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) ->
 }
 
 pub(super) fn is_not_found(e: &MapError) -> bool {
-    matches!(e, MapError::KeyNotFound)
-        || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
+    matches!(e, MapError::KeyNotFound) || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
 }
 
 fn ipproto(p: Protocol) -> Result<u8, DataplaneError> {
@@ -253,8 +247,11 @@ impl LbMaps {
             stray_slots: Vec::new(),
             stray_affinity_matches: Vec::new(),
         };
-        let snap = snapshot::read(&me.services, &me.backends, &me.revnat, &me.names)
-            .map_err(|source| DataplaneError::Map { op: "read", map: map_names::SERVICES, source })?;
+        let snap = snapshot::read(&me.services, &me.backends, &me.revnat, &me.names).map_err(|source| DataplaneError::Map {
+            op: "read",
+            map: map_names::SERVICES,
+            source,
+        })?;
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
                 let ident = Ident { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port), proto: b.proto };
@@ -264,11 +261,7 @@ impl LbMaps {
         }
         for fe in snap.frontends.values() {
             let Some(protocol) = Protocol::from_ipproto(fe.key.proto) else { continue };
-            let key = FrontendKey {
-                addr: Ipv4Addr::from(fe.key.addr),
-                port: u16::from_be_bytes(fe.key.port),
-                protocol,
-            };
+            let key = FrontendKey { addr: Ipv4Addr::from(fe.key.addr), port: u16::from_be_bytes(fe.key.port), protocol };
             me.service_ids.claim(fe.master.service_id);
             for id in &fe.slots {
                 me.add_ref(*id);
@@ -277,9 +270,7 @@ impl LbMaps {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| {
-                    by_id.get(&id).map(|i| maglev::member(i.addr, i.port))
-                });
+                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(&id).map(|i| maglev::member(i.addr, i.port)));
                 for id in held {
                     me.add_ref(id);
                 }
@@ -324,9 +315,7 @@ impl LbMaps {
             }
         }
         for k in stray_ranges {
-            me.source_ranges
-                .remove(&k)
-                .map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
+            me.source_ranges.remove(&k).map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
         }
         me.stray_service_ids = snap.stray_service_ids;
         me.stray_slots = snap.stray_slots;
@@ -350,9 +339,9 @@ impl LbMaps {
     /// Entries the kernel holds in each hash map the writer owns, and set entries of the
     /// backends array, counted in the maps themselves (not from the writer's own picture).
     pub fn count_in_kernel(&self) -> std::io::Result<BTreeMap<&'static str, u64>> {
-        use std::os::fd::AsFd as _;
         use aya::maps::IterableMap as _;
         use proxy_common::ServiceName;
+        use std::os::fd::AsFd as _;
         let mut out = BTreeMap::new();
         let hash = |m: &MapData, k: usize, v: usize| super::batch::count_entries(m.fd().as_fd(), k, v);
         out.insert(map_names::SERVICES, hash(self.services.map(), size_of::<ServiceKey>(), size_of::<ServiceValue>())?);
@@ -384,9 +373,7 @@ impl LbMaps {
         let value = Backend::new(b.addr, b.port, proto, flags);
         if let Some(e) = self.by_ident.get_mut(&ident) {
             if e.flags != flags {
-                self.backends
-                    .set(e.id, value, 0)
-                    .map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
+                self.backends.set(e.id, value, 0).map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
                 e.flags = flags;
             }
             e.refs += 1;
@@ -397,9 +384,7 @@ impl LbMaps {
             .flows
             .set(id, BackendFlows::default(), 0)
             .map_err(|s| map_error("reset", map_names::BACKEND_FLOWS, self.limit, s))
-            .and_then(|()| {
-                self.backends.set(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s))
-            });
+            .and_then(|()| self.backends.set(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s)));
         if let Err(e) = written {
             self.backend_ids.free(id);
             return Err(e);
@@ -467,9 +452,7 @@ impl LbMaps {
         }
         let have: HashSet<u32> = ids.iter().copied().collect();
         want.iter().all(|b| {
-            self.by_ident
-                .get(&Ident { addr: b.addr, port: b.port, proto })
-                .is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
+            self.by_ident.get(&Ident { addr: b.addr, port: b.port, proto }).is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
         })
     }
 
@@ -492,12 +475,7 @@ impl LbMaps {
     /// Backend ids of `list` as the maps hold them now, if every one is there.
     fn ids_of(&self, list: &[model::Backend], proto: u8) -> Option<Vec<u32>> {
         list.iter()
-            .map(|b| {
-                self.by_ident
-                    .get(&Ident { addr: b.addr, port: b.port, proto })
-                    .filter(|e| e.flags == flags_of(b))
-                    .map(|e| e.id)
-            })
+            .map(|b| self.by_ident.get(&Ident { addr: b.addr, port: b.port, proto }).filter(|e| e.flags == flags_of(b)).map(|e| e.id))
             .collect()
     }
 
@@ -615,9 +593,7 @@ impl LbMaps {
             }
             for (i, id) in slots.iter().enumerate().skip(old_slots.len()) {
                 let k = skey.with_slot((i + 1) as u16);
-                self.services
-                    .insert(k, slot_value(*id), 0)
-                    .map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.insert(k, slot_value(*id), 0).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
                 added.push(k);
             }
             Ok(())
@@ -659,9 +635,7 @@ impl LbMaps {
             if view.affinity_timeout.is_some() {
                 for id in slots.iter().filter(|id| !old.as_ref().is_some_and(|o| o.affinity_matches.contains(id))) {
                     let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
-                    self.affinity_match
-                        .insert(k, 1, 0)
-                        .map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
+                    self.affinity_match.insert(k, 1, 0).map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
                     new_matches.push(*id);
                 }
             }
@@ -698,9 +672,7 @@ impl LbMaps {
                 }
             }
             if old.as_ref().map(|o| o.master) != Some(master) {
-                self.services
-                    .insert(skey, master, 0)
-                    .map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.insert(skey, master, 0).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
             }
             for slot in slots.len() + 1..=old_slots.len() {
                 self.remove_key(&skey.with_slot(slot as u16))?;
@@ -766,7 +738,8 @@ impl LbMaps {
             }
         }
         let table = maglev_id.map(|_| name.clone());
-        self.frontends.insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges });
+        self.frontends
+            .insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges });
         Ok(())
     }
 
@@ -787,7 +760,13 @@ impl LbMaps {
             self.remove_key(&skey.with_slot(slot as u16))?;
         }
         for id in &p.affinity_matches {
-            let _ = self.affinity_match.remove(&AffinityMatchKey { service_id: p.service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+            let _ = self.affinity_match.remove(&AffinityMatchKey {
+                service_id: p.service_id,
+                backend_id: *id,
+                scope: scope_id,
+                _pad: 0,
+                _pad2: 0,
+            });
         }
         // Before the id is freed: a range left behind would admit its sources to the next
         // frontend with this id.
@@ -814,8 +793,7 @@ impl LbMaps {
     /// Removes backends no frontend references, and leftovers of an interrupted run.
     pub fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let mut removed = 0;
-        let orphans: Vec<(u32, Ident)> =
-            self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
+        let orphans: Vec<(u32, Ident)> = self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
         for (id, ident) in orphans {
             self.delete_backend(id, ident);
             removed += 1;

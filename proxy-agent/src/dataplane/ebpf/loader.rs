@@ -1,8 +1,7 @@
 //! Loading the embedded object: maps created or adopted from their pins, programs verified.
 
 use std::{
-    fs,
-    io,
+    fs, io,
     mem::size_of,
     path::{Path, PathBuf},
 };
@@ -13,8 +12,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use proxy_common::{
-    limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config,
-    Counter, CtEntry, CtKey, FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, TraceResult,
+    limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config, Counter, CtEntry, CtKey,
+    FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, TraceResult,
     REASON_SLOTS,
 };
 

@@ -126,13 +126,8 @@ fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
 }
 
 fn elem(fd: i32, cmd: libc::c_long, key: &u32, value: Option<&mut u32>, flags: u64) -> io::Result<()> {
-    let mut attr = ElemAttr {
-        map_fd: fd as u32,
-        _pad: 0,
-        key: key as *const u32 as u64,
-        value: value.map_or(0, |v| v as *mut u32 as u64),
-        flags,
-    };
+    let mut attr =
+        ElemAttr { map_fd: fd as u32, _pad: 0, key: key as *const u32 as u64, value: value.map_or(0, |v| v as *mut u32 as u64), flags };
     sys_bpf(cmd, &mut attr).map(|_| ())
 }
 
@@ -191,9 +186,8 @@ impl Inner {
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
         let bytes = (entries * ELEM_STRIDE).div_ceil(page) * page;
         // SAFETY: maps `bytes` of an mmapable array map, shared with the kernel.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
-        };
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
@@ -327,10 +321,8 @@ impl Maglev {
         pairs.sort();
         let stale = stale || pairs.is_empty();
         let (members, backend_ids): (Vec<Member>, Vec<u32>) = pairs.into_iter().unzip();
-        self.tables.insert(
-            name.to_string(),
-            Table { id, members, backend_ids: backend_ids.clone(), users: BTreeSet::from([user]), inner, stale },
-        );
+        self.tables
+            .insert(name.to_string(), Table { id, members, backend_ids: backend_ids.clone(), users: BTreeSet::from([user]), inner, stale });
         backend_ids
     }
 
@@ -482,10 +474,7 @@ mod tests {
             let must_move = before.iter().filter(|i| **i as usize == gone).count();
             let extra = moved - must_move;
             // Positions of surviving backends that moved anyway: Maglev keeps this small.
-            assert!(
-                (extra as f64) < 0.02 * f64::from(m) * (f64::from(n) / 10.0).max(1.0),
-                "n={n}: {moved} moved, {must_move} had to"
-            );
+            assert!((extra as f64) < 0.02 * f64::from(m) * (f64::from(n) / 10.0).max(1.0), "n={n}: {moved} moved, {must_move} had to");
             assert!((moved as f64) / f64::from(m) < 1.0 / f64::from(n) + 0.03, "n={n}: {moved} of {m} moved");
         }
     }

@@ -93,8 +93,8 @@ impl EbpfDataplane {
 
     fn write_config(&mut self, config: Config) -> Result<(), DataplaneError> {
         let map = self.ebpf.map_mut(map_names::CONFIG).expect("the object defines the config map");
-        let mut array: Array<&mut MapData, Config> = Array::try_from(map)
-            .map_err(|source| DataplaneError::Map { op: "open", map: map_names::CONFIG, source })?;
+        let mut array: Array<&mut MapData, Config> =
+            Array::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: map_names::CONFIG, source })?;
         array.set(0, config, 0).map_err(|source| DataplaneError::Map { op: "update", map: map_names::CONFIG, source })?;
         self.config = config;
         Ok(())
@@ -103,11 +103,16 @@ impl EbpfDataplane {
     /// See `Dataplane::set_cluster_ip_ranges`. Make-before-break: new entries are written
     /// before the check is switched on or widened, and the check is narrowed or switched off
     /// before entries go.
-    fn write_cluster_ip_ranges(&mut self, cidrs: &[Cidr], allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+    fn write_cluster_ip_ranges(
+        &mut self,
+        cidrs: &[Cidr],
+        allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    ) -> Result<(), DataplaneError> {
         use aya::maps::lpm_trie::{Key, LpmTrie};
         use proxy_common::{svc_cidr, SvcCidrKey};
         let err = |op, source| DataplaneError::Map { op, map: map_names::SERVICE_CIDRS, source };
-        let mut want: std::collections::BTreeMap<(u8, [u8; 4]), u8> = cidrs.iter().map(|c| ((c.prefix, c.addr.octets()), svc_cidr::RANGE)).collect();
+        let mut want: std::collections::BTreeMap<(u8, [u8; 4]), u8> =
+            cidrs.iter().map(|c| ((c.prefix, c.addr.octets()), svc_cidr::RANGE)).collect();
         if !cidrs.is_empty() {
             for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(**ip))) {
                 want.insert((32, ip.octets()), svc_cidr::ALLOCATED);
@@ -181,12 +186,14 @@ impl EbpfDataplane {
     /// the interface has no IPv4 address any more).
     pub fn set_interface_address(&mut self, ifindex: u32, addr: Option<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
         let map = self.ebpf.map_mut(map_names::IFADDRS).expect("the object defines the interface address map");
-        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr> = aya::maps::HashMap::try_from(map)
-            .map_err(|source| DataplaneError::Map { op: "open", map: map_names::IFADDRS, source })?;
+        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr> =
+            aya::maps::HashMap::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: map_names::IFADDRS, source })?;
         match addr {
-            Some(a) => m
-                .insert(ifindex, IfAddr { addr: a.octets() }, 0)
-                .map_err(|source| DataplaneError::Map { op: "update", map: map_names::IFADDRS, source }),
+            Some(a) => m.insert(ifindex, IfAddr { addr: a.octets() }, 0).map_err(|source| DataplaneError::Map {
+                op: "update",
+                map: map_names::IFADDRS,
+                source,
+            }),
             None => match m.remove(&ifindex) {
                 Ok(()) => Ok(()),
                 Err(e) if lbmaps::is_not_found(&e) => Ok(()),
@@ -335,7 +342,11 @@ impl Dataplane for EbpfDataplane {
         self.lb.collect_garbage()
     }
 
-    fn set_cluster_ip_ranges(&mut self, cidrs: &[Cidr], allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
+    fn set_cluster_ip_ranges(
+        &mut self,
+        cidrs: &[Cidr],
+        allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+    ) -> Result<(), DataplaneError> {
         self.write_cluster_ip_ranges(cidrs, allocated)
     }
 }

@@ -45,10 +45,7 @@ where
     for entry in services.iter() {
         let (k, v) = entry?;
         if k.slot == 0 {
-            snap.frontends.insert(
-                k,
-                FrontendEntry { key: k, master: v, slots: vec![0; usize::from(v.count)], name: None, revnat: None },
-            );
+            snap.frontends.insert(k, FrontendEntry { key: k, master: v, slots: vec![0; usize::from(v.count)], name: None, revnat: None });
         } else {
             slots.push((k, v));
         }

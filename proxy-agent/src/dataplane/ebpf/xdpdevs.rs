@@ -241,7 +241,13 @@ mod tests {
 
     #[test]
     fn a_veth_takes_xdp_frames_only_when_the_kernel_says_its_peer_can() {
-        let veth = |features, peer| XdpDevice { name: "uplink0".into(), veth: true, generic: false, features: Some(features), peer_native_xdp: Some(peer) };
+        let veth = |features, peer| XdpDevice {
+            name: "uplink0".into(),
+            veth: true,
+            generic: false,
+            features: Some(features),
+            peer_native_xdp: Some(peer),
+        };
         // What this kernel reports for a veth whose peer has neither XDP nor GRO (0x23), and
         // once the peer runs XDP or turns GRO on (0x67).
         assert_eq!(veth(0x23, false).flags(), 0);

@@ -60,10 +60,7 @@ pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &
             }
         }
     }
-    flows
-        .into_iter()
-        .filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport))))
-        .collect()
+    flows.into_iter().filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport)))).collect()
 }
 
 /// Deletes the stale UDP flows for `services`, one `conntrack -D` per (Service address,
@@ -148,7 +145,12 @@ mod tests {
     fn stale_flows_are_those_to_a_service_not_answered_by_its_endpoints() {
         let node = NodeContext { nodeport_ips: vec!["192.168.0.1".parse().unwrap()], ..Default::default() };
         let services = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![ep("10.244.1.1", 5353)], Some(30053))])]);
-        let flow = |dst: &str, dport, src: &str, sport| Flow { dst: dst.parse().unwrap(), dport, reply_src: src.parse().unwrap(), reply_sport: sport };
+        let flow = |dst: &str, dport, src: &str, sport| Flow {
+            dst: dst.parse().unwrap(),
+            dport,
+            reply_src: src.parse().unwrap(),
+            reply_sport: sport,
+        };
         let flows = [
             // Live: answered by the endpoint.
             flow("10.96.0.10", 53, "10.244.1.1", 5353),

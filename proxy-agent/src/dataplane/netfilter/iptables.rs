@@ -7,7 +7,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services, IPTABLES_PACKAGE};
+use super::{
+    delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services,
+    IPTABLES_PACKAGE,
+};
 use crate::dataplane::ProxyMode;
 
 /// Host-dependent choices kube-proxy makes by probing (make them explicit for tests).
@@ -208,7 +211,10 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
     }
     if let Some(np) = p.port.node_port {
         if !p.has_external_endpoints {
-            f.rule("KUBE-EXTERNAL-SERVICES", format!("{} -m addrtype --dst-type LOCAL {m} --dport {np} -j {no_ep_target}", comment(&no_ep_comment)));
+            f.rule(
+                "KUBE-EXTERNAL-SERVICES",
+                format!("{} -m addrtype --dst-type LOCAL {m} --dport {np} -j {no_ep_target}", comment(&no_ep_comment)),
+            );
         }
     }
     if let Some(hc) = p.port.health_check_node_port {
@@ -248,7 +254,10 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
             if opts.localhost_nodeports && opts.nfacct {
                 n.rule(
                     "KUBE-NODEPORTS",
-                    format!("{} {m} -d 127.0.0.0/8 --dport {np} -m nfacct --nfacct-name localhost_nps_accepted_pkts -j {ext}", comment(spn)),
+                    format!(
+                        "{} {m} -d 127.0.0.0/8 --dport {np} -m nfacct --nfacct-name localhost_nps_accepted_pkts -j {ext}",
+                        comment(spn)
+                    ),
                 );
             }
             n.rule("KUBE-NODEPORTS", format!("{} {m} --dport {np} -j {ext}", comment(spn)));
@@ -271,11 +280,17 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
             }
             n.rule(
                 &ext,
-                format!("{} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ", comment(&format!("masquerade LOCAL traffic for {spn} external destinations"))),
+                format!(
+                    "{} -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ",
+                    comment(&format!("masquerade LOCAL traffic for {spn} external destinations"))
+                ),
             );
             n.rule(
                 &ext,
-                format!("{} -m addrtype --src-type LOCAL -j {svc}", comment(&format!("route LOCAL traffic for {spn} external destinations"))),
+                format!(
+                    "{} -m addrtype --src-type LOCAL -j {svc}",
+                    comment(&format!("route LOCAL traffic for {spn} external destinations"))
+                ),
             );
         }
         if p.has_external_endpoints {
@@ -287,7 +302,8 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
         for r in &p.port.lb_source_ranges {
             n.rule(&fw, format!("{c} -s {r} -j {ext}"));
         }
-        let node_in_ranges = crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>());
+        let node_in_ranges =
+            crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>());
         if node_in_ranges {
             for ip in &p.port.lb_ips {
                 n.rule(&fw, format!("{c} -s {ip} -j {ext}"));
@@ -306,7 +322,10 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
             .collect();
         if let Some(t) = p.port.affinity_timeout {
             for (sep, s) in &names {
-                n.rule(chain, format!("{}-m recent --name {sep} --rcheck --seconds {t} --reap -j {sep}", ep_comment(format!("{spn} -> {s}"))));
+                n.rule(
+                    chain,
+                    format!("{}-m recent --name {sep} --rcheck --seconds {t} --reap -j {sep}", ep_comment(format!("{spn} -> {s}"))),
+                );
             }
         }
         let count = names.len();
@@ -470,13 +489,16 @@ impl RuleSet for IptablesRules {
 pub fn cleanup(ipt: Iptables) -> Vec<String> {
     let mut removed = Vec::new();
     let chains_of = |save: &str| -> Vec<String> { super::declared_chains(save).map(String::from).collect() };
-    let tables: Vec<(&str, Vec<String>)> =
-        ["nat", "filter"].into_iter().filter_map(|t| run(ipt.save(), IPTABLES_PACKAGE, &["-t", t]).ok().map(|out| (t, chains_of(&out)))).collect();
+    let tables: Vec<(&str, Vec<String>)> = ["nat", "filter"]
+        .into_iter()
+        .filter_map(|t| run(ipt.save(), IPTABLES_PACKAGE, &["-t", t]).ok().map(|out| (t, chains_of(&out))))
+        .collect();
     // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and
     // KUBE-MARK-MASQ have the names IPVS mode's have, and a running IPVS mode must keep them.
     // The fixed filter chains but KUBE-SERVICES are the iptables mode's alone (IPVS mode has
     // KUBE-SERVICES too), as are the per-Service chains.
-    let ours_only = |c: &str| (c != "KUBE-SERVICES" && FILTER_FIXED.contains(&c)) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
+    let ours_only =
+        |c: &str| (c != "KUBE-SERVICES" && FILTER_FIXED.contains(&c)) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p));
     if !tables.iter().any(|(_, chains)| chains.iter().any(|c| ours_only(c))) {
         return removed;
     }
@@ -485,8 +507,14 @@ pub fn cleanup(ipt: Iptables) -> Vec<String> {
     }
     for (table, chains) in tables {
         // Only ours: kubelet's chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) stay.
-        let chains: Vec<String> =
-            chains.into_iter().filter(|c| FILTER_FIXED.contains(&c.as_str()) || NAT_FIXED.contains(&c.as_str()) || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))).collect();
+        let chains: Vec<String> = chains
+            .into_iter()
+            .filter(|c| {
+                FILTER_FIXED.contains(&c.as_str())
+                    || NAT_FIXED.contains(&c.as_str())
+                    || SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))
+            })
+            .collect();
         if chains.is_empty() {
             continue;
         }

@@ -12,7 +12,9 @@ use std::{
     net::Ipv4Addr,
 };
 
-use super::{delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use super::{
+    delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services,
+};
 use crate::dataplane::ProxyMode;
 
 pub const DUMMY: &str = "kube-ipvs0";
@@ -49,7 +51,11 @@ pub struct VirtualKey {
 
 impl VirtualKey {
     fn flag(&self) -> &'static str {
-        if self.proto == "udp" { "-u" } else { "-t" }
+        if self.proto == "udp" {
+            "-u"
+        } else {
+            "-t"
+        }
     }
 }
 
@@ -103,7 +109,13 @@ pub struct IpvsOptions {
 
 impl Default for IpvsOptions {
     fn default() -> Self {
-        Self { scheduler: Scheduler::default(), mark: "0x4000".into(), exclude_cidrs: Vec::new(), strict_arp: false, timeouts: (None, None, None) }
+        Self {
+            scheduler: Scheduler::default(),
+            mark: "0x4000".into(),
+            exclude_cidrs: Vec::new(),
+            strict_arp: false,
+            timeouts: (None, None, None),
+        }
     }
 }
 
@@ -165,9 +177,18 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
         // as kube-proxy's REJECT does. Endpoints elsewhere but none here under a Local
         // policy: dropped, as kube-proxy does.
         let proto = p.proto;
-        let drop_rule = |dst: String, dport: u16| format!("-A KUBE-IPVS-DROP {dst}-p {proto} -m {proto} --dport {dport} -m comment --comment \"{} has no local endpoints\" -j DROP", p.spn);
+        let drop_rule = |dst: String, dport: u16| {
+            format!(
+                "-A KUBE-IPVS-DROP {dst}-p {proto} -m {proto} --dport {dport} -m comment --comment \"{} has no local endpoints\" -j DROP",
+                p.spn
+            )
+        };
         let reals = |eps: &[crate::model::EndpointView]| eps.iter().map(|e| (e.addr, e.port)).collect::<BTreeSet<_>>();
-        let virt = |eps: &[crate::model::EndpointView]| Virtual { scheduler: scheduler.0.clone(), persistence: port.affinity_timeout, reals: reals(eps) };
+        let virt = |eps: &[crate::model::EndpointView]| Virtual {
+            scheduler: scheduler.0.clone(),
+            persistence: port.affinity_timeout,
+            reals: reals(eps),
+        };
         if proto == "sctp" {
             continue;
         }
@@ -223,7 +244,11 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
             if local_drop {
                 drops.push(drop_rule("-m addrtype --dst-type LOCAL ".into(), np));
             }
-            let (all, local) = if proto == "udp" { ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP") } else { ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP") };
+            let (all, local) = if proto == "udp" {
+                ("KUBE-NODE-PORT-UDP", "KUBE-NODE-PORT-LOCAL-UDP")
+            } else {
+                ("KUBE-NODE-PORT-TCP", "KUBE-NODE-PORT-LOCAL-TCP")
+            };
             add(&mut d, all, np.to_string());
             if port.external_local {
                 add(&mut d, local, np.to_string());
@@ -250,7 +275,8 @@ fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str) -> String {
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -j MARK --xor-mark {mark}");
-    let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully");
+    let _ =
+        writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully");
     let _ = writeln!(s, "-A KUBE-MARK-MASQ -j MARK --or-mark {mark}");
     match (node.masquerade_all, node.local.iptables(true)) {
         (true, _) => {
@@ -402,7 +428,8 @@ fn ipset_restore(sets: &Sets, applied: &Sets) -> Result<(), NetfilterError> {
     let unknown = sets.keys().any(|name| !applied.contains_key(name));
     // Sets an earlier run left may have been sized for more entries: only missing ones are
     // created under their own name.
-    let existing: BTreeSet<String> = if unknown { run(IPSET, IPSET, &["list", "-n"])?.lines().map(String::from).collect() } else { BTreeSet::new() };
+    let existing: BTreeSet<String> =
+        if unknown { run(IPSET, IPSET, &["list", "-n"])?.lines().map(String::from).collect() } else { BTreeSet::new() };
     let s = ipset_delta(sets, applied, &existing);
     if s.is_empty() {
         return Ok(());
@@ -558,7 +585,8 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
             removed.push(format!("ipvs: {DUMMY}"));
         }
     }
-    let present: BTreeSet<String> = run(IPSET, IPSET, &["list", "-n"]).map(|out| out.lines().map(String::from).collect()).unwrap_or_default();
+    let present: BTreeSet<String> =
+        run(IPSET, IPSET, &["list", "-n"]).map(|out| out.lines().map(String::from).collect()).unwrap_or_default();
     let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| present.contains(*name)).collect();
     for &ipt in backends {
         // The iptables rules that match on the sets must go first.
@@ -578,11 +606,15 @@ pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
     // otherwise: its nat jumps are the iptables mode's too (deleting them would leave an
     // iptables mode that is starting without them until its first sync), and declaring the
     // nat chains below would create them.
-    let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"]).is_ok_and(|out| super::declared_chains(&out).any(|c| c == "KUBE-IPVS-DROP"));
+    let ran = run(ipt.save(), super::IPTABLES_PACKAGE, &["-t", "filter"])
+        .is_ok_and(|out| super::declared_chains(&out).any(|c| c == "KUBE-IPVS-DROP"));
     if !ran {
         return Vec::new();
     }
-    let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS).into_iter().map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}")).collect();
+    let mut removed: Vec<String> = delete_jumps(ipt, &JUMPS)
+        .into_iter()
+        .map(|(table, chain, _, _, target)| format!("ipvs: {ipt} jump {table}/{chain} -> {target}"))
+        .collect();
     if iptables_restore(
             ipt,
             "*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n-X KUBE-IPVS-DROP\n-X KUBE-IPVS-SOURCE-RANGES\nCOMMIT\n*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-NODE-PORT - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-LOAD-BALANCER - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n-X KUBE-SERVICES\n-X KUBE-NODE-PORT\n-X KUBE-POSTROUTING\n-X KUBE-LOAD-BALANCER\n-X KUBE-MARK-MASQ\nCOMMIT\n",
@@ -605,13 +637,19 @@ mod tests {
         assert_eq!(o.set_timeouts_args(), None, "no timeouts set, the kernel's stay");
         o.strict_arp = true;
         o.timeouts = (Some(std::time::Duration::from_secs(900)), None, Some(std::time::Duration::from_secs(300)));
-        assert!(o.sysctls().contains(&("net/ipv4/conf/all/arp_ignore", "1")) && o.sysctls().contains(&("net/ipv4/conf/all/arp_announce", "2")));
+        assert!(
+            o.sysctls().contains(&("net/ipv4/conf/all/arp_ignore", "1")) && o.sysctls().contains(&("net/ipv4/conf/all/arp_announce", "2"))
+        );
         assert_eq!(o.set_timeouts_args().unwrap(), ["--set", "900", "0", "300"]);
         o.exclude_cidrs = vec!["10.100.0.0/16".parse().unwrap()];
         let key = |a: &str| VirtualKey { proto: "tcp", addr: a.parse().unwrap(), port: 80 };
         let mut v: BTreeMap<VirtualKey, ()> = [(key("10.100.3.4"), ()), (key("10.96.0.10"), ())].into();
         o.keep_only_ours(&mut v);
-        assert_eq!(v.keys().map(|k| k.addr.to_string()).collect::<Vec<_>>(), ["10.96.0.10"], "an excluded virtual server is never ours to delete");
+        assert_eq!(
+            v.keys().map(|k| k.addr.to_string()).collect::<Vec<_>>(),
+            ["10.96.0.10"],
+            "an excluded virtual server is never ours to delete"
+        );
     }
 
     #[test]
@@ -620,10 +658,13 @@ mod tests {
         let v = |reals: &[&str]| Virtual {
             scheduler: "rr".into(),
             persistence: None,
-            reals: reals.iter().map(|r| {
-                let (a, p) = r.split_once(':').unwrap();
-                (a.parse().unwrap(), p.parse().unwrap())
-            }).collect(),
+            reals: reals
+                .iter()
+                .map(|r| {
+                    let (a, p) = r.split_once(':').unwrap();
+                    (a.parse().unwrap(), p.parse().unwrap())
+                })
+                .collect(),
         };
         let from = BTreeMap::from([(k, v(&["10.0.0.1:80", "10.0.0.2:80"]))]);
         let to = BTreeMap::from([(k, v(&["10.0.0.2:80", "10.0.0.3:80"]))]);
@@ -649,7 +690,10 @@ mod tests {
         let b = set(&["10.0.0.2,tcp:80,10.0.0.2", "10.0.0.3,tcp:80,10.0.0.3"]);
         // Known: only the entries that changed.
         let none = BTreeSet::new();
-        assert_eq!(ipset_delta(&b, &a, &none), "add KUBE-LOOP-BACK 10.0.0.3,tcp:80,10.0.0.3 -exist\ndel KUBE-LOOP-BACK 10.0.0.1,tcp:80,10.0.0.1 -exist\n");
+        assert_eq!(
+            ipset_delta(&b, &a, &none),
+            "add KUBE-LOOP-BACK 10.0.0.3,tcp:80,10.0.0.3 -exist\ndel KUBE-LOOP-BACK 10.0.0.1,tcp:80,10.0.0.1 -exist\n"
+        );
         assert_eq!(ipset_delta(&b, &b, &none), "");
         // Unknown (first sync): filled aside and swapped in, so no packet sees it half written.
         let whole = ipset_delta(&b, &Sets::new(), &none);
@@ -666,7 +710,10 @@ mod tests {
         assert_eq!(ipset_delta(&b, &other, &none), whole);
         // A set the kernel has already (an earlier run) is not created again, whatever its size.
         let existing = BTreeSet::from(["KUBE-LOOP-BACK".to_string()]);
-        assert_eq!(ipset_delta(&b, &Sets::new(), &existing), whole.replace("create KUBE-LOOP-BACK hash:ip,port,ip hashsize 1024 maxelem 65536\n", ""));
+        assert_eq!(
+            ipset_delta(&b, &Sets::new(), &existing),
+            whole.replace("create KUBE-LOOP-BACK hash:ip,port,ip hashsize 1024 maxelem 65536\n", "")
+        );
         // Sized for what they hold: 120,000 loopback entries (30,000 Services x 4).
         assert_eq!(set_options("hash:ip,port,ip", 120_000), " hashsize 32768 maxelem 262144");
         assert_eq!(set_options("bitmap:port", 10), " range 0-65535");

@@ -186,7 +186,8 @@ impl Iptables {
 
     /// The backends this node has tools for (`Path` only when neither suffixed one exists).
     pub fn available() -> Vec<Self> {
-        let found: Vec<Self> = [Self::Nft, Self::Legacy].into_iter().filter(|b| run(b.save(), IPTABLES_PACKAGE, &["--version"]).is_ok()).collect();
+        let found: Vec<Self> =
+            [Self::Nft, Self::Legacy].into_iter().filter(|b| run(b.save(), IPTABLES_PACKAGE, &["--version"]).is_ok()).collect();
         if found.is_empty() && run(Self::Path.save(), IPTABLES_PACKAGE, &["--version"]).is_ok() {
             return vec![Self::Path];
         }
@@ -327,7 +328,6 @@ pub fn hash_name(input: &str, len: usize) -> String {
     base32(&digest)[..len].to_string()
 }
 
-
 /// One service port with kube-proxy's derived predicates (`pkg/proxy` semantics), shared by
 /// the renderers.
 pub struct Plan<'a> {
@@ -392,12 +392,20 @@ impl<'a> Plan<'a> {
 
     /// The endpoints internal traffic uses.
     pub fn internal(&self) -> &[EndpointView] {
-        if self.port.internal_local { &self.local } else { &self.cluster }
+        if self.port.internal_local {
+            &self.local
+        } else {
+            &self.cluster
+        }
     }
 
     /// The endpoints external traffic uses.
     pub fn external(&self) -> &[EndpointView] {
-        if self.port.external_local { &self.local } else { &self.cluster }
+        if self.port.external_local {
+            &self.local
+        } else {
+            &self.cluster
+        }
     }
 }
 

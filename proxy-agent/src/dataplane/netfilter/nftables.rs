@@ -83,8 +83,16 @@ pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -
     }
     for (name, ty, c) in [
         ("firewall-ips", "ipv4_addr . inet_proto . inet_service : verdict", "destinations that are subject to LoadBalancerSourceRanges"),
-        ("no-endpoint-nodeports", "inet_proto . inet_service : verdict", "vmap to drop or reject packets to service nodeports with no endpoints"),
-        ("no-endpoint-services", "ipv4_addr . inet_proto . inet_service : verdict", "vmap to drop or reject packets to services with no endpoints"),
+        (
+            "no-endpoint-nodeports",
+            "inet_proto . inet_service : verdict",
+            "vmap to drop or reject packets to service nodeports with no endpoints",
+        ),
+        (
+            "no-endpoint-services",
+            "ipv4_addr . inet_proto . inet_service : verdict",
+            "vmap to drop or reject packets to services with no endpoints",
+        ),
         ("service-ips", "ipv4_addr . inet_proto . inet_service : verdict", "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
         ("service-nodeports", "inet_proto . inet_service : verdict", "NodePort traffic"),
     ] {
@@ -265,7 +273,10 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
         let b = endpoint(e);
         let mut rules = vec![format!("ip saddr {} jump mark-for-masquerade", e.addr)];
         if let Some(t) = p.port.affinity_timeout {
-            r.sets.insert(format!("affinity-{b}"), format!("add set {TABLE} affinity-{b} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {t}s ; }}"));
+            r.sets.insert(
+                format!("affinity-{b}"),
+                format!("add set {TABLE} affinity-{b} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {t}s ; }}"),
+            );
             rules.push(format!("update @affinity-{b} {{ ip saddr }}"));
         }
         rules.push(format!("meta l4proto {proto} dnat to {}", e.socket()));

@@ -39,7 +39,12 @@ pub fn conntrack_settings(c: &Conntrack, cpus: u32) -> Vec<Setting> {
     let mut out = Vec::new();
     if let Some(per_core) = c.max_per_core.filter(|p| *p > 0) {
         let max = per_core.saturating_mul(cpus).max(c.min.unwrap_or(0));
-        out.push(Setting { key: "net/netfilter/nf_conntrack_max".into(), value: max.to_string(), at_least: true, why: "conntrack.maxPerCore" });
+        out.push(Setting {
+            key: "net/netfilter/nf_conntrack_max".into(),
+            value: max.to_string(),
+            at_least: true,
+            why: "conntrack.maxPerCore",
+        });
     }
     let secs = |d: std::time::Duration| d.as_secs().max(1);
     if let Some(d) = c.tcp_established_timeout {
@@ -142,7 +147,10 @@ mod tests {
             udp_stream_timeout: Some(Duration::from_secs(120)),
         };
         let s = conntrack_settings(&c, 2);
-        assert_eq!(s[0], Setting { key: "net/netfilter/nf_conntrack_max".into(), value: "131072".into(), at_least: true, why: "conntrack.maxPerCore" });
+        assert_eq!(
+            s[0],
+            Setting { key: "net/netfilter/nf_conntrack_max".into(), value: "131072".into(), at_least: true, why: "conntrack.maxPerCore" }
+        );
         assert_eq!(conntrack_settings(&c, 8)[0].value, "262144", "per core wins over the minimum on larger nodes");
         let keys: Vec<(&str, &str)> = s[1..].iter().map(|s| (s.key.as_str(), s.value.as_str())).collect();
         assert_eq!(
