@@ -446,7 +446,12 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
         (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()),
     );
     spawn_conntrack_gauge(root.clone(), telemetry.clone());
-    let mut rec = Reconciler::new(new_store(&cfg), dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
+    let mut store = new_store(&cfg);
+    // NodePorts on 127.0.0.1 for the node's processes, through the socket hooks (no
+    // route_localnet: nothing from outside can reach them); kube-proxy's rule for which
+    // NodePort addresses allow it.
+    store.set_localhost_nodeports(crate::dataplane::netfilter::sysctl::localhost_nodeports(&cfg));
+    let mut rec = Reconciler::new(store, dp, vec![Kind::Service, Kind::EndpointSlice, Kind::Node]);
     let (mut inputs, live) = start_inputs(&cfg, &telemetry, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
     Attachments::prune_pins(root, &live);
     rec.store.set_local_addresses(inputs.devices.node_addresses());

@@ -139,7 +139,9 @@ struct Settings {
     /// The bit of the packet mark that asks for masquerading (0-31; default 14).
     #[arg(long)]
     iptables_masquerade_bit: Option<u8>,
-    /// iptables mode serves NodePorts on 127.0.0.1 too (default true, as kube-proxy).
+    /// NodePorts on 127.0.0.1 too (default true, as kube-proxy): the iptables mode with
+    /// route_localnet and its guard, the eBPF mode for the node's processes through the
+    /// socket hooks (nothing from outside reaches them).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     iptables_localhost_nodeports: Option<bool>,
     /// Everything is applied again at least this often, iptables and nftables modes (default 30s).

@@ -755,3 +755,39 @@ fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     assert!(lab.agent_running());
     eprintln!("{test}: {} files, agent at {rss} MiB with them", corpus.len());
 }
+
+/// NodePorts on 127.0.0.1 for the node's own processes (kube-proxy's `localhostNodePorts`,
+/// on by default), served by the socket hooks; off with `--iptables-localhost-nodeports=false`.
+#[test]
+fn host_processes_reach_node_ports_on_localhost_unless_told_not_to() {
+    let test = "host_processes_reach_node_ports_on_localhost_unless_told_not_to";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    if lab.cgroup.is_none() {
+        println!("SKIPPED {test}: no cgroup v2 hierarchy is mounted for the socket hooks");
+        return;
+    }
+    let np = lab::service("np", "10.96.0.30", &[("http", 80, "TCP", lab::TCP_PORT)])
+        .replace("type: ClusterIP", "type: NodePort")
+        .replace(&format!("targetPort: {}\n", lab::TCP_PORT), &format!("targetPort: {}\n    nodePort: 30080\n", lab::TCP_PORT));
+    let slice = lab::endpoint_slice("np", "np-1", &lab.backend_ips(), &[("http", lab::TCP_PORT, "TCP")]);
+    lab.write_manifest("np.yaml", &[np, slice].join("---\n"));
+    lab.start_agent();
+    lab.wait_programmed("127.0.0.1:30080", "TCP", 3);
+    for i in 0..5 {
+        let out = lab.host_ask("tcp", "127.0.0.1:30080");
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(
+            f.len() == 4 && f[0] == "ok" && f[1].starts_with("backend-"),
+            "connection {i} to 127.0.0.1:30080: {out}\n{}",
+            lab.agent_log()
+        );
+        assert_eq!(f[3], "127.0.0.1:30080", "getpeername shows the NodePort");
+    }
+    lab.stop_agent();
+    lab.start_agent_with_extra(&["--iptables-localhost-nodeports=false"]);
+    lab.wait_for("the localhost NodePort to go", |r| !r.frontends.iter().any(|f| f.address == "127.0.0.1:30080"));
+    assert_eq!(lab.host_ask("tcp", "127.0.0.1:30080"), "err ConnectionRefused", "nothing listens there on the node");
+}

@@ -531,3 +531,20 @@ fn one_client_port_to_two_node_ports_of_one_local_backend_keeps_both_flows() {
     let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex));
     assert_eq!(again.src_sock(), sock(CLIENT));
 }
+
+/// A localhost NodePort (127.0.0.1:nodePort, for the node's own processes through the socket
+/// hooks) is never served from outside: a frame from the wire addressed to it, as in
+/// CVE-2020-8558, is left to the kernel, which drops martians, on both TC and XDP.
+#[test]
+fn a_localhost_node_port_is_not_served_from_outside() {
+    let Some(mut n) = node("a_localhost_node_port_is_not_served_from_outside") else { return };
+    n.dp.upsert(&key("127.0.0.1:30080", Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let syn = tcp_frame(sock(CLIENT), sock("127.0.0.1:30080"), SYN);
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &syn), "TC leaves it alone");
+    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves it alone");
+    // The node's address still serves it.
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(dissect(&out.frame).dst_sock(), sock(REMOTE));
+}

@@ -597,7 +597,8 @@ impl Config {
         used("iptables.masqueradeAll", ipt.masquerade_all == Some(true), IPTABLES_IPVS);
         used("nftables.masqueradeAll", nft.masquerade_all == Some(true), NFTABLES);
         let localhost_nodeports = first([flags.iptables_localhost_nodeports, ipt.localhost_node_ports]).unwrap_or(true);
-        used("iptables.localhostNodePorts", ipt.localhost_node_ports.is_some(), IPTABLES);
+        // The eBPF mode serves localhost NodePorts from its socket hooks (as Cilium does).
+        used("iptables.localhostNodePorts", ipt.localhost_node_ports.is_some(), &[ProxyMode::Iptables, ProxyMode::Ebpf]);
         let periods = |sync: Option<Duration>, min: Option<Duration>, default_min: Duration| SyncPeriods {
             sync: sync.unwrap_or(Duration::from_secs(30)),
             min: min.unwrap_or(default_min),

@@ -211,6 +211,9 @@ pub struct NodeInfo {
     /// keeps apart from the NodePort addresses: a load balancer's source ranges admit the node
     /// when they hold this address.
     pub node_ip: Option<Ipv4Addr>,
+    /// NodePorts also on 127.0.0.1, for the node's own processes (the eBPF mode's socket hooks;
+    /// kube-proxy's `localhostNodePorts`).
+    pub localhost_nodeports: bool,
 }
 
 /// One endpoint of a service port as the netfilter renderers need it.

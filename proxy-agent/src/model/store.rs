@@ -209,6 +209,8 @@ pub struct Store {
     endpoint_changes: u64,
     /// Last problem reported per object, so a rescan does not repeat it.
     reported: HashMap<(Kind, ObjectKey), String>,
+    /// See `set_localhost_nodeports`.
+    localhost_nodeports: bool,
     /// IPv4 ranges of each ServiceCIDR object, by name.
     service_cidr_objects: BTreeMap<String, Vec<Cidr>>,
     /// `--service-cluster-ip-range`: ranges given on the command line (a manifest directory
@@ -235,6 +237,15 @@ impl Store {
             zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
             nodeport_addresses: self.nodeport_addresses(),
             node_ip: self.node_ip(),
+            localhost_nodeports: self.localhost_nodeports,
+        }
+    }
+
+    /// Serve NodePorts on 127.0.0.1 too (the eBPF mode, see `NodeInfo::localhost_nodeports`).
+    pub fn set_localhost_nodeports(&mut self, on: bool) {
+        if self.localhost_nodeports != on {
+            self.localhost_nodeports = on;
+            self.dirty.extend(self.services.keys().cloned());
         }
     }
 

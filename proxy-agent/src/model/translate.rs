@@ -184,6 +184,9 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             for a in &node.nodeport_addresses {
                 add(*a, np, FrontendKind::NodePort);
             }
+            if node.localhost_nodeports && !node.nodeport_addresses.contains(&std::net::Ipv4Addr::LOCALHOST) {
+                add(std::net::Ipv4Addr::LOCALHOST, np, FrontendKind::NodePort);
+            }
         }
         for a in &lb_ips {
             add(*a, port.port, FrontendKind::LoadBalancer);
@@ -215,6 +218,7 @@ mod tests {
             zone: Some("zone-1".into()),
             nodeport_addresses: vec!["192.168.0.10".parse().unwrap()],
             node_ip: Some("192.168.0.10".parse().unwrap()),
+            localhost_nodeports: false,
         }
     }
 
@@ -338,6 +342,11 @@ mod tests {
         );
         assert!(t.frontends.iter().all(|(_, f)| f.backends.len() == 2 && f.internal_backends.is_none()), "Cluster policy: every endpoint");
         assert_eq!(t.health_check, None);
+        // Localhost NodePorts: one more NodePort frontend, on 127.0.0.1.
+        let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { localhost_nodeports: true, ..node() });
+        let node_ports: Vec<String> =
+            t.frontends.iter().filter(|(_, f)| f.kind == FrontendKind::NodePort).map(|(k, _)| k.to_string()).collect();
+        assert_eq!(node_ports, ["192.168.0.10:30080/TCP", "127.0.0.1:30080/TCP"]);
     }
 
     #[test]

@@ -54,9 +54,11 @@ struct View {
 }
 
 /// The scopes `fe` needs: the external (always) and the internal one (when pods see other
-/// backends than outside clients).
-fn views(fe: &Frontend) -> (View, Option<View>) {
-    let external = fe.kind.is_external();
+/// backends than outside clients). A loopback frontend (a localhost NodePort) is for the node's
+/// own sockets only: never served on external interfaces, where 127.0.0.0/8 is a martian
+/// (CVE-2020-8558 was such traffic reaching localhost NodePorts).
+fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
+    let external = fe.kind.is_external() && !key.addr.is_loopback();
     let mut flags = svc_flags::NONE;
     if fe.drop_when_empty {
         flags |= svc_flags::DROP_WHEN_EMPTY;
@@ -508,7 +510,7 @@ impl LbMaps {
         let Ok(proto) = ipproto(key.protocol) else { return false };
         let fe = normalized(fe);
         let name = fe.name.to_string();
-        let (ext, int) = views(&fe);
+        let (ext, int) = views(key, &fe);
         self.scope_current(key, scope::EXTERNAL, &ext, &name, proto)
             && match &int {
                 Some(v) => self.scope_current(key, scope::INTERNAL, v, &name, proto),
@@ -525,7 +527,7 @@ impl LbMaps {
             }
         }
         let name = fe.name.to_string();
-        let (ext, int) = views(&fe);
+        let (ext, int) = views(key, &fe);
         // Internal scope first: the external master may only point at a complete one.
         if let Some(v) = &int {
             self.upsert_scope(key, scope::INTERNAL, v, &name)?;
