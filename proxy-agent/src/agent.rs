@@ -357,9 +357,17 @@ fn new_store(cfg: &Config) -> Store {
 }
 
 async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyhow::Result<()> {
-    let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables).map_err(anyhow::Error::msg)?;
+    // kube-proxy's packet counters, where the kernel has nfacct; else rules without them.
+    let nfacct = mode == ProxyMode::Iptables
+        && crate::dataplane::netfilter::nfacct::ensure_all()
+            .map_err(|e| tracing::info!("{e}: the iptables rules count no packets (as kube-proxy does without nfacct)"))
+            .is_ok();
+    let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables, nfacct).map_err(anyhow::Error::msg)?;
     let settings = cfg.netfilter.for_mode(mode);
     let telemetry = telemetry_and_servers(&cfg, 2 * settings.sync.sync, mode, None, (0, 0));
+    if nfacct {
+        telemetry.count_nfacct();
+    }
     let masquerading = Masquerading {
         masquerade_all: settings.masquerade_all,
         detect_local: Some(cfg.netfilter.detect_local.clone()),

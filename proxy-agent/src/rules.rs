@@ -108,7 +108,11 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         return Ok(out);
     }
     // What is printed does not depend on the backend.
-    let mut rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default()).map_err(anyhow::Error::msg)?;
+    // With the counters where the node has them (a running agent or kube-proxy made them);
+    // `rules` itself creates nothing.
+    let nfacct =
+        crate::dataplane::netfilter::nfacct::COUNTERS.iter().all(|(n, _, _)| crate::dataplane::netfilter::nfacct::packets(n).is_ok());
+    let mut rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default(), nfacct).map_err(anyhow::Error::msg)?;
     let mut store = store;
     store.set_service_cidr_flag(cfg.common.service_cidrs.clone());
     rules.set_service_cidrs(store.cluster_ip_ranges().0);

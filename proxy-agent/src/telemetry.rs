@@ -81,6 +81,8 @@ pub struct Telemetry {
     healthz: Family<CodeLabel, Counter>,
     livez: Family<CodeLabel, Counter>,
     pub fill: Arc<MapFill>,
+    /// Export kube-proxy's nfacct counters (iptables mode, where the kernel has them).
+    nfacct: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn unix(t: SystemTime) -> f64 {
@@ -140,6 +142,8 @@ impl Telemetry {
         let livez = Family::<CodeLabel, Counter>::default();
         registry.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", livez.clone());
         let fill = Arc::new(MapFill::default());
+        let nfacct = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        registry.register_collector(Box::new(NfacctCollector { enabled: nfacct.clone() }));
         registry.register_collector(Box::new(DatapathCollector {
             stats: pin_root.and_then(open_stats).map(Mutex::new),
             fill: fill.clone(),
@@ -163,7 +167,13 @@ impl Telemetry {
             healthz,
             livez,
             fill,
+            nfacct,
         })
+    }
+
+    /// The iptables mode's rules count into kube-proxy's nfacct objects: export them.
+    pub fn count_nfacct(&self) {
+        self.nfacct.store(true, Ordering::Relaxed);
     }
 
     /// A change arrived that needs programming.
@@ -273,6 +283,27 @@ impl Telemetry {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encoding metrics into a String");
         out
+    }
+}
+
+/// kube-proxy's iptables packet counters (nfacct objects), read at scrape time.
+#[derive(Debug)]
+struct NfacctCollector {
+    enabled: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Collector for NfacctCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        for (name, metric, help) in crate::dataplane::netfilter::nfacct::COUNTERS {
+            // A counter that cannot be read (deleted meanwhile) is left out, not made up.
+            let Ok(packets) = crate::dataplane::netfilter::nfacct::packets(name) else { continue };
+            let c = encoder.encode_descriptor(metric, help, None, MetricType::Counter)?;
+            ConstCounter::new(packets).encode(c)?;
+        }
+        Ok(())
     }
 }
 

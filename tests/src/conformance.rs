@@ -236,13 +236,17 @@ pub fn localhost_node_ports(agent: &Path, mode: ProxyMode, enabled: bool) {
     let flag = format!("--iptables-localhost-nodeports={enabled}");
     start(&mut lab, mode, &[&flag]);
     eventually("the NodePort on the node's address", || tcp_ask(&lab.client.ns, sock("192.168.250.1:30080")).map_err(|e| e.to_string()));
-    let served = mode == ProxyMode::Iptables && enabled;
+    let served = matches!(mode, ProxyMode::Iptables | ProxyMode::Ebpf) && enabled;
     let node = lab.node.name.clone();
     let localnet = lab.node.run(|| std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/route_localnet").unwrap_or_default());
     if served {
-        assert_eq!(localnet.trim(), "1", "route_localnet is set for localhost NodePorts");
-        let filter = crate::netns::sh(&["ip", "netns", "exec", &node, "iptables-save", "-t", "filter"]);
-        assert!(filter.contains("block incoming localnet connections"), "the CVE-2020-8558 guard is in place:\n{filter}");
+        if mode == ProxyMode::Iptables {
+            assert_eq!(localnet.trim(), "1", "route_localnet is set for localhost NodePorts");
+            let filter = crate::netns::sh(&["ip", "netns", "exec", &node, "iptables-save", "-t", "filter"]);
+            assert!(filter.contains("block incoming localnet connections"), "the CVE-2020-8558 guard is in place:\n{filter}");
+        } else {
+            assert_eq!(localnet.trim(), "0", "{mode}: the socket hooks need no route_localnet");
+        }
         let out = eventually("127.0.0.1:30080 to answer", || {
             let out = lab.host_ask("tcp", "127.0.0.1:30080");
             if out.starts_with("ok ") {
@@ -252,6 +256,16 @@ pub fn localhost_node_ports(agent: &Path, mode: ProxyMode, enabled: bool) {
             }
         });
         assert!(out.starts_with("ok backend-"), "{mode}: {out}");
+        if mode == ProxyMode::Iptables {
+            // kube-proxy's counters (nfacct), as its metrics.
+            let nat = crate::netns::sh(&["ip", "netns", "exec", &node, "iptables-save", "-t", "nat"]);
+            assert!(nat.contains("-m nfacct") && nat.contains("localhost_nps_accepted_pkts"), "{nat}");
+            let (_, metrics) = crate::servers::http_get(&lab.node, sock("127.0.0.1:10249"), "/metrics").expect("/metrics");
+            let value =
+                |name: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.trim().parse::<f64>().ok());
+            assert!(value("kubeproxy_iptables_localhost_nodeports_accepted_packets_total").is_some_and(|v| v >= 1.0), "{metrics}");
+            assert!(value("kubeproxy_iptables_ct_state_invalid_dropped_packets_total").is_some(), "{metrics}");
+        }
     } else {
         let out = lab.host_ask("tcp", "127.0.0.1:30080");
         assert!(out.starts_with("err"), "{mode} (localhost NodePorts {enabled}): 127.0.0.1:30080 is not a NodePort: {out}");

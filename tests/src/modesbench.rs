@@ -207,7 +207,7 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
             let cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
             let flags = Flags { cluster_cidr: Some(cluster_cidrs.clone()), ..Default::default() };
             let (cfg, _) = Config::resolve(flags, || "bench-node".into()).expect("configuration");
-            let rules = rules_for(mode, &cfg, v.iptables).expect("netfilter rules");
+            let rules = rules_for(mode, &cfg, v.iptables, false).expect("netfilter rules");
             let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs };
             Box::new(NetfilterProxier::new(store, rules, kinds, masquerading, vec![]))
         }

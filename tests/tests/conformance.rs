@@ -109,8 +109,8 @@ mod takeover {
     }
 }
 
-/// Not a scenario of every mode: localhost NodePorts are an iptables mode matter (and not yet
-/// served by the eBPF mode's socket hooks).
+/// Not a scenario of every mode: localhost NodePorts are served by the iptables mode (as
+/// kube-proxy's) and by the eBPF mode's socket hooks, not by nftables (as kube-proxy's).
 mod localhost_node_ports {
     use super::*;
 
@@ -127,6 +127,14 @@ mod localhost_node_ports {
     #[test]
     fn iptables_does_not_when_told_not_to() {
         check(ProxyMode::Iptables, false)
+    }
+    #[test]
+    fn ebpf_serves_them_by_default() {
+        check(ProxyMode::Ebpf, true)
+    }
+    #[test]
+    fn ebpf_does_not_when_told_not_to() {
+        check(ProxyMode::Ebpf, false)
     }
     #[test]
     fn nftables_does_not_as_kube_proxy() {

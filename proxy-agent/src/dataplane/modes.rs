@@ -84,15 +84,16 @@ pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
 }
 
 /// The rules of a netfilter mode, configured as `cfg` says, written with iptables backend
-/// `iptables` (iptables mode, and IPVS mode's few rules).
-pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables) -> Result<Box<dyn RuleSet + Send>, String> {
+/// `iptables` (iptables mode, and IPVS mode's few rules); `nfacct`: kube-proxy's nfacct
+/// counters exist, and the iptables rules count into them.
+pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables, nfacct: bool) -> Result<Box<dyn RuleSet + Send>, String> {
     let settings = cfg.netfilter.for_mode(mode);
     match mode {
         ProxyMode::Iptables => Ok(Box::new(IptablesRules::with_options(
             netfilter::iptables::IptablesOptions {
                 mark: settings.mark(),
                 localhost_nodeports: netfilter::sysctl::localhost_nodeports(cfg),
-                nfacct: false,
+                nfacct,
                 random_fully: true,
                 // kube-proxy leaves INVALID packets alone when conntrack is told to be liberal.
                 drop_invalid: !cfg.common.conntrack.tcp_be_liberal,
@@ -132,6 +133,12 @@ pub fn cleanup_all(bpffs_root: &Path) -> Vec<String> {
     let backends = netfilter::Iptables::available();
     let mut lines: Vec<String> = ProxyMode::ALL.into_iter().flat_map(|mode| cleanup(mode, bpffs_root, &backends)).collect();
     lines.extend(netfilter::takeover::cleanup(&backends));
+    // The iptables mode's counters, once no rule counts into them.
+    for (name, _, _) in netfilter::nfacct::COUNTERS {
+        if let Ok(true) = netfilter::nfacct::delete(name) {
+            lines.push(format!("nfacct: {name}"));
+        }
+    }
     lines
 }
 

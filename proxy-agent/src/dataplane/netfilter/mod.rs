@@ -6,6 +6,7 @@
 pub mod conntrack;
 pub mod iptables;
 pub mod ipvs;
+pub mod nfacct;
 pub mod nftables;
 pub mod sysctl;
 pub mod takeover;
