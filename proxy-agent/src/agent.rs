@@ -446,13 +446,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     };
     let root = &cfg.common.bpffs_root;
     tracing::info!(bpffs_root = %root.display(), node = cfg.common.hostname, adopted_frontends = dp.programmed_keys().len(), "dataplane loaded");
-    let telemetry = telemetry_and_servers(
-        &cfg,
-        2 * cfg.common.sync_period,
-        ProxyMode::Ebpf,
-        Some(root),
-        (cfg.ebpf.lb_map_max.into(), cfg.ebpf.ct_map_max.into()),
-    );
+    let telemetry = telemetry_and_servers(&cfg, 2 * cfg.common.sync_period, ProxyMode::Ebpf, Some(root), dp.capacities());
     spawn_conntrack_gauge(root.clone(), telemetry.clone());
     let mut store = new_store(&cfg);
     // NodePorts on 127.0.0.1 for the node's processes, through the socket hooks (no

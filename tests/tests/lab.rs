@@ -791,3 +791,27 @@ fn host_processes_reach_node_ports_on_localhost_unless_told_not_to() {
     lab.wait_for("the localhost NodePort to go", |r| !r.frontends.iter().any(|f| f.address == "127.0.0.1:30080"));
     assert_eq!(lab.host_ask("tcp", "127.0.0.1:30080"), "err ConnectionRefused", "nothing listens there on the node");
 }
+
+/// Pinned maps keep the size they were made with: a restart asking for another size says so,
+/// and the map-fill figures (and the ids handed out) follow the kernel's size, not the flag.
+#[test]
+fn a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so() {
+    let test = "a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.start_agent_with_extra(&["--lb-map-max", "1024"]);
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.stop_agent();
+    lab.start_agent_with_extra(&["--lb-map-max", "4096"]);
+    lab.wait_log("--lb-map-max 4096 differs from the 1024 entries", 1);
+    lab.wait_log("initial sync done", 2);
+    let log = lab.agent_log();
+    assert!(!log.contains("cannot load"), "the pinned maps are adopted, not given up:\n{log}");
+    assert!(log.contains("unchanged=3"), "the restart rewrites nothing:\n{log}");
+    let (_, metrics) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
+    assert!(metrics.contains("proxy_agent_map_capacity{map=\"services\"} 1024"), "{metrics}");
+    assert_eq!(counts(&lab, 30).len(), 3);
+}

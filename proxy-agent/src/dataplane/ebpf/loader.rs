@@ -197,21 +197,6 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
 pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
     raise_memlock();
     let mut loader = EbpfLoader::new();
-    let lb = options.lb_map_max.max(2);
-    for name in [
-        map_names::SERVICES,
-        map_names::BACKENDS,
-        map_names::REVNAT,
-        map_names::NAMES,
-        map_names::BACKEND_FLOWS,
-        map_names::MAGLEV,
-        map_names::AFFINITY_MATCH,
-        map_names::SOURCE_RANGES,
-        map_names::SERVICE_CIDRS,
-    ] {
-        loader.map_max_entries(name, lb);
-    }
-    loader.map_max_entries(map_names::CT, options.ct_map_max.max(2));
     loader.map_max_entries(map_names::STATS, REASON_SLOTS);
     loader.override_global("CT_LIFETIMES", &options.ct_lifetimes, true);
     let mut outlives_agent = false;
@@ -228,6 +213,26 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
         }
         None => Vec::new(),
     };
+    // A map a previous run pinned is adopted as it is, its size included (its entries are the
+    // connections' state): the object asks for that size, else the kernel would not take the
+    // pin for the object's map and the load would fail (see `capacity` for what is reported).
+    let pinned =
+        |name: &str| pin_paths.iter().find(|(n, _)| *n == name).and_then(|(_, p)| MapInfo::from_pin(p).ok()).map(|i| i.max_entries());
+    let lb = options.lb_map_max.max(2);
+    for name in [
+        map_names::SERVICES,
+        map_names::BACKENDS,
+        map_names::REVNAT,
+        map_names::NAMES,
+        map_names::BACKEND_FLOWS,
+        map_names::MAGLEV,
+        map_names::AFFINITY_MATCH,
+        map_names::SOURCE_RANGES,
+        map_names::SERVICE_CIDRS,
+    ] {
+        loader.map_max_entries(name, pinned(name).unwrap_or(lb));
+    }
+    loader.map_max_entries(map_names::CT, pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2)));
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
@@ -252,6 +257,13 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
         }
     }
     Ok((ebpf, outlives_agent))
+}
+
+/// The entries a map of the loaded object holds at most: what the kernel says of its pin (an
+/// adopted map keeps the size it was created with, whatever the options ask now), else what
+/// the options asked.
+pub fn capacity(options: &LoadOptions, name: &str, asked: u32) -> u32 {
+    options.pin_root.as_ref().and_then(|root| MapInfo::from_pin(maps_dir(root).join(name)).ok()).map_or(asked, |info| info.max_entries())
 }
 
 fn report_bpffs(root: &Path, p: &bpffs::Prepared) {

@@ -51,6 +51,8 @@ pub struct EbpfDataplane {
     xdp_devs: std::collections::BTreeMap<u32, u32>,
     /// What `CONFIG_V2` holds.
     config: Config,
+    /// Entries the load-balancer maps and the conntrack map hold at most, as the kernel has them.
+    capacities: (u64, u64),
     /// What `LB4_SVCCIDR_V1` holds: (prefix length, address) -> `svc_cidr` value; read from the
     /// map the first time (a previous run's pins).
     svc_cidrs: Option<std::collections::BTreeMap<(u8, [u8; 4]), u8>>,
@@ -67,7 +69,19 @@ impl EbpfDataplane {
             )));
         }
         let (mut ebpf, pins_outlive_agent) = loader::load(&options)?;
-        let lb = LbMaps::adopt(&mut ebpf, options.lb_map_max, maglev_size)?;
+        // Maps adopted from a previous run keep their size: ids and the fill gauges follow the
+        // kernel's, not the option.
+        let lb_max = loader::capacity(&options, map_names::SERVICES, options.lb_map_max.max(2));
+        let ct_max = loader::capacity(&options, map_names::CT, options.ct_map_max.max(2));
+        for (what, asked, held) in [("--lb-map-max", options.lb_map_max, lb_max), ("--ct-map-max", options.ct_map_max, ct_max)] {
+            if asked.max(2) != held {
+                tracing::warn!(
+                    "{what} {asked} differs from the {held} entries of the maps a previous run pinned, which are kept (their \
+                     connections with them); `proxy-agent cleanup` before the start resizes them"
+                );
+            }
+        }
+        let lb = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
         // The Service CIDR check stays as a previous run left it until the first sync.
         let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
         {
@@ -86,6 +100,7 @@ impl EbpfDataplane {
             pins_outlive_agent,
             config,
             svc_cidrs: None,
+            capacities: (u64::from(lb_max), u64::from(ct_max)),
         };
         me.write_config(config)?;
         Ok(me)
@@ -305,6 +320,11 @@ impl EbpfDataplane {
 
     pub fn attached(&self) -> &std::collections::BTreeMap<u32, String> {
         &self.attachments.interfaces
+    }
+
+    /// (load-balancer maps, conntrack) capacity, as the kernel has them.
+    pub fn capacities(&self) -> (u64, u64) {
+        self.capacities
     }
 
     pub fn backend_count(&self) -> usize {
