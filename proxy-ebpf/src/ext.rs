@@ -10,11 +10,11 @@ use proxy_common::{csum, Reason, TraceResult, TRACE_MARK};
 
 use crate::{
     ct, frag, icmp,
-    lb::Verdict,
     maps::TRACE_V1,
     nat::{self, Side},
     north::{self, Env, Route, Step},
     parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF},
+    verdict::Verdict,
 };
 
 const AF_INET: u32 = 2;

@@ -13,10 +13,10 @@ use network_types::ip::Ipv4Hdr;
 use proxy_common::{csum, ct::flags, CtKey, Reason, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    lb::Verdict,
     maps::CT4_V2,
     parse::{ptr_at, Packet, ETH_LEN, IP_OFF},
-    revnat::revnat_of,
+    select::revnat_of,
+    verdict::Verdict,
 };
 
 const IP_HDR_LEN: usize = 20;

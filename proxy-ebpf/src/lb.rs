@@ -16,19 +16,8 @@ use crate::{
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed},
     select::{self, backend, service},
+    verdict::Verdict,
 };
-
-pub struct Verdict {
-    pub action: i32,
-    pub reason: Reason,
-}
-
-impl Verdict {
-    #[inline(always)]
-    pub const fn pass(reason: Reason) -> Self {
-        Self { action: TC_ACT_OK, reason }
-    }
-}
 
 #[inline(always)]
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
@@ -132,7 +121,7 @@ fn translate_hairpin(ctx: &TcContext, pkt: &Packet, be: &Backend) -> Result<i32,
 /// the pod again as coming from the service.
 #[inline(always)]
 fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, now: u64) -> Result<Verdict, Reason> {
-    let Some(rn) = crate::revnat::revnat_of(entry) else {
+    let Some(rn) = select::revnat_of(entry) else {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     };
     // The client is the pod itself: its forward tuple starts at this packet's source address.

@@ -18,6 +18,7 @@ mod revnat;
 mod select;
 mod sock;
 mod stats;
+mod verdict;
 mod xdp;
 
 use aya_ebpf::{
@@ -28,7 +29,7 @@ use aya_ebpf::{
 use proxy_common::Reason;
 
 #[inline(always)]
-fn finish(ctx: &TcContext, verdict: Result<lb::Verdict, Reason>) -> i32 {
+fn finish(ctx: &TcContext, verdict: Result<verdict::Verdict, Reason>) -> i32 {
     let (action, reason) = match verdict {
         Ok(v) => (v.action, v.reason),
         Err(reason) => (TC_ACT_SHOT, reason),

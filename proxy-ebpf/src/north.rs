@@ -21,8 +21,7 @@ use crate::{
     lb::count_flow,
     maps::{CONFIG_V2, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
     parse::Packet,
-    revnat::revnat_of,
-    select::{self, backend, service},
+    select::{self, backend, revnat_of, service},
 };
 
 const AF_INET: u8 = 2;

@@ -5,22 +5,17 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    CtEntry, Reason, RevNat,
+    Reason,
 };
 
 use crate::{
     ct, frag, icmp,
-    lb::Verdict,
-    maps::{CT4_V2, LB4_REVNAT_V1},
+    maps::CT4_V2,
     nat::{self, Side},
     parse::{self, Frag, Parsed},
+    select::revnat_of,
+    verdict::Verdict,
 };
-
-#[inline(always)]
-pub fn revnat_of(entry: &CtEntry) -> Option<RevNat> {
-    // SAFETY: the value is copied out at once.
-    LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p })
-}
 
 #[inline(always)]
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {

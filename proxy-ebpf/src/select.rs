@@ -3,12 +3,15 @@
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, Reason, ServiceKey, ServiceValue, SourceRangeKey,
-    SvcCidrKey,
+    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtEntry, Reason, RevNat, ServiceKey, ServiceValue,
+    SourceRangeKey, SvcCidrKey,
 };
 
 use crate::{
-    maps::{CONFIG_V2, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1, LB4_SVCCIDR_V1},
+    maps::{
+        CONFIG_V2, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_REVNAT_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1,
+        LB4_SVCCIDR_V1,
+    },
     parse::{Frag, Packet},
 };
 
@@ -56,6 +59,13 @@ pub fn cluster_ip_check(daddr: [u8; 4]) -> Option<Reason> {
         svc_cidr::ALLOCATED => Some(Reason::RejectClusterIpPort),
         _ => Some(Reason::DropUnallocatedClusterIp),
     }
+}
+
+/// The Service address a tracked flow's replies must come from.
+#[inline(always)]
+pub fn revnat_of(entry: &CtEntry) -> Option<RevNat> {
+    // SAFETY: the value is copied out at once.
+    LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p })
 }
 
 #[inline(always)]

@@ -326,8 +326,13 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
     let start = std::time::Instant::now();
     assert_eq!(lab.host_ask("tcp", EMPTY_VIP), "err ConnectionRefused");
     assert!(start.elapsed() < Duration::from_secs(2));
-    // Load balancers with source ranges: the node gets through when a range holds its address
-    // (kube-proxy admits the load balancer's own address then), and is refused otherwise.
+    // Load balancers with source ranges: the node gets through when a range holds its primary
+    // IP (kube-proxy admits the load balancer's own address then), and is refused otherwise.
+    // The node IP is the Node's InternalIP, as kube-proxy takes it.
+    lab.write_manifest(
+        "node.yaml",
+        &format!("{}status:\n  addresses:\n  - {{type: InternalIP, address: 192.168.250.1}}\n", lab::node_manifest()),
+    );
     let lb = |name: &str, cluster_ip: &str, node_port: u16, ip: &str, ranges: &str| {
         let spec = format!(
             "  type: LoadBalancer\n  clusterIP: {cluster_ip}\n  loadBalancerSourceRanges: [{ranges}]\n  ports:\n  - {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: {node_port}}}\n"
