@@ -34,13 +34,14 @@ use crate::{
         Dataplane as _, ProxyMode,
     },
     devices::Devices,
-    healthcheck::{HealthServers, PortState},
+    healthcheck::HealthServers,
     http,
     model::store::{Event, Kind, Store},
     netlink,
     proxier::{Masquerading, NetfilterProxier},
-    reconcile::{Reconciler, SyncStats},
+    reconcile::Reconciler,
     source::{self, manifests::ManifestDir},
+    sync::{PortState, SyncStats},
     telemetry::Telemetry,
 };
 

@@ -17,14 +17,9 @@ use axum::{
 };
 use tokio::task::JoinHandle;
 
-use crate::{model::ObjectKey, telemetry::Telemetry};
+use crate::telemetry::Telemetry;
 
-/// What one port reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PortState {
-    pub service: ObjectKey,
-    pub local_endpoints: usize,
-}
+pub use crate::sync::PortState;
 
 /// The body and status of a probe.
 pub fn answer(state: &PortState, proxy_healthy: bool) -> (u16, String) {
@@ -137,6 +132,7 @@ fn router(state: Arc<Mutex<PortState>>, telemetry: Arc<Telemetry>) -> Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ObjectKey;
 
     #[test]
     fn answers_as_kube_proxy() {

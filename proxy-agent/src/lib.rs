@@ -18,5 +18,6 @@ pub mod proxier;
 pub mod reconcile;
 pub mod rules;
 pub mod source;
+pub mod sync;
 pub mod telemetry;
 pub mod trace;

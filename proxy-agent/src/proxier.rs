@@ -9,13 +9,12 @@ use std::{
 
 use crate::{
     dataplane::netfilter::{NodeContext, RuleSet, Services},
-    healthcheck::PortState,
     model::{
         store::{Event, Kind, NodePortAddresses, Store},
         translate::HealthCheck,
         ObjectKey,
     },
-    reconcile::SyncStats,
+    sync::{PortState, SyncStats},
 };
 
 /// How the node's traffic is recognised and masqueraded in the rules.

@@ -6,34 +6,18 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    time::{Duration, Instant, SystemTime},
+    time::{Instant, SystemTime},
 };
 
 use crate::{
     dataplane::Dataplane,
-    healthcheck::PortState,
     model::{
         store::{Event, Kind, Store},
         translate::HealthCheck,
         Frontend, FrontendKey, ObjectKey,
     },
+    sync::{PortState, SyncStats},
 };
-
-/// What one sync did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct SyncStats {
-    pub services: usize,
-    pub upserted: usize,
-    pub removed: usize,
-    pub unchanged: usize,
-    pub failed: usize,
-    pub garbage: usize,
-    pub duration: Duration,
-    /// This sync was the first complete one.
-    pub initial: bool,
-    /// `last-change-trigger-time`s of the endpoint changes this sync programmed.
-    pub trigger_times: Vec<SystemTime>,
-}
 
 pub struct Reconciler<D> {
     pub store: Store,

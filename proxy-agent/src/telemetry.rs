@@ -29,7 +29,7 @@ use prometheus_client::{
 };
 use proxy_common::{map_names, Counter as DpCounter, Reason};
 
-use crate::{dataplane::ebpf::loader, model::store::ChangeCounts, reconcile::SyncStats};
+use crate::{dataplane::ebpf::loader, model::store::ChangeCounts, sync::SyncStats};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {

@@ -27,7 +27,8 @@ use proxy_agent::{
     },
     model::store::{Event, Kind, Object, Store},
     proxier::{Masquerading, NetfilterProxier},
-    reconcile::{Reconciler, SyncStats},
+    reconcile::Reconciler,
+    sync::SyncStats,
 };
 use serde::{Deserialize, Serialize};
 

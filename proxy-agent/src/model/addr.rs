@@ -55,6 +55,59 @@ pub fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     (prefix <= width).then_some((addr, prefix))
 }
 
+/// An IPv4 CIDR, as `--nodeport-addresses` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl Cidr {
+    fn mask(&self) -> u32 {
+        if self.prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(self.prefix))
+        }
+    }
+
+    /// The same range written with its network address (`10.1.2.3/8` -> `10.0.0.0/8`).
+    pub fn network(self) -> Self {
+        Self { addr: std::net::Ipv4Addr::from(u32::from(self.addr) & self.mask()), prefix: self.prefix }
+    }
+
+    pub fn contains(&self, a: std::net::Ipv4Addr) -> bool {
+        u32::from(a) & self.mask() == u32::from(self.addr) & self.mask()
+    }
+
+    /// True when one of `ranges` holds one of `addrs` (loadBalancerSourceRanges holding a node
+    /// address, which then admit the load balancer's own address too, as kube-proxy does).
+    pub fn any_contains(ranges: &[Cidr], addrs: &[std::net::Ipv4Addr]) -> bool {
+        ranges.iter().any(|r| addrs.iter().any(|a| r.contains(*a)))
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a CIDR (address/prefix)"))?;
+        // Read as kube-proxy reads CIDRs (ParseCIDRSloppy): leading zeros are decimal.
+        let Some(std::net::IpAddr::V4(addr)) = parse_ip(a) else {
+            return Err(format!("{s:?}: {a:?} is not an IPv4 address"));
+        };
+        match parse_cidr(s) {
+            Some((_, prefix)) => Ok(Self { addr, prefix }),
+            None => Err(format!("{s:?}: prefix {p:?} is not 0-32")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

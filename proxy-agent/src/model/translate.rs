@@ -3,8 +3,8 @@
 use std::{collections::HashSet, net::IpAddr};
 
 use super::{
+    addr::Cidr,
     endpoints::{categorize, Endpoint, Policies},
-    store::Cidr,
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
     Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol, ServicePortName,
 };

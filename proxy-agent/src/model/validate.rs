@@ -97,7 +97,7 @@ pub struct CheckedService {
     /// `spec.healthCheckNodePort`, for LoadBalancer Services with externalTrafficPolicy Local.
     pub health_check_node_port: Option<u16>,
     /// `spec.loadBalancerSourceRanges` (IPv4), canonical (network address).
-    pub lb_source_ranges: Vec<crate::model::store::Cidr>,
+    pub lb_source_ranges: Vec<super::addr::Cidr>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -511,7 +511,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
             }
         })
         .collect();
-    let lb_source_ranges: Vec<crate::model::store::Cidr> = spec
+    let lb_source_ranges: Vec<super::addr::Cidr> = spec
         .load_balancer_source_ranges
         .iter()
         .flatten()
@@ -522,7 +522,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
             if r.contains(':') {
                 return None;
             }
-            match r.parse::<crate::model::store::Cidr>() {
+            match r.parse::<super::addr::Cidr>() {
                 Ok(c) => Some(c.network()),
                 Err(e) => {
                     errs.push(format!("spec.loadBalancerSourceRanges[{i}]: {e}"));
@@ -580,7 +580,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
 /// Checks a ServiceCIDR (`networking.k8s.io/v1`) as the API server does (at most two ranges,
 /// one per family, each valid) and returns its IPv4 ranges (this dataplane serves IPv4 only so
 /// far; IPv6 ranges are left out).
-pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Result<Vec<super::store::Cidr>, Invalid> {
+pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Result<Vec<super::addr::Cidr>, Invalid> {
     let mut errs = Vec::new();
     checked_key(&obj.metadata, NameRule::Dns1123Subdomain, &mut errs)?;
     let listed = obj.spec.as_ref().and_then(|s| s.cidrs.clone()).unwrap_or_default();
@@ -599,7 +599,7 @@ pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Resu
             Some((a, prefix)) => {
                 families.push(a.is_ipv4());
                 if let IpAddr::V4(v4) = a {
-                    out.push(super::store::Cidr { addr: v4, prefix }.network());
+                    out.push(super::addr::Cidr { addr: v4, prefix }.network());
                 }
             }
         }
@@ -702,7 +702,7 @@ pub struct CheckedNode {
     /// `--nodeport-addresses primary`.
     pub internal_ip: Option<Ipv4Addr>,
     /// `spec.podCIDRs` (IPv4 ones): this node's pods' range, for `detectLocalMode NodeCIDR`.
-    pub pod_cidrs: Vec<super::store::Cidr>,
+    pub pod_cidrs: Vec<super::addr::Cidr>,
     /// Being deleted, or tainted for deletion by the Cluster Autoscaler: kube-proxy reports the
     /// node ineligible on /healthz so load balancers drain it.
     pub deleting: bool,
