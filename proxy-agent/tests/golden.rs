@@ -155,15 +155,15 @@ fn iptables_case(case: &str) {
     assert_same(&format!("{case}: iptables-restore input"), &normalize_iptables(&text), &normalize_iptables(&golden(case, "iptables.txt")));
 }
 
+/// kube-proxy's test node: 192.168.0.2, NodePorts on that address only.
+fn fixture_node(local: LocalTraffic) -> NodeContext {
+    let ip = Ipv4Addr::new(192, 168, 0, 2);
+    NodeContext { nodeport_ips: vec![ip], nodeport_all: false, local, masquerade_all: false, node_ip: Some(ip) }
+}
+
 fn nftables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-    let node = NodeContext {
-        nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
-        nodeport_all: false,
-        local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
-        masquerade_all: false,
-        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
-    };
+    let node = fixture_node(LocalTraffic::Cidr(cidr("10.0.0.0/8")));
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
     let dump = nftables::render(&services, &node, &opts).dump();
@@ -200,13 +200,7 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-        let node = NodeContext {
-            nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
-            nodeport_all: false,
-            local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
-            masquerade_all: false,
-            node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
-        };
+        let node = fixture_node(LocalTraffic::Cidr(cidr("10.0.0.0/8")));
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
         let whole = nftables::render(&services, &node, &opts);
@@ -315,13 +309,7 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
-    let node = NodeContext {
-        nodeport_ips: vec![Ipv4Addr::new(192, 168, 0, 2)],
-        nodeport_all: false,
-        local: LocalTraffic::Cidr(cidr("010.0.0.0/08")),
-        masquerade_all: false,
-        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
-    };
+    let node = fixture_node(LocalTraffic::Cidr(cidr("010.0.0.0/08")));
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let ipt = iptables::restore_text(
