@@ -41,6 +41,8 @@ pub struct Reconciler<D> {
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
     /// `Store::cluster_ip_generation` the dataplane's cluster IP ranges were last written at.
     cluster_ips_written: Option<u64>,
+    /// Writing them failed: retried at every sync, and a failure until then.
+    cluster_ips_failed: bool,
 }
 
 impl<D: Dataplane> Reconciler<D> {
@@ -61,6 +63,7 @@ impl<D: Dataplane> Reconciler<D> {
             failing: HashMap::new(),
             health_checks: BTreeMap::new(),
             cluster_ips_written: None,
+            cluster_ips_failed: false,
         }
     }
 
@@ -93,7 +96,7 @@ impl<D: Dataplane> Reconciler<D> {
     }
 
     pub fn has_failures(&self) -> bool {
-        !self.retry.is_empty()
+        !self.retry.is_empty() || self.cluster_ips_failed
     }
 
     /// Programmed frontends and their Service, for diagnostics.
@@ -124,9 +127,18 @@ impl<D: Dataplane> Reconciler<D> {
         if self.cluster_ips_written != Some(generation) {
             let (cidrs, allocated) = self.store.cluster_ip_ranges();
             match self.dp.set_cluster_ip_ranges(&cidrs, &allocated) {
-                Ok(()) => self.cluster_ips_written = Some(generation),
-                // Retried at the next sync; the Services themselves are programmed.
-                Err(e) => tracing::warn!(error = %e, "could not write the Service CIDRs"),
+                Ok(()) => {
+                    self.cluster_ips_written = Some(generation);
+                    self.cluster_ips_failed = false;
+                }
+                // Retried at the next sync (a failure keeps syncs coming); the Services
+                // themselves are programmed.
+                Err(e) => {
+                    if !self.cluster_ips_failed {
+                        tracing::warn!(error = %e, "could not write the Service CIDRs; retrying");
+                    }
+                    self.cluster_ips_failed = true;
+                }
             }
         }
         if let Some(adopted) = self.adopted.take() {

@@ -415,7 +415,8 @@ pub struct Config {
     pub snat_port_max: u16,
     /// The smallest prefix holding every Service CIDR (`svc_net & svc_mask`): a destination
     /// outside it needs no lookup in `LB4_SVCCIDR_V1`, so traffic that is not for Services (most
-    /// of a node's) pays two ALU operations for the check.
+    /// of a node's) pays two ALU operations for the check. (Ranges far apart make it wide, and
+    /// then more packets pay the lookup.)
     pub svc_net: [u8; 4],
     pub svc_mask: [u8; 4],
     /// Service CIDRs in `LB4_SVCCIDR_V1`; 0: none known, nothing is checked.
@@ -435,8 +436,8 @@ const _: () = assert!(size_of::<SvcCidrKey>() == 4);
 /// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
 /// to an address of a Service CIDR that no Service serves on that port and protocol.
 pub mod svc_cidr {
-    /// A Service CIDR: the address is not allocated; dropped ("Drop traffic to unallocated
-    /// ClusterIPs").
+    /// A Service CIDR: the address is not allocated; a packet that would leave the node for it
+    /// is dropped ("Drop traffic to unallocated ClusterIPs").
     pub const RANGE: u8 = 1;
     /// A cluster IP (a /32): allocated, but not on this port; rejected ("Reject traffic to
     /// invalid ports of ClusterIPs").
@@ -625,8 +626,10 @@ reasons! {
     /// afresh; unless it reaches the same backend, its connection is reset. A rising count
     /// means `--ct-map-max` (conntrack.maxPerCore) is too small for the node's flows.
     NewFlowMidConnection = 33 => "new_flow_mid_connection",
-    /// A new flow to an address of a Service CIDR that no Service holds: dropped, as
-    /// kube-proxy's nftables mode drops traffic to unallocated cluster IPs.
+    /// Egress: a packet about to leave for an address of a Service CIDR that no Service holds
+    /// (nothing took it on the way: no other proxy, no local address): dropped, as kube-proxy's
+    /// nftables mode drops traffic to unallocated cluster IPs, instead of following the default
+    /// route.
     DropUnallocatedClusterIp = 34 => "drop_unallocated_cluster_ip",
     /// A new flow to a cluster IP on a port or protocol its Service does not have: answered
     /// with ICMP port unreachable (a host socket: ECONNREFUSED), as kube-proxy rejects it.

@@ -8,7 +8,7 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use proxy_common::{ct::flags, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
+use proxy_common::{ct::flags, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
 
 use crate::{
     ct, frag, icmp,
@@ -67,19 +67,18 @@ fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result
     }
 }
 
-/// A new flow to no Service: passed, unless its destination is in a Service CIDR (kube-proxy's
-/// `cluster-ips-check`: an allocated cluster IP on a port it does not serve is rejected, a free
-/// address dropped).
+/// A packet to no Service: passed, unless it opens a flow to an allocated cluster IP on a port
+/// its Service does not have, which is rejected as kube-proxy's `cluster-ips-check` does. (A
+/// free address of a Service CIDR is dropped where it would leave the node, by the egress
+/// program: here another proxy's DNAT, or a local address such as NodeLocal DNSCache's, may
+/// still claim it.)
 #[inline(always)]
 fn unserved(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
-    match select::cluster_ip_check(pkt.daddr) {
-        None => Ok(Verdict::pass(Reason::PassNotService)),
-        Some(Reason::RejectClusterIpPort) if pkt.frag != Frag::Later => {
-            let v = icmp::reject(ctx, pkt)?;
-            Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
-        }
-        Some(_) => Err(Reason::DropUnallocatedClusterIp),
+    if pkt.frag == Frag::Later || pkt.is_tcp_mid_connection() || select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+        return Ok(Verdict::pass(Reason::PassNotService));
     }
+    let v = icmp::reject(ctx, pkt)?;
+    Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
 }
 
 /// A packet of a tracked connection towards the service.

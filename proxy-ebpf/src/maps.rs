@@ -81,7 +81,7 @@ pub static LB4_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> 
 #[btf_map]
 pub static LB4_SRCRANGE_V1: LpmTrie<SourceRangeKey, u8, LB_MAX> = LpmTrie::new();
 
-/// Service CIDRs and the cluster IPs allocated in them (see `select::cluster_ip_check`); sized
+/// Service CIDRs and the cluster IPs allocated in them (see `select::service_cidr_of`); sized
 /// like the load-balancer maps.
 #[btf_map]
 pub static LB4_SVCCIDR_V1: LpmTrie<SvcCidrKey, u8, LB_MAX> = LpmTrie::new();

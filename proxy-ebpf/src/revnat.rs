@@ -5,7 +5,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    Reason,
+    svc_cidr, Reason,
 };
 
 use crate::{
@@ -13,7 +13,7 @@ use crate::{
     maps::CT4_V2,
     nat::{self, Side},
     parse::{self, Frag, Parsed},
-    select::revnat_of,
+    select::{self, revnat_of},
     verdict::Verdict,
 };
 
@@ -30,6 +30,12 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) else {
+        // About to leave for a free address of a Service CIDR (nothing, not another proxy nor
+        // a local address, took it on the way): dropped, as kube-proxy's `cluster-ips-check`
+        // drops traffic to unallocated cluster IPs, instead of following the default route.
+        if select::service_cidr_of(pkt.daddr) == Some(svc_cidr::RANGE) {
+            return Err(Reason::DropUnallocatedClusterIp);
+        }
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     // SAFETY: live map value; CtEntry is plain data.

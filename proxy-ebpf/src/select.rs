@@ -3,7 +3,7 @@
 
 use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
 use proxy_common::{
-    hash, svc_cidr, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtEntry, Reason, RevNat, ServiceKey, ServiceValue,
+    hash, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtEntry, Reason, RevNat, ServiceKey, ServiceValue,
     SourceRangeKey, SvcCidrKey,
 };
 
@@ -45,20 +45,16 @@ pub fn in_source_ranges(service_id: u32, addr: [u8; 4]) -> bool {
     LB4_SRCRANGE_V1.get(&key).is_some()
 }
 
-/// For a new flow to `daddr` that no Service serves on its port: what kube-proxy's
-/// `cluster-ips-check` does with it. None: `daddr` is in no Service CIDR (not ours, passed);
-/// `Reason::RejectClusterIpPort`: an allocated cluster IP (answered as refused);
-/// `Reason::DropUnallocatedClusterIp`: a free address of a Service CIDR (dropped).
+/// What `LB4_SVCCIDR_V1` says of `daddr` (a `svc_cidr` value: an allocated cluster IP, or a
+/// free address of a Service CIDR), for a packet no Service serves; None: in no Service CIDR
+/// (checked in two ALU operations against the ranges' common prefix first).
 #[inline(always)]
-pub fn cluster_ip_check(daddr: [u8; 4]) -> Option<Reason> {
+pub fn service_cidr_of(daddr: [u8; 4]) -> Option<u8> {
     let cfg = CONFIG_V2.get(0)?;
     if cfg.svc_cidrs == 0 || u32::from_ne_bytes(daddr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
         return None;
     }
-    match *LB4_SVCCIDR_V1.get(&Key::new(32, SvcCidrKey { addr: daddr }))? {
-        svc_cidr::ALLOCATED => Some(Reason::RejectClusterIpPort),
-        _ => Some(Reason::DropUnallocatedClusterIp),
-    }
+    LB4_SVCCIDR_V1.get(&Key::new(32, SvcCidrKey { addr: daddr })).copied()
 }
 
 /// The Service address a tracked flow's replies must come from.

@@ -13,16 +13,16 @@
 //! endpoint). A load-balancer IP with
 //! loadBalancerSourceRanges admits the node when a range holds one of its addresses (then the
 //! agent lists the load-balancer IP itself among the ranges, as kube-proxy allows); otherwise
-//! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets. So
-//! does a call to a free address of a Service CIDR; a cluster IP on a port its Service does not
-//! have is refused (ECONNREFUSED), as kube-proxy's `cluster-ips-check` rejects it.
+//! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets. A
+//! cluster IP on a port its Service does not have is refused (ECONNREFUSED), as kube-proxy's
+//! `cluster-ips-check` rejects it.
 
 use aya_ebpf::{
     bindings::BPF_ANY,
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
-use proxy_common::{svc_flags, Reason, RevNat, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{svc_cidr, svc_flags, Reason, RevNat, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     ct,
@@ -98,13 +98,12 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
     let (vip, vport) = peer(ctx);
     let mut key = ServiceKey::new(vip, vport, proto, 0);
     let Some(master) = select::service(&key) else {
-        // A cluster IP on a port it does not serve is refused; a free address of a Service
-        // CIDR fails at once (EPERM) where kube-proxy drops the packets.
-        return match select::cluster_ip_check(vip) {
-            None => PROCEED,
-            Some(Reason::RejectClusterIpPort) => refuse(Reason::RejectClusterIpPort, ECONNREFUSED),
-            Some(reason) => refuse(reason, EPERM),
-        };
+        // A cluster IP on a port it does not serve is refused. (A free address of a Service
+        // CIDR is dropped where it would leave the node, by the egress program.)
+        if select::service_cidr_of(vip) == Some(svc_cidr::ALLOCATED) {
+            return refuse(Reason::RejectClusterIpPort, ECONNREFUSED);
+        }
+        return PROCEED;
     };
     // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
     if master.flags & svc_flags::SOURCE_RANGES != 0 && !select::in_source_ranges(master.service_id, vip) {

@@ -820,3 +820,32 @@ fn a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so() {
     assert!(metrics.contains("proxy_agent_map_capacity{map=\"services\"} 1024"), "{metrics}");
     assert_eq!(counts(&lab, 30).len(), 3);
 }
+
+/// A cluster IP the node holds itself (NodeLocal DNSCache binds kube-dns's on a dummy
+/// interface; its Service is refused, the address is the node's) stays reachable with a
+/// ServiceCIDR around it: the free-address drop applies only to what would leave the node.
+#[test]
+fn an_address_of_a_service_cidr_the_node_holds_still_reaches_the_node() {
+    let test = "an_address_of_a_service_cidr_the_node_holds_still_reaches_the_node";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    lab.node.ip(&["addr", "add", "10.96.0.200/32", "dev", "lo"]);
+    let _local = proxy_tests::servers::Backend::start(&lab.node, "node-local", 8053, 8054);
+    let mut manifests = standard_manifests(&lab.backend_ips());
+    manifests +=
+        "---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n---\n";
+    manifests += &lab::service("local-dns", "10.96.0.200", &[("dns", 8053, "TCP", 8053)]);
+    lab.write_manifest("services.yaml", &manifests);
+    lab.start_agent();
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.wait_log("one of this node's own addresses", 1);
+    let a = tcp_ask(&lab.client.ns, sock("10.96.0.200:8053")).expect("the node's own listener answers");
+    assert_eq!(a.backend, "node-local");
+    // A free address of the range is still dropped (it would leave by the default route; the
+    // uplink's far end answers no ARP here, so its gateway gets a neighbour entry, as on a node).
+    lab.node.ip(&["neigh", "replace", "192.168.250.254", "lladdr", "02:00:00:00:00:fe", "dev", "uplink0", "nud", "permanent"]);
+    assert!(tcp_ask(&lab.client.ns, sock("10.96.0.201:8053")).is_err());
+    assert!(lab.inspect().unwrap().counters.get("drop_unallocated_cluster_ip").is_some_and(|c| c.packets >= 1));
+}

@@ -798,8 +798,10 @@ fn a_connection_whose_entry_a_flood_evicted_is_counted() {
 }
 
 /// kube-proxy's `cluster-ips-check` (nftables mode, with ServiceCIDRs): in a Service CIDR, a new
-/// flow to a cluster IP on a port its Service lacks is rejected, to a free address dropped;
-/// outside the ranges nothing changes, and nothing is checked before ranges are known.
+/// flow to a cluster IP on a port its Service lacks is rejected where it enters (pod ingress),
+/// and a packet to a free address is dropped where it would leave the node (egress: on the way,
+/// another proxy's DNAT or a local address may still take it); outside the ranges nothing
+/// changes, and nothing is checked before ranges are known.
 #[test]
 fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     let Some(mut dp) = setup("service_cidrs_drop_free_addresses_and_reject_unserved_ports") else { return };
@@ -816,11 +818,16 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     let allocated: BTreeSet<Ipv4Addr> = [Ipv4Addr::new(10, 96, 0, 10)].into();
     dp.set_cluster_ip_ranges(&[cidr("10.96.0.0/16"), cidr("10.100.0.0/24")], &allocated).expect("write the ranges");
     assert_port_unreachable(&other_port, &run(&mut dp, &other_port), sock("10.96.0.10:81"), client);
+    assert_untouched(&mut dp, &tcp_frame(client, sock("10.96.0.10:81"), ACK), "a segment of no new flow is no business of the check");
     for (frame, what) in [(&free, "a free TCP address"), (&free_udp, "a free UDP address")] {
-        assert_eq!(run(&mut dp, frame).action, testrun::TC_ACT_SHOT, "{what} is dropped");
+        assert_untouched(&mut dp, frame, &format!("{what} on ingress: something on the way may still take it"));
+        assert_eq!(run_egress(&mut dp, frame).action, testrun::TC_ACT_SHOT, "{what} is dropped as it leaves");
     }
-    assert_eq!(run(&mut dp, &tcp_frame(client, sock("10.100.0.9:443"), SYN)).action, testrun::TC_ACT_SHOT, "the second range too");
+    let second = tcp_frame(client, sock("10.100.0.9:443"), SYN);
+    assert_eq!(run_egress(&mut dp, &second).action, testrun::TC_ACT_SHOT, "the second range too");
     assert_untouched(&mut dp, &outside, "outside every range");
+    assert_eq!(run_egress(&mut dp, &outside).frame, outside, "outside every range, leaving");
+    assert_eq!(run_egress(&mut dp, &other_port).frame, other_port, "an allocated address is not dropped as it leaves");
     assert_untouched(&mut dp, &tcp_frame(client, sock("10.244.1.2:8080"), SYN), "pod to pod");
     // The Service itself is served as before.
     let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
@@ -829,7 +836,7 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&3)), "{c:?}");
     // The ranges go: nothing is checked any more, and the map is empty again.
     dp.set_cluster_ip_ranges(&[], &allocated).expect("clear the ranges");
-    assert_untouched(&mut dp, &free, "ranges removed");
+    assert_eq!(run_egress(&mut dp, &free).frame, free, "ranges removed");
     let map = testrun::map_by_name(&mut dp, proxy_common::map_names::SERVICE_CIDRS);
     let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey, u8> =
         aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();

@@ -77,7 +77,7 @@ fn print_help() {
          \x20         and clippy with warnings as errors; `cargo xtask test <filter>` runs the tests only\n\
          \x20 fuzz    mutated frames through every eBPF program, longer than the test's fixed seed:\n\
          \x20         `--frames N` (2,000,000), `--seed S` (new each run; printed, to replay a failure)\n\
-         \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost"
+         \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost, `footprint` for the agent at 30,000 Services"
     );
 }
 

@@ -90,13 +90,16 @@ fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ip
 }
 
 /// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its
-/// loadBalancerSourceRanges, sorted, and, as kube-proxy allows (and the netfilter modes), the
-/// load-balancer IPs themselves when a range holds the node's primary IP (a node that has a
-/// load balancer's address reaches it from that address; kube-proxy checks its node IP only,
-/// not every NodePort address). Empty: the Service has no ranges.
+/// loadBalancerSourceRanges, sorted, and the load-balancer IPs themselves when a range holds
+/// the node's primary IP or one of its NodePort addresses. kube-proxy's rules check the node IP
+/// only, for packets whose own source the ranges then judge; the eBPF mode's socket hooks judge
+/// a node's process before it has a source address, by whether the load-balancer IP is in the
+/// list, so any node address in the ranges admits it (a node reaching the load balancer from a
+/// secondary address in a range gets through, as with kube-proxy). Empty: no ranges.
 fn source_ranges(svc: &CheckedService, lb_ips: &[std::net::Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
     let mut ranges = svc.lb_source_ranges.clone();
-    if Cidr::any_contains(&ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
+    let node_addrs: Vec<std::net::Ipv4Addr> = node.node_ip.into_iter().chain(node.nodeport_addresses.iter().copied()).collect();
+    if Cidr::any_contains(&ranges, &node_addrs) {
         ranges.extend(lb_ips.iter().map(|a| Cidr { addr: *a, prefix: 32 }));
     }
     ranges.sort();
@@ -365,17 +368,19 @@ mod tests {
         for lb in ["203.0.113.1", "203.0.113.2"] {
             assert_eq!(ranges(&t, fk(lb, 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32", "203.0.113.2/32"], "{lb}");
         }
-        // Only the primary IP counts: a range holding another NodePort address admits nothing
-        // more; none known (no Node, no bindAddress), nothing either.
-        let other = NodeInfo {
-            nodeport_addresses: vec!["192.168.0.10".parse().unwrap(), "10.9.9.9".parse().unwrap()],
-            node_ip: Some("172.16.0.1".parse().unwrap()),
-            ..node()
-        };
-        let t = service(&s, &[&slice(NS_SLICE)], &other);
-        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"]);
-        let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { node_ip: None, ..node() });
-        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"]);
+        // A range holding none of the node's addresses admits nothing more; one holding a
+        // secondary NodePort address does (see `source_ranges`).
+        let lb_ips = ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32", "203.0.113.2/32"];
+        let outside =
+            NodeInfo { nodeport_addresses: vec!["172.16.0.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+        let t = service(&s, &[&slice(NS_SLICE)], &outside);
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"], "no node address in a range");
+        let secondary =
+            NodeInfo { nodeport_addresses: vec!["10.9.9.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+        let t = service(&s, &[&slice(NS_SLICE)], &secondary);
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), lb_ips, "a secondary address in a range");
+        let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { nodeport_addresses: vec![], ..node() });
+        assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), lb_ips, "the primary IP in a range");
     }
 
     #[test]

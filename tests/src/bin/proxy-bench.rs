@@ -392,6 +392,110 @@ fn control(out_dir: &std::path::Path) {
     println!("written to {}", path.display());
 }
 
+/// CPU time (user + system) a process has used, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is the 3rd, utime the 14th.
+    let rest = stat.rsplit_once(") ").map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// `cargo xtask bench footprint`: the agent at 30,000 Services x 4 endpoints from the API
+/// server: its memory, its CPU while 100 EndpointSlice changes a second arrive for a minute,
+/// and a restart with everything pinned (time to /healthz 200, what it rewrites).
+fn footprint(out_dir: &std::path::Path) {
+    use proxy_tests::{apiserver::ApiServer, lab};
+    const N: u32 = 30_000;
+    const RATE: u32 = 100;
+    const SECONDS: u32 = 60;
+    let mut lab = lab::Lab::new(lab::sibling("proxy-lab-agent"), 0);
+    let api = ApiServer::start(&lab.node, 0);
+    api.apply(&lab::node_manifest());
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    let first = |i: u32| Ipv4Addr::from(0x0ac8_0000 + i * 4);
+    eprintln!("footprint: {N} services x 4 endpoints in the API server...");
+    for i in 0..N {
+        for obj in svc_objects(i, first(i)) {
+            api.apply(&obj);
+        }
+    }
+    lab.agent_log_level = "info";
+    let wait_programmed = |lab: &lab::Lab| {
+        let t = Instant::now();
+        loop {
+            if Probe::open(&lab.bpffs()).is_some_and(|p| p.frontends() >= N as usize) {
+                return t.elapsed();
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(600), "the agent never programmed {N} services:\n{}", lab.agent_log());
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    lab.start_agent_kube(&kubeconfig, &[]);
+    let programmed = wait_programmed(&lab);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let pid = lab.agent_pid().expect("agent running");
+    let rss = rss_mib(pid);
+    eprintln!("footprint: {RATE} EndpointSlice changes a second for {SECONDS} s...");
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    for s in 0..RATE * SECONDS {
+        let due = std::time::Duration::from_secs_f64(f64::from(s) / f64::from(RATE));
+        if let Some(wait) = due.checked_sub(t0.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let i = (s * 7919) % N;
+        let [_, slice] = svc_objects(i, Ipv4Addr::from(0x0b00_0000 + s));
+        api.apply(&slice);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = (cpu_seconds(pid) - cpu0) / wall * 100.0;
+    let rss_after = rss_mib(pid);
+    // A restart with everything pinned: time until /healthz answers 200, and what it rewrote.
+    lab.stop_agent();
+    let log_before = lab.agent_log().len();
+    let t = Instant::now();
+    lab.start_agent_kube(&kubeconfig, &[]);
+    let ready = loop {
+        if let Ok((200, _)) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10256".parse().unwrap(), "/healthz") {
+            break t.elapsed();
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(600), "not ready after a restart:\n{}", lab.agent_log());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let log = lab.agent_log();
+    let sync = log[log_before..].lines().find(|l| l.contains("initial sync done")).unwrap_or("").to_string();
+    let field = |name: &str| sync.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}="))).unwrap_or("?").to_string();
+    println!("\nFootprint at {N} Services x 4 endpoints (eBPF mode, API server source)");
+    println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
+    println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
+    println!("  agent CPU, {RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s");
+    println!(
+        "  restart with everything pinned:     /healthz 200 after {:.2} s; unchanged={} programmed={} removed={}",
+        ready.as_secs_f64(),
+        field("unchanged"),
+        field("programmed"),
+        field("removed")
+    );
+    let json = serde_json::json!({
+        "benchmark": "footprint",
+        "services": N,
+        "programmed_s": programmed.as_secs_f64(),
+        "rss_mib": rss,
+        "rss_mib_after_changes": rss_after,
+        "cpu_percent_at_100_changes_per_s": cpu,
+        "restart_ready_s": ready.as_secs_f64(),
+        "restart_initial_sync": sync,
+    });
+    let path = out_dir.join("footprint.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
 fn lab_agent_rss(lab: &proxy_tests::lab::Lab) -> f64 {
     lab.agent_pid().map(rss_mib).unwrap_or(0.0)
 }
@@ -617,7 +721,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
-        which = vec!["datapath".into(), "control".into(), "north".into(), "modes".into()];
+        which = vec!["datapath".into(), "control".into(), "footprint".into(), "north".into(), "modes".into()];
     }
     for b in which {
         match b.as_str() {
@@ -627,8 +731,9 @@ fn main() {
             "north" => north(&out_dir),
             "modes" => modes(&out_dir),
             "modes-guest" => modes_guest(),
+            "footprint" => footprint(&out_dir),
             other => {
-                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, modes, profile");
+                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, modes, footprint, profile");
                 std::process::exit(2);
             }
         }

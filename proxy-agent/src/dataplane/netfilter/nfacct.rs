@@ -70,6 +70,8 @@ pub fn parse(buf: &[u8], answer: &mut Answer) -> bool {
         let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
         let kind = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().unwrap());
         if len < 16 || off + len > buf.len() {
+            // A message cut short: nothing can be taken from it, not even an ack.
+            answer.error = -libc::EIO;
             return true;
         }
         let body = &buf[off + 16..off + len];
