@@ -80,7 +80,7 @@ fn load(
 pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ipv4Addr]) -> anyhow::Result<String> {
     let settings = cfg.netfilter.for_mode(mode);
     let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
-    let (store, services) =
+    let (mut store, services) =
         load(dir, &cfg.common.hostname, rules, cfg.common.nodeport_addresses.clone(), node_ips.to_vec(), cfg.common.node_ip)?;
     let info = store.node_info();
     let mut context = NodeContext {
@@ -113,7 +113,6 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
     let nfacct =
         crate::dataplane::netfilter::nfacct::COUNTERS.iter().all(|(n, _, _)| crate::dataplane::netfilter::nfacct::packets(n).is_ok());
     let mut rules = modes::rules_for(mode, cfg, cfg.netfilter.iptables_backend.unwrap_or_default(), nfacct).map_err(anyhow::Error::msg)?;
-    let mut store = store;
     store.set_service_cidr_flag(cfg.common.service_cidrs.clone());
     rules.set_service_cidrs(store.cluster_ip_ranges().0);
     Ok(rules.render(&services, &context))

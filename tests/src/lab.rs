@@ -418,6 +418,16 @@ impl Pod {
     }
 }
 
+/// A process's resident memory in MiB, from /proc (0 when it is gone).
+pub fn rss_mib(pid: u32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kb| kb / 1024)
+}
+
 /// A Service manifest. `ports`: (name, port, protocol, targetPort).
 pub fn service(name: &str, cluster_ip: &str, ports: &[(&str, u16, &str, u16)]) -> String {
     let mut s = format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  ports:\n");

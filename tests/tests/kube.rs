@@ -361,19 +361,11 @@ fn a_stalled_watch_is_restarted_and_healthz_says_so_meanwhile() {
     lab.wait_programmed(WEB_VIP, "TCP", 2);
 }
 
-/// The agent's resident memory, in MiB.
-fn rss_mib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()))
-        .map_or(0, |kb| kb / 1024)
-}
-
 #[test]
 fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
     let Some(k) = kube_lab("an_endless_watch_line_is_cut_and_memory_stays_bounded", &[]) else { return };
     let pid = k.lab.agent_pid().expect("agent running");
-    let before = rss_mib(pid);
+    let before = lab::rss_mib(pid);
     k.api.set_hostile(Kind::EndpointSlice, Some(proxy_tests::apiserver::Hostile::EndlessLine));
     wait_until(
         "the endless line to be cut",
@@ -384,7 +376,7 @@ fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
     // Several times over, while the server keeps at it: the footprint stays bounded.
     let mut peak = 0;
     for _ in 0..20 {
-        peak = peak.max(rss_mib(pid));
+        peak = peak.max(lab::rss_mib(pid));
         thread::sleep(Duration::from_millis(100));
     }
     assert!(peak < before + 200, "resident memory stays bounded: {before} MiB before, {peak} MiB at most while hostile");
@@ -393,7 +385,7 @@ fn an_endless_watch_line_is_cut_and_memory_stays_bounded() {
     k.api.apply(&web_slice(&k.lab, 2, None));
     let mut lab = k.lab;
     lab.wait_programmed(WEB_VIP, "TCP", 2);
-    assert!(rss_mib(pid) < before + 100, "and comes back down: {} MiB", rss_mib(pid));
+    assert!(lab::rss_mib(pid) < before + 100, "and comes back down: {} MiB", lab::rss_mib(pid));
 }
 
 /// ServiceCIDRs from the API server: with one, a cluster IP's unserved port is refused; without

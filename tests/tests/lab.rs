@@ -656,17 +656,6 @@ fn a_hundred_kill_restarts_under_load_lose_no_connection() {
     println!("100 kill -9 restarts: 8 long-lived connections and a resolver flow kept, {new_conns} new connections and {queries} queries answered");
 }
 
-/// The agent's resident memory, from /proc.
-fn rss_mib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .unwrap_or(0)
-        >> 10
-}
-
 #[test]
 fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";
@@ -731,7 +720,7 @@ fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let (code, _) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10256".parse().unwrap(), "/healthz").expect("/healthz answers");
     assert_eq!(code, 200, "/healthz");
     let pid = lab.agent_pid().unwrap();
-    let rss = rss_mib(pid);
+    let rss = lab::rss_mib(pid);
     assert!(rss < 256, "the agent holds {rss} MiB after the corpus");
 
     // Rescans (one a second, and one per change) name nothing again, and changes still flow.

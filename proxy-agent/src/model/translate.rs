@@ -187,7 +187,8 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             for a in &node.nodeport_addresses {
                 add(*a, np, FrontendKind::NodePort);
             }
-            if node.localhost_nodeports && !node.nodeport_addresses.contains(&std::net::Ipv4Addr::LOCALHOST) {
+            // (The NodePort addresses never hold loopback: the store leaves it out.)
+            if node.localhost_nodeports {
                 add(std::net::Ipv4Addr::LOCALHOST, np, FrontendKind::NodePort);
             }
         }

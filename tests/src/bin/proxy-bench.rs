@@ -319,15 +319,21 @@ fn rss_mib(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn control(out_dir: &std::path::Path) {
+/// A lab without backends, an in-process API server holding its Node, and a kubeconfig for it.
+fn api_lab() -> (proxy_tests::lab::Lab, proxy_tests::apiserver::ApiServer, std::path::PathBuf) {
     use proxy_tests::{apiserver::ApiServer, lab};
-    const SAMPLES: u32 = 200;
-    let sizes = [1_000u32, 10_000];
-    let mut lab = lab::Lab::new(lab::sibling("proxy-lab-agent"), 0);
+    let lab = lab::Lab::new(lab::sibling("proxy-lab-agent"), 0);
     let api = ApiServer::start(&lab.node, 0);
     api.apply(&lab::node_manifest());
     let kubeconfig = lab.dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig);
+    (lab, api, kubeconfig)
+}
+
+fn control(out_dir: &std::path::Path) {
+    const SAMPLES: u32 = 200;
+    let sizes = [1_000u32, 10_000];
+    let (mut lab, api, kubeconfig) = api_lab();
     let first = |i: u32| Ipv4Addr::from(0x0ac8_0000 + i * 4);
     let mut added = 0;
     let mut rows = Vec::new();
@@ -408,15 +414,11 @@ fn cpu_seconds(pid: u32) -> f64 {
 /// server: its memory, its CPU while 100 EndpointSlice changes a second arrive for a minute,
 /// and a restart with everything pinned (time to /healthz 200, what it rewrites).
 fn footprint(out_dir: &std::path::Path) {
-    use proxy_tests::{apiserver::ApiServer, lab};
+    use proxy_tests::lab;
     const N: u32 = 30_000;
     const RATE: u32 = 100;
     const SECONDS: u32 = 60;
-    let mut lab = lab::Lab::new(lab::sibling("proxy-lab-agent"), 0);
-    let api = ApiServer::start(&lab.node, 0);
-    api.apply(&lab::node_manifest());
-    let kubeconfig = lab.dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig);
+    let (mut lab, api, kubeconfig) = api_lab();
     let first = |i: u32| Ipv4Addr::from(0x0ac8_0000 + i * 4);
     eprintln!("footprint: {N} services x 4 endpoints in the API server...");
     for i in 0..N {

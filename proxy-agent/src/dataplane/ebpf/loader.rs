@@ -194,7 +194,17 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
 
 /// The loaded object: maps (created, or adopted from pins) and the verified programs; and
 /// whether the pins outlive this process (see `bpffs`).
-pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
+/// What `load` made: the object, whether its pins outlive this process (see `bpffs`), and the
+/// entries the load-balancer maps and the conntrack map hold at most (an adopted map keeps the
+/// size it was created with, whatever the options ask now).
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub outlives_agent: bool,
+    pub lb_map_max: u32,
+    pub ct_map_max: u32,
+}
+
+pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     raise_memlock();
     let mut loader = EbpfLoader::new();
     loader.map_max_entries(map_names::STATS, REASON_SLOTS);
@@ -215,7 +225,7 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
     };
     // A map a previous run pinned is adopted as it is, its size included (its entries are the
     // connections' state): the object asks for that size, else the kernel would not take the
-    // pin for the object's map and the load would fail (see `capacity` for what is reported).
+    // pin for the object's map and the load would fail.
     let pinned =
         |name: &str| pin_paths.iter().find(|(n, _)| *n == name).and_then(|(_, p)| MapInfo::from_pin(p).ok()).map(|i| i.max_entries());
     let lb = options.lb_map_max.max(2);
@@ -232,7 +242,9 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
     ] {
         loader.map_max_entries(name, pinned(name).unwrap_or(lb));
     }
-    loader.map_max_entries(map_names::CT, pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2)));
+    let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
+    loader.map_max_entries(map_names::CT, ct_map_max);
+    let lb_map_max = pinned(map_names::SERVICES).unwrap_or(lb);
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
@@ -256,14 +268,7 @@ pub fn load(options: &LoadOptions) -> Result<(Ebpf, bool), LoadError> {
             pin(&mut |p| prog.pin(p))?;
         }
     }
-    Ok((ebpf, outlives_agent))
-}
-
-/// The entries a map of the loaded object holds at most: what the kernel says of its pin (an
-/// adopted map keeps the size it was created with, whatever the options ask now), else what
-/// the options asked.
-pub fn capacity(options: &LoadOptions, name: &str, asked: u32) -> u32 {
-    options.pin_root.as_ref().and_then(|root| MapInfo::from_pin(maps_dir(root).join(name)).ok()).map_or(asked, |info| info.max_entries())
+    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max })
 }
 
 fn report_bpffs(root: &Path, p: &bpffs::Prepared) {

@@ -68,11 +68,10 @@ impl EbpfDataplane {
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
             )));
         }
-        let (mut ebpf, pins_outlive_agent) = loader::load(&options)?;
+        let loader::Loaded { mut ebpf, outlives_agent: pins_outlive_agent, lb_map_max: lb_max, ct_map_max: ct_max } =
+            loader::load(&options)?;
         // Maps adopted from a previous run keep their size: ids and the fill gauges follow the
         // kernel's, not the option.
-        let lb_max = loader::capacity(&options, map_names::SERVICES, options.lb_map_max.max(2));
-        let ct_max = loader::capacity(&options, map_names::CT, options.ct_map_max.max(2));
         for (what, asked, held) in [("--lb-map-max", options.lb_map_max, lb_max), ("--ct-map-max", options.ct_map_max, ct_max)] {
             if asked.max(2) != held {
                 tracing::warn!(
