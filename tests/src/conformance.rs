@@ -565,16 +565,23 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
     let mut picks = Vec::new();
     for node in &c.nodes {
         let root = node.bpffs();
-        picks.push(node.ns.run(move || {
-            (0..60u16)
-                .map(|p| {
-                    let from = std::net::SocketAddrV4::new(ip("198.51.100.1"), 40000 + p);
-                    proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp)
-                        .expect("trace")
-                        .backend
-                        .unwrap_or_default()
-                })
-                .collect::<Vec<_>>()
+        // The client's traffic reached one node; the other may still be programming its maps.
+        picks.push(eventually(&format!("{} to pick a backend for every flow", node.name), || {
+            let root = root.clone();
+            let picks = node.ns.run(move || {
+                (0..60u16)
+                    .map(|p| {
+                        let from = std::net::SocketAddrV4::new(ip("198.51.100.1"), 40000 + p);
+                        proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp)
+                            .map_or_else(|e| format!("trace: {e}"), |t| t.backend.unwrap_or_default())
+                    })
+                    .collect::<Vec<_>>()
+            });
+            if picks.iter().all(|b| !b.is_empty() && !b.starts_with("trace: ")) {
+                Ok(picks)
+            } else {
+                Err(format!("{picks:?}"))
+            }
         }));
     }
     assert_eq!(picks[0], picks[1], "{mode}: both nodes pick the same backend for every flow");
