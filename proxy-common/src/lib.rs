@@ -50,6 +50,13 @@ pub mod map_names {
     /// Unconnected host-network UDP sockets: (socket cookie, Service address) -> the backend
     /// its datagrams go to, so a socket keeps one backend per Service as conntrack keeps it.
     pub const SOCK_FWD: &str = "SOCK_FWD_V1";
+    /// Connected host-network sockets with a local port of their own choosing: (protocol,
+    /// local port, backend) -> the socket's cookie, so a second socket on that port is sent to
+    /// another backend instead of onto the first one's tuple.
+    pub const SOCK_PORTS: &str = "SOCK_PORTS_V1";
+    /// The other way round: a socket's cookie -> the `SOCK_PORTS` tuple it holds, forgotten
+    /// when the socket connects elsewhere or is closed.
+    pub const SOCK_HELD: &str = "SOCK_HELD_V1";
     /// The network namespace whose sockets the socket hooks serve (one entry: its cookie; 0 is
     /// none).
     pub const HOST_NETNS: &str = "HOST_NETNS_V1";
@@ -61,7 +68,7 @@ pub mod map_names {
     /// without a Service on its port meets there.
     pub const SERVICE_CIDRS: &str = "LB4_SVCCIDR_V1";
 
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 22] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -79,6 +86,8 @@ pub mod map_names {
         SOURCE_RANGES,
         SOCK_REVNAT,
         SOCK_FWD,
+        SOCK_PORTS,
+        SOCK_HELD,
         HOST_NETNS,
         XDP_DEVS,
         SERVICE_CIDRS,
@@ -110,6 +119,8 @@ pub mod prog_names {
     pub const SOCK_GETPEERNAME4: &str = "proxy_sock_getpeername4";
     /// The socket hooks with the attach type each needs.
     pub const SOCK_HOOKS: [&str; 4] = [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4];
+    /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
+    pub const SOCK_RELEASE: &str = "proxy_sock_release";
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -358,6 +369,21 @@ pub struct SockRevKey {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<SockRevKey>() == 16);
+
+/// Key of `SOCK_PORTS_V1` (value: the cookie of the socket holding the tuple, a u64): a
+/// connected host-network socket's tuple at its backend, less the local address, which is not
+/// chosen yet when the socket connects.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockPortKey {
+    pub addr: [u8; 4],
+    pub port: [u8; 2],
+    /// The socket's local port, in network byte order.
+    pub sport: [u8; 2],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(size_of::<SockPortKey>() == 12);
 
 /// Value of `SOCK_FWD_V1` (keyed by a `SockRevKey` holding the Service address).
 #[repr(C)]
@@ -634,6 +660,20 @@ reasons! {
     /// A new flow to a cluster IP on a port or protocol its Service does not have: answered
     /// with ICMP port unreachable (a host socket: ECONNREFUSED), as kube-proxy rejects it.
     RejectClusterIpPort = 35 => "reject_cluster_ip_port",
+    /// A host-network socket's connect or send went to another backend of the Service than the
+    /// first pick, whose tuple was taken: another connected socket on the same local port
+    /// reaches that backend, or this unconnected socket reaches it for another Service.
+    /// (netfilter's NAT would move the local port instead; a socket hook acts before there is
+    /// a packet.)
+    HostBackendMoved = 36 => "host_backend_moved",
+    /// A host-network socket's connect refused with EADDRNOTAVAIL: every backend of the
+    /// Service is already reached from this local port by another connected socket (as the
+    /// kernel refuses a TCP connect onto a taken tuple); the other socket keeps its replies.
+    HostPortClash = 37 => "host_port_clash",
+    /// An unconnected host-network UDP socket sent to a Service whose only backends it already
+    /// reaches for another Service: sent there anyway, and replies from that backend now show
+    /// this Service as their sender (the last Service sent to wins).
+    HostSharedBackend = 38 => "host_shared_backend",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

@@ -23,8 +23,8 @@ mod xdp;
 
 use aya_ebpf::{
     bindings::TC_ACT_SHOT,
-    macros::{cgroup_sock_addr, classifier, xdp},
-    programs::{SockAddrContext, TcContext, XdpContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, SockContext, TcContext, XdpContext},
 };
 use proxy_common::Reason;
 
@@ -77,13 +77,13 @@ fn xdp_ext(ctx: &XdpContext) -> u32 {
 /// connect() of host-network sockets: Services to backends (see `sock`).
 #[cgroup_sock_addr(connect4)]
 pub fn proxy_sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, true)
 }
 
 /// sendmsg() of unconnected host-network UDP sockets.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn proxy_sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, false)
 }
 
 /// recvmsg() of unconnected host-network UDP sockets: answers show the Service as sender.
@@ -96,6 +96,13 @@ pub fn proxy_sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn proxy_sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::restore(&ctx)
+}
+
+/// close() of host-network sockets: a connected socket's tuple is free again.
+#[cgroup_sock(sock_release)]
+pub fn proxy_sock_release(ctx: SockContext) -> i32 {
+    sock::release(&ctx);
+    1
 }
 
 /// Passes every frame. The agent never loads it; the lab attaches it to the far end of veths

@@ -16,20 +16,33 @@
 //! the call fails with EPERM at once, where kube-proxy's firewall would drop the packets. A
 //! cluster IP on a port its Service does not have is refused (ECONNREFUSED), as kube-proxy's
 //! `cluster-ips-check` rejects it.
+//!
+//! Two sockets may share a local port (SO_REUSEADDR), and one unconnected socket may send to
+//! two Services; where both Services have the same backend, their translated tuples would be
+//! one, and replies would reach the wrong socket or show the wrong sender. netfilter's NAT
+//! moves the local port on such a clash; here there is no packet yet, so the backend moves:
+//! the hooks pass over backends whose tuple is taken (`SOCK_PORTS_V1` for connected sockets on
+//! a port of their own choosing, `SOCK_REVNAT_V1` for the socket's own other Services). Where
+//! every backend's tuple is taken, a connect fails with EADDRNOTAVAIL, as the kernel fails a
+//! TCP connect onto a taken tuple, and the first socket keeps its replies; an unconnected
+//! send goes on, and the backend's replies show the later Service (counted).
 
 use aya_ebpf::{
-    bindings::BPF_ANY,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
-    programs::SockAddrContext,
+    bindings::{bpf_sock, BPF_ANY},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    programs::{SockAddrContext, SockContext},
 };
-use proxy_common::{svc_cidr, svc_flags, Reason, RevNat, ServiceKey, SockFwd, SockRevKey, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{
+    svc_cidr, svc_flags, Backend, Reason, RevNat, ServiceKey, ServiceValue, SockFwd, SockPortKey, SockRevKey, IPPROTO_TCP, IPPROTO_UDP,
+};
 
 use crate::{
     ct,
     lb::count_flow,
-    maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_REVNAT_V1},
+    maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_HELD_V1, SOCK_PORTS_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
-    select, stats,
+    select::{self, Choice},
+    stats,
 };
 
 /// What a socket hook returns to let the call go on.
@@ -38,6 +51,9 @@ const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 const EPERM: i32 = 1;
+const EADDRNOTAVAIL: i32 = 99;
+/// Backends tried after a first pick whose tuple is taken.
+const OTHER_BACKENDS: u32 = 8;
 
 /// Fails the call with `errno`, counted under `reason`.
 #[inline(always)]
@@ -48,12 +64,27 @@ fn refuse(reason: Reason, errno: i32) -> i32 {
     REFUSE
 }
 
-/// True when the socket belongs to the host's network namespace.
+/// True when the socket of this context (a `bpf_sock_addr` or a `bpf_sock`) belongs to the
+/// host's network namespace.
 #[inline(always)]
-fn in_host_netns(ctx: &SockAddrContext) -> bool {
+fn in_host_netns(ctx: *mut core::ffi::c_void) -> bool {
     let Some(host) = HOST_NETNS_V1.get(0) else { return false };
     // SAFETY: plain helper call on our own context.
-    *host != 0 && unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) } == *host
+    *host != 0 && unsafe { bpf_get_netns_cookie(ctx) } == *host
+}
+
+/// The tuple key of a socket on local port `sport` (network byte order) at a backend.
+#[inline(always)]
+fn port_key(proto: u8, sport: [u8; 2], addr: [u8; 4], port: [u8; 2]) -> SockPortKey {
+    SockPortKey { addr, port, sport, proto, _pad: [0; 3] }
+}
+
+/// The local port of a sock_addr context's socket in network byte order (zero: none chosen
+/// yet).
+#[inline(always)]
+fn local_port(sk: *const bpf_sock) -> [u8; 2] {
+    // SAFETY: a field a sock_addr program's socket may read, in host byte order.
+    unsafe { ((*sk).src_port as u16).to_be_bytes() }
 }
 
 /// The socket's IP protocol, if Services have it.
@@ -90,8 +121,8 @@ fn rev_key(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) -> SockRevKey {
 
 /// `connect` and `sendmsg`: a Service address becomes one of its backends'.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
-    if !in_host_netns(ctx) {
+pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
+    if !in_host_netns(ctx.sock_addr.cast()) {
         return PROCEED;
     }
     let Some(proto) = protocol(ctx) else { return PROCEED };
@@ -144,7 +175,21 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         ttl: 0,
         frag: Frag::Whole,
     };
-    let Ok(choice) = select::choose(&pkt, &key, &master, ct::now(), true) else { return PROCEED };
+    let Ok(first) = select::choose(&pkt, &key, &master, ct::now(), true) else { return PROCEED };
+    // SAFETY: the socket of a sock_addr context is always there.
+    let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
+    let taken = |b: &Backend| tuple_taken(cookie, proto, sport, b) || (!connect && other_service(ctx, b, vip, vport));
+    let choice = if !taken(&first.backend) {
+        first
+    } else if let Some(other) = untaken_backend(&key, &master, &taken) {
+        stats::count(Reason::HostBackendMoved, 0);
+        other
+    } else if connect {
+        return refuse(Reason::HostPortClash, EADDRNOTAVAIL);
+    } else {
+        stats::count(Reason::HostSharedBackend, 0);
+        first
+    };
     let be = choice.backend;
     let rn = RevNat { addr: vip, port: vport, _pad: [0; 2] };
     // A full LRU evicts; at worst getpeername shows the backend, or a UDP socket's next
@@ -154,16 +199,85 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
         let f = SockFwd { backend_id: choice.id, addr: be.addr, port: be.port, _pad: [0; 2] };
         let _ = SOCK_FWD_V1.insert(&fwd_key, &f, BPF_ANY as u64);
     }
+    if connect {
+        // A UDP socket connecting again leaves its old tuple.
+        release_tuple(cookie);
+        if sport != [0; 2] {
+            let key = port_key(proto, sport, be.addr, be.port);
+            if SOCK_PORTS_V1.insert(&key, &cookie, BPF_ANY as u64).is_ok() {
+                let _ = SOCK_HELD_V1.insert(&cookie, &key, BPF_ANY as u64);
+            }
+        }
+    }
     set_peer(ctx, be.addr, be.port);
     count_flow(choice.id);
     stats::count(Reason::HostConnect, 0);
     PROCEED
 }
 
+/// True when this socket reaches backend `b` for a Service other than `vip:vport`.
+#[inline(always)]
+fn other_service(ctx: &SockAddrContext, b: &Backend, vip: [u8; 4], vport: [u8; 2]) -> bool {
+    // SAFETY: the value is copied out at once.
+    SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|r| r.addr != vip || r.port != vport)
+}
+
+/// True when another connected socket on local port `sport` reaches backend `b` (a socket
+/// without a local port yet gets one the kernel keeps apart).
+#[inline(always)]
+fn tuple_taken(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend) -> bool {
+    // SAFETY: the value is copied out at once.
+    sport != [0; 2]
+        && SOCK_PORTS_V1.get_ptr(&port_key(proto, sport, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|owner| owner != cookie)
+}
+
+/// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most
+/// `OTHER_BACKENDS` tried).
+#[inline(always)]
+fn untaken_backend(key: &ServiceKey, master: &ServiceValue, taken: &impl Fn(&Backend) -> bool) -> Option<Choice> {
+    let count = u32::from(master.count);
+    // SAFETY: plain helper call.
+    let start = unsafe { bpf_get_prandom_u32() } % count;
+    for i in 0..OTHER_BACKENDS {
+        if i >= count {
+            break;
+        }
+        let slot = (start + i) % count + 1;
+        let Some(id) = select::service(&key.with_slot(slot as u16)).map(|s| s.backend_id) else { continue };
+        let Some(backend) = select::backend(id) else { continue };
+        if !taken(&backend) {
+            return Some(Choice { id, backend });
+        }
+    }
+    None
+}
+
+/// Forgets the tuple the socket `cookie` held at a backend, if it still holds it.
+#[inline(always)]
+fn release_tuple(cookie: u64) {
+    // SAFETY: the value is copied out at once.
+    let Some(key) = SOCK_HELD_V1.get_ptr(&cookie).map(|p| unsafe { *p }) else { return };
+    let _ = SOCK_HELD_V1.remove(&cookie);
+    // SAFETY: the value is copied out at once.
+    if SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }) == Some(cookie) {
+        let _ = SOCK_PORTS_V1.remove(&key);
+    }
+}
+
+/// A host-network socket closed: the tuple it held is free for the next socket on its port.
+#[inline(always)]
+pub fn release(ctx: &SockContext) {
+    if !in_host_netns(ctx.sock.cast()) {
+        return;
+    }
+    // SAFETY: plain helper call on our own context.
+    release_tuple(unsafe { bpf_get_socket_cookie(ctx.sock.cast()) });
+}
+
 /// `getpeername` and `recvmsg`: a backend this socket was sent to shows as its Service.
 #[inline(always)]
 pub fn restore(ctx: &SockAddrContext) -> i32 {
-    if !in_host_netns(ctx) || protocol(ctx).is_none() {
+    if !in_host_netns(ctx.sock_addr.cast()) || protocol(ctx).is_none() {
         return PROCEED;
     }
     let (addr, port) = peer(ctx);

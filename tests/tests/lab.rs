@@ -369,18 +369,18 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
         let cgroup = lab.cgroup.as_ref().unwrap().to_str().unwrap().to_string();
         netns::sh(&["bpftool", "cgroup", "show", &cgroup]).lines().filter(|l| l.contains("proxy_sock_")).count()
     };
-    assert_eq!(hooks(&lab), 4, "connect4, sendmsg4, recvmsg4, getpeername4");
-    assert_eq!(lab.inspect().unwrap().socket_hooks, ["connect4", "getpeername4", "recvmsg4", "sendmsg4"], "inspect lists them");
+    assert_eq!(hooks(&lab), 5, "connect4, sendmsg4, recvmsg4, getpeername4, release");
+    assert_eq!(lab.inspect().unwrap().socket_hooks, ["connect4", "getpeername4", "recvmsg4", "release", "sendmsg4"], "inspect lists them");
     lab.kill_agent();
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "), "served with the agent down");
     lab.start_agent();
     lab.wait_log("socket hooks attached", 2);
     // An unpinned link is freed after an RCU grace period: give it a moment.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while hooks(&lab) != 4 && std::time::Instant::now() < deadline {
+    while hooks(&lab) != 5 && std::time::Instant::now() < deadline {
         thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(hooks(&lab), 4, "the restarted agent's hooks replaced the old ones");
+    assert_eq!(hooks(&lab), 5, "the restarted agent's hooks replaced the old ones");
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "));
     // An unconnected UDP socket keeps its backend per Service, as conntrack keeps a flow's.
     let out = lab.host_ask("udp-many", DNS_VIP);
@@ -576,10 +576,12 @@ fn a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connectio
 }
 
 /// The same from a host-network process, whose connections the socket hooks send straight to
-/// the backend at connect time: there is no packet to move the port of, so the second connect
-/// from the same port fails at once with EADDRNOTAVAIL (the tuple at the backend is taken), as
-/// with Cilium's socket load balancing, and the first connection is untouched. kube-proxy's
-/// NAT would let both through: the difference is stated in the README.
+/// a backend at connect time: there is no packet whose port could be moved, so the hooks move
+/// the backend instead. Two connected sockets on one local port (SO_REUSEADDR), TCP and UDP,
+/// and one unconnected socket asking two Services at once, reach different backends and each
+/// gets its own answers. Where the Services share their only backend, the second connect
+/// fails at once with EADDRNOTAVAIL (as the kernel fails a TCP connect onto a taken tuple) and
+/// the first socket keeps its answers; kube-proxy's NAT would let both through (README).
 #[test]
 fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing() {
     let Some(mut lab) = lab("a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing") else { return };
@@ -587,22 +589,80 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
         println!("SKIPPED a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing: no cgroup v2 hierarchy is mounted");
         return;
     }
-    let one = &lab.backend_ips()[..1];
+    let ports = [("http", 80, "TCP", lab::TCP_PORT), ("dns", 53, "UDP", lab::UDP_PORT)];
+    let slice_ports = [("http", lab::TCP_PORT, "TCP"), ("dns", lab::UDP_PORT, "UDP")];
     let mut objects = Vec::new();
-    for (name, ip) in [("host-a", "10.96.0.65"), ("host-b", "10.96.0.66")] {
-        objects.push(lab::service(name, ip, &[("p", 80, "TCP", lab::TCP_PORT)]));
-        objects.push(lab::endpoint_slice(name, &format!("{name}-1"), one, &[("p", lab::TCP_PORT, "TCP")]));
+    // host-a and host-b share their only backend; host-c and host-d share two.
+    let (one, two) = (&lab.backend_ips()[..1], &lab.backend_ips()[1..3]);
+    for (name, ip, backends) in
+        [("host-a", "10.96.0.65", one), ("host-b", "10.96.0.66", one), ("host-c", "10.96.0.67", two), ("host-d", "10.96.0.68", two)]
+    {
+        objects.push(lab::service(name, ip, &ports));
+        objects.push(lab::endpoint_slice(name, &format!("{name}-1"), backends, &slice_ports));
     }
     lab.write_manifest("host-same-backend.yaml", &objects.join("---\n"));
-    lab.wait_programmed("10.96.0.65:80", "TCP", 1);
-    lab.wait_programmed("10.96.0.66:80", "TCP", 1);
-    let out = lab.host_ask("tcp-same-port", "10.96.0.65:80,10.96.0.66:80");
-    let f: Vec<&str> = out.split_whitespace().collect();
-    assert!(
-        f.len() == 4 && f[0].starts_with("first=backend-1/") && f[3] == format!("first-again={}", &f[0]["first=".len()..]),
-        "the first connection answers before and after: {out}"
-    );
-    assert_eq!(f[1..3].join(" "), "second=err AddrNotAvailable", "{out}");
+    for (vip, n) in [("10.96.0.65", 1), ("10.96.0.66", 1), ("10.96.0.67", 2), ("10.96.0.68", 2)] {
+        lab.wait_programmed(&format!("{vip}:80"), "TCP", n);
+        lab.wait_programmed(&format!("{vip}:53"), "UDP", n);
+    }
+    let counter = |lab: &Lab, name: &str| lab.inspect().unwrap().counters.get(name).map_or(0, |c| c.packets);
+
+    // Two backends: every pair gets through, on two backends, and the first keeps answering.
+    for round in 0..8 {
+        for proto in ["tcp-same-port", "udp-same-port"] {
+            let to = if proto == "tcp-same-port" { "10.96.0.67:80,10.96.0.68:80" } else { "10.96.0.67:53,10.96.0.68:53" };
+            let out = lab.host_ask(proto, to);
+            let f: Vec<&str> = out.split_whitespace().collect();
+            let backend = |field: &str, key: &str| field.strip_prefix(key).and_then(|a| a.split('/').next()).map(str::to_string);
+            let (first, second) = (backend(f[0], "first="), backend(f[1], "second="));
+            assert!(
+                f.len() == 4
+                    && first.is_some()
+                    && second.is_some()
+                    && first != second
+                    && f[2] == format!("first-again={}", &f[0]["first=".len()..]),
+                "round {round}, {proto}: both connect, to two backends, and the first keeps its answers: {out}"
+            );
+        }
+        let out = lab.host_ask("udp-two-services", "10.96.0.67:53,10.96.0.68:53");
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(
+            f.len() == 2
+                && f[0].starts_with("10.96.0.67:53=backend-")
+                && f[1].starts_with("10.96.0.68:53=backend-")
+                && f[0][14..] != f[1][14..],
+            "round {round}: one unconnected socket asking two Services gets each answer from its Service: {out}"
+        );
+    }
+    // Half the first picks land on the other socket's backend: 24 pairs, at least one moved.
+    assert!(counter(&lab, "host_backend_moved") >= 1, "{:?}", lab.inspect().unwrap().counters);
+
+    // One shared backend: the second connect is refused, the first keeps its answers. Once it
+    // is closed, a UDP socket gets the tuple (a closed TCP one lingers in TIME_WAIT, and the
+    // kernel refuses it as it would without a proxy).
+    for (proto, to) in [("tcp-same-port", "10.96.0.65:80,10.96.0.66:80"), ("udp-same-port", "10.96.0.65:53,10.96.0.66:53")] {
+        let out = lab.host_ask(proto, to);
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(
+            f.len() == 4 && f[0].starts_with("first=backend-1/") && f[2] == format!("first-again={}", &f[0]["first=".len()..]),
+            "{proto}: the first connection answers before and after: {out}"
+        );
+        assert_eq!(f[1], "second=err-AddrNotAvailable", "{proto}: {out}");
+        if proto == "udp-same-port" {
+            let dump =
+                proxy_tests::netns::sh(&["bpftool", "map", "dump", "pinned", lab.bpffs().join("maps/SOCK_PORTS_V1").to_str().unwrap()]);
+            assert!(
+                f[3].starts_with("after-close=backend-1/"),
+                "the closed socket's tuple is free again: {out}\n{dump}\n{}",
+                lab.agent_log()
+            );
+        }
+    }
+    assert!(counter(&lab, "host_port_clash") >= 2, "{:?}", lab.inspect().unwrap().counters);
+    // One unconnected socket: both answers arrive, both shown from the later Service.
+    let out = lab.host_ask("udp-two-services", "10.96.0.65:53,10.96.0.66:53");
+    assert_eq!(out, "10.96.0.66:53=backend-1 10.96.0.66:53=backend-1", "the later Service wins");
+    assert!(counter(&lab, "host_shared_backend") >= 1, "{:?}", lab.inspect().unwrap().counters);
 }
 
 /// A restart storm under load: the agent killed (SIGKILL) 100 times, at random moments of its

@@ -136,6 +136,21 @@ fn pin_path(root: &Path, program: &str) -> PathBuf {
     links_dir(root).join(format!("{PIN_PREFIX}{program}"))
 }
 
+/// Pins a hook's link under `root` (without a root it stays as it is: it detaches when
+/// dropped). Pinned beside the previous run's link, then moved over its pin: that link goes
+/// with it (nothing else holds it), and only once this one is pinned.
+fn keep(link: FdLink, root: Option<&Path>, program: &'static str) -> Result<FdLink, HostSockError> {
+    let Some(root) = root else { return Ok(link) };
+    let err = |detail: String| HostSockError::Program { program, detail };
+    let path = pin_path(root, program);
+    // (bpffs names may not hold a dot.)
+    let fresh = pin_path(root, &format!("{program}_new"));
+    let _ = fs::remove_file(&fresh);
+    let pinned = link.pin(&fresh).map_err(|e| err(format!("pinning {}: {e}", fresh.display())))?;
+    fs::rename(&fresh, &path).map_err(|e| err(format!("renaming {} to {}: {e}", fresh.display(), path.display())))?;
+    Ok(FdLink::from(pinned))
+}
+
 /// Attaches the socket hooks to `cgroup` for the sockets of this network namespace. A link a
 /// previous run pinned stays attached until the new one is (both act the same way, and a
 /// second translation finds no Service in a backend's address), then it is replaced. Returns
@@ -158,20 +173,16 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
             .attach(&dir, CgroupAttachMode::Single)
             .map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
         let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
-        if let Some(root) = root {
-            // Pinned beside the previous run's link, then moved over its pin: that link goes
-            // with it (nothing else holds it), and only once this one is pinned.
-            let path = pin_path(root, program);
-            // (bpffs names may not hold a dot.)
-            let fresh = pin_path(root, &format!("{program}_new"));
-            let _ = fs::remove_file(&fresh);
-            let pinned = link.pin(&fresh).map_err(|e| err(format!("pinning {}: {e}", fresh.display())))?;
-            fs::rename(&fresh, &path).map_err(|e| err(format!("renaming {} to {}: {e}", fresh.display(), path.display())))?;
-            links.push(FdLink::from(pinned));
-        } else {
-            links.push(link);
-        }
+        links.push(keep(link, root, program)?);
     }
+    let program = prog_names::SOCK_RELEASE;
+    let err = |detail: String| HostSockError::Program { program, detail };
+    let prog = loader::cgroup_sock(ebpf, program);
+    prog.load().map_err(|e| err(format!("loading: {e}")))?;
+    let id =
+        prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
+    let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+    links.push(keep(link, root, program)?);
     tracing::info!(cgroup = %cgroup.display(), netns_cookie = cookie, "socket hooks attached: host-network processes reach Services");
     Ok(links)
 }

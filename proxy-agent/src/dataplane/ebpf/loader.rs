@@ -133,6 +133,8 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOURCE_RANGES => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey>(), size_of::<u8>()),
         map_names::SOCK_REVNAT => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<RevNat>()),
         map_names::SOCK_FWD => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockFwd>()),
+        map_names::SOCK_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey>(), size_of::<u64>()),
+        map_names::SOCK_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey>()),
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
         map_names::SERVICE_CIDRS => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey>(), size_of::<u8>()),
@@ -325,6 +327,14 @@ pub fn sock_addr<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::pro
         .unwrap_or_else(|| panic!("the object defines {name}"))
         .try_into()
         .unwrap_or_else(|_| panic!("{name} is a cgroup sock_addr program"))
+}
+
+/// A cgroup sock program of the loaded object, by name (`prog_names::SOCK_RELEASE`).
+pub fn cgroup_sock<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::programs::CgroupSock {
+    ebpf.program_mut(name)
+        .unwrap_or_else(|| panic!("the object defines {name}"))
+        .try_into()
+        .unwrap_or_else(|_| panic!("{name} is a cgroup sock program"))
 }
 
 /// An XDP program of the loaded object, by name (`prog_names`).
