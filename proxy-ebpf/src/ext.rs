@@ -34,7 +34,7 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     let mut pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
-        Parsed::Icmp { .. } | Parsed::OtherProto => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {

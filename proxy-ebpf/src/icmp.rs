@@ -33,6 +33,15 @@ const ICMP_PARAMETERPROB: u8 = 12;
 const IP_CSUM_OFF: usize = IP_OFF + 10;
 const IP_SRC_OFF: usize = IP_OFF + 12;
 
+/// True for an ICMP message that opens an exchange (echo, timestamp, information and address
+/// mask requests: what conntrack counts as new), as opposed to an error about another packet.
+#[inline(always)]
+pub fn is_query<F: crate::parse::Frame>(ctx: &F, l4_off: usize) -> bool {
+    // SAFETY: bounds checked by ptr_at (the first 4 bytes of the header: a one-byte check
+    // compiles to a form the verifier does not take as a bound).
+    ptr_at::<[u8; 4]>(ctx, l4_off).is_some_and(|h| matches!(unsafe { (*h)[0] }, 8 | 13 | 15 | 17))
+}
+
 /// Turns the packet into an ICMP port unreachable from the service address back to the sender,
 /// and sends it out the interface it came in on.
 #[inline(always)]

@@ -24,7 +24,8 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let mut pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::Icmp { .. } | Parsed::OtherProto => return Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Icmp { l4_off, saddr, daddr, tot_len } => return icmp_query(ctx, l4_off, saddr, daddr, tot_len),
+        Parsed::OtherProto { .. } => return Ok(Verdict::pass(Reason::PassNotService)),
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
@@ -65,6 +66,31 @@ fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result
         Some(master) => new_flow(ctx, pkt, &key, &master, now, reason),
         None => Ok(Verdict::pass(Reason::PassNotService)),
     }
+}
+
+/// An ICMP message from a pod: a query (a ping) to an allocated cluster IP is rejected, as
+/// kube-proxy's `cluster-ips-check` rejects every new flow to a cluster IP that no Service
+/// port takes; anything else is no Service's.
+#[inline(always)]
+fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Result<Verdict, Reason> {
+    if !icmp::is_query(ctx, l4_off) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+        return Ok(Verdict::pass(Reason::PassNotService));
+    }
+    let pkt = Packet {
+        l4_off,
+        proto: proxy_common::IPPROTO_ICMP,
+        saddr,
+        daddr,
+        sport: [0; 2],
+        dport: [0; 2],
+        tcp_flags: 0,
+        ip_id: [0; 2],
+        tot_len,
+        ttl: 0,
+        frag: Frag::Whole,
+    };
+    let v = icmp::reject(ctx, &pkt)?;
+    Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
 }
 
 /// A packet to no Service: passed, unless it opens a flow to an allocated cluster IP on a port

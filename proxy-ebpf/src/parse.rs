@@ -139,10 +139,14 @@ pub enum Parsed {
     Icmp {
         l4_off: usize,
         saddr: [u8; 4],
+        daddr: [u8; 4],
+        tot_len: [u8; 2],
     },
     NotIpv4,
-    /// IPv4, but not a protocol services use.
-    OtherProto,
+    /// IPv4, but not a protocol services use (or a later fragment of ICMP).
+    OtherProto {
+        daddr: [u8; 4],
+    },
     /// Too short, or an invalid IPv4 header: left for the kernel to drop.
     Malformed,
 }
@@ -198,10 +202,10 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
         return Parsed::Malformed;
     }
     if proto == IPPROTO_ICMP && frags & IP_OFFSET_MASK == 0 {
-        return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr };
+        return Parsed::Icmp { l4_off: IP_OFF + ihl, saddr, daddr, tot_len };
     }
     if proto != IPPROTO_TCP && proto != IPPROTO_UDP {
-        return Parsed::OtherProto;
+        return Parsed::OtherProto { daddr };
     }
     let frag = if frags & IP_OFFSET_MASK != 0 {
         Frag::Later

@@ -17,26 +17,37 @@ use crate::{
     verdict::Verdict,
 };
 
+/// A packet of no translated flow about to leave: to a free address of a Service CIDR (nothing,
+/// not another proxy nor a local address, took it on the way) it is dropped, whatever its
+/// protocol, as kube-proxy's `cluster-ips-check` drops traffic to unallocated cluster IPs,
+/// instead of following the default route.
+#[inline(always)]
+fn leaving_unmatched(daddr: [u8; 4]) -> Result<Verdict, Reason> {
+    if select::service_cidr_of(daddr) == Some(svc_cidr::RANGE) {
+        return Err(Reason::DropUnallocatedClusterIp);
+    }
+    Ok(Verdict::pass(Reason::EgressPass))
+}
+
 #[inline(always)]
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let mut pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::Icmp { l4_off, saddr } => return icmp::translate_error(ctx, l4_off, saddr),
+        Parsed::Icmp { l4_off, saddr, daddr, .. } => {
+            if icmp::is_query(ctx, l4_off) {
+                return leaving_unmatched(daddr);
+            }
+            return icmp::translate_error(ctx, l4_off, saddr);
+        }
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::OtherProto => return Ok(Verdict::pass(Reason::EgressPass)),
+        Parsed::OtherProto { daddr } => return leaving_unmatched(daddr),
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) else {
-        // About to leave for a free address of a Service CIDR (nothing, not another proxy nor
-        // a local address, took it on the way): dropped, as kube-proxy's `cluster-ips-check`
-        // drops traffic to unallocated cluster IPs, instead of following the default route.
-        if select::service_cidr_of(pkt.daddr) == Some(svc_cidr::RANGE) {
-            return Err(Reason::DropUnallocatedClusterIp);
-        }
-        return Ok(Verdict::pass(Reason::EgressPass));
+        return leaving_unmatched(pkt.daddr);
     };
     // SAFETY: live map value; CtEntry is plain data.
     let entry = unsafe { *e };

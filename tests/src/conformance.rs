@@ -588,6 +588,59 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
     assert_eq!(picks[0].iter().collect::<BTreeSet<_>>().len(), 3, "{mode}: 60 flows reach all 3 backends");
 }
 
+/// Sends one ICMP echo request from namespace `ns` to `dst` and returns what first answers it
+/// within a second (the sender, ICMP type and code), if anything does.
+fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Option<(Ipv4Addr, u8, u8)> {
+    ns.run(move || {
+        // SAFETY: plain socket calls on a descriptor this closure owns and closes.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::IPPROTO_ICMP);
+            assert!(fd >= 0, "a raw ICMP socket: {}", io::Error::last_os_error());
+            let timeout = libc::timeval { tv_sec: 0, tv_usec: 200_000 };
+            libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const timeout).cast(), size_of::<libc::timeval>() as u32);
+            let mut echo = [8u8, 0, 0, 0, 0x4b, 0x50, 0, 1, b'p', b'i', b'n', b'g'];
+            let sum = crate::packet::internet_checksum(&echo);
+            echo[2..4].copy_from_slice(&sum.to_be_bytes());
+            let to = libc::sockaddr_in {
+                sin_family: libc::AF_INET as u16,
+                sin_port: 0,
+                sin_addr: libc::in_addr { s_addr: u32::from(dst).to_be() },
+                sin_zero: [0; 8],
+            };
+            let n = libc::sendto(fd, echo.as_ptr().cast(), echo.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_in>() as u32);
+            assert_eq!(n, echo.len() as isize, "sending the ping: {}", io::Error::last_os_error());
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let mut answer = None;
+            let mut buf = [0u8; 1500];
+            while answer.is_none() && Instant::now() < deadline {
+                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+                // A raw socket gets the IP header too; this echo's id (0x4b50) marks what is ours:
+                // an echo reply carries it at 4, an error quotes the echo after the inner header.
+                let Ok(n) = usize::try_from(n) else { continue };
+                let ihl = usize::from(buf[0] & 0x0f) * 4;
+                if n < ihl + 8 {
+                    continue;
+                }
+                let (kind, code, from) = (buf[ihl], buf[ihl + 1], Ipv4Addr::new(buf[12], buf[13], buf[14], buf[15]));
+                let ours = match kind {
+                    0 => buf[ihl + 4..ihl + 6] == [0x4b, 0x50],
+                    3 | 11 => {
+                        let inner = ihl + 8;
+                        let inner_ihl = usize::from(buf.get(inner).copied().unwrap_or(0) & 0x0f) * 4;
+                        n >= inner + inner_ihl + 6 && buf[inner + inner_ihl + 4..inner + inner_ihl + 6] == [0x4b, 0x50]
+                    }
+                    _ => false,
+                };
+                if ours {
+                    answer = Some((from, kind, code));
+                }
+            }
+            libc::close(fd);
+            answer
+        }
+    })
+}
+
 /// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
 /// the link's other traffic, IPv6 router solicitations say, does not count).
 fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize, T) {
@@ -660,6 +713,12 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     // Outside the range, the same packet goes where routing sends it.
     let (sent, _) = sent_by_uplink(&lab, Ipv4Addr::new(10, 97, 0, 77), || tcp_ask(&lab.client.ns, sock("10.97.0.77:80")));
     assert!(sent >= 1, "{mode}: outside the ServiceCIDR the SYN leaves by the default route");
+    // A ping is a new flow too: to a cluster IP it is rejected, to a free address dropped.
+    // (nftables' reject answers from the node's address, the eBPF dataplane from the cluster IP.)
+    let answer = ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 10));
+    assert_eq!(answer.map(|(_, kind, code)| (kind, code)), Some((3, 3)), "{mode}: port unreachable: {answer:?}");
+    let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 79)));
+    assert_eq!((sent, answer), (0, None), "{mode}: a ping to a free address is dropped");
     if mode == ProxyMode::Ebpf {
         // Host-network processes: refused through the socket hooks; what they send to a free
         // address is dropped as it would leave, as a pod's.

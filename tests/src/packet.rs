@@ -142,6 +142,15 @@ pub fn udp_frame(src: SocketAddrV4, dst: SocketAddrV4, payload: &[u8]) -> Vec<u8
     Ipv4::new(*src.ip(), *dst.ip(), UDP, udp_datagram(src, dst, payload, true)).frame()
 }
 
+/// An ICMP echo request (a ping) with a valid checksum.
+pub fn icmp_echo_frame(src: Ipv4Addr, dst: Ipv4Addr) -> Vec<u8> {
+    let mut m = vec![8, 0, 0, 0, 0x12, 0x34, 0, 1];
+    m.extend_from_slice(b"ping payload");
+    let c = internet_checksum(&m);
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    Ipv4::new(src, dst, ICMP, m).frame()
+}
+
 /// A frame taken apart, with every checksum checked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Dissected {

@@ -829,11 +829,31 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     assert_eq!(run_egress(&mut dp, &outside).frame, outside, "outside every range, leaving");
     assert_eq!(run_egress(&mut dp, &other_port).frame, other_port, "an allocated address is not dropped as it leaves");
     assert_untouched(&mut dp, &tcp_frame(client, sock("10.244.1.2:8080"), SYN), "pod to pod");
+    // Other protocols: a ping to a cluster IP is rejected as a new flow to a port no Service
+    // takes; a ping or another protocol to a free address is dropped as it leaves.
+    let (vip, free_ip) = (Ipv4Addr::new(10, 96, 0, 10), Ipv4Addr::new(10, 96, 0, 77));
+    let ping = proxy_tests::packet::icmp_echo_frame(*client.ip(), vip);
+    let out = run(&mut dp, &ping);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "a ping to a cluster IP is answered");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src, d.dst), (vip, *client.ip()), "from the cluster IP");
+    let icmp = d.icmp.expect("an ICMP message");
+    assert_eq!((icmp.kind, icmp.code, icmp.checksum_ok), (3, 3, true), "port unreachable");
+    assert_eq!(icmp.body, ping[14..].to_vec(), "quoting the ping");
+    let free_ping = proxy_tests::packet::icmp_echo_frame(*client.ip(), free_ip);
+    let gre = proxy_tests::packet::Ipv4::new(*client.ip(), free_ip, 47, vec![0; 8]).frame();
+    for (frame, what) in [(&free_ping, "a ping to a free address"), (&gre, "GRE to a free address")] {
+        assert_untouched(&mut dp, frame, &format!("{what} on ingress"));
+        assert_eq!(run_egress(&mut dp, frame).action, testrun::TC_ACT_SHOT, "{what} is dropped as it leaves");
+    }
+    let outside_ping = proxy_tests::packet::icmp_echo_frame(*client.ip(), Ipv4Addr::new(10, 97, 0, 1));
+    assert_untouched(&mut dp, &outside_ping, "a ping outside every range");
+    assert_eq!(run_egress(&mut dp, &outside_ping).frame, outside_ping, "a ping outside every range, leaving");
     // The Service itself is served as before.
     let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"));
     let c = counters(&mut dp);
-    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&3)), "{c:?}");
+    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&2), Some(&5)), "{c:?}");
     // The ranges go: nothing is checked any more, and the map is empty again.
     dp.set_cluster_ip_ranges(&[], &allocated).expect("clear the ranges");
     assert_eq!(run_egress(&mut dp, &free).frame, free, "ranges removed");
