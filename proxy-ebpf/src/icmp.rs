@@ -42,10 +42,40 @@ pub fn is_query<F: crate::parse::Frame>(ctx: &F, l4_off: usize) -> bool {
     ptr_at::<[u8; 4]>(ctx, l4_off).is_some_and(|h| matches!(unsafe { (*h)[0] }, 8 | 13 | 15 | 17))
 }
 
+/// An ICMP query as a `Packet`, for `reject` (it quotes the message; there are no ports).
+#[inline(always)]
+pub fn query_packet(l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Packet {
+    Packet {
+        l4_off,
+        proto: IPPROTO_ICMP,
+        saddr,
+        daddr,
+        sport: [0; 2],
+        dport: [0; 2],
+        tcp_flags: 0,
+        ip_id: [0; 2],
+        tot_len,
+        ttl: 0,
+        frag: crate::parse::Frag::Whole,
+    }
+}
+
 /// Turns the packet into an ICMP port unreachable from the service address back to the sender,
 /// and sends it out the interface it came in on.
 #[inline(always)]
 pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
+    reject_to(ctx, pkt, 0)
+}
+
+/// The same for a packet about to leave the node (TC egress): the answer is received on the
+/// interface instead, as if the destination had sent it, and routed back to the sender.
+#[inline(always)]
+pub fn reject_leaving(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
+    reject_to(ctx, pkt, u64::from(aya_ebpf::bindings::BPF_F_INGRESS))
+}
+
+#[inline(always)]
+fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<Verdict, Reason> {
     let fail = |_| Reason::DropRejectFailed;
     // The datagram as the IP header sizes it (a frame may carry Ethernet padding after it).
     let frame_ip_len = (ctx.len() as usize).saturating_sub(ETH_LEN);
@@ -112,7 +142,7 @@ pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
     // SAFETY: reads the ifindex field of our own context.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: plain helper call.
-    let action = unsafe { bpf_redirect(ifindex, 0) } as i32;
+    let action = unsafe { bpf_redirect(ifindex, redirect_flags) } as i32;
     if action != TC_ACT_REDIRECT {
         return Err(Reason::DropRejectFailed);
     }

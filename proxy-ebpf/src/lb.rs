@@ -76,20 +76,7 @@ fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], to
     if !icmp::is_query(ctx, l4_off) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
-    let pkt = Packet {
-        l4_off,
-        proto: proxy_common::IPPROTO_ICMP,
-        saddr,
-        daddr,
-        sport: [0; 2],
-        dport: [0; 2],
-        tcp_flags: 0,
-        ip_id: [0; 2],
-        tot_len,
-        ttl: 0,
-        frag: Frag::Whole,
-    };
-    let v = icmp::reject(ctx, &pkt)?;
+    let v = icmp::reject(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len))?;
     Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
 }
 

@@ -33,11 +33,18 @@ fn leaving_unmatched(daddr: [u8; 4]) -> Result<Verdict, Reason> {
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let mut pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::Icmp { l4_off, saddr, daddr, .. } => {
-            if icmp::is_query(ctx, l4_off) {
-                return leaving_unmatched(daddr);
+        Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
+            if !icmp::is_query(ctx, l4_off) {
+                return icmp::translate_error(ctx, l4_off, saddr);
             }
-            return icmp::translate_error(ctx, l4_off, saddr);
+            // A host process's ping to a cluster IP (a pod's was answered where it entered):
+            // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
+            // a host's TCP and UDP; they see no ICMP.)
+            if select::service_cidr_of(daddr) == Some(svc_cidr::ALLOCATED) {
+                let v = icmp::reject_leaving(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len))?;
+                return Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort });
+            }
+            return leaving_unmatched(daddr);
         }
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
         Parsed::OtherProto { daddr } => return leaving_unmatched(daddr),

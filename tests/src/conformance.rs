@@ -589,8 +589,9 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
 }
 
 /// Sends one ICMP echo request from namespace `ns` to `dst` and returns what first answers it
-/// within a second (the sender, ICMP type and code), if anything does.
-fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Option<(Ipv4Addr, u8, u8)> {
+/// within a second (the sender, ICMP type and code), if anything does; Err when the send
+/// itself fails (netfilter dropping or rejecting a local packet fails it with EPERM).
+fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Result<Option<(Ipv4Addr, u8, u8)>, io::ErrorKind> {
     ns.run(move || {
         // SAFETY: plain socket calls on a descriptor this closure owns and closes.
         unsafe {
@@ -608,7 +609,11 @@ fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Option<(Ipv4Addr, u8, u8)> {
                 sin_zero: [0; 8],
             };
             let n = libc::sendto(fd, echo.as_ptr().cast(), echo.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_in>() as u32);
-            assert_eq!(n, echo.len() as isize, "sending the ping: {}", io::Error::last_os_error());
+            if n < 0 {
+                let e = io::Error::last_os_error().kind();
+                libc::close(fd);
+                return Err(e);
+            }
             let deadline = Instant::now() + Duration::from_secs(1);
             let mut answer = None;
             let mut buf = [0u8; 1500];
@@ -636,9 +641,15 @@ fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Option<(Ipv4Addr, u8, u8)> {
                 }
             }
             libc::close(fd);
-            answer
+            Ok(answer)
         }
     })
+}
+
+/// True when a ping was refused: answered with port unreachable, or (from the node itself,
+/// by netfilter) failed at once with EPERM.
+fn ping_refused(answer: &Result<Option<(Ipv4Addr, u8, u8)>, io::ErrorKind>) -> bool {
+    matches!(answer, Ok(Some((_, 3, 3))) | Err(io::ErrorKind::PermissionDenied))
 }
 
 /// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
@@ -716,9 +727,17 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     // A ping is a new flow too: to a cluster IP it is rejected, to a free address dropped.
     // (nftables' reject answers from the node's address, the eBPF dataplane from the cluster IP.)
     let answer = ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 10));
-    assert_eq!(answer.map(|(_, kind, code)| (kind, code)), Some((3, 3)), "{mode}: port unreachable: {answer:?}");
+    assert_eq!(answer.map(|a| a.map(|(_, kind, code)| (kind, code))), Ok(Some((3, 3))), "{mode}: port unreachable");
     let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 79)));
-    assert_eq!((sent, answer), (0, None), "{mode}: a ping to a free address is dropped");
+    assert_eq!((sent, answer), (0, Ok(None)), "{mode}: a ping to a free address is dropped");
+    // The node's own ping too (netfilter fails a local packet it rejects or drops with EPERM).
+    let answer = ping(&lab.node, Ipv4Addr::new(10, 96, 0, 10));
+    assert!(ping_refused(&answer), "{mode}: the node's ping to a cluster IP is refused: {answer:?}");
+    let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.node, Ipv4Addr::new(10, 96, 0, 79)));
+    assert!(
+        sent == 0 && matches!(answer, Ok(None) | Err(io::ErrorKind::PermissionDenied)),
+        "{mode}: the node's ping to a free address is dropped: {answer:?}"
+    );
     if mode == ProxyMode::Ebpf {
         // Host-network processes: refused through the socket hooks; what they send to a free
         // address is dropped as it would leave, as a pod's.
