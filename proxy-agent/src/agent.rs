@@ -518,6 +518,7 @@ async fn control_loop<P: Proxier>(
     let mut node_watch = NodeWatch::default();
     let mut wanted = false;
     let mut last_sync: Option<Instant> = None;
+    let mut ticks = 0u64;
     loop {
         let due = last_sync.map_or(Instant::now(), |t| t + periods.min);
         tokio::select! {
@@ -550,7 +551,14 @@ async fn control_loop<P: Proxier>(
             // minSyncPeriod: a sync wanted too soon after the last one waits for its turn.
             _ = tokio::time::sleep_until(due), if wanted => {}
             _ = tokio::time::sleep_until(retry_at), if p.has_failures() => wanted = true,
-            _ = housekeeping.tick() => p.housekeeping(&mut inputs.devices).await,
+            _ = housekeeping.tick() => {
+                p.housekeeping(&mut inputs.devices).await;
+                // Every minute, what smaller changes freed.
+                ticks += 1;
+                if ticks % 12 == 0 {
+                    crate::memory::release_free();
+                }
+            }
             _ = full_resync.tick() => {
                 p.resync_all();
                 wanted = true;
@@ -611,6 +619,10 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
             (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
         health.update(&p.health_checks(), addresses);
         log_sync(&s);
+        // A large change (the initial list, a relist) leaves much of what it used free.
+        if s.initial || s.upserted + s.removed >= 1000 {
+            crate::memory::release_free();
+        }
         telemetry.synced(&s, &p.store().change_counts());
         if !p.has_failures() {
             telemetry.updated();

@@ -509,6 +509,7 @@ fn args() -> Vec<std::ffi::OsString> {
 }
 
 pub fn main() -> ExitCode {
+    crate::memory::limit_arenas();
     let cli = Cli::parse_from(args());
     let level = |file_verbosity: Option<u32>| -> String {
         match (&cli.log_level, cli.verbosity.or(file_verbosity)) {

@@ -12,6 +12,7 @@ pub mod healthcheck;
 pub mod http;
 pub mod init;
 pub mod inspect;
+pub mod memory;
 pub mod model;
 pub mod netlink;
 pub mod proxier;

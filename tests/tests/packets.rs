@@ -593,6 +593,10 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
         let backends: Vec<String> = (0..4).map(|b| SocketAddrV4::new(Ipv4Addr::from(0x0a80_0000 + i * 4 + b), 8080).to_string()).collect();
         let refs: Vec<&str> = backends.iter().map(String::as_str).collect();
         program(&mut dp, &vip.to_string(), Protocol::Tcp, &refs);
+        if i % 1000 == 0 {
+            let counts = dp.count_in_kernel().expect("count map entries");
+            assert_eq!(dp.service_entries() as u64, counts[proxy_common::map_names::SERVICES], "the gauge follows the map");
+        }
         dp.remove(&FrontendKey { addr: *vip.ip(), port: 80, protocol: Protocol::Tcp }).expect("remove");
         if i % 10 == 0 {
             // A load balancer with source ranges that change before it goes.
@@ -608,7 +612,7 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
         }
     }
     assert!(dp.programmed_keys().is_empty());
-    assert_eq!(dp.backend_count(), 0, "the writer holds no backend");
+    assert_eq!((dp.backend_count(), dp.service_entries()), (0, 0), "the writer holds no backend and counts no entry");
     let counts = dp.count_in_kernel().expect("count map entries");
     assert!(counts.values().all(|n| *n == 0), "every map must be empty after 10,000 create/delete cycles: {counts:?}");
     assert_eq!(counts.len(), 5);

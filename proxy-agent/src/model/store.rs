@@ -68,6 +68,17 @@ pub enum Event {
         kind: Kind,
         key: ObjectKey,
     },
+    /// `Replace` in pieces, as a watch lists: a (re)list of one kind begins; the `Listed`
+    /// objects that follow are its complete set, and objects not among them are deleted at
+    /// `ListEnd`. Each object is checked and stored as it arrives, so a list of 30,000 Services
+    /// is never held whole as API objects.
+    ListBegin {
+        kind: Kind,
+    },
+    Listed(Object),
+    ListEnd {
+        kind: Kind,
+    },
 }
 
 /// Something the user should hear about: which object, and what.
@@ -147,7 +158,9 @@ pub struct Store {
     local_addresses: Vec<std::net::Ipv4Addr>,
     services: HashMap<ObjectKey, CheckedService>,
     slices: HashMap<ObjectKey, CheckedSlice>,
-    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// The slices of each Service, sorted. (A Vec: nearly every Service has one slice, and a
+    /// BTreeSet's first node alone takes half a kilobyte.)
+    slices_by_service: HashMap<ObjectKey, Vec<ObjectKey>>,
     node: Option<CheckedNode>,
     synced: BTreeSet<Kind>,
     dirty: BTreeSet<ObjectKey>,
@@ -168,6 +181,8 @@ pub struct Store {
     /// Changes with every change to the Service CIDRs or the set of cluster IPs (see
     /// `cluster_ip_ranges`), so a dataplane rewrites them only then.
     cluster_ip_generation: u64,
+    /// Lists in progress (`Event::ListBegin`): the keys listed so far, per kind.
+    listing: BTreeMap<Kind, BTreeSet<ObjectKey>>,
 }
 
 impl Store {
@@ -351,18 +366,39 @@ impl Store {
                         present.insert(key);
                     }
                 }
-                let stale: Vec<ObjectKey> = self.keys(kind).filter(|k| !present.contains(k)).collect();
-                for key in stale {
-                    self.remove(kind, &key);
-                }
-                self.synced.insert(kind);
+                self.end_listing(kind, &present);
             }
             Event::Apply(obj) => {
                 self.upsert(obj, &mut reports);
             }
             Event::Delete { kind, key } => self.remove(kind, &key),
+            Event::ListBegin { kind } => {
+                self.listing.insert(kind, BTreeSet::new());
+            }
+            Event::Listed(obj) => {
+                let kind = obj.kind();
+                if let Some(key) = self.upsert(obj, &mut reports) {
+                    if let Some(present) = self.listing.get_mut(&kind) {
+                        present.insert(key);
+                    }
+                }
+            }
+            Event::ListEnd { kind } => {
+                // (An end without a beginning lists nothing: everything of the kind goes.)
+                let present = self.listing.remove(&kind).unwrap_or_default();
+                self.end_listing(kind, &present);
+            }
         }
         reports
+    }
+
+    /// A complete list of `kind` is in: what it did not hold is deleted, and the kind is synced.
+    fn end_listing(&mut self, kind: Kind, present: &BTreeSet<ObjectKey>) {
+        let stale: Vec<ObjectKey> = self.keys(kind).filter(|k| !present.contains(k)).collect();
+        for key in stale {
+            self.remove(kind, &key);
+        }
+        self.synced.insert(kind);
     }
 
     fn keys(&self, kind: Kind) -> Box<dyn Iterator<Item = ObjectKey> + '_> {
@@ -444,7 +480,10 @@ impl Store {
                                     self.endpoints_changed(&old.service, None);
                                 }
                             }
-                            self.slices_by_service.entry(checked.service.clone()).or_default().insert(key.clone());
+                            let of_service = self.slices_by_service.entry(checked.service.clone()).or_default();
+                            if let Err(at) = of_service.binary_search(&key) {
+                                of_service.insert(at, key.clone());
+                            }
                             self.endpoints_changed(&checked.service.clone(), checked.trigger_time);
                             self.slices.insert(key.clone(), checked);
                         }
@@ -548,7 +587,7 @@ impl Store {
     fn unlink_slice(&mut self, key: &ObjectKey) -> Option<CheckedSlice> {
         let old = self.slices.remove(key)?;
         if let Some(set) = self.slices_by_service.get_mut(&old.service) {
-            set.remove(key);
+            set.retain(|k| k != key);
             if set.is_empty() {
                 self.slices_by_service.remove(&old.service);
             }
@@ -682,6 +721,29 @@ mod tests {
         // The same object again changes nothing.
         s.apply(Event::Apply(slice(WEB_SLICE)));
         assert!(s.take_dirty().services.is_empty());
+    }
+
+    #[test]
+    fn a_list_in_pieces_deletes_what_it_did_not_hold_only_at_its_end() {
+        let mut s = Store::new("n");
+        let other = "metadata: {name: other}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}";
+        s.apply(Event::ListBegin { kind: Kind::Service });
+        s.apply(Event::Listed(svc(WEB)));
+        s.apply(Event::Listed(svc(other)));
+        assert!(!s.synced(&[Kind::Service]), "not before the list ends");
+        s.apply(Event::ListEnd { kind: Kind::Service });
+        assert!(s.synced(&[Kind::Service]));
+        assert_eq!(s.take_dirty().services.len(), 2);
+        // A relist without `other`: it stays until the list ends, then goes; `web` is untouched.
+        s.apply(Event::ListBegin { kind: Kind::Service });
+        s.apply(Event::Listed(svc(WEB)));
+        assert!(s.take_dirty().services.is_empty(), "the same object again changes nothing");
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.apply(Event::ListEnd { kind: Kind::Service });
+        let other_key = ObjectKey::new("default", "other");
+        assert_eq!(s.take_dirty().services, BTreeSet::from([web(), other_key.clone()]));
+        assert!(s.translate(&other_key).frontends.is_empty());
+        assert_eq!(s.translate(&web()).frontends.len(), 1, "objects of other kinds are not the list's business");
     }
 
     #[test]

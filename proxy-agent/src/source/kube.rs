@@ -337,7 +337,6 @@ where
 {
     tokio::spawn(async move {
         let mut stream = watcher(api, config).default_backoff().boxed();
-        let mut listing: Option<Vec<Object>> = None;
         let mut failing = false;
         while let Some(item) = stream.next().await {
             let event = match item {
@@ -364,15 +363,10 @@ where
                 }
             };
             let out = match event {
-                watcher::Event::Init => {
-                    listing = Some(Vec::new());
-                    None
-                }
-                watcher::Event::InitApply(obj) => {
-                    listing.get_or_insert_with(Vec::new).push(wrap(obj));
-                    None
-                }
-                watcher::Event::InitDone => Some(Event::Replace { kind, objects: listing.take().unwrap_or_default() }),
+                // The list goes to the store object by object, so it is never held whole.
+                watcher::Event::Init => Some(Event::ListBegin { kind }),
+                watcher::Event::InitApply(obj) => Some(Event::Listed(wrap(obj))),
+                watcher::Event::InitDone => Some(Event::ListEnd { kind }),
                 watcher::Event::Apply(obj) => Some(Event::Apply(wrap(obj))),
                 watcher::Event::Delete(obj) => Some(Event::Delete { kind, key: key_of(&obj, namespaced) }),
             };

@@ -163,6 +163,9 @@ pub struct LbMaps {
     backend_ids: IdAllocator,
     service_ids: IdAllocator,
     frontends: BTreeMap<Scoped, Programmed>,
+    /// Entries of the services map `frontends` account for (a master and its slots each),
+    /// kept as they change: the gauge is read after every sync.
+    entries: usize,
     /// Service ids found in REVNAT/NAMES with no frontend, removed by `collect_garbage`.
     stray_service_ids: Vec<u32>,
     stray_slots: Vec<ServiceKey>,
@@ -245,6 +248,7 @@ impl LbMaps {
             backend_ids: IdAllocator::new(limit),
             service_ids: IdAllocator::new(limit),
             frontends: BTreeMap::new(),
+            entries: 0,
             stray_service_ids: Vec::new(),
             stray_slots: Vec::new(),
             stray_affinity_matches: Vec::new(),
@@ -278,7 +282,7 @@ impl LbMaps {
                 }
                 table = Some(name.clone());
             }
-            me.frontends.insert(
+            me.set_frontend(
                 (key, fe.key.scope),
                 Programmed {
                     service_id: fe.master.service_id,
@@ -357,7 +361,14 @@ impl LbMaps {
 
     /// Entries in the services map: a master per frontend and its slots.
     pub fn service_entries(&self) -> usize {
-        self.frontends.values().map(|p| 1 + p.slots.len()).sum()
+        self.entries
+    }
+
+    fn set_frontend(&mut self, scoped: Scoped, p: Programmed) {
+        self.entries += 1 + p.slots.len();
+        if let Some(old) = self.frontends.insert(scoped, p) {
+            self.entries -= 1 + old.slots.len();
+        }
     }
 
     fn add_ref(&mut self, id: u32) {
@@ -697,7 +708,7 @@ impl LbMaps {
             let table = maglev_id.map(|_| name.clone()).or(old.as_ref().and_then(|o| o.maglev.clone()));
             let mut ranges = old.as_ref().map(|o| o.source_ranges.clone()).unwrap_or_default();
             ranges.extend(new_ranges);
-            self.frontends.insert(
+            self.set_frontend(
                 scoped,
                 Programmed {
                     service_id,
@@ -740,8 +751,10 @@ impl LbMaps {
             }
         }
         let table = maglev_id.map(|_| name.clone());
-        self.frontends
-            .insert(scoped, Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges });
+        self.set_frontend(
+            scoped,
+            Programmed { service_id, slots, retained, name, master, maglev: table, affinity_matches: keep, source_ranges },
+        );
         Ok(())
     }
 
@@ -788,7 +801,9 @@ impl LbMaps {
         self.service_ids.free(p.service_id);
         self.release_all(&p.slots);
         self.release_all(&p.retained);
-        self.frontends.remove(&scoped);
+        if let Some(old) = self.frontends.remove(&scoped) {
+            self.entries -= 1 + old.slots.len();
+        }
         Ok(())
     }
 
