@@ -4,6 +4,7 @@
 pub mod apiserver;
 pub mod cluster;
 pub mod conformance;
+pub mod connectbench;
 pub mod container;
 pub mod corpus;
 pub mod fuzz;

@@ -635,6 +635,48 @@ fn north(out_dir: &std::path::Path) {
 // ---------------------------------------------------------------------------------------------
 // modes: time to program N Services in each mode
 
+/// `cargo xtask bench connect` (see `proxy_tests::connectbench`). PROXY_BENCH_MODES and
+/// PROXY_BENCH_SIZES narrow it as for `modes` (labels: floor, ebpf, nftables, iptables-legacy,
+/// iptables-nft); PROXY_BENCH_SEED fixes the Services under test.
+fn connect(out_dir: &std::path::Path) {
+    use proxy_tests::connectbench::{run, SAMPLES};
+    let wanted = std::env::var("PROXY_BENCH_MODES").unwrap_or_default();
+    let wanted = |m: &str| wanted.trim().is_empty() || wanted.split(',').any(|w| w.trim() == m);
+    let seed = std::env::var("PROXY_BENCH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
+    let rows = run(&proxy_tests::lab::sibling("proxy-lab-agent"), &proxy_tests::modesbench::sizes(), wanted, seed);
+    println!("\nNew connections through each mode ({SAMPLES} each; microseconds p50 / p99 / p999; seed {seed})");
+    println!(
+        "{:<16}{:>9}{:>12}  {:<24}{:<24}{:<24}{}",
+        "mode", "services", "program s", "ClusterIP TCP connect", "ClusterIP UDP request", "NodePort TCP connect", "Service under test"
+    );
+    let f = |p: &[f64; 3]| if p[0].is_nan() { "-".to_string() } else { format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2]) };
+    for r in &rows {
+        if r.cluster_tcp_us[0].is_nan() {
+            println!("{:<16}{:>9}    {}", r.mode, r.services, r.note);
+            continue;
+        }
+        let program = if r.program_s.is_nan() { "-".to_string() } else { format!("{:.1}", r.program_s) };
+        println!(
+            "{:<16}{:>9}{:>12}  {:<24}{:<24}{:<24}{} ({})",
+            r.mode,
+            r.services,
+            program,
+            f(&r.cluster_tcp_us),
+            f(&r.cluster_udp_us),
+            f(&r.nodeport_tcp_us),
+            r.note,
+            r.position
+        );
+    }
+    let json = serde_json::json!({ "benchmark": "connect", "samples": SAMPLES, "seed": seed, "rows": rows });
+    let path = out_dir.join("connect.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
+    println!("written to {}", path.display());
+}
+
 fn modes(out_dir: &std::path::Path) {
     use proxy_agent::dataplane::ProxyMode;
     use proxy_tests::modesbench::{run_mode, sizes, Row, Variant};
@@ -736,7 +778,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
-        which = vec!["datapath".into(), "control".into(), "footprint".into(), "north".into(), "modes".into()];
+        which = vec!["datapath".into(), "control".into(), "footprint".into(), "north".into(), "modes".into(), "connect".into()];
     }
     for b in which {
         match b.as_str() {
@@ -747,8 +789,9 @@ fn main() {
             "modes" => modes(&out_dir),
             "modes-guest" => modes_guest(),
             "footprint" => footprint(&out_dir),
+            "connect" => connect(&out_dir),
             other => {
-                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, modes, footprint, profile");
+                eprintln!("unknown benchmark {other:?}; available: datapath, control, north, modes, footprint, connect, profile");
                 std::process::exit(2);
             }
         }
