@@ -131,19 +131,24 @@ fn percentiles(mut samples: Vec<f64>) -> [f64; 3] {
     [at(0.5), at(0.99), at(0.999)]
 }
 
-/// `SAMPLES` new TCP connections from `ns` to `to`: how long each `connect()` took.
-fn tcp_connects(ns: &netns::Netns, to: SocketAddrV4) -> Vec<f64> {
+/// `SAMPLES` new TCP connections from `ns` to `to`: how long each `connect()` took, and the
+/// failures (when, since the first connection, and why).
+fn tcp_connects(ns: &netns::Netns, to: SocketAddrV4) -> (Vec<f64>, Vec<String>) {
     ns.run(move || {
-        (0..SAMPLES)
-            .map(|i| {
-                let t = Instant::now();
-                let s = TcpStream::connect_timeout(&to.into(), Duration::from_secs(2))
-                    .unwrap_or_else(|e| panic!("connection {i} to {to}: {e}"));
-                let us = t.elapsed().as_secs_f64() * 1e6;
-                drop(s);
-                us
-            })
-            .collect()
+        let start = Instant::now();
+        let mut times = Vec::new();
+        let mut failures = Vec::new();
+        for i in 0..SAMPLES {
+            let t = Instant::now();
+            match TcpStream::connect_timeout(&to.into(), Duration::from_secs(2)) {
+                Ok(s) => {
+                    times.push(t.elapsed().as_secs_f64() * 1e6);
+                    drop(s);
+                }
+                Err(e) => failures.push(format!("connection {i} to {to} after {:.3} s: {e}", start.elapsed().as_secs_f64())),
+            }
+        }
+        (times, failures)
     })
 }
 
@@ -176,6 +181,17 @@ fn position(lab: &Lab, label: &str, vip: Ipv4Addr) -> String {
     }
 }
 
+/// Failed connections are part of the result: said, with what the agent logged meanwhile.
+fn report(lab: &Lab, failures: &[String]) {
+    if failures.is_empty() {
+        return;
+    }
+    eprintln!("  {} connections failed; the first: {}", failures.len(), failures[0]);
+    let log = lab.agent_log();
+    let lines: Vec<&str> = log.lines().collect();
+    eprintln!("  agent log (last 15 lines):\n{}", lines[lines.len().saturating_sub(15)..].join("\n"));
+}
+
 /// A small xorshift generator: the pick of the Service under test.
 fn pick(seed: &mut u64, n: u32) -> u32 {
     *seed ^= *seed << 13;
@@ -203,7 +219,7 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     let Some(flags) = v.flags else {
         // The floor: straight to a backend.
         let to = SocketAddrV4::new(backends[0], SINK_PORT);
-        row.cluster_tcp_us = percentiles(tcp_connects(&lab.client.ns, to));
+        row.cluster_tcp_us = percentiles(tcp_connects(&lab.client.ns, to).0);
         row.cluster_udp_us = percentiles(udp_requests(&lab.client.ns, SocketAddrV4::new(backends[0], lab::UDP_PORT)));
         row.position = "no proxy".into();
         return row;
@@ -234,10 +250,17 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     }
     row.program_s = t.elapsed().as_secs_f64();
     row.position = position(&lab, v.label, vip(k));
-    row.cluster_tcp_us = percentiles(tcp_connects(&lab.client.ns, target));
+    let (times, failures) = tcp_connects(&lab.client.ns, target);
+    report(&lab, &failures);
+    row.cluster_tcp_us = percentiles(times);
     row.cluster_udp_us = percentiles(udp_requests(&lab.client.ns, SocketAddrV4::new(vip(k), 53)));
-    row.nodeport_tcp_us = percentiles(tcp_connects(&lab.client.ns, SocketAddrV4::new(NODE_IP, NODE_PORT)));
+    let (times, more) = tcp_connects(&lab.client.ns, SocketAddrV4::new(NODE_IP, NODE_PORT));
+    report(&lab, &more);
+    row.nodeport_tcp_us = percentiles(times);
     row.note = format!("svc-{k} of {n}");
+    if failures.len() + more.len() > 0 {
+        row.note += &format!("; {} connections failed", failures.len() + more.len());
+    }
     drop(sinks);
     row
 }
