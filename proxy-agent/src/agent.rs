@@ -555,7 +555,7 @@ async fn control_loop<P: Proxier>(
                 p.housekeeping(&mut inputs.devices).await;
                 // Every minute, what smaller changes freed.
                 ticks += 1;
-                if ticks % 12 == 0 {
+                if ticks.is_multiple_of(12) {
                     crate::memory::release_free();
                 }
             }

@@ -370,7 +370,16 @@ pub struct SockRevKey {
 }
 const _: () = assert!(size_of::<SockRevKey>() == 16);
 
-/// Key of `SOCK_PORTS_V1` (value: the cookie of the socket holding the tuple, a u64): a
+/// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockOwner {
+    pub cookie: u64,
+    pub since_ns: u64,
+}
+const _: () = assert!(size_of::<SockOwner>() == 16);
+
+/// Key of `SOCK_PORTS_V1` (value: a `SockOwner`, the socket holding the tuple): a
 /// connected host-network socket's tuple at its backend, less the local address, which is not
 /// chosen yet when the socket connects.
 #[repr(C)]
@@ -666,13 +675,15 @@ reasons! {
     /// (netfilter's NAT would move the local port instead; a socket hook acts before there is
     /// a packet.)
     HostBackendMoved = 36 => "host_backend_moved",
-    /// A host-network socket's connect refused with EADDRNOTAVAIL: every backend of the
-    /// Service is already reached from this local port by another connected socket (as the
-    /// kernel refuses a TCP connect onto a taken tuple); the other socket keeps its replies.
+    /// A host-network UDP socket's connect refused with EADDRNOTAVAIL: every backend of the
+    /// Service tried (up to 9) is already reached from this local port by another connected
+    /// socket, as the kernel refuses a TCP connect onto a taken tuple; the other socket keeps
+    /// its replies. (A TCP connect goes on: the kernel itself refuses it if the tuple is in use.)
     HostPortClash = 37 => "host_port_clash",
-    /// An unconnected host-network UDP socket sent to a Service whose only backends it already
-    /// reaches for another Service: sent there anyway, and replies from that backend now show
-    /// this Service as their sender (the last Service sent to wins).
+    /// A host-network UDP send or connect that went on to a backend whose tuple another flow
+    /// holds (every backend tried was taken): an unconnected socket reaching it for another
+    /// Service (its replies then show the later Service as sender), or a socket whose holder
+    /// may be gone (an entry over two minutes old is not trusted to refuse).
     HostSharedBackend = 38 => "host_shared_backend",
 }
 

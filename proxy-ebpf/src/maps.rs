@@ -8,8 +8,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter, CtEntry, CtKey, FragKey,
-    FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockPortKey, SockRevKey, SourceRangeKey, SvcCidrKey,
-    TraceResult, REASON_SLOTS,
+    FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey, SourceRangeKey,
+    SvcCidrKey, TraceResult, REASON_SLOTS,
 };
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
@@ -97,7 +97,7 @@ pub static SOCK_FWD_V1: LruHashMap<SockRevKey, SockFwd, { limits::SOCK_REVNAT_MA
 /// Connected host-network sockets on a local port of their own: who holds which backend
 /// tuple (see `sock`). Entries go when their socket is closed.
 #[btf_map]
-pub static SOCK_PORTS_V1: LruHashMap<SockPortKey, u64, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+pub static SOCK_PORTS_V1: LruHashMap<SockPortKey, SockOwner, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
 
 /// A socket's cookie -> the tuple it holds in `SOCK_PORTS_V1` (a socket closing cannot read
 /// its own ports).

@@ -23,9 +23,12 @@
 //! moves the local port on such a clash; here there is no packet yet, so the backend moves:
 //! the hooks pass over backends whose tuple is taken (`SOCK_PORTS_V1` for connected sockets on
 //! a port of their own choosing, `SOCK_REVNAT_V1` for the socket's own other Services). Where
-//! every backend's tuple is taken, a connect fails with EADDRNOTAVAIL, as the kernel fails a
-//! TCP connect onto a taken tuple, and the first socket keeps its replies; an unconnected
-//! send goes on, and the backend's replies show the later Service (counted).
+//! every backend's tuple is taken, a UDP connect fails with EADDRNOTAVAIL, as the kernel fails
+//! a TCP connect onto a taken tuple (a TCP connect goes on, to meet the kernel's own check),
+//! and the first socket keeps its replies; an unconnected send goes on, and the backend's
+//! replies show the later Service (counted). A holder is trusted to refuse for two minutes
+//! only: the kernel runs no release hook for its own sockets (an NFS client's), whose entries
+//! would otherwise stay.
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY},
@@ -33,7 +36,8 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    svc_cidr, svc_flags, Backend, Reason, RevNat, ServiceKey, ServiceValue, SockFwd, SockPortKey, SockRevKey, IPPROTO_TCP, IPPROTO_UDP,
+    svc_cidr, svc_flags, Backend, Reason, RevNat, ServiceKey, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey, IPPROTO_TCP,
+    IPPROTO_UDP,
 };
 
 use crate::{
@@ -54,6 +58,8 @@ const EPERM: i32 = 1;
 const EADDRNOTAVAIL: i32 = 99;
 /// Backends tried after a first pick whose tuple is taken.
 const OTHER_BACKENDS: u32 = 8;
+/// How long a holder of a tuple is trusted to make a UDP connect fail (see the module comment).
+const HOLDER_TRUSTED_NS: u64 = 120 * 1_000_000_000;
 
 /// Fails the call with `errno`, counted under `reason`.
 #[inline(always)]
@@ -150,7 +156,7 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
     // An unconnected UDP socket's next datagram to this Service: the backend of the last one,
     // if its id still names it (as the TC path checks a tracked flow's).
     let fwd_key = rev_key(ctx, vip, vport);
-    if proto == IPPROTO_UDP {
+    if proto == IPPROTO_UDP && !connect {
         // SAFETY: the value is copied out at once.
         if let Some(f) = SOCK_FWD_V1.get_ptr(&fwd_key).map(|p| unsafe { *p }) {
             if select::backend(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
@@ -175,7 +181,8 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
         ttl: 0,
         frag: Frag::Whole,
     };
-    let Ok(first) = select::choose(&pkt, &key, &master, ct::now(), true) else { return PROCEED };
+    let now = ct::now();
+    let Ok(first) = select::choose(&pkt, &key, &master, now, true) else { return PROCEED };
     // SAFETY: the socket of a sock_addr context is always there.
     let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
     let taken = |b: &Backend| tuple_taken(cookie, proto, sport, b) || (!connect && other_service(ctx, b, vip, vport));
@@ -184,7 +191,9 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
         stats::count(Reason::HostBackendMoved, 0);
         other
-    } else if connect {
+    } else if proto == IPPROTO_TCP {
+        first
+    } else if connect && tuple_held(cookie, proto, sport, &first.backend, now) {
         return refuse(Reason::HostPortClash, EADDRNOTAVAIL);
     } else {
         stats::count(Reason::HostSharedBackend, 0);
@@ -204,7 +213,7 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
         release_tuple(cookie);
         if sport != [0; 2] {
             let key = port_key(proto, sport, be.addr, be.port);
-            if SOCK_PORTS_V1.insert(&key, &cookie, BPF_ANY as u64).is_ok() {
+            if SOCK_PORTS_V1.insert(&key, &SockOwner { cookie, since_ns: now }, BPF_ANY as u64).is_ok() {
                 let _ = SOCK_HELD_V1.insert(&cookie, &key, BPF_ANY as u64);
             }
         }
@@ -228,7 +237,20 @@ fn other_service(ctx: &SockAddrContext, b: &Backend, vip: [u8; 4], vport: [u8; 2
 fn tuple_taken(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend) -> bool {
     // SAFETY: the value is copied out at once.
     sport != [0; 2]
-        && SOCK_PORTS_V1.get_ptr(&port_key(proto, sport, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|owner| owner != cookie)
+        && SOCK_PORTS_V1.get_ptr(&port_key(proto, sport, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|o| o.cookie != cookie)
+}
+
+/// True when the holder of that tuple can be trusted to be there: it took the tuple less than
+/// HOLDER_TRUSTED_NS ago, and its own record still names the tuple (the two LRU maps may lose
+/// entries independently).
+#[inline(always)]
+fn tuple_held(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend, now: u64) -> bool {
+    let key = port_key(proto, sport, b.addr, b.port);
+    // SAFETY: the values are copied out at once.
+    let Some(owner) = SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }) else { return false };
+    owner.cookie != cookie
+        && now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS
+        && SOCK_HELD_V1.get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
 }
 
 /// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most
@@ -259,7 +281,7 @@ fn release_tuple(cookie: u64) {
     let Some(key) = SOCK_HELD_V1.get_ptr(&cookie).map(|p| unsafe { *p }) else { return };
     let _ = SOCK_HELD_V1.remove(&cookie);
     // SAFETY: the value is copied out at once.
-    if SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }) == Some(cookie) {
+    if SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }).is_some_and(|o| o.cookie == cookie) {
         let _ = SOCK_PORTS_V1.remove(&key);
     }
 }

@@ -732,6 +732,9 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     assert_eq!((sent, answer), (0, Ok(None)), "{mode}: a ping to a free address is dropped");
     // The node's own ping too (netfilter fails a local packet it rejects or drops with EPERM).
     let answer = ping(&lab.node, Ipv4Addr::new(10, 96, 0, 10));
+    if mode == ProxyMode::Ebpf {
+        assert_eq!(answer, Ok(Some((Ipv4Addr::new(10, 96, 0, 10), 3, 3))), "{mode}: the node's ping answered from the cluster IP");
+    }
     assert!(ping_refused(&answer), "{mode}: the node's ping to a cluster IP is refused: {answer:?}");
     let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.node, Ipv4Addr::new(10, 96, 0, 79)));
     assert!(

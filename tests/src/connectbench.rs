@@ -152,15 +152,18 @@ fn tcp_connects(ns: &netns::Netns, to: SocketAddrV4) -> (Vec<f64>, Vec<String>) 
     })
 }
 
-/// `SAMPLES` UDP requests from new sockets: send to answer.
-fn udp_requests(ns: &netns::Netns, to: SocketAddrV4) -> Vec<f64> {
-    (0..SAMPLES)
-        .map(|i| {
-            let t = Instant::now();
-            udp_ask(ns, to).unwrap_or_else(|e| panic!("UDP request {i} to {to}: {e}"));
-            t.elapsed().as_secs_f64() * 1e6
-        })
-        .collect()
+/// `SAMPLES` UDP requests from new sockets: send to answer, and the failures.
+fn udp_requests(ns: &netns::Netns, to: SocketAddrV4) -> (Vec<f64>, Vec<String>) {
+    let mut times = Vec::new();
+    let mut failures = Vec::new();
+    for i in 0..SAMPLES {
+        let t = Instant::now();
+        match udp_ask(ns, to) {
+            Ok(_) => times.push(t.elapsed().as_secs_f64() * 1e6),
+            Err(e) => failures.push(format!("UDP request {i} to {to}: {e}")),
+        }
+    }
+    (times, failures)
 }
 
 /// Where rule matching finds `vip` in KUBE-SERVICES (nat), for the iptables modes.
@@ -220,7 +223,7 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
         // The floor: straight to a backend.
         let to = SocketAddrV4::new(backends[0], SINK_PORT);
         row.cluster_tcp_us = percentiles(tcp_connects(&lab.client.ns, to).0);
-        row.cluster_udp_us = percentiles(udp_requests(&lab.client.ns, SocketAddrV4::new(backends[0], lab::UDP_PORT)));
+        row.cluster_udp_us = percentiles(udp_requests(&lab.client.ns, SocketAddrV4::new(backends[0], lab::UDP_PORT)).0);
         row.position = "no proxy".into();
         return row;
     };
@@ -253,13 +256,16 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     let (times, failures) = tcp_connects(&lab.client.ns, target);
     report(&lab, &failures);
     row.cluster_tcp_us = percentiles(times);
-    row.cluster_udp_us = percentiles(udp_requests(&lab.client.ns, SocketAddrV4::new(vip(k), 53)));
+    let (times, udp_failures) = udp_requests(&lab.client.ns, SocketAddrV4::new(vip(k), 53));
+    report(&lab, &udp_failures);
+    row.cluster_udp_us = percentiles(times);
     let (times, more) = tcp_connects(&lab.client.ns, SocketAddrV4::new(NODE_IP, NODE_PORT));
     report(&lab, &more);
     row.nodeport_tcp_us = percentiles(times);
     row.note = format!("svc-{k} of {n}");
-    if failures.len() + more.len() > 0 {
-        row.note += &format!("; {} connections failed", failures.len() + more.len());
+    let failed = failures.len() + more.len() + udp_failures.len();
+    if failed > 0 {
+        row.note += &format!("; {failed} connections or requests failed");
     }
     drop(sinks);
     row

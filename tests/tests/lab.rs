@@ -613,7 +613,9 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
             let to = if proto == "tcp-same-port" { "10.96.0.67:80,10.96.0.68:80" } else { "10.96.0.67:53,10.96.0.68:53" };
             let out = lab.host_ask(proto, to);
             let f: Vec<&str> = out.split_whitespace().collect();
-            let backend = |field: &str, key: &str| field.strip_prefix(key).and_then(|a| a.split('/').next()).map(str::to_string);
+            let backend = |field: &str, key: &str| {
+                field.strip_prefix(key).filter(|a| a.starts_with("backend-")).and_then(|a| a.split('/').next()).map(str::to_string)
+            };
             let (first, second) = (backend(f[0], "first="), backend(f[1], "second="));
             assert!(
                 f.len() == 4
@@ -658,7 +660,8 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
             );
         }
     }
-    assert!(counter(&lab, "host_port_clash") >= 2, "{:?}", lab.inspect().unwrap().counters);
+    // (TCP meets the kernel's own check of the tuple; UDP is refused by the hook.)
+    assert!(counter(&lab, "host_port_clash") >= 1, "{:?}", lab.inspect().unwrap().counters);
     // One unconnected socket: both answers arrive, both shown from the later Service.
     let out = lab.host_ask("udp-two-services", "10.96.0.65:53,10.96.0.66:53");
     assert_eq!(out, "10.96.0.66:53=backend-1 10.96.0.66:53=backend-1", "the later Service wins");

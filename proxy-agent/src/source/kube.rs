@@ -1,8 +1,9 @@
 //! The API-server source: kube-rs watchers on Services, EndpointSlices, this node's Node and
 //! the ServiceCIDRs,
 //! with the label selectors kube-proxy uses. Each watcher's initial list (and every relist,
-//! after a 410 Gone or a lost watch) becomes one `Replace` event, so objects that vanished
-//! while the watch was down are removed; changes after that are `Apply` and `Delete`. Errors
+//! after a 410 Gone or a lost watch) goes to the store as `ListBegin`, one `Listed` per object
+//! and `ListEnd`, so objects that vanished while the watch was down are removed at the end;
+//! changes after that are `Apply` and `Delete`. Errors
 //! are retried with backoff forever: an unreachable API server delays programming but stops
 //! nothing, and what is pinned keeps serving.
 

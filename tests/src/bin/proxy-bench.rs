@@ -649,8 +649,8 @@ fn connect(out_dir: &std::path::Path) {
     let rows = run(&proxy_tests::lab::sibling("proxy-lab-agent"), &proxy_tests::modesbench::sizes(), wanted, seed);
     println!("\nNew connections through each mode ({SAMPLES} each; microseconds p50 / p99 / p999; seed {seed})");
     println!(
-        "{:<16}{:>9}{:>12}  {:<24}{:<24}{:<24}{}",
-        "mode", "services", "program s", "ClusterIP TCP connect", "ClusterIP UDP request", "NodePort TCP connect", "Service under test"
+        "{:<16}{:>9}{:>12}  {:<24}{:<24}{:<24}Service under test",
+        "mode", "services", "program s", "ClusterIP TCP connect", "ClusterIP UDP request", "NodePort TCP connect"
     );
     let f = |p: &[f64; 3]| if p[0].is_nan() { "-".to_string() } else { format!("{:.0} / {:.0} / {:.0}", p[0], p[1], p[2]) };
     for r in &rows {

@@ -150,8 +150,9 @@ fn request(kind: i32, mut s: &fs::File) -> String {
 }
 
 fn same_port(kind: i32, a: SocketAddr, b: SocketAddr) {
-    // A port of this run's own: a TCP port a previous run closed lingers in TIME_WAIT.
-    let port = 41000 + (std::process::id() % 2000) as u16;
+    // A port of this run's own, below the ephemeral range (32768-60999 by default): a TCP
+    // port a previous run closed lingers in TIME_WAIT.
+    let port = 12000 + (std::process::id() % 20000) as u16;
     let first = connect_from(kind, port, a);
     let ask = |s: &fs::File| request(kind, s);
     let first_answer = first.as_ref().map(ask).unwrap_or_else(|e| format!("err-{:?}", e.kind()));

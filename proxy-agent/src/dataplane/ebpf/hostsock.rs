@@ -163,6 +163,16 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
     array.set(0, cookie, 0).map_err(|e| HostSockError::Program { program: map_names::HOST_NETNS, detail: e.to_string() })?;
     let dir = fs::File::open(cgroup).map_err(|source| HostSockError::Cgroup { path: cgroup.display().to_string(), source })?;
     let mut links = Vec::new();
+    // The release hook first: a socket that connects once the others are in is forgotten when
+    // it closes.
+    let program = prog_names::SOCK_RELEASE;
+    let err = |detail: String| HostSockError::Program { program, detail };
+    let prog = loader::cgroup_sock(ebpf, program);
+    prog.load().map_err(|e| err(format!("loading: {e}")))?;
+    let id =
+        prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
+    let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+    links.push(keep(link, root, program)?);
     for program in prog_names::SOCK_HOOKS {
         let err = |detail: String| HostSockError::Program { program, detail };
         let prog = loader::sock_addr(ebpf, program);
@@ -175,14 +185,6 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
         let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
         links.push(keep(link, root, program)?);
     }
-    let program = prog_names::SOCK_RELEASE;
-    let err = |detail: String| HostSockError::Program { program, detail };
-    let prog = loader::cgroup_sock(ebpf, program);
-    prog.load().map_err(|e| err(format!("loading: {e}")))?;
-    let id =
-        prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
-    let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
-    links.push(keep(link, root, program)?);
     tracing::info!(cgroup = %cgroup.display(), netns_cookie = cookie, "socket hooks attached: host-network processes reach Services");
     Ok(links)
 }

@@ -133,7 +133,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOURCE_RANGES => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey>(), size_of::<u8>()),
         map_names::SOCK_REVNAT => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<RevNat>()),
         map_names::SOCK_FWD => (MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockFwd>()),
-        map_names::SOCK_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey>(), size_of::<u64>()),
+        map_names::SOCK_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey>(), size_of::<proxy_common::SockOwner>()),
         map_names::SOCK_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey>()),
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
