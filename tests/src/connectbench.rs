@@ -43,6 +43,22 @@ pub struct Row {
     pub note: String,
 }
 
+impl Row {
+    /// A row with nothing measured yet (NaN figures), and `note`.
+    fn unmeasured(mode: &str, services: u32, note: String) -> Self {
+        Self {
+            mode: mode.into(),
+            services,
+            program_s: f64::NAN,
+            position: String::new(),
+            cluster_tcp_us: [f64::NAN; 3],
+            cluster_udp_us: [f64::NAN; 3],
+            nodeport_tcp_us: [f64::NAN; 3],
+            note,
+        }
+    }
+}
+
 /// A mode as this benchmark runs it: its label and the agent's flags (None: no agent, the floor).
 pub struct Variant {
     pub label: &'static str,
@@ -209,16 +225,7 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     let mut lab = Lab::new(agent, 3);
     let backends = lab.backend_ips();
     let sinks: Vec<Sink> = lab.backends.iter().map(|p| Sink::start(&p.ns)).collect();
-    let mut row = Row {
-        mode: v.label.into(),
-        services: n,
-        program_s: f64::NAN,
-        position: String::new(),
-        cluster_tcp_us: [f64::NAN; 3],
-        cluster_udp_us: [f64::NAN; 3],
-        nodeport_tcp_us: [f64::NAN; 3],
-        note: String::new(),
-    };
+    let mut row = Row::unmeasured(v.label, n, String::new());
     let Some(flags) = v.flags else {
         // The floor: straight to a backend.
         let to = SocketAddrV4::new(backends[0], SINK_PORT);
@@ -287,16 +294,7 @@ pub fn run(agent: &std::path::Path, sizes: &[u32], wanted: impl Fn(&str) -> bool
                 if projected > SKIP_PROJECTED_OVER.as_secs_f64() {
                     let note = format!("not run: {prev} Services took {secs:.0} s to program, so {n} would take about {projected:.0} s");
                     eprintln!("connect: {}, {n} services: {note}", v.label);
-                    rows.push(Row {
-                        mode: v.label.into(),
-                        services: n,
-                        program_s: f64::NAN,
-                        position: String::new(),
-                        cluster_tcp_us: [f64::NAN; 3],
-                        cluster_udp_us: [f64::NAN; 3],
-                        nodeport_tcp_us: [f64::NAN; 3],
-                        note,
-                    });
+                    rows.push(Row::unmeasured(v.label, n, note));
                     continue;
                 }
             }
