@@ -685,6 +685,10 @@ reasons! {
     /// Service (its replies then show the later Service as sender), or a socket whose holder
     /// may be gone (an entry over two minutes old is not trusted to refuse).
     HostSharedBackend = 38 => "host_shared_backend",
+    /// Egress: a packet of another protocol than TCP, UDP or ICMP (SCTP, GRE) to an allocated
+    /// cluster IP, about to leave the node by the default route: dropped (kube-proxy's
+    /// `cluster-ips-check` rejects every protocol; this dataplane serves TCP and UDP).
+    DropClusterIpProtocol = 39 => "drop_cluster_ip_protocol",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

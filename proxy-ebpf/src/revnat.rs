@@ -47,7 +47,12 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
             return leaving_unmatched(daddr);
         }
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::OtherProto { daddr } => return leaving_unmatched(daddr),
+        Parsed::OtherProto { daddr } => {
+            if select::service_cidr_of(daddr) == Some(svc_cidr::ALLOCATED) {
+                return Err(Reason::DropClusterIpProtocol);
+            }
+            return leaving_unmatched(daddr);
+        }
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {

@@ -856,6 +856,10 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
         assert_untouched(&mut dp, frame, &format!("{what} on ingress"));
         assert_eq!(run_egress(&mut dp, frame).action, testrun::TC_ACT_SHOT, "{what} is dropped as it leaves");
     }
+    // Another protocol to a cluster IP is dropped as it leaves too (nftables rejects it).
+    let gre_vip = proxy_tests::packet::Ipv4::new(*client.ip(), vip, 47, vec![0; 8]).frame();
+    assert_untouched(&mut dp, &gre_vip, "GRE to a cluster IP on ingress");
+    assert_eq!(run_egress(&mut dp, &gre_vip).action, testrun::TC_ACT_SHOT, "GRE to a cluster IP is dropped as it leaves");
     let outside_ping = proxy_tests::packet::icmp_echo_frame(*client.ip(), Ipv4Addr::new(10, 97, 0, 1));
     assert_untouched(&mut dp, &outside_ping, "a ping outside every range");
     assert_eq!(run_egress(&mut dp, &outside_ping).frame, outside_ping, "a ping outside every range, leaving");
@@ -864,6 +868,7 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"));
     let c = counters(&mut dp);
     assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&3), Some(&5)), "{c:?}");
+    assert_eq!(c.get("drop_cluster_ip_protocol"), Some(&1), "{c:?}");
     // The ranges go: nothing is checked any more, and the map is empty again.
     dp.set_cluster_ip_ranges(&[], &allocated).expect("clear the ranges");
     assert_eq!(run_egress(&mut dp, &free).frame, free, "ranges removed");
