@@ -54,7 +54,7 @@ fn apply(ctx: &TcContext, pkt: &Packet, step: Step) -> Result<Verdict, Reason> {
     match step {
         Step::Pass(reason) => Ok(Verdict::pass(reason)),
         Step::Drop(reason) => Err(reason),
-        Step::Reject { .. } => icmp::reject(ctx, pkt),
+        Step::Reject { .. } => icmp::reject(ctx, pkt, Reason::RejectNoEndpoints),
         Step::Dnat { backend, reason, sport, .. } => {
             frag::remember(pkt);
             nat::rewrite(ctx, pkt, Side::Dst, backend.addr, backend.port)?;

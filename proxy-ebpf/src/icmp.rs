@@ -61,21 +61,21 @@ pub fn query_packet(l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8;
 }
 
 /// Turns the packet into an ICMP port unreachable from the service address back to the sender,
-/// and sends it out the interface it came in on.
+/// and sends it out the interface it came in on, counted under `reason`.
 #[inline(always)]
-pub fn reject(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
-    reject_to(ctx, pkt, 0)
+pub fn reject(ctx: &TcContext, pkt: &Packet, reason: Reason) -> Result<Verdict, Reason> {
+    reject_to(ctx, pkt, 0, reason)
 }
 
 /// The same for a packet about to leave the node (TC egress): the answer is received on the
 /// interface instead, as if the destination had sent it, and routed back to the sender.
 #[inline(always)]
-pub fn reject_leaving(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
-    reject_to(ctx, pkt, u64::from(aya_ebpf::bindings::BPF_F_INGRESS))
+pub fn reject_leaving(ctx: &TcContext, pkt: &Packet, reason: Reason) -> Result<Verdict, Reason> {
+    reject_to(ctx, pkt, u64::from(aya_ebpf::bindings::BPF_F_INGRESS), reason)
 }
 
 #[inline(always)]
-fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<Verdict, Reason> {
+fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason) -> Result<Verdict, Reason> {
     let fail = |_| Reason::DropRejectFailed;
     // The datagram as the IP header sizes it (a frame may carry Ethernet padding after it).
     let frame_ip_len = (ctx.len() as usize).saturating_sub(ETH_LEN);
@@ -146,7 +146,7 @@ fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64) -> Result<Verdi
     if action != TC_ACT_REDIRECT {
         return Err(Reason::DropRejectFailed);
     }
-    Ok(Verdict { action, reason: Reason::RejectNoEndpoints })
+    Ok(Verdict { action, reason })
 }
 
 /// Rewrites an ICMP error leaving towards a client about a packet that client sent to a service:

@@ -76,8 +76,7 @@ fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], to
     if !icmp::is_query(ctx, l4_off) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
-    let v = icmp::reject(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len))?;
-    Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
+    icmp::reject(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
 }
 
 /// A packet to no Service: passed, unless it opens a flow to an allocated cluster IP on a port
@@ -90,8 +89,7 @@ fn unserved(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
     if pkt.frag == Frag::Later || pkt.is_tcp_mid_connection() || select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
-    let v = icmp::reject(ctx, pkt)?;
-    Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort })
+    icmp::reject(ctx, pkt, Reason::RejectClusterIpPort)
 }
 
 /// A packet of a tracked connection towards the service.
@@ -152,7 +150,7 @@ fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry
 fn new_flow(ctx: &TcContext, pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     if master.count == 0 {
         select::without_endpoints(pkt, master)?;
-        return icmp::reject(ctx, pkt);
+        return icmp::reject(ctx, pkt, Reason::RejectNoEndpoints);
     }
     let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;
     let hairpin = be.addr == pkt.saddr;

@@ -17,13 +17,14 @@ use crate::{
     verdict::Verdict,
 };
 
-/// A packet of no translated flow about to leave: to a free address of a Service CIDR (nothing,
-/// not another proxy nor a local address, took it on the way) it is dropped, whatever its
-/// protocol, as kube-proxy's `cluster-ips-check` drops traffic to unallocated cluster IPs,
-/// instead of following the default route.
+/// A packet of no translated flow about to leave, whose destination `LB4_SVCCIDR_V1` says
+/// `cidr` of: to a free address of a Service CIDR (nothing, not another proxy nor a local
+/// address, took it on the way) it is dropped, whatever its protocol, as kube-proxy's
+/// `cluster-ips-check` drops traffic to unallocated cluster IPs, instead of following the
+/// default route.
 #[inline(always)]
-fn leaving_unmatched(daddr: [u8; 4]) -> Result<Verdict, Reason> {
-    if select::service_cidr_of(daddr) == Some(svc_cidr::RANGE) {
+fn leaving_unmatched(cidr: Option<u8>) -> Result<Verdict, Reason> {
+    if cidr == Some(svc_cidr::RANGE) {
         return Err(Reason::DropUnallocatedClusterIp);
     }
     Ok(Verdict::pass(Reason::EgressPass))
@@ -40,18 +41,19 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
             // A host process's ping to a cluster IP (a pod's was answered where it entered):
             // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
             // a host's TCP and UDP; they see no ICMP.)
-            if select::service_cidr_of(daddr) == Some(svc_cidr::ALLOCATED) {
-                let v = icmp::reject_leaving(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len))?;
-                return Ok(Verdict { action: v.action, reason: Reason::RejectClusterIpPort });
-            }
-            return leaving_unmatched(daddr);
+            return match select::service_cidr_of(daddr) {
+                Some(svc_cidr::ALLOCATED) => {
+                    icmp::reject_leaving(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
+                }
+                cidr => leaving_unmatched(cidr),
+            };
         }
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
         Parsed::OtherProto { daddr } => {
-            if select::service_cidr_of(daddr) == Some(svc_cidr::ALLOCATED) {
-                return Err(Reason::DropClusterIpProtocol);
-            }
-            return leaving_unmatched(daddr);
+            return match select::service_cidr_of(daddr) {
+                Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
+                cidr => leaving_unmatched(cidr),
+            };
         }
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
@@ -59,7 +61,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) else {
-        return leaving_unmatched(pkt.daddr);
+        return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
     // SAFETY: live map value; CtEntry is plain data.
     let entry = unsafe { *e };

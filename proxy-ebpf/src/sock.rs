@@ -185,7 +185,7 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
     let Ok(first) = select::choose(&pkt, &key, &master, now, true) else { return PROCEED };
     // SAFETY: the socket of a sock_addr context is always there.
     let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
-    let taken = |b: &Backend| tuple_taken(cookie, proto, sport, b) || (!connect && other_service(ctx, b, vip, vport));
+    let taken = |b: &Backend| holder(cookie, proto, sport, b).is_some() || (!connect && other_service(ctx, b, vip, vport));
     let choice = if !taken(&first.backend) {
         first
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
@@ -231,26 +231,27 @@ fn other_service(ctx: &SockAddrContext, b: &Backend, vip: [u8; 4], vport: [u8; 2
     SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|r| r.addr != vip || r.port != vport)
 }
 
-/// True when another connected socket on local port `sport` reaches backend `b` (a socket
+/// The other connected socket on local port `sport` that reaches backend `b`, if any (a socket
 /// without a local port yet gets one the kernel keeps apart).
 #[inline(always)]
-fn tuple_taken(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend) -> bool {
+fn holder(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend) -> Option<(SockPortKey, SockOwner)> {
+    if sport == [0; 2] {
+        return None;
+    }
+    let key = port_key(proto, sport, b.addr, b.port);
     // SAFETY: the value is copied out at once.
-    sport != [0; 2]
-        && SOCK_PORTS_V1.get_ptr(&port_key(proto, sport, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|o| o.cookie != cookie)
+    SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }).filter(|o| o.cookie != cookie).map(|o| (key, o))
 }
 
-/// True when the holder of that tuple can be trusted to be there: it took the tuple less than
+/// True when that holder can be trusted to be there: it took the tuple less than
 /// HOLDER_TRUSTED_NS ago, and its own record still names the tuple (the two LRU maps may lose
 /// entries independently).
 #[inline(always)]
 fn tuple_held(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend, now: u64) -> bool {
-    let key = port_key(proto, sport, b.addr, b.port);
-    // SAFETY: the values are copied out at once.
-    let Some(owner) = SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }) else { return false };
-    owner.cookie != cookie
-        && now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS
-        && SOCK_HELD_V1.get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
+    holder(cookie, proto, sport, b).is_some_and(|(key, owner)| {
+        // SAFETY: the value is copied out at once.
+        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && SOCK_HELD_V1.get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
+    })
 }
 
 /// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most

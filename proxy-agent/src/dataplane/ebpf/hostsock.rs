@@ -162,28 +162,27 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
         Array::try_from(map).map_err(|e| HostSockError::Program { program: map_names::HOST_NETNS, detail: e.to_string() })?;
     array.set(0, cookie, 0).map_err(|e| HostSockError::Program { program: map_names::HOST_NETNS, detail: e.to_string() })?;
     let dir = fs::File::open(cgroup).map_err(|source| HostSockError::Cgroup { path: cgroup.display().to_string(), source })?;
-    let mut links = Vec::new();
+    // Loads `$prog` (a cgroup program of the object), attaches it to the cgroup as a BPF link
+    // (the kernel runs it beside other programs of the cgroup whatever the mode, and takes no
+    // attach flags with it) and keeps the link (see `keep`).
+    macro_rules! attach_link {
+        ($program:expr, $prog:expr) => {{
+            let program: &'static str = $program;
+            let err = |detail: String| HostSockError::Program { program, detail };
+            let prog = $prog;
+            prog.load().map_err(|e| err(format!("loading: {e}")))?;
+            let id = prog
+                .attach(&dir, CgroupAttachMode::Single)
+                .map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
+            let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+            keep(link, root, program)?
+        }};
+    }
     // The release hook first: a socket that connects once the others are in is forgotten when
     // it closes.
-    let program = prog_names::SOCK_RELEASE;
-    let err = |detail: String| HostSockError::Program { program, detail };
-    let prog = loader::cgroup_sock(ebpf, program);
-    prog.load().map_err(|e| err(format!("loading: {e}")))?;
-    let id =
-        prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
-    let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
-    links.push(keep(link, root, program)?);
+    let mut links = vec![attach_link!(prog_names::SOCK_RELEASE, loader::cgroup_sock(ebpf, prog_names::SOCK_RELEASE))];
     for program in prog_names::SOCK_HOOKS {
-        let err = |detail: String| HostSockError::Program { program, detail };
-        let prog = loader::sock_addr(ebpf, program);
-        prog.load().map_err(|e| err(format!("loading: {e}")))?;
-        // A BPF link: the kernel runs it beside other programs of the cgroup whatever the mode,
-        // and takes no attach flags with it.
-        let id = prog
-            .attach(&dir, CgroupAttachMode::Single)
-            .map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;
-        let link = FdLink::try_from(prog.take_link(id).map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
-        links.push(keep(link, root, program)?);
+        links.push(attach_link!(program, loader::sock_addr(ebpf, program)));
     }
     tracing::info!(cgroup = %cgroup.display(), netns_cookie = cookie, "socket hooks attached: host-network processes reach Services");
     Ok(links)

@@ -313,34 +313,30 @@ pub fn unpin_all(root: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// A program of the loaded object, by name, as the type `kind` names.
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str, kind: &str) -> &'a mut T
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program>,
+{
+    ebpf.program_mut(name).unwrap_or_else(|| panic!("the object defines {name}")).try_into().unwrap_or_else(|_| panic!("{name} is {kind}"))
+}
+
 /// A classifier program of the loaded object, by name (`prog_names`).
 pub fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut SchedClassifier {
-    ebpf.program_mut(name)
-        .unwrap_or_else(|| panic!("the object defines {name}"))
-        .try_into()
-        .unwrap_or_else(|_| panic!("{name} is a classifier"))
+    program(ebpf, name, "a classifier")
 }
 
 /// A cgroup sock_addr program of the loaded object, by name (`prog_names::SOCK_HOOKS`).
 pub fn sock_addr<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::programs::CgroupSockAddr {
-    ebpf.program_mut(name)
-        .unwrap_or_else(|| panic!("the object defines {name}"))
-        .try_into()
-        .unwrap_or_else(|_| panic!("{name} is a cgroup sock_addr program"))
+    program(ebpf, name, "a cgroup sock_addr program")
 }
 
 /// A cgroup sock program of the loaded object, by name (`prog_names::SOCK_RELEASE`).
 pub fn cgroup_sock<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::programs::CgroupSock {
-    ebpf.program_mut(name)
-        .unwrap_or_else(|| panic!("the object defines {name}"))
-        .try_into()
-        .unwrap_or_else(|_| panic!("{name} is a cgroup sock program"))
+    program(ebpf, name, "a cgroup sock program")
 }
 
 /// An XDP program of the loaded object, by name (`prog_names`).
 pub fn xdp<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut Xdp {
-    ebpf.program_mut(name)
-        .unwrap_or_else(|| panic!("the object defines {name}"))
-        .try_into()
-        .unwrap_or_else(|_| panic!("{name} is an XDP program"))
+    program(ebpf, name, "an XDP program")
 }
