@@ -212,19 +212,34 @@ fn load_ebpf(cfg: &Config) -> Result<EbpfDataplane, crate::dataplane::ebpf::Ebpf
 }
 
 /// `--proxy-mode auto`: ebpf when this kernel and these privileges run our programs, else
-/// nftables, else iptables. Says why.
-fn choose_mode(cfg: &Config) -> (ProxyMode, Option<EbpfDataplane>) {
-    match crate::dataplane::modes::ebpf_unsupported() {
+/// nftables, else iptables. Says why. An eBPF dataplane an earlier run left attached is not
+/// given up for another mode: switching would remove its pins and reset every connection it
+/// carries, so the start fails instead and the attached programs go on serving what they last
+/// had (as Cilium's datapath outlives a failing agent). An explicit `--proxy-mode` switches.
+fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>)> {
+    let why = match crate::dataplane::modes::ebpf_unsupported() {
         None => match load_ebpf(cfg) {
             Ok(dp) => {
                 tracing::info!(mode = "ebpf", "proxy mode auto: the kernel runs the eBPF dataplane");
-                return (ProxyMode::Ebpf, Some(dp));
+                return Ok((ProxyMode::Ebpf, Some(dp)));
             }
-            Err(e) => tracing::warn!("proxy mode auto: the eBPF dataplane cannot load ({e}); falling back"),
+            Err(e) => format!("the eBPF dataplane cannot load ({e})"),
         },
-        Some(why) => tracing::warn!("proxy mode auto: not using eBPF: {why}; falling back"),
+        Some(why) => format!("not using eBPF: {why}"),
+    };
+    let root = &cfg.common.bpffs_root;
+    let links = crate::dataplane::ebpf::loader::pinned_links(root);
+    if links > 0 {
+        anyhow::bail!(
+            "proxy mode auto: {why}; an earlier run's eBPF dataplane is still attached ({links} pinned links under {}) and keeps \
+             serving what it last programmed. Falling back to another mode would detach it and reset every connection it carries, \
+             so this start stops here: fix the cause above, or switch modes on purpose with --proxy-mode (or `proxy-agent \
+             cleanup`), which resets those connections",
+            crate::dataplane::ebpf::loader::links_dir(root).display()
+        );
     }
-    match crate::dataplane::modes::nftables_unsupported() {
+    tracing::warn!("proxy mode auto: {why}; falling back");
+    Ok(match crate::dataplane::modes::nftables_unsupported() {
         None => {
             tracing::info!(mode = "nftables", "proxy mode auto: nf_tables and nft are available");
             (ProxyMode::Nftables, None)
@@ -233,7 +248,7 @@ fn choose_mode(cfg: &Config) -> (ProxyMode, Option<EbpfDataplane>) {
             tracing::warn!(mode = "iptables", "proxy mode auto: not using nftables: {why}; using iptables");
             (ProxyMode::Iptables, None)
         }
-    }
+    })
 }
 
 /// kube-proxy's `oomScoreAdj`: lowering it needs CAP_SYS_RESOURCE, which a DaemonSet's agent
@@ -287,7 +302,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             tracing::info!(mode = %m, "proxy mode as configured");
             (m, None)
         }
-        None => choose_mode(&cfg),
+        None => choose_mode(&cfg)?,
     };
     let unused = cfg.unused_in(mode);
     if !unused.is_empty() {

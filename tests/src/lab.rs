@@ -56,8 +56,8 @@ pub struct Lab {
     agent: Option<Child>,
     /// `--log-level` of the agent (debug by default, for test failures' logs).
     pub agent_log_level: &'static str,
-    /// The agent's limit on open files (soft, hard), when a test sets one.
-    pub agent_nofile: Option<(u64, u64)>,
+    /// What the agent is started without, when a test says.
+    pub agent_limits: Limits,
     /// The lab's own cgroup (v2), the agent's `--cgroup-root`: host-network processes of the
     /// lab (`host_ask`) run in it, so the socket hooks touch nothing outside the lab. None: no
     /// cgroup v2 hierarchy is mounted.
@@ -101,7 +101,7 @@ impl Lab {
             agent_bin: agent_bin.into(),
             agent: None,
             agent_log_level: "debug",
-            agent_nofile: None,
+            agent_limits: Limits::default(),
             cgroup,
         };
         for i in 1..=backends {
@@ -185,7 +185,7 @@ impl Lab {
             args.push(std::ffi::OsStr::new("--cgroup-root"));
             args.push(self.cgroup.as_ref().unwrap_or(&none).as_os_str());
         }
-        self.agent = Some(spawn_agent_limited(&self.agent_bin, &self.node, &args, &self.log_path(), self.agent_nofile));
+        self.agent = Some(spawn_agent_limited(&self.agent_bin, &self.node, &args, &self.log_path(), &self.agent_limits));
     }
 
     /// Starts the agent as `ip netns exec <node> proxy-agent run --manifests DIR` with every
@@ -374,23 +374,39 @@ impl Drop for TempBpffs {
 
 /// Starts `proxy-agent run <args>` inside `node`'s network namespace, logging to `log`.
 pub fn spawn_agent(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path) -> Child {
-    spawn_agent_limited(bin, node, args, log, None)
+    spawn_agent_limited(bin, node, args, log, &Limits::default())
 }
 
-/// As `spawn_agent`, with a limit on open files (soft, hard) when `nofile` says.
-pub fn spawn_agent_limited(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path, nofile: Option<(u64, u64)>) -> Child {
+/// What a test starts the agent without.
+#[derive(Clone, Debug, Default)]
+pub struct Limits {
+    /// A limit on open files (soft, hard).
+    pub nofile: Option<(u64, u64)>,
+    /// Capabilities taken out of the bounding set, so the agent (run as root) lacks them, as
+    /// in a container whose securityContext does not add them.
+    pub drop_caps: Vec<u32>,
+}
+
+/// As `spawn_agent`, within `limits`.
+pub fn spawn_agent_limited(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], log: &Path, limits: &Limits) -> Child {
     let log = fs::OpenOptions::new().create(true).append(true).open(log).expect("agent log");
     let ns = node.file();
     let mut cmd = Command::new(bin);
     cmd.arg("run").args(args).stdin(Stdio::null()).stdout(log.try_clone().expect("log fd")).stderr(log);
-    // SAFETY: only async-signal-safe work (setrlimit, setns) between fork and exec. Entering only the
-    // network namespace keeps the agent's bpffs mount in the host's mount namespace, where
-    // it outlives the agent.
+    let (nofile, drop_caps) = (limits.nofile, limits.drop_caps.clone());
+    // SAFETY: only async-signal-safe work (setrlimit, prctl, setns) between fork and exec.
+    // Entering only the network namespace keeps the agent's bpffs mount in the host's mount
+    // namespace, where it outlives the agent.
     unsafe {
         cmd.pre_exec(move || {
             if let Some((soft, hard)) = nofile {
                 let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard };
                 libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            }
+            for &cap in &drop_caps {
+                if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             enter(&ns)
         });

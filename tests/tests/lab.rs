@@ -466,7 +466,7 @@ fn idle_connections_from_a_pod_to_the_health_port_exhaust_nothing() {
     let mut lab = Lab::new(AGENT, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     // The soft limit most hosts give a process; the agent lifts it to the hard one.
-    lab.agent_nofile = Some((1024, 8192));
+    lab.agent_limits.nofile = Some((1024, 8192));
     lab.start_agent();
     lab.wait_programmed(WEB_VIP, "TCP", 3);
     // 1,100 connections from a pod to the node's health port, opened and left idle.
@@ -717,6 +717,57 @@ fn a_hundred_kill_restarts_under_load_lose_no_connection() {
         assert_eq!(&c.ask().unwrap_or_else(|e| panic!("after the storm, connection {i}: {e}")).backend, backend);
     }
     println!("100 kill -9 restarts: 8 long-lived connections and a resolver flow kept, {new_conns} new connections and {queries} queries answered");
+}
+
+/// `--proxy-mode auto` does not trade an attached eBPF dataplane for nftables: a restart that
+/// cannot run eBPF (here the DaemonSet lost CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN) stops with
+/// the reason, and the pinned programs go on carrying the open connections and new ones. On a
+/// node with nothing pinned, the same start falls back to nftables as before.
+#[test]
+fn auto_mode_keeps_an_attached_ebpf_dataplane_when_ebpf_cannot_load() {
+    let test = "auto_mode_keeps_an_attached_ebpf_dataplane_when_ebpf_cannot_load";
+    let Some(mut lab) = lab(test) else { return };
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
+    let backend = conn.ask().expect("first answer").backend;
+    lab.stop_agent();
+    // CAP_BPF 39, CAP_PERFMON 38, CAP_SYS_ADMIN 21.
+    lab.agent_limits.drop_caps = vec![39, 38, 21];
+    lab.start_agent();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while lab.agent_running() {
+        assert!(std::time::Instant::now() < deadline, "the agent should stop:\n{}", lab.agent_log());
+        thread::sleep(Duration::from_millis(100));
+    }
+    let log = lab.agent_log();
+    assert!(log.contains("missing CAP_BPF, CAP_PERFMON") && log.contains("still attached"), "the reason is said:\n{log}");
+    assert!(!log.contains("falling back") && !log.contains("pinned objects under"), "nothing is removed:\n{log}");
+    assert!(!std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.node.name, "nft", "list", "table", "ip", "kube-proxy"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+    assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections are served by the attached programs");
+    // With the privileges back, the next start adopts everything and rewrites nothing.
+    lab.agent_limits.drop_caps.clear();
+    lab.stop_agent();
+    lab.start_agent();
+    lab.wait_log("initial sync done", 2);
+    assert!(lab.agent_log().contains("unchanged=3"), "{}", lab.agent_log());
+    assert_eq!(conn.ask().expect("the open connection after the restart").backend, backend);
+
+    // Nothing pinned: auto falls back to nftables, as before.
+    let mut bare = Lab::new(AGENT, 3);
+    bare.write_manifest("services.yaml", &standard_manifests(&bare.backend_ips()));
+    bare.agent_limits.drop_caps = vec![39, 38, 21];
+    bare.start_agent();
+    bare.wait_log("proxy mode auto: nf_tables and nft are available", 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while tcp_ask(&bare.client.ns, sock(WEB_VIP)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "nftables mode should serve:\n{}", bare.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]

@@ -154,6 +154,12 @@ pub fn links_dir(root: &Path) -> PathBuf {
     root.join("links")
 }
 
+/// How many links an earlier run pinned under `root` (each an attached program); 0 when the
+/// directory is not there or cannot be read.
+pub fn pinned_links(root: &Path) -> usize {
+    std::fs::read_dir(links_dir(root)).map(|d| d.flatten().count()).unwrap_or(0)
+}
+
 /// Refuses pinned maps whose layout differs from ours; adopting them would corrupt both.
 fn check_pins(root: &Path) -> Result<(), LoadError> {
     // Maps of an older build's layout (a bumped version suffix, `CONFIG_V1` say): no program
