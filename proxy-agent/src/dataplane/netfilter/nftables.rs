@@ -259,8 +259,15 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
                 rules.push(format!("ip saddr @affinity-{b} goto endpoint-{b}"));
             }
         }
-        let arms: Vec<String> = eps.iter().enumerate().map(|(i, e)| format!("{i} : goto endpoint-{}", endpoint(e))).collect();
-        rules.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(" , ")));
+        // One endpoint needs no random pick. Each numgen vmap is an anonymous set, and the kernel
+        // walks every set of the table to add one, so a table of many Services takes quadratic
+        // time to write (kube-proxy does the same since kubernetes#140723).
+        if let [e] = eps {
+            rules.push(format!("goto endpoint-{}", endpoint(e)));
+        } else {
+            let arms: Vec<String> = eps.iter().enumerate().map(|(i, e)| format!("{i} : goto endpoint-{}", endpoint(e))).collect();
+            rules.push(format!("numgen random mod {} vmap {{ {} }}", eps.len(), arms.join(" , ")));
+        }
         rules
     };
     if p.uses_cluster_chain {
