@@ -57,8 +57,10 @@ impl IdAllocator {
 /// holes left by removed ones, then any hole left is filled from the tail. Few slots change,
 /// so an endpoint change rewrites few map entries.
 pub fn assign_slots(old: &[u32], wanted: &BTreeSet<u32>) -> Vec<u32> {
-    let mut slots: Vec<Option<u32>> = old.iter().map(|id| wanted.contains(id).then_some(*id)).collect();
-    let kept: HashSet<u32> = slots.iter().flatten().copied().collect();
+    // A backend keeps one slot: a change cut short (the agent killed between slot writes)
+    // can leave one in two, and both copies kept would make the frontend count it twice.
+    let mut kept: HashSet<u32> = HashSet::new();
+    let mut slots: Vec<Option<u32>> = old.iter().map(|id| (wanted.contains(id) && kept.insert(*id)).then_some(*id)).collect();
     let mut added = wanted.iter().copied().filter(|id| !kept.contains(id));
     for s in slots.iter_mut().filter(|s| s.is_none()) {
         *s = added.next();
@@ -83,6 +85,14 @@ pub fn assign_slots(old: &[u32], wanted: &BTreeSet<u32>) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backend_left_in_two_slots_keeps_one() {
+        let wanted: BTreeSet<u32> = [5].into();
+        assert_eq!(assign_slots(&[5, 3, 4, 5], &wanted), vec![5]);
+        let wanted: BTreeSet<u32> = [4, 5, 6].into();
+        assert_eq!(assign_slots(&[5, 3, 4, 5], &wanted), vec![5, 6, 4]);
+    }
 
     #[test]
     fn allocator_moves_forward_and_wraps() {
