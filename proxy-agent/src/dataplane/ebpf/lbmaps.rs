@@ -31,6 +31,7 @@ use super::{
     ids::{assign_slots, IdAllocator},
     maglev::{self, Maglev},
     snapshot,
+    tables::Table,
 };
 use crate::{
     dataplane::DataplaneError,
@@ -147,15 +148,34 @@ pub fn range_of(key: &Key<SourceRangeKey>) -> Option<Cidr> {
     Some(Cidr { addr: Ipv4Addr::from(key.data().addr), prefix: bits as u8 })
 }
 
-pub struct LbMaps {
-    services: HashMap<MapData, ServiceKey, ServiceValue>,
+/// The maps the writer changes, behind the `Table` seam.
+pub struct Tables {
+    pub services: Box<dyn Table<ServiceKey, ServiceValue>>,
     /// An array: an entry with address 0.0.0.0 is unset.
-    backends: Array<MapData, Backend>,
-    revnat: HashMap<MapData, u32, RevNat>,
-    names: HashMap<MapData, u32, ServiceName>,
-    flows: Array<MapData, BackendFlows>,
-    affinity_match: HashMap<MapData, AffinityMatchKey, u32>,
-    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    pub backends: Box<dyn Table<u32, Backend>>,
+    pub revnat: Box<dyn Table<u32, RevNat>>,
+    pub names: Box<dyn Table<u32, ServiceName>>,
+    pub flows: Box<dyn Table<u32, BackendFlows>>,
+    pub affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
+    pub source_ranges: Box<dyn Table<Key<SourceRangeKey>, u8>>,
+}
+
+/// What a previous run left in the maps, read before the writer takes them over.
+#[derive(Default)]
+pub struct Found {
+    pub snapshot: snapshot::Snapshot,
+    pub affinity_matches: Vec<AffinityMatchKey>,
+    pub source_ranges: Vec<Key<SourceRangeKey>>,
+}
+
+pub struct LbMaps {
+    services: Box<dyn Table<ServiceKey, ServiceValue>>,
+    backends: Box<dyn Table<u32, Backend>>,
+    revnat: Box<dyn Table<u32, RevNat>>,
+    names: Box<dyn Table<u32, ServiceName>>,
+    flows: Box<dyn Table<u32, BackendFlows>>,
+    affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
+    source_ranges: Box<dyn Table<Key<SourceRangeKey>, u8>>,
     maglev: Maglev,
     limit: u32,
     by_ident: StdHashMap<Ident, BackendEntry>,
@@ -170,6 +190,11 @@ pub struct LbMaps {
     stray_service_ids: Vec<u32>,
     stray_slots: Vec<ServiceKey>,
     stray_affinity_matches: Vec<AffinityMatchKey>,
+    /// Source ranges a failed delete left, removed by `collect_garbage`.
+    stray_ranges: Vec<Key<SourceRangeKey>>,
+    /// Service ids of frontends never written whose undo left entries behind: not given out
+    /// again until `collect_garbage` has removed those.
+    held_service_ids: Vec<u32>,
 }
 
 fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, DataplaneError> {
@@ -195,6 +220,11 @@ fn map_error(op: &'static str, map: &'static str, max: u32, source: MapError) ->
 
 pub(super) fn is_not_found(e: &MapError) -> bool {
     matches!(e, MapError::KeyNotFound) || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
+}
+
+/// A delete that failed with the entry still there (a missing entry is what was wanted).
+fn failed(r: Result<(), MapError>) -> bool {
+    r.is_err_and(|e| !is_not_found(&e))
 }
 
 fn ipproto(p: Protocol) -> Result<u8, DataplaneError> {
@@ -233,14 +263,53 @@ impl LbMaps {
             map: map_names::MAGLEV,
             source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
         })?;
+        let services: HashMap<MapData, ServiceKey, ServiceValue> = take(ebpf, map_names::SERVICES)?;
+        let backends: Array<MapData, Backend> = take(ebpf, map_names::BACKENDS)?;
+        let revnat: HashMap<MapData, u32, RevNat> = take(ebpf, map_names::REVNAT)?;
+        let names: HashMap<MapData, u32, ServiceName> = take(ebpf, map_names::NAMES)?;
+        let affinity_match: HashMap<MapData, AffinityMatchKey, u32> = take(ebpf, map_names::AFFINITY_MATCH)?;
+        let source_ranges: LpmTrie<MapData, SourceRangeKey, u8> = take(ebpf, map_names::SOURCE_RANGES)?;
+        let snapshot = snapshot::read(&services, &backends, &revnat, &names).map_err(|source| DataplaneError::Map {
+            op: "read",
+            map: map_names::SERVICES,
+            source,
+        })?;
+        let found = Found {
+            snapshot,
+            affinity_matches: affinity_match.keys().collect::<Result<_, _>>().map_err(|source| DataplaneError::Map {
+                op: "read",
+                map: map_names::AFFINITY_MATCH,
+                source,
+            })?,
+            source_ranges: source_ranges.keys().collect::<Result<_, _>>().map_err(|source| DataplaneError::Map {
+                op: "read",
+                map: map_names::SOURCE_RANGES,
+                source,
+            })?,
+        };
+        let tables = Tables {
+            services: Box::new(services),
+            backends: Box::new(backends),
+            revnat: Box::new(revnat),
+            names: Box::new(names),
+            flows: Box::new(take::<Array<MapData, BackendFlows>>(ebpf, map_names::BACKEND_FLOWS)?),
+            affinity_match: Box::new(affinity_match),
+            source_ranges: Box::new(source_ranges),
+        };
+        Self::with_found(tables, maglev, limit, found)
+    }
+
+    /// The writer over `tables`, taking over what `found` says they hold.
+    pub fn with_found(tables: Tables, maglev: Maglev, limit: u32, found: Found) -> Result<Self, DataplaneError> {
+        let Tables { services, backends, revnat, names, flows, affinity_match, source_ranges } = tables;
         let mut me = Self {
-            services: take(ebpf, map_names::SERVICES)?,
-            backends: take(ebpf, map_names::BACKENDS)?,
-            revnat: take(ebpf, map_names::REVNAT)?,
-            names: take(ebpf, map_names::NAMES)?,
-            flows: take(ebpf, map_names::BACKEND_FLOWS)?,
-            affinity_match: take(ebpf, map_names::AFFINITY_MATCH)?,
-            source_ranges: take(ebpf, map_names::SOURCE_RANGES)?,
+            services,
+            backends,
+            revnat,
+            names,
+            flows,
+            affinity_match,
+            source_ranges,
             maglev,
             limit,
             by_ident: StdHashMap::new(),
@@ -252,12 +321,10 @@ impl LbMaps {
             stray_service_ids: Vec::new(),
             stray_slots: Vec::new(),
             stray_affinity_matches: Vec::new(),
+            stray_ranges: Vec::new(),
+            held_service_ids: Vec::new(),
         };
-        let snap = snapshot::read(&me.services, &me.backends, &me.revnat, &me.names).map_err(|source| DataplaneError::Map {
-            op: "read",
-            map: map_names::SERVICES,
-            source,
-        })?;
+        let snap = found.snapshot;
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
                 let ident = Ident { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port), proto: b.proto };
@@ -297,8 +364,7 @@ impl LbMaps {
             );
         }
         let by_service: StdHashMap<u32, Scoped> = me.frontends.iter().map(|(k, p)| (p.service_id, *k)).collect();
-        for k in me.affinity_match.keys() {
-            let k = k.map_err(|source| DataplaneError::Map { op: "read", map: map_names::AFFINITY_MATCH, source })?;
+        for k in found.affinity_matches {
             match by_service.get(&k.service_id).and_then(|s| me.frontends.get_mut(s)) {
                 Some(p) => {
                     p.affinity_matches.insert(k.backend_id);
@@ -310,8 +376,7 @@ impl LbMaps {
         // frontend guard nothing (no master names their id), but would open a frontend that is
         // given the id later: they go at once.
         let mut stray_ranges = Vec::new();
-        for k in me.source_ranges.keys() {
-            let k = k.map_err(|source| DataplaneError::Map { op: "read", map: map_names::SOURCE_RANGES, source })?;
+        for k in found.source_ranges {
             let external = by_service.get(&k.data().service_id).filter(|(_, sc)| *sc == scope::EXTERNAL);
             match (range_of(&k), external.and_then(|s| me.frontends.get_mut(s))) {
                 (Some(r), Some(p)) => {
@@ -321,7 +386,7 @@ impl LbMaps {
             }
         }
         for k in stray_ranges {
-            me.source_ranges.remove(&k).map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
+            me.source_ranges.del(&k).map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
         }
         me.stray_service_ids = snap.stray_service_ids;
         me.stray_slots = snap.stray_slots;
@@ -345,18 +410,13 @@ impl LbMaps {
     /// Entries the kernel holds in each hash map the writer owns, and set entries of the
     /// backends array, counted in the maps themselves (not from the writer's own picture).
     pub fn count_in_kernel(&self) -> std::io::Result<BTreeMap<&'static str, u64>> {
-        use aya::maps::IterableMap as _;
-        use proxy_common::ServiceName;
-        use std::os::fd::AsFd as _;
-        let mut out = BTreeMap::new();
-        let hash = |m: &MapData, k: usize, v: usize| super::batch::count_entries(m.fd().as_fd(), k, v);
-        out.insert(map_names::SERVICES, hash(self.services.map(), size_of::<ServiceKey>(), size_of::<ServiceValue>())?);
-        out.insert(map_names::REVNAT, hash(self.revnat.map(), size_of::<u32>(), size_of::<RevNat>())?);
-        out.insert(map_names::NAMES, hash(self.names.map(), size_of::<u32>(), size_of::<ServiceName>())?);
-        let set = self.backends.iter().filter(|b| b.as_ref().is_ok_and(|b| b.addr != [0; 4])).count();
-        out.insert(map_names::BACKENDS, set as u64);
-        out.insert(map_names::SOURCE_RANGES, self.source_ranges.keys().filter(|k| k.is_ok()).count() as u64);
-        Ok(out)
+        Ok(BTreeMap::from([
+            (map_names::SERVICES, self.services.count()?),
+            (map_names::REVNAT, self.revnat.count()?),
+            (map_names::NAMES, self.names.count()?),
+            (map_names::BACKENDS, self.backends.count()?),
+            (map_names::SOURCE_RANGES, self.source_ranges.count()?),
+        ]))
     }
 
     /// Entries in the services map: a master per frontend and its slots.
@@ -386,7 +446,7 @@ impl LbMaps {
         let value = Backend::new(b.addr, b.port, proto, flags);
         if let Some(e) = self.by_ident.get_mut(&ident) {
             if e.flags != flags {
-                self.backends.set(e.id, value, 0).map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
+                self.backends.put(&e.id, &value).map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
                 e.flags = flags;
             }
             e.refs += 1;
@@ -395,9 +455,9 @@ impl LbMaps {
         let id = self.backend_ids.alloc().ok_or(DataplaneError::MapFull { map: map_names::BACKENDS, max: self.limit })?;
         let written = self
             .flows
-            .set(id, BackendFlows::default(), 0)
+            .put(&id, &BackendFlows::default())
             .map_err(|s| map_error("reset", map_names::BACKEND_FLOWS, self.limit, s))
-            .and_then(|()| self.backends.set(id, value, 0).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s)));
+            .and_then(|()| self.backends.put(&id, &value).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s)));
         if let Err(e) = written {
             self.backend_ids.free(id);
             return Err(e);
@@ -432,7 +492,7 @@ impl LbMaps {
     }
 
     fn delete_backend(&mut self, id: u32, ident: Ident) {
-        match self.backends.set(id, Backend::default(), 0) {
+        match self.backends.del(&id) {
             Ok(()) => {}
             Err(e) => {
                 // Keep our record so a later pass retries; the entry is harmless meanwhile.
@@ -452,7 +512,7 @@ impl LbMaps {
     }
 
     fn remove_key(&mut self, key: &ServiceKey) -> Result<(), DataplaneError> {
-        match self.services.remove(key) {
+        match self.services.del(key) {
             Ok(()) => Ok(()),
             Err(e) if is_not_found(&e) => Ok(()),
             Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::SERVICES, source }),
@@ -596,17 +656,15 @@ impl LbMaps {
         let phase_a = (|| {
             if fresh {
                 self.revnat
-                    .insert(service_id, RevNat::new(key.addr, key.port), 0)
+                    .put(&service_id, &RevNat::new(key.addr, key.port))
                     .map_err(|s| map_error("insert", map_names::REVNAT, self.limit, s))?;
             }
             if fresh || old.as_ref().is_some_and(|o| o.name != name) {
-                self.names
-                    .insert(service_id, ServiceName::new(&name), 0)
-                    .map_err(|s| map_error("insert", map_names::NAMES, self.limit, s))?;
+                self.names.put(&service_id, &ServiceName::new(&name)).map_err(|s| map_error("insert", map_names::NAMES, self.limit, s))?;
             }
             for (i, id) in slots.iter().enumerate().skip(old_slots.len()) {
                 let k = skey.with_slot((i + 1) as u16);
-                self.services.insert(k, slot_value(*id), 0).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.put(&k, &slot_value(*id)).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
                 added.push(k);
             }
             Ok(())
@@ -620,7 +678,7 @@ impl LbMaps {
             // Source ranges before the master that turns them on.
             for r in view.source_ranges.iter().filter(|r| !old.as_ref().is_some_and(|o| o.source_ranges.contains(r))) {
                 self.source_ranges
-                    .insert(&range_key(service_id, *r), 1, 0)
+                    .put(&range_key(service_id, *r), &1)
                     .map_err(|s| map_error("insert", map_names::SOURCE_RANGES, self.limit, s))?;
                 new_ranges.push(*r);
             }
@@ -648,26 +706,46 @@ impl LbMaps {
             if view.affinity_timeout.is_some() {
                 for id in slots.iter().filter(|id| !old.as_ref().is_some_and(|o| o.affinity_matches.contains(id))) {
                     let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
-                    self.affinity_match.insert(k, 1, 0).map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
+                    self.affinity_match.put(&k, &1).map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
                     new_matches.push(*id);
                 }
             }
             Ok(())
         });
         if let Err(e) = phase_a {
+            // What cannot be undone now is left to `collect_garbage`, and a new frontend's id
+            // is held until then: a range or a match left under an id given out again would
+            // hold for its next frontend.
+            let mut left = false;
             for r in &new_ranges {
-                let _ = self.source_ranges.remove(&range_key(service_id, *r));
+                let k = range_key(service_id, *r);
+                if failed(self.source_ranges.del(&k)) {
+                    self.stray_ranges.push(k);
+                    left = true;
+                }
             }
             for id in &new_matches {
-                let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+                let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
+                if failed(self.affinity_match.del(&k)) {
+                    self.stray_affinity_matches.push(k);
+                    left = true;
+                }
             }
             for k in &added {
-                let _ = self.services.remove(k);
+                if failed(self.services.del(k)) {
+                    self.stray_slots.push(*k);
+                }
             }
             if fresh {
-                let _ = self.revnat.remove(&service_id);
-                let _ = self.names.remove(&service_id);
-                self.service_ids.free(service_id);
+                if failed(self.revnat.del(&service_id)) | failed(self.names.del(&service_id)) {
+                    self.stray_service_ids.push(service_id);
+                    left = true;
+                }
+                if left {
+                    self.held_service_ids.push(service_id);
+                } else {
+                    self.service_ids.free(service_id);
+                }
             }
             self.release_all(&active);
             self.release_all(&retained);
@@ -680,12 +758,12 @@ impl LbMaps {
             for (i, id) in slots.iter().enumerate().take(old_slots.len()) {
                 if old_slots[i] != *id {
                     self.services
-                        .insert(skey.with_slot((i + 1) as u16), slot_value(*id), 0)
+                        .put(&skey.with_slot((i + 1) as u16), &slot_value(*id))
                         .map_err(|s| map_error("update", map_names::SERVICES, self.limit, s))?;
                 }
             }
             if old.as_ref().map(|o| o.master) != Some(master) {
-                self.services.insert(skey, master, 0).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.put(&skey, &master).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
             }
             for slot in slots.len() + 1..=old_slots.len() {
                 self.remove_key(&skey.with_slot(slot as u16))?;
@@ -727,16 +805,20 @@ impl LbMaps {
         // Phase C: the old references go last.
         let mut matches: BTreeSet<u32> = old.as_ref().map(|o| o.affinity_matches.clone()).unwrap_or_default();
         matches.extend(new_matches);
-        let keep: BTreeSet<u32> = if view.affinity_timeout.is_some() { slots.iter().copied().collect() } else { BTreeSet::new() };
-        for id in matches.difference(&keep) {
-            let _ = self.affinity_match.remove(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 });
+        let mut keep: BTreeSet<u32> = if view.affinity_timeout.is_some() { slots.iter().copied().collect() } else { BTreeSet::new() };
+        // An affinity match or a range that could not be deleted stays on record (the frontend
+        // is then not current, and the next sync deletes it again): left unrecorded, it would
+        // stay in the map for good, and hold for whatever frontend gets this id next.
+        for id in matches.difference(&keep.clone()) {
+            if let Err(e) = self.affinity_match.del(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 }) {
+                if !is_not_found(&e) {
+                    keep.insert(*id);
+                }
+            }
         }
-        // A range that could not be deleted stays on record (the frontend is then not current,
-        // and the next sync deletes it again): left unrecorded, it would admit its sources to
-        // whatever frontend gets this id next.
         let mut source_ranges = view.source_ranges.clone();
         for r in old.iter().flat_map(|o| o.source_ranges.difference(&view.source_ranges)) {
-            if let Err(e) = self.source_ranges.remove(&range_key(service_id, *r)) {
+            if let Err(e) = self.source_ranges.del(&range_key(service_id, *r)) {
                 if !is_not_found(&e) {
                     source_ranges.insert(*r);
                 }
@@ -774,19 +856,23 @@ impl LbMaps {
         for slot in 1..=p.slots.len() {
             self.remove_key(&skey.with_slot(slot as u16))?;
         }
+        // Before the id is freed: a match or a range left behind would hold for the next
+        // frontend with this id.
         for id in &p.affinity_matches {
-            let _ = self.affinity_match.remove(&AffinityMatchKey {
+            match self.affinity_match.del(&AffinityMatchKey {
                 service_id: p.service_id,
                 backend_id: *id,
                 scope: scope_id,
                 _pad: 0,
                 _pad2: 0,
-            });
+            }) {
+                Ok(()) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(source) => return Err(DataplaneError::Map { op: "delete", map: map_names::AFFINITY_MATCH, source }),
+            }
         }
-        // Before the id is freed: a range left behind would admit its sources to the next
-        // frontend with this id.
         for r in &p.source_ranges {
-            match self.source_ranges.remove(&range_key(p.service_id, *r)) {
+            match self.source_ranges.del(&range_key(p.service_id, *r)) {
                 Ok(()) => {}
                 Err(e) if is_not_found(&e) => {}
                 Err(source) => return Err(DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source }),
@@ -796,8 +882,11 @@ impl LbMaps {
             let released = self.maglev.release(t, key);
             self.release_all(&released);
         }
-        let _ = self.revnat.remove(&p.service_id);
-        let _ = self.names.remove(&p.service_id);
+        // Left entries are overwritten when the id is given out again, and removed by
+        // `collect_garbage` if it is not.
+        if failed(self.revnat.del(&p.service_id)) | failed(self.names.del(&p.service_id)) {
+            self.stray_service_ids.push(p.service_id);
+        }
         self.service_ids.free(p.service_id);
         self.release_all(&p.slots);
         self.release_all(&p.retained);
@@ -816,12 +905,29 @@ impl LbMaps {
             removed += 1;
         }
         removed += self.maglev.collect_garbage();
+        // A stray match or range stays only where a frontend's record lists it (it was
+        // written again since); one that cannot be deleted now is tried again next time.
         for k in std::mem::take(&mut self.stray_affinity_matches) {
-            if self.frontends.values().any(|p| p.service_id == k.service_id) {
+            if self.frontends.values().any(|p| p.service_id == k.service_id && p.affinity_matches.contains(&k.backend_id)) {
                 continue;
             }
-            let _ = self.affinity_match.remove(&k);
-            removed += 1;
+            if failed(self.affinity_match.del(&k)) {
+                self.stray_affinity_matches.push(k);
+            } else {
+                removed += 1;
+            }
+        }
+        for k in std::mem::take(&mut self.stray_ranges) {
+            let listed = range_of(&k)
+                .is_some_and(|r| self.frontends.values().any(|p| p.service_id == k.data().service_id && p.source_ranges.contains(&r)));
+            if listed {
+                continue;
+            }
+            if failed(self.source_ranges.del(&k)) {
+                self.stray_ranges.push(k);
+            } else {
+                removed += 1;
+            }
         }
         for k in std::mem::take(&mut self.stray_slots) {
             // A frontend that grew during the initial sync may use this slot again now.
@@ -833,16 +939,31 @@ impl LbMaps {
             if reused {
                 continue;
             }
-            self.remove_key(&k)?;
-            removed += 1;
+            if failed(self.services.del(&k)) {
+                self.stray_slots.push(k);
+            } else {
+                removed += 1;
+            }
         }
         for id in std::mem::take(&mut self.stray_service_ids) {
             if self.frontends.values().any(|p| p.service_id == id) {
                 continue;
             }
-            let _ = self.revnat.remove(&id);
-            let _ = self.names.remove(&id);
-            removed += 1;
+            if failed(self.revnat.del(&id)) | failed(self.names.del(&id)) {
+                self.stray_service_ids.push(id);
+            } else {
+                removed += 1;
+            }
+        }
+        for id in std::mem::take(&mut self.held_service_ids) {
+            let left = self.stray_service_ids.contains(&id)
+                || self.stray_affinity_matches.iter().any(|k| k.service_id == id)
+                || self.stray_ranges.iter().any(|k| k.data().service_id == id);
+            if left {
+                self.held_service_ids.push(id);
+            } else {
+                self.service_ids.free(id);
+            }
         }
         Ok(removed)
     }
@@ -863,3 +984,7 @@ fn normalized(fe: &Frontend) -> Frontend {
     }
     fe
 }
+
+#[cfg(test)]
+#[path = "lbmaps_tests.rs"]
+mod tests;

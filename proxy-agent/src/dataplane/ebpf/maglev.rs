@@ -136,7 +136,8 @@ const ELEM_STRIDE: usize = 8;
 
 /// One table: an mmapped array of backend ids.
 struct Inner {
-    fd: OwnedFd,
+    /// None: a table in process memory only (`Maglev::in_memory`).
+    fd: Option<OwnedFd>,
     ptr: *mut u32,
     entries: usize,
     bytes: usize,
@@ -191,7 +192,22 @@ impl Inner {
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Self { fd, ptr: ptr.cast(), entries, bytes })
+        Ok(Self { fd: Some(fd), ptr: ptr.cast(), entries, bytes })
+    }
+
+    /// A table of `m` entries in process memory, for `Maglev::in_memory`.
+    fn anonymous(m: u32) -> io::Result<Self> {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let bytes = (m as usize * ELEM_STRIDE).div_ceil(page) * page;
+        // SAFETY: a private anonymous mapping of `bytes`, unmapped by Drop as `map`'s are.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { fd: None, ptr: ptr.cast(), entries: m as usize, bytes })
     }
 
     fn get(&self, i: usize) -> u32 {
@@ -233,7 +249,8 @@ impl Table {
 }
 
 pub struct Maglev {
-    outer: MapData,
+    /// None: the tables live in process memory only (`in_memory`).
+    outer: Option<MapData>,
     size: u32,
     ids: IdAllocator,
     /// By Service port name.
@@ -245,8 +262,8 @@ pub struct Maglev {
 impl Maglev {
     /// Opens the outer map and everything a previous run left in it.
     pub fn adopt(outer: MapData, size: u32, limit: u32) -> io::Result<Self> {
-        let mut me = Self { outer, size, ids: IdAllocator::new(limit), tables: BTreeMap::new(), unclaimed: BTreeMap::new() };
-        let fd = me.outer.fd().as_fd().as_raw_fd();
+        let mut me = Self { outer: Some(outer), size, ids: IdAllocator::new(limit), tables: BTreeMap::new(), unclaimed: BTreeMap::new() };
+        let fd = me.outer.as_ref().expect("just set").fd().as_fd().as_raw_fd();
         let mut key: Option<u32> = None;
         loop {
             let mut next = 0u32;
@@ -280,6 +297,35 @@ impl Maglev {
         Ok(me)
     }
 
+    /// Tables kept in process memory, with no map beneath: what the map writer's unit tests
+    /// run on (`tables`).
+    pub fn in_memory(size: u32, limit: u32) -> Self {
+        Self { outer: None, size, ids: IdAllocator::new(limit), tables: BTreeMap::new(), unclaimed: BTreeMap::new() }
+    }
+
+    fn new_inner(&self) -> io::Result<Inner> {
+        match self.outer {
+            Some(_) => Inner::create(self.size),
+            None => Inner::anonymous(self.size),
+        }
+    }
+
+    /// Makes `inner` the table at `id` in the outer map.
+    fn attach(&self, id: u32, inner: &Inner) -> io::Result<()> {
+        match (&self.outer, &inner.fd) {
+            (Some(outer), Some(fd)) => {
+                elem(outer.fd().as_fd().as_raw_fd(), BPF_MAP_UPDATE_ELEM, &id, Some(&mut (fd.as_raw_fd() as u32)), 0)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn detach(&self, id: u32) {
+        if let Some(outer) = &self.outer {
+            let _ = elem(outer.fd().as_fd().as_raw_fd(), BPF_MAP_DELETE_ELEM, &id, None, 0);
+        }
+    }
+
     pub fn size(&self) -> u32 {
         self.size
     }
@@ -295,7 +341,7 @@ impl Maglev {
         let Some(inner) = self.unclaimed.remove(&id) else { return Vec::new() };
         let (inner, stale) = match inner {
             Some(i) => (i, false),
-            None => match Inner::create(self.size) {
+            None => match self.new_inner() {
                 // A table of another size (or unreadable): start a new one, swapped in on the
                 // next write.
                 Ok(i) => (i, true),
@@ -342,29 +388,29 @@ impl Maglev {
     pub fn write(&mut self, name: &str, members: &[Member], ids: &[u32], user: FrontendKey) -> io::Result<(u32, Vec<u32>)> {
         debug_assert!(members.windows(2).all(|w| w[0] < w[1]));
         let layout = compute(members, self.size);
-        let wanted = |pos: usize| match layout[pos] {
-            EMPTY => 0,
-            i => ids[i as usize],
+        let wanted: Vec<u32> = layout
+            .iter()
+            .map(|i| match *i {
+                EMPTY => 0,
+                i => ids[i as usize],
+            })
+            .collect();
+        // A stale table is replaced whole: a new one is filled, then swapped in.
+        let replacement = match self.tables.get(name) {
+            Some(t) if t.stale => Some(self.filled(t.id, &wanted)?),
+            _ => None,
         };
         if let Some(t) = self.tables.get_mut(name) {
             t.users.insert(user);
-            if !t.stale && t.members == members && t.backend_ids == ids {
-                return Ok((t.id, ids.to_vec()));
-            }
-            if t.stale {
-                let mut inner = Inner::create(self.size)?;
-                for pos in 0..layout.len() {
-                    inner.set(pos, wanted(pos));
-                }
-                let mut fd = inner.fd.as_raw_fd() as u32;
-                elem(self.outer.fd().as_fd().as_raw_fd(), BPF_MAP_UPDATE_ELEM, &t.id, Some(&mut fd), 0)?;
+            if let Some(inner) = replacement {
                 t.inner = inner;
                 t.stale = false;
+            } else if t.members == members && t.backend_ids == ids {
+                return Ok((t.id, ids.to_vec()));
             } else {
-                for pos in 0..layout.len() {
-                    let v = wanted(pos);
-                    if t.inner.get(pos) != v {
-                        t.inner.set(pos, v);
+                for (pos, v) in wanted.iter().enumerate() {
+                    if t.inner.get(pos) != *v {
+                        t.inner.set(pos, *v);
                     }
                 }
             }
@@ -373,16 +419,7 @@ impl Maglev {
             return Ok((t.id, released));
         }
         let id = self.ids.alloc().ok_or_else(|| io::Error::other("no free Maglev table id"))?;
-        let created = (|| {
-            let mut inner = Inner::create(self.size)?;
-            for pos in 0..layout.len() {
-                inner.set(pos, wanted(pos));
-            }
-            let mut fd = inner.fd.as_raw_fd() as u32;
-            elem(self.outer.fd().as_fd().as_raw_fd(), BPF_MAP_UPDATE_ELEM, &id, Some(&mut fd), 0)?;
-            Ok::<_, io::Error>(inner)
-        })();
-        match created {
+        match self.filled(id, &wanted) {
             Ok(inner) => {
                 self.tables.insert(
                     name.to_string(),
@@ -397,6 +434,16 @@ impl Maglev {
         }
     }
 
+    /// A new table holding `entries`, attached at `id`.
+    fn filled(&self, id: u32, entries: &[u32]) -> io::Result<Inner> {
+        let mut inner = self.new_inner()?;
+        for (pos, v) in entries.iter().enumerate() {
+            inner.set(pos, *v);
+        }
+        self.attach(id, &inner)?;
+        Ok(inner)
+    }
+
     /// `user` no longer uses `name`'s table. When it was the last, the table goes and the
     /// backend ids it held are returned for the caller to release.
     pub fn release(&mut self, name: &str, user: &FrontendKey) -> Vec<u32> {
@@ -406,20 +453,19 @@ impl Maglev {
             return Vec::new();
         }
         let t = self.tables.remove(name).expect("present");
-        let _ = elem(self.outer.fd().as_fd().as_raw_fd(), BPF_MAP_DELETE_ELEM, &t.id, None, 0);
+        self.detach(t.id);
         self.ids.free(t.id);
         t.backend_ids
     }
 
     /// Deletes tables a previous run left that no frontend claimed.
     pub fn collect_garbage(&mut self) -> usize {
-        let fd = self.outer.fd().as_fd().as_raw_fd();
         let stray = std::mem::take(&mut self.unclaimed);
         for id in stray.keys() {
             if self.tables.values().any(|t| t.id == *id) {
                 continue;
             }
-            let _ = elem(fd, BPF_MAP_DELETE_ELEM, id, None, 0);
+            self.detach(*id);
             self.ids.free(*id);
         }
         stray.len()

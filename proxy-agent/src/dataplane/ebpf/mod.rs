@@ -8,6 +8,7 @@ pub mod lbmaps;
 pub mod loader;
 pub mod maglev;
 pub mod snapshot;
+pub mod tables;
 pub mod xdpdevs;
 
 use std::path::{Path, PathBuf};

@@ -40,9 +40,20 @@ where
     R: Borrow<MapData>,
     N: Borrow<MapData>,
 {
+    assemble(services.iter(), backends.iter(), revnat.iter(), names.iter())
+}
+
+/// The snapshot of these entries: the services map's, the backends array's in index order,
+/// the reverse-NAT and name maps' (as `read` iterates the maps; unit tests pass their own).
+pub fn assemble(
+    services: impl Iterator<Item = Result<(ServiceKey, ServiceValue), MapError>>,
+    backends: impl Iterator<Item = Result<Backend, MapError>>,
+    revnat: impl Iterator<Item = Result<(u32, RevNat), MapError>>,
+    names: impl Iterator<Item = Result<(u32, ServiceName), MapError>>,
+) -> Result<Snapshot, MapError> {
     let mut snap = Snapshot::default();
     let mut slots = Vec::new();
-    for entry in services.iter() {
+    for entry in services {
         let (k, v) = entry?;
         if k.slot == 0 {
             snap.frontends.insert(k, FrontendEntry { key: k, master: v, slots: vec![0; usize::from(v.count)], name: None, revnat: None });
@@ -57,7 +68,7 @@ where
             _ => snap.stray_slots.push(k),
         }
     }
-    for (id, entry) in backends.iter().enumerate() {
+    for (id, entry) in backends.enumerate() {
         let b = entry?;
         if id != 0 && b.addr != [0; 4] {
             snap.backends.insert(id as u32, b);
@@ -72,14 +83,14 @@ where
             }
         }
     }
-    for entry in revnat.iter() {
+    for entry in revnat {
         let (id, rn) = entry?;
         match by_service_id.get(&id).and_then(|k| snap.frontends.get_mut(k)) {
             Some(fe) => fe.revnat = Some(rn),
             None => snap.stray_service_ids.push(id),
         }
     }
-    for entry in names.iter() {
+    for entry in names {
         let (id, n) = entry?;
         match by_service_id.get(&id).and_then(|k| snap.frontends.get_mut(k)) {
             Some(fe) => fe.name = Some(n.as_str().to_string()),
