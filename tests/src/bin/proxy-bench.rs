@@ -232,6 +232,7 @@ fn measure(services: u32) -> Measured {
 fn profile() {
     let mut dp = EbpfDataplane::load(LoadOptions::default()).expect("load the dataplane (as root)");
     let (ping, pong) = ping_pong(&mut dp);
+    loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR).load().expect("load the floor program");
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
     let ingress = dp.ingress_program();
     run(ingress, &tcp_frame(client, ping, SYN), 1);
@@ -240,18 +241,24 @@ fn profile() {
     let other = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
     // `--established`: only the established flow, for a profiler's view of that path alone.
     let only_established = std::env::args().any(|a| a == "--established");
-    for _ in 0..10 {
+    let only_new = std::env::args().any(|a| a == "--only-new-flows");
+    for _ in 0..if only_new { 0 } else { 10 } {
         if only_established {
             println!("established {:.1} ns", repeated(ingress, &est));
         } else {
             println!("established {:.1} ns, not for a service {:.1} ns", repeated(ingress, &est), repeated(ingress, &other));
         }
     }
-    if std::env::args().any(|a| a == "--new-flows") {
+    // `--new-flows`: then new flows (one call each), beside the empty program's calls;
+    // `--only-new-flows` skips the established rounds, for a profiler's view of that path.
+    if std::env::args().any(|a| a == "--new-flows" || a == "--only-new-flows") {
         let vip = ping;
-        let ns =
-            calls(ingress, |i| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN));
-        println!("new flow {ns:.1} ns");
+        let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN);
+        for _ in 0..if only_new { 10 } else { 1 } {
+            let ns = calls(dp.ingress_program(), frame);
+            let floor = calls(loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR), |_| other.clone());
+            println!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
+        }
     }
 }
 
