@@ -15,8 +15,6 @@ pub mod inspect;
 pub mod memory;
 pub mod model;
 pub mod netlink;
-pub mod proxier;
-pub mod reconcile;
 pub mod rules;
 pub mod source;
 pub mod sync;

@@ -90,7 +90,7 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         masquerade_all: settings.masquerade_all,
         node_ip: info.node_ip,
     };
-    let masquerading = crate::proxier::Masquerading {
+    let masquerading = crate::dataplane::netfilter::proxier::Masquerading {
         masquerade_all: settings.masquerade_all,
         detect_local: Some(cfg.netfilter.detect_local.clone()),
         cluster_cidrs: cfg.common.cluster_cidrs.clone(),

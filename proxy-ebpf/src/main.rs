@@ -6,15 +6,15 @@
 mod access;
 mod bench;
 mod ct;
+mod egress;
 mod ext;
 mod frag;
 mod icmp;
-mod lb;
 mod maps;
 mod nat;
 mod north;
 mod parse;
-mod revnat;
+mod pod_ingress;
 mod select;
 mod sock;
 mod stats;
@@ -42,13 +42,14 @@ fn finish(ctx: &TcContext, verdict: Result<verdict::Verdict, Reason>) -> i32 {
 /// for services without endpoints.
 #[classifier]
 pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
-    finish(&ctx, lb::try_tc_ingress(&ctx))
+    finish(&ctx, pod_ingress::try_tc_ingress(&ctx))
 }
 
-/// TC egress on pod-facing interfaces: reverse NAT of replies, ICMP errors made recognisable.
+/// TC egress on every attached interface: reverse NAT of replies, ICMP errors made
+/// recognisable, the Service CIDR checks of what leaves the node.
 #[classifier]
 pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
-    finish(&ctx, revnat::try_tc_egress(&ctx))
+    finish(&ctx, egress::try_tc_egress(&ctx))
 }
 
 /// TC ingress on external interfaces: NodePort, load-balancer and external IPs (north-south),

@@ -18,9 +18,9 @@ use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, CtKe
 
 use crate::{
     ct,
-    lb::count_flow,
     maps::{CONFIG_V2, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
     parse::Packet,
+    pod_ingress::count_flow,
     select::{self, backend, revnat_of, service},
 };
 

@@ -42,9 +42,9 @@ use proxy_common::{
 
 use crate::{
     ct,
-    lb::count_flow,
     maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_HELD_V1, SOCK_PORTS_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
+    pod_ingress::count_flow,
     select::{self, Choice},
     stats,
 };

@@ -1,5 +1,5 @@
 //! What a TC program does with a packet: the action it returns and the reason it is counted
-//! under. A leaf module, so the programs' parts (`lb`, `revnat`, `icmp`, `ext`) share it
+//! under. A leaf module, so the programs' parts (`pod_ingress`, `egress`, `icmp`, `ext`) share it
 //! without depending on each other for it.
 
 use aya_ebpf::bindings::TC_ACT_OK;

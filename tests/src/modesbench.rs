@@ -20,14 +20,15 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_agent::{
     config::{Config, Flags},
     dataplane::{
-        ebpf::{loader::LoadOptions, EbpfDataplane},
+        ebpf::{loader::LoadOptions, reconcile::Reconciler, EbpfDataplane},
         modes::rules_for,
-        netfilter::Iptables,
+        netfilter::{
+            proxier::{Masquerading, NetfilterProxier},
+            Iptables,
+        },
         ProxyMode,
     },
     model::store::{Event, Kind, Object, Store},
-    proxier::{Masquerading, NetfilterProxier},
-    reconcile::Reconciler,
     sync::SyncStats,
 };
 use serde::{Deserialize, Serialize};

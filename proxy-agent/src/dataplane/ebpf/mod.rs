@@ -7,6 +7,7 @@ pub mod ids;
 pub mod lbmaps;
 pub mod loader;
 pub mod maglev;
+pub mod reconcile;
 pub mod snapshot;
 pub mod tables;
 pub mod xdpdevs;

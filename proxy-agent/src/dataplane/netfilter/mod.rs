@@ -8,6 +8,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod nfacct;
 pub mod nftables;
+pub mod proxier;
 pub mod sysctl;
 pub mod takeover;
 

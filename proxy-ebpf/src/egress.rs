@@ -1,6 +1,7 @@
-//! TC egress of pod-facing interfaces: replies of translated flows leave towards their client
-//! with the service address as source, and ICMP errors about those flows are rewritten so the
-//! client's socket recognises them.
+//! TC egress of every attached interface, pod-facing and external: replies of translated flows
+//! leave towards their client with the service address as source, ICMP errors about those
+//! flows are rewritten so the client's socket recognises them, and what would leave for a free
+//! address of a Service CIDR (or a host's ping to a cluster IP) is dropped (rejected).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
