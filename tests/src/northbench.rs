@@ -1,10 +1,10 @@
 //! `cargo xtask bench north`: NodePort forwarding from a client through node A to a backend on
-//! node B, in the two-node lab, with node A running, in turn:
-//! - the agent with XDP (the default),
-//! - the agent with XDP disabled (TC only),
-//! - no agent and a kube-proxy-style iptables ruleset (KUBE-SERVICES -> KUBE-NODEPORTS ->
-//!   KUBE-EXT -> KUBE-SVC -> KUBE-SEP DNAT, KUBE-MARK-MASQ and MASQUERADE), written for the
-//!   bench until the fallback renderer exists.
+//! node B, in the two-node lab, with node A running the agent, in turn:
+//! - with XDP (the default),
+//! - with XDP disabled (TC only),
+//! - in its iptables mode (kube-proxy's ruleset, with the iptables-legacy backend), then with
+//!   the iptables-nft backend,
+//! - in its nftables mode (kube-proxy's `ip kube-proxy` table).
 //!
 //! Each mode serves the same Services: the NodePort under test plus `filler` ClusterIP Services
 //! (kube-proxy's KUBE-SERVICES chain holds one rule per cluster IP, which new connections walk).
@@ -23,6 +23,7 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream},
     os::fd::AsRawFd as _,
     path::PathBuf,
+    process::Command,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
@@ -48,7 +49,11 @@ pub enum Mode {
     Floor,
     Xdp,
     Tc,
+    /// The agent's iptables mode, iptables-legacy backend.
     Iptables,
+    /// The agent's iptables mode, iptables-nft backend.
+    IptablesNft,
+    Nftables,
 }
 
 impl Mode {
@@ -57,8 +62,26 @@ impl Mode {
             Mode::Floor => "floor (XDP_TX, no processing)",
             Mode::Xdp => "ebpf, XDP",
             Mode::Tc => "ebpf, TC only",
-            Mode::Iptables => "iptables (kube-proxy style)",
+            Mode::Iptables => "the agent's iptables mode (iptables-legacy)",
+            Mode::IptablesNft => "the agent's iptables mode (iptables-nft)",
+            Mode::Nftables => "the agent's nftables mode",
         }
+    }
+
+    /// The agent's flags for this mode.
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Mode::Floor => &[],
+            Mode::Xdp => &["--snat-port-range", "1024-65535"],
+            Mode::Tc => &["--xdp", "disabled", "--snat-port-range", "1024-65535"],
+            Mode::Iptables => &["--proxy-mode", "iptables", "--iptables-backend", "legacy"],
+            Mode::IptablesNft => &["--proxy-mode", "iptables", "--iptables-backend", "nft"],
+            Mode::Nftables => &["--proxy-mode", "nftables"],
+        }
+    }
+
+    fn netfilter(self) -> bool {
+        matches!(self, Mode::Iptables | Mode::IptablesNft | Mode::Nftables)
     }
 }
 
@@ -99,73 +122,6 @@ fn manifests(c: &Cluster, filler: u32) {
         ));
     }
     c.write_manifest("filler.yaml", &filler_docs.join("---\n"));
-}
-
-/// kube-proxy's iptables layout for the bench's Services on node A.
-pub fn iptables_ruleset(node_ip: Ipv4Addr, filler: u32) -> String {
-    let mut nat = String::from("*nat\n");
-    let mut chains =
-        vec!["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"].into_iter().map(String::from).collect::<Vec<_>>();
-    let mut rules = vec![
-        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".to_string(),
-        "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".to_string(),
-        "-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING".to_string(),
-        "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000".to_string(),
-        "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN".to_string(),
-        "-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0".to_string(),
-        "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully".to_string(),
-    ];
-    let mut svc = |name: &str, proto: &str, vip: Ipv4Addr, port: u16, node_port: Option<u16>, backend: SocketAddrV4| {
-        let tag = name.to_uppercase().replace(['-', ':'], "");
-        let (svc_chain, sep_chain, ext_chain) = (format!("KUBE-SVC-{tag}"), format!("KUBE-SEP-{tag}"), format!("KUBE-EXT-{tag}"));
-        chains.extend([svc_chain.clone(), sep_chain.clone()]);
-        rules.push(format!(
-            "-A KUBE-SERVICES -d {vip}/32 -p {proto} -m comment --comment \"default/{name} cluster IP\" -m {proto} --dport {port} -j {svc_chain}"
-        ));
-        rules.push(format!("-A {svc_chain} ! -s 10.244.0.0/16 -d {vip}/32 -p {proto} -m {proto} --dport {port} -j KUBE-MARK-MASQ"));
-        rules.push(format!("-A {svc_chain} -m comment --comment \"default/{name} -> {backend}\" -j {sep_chain}"));
-        rules.push(format!("-A {sep_chain} -s {}/32 -j KUBE-MARK-MASQ", backend.ip()));
-        rules.push(format!("-A {sep_chain} -p {proto} -m {proto} -j DNAT --to-destination {backend}"));
-        if let Some(np) = node_port {
-            chains.push(ext_chain.clone());
-            rules.push(format!(
-                "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"default/{name}\" -m {proto} --dport {np} -j {ext_chain}"
-            ));
-            rules.push(format!(
-                "-A {ext_chain} -m comment --comment \"masquerade traffic for default/{name} external destinations\" -j KUBE-MARK-MASQ"
-            ));
-            rules.push(format!("-A {ext_chain} -j {svc_chain}"));
-        }
-    };
-    for i in 0..filler {
-        svc(&format!("filler-{i}"), "tcp", filler_vip(i), 80, None, SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), CONN_PORT));
-    }
-    svc("bench:http", "tcp", Ipv4Addr::new(10, 96, 0, 10), 80, Some(30080), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), CONN_PORT));
-    svc("bench:dns", "udp", Ipv4Addr::new(10, 96, 0, 10), 53, Some(30053), SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 5353));
-    rules.push(String::from(
-        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS",
-    ));
-    let _ = node_ip;
-    for ch in &chains {
-        nat += &format!(":{ch} - [0:0]\n");
-    }
-    for r in &rules {
-        nat += r;
-        nat.push('\n');
-    }
-    nat += "COMMIT\n";
-    nat
-}
-
-fn iptables_restore(ns: &Netns, rules: &str) {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new("ip")
-        .args(["netns", "exec", &ns.name, "iptables-restore"])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("iptables-restore");
-    child.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
-    assert!(child.wait().unwrap().success(), "iptables-restore failed");
 }
 
 fn mac_of(ns: &Netns, dev: &str) -> [u8; 6] {
@@ -366,6 +322,33 @@ fn tcp_cps(c: &Cluster, secs: f64) -> f64 {
     (d1 - d0) as f64 / took.as_secs_f64()
 }
 
+/// A netfilter mode has written its first full ruleset (its `starts`-th start logs it), with
+/// the NodePort under test and a Service chain for every filler Service.
+fn wait_netfilter_programmed(c: &Cluster, mode: Mode, starts: usize, filler: u32) {
+    let node = c.node("node-a");
+    let (save, chain): (&[&str], &str) = match mode {
+        Mode::Iptables => (&["iptables-legacy-save", "-t", "nat"], ":KUBE-SVC-"),
+        Mode::IptablesNft => (&["iptables-nft-save", "-t", "nat"], ":KUBE-SVC-"),
+        _ => (&["nft", "list", "table", "ip", "kube-proxy"], "chain service-"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let log = node.agent_log();
+        let rules = Command::new("ip")
+            .args(["netns", "exec", &node.ns.name])
+            .args(save)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let chains = rules.lines().filter(|l| l.trim_start().starts_with(chain)).count();
+        if log.matches("initial sync done").count() >= starts && rules.contains("30053") && chains > filler as usize {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{}: not programmed in 120 s ({chains} Service chains)\n{log}", mode.label());
+        thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn wait_programmed(c: &mut Cluster, filler: u32) {
     c.wait_all("node A programmed", |n, r| {
         n.name != "node-a"
@@ -387,23 +370,19 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
     let cps_secs = if quick { 1.0 } else { 5.0 };
     let mut out = Vec::new();
     let (floor, _) = udp_pps(&mut c, Mode::Floor, frames);
-    for mode in [Mode::Xdp, Mode::Tc, Mode::Iptables] {
-        match mode {
-            Mode::Xdp => c.start_agent_on("node-a", &["--snat-port-range", "1024-65535"]),
-            Mode::Tc => c.start_agent_on("node-a", &["--xdp", "disabled", "--snat-port-range", "1024-65535"]),
-            Mode::Iptables => iptables_restore(&c.node("node-a").ns, &iptables_ruleset(Ipv4Addr::new(192, 168, 100, 1), filler)),
-            Mode::Floor => unreachable!(),
-        }
-        if mode != Mode::Iptables {
+    for (starts, mode) in [Mode::Xdp, Mode::Tc, Mode::Iptables, Mode::IptablesNft, Mode::Nftables].into_iter().enumerate() {
+        // Each start removes what the mode before left (the eBPF pins, the other rules).
+        c.start_agent_on("node-a", mode.flags());
+        if mode.netfilter() {
+            wait_netfilter_programmed(&c, mode, starts + 1, filler);
+        } else {
             wait_programmed(&mut c, filler);
         }
         let (pps_delivered, pps_offered) = udp_pps(&mut c, mode, frames);
         let conns_per_sec = tcp_cps(&c, cps_secs);
         eprintln!("  {}: {:.0} pps delivered, {:.0} new TCP connections/s", mode.label(), pps_delivered, conns_per_sec);
         out.push(Figures { mode, floor_pps: floor, pps_delivered, pps_offered, conns_per_sec });
-        if mode != Mode::Iptables {
-            c.stop_agent_on("node-a");
-        }
+        c.stop_agent_on("node-a");
     }
     drop(backend);
     let _: io::Result<()> = Ok(());

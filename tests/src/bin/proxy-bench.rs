@@ -600,7 +600,9 @@ fn north(out_dir: &std::path::Path) {
     let filler = 1000;
     println!("\nNodePort forwarding, client -> node A -> backend on node B ({filler} other Services programmed)");
     let figures = proxy_tests::northbench::run(proxy_tests::lab::sibling("proxy-lab-agent"), quick, filler);
-    let ipt = figures.iter().find(|f| f.mode == proxy_tests::northbench::Mode::Iptables).expect("iptables figures");
+    let of = |mode| figures.iter().find(|f| f.mode == mode).unwrap_or_else(|| panic!("{mode:?} figures"));
+    let ipt = of(proxy_tests::northbench::Mode::Iptables);
+    let (xdp, nft) = (of(proxy_tests::northbench::Mode::Xdp), of(proxy_tests::northbench::Mode::Nftables));
     let floor = figures[0].floor_pps;
     println!(
         "\nfloor (frames generated, sent straight back out, dropped at the far end; no processing): {floor:.0} pps = {:.0} ns/packet",
@@ -621,6 +623,12 @@ fn north(out_dir: &std::path::Path) {
             f.conns_per_sec / ipt.conns_per_sec
         );
     }
+    println!(
+        "\nXDP pps: {:.2}x iptables (target >= 5x), {:.2}x nftables (target >= 3x), {:.0} % of the floor (target >= 85 %)",
+        xdp.pps_delivered / ipt.pps_delivered,
+        xdp.pps_delivered / nft.pps_delivered,
+        100.0 * xdp.pps_delivered / floor
+    );
     let json = serde_json::json!({
         "benchmark": "north",
         "filler_services": filler,
