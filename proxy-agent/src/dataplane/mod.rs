@@ -91,6 +91,10 @@ pub trait Dataplane {
     /// Drops state no frontend uses any more (after the first full sync). Returns how many
     /// entries went.
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError>;
+    /// True when a failed delete left entries that `collect_garbage` should try again.
+    fn has_leftovers(&self) -> bool {
+        false
+    }
     /// The Service CIDRs and the cluster IPs allocated in them (`Store::cluster_ip_ranges`):
     /// new flows to a free address of the ranges are dropped, to a cluster IP on a port its
     /// Service lacks rejected. A dataplane without the check ignores it.

@@ -805,23 +805,21 @@ impl LbMaps {
         // Phase C: the old references go last.
         let mut matches: BTreeSet<u32> = old.as_ref().map(|o| o.affinity_matches.clone()).unwrap_or_default();
         matches.extend(new_matches);
-        let mut keep: BTreeSet<u32> = if view.affinity_timeout.is_some() { slots.iter().copied().collect() } else { BTreeSet::new() };
-        // An affinity match or a range that could not be deleted stays on record (the frontend
-        // is then not current, and the next sync deletes it again): left unrecorded, it would
-        // stay in the map for good, and hold for whatever frontend gets this id next.
-        for id in matches.difference(&keep.clone()) {
-            if let Err(e) = self.affinity_match.del(&AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 }) {
-                if !is_not_found(&e) {
-                    keep.insert(*id);
-                }
+        let keep: BTreeSet<u32> = if view.affinity_timeout.is_some() { slots.iter().copied().collect() } else { BTreeSet::new() };
+        // An affinity match or a range that could not be deleted goes on the stray lists, which
+        // `collect_garbage` tries again after the sync (and the id is not given out while they
+        // name it): left unrecorded, it would stay in the map for good.
+        for id in matches.difference(&keep) {
+            let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
+            if failed(self.affinity_match.del(&k)) {
+                self.stray_affinity_matches.push(k);
             }
         }
-        let mut source_ranges = view.source_ranges.clone();
+        let source_ranges = view.source_ranges.clone();
         for r in old.iter().flat_map(|o| o.source_ranges.difference(&view.source_ranges)) {
-            if let Err(e) = self.source_ranges.del(&range_key(service_id, *r)) {
-                if !is_not_found(&e) {
-                    source_ranges.insert(*r);
-                }
+            let k = range_key(service_id, *r);
+            if failed(self.source_ranges.del(&k)) {
+                self.stray_ranges.push(k);
             }
         }
         if let Some(o) = &old {
@@ -848,7 +846,30 @@ impl LbMaps {
 
     fn remove_scope(&mut self, key: &FrontendKey, scope_id: u8) -> Result<(), DataplaneError> {
         let scoped = (*key, scope_id);
-        let Some(p) = self.frontends.get(&scoped).cloned() else { return Ok(()) };
+        let Some(mut p) = self.frontends.get(&scoped).cloned() else { return Ok(()) };
+        // Should this stop half way, the record must not say the frontend is still written:
+        // its master is unset and its slots unknown (their backends kept referenced), so
+        // writing the frontend again rewrites everything.
+        // Its affinity matches and ranges move to the stray lists: deleted below, and any
+        // that cannot be stay there (the id held) until `collect_garbage` removes them.
+        if let Some(r) = self.frontends.get_mut(&scoped) {
+            r.master = ServiceValue::default();
+            r.retained.extend(r.slots.iter().filter(|id| **id != 0));
+            r.slots.iter_mut().for_each(|id| *id = 0);
+            for id in std::mem::take(&mut r.affinity_matches) {
+                self.stray_affinity_matches.push(AffinityMatchKey {
+                    service_id: r.service_id,
+                    backend_id: id,
+                    scope: scope_id,
+                    _pad: 0,
+                    _pad2: 0,
+                });
+            }
+            for range in std::mem::take(&mut r.source_ranges) {
+                self.stray_ranges.push(range_key(r.service_id, range));
+            }
+            p = r.clone();
+        }
         let mut skey = ServiceKey::frontend(key.addr, key.port, key.protocol.ipproto());
         skey.scope = scope_id;
         // Master first: from here on new packets see no service.
@@ -858,26 +879,9 @@ impl LbMaps {
         }
         // Before the id is freed: a match or a range left behind would hold for the next
         // frontend with this id.
-        for id in &p.affinity_matches {
-            match self.affinity_match.del(&AffinityMatchKey {
-                service_id: p.service_id,
-                backend_id: *id,
-                scope: scope_id,
-                _pad: 0,
-                _pad2: 0,
-            }) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(source) => return Err(DataplaneError::Map { op: "delete", map: map_names::AFFINITY_MATCH, source }),
-            }
-        }
-        for r in &p.source_ranges {
-            match self.source_ranges.del(&range_key(p.service_id, *r)) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(source) => return Err(DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source }),
-            }
-        }
+        let (matches, ranges) = (&mut self.affinity_match, &mut self.source_ranges);
+        self.stray_affinity_matches.retain(|k| k.service_id != p.service_id || failed(matches.del(k)));
+        self.stray_ranges.retain(|k| k.data().service_id != p.service_id || failed(ranges.del(k)));
         if let Some(t) = &p.maglev {
             let released = self.maglev.release(t, key);
             self.release_all(&released);
@@ -887,13 +891,35 @@ impl LbMaps {
         if failed(self.revnat.del(&p.service_id)) | failed(self.names.del(&p.service_id)) {
             self.stray_service_ids.push(p.service_id);
         }
-        self.service_ids.free(p.service_id);
+        // An id that stray entries still name is held until `collect_garbage` removed them.
+        if self.leftovers_name(p.service_id) {
+            self.held_service_ids.push(p.service_id);
+        } else {
+            self.service_ids.free(p.service_id);
+        }
         self.release_all(&p.slots);
         self.release_all(&p.retained);
         if let Some(old) = self.frontends.remove(&scoped) {
             self.entries -= 1 + old.slots.len();
         }
         Ok(())
+    }
+
+    /// True when stray entries of a failed delete still name service id `id`.
+    fn leftovers_name(&self, id: u32) -> bool {
+        self.stray_service_ids.contains(&id)
+            || self.stray_affinity_matches.iter().any(|k| k.service_id == id)
+            || self.stray_ranges.iter().any(|k| k.data().service_id == id)
+    }
+
+    /// True when a failed delete left entries (or held an id) for `collect_garbage`. (A backend
+    /// entry whose delete failed waits for the next full garbage collection.)
+    pub fn has_leftovers(&self) -> bool {
+        !(self.stray_service_ids.is_empty()
+            && self.stray_affinity_matches.is_empty()
+            && self.stray_ranges.is_empty()
+            && self.stray_slots.is_empty()
+            && self.held_service_ids.is_empty())
     }
 
     /// Removes backends no frontend references, and leftovers of an interrupted run.
@@ -956,10 +982,7 @@ impl LbMaps {
             }
         }
         for id in std::mem::take(&mut self.held_service_ids) {
-            let left = self.stray_service_ids.contains(&id)
-                || self.stray_affinity_matches.iter().any(|k| k.service_id == id)
-                || self.stray_ranges.iter().any(|k| k.data().service_id == id);
-            if left {
+            if self.leftovers_name(id) {
                 self.held_service_ids.push(id);
             } else {
                 self.service_ids.free(id);

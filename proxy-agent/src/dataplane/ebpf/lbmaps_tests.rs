@@ -478,6 +478,21 @@ fn a_failure_at_any_call_of_a_removal_is_finished_by_the_next_attempt() {
                 lb.collect_garbage().expect("garbage");
                 assert!(empty(&kernel), "{context}: nothing left:\n{}", picture(&kernel));
                 assert_eq!(lb.service_entries(), 0, "{context}");
+
+                // Or the Service comes back before the removal is tried again: it is written
+                // whole, not taken as still there.
+                let (mut lb, kernel) = writer();
+                lb.upsert(&key, fe).expect("state");
+                let want = picture(&kernel);
+                let at = kernel.lock().unwrap().calls + fail;
+                kernel.lock().unwrap().fail_at = Some(at);
+                let _ = lb.remove(&key);
+                kernel.lock().unwrap().fail_at = None;
+                lb.upsert(&key, fe).unwrap_or_else(|e| panic!("{context}: written again: {e}"));
+                lb.collect_garbage().expect("garbage");
+                assert_eq!(broken(&kernel), Vec::<String>::new(), "{context}: written again");
+                assert!(lb.is_current(&key, fe), "{context}: written again");
+                assert_eq!(picture(&kernel), want, "{context}: written again, the maps are the state's");
             }
         }
     }

@@ -363,6 +363,10 @@ impl Dataplane for EbpfDataplane {
         self.lb.collect_garbage()
     }
 
+    fn has_leftovers(&self) -> bool {
+        self.lb.has_leftovers()
+    }
+
     fn set_cluster_ip_ranges(
         &mut self,
         cidrs: &[Cidr],

@@ -153,6 +153,12 @@ impl<D: Dataplane> Reconciler<D> {
                 Ok(n) => stats.garbage = n,
                 Err(e) => tracing::warn!(error = %e, "could not collect unused dataplane entries"),
             }
+        } else if self.dp.has_leftovers() {
+            // What a failed delete left is tried again after every sync, not only at start.
+            match self.dp.collect_garbage() {
+                Ok(n) => stats.garbage = n,
+                Err(e) => tracing::warn!(error = %e, "could not collect unused dataplane entries"),
+            }
         }
         stats.duration = start.elapsed();
         Some(stats)
