@@ -149,12 +149,9 @@ impl<D: Dataplane> Reconciler<D> {
                     Err(e) => tracing::warn!(frontend = %key, error = %e, "could not remove a stale frontend"),
                 }
             }
-            match self.dp.collect_garbage() {
-                Ok(n) => stats.garbage = n,
-                Err(e) => tracing::warn!(error = %e, "could not collect unused dataplane entries"),
-            }
-        } else if self.dp.has_leftovers() {
-            // What a failed delete left is tried again after every sync, not only at start.
+        }
+        // After the first sync, and after any that left what a failed delete could not remove.
+        if stats.initial || self.dp.has_leftovers() {
             match self.dp.collect_garbage() {
                 Ok(n) => stats.garbage = n,
                 Err(e) => tracing::warn!(error = %e, "could not collect unused dataplane entries"),
