@@ -204,8 +204,8 @@ struct RulesArgs {
     /// those `--nodeport-addresses` selects, as with `run`. Default: none listed; iptables then
     /// matches every local address, as kube-proxy does. The node's primary IP is not taken
     /// from here but from `--bind-address` or the directory's Node (its InternalIP).
-    #[arg(long, value_delimiter = ',', value_parser = parse_ipv4)]
-    node_ip: Vec<std::net::Ipv4Addr>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_ip)]
+    node_ip: Vec<IpAddr>,
     #[command(flatten)]
     settings: Settings,
 }
@@ -221,13 +221,6 @@ fn parse_cidr(s: &str) -> Result<Cidr, String> {
 /// An address as kube-proxy reads its flags (leading zeros are decimal).
 fn parse_ip(s: &str) -> Result<IpAddr, String> {
     crate::model::addr::parse_ip(s).ok_or_else(|| format!("{s:?} is not an IP address"))
-}
-
-fn parse_ipv4(s: &str) -> Result<std::net::Ipv4Addr, String> {
-    match parse_ip(s)? {
-        IpAddr::V4(a) => Ok(a),
-        IpAddr::V6(_) => Err(format!("{s} is IPv6; this agent serves IPv4 only so far")),
-    }
 }
 
 /// A flag that is `auto` (None) or a value (`--proxy-mode`, `--iptables-backend`).

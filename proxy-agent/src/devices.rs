@@ -6,7 +6,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::{IpAddr, Ipv4Addr},
 };
 
 use crate::{
@@ -30,8 +30,8 @@ pub struct Devices {
     not_external: DevicePatterns,
     xdp: XdpSetting,
     pub links: BTreeMap<u32, String>,
-    /// IPv4 addresses per interface, and whether each is global.
-    addrs: BTreeMap<u32, BTreeSet<(Ipv4Addr, bool)>>,
+    /// Addresses per interface (both families), and whether each is global.
+    addrs: BTreeMap<u32, BTreeSet<(IpAddr, bool)>>,
     /// Interfaces to attach again (the last try failed).
     pub failed: BTreeMap<u32, String>,
     /// What the interface-address map holds, per external interface.
@@ -57,8 +57,13 @@ impl Devices {
         }
     }
 
+    /// The global IPv4 addresses of an interface: what makes it external (the eBPF dataplane
+    /// serves IPv4) and what it masquerades with.
     fn global_addrs(&self, index: u32) -> impl Iterator<Item = Ipv4Addr> + '_ {
-        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).map(|(a, _)| *a)
+        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).filter_map(|(a, _)| match a {
+            IpAddr::V4(v) => Some(*v),
+            IpAddr::V6(_) => None,
+        })
     }
 
     /// The role `name` should have, if any. Pod patterns win.
@@ -73,10 +78,11 @@ impl Devices {
         external.then_some(Role::External)
     }
 
-    /// Every IPv4 address of the node but loopback ones: where NodePorts are served by default.
-    pub fn node_addresses(&self) -> Vec<Ipv4Addr> {
+    /// Every address of the node (both families) but loopback ones: where NodePorts are served
+    /// by default. (The store leaves IPv6 link-local ones out.)
+    pub fn node_addresses(&self) -> Vec<IpAddr> {
         // Service addresses IPVS mode binds to its dummy interface are not the node's.
-        let mut v: Vec<Ipv4Addr> = self
+        let mut v: Vec<IpAddr> = self
             .addrs
             .iter()
             .filter(|(index, _)| self.links.get(index).map(String::as_str) != Some(crate::dataplane::netfilter::ipvs::DUMMY))
@@ -200,7 +206,7 @@ mod tests {
         d.apply(&LinkChange::Present { index: 7, name: "kube-ipvs0".into() });
         assert!(d.apply(&addr(2, "192.168.1.10", true)), "a node address is a change");
         assert!(!d.apply(&addr(7, "10.96.0.10", true)), "a VIP bound by IPVS mode is not");
-        assert_eq!(d.node_addresses(), vec![Ipv4Addr::new(192, 168, 1, 10)]);
+        assert_eq!(d.node_addresses(), vec![IpAddr::V4(Ipv4Addr::new(192, 168, 1, 10))]);
         assert!(d.apply(&addr(2, "192.168.1.10", false)));
         assert!(d.node_addresses().is_empty());
     }

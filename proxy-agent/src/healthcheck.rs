@@ -6,7 +6,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::{Arc, Mutex},
 };
 
@@ -43,7 +43,7 @@ pub struct HealthServers {
     telemetry: Arc<Telemetry>,
     servers: BTreeMap<u16, Server>,
     /// Where they listen: the addresses NodePorts are served on (None: every address).
-    addresses: Option<Vec<Ipv4Addr>>,
+    addresses: Option<Vec<IpAddr>>,
 }
 
 impl HealthServers {
@@ -54,7 +54,7 @@ impl HealthServers {
     /// Serves exactly `wanted`, on `addresses` (the NodePort addresses, as kube-proxy binds
     /// them; None: every address): starts new ports, updates counts, stops ports no longer
     /// wanted, and moves every port when the addresses change.
-    pub fn update(&mut self, wanted: &BTreeMap<u16, PortState>, addresses: Option<Vec<Ipv4Addr>>) {
+    pub fn update(&mut self, wanted: &BTreeMap<u16, PortState>, addresses: Option<Vec<IpAddr>>) {
         if addresses != self.addresses {
             for s in self.servers.values() {
                 s.tasks.iter().for_each(JoinHandle::abort);
@@ -81,7 +81,7 @@ impl HealthServers {
                 None => {
                     let shared = Arc::new(Mutex::new(state.clone()));
                     let router = router(shared.clone(), self.telemetry.clone());
-                    let addrs = self.addresses.clone().unwrap_or_else(|| vec![Ipv4Addr::UNSPECIFIED]);
+                    let addrs = self.addresses.clone().unwrap_or_else(|| vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]);
                     let tasks = addrs
                         .iter()
                         .map(|a| {

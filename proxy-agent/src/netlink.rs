@@ -1,7 +1,7 @@
-//! Interfaces and their IPv4 addresses coming and going, from rtnetlink: the current state,
-//! then every change.
+//! Interfaces and their addresses (both families) coming and going, from rtnetlink: the
+//! current state, then every change.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use futures::{StreamExt, TryStreamExt};
 use netlink_packet_core::NetlinkPayload;
@@ -23,27 +23,29 @@ pub enum LinkChange {
     Gone {
         index: u32,
     },
-    /// An IPv4 address was added to (or removed from) interface `index`. `global`: scope
-    /// universe (not host or link scope).
+    /// An address was added to (or removed from) interface `index`. `global`: scope universe
+    /// (not host or link scope).
     Address {
         index: u32,
-        addr: Ipv4Addr,
+        addr: IpAddr,
         global: bool,
         added: bool,
     },
 }
 
-fn address_of(msg: &AddressMessage) -> Option<(u32, Ipv4Addr, bool)> {
+fn address_of(msg: &AddressMessage) -> Option<(u32, IpAddr, bool)> {
+    // IFA_LOCAL is the interface's own address on point-to-point links; IFA_ADDRESS otherwise
+    // (IPv6 sends IFA_ADDRESS only).
     let addr = msg
         .attributes
         .iter()
         .find_map(|a| match a {
-            AddressAttribute::Local(IpAddr::V4(v4)) => Some(*v4),
+            AddressAttribute::Local(a) => Some(*a),
             _ => None,
         })
         .or_else(|| {
             msg.attributes.iter().find_map(|a| match a {
-                AddressAttribute::Address(IpAddr::V4(v4)) => Some(*v4),
+                AddressAttribute::Address(a) => Some(*a),
                 _ => None,
             })
         })?;
@@ -59,10 +61,10 @@ fn name_of(msg: &LinkMessage) -> Option<String> {
 
 /// Subscribes to link and address changes, then lists what exists. Subscribing first means a
 /// change during the listing is not missed (it may be reported twice, which is harmless).
-/// Returns the links and, as `LinkChange::Address` events, their IPv4 addresses.
+/// Returns the links and, as `LinkChange::Address` events, their addresses.
 pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, String)>, Vec<LinkChange>)> {
     let (mut conn, handle, mut messages) = rtnetlink::new_connection()?;
-    let groups = rtnetlink::constants::RTMGRP_LINK | rtnetlink::constants::RTMGRP_IPV4_IFADDR;
+    let groups = rtnetlink::constants::RTMGRP_LINK | rtnetlink::constants::RTMGRP_IPV4_IFADDR | rtnetlink::constants::RTMGRP_IPV6_IFADDR;
     conn.socket_mut().socket_mut().bind(&SocketAddr::new(0, groups))?;
     tokio::spawn(conn);
     let mut links = Vec::new();

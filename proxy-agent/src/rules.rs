@@ -25,9 +25,9 @@ pub fn services_of(
     let nodeport = if context.nodeport_all {
         NodePortAddresses::All
     } else {
-        NodePortAddresses::Cidrs(context.nodeport_ips.iter().map(|a| crate::model::store::Cidr { addr: *a, prefix: 32 }).collect())
+        NodePortAddresses::Cidrs(context.nodeport_ips.iter().map(|a| crate::model::Cidr::host(*a)).collect())
     };
-    load(dir, node, rules, nodeport, context.nodeport_ips.clone(), context.node_ip)
+    load(dir, node, rules, nodeport, context.nodeport_ips.clone(), context.node_ips.first().copied())
 }
 
 /// The store and every Service's ports for the manifests in `dir`, on node `node` with local
@@ -38,8 +38,8 @@ fn load(
     node: &str,
     rules: crate::model::validate::Rules,
     nodeport: NodePortAddresses,
-    local: Vec<std::net::Ipv4Addr>,
-    node_ip: Option<std::net::Ipv4Addr>,
+    local: Vec<std::net::IpAddr>,
+    node_ip: Option<std::net::IpAddr>,
 ) -> anyhow::Result<(Store, Services)> {
     let mut manifests = ManifestDir::new(dir).map_err(anyhow::Error::msg)?;
     let (events, problems) = manifests.scan();
@@ -77,7 +77,7 @@ fn load(
 /// What `mode` would program for the manifests in `dir`, configured as `run` would be with the
 /// same settings (`cfg`), on a node with addresses `node_ips`: NodePorts on those of them
 /// `--nodeport-addresses` selects, the node IP from `--bind-address` or the directory's Node.
-pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ipv4Addr]) -> anyhow::Result<String> {
+pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::IpAddr]) -> anyhow::Result<String> {
     let settings = cfg.netfilter.for_mode(mode);
     let rules = crate::model::validate::Rules { node_port_range: cfg.common.node_port_range };
     let (mut store, services) =
@@ -88,7 +88,7 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         nodeport_all: cfg.common.nodeport_addresses == NodePortAddresses::All,
         local: Default::default(),
         masquerade_all: settings.masquerade_all,
-        node_ip: info.node_ip,
+        node_ips: info.node_ips,
     };
     let masquerading = crate::dataplane::netfilter::proxier::Masquerading {
         masquerade_all: settings.masquerade_all,

@@ -145,9 +145,9 @@ fn iptables_case(case: &str) {
     let node = NodeContext {
         nodeport_ips: vec![],
         nodeport_all: true,
-        local: LocalTraffic::Cidr(cidr("10.0.0.0/8")),
+        local: LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8")]),
         masquerade_all: false,
-        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+        node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
@@ -158,14 +158,14 @@ fn iptables_case(case: &str) {
 /// kube-proxy's test node: 192.168.0.2, NodePorts on that address only.
 fn fixture_node(local: LocalTraffic) -> NodeContext {
     let ip = Ipv4Addr::new(192, 168, 0, 2);
-    NodeContext { nodeport_ips: vec![ip], nodeport_all: false, local, masquerade_all: false, node_ip: Some(ip) }
+    NodeContext { nodeport_ips: vec![ip.into()], nodeport_all: false, local, masquerade_all: false, node_ips: vec![ip.into()] }
 }
 
 fn nftables_case(case: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-    let node = fixture_node(LocalTraffic::Cidr(cidr("10.0.0.0/8")));
+    let node = fixture_node(LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8")]));
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")], ..Default::default() };
     let dump = nftables::render(&services, &node, &opts).dump();
     assert_same(&format!("{case}: nftables ruleset"), &normalize_nft(&dump), &normalize_nft(&golden(case, "nftables.txt")));
 }
@@ -200,9 +200,9 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(case);
-        let node = fixture_node(LocalTraffic::Cidr(cidr("10.0.0.0/8")));
+        let node = fixture_node(LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8")]));
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-        let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+        let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")], ..Default::default() };
         let whole = nftables::render(&services, &node, &opts);
         let mut union = nftables::Ruleset { base: whole.base.clone(), ..Default::default() };
         for (k, v) in &services {
@@ -224,7 +224,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
     let cases = [
         (
-            LocalTraffic::Cidr(cidr("10.0.0.0/8")),
+            LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8")]),
             "! -s 10.0.0.0/8",
             "-s 10.0.0.0/8 -j KUBE-SVC",
             "ip saddr != 10.0.0.0/8",
@@ -245,7 +245,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
             nodeport_all: true,
             local: local.clone(),
             masquerade_all: false,
-            node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+            node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
         };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let ipt = iptables::restore_text(
@@ -265,7 +265,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
         nodeport_all: true,
         local: LocalTraffic::Unknown,
         masquerade_all: false,
-        node_ip: Some(Ipv4Addr::new(192, 168, 0, 2)),
+        node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let ipt =
@@ -309,7 +309,7 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
-    let node = fixture_node(LocalTraffic::Cidr(cidr("010.0.0.0/08")));
+    let node = fixture_node(LocalTraffic::Cidrs(vec![cidr("010.0.0.0/08")]));
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let ipt = iptables::restore_text(
@@ -317,7 +317,7 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
         &|_| true,
         &Default::default(),
     );
-    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")] };
+    let opts = nftables::NftablesOptions { mark: "0x4000".into(), service_cidrs: vec![cidr("172.30.0.0/16")], ..Default::default() };
     let nft = nftables::render(&services, &node, &opts).dump();
     let canonical_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/overall");
     let (_, canonical) = services_of(&canonical_dir, "test-node", &node, FIXTURE_RULES).unwrap();
@@ -357,7 +357,7 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
         .unwrap()
         .0
     };
-    let node_ips = [Ipv4Addr::new(192, 168, 0, 2), Ipv4Addr::new(10, 0, 0, 5)];
+    let node_ips = [Ipv4Addr::new(192, 168, 0, 2).into(), Ipv4Addr::new(10, 0, 0, 5).into()];
     let admitted = "-s 203.0.113.9 -j KUBE-EXT";
     std::fs::write(dir.join("objects.yaml"), objects("192.168.0.2")).unwrap();
     let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();

@@ -9,7 +9,7 @@ pub mod duration;
 pub mod kubeproxy;
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     time::Duration,
 };
@@ -123,7 +123,7 @@ pub struct Common {
     pub hostname: String,
     /// `bindAddress` when it names an address: the node's primary IP, over the Node's
     /// InternalIP.
-    pub node_ip: Option<Ipv4Addr>,
+    pub node_ip: Option<IpAddr>,
     pub metrics_bind: SocketAddr,
     pub healthz_bind: SocketAddr,
     pub nodeport_addresses: NodePortAddresses,
@@ -338,18 +338,24 @@ fn parse_bind(field: &str, s: &str, port: u16) -> Result<SocketAddr, String> {
     crate::model::addr::parse_ip(s).map(|ip| SocketAddr::new(ip, port)).ok_or_else(|| format!("{field}: {s:?} is not IP:PORT"))
 }
 
-/// CIDRs, comma-separated or listed. IPv6 ones are left out (with a note): this agent serves
-/// IPv4 only so far.
-fn ipv4_cidrs(field: &str, items: &[String], notes: &mut Vec<String>) -> Result<Vec<Cidr>, String> {
-    let mut out = Vec::new();
-    for item in items.iter().flat_map(|s| s.split(',')).map(str::trim).filter(|s| !s.is_empty()) {
-        if item.contains(':') {
-            notes.push(format!("{field}: {item} is IPv6, which this agent does not serve yet; left out"));
-            continue;
-        }
-        out.push(item.parse::<Cidr>().map_err(|e| format!("{field}: {e}"))?);
+/// CIDRs of either family, comma-separated or listed.
+fn cidrs(field: &str, items: &[String]) -> Result<Vec<Cidr>, String> {
+    items
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|item| item.parse::<Cidr>().map_err(|e| format!("{field}: {e}")))
+        .collect()
+}
+
+/// `clusterCIDR` as kube-proxy takes it: one range, or a dual-stack pair (one per family).
+pub fn cluster_cidr_pair(field: &str, list: &[Cidr]) -> Result<(), String> {
+    if list.len() > 2 || (list.len() == 2 && list[0].family() == list[1].family()) {
+        let shown: Vec<String> = list.iter().map(|c| c.to_string()).collect();
+        return Err(format!("{field}: {} is not one range or one range per family", shown.join(",")));
     }
-    Ok(out)
+    Ok(())
 }
 
 fn masquerade_bit(field: &str, bit: i32) -> Result<u8, String> {
@@ -426,10 +432,7 @@ impl Config {
                 None => None,
             },
         };
-        let node_ip = match bind {
-            Some(IpAddr::V4(a)) if !a.is_unspecified() => Some(a),
-            _ => None,
-        };
+        let node_ip = bind.filter(|a| !a.is_unspecified());
         used("bindAddress", node_ip.is_some(), ALL);
         let metrics_bind = match flags.metrics_bind_address {
             Some(a) => a,
@@ -453,14 +456,15 @@ impl Config {
             None => match file.node_port_addresses.as_deref() {
                 None | Some([]) => NodePortAddresses::default(),
                 Some(list) if list.len() == 1 && list[0] == "primary" => NodePortAddresses::Primary,
-                Some(list) => NodePortAddresses::Cidrs(ipv4_cidrs("nodePortAddresses", list, &mut notes)?),
+                Some(list) => NodePortAddresses::Cidrs(cidrs("nodePortAddresses", list)?),
             },
         };
         used("nodePortAddresses", file.node_port_addresses.as_ref().is_some_and(|l| !l.is_empty()), ALL);
         let cluster_cidrs = match flags.cluster_cidr.clone() {
             Some(c) => c,
-            None => ipv4_cidrs("clusterCIDR", &file.cluster_cidr.clone().into_iter().collect::<Vec<_>>(), &mut notes)?,
+            None => cidrs("clusterCIDR", &file.cluster_cidr.clone().into_iter().collect::<Vec<_>>())?,
         };
+        cluster_cidr_pair("clusterCIDR", &cluster_cidrs)?;
         used("clusterCIDR", non_empty(&file.cluster_cidr), NETFILTER);
         let oom_score_adj = first([flags.oom_score_adj, file.oom_score_adj]).or(Some(-999));
         if let Some(v) = oom_score_adj.filter(|v| !(-1000..=1000).contains(v)) {
@@ -632,7 +636,7 @@ impl Config {
         used("ipvs.scheduler", ipvs.scheduler.as_deref().is_some_and(|s| !s.is_empty()), IPVS);
         let exclude_cidrs = match &flags.ipvs_exclude_cidrs {
             Some(c) => c.clone(),
-            None => ipv4_cidrs("ipvs.excludeCIDRs", ipvs.exclude_cidrs.as_deref().unwrap_or_default(), &mut notes)?,
+            None => cidrs("ipvs.excludeCIDRs", ipvs.exclude_cidrs.as_deref().unwrap_or_default())?,
         };
         used("ipvs.excludeCIDRs", ipvs.exclude_cidrs.as_ref().is_some_and(|c| !c.is_empty()), IPVS);
         let ipvs_settings = IpvsSettings {

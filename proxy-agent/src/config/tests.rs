@@ -115,10 +115,12 @@ fn every_section_reaches_its_setting() {
         "{HEAD}bindAddress: 192.168.1.10\nnodePortAddresses: [192.168.1.0/24, \"fd00::/64\"]\nclusterCIDR: 10.244.0.0/16,fd00:10::/56\noomScoreAdj: -500\nclientConnection:\n  kubeconfig: /etc/kp.conf\n  qps: 50\n  burst: 100\n  contentType: application/vnd.kubernetes.protobuf\nipvs:\n  scheduler: wrr\n  excludeCIDRs: [10.100.0.0/16]\n  strictARP: true\n  tcpTimeout: 900s\n  tcpFinTimeout: 120s\n  udpTimeout: 300s\nnftables:\n  masqueradeAll: true\n  masqueradeBit: 15\nconntrack:\n  maxPerCore: 65536\n  min: 262144\n  tcpBeLiberal: true\n  tcpCloseWaitTimeout: 1h\n  udpStreamTimeout: 3m\ndetectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: cali\nlogging:\n  format: json\n  verbosity: 4\nconfigSyncPeriod: 10m\n"
     );
     let (c, notes) = resolve(&text, Flags::default()).unwrap();
-    assert_eq!(c.common.node_ip, Some(Ipv4Addr::new(192, 168, 1, 10)));
-    assert_eq!(c.common.nodeport_addresses, NodePortAddresses::Cidrs(vec!["192.168.1.0/24".parse().unwrap()]));
-    assert_eq!(c.common.cluster_cidrs, vec!["10.244.0.0/16".parse().unwrap()]);
-    assert!(notes.iter().any(|n| n.contains("fd00::/64") && n.contains("IPv6")), "{notes:?}");
+    assert_eq!(c.common.node_ip, Some(std::net::Ipv4Addr::new(192, 168, 1, 10).into()));
+    let cidr = |s: &str| s.parse::<crate::model::Cidr>().unwrap();
+    assert_eq!(c.common.nodeport_addresses, NodePortAddresses::Cidrs(vec![cidr("192.168.1.0/24"), cidr("fd00::/64")]));
+    assert_eq!(c.common.cluster_cidrs, vec![cidr("10.244.0.0/16"), cidr("fd00:10::/56")], "a dual-stack pair");
+    let bad = resolve(&format!("{HEAD}clusterCIDR: 10.244.0.0/16,10.245.0.0/16\n"), Flags::default()).unwrap_err();
+    assert!(bad.contains("not one range or one range per family"), "{bad}");
     assert!(notes.iter().any(|n| n.contains("protobuf")), "{notes:?}");
     assert_eq!(c.common.oom_score_adj, Some(-500));
     assert!(matches!(&c.common.source, Source::Kube(a) if a.qps == 50.0 && a.burst == 100));

@@ -6,7 +6,7 @@ use super::{
     netfilter::{self, iptables::IptablesRules, ipvs::IpvsRules, nftables::NftablesRules, RuleSet},
     ProxyMode,
 };
-use crate::config::Config;
+use crate::{config::Config, model::Family};
 
 /// Why this node cannot run the eBPF dataplane, if it cannot: tcx links need Linux 6.6, the
 /// programs need kernel BTF, and loading and attaching them needs CAP_BPF, CAP_NET_ADMIN and
@@ -88,23 +88,57 @@ pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
 /// counters exist, and the iptables rules count into them.
 pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables, nfacct: bool) -> Result<Box<dyn RuleSet + Send>, String> {
     let settings = cfg.netfilter.for_mode(mode);
-    match mode {
-        ProxyMode::Iptables => Ok(Box::new(IptablesRules::with_options(
-            netfilter::iptables::IptablesOptions {
-                mark: settings.mark(),
-                localhost_nodeports: netfilter::sysctl::localhost_nodeports(cfg),
-                nfacct,
-                random_fully: true,
-                // kube-proxy leaves INVALID packets alone when conntrack is told to be liberal.
-                drop_invalid: !cfg.common.conntrack.tcp_be_liberal,
-            },
-            iptables,
-        ))),
-        ProxyMode::Nftables => {
-            Ok(Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), ..Default::default() })))
+    let families = served_families(mode, iptables);
+    let one = |family: Family| -> Box<dyn RuleSet + Send> {
+        match mode {
+            ProxyMode::Iptables => Box::new(IptablesRules::with_options(
+                netfilter::iptables::IptablesOptions {
+                    mark: settings.mark(),
+                    localhost_nodeports: netfilter::sysctl::localhost_nodeports(cfg),
+                    nfacct,
+                    random_fully: true,
+                    // kube-proxy leaves INVALID packets alone when conntrack is told to be liberal.
+                    drop_invalid: !cfg.common.conntrack.tcp_be_liberal,
+                    family,
+                },
+                iptables,
+            )),
+            ProxyMode::Nftables => {
+                Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), family, ..Default::default() }))
+            }
+            _ => Box::new(IpvsRules::new(ipvs_options(cfg), iptables)),
         }
-        ProxyMode::Ipvs => Ok(Box::new(IpvsRules::new(ipvs_options(cfg), iptables))),
+    };
+    match mode {
         ProxyMode::Ebpf => Err("the eBPF mode has no netfilter rules".into()),
+        _ => Ok(Box::new(netfilter::PerFamily::new(families.into_iter().map(one).collect()))),
+    }
+}
+
+/// The families `mode` programs on this node, as kube-proxy decides: IPv4, and IPv6 too when
+/// the kernel has IPv6 and (iptables) its ip6tables is installed. IPVS mode serves IPv4 only so
+/// far. What is left out is logged once, here.
+pub fn served_families(mode: ProxyMode, iptables: netfilter::Iptables) -> Vec<Family> {
+    let v6 = match mode {
+        ProxyMode::Iptables | ProxyMode::Nftables if !Path::new("/proc/net/if_inet6").exists() => {
+            Err("the kernel has IPv6 disabled (no /proc/net/if_inet6)".to_string())
+        }
+        ProxyMode::Iptables => {
+            let tools = iptables.tools(Family::V6);
+            netfilter::run(tools.save(), netfilter::IPTABLES_PACKAGE, &["--version"])
+                .map(|_| ())
+                .map_err(|e| format!("{} is not usable: {e}", tools.save()))
+        }
+        ProxyMode::Nftables => Ok(()),
+        ProxyMode::Ipvs => Err("the IPVS mode serves IPv4 only so far".to_string()),
+        ProxyMode::Ebpf => Err("the eBPF dataplane serves IPv4 only so far".to_string()),
+    };
+    match v6 {
+        Ok(()) => vec![Family::V4, Family::V6],
+        Err(why) => {
+            tracing::info!(mode = %mode, "IPv6 Services are not served: {why}");
+            vec![Family::V4]
+        }
     }
 }
 

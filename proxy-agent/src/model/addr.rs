@@ -55,10 +55,63 @@ pub fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     (prefix <= width).then_some((addr, prefix))
 }
 
-/// An IPv4 CIDR, as `--nodeport-addresses` takes.
+/// An address family. Kubernetes names them `IPv4` and `IPv6` (`spec.ipFamilies`, an
+/// EndpointSlice's `addressType`); kube-proxy runs one proxier per family, and so do the
+/// netfilter modes here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    #[default]
+    V4,
+    V6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    pub fn of(a: IpAddr) -> Self {
+        if a.is_ipv4() {
+            Self::V4
+        } else {
+            Self::V6
+        }
+    }
+
+    /// The family's name in the Kubernetes API.
+    pub fn api_name(self) -> &'static str {
+        match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        }
+    }
+
+    /// Address width in bits.
+    pub fn bits(self) -> u8 {
+        match self {
+            Self::V4 => 32,
+            Self::V6 => 128,
+        }
+    }
+
+    /// The loopback range (`127.0.0.0/8`, `::1/128`).
+    pub fn loopback(self) -> Cidr {
+        match self {
+            Self::V4 => Cidr { addr: IpAddr::V4(Ipv4Addr::new(127, 0, 0, 0)), prefix: 8 },
+            Self::V6 => Cidr::host(IpAddr::V6(Ipv6Addr::LOCALHOST)),
+        }
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.api_name())
+    }
+}
+
+/// An address range of either family (`--nodeport-addresses`, `--cluster-cidr`,
+/// loadBalancerSourceRanges, ServiceCIDRs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
-    pub addr: std::net::Ipv4Addr,
+    pub addr: IpAddr,
     pub prefix: u8,
 }
 
@@ -68,27 +121,57 @@ impl std::fmt::Display for Cidr {
     }
 }
 
+/// An address as a number, IPv4 in the low 32 bits.
+fn bits_of(a: IpAddr) -> u128 {
+    match a {
+        IpAddr::V4(v) => u128::from(u32::from(v)),
+        IpAddr::V6(v) => u128::from(v),
+    }
+}
+
 impl Cidr {
-    fn mask(&self) -> u32 {
-        if self.prefix == 0 {
-            0
-        } else {
-            u32::MAX << (32 - u32::from(self.prefix))
+    /// The range holding `a` alone (`/32`, `/128`).
+    pub fn host(a: IpAddr) -> Self {
+        Self { addr: a, prefix: Family::of(a).bits() }
+    }
+
+    pub fn family(&self) -> Family {
+        Family::of(self.addr)
+    }
+
+    /// The IPv4 range, for the eBPF dataplane's IPv4 maps.
+    pub fn v4(&self) -> Option<(Ipv4Addr, u8)> {
+        match self.addr {
+            IpAddr::V4(a) => Some((a, self.prefix)),
+            IpAddr::V6(_) => None,
         }
+    }
+
+    fn mask(&self) -> u128 {
+        let width = u32::from(self.family().bits());
+        let full = u128::MAX >> (128 - width);
+        // The host bits cleared (none at /0's shift of 0, all kept at the full width).
+        full & !full.checked_shr(u32::from(self.prefix)).unwrap_or(0)
     }
 
     /// The same range written with its network address (`10.1.2.3/8` -> `10.0.0.0/8`).
     pub fn network(self) -> Self {
-        Self { addr: std::net::Ipv4Addr::from(u32::from(self.addr) & self.mask()), prefix: self.prefix }
+        let n = bits_of(self.addr) & self.mask();
+        let addr = match self.addr {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(n as u32)),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(n)),
+        };
+        Self { addr, prefix: self.prefix }
     }
 
-    pub fn contains(&self, a: std::net::Ipv4Addr) -> bool {
-        u32::from(a) & self.mask() == u32::from(self.addr) & self.mask()
+    /// `a` is in the range (never across families).
+    pub fn contains(&self, a: IpAddr) -> bool {
+        Family::of(a) == self.family() && bits_of(a) & self.mask() == bits_of(self.addr) & self.mask()
     }
 
     /// True when one of `ranges` holds one of `addrs` (loadBalancerSourceRanges holding a node
     /// address, which then admit the load balancer's own address too, as kube-proxy does).
-    pub fn any_contains(ranges: &[Cidr], addrs: &[std::net::Ipv4Addr]) -> bool {
+    pub fn any_contains(ranges: &[Cidr], addrs: &[IpAddr]) -> bool {
         ranges.iter().any(|r| addrs.iter().any(|a| r.contains(*a)))
     }
 }
@@ -98,12 +181,12 @@ impl std::str::FromStr for Cidr {
     fn from_str(s: &str) -> Result<Self, String> {
         let (a, p) = s.split_once('/').ok_or_else(|| format!("{s:?} is not a CIDR (address/prefix)"))?;
         // Read as kube-proxy reads CIDRs (ParseCIDRSloppy): leading zeros are decimal.
-        let Some(std::net::IpAddr::V4(addr)) = parse_ip(a) else {
-            return Err(format!("{s:?}: {a:?} is not an IPv4 address"));
+        let Some(addr) = parse_ip(a) else {
+            return Err(format!("{s:?}: {a:?} is not an IP address"));
         };
         match parse_cidr(s) {
             Some((_, prefix)) => Ok(Self { addr, prefix }),
-            None => Err(format!("{s:?}: prefix {p:?} is not 0-32")),
+            None => Err(format!("{s:?}: prefix {p:?} is not 0-{}", Family::of(addr).bits())),
         }
     }
 }

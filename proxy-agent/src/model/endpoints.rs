@@ -4,12 +4,12 @@
 //! only when every ready endpoint carries one and one matches this node or its zone, and the
 //! Cluster and Local sets computed independently.
 
-use std::{collections::BTreeSet, net::Ipv4Addr};
+use std::{collections::BTreeSet, net::IpAddr};
 
 /// One endpoint of one service port, after validation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub ready: bool,
     pub serving: bool,
@@ -132,13 +132,15 @@ fn available_for_topology(ep: &Endpoint, mode: TopologyMode, node_name: &str, zo
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     const NODE: &str = "node-a";
 
     fn ep(last: u8) -> Endpoint {
         Endpoint {
-            addr: Ipv4Addr::new(10, 0, 0, last),
+            addr: IpAddr::V4(Ipv4Addr::new(10, 0, 0, last)),
             port: 80,
             ready: true,
             serving: true,
@@ -172,7 +174,7 @@ mod tests {
     }
 
     fn addrs(eps: &[Endpoint]) -> Vec<u8> {
-        eps.iter().map(|e| e.addr.octets()[3]).collect()
+        eps.iter().map(|e| if let IpAddr::V4(a) = e.addr { a.octets()[3] } else { 0 }).collect()
     }
 
     const CLUSTER: Policies = Policies { uses_cluster: true, uses_local: false };

@@ -7,7 +7,12 @@ pub mod store;
 pub mod translate;
 pub mod validate;
 
-use std::{fmt, net::Ipv4Addr};
+use std::{
+    fmt,
+    net::{IpAddr, Ipv4Addr},
+};
+
+pub use addr::{Cidr, Family};
 
 /// A transport protocol as Kubernetes names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -180,7 +185,7 @@ pub struct Frontend {
     /// Load-balancer frontends of Services with `spec.loadBalancerSourceRanges`: new flows only
     /// from these sources (networks, sorted), from pods as from outside, as kube-proxy's
     /// firewall. Empty: no restriction.
-    pub source_ranges: Vec<store::Cidr>,
+    pub source_ranges: Vec<Cidr>,
 }
 
 impl Frontend {
@@ -205,21 +210,33 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone` of the Node object, once known.
     pub zone: Option<String>,
-    /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
-    pub nodeport_addresses: Vec<Ipv4Addr>,
-    /// The node's primary IP (`bindAddress`, else the Node's InternalIP), which kube-proxy
-    /// keeps apart from the NodePort addresses: a load balancer's source ranges admit the node
-    /// when they hold this address.
-    pub node_ip: Option<Ipv4Addr>,
+    /// Addresses NodePorts are served on (`--nodeport-addresses` applied), both families.
+    pub nodeport_addresses: Vec<IpAddr>,
+    /// The node's primary IPs, at most one per family (`bindAddress`, else the Node's first
+    /// InternalIP of each family), which kube-proxy keeps apart from the NodePort addresses: a
+    /// load balancer's source ranges admit the node when they hold one.
+    pub node_ips: Vec<IpAddr>,
     /// NodePorts also on 127.0.0.1, for the node's own processes (the eBPF mode's socket hooks;
     /// kube-proxy's `localhostNodePorts`).
     pub localhost_nodeports: bool,
 }
 
+impl NodeInfo {
+    /// The NodePort addresses of one family.
+    pub fn nodeport_addresses_of(&self, family: Family) -> impl Iterator<Item = IpAddr> + '_ {
+        self.nodeport_addresses.iter().copied().filter(move |a| Family::of(*a) == family)
+    }
+
+    /// The primary IP of one family.
+    pub fn node_ip(&self, family: Family) -> Option<IpAddr> {
+        self.node_ips.iter().copied().find(|a| Family::of(*a) == family)
+    }
+}
+
 /// One endpoint of a service port as the netfilter renderers need it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointView {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub ready: bool,
     pub serving: bool,
@@ -228,28 +245,31 @@ pub struct EndpointView {
 }
 
 impl EndpointView {
-    /// `ip:port`, as kube-proxy writes endpoints.
-    pub fn socket(&self) -> std::net::SocketAddrV4 {
-        std::net::SocketAddrV4::new(self.addr, self.port)
+    /// `ip:port` (`[ip]:port` for IPv6), as kube-proxy writes endpoints.
+    pub fn socket(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::new(self.addr, self.port)
     }
 }
 
-/// One Service port with everything a rule renderer needs: addresses, policies and the
-/// endpoint sets kube-proxy's `CategorizeEndpoints` yields. The eBPF dataplane works from
-/// frontends instead; the netfilter renderers (iptables, nftables, IPVS) from this.
+/// One Service port in one address family with everything a rule renderer needs: addresses,
+/// policies and the endpoint sets kube-proxy's `CategorizeEndpoints` yields, all of that
+/// family (as kube-proxy gives each family's proxier its own view of a dual-stack Service).
+/// The eBPF dataplane works from frontends instead; the netfilter renderers (iptables,
+/// nftables, IPVS) from this.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortView {
     pub name: ServicePortName,
+    pub family: Family,
     pub port: u16,
-    pub cluster_ips: Vec<Ipv4Addr>,
+    pub cluster_ips: Vec<IpAddr>,
     pub node_port: Option<u16>,
-    pub external_ips: Vec<Ipv4Addr>,
-    pub lb_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<IpAddr>,
+    pub lb_ips: Vec<IpAddr>,
     pub internal_local: bool,
     /// externalTrafficPolicy Local (NodePort and LoadBalancer Services only).
     pub external_local: bool,
     /// `spec.loadBalancerSourceRanges`.
-    pub lb_source_ranges: Vec<store::Cidr>,
+    pub lb_source_ranges: Vec<Cidr>,
     pub affinity_timeout: Option<u32>,
     pub health_check_node_port: Option<u16>,
     /// Endpoints for Cluster traffic policy (ready, or serving+terminating as a fallback;

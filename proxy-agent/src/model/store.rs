@@ -103,6 +103,11 @@ pub fn log_notes(svc: &ObjectKey, notes: &[String]) {
 
 pub use super::addr::Cidr;
 
+/// `fe80::/10`: an interface's own scope, never a Service's or a NodePort's address.
+fn is_v6_link_local(a: std::net::IpAddr) -> bool {
+    matches!(a, std::net::IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80)
+}
+
 /// kube-proxy's `--nodeport-addresses`: which of the node's addresses serve NodePorts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum NodePortAddresses {
@@ -151,11 +156,12 @@ pub struct Store {
     node_name: String,
     nodeport_config: NodePortAddresses,
     /// `bindAddress`: the node's primary IP over its Node's InternalIP.
-    node_ip_override: Option<std::net::Ipv4Addr>,
+    node_ip_override: Option<std::net::IpAddr>,
     /// What the API server would enforce (the NodePort range).
     rules: validate::Rules,
-    /// The node's own IPv4 addresses (loopback excluded), from netlink.
-    local_addresses: Vec<std::net::Ipv4Addr>,
+    /// The node's own addresses, both families (loopback and IPv6 link-local excluded), from
+    /// netlink.
+    local_addresses: Vec<std::net::IpAddr>,
     services: HashMap<ObjectKey, CheckedService>,
     slices: HashMap<ObjectKey, CheckedSlice>,
     /// The slices of each Service, sorted. (A Vec: nearly every Service has one slice, and a
@@ -173,7 +179,7 @@ pub struct Store {
     reported: HashMap<(Kind, ObjectKey), String>,
     /// See `set_localhost_nodeports`.
     localhost_nodeports: bool,
-    /// IPv4 ranges of each ServiceCIDR object, by name.
+    /// The ranges of each ServiceCIDR object, by name.
     service_cidr_objects: BTreeMap<String, Vec<Cidr>>,
     /// `--service-cluster-ip-range`: ranges given on the command line (a manifest directory
     /// without ServiceCIDR objects).
@@ -200,7 +206,7 @@ impl Store {
             name: self.node_name.clone(),
             zone: self.node.as_ref().and_then(|n| n.labels.get(LABEL_ZONE).cloned()),
             nodeport_addresses: self.nodeport_addresses(),
-            node_ip: self.node_ip(),
+            node_ips: self.node_ips(),
             localhost_nodeports: self.localhost_nodeports,
         }
     }
@@ -223,12 +229,12 @@ impl Store {
     }
 
     /// The node's addresses changed: NodePort frontends follow them.
-    pub fn set_local_addresses(&mut self, mut addrs: Vec<std::net::Ipv4Addr>) {
-        addrs.retain(|a| !a.is_loopback());
+    pub fn set_local_addresses(&mut self, mut addrs: Vec<std::net::IpAddr>) {
+        addrs.retain(|a| !a.is_loopback() && !is_v6_link_local(*a));
         addrs.sort();
         addrs.dedup();
         let before = self.nodeport_addresses();
-        let changed: BTreeSet<std::net::Ipv4Addr> = self
+        let changed: BTreeSet<std::net::IpAddr> = self
             .local_addresses
             .iter()
             .copied()
@@ -244,30 +250,33 @@ impl Store {
             self.dirty.extend(self.services.keys().cloned());
         } else if !changed.is_empty() {
             // Services whose cluster IP became (or stopped being) a node address.
-            let hit: Vec<ObjectKey> = self
-                .services
-                .iter()
-                .filter(|(_, s)| s.cluster_ips.iter().any(|a| matches!(a, std::net::IpAddr::V4(v) if changed.contains(v))))
-                .map(|(k, _)| k.clone())
-                .collect();
+            let hit: Vec<ObjectKey> =
+                self.services.iter().filter(|(_, s)| s.cluster_ips.iter().any(|a| changed.contains(a))).map(|(k, _)| k.clone()).collect();
             self.dirty.extend(hit);
         }
     }
 
-    fn nodeport_addresses(&self) -> Vec<std::net::Ipv4Addr> {
+    fn nodeport_addresses(&self) -> Vec<std::net::IpAddr> {
         match &self.nodeport_config {
             NodePortAddresses::All => self.local_addresses.clone(),
-            NodePortAddresses::Primary => self.node_ip().into_iter().collect(),
+            NodePortAddresses::Primary => self.node_ips(),
             NodePortAddresses::Cidrs(cidrs) => {
                 self.local_addresses.iter().copied().filter(|a| cidrs.iter().any(|c| c.contains(*a))).collect()
             }
         }
     }
 
-    /// The node's primary IP: `bindAddress` when set, else the Node's InternalIP (kube-proxy's
-    /// rule).
-    pub fn node_ip(&self) -> Option<std::net::Ipv4Addr> {
-        self.node_ip_override.or_else(|| self.node.as_ref().and_then(|n| n.internal_ip))
+    /// The node's primary IPs, at most one per family: `bindAddress` for its family when set,
+    /// else the Node's first InternalIP of each family (kube-proxy's rule).
+    pub fn node_ips(&self) -> Vec<std::net::IpAddr> {
+        let mut ips: Vec<std::net::IpAddr> = self.node_ip_override.into_iter().collect();
+        for a in self.node.iter().flat_map(|n| n.internal_ips.iter()) {
+            if !ips.iter().any(|b| b.is_ipv4() == a.is_ipv4()) {
+                ips.push(*a);
+            }
+        }
+        ips.sort();
+        ips
     }
 
     /// The API server's rules objects are checked against (manifests are not checked by one).
@@ -275,7 +284,7 @@ impl Store {
         self.rules = rules;
     }
 
-    pub fn set_node_ip_override(&mut self, ip: Option<std::net::Ipv4Addr>) {
+    pub fn set_node_ip_override(&mut self, ip: Option<std::net::IpAddr>) {
         self.node_ip_override = ip;
         self.dirty.extend(self.services.keys().cloned());
     }
@@ -335,7 +344,7 @@ impl Store {
         // A cluster IP that is one of this node's own addresses would capture the node's own
         // traffic to that address (its SSH, its kubelet): refused, as the API server never
         // allocates one.
-        if let Some(ip) = svc.cluster_ips.iter().find(|a| matches!(a, std::net::IpAddr::V4(v) if self.local_addresses.contains(v))) {
+        if let Some(ip) = svc.cluster_ips.iter().find(|a| self.local_addresses.contains(a)) {
             return Translation {
                 notes: vec![format!("refused: cluster IP {ip} is one of this node's own addresses")],
                 ..Default::default()
@@ -416,11 +425,11 @@ impl Store {
         self.cluster_ip_generation += 1;
     }
 
-    /// The Service CIDRs (every ServiceCIDR object's, and the flag's; IPv4, networks, sorted)
+    /// The Service CIDRs (every ServiceCIDR object's, and the flag's; both families, networks, sorted)
     /// and the cluster IPs of the Services this proxy serves: what kube-proxy's
     /// `cluster-ips-check` drops (a free address of the ranges) and rejects (a cluster IP on a
     /// port its Service does not have). No ranges: nothing is checked.
-    pub fn cluster_ip_ranges(&self) -> (Vec<Cidr>, BTreeSet<std::net::Ipv4Addr>) {
+    pub fn cluster_ip_ranges(&self) -> (Vec<Cidr>, BTreeSet<std::net::IpAddr>) {
         let mut cidrs: Vec<Cidr> =
             self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).map(|c| c.network()).collect();
         cidrs.sort();
@@ -430,10 +439,8 @@ impl Store {
             .values()
             .filter(|s| s.skip.is_none())
             .flat_map(|s| s.cluster_ips.iter())
-            .filter_map(|a| match a {
-                std::net::IpAddr::V4(v) if !self.local_addresses.contains(v) => Some(*v),
-                _ => None,
-            })
+            .filter(|a| !self.local_addresses.contains(a))
+            .copied()
             .collect();
         (cidrs, ips)
     }
@@ -671,13 +678,14 @@ mod tests {
         let (cidrs, _) = s.cluster_ip_ranges();
         assert_eq!(
             cidrs,
-            vec!["10.96.0.0/16".parse().unwrap(), "10.100.0.0/24".parse().unwrap()],
-            "networks, IPv4, sorted; the invalid ones left out"
+            vec!["10.96.0.0/16".parse().unwrap(), "10.100.0.0/24".parse().unwrap(), "fd00:10:96::/112".parse().unwrap()],
+            "networks of both families, sorted; the invalid ones left out"
         );
         // The flag adds to them; deleting an object takes its ranges away.
         s.set_service_cidr_flag(vec!["10.200.0.0/16".parse().unwrap()]);
         s.apply(Event::Delete { kind: Kind::ServiceCidr, key: ObjectKey::new("", "extra") });
-        assert_eq!(s.cluster_ip_ranges().0, vec!["10.96.0.0/16".parse().unwrap(), "10.200.0.0/16".parse().unwrap()]);
+        let v4: Vec<Cidr> = s.cluster_ip_ranges().0.into_iter().filter(|c| c.family() == super::super::Family::V4).collect();
+        assert_eq!(v4, vec!["10.96.0.0/16".parse().unwrap(), "10.200.0.0/16".parse().unwrap()]);
         // A cluster IP that is a node address is not the Service's (it is refused).
         s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
         assert!(s.cluster_ip_ranges().1.is_empty());

@@ -1,9 +1,12 @@
 //! Service + its EndpointSlices + this node -> the frontends this node programs.
 
-use std::{collections::HashSet, net::IpAddr};
+use std::{
+    collections::HashSet,
+    net::{IpAddr, Ipv4Addr},
+};
 
 use super::{
-    addr::Cidr,
+    addr::{Cidr, Family},
     endpoints::{categorize, Endpoint, Policies},
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
     Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol, ServicePortName,
@@ -30,6 +33,9 @@ pub struct Translation {
     pub ports: Vec<PortView>,
     pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
+    /// What the eBPF dataplane leaves out of this Service (its IPv6 addresses), for that mode's
+    /// log only: the netfilter modes serve both families.
+    pub ipv4_only_notes: Vec<String>,
 }
 
 /// externalTrafficPolicy counts only for NodePort and LoadBalancer Services (a ClusterIP
@@ -66,59 +72,105 @@ pub fn port_endpoints(port: &ServicePort, slices: &[&CheckedSlice], node: &NodeI
     out
 }
 
-fn backend(ep: &Endpoint) -> Backend {
-    Backend { addr: ep.addr, port: ep.port, terminating: ep.terminating, local: ep.local }
+/// The eBPF dataplane's form of an endpoint: IPv4 only so far.
+fn backend(ep: &Endpoint) -> Option<Backend> {
+    match ep.addr {
+        IpAddr::V4(addr) => Some(Backend { addr, port: ep.port, terminating: ep.terminating, local: ep.local }),
+        IpAddr::V6(_) => None,
+    }
 }
 
 fn backends(eps: &[Endpoint]) -> Vec<Backend> {
-    let mut b: Vec<Backend> = eps.iter().map(backend).collect();
+    let mut b: Vec<Backend> = eps.iter().filter_map(backend).collect();
     b.sort();
     b
 }
 
-fn v4(addrs: &[IpAddr], what: &str, notes: &mut Vec<String>) -> Vec<std::net::Ipv4Addr> {
+fn of_family(addrs: &[IpAddr], family: Family) -> Vec<IpAddr> {
+    addrs.iter().copied().filter(|a| Family::of(*a) == family).collect()
+}
+
+fn v4(addrs: &[IpAddr]) -> Vec<Ipv4Addr> {
     addrs
         .iter()
         .filter_map(|a| match a {
-            IpAddr::V4(v4) => Some(*v4),
-            IpAddr::V6(v6) => {
-                notes.push(format!("{what} {v6} skipped: this dataplane serves IPv4 only"));
-                None
-            }
+            IpAddr::V4(v) => Some(*v),
+            IpAddr::V6(_) => None,
         })
         .collect()
 }
 
-/// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its
+/// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its IPv4
 /// loadBalancerSourceRanges, sorted, and the load-balancer IPs themselves when a range holds
 /// the node's primary IP or one of its NodePort addresses. kube-proxy's rules check the node IP
 /// only, for packets whose own source the ranges then judge; the eBPF mode's socket hooks judge
 /// a node's process before it has a source address, by whether the load-balancer IP is in the
 /// list, so any node address in the ranges admits it (a node reaching the load balancer from a
 /// secondary address in a range gets through, as with kube-proxy). Empty: no ranges.
-fn source_ranges(svc: &CheckedService, lb_ips: &[std::net::Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
-    let mut ranges = svc.lb_source_ranges.clone();
-    let node_addrs: Vec<std::net::Ipv4Addr> = node.node_ip.into_iter().chain(node.nodeport_addresses.iter().copied()).collect();
+fn source_ranges(svc: &CheckedService, lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
+    let mut ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == Family::V4).collect();
+    let node_addrs: Vec<IpAddr> = node.node_ips.iter().chain(node.nodeport_addresses.iter()).copied().collect();
     if Cidr::any_contains(&ranges, &node_addrs) {
-        ranges.extend(lb_ips.iter().map(|a| Cidr { addr: *a, prefix: 32 }));
+        ranges.extend(lb_ips.iter().map(|a| Cidr::host(IpAddr::V4(*a))));
     }
     ranges.sort();
     ranges.dedup();
     ranges
 }
 
-/// Translates one Service. `slices` are the Service's slices, sorted by name.
+/// Translates one Service: a `PortView` per port for each family the Service has a cluster IP
+/// of (each family's view holds that family's addresses and the endpoints of that family's
+/// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
+/// dataplane's frontends, which are IPv4 only so far (`ipv4_only_notes` says what they leave
+/// out). `slices` are the Service's slices, sorted by name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
     if svc.skip.is_some() {
         return out;
     }
+    let mut health_check_endpoints = 0;
+    for family in Family::ALL {
+        let cluster_ips = of_family(&svc.cluster_ips, family);
+        // kube-proxy's proxier of a family skips a Service without a cluster IP of it.
+        if cluster_ips.is_empty() {
+            continue;
+        }
+        let slices: Vec<&CheckedSlice> = slices.iter().copied().filter(|s| s.family == family).collect();
+        let local = family_service(svc, &slices, node, family, &cluster_ips, &mut out);
+        health_check_endpoints = health_check_endpoints.max(local);
+    }
+    if svc.service_type == ServiceType::LoadBalancer && external_local(svc) {
+        if let Some(port) = svc.health_check_node_port {
+            out.health_check = Some(HealthCheck { port, service: svc.key.clone(), local_endpoints: health_check_endpoints });
+        }
+    }
+    out
+}
+
+/// One family of `svc`: its port views, and for IPv4 its frontends. Returns the number of
+/// usable local endpoints (for the health check).
+fn family_service(
+    svc: &CheckedService,
+    slices: &[&CheckedSlice],
+    node: &NodeInfo,
+    family: Family,
+    cluster_ips: &[IpAddr],
+    out: &mut Translation,
+) -> usize {
     let policies = policies(svc);
-    let cluster_ips = v4(&svc.cluster_ips, "cluster IP", &mut out.notes);
-    let lb_ips = v4(&svc.lb_ingress, "load-balancer IP", &mut out.notes);
-    let external_ips = v4(&svc.external_ips, "external IP", &mut out.notes);
+    let lb_ips = of_family(&svc.lb_ingress, family);
+    let external_ips = of_family(&svc.external_ips, family);
     let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
-    let lb_source_ranges = source_ranges(svc, &lb_ips, node);
+    let lb_source_ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == family).collect();
+    let ebpf = family == Family::V4;
+    if !ebpf {
+        for (what, addrs) in [("cluster IP", cluster_ips), ("load-balancer IP", &lb_ips[..]), ("external IP", &external_ips[..])] {
+            for a in addrs {
+                out.ipv4_only_notes.push(format!("{what} {a} skipped: the eBPF dataplane serves IPv4 only so far"));
+            }
+        }
+    }
+    let frontend_ranges = source_ranges(svc, &v4(&lb_ips), node);
     let mut local_endpoints = 0;
     for port in &svc.ports {
         let endpoints = port_endpoints(port, slices, node);
@@ -127,14 +179,15 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         let name = ServicePortName { service: svc.key.clone(), port: port.name.clone(), protocol: port.protocol };
         out.ports.push(PortView {
             name: name.clone(),
+            family,
             port: port.port,
-            cluster_ips: cluster_ips.clone(),
+            cluster_ips: cluster_ips.to_vec(),
             node_port: port.node_port.filter(|_| node_ports),
             external_ips: external_ips.clone(),
             lb_ips: lb_ips.clone(),
             internal_local: svc.internal_local,
             external_local: external_local(svc),
-            lb_source_ranges: svc.lb_source_ranges.clone(),
+            lb_source_ranges: lb_source_ranges.clone(),
             affinity_timeout: svc.affinity_timeout,
             health_check_node_port: svc
                 .health_check_node_port
@@ -143,12 +196,15 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             local_endpoints: sets.local.iter().map(endpoint_view).collect(),
             has_endpoints: sets.has_any,
         });
+        if !ebpf {
+            continue;
+        }
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
         let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>, source_ranges: Vec<Cidr>| {
             let active = backends(chosen);
-            let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
+            let in_use: HashSet<_> = active.iter().map(|b| (IpAddr::V4(b.addr), b.port)).collect();
             let retained = backends(
                 &endpoints
                     .iter()
@@ -169,48 +225,41 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
             }
         };
         let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
-        for vip in &cluster_ips {
+        for vip in v4(cluster_ips) {
             out.frontends.push((
-                FrontendKey { addr: *vip, port: port.port, protocol: port.protocol },
+                FrontendKey { addr: vip, port: port.port, protocol: port.protocol },
                 view(internal, FrontendKind::ClusterIp, None, vec![]),
             ));
         }
         // External frontends: outside clients get the local endpoints under
         // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
         let (external, for_pods) = if external_local(svc) { (&sets.local, Some(backends(&sets.cluster))) } else { (&sets.cluster, None) };
-        let mut add = |addr: std::net::Ipv4Addr, port_no: u16, kind: FrontendKind| {
+        let mut add = |addr: Ipv4Addr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
-            let ranges = if kind == FrontendKind::LoadBalancer { lb_source_ranges.clone() } else { vec![] };
+            let ranges = if kind == FrontendKind::LoadBalancer { frontend_ranges.clone() } else { vec![] };
             out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {
-            for a in &node.nodeport_addresses {
-                add(*a, np, FrontendKind::NodePort);
+            for a in v4(&node.nodeport_addresses_of(Family::V4).collect::<Vec<_>>()) {
+                add(a, np, FrontendKind::NodePort);
             }
             // (The NodePort addresses never hold loopback: the store leaves it out.)
             if node.localhost_nodeports {
-                add(std::net::Ipv4Addr::LOCALHOST, np, FrontendKind::NodePort);
+                add(Ipv4Addr::LOCALHOST, np, FrontendKind::NodePort);
             }
         }
-        for a in &lb_ips {
-            add(*a, port.port, FrontendKind::LoadBalancer);
+        for a in v4(&lb_ips) {
+            add(a, port.port, FrontendKind::LoadBalancer);
         }
-        for a in &external_ips {
-            add(*a, port.port, FrontendKind::ExternalIp);
-        }
-    }
-    if svc.service_type == ServiceType::LoadBalancer && external_local(svc) {
-        if let Some(port) = svc.health_check_node_port {
-            out.health_check = Some(HealthCheck { port, service: svc.key.clone(), local_endpoints });
+        for a in v4(&external_ips) {
+            add(a, port.port, FrontendKind::ExternalIp);
         }
     }
-    out
+    local_endpoints
 }
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
-
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
     use super::*;
@@ -221,7 +270,7 @@ mod tests {
             name: "node-a".into(),
             zone: Some("zone-1".into()),
             nodeport_addresses: vec!["192.168.0.10".parse().unwrap()],
-            node_ip: Some("192.168.0.10".parse().unwrap()),
+            node_ips: vec!["192.168.0.10".parse().unwrap()],
             localhost_nodeports: false,
         }
     }
@@ -373,11 +422,11 @@ mod tests {
         // secondary NodePort address does (see `source_ranges`).
         let lb_ips = ["10.0.0.0/8", "192.168.0.0/16", "203.0.113.1/32", "203.0.113.2/32"];
         let outside =
-            NodeInfo { nodeport_addresses: vec!["172.16.0.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+            NodeInfo { nodeport_addresses: vec!["172.16.0.9".parse().unwrap()], node_ips: vec!["172.16.0.1".parse().unwrap()], ..node() };
         let t = service(&s, &[&slice(NS_SLICE)], &outside);
         assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8", "192.168.0.0/16"], "no node address in a range");
         let secondary =
-            NodeInfo { nodeport_addresses: vec!["10.9.9.9".parse().unwrap()], node_ip: Some("172.16.0.1".parse().unwrap()), ..node() };
+            NodeInfo { nodeport_addresses: vec!["10.9.9.9".parse().unwrap()], node_ips: vec!["172.16.0.1".parse().unwrap()], ..node() };
         let t = service(&s, &[&slice(NS_SLICE)], &secondary);
         assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), lb_ips, "a secondary address in a range");
         let t = service(&s, &[&slice(NS_SLICE)], &NodeInfo { nodeport_addresses: vec![], ..node() });
@@ -411,12 +460,41 @@ mod tests {
     }
 
     #[test]
-    fn dual_stack_programs_the_ipv4_address_and_notes_the_rest() {
-        let s = svc("metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00::10'], ports: [{port: 80}]}");
-        let t = service(&s, &[], &node());
-        assert_eq!(t.frontends.len(), 1);
-        assert_eq!(t.frontends[0].0.addr, Ipv4Addr::new(10, 96, 0, 10));
-        assert_eq!(t.notes.len(), 1, "{:?}", t.notes);
+    fn dual_stack_gives_each_family_its_own_view_and_the_ebpf_frontends_ipv4() {
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00::10'], externalIPs: [192.0.2.7, '2001:db8::7'], loadBalancerSourceRanges: [10.0.0.0/8, '2001:db8:1::/48'], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: '2001:db8::1'}]}}");
+        let v4 = slice(NS_SLICE);
+        let v6 = slice("metadata: {name: web-b, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints:\n- {addresses: ['fd00:1::1'], nodeName: node-a}\n");
+        let node = NodeInfo { nodeport_addresses: vec!["192.168.0.10".parse().unwrap(), "fd00:ff::10".parse().unwrap()], ..node() };
+        let t = service(&s, &[&v4, &v6], &node);
+        let view = |f: Family| t.ports.iter().find(|p| p.family == f).unwrap_or_else(|| panic!("no {f} view"));
+        let (a, b) = (view(Family::V4), view(Family::V6));
+        assert_eq!(a.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(b.cluster_ips, vec!["fd00::10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(b.external_ips, vec!["2001:db8::7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(b.lb_ips, vec!["2001:db8::1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(b.lb_source_ranges, vec!["2001:db8:1::/48".parse().unwrap()], "each family its own ranges");
+        assert_eq!(a.lb_source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
+        assert_eq!(a.cluster_endpoints.len(), 2, "the IPv4 slice's endpoints");
+        assert_eq!(b.cluster_endpoints.iter().map(|e| e.socket().to_string()).collect::<Vec<_>>(), ["[fd00:1::1]:8080"]);
+        // The eBPF frontends are IPv4 only, and say so in their own notes.
+        assert!(t.frontends.iter().all(|(k, f)| !k.addr.is_unspecified() && f.backends.len() == 2), "{:?}", t.frontends);
+        assert_eq!(t.frontends.len(), 4, "cluster IP, NodePort, LB, external IP: {:?}", t.frontends);
+        assert_eq!(find(&t, fk("203.0.113.1", 80, Protocol::Tcp)).source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
+        assert_eq!(t.ipv4_only_notes.len(), 3, "{:?}", t.ipv4_only_notes);
+        assert!(t.notes.is_empty(), "{:?}", t.notes);
+        // Health-check endpoints are counted per family, not added up.
+        let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, externalTrafficPolicy: Local, healthCheckNodePort: 32000, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00::10'], ports: [{name: http, port: 80, nodePort: 30080}]}");
+        assert_eq!(service(&s, &[&v4, &v6], &node).health_check.unwrap().local_endpoints, 1);
+    }
+
+    #[test]
+    fn a_single_stack_service_ignores_the_other_familys_slices() {
+        let s = svc("metadata: {name: web}\nspec: {clusterIP: 'fd00::10', ports: [{name: http, port: 80}]}");
+        let t = service(&s, &[&slice(NS_SLICE)], &node());
+        assert!(t.frontends.is_empty(), "no IPv4 cluster IP: nothing for the eBPF dataplane");
+        assert_eq!(t.ports.len(), 1);
+        assert_eq!(t.ports[0].family, Family::V6);
+        assert!(t.ports[0].cluster_endpoints.is_empty() && !t.ports[0].has_endpoints, "IPv4 endpoints do not serve an IPv6 Service");
     }
 
     #[test]

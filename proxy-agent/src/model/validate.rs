@@ -6,7 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
     fmt,
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
 };
 
 use k8s_openapi::api::{
@@ -96,7 +96,7 @@ pub struct CheckedService {
     pub lb_ingress: Vec<IpAddr>,
     /// `spec.healthCheckNodePort`, for LoadBalancer Services with externalTrafficPolicy Local.
     pub health_check_node_port: Option<u16>,
-    /// `spec.loadBalancerSourceRanges` (IPv4), canonical (network address).
+    /// `spec.loadBalancerSourceRanges` (both families), canonical (network address).
     pub lb_source_ranges: Vec<super::addr::Cidr>,
 }
 
@@ -112,6 +112,8 @@ pub struct SlicePort {
 pub struct CheckedSlice {
     pub key: ObjectKey,
     pub service: ObjectKey,
+    /// `addressType`: every endpoint's address is of this family.
+    pub family: super::Family,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<SliceEndpoint>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, when present and valid.
@@ -120,7 +122,7 @@ pub struct CheckedSlice {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceEndpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
@@ -148,7 +150,7 @@ impl SliceEndpoint {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SliceIgnored {
     Headless,
-    /// IPv6 or FQDN slices: this dataplane serves IPv4.
+    /// FQDN slices: no proxy serves them.
     AddressType(String),
     NoServiceLabel,
 }
@@ -157,7 +159,7 @@ impl fmt::Display for SliceIgnored {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SliceIgnored::Headless => f.write_str("belongs to a headless Service"),
-            SliceIgnored::AddressType(t) => write!(f, "addressType {t} is not served (IPv4 only)"),
+            SliceIgnored::AddressType(t) => write!(f, "addressType {t} is not served (kube-proxy ignores it too)"),
             SliceIgnored::NoServiceLabel => write!(
                 f,
                 "has no {LABEL_SERVICE_NAME} label, so it belongs to no Service; add the label \
@@ -280,7 +282,10 @@ fn special_service_ip(a: IpAddr) -> Option<&'static str> {
         IpAddr::V4(v) if v.is_multicast() => Some("a multicast address"),
         IpAddr::V4(v) if v.is_broadcast() => Some("the broadcast address"),
         IpAddr::V4(v) if v.is_link_local() => Some("a link-local address"),
-        IpAddr::V6(v) if v.is_unspecified() || v.is_loopback() || v.is_multicast() => Some("a special IPv6 address"),
+        IpAddr::V6(v) if v.is_unspecified() => Some("unspecified"),
+        IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
+        IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80 => Some("a link-local address"),
         _ => None,
     }
 }
@@ -288,19 +293,19 @@ fn special_service_ip(a: IpAddr) -> Option<&'static str> {
 /// The API server's rule for endpoint addresses (ValidateEndpointIP): not unspecified,
 /// loopback, link-local or multicast. (The node's own address is allowed: hostNetwork pods'
 /// endpoints are.)
-fn special_endpoint_ip(a: Ipv4Addr) -> Option<&'static str> {
-    if a.is_unspecified() {
-        Some("unspecified")
-    } else if a.is_loopback() {
-        Some("a loopback address")
-    } else if a.is_link_local() {
-        Some("a link-local address")
-    } else if a.is_multicast() {
-        Some("a multicast address")
-    } else if a.is_broadcast() {
-        Some("the broadcast address")
-    } else {
-        None
+fn special_endpoint_ip(a: IpAddr) -> Option<&'static str> {
+    let v6_link_local = |v: std::net::Ipv6Addr| v.segments()[0] & 0xffc0 == 0xfe80;
+    match a {
+        IpAddr::V4(v) if v.is_unspecified() => Some("unspecified"),
+        IpAddr::V4(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V4(v) if v.is_link_local() => Some("a link-local address"),
+        IpAddr::V4(v) if v.is_multicast() => Some("a multicast address"),
+        IpAddr::V4(v) if v.is_broadcast() => Some("the broadcast address"),
+        IpAddr::V6(v) if v.is_unspecified() => Some("unspecified"),
+        IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
+        IpAddr::V6(v) if v6_link_local(v) => Some("a link-local address"),
+        IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
+        _ => None,
     }
 }
 
@@ -517,12 +522,8 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .flatten()
         .enumerate()
         .filter_map(|(i, r)| {
-            let r = r.trim();
-            // IPv6 ranges apply to the other family: not ours.
-            if r.contains(':') {
-                return None;
-            }
-            match r.parse::<super::addr::Cidr>() {
+            // Each family's proxier uses the ranges of its family.
+            match r.trim().parse::<super::addr::Cidr>() {
                 Ok(c) => Some(c.network()),
                 Err(e) => {
                     errs.push(format!("spec.loadBalancerSourceRanges[{i}]: {e}"));
@@ -578,8 +579,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
 }
 
 /// Checks a ServiceCIDR (`networking.k8s.io/v1`) as the API server does (at most two ranges,
-/// one per family, each valid) and returns its IPv4 ranges (this dataplane serves IPv4 only so
-/// far; IPv6 ranges are left out).
+/// one per family, each valid) and returns its ranges.
 pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Result<Vec<super::addr::Cidr>, Invalid> {
     let mut errs = Vec::new();
     checked_key(&obj.metadata, NameRule::Dns1123Subdomain, &mut errs)?;
@@ -598,9 +598,7 @@ pub fn service_cidr(obj: &k8s_openapi::api::networking::v1::ServiceCIDR) -> Resu
             Some((a, _)) if families.contains(&a.is_ipv4()) => errs.push(format!("spec.cidrs[{i}] {c}: a second range of the same family")),
             Some((a, prefix)) => {
                 families.push(a.is_ipv4());
-                if let IpAddr::V4(v4) = a {
-                    out.push(super::addr::Cidr { addr: v4, prefix }.network());
-                }
+                out.push(super::addr::Cidr { addr: a, prefix }.network());
             }
         }
     }
@@ -616,11 +614,12 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
     let mut errs = Vec::new();
     let key = checked_key(&slice.metadata, NameRule::Dns1123Subdomain, &mut errs)?;
     let labels = slice.metadata.labels.clone().unwrap_or_default();
-    match slice.address_type.as_str() {
-        "IPv4" => {}
-        "IPv6" | "FQDN" => return Ok(Err(SliceIgnored::AddressType(slice.address_type.clone()))),
+    let family = match slice.address_type.as_str() {
+        "IPv4" => super::Family::V4,
+        "IPv6" => super::Family::V6,
+        "FQDN" => return Ok(Err(SliceIgnored::AddressType(slice.address_type.clone()))),
         other => return Err(Invalid(vec![format!("addressType {other:?} is unknown (expected IPv4, IPv6 or FQDN)")])),
-    }
+    };
     let mut ports = Vec::new();
     let mut port_names = HashSet::new();
     for (i, p) in slice.ports.iter().flatten().enumerate() {
@@ -649,13 +648,16 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         }
         for (j, a) in e.addresses.iter().enumerate() {
             match super::addr::parse_ip(a) {
-                Some(IpAddr::V4(addr)) => match special_endpoint_ip(addr) {
+                Some(addr) if super::Family::of(addr) == family => match special_endpoint_ip(addr) {
                     Some(why) => errs.push(format!("endpoints[{i}].addresses[{j}] {addr} is {why}")),
                     None => {
                         first.get_or_insert(addr);
                     }
                 },
-                _ => errs.push(format!("endpoints[{i}].addresses[{j}] {a:?} is not an IPv4 address")),
+                _ => errs.push(format!(
+                    "endpoints[{i}].addresses[{j}] {:?} is not an {family} address (addressType {family})",
+                    super::clip(a, 64)
+                )),
             }
         }
         let Some(addr) = first else { continue };
@@ -690,7 +692,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
         .map(std::time::SystemTime::from);
-    Ok(Ok(CheckedSlice { key, service, ports, endpoints, trigger_time }))
+    Ok(Ok(CheckedSlice { key, service, family, ports, endpoints, trigger_time }))
 }
 
 /// A Node as the proxy needs it.
@@ -698,10 +700,10 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
 pub struct CheckedNode {
     pub name: String,
     pub labels: BTreeMap<String, String>,
-    /// First IPv4 InternalIP of `status.addresses`: the "primary" address of
+    /// The first InternalIP of each family in `status.addresses`: the "primary" addresses of
     /// `--nodeport-addresses primary`.
-    pub internal_ip: Option<Ipv4Addr>,
-    /// `spec.podCIDRs` (IPv4 ones): this node's pods' range, for `detectLocalMode NodeCIDR`.
+    pub internal_ips: Vec<IpAddr>,
+    /// `spec.podCIDRs`: this node's pods' ranges, for `detectLocalMode NodeCIDR`.
     pub pod_cidrs: Vec<super::addr::Cidr>,
     /// Being deleted, or tainted for deletion by the Cluster Autoscaler: kube-proxy reports the
     /// node ineligible on /healthz so load balancers drain it.
@@ -717,13 +719,13 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
         return Err(Invalid(vec![format!("metadata.name {p}")]));
     }
     let tainted = n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
-    let internal_ip =
-        n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten().filter(|a| a.type_ == "InternalIP").find_map(|a| {
-            match super::addr::parse_ip(&a.address) {
-                Some(IpAddr::V4(v)) => Some(v),
-                _ => None,
-            }
-        });
+    let mut internal_ips: Vec<IpAddr> = Vec::new();
+    let listed = n.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten();
+    for a in listed.filter(|a| a.type_ == "InternalIP").filter_map(|a| super::addr::parse_ip(&a.address)) {
+        if !internal_ips.iter().any(|b| super::Family::of(*b) == super::Family::of(a)) {
+            internal_ips.push(a);
+        }
+    }
     let spec = n.spec.as_ref();
     let pod_cidrs = spec
         .and_then(|s| s.pod_cidrs.clone())
@@ -735,7 +737,7 @@ pub fn node(n: &Node) -> Result<CheckedNode, Invalid> {
     Ok(CheckedNode {
         name,
         labels: n.metadata.labels.clone().unwrap_or_default(),
-        internal_ip,
+        internal_ips,
         pod_cidrs,
         deleting: n.metadata.deletion_timestamp.is_some() || tainted,
     })
@@ -939,9 +941,9 @@ mod tests {
         ))
         .unwrap()
         .unwrap();
-        assert_eq!(e.endpoints[0].addr, "10.244.1.41".parse::<Ipv4Addr>().unwrap());
+        assert_eq!(e.endpoints[0].addr, "10.244.1.41".parse::<IpAddr>().unwrap());
         let n = node(&serde_yaml::from_str("metadata: {name: n}\nspec: {podCIDR: 10.244.001.000/24}\nstatus: {addresses: [{type: InternalIP, address: 192.168.001.010}]}").unwrap()).unwrap();
-        assert_eq!(n.internal_ip, Some("192.168.1.10".parse().unwrap()));
+        assert_eq!(n.internal_ips, vec!["192.168.1.10".parse::<IpAddr>().unwrap()]);
         assert_eq!(n.pod_cidrs, vec!["10.244.1.0/24".parse().unwrap()]);
         // What Go never accepted is still refused, naming the field.
         let e = service(&svc("metadata: {name: bad}\nspec: {clusterIP: 10.96.0.0256, ports: [{port: 80}]}")).unwrap_err().to_string();

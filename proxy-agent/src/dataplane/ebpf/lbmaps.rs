@@ -138,14 +138,16 @@ struct Programmed {
 
 /// The source-range trie's key for `range` of service `service_id`.
 fn range_key(service_id: u32, range: Cidr) -> Key<SourceRangeKey> {
-    Key::new(SourceRangeKey::ID_BITS + u32::from(range.prefix), SourceRangeKey { service_id, addr: range.addr.octets() })
+    // Frontends hold IPv4 ranges only (see `translate::source_ranges`).
+    let addr = range.v4().map_or([0; 4], |(a, _)| a.octets());
+    Key::new(SourceRangeKey::ID_BITS + u32::from(range.prefix), SourceRangeKey { service_id, addr })
 }
 
 /// The range a source-range trie key holds (the inverse of `range_key`); None for a key no
 /// writer of ours makes.
 pub fn range_of(key: &Key<SourceRangeKey>) -> Option<Cidr> {
     let bits = key.prefix_len().checked_sub(SourceRangeKey::ID_BITS).filter(|b| *b <= 32)?;
-    Some(Cidr { addr: Ipv4Addr::from(key.data().addr), prefix: bits as u8 })
+    Some(Cidr { addr: Ipv4Addr::from(key.data().addr).into(), prefix: bits as u8 })
 }
 
 /// The maps the writer changes, behind the `Table` seam.

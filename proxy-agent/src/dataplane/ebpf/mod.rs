@@ -127,10 +127,13 @@ impl EbpfDataplane {
         use aya::maps::lpm_trie::{Key, LpmTrie};
         use proxy_common::{svc_cidr, SvcCidrKey};
         let err = |op, source| DataplaneError::Map { op, map: map_names::SERVICE_CIDRS, source };
+        // The programs serve IPv4: the IPv6 ranges are not theirs.
+        let cidrs: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_some()).collect();
+        let cidrs = &cidrs[..];
         let mut want: std::collections::BTreeMap<(u8, [u8; 4]), u8> =
-            cidrs.iter().map(|c| ((c.prefix, c.addr.octets()), svc_cidr::RANGE)).collect();
+            cidrs.iter().filter_map(Cidr::v4).map(|(a, prefix)| ((prefix, a.octets()), svc_cidr::RANGE)).collect();
         if !cidrs.is_empty() {
-            for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(**ip))) {
+            for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(std::net::IpAddr::V4(**ip)))) {
                 want.insert((32, ip.octets()), svc_cidr::ALLOCATED);
             }
         }
@@ -376,14 +379,14 @@ impl Dataplane for EbpfDataplane {
     }
 }
 
-/// The smallest prefix holding every range of `cidrs` (network address, mask; as the packet
-/// carries addresses). Empty: all zeroes.
+/// The smallest prefix holding every IPv4 range of `cidrs` (network address, mask; as the
+/// packet carries addresses). None: all zeroes.
 fn supernet(cidrs: &[Cidr]) -> ([u8; 4], [u8; 4]) {
-    let Some(first) = cidrs.first() else { return ([0; 4], [0; 4]) };
-    let mut prefix = cidrs.iter().map(|c| c.prefix).min().unwrap_or(0);
+    let cidrs: Vec<(u32, u8)> = cidrs.iter().filter_map(Cidr::v4).map(|(a, p)| (u32::from(a), p)).collect();
+    let Some(&(base, _)) = cidrs.first() else { return ([0; 4], [0; 4]) };
+    let mut prefix = cidrs.iter().map(|c| c.1).min().unwrap_or(0);
     let mask_of = |p: u8| if p == 0 { 0 } else { u32::MAX << (32 - u32::from(p)) };
-    let base = u32::from(first.addr);
-    while prefix > 0 && cidrs.iter().any(|c| u32::from(c.addr) & mask_of(prefix) != base & mask_of(prefix)) {
+    while prefix > 0 && cidrs.iter().any(|c| c.0 & mask_of(prefix) != base & mask_of(prefix)) {
         prefix -= 1;
     }
     ((base & mask_of(prefix)).to_be_bytes(), mask_of(prefix).to_be_bytes())

@@ -11,11 +11,11 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead as _, BufReader, Read as _},
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use super::{run, spawn, NetfilterError, NodeContext, Services};
-use crate::model::Protocol;
+use crate::model::{Family, Protocol};
 
 const CONNTRACK: &str = "conntrack";
 
@@ -23,9 +23,9 @@ const CONNTRACK: &str = "conntrack";
 /// what to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Flow {
-    pub dst: Ipv4Addr,
+    pub dst: IpAddr,
     pub dport: u16,
-    pub reply_src: Ipv4Addr,
+    pub reply_src: IpAddr,
     pub reply_sport: u16,
 }
 
@@ -48,14 +48,14 @@ pub fn parse_line(line: &str) -> Option<Flow> {
 /// at all). Services without endpoints are left alone: their packets are refused anyway.
 pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &NodeContext) -> BTreeSet<Flow> {
     // (address, port) -> the endpoints replies may come from.
-    let mut frontends: BTreeMap<(Ipv4Addr, u16), BTreeSet<(Ipv4Addr, u16)>> = BTreeMap::new();
+    let mut frontends: BTreeMap<(IpAddr, u16), BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
     for port in services.values().flatten().filter(|p| p.name.protocol == Protocol::Udp && p.has_endpoints) {
-        let eps: BTreeSet<(Ipv4Addr, u16)> = port.reachable_endpoints().iter().map(|e| (e.addr, e.port)).collect();
+        let eps: BTreeSet<(IpAddr, u16)> = port.reachable_endpoints().iter().map(|e| (e.addr, e.port)).collect();
         for addr in port.cluster_ips.iter().chain(&port.external_ips).chain(&port.lb_ips) {
             frontends.entry((*addr, port.port)).or_default().extend(&eps);
         }
         if let Some(np) = port.node_port {
-            for addr in &node.nodeport_ips {
+            for addr in node.nodeport_ips.iter().filter(|a| Family::of(**a) == port.family) {
                 frontends.entry((*addr, np)).or_default().extend(&eps);
             }
         }
@@ -66,22 +66,50 @@ pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &
 /// Deletes the stale UDP flows for `services`, one `conntrack -D` per (Service address,
 /// endpoint) pair.
 pub fn reconcile(services: &Services, node: &NodeContext) -> Result<(), NetfilterError> {
-    for s in list_stale(services, node)? {
-        let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
-        // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
-        let _ = run(
-            CONNTRACK,
-            CONNTRACK,
-            &["-D", "-p", "udp", "--orig-dst", &dst, "--orig-port-dst", &dport, "--reply-src", &src, "--reply-port-src", &sport],
-        );
-        tracing::info!(service = %format!("{dst}:{dport}/udp"), stale = %format!("{src}:{sport}"), "deleted stale UDP conntrack entries");
+    let udp_in = |family| services.values().flatten().any(|p| p.family == family && p.name.protocol == Protocol::Udp);
+    // `conntrack` lists one family at a time (IPv4 unless told).
+    for family in Family::ALL.into_iter().filter(|f| *f == Family::V4 || udp_in(*f)) {
+        let f = conntrack_family(family);
+        for s in list_stale(services, node, family)? {
+            let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
+            // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
+            let _ = run(
+                CONNTRACK,
+                CONNTRACK,
+                &[
+                    "-D",
+                    "-f",
+                    f,
+                    "-p",
+                    "udp",
+                    "--orig-dst",
+                    &dst,
+                    "--orig-port-dst",
+                    &dport,
+                    "--reply-src",
+                    &src,
+                    "--reply-port-src",
+                    &sport,
+                ],
+            );
+            let service = std::net::SocketAddr::new(s.dst, s.dport);
+            tracing::info!(service = %format!("{service}/udp"), stale = %std::net::SocketAddr::new(s.reply_src, s.reply_sport), "deleted stale UDP conntrack entries");
+        }
     }
     Ok(())
 }
 
-/// Lists the UDP flows and keeps the stale ones, reading the listing as `conntrack` writes it.
-fn list_stale(services: &Services, node: &NodeContext) -> Result<BTreeSet<Flow>, NetfilterError> {
-    let args = ["-L", "-p", "udp"];
+fn conntrack_family(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "ipv4",
+        Family::V6 => "ipv6",
+    }
+}
+
+/// Lists one family's UDP flows and keeps the stale ones, reading the listing as `conntrack`
+/// writes it.
+fn list_stale(services: &Services, node: &NodeContext, family: Family) -> Result<BTreeSet<Flow>, NetfilterError> {
+    let args = ["-L", "-f", conntrack_family(family), "-p", "udp"];
     let command = || format!("{CONNTRACK} {}", args.join(" "));
     let mut child = spawn(CONNTRACK, CONNTRACK, &args, false)?;
     let stdout = child.stdout.take().expect("piped stdout");
@@ -111,6 +139,7 @@ mod tests {
     fn dns(endpoints: Vec<EndpointView>, node_port: Option<u16>) -> PortView {
         PortView {
             name: ServicePortName { service: ObjectKey::new("kube-system", "dns"), port: "dns".into(), protocol: Protocol::Udp },
+            family: Family::V4,
             port: 53,
             cluster_ips: vec!["10.96.0.10".parse().unwrap()],
             node_port,

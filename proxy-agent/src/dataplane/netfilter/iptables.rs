@@ -3,15 +3,16 @@
 //! without (local) endpoints in the filter table, chain names hashed exactly as kube-proxy
 //! hashes them, random selection by `statistic`, ClientIP affinity by `recent`. Applied with
 //! `iptables-restore --noflush`: the fixed chains every time, a Service's own chains only when
-//! they changed, and chains of Services that went away deleted.
+//! they changed, and chains of Services that went away deleted. One `IptablesRules` per family:
+//! IPv6 goes to ip6tables with the same chain names, as kube-proxy's IPv6 proxier writes it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{
     delete_jumps, ensure_jumps, hash_name, iptables_restore, run, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services,
-    IPTABLES_PACKAGE,
+    Tools, IPTABLES_PACKAGE,
 };
-use crate::dataplane::ProxyMode;
+use crate::{dataplane::ProxyMode, model::Family};
 
 /// Host-dependent choices kube-proxy makes by probing (make them explicit for tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,18 +28,27 @@ pub struct IptablesOptions {
     pub random_fully: bool,
     /// Drop conntrack-INVALID forwarded packets (off when `nf_conntrack_tcp_be_liberal`).
     pub drop_invalid: bool,
+    /// The family rendered (iptables or ip6tables).
+    pub family: Family,
 }
 
 impl Default for IptablesOptions {
     fn default() -> Self {
-        Self { mark: "0x4000".into(), localhost_nodeports: false, nfacct: false, random_fully: true, drop_invalid: true }
+        Self {
+            mark: "0x4000".into(),
+            localhost_nodeports: false,
+            nfacct: false,
+            random_fully: true,
+            drop_invalid: true,
+            family: Family::V4,
+        }
     }
 }
 
 impl IptablesOptions {
     /// The options kube-proxy's own unit tests use (for golden comparisons).
     pub fn upstream_fixture() -> Self {
-        Self { mark: "0x4000".into(), localhost_nodeports: true, nfacct: true, random_fully: false, drop_invalid: true }
+        Self { mark: "0x4000".into(), localhost_nodeports: true, nfacct: true, random_fully: false, drop_invalid: true, family: Family::V4 }
     }
 }
 
@@ -109,8 +119,12 @@ const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-"
 /// kube-proxy omits per-endpoint comments past this many endpoints in total.
 const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
 
-/// Renders every Service's rules.
+/// Renders every Service's rules of the options' family (`node` is that family's view).
 pub fn render(services: &Services, node: &NodeContext, opts: &IptablesOptions) -> Rendered {
+    // NodePorts on localhost need route_localnet, which IPv6 has no counterpart of: kube-proxy
+    // never serves them on ::1.
+    let opts = &IptablesOptions { localhost_nodeports: opts.localhost_nodeports && opts.family == Family::V4, ..opts.clone() };
+    let ports = || services.values().flatten().filter(|p| p.family == opts.family);
     let mut out = Rendered::default();
     let (f, n) = (&mut out.filter, &mut out.nat);
     for c in FILTER_FIXED {
@@ -138,9 +152,9 @@ pub fn render(services: &Services, node: &NodeContext, opts: &IptablesOptions) -
     );
     n.rule("KUBE-MARK-MASQ", format!("-j MARK --or-mark {mark}"));
 
-    let total_endpoints: usize = services.values().flatten().map(|p| p.reachable_endpoints().len()).sum();
+    let total_endpoints: usize = ports().map(|p| p.reachable_endpoints().len()).sum();
     let large = total_endpoints > LARGE_CLUSTER_ENDPOINTS;
-    for port in services.values().flatten() {
+    for port in ports() {
         render_port(&Plan::new(port), node, opts, large, f, n);
     }
 
@@ -159,7 +173,7 @@ pub fn render(services: &Services, node: &NodeContext, opts: &IptablesOptions) -
         "-m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
     );
     if node.nodeport_all {
-        let not_localhost = if opts.localhost_nodeports { "" } else { " ! -d 127.0.0.0/8" };
+        let not_localhost = if opts.localhost_nodeports { String::new() } else { format!(" ! -d {}", opts.family.loopback()) };
         n.rule("KUBE-SERVICES", format!("{} -m addrtype --dst-type LOCAL{not_localhost} -j KUBE-NODEPORTS", comment(NODEPORTS_LAST)));
     } else {
         for ip in node.nodeport_ips.iter().filter(|ip| !ip.is_loopback() || opts.localhost_nodeports) {
@@ -302,8 +316,7 @@ fn render_port(p: &Plan, node: &NodeContext, opts: &IptablesOptions, large: bool
         for r in &p.port.lb_source_ranges {
             n.rule(&fw, format!("{c} -s {r} -j {ext}"));
         }
-        let node_in_ranges =
-            crate::model::store::Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>());
+        let node_in_ranges = crate::model::Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ips);
         if node_in_ranges {
             for ip in &p.port.lb_ips {
                 n.rule(&fw, format!("{c} -s {ip} -j {ext}"));
@@ -407,7 +420,7 @@ const JUMPS: [Jump; 12] = [
 /// Programs iptables, remembering what it wrote so later syncs rewrite only what changed.
 pub struct IptablesRules {
     opts: IptablesOptions,
-    ipt: Iptables,
+    ipt: Tools,
     /// The nat chains written by the last successful apply, with their rules.
     applied: Option<BTreeMap<String, Vec<String>>>,
 }
@@ -418,6 +431,7 @@ impl IptablesRules {
     }
 
     pub fn with_options(opts: IptablesOptions, ipt: Iptables) -> Self {
+        let ipt = ipt.tools(opts.family);
         Self { opts, ipt, applied: None }
     }
 
@@ -426,7 +440,7 @@ impl IptablesRules {
         let mut created = BTreeSet::new();
         for (table, _, _, _, target) in JUMPS {
             if created.insert((table, target)) {
-                let _ = run(self.ipt.iptables(), IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", target]);
+                let _ = run(self.ipt.cmd(), IPTABLES_PACKAGE, &["-w", "5", "-t", table, "-N", target]);
             }
         }
         ensure_jumps(self.ipt, &JUMPS)
@@ -434,7 +448,7 @@ impl IptablesRules {
 }
 
 /// Per-Service nat chains in the kernel now (`iptables-save -t nat`).
-fn service_chains_in_kernel(ipt: Iptables) -> Result<BTreeSet<String>, NetfilterError> {
+fn service_chains_in_kernel(ipt: Tools) -> Result<BTreeSet<String>, NetfilterError> {
     let out = run(ipt.save(), IPTABLES_PACKAGE, &["-t", "nat"])?;
     Ok(super::declared_chains(&out).filter(|c| SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))).map(String::from).collect())
 }
@@ -481,12 +495,20 @@ impl RuleSet for IptablesRules {
     fn forget_applied(&mut self) {
         self.applied = None;
     }
+
+    fn family(&self) -> Family {
+        self.opts.family
+    }
 }
 
-/// Removes the iptables mode's chains and jumps from `ipt` (`proxy-agent cleanup`, or another
-/// mode or backend starting). Returns a line per thing removed; nothing when that iptables is
-/// not installed.
+/// Removes the iptables mode's chains and jumps from both families' tables of `ipt`
+/// (`proxy-agent cleanup`, or another mode or backend starting). Returns a line per thing
+/// removed; nothing when that iptables is not installed.
 pub fn cleanup(ipt: Iptables) -> Vec<String> {
+    Family::ALL.into_iter().flat_map(|f| cleanup_family(ipt.tools(f))).collect()
+}
+
+fn cleanup_family(ipt: Tools) -> Vec<String> {
     let mut removed = Vec::new();
     let chains_of = |save: &str| -> Vec<String> { super::declared_chains(save).map(String::from).collect() };
     let tables: Vec<(&str, Vec<String>)> = ["nat", "filter"]

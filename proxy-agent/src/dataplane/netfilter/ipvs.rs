@@ -9,7 +9,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use super::{
@@ -45,7 +45,7 @@ impl std::str::FromStr for Scheduler {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct VirtualKey {
     pub proto: &'static str,
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
 }
 
@@ -65,7 +65,7 @@ pub struct Virtual {
     pub scheduler: String,
     /// ClientIP affinity timeout (IPVS persistence).
     pub persistence: Option<u32>,
-    pub reals: BTreeSet<(Ipv4Addr, u16)>,
+    pub reals: BTreeSet<(IpAddr, u16)>,
 }
 
 /// What IPVS mode programs.
@@ -73,7 +73,7 @@ pub struct Virtual {
 pub struct Desired {
     pub virtuals: BTreeMap<VirtualKey, Virtual>,
     /// Addresses bound to `kube-ipvs0`.
-    pub addresses: BTreeSet<Ipv4Addr>,
+    pub addresses: BTreeSet<IpAddr>,
     /// ipset name -> (type, entries).
     pub sets: BTreeMap<&'static str, (&'static str, BTreeSet<String>)>,
     /// The iptables-restore input (nat and filter).
@@ -169,7 +169,8 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
         d.sets.get_mut(set).expect("known set").1.insert(entry);
     };
     let mut drops: Vec<String> = Vec::new();
-    for port in services.values().flatten() {
+    // IPv4 only so far: IPv6 virtual servers are not written.
+    for port in services.values().flatten().filter(|p| p.family == crate::model::Family::V4) {
         let p = Plan::new(port);
         let Some(cip) = p.cluster_ip else { continue };
         // Without endpoints there is no virtual server: the address is still on kube-ipvs0,
@@ -229,7 +230,7 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
                 for r in &port.lb_source_ranges {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-CIDR", format!("{entry},{r}"));
                 }
-                if crate::model::store::Cidr::any_contains(&port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
+                if crate::model::Cidr::any_contains(&port.lb_source_ranges, &node.node_ips) {
                     add(&mut d, "KUBE-LOAD-BALANCER-SOURCE-IP", format!("{entry},{ip}"));
                 }
             }
@@ -406,7 +407,7 @@ impl IpvsRules {
     }
 }
 
-fn ensure_dummy() -> Result<BTreeSet<Ipv4Addr>, NetfilterError> {
+fn ensure_dummy() -> Result<BTreeSet<IpAddr>, NetfilterError> {
     if run("ip", "iproute2", &["link", "show", DUMMY]).is_err() {
         run("ip", "iproute2", &["link", "add", DUMMY, "type", "dummy"])?;
     }
@@ -540,9 +541,9 @@ impl RuleSet for IpvsRules {
         ipset_restore(&d.sets, &prev.sets)?;
         let t_sets = t0.elapsed();
         if prev.iptables != d.iptables {
-            iptables_restore(self.ipt, &d.iptables)?;
+            iptables_restore(self.ipt.tools(crate::model::Family::V4), &d.iptables)?;
         }
-        ensure_jumps(self.ipt, &JUMPS)?;
+        ensure_jumps(self.ipt.tools(crate::model::Family::V4), &JUMPS)?;
         let t_iptables = t0.elapsed();
         let delta = ipvsadm_delta(&prev.virtuals, &d.virtuals);
         if !delta.is_empty() {
@@ -602,6 +603,7 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
 
 /// Removes IPVS mode's jumps and chains from `ipt`, if IPVS mode ran there.
 pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
+    let ipt = ipt.tools(crate::model::Family::V4);
     // Its filter chain says whether it ran in this backend at all. Nothing is touched
     // otherwise: its nat jumps are the iptables mode's too (deleting them would leave an
     // iptables mode that is starting without them until its first sync), and declaring the

@@ -15,20 +15,21 @@ pub mod takeover;
 use std::{
     collections::BTreeMap,
     io::Write as _,
-    net::Ipv4Addr,
+    net::IpAddr,
     process::{Command, Stdio},
 };
 
-use crate::model::{store::Cidr, EndpointView, ObjectKey, PortView};
+use crate::model::{Cidr, EndpointView, Family, ObjectKey, PortView};
 
 /// Every Service's ports, by Service (sorted, so output is deterministic).
 pub type Services = BTreeMap<ObjectKey, Vec<PortView>>;
 
-/// What the renderers need to know about the node.
+/// What the renderers need to know about the node: both families' addresses, or one family's
+/// (`for_family`, what each family's rules are rendered from).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     /// Addresses NodePorts are served on (`--nodeport-addresses` applied).
-    pub nodeport_ips: Vec<Ipv4Addr>,
+    pub nodeport_ips: Vec<IpAddr>,
     /// `--nodeport-addresses` was not given: NodePorts are served on every local address
     /// (iptables: `-m addrtype --dst-type LOCAL`).
     pub nodeport_all: bool,
@@ -37,9 +38,23 @@ pub struct NodeContext {
     pub local: LocalTraffic,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
-    /// The node's primary IP (see `NodeInfo::node_ip`): load-balancer source ranges that hold
-    /// it admit the node from the load balancer's own address.
-    pub node_ip: Option<Ipv4Addr>,
+    /// The node's primary IPs, one per family (see `NodeInfo::node_ips`): load-balancer source
+    /// ranges that hold one admit the node from the load balancer's own address.
+    pub node_ips: Vec<IpAddr>,
+}
+
+impl NodeContext {
+    /// The same node as one family's rules see it: that family's addresses and pod range.
+    pub fn for_family(&self, family: Family) -> Self {
+        let of = |v: &[IpAddr]| v.iter().copied().filter(|a| Family::of(*a) == family).collect();
+        Self {
+            nodeport_ips: of(&self.nodeport_ips),
+            nodeport_all: self.nodeport_all,
+            local: self.local.for_family(family),
+            masquerade_all: self.masquerade_all,
+            node_ips: of(&self.node_ips),
+        }
+    }
 }
 
 /// How the rules tell traffic from the node's pods (kube-proxy's local traffic detector).
@@ -48,8 +63,8 @@ pub enum LocalTraffic {
     /// Nothing is known: nothing counts as local.
     #[default]
     Unknown,
-    /// From this range (the cluster CIDR, or the node's pod CIDR).
-    Cidr(Cidr),
+    /// From these ranges, at most one per family (the cluster CIDRs, or the node's pod CIDRs).
+    Cidrs(Vec<Cidr>),
     /// Arriving on this interface (a bridge: `br0`).
     Interface(String),
     /// Arriving on interfaces whose name starts with this (`veth`, `cali`).
@@ -57,12 +72,24 @@ pub enum LocalTraffic {
 }
 
 impl LocalTraffic {
-    /// The iptables match for "from a pod" (`negate`: "not from a pod"), if one is known.
+    /// One family's part: its range, or Unknown when it has none.
+    pub fn for_family(&self, family: Family) -> Self {
+        match self {
+            Self::Cidrs(c) => match c.iter().find(|c| c.family() == family) {
+                Some(c) => Self::Cidrs(vec![*c]),
+                None => Self::Unknown,
+            },
+            other => other.clone(),
+        }
+    }
+
+    /// The iptables match for "from a pod" (`negate`: "not from a pod"), if one is known (of a
+    /// one-family `LocalTraffic`, see `for_family`).
     pub fn iptables(&self, negate: bool) -> Option<String> {
         let not = if negate { "! " } else { "" };
         Some(match self {
             Self::Unknown => return None,
-            Self::Cidr(c) => format!("{not}-s {c}"),
+            Self::Cidrs(c) => format!("{not}-s {}", c.first()?),
             Self::Interface(i) => format!("{not}-i {i}"),
             Self::InterfacePrefix(p) => format!("{not}-i {p}+"),
         })
@@ -73,7 +100,10 @@ impl LocalTraffic {
         let op = if negate { "!= " } else { "" };
         Some(match self {
             Self::Unknown => return None,
-            Self::Cidr(c) => format!("ip saddr {op}{c}"),
+            Self::Cidrs(c) => {
+                let c = c.first()?;
+                format!("{} saddr {op}{c}", nft_family(c.family()))
+            }
             Self::Interface(i) => format!("iifname {op}\"{i}\""),
             Self::InterfacePrefix(p) => format!("iifname {op}\"{p}*\""),
         })
@@ -101,7 +131,81 @@ pub trait RuleSet {
     fn forget_applied(&mut self);
     /// The cluster's Service CIDRs, for a mode that drops traffic to their unallocated
     /// addresses (nftables, as kube-proxy's); the next `apply` writes them.
-    fn set_service_cidrs(&mut self, _cidrs: Vec<crate::model::store::Cidr>) {}
+    fn set_service_cidrs(&mut self, _cidrs: Vec<Cidr>) {}
+    /// The address family the rules are for (each family has its own tables).
+    fn family(&self) -> Family {
+        Family::V4
+    }
+}
+
+/// The nftables address match keyword of a family (`ip`, `ip6`), which is also its table
+/// family.
+pub fn nft_family(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "ip",
+        Family::V6 => "ip6",
+    }
+}
+
+/// One mode's rules for each family the node serves, as kube-proxy's meta-proxier runs one
+/// proxier per family: each renders and applies its family's ports with its family's view of
+/// the node, into its own tables.
+pub struct PerFamily {
+    sets: Vec<Box<dyn RuleSet + Send>>,
+}
+
+impl PerFamily {
+    pub fn new(sets: Vec<Box<dyn RuleSet + Send>>) -> Self {
+        Self { sets }
+    }
+
+    pub fn families(&self) -> Vec<Family> {
+        self.sets.iter().map(|s| s.family()).collect()
+    }
+}
+
+impl RuleSet for PerFamily {
+    fn mode(&self) -> super::ProxyMode {
+        self.sets.first().map_or(super::ProxyMode::Nftables, |s| s.mode())
+    }
+
+    /// The first family's rules, and the others' where they have ports (what `rules` prints:
+    /// an IPv4-only directory shows IPv4 rules only, though `apply` writes the IPv6 tables'
+    /// fixed part too, as kube-proxy does on a node with IPv6).
+    fn render(&self, services: &Services, node: &NodeContext) -> String {
+        let has_ports = |f: Family| services.values().flatten().any(|p| p.family == f);
+        self.sets
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| *i == 0 || has_ports(s.family()))
+            .map(|(_, s)| s.render(services, &node.for_family(s.family())))
+            .collect()
+    }
+
+    fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
+        let mut written = 0;
+        let mut failed = None;
+        // Each family is applied even when the other fails: one family's trouble must not
+        // freeze the other's Services.
+        for s in &mut self.sets {
+            match s.apply(services, &node.for_family(s.family())) {
+                Ok(n) => written += n,
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        failed.map_or(Ok(written), Err)
+    }
+
+    fn forget_applied(&mut self) {
+        self.sets.iter_mut().for_each(|s| s.forget_applied());
+    }
+
+    fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {
+        for s in &mut self.sets {
+            let family = s.family();
+            s.set_service_cidrs(cidrs.iter().copied().filter(|c| c.family() == family).collect());
+        }
+    }
 }
 
 /// Starts `program args` with stdout and stderr piped, and stdin piped when `stdin` (else
@@ -211,6 +315,54 @@ impl Iptables {
     }
 }
 
+impl Iptables {
+    /// This backend's tools for one family.
+    pub fn tools(self, family: Family) -> Tools {
+        Tools { backend: self, family }
+    }
+}
+
+/// One family's iptables tools in one backend (`iptables-nft-restore`, `ip6tables-legacy`, ...):
+/// each family has its own tables, as kube-proxy's per-family proxiers write them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tools {
+    pub backend: Iptables,
+    pub family: Family,
+}
+
+impl Tools {
+    pub fn cmd(self) -> &'static str {
+        match (self.family, self.backend) {
+            (Family::V4, b) => b.iptables(),
+            (Family::V6, Iptables::Nft) => "ip6tables-nft",
+            (Family::V6, Iptables::Legacy) => "ip6tables-legacy",
+            (Family::V6, Iptables::Path) => "ip6tables",
+        }
+    }
+    pub fn save(self) -> &'static str {
+        match (self.family, self.backend) {
+            (Family::V4, b) => b.save(),
+            (Family::V6, Iptables::Nft) => "ip6tables-nft-save",
+            (Family::V6, Iptables::Legacy) => "ip6tables-legacy-save",
+            (Family::V6, Iptables::Path) => "ip6tables-save",
+        }
+    }
+    pub fn restore(self) -> &'static str {
+        match (self.family, self.backend) {
+            (Family::V4, b) => b.restore(),
+            (Family::V6, Iptables::Nft) => "ip6tables-nft-restore",
+            (Family::V6, Iptables::Legacy) => "ip6tables-legacy-restore",
+            (Family::V6, Iptables::Path) => "ip6tables-restore",
+        }
+    }
+}
+
+impl std::fmt::Display for Tools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.cmd())
+    }
+}
+
 impl std::str::FromStr for Iptables {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -255,7 +407,7 @@ pub fn choose_backend(nft: &str, legacy: &str) -> (Iptables, String) {
 }
 
 /// `iptables-restore --noflush`: only the chains `text` names are touched.
-pub fn iptables_restore(ipt: Iptables, text: &str) -> Result<String, NetfilterError> {
+pub fn iptables_restore(ipt: Tools, text: &str) -> Result<String, NetfilterError> {
     run_with_input(ipt.restore(), IPTABLES_PACKAGE, &["-w", "5", "--noflush"], text)
 }
 
@@ -274,15 +426,15 @@ pub fn delete_chains_text(table: &str, chains: &[String]) -> String {
 /// A jump from a built-in chain into one of ours: (table, chain, extra match, comment, target).
 pub type Jump = (&'static str, &'static str, &'static str, &'static str, &'static str);
 
-fn jump(ipt: Iptables, op: &str, (table, chain, extra, comment, target): Jump) -> Result<String, NetfilterError> {
+fn jump(ipt: Tools, op: &str, (table, chain, extra, comment, target): Jump) -> Result<String, NetfilterError> {
     let mut args = vec!["-w", "5", "-t", table, op, chain];
     args.extend(extra.split_whitespace());
     args.extend(["-m", "comment", "--comment", comment, "-j", target]);
-    run(ipt.iptables(), IPTABLES_PACKAGE, &args)
+    run(ipt.cmd(), IPTABLES_PACKAGE, &args)
 }
 
 /// Inserts each jump at the top of its chain unless it is there already.
-pub fn ensure_jumps(ipt: Iptables, jumps: &[Jump]) -> Result<(), NetfilterError> {
+pub fn ensure_jumps(ipt: Tools, jumps: &[Jump]) -> Result<(), NetfilterError> {
     for &j in jumps {
         if jump(ipt, "-C", j).is_err() {
             jump(ipt, "-I", j)?;
@@ -292,7 +444,7 @@ pub fn ensure_jumps(ipt: Iptables, jumps: &[Jump]) -> Result<(), NetfilterError>
 }
 
 /// Deletes every copy of each jump. Returns one entry per rule deleted.
-pub fn delete_jumps(ipt: Iptables, jumps: &[Jump]) -> Vec<Jump> {
+pub fn delete_jumps(ipt: Tools, jumps: &[Jump]) -> Vec<Jump> {
     let mut deleted = Vec::new();
     for &j in jumps {
         while jump(ipt, "-D", j).is_ok() {
@@ -338,7 +490,7 @@ pub struct Plan<'a> {
     pub spn: String,
     /// Lower-case protocol: tcp, udp, sctp.
     pub proto: &'static str,
-    pub cluster_ip: Option<Ipv4Addr>,
+    pub cluster_ip: Option<IpAddr>,
     pub externally_accessible: bool,
     /// Endpoints for the Cluster policy, ordered as kube-proxy orders them (by the `ip:port`
     /// string).

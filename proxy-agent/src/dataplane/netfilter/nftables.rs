@@ -1,4 +1,5 @@
-//! nftables mode, in the style of kube-proxy's: one table `ip kube-proxy`, verdict maps that
+//! nftables mode, in the style of kube-proxy's: one table per family (`ip kube-proxy`,
+//! `ip6 kube-proxy`, each written by its own `NftablesRules`), verdict maps that
 //! dispatch a packet to its Service's chain in one lookup (`service-ips`,
 //! `service-nodeports`), `numgen` maps that pick an endpoint, maps that drop or reject traffic
 //! to Services without endpoints, sets for ClientIP affinity. Every sync is one `nft -f`
@@ -6,22 +7,32 @@
 
 use std::collections::BTreeMap;
 
-use super::{hash_name, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
-use crate::{dataplane::ProxyMode, model::store::Cidr};
+use super::{hash_name, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use crate::{
+    dataplane::ProxyMode,
+    model::{Cidr, Family},
+};
 
-pub const TABLE: &str = "ip kube-proxy";
 const PACKAGE: &str = "nftables";
+
+/// The table of a family: `ip kube-proxy`, `ip6 kube-proxy`.
+pub fn table(family: Family) -> String {
+    format!("{} kube-proxy", nft_family(family))
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NftablesOptions {
     pub mark: String,
-    /// The Service CIDRs, when known: traffic to an unallocated cluster IP in them is dropped.
+    /// The Service CIDRs of the family, when known: traffic to an unallocated cluster IP in
+    /// them is dropped.
     pub service_cidrs: Vec<Cidr>,
+    /// The family rendered.
+    pub family: Family,
 }
 
 impl Default for NftablesOptions {
     fn default() -> Self {
-        Self { mark: "0x4000".into(), service_cidrs: Vec::new() }
+        Self { mark: "0x4000".into(), service_cidrs: Vec::new(), family: Family::V4 }
     }
 }
 
@@ -41,9 +52,10 @@ fn port_name(p: &Plan) -> String {
     format!("{}/{}/{}/{}", n.service.namespace, n.service.name, p.proto, n.port)
 }
 
-/// The desired ruleset, object by object.
+/// The desired ruleset of one family's table, object by object.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ruleset {
+    pub family: Family,
     /// Table, sets, maps, fixed chains and their rules: written in full syncs only.
     pub base: Vec<String>,
     /// Per-Service chains and their rules.
@@ -57,46 +69,57 @@ pub struct Ruleset {
 impl Ruleset {
     /// As nft lists a ruleset: one `add` line per object.
     pub fn dump(&self) -> String {
+        let table = table(self.family);
         let mut out: Vec<String> = self.base.clone();
         out.extend(self.sets.values().cloned());
         for (name, rules) in &self.chains {
-            out.push(format!("add chain {TABLE} {name}"));
-            out.extend(rules.iter().map(|r| format!("add rule {TABLE} {name} {r}")));
+            out.push(format!("add chain {table} {name}"));
+            out.extend(rules.iter().map(|r| format!("add rule {table} {name} {r}")));
         }
-        out.extend(self.elements.iter().map(|((set, key), rest)| element_line("add", set, key, rest)));
+        out.extend(self.elements.iter().map(|((set, key), rest)| element_line(&table, "add", set, key, rest)));
         out.join("\n") + "\n"
     }
 }
 
-fn element_line(op: &str, set: &str, key: &str, rest: &str) -> String {
-    format!("{op} element {TABLE} {set} {{ {key}{rest} }}")
+fn element_line(table: &str, op: &str, set: &str, key: &str, rest: &str) -> String {
+    format!("{op} element {table} {set} {{ {key}{rest} }}")
 }
 
+/// Renders the ports of the options' family (`node` is that family's view).
 pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -> Ruleset {
-    let mut r = Ruleset::default();
+    let family = opts.family;
+    let mut r = Ruleset { family, ..Default::default() };
+    let tbl = table(family);
+    // The family's address keyword and type, and "not loopback" as kube-proxy writes it.
+    let ip = nft_family(family);
+    let addr_type = match family {
+        Family::V4 => "ipv4_addr",
+        Family::V6 => "ipv6_addr",
+    };
+    let no_localhost = match family {
+        Family::V4 => "ip daddr != 127.0.0.0/8",
+        Family::V6 => "ip6 daddr != ::1",
+    };
     let b = &mut r.base;
     let mark = &opts.mark;
-    b.push(format!("add table {TABLE} {{ comment \"rules for kube-proxy\" ; }}"));
-    b.push(format!("add set {TABLE} cluster-ips {{ type ipv4_addr ; comment \"Active ClusterIPs\" ; }}"));
+    b.push(format!("add table {tbl} {{ comment \"rules for kube-proxy\" ; }}"));
+    b.push(format!("add set {tbl} cluster-ips {{ type {addr_type} ; comment \"Active ClusterIPs\" ; }}"));
     if !node.nodeport_all {
-        b.push(format!("add set {TABLE} nodeport-ips {{ type ipv4_addr ; comment \"IPs that accept NodePort traffic\" ; }}"));
+        b.push(format!("add set {tbl} nodeport-ips {{ type {addr_type} ; comment \"IPs that accept NodePort traffic\" ; }}"));
     }
+    let addr_proto_port = format!("{addr_type} . inet_proto . inet_service : verdict");
     for (name, ty, c) in [
-        ("firewall-ips", "ipv4_addr . inet_proto . inet_service : verdict", "destinations that are subject to LoadBalancerSourceRanges"),
+        ("firewall-ips", addr_proto_port.as_str(), "destinations that are subject to LoadBalancerSourceRanges"),
         (
             "no-endpoint-nodeports",
             "inet_proto . inet_service : verdict",
             "vmap to drop or reject packets to service nodeports with no endpoints",
         ),
-        (
-            "no-endpoint-services",
-            "ipv4_addr . inet_proto . inet_service : verdict",
-            "vmap to drop or reject packets to services with no endpoints",
-        ),
-        ("service-ips", "ipv4_addr . inet_proto . inet_service : verdict", "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
+        ("no-endpoint-services", addr_proto_port.as_str(), "vmap to drop or reject packets to services with no endpoints"),
+        ("service-ips", addr_proto_port.as_str(), "ClusterIP, ExternalIP and LoadBalancer IP traffic"),
         ("service-nodeports", "inet_proto . inet_service : verdict", "NodePort traffic"),
     ] {
-        b.push(format!("add map {TABLE} {name} {{ type {ty} ; comment \"{c}\" ; }}"));
+        b.push(format!("add map {tbl} {name} {{ type {ty} ; comment \"{c}\" ; }}"));
     }
     for c in [
         "cluster-ips-check",
@@ -116,13 +139,16 @@ pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -
         "services",
         "service-endpoints-check",
     ] {
-        b.push(format!("add chain {TABLE} {c}"));
+        b.push(format!("add chain {tbl} {c}"));
     }
-    let mut rule = |chain: &str, text: String| b.push(format!("add rule {TABLE} {chain} {text}"));
-    rule("cluster-ips-check", "ip daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\"".into());
-    if !opts.service_cidrs.is_empty() {
-        let cidrs: Vec<String> = opts.service_cidrs.iter().map(|c| c.to_string()).collect();
-        rule("cluster-ips-check", format!("ip daddr {{ {} }} drop comment \"Drop traffic to unallocated ClusterIPs\"", cidrs.join(" , ")));
+    let mut rule = |chain: &str, text: String| b.push(format!("add rule {tbl} {chain} {text}"));
+    rule("cluster-ips-check", format!("{ip} daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""));
+    let cidrs: Vec<String> = opts.service_cidrs.iter().filter(|c| c.family() == family).map(|c| c.to_string()).collect();
+    if !cidrs.is_empty() {
+        rule(
+            "cluster-ips-check",
+            format!("{ip} daddr {{ {} }} drop comment \"Drop traffic to unallocated ClusterIPs\"", cidrs.join(" , ")),
+        );
     }
     rule("filter-prerouting-pre-dnat", "ct state new jump firewall-check".into());
     rule("filter-forward", "ct state new jump service-endpoints-check".into());
@@ -132,7 +158,7 @@ pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -
     rule("filter-output", "ct state new jump service-endpoints-check".into());
     rule("filter-output-pre-dnat", "ct state new jump firewall-check".into());
     rule("filter-output", "ct state new jump cluster-ips-check".into());
-    rule("firewall-check", "ip daddr . meta l4proto . th dport vmap @firewall-ips".into());
+    rule("firewall-check", format!("{ip} daddr . meta l4proto . th dport vmap @firewall-ips"));
     rule("mark-for-masquerade", format!("mark set mark or {mark}"));
     rule("masquerading", format!("mark and {mark} == 0 return"));
     rule("masquerading", format!("mark set mark xor {mark}"));
@@ -141,24 +167,24 @@ pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -
     rule("nat-postrouting", "jump masquerading".into());
     rule("nat-prerouting", "jump services".into());
     if node.nodeport_all {
-        rule("nodeport-endpoints-check", "ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports".into());
+        rule("nodeport-endpoints-check", format!("{no_localhost} meta l4proto . th dport vmap @no-endpoint-nodeports"));
     } else {
-        rule("nodeport-endpoints-check", "ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports".into());
+        rule("nodeport-endpoints-check", format!("{ip} daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports"));
     }
     rule("reject-chain", "reject".into());
-    rule("services", "ip daddr . meta l4proto . th dport vmap @service-ips".into());
+    rule("services", format!("{ip} daddr . meta l4proto . th dport vmap @service-ips"));
     if node.nodeport_all {
-        rule("services", "fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports".into());
+        rule("services", format!("fib daddr type local {no_localhost} meta l4proto . th dport vmap @service-nodeports"));
     } else {
-        rule("services", "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports".into());
+        rule("services", format!("{ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"));
     }
-    rule("service-endpoints-check", "ip daddr . meta l4proto . th dport vmap @no-endpoint-services".into());
+    rule("service-endpoints-check", format!("{ip} daddr . meta l4proto . th dport vmap @no-endpoint-services"));
     if !node.nodeport_all {
         for ip in node.nodeport_ips.iter().filter(|ip| !ip.is_loopback()) {
             r.elements.insert(("nodeport-ips".into(), ip.to_string()), String::new());
         }
     }
-    for port in services.values().flatten() {
+    for port in services.values().flatten().filter(|p| p.family == family) {
         render_port(&Plan::new(port), node, &mut r);
     }
     r
@@ -175,6 +201,7 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     let fw = format!("firewall-{base}");
     let int_chain = if p.port.internal_local { &loc } else { &svc };
     let ext_policy = if p.port.external_local { &loc } else { &svc };
+    let (ip, table) = (nft_family(r.family), table(r.family));
     let verdict = if p.has_endpoints { "drop".to_string() } else { "goto reject-chain".to_string() };
     let mut elem = |set: &str, key: String, rest: String| {
         r.elements.insert((set.to_string(), key), rest);
@@ -221,9 +248,9 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     if p.has_internal_endpoints {
         let mut rules = Vec::new();
         if node.masquerade_all {
-            rules.push(format!("ip daddr {cluster_ip} jump mark-for-masquerade"));
+            rules.push(format!("{ip} daddr {cluster_ip} jump mark-for-masquerade"));
         } else if let Some(not_local) = node.local.nftables(true) {
-            rules.push(format!("ip daddr {cluster_ip} {not_local} jump mark-for-masquerade"));
+            rules.push(format!("{ip} daddr {cluster_ip} {not_local} jump mark-for-masquerade"));
         }
         chain(int_chain, rules);
     }
@@ -245,18 +272,19 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     }
     if p.has_firewall {
         let mut allowed: Vec<String> = p.port.lb_source_ranges.iter().map(|c| c.to_string()).collect();
-        if Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ip.into_iter().collect::<Vec<_>>()) {
+        if Cidr::any_contains(&p.port.lb_source_ranges, &node.node_ips) {
             allowed.extend(p.port.lb_ips.iter().map(|ip| ip.to_string()));
         }
-        chain(&fw, vec![format!("ip saddr != {{ {} }} drop", allowed.join(" , "))]);
+        chain(&fw, vec![format!("{ip} saddr != {{ {} }} drop", allowed.join(" , "))]);
     }
-    let endpoint = |e: &crate::model::EndpointView| base_name(&format!("{name}__{}/{}", e.addr, e.port));
+    // A chain name cannot hold ":": kube-proxy writes an IPv6 endpoint's colons as dots.
+    let endpoint = |e: &crate::model::EndpointView| base_name(&format!("{name}__{}/{}", e.addr.to_string().replace(':', "."), e.port));
     let dispatch = |eps: &[crate::model::EndpointView]| {
         let mut rules = Vec::new();
         if p.port.affinity_timeout.is_some() {
             for e in eps {
                 let b = endpoint(e);
-                rules.push(format!("ip saddr @affinity-{b} goto endpoint-{b}"));
+                rules.push(format!("{ip} saddr @affinity-{b} goto endpoint-{b}"));
             }
         }
         // One endpoint needs no random pick. Each numgen vmap is an anonymous set, and the kernel
@@ -278,13 +306,14 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     }
     for e in &p.reachable {
         let b = endpoint(e);
-        let mut rules = vec![format!("ip saddr {} jump mark-for-masquerade", e.addr)];
+        let mut rules = vec![format!("{ip} saddr {} jump mark-for-masquerade", e.addr)];
         if let Some(t) = p.port.affinity_timeout {
+            let addr_type = if r.family == Family::V4 { "ipv4_addr" } else { "ipv6_addr" };
             r.sets.insert(
                 format!("affinity-{b}"),
-                format!("add set {TABLE} affinity-{b} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {t}s ; }}"),
+                format!("add set {table} affinity-{b} {{ type {addr_type} ; flags dynamic,timeout ; timeout {t}s ; }}"),
             );
-            rules.push(format!("update @affinity-{b} {{ ip saddr }}"));
+            rules.push(format!("update @affinity-{b} {{ {ip} saddr }}"));
         }
         rules.push(format!("meta l4proto {proto} dnat to {}", e.socket()));
         r.chains.entry(format!("endpoint-{b}")).or_default().extend(rules);
@@ -312,14 +341,15 @@ impl Default for NftablesRules {
 /// The transaction that brings the kernel from `from` (None: unknown, rebuild the table) to
 /// `to`.
 pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
+    let tbl = table(to.family);
     let mut t: Vec<String> = Vec::new();
-    let empty = Ruleset::default();
+    let empty = Ruleset { family: to.family, ..Default::default() };
     let from = match from {
         Some(f) if f.base == to.base => f,
         _ => {
             // The whole table, atomically replaced.
-            t.push(format!("add table {TABLE}"));
-            t.push(format!("delete table {TABLE}"));
+            t.push(format!("add table {tbl}"));
+            t.push(format!("delete table {tbl}"));
             t.extend(to.base.iter().cloned());
             &empty
         }
@@ -327,17 +357,17 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
     // Elements that go or change first: they may point at chains that are deleted below.
     for ((set, key), rest) in &from.elements {
         if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-            t.push(element_line("delete", set, key, ""));
+            t.push(element_line(&tbl, "delete", set, key, ""));
         }
     }
     for (name, rules) in &to.chains {
         match from.chains.get(name) {
             Some(old) if old == rules => {}
             Some(_) => {
-                t.push(format!("add chain {TABLE} {name}"));
-                t.push(format!("flush chain {TABLE} {name}"));
+                t.push(format!("add chain {tbl} {name}"));
+                t.push(format!("flush chain {tbl} {name}"));
             }
-            None => t.push(format!("add chain {TABLE} {name}")),
+            None => t.push(format!("add chain {tbl} {name}")),
         }
     }
     for (name, line) in &to.sets {
@@ -347,23 +377,23 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
     }
     for (name, rules) in &to.chains {
         if from.chains.get(name) != Some(rules) {
-            t.extend(rules.iter().map(|r| format!("add rule {TABLE} {name} {r}")));
+            t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
         }
     }
     for ((set, key), rest) in &to.elements {
         if from.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-            t.push(element_line("add", set, key, rest));
+            t.push(element_line(&tbl, "add", set, key, rest));
         }
     }
     let gone: Vec<&String> = from.chains.keys().filter(|c| !to.chains.contains_key(*c)).collect();
     for c in &gone {
-        t.push(format!("flush chain {TABLE} {c}"));
+        t.push(format!("flush chain {tbl} {c}"));
     }
     for c in &gone {
-        t.push(format!("delete chain {TABLE} {c}"));
+        t.push(format!("delete chain {tbl} {c}"));
     }
     for name in from.sets.keys().filter(|s| !to.sets.contains_key(*s)) {
-        t.push(format!("delete set {TABLE} {name}"));
+        t.push(format!("delete set {tbl} {name}"));
     }
     if t.is_empty() {
         String::new()
@@ -387,7 +417,8 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
-        if self.applied.is_none() && services.len() > BUILD_STEP && run("nft", PACKAGE, &["list", "table", "ip", "kube-proxy"]).is_err() {
+        let exists = || run("nft", PACKAGE, &["list", "table", nft_family(self.opts.family), "kube-proxy"]).is_ok();
+        if self.applied.is_none() && services.len() > BUILD_STEP && !exists() {
             return self.build_in_steps(services, node, wanted);
         }
         let tx = transaction(self.applied.as_ref(), &wanted);
@@ -410,6 +441,10 @@ impl RuleSet for NftablesRules {
 
     fn forget_applied(&mut self) {
         self.applied = None;
+    }
+
+    fn family(&self) -> Family {
+        self.opts.family
     }
 }
 
@@ -455,15 +490,19 @@ impl NftablesRules {
     }
 }
 
-/// Removes the nftables mode's table. Returns a line per thing removed.
+/// Removes the nftables mode's tables (both families). Returns a line per thing removed.
 pub fn cleanup() -> Vec<String> {
-    match run("nft", PACKAGE, &["list", "table", "ip", "kube-proxy"]) {
-        Ok(_) => match run("nft", PACKAGE, &["delete", "table", "ip", "kube-proxy"]) {
-            Ok(_) => vec!["nftables: table ip kube-proxy".into()],
-            Err(e) => vec![format!("nftables: could not delete table ip kube-proxy: {e}")],
-        },
-        Err(_) => Vec::new(),
+    let mut removed = Vec::new();
+    for family in Family::ALL {
+        let ip = nft_family(family);
+        if run("nft", PACKAGE, &["list", "table", ip, "kube-proxy"]).is_ok() {
+            removed.push(match run("nft", PACKAGE, &["delete", "table", ip, "kube-proxy"]) {
+                Ok(_) => format!("nftables: table {ip} kube-proxy"),
+                Err(e) => format!("nftables: could not delete table {ip} kube-proxy: {e}"),
+            });
+        }
     }
+    removed
 }
 
 #[cfg(test)]

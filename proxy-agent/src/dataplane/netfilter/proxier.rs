@@ -22,7 +22,7 @@ use crate::{
 pub struct Masquerading {
     pub masquerade_all: bool,
     pub detect_local: Option<crate::config::DetectLocal>,
-    /// `clusterCIDR` (IPv4).
+    /// `clusterCIDR`: one range, or one per family.
     pub cluster_cidrs: Vec<crate::model::store::Cidr>,
 }
 
@@ -30,10 +30,10 @@ impl Masquerading {
     /// How the rules tell pod traffic, from `detectLocalMode` (NodeCIDR needs the Node).
     pub fn local_traffic(&self, store: &Store) -> crate::dataplane::netfilter::LocalTraffic {
         use crate::{config::DetectLocal, dataplane::netfilter::LocalTraffic};
-        let cidr = |c: Option<&crate::model::store::Cidr>| c.copied().map_or(LocalTraffic::Unknown, LocalTraffic::Cidr);
+        let cidrs = |c: &[crate::model::store::Cidr]| if c.is_empty() { LocalTraffic::Unknown } else { LocalTraffic::Cidrs(c.to_vec()) };
         match &self.detect_local {
-            None | Some(DetectLocal::ClusterCidr) => cidr(self.cluster_cidrs.first()),
-            Some(DetectLocal::NodeCidr) => cidr(store.node().and_then(|n| n.pod_cidrs.first())),
+            None | Some(DetectLocal::ClusterCidr) => cidrs(&self.cluster_cidrs),
+            Some(DetectLocal::NodeCidr) => cidrs(store.node().map_or(&[][..], |n| &n.pod_cidrs[..])),
             Some(DetectLocal::BridgeInterface(b)) => LocalTraffic::Interface(b.clone()),
             Some(DetectLocal::InterfaceNamePrefix(p)) => LocalTraffic::InterfacePrefix(p.clone()),
         }
@@ -110,7 +110,7 @@ impl NetfilterProxier {
             nodeport_all: *self.store.nodeport_config() == NodePortAddresses::All,
             local: self.masquerading.local_traffic(&self.store),
             masquerade_all: self.masquerading.masquerade_all,
-            node_ip: self.store.node_ip(),
+            node_ips: self.store.node_ips(),
         }
     }
 

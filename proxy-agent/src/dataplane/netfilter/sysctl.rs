@@ -73,7 +73,7 @@ pub fn localhost_nodeports(cfg: &Config) -> bool {
         && match &cfg.common.nodeport_addresses {
             NodePortAddresses::All => true,
             NodePortAddresses::Primary => false,
-            NodePortAddresses::Cidrs(c) => c.iter().any(|c| c.contains(std::net::Ipv4Addr::LOCALHOST)),
+            NodePortAddresses::Cidrs(c) => c.iter().any(|c| c.contains(std::net::Ipv4Addr::LOCALHOST.into())),
         }
 }
 

@@ -1,40 +1,18 @@
 //! What kube-proxy leaves on a node that no mode of this agent writes, removed when the agent
-//! takes the node over (as `kube-proxy --cleanup` would): its IPv6 rules in both iptables
-//! backends and its `ip6 kube-proxy` nftables table (the agent serves IPv4 only so far, so no
-//! IPv6 Service may stay translated by a kube-proxy that no longer follows the API), its
-//! canary chains, and its IPv6 ipsets. The IPv4 chains, the `ip kube-proxy` table and the
-//! IPVS state have the names of the agent's own modes and go with their cleanup.
+//! takes the node over (as `kube-proxy --cleanup` would): its canary chains in both families,
+//! and its IPv6 ipsets (the IPVS mode serves IPv4 only so far). Its other chains, the `ip` and
+//! `ip6 kube-proxy` tables and the IPVS state have the names of the agent's own modes and go
+//! with their cleanup.
 //!
 //! kubelet's chains (KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT, KUBE-FIREWALL, KUBE-MARK-DROP)
 //! and everything not named KUBE- (the CNI's) are never touched.
 
-use super::{run, run_with_input, Iptables, IPTABLES_PACKAGE};
+use super::{run, run_with_input, Iptables, Tools, IPTABLES_PACKAGE};
+use crate::model::Family;
 
-/// Chains kubelet makes (or made), which stay.
-const KUBELET_CHAINS: [&str; 4] = ["KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-FIREWALL", "KUBE-MARK-DROP"];
 /// kube-proxy's canary, made in these tables to notice a flush.
 const CANARY: &str = "KUBE-PROXY-CANARY";
 const TABLES: [&str; 3] = ["mangle", "nat", "filter"];
-
-/// An iptables family's tools in one backend.
-#[derive(Clone, Copy)]
-struct Tools {
-    cmd: &'static str,
-    save: &'static str,
-    restore: &'static str,
-}
-
-fn ip6tables(backend: Iptables) -> Tools {
-    match backend {
-        Iptables::Nft => Tools { cmd: "ip6tables-nft", save: "ip6tables-nft-save", restore: "ip6tables-nft-restore" },
-        Iptables::Legacy => Tools { cmd: "ip6tables-legacy", save: "ip6tables-legacy-save", restore: "ip6tables-legacy-restore" },
-        Iptables::Path => Tools { cmd: "ip6tables", save: "ip6tables-save", restore: "ip6tables-restore" },
-    }
-}
-
-fn ip4tables(backend: Iptables) -> Tools {
-    Tools { cmd: backend.iptables(), save: backend.save(), restore: backend.restore() }
-}
 
 /// Splits an iptables-save rule into arguments, as a shell would (comments are quoted).
 pub fn split_rule(line: &str) -> Vec<String> {
@@ -94,7 +72,7 @@ pub fn plan(save: &str, remove: impl Fn(&str) -> bool) -> (Vec<String>, Vec<Vec<
 fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> Vec<String> {
     let mut done = Vec::new();
     for table in TABLES {
-        let Ok(save) = run(tools.save, IPTABLES_PACKAGE, &["-t", table]) else { continue };
+        let Ok(save) = run(tools.save(), IPTABLES_PACKAGE, &["-t", table]) else { continue };
         let (chains, jumps) = plan(&save, remove);
         if chains.is_empty() {
             continue;
@@ -103,19 +81,15 @@ fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> V
             let chain = args.remove(0);
             let mut cmd: Vec<&str> = vec!["-w", "5", "-t", table, "-D", &chain];
             cmd.extend(args.iter().map(String::as_str));
-            let _ = run(tools.cmd, IPTABLES_PACKAGE, &cmd);
+            let _ = run(tools.cmd(), IPTABLES_PACKAGE, &cmd);
         }
         let text = super::delete_chains_text(table, &chains);
-        match run_with_input(tools.restore, IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text) {
-            Ok(_) => done.push(format!("{} ({family}): {} kube-proxy chains in the {table} table", tools.cmd, chains.len())),
-            Err(e) => done.push(format!("{} ({family}): could not remove kube-proxy's chains in the {table} table: {e}", tools.cmd)),
+        match run_with_input(tools.restore(), IPTABLES_PACKAGE, &["-w", "5", "--noflush"], &text) {
+            Ok(_) => done.push(format!("{} ({family}): {} kube-proxy chains in the {table} table", tools.cmd(), chains.len())),
+            Err(e) => done.push(format!("{} ({family}): could not remove kube-proxy's chains in the {table} table: {e}", tools.cmd())),
         }
     }
     done
-}
-
-fn kube_proxy_chain(c: &str) -> bool {
-    c.starts_with("KUBE-") && !KUBELET_CHAINS.contains(&c)
 }
 
 /// Removes what kube-proxy left that no mode of the agent writes (see the module notes), in
@@ -123,13 +97,8 @@ fn kube_proxy_chain(c: &str) -> bool {
 pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     let mut removed = Vec::new();
     for &b in backends {
-        removed.extend(remove_chains(ip6tables(b), "IPv6", &kube_proxy_chain));
-        removed.extend(remove_chains(ip4tables(b), "IPv4", &|c| c == CANARY));
-    }
-    if run("nft", "nftables", &["list", "table", "ip6", "kube-proxy"]).is_ok() {
-        match run("nft", "nftables", &["delete", "table", "ip6", "kube-proxy"]) {
-            Ok(_) => removed.push("nftables: table ip6 kube-proxy".into()),
-            Err(e) => removed.push(format!("nftables: could not delete table ip6 kube-proxy: {e}")),
+        for family in Family::ALL {
+            removed.extend(remove_chains(b.tools(family), family.api_name(), &|c| c == CANARY));
         }
     }
     if let Ok(sets) = run("ipset", "ipset", &["list", "-n"]) {
@@ -145,6 +114,13 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Chains kubelet makes (or made), which stay.
+    const KUBELET_CHAINS: [&str; 4] = ["KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-FIREWALL", "KUBE-MARK-DROP"];
+
+    fn kube_proxy_chain(c: &str) -> bool {
+        c.starts_with("KUBE-") && !KUBELET_CHAINS.contains(&c)
+    }
 
     const SAVE: &str = r#"*nat
 :PREROUTING ACCEPT [0:0]
