@@ -146,8 +146,8 @@ fn in_netns(ns: &str, args: &[&str]) -> String {
 }
 
 /// Taking a node over from kube-proxy: what kube-proxy left (its IPv4 and IPv6 iptables rules,
-/// each in another backend, and both of its nftables tables) is gone once the agent starts in
-/// `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
+/// each in another backend, and both of its nftables tables) is gone or rewritten as the
+/// agent's own once the agent starts in `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
 /// `proxy-agent cleanup` leaves nothing of the agent's and still keeps theirs. (IPVS state is
 /// not loaded here: this kernel has no IPVS; the IPVS mode's own cleanup covers it.)
 pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
@@ -197,10 +197,10 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     assert!(leftovers(&in_node).len() > 20, "the fixtures load kube-proxy's state");
     start(&mut lab, mode, &[]);
     let left = leftovers(&in_node);
-    // The agent's own mode writes some of the same names in IPv4: those are its own.
+    // The agent's own mode writes some of the same names, in both families: those are its own.
     let own: &[&str] = match mode {
-        ProxyMode::Iptables => &["iptables-nft-save"],
-        ProxyMode::Nftables => &["table ip kube-proxy"],
+        ProxyMode::Iptables => &["iptables-nft-save", "ip6tables-nft-save"],
+        ProxyMode::Nftables => &["table ip kube-proxy", "table ip6 kube-proxy"],
         _ => &[],
     };
     let foreign: Vec<&String> = left.iter().filter(|l| !own.iter().any(|o| l.starts_with(o))).collect();
@@ -780,3 +780,129 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("maglev_agreement", maglev_agreement),
     ("service_cidrs_drop_free_addresses_and_reject_unserved_ports", service_cidrs_drop_free_addresses_and_reject_unserved_ports),
 ];
+
+/// A TCP server on `[::]:port` in a pod that answers every connection with the pod's name and
+/// closes it; stopped (and its thread joined) when dropped, also when a test fails.
+struct NameServer {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NameServer {
+    fn start(ns: &crate::netns::Netns, name: &str, port: u16) -> Self {
+        use std::{io::Write as _, sync::atomic::Ordering};
+        let listener = ns.run(move || std::net::TcpListener::bind(("::", port)).expect("bind [::]"));
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, name) = (stop.clone(), name.to_string());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut conn, _)) => {
+                        let _ = conn.write_all(format!("{name}\n").as_bytes());
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        Self { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for NameServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connects from `ns` to `to` and reads the name the server answers with.
+fn ask_name(ns: &crate::netns::Netns, to: SocketAddr) -> io::Result<String> {
+    use std::io::Read as _;
+    let mut stream = ns.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2)))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    Ok(text.trim().to_string())
+}
+
+/// IPv6 and dual-stack Services in a netfilter mode (iptables writes ip6tables, nftables the
+/// `ip6 kube-proxy` table, as kube-proxy's IPv6 proxier): the lab's pods get IPv6 addresses
+/// beside their IPv4 ones and the node an IPv6 address and default route on its uplink. An IPv6-only Service
+/// reaches every backend over IPv6 and its NodePort on the node's IPv6 address; one without
+/// endpoints refuses; a dual-stack Service answers on both cluster IPs, each from its own
+/// family's EndpointSlice; the IPv4 Services stay served throughout.
+pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
+    let mut lab = Lab::new(agent, 2);
+    lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
+    lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
+    // A default route, as a dual-stack node has: without one, traffic to a cluster IP dies in
+    // routing (ICMPv6 no route) before netfilter sees it.
+    lab.node.ip(&["-6", "route", "add", "default", "via", "fd00:250::fe", "dev", "uplink0"]);
+    let v6 = |i: u16| std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, i);
+    lab.client.add_ipv6(&lab.node, v6(2));
+    let mut servers = Vec::new();
+    for (i, b) in lab.backends.iter().enumerate() {
+        b.add_ipv6(&lab.node, v6(0x100 + i as u16 + 1));
+        servers.push(NameServer::start(&b.ns, &b.name, 8081));
+    }
+    let v6_slice = |svc: &str| {
+        let eps: String = (1..=lab.backends.len()).map(|i| format!("- addresses: ['{}']\n", v6(0x100 + i as u16))).collect();
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {{name: http, port: 8081, protocol: TCP}}\nendpoints:\n{eps}"
+        )
+    };
+    let objects = [
+        standard_manifests(&lab.backend_ips()),
+        cluster::service(
+            "web6",
+            "  type: NodePort\n  clusterIP: fd00:96::10\n  clusterIPs: ['fd00:96::10']\n  ipFamilies: [IPv6]\n  ports:\n  - {name: http, port: 80, targetPort: 8081, nodePort: 30081, protocol: TCP}\n",
+            None,
+        ),
+        v6_slice("web6"),
+        cluster::service("empty6", "  clusterIP: fd00:96::11\n  ipFamilies: [IPv6]\n  ports:\n  - {name: http, port: 80, protocol: TCP}\n", None),
+        cluster::service(
+            "dual",
+            "  clusterIP: 10.96.0.50\n  clusterIPs: [10.96.0.50, 'fd00:96::50']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n",
+            None,
+        ),
+        crate::lab::endpoint_slice("dual", "dual-v4", &lab.backend_ips(), &[("http", crate::lab::TCP_PORT, "TCP")]),
+        v6_slice("dual"),
+    ];
+    lab.write_manifest("services.yaml", &objects.join("---\n"));
+    let args = ["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"];
+    lab.start_agent_with_extra(&args);
+    let all: BTreeSet<String> = lab.backends.iter().map(|b| b.name.clone()).collect();
+    let every_backend = |to: &str| {
+        let to: SocketAddr = to.parse().unwrap();
+        eventually(&format!("{to} to reach every backend"), || {
+            let seen: BTreeSet<String> = (0..30).filter_map(|_| ask_name(&lab.client.ns, to).ok()).collect();
+            if seen == all {
+                Ok(())
+            } else {
+                Err(format!("answered by {seen:?}"))
+            }
+        })
+    };
+    every_backend("[fd00:96::10]:80");
+    // The IPv6 cluster IP is not the only way in: the NodePort on the node's IPv6 address.
+    eventually("the IPv6 NodePort", || ask_name(&lab.client.ns, "[fd00:250::1]:30081".parse().unwrap()).map_err(|e| e.to_string()));
+    // No endpoints: refused at once (kube-proxy's REJECT), not left to time out.
+    let refused = ask_name(&lab.client.ns, "[fd00:96::11]:80".parse().unwrap());
+    assert_eq!(refused.as_ref().map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionRefused), "{mode}: IPv6 Service without endpoints");
+    // Dual-stack: each cluster IP served from its own family's slice (the IPv6 slice's
+    // port is 8081, the IPv4 one's 8080: the wrong pairing would not answer).
+    every_backend("[fd00:96::50]:80");
+    eventually("the dual-stack Service's IPv4 cluster IP", || tcp_ask(&lab.client.ns, sock("10.96.0.50:80")).map_err(|e| e.to_string()));
+    tcp_ask(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("{mode}: the IPv4 Service beside the IPv6 ones: {e}"));
+    // The rules are where kube-proxy's IPv6 proxier keeps them.
+    let node = lab.node.name.clone();
+    let listing = match mode {
+        ProxyMode::Nftables => in_netns(&node, &["nft", "list", "table", "ip6", "kube-proxy"]),
+        _ => in_netns(&node, &["ip6tables-nft-save", "-t", "nat"]),
+    };
+    assert!(listing.contains("fd00:96::10"), "{mode}: the IPv6 cluster IP in the IPv6 rules:\n{listing}");
+    drop(servers);
+}

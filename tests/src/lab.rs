@@ -23,7 +23,7 @@ use crate::{
 /// Gateway address every pod routes through; answered by the node side of its veth.
 const GATEWAY: &str = "169.254.1.1";
 /// MAC of every node-side veth (as Calico does).
-const NODE_MAC: &str = "ee:ee:ee:ee:ee:ee";
+pub const NODE_MAC: &str = "ee:ee:ee:ee:ee:ee";
 pub const NODE_NAME: &str = "lab-node";
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
@@ -415,9 +415,27 @@ pub fn spawn_agent_limited(bin: &Path, node: &Netns, args: &[&std::ffi::OsStr], 
 }
 
 impl Pod {
+    /// The pod's MAC address (its `eth0`), made from its IPv4 address.
+    pub fn mac(&self) -> String {
+        mac_of(self.ip)
+    }
+
+    /// Gives the pod an IPv6 address too (`ip`/128, no duplicate detection), routed both
+    /// ways through the node like its IPv4 one: the node's side of the pair is the pod's
+    /// gateway (fe80::1, a static neighbour), and the node routes `ip` to the pair. The node
+    /// must forward IPv6 (`net.ipv6.conf.all.forwarding`).
+    pub fn add_ipv6(&self, node: &Netns, ip: std::net::Ipv6Addr) {
+        self.ns.ip(&["-6", "addr", "add", &format!("{ip}/128"), "dev", "eth0", "nodad"]);
+        self.ns.ip(&["-6", "route", "add", "fe80::1", "dev", "eth0"]);
+        self.ns.ip(&["-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0"]);
+        self.ns.ip(&["-6", "neigh", "add", "fe80::1", "lladdr", NODE_MAC, "dev", "eth0", "nud", "permanent"]);
+        node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", &self.host_if]);
+        node.ip(&["-6", "neigh", "add", &ip.to_string(), "lladdr", &self.mac(), "dev", &self.host_if, "nud", "permanent"]);
+    }
+
     pub fn create(id: &str, node: &Netns, name: &str, host_if: &str, ip: Ipv4Addr) -> Self {
         let ns = Netns::create(format!("pxl-{id}-{name}"));
-        let pod_mac = format!("02:00:0a:f4:{:02x}:{:02x}", ip.octets()[2], ip.octets()[3]);
+        let pod_mac = mac_of(ip);
         node.ip(&[
             "link", "add", host_if, "address", NODE_MAC, "type", "veth", "peer", "name", "eth0", "address", &pod_mac, "netns", &ns.name,
         ]);
@@ -432,6 +450,10 @@ impl Pod {
         ns.ip(&["neigh", "add", GATEWAY, "lladdr", NODE_MAC, "dev", "eth0", "nud", "permanent"]);
         Self { name: name.into(), ns, ip, host_if: host_if.into() }
     }
+}
+
+fn mac_of(ip: Ipv4Addr) -> String {
+    format!("02:00:0a:f4:{:02x}:{:02x}", ip.octets()[2], ip.octets()[3])
 }
 
 /// A process's resident memory in MiB, from /proc (0 when it is gone).

@@ -142,6 +142,28 @@ mod localhost_node_ports {
     }
 }
 
+/// IPv6 and dual-stack Services, in the modes that serve them (the eBPF dataplane and IPVS
+/// mode serve IPv4 only so far).
+mod ipv6 {
+    use super::*;
+
+    fn ipv6(mode: ProxyMode) {
+        if require::root(&format!("IPv6 Services ({mode})")) {
+            conformance::ipv6_services(&agent(), mode);
+        }
+    }
+
+    #[test]
+    fn iptables() {
+        ipv6(ProxyMode::Iptables)
+    }
+
+    #[test]
+    fn nftables() {
+        ipv6(ProxyMode::Nftables)
+    }
+}
+
 /// Not a scenario of every mode: which iptables the iptables mode writes to.
 #[test]
 fn iptables_backend_auto_and_switching() {
