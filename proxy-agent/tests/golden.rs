@@ -377,3 +377,67 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
     assert!(text.contains("ip saddr != { 192.168.0.0/24 , 203.0.113.9 } drop"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A dual-stack Service rendered per family: each family's rules hold only its own addresses,
+/// and the IPv6 ones are written as kube-proxy's IPv6 proxier writes them (`ip6 kube-proxy`,
+/// `ipv6_addr`, endpoint chains with the colons of the address as dots, `[addr]:port`
+/// DNAT targets, NodePorts never on ::1).
+#[test]
+fn each_family_renders_its_own_addresses_in_kube_proxys_ipv6_form() {
+    use proxy_agent::model::Family;
+    let dir = std::env::temp_dir().join(format!("golden-dual-stack-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("objects.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: ns1}\nspec: {type: NodePort, clusterIP: 172.30.0.41, clusterIPs: [172.30.0.41, 'fd00:172:30::41'], ipFamilies: [IPv4, IPv6], ports: [{name: p80, port: 80, nodePort: 3001}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-v4, namespace: ns1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: p80, port: 80}]\nendpoints: [{addresses: [10.180.0.1]}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-v6, namespace: ns1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: p80, port: 80}]\nendpoints: [{addresses: ['fd00:10:180::1']}, {addresses: ['fd00:10:180::2']}]\n",
+    )
+    .unwrap();
+    let node = NodeContext {
+        nodeport_ips: vec![],
+        nodeport_all: true,
+        local: LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8"), cidr("fd00:10::/32")]),
+        masquerade_all: false,
+        node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into(), "fd00::2".parse().unwrap()],
+    };
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let (v4, v6) = (node.for_family(Family::V4), node.for_family(Family::V6));
+    let ipt = |family, node: &NodeContext| {
+        let opts = iptables::IptablesOptions { family, ..iptables::IptablesOptions::upstream_fixture() };
+        iptables::restore_text(&iptables::render(&services, node, &opts), &|_| true, &Default::default())
+    };
+    let nft =
+        |family, node: &NodeContext| nftables::render(&services, node, &nftables::NftablesOptions { family, ..Default::default() }).dump();
+    let (ipt4, ipt6, nft4, nft6) = (ipt(Family::V4, &v4), ipt(Family::V6, &v6), nft(Family::V4, &v4), nft(Family::V6, &v6));
+    for text in [&ipt4, &nft4] {
+        assert!(
+            text.contains("172.30.0.41") && text.contains("10.180.0.1") && !text.contains("fd00"),
+            "IPv4 rules, IPv4 addresses:\n{text}"
+        );
+    }
+    for text in [&ipt6, &nft6] {
+        assert!(text.contains("fd00:172:30::41") && !text.contains("172.30.0.41") && !text.contains("10.180.0.1"), "IPv6 rules:\n{text}");
+    }
+    for line in [
+        "-A KUBE-SERVICES -m comment --comment \"ns1/web:p80 cluster IP\" -m tcp -p tcp -d fd00:172:30::41 --dport 80 -j KUBE-SVC-",
+        "-m tcp -p tcp -j DNAT --to-destination [fd00:10:180::1]:80",
+        "-s fd00:10:180::2 -j KUBE-MARK-MASQ",
+        "-m addrtype --dst-type LOCAL ! -d ::1/128 -j KUBE-NODEPORTS",
+        "! -s fd00:10::/32 -j KUBE-MARK-MASQ",
+    ] {
+        assert!(ipt6.contains(line), "ip6tables input lacks {line:?}:\n{ipt6}");
+    }
+    assert!(!ipt6.contains("127.0.0.0/8") && !ipt6.contains("block incoming localnet"), "no localhost NodePorts in IPv6:\n{ipt6}");
+    for line in [
+        "add table ip6 kube-proxy",
+        "add set ip6 kube-proxy cluster-ips { type ipv6_addr ; comment \"Active ClusterIPs\" ; }",
+        "add rule ip6 kube-proxy services ip6 daddr . meta l4proto . th dport vmap @service-ips",
+        "add rule ip6 kube-proxy services fib daddr type local ip6 daddr != ::1 meta l4proto . th dport vmap @service-nodeports",
+        "__fd00.10.180..1/80",
+        "meta l4proto tcp dnat to [fd00:10:180::2]:80",
+        "ip6 daddr fd00:172:30::41 ip6 saddr != fd00:10::/32 jump mark-for-masquerade",
+        "add element ip6 kube-proxy cluster-ips { fd00:172:30::41 }",
+    ] {
+        assert!(nft6.contains(line), "ip6 kube-proxy lacks {line:?}:\n{nft6}");
+    }
+}

@@ -926,6 +926,31 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_slices_are_checked_as_the_api_server_checks_them() {
+        let with = |t: &str, a: &str| {
+            endpoint_slice(&slice(&format!(
+                "metadata: {{name: s, labels: {{kubernetes.io/service-name: web}}}}\naddressType: {t}\nendpoints: [{{addresses: ['{a}']}}]"
+            )))
+        };
+        let ok = with("IPv6", "fd00:10:180::1").unwrap().unwrap();
+        assert_eq!((ok.family, ok.endpoints[0].addr), (super::super::Family::V6, "fd00:10:180::1".parse().unwrap()));
+        let e = with("IPv6", "10.0.0.1").unwrap_err().to_string();
+        assert!(e.contains("\"10.0.0.1\" is not an IPv6 address (addressType IPv6)"), "{e}");
+        let e = with("IPv4", "fd00::1").unwrap_err().to_string();
+        assert!(e.contains("is not an IPv4 address (addressType IPv4)"), "{e}");
+        for (bad, why) in [("fe80::1", "link-local"), ("::1", "loopback"), ("ff02::1", "multicast"), ("::", "unspecified")] {
+            let e = with("IPv6", bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        assert_eq!(with("FQDN", "example.com").unwrap(), Err(SliceIgnored::AddressType("FQDN".into())));
+        // An IPv6 cluster IP is a Service's like an IPv4 one; a link-local one is refused.
+        let s = service(&svc("metadata: {name: web}\nspec: {clusterIP: 'fd00::10', ports: [{port: 80}]}")).unwrap();
+        assert_eq!(s.cluster_ips, vec!["fd00::10".parse::<IpAddr>().unwrap()]);
+        let e = service(&svc("metadata: {name: web}\nspec: {clusterIP: 'fe80::10', ports: [{port: 80}]}")).unwrap_err().to_string();
+        assert!(e.contains("link-local"), "{e}");
+    }
+
+    #[test]
     fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
         // Stored before Go 1.17 and still served: every part is decimal (041 is 41).
         let s = service(&svc(

@@ -171,6 +171,29 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_flows_are_read_and_judged_by_their_familys_view() {
+        let line = "udp      17 27 src=fd00:244::2 dst=fd00:96::10 sport=40000 dport=53 src=fd00:244::103 dst=fd00:244::2 sport=5353 dport=40000 mark=0 use=1";
+        let f = parse_line(line).expect("an IPv6 line");
+        assert_eq!((f.dst, f.reply_src), ("fd00:96::10".parse().unwrap(), "fd00:244::103".parse().unwrap()));
+        let mut v6 = dns(vec![ep("fd00:244::101", 5353)], Some(30053));
+        (v6.family, v6.cluster_ips) = (Family::V6, vec!["fd00:96::10".parse().unwrap()]);
+        let node = NodeContext { nodeport_ips: vec!["192.168.0.1".parse().unwrap(), "fd00::1".parse().unwrap()], ..Default::default() };
+        let services = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![ep("10.244.1.1", 5353)], Some(30053)), v6])]);
+        let flow =
+            |dst: &str, dport, src: &str| Flow { dst: dst.parse().unwrap(), dport, reply_src: src.parse().unwrap(), reply_sport: 5353 };
+        let flows = [
+            f,
+            flow("fd00:96::10", 53, "fd00:244::101"),
+            flow("fd00::1", 30053, "fd00:244::102"),
+            // An IPv4 endpoint does not answer for the IPv6 NodePort address.
+            flow("fd00::1", 30053, "10.244.1.1"),
+            flow("192.168.0.1", 30053, "10.244.1.1"),
+        ];
+        let want: BTreeSet<Flow> = [flows[0], flows[2], flows[3]].into();
+        assert_eq!(stale(flows, &services, &node), want);
+    }
+
+    #[test]
     fn stale_flows_are_those_to_a_service_not_answered_by_its_endpoints() {
         let node = NodeContext { nodeport_ips: vec!["192.168.0.1".parse().unwrap()], ..Default::default() };
         let services = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![ep("10.244.1.1", 5353)], Some(30053))])]);
