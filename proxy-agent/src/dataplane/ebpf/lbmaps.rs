@@ -738,6 +738,12 @@ impl LbMaps {
                     self.stray_slots.push(*k);
                 }
             }
+            // A Maglev table this frontend's record does not name yet: it was added as a user
+            // above, and no removal would release it.
+            if maglev_id.is_some() && !old.as_ref().is_some_and(|o| o.maglev.as_deref() == Some(name.as_str())) {
+                let released = self.maglev.release(&name, key);
+                self.release_all(&released);
+            }
             if fresh {
                 if failed(self.revnat.del(&service_id)) | failed(self.names.del(&service_id)) {
                     self.stray_service_ids.push(service_id);
