@@ -117,8 +117,14 @@ pub mod prog_names {
     pub const SOCK_SENDMSG4: &str = "proxy_sock_sendmsg4";
     pub const SOCK_RECVMSG4: &str = "proxy_sock_recvmsg4";
     pub const SOCK_GETPEERNAME4: &str = "proxy_sock_getpeername4";
+    /// The same for IPv6 sockets (IPv4 Services through IPv4-mapped addresses).
+    pub const SOCK_CONNECT6: &str = "proxy_sock_connect6";
+    pub const SOCK_SENDMSG6: &str = "proxy_sock_sendmsg6";
+    pub const SOCK_RECVMSG6: &str = "proxy_sock_recvmsg6";
+    pub const SOCK_GETPEERNAME6: &str = "proxy_sock_getpeername6";
     /// The socket hooks with the attach type each needs.
-    pub const SOCK_HOOKS: [&str; 4] = [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4];
+    pub const SOCK_HOOKS: [&str; 8] =
+        [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4, SOCK_CONNECT6, SOCK_SENDMSG6, SOCK_RECVMSG6, SOCK_GETPEERNAME6];
     /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
 }

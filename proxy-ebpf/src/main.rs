@@ -78,25 +78,46 @@ fn xdp_ext(ctx: &XdpContext) -> u32 {
 /// connect() of host-network sockets: Services to backends (see `sock`).
 #[cgroup_sock_addr(connect4)]
 pub fn proxy_sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, true)
+    sock::translate(&ctx, sock::Hook::V4, true)
 }
 
 /// sendmsg() of unconnected host-network UDP sockets.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn proxy_sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx, false)
+    sock::translate(&ctx, sock::Hook::V4, false)
 }
 
 /// recvmsg() of unconnected host-network UDP sockets: answers show the Service as sender.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn proxy_sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::restore(&ctx)
+    sock::restore(&ctx, sock::Hook::V4)
 }
 
 /// getpeername() of host-network sockets connected to a Service.
 #[cgroup_sock_addr(getpeername4)]
 pub fn proxy_sock_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock::restore(&ctx)
+    sock::restore(&ctx, sock::Hook::V4)
+}
+
+/// The same four for IPv6 sockets, whose IPv4 peers are IPv4-mapped addresses.
+#[cgroup_sock_addr(connect6)]
+pub fn proxy_sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Hook::V6, true)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn proxy_sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, sock::Hook::V6, false)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn proxy_sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx, sock::Hook::V6)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn proxy_sock_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::restore(&ctx, sock::Hook::V6)
 }
 
 /// close() of host-network sockets: a connected socket's tuple is free again.

@@ -29,6 +29,11 @@
 //! replies show the later Service (counted). A holder is trusted to refuse for two minutes
 //! only: the kernel runs no release hook for its own sockets (an NFS client's), whose entries
 //! would otherwise stay.
+//!
+//! IPv6 sockets reach IPv4 Services through IPv4-mapped addresses (`::ffff:10.96.0.10`, what a
+//! JVM or any dual-stack socket passes for an IPv4 peer). Their hooks (connect6, sendmsg6,
+//! recvmsg6, getpeername6) read and write the mapped IPv4 address (the last 32 bits) and
+//! otherwise do what the IPv4 hooks do; any other IPv6 address is left alone.
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY},
@@ -101,19 +106,48 @@ fn protocol(ctx: &SockAddrContext) -> Option<u8> {
     (p == IPPROTO_TCP || p == IPPROTO_UDP).then_some(p)
 }
 
-/// The address the call names: (address, port), both as the packet would carry them.
-#[inline(always)]
-fn peer(ctx: &SockAddrContext) -> ([u8; 4], [u8; 2]) {
-    // SAFETY: fields of our own context; both hold network byte order (the port in the low
-    // 16 bits).
-    unsafe { ((*ctx.sock_addr).user_ip4.to_ne_bytes(), ((*ctx.sock_addr).user_port as u16).to_ne_bytes()) }
+/// Which hooks run: the IPv4 ones, or the IPv6 ones (which see IPv4 peers as IPv4-mapped
+/// addresses).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    V4,
+    V6,
 }
 
+/// `::ffff:0:0/96`, the IPv4-mapped prefix, as the three leading words of `user_ip6`.
+const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
+
+/// The IPv4 address the call names and its port, both as the packet would carry them; None
+/// for an IPv6 hook's address that is not IPv4-mapped.
 #[inline(always)]
-fn set_peer(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) {
-    // SAFETY: 4-byte writes to the two fields the hook may write.
+fn peer(ctx: &SockAddrContext, hook: Hook) -> Option<([u8; 4], [u8; 2])> {
+    // SAFETY: fields of our own context, read as the 4-byte words the kernel allows; they hold
+    // network byte order (the port in the low 16 bits).
     unsafe {
-        (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(addr);
+        let sa = ctx.sock_addr;
+        let addr = match hook {
+            Hook::V4 => (*sa).user_ip4,
+            Hook::V6 => {
+                if [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2]] != V4_MAPPED {
+                    return None;
+                }
+                (*sa).user_ip6[3]
+            }
+        };
+        Some((addr.to_ne_bytes(), ((*sa).user_port as u16).to_ne_bytes()))
+    }
+}
+
+/// Makes the call name `addr`:`port` (for an IPv6 hook, as an IPv4-mapped address: the
+/// prefix is there already, `peer` checked it).
+#[inline(always)]
+fn set_peer(ctx: &SockAddrContext, hook: Hook, addr: [u8; 4], port: [u8; 2]) {
+    // SAFETY: 4-byte writes to the fields the hook may write.
+    unsafe {
+        match hook {
+            Hook::V4 => (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(addr),
+            Hook::V6 => (*ctx.sock_addr).user_ip6[3] = u32::from_ne_bytes(addr),
+        }
         (*ctx.sock_addr).user_port = u32::from(u16::from_ne_bytes(port));
     }
 }
@@ -127,12 +161,12 @@ fn rev_key(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) -> SockRevKey {
 
 /// `connect` and `sendmsg`: a Service address becomes one of its backends'.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
+pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     if !in_host_netns(ctx.sock_addr.cast()) {
         return PROCEED;
     }
     let Some(proto) = protocol(ctx) else { return PROCEED };
-    let (vip, vport) = peer(ctx);
+    let Some((vip, vport)) = peer(ctx, hook) else { return PROCEED };
     let mut key = ServiceKey::new(vip, vport, proto, 0);
     let Some(master) = select::service(&key) else {
         // A cluster IP on a port it does not serve is refused. (A free address of a Service
@@ -160,7 +194,7 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
         // SAFETY: the value is copied out at once.
         if let Some(f) = SOCK_FWD_V1.get_ptr(&fwd_key).map(|p| unsafe { *p }) {
             if select::backend(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
-                set_peer(ctx, f.addr, f.port);
+                set_peer(ctx, hook, f.addr, f.port);
                 return PROCEED;
             }
         }
@@ -218,7 +252,7 @@ pub fn translate(ctx: &SockAddrContext, connect: bool) -> i32 {
             }
         }
     }
-    set_peer(ctx, be.addr, be.port);
+    set_peer(ctx, hook, be.addr, be.port);
     count_flow(choice.id);
     stats::count(Reason::HostConnect, 0);
     PROCEED
@@ -299,14 +333,14 @@ pub fn release(ctx: &SockContext) {
 
 /// `getpeername` and `recvmsg`: a backend this socket was sent to shows as its Service.
 #[inline(always)]
-pub fn restore(ctx: &SockAddrContext) -> i32 {
+pub fn restore(ctx: &SockAddrContext, hook: Hook) -> i32 {
     if !in_host_netns(ctx.sock_addr.cast()) || protocol(ctx).is_none() {
         return PROCEED;
     }
-    let (addr, port) = peer(ctx);
+    let Some((addr, port)) = peer(ctx, hook) else { return PROCEED };
     // SAFETY: the value is copied out at once.
     if let Some(rn) = SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, addr, port)).map(|p| unsafe { *p }) {
-        set_peer(ctx, rn.addr, rn.port);
+        set_peer(ctx, hook, rn.addr, rn.port);
     }
     PROCEED
 }

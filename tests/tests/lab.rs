@@ -295,6 +295,38 @@ fn a_pod_reaching_its_own_service_gets_through_when_it_picks_itself() {
     assert!(a.backend.starts_with("backend-"));
 }
 
+/// IPv6 sockets of host-network processes reach IPv4 Services through IPv4-mapped addresses
+/// (`::ffff:10.96.0.10`, what a JVM passes for an IPv4 peer): the IPv6 socket hooks translate
+/// TCP connects and unconnected UDP, and the socket reports the Service as its peer.
+#[test]
+fn host_ipv6_sockets_reach_ipv4_services_through_mapped_addresses() {
+    let Some(lab) = lab("host_ipv6_sockets_reach_ipv4_services_through_mapped_addresses") else { return };
+    if lab.cgroup.is_none() {
+        println!("SKIPPED host_ipv6_sockets_reach_ipv4_services_through_mapped_addresses: no cgroup v2 hierarchy is mounted");
+        return;
+    }
+    let mapped = |vip: &str| {
+        let v4 = sock(vip);
+        format!("[::ffff:{}]:{}", v4.ip(), v4.port())
+    };
+    let mut backends = BTreeMap::new();
+    for i in 0..10 {
+        let out = lab.host_ask("tcp", &mapped(WEB_VIP));
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok", "TCP connection {i} over an IPv6 socket: {out}\n{}", lab.agent_log());
+        assert_eq!(f[3], mapped(WEB_VIP), "getpeername shows the Service (IPv4-mapped), not the backend");
+        *backends.entry(f[1].to_string()).or_insert(0) += 1;
+    }
+    assert!(backends.len() >= 2, "spread over the backends: {backends:?}");
+    for i in 0..5 {
+        let out = lab.host_ask("udp", &mapped(DNS_VIP));
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok", "UDP query {i} over an IPv6 socket: {out}");
+        assert_eq!(f[3], mapped(DNS_VIP), "recvfrom shows the answer as coming from the Service");
+    }
+    assert_eq!(lab.host_ask("tcp", &mapped(EMPTY_VIP)), "err ConnectionRefused", "no endpoints: refused");
+}
+
 /// A host-network process (in the node's namespace, as a hostNetwork pod or a node daemon)
 /// reaches Services as kube-proxy's OUTPUT chain lets it: the socket hooks send its TCP
 /// connections and unconnected UDP datagrams to backends, and its socket reports the Service
@@ -369,18 +401,22 @@ fn host_network_processes_reach_services_through_the_socket_hooks() {
         let cgroup = lab.cgroup.as_ref().unwrap().to_str().unwrap().to_string();
         netns::sh(&["bpftool", "cgroup", "show", &cgroup]).lines().filter(|l| l.contains("proxy_sock_")).count()
     };
-    assert_eq!(hooks(&lab), 5, "connect4, sendmsg4, recvmsg4, getpeername4, release");
-    assert_eq!(lab.inspect().unwrap().socket_hooks, ["connect4", "getpeername4", "recvmsg4", "release", "sendmsg4"], "inspect lists them");
+    assert_eq!(hooks(&lab), 9, "connect, sendmsg, recvmsg, getpeername for each family, and release");
+    assert_eq!(
+        lab.inspect().unwrap().socket_hooks,
+        ["connect4", "connect6", "getpeername4", "getpeername6", "recvmsg4", "recvmsg6", "release", "sendmsg4", "sendmsg6"],
+        "inspect lists them"
+    );
     lab.kill_agent();
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "), "served with the agent down");
     lab.start_agent();
     lab.wait_log("socket hooks attached", 2);
     // An unpinned link is freed after an RCU grace period: give it a moment.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while hooks(&lab) != 5 && std::time::Instant::now() < deadline {
+    while hooks(&lab) != 9 && std::time::Instant::now() < deadline {
         thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(hooks(&lab), 5, "the restarted agent's hooks replaced the old ones");
+    assert_eq!(hooks(&lab), 9, "the restarted agent's hooks replaced the old ones");
     assert!(lab.host_ask("tcp", WEB_VIP).starts_with("ok "));
     // An unconnected UDP socket keeps its backend per Service, as conntrack keeps a flow's.
     let out = lab.host_ask("udp-many", DNS_VIP);

@@ -31,8 +31,9 @@ fn ask(proto: &str, to: SocketAddr) -> std::io::Result<(String, SocketAddr)> {
         BufReader::new(&s).read_line(&mut line)?;
         Ok((line.trim().to_string(), s.peer_addr()?))
     } else {
-        // Unconnected: sendto/recvfrom, as a resolver's first query.
-        let s = UdpSocket::bind("0.0.0.0:0")?;
+        // Unconnected: sendto/recvfrom, as a resolver's first query. (An IPv6 socket for an
+        // IPv6 address: an IPv4-mapped one reaches an IPv4 Service.)
+        let s = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" })?;
         s.set_read_timeout(Some(TIMEOUT))?;
         s.send_to(b"hello", to)?;
         let mut buf = [0u8; 512];
