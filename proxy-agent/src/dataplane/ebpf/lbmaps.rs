@@ -740,7 +740,7 @@ impl LbMaps {
             }
             // A Maglev table this frontend's record does not name yet: it was added as a user
             // above, and no removal would release it.
-            if maglev_id.is_some() && !old.as_ref().is_some_and(|o| o.maglev.as_deref() == Some(name.as_str())) {
+            if maglev_id.is_some() && old.as_ref().is_none_or(|o| o.maglev.as_deref() != Some(name.as_str())) {
                 let released = self.maglev.release(&name, key);
                 self.release_all(&released);
             }
