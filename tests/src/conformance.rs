@@ -27,6 +27,9 @@ use crate::{
 /// What a mode cannot do at all, and why.
 pub fn unsupported(mode: ProxyMode, feature: &str) -> Option<&'static str> {
     match (mode, feature) {
+        (ProxyMode::Ebpf, "ipv6") => {
+            Some("the eBPF dataplane serves IPv4 Services only so far (its socket hooks serve IPv4-mapped addresses)")
+        }
         (ProxyMode::Ebpf, _) => None,
         (_, "xdp") => Some("XDP is an eBPF program; the netfilter modes work in the kernel's stack"),
         (_, "maglev") => Some("consistent hashing is the eBPF dataplane's; iptables and nftables pick at random, IPVS by its scheduler"),
@@ -779,6 +782,7 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("xdp_forwards_north_south", xdp_forwards_north_south),
     ("maglev_agreement", maglev_agreement),
     ("service_cidrs_drop_free_addresses_and_reject_unserved_ports", service_cidrs_drop_free_addresses_and_reject_unserved_ports),
+    ("ipv6_services", ipv6_services),
 ];
 
 /// A TCP server on `[::]:port` in a pod that answers every connection with the pod's name and
@@ -829,12 +833,16 @@ fn ask_name(ns: &crate::netns::Netns, to: SocketAddr) -> io::Result<String> {
 }
 
 /// IPv6 and dual-stack Services in a netfilter mode (iptables writes ip6tables, nftables the
-/// `ip6 kube-proxy` table, as kube-proxy's IPv6 proxier): the lab's pods get IPv6 addresses
+/// `ip6 kube-proxy` table, IPVS IPv6 virtual servers and `KUBE-6-` sets, as kube-proxy's IPv6
+/// proxiers): the lab's pods get IPv6 addresses
 /// beside their IPv4 ones and the node an IPv6 address and default route on its uplink. An IPv6-only Service
 /// reaches every backend over IPv6 and its NodePort on the node's IPv6 address; one without
 /// endpoints refuses; a dual-stack Service answers on both cluster IPs, each from its own
 /// family's EndpointSlice; the IPv4 Services stay served throughout.
 pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
+    if not_applicable(mode, "ipv6", "ipv6_services") {
+        return;
+    }
     let mut lab = Lab::new(agent, 2);
     lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
     lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
@@ -901,6 +909,7 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
     let node = lab.node.name.clone();
     let listing = match mode {
         ProxyMode::Nftables => in_netns(&node, &["nft", "list", "table", "ip6", "kube-proxy"]),
+        ProxyMode::Ipvs => in_netns(&node, &["ipvsadm", "-Sn"]) + &in_netns(&node, &["ipset", "list", "KUBE-6-CLUSTER-IP"]),
         _ => in_netns(&node, &["ip6tables-nft-save", "-t", "nat"]),
     };
     assert!(listing.contains("fd00:96::10"), "{mode}: the IPv6 cluster IP in the IPv6 rules:\n{listing}");

@@ -76,6 +76,10 @@ macro_rules! suite {
             fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
                 run($m, "service_cidrs_drop_free_addresses_and_reject_unserved_ports")
             }
+            #[test]
+            fn ipv6_services() {
+                run($m, "ipv6_services")
+            }
         }
     };
 }
@@ -142,28 +146,6 @@ mod localhost_node_ports {
     }
 }
 
-/// IPv6 and dual-stack Services, in the modes that serve them (the eBPF dataplane and IPVS
-/// mode serve IPv4 only so far).
-mod ipv6 {
-    use super::*;
-
-    fn ipv6(mode: ProxyMode) {
-        if require::root(&format!("IPv6 Services ({mode})")) {
-            conformance::ipv6_services(&agent(), mode);
-        }
-    }
-
-    #[test]
-    fn iptables() {
-        ipv6(ProxyMode::Iptables)
-    }
-
-    #[test]
-    fn nftables() {
-        ipv6(ProxyMode::Nftables)
-    }
-}
-
 /// Not a scenario of every mode: which iptables the iptables mode writes to.
 #[test]
 fn iptables_backend_auto_and_switching() {
@@ -176,7 +158,7 @@ fn iptables_backend_auto_and_switching() {
 #[test]
 fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.
-    assert_eq!(conformance::SCENARIOS.len(), 13);
+    assert_eq!(conformance::SCENARIOS.len(), 14);
 }
 
 /// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's

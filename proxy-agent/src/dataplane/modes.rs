@@ -80,6 +80,7 @@ pub fn ipvs_options(cfg: &Config) -> netfilter::ipvs::IpvsOptions {
         exclude_cidrs: ipvs.exclude_cidrs.clone(),
         strict_arp: ipvs.strict_arp,
         timeouts: (ipvs.tcp_timeout, ipvs.tcp_fin_timeout, ipvs.udp_timeout),
+        family: Family::V4,
     }
 }
 
@@ -106,7 +107,7 @@ pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables, n
             ProxyMode::Nftables => {
                 Box::new(NftablesRules::new(netfilter::nftables::NftablesOptions { mark: settings.mark(), family, ..Default::default() }))
             }
-            _ => Box::new(IpvsRules::new(ipvs_options(cfg), iptables)),
+            _ => Box::new(IpvsRules::new(netfilter::ipvs::IpvsOptions { family, ..ipvs_options(cfg) }, iptables)),
         }
     };
     match mode {
@@ -116,21 +117,20 @@ pub fn rules_for(mode: ProxyMode, cfg: &Config, iptables: netfilter::Iptables, n
 }
 
 /// The families `mode` programs on this node, as kube-proxy decides: IPv4, and IPv6 too when
-/// the kernel has IPv6 and (iptables) its ip6tables is installed. IPVS mode serves IPv4 only so
-/// far. What is left out is logged once, here.
+/// the kernel has IPv6 and (iptables, IPVS) its ip6tables is installed. What is left out is
+/// logged once, here.
 pub fn served_families(mode: ProxyMode, iptables: netfilter::Iptables) -> Vec<Family> {
     let v6 = match mode {
-        ProxyMode::Iptables | ProxyMode::Nftables if !Path::new("/proc/net/if_inet6").exists() => {
+        ProxyMode::Iptables | ProxyMode::Nftables | ProxyMode::Ipvs if !Path::new("/proc/net/if_inet6").exists() => {
             Err("the kernel has IPv6 disabled (no /proc/net/if_inet6)".to_string())
         }
-        ProxyMode::Iptables => {
+        ProxyMode::Iptables | ProxyMode::Ipvs => {
             let tools = iptables.tools(Family::V6);
             netfilter::run(tools.save(), netfilter::IPTABLES_PACKAGE, &["--version"])
                 .map(|_| ())
                 .map_err(|e| format!("{} is not usable: {e}", tools.save()))
         }
         ProxyMode::Nftables => Ok(()),
-        ProxyMode::Ipvs => Err("the IPVS mode serves IPv4 only so far".to_string()),
         ProxyMode::Ebpf => Err("the eBPF dataplane serves IPv4 only so far".to_string()),
     };
     match v6 {

@@ -511,10 +511,9 @@ pub fn cleanup(ipt: Iptables) -> Vec<String> {
 fn cleanup_family(ipt: Tools) -> Vec<String> {
     let mut removed = Vec::new();
     let chains_of = |save: &str| -> Vec<String> { super::declared_chains(save).map(String::from).collect() };
-    let tables: Vec<(&str, Vec<String>)> = ["nat", "filter"]
-        .into_iter()
-        .filter_map(|t| run(ipt.save(), IPTABLES_PACKAGE, &["-t", t]).ok().map(|out| (t, chains_of(&out))))
-        .collect();
+    let Ok(saved) = super::save_tables(ipt) else { return removed };
+    let tables: Vec<(&str, Vec<String>)> =
+        ["nat", "filter"].into_iter().map(|t| (t, saved.get(t).map_or(vec![], |s| chains_of(s)))).collect();
     // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and
     // KUBE-MARK-MASQ have the names IPVS mode's have, and a running IPVS mode must keep them.
     // The fixed filter chains but KUBE-SERVICES are the iptables mode's alone (IPVS mode has

@@ -4,18 +4,24 @@
 //! and ipsets plus a few iptables rules for what IPVS does not do itself (masquerade, hairpin).
 //! Programmed with `ipvsadm-restore`, `ipset restore` and `iptables-restore`; only virtual and
 //! real servers and set entries that changed are touched, so existing IPVS connections keep
-//! their real server and one endpoint change costs a few commands at any scale.
+//! their real server and one endpoint change costs a few commands at any scale. One
+//! `IpvsRules` per family, as kube-proxy's dual-stack IPVS mode: the families share the
+//! dummy interface and the IPVS table; IPv6 has its own ipsets (`KUBE-6-` names, kube-proxy's)
+//! and its rules go to ip6tables.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
 use super::{
     delete_jumps, ensure_jumps, iptables_restore, run, run_with_input, Iptables, Jump, NetfilterError, NodeContext, Plan, RuleSet, Services,
 };
-use crate::dataplane::ProxyMode;
+use crate::{
+    dataplane::ProxyMode,
+    model::{Cidr, Family},
+};
 
 pub const DUMMY: &str = "kube-ipvs0";
 
@@ -50,6 +56,11 @@ pub struct VirtualKey {
 }
 
 impl VirtualKey {
+    /// `addr:port`, `[addr]:port` for IPv6, as ipvsadm writes and reads them.
+    fn at(&self) -> SocketAddr {
+        SocketAddr::new(self.addr, self.port)
+    }
+
     fn flag(&self) -> &'static str {
         if self.proto == "udp" {
             "-u"
@@ -105,6 +116,8 @@ pub struct IpvsOptions {
     pub strict_arp: bool,
     /// `ipvsadm --set`: TCP, TCP after FIN, UDP session timeouts (None: the kernel's).
     pub timeouts: (Option<std::time::Duration>, Option<std::time::Duration>, Option<std::time::Duration>),
+    /// The family programmed.
+    pub family: Family,
 }
 
 impl Default for IpvsOptions {
@@ -115,6 +128,7 @@ impl Default for IpvsOptions {
             exclude_cidrs: Vec::new(),
             strict_arp: false,
             timeouts: (None, None, None),
+            family: Family::V4,
         }
     }
 }
@@ -128,8 +142,9 @@ impl IpvsOptions {
 
     /// Forgets the virtual servers in ipvs.excludeCIDRs: they are someone else's, and what is
     /// not known is not touched.
+    /// The other family's virtual servers are its own `IpvsRules`'.
     pub fn keep_only_ours<V>(&self, virtuals: &mut BTreeMap<VirtualKey, V>) {
-        virtuals.retain(|k, _| !self.exclude_cidrs.iter().any(|c| c.contains(k.addr)));
+        virtuals.retain(|k, _| Family::of(k.addr) == self.family && !self.exclude_cidrs.iter().any(|c| c.contains(k.addr)));
     }
 
     /// `ipvsadm --set TCP TCPFIN UDP` arguments (seconds; 0 leaves one as it is), when any is set.
@@ -143,34 +158,45 @@ impl IpvsOptions {
     }
 }
 
-const SETS: [(&str, &str); 13] = [
-    ("KUBE-CLUSTER-IP", "hash:ip,port"),
-    ("KUBE-LOOP-BACK", "hash:ip,port,ip"),
-    ("KUBE-EXTERNAL-IP", "hash:ip,port"),
-    ("KUBE-EXTERNAL-IP-LOCAL", "hash:ip,port"),
-    ("KUBE-LOAD-BALANCER", "hash:ip,port"),
-    ("KUBE-LOAD-BALANCER-LOCAL", "hash:ip,port"),
-    ("KUBE-LOAD-BALANCER-FW", "hash:ip,port"),
-    ("KUBE-LOAD-BALANCER-SOURCE-CIDR", "hash:ip,port,net"),
-    ("KUBE-LOAD-BALANCER-SOURCE-IP", "hash:ip,port,ip"),
-    ("KUBE-NODE-PORT-TCP", "bitmap:port"),
-    ("KUBE-NODE-PORT-UDP", "bitmap:port"),
-    ("KUBE-NODE-PORT-LOCAL-TCP", "bitmap:port"),
-    ("KUBE-NODE-PORT-LOCAL-UDP", "bitmap:port"),
+/// kube-proxy's ipsets: the IPv4 name, the IPv6 one (`KUBE-` becomes `KUBE-6-`, cut to the
+/// 31 characters a set name may have, as kube-proxy cuts it), and the type.
+const SETS: [(&str, &str, &str); 13] = [
+    ("KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "hash:ip,port"),
+    ("KUBE-LOOP-BACK", "KUBE-6-LOOP-BACK", "hash:ip,port,ip"),
+    ("KUBE-EXTERNAL-IP", "KUBE-6-EXTERNAL-IP", "hash:ip,port"),
+    ("KUBE-EXTERNAL-IP-LOCAL", "KUBE-6-EXTERNAL-IP-LOCAL", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER", "KUBE-6-LOAD-BALANCER", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-LOCAL", "KUBE-6-LOAD-BALANCER-LOCAL", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-FW", "KUBE-6-LOAD-BALANCER-FW", "hash:ip,port"),
+    ("KUBE-LOAD-BALANCER-SOURCE-CIDR", "KUBE-6-LOAD-BALANCER-SOURCE-CID", "hash:ip,port,net"),
+    ("KUBE-LOAD-BALANCER-SOURCE-IP", "KUBE-6-LOAD-BALANCER-SOURCE-IP", "hash:ip,port,ip"),
+    ("KUBE-NODE-PORT-TCP", "KUBE-6-NODE-PORT-TCP", "bitmap:port"),
+    ("KUBE-NODE-PORT-UDP", "KUBE-6-NODE-PORT-UDP", "bitmap:port"),
+    ("KUBE-NODE-PORT-LOCAL-TCP", "KUBE-6-NODE-PORT-LOCAL-TCP", "bitmap:port"),
+    ("KUBE-NODE-PORT-LOCAL-UDP", "KUBE-6-NODE-PORT-LOCAL-UDP", "bitmap:port"),
 ];
+
+/// A set's name in `family` (`base`: its IPv4 name).
+fn set_name(family: Family, base: &str) -> &'static str {
+    let (v4, v6, _) = SETS.iter().find(|(v4, _, _)| *v4 == base).expect("a known set");
+    match family {
+        Family::V4 => v4,
+        Family::V6 => v6,
+    }
+}
 
 pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> Desired {
     let scheduler = &opts.scheduler;
+    let family = opts.family;
     let mut d = Desired::default();
-    for (name, ty) in SETS {
-        d.sets.insert(name, (ty, BTreeSet::new()));
+    for (v4, v6, ty) in SETS {
+        d.sets.insert(if family == Family::V4 { v4 } else { v6 }, (ty, BTreeSet::new()));
     }
     let add = |d: &mut Desired, set: &'static str, entry: String| {
-        d.sets.get_mut(set).expect("known set").1.insert(entry);
+        d.sets.get_mut(set_name(family, set)).expect("known set").1.insert(entry);
     };
     let mut drops: Vec<String> = Vec::new();
-    // IPv4 only so far: IPv6 virtual servers are not written.
-    for port in services.values().flatten().filter(|p| p.family == crate::model::Family::V4) {
+    for port in services.values().flatten().filter(|p| p.family == family) {
         let p = Plan::new(port);
         let Some(cip) = p.cluster_ip else { continue };
         // Without endpoints there is no virtual server: the address is still on kube-ipvs0,
@@ -196,7 +222,7 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
         if p.has_internal_endpoints {
             d.virtuals.insert(VirtualKey { proto, addr: cip, port: port.port }, virt(p.internal()));
         } else if p.has_endpoints {
-            drops.push(drop_rule(format!("-d {cip}/32 "), port.port));
+            drops.push(drop_rule(format!("-d {} ", Cidr::host(cip)), port.port));
         }
         d.addresses.insert(cip);
         add(&mut d, "KUBE-CLUSTER-IP", format!("{cip},{proto}:{}", port.port));
@@ -209,7 +235,7 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
             if external_ok {
                 d.virtuals.insert(VirtualKey { proto, addr: *ip, port: port.port }, virt(p.external()));
             } else if local_drop {
-                drops.push(drop_rule(format!("-d {ip}/32 "), port.port));
+                drops.push(drop_rule(format!("-d {} ", Cidr::host(*ip)), port.port));
             }
             d.addresses.insert(*ip);
         }
@@ -256,11 +282,15 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
             }
         }
     }
-    d.iptables = iptables_rules(node, &drops, &opts.mark);
+    d.iptables = iptables_rules(node, &drops, &opts.mark, family);
     d
 }
 
-fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str) -> String {
+fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str, family: Family) -> String {
+    // The rules name the family's sets.
+    let named = |rules: String| {
+        SETS.iter().fold(rules, |r, (v4, _, _)| r.replace(&format!("--match-set {v4} "), &format!("--match-set {} ", set_name(family, v4))))
+    };
     let mut s = String::from("*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n");
     for r in drops {
         let _ = writeln!(s, "{r}");
@@ -305,7 +335,7 @@ fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str) -> String {
         let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-{proto} dst -j KUBE-MARK-MASQ");
     }
     s += "COMMIT\n";
-    s
+    named(s)
 }
 
 /// The jumps from the built-in chains.
@@ -319,9 +349,9 @@ const JUMPS: [Jump; 4] = [
 /// ipvsadm-restore commands for a virtual server and its real servers.
 fn add_virtual(out: &mut String, k: &VirtualKey, v: &Virtual) {
     let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
-    let _ = writeln!(out, "-A {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, v.scheduler);
+    let _ = writeln!(out, "-A {} {} -s {}{persist}", k.flag(), k.at(), v.scheduler);
     for (ip, port) in &v.reals {
-        let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
+        let _ = writeln!(out, "-a {} {} -r {} -m -w 1", k.flag(), k.at(), SocketAddr::new(*ip, *port));
     }
 }
 
@@ -334,19 +364,19 @@ pub fn ipvsadm_delta(from: &BTreeMap<VirtualKey, Virtual>, to: &BTreeMap<Virtual
             Some(old) => {
                 if old.persistence != v.persistence || old.scheduler != v.scheduler {
                     let persist = v.persistence.map(|t| format!(" -p {t}")).unwrap_or_default();
-                    let _ = writeln!(out, "-E {} {}:{} -s {}{persist}", k.flag(), k.addr, k.port, v.scheduler);
+                    let _ = writeln!(out, "-E {} {} -s {}{persist}", k.flag(), k.at(), v.scheduler);
                 }
                 for (ip, port) in v.reals.difference(&old.reals) {
-                    let _ = writeln!(out, "-a {} {}:{} -r {ip}:{port} -m -w 1", k.flag(), k.addr, k.port);
+                    let _ = writeln!(out, "-a {} {} -r {} -m -w 1", k.flag(), k.at(), SocketAddr::new(*ip, *port));
                 }
                 for (ip, port) in old.reals.difference(&v.reals) {
-                    let _ = writeln!(out, "-d {} {}:{} -r {ip}:{port}", k.flag(), k.addr, k.port);
+                    let _ = writeln!(out, "-d {} {} -r {}", k.flag(), k.at(), SocketAddr::new(*ip, *port));
                 }
             }
         }
     }
     for k in from.keys().filter(|k| !to.contains_key(*k)) {
-        let _ = writeln!(out, "-D {} {}:{}", k.flag(), k.addr, k.port);
+        let _ = writeln!(out, "-D {} {}", k.flag(), k.at());
     }
     out
 }
@@ -360,8 +390,8 @@ pub fn parse_ipvsadm_save(text: &str) -> BTreeMap<VirtualKey, Virtual> {
             "-u" => "udp",
             _ => return None,
         };
-        let (a, p) = addr.rsplit_once(':')?;
-        Some(VirtualKey { proto, addr: a.parse().ok()?, port: p.parse().ok()? })
+        let at: SocketAddr = addr.parse().ok()?;
+        Some(VirtualKey { proto, addr: at.ip(), port: at.port() })
     };
     for line in text.lines() {
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -376,10 +406,12 @@ pub fn parse_ipvsadm_save(text: &str) -> BTreeMap<VirtualKey, Virtual> {
                 out.insert(k, Virtual { scheduler, persistence, reals: BTreeSet::new() });
             }
             "-a" => {
-                let real = w.iter().position(|x| *x == "-r").and_then(|i| w.get(i + 1)).and_then(|r| {
-                    let (a, p) = r.rsplit_once(':')?;
-                    Some((a.parse().ok()?, p.parse().ok()?))
-                });
+                let real = w
+                    .iter()
+                    .position(|x| *x == "-r")
+                    .and_then(|i| w.get(i + 1))
+                    .and_then(|r| r.parse::<SocketAddr>().ok())
+                    .map(|r| (r.ip(), r.port()));
                 if let (Some(v), Some(r)) = (out.get_mut(&k), real) {
                     v.reals.insert(r);
                 }
@@ -407,14 +439,16 @@ impl IpvsRules {
     }
 }
 
-fn ensure_dummy() -> Result<BTreeSet<IpAddr>, NetfilterError> {
+/// Makes `kube-ipvs0` exist and returns its addresses of `family`.
+fn ensure_dummy(family: Family) -> Result<BTreeSet<IpAddr>, NetfilterError> {
     if run("ip", "iproute2", &["link", "show", DUMMY]).is_err() {
         run("ip", "iproute2", &["link", "add", DUMMY, "type", "dummy"])?;
     }
-    let out = run("ip", "iproute2", &["-4", "-o", "addr", "show", "dev", DUMMY])?;
+    let (flag, word) = if family == Family::V4 { ("-4", "inet") } else { ("-6", "inet6") };
+    let out = run("ip", "iproute2", &[flag, "-o", "addr", "show", "dev", DUMMY])?;
     Ok(out
         .lines()
-        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "inet").nth(1))
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != word).nth(1))
         .filter_map(|a| a.split('/').next()?.parse().ok())
         .collect())
 }
@@ -441,13 +475,15 @@ fn ipset_restore(sets: &Sets, applied: &Sets) -> Result<(), NetfilterError> {
 /// `create` options sizing a set for `entries`: a hash set's default limit is 65,536 entries,
 /// which 30,000 Services of 4 endpoints exceed in KUBE-LOOP-BACK, so the limit is twice the
 /// entries (an incremental add past it fails, and the next sync re-creates the set bigger).
-fn set_options(ty: &str, entries: usize) -> String {
+/// An IPv6 set (its name says so) holds that family.
+fn set_options(name: &str, ty: &str, entries: usize) -> String {
     if ty.starts_with("bitmap:port") {
         return " range 0-65535".into();
     }
     let maxelem = (2 * entries).next_power_of_two().max(65_536);
     let hashsize = (entries / 4).next_power_of_two().max(1024);
-    format!(" hashsize {hashsize} maxelem {maxelem}")
+    let family = if name.starts_with("KUBE-6-") { " family inet6" } else { "" };
+    format!("{family} hashsize {hashsize} maxelem {maxelem}")
 }
 
 /// The `ipset restore` input for [`ipset_restore`]; `existing` names the sets the kernel has.
@@ -465,8 +501,8 @@ pub fn ipset_delta(sets: &Sets, applied: &Sets, existing: &BTreeSet<String>) -> 
             }
             _ => {
                 // Set names are at most 31 characters, hence the short temporary names.
-                let opts = set_options(ty, entries.len());
-                let tmp = format!("KUBE-PROXY-TMP-{i}");
+                let opts = set_options(name, ty, entries.len());
+                let tmp = format!("KUBE-PROXY-TMP-{}{i}", if name.starts_with("KUBE-6-") { "6-" } else { "" });
                 if !existing.contains(*name) {
                     let _ = writeln!(s, "create {name} {ty}{opts}");
                 }
@@ -494,7 +530,7 @@ impl RuleSet for IpvsRules {
         s += &ipvsadm_delta(&BTreeMap::new(), &d.virtuals);
         s += &format!("\n# addresses on {DUMMY}\n");
         for a in &d.addresses {
-            s += &format!("{a}/32\n");
+            s += &format!("{}\n", Cidr::host(*a));
         }
         s += "\n# ipsets\n";
         for (name, (ty, entries)) in &d.sets {
@@ -528,12 +564,15 @@ impl RuleSet for IpvsRules {
                 }
                 let mut virtuals = parse_ipvsadm_save(&run(IPVSADM, IPVSADM, &["-Sn"])?);
                 self.opts.keep_only_ours(&mut virtuals);
-                Desired { addresses: ensure_dummy()?, virtuals, ..Desired::default() }
+                Desired { addresses: ensure_dummy(self.opts.family)?, virtuals, ..Desired::default() }
             }
         };
         // Addresses first (the node must accept the VIPs), then sets and rules, then IPVS.
         // One `ip -batch` for all of them: thousands of Services are thousands of addresses.
-        let add: String = d.addresses.difference(&prev.addresses).map(|a| format!("addr replace {a}/32 dev {DUMMY}\n")).collect();
+        // (IPv6 ones without duplicate detection, which would hold them back.)
+        let nodad = if self.opts.family == Family::V6 { " nodad" } else { "" };
+        let add: String =
+            d.addresses.difference(&prev.addresses).map(|a| format!("addr replace {} dev {DUMMY}{nodad}\n", Cidr::host(*a))).collect();
         if !add.is_empty() {
             run_with_input("ip", "iproute2", &["-batch", "-"], &add)?;
         }
@@ -541,16 +580,16 @@ impl RuleSet for IpvsRules {
         ipset_restore(&d.sets, &prev.sets)?;
         let t_sets = t0.elapsed();
         if prev.iptables != d.iptables {
-            iptables_restore(self.ipt.tools(crate::model::Family::V4), &d.iptables)?;
+            iptables_restore(self.ipt.tools(self.opts.family), &d.iptables)?;
         }
-        ensure_jumps(self.ipt.tools(crate::model::Family::V4), &JUMPS)?;
+        ensure_jumps(self.ipt.tools(self.opts.family), &JUMPS)?;
         let t_iptables = t0.elapsed();
         let delta = ipvsadm_delta(&prev.virtuals, &d.virtuals);
         if !delta.is_empty() {
             run_with_input(IPVSADM, IPVSADM, &["-R"], &delta)?;
         }
         let t_ipvs = t0.elapsed();
-        let del: String = prev.addresses.difference(&d.addresses).map(|a| format!("addr del {a}/32 dev {DUMMY}\n")).collect();
+        let del: String = prev.addresses.difference(&d.addresses).map(|a| format!("addr del {} dev {DUMMY}\n", Cidr::host(*a))).collect();
         if !del.is_empty() {
             // -force: an address someone else removed already is not an error.
             let _ = run_with_input("ip", "iproute2", &["-force", "-batch", "-"], &del);
@@ -571,6 +610,10 @@ impl RuleSet for IpvsRules {
     fn forget_applied(&mut self) {
         self.applied = None;
     }
+
+    fn family(&self) -> Family {
+        self.opts.family
+    }
 }
 
 /// Removes IPVS mode's state: its virtual servers (all of them, as kube-proxy's cleanup does),
@@ -588,7 +631,7 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     }
     let present: BTreeSet<String> =
         run(IPSET, IPSET, &["list", "-n"]).map(|out| out.lines().map(String::from).collect()).unwrap_or_default();
-    let sets: Vec<&str> = SETS.iter().map(|(name, _)| *name).filter(|name| present.contains(*name)).collect();
+    let sets: Vec<&str> = SETS.iter().flat_map(|(v4, v6, _)| [*v4, *v6]).filter(|name| present.contains(*name)).collect();
     for &ipt in backends {
         // The iptables rules that match on the sets must go first.
         removed.extend(cleanup_iptables(ipt));
@@ -601,9 +644,13 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     removed
 }
 
-/// Removes IPVS mode's jumps and chains from `ipt`, if IPVS mode ran there.
+/// Removes IPVS mode's jumps and chains from both families' tables of `ipt`, where IPVS mode
+/// ran.
 pub fn cleanup_iptables(ipt: Iptables) -> Vec<String> {
-    let ipt = ipt.tools(crate::model::Family::V4);
+    Family::ALL.into_iter().flat_map(|f| cleanup_iptables_family(ipt.tools(f))).collect()
+}
+
+fn cleanup_iptables_family(ipt: super::Tools) -> Vec<String> {
     // Its filter chain says whether it ran in this backend at all. Nothing is touched
     // otherwise: its nat jumps are the iptables mode's too (deleting them would leave an
     // iptables mode that is starting without them until its first sync), and declaring the
@@ -717,7 +764,57 @@ mod tests {
             whole.replace("create KUBE-LOOP-BACK hash:ip,port,ip hashsize 1024 maxelem 65536\n", "")
         );
         // Sized for what they hold: 120,000 loopback entries (30,000 Services x 4).
-        assert_eq!(set_options("hash:ip,port,ip", 120_000), " hashsize 32768 maxelem 262144");
-        assert_eq!(set_options("bitmap:port", 10), " range 0-65535");
+        assert_eq!(set_options("KUBE-LOOP-BACK", "hash:ip,port,ip", 120_000), " hashsize 32768 maxelem 262144");
+        assert_eq!(set_options("KUBE-NODE-PORT-TCP", "bitmap:port", 10), " range 0-65535");
+        assert_eq!(set_options("KUBE-6-LOOP-BACK", "hash:ip,port,ip", 10), " family inet6 hashsize 1024 maxelem 65536");
+    }
+
+    /// The IPv6 family's state, as kube-proxy's IPv6 IPVS proxier keeps it: its own sets
+    /// (`KUBE-6-`, at most 31 characters), `[addr]:port` in ipvsadm, /128 addresses, and only
+    /// its own virtual servers taken as its to change.
+    #[test]
+    fn the_ipv6_family_has_its_own_sets_addresses_and_virtual_servers() {
+        use crate::model::{EndpointView, ObjectKey, PortView, Protocol, ServicePortName};
+        assert!(SETS.iter().all(|(v4, v6, _)| v6.len() <= 31 && v6.starts_with("KUBE-6-") && v4.starts_with("KUBE-")));
+        assert_eq!(set_name(Family::V6, "KUBE-LOAD-BALANCER-SOURCE-CIDR"), "KUBE-6-LOAD-BALANCER-SOURCE-CID");
+        let ep =
+            |a: &str| EndpointView { addr: a.parse().unwrap(), port: 8080, ready: true, serving: true, terminating: false, local: false };
+        let port = |family: Family, cip: &str, eps: Vec<EndpointView>| PortView {
+            name: ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp },
+            family,
+            port: 80,
+            cluster_ips: vec![cip.parse().unwrap()],
+            node_port: Some(30080),
+            external_ips: vec![],
+            lb_ips: vec![],
+            internal_local: false,
+            external_local: false,
+            lb_source_ranges: vec![],
+            affinity_timeout: None,
+            health_check_node_port: None,
+            has_endpoints: !eps.is_empty(),
+            cluster_endpoints: eps,
+            local_endpoints: vec![],
+        };
+        let services = Services::from([(
+            ObjectKey::new("default", "web"),
+            vec![port(Family::V4, "10.96.0.10", vec![ep("10.244.1.1")]), port(Family::V6, "fd00::10", vec![ep("fd00:244::1")])],
+        )]);
+        let node = NodeContext { nodeport_ips: vec!["fd00::1".parse().unwrap()], ..Default::default() };
+        let opts = IpvsOptions { family: Family::V6, ..Default::default() };
+        let d = desired(&services, &node, &opts);
+        assert_eq!(d.addresses, BTreeSet::from(["fd00::10".parse::<IpAddr>().unwrap()]), "the IPv6 cluster IP only");
+        assert!(d.sets.keys().all(|n| n.starts_with("KUBE-6-")), "{:?}", d.sets.keys());
+        assert!(d.sets["KUBE-6-CLUSTER-IP"].1.contains("fd00::10,tcp:80"), "{:?}", d.sets["KUBE-6-CLUSTER-IP"]);
+        assert!(d.iptables.contains("--match-set KUBE-6-LOAD-BALANCER dst,dst") && !d.iptables.contains("--match-set KUBE-LOAD-BALANCER "));
+        let text = ipvsadm_delta(&BTreeMap::new(), &d.virtuals);
+        assert!(text.contains("-A -t [fd00::10]:80 -s rr\n-a -t [fd00::10]:80 -r [fd00:244::1]:8080 -m -w 1\n"), "{text}");
+        assert!(text.contains("-A -t [fd00::1]:30080 -s rr"), "the NodePort on the node's IPv6 address: {text}");
+        assert_eq!(parse_ipvsadm_save(&text), d.virtuals, "ipvsadm -Sn's IPv6 form reads back");
+        // The IPv4 family's view of the same table leaves the IPv6 servers alone.
+        let mut all = d.virtuals.clone();
+        all.insert(VirtualKey { proto: "tcp", addr: "10.96.0.10".parse().unwrap(), port: 80 }, d.virtuals.values().next().unwrap().clone());
+        IpvsOptions::default().keep_only_ours(&mut all);
+        assert_eq!(all.keys().map(|k| k.addr.to_string()).collect::<Vec<_>>(), ["10.96.0.10"]);
     }
 }

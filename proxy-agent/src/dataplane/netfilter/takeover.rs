@@ -1,8 +1,7 @@
 //! What kube-proxy leaves on a node that no mode of this agent writes, removed when the agent
-//! takes the node over (as `kube-proxy --cleanup` would): its canary chains in both families,
-//! and its IPv6 ipsets (the IPVS mode serves IPv4 only so far). Its other chains, the `ip` and
-//! `ip6 kube-proxy` tables and the IPVS state have the names of the agent's own modes and go
-//! with their cleanup.
+//! takes the node over (as `kube-proxy --cleanup` would): its canary chains in both families.
+//! Its other chains, the `ip` and `ip6 kube-proxy` tables, the IPVS state and the ipsets of
+//! both families have the names of the agent's own modes and go with their cleanup.
 //!
 //! kubelet's chains (KUBE-KUBELET-CANARY, KUBE-IPTABLES-HINT, KUBE-FIREWALL, KUBE-MARK-DROP)
 //! and everything not named KUBE- (the CNI's) are never touched.
@@ -71,9 +70,10 @@ pub fn plan(save: &str, remove: impl Fn(&str) -> bool) -> (Vec<String>, Vec<Vec<
 /// jumps into them. Returns a line per table changed.
 fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> Vec<String> {
     let mut done = Vec::new();
+    let Ok(saved) = super::save_tables(tools) else { return done };
     for table in TABLES {
-        let Ok(save) = run(tools.save(), IPTABLES_PACKAGE, &["-t", table]) else { continue };
-        let (chains, jumps) = plan(&save, remove);
+        let Some(save) = saved.get(table) else { continue };
+        let (chains, jumps) = plan(save, remove);
         if chains.is_empty() {
             continue;
         }
@@ -99,13 +99,6 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
     for &b in backends {
         for family in Family::ALL {
             removed.extend(remove_chains(b.tools(family), family.api_name(), &|c| c == CANARY));
-        }
-    }
-    if let Ok(sets) = run("ipset", "ipset", &["list", "-n"]) {
-        for set in sets.lines().filter(|s| s.starts_with("KUBE-6-")) {
-            if run("ipset", "ipset", &["destroy", set]).is_ok() {
-                removed.push(format!("ipvs: ipset {set}"));
-            }
         }
     }
     removed
