@@ -219,6 +219,39 @@ fn load_ebpf(cfg: &Config) -> Result<EbpfDataplane, crate::dataplane::ebpf::Ebpf
 /// carries, so the start fails instead and the attached programs go on serving what they last
 /// had (as Cilium's datapath outlives a failing agent). An explicit `--proxy-mode` switches.
 fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>)> {
+    let root = &cfg.common.bpffs_root;
+    // A cluster with IPv6 ranges (dual-stack or IPv6-only): the eBPF dataplane would leave its
+    // IPv6 Services unserved, which kube-proxy served. auto takes nftables, which serves both
+    // families, unless an earlier run's eBPF dataplane is attached: switching would reset every
+    // connection it carries, so that is left to an explicit --proxy-mode.
+    let v6: Vec<String> = cfg
+        .common
+        .cluster_cidrs
+        .iter()
+        .chain(&cfg.common.service_cidrs)
+        .filter(|c| c.family() == crate::model::Family::V6)
+        .map(|c| c.to_string())
+        .collect();
+    if !v6.is_empty() {
+        let links = crate::dataplane::ebpf::loader::pinned_links(root);
+        if links == 0 && crate::dataplane::modes::nftables_unsupported().is_none() {
+            tracing::info!(
+                mode = "nftables",
+                "proxy mode auto: the cluster has IPv6 ranges ({}) and the eBPF dataplane serves IPv4 Services only so far; \
+                 nftables serves both families",
+                v6.join(", ")
+            );
+            return Ok((ProxyMode::Nftables, None));
+        }
+        if links > 0 {
+            tracing::warn!(
+                "proxy mode auto: the cluster has IPv6 ranges ({}), whose Services the eBPF dataplane does not serve; keeping the \
+                 attached eBPF dataplane ({links} pinned links), since switching would reset its connections: switch with \
+                 --proxy-mode nftables to serve IPv6",
+                v6.join(", ")
+            );
+        }
+    }
     let why = match crate::dataplane::modes::ebpf_unsupported() {
         None => match load_ebpf(cfg) {
             Ok(dp) => {
@@ -229,7 +262,6 @@ fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>
         },
         Some(why) => format!("not using eBPF: {why}"),
     };
-    let root = &cfg.common.bpffs_root;
     let links = crate::dataplane::ebpf::loader::pinned_links(root);
     if links > 0 {
         anyhow::bail!(
