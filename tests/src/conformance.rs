@@ -785,43 +785,6 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("ipv6_services", ipv6_services),
 ];
 
-/// A TCP server on `[::]:port` in a pod that answers every connection with the pod's name and
-/// closes it; stopped (and its thread joined) when dropped, also when a test fails.
-struct NameServer {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl NameServer {
-    fn start(ns: &crate::netns::Netns, name: &str, port: u16) -> Self {
-        use std::{io::Write as _, sync::atomic::Ordering};
-        let listener = ns.run(move || std::net::TcpListener::bind(("::", port)).expect("bind [::]"));
-        listener.set_nonblocking(true).expect("nonblocking");
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (s, name) = (stop.clone(), name.to_string());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((mut conn, _)) => {
-                        let _ = conn.write_all(format!("{name}\n").as_bytes());
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        });
-        Self { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for NameServer {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 /// Connects from `ns` to `to` and reads the name the server answers with.
 fn ask_name(ns: &crate::netns::Netns, to: SocketAddr) -> io::Result<String> {
     use std::io::Read as _;
@@ -854,7 +817,9 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
     let mut servers = Vec::new();
     for (i, b) in lab.backends.iter().enumerate() {
         b.add_ipv6(&lab.node, v6(0x100 + i as u16 + 1));
-        servers.push(NameServer::start(&b.ns, &b.name, 8081));
+        // Answers with the pod's name (the lab's own servers listen on IPv4 only).
+        let at = (std::net::Ipv6Addr::UNSPECIFIED, 8081).into();
+        servers.push(crate::servers::Acceptor::start(&b.ns, at, Some(format!("{}\n", b.name)), Duration::from_millis(20)));
     }
     let v6_slice = |svc: &str| {
         let eps: String = (1..=lab.backends.len()).map(|i| format!("- addresses: ['{}']\n", v6(0x100 + i as u16))).collect();

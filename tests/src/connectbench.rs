@@ -80,40 +80,6 @@ const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 250, 1);
 /// their queue into one-second SYN retransmissions).
 const SINK_PORT: u16 = 9090;
 
-/// A listener in `ns` on SINK_PORT that accepts and closes until dropped.
-struct Sink {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Sink {
-    fn start(ns: &netns::Netns) -> Self {
-        let listener = ns.run(|| std::net::TcpListener::bind(("0.0.0.0", SINK_PORT))).expect("bind the sink");
-        listener.set_nonblocking(true).expect("a non-blocking listener");
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let s = stop.clone();
-        let thread = std::thread::spawn(move || {
-            while !s.load(std::sync::atomic::Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok(conn) => drop(conn),
-                    // Connections come one after another: the queue (128) never fills in this.
-                    Err(_) => std::thread::sleep(Duration::from_micros(100)),
-                }
-            }
-        });
-        Self { stop, thread: Some(thread) }
-    }
-}
-
-impl Drop for Sink {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 fn vip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a60_0000 + i + 1)
 }
@@ -224,7 +190,9 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     let k = pick(seed, n);
     let mut lab = Lab::new(agent, 3);
     let backends = lab.backend_ips();
-    let sinks: Vec<Sink> = lab.backends.iter().map(|p| Sink::start(&p.ns)).collect();
+    // Connections come one after another: the queue (128) never fills at this poll.
+    let sink = |ns| crate::servers::Acceptor::start(ns, (Ipv4Addr::UNSPECIFIED, SINK_PORT).into(), None, Duration::from_micros(100));
+    let sinks: Vec<crate::servers::Acceptor> = lab.backends.iter().map(|p| sink(&p.ns)).collect();
     let mut row = Row::unmeasured(v.label, n, String::new());
     let Some(flags) = v.flags else {
         // The floor: straight to a backend.

@@ -293,3 +293,41 @@ pub fn http_get_with_headers(
         .collect();
     Ok((code, headers, body.to_string()))
 }
+
+/// A listener in a namespace that accepts every connection, writes `greeting` on it (if any)
+/// and closes it, polling every `poll`; stopped and joined when dropped, also when a test fails.
+pub struct Acceptor {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Acceptor {
+    pub fn start(ns: &Netns, at: SocketAddr, greeting: Option<String>, poll: Duration) -> Self {
+        let listener = ns.run(move || TcpListener::bind(at)).unwrap_or_else(|e| panic!("bind {at}: {e}"));
+        listener.set_nonblocking(true).expect("a non-blocking listener");
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut conn, _)) => {
+                        if let Some(g) = &greeting {
+                            let _ = conn.write_all(g.as_bytes());
+                        }
+                    }
+                    Err(_) => thread::sleep(poll),
+                }
+            }
+        });
+        Self { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

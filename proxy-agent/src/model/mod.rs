@@ -283,6 +283,28 @@ pub struct PortView {
 }
 
 impl PortView {
+    /// A port reached on `cluster_ips` only, with `endpoints` for the Cluster policy and
+    /// nothing else set.
+    pub fn new(name: ServicePortName, family: Family, port: u16, cluster_ips: Vec<IpAddr>, endpoints: Vec<EndpointView>) -> Self {
+        Self {
+            name,
+            family,
+            port,
+            cluster_ips,
+            node_port: None,
+            external_ips: vec![],
+            lb_ips: vec![],
+            internal_local: false,
+            external_local: false,
+            lb_source_ranges: vec![],
+            affinity_timeout: None,
+            health_check_node_port: None,
+            has_endpoints: !endpoints.is_empty(),
+            cluster_endpoints: endpoints,
+            local_endpoints: vec![],
+        }
+    }
+
     /// Endpoints either policy may use: the ones rules are written for.
     pub fn reachable_endpoints(&self) -> Vec<EndpointView> {
         EndpointView::union(&self.cluster_endpoints, &self.local_endpoints)

@@ -273,9 +273,11 @@ impl Rules {
     }
 }
 
-/// Why a cluster IP or an external address cannot be a Service's, if it cannot: addresses the
-/// API server never allocates and no node can route to a Service.
-fn special_service_ip(a: IpAddr) -> Option<&'static str> {
+/// Why an address cannot be a Service's (cluster IP, external IP) or an endpoint's, if it
+/// cannot: addresses the API server refuses for both (ValidateEndpointIP and the Service
+/// checks), which no node can route to (unspecified, loopback, multicast, broadcast,
+/// link-local). The node's own address is allowed for endpoints: hostNetwork pods' are.
+fn special_ip(a: IpAddr) -> Option<&'static str> {
     match a {
         IpAddr::V4(v) if v.is_unspecified() => Some("unspecified"),
         IpAddr::V4(v) if v.is_loopback() => Some("a loopback address"),
@@ -286,25 +288,6 @@ fn special_service_ip(a: IpAddr) -> Option<&'static str> {
         IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
         IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
         IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80 => Some("a link-local address"),
-        _ => None,
-    }
-}
-
-/// The API server's rule for endpoint addresses (ValidateEndpointIP): not unspecified,
-/// loopback, link-local or multicast. (The node's own address is allowed: hostNetwork pods'
-/// endpoints are.)
-fn special_endpoint_ip(a: IpAddr) -> Option<&'static str> {
-    let v6_link_local = |v: std::net::Ipv6Addr| v.segments()[0] & 0xffc0 == 0xfe80;
-    match a {
-        IpAddr::V4(v) if v.is_unspecified() => Some("unspecified"),
-        IpAddr::V4(v) if v.is_loopback() => Some("a loopback address"),
-        IpAddr::V4(v) if v.is_link_local() => Some("a link-local address"),
-        IpAddr::V4(v) if v.is_multicast() => Some("a multicast address"),
-        IpAddr::V4(v) if v.is_broadcast() => Some("the broadcast address"),
-        IpAddr::V6(v) if v.is_unspecified() => Some("unspecified"),
-        IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
-        IpAddr::V6(v) if v6_link_local(v) => Some("a link-local address"),
-        IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
         _ => None,
     }
 }
@@ -414,7 +397,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         let all = if listed.is_empty() { vec![cluster_ip.clone()] } else { listed };
         for (i, s) in all.iter().enumerate() {
             if let Some(a) = ip(s, &format!("spec.clusterIPs[{i}]"), &mut errs) {
-                match special_service_ip(a) {
+                match special_ip(a) {
                     Some(why) => errs.push(format!("spec.clusterIPs[{i}] {a} is {why}")),
                     None => cluster_ips.push(a),
                 }
@@ -507,7 +490,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .enumerate()
         .filter_map(|(i, s)| {
             let a = ip(s, &format!("spec.externalIPs[{i}]"), &mut errs)?;
-            match special_service_ip(a) {
+            match special_ip(a) {
                 Some(why) => {
                     errs.push(format!("spec.externalIPs[{i}] {a} is {why}"));
                     None
@@ -553,7 +536,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .flatten()
         .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
         .filter_map(|i| super::addr::parse_ip(i.ip.as_deref()?))
-        .filter(|a| special_service_ip(*a).is_none())
+        .filter(|a| special_ip(*a).is_none())
         .collect();
 
     if !errs.is_empty() {
@@ -648,7 +631,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         }
         for (j, a) in e.addresses.iter().enumerate() {
             match super::addr::parse_ip(a) {
-                Some(addr) if super::Family::of(addr) == family => match special_endpoint_ip(addr) {
+                Some(addr) if super::Family::of(addr) == family => match special_ip(addr) {
                     Some(why) => errs.push(format!("endpoints[{i}].addresses[{j}] {addr} is {why}")),
                     None => {
                         first.get_or_insert(addr);

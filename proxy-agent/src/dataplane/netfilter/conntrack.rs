@@ -137,23 +137,8 @@ mod tests {
     }
 
     fn dns(endpoints: Vec<EndpointView>, node_port: Option<u16>) -> PortView {
-        PortView {
-            name: ServicePortName { service: ObjectKey::new("kube-system", "dns"), port: "dns".into(), protocol: Protocol::Udp },
-            family: Family::V4,
-            port: 53,
-            cluster_ips: vec!["10.96.0.10".parse().unwrap()],
-            node_port,
-            external_ips: vec![],
-            lb_ips: vec![],
-            internal_local: false,
-            external_local: false,
-            lb_source_ranges: vec![],
-            affinity_timeout: None,
-            health_check_node_port: None,
-            has_endpoints: !endpoints.is_empty(),
-            cluster_endpoints: endpoints,
-            local_endpoints: vec![],
-        }
+        let name = ServicePortName { service: ObjectKey::new("kube-system", "dns"), port: "dns".into(), protocol: Protocol::Udp };
+        PortView { node_port, ..PortView::new(name, Family::V4, 53, vec!["10.96.0.10".parse().unwrap()], endpoints) }
     }
 
     #[test]

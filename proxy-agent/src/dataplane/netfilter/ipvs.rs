@@ -779,22 +779,9 @@ mod tests {
         assert_eq!(set_name(Family::V6, "KUBE-LOAD-BALANCER-SOURCE-CIDR"), "KUBE-6-LOAD-BALANCER-SOURCE-CID");
         let ep =
             |a: &str| EndpointView { addr: a.parse().unwrap(), port: 8080, ready: true, serving: true, terminating: false, local: false };
-        let port = |family: Family, cip: &str, eps: Vec<EndpointView>| PortView {
-            name: ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp },
-            family,
-            port: 80,
-            cluster_ips: vec![cip.parse().unwrap()],
-            node_port: Some(30080),
-            external_ips: vec![],
-            lb_ips: vec![],
-            internal_local: false,
-            external_local: false,
-            lb_source_ranges: vec![],
-            affinity_timeout: None,
-            health_check_node_port: None,
-            has_endpoints: !eps.is_empty(),
-            cluster_endpoints: eps,
-            local_endpoints: vec![],
+        let port = |family: Family, cip: &str, eps: Vec<EndpointView>| {
+            let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+            PortView { node_port: Some(30080), ..PortView::new(name, family, 80, vec![cip.parse().unwrap()], eps) }
         };
         let services = Services::from([(
             ObjectKey::new("default", "web"),
