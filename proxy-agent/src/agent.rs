@@ -234,14 +234,21 @@ fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>
         .collect();
     if !v6.is_empty() {
         let links = crate::dataplane::ebpf::loader::pinned_links(root);
-        if links == 0 && crate::dataplane::modes::nftables_unsupported().is_none() {
+        if links == 0 {
+            let mode = match crate::dataplane::modes::nftables_unsupported() {
+                None => ProxyMode::Nftables,
+                Some(why) => {
+                    tracing::warn!("proxy mode auto: not using nftables: {why}");
+                    ProxyMode::Iptables
+                }
+            };
             tracing::info!(
-                mode = "nftables",
+                mode = mode.as_str(),
                 "proxy mode auto: the cluster has IPv6 ranges ({}) and the eBPF dataplane serves IPv4 Services only so far; \
-                 nftables serves both families",
+                 {mode} serves both families",
                 v6.join(", ")
             );
-            return Ok((ProxyMode::Nftables, None));
+            return Ok((mode, None));
         }
         if links > 0 {
             tracing::warn!(

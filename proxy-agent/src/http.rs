@@ -118,7 +118,7 @@ pub fn listen(name: &'static str, flag: &'static str, addr: SocketAddr, router: 
     tokio::spawn(async move {
         let mut warned = false;
         loop {
-            match tokio::net::TcpListener::bind(addr).await {
+            match bind(addr) {
                 Ok(listener) => {
                     tracing::info!(server = name, %addr, "serving");
                     serve_bounded(name, listener, router.clone()).await;
@@ -140,7 +140,53 @@ pub fn listen(name: &'static str, flag: &'static str, addr: SocketAddr, router: 
     })
 }
 
+/// A listener on `addr`. `0.0.0.0` means every address of both families, as it does for
+/// kube-proxy (Go listens on a dual-stack socket for it): a load balancer or kubelet checking
+/// the node over IPv6 is answered too. Where the kernel has no IPv6, `0.0.0.0` alone.
+pub fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let listener = |domain: Domain, at: SocketAddr, dual: bool| -> std::io::Result<std::net::TcpListener> {
+        let socket = Socket::new(domain, Type::STREAM, Some(Protocol::TCP))?;
+        if dual {
+            socket.set_only_v6(false)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&at.into())?;
+        socket.listen(1024)?;
+        Ok(socket.into())
+    };
+    let std = match addr {
+        SocketAddr::V4(v4) if v4.ip().is_unspecified() => {
+            let any6 = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), addr.port());
+            listener(Domain::IPV6, any6, true).or_else(|_| listener(Domain::IPV4, addr, false))?
+        }
+        _ => listener(Domain::for_address(addr), addr, false)?,
+    };
+    tokio::net::TcpListener::from_std(std)
+}
+
 /// `listen` for kube-proxy's two fixed servers.
 pub fn spawn(name: &'static str, flag: &'static str, addr: SocketAddr, router: Router) {
     listen(name, flag, addr, router);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{SocketAddr, TcpStream};
+
+    /// `0.0.0.0` answers over both families, as kube-proxy's servers do; a specific address
+    /// only over its own.
+    #[tokio::test]
+    async fn the_unspecified_ipv4_address_listens_on_both_families() {
+        let listener = super::bind("0.0.0.0:0".parse().unwrap()).expect("bind");
+        let port = listener.local_addr().unwrap().port();
+        for to in [format!("127.0.0.1:{port}"), format!("[::1]:{port}")] {
+            let to: SocketAddr = to.parse().unwrap();
+            TcpStream::connect(to).unwrap_or_else(|e| panic!("connecting to {to}: {e}"));
+        }
+        let listener = super::bind("127.0.0.1:0".parse().unwrap()).expect("bind");
+        let port = listener.local_addr().unwrap().port();
+        assert!(TcpStream::connect(format!("[::1]:{port}")).is_err(), "127.0.0.1 is IPv4 only");
+    }
 }

@@ -89,6 +89,7 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
         local: Default::default(),
         masquerade_all: settings.masquerade_all,
         node_ips: info.node_ips,
+        nodeport_all_families: crate::model::Family::ALL.into_iter().filter(|f| cfg.common.nodeport_addresses.all_of(*f)).collect(),
     };
     let masquerading = crate::dataplane::netfilter::proxier::Masquerading {
         masquerade_all: settings.masquerade_all,

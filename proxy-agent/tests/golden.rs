@@ -148,6 +148,7 @@ fn iptables_case(case: &str) {
         local: LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8")]),
         masquerade_all: false,
         node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
+        ..Default::default()
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let rendered = iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture());
@@ -158,7 +159,14 @@ fn iptables_case(case: &str) {
 /// kube-proxy's test node: 192.168.0.2, NodePorts on that address only.
 fn fixture_node(local: LocalTraffic) -> NodeContext {
     let ip = Ipv4Addr::new(192, 168, 0, 2);
-    NodeContext { nodeport_ips: vec![ip.into()], nodeport_all: false, local, masquerade_all: false, node_ips: vec![ip.into()] }
+    NodeContext {
+        nodeport_ips: vec![ip.into()],
+        nodeport_all: false,
+        local,
+        masquerade_all: false,
+        node_ips: vec![ip.into()],
+        ..Default::default()
+    }
 }
 
 fn nftables_case(case: &str) {
@@ -246,6 +254,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
             local: local.clone(),
             masquerade_all: false,
             node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
+            ..Default::default()
         };
         let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
         let ipt = iptables::restore_text(
@@ -266,6 +275,7 @@ fn local_traffic_is_told_as_detect_local_mode_says() {
         local: LocalTraffic::Unknown,
         masquerade_all: false,
         node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into()],
+        ..Default::default()
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let ipt =
@@ -398,6 +408,7 @@ fn each_family_renders_its_own_addresses_in_kube_proxys_ipv6_form() {
         local: LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8"), cidr("fd00:10::/32")]),
         masquerade_all: false,
         node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into(), "fd00::2".parse().unwrap()],
+        ..Default::default()
     };
     let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let _ = std::fs::remove_dir_all(&dir);

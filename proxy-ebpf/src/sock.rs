@@ -128,10 +128,13 @@ fn peer(ctx: &SockAddrContext, hook: Hook) -> Option<([u8; 4], [u8; 2])> {
         let addr = match hook {
             Hook::V4 => (*sa).user_ip4,
             Hook::V6 => {
-                if [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2]] != V4_MAPPED {
+                // One 4-byte load per word: the verifier refuses the 8-byte load the compiler
+                // could otherwise merge two of them into.
+                let word = |i: usize| core::ptr::read_volatile(core::ptr::addr_of!((*sa).user_ip6[i]));
+                if [word(0), word(1), word(2)] != V4_MAPPED {
                     return None;
                 }
-                (*sa).user_ip6[3]
+                word(3)
             }
         };
         Some((addr.to_ne_bytes(), ((*sa).user_port as u16).to_ne_bytes()))

@@ -57,10 +57,12 @@ pub fn mode_args(mode: ProxyMode) -> Vec<String> {
     vec!["--proxy-mode".into(), mode.as_str().into(), "--cluster-cidr".into(), "10.244.0.0/16".into()]
 }
 
-/// Retries `f` until it returns Ok (or 15 s pass): the netfilter modes have no programmed
-/// state to poll, so readiness is the traffic itself.
+/// Retries `f` until it returns Ok (or 30 s pass): the netfilter modes have no programmed
+/// state to poll, so readiness is the traffic itself. (A deadline, not a timing: in the IPVS
+/// guest on a busy host an agent's first sync, with its first kernel module loads, took more
+/// than 15 s.)
 pub fn eventually<T>(what: &str, mut f: impl FnMut() -> Result<T, String>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match f() {
             Ok(v) => return v,

@@ -125,10 +125,11 @@ pub fn served_families(mode: ProxyMode, iptables: netfilter::Iptables) -> Vec<Fa
             Err("the kernel has IPv6 disabled (no /proc/net/if_inet6)".to_string())
         }
         ProxyMode::Iptables | ProxyMode::Ipvs => {
+            // As kube-proxy checks ip6tables: its nat table must work, not only the tool run.
             let tools = iptables.tools(Family::V6);
-            netfilter::run(tools.save(), netfilter::IPTABLES_PACKAGE, &["--version"])
+            netfilter::run(tools.cmd(), netfilter::IPTABLES_PACKAGE, &["-w", "5", "-t", "nat", "-S", "POSTROUTING"])
                 .map(|_| ())
-                .map_err(|e| format!("{} is not usable: {e}", tools.save()))
+                .map_err(|e| format!("{}'s nat table is not usable: {e}", tools.cmd()))
         }
         ProxyMode::Nftables => Ok(()),
         ProxyMode::Ebpf => Err("the eBPF dataplane serves IPv4 only so far".to_string()),

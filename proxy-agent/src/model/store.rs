@@ -120,6 +120,19 @@ pub enum NodePortAddresses {
     Cidrs(Vec<Cidr>),
 }
 
+impl NodePortAddresses {
+    /// NodePorts of `family` are on every local address: no flag, or ranges of the other
+    /// family only (kube-proxy reads the flag per family, and a family it names no range of
+    /// gets all of its addresses).
+    pub fn all_of(&self, family: super::Family) -> bool {
+        match self {
+            Self::All => true,
+            Self::Primary => false,
+            Self::Cidrs(c) => !c.iter().any(|c| c.family() == family),
+        }
+    }
+}
+
 impl std::str::FromStr for NodePortAddresses {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -260,9 +273,12 @@ impl Store {
         match &self.nodeport_config {
             NodePortAddresses::All => self.local_addresses.clone(),
             NodePortAddresses::Primary => self.node_ips(),
-            NodePortAddresses::Cidrs(cidrs) => {
-                self.local_addresses.iter().copied().filter(|a| cidrs.iter().any(|c| c.contains(*a))).collect()
-            }
+            NodePortAddresses::Cidrs(cidrs) => self
+                .local_addresses
+                .iter()
+                .copied()
+                .filter(|a| self.nodeport_config.all_of(super::Family::of(*a)) || cidrs.iter().any(|c| c.contains(*a)))
+                .collect(),
         }
     }
 
@@ -829,6 +845,17 @@ mod tests {
         assert!(s.take_dirty().services.contains(&web()), "a new primary address re-translates");
         assert!("10.0.0.0/33".parse::<NodePortAddresses>().is_err());
         assert!("bogus".parse::<NodePortAddresses>().is_err());
+        // Per family, as kube-proxy reads the flag: a family it names no range of has NodePorts
+        // on all of its addresses; link-local IPv6 addresses are never NodePort addresses.
+        s.set_local_addresses(["192.168.1.5", "10.0.0.5", "fd00::5", "fe80::5", "2001:db8::5"].map(|a| a.parse().unwrap()).to_vec());
+        s.set_nodeport_config("192.168.0.0/16".parse().unwrap());
+        let all = |s: &Store| s.node_info().nodeport_addresses.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(all(&s), ["192.168.1.5", "2001:db8::5", "fd00::5"]);
+        s.set_nodeport_config("fd00::/64".parse().unwrap());
+        assert_eq!(all(&s), ["10.0.0.5", "192.168.1.5", "fd00::5"]);
+        let cfg: NodePortAddresses = "192.168.0.0/16,fd00::/64".parse().unwrap();
+        assert!(!cfg.all_of(super::super::Family::V4) && !cfg.all_of(super::super::Family::V6));
+        assert!(NodePortAddresses::All.all_of(super::super::Family::V6) && !NodePortAddresses::Primary.all_of(super::super::Family::V4));
     }
 
     #[test]

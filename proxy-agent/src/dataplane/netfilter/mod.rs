@@ -41,6 +41,9 @@ pub struct NodeContext {
     /// The node's primary IPs, one per family (see `NodeInfo::node_ips`): load-balancer source
     /// ranges that hold one admit the node from the load balancer's own address.
     pub node_ips: Vec<IpAddr>,
+    /// Families whose NodePorts are on every local address although `nodeport_all` is not
+    /// set: `--nodeport-addresses` names no range of theirs (kube-proxy's rule, per family).
+    pub nodeport_all_families: Vec<Family>,
 }
 
 impl NodeContext {
@@ -49,7 +52,8 @@ impl NodeContext {
         let of = |v: &[IpAddr]| v.iter().copied().filter(|a| Family::of(*a) == family).collect();
         Self {
             nodeport_ips: of(&self.nodeport_ips),
-            nodeport_all: self.nodeport_all,
+            nodeport_all: self.nodeport_all || self.nodeport_all_families.contains(&family),
+            nodeport_all_families: vec![],
             local: self.local.for_family(family),
             masquerade_all: self.masquerade_all,
             node_ips: of(&self.node_ips),

@@ -111,6 +111,7 @@ impl NetfilterProxier {
             local: self.masquerading.local_traffic(&self.store),
             masquerade_all: self.masquerading.masquerade_all,
             node_ips: self.store.node_ips(),
+            nodeport_all_families: crate::model::Family::ALL.into_iter().filter(|f| self.store.nodeport_config().all_of(*f)).collect(),
         }
     }
 
