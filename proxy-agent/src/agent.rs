@@ -232,32 +232,30 @@ fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>
         .filter(|c| c.family() == crate::model::Family::V6)
         .map(|c| c.to_string())
         .collect();
+    let links = crate::dataplane::ebpf::loader::pinned_links(root);
+    if !v6.is_empty() && links == 0 {
+        let mode = match crate::dataplane::modes::nftables_unsupported() {
+            None => ProxyMode::Nftables,
+            Some(why) => {
+                tracing::warn!("proxy mode auto: not using nftables: {why}");
+                ProxyMode::Iptables
+            }
+        };
+        tracing::info!(
+            mode = mode.as_str(),
+            "proxy mode auto: the cluster has IPv6 ranges ({}) and the eBPF dataplane serves IPv4 Services only so far; \
+             {mode} serves both families",
+            v6.join(", ")
+        );
+        return Ok((mode, None));
+    }
     if !v6.is_empty() {
-        let links = crate::dataplane::ebpf::loader::pinned_links(root);
-        if links == 0 {
-            let mode = match crate::dataplane::modes::nftables_unsupported() {
-                None => ProxyMode::Nftables,
-                Some(why) => {
-                    tracing::warn!("proxy mode auto: not using nftables: {why}");
-                    ProxyMode::Iptables
-                }
-            };
-            tracing::info!(
-                mode = mode.as_str(),
-                "proxy mode auto: the cluster has IPv6 ranges ({}) and the eBPF dataplane serves IPv4 Services only so far; \
-                 {mode} serves both families",
-                v6.join(", ")
-            );
-            return Ok((mode, None));
-        }
-        if links > 0 {
-            tracing::warn!(
-                "proxy mode auto: the cluster has IPv6 ranges ({}), whose Services the eBPF dataplane does not serve; keeping the \
-                 attached eBPF dataplane ({links} pinned links), since switching would reset its connections: switch with \
-                 --proxy-mode nftables to serve IPv6",
-                v6.join(", ")
-            );
-        }
+        tracing::warn!(
+            "proxy mode auto: the cluster has IPv6 ranges ({}), whose Services the eBPF dataplane does not serve; keeping the \
+             attached eBPF dataplane ({links} pinned links), since switching would reset its connections: switch with \
+             --proxy-mode nftables to serve IPv6",
+            v6.join(", ")
+        );
     }
     let why = match crate::dataplane::modes::ebpf_unsupported() {
         None => match load_ebpf(cfg) {
@@ -269,7 +267,6 @@ fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>
         },
         Some(why) => format!("not using eBPF: {why}"),
     };
-    let links = crate::dataplane::ebpf::loader::pinned_links(root);
     if links > 0 {
         anyhow::bail!(
             "proxy mode auto: {why}; an earlier run's eBPF dataplane is still attached ({links} pinned links under {}) and keeps \

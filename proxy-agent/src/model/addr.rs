@@ -55,6 +55,12 @@ pub fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     (prefix <= width).then_some((addr, prefix))
 }
 
+/// `fe80::/10`: an IPv6 interface's own scope, never a Service's, an endpoint's or a NodePort's
+/// address.
+pub fn is_v6_link_local(a: IpAddr) -> bool {
+    matches!(a, IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80)
+}
+
 /// An address family. Kubernetes names them `IPv4` and `IPv6` (`spec.ipFamilies`, an
 /// EndpointSlice's `addressType`); kube-proxy runs one proxier per family, and so do the
 /// netfilter modes here.

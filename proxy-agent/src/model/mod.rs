@@ -221,18 +221,6 @@ pub struct NodeInfo {
     pub localhost_nodeports: bool,
 }
 
-impl NodeInfo {
-    /// The NodePort addresses of one family.
-    pub fn nodeport_addresses_of(&self, family: Family) -> impl Iterator<Item = IpAddr> + '_ {
-        self.nodeport_addresses.iter().copied().filter(move |a| Family::of(*a) == family)
-    }
-
-    /// The primary IP of one family.
-    pub fn node_ip(&self, family: Family) -> Option<IpAddr> {
-        self.node_ips.iter().copied().find(|a| Family::of(*a) == family)
-    }
-}
-
 /// One endpoint of a service port as the netfilter renderers need it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointView {

@@ -103,11 +103,6 @@ pub fn log_notes(svc: &ObjectKey, notes: &[String]) {
 
 pub use super::addr::Cidr;
 
-/// `fe80::/10`: an interface's own scope, never a Service's or a NodePort's address.
-fn is_v6_link_local(a: std::net::IpAddr) -> bool {
-    matches!(a, std::net::IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80)
-}
-
 /// kube-proxy's `--nodeport-addresses`: which of the node's addresses serve NodePorts.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum NodePortAddresses {
@@ -243,7 +238,7 @@ impl Store {
 
     /// The node's addresses changed: NodePort frontends follow them.
     pub fn set_local_addresses(&mut self, mut addrs: Vec<std::net::IpAddr>) {
-        addrs.retain(|a| !a.is_loopback() && !is_v6_link_local(*a));
+        addrs.retain(|a| !a.is_loopback() && !super::addr::is_v6_link_local(*a));
         addrs.sort();
         addrs.dedup();
         let before = self.nodeport_addresses();

@@ -104,15 +104,15 @@ fn v4(addrs: &[IpAddr]) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// The sources the load-balancer IPs `lb_ips` of `svc` accept new flows from: its IPv4
-/// loadBalancerSourceRanges, sorted, and the load-balancer IPs themselves when a range holds
+/// The sources the load-balancer IPs `lb_ips` accept new flows from: the Service's IPv4
+/// loadBalancerSourceRanges (`ranges`), sorted, and the load-balancer IPs themselves when a range holds
 /// the node's primary IP or one of its NodePort addresses. kube-proxy's rules check the node IP
 /// only, for packets whose own source the ranges then judge; the eBPF mode's socket hooks judge
 /// a node's process before it has a source address, by whether the load-balancer IP is in the
 /// list, so any node address in the ranges admits it (a node reaching the load balancer from a
 /// secondary address in a range gets through, as with kube-proxy). Empty: no ranges.
-fn source_ranges(svc: &CheckedService, lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
-    let mut ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == Family::V4).collect();
+fn source_ranges(ranges: &[Cidr], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
+    let mut ranges = ranges.to_vec();
     let node_addrs: Vec<IpAddr> = node.node_ips.iter().chain(node.nodeport_addresses.iter()).copied().collect();
     if Cidr::any_contains(&ranges, &node_addrs) {
         ranges.extend(lb_ips.iter().map(|a| Cidr::host(IpAddr::V4(*a))));
@@ -182,7 +182,6 @@ fn family_service(
             }
         }
     }
-    let frontend_ranges = source_ranges(svc, &v4(&lb_ips), node);
     let mut local_endpoints = 0;
     for port in &svc.ports {
         let endpoints = port_endpoints(port, slices, node);
@@ -211,6 +210,7 @@ fn family_service(
         if !ebpf {
             continue;
         }
+        let frontend_ranges = source_ranges(&lb_source_ranges, &v4(&lb_ips), node);
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
@@ -252,7 +252,7 @@ fn family_service(
             out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {
-            for a in v4(&node.nodeport_addresses_of(Family::V4).collect::<Vec<_>>()) {
+            for a in v4(&node.nodeport_addresses) {
                 add(a, np, FrontendKind::NodePort);
             }
             // (The NodePort addresses never hold loopback: the store leaves it out.)

@@ -287,7 +287,7 @@ fn special_ip(a: IpAddr) -> Option<&'static str> {
         IpAddr::V6(v) if v.is_unspecified() => Some("unspecified"),
         IpAddr::V6(v) if v.is_loopback() => Some("a loopback address"),
         IpAddr::V6(v) if v.is_multicast() => Some("a multicast address"),
-        IpAddr::V6(v) if v.segments()[0] & 0xffc0 == 0xfe80 => Some("a link-local address"),
+        a if super::addr::is_v6_link_local(a) => Some("a link-local address"),
         _ => None,
     }
 }

@@ -287,23 +287,21 @@ pub fn desired(services: &Services, node: &NodeContext, opts: &IpvsOptions) -> D
 }
 
 fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str, family: Family) -> String {
-    // The rules name the family's sets.
-    let named = |rules: String| {
-        SETS.iter().fold(rules, |r, (v4, _, _)| r.replace(&format!("--match-set {v4} "), &format!("--match-set {} ", set_name(family, v4))))
-    };
+    // The family's sets, by their IPv4 names.
+    let set = |base: &str| set_name(family, base);
     let mut s = String::from("*filter\n:KUBE-IPVS-DROP - [0:0]\n:KUBE-IPVS-SOURCE-RANGES - [0:0]\n");
     for r in drops {
         let _ = writeln!(s, "{r}");
     }
-    let _ = writeln!(s, "-A KUBE-IPVS-DROP -m comment --comment \"load balancer with loadBalancerSourceRanges\" -m set --match-set KUBE-LOAD-BALANCER-FW dst,dst -j KUBE-IPVS-SOURCE-RANGES");
-    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set KUBE-LOAD-BALANCER-SOURCE-CIDR dst,dst,src -j RETURN");
-    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set KUBE-LOAD-BALANCER-SOURCE-IP dst,dst,src -j RETURN");
+    let _ = writeln!(s, "-A KUBE-IPVS-DROP -m comment --comment \"load balancer with loadBalancerSourceRanges\" -m set --match-set {} dst,dst -j KUBE-IPVS-SOURCE-RANGES", set("KUBE-LOAD-BALANCER-FW"));
+    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set {} dst,dst,src -j RETURN", set("KUBE-LOAD-BALANCER-SOURCE-CIDR"));
+    let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m set --match-set {} dst,dst,src -j RETURN", set("KUBE-LOAD-BALANCER-SOURCE-IP"));
     let _ = writeln!(s, "-A KUBE-IPVS-SOURCE-RANGES -m comment --comment \"source not in loadBalancerSourceRanges\" -j DROP");
     s += "COMMIT\n*nat\n";
     for c in ["KUBE-SERVICES", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-NODE-PORT", "KUBE-LOAD-BALANCER"] {
         let _ = writeln!(s, ":{c} - [0:0]");
     }
-    let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE");
+    let _ = writeln!(s, "-A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set {} dst,dst,src -j MASQUERADE", set("KUBE-LOOP-BACK"));
     let _ = writeln!(s, "-A KUBE-POSTROUTING -m mark ! --mark {mark}/{mark} -j RETURN");
     let _ = writeln!(s, "-A KUBE-POSTROUTING -j MARK --xor-mark {mark}");
     let _ =
@@ -311,15 +309,19 @@ fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str, family: Fami
     let _ = writeln!(s, "-A KUBE-MARK-MASQ -j MARK --or-mark {mark}");
     match (node.masquerade_all, node.local.iptables(true)) {
         (true, _) => {
-            let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
+            let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set {} dst,dst -j KUBE-MARK-MASQ", set("KUBE-CLUSTER-IP"));
         }
         (false, Some(not_local)) => {
-            let _ = writeln!(s, "-A KUBE-SERVICES {not_local} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ");
+            let _ = writeln!(s, "-A KUBE-SERVICES {not_local} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set {} dst,dst -j KUBE-MARK-MASQ", set("KUBE-CLUSTER-IP"));
         }
         (false, None) => {}
     }
-    let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service external ip + port for masquerade and filter purpose\" -m set --match-set KUBE-EXTERNAL-IP dst,dst -j KUBE-MARK-MASQ");
-    let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service lb portal\" -m set --match-set KUBE-LOAD-BALANCER dst,dst -j KUBE-LOAD-BALANCER");
+    let _ = writeln!(s, "-A KUBE-SERVICES -m comment --comment \"Kubernetes service external ip + port for masquerade and filter purpose\" -m set --match-set {} dst,dst -j KUBE-MARK-MASQ", set("KUBE-EXTERNAL-IP"));
+    let _ = writeln!(
+        s,
+        "-A KUBE-SERVICES -m comment --comment \"Kubernetes service lb portal\" -m set --match-set {} dst,dst -j KUBE-LOAD-BALANCER",
+        set("KUBE-LOAD-BALANCER")
+    );
     if node.nodeport_all {
         let _ = writeln!(s, "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT");
     } else {
@@ -327,15 +329,15 @@ fn iptables_rules(node: &NodeContext, drops: &[String], mark: &str, family: Fami
             let _ = writeln!(s, "-A KUBE-SERVICES -d {ip} -j KUBE-NODE-PORT");
         }
     }
-    let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" -m set --match-set KUBE-LOAD-BALANCER-LOCAL dst,dst -j RETURN");
+    let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -m comment --comment \"Kubernetes service load balancer ip + port with externalTrafficPolicy=local\" -m set --match-set {} dst,dst -j RETURN", set("KUBE-LOAD-BALANCER-LOCAL"));
     let _ = writeln!(s, "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ");
     for proto in ["TCP", "UDP"] {
         let p = proto.to_lowercase();
-        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port with externalTrafficPolicy=local\" -m set --match-set KUBE-NODE-PORT-LOCAL-{proto} dst -j RETURN");
-        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-{proto} dst -j KUBE-MARK-MASQ");
+        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port with externalTrafficPolicy=local\" -m set --match-set {} dst -j RETURN", set(&format!("KUBE-NODE-PORT-LOCAL-{proto}")));
+        let _ = writeln!(s, "-A KUBE-NODE-PORT -p {p} -m comment --comment \"Kubernetes nodeport {proto} port for masquerade purpose\" -m set --match-set {} dst -j KUBE-MARK-MASQ", set(&format!("KUBE-NODE-PORT-{proto}")));
     }
     s += "COMMIT\n";
-    named(s)
+    s
 }
 
 /// The jumps from the built-in chains.

@@ -162,10 +162,6 @@ impl PerFamily {
     pub fn new(sets: Vec<Box<dyn RuleSet + Send>>) -> Self {
         Self { sets }
     }
-
-    pub fn families(&self) -> Vec<Family> {
-        self.sets.iter().map(|s| s.family()).collect()
-    }
 }
 
 impl RuleSet for PerFamily {
@@ -335,29 +331,23 @@ pub struct Tools {
 }
 
 impl Tools {
-    pub fn cmd(self) -> &'static str {
+    /// The command, its save and its restore.
+    fn names(self) -> [&'static str; 3] {
         match (self.family, self.backend) {
-            (Family::V4, b) => b.iptables(),
-            (Family::V6, Iptables::Nft) => "ip6tables-nft",
-            (Family::V6, Iptables::Legacy) => "ip6tables-legacy",
-            (Family::V6, Iptables::Path) => "ip6tables",
+            (Family::V4, b) => [b.iptables(), b.save(), b.restore()],
+            (Family::V6, Iptables::Nft) => ["ip6tables-nft", "ip6tables-nft-save", "ip6tables-nft-restore"],
+            (Family::V6, Iptables::Legacy) => ["ip6tables-legacy", "ip6tables-legacy-save", "ip6tables-legacy-restore"],
+            (Family::V6, Iptables::Path) => ["ip6tables", "ip6tables-save", "ip6tables-restore"],
         }
+    }
+    pub fn cmd(self) -> &'static str {
+        self.names()[0]
     }
     pub fn save(self) -> &'static str {
-        match (self.family, self.backend) {
-            (Family::V4, b) => b.save(),
-            (Family::V6, Iptables::Nft) => "ip6tables-nft-save",
-            (Family::V6, Iptables::Legacy) => "ip6tables-legacy-save",
-            (Family::V6, Iptables::Path) => "ip6tables-save",
-        }
+        self.names()[1]
     }
     pub fn restore(self) -> &'static str {
-        match (self.family, self.backend) {
-            (Family::V4, b) => b.restore(),
-            (Family::V6, Iptables::Nft) => "ip6tables-nft-restore",
-            (Family::V6, Iptables::Legacy) => "ip6tables-legacy-restore",
-            (Family::V6, Iptables::Path) => "ip6tables-restore",
-        }
+        self.names()[2]
     }
 }
 
