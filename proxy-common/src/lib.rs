@@ -184,9 +184,9 @@ pub mod scope {
 /// slots `1..=count` name its backends.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceKey {
-    /// Frontend IPv4 address, network order.
-    pub addr: [u8; 4],
+pub struct ServiceKey<A = [u8; 4]> {
+    /// Frontend address, network order.
+    pub addr: A,
     /// Frontend port, network order.
     pub port: [u8; 2],
     pub proto: u8,
@@ -195,13 +195,14 @@ pub struct ServiceKey {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<ServiceKey>() == 12);
+const _: () = assert!(size_of::<ServiceKey<[u8; 16]>>() == 24);
 
-impl ServiceKey {
-    pub const fn new(addr: [u8; 4], port: [u8; 2], proto: u8, slot: u16) -> Self {
+impl<A> ServiceKey<A> {
+    pub const fn new(addr: A, port: [u8; 2], proto: u8, slot: u16) -> Self {
         Self { addr, port, proto, scope: scope::EXTERNAL, slot, _pad: [0; 2] }
     }
 
-    pub const fn with_slot(mut self, slot: u16) -> Self {
+    pub fn with_slot(mut self, slot: u16) -> Self {
         self.slot = slot;
         self
     }
@@ -245,13 +246,14 @@ pub mod svc_flags {
 /// verifier, unlike a hash lookup). Id 0 is never used; an entry with address 0.0.0.0 is unset.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Backend {
-    pub addr: [u8; 4],
+pub struct Backend<A = [u8; 4]> {
+    pub addr: A,
     pub port: [u8; 2],
     pub proto: u8,
     pub flags: u8,
 }
 const _: () = assert!(size_of::<Backend>() == 8);
+const _: () = assert!(size_of::<Backend<[u8; 16]>>() == 20);
 
 /// `Backend::flags`.
 pub mod backend_flags {
@@ -265,12 +267,13 @@ pub mod backend_flags {
 /// Value of `LB4_REVNAT_V1`, keyed by service id: the address replies must appear to come from.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RevNat {
-    pub addr: [u8; 4],
+pub struct RevNat<A = [u8; 4]> {
+    pub addr: A,
     pub port: [u8; 2],
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<RevNat>() == 8);
+const _: () = assert!(size_of::<RevNat<[u8; 16]>>() == 20);
 
 /// Value of `LB4_NAMES_V1`, keyed by service id: `namespace/name:port`, NUL-padded.
 #[repr(C)]
@@ -293,9 +296,9 @@ const _: () = assert!(size_of::<BackendFlows>() == 8);
 /// tuples of one connection never coincide, so one lookup serves both directions.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct CtKey {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+pub struct CtKey<A = [u8; 4]> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
     pub proto: u8,
@@ -304,11 +307,12 @@ pub struct CtKey {
     pub _pad2: u16,
 }
 const _: () = assert!(size_of::<CtKey>() == 16);
+const _: () = assert!(size_of::<CtKey<[u8; 16]>>() == 40);
 
 /// Value of `CT4_V2`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CtEntry {
+pub struct CtEntry<A = [u8; 4]> {
     /// `bpf_ktime_get_coarse_ns()` of the last packet, refreshed at most once a second.
     pub last_seen_ns: u64,
     pub backend_id: u32,
@@ -325,12 +329,12 @@ pub struct CtEntry {
     /// Forward entry: the backend's address, so a backend id reused by another backend is not
     /// mistaken for this one, and the reply entry can be found to delete it. Reply entry: the
     /// service's address, or with `SNAT` the client's.
-    pub nat_addr: [u8; 4],
+    pub nat_addr: A,
     /// Forward entry with `SNAT`: the source port the node put on the flow.
     pub snat_port: [u8; 2],
     pub _pad2: [u8; 2],
     /// Forward entry with `SNAT`: the source address the node put on the flow.
-    pub snat_addr: [u8; 4],
+    pub snat_addr: A,
     /// Entries of flows the datapath sends on itself (SNAT, both ways): where the last FIB
     /// lookup sent them, reused while `route_epoch` is the current one (about a second), so
     /// established packets skip the lookup. 0: nothing cached.
@@ -342,18 +346,20 @@ pub struct CtEntry {
     pub _pad3: [u8; 6],
 }
 const _: () = assert!(size_of::<CtEntry>() == 56);
+const _: () = assert!(size_of::<CtEntry<[u8; 16]>>() == 80);
 
 /// Key of `LB4_AFFINITY_V1`.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct AffinityKey {
+pub struct AffinityKey<A = [u8; 4]> {
     pub service_id: u32,
-    pub client: [u8; 4],
+    pub client: A,
     pub scope: u8,
     pub _pad: u8,
     pub _pad2: u16,
 }
 const _: () = assert!(size_of::<AffinityKey>() == 12);
+const _: () = assert!(size_of::<AffinityKey<[u8; 16]>>() == 24);
 
 /// Value of `LB4_AFFINITY_V1`.
 #[repr(C)]
@@ -415,11 +421,12 @@ const _: () = assert!(size_of::<SockFwd>() == 12);
 /// so the prefix length of an entry is 32 (the whole service id) plus the range's.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SourceRangeKey {
+pub struct SourceRangeKey<A = [u8; 4]> {
     pub service_id: u32,
-    pub addr: [u8; 4],
+    pub addr: A,
 }
 const _: () = assert!(size_of::<SourceRangeKey>() == 8);
+const _: () = assert!(size_of::<SourceRangeKey<[u8; 16]>>() == 20);
 
 impl SourceRangeKey {
     /// Bits of the key before the address: the service id's.
@@ -469,10 +476,11 @@ const _: () = assert!(size_of::<Config>() == 24);
 /// Key of `LB4_SVCCIDR_V1` (after the LPM trie's prefix length).
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SvcCidrKey {
-    pub addr: [u8; 4],
+pub struct SvcCidrKey<A = [u8; 4]> {
+    pub addr: A,
 }
 const _: () = assert!(size_of::<SvcCidrKey>() == 4);
+const _: () = assert!(size_of::<SvcCidrKey<[u8; 16]>>() == 16);
 
 /// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
 /// to an address of a Service CIDR that no Service serves on that port and protocol.

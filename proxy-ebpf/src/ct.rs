@@ -12,28 +12,32 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CLOCK, CT4_V2, CT_SCRATCH},
+    family::Family,
+    maps::CLOCK,
     parse::{Packet, TCP_FIN, TCP_RST},
 };
 
 /// An entry without a cached route (the route fields of a new entry).
-pub const NO_ROUTE: CtEntry = CtEntry {
-    last_seen_ns: 0,
-    backend_id: 0,
-    service_id: 0,
-    flags: 0,
-    l4_csum: 0,
-    nat_port: [0; 2],
-    nat_addr: [0; 4],
-    snat_port: [0; 2],
-    _pad2: [0; 2],
-    snat_addr: [0; 4],
-    route_ifindex: 0,
-    route_dmac: [0; 6],
-    route_smac: [0; 6],
-    route_epoch: 0,
-    _pad3: [0; 6],
-};
+#[inline(always)]
+pub const fn no_route<A: Family>() -> CtEntry<A> {
+    CtEntry {
+        last_seen_ns: 0,
+        backend_id: 0,
+        service_id: 0,
+        flags: 0,
+        l4_csum: 0,
+        nat_port: [0; 2],
+        nat_addr: A::UNSPECIFIED,
+        snat_port: [0; 2],
+        _pad2: [0; 2],
+        snat_addr: A::UNSPECIFIED,
+        route_ifindex: 0,
+        route_dmac: [0; 6],
+        route_smac: [0; 6],
+        route_epoch: 0,
+        _pad3: [0; 6],
+    }
+}
 
 /// Monotonic nanoseconds at the last timer tick (`bpf_ktime_get_coarse_ns`). Timeouts are in
 /// seconds, so tick resolution is plenty. The coarse clock only moves on a tick, so a per-CPU
@@ -57,16 +61,16 @@ pub fn now() -> u64 {
 
 /// The tuple of the packet as it is on the wire.
 #[inline(always)]
-pub fn key(pkt: &Packet) -> CtKey {
+pub fn key<A: Family>(pkt: &Packet<A>) -> CtKey<A> {
     CtKey { saddr: pkt.saddr, daddr: pkt.daddr, sport: pkt.sport, dport: pkt.dport, proto: pkt.proto, _pad: 0, _pad2: 0 }
 }
 
 /// Where replies of a flow from this packet's sender go: the sender, or the hairpin address
 /// when the sender is its own backend.
 #[inline(always)]
-fn reply_daddr(pkt: &Packet, hairpin: bool) -> [u8; 4] {
+fn reply_daddr<A: Family>(pkt: &Packet<A>, hairpin: bool) -> A {
     if hairpin {
-        ct::HAIRPIN_ADDR
+        A::HAIRPIN
     } else {
         pkt.saddr
     }
@@ -74,7 +78,7 @@ fn reply_daddr(pkt: &Packet, hairpin: bool) -> [u8; 4] {
 
 /// The tuple replies from `backend` to this packet's sender will carry.
 #[inline(always)]
-fn reply_key(pkt: &Packet, backend: &Backend, hairpin: bool) -> CtKey {
+fn reply_key<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, hairpin: bool) -> CtKey<A> {
     CtKey {
         saddr: backend.addr,
         daddr: reply_daddr(pkt, hairpin),
@@ -89,7 +93,7 @@ fn reply_key(pkt: &Packet, backend: &Backend, hairpin: bool) -> CtKey {
 /// The forward tuple of the connection a reply (tracked by `entry`) belongs to, given the
 /// service address: the client at its own port, moved or not.
 #[inline(always)]
-pub fn forward_key_of_reply(pkt: &Packet, entry: &CtEntry, vip: [u8; 4], vport: [u8; 2]) -> CtKey {
+pub fn forward_key_of_reply<A: Family>(pkt: &Packet<A>, entry: &CtEntry<A>, vip: A, vport: [u8; 2]) -> CtKey<A> {
     CtKey {
         saddr: pkt.daddr,
         daddr: vip,
@@ -117,7 +121,7 @@ pub fn expired(proto: u8, f: u8, last_seen_ns: u64, now: u64) -> bool {
 
 /// CT flags a TCP packet contributes. `fin` is the FIN flag for its direction.
 #[inline(always)]
-fn tcp_state_flags(pkt: &Packet, fin: u8) -> u8 {
+fn tcp_state_flags<A: Family>(pkt: &Packet<A>, fin: u8) -> u8 {
     let mut f = 0;
     if pkt.tcp_flags & TCP_FIN != 0 {
         f |= fin;
@@ -131,14 +135,14 @@ fn tcp_state_flags(pkt: &Packet, fin: u8) -> u8 {
 /// True when a forward entry must not steer this packet: it has expired, or a new SYN reuses
 /// the tuple of a connection that was closing.
 #[inline(always)]
-pub fn forward_stale(pkt: &Packet, e: &CtEntry, now: u64) -> bool {
+pub fn forward_stale<A: Family>(pkt: &Packet<A>, e: &CtEntry<A>, now: u64) -> bool {
     expired(pkt.proto, e.flags, e.last_seen_ns, now)
         || (pkt.proto == IPPROTO_TCP && pkt.is_tcp_syn() && e.flags & (flags::FIN_FWD | flags::FIN_REV | flags::RST) != 0)
 }
 
 /// Records a forward packet on its entry: state flags always, the timestamp at most once a second.
 #[inline(always)]
-pub fn touch_forward(pkt: &Packet, e: *mut CtEntry, now: u64) {
+pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: *mut CtEntry<A>, now: u64) {
     // SAFETY: `e` is a live map value. Racing writers store the same kind of data; a lost
     // update costs at most one second of lifetime or one flag that the next packet sets again.
     unsafe {
@@ -160,14 +164,14 @@ pub fn touch_forward(pkt: &Packet, e: *mut CtEntry, now: u64) {
 /// a second) or gains a flag; it also refreshes the forward entry, so a flow where only the
 /// backend talks stays alive. Returns false (after deleting the entry) when the reply is stale.
 #[inline(always)]
-pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtKey, now: u64) -> bool {
+pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, fwd_key: &CtKey<A>, now: u64) -> bool {
     let add = flags::SEEN_REPLY | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
     let gains_flags = entry.flags & add != add;
     let due = now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS;
     if !gains_flags && !due {
         return true;
     }
-    let live = match CT4_V2.get_ptr_mut(fwd_key) {
+    let live = match A::ct().get_ptr_mut(fwd_key) {
         // SAFETY: a live map value; racing writers store the same kind of data.
         Some(f) => unsafe {
             let fwd_flags = (*f).flags;
@@ -183,7 +187,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
         None => false,
     };
     if !live {
-        let _ = CT4_V2.remove(key(pkt));
+        let _ = A::ct().remove(key(pkt));
         return false;
     }
     // SAFETY: as in touch_forward.
@@ -198,7 +202,7 @@ pub fn touch_reply(pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, fwd_key: &CtK
 /// backend or is tracked afresh: left behind, it would translate an unrelated connection that
 /// happens to reuse the same ports.
 #[inline(always)]
-pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
+pub fn drop_reply<A: Family>(pkt: &Packet<A>, fwd: &CtEntry<A>) {
     let snat = fwd.flags & flags::SNAT != 0;
     let moved = fwd.flags & (flags::SNAT | flags::PORT_NAT) != 0;
     let stale = CtKey {
@@ -210,12 +214,12 @@ pub fn drop_reply(pkt: &Packet, fwd: &CtEntry) {
         _pad: 0,
         _pad2: 0,
     };
-    let _ = CT4_V2.remove(stale);
+    let _ = A::ct().remove(stale);
 }
 
 /// The tuple replies from `backend` to the node's `snat_addr`:`port` carry.
 #[inline(always)]
-fn snat_reply_key(pkt: &Packet, backend: &Backend, snat_addr: [u8; 4], port: [u8; 2]) -> CtKey {
+fn snat_reply_key<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, snat_addr: A, port: [u8; 2]) -> CtKey<A> {
     CtKey { saddr: backend.addr, daddr: snat_addr, sport: backend.port, dport: port, proto: pkt.proto, _pad: 0, _pad2: 0 }
 }
 
@@ -225,7 +229,7 @@ fn snat_reply_key(pkt: &Packet, backend: &Backend, snat_addr: [u8; 4], port: [u8
 /// new SYN could confuse; a connection closed with FINs waits for expiry, as the backend may
 /// hold it in TIME_WAIT).
 #[inline(always)]
-fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
+fn reply_reusable<A: Family>(proto: u8, old: *const CtEntry<A>, now: u64) -> bool {
     // SAFETY: fields of a live map value, read at once.
     let (oflags, olast, nat_addr, nat_port, service_id, backend_id) =
         unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).service_id, (*old).backend_id) };
@@ -237,9 +241,9 @@ fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
         return true;
     }
     // SAFETY: the value is copied out at once.
-    let Some(rn) = crate::maps::LB4_REVNAT_V1.get_ptr(&service_id).map(|p| unsafe { *p }) else { return true };
+    let Some(rn) = A::revnat().get_ptr(&service_id).map(|p| unsafe { *p }) else { return true };
     let fwd_key = CtKey { saddr: nat_addr, daddr: rn.addr, sport: nat_port, dport: rn.port, proto, _pad: 0, _pad2: 0 };
-    match CT4_V2.get_ptr(&fwd_key) {
+    match A::ct().get_ptr(&fwd_key) {
         None => true,
         // SAFETY: fields of a live map value, read at once.
         Some(f) => unsafe {
@@ -252,10 +256,10 @@ fn reply_reusable(proto: u8, old: *const CtEntry, now: u64) -> bool {
 /// A per-CPU entry to build new entries in: map values, unlike stack variables, do not count
 /// against the programs' 512-byte stack.
 #[inline(always)]
-fn scratch() -> Result<*mut CtEntry, Reason> {
-    let p = CT_SCRATCH.get_ptr_mut(0).ok_or(Reason::DropCtInsert)?;
+fn scratch<A: Family>() -> Result<*mut CtEntry<A>, Reason> {
+    let p = A::ct_scratch().get_ptr_mut(0).ok_or(Reason::DropCtInsert)?;
     // SAFETY: this CPU's slot; the program does not migrate while it runs.
-    unsafe { *p = NO_ROUTE };
+    unsafe { *p = no_route() };
     Ok(p)
 }
 
@@ -263,7 +267,7 @@ fn scratch() -> Result<*mut CtEntry, Reason> {
 /// still answers for a live connection other than `own` (then the new flow must not take the
 /// tuple: the backend would see two connections as one, and the first would die).
 #[inline(always)]
-fn reply_in_use(pkt: &Packet, old: *const CtEntry, client_port: [u8; 2], own: &CtKey, now: u64) -> bool {
+fn reply_in_use<A: Family>(pkt: &Packet<A>, old: *const CtEntry<A>, client_port: [u8; 2], own: &CtKey<A>, now: u64) -> bool {
     // SAFETY: fields of a live map value, read at once.
     let (oflags, olast, nat_addr, nat_port, snat_port, backend_id) =
         unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).snat_port, (*old).backend_id) };
@@ -281,7 +285,7 @@ fn reply_in_use(pkt: &Packet, old: *const CtEntry, client_port: [u8; 2], own: &C
         // The same connection, tracked afresh.
         return false;
     }
-    match CT4_V2.get_ptr(&fwd) {
+    match A::ct().get_ptr(&fwd) {
         None => false,
         // SAFETY: fields of a live map value, read at once.
         Some(f) => unsafe {
@@ -301,7 +305,7 @@ const PORT_NAT_TRIES: u32 = 8;
 /// Claims a free client port for a flow whose translated tuple is taken: the reply entry (in
 /// `e`, already filled in) is inserted at backend -> client:port only where that is free.
 #[inline(always)]
-fn claim_client_port(pkt: &Packet, backend: &Backend, e: &mut CtEntry, own: &CtKey, now: u64) -> Result<[u8; 2], Reason> {
+fn claim_client_port<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, e: &mut CtEntry<A>, own: &CtKey<A>, now: u64) -> Result<[u8; 2], Reason> {
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() };
     e.flags |= flags::PORT_NAT;
@@ -312,11 +316,11 @@ fn claim_client_port(pkt: &Packet, backend: &Backend, e: &mut CtEntry, own: &CtK
             continue;
         }
         let k = CtKey { saddr: backend.addr, daddr: pkt.saddr, sport: backend.port, dport: port, proto: pkt.proto, _pad: 0, _pad2: 0 };
-        if CT4_V2.insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
+        if A::ct().insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             return Ok(port);
         }
-        let free = CT4_V2.get_ptr(&k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
-        if free && CT4_V2.insert(k, &*e, BPF_ANY as u64).is_ok() {
+        let free = A::ct().get_ptr(&k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
+        if free && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             return Ok(port);
         }
     }
@@ -327,18 +331,18 @@ fn claim_client_port(pkt: &Packet, backend: &Backend, e: &mut CtEntry, own: &CtK
 /// only when no other live connection holds it; otherwise the client's port is moved to a free
 /// one, which is returned (the caller rewrites the packet's source port to it).
 #[inline(always)]
-pub fn create(
-    pkt: &Packet,
+pub fn create<A: Family>(
+    pkt: &Packet<A>,
     service_id: u32,
     backend_id: u32,
-    backend: &Backend,
+    backend: &Backend<A>,
     now: u64,
     hairpin: bool,
     l4_csum: u8,
 ) -> Result<Option<[u8; 2]>, Reason> {
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     let hp = if hairpin { flags::HAIRPIN } else { 0 };
-    let e = scratch()?;
+    let e = scratch::<A>()?;
     // SAFETY: this CPU's scratch slot (see `scratch`).
     let e = unsafe { &mut *e };
     e.last_seen_ns = now;
@@ -352,12 +356,12 @@ pub fn create(
     let own = key(pkt);
     // A hairpinned flow's replies go to the hairpin address: no other flow has them.
     let mut moved = None;
-    if hairpin || CT4_V2.insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
-        let in_use = !hairpin && CT4_V2.get_ptr(&reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
+    if hairpin || A::ct().insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
+        let in_use = !hairpin && A::ct().get_ptr(&reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
         if in_use {
             moved = Some(claim_client_port(pkt, backend, e, &own, now)?);
         } else {
-            CT4_V2.insert(reply, &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+            A::ct().insert(reply, &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
         }
     }
     e.flags = fin_rst | hp | if moved.is_some() { flags::PORT_NAT } else { 0 };
@@ -365,12 +369,12 @@ pub fn create(
     e.nat_port = backend.port;
     e.nat_addr = backend.addr;
     e.snat_port = moved.unwrap_or([0; 2]);
-    if CT4_V2.insert(own, &*e, BPF_ANY as u64).is_err() {
+    if A::ct().insert(own, &*e, BPF_ANY as u64).is_err() {
         let taken = match moved {
             Some(port) => CtKey { dport: port, ..reply },
             None => reply,
         };
-        let _ = CT4_V2.remove(taken);
+        let _ = A::ct().remove(taken);
         return Err(Reason::DropCtInsert);
     }
     Ok(moved)
@@ -386,12 +390,12 @@ const SNAT_TRIES: u32 = 8;
 /// reply entry only if its tuple is free, so two flows never share a reply tuple. Returns the
 /// port (network order).
 #[inline(always)]
-pub fn create_snat(
-    pkt: &Packet,
+pub fn create_snat<A: Family>(
+    pkt: &Packet<A>,
     service_id: u32,
     backend_id: u32,
-    backend: &Backend,
-    snat_addr: [u8; 4],
+    backend: &Backend<A>,
+    snat_addr: A,
     port_min: u16,
     port_max: u16,
     now: u64,
@@ -399,7 +403,7 @@ pub fn create_snat(
     let range = u32::from(port_max.saturating_sub(port_min)) + 1;
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() };
-    let e = scratch()?;
+    let e = scratch::<A>()?;
     // SAFETY: this CPU's scratch slot (see `scratch`).
     let e = unsafe { &mut *e };
     e.last_seen_ns = now;
@@ -413,14 +417,14 @@ pub fn create_snat(
     for i in 0..SNAT_TRIES {
         port = ((port_min as u32 + start.wrapping_add(i) % range) as u16).to_be_bytes();
         let k = snat_reply_key(pkt, backend, snat_addr, port);
-        if CT4_V2.insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
+        if A::ct().insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             claimed = true;
             break;
         }
         // Taken, but perhaps by a flow that has ended: its mapping may be reused. (The LRU
         // would only evict it once the whole table is full.)
-        let stale = CT4_V2.get_ptr(&k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
-        if stale && CT4_V2.insert(k, &*e, BPF_ANY as u64).is_ok() {
+        let stale = A::ct().get_ptr(&k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
+        if stale && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             claimed = true;
             break;
         }
@@ -434,8 +438,8 @@ pub fn create_snat(
     e.nat_addr = backend.addr;
     e.snat_port = port;
     e.snat_addr = snat_addr;
-    if CT4_V2.insert(key(pkt), &*e, BPF_ANY as u64).is_err() {
-        let _ = CT4_V2.remove(snat_reply_key(pkt, backend, snat_addr, port));
+    if A::ct().insert(key(pkt), &*e, BPF_ANY as u64).is_err() {
+        let _ = A::ct().remove(snat_reply_key(pkt, backend, snat_addr, port));
         return Err(Reason::DropCtInsert);
     }
     Ok(port)

@@ -10,10 +10,11 @@ use proxy_common::{
 };
 
 use crate::{
-    ct, frag, icmp,
-    maps::CT4_V2,
+    ct,
+    family::Family,
+    icmp,
     nat::{self, Side},
-    parse::{self, Frag, Parsed},
+    parse::{self, Frag, Packet, Parsed},
     select::{self, revnat_of},
     verdict::Verdict,
 };
@@ -33,7 +34,7 @@ fn leaving_unmatched(cidr: Option<u8>) -> Result<Verdict, Reason> {
 
 #[inline(always)]
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let mut pkt = match parse::ipv4(ctx) {
+    let pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             if !icmp::is_query(ctx, l4_off) {
@@ -58,10 +59,17 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         }
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
-    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+    flow(ctx, pkt)
+}
+
+/// A TCP or UDP packet about to leave, of either family: a reply of a translated flow gets
+/// the Service's address back.
+#[inline(always)]
+fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reason> {
+    if pkt.frag == Frag::Later && !A::frag_resolve(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) else {
+    let Some(e) = A::ct().get_ptr_mut(ct::key(&pkt)) else {
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
     // SAFETY: live map value; CtEntry is plain data.
@@ -76,7 +84,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
-    frag::remember(&pkt);
+    A::frag_remember(&pkt);
     if entry.l4_csum == l4_csum::UNKNOWN {
         // The first reply (or one the form could not be told from): learn the form.
         let form = nat::rewrite_learning(ctx, &pkt, Side::Src, rn.addr, rn.port)?;

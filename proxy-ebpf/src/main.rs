@@ -8,6 +8,7 @@ mod bench;
 mod ct;
 mod egress;
 mod ext;
+mod family;
 mod frag;
 mod icmp;
 mod maps;

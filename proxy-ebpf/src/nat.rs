@@ -29,20 +29,16 @@
 //! The work is the same whether or not the values change, so a no-op rewrite costs what a real
 //! one does.
 
-use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    programs::TcContext,
-};
+use aya_ebpf::{bindings::BPF_F_MARK_MANGLED_0, programs::TcContext};
 use proxy_common::{csum, ct::l4_csum, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     access,
+    family::Family,
     parse::{ptr_at, Packet, IP_OFF},
 };
 
 const IP_CSUM: usize = 10;
-const IP_SRC: usize = 12;
-const IP_DST: usize = 16;
 pub const TCP_CSUM_OFF: usize = 16;
 pub const UDP_CSUM_OFF: usize = 6;
 
@@ -55,12 +51,12 @@ pub enum Side {
 }
 
 impl Side {
-    /// (IPv4 header offset of the address, L4 offset of the port, the address, the port).
+    /// (network header offset of the address, L4 offset of the port, the address, the port).
     #[inline(always)]
-    fn fields(self, pkt: &Packet) -> (usize, usize, [u8; 4], [u8; 2]) {
+    fn fields<A: Family>(self, pkt: &Packet<A>) -> (usize, usize, A, [u8; 2]) {
         match self {
-            Side::Dst => (IP_DST, 2, pkt.daddr, pkt.dport),
-            Side::Src => (IP_SRC, 0, pkt.saddr, pkt.sport),
+            Side::Dst => (A::DST_OFF, 2, pkt.daddr, pkt.dport),
+            Side::Src => (A::SRC_OFF, 0, pkt.saddr, pkt.sport),
         }
     }
 }
@@ -68,9 +64,9 @@ impl Side {
 /// Replaces the address and port on `side` with `addr`:`port`, fixing the IPv4 header checksum
 /// and, when this packet carries the L4 header, the TCP/UDP checksum.
 #[inline(always)]
-pub fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2]) -> Result<(), Reason> {
+pub fn rewrite<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A, port: [u8; 2]) -> Result<(), Reason> {
     let (addr_off, port_off, old_addr, old_port) = side.fields(pkt);
-    rewrite_ip(ctx, addr_off, old_addr, addr)?;
+    A::store_address(ctx, addr_off, old_addr, addr)?;
     if !pkt.has_l4() {
         return Ok(());
     }
@@ -78,7 +74,7 @@ pub fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [
     // SAFETY: bounds checked by ptr_at.
     unsafe { access::store2(ports as usize + port_off, port) };
     let (csum_off, mangled) = l4_csum_at(pkt);
-    l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
+    A::l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     let old_p = u64::from(u16::from_ne_bytes(old_port));
     let new_p = u64::from(u16::from_ne_bytes(port));
     ctx.l4_csum_replace(csum_off, old_p, new_p, mangled | 2).map_err(|_| Reason::DropRewrite)
@@ -87,7 +83,7 @@ pub fn rewrite(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [
 /// Where the packet's L4 checksum is, and the helper flag its protocol needs: UDP's
 /// BPF_F_MARK_MANGLED_0, as a zero UDP checksum means "none" and must stay zero.
 #[inline(always)]
-fn l4_csum_at(pkt: &Packet) -> (usize, u64) {
+fn l4_csum_at<A: Family>(pkt: &Packet<A>) -> (usize, u64) {
     if pkt.proto == IPPROTO_TCP {
         (pkt.l4_off + TCP_CSUM_OFF, 0)
     } else {
@@ -95,19 +91,9 @@ fn l4_csum_at(pkt: &Packet) -> (usize, u64) {
     }
 }
 
-/// The L4 checksum's update for an address of the pseudo-header, through the helper, which
-/// also keeps a CHECKSUM_COMPLETE skb's `skb->csum` right. `mangled` is BPF_F_MARK_MANGLED_0
-/// for UDP.
-#[inline(always)]
-fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
-    let old = u64::from(u32::from_ne_bytes(old));
-    let new = u64::from(u32::from_ne_bytes(new));
-    ctx.l4_csum_replace(csum_off, old, new, u64::from(BPF_F_PSEUDO_HDR) | mangled | 4).map_err(|_| Reason::DropRewrite)
-}
-
 /// The checksum field of the packet's L4 header.
 #[inline(always)]
-fn l4_csum_field(ctx: &TcContext, pkt: &Packet) -> Option<[u8; 2]> {
+fn l4_csum_field<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<[u8; 2]> {
     let (off, _) = l4_csum_at(pkt);
     // SAFETY: bounds checked by ptr_at.
     ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { access::load2(p as usize) })
@@ -116,10 +102,10 @@ fn l4_csum_field(ctx: &TcContext, pkt: &Packet) -> Option<[u8; 2]> {
 /// The pseudo-header sum of the packet as it arrived: what its checksum field holds in the
 /// partial form.
 #[inline(always)]
-fn pseudo_header(pkt: &Packet) -> [u8; 2] {
+fn pseudo_header<A: Family>(pkt: &Packet<A>) -> [u8; 2] {
     let ip_len = u16::from_be_bytes(pkt.tot_len);
     let l4_len = ip_len.wrapping_sub((pkt.l4_off - IP_OFF) as u16);
-    csum::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len)
+    A::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len)
 }
 
 /// The rewrite of a flow's first packet (or first reply), through the helper (`rewrite`);
@@ -128,15 +114,15 @@ fn pseudo_header(pkt: &Packet) -> [u8; 2] {
 /// port change the other way. When both give the same value (nothing changed, or a fragment)
 /// the form stays unknown.
 #[inline(always)]
-pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2]) -> Result<u8, Reason> {
+pub fn rewrite_learning<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A, port: [u8; 2]) -> Result<u8, Reason> {
     let before = if pkt.frag == crate::parse::Frag::Whole { l4_csum_field(ctx, pkt) } else { None };
     rewrite(ctx, pkt, side, addr, port)?;
     let (Some(before), Some(after)) = (before, l4_csum_field(ctx, pkt)) else {
         return Ok(l4_csum::UNKNOWN);
     };
     let (_, _, old_addr, old_port) = side.fields(pkt);
-    let partial = csum::partial_update4(before, old_addr, addr);
-    let complete = csum::l4_update(before, old_addr, addr, old_port, port, pkt.proto == IPPROTO_UDP);
+    let partial = A::partial_update(before, old_addr, addr);
+    let complete = A::complete_update(before, old_addr, addr, old_port, port, pkt.proto == IPPROTO_UDP);
     Ok(if partial == complete {
         l4_csum::UNKNOWN
     } else if after == partial && before == pseudo_header(pkt) {
@@ -151,7 +137,7 @@ pub fn rewrite_learning(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4]
 /// The rewrite of a later packet of a flow whose checksum form is `form`: plain arithmetic
 /// when the packet fits that form (see the module comment), else the helper (`rewrite`).
 #[inline(always)]
-pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], port: [u8; 2], form: u8) -> Result<(), Reason> {
+pub fn rewrite_known<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A, port: [u8; 2], form: u8) -> Result<(), Reason> {
     let usable = form == l4_csum::PARTIAL || form == l4_csum::COMPLETE;
     let whole = pkt.frag == crate::parse::Frag::Whole && u32::from(u16::from_be_bytes(pkt.tot_len)) + IP_OFF as u32 == ctx.len();
     if !usable || !whole || pkt.tcp_flags & crate::parse::TCP_RST != 0 {
@@ -160,30 +146,30 @@ pub fn rewrite_known(ctx: &TcContext, pkt: &Packet, side: Side, addr: [u8; 4], p
     let (addr_off, port_off, old_addr, _) = side.fields(pkt);
     let fit = Fit { pkt, side, addr, port, form };
     let written = if pkt.proto == IPPROTO_TCP {
-        l4_arithmetic::<{ TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+        l4_arithmetic::<A, { TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     } else {
-        l4_arithmetic::<{ UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+        l4_arithmetic::<A, { UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
     };
     if !written {
         return rewrite(ctx, pkt, side, addr, port);
     }
     if fit.address_by_helper() {
         let (csum_off, mangled) = l4_csum_at(pkt);
-        l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
+        A::l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
     }
-    rewrite_ip(ctx, addr_off, old_addr, addr)
+    A::store_address(ctx, addr_off, old_addr, addr)
 }
 
 /// An arithmetic rewrite of a packet of a flow whose checksum form is `form`.
-struct Fit<'a> {
-    pkt: &'a Packet,
+struct Fit<'a, A: Family> {
+    pkt: &'a Packet<A>,
     side: Side,
-    addr: [u8; 4],
+    addr: A,
     port: [u8; 2],
     form: u8,
 }
 
-impl Fit<'_> {
+impl<A: Family> Fit<'_, A> {
     /// The complete form's address change on egress goes through the helper (see the module
     /// comment); its port change does not touch `skb->csum` (the port and the checksum field
     /// change by opposite amounts), so that part is arithmetic.
@@ -199,13 +185,13 @@ impl Fit<'_> {
         let (_, _, old_addr, old_port) = self.side.fields(self.pkt);
         let is_partial = field == pseudo_header(self.pkt);
         if self.form == l4_csum::PARTIAL && is_partial {
-            Some(csum::partial_update4(field, old_addr, self.addr))
+            Some(A::partial_update(field, old_addr, self.addr))
         } else if self.form == l4_csum::COMPLETE && !is_partial {
             let udp = self.pkt.proto == IPPROTO_UDP;
             Some(if self.address_by_helper() {
                 csum::l4_port_update(field, old_port, self.port, udp)
             } else {
-                csum::l4_update(field, old_addr, self.addr, old_port, self.port, udp)
+                A::complete_update(field, old_addr, self.addr, old_port, self.port, udp)
             })
         } else {
             None
@@ -217,7 +203,7 @@ impl Fit<'_> {
 /// its end (`LEN` is the checksum's offset + 2). False, with nothing written, when the header
 /// is out of bounds or the packet does not fit.
 #[inline(always)]
-fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, fit: &Fit) -> bool {
+fn l4_arithmetic<A: Family, const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, fit: &Fit<A>) -> bool {
     let Some(l4) = ptr_at::<[u8; LEN]>(ctx, l4_off) else { return false };
     let l4 = l4 as usize;
     // SAFETY: bounds checked by ptr_at, for these accesses too.
@@ -233,7 +219,7 @@ fn l4_arithmetic<const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usi
 /// Replaces the address at `addr_off` of the IPv4 header, `old` with `new`, and updates the
 /// header checksum.
 #[inline(always)]
-fn rewrite_ip(ctx: &TcContext, addr_off: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
+pub fn rewrite_ipv4(ctx: &TcContext, addr_off: usize, old: [u8; 4], new: [u8; 4]) -> Result<(), Reason> {
     let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(Reason::DropRewrite)? as usize;
     // SAFETY: bounds checked by ptr_at; the program owns the (unshared) packet data.
     unsafe {

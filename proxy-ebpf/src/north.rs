@@ -272,7 +272,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
                 Ok(moved) => sport = moved,
                 Err(r) => return Step::Drop(r),
             }
-            count_flow(choice.id);
+            count_flow::<[u8; 4]>(choice.id);
         }
         return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal, sport };
     }
@@ -297,7 +297,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         }
     };
     if !env.dry {
-        count_flow(choice.id);
+        count_flow::<[u8; 4]>(choice.id);
     }
     Step::Forward {
         dst: (be.addr, be.port),

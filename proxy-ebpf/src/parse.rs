@@ -12,7 +12,7 @@ use network_types::{
 };
 use proxy_common::{IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::access;
+use crate::{access, family::Family};
 
 pub const ETH_LEN: usize = size_of::<EthHdr>();
 pub const IP_OFF: usize = ETH_LEN;
@@ -96,24 +96,26 @@ pub enum Frag {
     Later,
 }
 
-pub struct Packet {
-    /// Offset of the L4 header (Ethernet + IHL * 4).
+/// A TCP or UDP packet (or fragment) of family `A` (see `family`).
+pub struct Packet<A: Family = [u8; 4]> {
+    /// Offset of the L4 header (after the network header and, in IPv6, its extension headers).
     pub l4_off: usize,
     pub proto: u8,
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+    pub saddr: A,
+    pub daddr: A,
     pub sport: [u8; 2],
     pub dport: [u8; 2],
     /// TCP flags byte; 0 for UDP.
     pub tcp_flags: u8,
-    pub ip_id: [u8; 2],
-    /// IPv4 total length, network order.
+    pub ip_id: A::FragId,
+    /// Length of the IP packet, its network header included (IPv4's total length), network
+    /// order.
     pub tot_len: [u8; 2],
     pub ttl: u8,
     pub frag: Frag,
 }
 
-impl Packet {
+impl<A: Family> Packet<A> {
     /// True when this packet holds the L4 header (and so its checksum).
     #[inline(always)]
     pub fn has_l4(&self) -> bool {

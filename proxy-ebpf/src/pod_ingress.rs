@@ -11,8 +11,9 @@ use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use proxy_common::{ct::flags, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
 
 use crate::{
-    ct, frag, icmp,
-    maps::{CT4_V2, LB4_FLOWS_V1},
+    ct,
+    family::Family,
+    icmp,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed},
     select::{self, backend, service},
@@ -21,18 +22,24 @@ use crate::{
 
 #[inline(always)]
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let mut pkt = match parse::ipv4(ctx) {
+    let pkt = match parse::ipv4(ctx) {
         Parsed::Packet(p) => p,
         Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => return icmp_query(ctx, l4_off, saddr, daddr, tot_len),
         Parsed::OtherProto { .. } => return Ok(Verdict::pass(Reason::PassNotService)),
         Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
     };
-    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+    flow(ctx, pkt)
+}
+
+/// A TCP or UDP packet from a pod, of either family.
+#[inline(always)]
+fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reason> {
+    if pkt.frag == Frag::Later && !A::frag_resolve(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let now = ct::now();
-    if let Some(e) = CT4_V2.get_ptr_mut(ct::key(&pkt)) {
+    if let Some(e) = A::ct().get_ptr_mut(ct::key(&pkt)) {
         // SAFETY: live map value; CtEntry is plain data.
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
@@ -53,7 +60,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.
 #[inline(always)]
-fn to_service(ctx: &TcContext, pkt: &Packet, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+fn to_service<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let Some(master) = service(&key) else {
         return unserved(ctx, pkt);
@@ -85,18 +92,18 @@ fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], to
 /// program: here another proxy's DNAT, or a local address such as NodeLocal DNSCache's, may
 /// still claim it.)
 #[inline(always)]
-fn unserved(ctx: &TcContext, pkt: &Packet) -> Result<Verdict, Reason> {
+fn unserved<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reason> {
     if pkt.frag == Frag::Later || pkt.is_tcp_mid_connection() || select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
-    icmp::reject(ctx, pkt, Reason::RejectClusterIpPort)
+    A::reject(ctx, pkt, Reason::RejectClusterIpPort)
 }
 
 /// A packet of a tracked connection towards the service.
 #[inline(always)]
-fn established(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, now: u64) -> Result<Verdict, Reason> {
+fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
     // The id must still name the backend the flow went to: ids are reused eventually.
-    let be = backend(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+    let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
     let Some(be) = be else {
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging.
@@ -104,7 +111,7 @@ fn established(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, 
         return to_service(ctx, pkt, now, Reason::Reselected);
     };
     ct::touch_forward(pkt, e, now);
-    frag::remember(pkt);
+    A::frag_remember(pkt);
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate_hairpin(ctx, pkt, &be)?
     } else {
@@ -121,16 +128,16 @@ fn established(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, 
 /// DNAT of a hairpinned flow towards `be` (the sender itself), with the hairpin address as
 /// source, straight back out (through the helper: rare, and two rewrites).
 #[inline(always)]
-fn translate_hairpin(ctx: &TcContext, pkt: &Packet, be: &Backend) -> Result<i32, Reason> {
+fn translate_hairpin<A: Family>(ctx: &TcContext, pkt: &Packet<A>, be: &Backend<A>) -> Result<i32, Reason> {
     nat::rewrite(ctx, pkt, Side::Dst, be.addr, be.port)?;
-    nat::rewrite(ctx, pkt, Side::Src, proxy_common::ct::HAIRPIN_ADDR, pkt.sport)?;
+    nat::rewrite(ctx, pkt, Side::Src, A::HAIRPIN, pkt.sport)?;
     nat::bounce(ctx)
 }
 
 /// A pod's reply to its own hairpinned flow: from the pod to the hairpin address, it must reach
 /// the pod again as coming from the service.
 #[inline(always)]
-fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, now: u64) -> Result<Verdict, Reason> {
+fn hairpin_reply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
     let Some(rn) = select::revnat_of(entry) else {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     };
@@ -147,10 +154,10 @@ fn hairpin_reply(ctx: &TcContext, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry
 
 /// A flow without a usable conntrack entry: pick a backend, track, translate.
 #[inline(always)]
-fn new_flow(ctx: &TcContext, pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+fn new_flow<A: Family>(ctx: &TcContext, pkt: &Packet<A>, key: &ServiceKey<A>, master: &ServiceValue, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     if master.count == 0 {
         select::without_endpoints(pkt, master)?;
-        return icmp::reject(ctx, pkt, Reason::RejectNoEndpoints);
+        return A::reject(ctx, pkt, Reason::RejectNoEndpoints);
     }
     let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;
     let hairpin = be.addr == pkt.saddr;
@@ -169,15 +176,15 @@ fn new_flow(ctx: &TcContext, pkt: &Packet, key: &ServiceKey, master: &ServiceVal
             reason = Reason::NewFlowPortNat;
         }
     }
-    count_flow(backend_id);
-    frag::remember(pkt);
+    count_flow::<A>(backend_id);
+    A::frag_remember(pkt);
     Ok(Verdict { action, reason })
 }
 
 /// Counts a new flow to the backend.
 #[inline(always)]
-pub fn count_flow(backend_id: u32) {
-    if let Some(c) = LB4_FLOWS_V1.get_ptr_mut(backend_id) {
+pub fn count_flow<A: Family>(backend_id: u32) {
+    if let Some(c) = A::flows().get_ptr_mut(backend_id) {
         // SAFETY: a live array value shared by all CPUs, hence the atomic add. The bpf target
         // does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to BPF_ATOMIC_ADD.
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).flows, 1) };

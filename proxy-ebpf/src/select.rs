@@ -1,17 +1,12 @@
 //! Backend selection for new flows: ClientIP affinity first, then the service's Maglev table
 //! (north-south: every node picks the same backend for the same flow), else a random slot.
 
-use aya_ebpf::{bindings::BPF_ANY, btf_maps::lpm_trie::Key, helpers::bpf_get_prandom_u32};
-use proxy_common::{
-    hash, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtEntry, Reason, RevNat, ServiceKey, ServiceValue,
-    SourceRangeKey, SvcCidrKey,
-};
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32};
+use proxy_common::{svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtEntry, Reason, RevNat, ServiceKey, ServiceValue};
 
 use crate::{
-    maps::{
-        CONFIG_V2, LB4_AFFINITY_V1, LB4_AFFMATCH_V1, LB4_BACKENDS_V1, LB4_MAGLEV_V1, LB4_REVNAT_V1, LB4_SERVICES_V1, LB4_SRCRANGE_V1,
-        LB4_SVCCIDR_V1,
-    },
+    family::Family,
+    maps::CONFIG_V2,
     parse::{Frag, Packet},
 };
 
@@ -21,7 +16,7 @@ const NS_PER_SEC: u64 = 1_000_000_000;
 /// kube-proxy's REJECT), or the reason to drop it (a Local policy with endpoints elsewhere; a
 /// later fragment, which cannot be quoted).
 #[inline(always)]
-pub fn without_endpoints(pkt: &Packet, master: &ServiceValue) -> Result<(), Reason> {
+pub fn without_endpoints<A: Family>(pkt: &Packet<A>, master: &ServiceValue) -> Result<(), Reason> {
     if master.flags & svc_flags::DROP_WHEN_EMPTY != 0 {
         return Err(Reason::DropNoLocalEndpoints);
     }
@@ -34,53 +29,42 @@ pub fn without_endpoints(pkt: &Packet, master: &ServiceValue) -> Result<(), Reas
 /// False when a new flow from this packet's source may not reach the frontend of `master`:
 /// the frontend has loadBalancerSourceRanges and none of them holds the source.
 #[inline(always)]
-pub fn source_allowed(pkt: &Packet, master: &ServiceValue) -> bool {
-    master.flags & svc_flags::SOURCE_RANGES == 0 || in_source_ranges(master.service_id, pkt.saddr)
+pub fn source_allowed<A: Family>(pkt: &Packet<A>, master: &ServiceValue) -> bool {
+    master.flags & svc_flags::SOURCE_RANGES == 0 || A::in_source_ranges(master.service_id, pkt.saddr)
 }
 
-/// True when one of service `service_id`'s loadBalancerSourceRanges holds `addr`.
+/// What the family's Service CIDR map says of `daddr` (a `svc_cidr` value: an allocated
+/// cluster IP, or a free address of a Service CIDR), for a packet no Service serves; None: in
+/// no Service CIDR.
 #[inline(always)]
-pub fn in_source_ranges(service_id: u32, addr: [u8; 4]) -> bool {
-    let key = Key::new(SourceRangeKey::ID_BITS + 32, SourceRangeKey { service_id, addr });
-    LB4_SRCRANGE_V1.get(&key).is_some()
-}
-
-/// What `LB4_SVCCIDR_V1` says of `daddr` (a `svc_cidr` value: an allocated cluster IP, or a
-/// free address of a Service CIDR), for a packet no Service serves; None: in no Service CIDR
-/// (checked in two ALU operations against the ranges' common prefix first).
-#[inline(always)]
-pub fn service_cidr_of(daddr: [u8; 4]) -> Option<u8> {
-    let cfg = CONFIG_V2.get(0)?;
-    if cfg.svc_cidrs == 0 || u32::from_ne_bytes(daddr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
-        return None;
-    }
-    LB4_SVCCIDR_V1.get(&Key::new(32, SvcCidrKey { addr: daddr })).copied()
+pub fn service_cidr_of<A: Family>(daddr: A) -> Option<u8> {
+    A::service_cidr_of(daddr)
 }
 
 /// The Service address a tracked flow's replies must come from.
 #[inline(always)]
-pub fn revnat_of(entry: &CtEntry) -> Option<RevNat> {
+pub fn revnat_of<A: Family>(entry: &CtEntry<A>) -> Option<RevNat<A>> {
     // SAFETY: the value is copied out at once.
-    LB4_REVNAT_V1.get_ptr(entry.service_id).map(|p| unsafe { *p })
+    A::revnat().get_ptr(entry.service_id).map(|p| unsafe { *p })
 }
 
 #[inline(always)]
-pub fn service(key: &ServiceKey) -> Option<ServiceValue> {
+pub fn service<A: Family>(key: &ServiceKey<A>) -> Option<ServiceValue> {
     // SAFETY: the value is copied out at once.
-    LB4_SERVICES_V1.get_ptr(key).map(|p| unsafe { *p })
+    A::services().get_ptr(key).map(|p| unsafe { *p })
 }
 
 /// The backend with this id, if it is set (an unset array entry is all zeroes).
 #[inline(always)]
-pub fn backend(id: u32) -> Option<Backend> {
+pub fn backend<A: Family>(id: u32) -> Option<Backend<A>> {
     // SAFETY: the value is copied out at once.
-    LB4_BACKENDS_V1.get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != [0; 4])
+    A::backends().get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != A::UNSPECIFIED)
 }
 
 /// The master entry pods use for `key`: the frontend's own, or for a frontend whose outside
 /// clients see other backends (externalTrafficPolicy Local) the internal scope's.
 #[inline(always)]
-pub fn internal_master(key: &mut ServiceKey, master: ServiceValue) -> Option<ServiceValue> {
+pub fn internal_master<A: Family>(key: &mut ServiceKey<A>, master: ServiceValue) -> Option<ServiceValue> {
     if master.flags & svc_flags::TWO_SCOPES == 0 {
         return Some(master);
     }
@@ -88,46 +72,44 @@ pub fn internal_master(key: &mut ServiceKey, master: ServiceValue) -> Option<Ser
     service(key)
 }
 
-pub struct Choice {
+pub struct Choice<A = [u8; 4]> {
     pub id: u32,
-    pub backend: Backend,
+    pub backend: Backend<A>,
 }
 
-fn affinity_key(pkt: &Packet, master: &ServiceValue, scope: u8) -> AffinityKey {
+fn affinity_key<A: Family>(pkt: &Packet<A>, master: &ServiceValue, scope: u8) -> AffinityKey<A> {
     AffinityKey { service_id: master.service_id, client: pkt.saddr, scope, _pad: 0, _pad2: 0 }
 }
 
 /// The backend this client was last sent to, if that was within the timeout and the backend
 /// still serves the service.
 #[inline(always)]
-fn affinity(pkt: &Packet, master: &ServiceValue, scope: u8, now: u64) -> Option<Choice> {
+fn affinity<A: Family>(pkt: &Packet<A>, master: &ServiceValue, scope: u8, now: u64) -> Option<Choice<A>> {
     // SAFETY: the value is copied out at once.
-    let a = LB4_AFFINITY_V1.get_ptr(&affinity_key(pkt, master, scope)).map(|p| unsafe { *p })?;
+    let a = A::affinity().get_ptr(&affinity_key(pkt, master, scope)).map(|p| unsafe { *p })?;
     if now.saturating_sub(a.last_used_ns) > u64::from(master.affinity_timeout) * NS_PER_SEC {
         return None;
     }
     let m = AffinityMatchKey { service_id: master.service_id, backend_id: a.backend_id, scope, _pad: 0, _pad2: 0 };
-    LB4_AFFMATCH_V1.get_ptr(&m)?;
+    A::affinity_matches().get_ptr(&m)?;
     backend(a.backend_id).map(|backend| Choice { id: a.backend_id, backend })
 }
 
 /// The Maglev table's pick for this flow; None when the table or the config is missing.
 #[inline(always)]
-fn maglev(pkt: &Packet, table_id: u32) -> Option<u32> {
+fn maglev<A: Family>(pkt: &Packet<A>, table_id: u32) -> Option<u32> {
     let size = CONFIG_V2.get(0)?.maglev_size;
     if size == 0 {
         return None;
     }
-    let index = hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
-    // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
-    let id = unsafe { LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()?;
+    let id = A::maglev_entry(table_id, A::flow_hash(pkt) % size)?;
     (id != 0).then_some(id)
 }
 
 /// Picks the backend of a new flow to the frontend `key` whose master entry is `master` (which
 /// has at least one slot). `record`: remember the choice for affinity (false for a trace).
 #[inline(always)]
-pub fn choose(pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, record: bool) -> Result<Choice, Reason> {
+pub fn choose<A: Family>(pkt: &Packet<A>, key: &ServiceKey<A>, master: &ServiceValue, now: u64, record: bool) -> Result<Choice<A>, Reason> {
     let sticky = master.affinity_timeout != 0;
     let choice = match if sticky { affinity(pkt, master, key.scope, now) } else { None } {
         Some(c) => c,
@@ -147,7 +129,7 @@ pub fn choose(pkt: &Packet, key: &ServiceKey, master: &ServiceValue, now: u64, r
     if sticky && record {
         // As kube-proxy's `recent --set`: every new connection restarts the client's timeout.
         let v = AffinityValue { last_used_ns: now, backend_id: choice.id, _pad: 0 };
-        let _ = LB4_AFFINITY_V1.insert(affinity_key(pkt, master, key.scope), v, BPF_ANY as u64);
+        let _ = A::affinity().insert(affinity_key(pkt, master, key.scope), v, BPF_ANY as u64);
     }
     Ok(choice)
 }

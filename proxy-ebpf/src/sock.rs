@@ -47,6 +47,7 @@ use proxy_common::{
 
 use crate::{
     ct,
+    family::Family,
     maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_HELD_V1, SOCK_PORTS_V1, SOCK_REVNAT_V1},
     parse::{Frag, Packet},
     pod_ingress::count_flow,
@@ -180,7 +181,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
         return PROCEED;
     };
     // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
-    if master.flags & svc_flags::SOURCE_RANGES != 0 && !select::in_source_ranges(master.service_id, vip) {
+    if master.flags & svc_flags::SOURCE_RANGES != 0 && !Family::in_source_ranges(master.service_id, vip) {
         return refuse(Reason::DropSourceRange, EPERM);
     }
     let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
@@ -196,7 +197,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     if proto == IPPROTO_UDP && !connect {
         // SAFETY: the value is copied out at once.
         if let Some(f) = SOCK_FWD_V1.get_ptr(&fwd_key).map(|p| unsafe { *p }) {
-            if select::backend(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
+            if select::backend::<[u8; 4]>(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
                 set_peer(ctx, hook, f.addr, f.port);
                 return PROCEED;
             }
@@ -256,7 +257,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
         }
     }
     set_peer(ctx, hook, be.addr, be.port);
-    count_flow(choice.id);
+    count_flow::<[u8; 4]>(choice.id);
     stats::count(Reason::HostConnect, 0);
     PROCEED
 }

@@ -1,0 +1,189 @@
+//! The address-family seam. What differs between IPv4 and IPv6 (the address, the family's
+//! maps, its network header and checksum arithmetic, its ICMP) is reached through `Family`,
+//! which the address type itself implements, so conntrack, backend selection and the NAT
+//! logic are written once and compiled once per family: the IPv4 code is what it was, with
+//! nothing decided at run time (Cilium keeps lb4/lb6 siblings, Katran passes `is_ipv6`).
+//! Functions take `Packet<A>` and let the compiler infer the family from it.
+//!
+//! Each family has its own maps, keyed by its own address size: IPv4 keys stay 4-byte
+//! addresses (an IPv4-mapped 16-byte key would make every IPv4 lookup hash 24 more bytes).
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    programs::TcContext,
+};
+use proxy_common::{limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Reason, RevNat, ServiceKey, ServiceValue};
+
+use crate::{
+    frag, icmp, maps,
+    parse::Packet,
+    verdict::Verdict,
+};
+
+const LB_MAX: usize = limits::LB_MAP_MAX as usize;
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+
+pub type CtMap<A> = LruHashMap<CtKey<A>, CtEntry<A>, { limits::CT_MAP_MAX as usize }>;
+pub type ServicesMap<A> = HashMap<ServiceKey<A>, ServiceValue, LB_MAX, NO_PREALLOC>;
+pub type BackendsMap<A> = Array<Backend<A>, LB_MAX>;
+pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
+pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
+
+/// An address family, implemented by its address type (network order bytes).
+pub trait Family: Copy + PartialEq + Sized + 'static {
+    /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
+    type FragId: Copy;
+    /// The unset address (an unset backend entry holds it).
+    const UNSPECIFIED: Self;
+    /// Where replies of a hairpinned flow (a pod reaching itself through a Service) are sent.
+    const HAIRPIN: Self;
+
+    fn ct() -> &'static CtMap<Self>;
+    fn services() -> &'static ServicesMap<Self>;
+    fn backends() -> &'static BackendsMap<Self>;
+    fn revnat() -> &'static RevNatMap<Self>;
+    fn affinity() -> &'static AffinityMap<Self>;
+    /// Flows sent to each backend (indexed by backend id).
+    fn flows() -> &'static Array<BackendFlows, LB_MAX>;
+    /// The (service, backend) pairs affinity may lead to.
+    fn affinity_matches() -> &'static HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC>;
+    /// Where new conntrack entries are built (see `ct::scratch`).
+    fn ct_scratch() -> &'static PerCpuArray<CtEntry<Self>, 1>;
+    /// True when one of service `service_id`'s loadBalancerSourceRanges holds `addr`.
+    fn in_source_ranges(service_id: u32, addr: Self) -> bool;
+    /// What the Service CIDR map says of `addr` (`svc_cidr`); None: in no Service CIDR.
+    fn service_cidr_of(addr: Self) -> Option<u8>;
+    /// The flow hash a Maglev table is indexed with.
+    fn flow_hash(pkt: &Packet<Self>) -> u32;
+    /// The Maglev table `table_id`'s entry at `index` (0: none).
+    fn maglev_entry(table_id: u32, index: u32) -> Option<u32>;
+
+    /// Fills in the ports of a later fragment; false when its first fragment was not seen.
+    fn frag_resolve(pkt: &mut Packet<Self>) -> bool;
+    /// Records the ports of a first fragment that is being translated.
+    fn frag_remember(pkt: &Packet<Self>);
+
+    /// Writes `new` over the address `old` at `addr_off` of the network header, with whatever
+    /// the header's own checksum needs.
+    fn store_address(ctx: &TcContext, addr_off: usize, old: Self, new: Self) -> Result<(), Reason>;
+    /// Offsets of the source and destination address in the network header.
+    const SRC_OFF: usize;
+    const DST_OFF: usize;
+    /// The L4 checksum's update for an address of the pseudo-header, through the kernel's
+    /// helper (which also keeps a CHECKSUM_COMPLETE skb's `skb->csum` right).
+    fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason>;
+    /// A partial-form L4 checksum field (the pseudo-header sum) after an address change.
+    fn partial_update(field: [u8; 2], old: Self, new: Self) -> [u8; 2];
+    /// A complete L4 checksum field after an address and a port change.
+    fn complete_update(field: [u8; 2], old_addr: Self, new_addr: Self, old_port: [u8; 2], new_port: [u8; 2], udp: bool) -> [u8; 2];
+    /// The pseudo-header sum of a packet from `saddr` to `daddr` with `l4_len` bytes of L4.
+    fn pseudo_header(saddr: Self, daddr: Self, proto: u8, l4_len: u16) -> [u8; 2];
+
+    /// Answers the packet with the family's port unreachable, back where it came from.
+    fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
+}
+
+impl Family for [u8; 4] {
+    type FragId = [u8; 2];
+    const UNSPECIFIED: Self = [0; 4];
+    const HAIRPIN: Self = proxy_common::ct::HAIRPIN_ADDR;
+    const SRC_OFF: usize = 12;
+    const DST_OFF: usize = 16;
+
+    #[inline(always)]
+    fn ct() -> &'static CtMap<Self> {
+        &maps::CT4_V2
+    }
+    #[inline(always)]
+    fn services() -> &'static ServicesMap<Self> {
+        &maps::LB4_SERVICES_V1
+    }
+    #[inline(always)]
+    fn backends() -> &'static BackendsMap<Self> {
+        &maps::LB4_BACKENDS_V1
+    }
+    #[inline(always)]
+    fn revnat() -> &'static RevNatMap<Self> {
+        &maps::LB4_REVNAT_V1
+    }
+    #[inline(always)]
+    fn affinity() -> &'static AffinityMap<Self> {
+        &maps::LB4_AFFINITY_V1
+    }
+    #[inline(always)]
+    fn flows() -> &'static Array<BackendFlows, LB_MAX> {
+        &maps::LB4_FLOWS_V1
+    }
+    #[inline(always)]
+    fn affinity_matches() -> &'static HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> {
+        &maps::LB4_AFFMATCH_V1
+    }
+    #[inline(always)]
+    fn ct_scratch() -> &'static PerCpuArray<CtEntry<Self>, 1> {
+        &maps::CT_SCRATCH
+    }
+    #[inline(always)]
+    fn in_source_ranges(service_id: u32, addr: Self) -> bool {
+        use aya_ebpf::btf_maps::lpm_trie::Key;
+        let key = Key::new(proxy_common::SourceRangeKey::ID_BITS + 32, proxy_common::SourceRangeKey { service_id, addr });
+        maps::LB4_SRCRANGE_V1.get(&key).is_some()
+    }
+    /// Checked in two ALU operations against the ranges' common prefix first.
+    #[inline(always)]
+    fn service_cidr_of(addr: Self) -> Option<u8> {
+        use aya_ebpf::btf_maps::lpm_trie::Key;
+        let cfg = maps::CONFIG_V2.get(0)?;
+        if cfg.svc_cidrs == 0 || u32::from_ne_bytes(addr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
+            return None;
+        }
+        maps::LB4_SVCCIDR_V1.get(&Key::new(32, proxy_common::SvcCidrKey { addr })).copied()
+    }
+    #[inline(always)]
+    fn flow_hash(pkt: &Packet<Self>) -> u32 {
+        proxy_common::hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto)
+    }
+    #[inline(always)]
+    fn maglev_entry(table_id: u32, index: u32) -> Option<u32> {
+        // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
+        unsafe { maps::LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()
+    }
+
+    #[inline(always)]
+    fn frag_resolve(pkt: &mut Packet<Self>) -> bool {
+        frag::resolve_ports(pkt)
+    }
+    #[inline(always)]
+    fn frag_remember(pkt: &Packet<Self>) {
+        frag::remember(pkt)
+    }
+
+    #[inline(always)]
+    fn store_address(ctx: &TcContext, addr_off: usize, old: Self, new: Self) -> Result<(), Reason> {
+        crate::nat::rewrite_ipv4(ctx, addr_off, old, new)
+    }
+    #[inline(always)]
+    fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason> {
+        let old = u64::from(u32::from_ne_bytes(old));
+        let new = u64::from(u32::from_ne_bytes(new));
+        let flags = u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR) | mangled | 4;
+        ctx.l4_csum_replace(csum_off, old, new, flags).map_err(|_| Reason::DropRewrite)
+    }
+    #[inline(always)]
+    fn partial_update(field: [u8; 2], old: Self, new: Self) -> [u8; 2] {
+        proxy_common::csum::partial_update4(field, old, new)
+    }
+    #[inline(always)]
+    fn complete_update(field: [u8; 2], old_addr: Self, new_addr: Self, old_port: [u8; 2], new_port: [u8; 2], udp: bool) -> [u8; 2] {
+        proxy_common::csum::l4_update(field, old_addr, new_addr, old_port, new_port, udp)
+    }
+    #[inline(always)]
+    fn pseudo_header(saddr: Self, daddr: Self, proto: u8, l4_len: u16) -> [u8; 2] {
+        proxy_common::csum::pseudo_header(saddr, daddr, proto, l4_len)
+    }
+
+    #[inline(always)]
+    fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
+        icmp::reject(ctx, pkt, reason)
+    }
+}
