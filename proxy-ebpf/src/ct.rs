@@ -305,7 +305,13 @@ const PORT_NAT_TRIES: u32 = 8;
 /// Claims a free client port for a flow whose translated tuple is taken: the reply entry (in
 /// `e`, already filled in) is inserted at backend -> client:port only where that is free.
 #[inline(always)]
-fn claim_client_port<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, e: &mut CtEntry<A>, own: &CtKey<A>, now: u64) -> Result<[u8; 2], Reason> {
+fn claim_client_port<A: Family>(
+    pkt: &Packet<A>,
+    backend: &Backend<A>,
+    e: &mut CtEntry<A>,
+    own: &CtKey<A>,
+    now: u64,
+) -> Result<[u8; 2], Reason> {
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() };
     e.flags |= flags::PORT_NAT;

@@ -13,13 +13,11 @@ use aya_ebpf::{
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
-use proxy_common::{limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Reason, RevNat, ServiceKey, ServiceValue};
-
-use crate::{
-    frag, icmp, maps,
-    parse::Packet,
-    verdict::Verdict,
+use proxy_common::{
+    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Reason, RevNat, ServiceKey, ServiceValue,
 };
+
+use crate::{frag, icmp, maps, parse::Packet, verdict::Verdict};
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;

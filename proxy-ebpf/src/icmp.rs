@@ -26,12 +26,21 @@ const ICMP_HDR_LEN: usize = 8;
 /// IP and L4 headers whole, which matters: for a CHECKSUM_PARTIAL skb the kernel refuses to cut
 /// a packet before the L4 checksum field.
 const QUOTE_MAX: usize = 128;
+/// The longest message `reject` builds: ICMP header and quote (IPv4's and ICMPv6's alike).
+pub const MESSAGE_MAX: usize = ICMP_HDR_LEN + QUOTE_MAX;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 const IP_CSUM_OFF: usize = IP_OFF + 10;
 const IP_SRC_OFF: usize = IP_OFF + 12;
+
+/// A message buffer (see `maps::ICMP_SCRATCH`), with room for the checksum's rounding up to
+/// whole words, which the verifier bounds less tightly than the arithmetic does.
+#[repr(C)]
+pub struct Message {
+    pub bytes: [u8; MESSAGE_MAX + 4],
+}
 
 /// True for an ICMP message that opens an exchange (echo, timestamp, information and address
 /// mask requests: what conntrack counts as new), as opposed to an error about another packet.
@@ -89,8 +98,12 @@ fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason)
         return Err(Reason::DropRejectFailed);
     }
     // ICMP header followed by the quote (zero-padded to a multiple of 4 for bpf_csum_diff;
-    // zero padding does not change a one's-complement sum), so one pass covers the message.
-    let mut msg = [0u8; ICMP_HDR_LEN + QUOTE_MAX];
+    // zero padding does not change a one's-complement sum), so one pass covers the message. In
+    // a per-CPU buffer: the stack has no room for it beside the flow's state.
+    let msg = crate::maps::ICMP_SCRATCH.get_ptr_mut(0).ok_or(Reason::DropRejectFailed)?;
+    // SAFETY: this CPU's buffer; the program does not migrate while it runs.
+    let msg = unsafe { &mut (*msg).bytes };
+    *msg = [0; MESSAGE_MAX + 4];
     msg[0] = ICMP_DEST_UNREACH;
     msg[1] = ICMP_PORT_UNREACH;
     // SAFETY: `msg` has room for QUOTE_MAX bytes after the header and quote_len <= QUOTE_MAX.
@@ -101,7 +114,7 @@ fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason)
         return Err(Reason::DropRejectFailed);
     }
     let sum_len = ((ICMP_HDR_LEN + quote_len + 3) & !3) as u32;
-    // SAFETY: reads sum_len <= size_of_val(&msg) bytes of the stack buffer.
+    // SAFETY: reads sum_len <= size_of_val(msg) bytes of the buffer.
     let sum = unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, msg.as_mut_ptr() as *mut _, sum_len, 0) };
     if sum < 0 {
         return Err(Reason::DropRejectFailed);

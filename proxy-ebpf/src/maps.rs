@@ -51,6 +51,11 @@ pub static LB4_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMa
 #[btf_map]
 pub static CT_SCRATCH: PerCpuArray<CtEntry, 1> = PerCpuArray::new();
 
+/// Where ICMP port unreachable messages are built (see `icmp::reject`). Scratch, never
+/// pinned.
+#[btf_map]
+pub static ICMP_SCRATCH: PerCpuArray<crate::icmp::Message, 1> = PerCpuArray::new();
+
 /// Per-CPU cache of the coarse clock (see `ct::now`). Scratch, never pinned.
 #[btf_map]
 pub static CLOCK: PerCpuArray<ClockCache, 1> = PerCpuArray::new();

@@ -154,7 +154,14 @@ fn hairpin_reply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>
 
 /// A flow without a usable conntrack entry: pick a backend, track, translate.
 #[inline(always)]
-fn new_flow<A: Family>(ctx: &TcContext, pkt: &Packet<A>, key: &ServiceKey<A>, master: &ServiceValue, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+fn new_flow<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    key: &ServiceKey<A>,
+    master: &ServiceValue,
+    now: u64,
+    reason: Reason,
+) -> Result<Verdict, Reason> {
     if master.count == 0 {
         select::without_endpoints(pkt, master)?;
         return A::reject(ctx, pkt, Reason::RejectNoEndpoints);
