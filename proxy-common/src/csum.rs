@@ -2,7 +2,7 @@
 //! incremental updates (RFC 1624) for rewrites in XDP and of the IPv4 header on TC, where the
 //! checksum is complete. L4 checksums of skbs on TC have two forms: complete (`l4_update`), or,
 //! for a CHECKSUM_PARTIAL skb (what a pod's own stack sends with checksum offload), only the
-//! pseudo-header sum (`pseudo_header`, `partial_update4`), which the device or the kernel
+//! pseudo-header sum (`pseudo_header`, `partial_update`), which the device or the kernel
 //! completes later. Which one a packet holds is the skb's business; see the TC datapath's
 //! `nat` module for how it tells them apart.
 
@@ -61,6 +61,37 @@ fn not32(b: [u8; 4]) -> u64 {
     u64::from(!u32::from_ne_bytes(b))
 }
 
+/// An address as the checksum sees it: the sum of its words, and of their complements. IPv4
+/// addresses are one 32-bit word, IPv6 addresses four.
+pub trait Words: Copy {
+    fn sum(self) -> u64;
+    fn not_sum(self) -> u64;
+}
+
+impl Words for [u8; 4] {
+    #[inline(always)]
+    fn sum(self) -> u64 {
+        w32(self)
+    }
+    #[inline(always)]
+    fn not_sum(self) -> u64 {
+        not32(self)
+    }
+}
+
+impl Words for crate::Ip6 {
+    #[inline(always)]
+    fn sum(self) -> u64 {
+        let [a, b, c, d] = self.0;
+        u64::from(a) + u64::from(b) + u64::from(c) + u64::from(d)
+    }
+    #[inline(always)]
+    fn not_sum(self) -> u64 {
+        let [a, b, c, d] = self.0;
+        u64::from(!a) + u64::from(!b) + u64::from(!c) + u64::from(!d)
+    }
+}
+
 /// RFC 1624 (eqn. 3) incremental update: the checksum field after the 16-bit words `old` of the
 /// covered data became `new`. Values are as the packet stores them (network order).
 #[inline(always)]
@@ -75,17 +106,19 @@ pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
 }
 
 /// The TCP/UDP pseudo-header sum, folded and not complemented: what the checksum field of a
-/// CHECKSUM_PARTIAL packet holds (as the kernel's `~csum_tcpudp_magic(...)`).
+/// CHECKSUM_PARTIAL packet holds (as the kernel's `~csum_tcpudp_magic(...)`). IPv6's
+/// pseudo-header (RFC 8200 §8.1) has a 32-bit length and next-header word, which sum to the
+/// same as IPv4's 16-bit ones for lengths below 64 KiB.
 #[inline(always)]
-pub fn pseudo_header(saddr: [u8; 4], daddr: [u8; 4], proto: u8, l4_len: u16) -> [u8; 2] {
-    fold(w32(saddr) + w32(daddr) + w16([0, proto]) + w16(l4_len.to_be_bytes())).to_ne_bytes()
+pub fn pseudo_header<A: Words>(saddr: A, daddr: A, proto: u8, l4_len: u16) -> [u8; 2] {
+    fold(saddr.sum() + daddr.sum() + w16([0, proto]) + w16(l4_len.to_be_bytes())).to_ne_bytes()
 }
 
 /// A pseudo-header sum (CHECKSUM_PARTIAL field) after an address in it changed from `old` to
 /// `new`. Ports are not in it: their change needs nothing.
 #[inline(always)]
-pub fn partial_update4(field: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
-    fold(w16(field) + not32(old) + w32(new)).to_ne_bytes()
+pub fn partial_update<A: Words>(field: [u8; 2], old: A, new: A) -> [u8; 2] {
+    fold(w16(field) + old.not_sum() + new.sum()).to_ne_bytes()
 }
 
 /// A complete TCP/UDP checksum after an address of the pseudo-header and a port changed. For
@@ -93,11 +126,11 @@ pub fn partial_update4(field: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
 /// 0xffff (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0. (One sum for both
 /// changes: it folds to what `update2(update4(..))` gives, as a fold is zero only for a zero sum.)
 #[inline(always)]
-pub fn l4_update(field: [u8; 2], old_addr: [u8; 4], new_addr: [u8; 4], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
+pub fn l4_update<A: Words>(field: [u8; 2], old_addr: A, new_addr: A, old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
     if udp_zero && field == [0, 0] {
         return field;
     }
-    let c = (!fold(not16(field) + not32(old_addr) + w32(new_addr) + not16(old_port) + w16(new_port))).to_ne_bytes();
+    let c = (!fold(not16(field) + old_addr.not_sum() + new_addr.sum() + not16(old_port) + w16(new_port))).to_ne_bytes();
     if udp_zero && c == [0, 0] {
         [0xff, 0xff]
     } else {
@@ -201,7 +234,7 @@ mod tests {
             assert_eq!(l4_update(check, old, new, op, np, false), both);
             assert_eq!(update4(l4_port_update(check, op, np, false), old, new), both);
             assert_eq!(
-                partial_update4(check, old, new),
+                partial_update(check, old, new),
                 (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes()
             );
             let len = next() as u16;
@@ -211,6 +244,36 @@ mod tests {
             ph[9] = 6;
             ph[10..].copy_from_slice(&len.to_be_bytes());
             assert_eq!(pseudo_header(old, new, 6, len), fold(add_be_words(0, &ph)).to_be_bytes());
+        }
+    }
+
+    /// The same for IPv6's 16-byte addresses (eight 16-bit words, summed as four 32-bit ones),
+    /// and its pseudo-header (RFC 8200 §8.1: addresses, a 32-bit length, three zero bytes and
+    /// the next header).
+    #[test]
+    fn ipv6_address_arithmetic_equals_the_big_endian_reference() {
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
+        let edges: [u128; 3] = [0, u128::MAX, 0xffff];
+        for i in 0..20_000u32 {
+            let addr = |r: u128, k: u32| (if k % 5 < 3 { edges[(k % 5) as usize] } else { r }).to_be_bytes();
+            let check = (next() as u16).to_be_bytes();
+            let old = addr(u128::from(next()) << 64 | u128::from(next()), i);
+            let new = addr(u128::from(next()) << 64 | u128::from(next()), i / 5);
+            let (old6, new6) = (crate::Ip6::from_bytes(old), crate::Ip6::from_bytes(new));
+            let (op, np) = ((next() as u16).to_be_bytes(), (next() as u16).to_be_bytes());
+            let both = reference_update(reference_update(check, &old, &new), &op, &np);
+            assert_eq!(l4_update(check, old6, new6, op, np, false), both);
+            assert_eq!(
+                partial_update(check, old6, new6),
+                (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes()
+            );
+            let len = next() as u16;
+            let mut ph = [0u8; 40];
+            ph[..16].copy_from_slice(&old);
+            ph[16..32].copy_from_slice(&new);
+            ph[34..36].copy_from_slice(&len.to_be_bytes());
+            ph[39] = 17;
+            assert_eq!(pseudo_header(old6, new6, 17, len), fold(add_be_words(0, &ph)).to_be_bytes());
         }
     }
 
@@ -253,7 +316,7 @@ mod tests {
             assert_eq!(fold(verify), 0xffff, "complete form after the rewrite");
             // Partial form: the field is the new pseudo-header sum, whatever the port.
             let partial = pseudo_header(saddr, old_addr, 6, len);
-            assert_eq!(partial_update4(partial, old_addr, new_addr), pseudo_header(saddr, new_addr, 6, len));
+            assert_eq!(partial_update(partial, old_addr, new_addr), pseudo_header(saddr, new_addr, 6, len));
         }
     }
 

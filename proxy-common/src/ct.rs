@@ -44,6 +44,11 @@ pub mod l4_csum {
 /// back. kube-proxy masquerades to the node's address instead; the effect is the same.
 pub const HAIRPIN_ADDR: [u8; 4] = [169, 254, 42, 1];
 
+/// The same for IPv6: an address of the discard-only prefix 100::/64 (RFC 6666), never
+/// assigned and, unlike a link-local one, routed by the pod to the node instead of resolved
+/// on its link.
+pub const HAIRPIN_ADDR6: crate::Ip6 = crate::Ip6::from_bytes([0x01, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 169, 254, 42, 1]);
+
 const SEC: u64 = 1_000_000_000;
 
 /// TCP after SYN, before any reply: as nf_conntrack's SYN_SENT.

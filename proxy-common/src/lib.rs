@@ -17,6 +17,32 @@ pub mod user;
 
 use core::mem::size_of;
 
+/// An IPv6 address as the maps and the datapath hold it: the 16 bytes of the wire, in order,
+/// held as four 32-bit words in the machine's order (`u32::from_ne_bytes` of each quarter).
+/// Kept as bytes, the compiler splits an address into sixteen separate values, each spilled to
+/// its own stack slot, which the 512-byte BPF stack cannot hold; as words it moves in four
+/// loads and stores, as an IPv4 address moves in one.
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Ip6(pub [u32; 4]);
+const _: () = assert!(size_of::<Ip6>() == 16);
+
+impl Ip6 {
+    pub const fn from_bytes(b: [u8; 16]) -> Self {
+        Self([
+            u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+            u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+            u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+            u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+        ])
+    }
+
+    pub const fn to_bytes(self) -> [u8; 16] {
+        let [a, b, c, d] = [self.0[0].to_ne_bytes(), self.0[1].to_ne_bytes(), self.0[2].to_ne_bytes(), self.0[3].to_ne_bytes()];
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]]
+    }
+}
+
 /// ELF symbol names of the maps. They are also the kernel map names (at most 15 characters) and
 /// the file names under `<bpffs-root>/maps/`. Change a layout: bump the version suffix.
 pub mod map_names {
@@ -68,7 +94,27 @@ pub mod map_names {
     /// without a Service on its port meets there.
     pub const SERVICE_CIDRS: &str = "LB4_SVCCIDR_V1";
 
-    pub const ALL: [&str; 22] = [
+    /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte
+    /// addresses. Ids (service, backend) are the family's own.
+    pub const SERVICES6: &str = "LB6_SERVICES_V1";
+    pub const BACKENDS6: &str = "LB6_BACKENDS_V1";
+    pub const REVNAT6: &str = "LB6_REVNAT_V1";
+    pub const BACKEND_FLOWS6: &str = "LB6_FLOWS_V1";
+    pub const CT6: &str = "CT6_V1";
+    pub const FRAGS6: &str = "FRAG6_V1";
+    pub const AFFINITY6: &str = "LB6_AFFINITY_V1";
+    pub const AFFINITY_MATCH6: &str = "LB6_AFFMATCH_V1";
+    pub const SOURCE_RANGES6: &str = "LB6_SRCRANGE_V1";
+    pub const SERVICE_CIDRS6: &str = "LB6_SVCCIDR_V1";
+    /// The IPv6 programs, which the IPv4 ones tail-call (`prog_slots`): IPv6's flow does not
+    /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
+    /// own, each with a frame of its own.
+    pub const PROGS: &str = "PROGS_V1";
+    /// The IPv6 maps, in the order of `ALL`'s IPv4 ones.
+    pub const IPV6: [&str; 10] =
+        [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, CT6, FRAGS6, AFFINITY6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6];
+
+    pub const ALL: [&str; 33] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -91,6 +137,17 @@ pub mod map_names {
         HOST_NETNS,
         XDP_DEVS,
         SERVICE_CIDRS,
+        SERVICES6,
+        BACKENDS6,
+        REVNAT6,
+        BACKEND_FLOWS6,
+        CT6,
+        FRAGS6,
+        AFFINITY6,
+        AFFINITY_MATCH6,
+        SOURCE_RANGES6,
+        SERVICE_CIDRS6,
+        PROGS,
     ];
 }
 
@@ -127,6 +184,25 @@ pub mod prog_names {
         [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4, SOCK_CONNECT6, SOCK_SENDMSG6, SOCK_RECVMSG6, SOCK_GETPEERNAME6];
     /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
+    /// The IPv6 flow, tail-called from `TC_INGRESS` and `TC_EGRESS` (see `map_names::PROGS`):
+    /// conntrack and established flows, a new flow's service lookup and tracking, replies.
+    pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
+    pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
+    pub const TC_EGRESS6: &str = "proxy_tc_egress6";
+    /// Each with its slot in `map_names::PROGS`.
+    pub const TAIL_CALLED: [(&str, u32); 3] = [
+        (TC_INGRESS6, super::prog_slots::INGRESS6),
+        (TC_INGRESS6_NEW, super::prog_slots::INGRESS6_NEW),
+        (TC_EGRESS6, super::prog_slots::EGRESS6),
+    ];
+}
+
+/// Slots of `map_names::PROGS`.
+pub mod prog_slots {
+    pub const INGRESS6: u32 = 0;
+    pub const INGRESS6_NEW: u32 = 1;
+    pub const EGRESS6: u32 = 2;
+    pub const COUNT: u32 = 3;
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -195,7 +271,7 @@ pub struct ServiceKey<A = [u8; 4]> {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<ServiceKey>() == 12);
-const _: () = assert!(size_of::<ServiceKey<[u8; 16]>>() == 24);
+const _: () = assert!(size_of::<ServiceKey<Ip6>>() == 24);
 
 impl<A> ServiceKey<A> {
     pub const fn new(addr: A, port: [u8; 2], proto: u8, slot: u16) -> Self {
@@ -253,7 +329,7 @@ pub struct Backend<A = [u8; 4]> {
     pub flags: u8,
 }
 const _: () = assert!(size_of::<Backend>() == 8);
-const _: () = assert!(size_of::<Backend<[u8; 16]>>() == 20);
+const _: () = assert!(size_of::<Backend<Ip6>>() == 20);
 
 /// `Backend::flags`.
 pub mod backend_flags {
@@ -273,7 +349,7 @@ pub struct RevNat<A = [u8; 4]> {
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<RevNat>() == 8);
-const _: () = assert!(size_of::<RevNat<[u8; 16]>>() == 20);
+const _: () = assert!(size_of::<RevNat<Ip6>>() == 20);
 
 /// Value of `LB4_NAMES_V1`, keyed by service id: `namespace/name:port`, NUL-padded.
 #[repr(C)]
@@ -307,7 +383,7 @@ pub struct CtKey<A = [u8; 4]> {
     pub _pad2: u16,
 }
 const _: () = assert!(size_of::<CtKey>() == 16);
-const _: () = assert!(size_of::<CtKey<[u8; 16]>>() == 40);
+const _: () = assert!(size_of::<CtKey<Ip6>>() == 40);
 
 /// Value of `CT4_V2`.
 #[repr(C)]
@@ -346,7 +422,7 @@ pub struct CtEntry<A = [u8; 4]> {
     pub _pad3: [u8; 6],
 }
 const _: () = assert!(size_of::<CtEntry>() == 56);
-const _: () = assert!(size_of::<CtEntry<[u8; 16]>>() == 80);
+const _: () = assert!(size_of::<CtEntry<Ip6>>() == 80);
 
 /// Key of `LB4_AFFINITY_V1`.
 #[repr(C, align(4))]
@@ -359,7 +435,7 @@ pub struct AffinityKey<A = [u8; 4]> {
     pub _pad2: u16,
 }
 const _: () = assert!(size_of::<AffinityKey>() == 12);
-const _: () = assert!(size_of::<AffinityKey<[u8; 16]>>() == 24);
+const _: () = assert!(size_of::<AffinityKey<Ip6>>() == 24);
 
 /// Value of `LB4_AFFINITY_V1`.
 #[repr(C)]
@@ -426,7 +502,7 @@ pub struct SourceRangeKey<A = [u8; 4]> {
     pub addr: A,
 }
 const _: () = assert!(size_of::<SourceRangeKey>() == 8);
-const _: () = assert!(size_of::<SourceRangeKey<[u8; 16]>>() == 20);
+const _: () = assert!(size_of::<SourceRangeKey<Ip6>>() == 20);
 
 impl SourceRangeKey {
     /// Bits of the key before the address: the service id's.
@@ -469,7 +545,9 @@ pub struct Config {
     pub svc_mask: [u8; 4],
     /// Service CIDRs in `LB4_SVCCIDR_V1`; 0: none known, nothing is checked.
     pub svc_cidrs: u32,
-    pub _pad: u32,
+    /// The same for `LB6_SVCCIDR_V1` (IPv6 has no common-prefix check: a node's IPv6 traffic
+    /// pays the trie lookup only when the cluster has IPv6 Service CIDRs).
+    pub svc_cidrs6: u32,
 }
 const _: () = assert!(size_of::<Config>() == 24);
 
@@ -480,7 +558,7 @@ pub struct SvcCidrKey<A = [u8; 4]> {
     pub addr: A,
 }
 const _: () = assert!(size_of::<SvcCidrKey>() == 4);
-const _: () = assert!(size_of::<SvcCidrKey<[u8; 16]>>() == 16);
+const _: () = assert!(size_of::<SvcCidrKey<Ip6>>() == 16);
 
 /// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
 /// to an address of a Service CIDR that no Service serves on that port and protocol.
@@ -528,7 +606,21 @@ pub struct FragKey {
 }
 const _: () = assert!(size_of::<FragKey>() == 12);
 
-/// Value of `FRAG4_V1`: the ports the first fragment carried.
+/// Key of `FRAG6_V1`: identifies the fragments of one IPv6 datagram (RFC 8200: addresses and
+/// the 32-bit identification of its Fragment header).
+#[repr(C, align(4))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Frag6Key {
+    pub saddr: Ip6,
+    pub daddr: Ip6,
+    pub id: [u8; 4],
+    pub proto: u8,
+    pub _pad: u8,
+    pub _pad2: u16,
+}
+const _: () = assert!(size_of::<Frag6Key>() == 40);
+
+/// Value of `FRAG4_V1` and `FRAG6_V1`: the ports the first fragment carried.
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FragPorts {
@@ -703,6 +795,9 @@ reasons! {
     /// cluster IP, about to leave the node by the default route: dropped (kube-proxy's
     /// `cluster-ips-check` rejects every protocol; this dataplane serves TCP and UDP).
     DropClusterIpProtocol = 39 => "drop_cluster_ip_protocol",
+    /// An IPv6 packet whose next stage (a program of `map_names::PROGS`) could not be entered:
+    /// the slot is empty (the agent fills it at load) or the kernel's tail-call limit was hit.
+    DropStage = 40 => "drop_stage",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

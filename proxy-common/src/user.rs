@@ -30,6 +30,15 @@ unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::SvcCidrKey {}
 unsafe impl aya::Pod for crate::TraceResult {}
+unsafe impl aya::Pod for crate::Frag6Key {}
+unsafe impl aya::Pod for ServiceKey<crate::Ip6> {}
+unsafe impl aya::Pod for Backend<crate::Ip6> {}
+unsafe impl aya::Pod for RevNat<crate::Ip6> {}
+unsafe impl aya::Pod for CtKey<crate::Ip6> {}
+unsafe impl aya::Pod for CtEntry<crate::Ip6> {}
+unsafe impl aya::Pod for crate::AffinityKey<crate::Ip6> {}
+unsafe impl aya::Pod for crate::SourceRangeKey<crate::Ip6> {}
+unsafe impl aya::Pod for crate::SvcCidrKey<crate::Ip6> {}
 
 /// Protocol name as Kubernetes spells it.
 pub fn proto_name(proto: u8) -> &'static str {

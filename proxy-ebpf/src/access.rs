@@ -60,3 +60,25 @@ pub unsafe fn store4(p: usize, bytes: [u8; 4]) {
     // SAFETY: the caller's bounds check.
     unsafe { asm!("*(u32 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
 }
+
+/// Loads 4 bytes at `p` as a native-order word.
+///
+/// # Safety
+/// `p..p + 4` must be inside the packet's checked range.
+#[inline(always)]
+pub unsafe fn load_word(p: usize) -> u32 {
+    let v: u32;
+    // SAFETY: the caller's bounds check; one load, no side effects.
+    unsafe { asm!("{v} = *(u32 *)({p} + 0)", v = out(reg) v, p = in(reg) p, options(readonly, nostack, preserves_flags)) };
+    v
+}
+
+/// Stores a native-order word as the 4 bytes at `p`.
+///
+/// # Safety
+/// `p..p + 4` must be inside the packet's checked range, and the packet writable (TC).
+#[inline(always)]
+pub unsafe fn store_word(p: usize, v: u32) {
+    // SAFETY: the caller's bounds check.
+    unsafe { asm!("*(u32 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
+}

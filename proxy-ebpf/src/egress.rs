@@ -6,15 +6,16 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    svc_cidr, Reason,
+    prog_slots, svc_cidr, Reason,
 };
 
 use crate::{
     ct,
     family::Family,
-    icmp,
+    frag, icmp,
+    maps::PROGS_V1,
     nat::{self, Side},
-    parse::{self, Frag, Packet, Parsed},
+    parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
     verdict::Verdict,
 };
@@ -34,7 +35,16 @@ fn leaving_unmatched(cidr: Option<u8>) -> Result<Verdict, Reason> {
 
 #[inline(always)]
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let pkt = match parse::ipv4(ctx) {
+    let pkt = match parse::l3(ctx) {
+        L3::V4(parsed) => parsed,
+        L3::V6 => {
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_V1.tail_call(ctx, prog_slots::EGRESS6) };
+            return Err(Reason::DropStage);
+        }
+        L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+    };
+    let pkt = match pkt {
         Parsed::Packet(p) => p,
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             if !icmp::is_query(ctx, l4_off) {
@@ -62,11 +72,27 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     flow(ctx, pkt)
 }
 
+/// An IPv6 packet about to leave (a program of its own, see `map_names::PROGS`). (ICMPv6 errors
+/// about translated flows are not rewritten yet, nor a host's ping to an IPv6 cluster IP
+/// rejected.)
+#[inline(always)]
+pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    match crate::parse6::ipv6(ctx) {
+        Parsed::Packet(p) => flow(ctx, p),
+        Parsed::OtherProto { daddr } => match select::service_cidr_of(daddr) {
+            Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
+            cidr => leaving_unmatched(cidr),
+        },
+        Parsed::Icmp { .. } | Parsed::NotIpv4 => Ok(Verdict::pass(Reason::EgressPass)),
+        Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
+    }
+}
+
 /// A TCP or UDP packet about to leave, of either family: a reply of a translated flow gets
 /// the Service's address back.
 #[inline(always)]
 fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reason> {
-    if pkt.frag == Frag::Later && !A::frag_resolve(&mut pkt) {
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(e) = A::ct().get_ptr_mut(ct::key(&pkt)) else {
@@ -84,7 +110,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
-    A::frag_remember(&pkt);
+    frag::remember(&pkt);
     if entry.l4_csum == l4_csum::UNKNOWN {
         // The first reply (or one the form could not be told from): learn the form.
         let form = nat::rewrite_learning(ctx, &pkt, Side::Src, rn.addr, rn.port)?;

@@ -14,10 +14,11 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Reason, RevNat, ServiceKey, ServiceValue,
+    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Frag6Key, FragKey, FragPorts, Ip6, Reason,
+    RevNat, ServiceKey, ServiceValue,
 };
 
-use crate::{frag, icmp, maps, parse::Packet, verdict::Verdict};
+use crate::{icmp, maps, parse::Packet, verdict::Verdict};
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -32,6 +33,12 @@ pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AF
 pub trait Family: Copy + PartialEq + Sized + 'static {
     /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
     type FragId: Copy;
+    /// The family's flow does not fit one BPF stack frame (512 bytes): a new flow's stage runs
+    /// as a program of its own (`new_flow_apart`). IPv4's stays inline.
+    const STAGES_APART: bool;
+    /// Enters the family's new-flow program with this packet (a tail call, which does not
+    /// return); returns the reason to drop it under when that cannot be done.
+    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason;
     /// The unset address (an unset backend entry holds it).
     const UNSPECIFIED: Self;
     /// Where replies of a hairpinned flow (a pod reaching itself through a Service) are sent.
@@ -57,14 +64,18 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     /// The Maglev table `table_id`'s entry at `index` (0: none).
     fn maglev_entry(table_id: u32, index: u32) -> Option<u32>;
 
-    /// Fills in the ports of a later fragment; false when its first fragment was not seen.
-    fn frag_resolve(pkt: &mut Packet<Self>) -> bool;
-    /// Records the ports of a first fragment that is being translated.
-    fn frag_remember(pkt: &Packet<Self>);
+    /// The key of the family's fragment map, and the map (see `frag`).
+    type FragKey: 'static;
+    fn frag_key(pkt: &Packet<Self>) -> Self::FragKey;
+    fn frags() -> &'static LruHashMap<Self::FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }>;
 
     /// Writes `new` over the address `old` at `addr_off` of the network header, with whatever
     /// the header's own checksum needs.
     fn store_address(ctx: &TcContext, addr_off: usize, old: Self, new: Self) -> Result<(), Reason>;
+    /// A packet offset the program read from memory it does not own the bounds of (a map): held
+    /// to the range headers can take, so the verifier accepts it for packet access. IPv4's come
+    /// from the parser alone and are left as they are.
+    fn bound_offset(off: usize) -> usize;
     /// Offsets of the source and destination address in the network header.
     const SRC_OFF: usize;
     const DST_OFF: usize;
@@ -84,6 +95,15 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
 
 impl Family for [u8; 4] {
     type FragId = [u8; 2];
+    const STAGES_APART: bool = false;
+    #[inline(always)]
+    fn bound_offset(off: usize) -> usize {
+        off
+    }
+    #[inline(always)]
+    fn new_flow_apart(_ctx: &TcContext, _pkt: &Packet<Self>, _now: u64, _reason: Reason) -> Reason {
+        Reason::DropStage
+    }
     const UNSPECIFIED: Self = [0; 4];
     const HAIRPIN: Self = proxy_common::ct::HAIRPIN_ADDR;
     const SRC_OFF: usize = 12;
@@ -147,13 +167,14 @@ impl Family for [u8; 4] {
         unsafe { maps::LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()
     }
 
+    type FragKey = FragKey;
     #[inline(always)]
-    fn frag_resolve(pkt: &mut Packet<Self>) -> bool {
-        frag::resolve_ports(pkt)
+    fn frag_key(pkt: &Packet<Self>) -> FragKey {
+        FragKey { saddr: pkt.saddr, daddr: pkt.daddr, id: pkt.ip_id, proto: pkt.proto, _pad: 0 }
     }
     #[inline(always)]
-    fn frag_remember(pkt: &Packet<Self>) {
-        frag::remember(pkt)
+    fn frags() -> &'static LruHashMap<FragKey, FragPorts, { limits::FRAG_MAP_MAX as usize }> {
+        &maps::FRAG4_V1
     }
 
     #[inline(always)]
@@ -169,7 +190,7 @@ impl Family for [u8; 4] {
     }
     #[inline(always)]
     fn partial_update(field: [u8; 2], old: Self, new: Self) -> [u8; 2] {
-        proxy_common::csum::partial_update4(field, old, new)
+        proxy_common::csum::partial_update(field, old, new)
     }
     #[inline(always)]
     fn complete_update(field: [u8; 2], old_addr: Self, new_addr: Self, old_port: [u8; 2], new_port: [u8; 2], udp: bool) -> [u8; 2] {
@@ -184,4 +205,148 @@ impl Family for [u8; 4] {
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         icmp::reject(ctx, pkt, reason)
     }
+}
+
+impl Family for Ip6 {
+    type FragId = [u8; 4];
+    const STAGES_APART: bool = true;
+    /// The parser's longest (`parse6::EXT_MAX`) is below 512.
+    #[inline(always)]
+    fn bound_offset(off: usize) -> usize {
+        off & 0x1ff
+    }
+    #[inline(always)]
+    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason {
+        let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::DropStage };
+        // SAFETY: this CPU's slot; the program does not migrate while it runs, and the next
+        // program runs on this CPU before any other packet.
+        unsafe { *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 } };
+        // SAFETY: plain helper call; on success it does not return.
+        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::INGRESS6_NEW) };
+        Reason::DropStage
+    }
+    type FragKey = Frag6Key;
+    const UNSPECIFIED: Self = Ip6([0; 4]);
+    const HAIRPIN: Self = proxy_common::ct::HAIRPIN_ADDR6;
+    const SRC_OFF: usize = 8;
+    const DST_OFF: usize = 24;
+
+    #[inline(always)]
+    fn ct() -> &'static CtMap<Self> {
+        &maps::CT6_V1
+    }
+    #[inline(always)]
+    fn services() -> &'static ServicesMap<Self> {
+        &maps::LB6_SERVICES_V1
+    }
+    #[inline(always)]
+    fn backends() -> &'static BackendsMap<Self> {
+        &maps::LB6_BACKENDS_V1
+    }
+    #[inline(always)]
+    fn revnat() -> &'static RevNatMap<Self> {
+        &maps::LB6_REVNAT_V1
+    }
+    #[inline(always)]
+    fn affinity() -> &'static AffinityMap<Self> {
+        &maps::LB6_AFFINITY_V1
+    }
+    #[inline(always)]
+    fn flows() -> &'static Array<BackendFlows, LB_MAX> {
+        &maps::LB6_FLOWS_V1
+    }
+    #[inline(always)]
+    fn affinity_matches() -> &'static HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> {
+        &maps::LB6_AFFMATCH_V1
+    }
+    #[inline(always)]
+    fn ct_scratch() -> &'static PerCpuArray<CtEntry<Self>, 1> {
+        &maps::CT6_SCRATCH
+    }
+    #[inline(always)]
+    fn in_source_ranges(service_id: u32, addr: Self) -> bool {
+        use aya_ebpf::btf_maps::lpm_trie::Key;
+        let key = Key::new(proxy_common::SourceRangeKey::ID_BITS + 128, proxy_common::SourceRangeKey { service_id, addr });
+        maps::LB6_SRCRANGE_V1.get(&key).is_some()
+    }
+    #[inline(always)]
+    fn service_cidr_of(addr: Self) -> Option<u8> {
+        use aya_ebpf::btf_maps::lpm_trie::Key;
+        if maps::CONFIG_V2.get(0)?.svc_cidrs6 == 0 {
+            return None;
+        }
+        maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied()
+    }
+    #[inline(always)]
+    fn flow_hash(pkt: &Packet<Self>) -> u32 {
+        proxy_common::hash::flow6(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto)
+    }
+    #[inline(always)]
+    fn maglev_entry(table_id: u32, index: u32) -> Option<u32> {
+        // SAFETY: as for IPv4.
+        unsafe { maps::LB6_MAGLEV_V1.get_value(&table_id, &index) }.copied()
+    }
+    #[inline(always)]
+    fn frag_key(pkt: &Packet<Self>) -> Frag6Key {
+        Frag6Key { saddr: pkt.saddr, daddr: pkt.daddr, id: pkt.ip_id, proto: pkt.proto, _pad: 0, _pad2: 0 }
+    }
+    #[inline(always)]
+    fn frags() -> &'static LruHashMap<Frag6Key, FragPorts, { limits::FRAG_MAP_MAX as usize }> {
+        &maps::FRAG6_V1
+    }
+
+    /// IPv6 has no header checksum: the address is written, four words.
+    #[inline(always)]
+    fn store_address(ctx: &TcContext, addr_off: usize, _old: Self, new: Self) -> Result<(), Reason> {
+        let ip = crate::parse::ptr_at::<[u8; 40]>(ctx, crate::parse::IP_OFF).ok_or(Reason::DropRewrite)? as usize;
+        let at = ip + addr_off;
+        // SAFETY: bounds checked by ptr_at (the 40-byte header holds both addresses).
+        unsafe {
+            crate::access::store_word(at, new.0[0]);
+            crate::access::store_word(at + 4, new.0[1]);
+            crate::access::store_word(at + 8, new.0[2]);
+            crate::access::store_word(at + 12, new.0[3]);
+        }
+        Ok(())
+    }
+    /// One helper call with the difference of the two addresses (the helper takes at most a
+    /// 4-byte field, or a precomputed difference).
+    #[inline(always)]
+    fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason> {
+        let mut old = old.0;
+        let mut new = new.0;
+        // SAFETY: two 16-byte stack buffers, sizes multiples of 4.
+        let diff = unsafe { aya_ebpf::helpers::bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(Reason::DropRewrite);
+        }
+        let flags = u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR) | mangled;
+        ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)
+    }
+    #[inline(always)]
+    fn partial_update(field: [u8; 2], old: Self, new: Self) -> [u8; 2] {
+        proxy_common::csum::partial_update(field, old, new)
+    }
+    #[inline(always)]
+    fn complete_update(field: [u8; 2], old_addr: Self, new_addr: Self, old_port: [u8; 2], new_port: [u8; 2], udp: bool) -> [u8; 2] {
+        proxy_common::csum::l4_update(field, old_addr, new_addr, old_port, new_port, udp)
+    }
+    #[inline(always)]
+    fn pseudo_header(saddr: Self, daddr: Self, proto: u8, l4_len: u16) -> [u8; 2] {
+        proxy_common::csum::pseudo_header(saddr, daddr, proto, l4_len)
+    }
+
+    #[inline(always)]
+    fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
+        crate::icmp6::reject(ctx, pkt, reason)
+    }
+}
+
+/// A packet handed from one of the family's programs to the next (`Family::new_flow_apart`).
+#[repr(C)]
+pub struct Stage<A: Family> {
+    pub pkt: Packet<A>,
+    pub now: u64,
+    pub reason: u32,
+    pub _pad: u32,
 }

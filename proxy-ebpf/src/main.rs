@@ -11,10 +11,12 @@ mod ext;
 mod family;
 mod frag;
 mod icmp;
+mod icmp6;
 mod maps;
 mod nat;
 mod north;
 mod parse;
+mod parse6;
 mod pod_ingress;
 mod select;
 mod sock;
@@ -51,6 +53,23 @@ pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
     finish(&ctx, egress::try_tc_egress(&ctx))
+}
+
+/// The IPv6 flow from pods (tail-called by `proxy_tc_ingress`), and its new flows.
+#[classifier]
+pub fn proxy_tc_ingress6(ctx: TcContext) -> i32 {
+    finish(&ctx, pod_ingress::try_tc_ingress6(&ctx))
+}
+
+#[classifier]
+pub fn proxy_tc_ingress6_new(ctx: TcContext) -> i32 {
+    finish(&ctx, pod_ingress::try_tc_ingress6_new(&ctx))
+}
+
+/// IPv6 packets leaving (tail-called by `proxy_tc_egress`).
+#[classifier]
+pub fn proxy_tc_egress6(ctx: TcContext) -> i32 {
+    finish(&ctx, egress::try_tc_egress6(&ctx))
 }
 
 /// TC ingress on external interfaces: NodePort, load-balancer and external IPs (north-south),

@@ -3,13 +3,13 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_INNER_MAP, BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
-    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray, ProgramArray},
     macros::btf_map,
 };
 use proxy_common::{
-    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter, CtEntry, CtKey, FragKey,
-    FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey, SourceRangeKey,
-    SvcCidrKey, TraceResult, REASON_SLOTS,
+    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, ClockCache, Config, Counter, CtEntry, CtKey, Frag6Key,
+    FragKey, FragPorts, IfAddr, Ip6, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey,
+    SourceRangeKey, SvcCidrKey, TraceResult, REASON_SLOTS,
 };
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
@@ -126,3 +126,51 @@ pub static CONFIG_V2: Array<Config, 1> = Array::new();
 
 #[btf_map]
 pub static TRACE_V1: Array<TraceResult, 1> = Array::new();
+
+// The IPv6 family's maps (see `family`): the same roles as the IPv4 ones above.
+
+#[btf_map]
+pub static LB6_SERVICES_V1: HashMap<ServiceKey<Ip6>, ServiceValue, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+#[btf_map]
+pub static LB6_BACKENDS_V1: Array<Backend<Ip6>, LB_MAX> = Array::new();
+
+#[btf_map]
+pub static LB6_REVNAT_V1: HashMap<u32, RevNat<Ip6>, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+#[btf_map]
+pub static LB6_FLOWS_V1: Array<BackendFlows, LB_MAX> = Array::new();
+
+#[btf_map]
+pub static CT6_V1: LruHashMap<CtKey<Ip6>, CtEntry<Ip6>, { limits::CT_MAP_MAX as usize }> = LruHashMap::new();
+
+#[btf_map]
+pub static FRAG6_V1: LruHashMap<Frag6Key, FragPorts, { limits::FRAG_MAP_MAX as usize }> = LruHashMap::new();
+
+#[btf_map]
+pub static LB6_AFFINITY_V1: LruHashMap<AffinityKey<Ip6>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }> = LruHashMap::new();
+
+#[btf_map]
+pub static LB6_AFFMATCH_V1: HashMap<AffinityMatchKey, u32, LB_MAX, NO_PREALLOC> = HashMap::new();
+
+#[btf_map]
+pub static LB6_SRCRANGE_V1: LpmTrie<SourceRangeKey<Ip6>, u8, LB_MAX> = LpmTrie::new();
+
+#[btf_map]
+pub static LB6_SVCCIDR_V1: LpmTrie<SvcCidrKey<Ip6>, u8, LB_MAX> = LpmTrie::new();
+
+#[btf_map]
+pub static LB6_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = HashOfMaps::new();
+
+/// Where new IPv6 conntrack entries are built. Scratch, never pinned.
+#[btf_map]
+pub static CT6_SCRATCH: PerCpuArray<CtEntry<Ip6>, 1> = PerCpuArray::new();
+
+/// The IPv6 programs the IPv4 ones tail-call (`proxy_common::prog_slots`; the agent fills it).
+#[btf_map]
+pub static PROGS_V1: ProgramArray<{ proxy_common::prog_slots::COUNT as usize }> = ProgramArray::new();
+
+/// An IPv6 packet between two of its programs (see `family::Family::new_flow_apart`). Scratch,
+/// never pinned.
+#[btf_map]
+pub static STAGE6: PerCpuArray<crate::family::Stage<Ip6>, 1> = PerCpuArray::new();

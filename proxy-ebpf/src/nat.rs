@@ -70,7 +70,7 @@ pub fn rewrite<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A,
     if !pkt.has_l4() {
         return Ok(());
     }
-    let ports = ptr_at::<[u8; 4]>(ctx, pkt.l4_off).ok_or(Reason::DropRewrite)?;
+    let ports = ptr_at::<[u8; 4]>(ctx, pkt.l4()).ok_or(Reason::DropRewrite)?;
     // SAFETY: bounds checked by ptr_at.
     unsafe { access::store2(ports as usize + port_off, port) };
     let (csum_off, mangled) = l4_csum_at(pkt);
@@ -85,9 +85,9 @@ pub fn rewrite<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A,
 #[inline(always)]
 fn l4_csum_at<A: Family>(pkt: &Packet<A>) -> (usize, u64) {
     if pkt.proto == IPPROTO_TCP {
-        (pkt.l4_off + TCP_CSUM_OFF, 0)
+        (pkt.l4() + TCP_CSUM_OFF, 0)
     } else {
-        (pkt.l4_off + UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
+        (pkt.l4() + UDP_CSUM_OFF, u64::from(BPF_F_MARK_MANGLED_0))
     }
 }
 
@@ -146,9 +146,9 @@ pub fn rewrite_known<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, ad
     let (addr_off, port_off, old_addr, _) = side.fields(pkt);
     let fit = Fit { pkt, side, addr, port, form };
     let written = if pkt.proto == IPPROTO_TCP {
-        l4_arithmetic::<A, { TCP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+        l4_arithmetic::<A, { TCP_CSUM_OFF + 2 }>(ctx, pkt.l4(), port_off, &fit)
     } else {
-        l4_arithmetic::<A, { UDP_CSUM_OFF + 2 }>(ctx, pkt.l4_off, port_off, &fit)
+        l4_arithmetic::<A, { UDP_CSUM_OFF + 2 }>(ctx, pkt.l4(), port_off, &fit)
     };
     if !written {
         return rewrite(ctx, pkt, side, addr, port);

@@ -18,6 +18,8 @@ pub const ETH_LEN: usize = size_of::<EthHdr>();
 pub const IP_OFF: usize = ETH_LEN;
 /// Ethernet + the longest IPv4 header + a TCP header without options.
 const HEADERS_MAX: u32 = (ETH_LEN + 60 + size_of::<TcpHdr>()) as u32;
+/// Ethernet + the IPv6 header + extension headers as far as `parse6` walks them + TCP.
+pub const HEADERS6_MAX: u32 = (ETH_LEN + 40 + crate::parse6::EXT_MAX + size_of::<TcpHdr>()) as u32;
 
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET_MASK: u16 = 0x1fff;
@@ -97,6 +99,7 @@ pub enum Frag {
 }
 
 /// A TCP or UDP packet (or fragment) of family `A` (see `family`).
+#[derive(Clone, Copy)]
 pub struct Packet<A: Family = [u8; 4]> {
     /// Offset of the L4 header (after the network header and, in IPv6, its extension headers).
     pub l4_off: usize,
@@ -116,6 +119,13 @@ pub struct Packet<A: Family = [u8; 4]> {
 }
 
 impl<A: Family> Packet<A> {
+    /// `l4_off`, in a form the verifier can bound wherever the packet came from (an IPv6
+    /// packet may come from the stage map between two programs: see `Family::bound_offset`).
+    #[inline(always)]
+    pub fn l4(&self) -> usize {
+        A::bound_offset(self.l4_off)
+    }
+
     /// True when this packet holds the L4 header (and so its checksum).
     #[inline(always)]
     pub fn has_l4(&self) -> bool {
@@ -135,42 +145,80 @@ impl<A: Family> Packet<A> {
     }
 }
 
-pub enum Parsed {
-    Packet(Packet),
-    /// An ICMP message; `l4_off` is the offset of its header.
+pub enum Parsed<A: Family = [u8; 4]> {
+    Packet(Packet<A>),
+    /// An ICMP (ICMPv6) message; `l4_off` is the offset of its header.
     Icmp {
         l4_off: usize,
-        saddr: [u8; 4],
-        daddr: [u8; 4],
+        saddr: A,
+        daddr: A,
         tot_len: [u8; 2],
     },
+    /// Not this family (`ipv4`: not IPv4).
     NotIpv4,
-    /// IPv4, but not a protocol services use (or a later fragment of ICMP).
+    /// Not a protocol services use (or a later fragment of ICMP; in IPv6 also ESP, no next
+    /// header, or more extension headers than are walked).
     OtherProto {
-        daddr: [u8; 4],
+        daddr: A,
     },
-    /// Too short, or an invalid IPv4 header: left for the kernel to drop.
+    /// Too short, or an invalid header: left for the kernel to drop.
     Malformed,
 }
 
+/// A frame by its network protocol: the one place the ethertype is read. IPv6 is parsed by
+/// its own programs (`parse6`).
+pub enum L3 {
+    V4(Parsed<[u8; 4]>),
+    V6,
+    /// Neither (ARP, VLAN-tagged, ...), or too short for an Ethernet header.
+    Other,
+}
+
+/// Drivers and GRO may leave headers in paged fragments; pulls up to `max` bytes into the
+/// linear area, but only when they are not there already (pull may copy).
 #[inline(always)]
-pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
-    // Drivers and GRO may leave headers in paged fragments; pull what we read into the linear
-    // area, but only when it is not there already (pull may copy).
+pub fn pull_headers<F: Frame>(ctx: &F, max: u32) {
     let linear = (ctx.end() - ctx.start()) as u32;
     let len = ctx.total_len();
-    let wanted = if len < HEADERS_MAX { len } else { HEADERS_MAX };
+    let wanted = if len < max { len } else { max };
     if linear < wanted {
         ctx.pull(wanted);
     }
+}
 
-    let Some(eth) = ptr_at::<EthHdr>(ctx, 0) else {
-        return Parsed::Malformed;
-    };
+#[inline(always)]
+fn ether_type<F: Frame>(ctx: &F) -> Option<u16> {
+    let eth = ptr_at::<EthHdr>(ctx, 0)?;
     // SAFETY: bounds checked by ptr_at.
-    if unsafe { (*eth).ether_type } != EtherType::Ipv4 as u16 {
-        return Parsed::NotIpv4;
+    Some(unsafe { (*eth).ether_type })
+}
+
+#[inline(always)]
+pub fn l3<F: Frame>(ctx: &F) -> L3 {
+    pull_headers(ctx, HEADERS_MAX);
+    match ether_type(ctx) {
+        Some(t) if t == EtherType::Ipv4 as u16 => L3::V4(ipv4_header(ctx)),
+        Some(t) if t == EtherType::Ipv6 as u16 => L3::V6,
+        _ => L3::Other,
     }
+}
+
+/// IPv4 only (the north-south paths): anything else is `NotIpv4`.
+#[inline(always)]
+pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
+    pull_headers(ctx, HEADERS_MAX);
+    if ether_type(ctx) != Some(EtherType::Ipv4 as u16) {
+        return match ether_type(ctx) {
+            None => Parsed::Malformed,
+            Some(_) => Parsed::NotIpv4,
+        };
+    }
+    ipv4_header(ctx)
+}
+
+#[inline(always)]
+fn ipv4_header<F: Frame>(ctx: &F) -> Parsed {
+    let len = ctx.total_len();
     let Some(ip) = ptr_at::<Ipv4Hdr>(ctx, IP_OFF) else {
         return Parsed::Malformed;
     };
@@ -221,28 +269,38 @@ pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     if frag == Frag::Later {
         return Parsed::Packet(pkt);
     }
+    if !ports(ctx, &mut pkt, total) {
+        return Parsed::Malformed;
+    }
+    Parsed::Packet(pkt)
+}
+
+/// Reads the ports (and TCP's flags) of a packet holding its L4 header into `pkt`; false when
+/// the header is cut short. `total` is the IP packet's length, its network header included.
+#[inline(always)]
+pub fn ports<F: Frame, A: Family>(ctx: &F, pkt: &mut Packet<A>, total: u32) -> bool {
     // The ports lead both headers; TCP's flags are its byte 13.
-    let l4 = if proto == IPPROTO_TCP {
+    let l4 = if pkt.proto == IPPROTO_TCP {
         ptr_at::<TcpHdr>(ctx, pkt.l4_off).map(|p| p as usize)
     } else {
         ptr_at::<UdpHdr>(ctx, pkt.l4_off).map(|p| p as usize)
     };
     let Some(l4) = l4 else {
-        return Parsed::Malformed;
+        return false;
     };
     // The header must lie within the total length too, not in a trailer the kernel trims.
-    let l4_hdr = if proto == IPPROTO_TCP { size_of::<TcpHdr>() } else { size_of::<UdpHdr>() };
+    let l4_hdr = if pkt.proto == IPPROTO_TCP { size_of::<TcpHdr>() } else { size_of::<UdpHdr>() };
     if (pkt.l4_off + l4_hdr) as u32 > IP_OFF as u32 + total {
-        return Parsed::Malformed;
+        return false;
     }
     // SAFETY: bounds checked by ptr_at: 4 bytes of ports, and for TCP the 20-byte header.
     unsafe {
         let ports = access::load4(l4);
         pkt.sport = [ports[0], ports[1]];
         pkt.dport = [ports[2], ports[3]];
-        if proto == IPPROTO_TCP {
+        if pkt.proto == IPPROTO_TCP {
             pkt.tcp_flags = *((l4 + 13) as *const u8);
         }
     }
-    Parsed::Packet(pkt)
+    true
 }

@@ -8,34 +8,53 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use proxy_common::{ct::flags, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
+use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
 
 use crate::{
     ct,
     family::Family,
-    icmp,
+    frag, icmp,
+    maps::{PROGS_V1, STAGE6},
     nat::{self, Side},
-    parse::{self, Frag, Packet, Parsed},
+    parse::{self, Frag, Packet, Parsed, L3},
+    parse6,
     select::{self, backend, service},
     verdict::Verdict,
 };
 
 #[inline(always)]
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let pkt = match parse::ipv4(ctx) {
-        Parsed::Packet(p) => p,
-        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::Icmp { l4_off, saddr, daddr, tot_len } => return icmp_query(ctx, l4_off, saddr, daddr, tot_len),
-        Parsed::OtherProto { .. } => return Ok(Verdict::pass(Reason::PassNotService)),
-        Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
-    };
-    flow(ctx, pkt)
+    match parse::l3(ctx) {
+        L3::V4(Parsed::Packet(p)) => flow(ctx, p),
+        L3::V4(Parsed::Icmp { l4_off, saddr, daddr, tot_len }) => icmp_query(ctx, l4_off, saddr, daddr, tot_len),
+        L3::V4(Parsed::OtherProto { .. }) => Ok(Verdict::pass(Reason::PassNotService)),
+        L3::V4(Parsed::Malformed) => Ok(Verdict::pass(Reason::PassMalformed)),
+        L3::V6 => {
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_V1.tail_call(ctx, prog_slots::INGRESS6) };
+            Err(Reason::DropStage)
+        }
+        L3::V4(Parsed::NotIpv4) | L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
+    }
+}
+
+/// An IPv6 packet from a pod (a program of its own, see `map_names::PROGS`). ICMPv6 (neighbour
+/// discovery among it) is no Service's. (A ping to an IPv6 cluster IP is not rejected yet, as
+/// IPv4's is.)
+#[inline(always)]
+pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    match parse6::ipv6(ctx) {
+        Parsed::Packet(p) => flow(ctx, p),
+        Parsed::OtherProto { .. } | Parsed::Icmp { .. } => Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
+        Parsed::NotIpv4 => Ok(Verdict::pass(Reason::PassNotIpv4)),
+    }
 }
 
 /// A TCP or UDP packet from a pod, of either family.
 #[inline(always)]
 fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reason> {
-    if pkt.frag == Frag::Later && !A::frag_resolve(&mut pkt) {
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let now = ct::now();
@@ -55,7 +74,27 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         ct::drop_reply(&pkt, &entry);
     }
     let reason = if pkt.is_tcp_mid_connection() { Reason::NewFlowMidConnection } else { Reason::NewFlow };
-    to_service(ctx, &pkt, now, reason)
+    to_service_stage(ctx, &pkt, now, reason)
+}
+
+/// `to_service`, inline, or for a family whose flow does not fit one stack frame
+/// (`Family::STAGES_APART`) in its new-flow program (`try_tc_ingress6_new`).
+#[inline(always)]
+fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+    if A::STAGES_APART {
+        return Err(A::new_flow_apart(ctx, pkt, now, reason));
+    }
+    to_service(ctx, pkt, now, reason)
+}
+
+/// The IPv6 new-flow program: `to_service` for the packet the flow stage left in `STAGE6`.
+#[inline(always)]
+pub fn try_tc_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let stage = STAGE6.get_ptr(0).ok_or(Reason::DropStage)?;
+    // SAFETY: this CPU's slot, written by the flow stage just before it tail-called here; the
+    // reason is a `Reason`'s discriminant (`repr(u32)`).
+    let (pkt, now, reason) = unsafe { (&(*stage).pkt, (*stage).now, core::mem::transmute::<u32, Reason>((*stage).reason)) };
+    to_service(ctx, pkt, now, reason)
 }
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.
@@ -108,10 +147,10 @@ fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>, 
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging.
         ct::drop_reply(pkt, entry);
-        return to_service(ctx, pkt, now, Reason::Reselected);
+        return to_service_stage(ctx, pkt, now, Reason::Reselected);
     };
     ct::touch_forward(pkt, e, now);
-    A::frag_remember(pkt);
+    frag::remember(pkt);
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate_hairpin(ctx, pkt, &be)?
     } else {
@@ -184,7 +223,7 @@ fn new_flow<A: Family>(
         }
     }
     count_flow::<A>(backend_id);
-    A::frag_remember(pkt);
+    frag::remember(pkt);
     Ok(Verdict { action, reason })
 }
 

@@ -13,6 +13,7 @@ pub mod modesbench;
 pub mod netns;
 pub mod northbench;
 pub mod packet;
+pub mod packet6;
 pub mod require;
 pub mod servers;
 pub mod testrun;

@@ -13,7 +13,7 @@ use aya::{
 };
 use proxy_common::{
     limits, map_names, prog_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, Config, Counter, CtEntry, CtKey,
-    FragKey, FragPorts, IfAddr, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, TraceResult,
+    FragKey, FragPorts, IfAddr, Ip6, RevNat, ServiceKey, ServiceName, ServiceValue, SockFwd, SockRevKey, SourceRangeKey, TraceResult,
     REASON_SLOTS,
 };
 
@@ -73,6 +73,8 @@ pub enum LoadError {
     },
     #[error("pinning {path}: {source}")]
     Pin { path: String, source: io::Error },
+    #[error("filling {what}: {source}")]
+    TailCalls { what: String, source: io::Error },
 }
 
 fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -138,6 +140,17 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
         map_names::SERVICE_CIDRS => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey>(), size_of::<u8>()),
+        map_names::SERVICES6 => (MapType::Hash, size_of::<ServiceKey<Ip6>>(), size_of::<ServiceValue>()),
+        map_names::BACKENDS6 => (MapType::Array, size_of::<u32>(), size_of::<Backend<Ip6>>()),
+        map_names::REVNAT6 => (MapType::Hash, size_of::<u32>(), size_of::<RevNat<Ip6>>()),
+        map_names::BACKEND_FLOWS6 => (MapType::Array, size_of::<u32>(), size_of::<BackendFlows>()),
+        map_names::CT6 => (MapType::LruHash, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>()),
+        map_names::FRAGS6 => (MapType::LruHash, size_of::<proxy_common::Frag6Key>(), size_of::<FragPorts>()),
+        map_names::AFFINITY6 => (MapType::LruHash, size_of::<AffinityKey<Ip6>>(), size_of::<AffinityValue>()),
+        map_names::AFFINITY_MATCH6 => (MapType::Hash, size_of::<AffinityMatchKey>(), size_of::<u32>()),
+        map_names::SOURCE_RANGES6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey<Ip6>>(), size_of::<u8>()),
+        map_names::SERVICE_CIDRS6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey<Ip6>>(), size_of::<u8>()),
+        map_names::PROGS => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -247,8 +260,21 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::AFFINITY_MATCH,
         map_names::SOURCE_RANGES,
         map_names::SERVICE_CIDRS,
+        map_names::SERVICES6,
+        map_names::BACKENDS6,
+        map_names::REVNAT6,
+        map_names::BACKEND_FLOWS6,
+        map_names::AFFINITY_MATCH6,
+        map_names::SOURCE_RANGES6,
+        map_names::SERVICE_CIDRS6,
     ] {
         loader.map_max_entries(name, pinned(name).unwrap_or(lb));
+    }
+    // The IPv6 maps that are allocated whole when created (LRUs). The agent does not program
+    // IPv6 Services into the eBPF dataplane yet, so nothing is tracked in them: they are kept
+    // small until it does, instead of doubling the conntrack table's memory on every node.
+    for name in [map_names::CT6, map_names::AFFINITY6, map_names::FRAGS6] {
+        loader.map_max_entries(name, pinned(name).unwrap_or(IPV6_LRU_MAX_UNSERVED));
     }
     let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     loader.map_max_entries(map_names::CT, ct_map_max);
@@ -276,7 +302,33 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
             pin(&mut |p| prog.pin(p))?;
         }
     }
+    fill_tail_calls(&mut ebpf)?;
     Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max })
+}
+
+/// See the IPv6 LRUs' sizing in `load`.
+const IPV6_LRU_MAX_UNSERVED: u32 = 4096;
+
+/// Loads the programs the others tail-call and puts each in its slot of `map_names::PROGS`
+/// (replacing an earlier run's: the pinned array keeps whatever it holds alive, and the
+/// attached programs reach the new ones from their next packet).
+fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
+    let mut fds = Vec::new();
+    for (name, slot) in prog_names::TAIL_CALLED {
+        let prog = classifier(ebpf, name);
+        prog.load().map_err(|source| LoadError::Program { name, source })?;
+        let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
+        let fd = fd.try_clone().map_err(|source| LoadError::TailCalls { what: format!("{name}'s descriptor"), source })?;
+        fds.push((slot, fd));
+    }
+    let map = ebpf.map_mut(map_names::PROGS).expect("the object defines PROGS_V1");
+    let mut progs = aya::maps::ProgramArray::try_from(map).expect("PROGS_V1 is a program array");
+    for (slot, fd) in &fds {
+        progs
+            .set(*slot, fd, 0)
+            .map_err(|e| LoadError::TailCalls { what: format!("{}[{slot}]", map_names::PROGS), source: io::Error::other(e) })?;
+    }
+    Ok(())
 }
 
 fn report_bpffs(root: &Path, p: &bpffs::Prepared) {

@@ -1,0 +1,348 @@
+//! IPv6 packet tables: frames through the real TC programs (the IPv4 ones, which tail-call the
+//! IPv6 ones) with BPF_PROG_TEST_RUN. The agent does not program IPv6 Services into the eBPF
+//! maps yet, so these tests write the IPv6 maps themselves, in the layout `proxy_common`
+//! defines; outputs are dissected and checksums verified independently (`packet6`).
+
+use std::net::{Ipv6Addr, SocketAddrV6};
+
+use aya::maps::{Array, HashMap};
+use proxy_agent::dataplane::ebpf::EbpfDataplane;
+use proxy_common::{map_names, Backend, CtEntry, CtKey, Ip6, RevNat, ServiceKey, ServiceValue};
+use proxy_tests::{
+    packet::{ACK, SYN, TCP, UDP},
+    packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
+    require,
+    testrun::{self, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
+};
+
+fn sock(s: &str) -> SocketAddrV6 {
+    s.parse().unwrap()
+}
+
+fn ip6(a: &Ipv6Addr) -> Ip6 {
+    Ip6::from_bytes(a.octets())
+}
+
+const CLIENT: &str = "[fd00:10:244::5]:40000";
+const VIP: &str = "[fd00:10:96::10]:80";
+const BACKEND: &str = "[fd00:10:244:1::2]:8080";
+
+fn setup(test: &str) -> Option<EbpfDataplane> {
+    require::root(test).then(testrun::dataplane)
+}
+
+/// Writes a frontend into the IPv6 maps: backends, slots, reverse NAT, then the master entry,
+/// in the order the agent writes IPv4 ones. Backend ids start at `first_id`.
+fn program6(dp: &mut EbpfDataplane, vip: &str, proto: u8, service_id: u32, first_id: u32, backends: &[&str]) {
+    let v = sock(vip);
+    let key = ServiceKey::new(ip6(v.ip()), v.port().to_be_bytes(), proto, 0);
+    {
+        let mut table: Array<_, Backend<Ip6>> = Array::try_from(dp.ebpf_mut().map_mut(map_names::BACKENDS6).unwrap()).unwrap();
+        for (i, b) in backends.iter().enumerate() {
+            let b = sock(b);
+            let be = Backend { addr: ip6(b.ip()), port: b.port().to_be_bytes(), proto, flags: 0 };
+            table.set(first_id + i as u32, be, 0).unwrap();
+        }
+    }
+    let mut services: HashMap<_, ServiceKey<Ip6>, ServiceValue> =
+        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::SERVICES6).unwrap()).unwrap();
+    for i in 0..backends.len() {
+        let slot = ServiceValue { backend_id: first_id + i as u32, service_id, ..Default::default() };
+        services.insert(key.with_slot(i as u16 + 1), slot, 0).unwrap();
+    }
+    let master = ServiceValue { service_id, count: backends.len() as u16, ..Default::default() };
+    {
+        let mut revnat: HashMap<_, u32, RevNat<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::REVNAT6).unwrap()).unwrap();
+        revnat.insert(service_id, RevNat { addr: ip6(v.ip()), port: v.port().to_be_bytes(), _pad: [0; 2] }, 0).unwrap();
+    }
+    let mut services: HashMap<_, ServiceKey<Ip6>, ServiceValue> =
+        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::SERVICES6).unwrap()).unwrap();
+    services.insert(key, master, 0).unwrap();
+}
+
+fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
+    let ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map(map_names::CT6).unwrap()).unwrap();
+    ct.iter().map(|e| e.unwrap()).collect()
+}
+
+fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
+    let out = run(dp, frame);
+    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
+    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
+}
+
+#[test]
+fn ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored() {
+    let Some(mut dp) = setup("ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored") else { return };
+    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+
+    let out = run(&mut dp, &tcp_frame(client, vip, SYN));
+    assert_eq!(out.action, TC_ACT_OK);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (client, backend), "SYN translated to the backend");
+    assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum after DNAT");
+    let ct = conntrack6(&mut dp);
+    assert_eq!(ct.len(), 2, "a forward and a reply entry: {ct:?}");
+
+    // The backend's answer leaves towards the client with the Service as its source.
+    let reply = run_egress(&mut dp, &tcp_frame(backend, client, SYN | ACK));
+    let d = dissect(&reply.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (vip, client), "reply restored to the Service address");
+    assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum after reverse NAT");
+
+    // Later packets of the flow, in the checksum form the first one taught.
+    for _ in 0..3 {
+        let d = dissect(&run(&mut dp, &tcp_frame(client, vip, ACK)).frame);
+        assert_eq!(d.dst_sock(), backend);
+        assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum of an established packet");
+        let d = dissect(&run_egress(&mut dp, &tcp_frame(backend, client, ACK)).frame);
+        assert_eq!(d.src_sock(), vip);
+        assert_eq!(d.l4_checksum_ok, Some(true));
+    }
+    let c = counters(&mut dp);
+    assert_eq!((c.get("new_flow"), c.get("established"), c.get("reverse_nat")), (Some(&1), Some(&3), Some(&4)), "{c:?}");
+}
+
+#[test]
+fn ipv6_udp_is_dnatted_with_a_valid_checksum() {
+    let Some(mut dp) = setup("ipv6_udp_is_dnatted_with_a_valid_checksum") else { return };
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 1, 1, &["[fd00:10:244:1::9]:5353"]);
+    let (client, vip) = (sock(CLIENT), sock("[fd00:10:96::a]:53"));
+    let q = Ipv6::new(*client.ip(), *vip.ip(), UDP, packet6::udp_datagram(client, vip, b"an odd-sized query")).frame();
+    let d = dissect(&run(&mut dp, &q).frame);
+    assert_eq!(d.dst_sock(), sock("[fd00:10:244:1::9]:5353"));
+    assert_eq!(d.l4_checksum_ok, Some(true), "UDP checksum after DNAT");
+}
+
+/// Extension headers (Hop-by-Hop, Destination Options, Routing) are walked to the ports; the
+/// translated packet keeps them.
+#[test]
+fn ipv6_extension_headers_are_walked_to_the_ports() {
+    let Some(mut dp) = setup("ipv6_extension_headers_are_walked_to_the_ports") else { return };
+    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    // A Routing header with segments left 0 (type 4, no segments): 8 bytes.
+    let routing = vec![0, 4, 0, 0, 0, 0, 0];
+    let frame = Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, SYN, b""))
+        .with_ext(HOP_BY_HOP, Ipv6::padding_options())
+        .with_ext(DEST_OPTS, Ipv6::padding_options())
+        .with_ext(ROUTING, routing)
+        .frame();
+    let out = run(&mut dp, &frame);
+    let d = dissect(&out.frame);
+    assert_eq!((d.dst_sock(), d.l4_off), (sock(BACKEND), 64), "translated past three extension headers");
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    assert_eq!(out.frame[14 + 40..14 + 64], frame[14 + 40..14 + 64], "extension headers unchanged");
+}
+
+/// What the parser does not understand, or must not touch, is passed as it came.
+#[test]
+fn ipv6_frames_the_parser_does_not_take_pass_untouched() {
+    let Some(mut dp) = setup("ipv6_frames_the_parser_does_not_take_pass_untouched") else { return };
+    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    let syn = || Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, SYN, b""));
+
+    let mut deep = syn();
+    for _ in 0..7 {
+        deep = deep.with_ext(DEST_OPTS, Ipv6::padding_options());
+    }
+    assert_untouched(&mut dp, &deep.frame(), "more extension headers than are walked");
+    let esp = Ipv6::new(*client.ip(), *vip.ip(), ESP, vec![0; 24]).frame();
+    assert_untouched(&mut dp, &esp, "ESP");
+    let ns = Ipv6::new(*client.ip(), "ff02::1:ff00:10".parse().unwrap(), ICMPV6, vec![135, 0, 0, 0, 0, 0, 0, 0]).frame();
+    assert_untouched(&mut dp, &ns, "neighbour solicitation");
+
+    let full = syn().frame();
+    let mut lying = full.clone();
+    lying[18..20].copy_from_slice(&200u16.to_be_bytes());
+    assert_untouched(&mut dp, &lying, "payload length beyond the frame");
+    // (A frame cut inside the IPv6 header cannot be test-run: the kernel refuses it.)
+    assert_untouched(&mut dp, &full[..14 + 40 + 10], "cut inside the TCP header");
+    let mut v4 = full.clone();
+    v4[14] = 0x45;
+    assert_untouched(&mut dp, &v4, "version 4 in an IPv6 frame");
+    let c = counters(&mut dp);
+    assert_eq!(c.get("new_flow"), None, "{c:?}");
+    assert_eq!(c.get("drop_stage"), None, "every IPv6 program is reachable: {c:?}");
+}
+
+#[test]
+fn ipv6_without_endpoints_answers_icmpv6_port_unreachable() {
+    let Some(mut dp) = setup("ipv6_without_endpoints_answers_icmpv6_port_unreachable") else { return };
+    program6(&mut dp, VIP, TCP, 1, 1, &[]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    for payload in [&b""[..], &[7u8; 400][..]] {
+        let frame = Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, SYN, payload)).frame();
+        let out = run(&mut dp, &frame);
+        assert_eq!(out.action, TC_ACT_REDIRECT, "sent back out the interface it came in on");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src, d.dst), (*vip.ip(), *client.ip()), "from the Service address to the client");
+        let (kind, code, body) = d.icmp.expect("an ICMPv6 message (its checksum verified)");
+        assert_eq!((kind, code), (1, 4), "destination unreachable, port unreachable");
+        let quoted = body.len().min(frame.len() - 14);
+        assert!(quoted >= 48, "the quote holds the IPv6 and TCP headers");
+        assert_eq!(body[..quoted], frame[14..14 + quoted], "the quote is the offending packet");
+    }
+    assert_eq!(counters(&mut dp).get("reject_no_endpoints"), Some(&2));
+}
+
+/// A fragmented datagram: the first fragment carries the ports and is translated (its checksum
+/// made right for the whole datagram); the later one follows it.
+#[test]
+fn ipv6_fragments_follow_their_first_fragment() {
+    let Some(mut dp) = setup("ipv6_fragments_follow_their_first_fragment") else { return };
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 1, 1, &["[fd00:10:244:1::9]:5353"]);
+    let (client, vip, backend) = (sock(CLIENT), sock("[fd00:10:96::a]:53"), sock("[fd00:10:244:1::9]:5353"));
+    let whole = packet6::udp_datagram(client, vip, &[5u8; 100]);
+    let (first, rest) = whole.split_at(56);
+    let frag = |off: u16, more: bool, bytes: &[u8]| {
+        Ipv6::new(*client.ip(), *vip.ip(), UDP, bytes.to_vec()).with_ext(FRAGMENT, Ipv6::fragment(off, more, 0xabcd)).frame()
+    };
+    let out1 = run(&mut dp, &frag(0, true, first));
+    let d1 = dissect(&out1.frame);
+    assert_eq!(d1.dst_sock(), backend, "first fragment translated");
+    let out2 = run(&mut dp, &frag(7, false, rest));
+    let d2 = dissect(&out2.frame);
+    assert_eq!(d2.dst, *backend.ip(), "later fragment follows");
+    assert!(d2.sport.is_none());
+    let mut reassembled = out1.frame[14 + 48..].to_vec();
+    reassembled.extend_from_slice(&out2.frame[14 + 48..]);
+    assert!(packet6::l4_checksum_ok_over(*client.ip(), *backend.ip(), UDP, &reassembled), "checksum of the reassembled datagram");
+    assert_eq!(counters(&mut dp).get("fragment_nat"), Some(&1));
+}
+
+/// Mutated IPv6 frames (extension header chains, fragments, length lies, truncations, flipped
+/// bits) through the pod-facing ingress and egress programs and the IPv6 programs they
+/// tail-call: no fault, a verdict the hook allows, and every rewritten frame whole IPv6 with
+/// each checksum that was valid still valid (one the program built, an ICMPv6 reject, valid
+/// throughout). A fixed seed (`PROXY_FUZZ_SEED` and `PROXY_FUZZ_FRAMES` change it).
+#[test]
+fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
+    let Some(mut dp) = setup("mutated_ipv6_frames_fault_nothing_and_break_no_checksum") else { return };
+    let seed: u64 = std::env::var("PROXY_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6eed_f00d);
+    let frames: usize = std::env::var("PROXY_FUZZ_FRAMES").ok().and_then(|s| s.parse().ok()).unwrap_or(30_000);
+    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND, "[fd00:10:244:2::7]:8080"]);
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 2, 3, &["[fd00:10:244:1::9]:5353"]);
+    program6(&mut dp, "[fd00:10:96::63]:80", TCP, 3, 4, &[]);
+    let clients = [sock(CLIENT), sock("[fd00:10:244::6]:40001"), sock("[2001:db8::7]:61000")];
+    let ends = [
+        (sock(VIP), TCP),
+        (sock("[fd00:10:96::a]:53"), UDP),
+        (sock("[fd00:10:96::63]:80"), TCP),
+        (sock(BACKEND), TCP),
+        (sock("[fd00:10:244:1::9]:5353"), UDP),
+    ];
+    let mut rng = proxy_tests::fuzz::Rng::new(seed);
+    let (mut ran, mut rewritten) = (0u64, 0u64);
+    for i in 0..frames {
+        let client = *rng.pick(&clients);
+        let (end, proto) = *rng.pick(&ends);
+        let (src, dst) = if rng.chance(60) { (client, end) } else { (end, client) };
+        let mut label = format!("{src} -> {dst}");
+        let other = rng.next_u64() as u8;
+        let proto = if rng.chance(85) { proto } else { *rng.pick(&[ICMPV6, ESP, 59, 47, other]) };
+        let l4 = match proto {
+            TCP => {
+                let flags = *rng.pick(&[SYN, ACK, SYN | ACK, 0x11, 0x04, 0x18, 0x3f]);
+                let n = rng.below(3) * rng.below(300);
+                tcp_segment(src, dst, flags, &vec![9u8; n])
+            }
+            UDP => {
+                let n = rng.below(400);
+                packet6::udp_datagram(src, dst, &vec![3u8; n])
+            }
+            _ => {
+                let n = rng.below(64);
+                (0..n).map(|_| rng.next_u64() as u8).collect()
+            }
+        };
+        let mut ip = Ipv6::new(*src.ip(), *dst.ip(), proto, l4);
+        for _ in 0..if rng.chance(40) { rng.below(9) } else { 0 } {
+            let kind = *rng.pick(&[HOP_BY_HOP, DEST_OPTS, ROUTING, FRAGMENT]);
+            let body = match kind {
+                FRAGMENT => {
+                    let offset = if rng.chance(50) { 0 } else { rng.below(200) as u16 };
+                    Ipv6::fragment(offset, rng.chance(50), rng.next_u64() as u32)
+                }
+                _ => {
+                    let units = rng.below(3);
+                    let mut b = vec![units as u8];
+                    b.extend((0..6 + 8 * units).map(|_| if rng.chance(70) { 0 } else { rng.next_u64() as u8 }));
+                    b
+                }
+            };
+            label.push_str(&format!(", ext {kind}"));
+            ip = ip.with_ext(kind, body);
+        }
+        let mut f = ip.frame();
+        for _ in 0..if rng.chance(30) { 0 } else { 1 + rng.below(3) } {
+            match rng.below(5) {
+                0 if f.len() > 70 => {
+                    let n = 70 + rng.below(f.len() - 70);
+                    f.truncate(n);
+                    label.push_str(&format!(", cut to {n}"));
+                }
+                1 => {
+                    let len = rng.next_u64() as u16 % 1600;
+                    f[18..20].copy_from_slice(&len.to_be_bytes());
+                    label.push_str(&format!(", payload length {len}"));
+                }
+                2 => {
+                    for _ in 0..1 + rng.below(4) {
+                        let at = 14 + rng.below(f.len() - 14);
+                        f[at] ^= 1 << rng.below(8);
+                    }
+                    label.push_str(", bits flipped");
+                }
+                3 => {
+                    let n = rng.below(200);
+                    f.extend((0..n).map(|_| rng.next_u64() as u8));
+                    label.push_str(&format!(", {n} bytes of trailer"));
+                }
+                _ => {
+                    f[14] = (rng.below(16) as u8) << 4;
+                    label.push_str(&format!(", version {}", f[14] >> 4));
+                }
+            }
+        }
+        for egress in [false, true] {
+            let out = if egress { run_egress(&mut dp, &f) } else { run(&mut dp, &f) };
+            ran += 1;
+            let hook = if egress { "egress" } else { "ingress" };
+            let fail =
+                |why: &str| panic!("seed {seed}, frame {i} ({label}) through {hook}: {why}\n in:  {f:02x?}\n out: {:02x?}", out.frame);
+            if ![TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT].contains(&out.action) {
+                fail(&format!("verdict {}", out.action));
+            }
+            if out.frame == f {
+                continue;
+            }
+            rewritten += 1;
+            let Some((out_proto, out_ok)) = packet6::checksum_state(&out.frame) else {
+                fail("rewritten into something that is not whole IPv6")
+            };
+            match packet6::checksum_state(&f) {
+                Some((in_proto, in_ok)) if in_proto == out_proto => {
+                    if in_ok == Some(true) && out_ok == Some(false) {
+                        fail("a valid checksum was broken");
+                    }
+                }
+                _ => {
+                    if out_ok != Some(true) {
+                        fail("a frame the program built has a bad checksum");
+                    }
+                }
+            }
+        }
+    }
+    println!("ipv6 fuzz: seed {seed}, {frames} frames, {ran} program runs, {rewritten} rewritten");
+    assert!(rewritten > frames as u64 / 20, "the frames reach the translation: {rewritten} rewritten");
+    let c = counters(&mut dp);
+    assert_eq!(c.values().sum::<u64>(), ran, "every run counted once: {c:?}");
+    assert_eq!(c.get("drop_stage"), None, "{c:?}");
+    // Still serving afterwards.
+    let d = dissect(&run(&mut dp, &tcp_frame(sock("[fd00:10:244::99]:40999"), sock(VIP), SYN)).frame);
+    assert!(d.dst_sock() == sock(BACKEND) || d.dst_sock() == sock("[fd00:10:244:2::7]:8080"));
+}
