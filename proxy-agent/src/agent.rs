@@ -210,7 +210,20 @@ fn load_ebpf(cfg: &Config) -> Result<EbpfDataplane, crate::dataplane::ebpf::Ebpf
         maglev_size: cfg.ebpf.maglev_size,
         snat_ports: cfg.ebpf.snat_ports,
         ct_lifetimes: cfg.ct_lifetimes(),
+        ipv6: !ipv6_ranges(cfg).is_empty(),
     })
+}
+
+/// The cluster's IPv6 ranges the configuration names (`--cluster-cidr`,
+/// `--service-cluster-ip-range`): a dual-stack or IPv6-only cluster.
+fn ipv6_ranges(cfg: &Config) -> Vec<String> {
+    cfg.common
+        .cluster_cidrs
+        .iter()
+        .chain(&cfg.common.service_cidrs)
+        .filter(|c| c.family() == crate::model::Family::V6)
+        .map(|c| c.to_string())
+        .collect()
 }
 
 /// `--proxy-mode auto`: ebpf when this kernel and these privileges run our programs, else
@@ -224,14 +237,7 @@ fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>
     // IPv6 Services unserved, which kube-proxy served. auto takes nftables, which serves both
     // families, unless an earlier run's eBPF dataplane is attached: switching would reset every
     // connection it carries, so that is left to an explicit --proxy-mode.
-    let v6: Vec<String> = cfg
-        .common
-        .cluster_cidrs
-        .iter()
-        .chain(&cfg.common.service_cidrs)
-        .filter(|c| c.family() == crate::model::Family::V6)
-        .map(|c| c.to_string())
-        .collect();
+    let v6 = ipv6_ranges(cfg);
     let links = crate::dataplane::ebpf::loader::pinned_links(root);
     if !v6.is_empty() && links == 0 {
         let mode = match crate::dataplane::modes::nftables_unsupported() {

@@ -106,15 +106,52 @@ pub mod map_names {
     pub const AFFINITY_MATCH6: &str = "LB6_AFFMATCH_V1";
     pub const SOURCE_RANGES6: &str = "LB6_SRCRANGE_V1";
     pub const SERVICE_CIDRS6: &str = "LB6_SVCCIDR_V1";
+    pub const NAMES6: &str = "LB6_NAMES_V1";
+
+    /// The load-balancer maps of one family, as the agent's map writer names them.
+    pub struct LbMaps {
+        pub services: &'static str,
+        pub backends: &'static str,
+        pub revnat: &'static str,
+        pub names: &'static str,
+        pub flows: &'static str,
+        pub affinity_match: &'static str,
+        pub source_ranges: &'static str,
+        /// IPv6 frontends do not select by Maglev (it serves north-south flows, which IPv6
+        /// does not have yet).
+        pub maglev: Option<&'static str>,
+    }
+
+    pub const LB4: LbMaps = LbMaps {
+        services: SERVICES,
+        backends: BACKENDS,
+        revnat: REVNAT,
+        names: NAMES,
+        flows: BACKEND_FLOWS,
+        affinity_match: AFFINITY_MATCH,
+        source_ranges: SOURCE_RANGES,
+        maglev: Some(MAGLEV),
+    };
+
+    pub const LB6: LbMaps = LbMaps {
+        services: SERVICES6,
+        backends: BACKENDS6,
+        revnat: REVNAT6,
+        names: NAMES6,
+        flows: BACKEND_FLOWS6,
+        affinity_match: AFFINITY_MATCH6,
+        source_ranges: SOURCE_RANGES6,
+        maglev: None,
+    };
     /// The IPv6 programs, which the IPv4 ones tail-call (`prog_slots`): IPv6's flow does not
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
     /// own, each with a frame of its own.
     pub const PROGS: &str = "PROGS_V1";
     /// The IPv6 maps, in the order of `ALL`'s IPv4 ones.
-    pub const IPV6: [&str; 10] =
-        [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, CT6, FRAGS6, AFFINITY6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6];
+    pub const IPV6: [&str; 11] =
+        [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, CT6, FRAGS6, AFFINITY6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6];
 
-    pub const ALL: [&str; 33] = [
+    pub const ALL: [&str; 34] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -147,6 +184,7 @@ pub mod map_names {
         AFFINITY_MATCH6,
         SOURCE_RANGES6,
         SERVICE_CIDRS6,
+        NAMES6,
         PROGS,
     ];
 }

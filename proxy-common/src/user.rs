@@ -8,37 +8,21 @@ use crate::{Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, 
 
 // SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
 // fields, so every bit pattern is valid and there are no uninitialised bytes.
-unsafe impl aya::Pod for ServiceKey {}
 unsafe impl aya::Pod for crate::ct::Lifetimes {}
 unsafe impl aya::Pod for ServiceValue {}
-unsafe impl aya::Pod for Backend {}
-unsafe impl aya::Pod for RevNat {}
 unsafe impl aya::Pod for BackendFlows {}
-unsafe impl aya::Pod for CtKey {}
-unsafe impl aya::Pod for CtEntry {}
 unsafe impl aya::Pod for FragKey {}
 unsafe impl aya::Pod for FragPorts {}
 unsafe impl aya::Pod for Counter {}
 unsafe impl aya::Pod for ServiceName {}
-unsafe impl aya::Pod for crate::AffinityKey {}
 unsafe impl aya::Pod for crate::AffinityValue {}
 unsafe impl aya::Pod for crate::AffinityMatchKey {}
-unsafe impl aya::Pod for crate::SourceRangeKey {}
 unsafe impl aya::Pod for crate::SockRevKey {}
 unsafe impl aya::Pod for crate::SockFwd {}
 unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
-unsafe impl aya::Pod for crate::SvcCidrKey {}
 unsafe impl aya::Pod for crate::TraceResult {}
 unsafe impl aya::Pod for crate::Frag6Key {}
-unsafe impl aya::Pod for ServiceKey<crate::Ip6> {}
-unsafe impl aya::Pod for Backend<crate::Ip6> {}
-unsafe impl aya::Pod for RevNat<crate::Ip6> {}
-unsafe impl aya::Pod for CtKey<crate::Ip6> {}
-unsafe impl aya::Pod for CtEntry<crate::Ip6> {}
-unsafe impl aya::Pod for crate::AffinityKey<crate::Ip6> {}
-unsafe impl aya::Pod for crate::SourceRangeKey<crate::Ip6> {}
-unsafe impl aya::Pod for crate::SvcCidrKey<crate::Ip6> {}
 
 /// Protocol name as Kubernetes spells it.
 pub fn proto_name(proto: u8) -> &'static str {
@@ -119,6 +103,58 @@ impl ServiceName {
         std::str::from_utf8(&self.name[..end]).unwrap_or("?")
     }
 }
+
+/// An address as the maps hold it, on the user side: IPv4's four bytes or an `Ip6`, each with
+/// its family's load-balancer maps.
+pub trait MapAddr: Copy + Default + PartialEq + Eq + Ord + std::hash::Hash + std::fmt::Debug + Send + Sync + aya::Pod + 'static {
+    /// Bits of an address (the longest prefix).
+    const BITS: u8;
+    const LB: crate::map_names::LbMaps;
+    /// The address in the maps' form; None for the other family's.
+    fn from_ip(ip: std::net::IpAddr) -> Option<Self>;
+    fn ip(self) -> std::net::IpAddr;
+}
+
+impl MapAddr for [u8; 4] {
+    const BITS: u8 = 32;
+    const LB: crate::map_names::LbMaps = crate::map_names::LB4;
+    fn from_ip(ip: std::net::IpAddr) -> Option<Self> {
+        match ip {
+            std::net::IpAddr::V4(a) => Some(a.octets()),
+            std::net::IpAddr::V6(_) => None,
+        }
+    }
+    fn ip(self) -> std::net::IpAddr {
+        Ipv4Addr::from(self).into()
+    }
+}
+
+impl MapAddr for crate::Ip6 {
+    const BITS: u8 = 128;
+    const LB: crate::map_names::LbMaps = crate::map_names::LB6;
+    fn from_ip(ip: std::net::IpAddr) -> Option<Self> {
+        match ip {
+            std::net::IpAddr::V6(a) => Some(crate::Ip6::from_bytes(a.octets())),
+            std::net::IpAddr::V4(_) => None,
+        }
+    }
+    fn ip(self) -> std::net::IpAddr {
+        std::net::Ipv6Addr::from(self.to_bytes()).into()
+    }
+}
+
+unsafe impl aya::Pod for crate::Ip6 {}
+
+// SAFETY (all below): `repr(C)` with explicit padding for both address types, which are the
+// only `MapAddr`s (the size asserts beside the types check both layouts).
+unsafe impl<A: MapAddr> aya::Pod for ServiceKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for Backend<A> {}
+unsafe impl<A: MapAddr> aya::Pod for RevNat<A> {}
+unsafe impl<A: MapAddr> aya::Pod for CtKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for CtEntry<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::AffinityKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::SourceRangeKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::SvcCidrKey<A> {}
 
 #[cfg(test)]
 mod tests {

@@ -281,10 +281,11 @@ impl Family for Ip6 {
     fn flow_hash(pkt: &Packet<Self>) -> u32 {
         proxy_common::hash::flow6(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto)
     }
+    /// IPv6 frontends do not select by Maglev (the agent never sets their MAGLEV flag): it
+    /// serves north-south flows, which IPv6 does not have yet.
     #[inline(always)]
-    fn maglev_entry(table_id: u32, index: u32) -> Option<u32> {
-        // SAFETY: as for IPv4.
-        unsafe { maps::LB6_MAGLEV_V1.get_value(&table_id, &index) }.copied()
+    fn maglev_entry(_table_id: u32, _index: u32) -> Option<u32> {
+        None
     }
     #[inline(always)]
     fn frag_key(pkt: &Packet<Self>) -> Frag6Key {

@@ -160,7 +160,7 @@ pub static LB6_SRCRANGE_V1: LpmTrie<SourceRangeKey<Ip6>, u8, LB_MAX> = LpmTrie::
 pub static LB6_SVCCIDR_V1: LpmTrie<SvcCidrKey<Ip6>, u8, LB_MAX> = LpmTrie::new();
 
 #[btf_map]
-pub static LB6_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = HashOfMaps::new();
+pub static LB6_NAMES_V1: HashMap<u32, ServiceName, LB_MAX, NO_PREALLOC> = HashMap::new();
 
 /// Where new IPv6 conntrack entries are built. Scratch, never pinned.
 #[btf_map]

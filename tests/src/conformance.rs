@@ -27,9 +27,6 @@ use crate::{
 /// What a mode cannot do at all, and why.
 pub fn unsupported(mode: ProxyMode, feature: &str) -> Option<&'static str> {
     match (mode, feature) {
-        (ProxyMode::Ebpf, "ipv6") => {
-            Some("the eBPF dataplane serves IPv4 Services only so far (its socket hooks serve IPv4-mapped addresses)")
-        }
         (ProxyMode::Ebpf, _) => None,
         (_, "xdp") => Some("XDP is an eBPF program; the netfilter modes work in the kernel's stack"),
         (_, "maglev") => Some("consistent hashing is the eBPF dataplane's; iptables and nftables pick at random, IPVS by its scheduler"),
@@ -797,9 +794,10 @@ fn ask_name(ns: &crate::netns::Netns, to: SocketAddr) -> io::Result<String> {
     Ok(text.trim().to_string())
 }
 
-/// IPv6 and dual-stack Services in a netfilter mode (iptables writes ip6tables, nftables the
-/// `ip6 kube-proxy` table, IPVS IPv6 virtual servers and `KUBE-6-` sets, as kube-proxy's IPv6
-/// proxiers): the lab's pods get IPv6 addresses
+/// IPv6 and dual-stack Services (iptables writes ip6tables, nftables the `ip6 kube-proxy`
+/// table, IPVS IPv6 virtual servers and `KUBE-6-` sets, as kube-proxy's IPv6 proxiers; the eBPF
+/// dataplane its IPv6 maps, which serve pods: the client here is a pod): the lab's pods get
+/// IPv6 addresses
 /// beside their IPv4 ones and the node an IPv6 address and default route on its uplink. An IPv6-only Service
 /// reaches every backend over IPv6 and its NodePort on the node's IPv6 address; one without
 /// endpoints refuses; a dual-stack Service answers on both cluster IPs, each from its own
@@ -872,7 +870,21 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
     every_backend("[fd00:96::50]:80");
     eventually("the dual-stack Service's IPv4 cluster IP", || tcp_ask(&lab.client.ns, sock("10.96.0.50:80")).map_err(|e| e.to_string()));
     tcp_ask(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("{mode}: the IPv4 Service beside the IPv6 ones: {e}"));
-    // The rules are where kube-proxy's IPv6 proxier keeps them.
+    // The rules are where kube-proxy's IPv6 proxier keeps them (the eBPF dataplane: its IPv6
+    // maps).
+    if mode == ProxyMode::Ebpf {
+        use proxy_common::{map_names, Ip6, ServiceKey, ServiceValue};
+        let pin = lab.bpffs().join("maps").join(map_names::SERVICES6);
+        let map = aya::maps::MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+        let services: aya::maps::HashMap<_, ServiceKey<Ip6>, ServiceValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map)).expect("a hash map");
+        let vip: std::net::Ipv6Addr = "fd00:96::10".parse().unwrap();
+        let key = ServiceKey::new(Ip6::from_bytes(vip.octets()), 80u16.to_be_bytes(), 6, 0);
+        let master = services.get(&key, 0).expect("the IPv6 cluster IP's master entry in LB6_SERVICES_V1");
+        assert_eq!(usize::from(master.count), lab.backends.len(), "one slot per IPv6 endpoint");
+        drop(servers);
+        return;
+    }
     let node = lab.node.name.clone();
     let listing = match mode {
         ProxyMode::Nftables => in_netns(&node, &["nft", "list", "table", "ip6", "kube-proxy"]),

@@ -34,9 +34,9 @@ fn upsert(dp: &mut EbpfDataplane, kind: FrontendKind, at: &str, protocol: Protoc
     let name = ServicePortName { service: ObjectKey::new("default", format!("fuzz-{}", at.port())), port: "p".into(), protocol };
     let backends = backends
         .iter()
-        .map(|(b, local)| Backend { addr: *sock(b).ip(), port: sock(b).port(), terminating: false, local: *local })
+        .map(|(b, local)| Backend { addr: (*sock(b).ip()).into(), port: sock(b).port(), terminating: false, local: *local })
         .collect();
-    dp.upsert(&FrontendKey { addr: *at.ip(), port: at.port(), protocol }, &Frontend::new(name, kind, backends))
+    dp.upsert(&FrontendKey { addr: (*at.ip()).into(), port: at.port(), protocol }, &Frontend::new(name, kind, backends))
         .expect("program a frontend");
 }
 

@@ -76,7 +76,7 @@ fn node(test: &str) -> Option<Node> {
 
 fn backend(s: &str, local: bool) -> Backend {
     let s = sock(s);
-    Backend { addr: *s.ip(), port: s.port(), terminating: false, local }
+    Backend { addr: (*s.ip()).into(), port: s.port(), terminating: false, local }
 }
 
 fn frontend(kind: FrontendKind, backends: Vec<Backend>) -> Frontend {
@@ -86,7 +86,7 @@ fn frontend(kind: FrontendKind, backends: Vec<Backend>) -> Frontend {
 
 fn key(s: &str, protocol: Protocol) -> FrontendKey {
     let s = sock(s);
-    FrontendKey { addr: *s.ip(), port: s.port(), protocol }
+    FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol }
 }
 
 #[test]
@@ -302,7 +302,8 @@ fn client_ip_affinity_holds_across_connections_for_node_ports_and_cluster_ips() 
     assert_eq!(seen.len(), 1);
     // A backend that leaves the Service is not picked again through affinity.
     let first = dissect(&run(&mut n.dp, &tcp_frame(sock("10.244.1.77:50000"), sock("10.96.0.10:80"), SYN)).frame).dst_sock();
-    let rest: Vec<Backend> = backends.iter().filter(|b| SocketAddrV4::new(b.addr, b.port) != first).copied().collect();
+    let rest: Vec<Backend> =
+        backends.iter().filter(|b| std::net::SocketAddr::new(b.addr, b.port) != std::net::SocketAddr::V4(first)).copied().collect();
     let mut fe = frontend(FrontendKind::ClusterIp, rest);
     fe.affinity_timeout = Some(10800);
     n.dp.upsert(&key("10.96.0.10:80", Protocol::Tcp), &fe).unwrap();
@@ -399,7 +400,7 @@ fn removing_a_backend_moves_only_about_its_share_of_flows() {
         .copied()
         .filter(|b| {
             let id = n.dp.maglev().tables.values().next().unwrap();
-            let pos = id.members.iter().position(|m| m[..4] == b.addr.octets()).unwrap();
+            let pos = id.members.iter().position(|m| std::net::IpAddr::from(<[u8; 4]>::try_from(&m[..4]).unwrap()) == b.addr).unwrap();
             id.backend_ids[pos] != removed_id
         })
         .collect();

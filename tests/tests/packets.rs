@@ -25,14 +25,14 @@ const VIP: &str = "10.96.0.10:80";
 
 fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]) {
     let v = sock(vip);
-    let key = FrontendKey { addr: *v.ip(), port: v.port(), protocol: proto };
+    let key = FrontendKey { addr: (*v.ip()).into(), port: v.port(), protocol: proto };
     let fe = Frontend {
         name: ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: proto },
         backends: backends
             .iter()
             .map(|b| {
                 let s = sock(b);
-                Backend { addr: *s.ip(), port: s.port(), terminating: false, local: false }
+                Backend { addr: (*s.ip()).into(), port: s.port(), terminating: false, local: false }
             })
             .collect(),
         retained: vec![],
@@ -551,7 +551,7 @@ fn a_local_policy_service_with_remote_endpoints_only_drops() {
         internal_backends: None,
         source_ranges: vec![],
     };
-    dp.upsert(&FrontendKey { addr: *v.ip(), port: v.port(), protocol: Protocol::Tcp }, &fe).unwrap();
+    dp.upsert(&FrontendKey { addr: (*v.ip()).into(), port: v.port(), protocol: Protocol::Tcp }, &fe).unwrap();
     let out = run(&mut dp, &tcp_frame(sock(CLIENT), v, SYN));
     assert_eq!(out.action, testrun::TC_ACT_SHOT, "kube-proxy drops: no local endpoint");
     assert_eq!(counters(&mut dp).get("drop_no_local_endpoints"), Some(&1));
@@ -597,12 +597,12 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
             let counts = dp.count_in_kernel().expect("count map entries");
             assert_eq!(dp.service_entries() as u64, counts[proxy_common::map_names::SERVICES], "the gauge follows the map");
         }
-        dp.remove(&FrontendKey { addr: *vip.ip(), port: 80, protocol: Protocol::Tcp }).expect("remove");
+        dp.remove(&FrontendKey { addr: (*vip.ip()).into(), port: 80, protocol: Protocol::Tcp }).expect("remove");
         if i % 10 == 0 {
             // A load balancer with source ranges that change before it goes.
-            let lb = FrontendKey { addr: *vip.ip(), port: 443, protocol: Protocol::Tcp };
+            let lb = FrontendKey { addr: (*vip.ip()).into(), port: 443, protocol: Protocol::Tcp };
             let name = ServicePortName { service: ObjectKey::new("default", "lb"), port: "https".into(), protocol: Protocol::Tcp };
-            let be = Backend { addr: Ipv4Addr::from(0x0a80_0000 + i * 4), port: 8443, terminating: false, local: false };
+            let be = Backend { addr: Ipv4Addr::from(0x0a80_0000 + i * 4).into(), port: 8443, terminating: false, local: false };
             let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![be]);
             fe.source_ranges = (0..3).map(|r| format!("{}/24", Ipv4Addr::from((i * 3 + r) << 8)).parse().unwrap()).collect();
             dp.upsert(&lb, &fe).expect("load balancer");
@@ -621,7 +621,7 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
 /// A load balancer at 203.0.113.1:80/TCP with one backend (10.244.1.2:8080) and `ranges`.
 fn load_balancer(ranges: &[&str]) -> (SocketAddrV4, FrontendKey, Frontend) {
     let lb = sock("203.0.113.1:80");
-    let key = FrontendKey { addr: *lb.ip(), port: lb.port(), protocol: Protocol::Tcp };
+    let key = FrontendKey { addr: (*lb.ip()).into(), port: lb.port(), protocol: Protocol::Tcp };
     let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
     let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
     let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]);

@@ -7,10 +7,7 @@ pub mod store;
 pub mod translate;
 pub mod validate;
 
-use std::{
-    fmt,
-    net::{IpAddr, Ipv4Addr},
-};
+use std::{fmt, net::IpAddr};
 
 pub use addr::{Cidr, Family};
 
@@ -116,21 +113,21 @@ impl fmt::Display for ServicePortName {
 /// Where clients send: address, port, protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FrontendKey {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
 }
 
 impl fmt::Display for FrontendKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.addr, self.port, self.protocol)
+        write!(f, "{}/{}", std::net::SocketAddr::new(self.addr, self.port), self.protocol)
     }
 }
 
 /// An endpoint as the dataplane sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Backend {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub terminating: bool,
     pub local: bool,
@@ -138,7 +135,7 @@ pub struct Backend {
 
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.addr, self.port)
+        write!(f, "{}", std::net::SocketAddr::new(self.addr, self.port))
     }
 }
 

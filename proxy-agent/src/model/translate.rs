@@ -24,8 +24,9 @@ pub struct HealthCheck {
     /// Usable local endpoints (the load balancer sends traffic here only when > 0): the most
     /// of any family, for a dataplane serving both.
     pub local_endpoints: usize,
-    /// The same of the IPv4 family alone, for a dataplane serving IPv4 only (the eBPF one): a
-    /// node with local IPv6 endpoints only would drop what the load balancer sends it.
+    /// The same of the IPv4 family alone, for the eBPF dataplane, which serves IPv4 only to
+    /// outside clients: a node with local IPv6 endpoints only would drop what the load
+    /// balancer sends it.
     pub local_endpoints_ipv4: usize,
 }
 
@@ -37,8 +38,8 @@ pub struct Translation {
     pub ports: Vec<PortView>,
     pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
-    /// What the eBPF dataplane leaves out of this Service (its IPv6 addresses), for that mode's
-    /// log only: the netfilter modes serve both families.
+    /// What the eBPF dataplane leaves out of this Service (outside clients of its IPv6
+    /// addresses), for that mode's log only: the netfilter modes serve both families.
     pub ipv4_only_notes: Vec<String>,
 }
 
@@ -76,32 +77,19 @@ pub fn port_endpoints(port: &ServicePort, slices: &[&CheckedSlice], node: &NodeI
     out
 }
 
-/// The eBPF dataplane's form of an endpoint: IPv4 only so far.
-fn backend(ep: &Endpoint) -> Option<Backend> {
-    match ep.addr {
-        IpAddr::V4(addr) => Some(Backend { addr, port: ep.port, terminating: ep.terminating, local: ep.local }),
-        IpAddr::V6(_) => None,
-    }
+/// The eBPF dataplane's form of an endpoint.
+fn backend(ep: &Endpoint) -> Backend {
+    Backend { addr: ep.addr, port: ep.port, terminating: ep.terminating, local: ep.local }
 }
 
 fn backends(eps: &[Endpoint]) -> Vec<Backend> {
-    let mut b: Vec<Backend> = eps.iter().filter_map(backend).collect();
+    let mut b: Vec<Backend> = eps.iter().map(backend).collect();
     b.sort();
     b
 }
 
 fn of_family(addrs: &[IpAddr], family: Family) -> Vec<IpAddr> {
     addrs.iter().copied().filter(|a| Family::of(*a) == family).collect()
-}
-
-fn v4(addrs: &[IpAddr]) -> Vec<Ipv4Addr> {
-    addrs
-        .iter()
-        .filter_map(|a| match a {
-            IpAddr::V4(v) => Some(*v),
-            IpAddr::V6(_) => None,
-        })
-        .collect()
 }
 
 /// The sources the load-balancer IPs `lb_ips` accept new flows from: the Service's IPv4
@@ -111,11 +99,11 @@ fn v4(addrs: &[IpAddr]) -> Vec<Ipv4Addr> {
 /// a node's process before it has a source address, by whether the load-balancer IP is in the
 /// list, so any node address in the ranges admits it (a node reaching the load balancer from a
 /// secondary address in a range gets through, as with kube-proxy). Empty: no ranges.
-fn source_ranges(ranges: &[Cidr], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<Cidr> {
+fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cidr> {
     let mut ranges = ranges.to_vec();
     let node_addrs: Vec<IpAddr> = node.node_ips.iter().chain(node.nodeport_addresses.iter()).copied().collect();
     if Cidr::any_contains(&ranges, &node_addrs) {
-        ranges.extend(lb_ips.iter().map(|a| Cidr::host(IpAddr::V4(*a))));
+        ranges.extend(lb_ips.iter().map(|a| Cidr::host(*a)));
     }
     ranges.sort();
     ranges.dedup();
@@ -125,8 +113,9 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[Ipv4Addr], node: &NodeInfo) -> Vec<C
 /// Translates one Service: a `PortView` per port for each family the Service has a cluster IP
 /// of (each family's view holds that family's addresses and the endpoints of that family's
 /// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
-/// dataplane's frontends, which are IPv4 only so far (`ipv4_only_notes` says what they leave
-/// out). `slices` are the Service's slices, sorted by name.
+/// dataplane's frontends of both families (its IPv6 ones serve pods only so far:
+/// `ipv4_only_notes` says what they leave out). `slices` are the Service's slices, sorted by
+/// name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
     if svc.skip.is_some() {
@@ -159,8 +148,8 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
     out
 }
 
-/// One family of `svc`: its port views, and for IPv4 its frontends. Returns the number of
-/// usable local endpoints (for the health check).
+/// One family of `svc`: its port views and its frontends. Returns the number of usable local
+/// endpoints (for the health check).
 fn family_service(
     svc: &CheckedService,
     slices: &[&CheckedSlice],
@@ -174,11 +163,14 @@ fn family_service(
     let external_ips = of_family(&svc.external_ips, family);
     let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
     let lb_source_ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == family).collect();
-    let ebpf = family == Family::V4;
-    if !ebpf {
+    if family == Family::V6 {
+        // The eBPF dataplane's IPv6 path runs on pod-facing interfaces only so far: pods reach
+        // every frontend, host processes and outside clients none.
         for (what, addrs) in [("cluster IP", cluster_ips), ("load-balancer IP", &lb_ips[..]), ("external IP", &external_ips[..])] {
             for a in addrs {
-                out.ipv4_only_notes.push(format!("{what} {a} skipped: the eBPF dataplane serves IPv4 only so far"));
+                out.ipv4_only_notes.push(format!(
+                    "{what} {a}: served to pods only (the eBPF dataplane does not serve IPv6 to host processes or outside clients yet)"
+                ));
             }
         }
     }
@@ -207,16 +199,13 @@ fn family_service(
             local_endpoints: sets.local.iter().map(endpoint_view).collect(),
             has_endpoints: sets.has_any,
         });
-        if !ebpf {
-            continue;
-        }
-        let frontend_ranges = source_ranges(&lb_source_ranges, &v4(&lb_ips), node);
+        let frontend_ranges = source_ranges(&lb_source_ranges, &lb_ips, node);
         // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
         // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
         // clears their conntrack entries.
         let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>, source_ranges: Vec<Cidr>| {
             let active = backends(chosen);
-            let in_use: HashSet<_> = active.iter().map(|b| (IpAddr::V4(b.addr), b.port)).collect();
+            let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
             let retained = backends(
                 &endpoints
                     .iter()
@@ -237,34 +226,35 @@ fn family_service(
             }
         };
         let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
-        for vip in v4(cluster_ips) {
+        for vip in cluster_ips {
             out.frontends.push((
-                FrontendKey { addr: vip, port: port.port, protocol: port.protocol },
+                FrontendKey { addr: *vip, port: port.port, protocol: port.protocol },
                 view(internal, FrontendKind::ClusterIp, None, vec![]),
             ));
         }
         // External frontends: outside clients get the local endpoints under
         // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
         let (external, for_pods) = if external_local(svc) { (&sets.local, Some(backends(&sets.cluster))) } else { (&sets.cluster, None) };
-        let mut add = |addr: Ipv4Addr, port_no: u16, kind: FrontendKind| {
+        let mut add = |addr: IpAddr, port_no: u16, kind: FrontendKind| {
             let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
             let ranges = if kind == FrontendKind::LoadBalancer { frontend_ranges.clone() } else { vec![] };
             out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
         };
         if let (true, Some(np)) = (node_ports, port.node_port) {
-            for a in v4(&node.nodeport_addresses) {
+            for a in of_family(&node.nodeport_addresses, family) {
                 add(a, np, FrontendKind::NodePort);
             }
-            // (The NodePort addresses never hold loopback: the store leaves it out.)
-            if node.localhost_nodeports {
-                add(Ipv4Addr::LOCALHOST, np, FrontendKind::NodePort);
+            // (The NodePort addresses never hold loopback: the store leaves it out.) Localhost
+            // NodePorts are IPv4's (kube-proxy's route_localnet has no IPv6 counterpart).
+            if node.localhost_nodeports && family == Family::V4 {
+                add(IpAddr::V4(Ipv4Addr::LOCALHOST), np, FrontendKind::NodePort);
             }
         }
-        for a in v4(&lb_ips) {
-            add(a, port.port, FrontendKind::LoadBalancer);
+        for a in &lb_ips {
+            add(*a, port.port, FrontendKind::LoadBalancer);
         }
-        for a in v4(&external_ips) {
-            add(a, port.port, FrontendKind::ExternalIp);
+        for a in &external_ips {
+            add(*a, port.port, FrontendKind::ExternalIp);
         }
     }
     local_endpoints
@@ -475,7 +465,7 @@ mod tests {
     }
 
     #[test]
-    fn dual_stack_gives_each_family_its_own_view_and_the_ebpf_frontends_ipv4() {
+    fn dual_stack_gives_each_family_its_own_view_and_its_own_ebpf_frontends() {
         let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00::10'], externalIPs: [192.0.2.7, '2001:db8::7'], loadBalancerSourceRanges: [10.0.0.0/8, '2001:db8:1::/48'], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: '2001:db8::1'}]}}");
         let v4 = slice(NS_SLICE);
         let v6 = slice("metadata: {name: web-b, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}]\nendpoints:\n- {addresses: ['fd00:1::1'], nodeName: node-a}\n");
@@ -491,10 +481,17 @@ mod tests {
         assert_eq!(a.lb_source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
         assert_eq!(a.cluster_endpoints.len(), 2, "the IPv4 slice's endpoints");
         assert_eq!(b.cluster_endpoints.iter().map(|e| e.socket().to_string()).collect::<Vec<_>>(), ["[fd00:1::1]:8080"]);
-        // The eBPF frontends are IPv4 only, and say so in their own notes.
-        assert!(t.frontends.iter().all(|(k, f)| !k.addr.is_unspecified() && f.backends.len() == 2), "{:?}", t.frontends);
-        assert_eq!(t.frontends.len(), 4, "cluster IP, NodePort, LB, external IP: {:?}", t.frontends);
+        // Each family's eBPF frontends hold that family's endpoints and ranges; the IPv6 ones
+        // say in their own notes that they serve pods only.
+        assert_eq!(t.frontends.len(), 8, "cluster IP, NodePort, LB, external IP of each family: {:?}", t.frontends);
+        for (k, f) in &t.frontends {
+            assert!(f.backends.iter().all(|b| b.addr.is_ipv4() == k.addr.is_ipv4()), "{k}: {:?}", f.backends);
+            assert!(f.source_ranges.iter().all(|r| r.addr.is_ipv4() == k.addr.is_ipv4()), "{k}: {:?}", f.source_ranges);
+            assert_eq!(f.backends.len(), if k.addr.is_ipv4() { 2 } else { 1 }, "{k}");
+        }
         assert_eq!(find(&t, fk("203.0.113.1", 80, Protocol::Tcp)).source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
+        assert_eq!(find(&t, fk("2001:db8::1", 80, Protocol::Tcp)).source_ranges, vec!["2001:db8:1::/48".parse().unwrap()]);
+        assert_eq!(find(&t, fk("fd00:ff::10", 30080, Protocol::Tcp)).kind, FrontendKind::NodePort);
         assert_eq!(t.ipv4_only_notes.len(), 3, "{:?}", t.ipv4_only_notes);
         assert!(t.notes.is_empty(), "{:?}", t.notes);
         // Health-check endpoints are counted per family, not added up; the IPv4 family's count
@@ -510,7 +507,8 @@ mod tests {
     fn a_single_stack_service_ignores_the_other_familys_slices() {
         let s = svc("metadata: {name: web}\nspec: {clusterIP: 'fd00::10', ports: [{name: http, port: 80}]}");
         let t = service(&s, &[&slice(NS_SLICE)], &node());
-        assert!(t.frontends.is_empty(), "no IPv4 cluster IP: nothing for the eBPF dataplane");
+        assert_eq!(t.frontends.len(), 1, "its IPv6 cluster IP only");
+        assert!(t.frontends[0].1.backends.is_empty(), "IPv4 endpoints do not serve an IPv6 frontend");
         assert_eq!(t.ports.len(), 1);
         assert_eq!(t.ports[0].family, Family::V6);
         assert!(t.ports[0].cluster_endpoints.is_empty() && !t.ports[0].has_endpoints, "IPv4 endpoints do not serve an IPv6 Service");

@@ -57,7 +57,7 @@ fn scale() -> u32 {
 fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
     Frontend {
         name: ServicePortName { service: ObjectKey::new("bench", name), port: "http".into(), protocol: Protocol::Tcp },
-        backends: backends.into_iter().map(|(addr, port)| Backend { addr, port, terminating: false, local: false }).collect(),
+        backends: backends.into_iter().map(|(addr, port)| Backend { addr: addr.into(), port, terminating: false, local: false }).collect(),
         retained: vec![],
         affinity_timeout: None,
         drop_when_empty: false,
@@ -68,7 +68,7 @@ fn frontend(name: &str, backends: Vec<(Ipv4Addr, u16)>) -> Frontend {
 }
 
 fn key(addr: Ipv4Addr, port: u16) -> FrontendKey {
-    FrontendKey { addr, port, protocol: Protocol::Tcp }
+    FrontendKey { addr: addr.into(), port, protocol: Protocol::Tcp }
 }
 
 /// Services 0..n: 10.96.x.y:80 -> 4 backends 10.(128+...).

@@ -12,7 +12,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap as StdHashMap, HashSet},
     io,
-    net::Ipv4Addr,
+    net::IpAddr,
 };
 
 use aya::{
@@ -23,7 +23,7 @@ use aya::{
     Ebpf,
 };
 use proxy_common::{
-    backend_flags, limits, map_names, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
+    backend_flags, limits, scope, svc_flags, user::MapAddr, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
     ServiceValue, SourceRangeKey,
 };
 
@@ -90,7 +90,9 @@ fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
         backends: fe.backends.clone(),
         retained: fe.retained.clone(),
         flags,
-        maglev: external && !fe.backends.is_empty(),
+        // IPv6 frontends select without Maglev: it serves north-south flows, which the eBPF
+        // dataplane's IPv6 path does not have yet.
+        maglev: external && !fe.backends.is_empty() && key.addr.is_ipv4(),
         affinity_timeout: fe.affinity_timeout,
         source_ranges: fe.source_ranges.iter().map(|c| c.network()).collect(),
     };
@@ -99,7 +101,13 @@ fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
 
 /// Maglev members of `backends`, sorted (as every node sorts them), with the backends.
 fn maglev_members(backends: &[model::Backend]) -> Vec<(maglev::Member, model::Backend)> {
-    let mut m: Vec<_> = backends.iter().map(|b| (maglev::member(b.addr, b.port), *b)).collect();
+    let mut m: Vec<_> = backends
+        .iter()
+        .filter_map(|b| match b.addr {
+            IpAddr::V4(a) => Some((maglev::member(a, b.port), *b)),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
     m.sort_by_key(|(k, _)| *k);
     m.dedup_by_key(|(k, _)| *k);
     m
@@ -107,7 +115,7 @@ fn maglev_members(backends: &[model::Backend]) -> Vec<(maglev::Member, model::Ba
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Ident {
-    addr: Ipv4Addr,
+    addr: IpAddr,
     port: u16,
     proto: u8,
 }
@@ -136,48 +144,55 @@ struct Programmed {
     source_ranges: BTreeSet<Cidr>,
 }
 
-/// The source-range trie's key for `range` of service `service_id`.
-fn range_key(service_id: u32, range: Cidr) -> Key<SourceRangeKey> {
-    // Frontends hold IPv4 ranges only (see `translate::source_ranges`).
-    let addr = range.v4().map_or([0; 4], |(a, _)| a.octets());
+/// The source-range trie's key for `range` of service `service_id` (a range of the frontend's
+/// family: translate keeps each family's own).
+fn range_key<A: MapAddr>(service_id: u32, range: Cidr) -> Key<SourceRangeKey<A>> {
+    let addr = A::from_ip(range.addr).unwrap_or_default();
     Key::new(SourceRangeKey::ID_BITS + u32::from(range.prefix), SourceRangeKey { service_id, addr })
 }
 
 /// The range a source-range trie key holds (the inverse of `range_key`); None for a key no
 /// writer of ours makes.
-pub fn range_of(key: &Key<SourceRangeKey>) -> Option<Cidr> {
-    let bits = key.prefix_len().checked_sub(SourceRangeKey::ID_BITS).filter(|b| *b <= 32)?;
-    Some(Cidr { addr: Ipv4Addr::from(key.data().addr).into(), prefix: bits as u8 })
+pub fn range_of<A: MapAddr>(key: &Key<SourceRangeKey<A>>) -> Option<Cidr> {
+    let bits = key.prefix_len().checked_sub(SourceRangeKey::ID_BITS).filter(|b| *b <= u32::from(A::BITS))?;
+    Some(Cidr { addr: key.data().addr.ip(), prefix: bits as u8 })
 }
 
 /// The maps the writer changes, behind the `Table` seam.
-pub struct Tables {
-    pub services: Box<dyn Table<ServiceKey, ServiceValue>>,
-    /// An array: an entry with address 0.0.0.0 is unset.
-    pub backends: Box<dyn Table<u32, Backend>>,
-    pub revnat: Box<dyn Table<u32, RevNat>>,
+pub struct Tables<A: MapAddr = [u8; 4]> {
+    pub services: Box<dyn Table<ServiceKey<A>, ServiceValue>>,
+    /// An array: an entry with the unspecified address is unset.
+    pub backends: Box<dyn Table<u32, Backend<A>>>,
+    pub revnat: Box<dyn Table<u32, RevNat<A>>>,
     pub names: Box<dyn Table<u32, ServiceName>>,
     pub flows: Box<dyn Table<u32, BackendFlows>>,
     pub affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
-    pub source_ranges: Box<dyn Table<Key<SourceRangeKey>, u8>>,
+    pub source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
 }
 
 /// What a previous run left in the maps, read before the writer takes them over.
-#[derive(Default)]
-pub struct Found {
-    pub snapshot: snapshot::Snapshot,
+pub struct Found<A: MapAddr = [u8; 4]> {
+    pub snapshot: snapshot::Snapshot<A>,
     pub affinity_matches: Vec<AffinityMatchKey>,
-    pub source_ranges: Vec<Key<SourceRangeKey>>,
+    pub source_ranges: Vec<Key<SourceRangeKey<A>>>,
 }
 
-pub struct LbMaps {
-    services: Box<dyn Table<ServiceKey, ServiceValue>>,
-    backends: Box<dyn Table<u32, Backend>>,
-    revnat: Box<dyn Table<u32, RevNat>>,
+impl<A: MapAddr> Default for Found<A> {
+    fn default() -> Self {
+        Self { snapshot: snapshot::Snapshot::default(), affinity_matches: Vec::new(), source_ranges: Vec::new() }
+    }
+}
+
+/// The writer of one family's maps (`A`: the family's address as the maps hold it, which also
+/// names its maps: `MapAddr::LB`). Frontend keys and backends of the other family are refused.
+pub struct LbMaps<A: MapAddr = [u8; 4]> {
+    services: Box<dyn Table<ServiceKey<A>, ServiceValue>>,
+    backends: Box<dyn Table<u32, Backend<A>>>,
+    revnat: Box<dyn Table<u32, RevNat<A>>>,
     names: Box<dyn Table<u32, ServiceName>>,
     flows: Box<dyn Table<u32, BackendFlows>>,
     affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
-    source_ranges: Box<dyn Table<Key<SourceRangeKey>, u8>>,
+    source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
     maglev: Maglev,
     limit: u32,
     by_ident: StdHashMap<Ident, BackendEntry>,
@@ -190,10 +205,10 @@ pub struct LbMaps {
     entries: usize,
     /// Service ids found in REVNAT/NAMES with no frontend, removed by `collect_garbage`.
     stray_service_ids: Vec<u32>,
-    stray_slots: Vec<ServiceKey>,
+    stray_slots: Vec<ServiceKey<A>>,
     stray_affinity_matches: Vec<AffinityMatchKey>,
     /// Source ranges a failed delete left, removed by `collect_garbage`.
-    stray_ranges: Vec<Key<SourceRangeKey>>,
+    stray_ranges: Vec<Key<SourceRangeKey<A>>>,
     /// Service ids of frontends never written whose undo left entries behind: not given out
     /// again until `collect_garbage` has removed those.
     held_service_ids: Vec<u32>,
@@ -251,41 +266,46 @@ fn flags_of(b: &model::Backend) -> u8 {
     f
 }
 
-impl LbMaps {
-    /// Opens the maps of a loaded object and adopts whatever a previous run left in them.
-    /// `maglev_size`: entries of each Maglev table (a prime).
+impl<A: MapAddr> LbMaps<A> {
+    /// Opens the family's maps of a loaded object and adopts whatever a previous run left in
+    /// them. `maglev_size`: entries of each Maglev table (a prime).
     pub fn adopt(ebpf: &mut Ebpf, limit: u32, maglev_size: u32) -> Result<Self, DataplaneError> {
-        let outer = take_raw(ebpf, map_names::MAGLEV)?;
-        let outer = match outer {
-            aya::maps::Map::HashOfMaps(m) => m,
-            _ => return Err(DataplaneError::Unsupported(format!("{} is not a hash of maps", map_names::MAGLEV))),
+        let maglev = match A::LB.maglev {
+            Some(name) => {
+                let outer = match take_raw(ebpf, name)? {
+                    aya::maps::Map::HashOfMaps(m) => m,
+                    _ => return Err(DataplaneError::Unsupported(format!("{name} is not a hash of maps"))),
+                };
+                Maglev::adopt(outer, maglev_size, limit).map_err(|e| DataplaneError::Map {
+                    op: "read",
+                    map: name,
+                    source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
+                })?
+            }
+            // Never written (see `views`).
+            None => Maglev::in_memory(maglev_size, limit),
         };
-        let maglev = Maglev::adopt(outer, maglev_size, limit).map_err(|e| DataplaneError::Map {
-            op: "read",
-            map: map_names::MAGLEV,
-            source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
-        })?;
-        let services: HashMap<MapData, ServiceKey, ServiceValue> = take(ebpf, map_names::SERVICES)?;
-        let backends: Array<MapData, Backend> = take(ebpf, map_names::BACKENDS)?;
-        let revnat: HashMap<MapData, u32, RevNat> = take(ebpf, map_names::REVNAT)?;
-        let names: HashMap<MapData, u32, ServiceName> = take(ebpf, map_names::NAMES)?;
-        let affinity_match: HashMap<MapData, AffinityMatchKey, u32> = take(ebpf, map_names::AFFINITY_MATCH)?;
-        let source_ranges: LpmTrie<MapData, SourceRangeKey, u8> = take(ebpf, map_names::SOURCE_RANGES)?;
+        let services: HashMap<MapData, ServiceKey<A>, ServiceValue> = take(ebpf, A::LB.services)?;
+        let backends: Array<MapData, Backend<A>> = take(ebpf, A::LB.backends)?;
+        let revnat: HashMap<MapData, u32, RevNat<A>> = take(ebpf, A::LB.revnat)?;
+        let names: HashMap<MapData, u32, ServiceName> = take(ebpf, A::LB.names)?;
+        let affinity_match: HashMap<MapData, AffinityMatchKey, u32> = take(ebpf, A::LB.affinity_match)?;
+        let source_ranges: LpmTrie<MapData, SourceRangeKey<A>, u8> = take(ebpf, A::LB.source_ranges)?;
         let snapshot = snapshot::read(&services, &backends, &revnat, &names).map_err(|source| DataplaneError::Map {
             op: "read",
-            map: map_names::SERVICES,
+            map: A::LB.services,
             source,
         })?;
         let found = Found {
             snapshot,
             affinity_matches: affinity_match.keys().collect::<Result<_, _>>().map_err(|source| DataplaneError::Map {
                 op: "read",
-                map: map_names::AFFINITY_MATCH,
+                map: A::LB.affinity_match,
                 source,
             })?,
             source_ranges: source_ranges.keys().collect::<Result<_, _>>().map_err(|source| DataplaneError::Map {
                 op: "read",
-                map: map_names::SOURCE_RANGES,
+                map: A::LB.source_ranges,
                 source,
             })?,
         };
@@ -294,7 +314,7 @@ impl LbMaps {
             backends: Box::new(backends),
             revnat: Box::new(revnat),
             names: Box::new(names),
-            flows: Box::new(take::<Array<MapData, BackendFlows>>(ebpf, map_names::BACKEND_FLOWS)?),
+            flows: Box::new(take::<Array<MapData, BackendFlows>>(ebpf, A::LB.flows)?),
             affinity_match: Box::new(affinity_match),
             source_ranges: Box::new(source_ranges),
         };
@@ -302,7 +322,7 @@ impl LbMaps {
     }
 
     /// The writer over `tables`, taking over what `found` says they hold.
-    pub fn with_found(tables: Tables, maglev: Maglev, limit: u32, found: Found) -> Result<Self, DataplaneError> {
+    pub fn with_found(tables: Tables<A>, maglev: Maglev, limit: u32, found: Found<A>) -> Result<Self, DataplaneError> {
         let Tables { services, backends, revnat, names, flows, affinity_match, source_ranges } = tables;
         let mut me = Self {
             services,
@@ -329,14 +349,14 @@ impl LbMaps {
         let snap = found.snapshot;
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
-                let ident = Ident { addr: Ipv4Addr::from(b.addr), port: u16::from_be_bytes(b.port), proto: b.proto };
+                let ident = Ident { addr: b.addr.ip(), port: u16::from_be_bytes(b.port), proto: b.proto };
                 me.by_ident.insert(ident, BackendEntry { id: *id, flags: b.flags, refs: 0 });
                 me.by_id.insert(*id, ident);
             }
         }
         for fe in snap.frontends.values() {
             let Some(protocol) = Protocol::from_ipproto(fe.key.proto) else { continue };
-            let key = FrontendKey { addr: Ipv4Addr::from(fe.key.addr), port: u16::from_be_bytes(fe.key.port), protocol };
+            let key = FrontendKey { addr: fe.key.addr.ip(), port: u16::from_be_bytes(fe.key.port), protocol };
             me.service_ids.claim(fe.master.service_id);
             for id in &fe.slots {
                 me.add_ref(*id);
@@ -345,7 +365,12 @@ impl LbMaps {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(&id).map(|i| maglev::member(i.addr, i.port)));
+                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| {
+                    by_id.get(&id).and_then(|i| match i.addr {
+                        IpAddr::V4(a) => Some(maglev::member(a, i.port)),
+                        IpAddr::V6(_) => None,
+                    })
+                });
                 for id in held {
                     me.add_ref(id);
                 }
@@ -388,11 +413,16 @@ impl LbMaps {
             }
         }
         for k in stray_ranges {
-            me.source_ranges.del(&k).map_err(|source| DataplaneError::Map { op: "delete", map: map_names::SOURCE_RANGES, source })?;
+            me.source_ranges.del(&k).map_err(|source| DataplaneError::Map { op: "delete", map: A::LB.source_ranges, source })?;
         }
         me.stray_service_ids = snap.stray_service_ids;
         me.stray_slots = snap.stray_slots;
         Ok(me)
+    }
+
+    /// `addr` in the maps' form; an error for the other family's.
+    fn addr(addr: IpAddr) -> Result<A, DataplaneError> {
+        A::from_ip(addr).ok_or_else(|| DataplaneError::Unsupported(format!("{addr} is not of the family of {}", A::LB.services)))
     }
 
     pub fn maglev(&self) -> &Maglev {
@@ -413,11 +443,11 @@ impl LbMaps {
     /// backends array, counted in the maps themselves (not from the writer's own picture).
     pub fn count_in_kernel(&self) -> std::io::Result<BTreeMap<&'static str, u64>> {
         Ok(BTreeMap::from([
-            (map_names::SERVICES, self.services.count()?),
-            (map_names::REVNAT, self.revnat.count()?),
-            (map_names::NAMES, self.names.count()?),
-            (map_names::BACKENDS, self.backends.count()?),
-            (map_names::SOURCE_RANGES, self.source_ranges.count()?),
+            (A::LB.services, self.services.count()?),
+            (A::LB.revnat, self.revnat.count()?),
+            (A::LB.names, self.names.count()?),
+            (A::LB.backends, self.backends.count()?),
+            (A::LB.source_ranges, self.source_ranges.count()?),
         ]))
     }
 
@@ -445,21 +475,21 @@ impl LbMaps {
     fn acquire(&mut self, b: &model::Backend, proto: u8) -> Result<u32, DataplaneError> {
         let ident = Ident { addr: b.addr, port: b.port, proto };
         let flags = flags_of(b);
-        let value = Backend::new(b.addr, b.port, proto, flags);
+        let value = Backend { addr: Self::addr(b.addr)?, port: b.port.to_be_bytes(), proto, flags };
         if let Some(e) = self.by_ident.get_mut(&ident) {
             if e.flags != flags {
-                self.backends.put(&e.id, &value).map_err(|s| map_error("update", map_names::BACKENDS, self.limit, s))?;
+                self.backends.put(&e.id, &value).map_err(|s| map_error("update", A::LB.backends, self.limit, s))?;
                 e.flags = flags;
             }
             e.refs += 1;
             return Ok(e.id);
         }
-        let id = self.backend_ids.alloc().ok_or(DataplaneError::MapFull { map: map_names::BACKENDS, max: self.limit })?;
+        let id = self.backend_ids.alloc().ok_or(DataplaneError::MapFull { map: A::LB.backends, max: self.limit })?;
         let written = self
             .flows
             .put(&id, &BackendFlows::default())
-            .map_err(|s| map_error("reset", map_names::BACKEND_FLOWS, self.limit, s))
-            .and_then(|()| self.backends.put(&id, &value).map_err(|s| map_error("insert", map_names::BACKENDS, self.limit, s)));
+            .map_err(|s| map_error("reset", A::LB.flows, self.limit, s))
+            .and_then(|()| self.backends.put(&id, &value).map_err(|s| map_error("insert", A::LB.backends, self.limit, s)));
         if let Err(e) = written {
             self.backend_ids.free(id);
             return Err(e);
@@ -513,11 +543,11 @@ impl LbMaps {
         }
     }
 
-    fn remove_key(&mut self, key: &ServiceKey) -> Result<(), DataplaneError> {
+    fn remove_key(&mut self, key: &ServiceKey<A>) -> Result<(), DataplaneError> {
         match self.services.del(key) {
             Ok(()) => Ok(()),
             Err(e) if is_not_found(&e) => Ok(()),
-            Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::SERVICES, source }),
+            Err(source) => Err(DataplaneError::Map { op: "delete", map: A::LB.services, source }),
         }
     }
 
@@ -626,7 +656,7 @@ impl LbMaps {
         let old = self.frontends.get(&scoped).cloned();
         let old_slots: Vec<u32> = old.as_ref().map(|o| o.slots.clone()).unwrap_or_default();
         let name = name.to_string();
-        let mut skey = ServiceKey::frontend(key.addr, key.port, proto);
+        let mut skey = ServiceKey::new(Self::addr(key.addr)?, key.port.to_be_bytes(), proto, 0);
         skey.scope = scope_id;
 
         // Phase A: everything that adds entries, and so may find a map full. Undone on failure,
@@ -647,7 +677,7 @@ impl LbMaps {
                 None => {
                     self.release_all(&active);
                     self.release_all(&retained);
-                    return Err(DataplaneError::MapFull { map: map_names::REVNAT, max: self.limit });
+                    return Err(DataplaneError::MapFull { map: A::LB.revnat, max: self.limit });
                 }
             },
         };
@@ -658,15 +688,15 @@ impl LbMaps {
         let phase_a = (|| {
             if fresh {
                 self.revnat
-                    .put(&service_id, &RevNat::new(key.addr, key.port))
-                    .map_err(|s| map_error("insert", map_names::REVNAT, self.limit, s))?;
+                    .put(&service_id, &RevNat { addr: Self::addr(key.addr)?, port: key.port.to_be_bytes(), _pad: [0; 2] })
+                    .map_err(|s| map_error("insert", A::LB.revnat, self.limit, s))?;
             }
             if fresh || old.as_ref().is_some_and(|o| o.name != name) {
-                self.names.put(&service_id, &ServiceName::new(&name)).map_err(|s| map_error("insert", map_names::NAMES, self.limit, s))?;
+                self.names.put(&service_id, &ServiceName::new(&name)).map_err(|s| map_error("insert", A::LB.names, self.limit, s))?;
             }
             for (i, id) in slots.iter().enumerate().skip(old_slots.len()) {
                 let k = skey.with_slot((i + 1) as u16);
-                self.services.put(&k, &slot_value(*id)).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.put(&k, &slot_value(*id)).map_err(|s| map_error("insert", A::LB.services, self.limit, s))?;
                 added.push(k);
             }
             Ok(())
@@ -681,7 +711,7 @@ impl LbMaps {
             for r in view.source_ranges.iter().filter(|r| !old.as_ref().is_some_and(|o| o.source_ranges.contains(r))) {
                 self.source_ranges
                     .put(&range_key(service_id, *r), &1)
-                    .map_err(|s| map_error("insert", map_names::SOURCE_RANGES, self.limit, s))?;
+                    .map_err(|s| map_error("insert", A::LB.source_ranges, self.limit, s))?;
                 new_ranges.push(*r);
             }
             if view.maglev {
@@ -698,7 +728,7 @@ impl LbMaps {
                         self.release_all(&ids);
                         return Err(map_error(
                             "write",
-                            map_names::MAGLEV,
+                            A::LB.maglev.unwrap_or("maglev"),
                             self.limit,
                             MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
                         ));
@@ -708,7 +738,7 @@ impl LbMaps {
             if view.affinity_timeout.is_some() {
                 for id in slots.iter().filter(|id| !old.as_ref().is_some_and(|o| o.affinity_matches.contains(id))) {
                     let k = AffinityMatchKey { service_id, backend_id: *id, scope: scope_id, _pad: 0, _pad2: 0 };
-                    self.affinity_match.put(&k, &1).map_err(|s| map_error("insert", map_names::AFFINITY_MATCH, self.limit, s))?;
+                    self.affinity_match.put(&k, &1).map_err(|s| map_error("insert", A::LB.affinity_match, self.limit, s))?;
                     new_matches.push(*id);
                 }
             }
@@ -767,11 +797,11 @@ impl LbMaps {
                 if old_slots[i] != *id {
                     self.services
                         .put(&skey.with_slot((i + 1) as u16), &slot_value(*id))
-                        .map_err(|s| map_error("update", map_names::SERVICES, self.limit, s))?;
+                        .map_err(|s| map_error("update", A::LB.services, self.limit, s))?;
                 }
             }
             if old.as_ref().map(|o| o.master) != Some(master) {
-                self.services.put(&skey, &master).map_err(|s| map_error("insert", map_names::SERVICES, self.limit, s))?;
+                self.services.put(&skey, &master).map_err(|s| map_error("insert", A::LB.services, self.limit, s))?;
             }
             for slot in slots.len() + 1..=old_slots.len() {
                 self.remove_key(&skey.with_slot(slot as u16))?;
@@ -878,7 +908,7 @@ impl LbMaps {
             }
             p = r.clone();
         }
-        let mut skey = ServiceKey::frontend(key.addr, key.port, key.protocol.ipproto());
+        let mut skey = ServiceKey::new(Self::addr(key.addr)?, key.port.to_be_bytes(), key.protocol.ipproto(), 0);
         skey.scope = scope_id;
         // Master first: from here on new packets see no service.
         self.remove_key(&skey)?;
@@ -966,7 +996,8 @@ impl LbMaps {
         for k in std::mem::take(&mut self.stray_slots) {
             // A frontend that grew during the initial sync may use this slot again now.
             let reused = self.frontends.iter().any(|((fk, sc), p)| {
-                let mut master = ServiceKey::frontend(fk.addr, fk.port, fk.protocol.ipproto());
+                let Ok(addr) = Self::addr(fk.addr) else { return false };
+                let mut master = ServiceKey::new(addr, fk.port.to_be_bytes(), fk.protocol.ipproto(), 0);
                 master.scope = *sc;
                 master == k.with_slot(0) && usize::from(k.slot) <= p.slots.len()
             });

@@ -200,7 +200,7 @@ fn restarted(kernel: &Shared) -> LbMaps {
 }
 
 fn backend(last: u8) -> model::Backend {
-    model::Backend { addr: Ipv4Addr::new(10, 244, 0, last), port: 8080, terminating: false, local: false }
+    model::Backend { addr: Ipv4Addr::new(10, 244, 0, last).into(), port: 8080, terminating: false, local: false }
 }
 
 fn frontend(kind: FrontendKind, backends: &[u8]) -> Frontend {
@@ -209,11 +209,11 @@ fn frontend(kind: FrontendKind, backends: &[u8]) -> Frontend {
 }
 
 fn cluster_ip() -> FrontendKey {
-    FrontendKey { addr: Ipv4Addr::new(10, 96, 0, 10), port: 80, protocol: Protocol::Tcp }
+    FrontendKey { addr: Ipv4Addr::new(10, 96, 0, 10).into(), port: 80, protocol: Protocol::Tcp }
 }
 
 fn load_balancer() -> FrontendKey {
-    FrontendKey { addr: Ipv4Addr::new(192, 0, 2, 10), port: 80, protocol: Protocol::Tcp }
+    FrontendKey { addr: Ipv4Addr::new(192, 0, 2, 10).into(), port: 80, protocol: Protocol::Tcp }
 }
 
 /// The states a ClusterIP frontend goes through: grow, replace, shrink, empty, affinity,

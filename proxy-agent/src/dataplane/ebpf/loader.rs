@@ -36,6 +36,10 @@ pub struct LoadOptions {
     pub snat_ports: (u16, u16),
     /// How long tracked connections last per state (kube-proxy's conntrack timeouts).
     pub ct_lifetimes: proxy_common::ct::Lifetimes,
+    /// The cluster has IPv6 ranges: the IPv6 conntrack and affinity tables get the IPv4 ones'
+    /// sizes. Otherwise they are small (`IPV6_LRU_MAX_SMALL`), as those tables are allocated
+    /// whole when created.
+    pub ipv6: bool,
 }
 
 impl Default for LoadOptions {
@@ -47,6 +51,7 @@ impl Default for LoadOptions {
             maglev_size: limits::MAGLEV_TABLE_SIZE,
             snat_ports: (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
             ct_lifetimes: proxy_common::ct::Lifetimes::DEFAULT,
+            ipv6: true,
         }
     }
 }
@@ -150,6 +155,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::AFFINITY_MATCH6 => (MapType::Hash, size_of::<AffinityMatchKey>(), size_of::<u32>()),
         map_names::SOURCE_RANGES6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey<Ip6>>(), size_of::<u8>()),
         map_names::SERVICE_CIDRS6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey<Ip6>>(), size_of::<u8>()),
+        map_names::NAMES6 => (MapType::Hash, size_of::<u32>(), size_of::<ServiceName>()),
         map_names::PROGS => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
         other => unreachable!("unknown map {other}"),
     }
@@ -267,14 +273,26 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::AFFINITY_MATCH6,
         map_names::SOURCE_RANGES6,
         map_names::SERVICE_CIDRS6,
+        map_names::NAMES6,
     ] {
         loader.map_max_entries(name, pinned(name).unwrap_or(lb));
     }
-    // The IPv6 maps that are allocated whole when created (LRUs). The agent does not program
-    // IPv6 Services into the eBPF dataplane yet, so nothing is tracked in them: they are kept
-    // small until it does, instead of doubling the conntrack table's memory on every node.
-    for name in [map_names::CT6, map_names::AFFINITY6, map_names::FRAGS6] {
-        loader.map_max_entries(name, pinned(name).unwrap_or(IPV6_LRU_MAX_UNSERVED));
+    // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's on a
+    // cluster with IPv6 ranges, small elsewhere instead of doubling the conntrack table's
+    // memory on every IPv4 node. A pinned one of the other size is replaced (its IPv6 flows
+    // are tracked afresh), as that follows a change of the cluster's ranges.
+    let small = |v4: u32| if options.ipv6 { v4 } else { v4.min(IPV6_LRU_MAX_SMALL) };
+    for (name, want) in [
+        (map_names::CT6, small(options.ct_map_max.max(2))),
+        (map_names::AFFINITY6, small(limits::AFFINITY_MAP_MAX)),
+        (map_names::FRAGS6, small(limits::FRAG_MAP_MAX)),
+    ] {
+        if let Some(held) = pinned(name).filter(|held| *held != want) {
+            let path = pin_paths.iter().find(|(n, _)| *n == name).map(|(_, p)| p.clone()).expect("a pinned map has a path");
+            tracing::warn!(pin = %path.display(), held, want, "resizing an IPv6 table: its IPv6 flows are tracked afresh");
+            fs::remove_file(&path).map_err(|source| LoadError::Pin { path: path.display().to_string(), source })?;
+        }
+        loader.map_max_entries(name, want);
     }
     let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     loader.map_max_entries(map_names::CT, ct_map_max);
@@ -307,7 +325,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
 }
 
 /// See the IPv6 LRUs' sizing in `load`.
-const IPV6_LRU_MAX_UNSERVED: u32 = 4096;
+pub const IPV6_LRU_MAX_SMALL: u32 = 4096;
 
 /// Loads the programs the others tail-call and puts each in its slot of `map_names::PROGS`
 /// (replacing an earlier run's: the pinned array keeps whatever it holds alive, and the

@@ -28,6 +28,7 @@ use self::{
 };
 use super::{Dataplane, DataplaneError};
 use crate::model::{store::Cidr, Frontend, FrontendKey};
+use std::net::IpAddr;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -42,6 +43,8 @@ pub enum EbpfError {
 pub struct EbpfDataplane {
     ebpf: Ebpf,
     lb: LbMaps,
+    /// The IPv6 frontends' maps (served to pods only so far: see `proxy_ebpf`'s `family`).
+    lb6: LbMaps<proxy_common::Ip6>,
     pin_root: Option<PathBuf>,
     attachments: Attachments,
     /// The socket hooks' links (see `hostsock`).
@@ -83,6 +86,7 @@ impl EbpfDataplane {
             }
         }
         let lb = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
+        let lb6 = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
         // The Service CIDR check stays as a previous run left it until the first sync.
         let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
         {
@@ -94,6 +98,7 @@ impl EbpfDataplane {
         let mut me = Self {
             ebpf,
             lb,
+            lb6,
             pin_root: options.pin_root,
             attachments: Attachments::default(),
             host_sockets: Vec::new(),
@@ -332,42 +337,55 @@ impl EbpfDataplane {
     }
 
     pub fn backend_count(&self) -> usize {
-        self.lb.backend_count()
+        self.lb.backend_count() + self.lb6.backend_count()
     }
 
-    /// Entries counted in the kernel's maps (see `LbMaps::count_in_kernel`).
+    /// Entries counted in the kernel's maps (see `LbMaps::count_in_kernel`), both families.
     pub fn count_in_kernel(&self) -> std::io::Result<std::collections::BTreeMap<&'static str, u64>> {
-        self.lb.count_in_kernel()
+        let mut counts = self.lb.count_in_kernel()?;
+        counts.extend(self.lb6.count_in_kernel()?);
+        Ok(counts)
     }
 
     pub fn service_entries(&self) -> usize {
-        self.lb.service_entries()
+        self.lb.service_entries() + self.lb6.service_entries()
     }
 }
 
 impl Dataplane for EbpfDataplane {
     fn programmed_keys(&self) -> Vec<FrontendKey> {
-        self.lb.keys()
+        let mut keys = self.lb.keys();
+        keys.extend(self.lb6.keys());
+        keys
     }
 
     fn is_current(&self, key: &FrontendKey, fe: &Frontend) -> bool {
-        self.lb.is_current(key, fe)
+        match key.addr {
+            IpAddr::V4(_) => self.lb.is_current(key, fe),
+            IpAddr::V6(_) => self.lb6.is_current(key, fe),
+        }
     }
 
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
-        self.lb.upsert(key, fe)
+        match key.addr {
+            IpAddr::V4(_) => self.lb.upsert(key, fe),
+            IpAddr::V6(_) => self.lb6.upsert(key, fe),
+        }
     }
 
     fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
-        self.lb.remove(key)
+        match key.addr {
+            IpAddr::V4(_) => self.lb.remove(key),
+            IpAddr::V6(_) => self.lb6.remove(key),
+        }
     }
 
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
-        self.lb.collect_garbage()
+        Ok(self.lb.collect_garbage()? + self.lb6.collect_garbage()?)
     }
 
     fn has_leftovers(&self) -> bool {
-        self.lb.has_leftovers()
+        self.lb.has_leftovers() || self.lb6.has_leftovers()
     }
 
     fn set_cluster_ip_ranges(

@@ -270,7 +270,6 @@ impl<D: Dataplane> Reconciler<D> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
 
     use super::*;
     use crate::{
@@ -322,7 +321,7 @@ mod tests {
     }
 
     fn key(ip: &str) -> FrontendKey {
-        FrontendKey { addr: ip.parse::<Ipv4Addr>().unwrap(), port: 80, protocol: Protocol::Tcp }
+        FrontendKey { addr: ip.parse().unwrap(), port: 80, protocol: Protocol::Tcp }
     }
 
     fn replace(objects: Vec<Object>) -> Vec<Event> {

@@ -4,37 +4,44 @@
 use std::{borrow::Borrow, collections::BTreeMap};
 
 use aya::maps::{Array, HashMap, MapData, MapError};
-use proxy_common::{Backend, RevNat, ServiceKey, ServiceName, ServiceValue};
+use proxy_common::{user::MapAddr, Backend, RevNat, ServiceKey, ServiceName, ServiceValue};
 
 /// One frontend as the maps hold it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FrontendEntry {
-    pub key: ServiceKey,
+pub struct FrontendEntry<A: MapAddr = [u8; 4]> {
+    pub key: ServiceKey<A>,
     pub master: ServiceValue,
     /// Backend id of slots `1..=count`; 0 where a slot is missing.
     pub slots: Vec<u32>,
     pub name: Option<String>,
-    pub revnat: Option<RevNat>,
+    pub revnat: Option<RevNat<A>>,
 }
 
-#[derive(Debug, Default)]
-pub struct Snapshot {
+#[derive(Debug)]
+pub struct Snapshot<A: MapAddr = [u8; 4]> {
     /// Keyed by the master's key (slot 0).
-    pub frontends: BTreeMap<ServiceKey, FrontendEntry>,
-    pub backends: BTreeMap<u32, Backend>,
+    pub frontends: BTreeMap<ServiceKey<A>, FrontendEntry<A>>,
+    pub backends: BTreeMap<u32, Backend<A>>,
     /// Slot entries whose master is missing, or beyond its count.
-    pub stray_slots: Vec<ServiceKey>,
+    pub stray_slots: Vec<ServiceKey<A>>,
     /// Reverse-NAT and name entries of service ids no frontend uses.
     pub stray_service_ids: Vec<u32>,
 }
 
-pub fn read<S, B, R, N>(
-    services: &HashMap<S, ServiceKey, ServiceValue>,
-    backends: &Array<B, Backend>,
-    revnat: &HashMap<R, u32, RevNat>,
+impl<A: MapAddr> Default for Snapshot<A> {
+    fn default() -> Self {
+        Self { frontends: BTreeMap::new(), backends: BTreeMap::new(), stray_slots: Vec::new(), stray_service_ids: Vec::new() }
+    }
+}
+
+pub fn read<A, S, B, R, N>(
+    services: &HashMap<S, ServiceKey<A>, ServiceValue>,
+    backends: &Array<B, Backend<A>>,
+    revnat: &HashMap<R, u32, RevNat<A>>,
     names: &HashMap<N, u32, ServiceName>,
-) -> Result<Snapshot, MapError>
+) -> Result<Snapshot<A>, MapError>
 where
+    A: MapAddr,
     S: Borrow<MapData>,
     B: Borrow<MapData>,
     R: Borrow<MapData>,
@@ -45,12 +52,12 @@ where
 
 /// The snapshot of these entries: the services map's, the backends array's in index order,
 /// the reverse-NAT and name maps' (as `read` iterates the maps; unit tests pass their own).
-pub fn assemble(
-    services: impl Iterator<Item = Result<(ServiceKey, ServiceValue), MapError>>,
-    backends: impl Iterator<Item = Result<Backend, MapError>>,
-    revnat: impl Iterator<Item = Result<(u32, RevNat), MapError>>,
+pub fn assemble<A: MapAddr>(
+    services: impl Iterator<Item = Result<(ServiceKey<A>, ServiceValue), MapError>>,
+    backends: impl Iterator<Item = Result<Backend<A>, MapError>>,
+    revnat: impl Iterator<Item = Result<(u32, RevNat<A>), MapError>>,
     names: impl Iterator<Item = Result<(u32, ServiceName), MapError>>,
-) -> Result<Snapshot, MapError> {
+) -> Result<Snapshot<A>, MapError> {
     let mut snap = Snapshot::default();
     let mut slots = Vec::new();
     for entry in services {
@@ -70,11 +77,11 @@ pub fn assemble(
     }
     for (id, entry) in backends.enumerate() {
         let b = entry?;
-        if id != 0 && b.addr != [0; 4] {
+        if id != 0 && b.addr != A::default() {
             snap.backends.insert(id as u32, b);
         }
     }
-    let mut by_service_id: BTreeMap<u32, ServiceKey> = BTreeMap::new();
+    let mut by_service_id: BTreeMap<u32, ServiceKey<A>> = BTreeMap::new();
     for fe in snap.frontends.values_mut() {
         by_service_id.insert(fe.master.service_id, fe.key);
         for id in fe.slots.iter_mut() {
