@@ -1,13 +1,15 @@
 //! IPv6 packet tables: frames through the real TC programs (the IPv4 ones, which tail-call the
-//! IPv6 ones) with BPF_PROG_TEST_RUN. The agent does not program IPv6 Services into the eBPF
-//! maps yet, so these tests write the IPv6 maps themselves, in the layout `proxy_common`
-//! defines; outputs are dissected and checksums verified independently (`packet6`).
+//! IPv6 ones) with BPF_PROG_TEST_RUN, the IPv6 maps written by the agent's own map writer;
+//! outputs are dissected and checksums verified independently (`packet6`).
 
-use std::net::{Ipv6Addr, SocketAddrV6};
+use std::net::SocketAddrV6;
 
-use aya::maps::{Array, HashMap};
-use proxy_agent::dataplane::ebpf::EbpfDataplane;
-use proxy_common::{map_names, Backend, CtEntry, CtKey, Ip6, RevNat, ServiceKey, ServiceValue};
+use aya::maps::HashMap;
+use proxy_agent::{
+    dataplane::{ebpf::EbpfDataplane, Dataplane},
+    model::{Backend as ModelBackend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
+};
+use proxy_common::{map_names, CtEntry, CtKey, Ip6};
 use proxy_tests::{
     packet::{ACK, SYN, TCP, UDP},
     packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
@@ -19,10 +21,6 @@ fn sock(s: &str) -> SocketAddrV6 {
     s.parse().unwrap()
 }
 
-fn ip6(a: &Ipv6Addr) -> Ip6 {
-    Ip6::from_bytes(a.octets())
-}
-
 const CLIENT: &str = "[fd00:10:244::5]:40000";
 const VIP: &str = "[fd00:10:96::10]:80";
 const BACKEND: &str = "[fd00:10:244:1::2]:8080";
@@ -31,33 +29,21 @@ fn setup(test: &str) -> Option<EbpfDataplane> {
     require::root(test).then(testrun::dataplane)
 }
 
-/// Writes a frontend into the IPv6 maps: backends, slots, reverse NAT, then the master entry,
-/// in the order the agent writes IPv4 ones. Backend ids start at `first_id`.
-fn program6(dp: &mut EbpfDataplane, vip: &str, proto: u8, service_id: u32, first_id: u32, backends: &[&str]) {
+/// Programs a ClusterIP frontend through the agent's own map writer (`Dataplane::upsert`),
+/// which writes the IPv6 maps for an IPv6 key.
+fn program6(dp: &mut EbpfDataplane, vip: &str, proto: u8, backends: &[&str]) {
+    let protocol = if proto == TCP { Protocol::Tcp } else { Protocol::Udp };
     let v = sock(vip);
-    let key = ServiceKey::new(ip6(v.ip()), v.port().to_be_bytes(), proto, 0);
-    {
-        let mut table: Array<_, Backend<Ip6>> = Array::try_from(dp.ebpf_mut().map_mut(map_names::BACKENDS6).unwrap()).unwrap();
-        for (i, b) in backends.iter().enumerate() {
+    let name = ServicePortName { service: ObjectKey::new("default", format!("web-{}", v.port())), port: "http".into(), protocol };
+    let backends = backends
+        .iter()
+        .map(|b| {
             let b = sock(b);
-            let be = Backend { addr: ip6(b.ip()), port: b.port().to_be_bytes(), proto, flags: 0 };
-            table.set(first_id + i as u32, be, 0).unwrap();
-        }
-    }
-    let mut services: HashMap<_, ServiceKey<Ip6>, ServiceValue> =
-        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::SERVICES6).unwrap()).unwrap();
-    for i in 0..backends.len() {
-        let slot = ServiceValue { backend_id: first_id + i as u32, service_id, ..Default::default() };
-        services.insert(key.with_slot(i as u16 + 1), slot, 0).unwrap();
-    }
-    let master = ServiceValue { service_id, count: backends.len() as u16, ..Default::default() };
-    {
-        let mut revnat: HashMap<_, u32, RevNat<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::REVNAT6).unwrap()).unwrap();
-        revnat.insert(service_id, RevNat { addr: ip6(v.ip()), port: v.port().to_be_bytes(), _pad: [0; 2] }, 0).unwrap();
-    }
-    let mut services: HashMap<_, ServiceKey<Ip6>, ServiceValue> =
-        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::SERVICES6).unwrap()).unwrap();
-    services.insert(key, master, 0).unwrap();
+            ModelBackend { addr: (*b.ip()).into(), port: b.port(), terminating: false, local: false }
+        })
+        .collect();
+    let key = FrontendKey { addr: (*v.ip()).into(), port: v.port(), protocol };
+    dp.upsert(&key, &Frontend::new(name, FrontendKind::ClusterIp, backends)).expect("program the IPv6 frontend");
 }
 
 fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
@@ -74,7 +60,7 @@ fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
 #[test]
 fn ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored() {
     let Some(mut dp) = setup("ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored") else { return };
-    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
     let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
 
     let out = run(&mut dp, &tcp_frame(client, vip, SYN));
@@ -107,7 +93,7 @@ fn ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored() {
 #[test]
 fn ipv6_udp_is_dnatted_with_a_valid_checksum() {
     let Some(mut dp) = setup("ipv6_udp_is_dnatted_with_a_valid_checksum") else { return };
-    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 1, 1, &["[fd00:10:244:1::9]:5353"]);
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, &["[fd00:10:244:1::9]:5353"]);
     let (client, vip) = (sock(CLIENT), sock("[fd00:10:96::a]:53"));
     let q = Ipv6::new(*client.ip(), *vip.ip(), UDP, packet6::udp_datagram(client, vip, b"an odd-sized query")).frame();
     let d = dissect(&run(&mut dp, &q).frame);
@@ -120,7 +106,7 @@ fn ipv6_udp_is_dnatted_with_a_valid_checksum() {
 #[test]
 fn ipv6_extension_headers_are_walked_to_the_ports() {
     let Some(mut dp) = setup("ipv6_extension_headers_are_walked_to_the_ports") else { return };
-    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
     let (client, vip) = (sock(CLIENT), sock(VIP));
     // A Routing header with segments left 0 (type 4, no segments): 8 bytes.
     let routing = vec![0, 4, 0, 0, 0, 0, 0];
@@ -140,7 +126,7 @@ fn ipv6_extension_headers_are_walked_to_the_ports() {
 #[test]
 fn ipv6_frames_the_parser_does_not_take_pass_untouched() {
     let Some(mut dp) = setup("ipv6_frames_the_parser_does_not_take_pass_untouched") else { return };
-    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND]);
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
     let (client, vip) = (sock(CLIENT), sock(VIP));
     let syn = || Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, SYN, b""));
 
@@ -171,7 +157,7 @@ fn ipv6_frames_the_parser_does_not_take_pass_untouched() {
 #[test]
 fn ipv6_without_endpoints_answers_icmpv6_port_unreachable() {
     let Some(mut dp) = setup("ipv6_without_endpoints_answers_icmpv6_port_unreachable") else { return };
-    program6(&mut dp, VIP, TCP, 1, 1, &[]);
+    program6(&mut dp, VIP, TCP, &[]);
     let (client, vip) = (sock(CLIENT), sock(VIP));
     for payload in [&b""[..], &[7u8; 400][..]] {
         let frame = Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, SYN, payload)).frame();
@@ -193,7 +179,7 @@ fn ipv6_without_endpoints_answers_icmpv6_port_unreachable() {
 #[test]
 fn ipv6_fragments_follow_their_first_fragment() {
     let Some(mut dp) = setup("ipv6_fragments_follow_their_first_fragment") else { return };
-    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 1, 1, &["[fd00:10:244:1::9]:5353"]);
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, &["[fd00:10:244:1::9]:5353"]);
     let (client, vip, backend) = (sock(CLIENT), sock("[fd00:10:96::a]:53"), sock("[fd00:10:244:1::9]:5353"));
     let whole = packet6::udp_datagram(client, vip, &[5u8; 100]);
     let (first, rest) = whole.split_at(56);
@@ -223,9 +209,9 @@ fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
     let Some(mut dp) = setup("mutated_ipv6_frames_fault_nothing_and_break_no_checksum") else { return };
     let seed: u64 = std::env::var("PROXY_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6eed_f00d);
     let frames: usize = std::env::var("PROXY_FUZZ_FRAMES").ok().and_then(|s| s.parse().ok()).unwrap_or(30_000);
-    program6(&mut dp, VIP, TCP, 1, 1, &[BACKEND, "[fd00:10:244:2::7]:8080"]);
-    program6(&mut dp, "[fd00:10:96::a]:53", UDP, 2, 3, &["[fd00:10:244:1::9]:5353"]);
-    program6(&mut dp, "[fd00:10:96::63]:80", TCP, 3, 4, &[]);
+    program6(&mut dp, VIP, TCP, &[BACKEND, "[fd00:10:244:2::7]:8080"]);
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, &["[fd00:10:244:1::9]:5353"]);
+    program6(&mut dp, "[fd00:10:96::63]:80", TCP, &[]);
     let clients = [sock(CLIENT), sock("[fd00:10:244::6]:40001"), sock("[2001:db8::7]:61000")];
     let ends = [
         (sock(VIP), TCP),
@@ -345,4 +331,65 @@ fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
     // Still serving afterwards.
     let d = dissect(&run(&mut dp, &tcp_frame(sock("[fd00:10:244::99]:40999"), sock(VIP), SYN)).frame);
     assert!(d.dst_sock() == sock(BACKEND) || d.dst_sock() == sock("[fd00:10:244:2::7]:8080"));
+}
+
+/// IPv6 frontends written by the agent's own map writer (`Dataplane::upsert`), with what a
+/// frontend can carry: ClientIP affinity, loadBalancerSourceRanges, externalTrafficPolicy
+/// Local's two scopes (pods get every endpoint); and a removal leaves nothing behind.
+#[test]
+fn ipv6_frontends_from_the_agents_writer_keep_affinity_source_ranges_and_scopes() {
+    let Some(mut dp) = setup("ipv6_frontends_from_the_agents_writer_keep_affinity_source_ranges_and_scopes") else { return };
+    let name = |svc: &str| ServicePortName { service: ObjectKey::new("default", svc), port: "http".into(), protocol: Protocol::Tcp };
+    let backend = |s: &str| {
+        let s = sock(s);
+        ModelBackend { addr: (*s.ip()).into(), port: s.port(), terminating: false, local: false }
+    };
+    let key = |s: &str| {
+        let s = sock(s);
+        FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Tcp }
+    };
+    let backends = ["[fd00:10:244:1::2]:8080", "[fd00:10:244:1::3]:8080", "[fd00:10:244:2::4]:8080"];
+
+    // ClientIP affinity: every new connection of a client goes to one backend.
+    let mut sticky = Frontend::new(name("sticky"), FrontendKind::ClusterIp, backends.iter().map(|b| backend(b)).collect());
+    sticky.affinity_timeout = Some(10_800);
+    dp.upsert(&key(VIP), &sticky).expect("program the IPv6 frontend");
+    let client = sock(CLIENT);
+    let seen: std::collections::BTreeSet<_> = (0..20u16)
+        .map(|i| {
+            let from = SocketAddrV6::new(*client.ip(), 41000 + i, 0, 0);
+            dissect(&run(&mut dp, &tcp_frame(from, sock(VIP), SYN)).frame).dst_sock()
+        })
+        .collect();
+    assert_eq!(seen.len(), 1, "one backend for the client: {seen:?}");
+
+    // Load-balancer IP with source ranges, and externalTrafficPolicy Local: outside clients
+    // would get the local endpoint only; pods get every endpoint; sources outside the ranges
+    // are dropped.
+    let lb = "[2001:db8::10]:80";
+    let mut fe = Frontend::new(name("lb"), FrontendKind::LoadBalancer, vec![backend(backends[0])]);
+    fe.internal_backends = Some(backends.iter().map(|b| backend(b)).collect());
+    fe.source_ranges = vec!["fd00:10:244::/64".parse().unwrap()];
+    dp.upsert(&key(lb), &fe).expect("program the IPv6 load-balancer frontend");
+    let spread: std::collections::BTreeSet<_> = (0..60u16)
+        .map(|i| {
+            let from = SocketAddrV6::new(*client.ip(), 42000 + i, 0, 0);
+            dissect(&run(&mut dp, &tcp_frame(from, sock(lb), SYN)).frame).dst_sock()
+        })
+        .collect();
+    assert_eq!(spread.len(), 3, "pods reach every endpoint through the internal scope: {spread:?}");
+    let outsider = sock("[fd00:10:245::9]:40000");
+    let out = run(&mut dp, &tcp_frame(outsider, sock(lb), SYN));
+    assert_eq!(out.action, TC_ACT_SHOT, "a source outside the ranges");
+    assert_eq!(counters(&mut dp).get("drop_source_range"), Some(&1));
+
+    // Removal leaves the IPv6 maps empty.
+    dp.remove(&key(VIP)).expect("remove");
+    dp.remove(&key(lb)).expect("remove");
+    dp.collect_garbage().expect("collect garbage");
+    let counts = dp.count_in_kernel().expect("count");
+    for map in [map_names::SERVICES6, map_names::REVNAT6, map_names::NAMES6, map_names::BACKENDS6, map_names::SOURCE_RANGES6] {
+        assert_eq!(counts.get(map), Some(&0), "{map} emptied: {counts:?}");
+    }
+    assert_eq!(dp.backend_count(), 0);
 }

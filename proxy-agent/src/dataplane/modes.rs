@@ -132,7 +132,8 @@ pub fn served_families(mode: ProxyMode, iptables: netfilter::Iptables) -> Vec<Fa
                 .map_err(|e| format!("{}'s nat table is not usable: {e}", tools.cmd()))
         }
         ProxyMode::Nftables => Ok(()),
-        ProxyMode::Ebpf => Err("the eBPF dataplane serves IPv4 only so far".to_string()),
+        // Not a netfilter mode: it has no rules to render (its maps hold both families).
+        ProxyMode::Ebpf => Err("the eBPF dataplane renders no netfilter rules".to_string()),
     };
     match v6 {
         Ok(()) => vec![Family::V4, Family::V6],

@@ -18,7 +18,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddrV4, SocketAddrV6},
     time::Instant,
 };
 
@@ -37,7 +37,10 @@ use proxy_agent::{
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
 use proxy_common::{map_names, prog_names, Counter, Reason};
-use proxy_tests::packet::{tcp_frame, ACK, SYN};
+use proxy_tests::{
+    packet::{tcp_frame, ACK, SYN},
+    packet6,
+};
 
 const REPEAT: u32 = 1_000_000;
 /// Calls of REPEAT runs each per "repeat" figure, which is their median.
@@ -87,6 +90,20 @@ fn ping_pong(dp: &mut EbpfDataplane) -> (SocketAddrV4, SocketAddrV4) {
     let pong = SocketAddrV4::new(Ipv4Addr::new(10, 100, 0, 3), 8080);
     dp.upsert(&key(*ping.ip(), ping.port()), &frontend("ping", vec![(*pong.ip(), pong.port())])).unwrap();
     dp.upsert(&key(*pong.ip(), pong.port()), &frontend("pong", vec![(*ping.ip(), ping.port())])).unwrap();
+    (ping, pong)
+}
+
+/// The IPv6 ping/pong pair, in the IPv6 maps through the agent's writer.
+fn ping_pong6(dp: &mut EbpfDataplane) -> (SocketAddrV6, SocketAddrV6) {
+    let ping: SocketAddrV6 = "[fd00:100::2]:80".parse().unwrap();
+    let pong: SocketAddrV6 = "[fd00:100::3]:8080".parse().unwrap();
+    let one = |name: &str, to: SocketAddrV6| Frontend {
+        backends: vec![Backend { addr: (*to.ip()).into(), port: to.port(), terminating: false, local: false }],
+        ..frontend(name, vec![])
+    };
+    let key6 = |at: SocketAddrV6| FrontendKey { addr: (*at.ip()).into(), port: at.port(), protocol: Protocol::Tcp };
+    dp.upsert(&key6(ping), &one("ping6", pong)).unwrap();
+    dp.upsert(&key6(pong), &one("pong6", ping)).unwrap();
     (ping, pong)
 }
 
@@ -170,6 +187,16 @@ fn measure(services: u32) -> Measured {
     let (ping, pong) = ping_pong(&mut dp);
     program_services(&mut dp, services.saturating_sub(3));
     let program_ms = t.elapsed().as_secs_f64() * 1e3;
+    // IPv6 beside: its own ping/pong and a service for new flows, in the IPv6 maps (the IPv4
+    // Services fill the IPv4 ones; the IPv6 maps are separate, so their number does not matter
+    // to IPv6's lookups).
+    let (ping6, pong6) = ping_pong6(&mut dp);
+    let bench6: SocketAddrV6 = "[fd00:100::1]:80".parse().unwrap();
+    let bench6_backends =
+        (1..=4u16).map(|b| Backend { addr: format!("fd00:200::{b}").parse().unwrap(), port: 8080, terminating: false, local: false });
+    let fe6 = Frontend { backends: bench6_backends.collect(), ..frontend("bench6", vec![]) };
+    dp.upsert(&FrontendKey { addr: (*bench6.ip()).into(), port: 80, protocol: Protocol::Tcp }, &fe6).unwrap();
+    let client6: SocketAddrV6 = "[fd00:244::5]:40000".parse().unwrap();
 
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
     let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
@@ -187,7 +214,11 @@ fn measure(services: u32) -> Measured {
     run(dp.ingress_program(), &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
     run(dp.ingress_program(), &tcp_frame(client, ping, SYN), 1);
     run(dp.ingress_program(), &tcp_frame(client, pong, SYN), 1);
-    check.took(&mut dp, Reason::NewFlow, 3, "flow set-up");
+    run(dp.ingress_program(), &packet6::tcp_frame(client6, ping6, SYN), 1);
+    run(dp.ingress_program(), &packet6::tcp_frame(client6, pong6, SYN), 1);
+    check.took(&mut dp, Reason::NewFlow, 5, "flow set-up");
+    let not_service6 = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
+    let (established6, reply6) = (packet6::tcp_frame(client6, ping6, ACK), packet6::tcp_frame(pong6, client6, ACK));
     // The repeat cases take turns, round after round, so that a change in the machine's pace
     // (a shared 2-CPU VM) weighs on the floor as on the rest; each figure is its median.
     // A reply from pong's address to the flow to ping is reverse-NATed to ping's, whose reply
@@ -200,13 +231,16 @@ fn measure(services: u32) -> Measured {
         rounds.entry("not_service/repeat").or_default().push(run(dp.ingress_program(), &not_service, repeat));
         rounds.entry("established/repeat").or_default().push(run(dp.ingress_program(), &established, repeat));
         rounds.entry("reply/repeat").or_default().push(run(dp.egress_program(), &reply, repeat));
+        rounds.entry("not_service6/repeat").or_default().push(run(dp.ingress_program(), &not_service6, repeat));
+        rounds.entry("established6/repeat").or_default().push(run(dp.ingress_program(), &established6, repeat));
+        rounds.entry("reply6/repeat").or_default().push(run(dp.egress_program(), &reply6, repeat));
     }
     check.took_all(
         &mut dp,
         &[
-            (Reason::PassNotService, n_repeat * ROUNDS as u64),
-            (Reason::Established, n_repeat * ROUNDS as u64),
-            (Reason::ReverseNat, n_repeat * ROUNDS as u64),
+            (Reason::PassNotService, 2 * n_repeat * ROUNDS as u64),
+            (Reason::Established, 2 * n_repeat * ROUNDS as u64),
+            (Reason::ReverseNat, 2 * n_repeat * ROUNDS as u64),
         ],
         "repeat rounds",
     );
@@ -224,6 +258,15 @@ fn measure(services: u32) -> Measured {
         }),
     );
     check.took(&mut dp, Reason::NewFlow, n_calls, "new_flow/calls");
+    cases.insert(
+        "new_flow6/calls",
+        calls(dp.ingress_program(), |i| {
+            let src =
+                SocketAddrV6::new(std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)), 1024 + (i & 0xff) as u16, 0, 0);
+            packet6::tcp_frame(src, bench6, SYN)
+        }),
+    );
+    check.took(&mut dp, Reason::NewFlow, n_calls, "new_flow6/calls");
     Measured { cases, program_ms }
 }
 
@@ -532,15 +575,18 @@ fn datapath(out_dir: &std::path::Path) {
         eprintln!("measuring with {n} services x 4 backends...");
         results.push((n, measure(n)));
     }
-    let rows: [(&str, &str); 8] = [
+    let rows: [(&str, &str); 11] = [
         ("floor/repeat", "empty program (floor)"),
         ("not_service/repeat", "not for a service"),
         ("established/repeat", "established flow (ingress DNAT)"),
         ("reply/repeat", "reply (egress reverse NAT)"),
+        ("not_service6/repeat", "IPv6: not for a service"),
+        ("established6/repeat", "IPv6: established flow"),
+        ("reply6/repeat", "IPv6: reply"),
         ("floor/calls", "empty program (floor)"),
         ("established/calls", "established flow (ingress DNAT)"),
         ("new_flow/calls", "new flow (select, track, DNAT)"),
-        ("", ""),
+        ("new_flow6/calls", "IPv6: new flow"),
     ];
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
@@ -553,7 +599,7 @@ fn datapath(out_dir: &std::path::Path) {
         if i == 0 {
             println!("repeat = {REPEAT} in one call (median of {ROUNDS} rounds, the cases taking turns):");
         }
-        if i == 4 {
+        if i == 7 {
             println!("{CALLS} calls, repeat = 1, a fresh frame each:");
         }
         let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
@@ -575,6 +621,19 @@ fn datapath(out_dir: &std::path::Path) {
         flat("established/repeat"),
         flat("new_flow/calls"),
         flat("not_service/repeat")
+    );
+    let v6: Vec<String> = ["established", "reply", "not_service"]
+        .iter()
+        .map(|c| {
+            let r = ratio(&format!("{c}6/repeat"), &format!("{c}/repeat"));
+            format!("{c} {:+.0}%", (r.iter().sum::<f64>() / r.len() as f64 - 1.0) * 100.0)
+        })
+        .collect();
+    let new6 = ratio("new_flow6/calls", "new_flow/calls");
+    println!(
+        "IPv6 vs IPv4, mean over the sizes: {}, new flow {:+.0}%   target within 15%",
+        v6.join(", "),
+        (new6.iter().sum::<f64>() / new6.len() as f64 - 1.0) * 100.0
     );
     let programming: Vec<String> = results.iter().map(|(n, m)| format!("{n} services in {:.0} ms", m.program_ms)).collect();
     println!("programming (agent map writer, 4 backends each): {}", programming.join(", "));
