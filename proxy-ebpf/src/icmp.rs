@@ -20,7 +20,7 @@ use crate::{
 };
 
 const IP_HDR_LEN: usize = 20;
-const ICMP_HDR_LEN: usize = 8;
+pub const ICMP_HDR_LEN: usize = 8;
 /// How much of the offending datagram is quoted. RFC 792 asks for the IP header and 8 bytes;
 /// RFC 1812 asks for as much as fits, and Linux quotes up to 548. 128 bytes always holds the
 /// IP and L4 headers whole, which matters: for a CHECKSUM_PARTIAL skb the kernel refuses to cut
@@ -85,18 +85,45 @@ pub fn reject_leaving(ctx: &TcContext, pkt: &Packet, reason: Reason) -> Result<V
 
 #[inline(always)]
 fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason) -> Result<Verdict, Reason> {
-    let fail = |_| Reason::DropRejectFailed;
-    // The datagram as the IP header sizes it (a frame may carry Ethernet padding after it).
+    let quote_len = quote_len(ctx, pkt.tot_len, pkt.l4_off, IP_HDR_LEN)?;
+    let sum = quote(ctx, quote_len, ICMP_DEST_UNREACH, ICMP_PORT_UNREACH)?;
+    // bpf_csum_diff sums memory in host order; the folded value is stored back the same way.
+    let icmp_csum = (!csum::fold(sum)).to_ne_bytes();
+    let mut ip = [0u8; IP_HDR_LEN];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((IP_HDR_LEN + ICMP_HDR_LEN + quote_len) as u16).to_be_bytes());
+    ip[8] = 64; // TTL
+    ip[9] = IPPROTO_ICMP;
+    ip[12..16].copy_from_slice(&pkt.daddr);
+    ip[16..20].copy_from_slice(&pkt.saddr);
+    let ip_csum = csum::ipv4_header(&ip);
+    ip[10] = ip_csum[0];
+    ip[11] = ip_csum[1];
+    let icmp_hdr = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, icmp_csum[0], icmp_csum[1], 0, 0, 0, 0];
+    send_in_place(ctx, quote_len, &ip, icmp_hdr, redirect_flags, reason)
+}
+
+/// How much of the offending packet an ICMP (ICMPv6) error quotes: the packet as its IP header
+/// sizes it (`tot_len`: a frame may carry Ethernet padding after it; 0 for one too long to say),
+/// at most QUOTE_MAX bytes, and at least its headers up to the ports (`l4_off` + 8, and the
+/// family's `ip_hdr_len` + 8, the bound in a form the verifier tracks).
+#[inline(always)]
+pub fn quote_len(ctx: &TcContext, tot_len: [u8; 2], l4_off: usize, ip_hdr_len: usize) -> Result<usize, Reason> {
     let frame_ip_len = (ctx.len() as usize).saturating_sub(ETH_LEN);
-    let ip_len = if usize::from(u16::from_be_bytes(pkt.tot_len)) < frame_ip_len {
-        usize::from(u16::from_be_bytes(pkt.tot_len))
-    } else {
-        frame_ip_len
-    };
+    let tot = usize::from(u16::from_be_bytes(tot_len));
+    let ip_len = if tot != 0 && tot < frame_ip_len { tot } else { frame_ip_len };
     let quote_len = if ip_len < QUOTE_MAX { ip_len } else { QUOTE_MAX };
-    if quote_len < pkt.l4_off - IP_OFF + 8 {
+    if quote_len < l4_off - IP_OFF + 8 || quote_len < ip_hdr_len + 8 {
         return Err(Reason::DropRejectFailed);
     }
+    Ok(quote_len)
+}
+
+/// Builds an ICMP (ICMPv6) message of `kind`/`code` quoting the packet's first `quote_len`
+/// bytes in this CPU's message buffer, and returns the sum of the message (`bpf_csum_diff`'s,
+/// in host order; the caller adds IPv6's pseudo-header and folds).
+#[inline(always)]
+pub fn quote(ctx: &TcContext, quote_len: usize, kind: u8, code: u8) -> Result<u64, Reason> {
     // ICMP header followed by the quote (zero-padded to a multiple of 4 for bpf_csum_diff;
     // zero padding does not change a one's-complement sum), so one pass covers the message. In
     // a per-CPU buffer: the stack has no room for it beside the flow's state.
@@ -104,8 +131,8 @@ fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason)
     // SAFETY: this CPU's buffer; the program does not migrate while it runs.
     let msg = unsafe { &mut (*msg).bytes };
     *msg = [0; MESSAGE_MAX + 4];
-    msg[0] = ICMP_DEST_UNREACH;
-    msg[1] = ICMP_PORT_UNREACH;
+    msg[0] = kind;
+    msg[1] = code;
     // SAFETY: `msg` has room for QUOTE_MAX bytes after the header and quote_len <= QUOTE_MAX.
     let rc = unsafe {
         bpf_skb_load_bytes(ctx.skb.skb as *const _, IP_OFF as u32, msg.as_mut_ptr().add(ICMP_HDR_LEN) as *mut _, quote_len as u32)
@@ -119,39 +146,37 @@ fn reject_to(ctx: &TcContext, pkt: &Packet, redirect_flags: u64, reason: Reason)
     if sum < 0 {
         return Err(Reason::DropRejectFailed);
     }
-    // bpf_csum_diff sums memory in host order; the folded value is stored back the same way.
-    let icmp_csum = (!csum::fold(sum as u64)).to_ne_bytes();
+    Ok(sum as u64)
+}
 
-    let mut ip = [0u8; IP_HDR_LEN];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((IP_HDR_LEN + ICMP_HDR_LEN + quote_len) as u16).to_be_bytes());
-    ip[8] = 64; // TTL
-    ip[9] = IPPROTO_ICMP;
-    ip[12..16].copy_from_slice(&pkt.daddr);
-    ip[16..20].copy_from_slice(&pkt.saddr);
-    let ip_csum = csum::ipv4_header(&ip);
-    ip[10] = ip_csum[0];
-    ip[11] = ip_csum[1];
-
+/// Turns the packet into the message: cut to Ethernet + quote, room opened for the new IP
+/// header `ip` and the ICMP header `icmp_hdr` between the Ethernet header and the quote, the
+/// MAC addresses swapped, and sent out the interface it came in on (`redirect_flags`:
+/// BPF_F_INGRESS to be received there instead).
+#[inline(always)]
+pub fn send_in_place<const IP_LEN: usize>(
+    ctx: &TcContext,
+    quote_len: usize,
+    ip: &[u8; IP_LEN],
+    icmp_hdr: [u8; ICMP_HDR_LEN],
+    redirect_flags: u64,
+    reason: Reason,
+) -> Result<Verdict, Reason> {
+    let fail = |_| Reason::DropRejectFailed;
     let macs: [u8; 12] = ctx.load(0).map_err(fail)?;
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
-
-    // Cut the packet to Ethernet + quote, then open room for the new IP and ICMP headers
-    // between the Ethernet header and the quote.
     if ETH_LEN + quote_len < ctx.len() as usize {
         // SAFETY: plain helper call on our own skb.
         if unsafe { bpf_skb_change_tail(ctx.skb.skb, (ETH_LEN + quote_len) as u32, 0) } != 0 {
             return Err(Reason::DropRejectFailed);
         }
     }
-    ctx.adjust_room((IP_HDR_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0).map_err(fail)?;
+    ctx.adjust_room((IP_LEN + ICMP_HDR_LEN) as i32, BPF_ADJ_ROOM_MAC, 0).map_err(fail)?;
     ctx.store(0, &swapped, 0).map_err(fail)?;
-    ctx.store(IP_OFF, &ip, 0).map_err(fail)?;
-    let icmp_hdr = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, icmp_csum[0], icmp_csum[1], 0, 0, 0, 0];
-    ctx.store(IP_OFF + IP_HDR_LEN, &icmp_hdr, 0).map_err(fail)?;
-
+    ctx.store(IP_OFF, ip, 0).map_err(fail)?;
+    ctx.store(IP_OFF + IP_LEN, &icmp_hdr, 0).map_err(fail)?;
     // SAFETY: reads the ifindex field of our own context.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: plain helper call.

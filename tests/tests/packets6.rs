@@ -393,3 +393,26 @@ fn ipv6_frontends_from_the_agents_writer_keep_affinity_source_ranges_and_scopes(
     }
     assert_eq!(dp.backend_count(), 0);
 }
+
+/// A pod reaching itself through an IPv6 Service: sent back to it from the IPv6 hairpin
+/// address (of the discard-only prefix 100::/64, which the pod routes to the node), and its
+/// answer turned back into the Service's.
+#[test]
+fn an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned() {
+    let Some(mut dp) = setup("an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let me = sock("[fd00:10:244:1::2]:40000");
+    let hairpin = sock("[100::a9fe:2a01]:40000");
+    let out = run(&mut dp, &tcp_frame(me, sock(VIP), SYN));
+    assert_eq!(out.action, TC_ACT_REDIRECT, "straight back out the pod's interface");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (hairpin, sock(BACKEND)), "the pod must not see itself as the source");
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    let out = run(&mut dp, &tcp_frame(sock(BACKEND), hairpin, SYN | ACK));
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(VIP), me));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    let out = run(&mut dp, &tcp_frame(me, sock(VIP), ACK));
+    assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
+}
