@@ -45,6 +45,9 @@ pub struct EbpfDataplane {
     lb: LbMaps,
     /// The IPv6 frontends' maps (served to pods only so far: see `proxy_ebpf`'s `family`).
     lb6: LbMaps<proxy_common::Ip6>,
+    /// The IPv6 conntrack table was made small (`LoadOptions::ipv6` false); said once when an
+    /// IPv6 frontend is programmed all the same.
+    ipv6_tables_small: bool,
     pin_root: Option<PathBuf>,
     attachments: Attachments,
     /// The socket hooks' links (see `hostsock`).
@@ -99,6 +102,7 @@ impl EbpfDataplane {
             ebpf,
             lb,
             lb6,
+            ipv6_tables_small: !options.ipv6,
             pin_root: options.pin_root,
             attachments: Attachments::default(),
             host_sockets: Vec::new(),
@@ -369,7 +373,18 @@ impl Dataplane for EbpfDataplane {
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
         match key.addr {
             IpAddr::V4(_) => self.lb.upsert(key, fe),
-            IpAddr::V6(_) => self.lb6.upsert(key, fe),
+            IpAddr::V6(_) => {
+                if std::mem::take(&mut self.ipv6_tables_small) {
+                    tracing::warn!(
+                        frontend = %key,
+                        "IPv6 Services are programmed, but the configuration names no IPv6 range (--cluster-cidr, \
+                         --service-cluster-ip-range), so the IPv6 conntrack table holds {} entries: name the ranges so \
+                         it is sized like IPv4's (--ct-map-max); the next start resizes it",
+                        loader::IPV6_LRU_MAX_SMALL
+                    );
+                }
+                self.lb6.upsert(key, fe)
+            }
         }
     }
 
