@@ -833,9 +833,10 @@ reasons! {
     /// cluster IP, about to leave the node by the default route: dropped (kube-proxy's
     /// `cluster-ips-check` rejects every protocol; this dataplane serves TCP and UDP).
     DropClusterIpProtocol = 39 => "drop_cluster_ip_protocol",
-    /// An IPv6 packet whose next stage (a program of `map_names::PROGS`) could not be entered:
-    /// the slot is empty (the agent fills it at load) or the kernel's tail-call limit was hit.
-    DropStage = 40 => "drop_stage",
+    /// An IPv6 packet left untouched because its next stage could not run: the program's slot
+    /// of `map_names::PROGS` is empty (the agent fills it at load; a restart between builds may
+    /// leave it so for a moment), or the packet a new-flow stage found staged was another one.
+    PassNoStage = 40 => "pass_no_stage",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

@@ -40,7 +40,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         L3::V6 => {
             // SAFETY: plain helper call; on success it does not return.
             unsafe { PROGS_V1.tail_call(ctx, prog_slots::EGRESS6) };
-            return Err(Reason::DropStage);
+            return Ok(Verdict::pass(Reason::PassNoStage));
         }
         L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
     };

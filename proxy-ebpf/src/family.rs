@@ -37,7 +37,7 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     /// as a program of its own (`new_flow_apart`). IPv4's stays inline.
     const STAGES_APART: bool;
     /// Enters the family's new-flow program with this packet (a tail call, which does not
-    /// return); returns the reason to drop it under when that cannot be done.
+    /// return); returns the reason to pass it untouched under when that cannot be done.
     fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason;
     /// The unset address (an unset backend entry holds it).
     const UNSPECIFIED: Self;
@@ -76,6 +76,12 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     /// to the range headers can take, so the verifier accepts it for packet access. IPv4's come
     /// from the parser alone and are left as they are.
     fn bound_offset(off: usize) -> usize;
+    /// The address sits under a header checksum (IPv4's): changing it leaves the sum of the
+    /// network header as it was, so a CHECKSUM_COMPLETE skb's `skb->csum` moves only by the L4
+    /// checksum field's change, which the kernel's helper applies (`nat`'s module comment).
+    /// IPv6 has no header checksum: there the address change and the field change cancel in
+    /// `skb->csum`, which must stay as it was.
+    const HEADER_CSUM: bool;
     /// Offsets of the source and destination address in the network header.
     const SRC_OFF: usize;
     const DST_OFF: usize;
@@ -102,10 +108,11 @@ impl Family for [u8; 4] {
     }
     #[inline(always)]
     fn new_flow_apart(_ctx: &TcContext, _pkt: &Packet<Self>, _now: u64, _reason: Reason) -> Reason {
-        Reason::DropStage
+        Reason::PassNoStage
     }
     const UNSPECIFIED: Self = [0; 4];
     const HAIRPIN: Self = proxy_common::ct::HAIRPIN_ADDR;
+    const HEADER_CSUM: bool = true;
     const SRC_OFF: usize = 12;
     const DST_OFF: usize = 16;
 
@@ -217,17 +224,18 @@ impl Family for Ip6 {
     }
     #[inline(always)]
     fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason {
-        let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::DropStage };
+        let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::PassNoStage };
         // SAFETY: this CPU's slot; the program does not migrate while it runs, and the next
         // program runs on this CPU before any other packet.
         unsafe { *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 } };
         // SAFETY: plain helper call; on success it does not return.
         unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::INGRESS6_NEW) };
-        Reason::DropStage
+        Reason::PassNoStage
     }
     type FragKey = Frag6Key;
     const UNSPECIFIED: Self = Ip6([0; 4]);
     const HAIRPIN: Self = proxy_common::ct::HAIRPIN_ADDR6;
+    const HEADER_CSUM: bool = false;
     const SRC_OFF: usize = 8;
     const DST_OFF: usize = 24;
 
@@ -311,7 +319,10 @@ impl Family for Ip6 {
         Ok(())
     }
     /// One helper call with the difference of the two addresses (the helper takes at most a
-    /// 4-byte field, or a precomputed difference).
+    /// 4-byte field, or a precomputed difference). With BPF_F_PSEUDO_HDR the helper also moves
+    /// a CHECKSUM_COMPLETE skb's `skb->csum` by the field's change, which is IPv4's due (see
+    /// `HEADER_CSUM`) but not IPv6's: `bpf_csum_update` (a no-op for other skbs) moves it back.
+    /// (Linux 6.16's BPF_F_IPV6 says the same to the helper; older kernels refuse the flag.)
     #[inline(always)]
     fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason> {
         let mut old = old.0;
@@ -322,7 +333,10 @@ impl Family for Ip6 {
             return Err(Reason::DropRewrite);
         }
         let flags = u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR) | mangled;
-        ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)
+        ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)?;
+        // SAFETY: plain helper call on our own skb.
+        unsafe { aya_ebpf::helpers::bpf_csum_update(ctx.skb.skb, diff as u32) };
+        Ok(())
     }
     #[inline(always)]
     fn partial_update(field: [u8; 2], old: Self, new: Self) -> [u8; 2] {

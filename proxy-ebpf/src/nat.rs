@@ -175,7 +175,7 @@ impl<A: Family> Fit<'_, A> {
     /// change by opposite amounts), so that part is arithmetic.
     #[inline(always)]
     fn address_by_helper(&self) -> bool {
-        self.form == l4_csum::COMPLETE && matches!(self.side, Side::Src)
+        A::HEADER_CSUM && self.form == l4_csum::COMPLETE && matches!(self.side, Side::Src)
     }
 
     /// The new checksum field, if the packet's `field` fits the learned form. (A function

@@ -37,6 +37,25 @@ unsafe fn load_ip6(p: usize) -> Ip6 {
     unsafe { Ip6([access::load_word(p), access::load_word(p + 4), access::load_word(p + 8), access::load_word(p + 12)]) }
 }
 
+/// True when `pkt` (a staged copy) is this frame's packet: its addresses, and where it carries
+/// its L4 header, its ports.
+#[inline(always)]
+pub fn is_staged<F: Frame>(ctx: &F, pkt: &Packet<Ip6>) -> bool {
+    let Some(ip) = ptr_at::<[u8; IPV6_HDR_LEN]>(ctx, IP_OFF) else { return false };
+    // SAFETY: bounds checked by ptr_at (the 40-byte header).
+    let (saddr, daddr) = unsafe { (load_ip6(ip as usize + 8), load_ip6(ip as usize + 24)) };
+    if saddr != pkt.saddr || daddr != pkt.daddr {
+        return false;
+    }
+    if !pkt.has_l4() {
+        return true;
+    }
+    let Some(l4) = ptr_at::<[u8; 4]>(ctx, pkt.l4()) else { return false };
+    // SAFETY: bounds checked by ptr_at.
+    let ports = unsafe { access::load4(l4 as usize) };
+    ports == [pkt.sport[0], pkt.sport[1], pkt.dport[0], pkt.dport[1]]
+}
+
 /// Parses an IPv6 frame (the caller has seen its ethertype).
 #[inline(always)]
 pub fn ipv6<F: Frame>(ctx: &F) -> Parsed<Ip6> {
@@ -100,6 +119,9 @@ pub fn ipv6<F: Frame>(ctx: &F) -> Parsed<Ip6> {
                 ip_id = id;
                 8
             }
+            // A Routing header with segments left: the destination is a hop on the way, not
+            // the packet's final one (which the L4 checksum covers), so no Service's.
+            NEXTHDR_ROUTING if (offset_flags & 0xff) != 0 => return Parsed::OtherProto { daddr },
             // AH's length is in 4-byte units, less 2; the others' in 8-byte units, less 1.
             NEXTHDR_AUTH => (usize::from(hdr_len) + 2) * 4,
             _ => (usize::from(hdr_len) + 1) * 8,
@@ -108,6 +130,10 @@ pub fn ipv6<F: Frame>(ctx: &F) -> Parsed<Ip6> {
         off += this_len;
         if off > IP_OFF + IPV6_HDR_LEN + EXT_MAX {
             return Parsed::OtherProto { daddr };
+        }
+        // What follows a later fragment's Fragment header is payload, not headers.
+        if frag == Frag::Later {
+            break;
         }
     }
     if off as u32 > IP_OFF as u32 + total {

@@ -32,7 +32,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         L3::V6 => {
             // SAFETY: plain helper call; on success it does not return.
             unsafe { PROGS_V1.tail_call(ctx, prog_slots::INGRESS6) };
-            Err(Reason::DropStage)
+            Ok(Verdict::pass(Reason::PassNoStage))
         }
         L3::V4(Parsed::NotIpv4) | L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
     }
@@ -82,19 +82,32 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
 #[inline(always)]
 fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
     if A::STAGES_APART {
-        return Err(A::new_flow_apart(ctx, pkt, now, reason));
+        // Most packets without a flow are for no Service (pod to pod): they are passed here,
+        // without the stage's copy and tail call. What the new-flow program may still act on
+        // (a Service's frontend, an allocated cluster IP's other ports) goes on.
+        let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+        if service(&key).is_none() && A::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+            return Ok(Verdict::pass(Reason::PassNotService));
+        }
+        return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason)));
     }
     to_service(ctx, pkt, now, reason)
 }
 
-/// The IPv6 new-flow program: `to_service` for the packet the flow stage left in `STAGE6`.
+/// The IPv6 new-flow program: `to_service` for the packet the flow stage left in `STAGE6`,
+/// once it is checked to be this one (while an agent restart refills `PROGS_V1` slot by slot,
+/// a new flow stage may tail-call an old new-flow program, whose stage map is the old one).
 #[inline(always)]
 pub fn try_tc_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let stage = STAGE6.get_ptr(0).ok_or(Reason::DropStage)?;
-    // SAFETY: this CPU's slot, written by the flow stage just before it tail-called here; the
-    // reason is a `Reason`'s discriminant (`repr(u32)`).
-    let (pkt, now, reason) = unsafe { (&(*stage).pkt, (*stage).now, core::mem::transmute::<u32, Reason>((*stage).reason)) };
-    to_service(ctx, pkt, now, reason)
+    let Some(stage) = STAGE6.get_ptr(0) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
+    // SAFETY: this CPU's slot, written by the flow stage that tail-called here; the reason is a
+    // `Reason`'s discriminant (`repr(u32)`), checked below to be this packet's stage.
+    let (pkt, now, reason) = unsafe { (&(*stage).pkt, (*stage).now, (*stage).reason) };
+    if !parse6::is_staged(ctx, pkt) || reason as usize >= Reason::ALL.len() {
+        return Ok(Verdict::pass(Reason::PassNoStage));
+    }
+    // SAFETY: see above.
+    to_service(ctx, pkt, now, unsafe { core::mem::transmute::<u32, Reason>(reason) })
 }
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.

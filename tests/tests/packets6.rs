@@ -135,6 +135,9 @@ fn ipv6_frames_the_parser_does_not_take_pass_untouched() {
         deep = deep.with_ext(DEST_OPTS, Ipv6::padding_options());
     }
     assert_untouched(&mut dp, &deep.frame(), "more extension headers than are walked");
+    // A Routing header with a segment left: the destination is a hop on the way.
+    let routed = syn().with_ext(ROUTING, vec![0, 4, 1, 0, 0, 0, 0]).frame();
+    assert_untouched(&mut dp, &routed, "a routing header with segments left");
     let esp = Ipv6::new(*client.ip(), *vip.ip(), ESP, vec![0; 24]).frame();
     assert_untouched(&mut dp, &esp, "ESP");
     let ns = Ipv6::new(*client.ip(), "ff02::1:ff00:10".parse().unwrap(), ICMPV6, vec![135, 0, 0, 0, 0, 0, 0, 0]).frame();
@@ -151,7 +154,7 @@ fn ipv6_frames_the_parser_does_not_take_pass_untouched() {
     assert_untouched(&mut dp, &v4, "version 4 in an IPv6 frame");
     let c = counters(&mut dp);
     assert_eq!(c.get("new_flow"), None, "{c:?}");
-    assert_eq!(c.get("drop_stage"), None, "every IPv6 program is reachable: {c:?}");
+    assert_eq!(c.get("pass_no_stage"), None, "every IPv6 program is reachable: {c:?}");
 }
 
 #[test]
@@ -327,7 +330,7 @@ fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
     assert!(rewritten > frames as u64 / 20, "the frames reach the translation: {rewritten} rewritten");
     let c = counters(&mut dp);
     assert_eq!(c.values().sum::<u64>(), ran, "every run counted once: {c:?}");
-    assert_eq!(c.get("drop_stage"), None, "{c:?}");
+    assert_eq!(c.get("pass_no_stage"), None, "{c:?}");
     // Still serving afterwards.
     let d = dissect(&run(&mut dp, &tcp_frame(sock("[fd00:10:244::99]:40999"), sock(VIP), SYN)).frame);
     assert!(d.dst_sock() == sock(BACKEND) || d.dst_sock() == sock("[fd00:10:244:2::7]:8080"));
@@ -415,4 +418,24 @@ fn an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned() {
     assert_eq!(d.l4_checksum_ok, Some(true));
     let out = run(&mut dp, &tcp_frame(me, sock(VIP), ACK));
     assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
+}
+
+/// With the IPv6 programs' slots empty (as for a moment while a restart between builds refills
+/// them), IPv6 passes untouched, as before this agent served IPv6: never dropped.
+#[test]
+fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
+    let Some(mut dp) = setup("ipv6_passes_untouched_when_its_programs_cannot_be_entered") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    {
+        let map = dp.ebpf_mut().map_mut(map_names::PROGS).expect("the program array");
+        let mut progs = aya::maps::ProgramArray::try_from(map).expect("a program array");
+        for slot in [proxy_common::prog_slots::INGRESS6, proxy_common::prog_slots::EGRESS6] {
+            progs.clear_index(&slot).expect("empty the slot");
+        }
+    }
+    let syn = tcp_frame(sock(CLIENT), sock(VIP), SYN);
+    assert_untouched(&mut dp, &syn, "ingress");
+    let out = run_egress(&mut dp, &syn);
+    assert_eq!((out.action, out.frame == syn), (TC_ACT_OK, true), "egress");
+    assert_eq!(counters(&mut dp).get("pass_no_stage"), Some(&2));
 }

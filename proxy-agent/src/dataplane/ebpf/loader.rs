@@ -256,6 +256,9 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     let pinned =
         |name: &str| pin_paths.iter().find(|(n, _)| *n == name).and_then(|(_, p)| MapInfo::from_pin(p).ok()).map(|i| i.max_entries());
     let lb = options.lb_map_max.max(2);
+    // The IPv6 maps a build first creates take the IPv4 maps' size as they are (adopted), so
+    // the writer's limit holds for both families.
+    let lb_v4 = pinned(map_names::SERVICES).unwrap_or(lb);
     for name in [
         map_names::SERVICES,
         map_names::BACKENDS,
@@ -266,6 +269,10 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::AFFINITY_MATCH,
         map_names::SOURCE_RANGES,
         map_names::SERVICE_CIDRS,
+    ] {
+        loader.map_max_entries(name, pinned(name).unwrap_or(lb));
+    }
+    for name in [
         map_names::SERVICES6,
         map_names::BACKENDS6,
         map_names::REVNAT6,
@@ -275,15 +282,17 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::SERVICE_CIDRS6,
         map_names::NAMES6,
     ] {
-        loader.map_max_entries(name, pinned(name).unwrap_or(lb));
+        loader.map_max_entries(name, pinned(name).unwrap_or(lb_v4));
     }
-    // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's on a
-    // cluster with IPv6 ranges, small elsewhere instead of doubling the conntrack table's
-    // memory on every IPv4 node. A pinned one of the other size is replaced (its IPv6 flows
-    // are tracked afresh), as that follows a change of the cluster's ranges.
+    let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
+    // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's (as the
+    // IPv4 ones are, adopted sizes included) on a cluster with IPv6 ranges, small elsewhere
+    // instead of doubling the conntrack table's memory on every IPv4 node. A pinned one of
+    // the other size is replaced (its IPv6 flows are tracked afresh): that follows a change of
+    // the cluster's ranges, or an IPv4 table resized by `proxy-agent cleanup`.
     let small = |v4: u32| if options.ipv6 { v4 } else { v4.min(IPV6_LRU_MAX_SMALL) };
     for (name, want) in [
-        (map_names::CT6, small(options.ct_map_max.max(2))),
+        (map_names::CT6, small(ct_map_max)),
         (map_names::AFFINITY6, small(limits::AFFINITY_MAP_MAX)),
         (map_names::FRAGS6, small(limits::FRAG_MAP_MAX)),
     ] {
@@ -294,9 +303,8 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         }
         loader.map_max_entries(name, want);
     }
-    let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     loader.map_max_entries(map_names::CT, ct_map_max);
-    let lb_map_max = pinned(map_names::SERVICES).unwrap_or(lb);
+    let lb_map_max = lb_v4;
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
