@@ -31,21 +31,6 @@ pub const fn flow(saddr: [u8; 4], daddr: [u8; 4], sport: [u8; 2], dport: [u8; 2]
     finish(h ^ 13)
 }
 
-/// The same for an IPv6 flow: each address is four words.
-#[inline(always)]
-pub const fn flow6(saddr: crate::Ip6, daddr: crate::Ip6, sport: [u8; 2], dport: [u8; 2], proto: u8) -> u32 {
-    let mut h = 0x5eed_1b0b;
-    let mut i = 0;
-    while i < 4 {
-        h = mix(h, saddr.0[i]);
-        h = mix(h, daddr.0[i]);
-        i += 1;
-    }
-    h = mix(h, u32::from_ne_bytes([sport[0], sport[1], dport[0], dport[1]]));
-    h = mix(h, proto as u32);
-    finish(h ^ 37)
-}
-
 /// 64-bit hash of bytes (FNV-1a, then a 64-bit finaliser), seeded, for user space.
 pub const fn bytes64(seed: u64, data: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325 ^ seed;

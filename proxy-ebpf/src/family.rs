@@ -59,10 +59,9 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     fn in_source_ranges(service_id: u32, addr: Self) -> bool;
     /// What the Service CIDR map says of `addr` (`svc_cidr`); None: in no Service CIDR.
     fn service_cidr_of(addr: Self) -> Option<u8>;
-    /// The flow hash a Maglev table is indexed with.
-    fn flow_hash(pkt: &Packet<Self>) -> u32;
-    /// The Maglev table `table_id`'s entry at `index` (0: none).
-    fn maglev_entry(table_id: u32, index: u32) -> Option<u32>;
+    /// The entry of Maglev table `table_id` (of `size` entries) this flow's hash picks (0:
+    /// none).
+    fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32>;
 
     /// The key of the family's fragment map, and the map (see `frag`).
     type FragKey: 'static;
@@ -165,11 +164,8 @@ impl Family for [u8; 4] {
         maps::LB4_SVCCIDR_V1.get(&Key::new(32, proxy_common::SvcCidrKey { addr })).copied()
     }
     #[inline(always)]
-    fn flow_hash(pkt: &Packet<Self>) -> u32 {
-        proxy_common::hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto)
-    }
-    #[inline(always)]
-    fn maglev_entry(table_id: u32, index: u32) -> Option<u32> {
+    fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
+        let index = proxy_common::hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
         // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
         unsafe { maps::LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()
     }
@@ -285,14 +281,10 @@ impl Family for Ip6 {
         }
         maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied()
     }
-    #[inline(always)]
-    fn flow_hash(pkt: &Packet<Self>) -> u32 {
-        proxy_common::hash::flow6(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto)
-    }
     /// IPv6 frontends do not select by Maglev (the agent never sets their MAGLEV flag): it
     /// serves north-south flows, which IPv6 does not have yet.
     #[inline(always)]
-    fn maglev_entry(_table_id: u32, _index: u32) -> Option<u32> {
+    fn maglev_pick(_pkt: &Packet<Self>, _table_id: u32, _size: u32) -> Option<u32> {
         None
     }
     #[inline(always)]

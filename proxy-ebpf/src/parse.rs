@@ -207,13 +207,11 @@ pub fn l3<F: Frame>(ctx: &F) -> L3 {
 #[inline(always)]
 pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     pull_headers(ctx, HEADERS_MAX);
-    if ether_type(ctx) != Some(EtherType::Ipv4 as u16) {
-        return match ether_type(ctx) {
-            None => Parsed::Malformed,
-            Some(_) => Parsed::NotIpv4,
-        };
+    match ether_type(ctx) {
+        Some(t) if t == EtherType::Ipv4 as u16 => ipv4_header(ctx),
+        Some(_) => Parsed::NotIpv4,
+        None => Parsed::Malformed,
     }
-    ipv4_header(ctx)
 }
 
 #[inline(always)]

@@ -86,7 +86,7 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
         // without the stage's copy and tail call. What the new-flow program may still act on
         // (a Service's frontend, an allocated cluster IP's other ports) goes on.
         let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-        if service(&key).is_none() && A::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+        if service(&key).is_none() && select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
             return Ok(Verdict::pass(Reason::PassNotService));
         }
         return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason)));

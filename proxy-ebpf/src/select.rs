@@ -102,7 +102,7 @@ fn maglev<A: Family>(pkt: &Packet<A>, table_id: u32) -> Option<u32> {
     if size == 0 {
         return None;
     }
-    let id = A::maglev_entry(table_id, A::flow_hash(pkt) % size)?;
+    let id = A::maglev_pick(pkt, table_id, size)?;
     (id != 0).then_some(id)
 }
 

@@ -40,7 +40,7 @@ pub struct Translation {
     pub notes: Vec<String>,
     /// What the eBPF dataplane leaves out of this Service (outside clients of its IPv6
     /// addresses), for that mode's log only: the netfilter modes serve both families.
-    pub ipv4_only_notes: Vec<String>,
+    pub ebpf_notes: Vec<String>,
 }
 
 /// externalTrafficPolicy counts only for NodePort and LoadBalancer Services (a ClusterIP
@@ -114,7 +114,7 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cid
 /// of (each family's view holds that family's addresses and the endpoints of that family's
 /// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
 /// dataplane's frontends of both families (its IPv6 ones serve pods only so far:
-/// `ipv4_only_notes` says what they leave out). `slices` are the Service's slices, sorted by
+/// `ebpf_notes` says what they leave out). `slices` are the Service's slices, sorted by
 /// name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
@@ -168,7 +168,7 @@ fn family_service(
         // every frontend, host processes and outside clients none.
         for (what, addrs) in [("cluster IP", cluster_ips), ("load-balancer IP", &lb_ips[..]), ("external IP", &external_ips[..])] {
             for a in addrs {
-                out.ipv4_only_notes.push(format!(
+                out.ebpf_notes.push(format!(
                     "{what} {a}: served to pods only (the eBPF dataplane does not serve IPv6 to host processes or outside clients yet)"
                 ));
             }
@@ -492,7 +492,7 @@ mod tests {
         assert_eq!(find(&t, fk("203.0.113.1", 80, Protocol::Tcp)).source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
         assert_eq!(find(&t, fk("2001:db8::1", 80, Protocol::Tcp)).source_ranges, vec!["2001:db8:1::/48".parse().unwrap()]);
         assert_eq!(find(&t, fk("fd00:ff::10", 30080, Protocol::Tcp)).kind, FrontendKind::NodePort);
-        assert_eq!(t.ipv4_only_notes.len(), 3, "{:?}", t.ipv4_only_notes);
+        assert_eq!(t.ebpf_notes.len(), 3, "{:?}", t.ebpf_notes);
         assert!(t.notes.is_empty(), "{:?}", t.notes);
         // Health-check endpoints are counted per family, not added up; the IPv4 family's count
         // is kept apart for the IPv4-only eBPF dataplane.

@@ -258,7 +258,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     let lb = options.lb_map_max.max(2);
     // The IPv6 maps a build first creates take the IPv4 maps' size as they are (adopted), so
     // the writer's limit holds for both families.
-    let lb_v4 = pinned(map_names::SERVICES).unwrap_or(lb);
+    let lb_map_max = pinned(map_names::SERVICES).unwrap_or(lb);
     for name in [
         map_names::SERVICES,
         map_names::BACKENDS,
@@ -282,7 +282,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::SERVICE_CIDRS6,
         map_names::NAMES6,
     ] {
-        loader.map_max_entries(name, pinned(name).unwrap_or(lb_v4));
+        loader.map_max_entries(name, pinned(name).unwrap_or(lb_map_max));
     }
     let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's (as the
@@ -304,7 +304,6 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         loader.map_max_entries(name, want);
     }
     loader.map_max_entries(map_names::CT, ct_map_max);
-    let lb_map_max = lb_v4;
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
