@@ -107,6 +107,12 @@ pub mod map_names {
     pub const SOURCE_RANGES6: &str = "LB6_SRCRANGE_V1";
     pub const SERVICE_CIDRS6: &str = "LB6_SVCCIDR_V1";
     pub const NAMES6: &str = "LB6_NAMES_V1";
+    /// The socket hooks' maps for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the
+    /// IPv4 ones).
+    pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
+    pub const SOCK6_FWD: &str = "SOCK6_FWD_V1";
+    pub const SOCK6_PORTS: &str = "SOCK6_PORTS_V1";
+    pub const SOCK6_HELD: &str = "SOCK6_HELD_V1";
 
     /// The load-balancer maps of one family, as the agent's map writer names them.
     pub struct LbMaps {
@@ -147,11 +153,7 @@ pub mod map_names {
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
     /// own, each with a frame of its own.
     pub const PROGS: &str = "PROGS_V1";
-    /// The IPv6 maps, in the order of `ALL`'s IPv4 ones.
-    pub const IPV6: [&str; 11] =
-        [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, CT6, FRAGS6, AFFINITY6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6];
-
-    pub const ALL: [&str; 34] = [
+    pub const ALL: [&str; 38] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -185,6 +187,10 @@ pub mod map_names {
         SOURCE_RANGES6,
         SERVICE_CIDRS6,
         NAMES6,
+        SOCK6_REVNAT,
+        SOCK6_FWD,
+        SOCK6_PORTS,
+        SOCK6_HELD,
         PROGS,
     ];
 }
@@ -485,16 +491,26 @@ pub struct AffinityValue {
 }
 const _: () = assert!(size_of::<AffinityValue>() == 16);
 
-/// Key of `SOCK_REVNAT_V1` (value: a `RevNat`, the Service address).
+/// Key of `SOCK_REVNAT_V1` (value: a `RevNat`, the Service address), and of `SOCK_FWD_V1`
+/// (holding the Service address). The cookie is held as bytes, so an IPv6 key has no padding
+/// a u64's alignment would add.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SockRevKey {
-    pub cookie: u64,
-    pub addr: [u8; 4],
+pub struct SockRevKey<A = [u8; 4]> {
+    /// The socket's cookie, native byte order.
+    pub cookie: [u8; 8],
+    pub addr: A,
     pub port: [u8; 2],
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<SockRevKey>() == 16);
+const _: () = assert!(size_of::<SockRevKey<Ip6>>() == 28);
+
+impl<A> SockRevKey<A> {
+    pub fn new(cookie: u64, addr: A, port: [u8; 2]) -> Self {
+        Self { cookie: cookie.to_ne_bytes(), addr, port, _pad: [0; 2] }
+    }
+}
 
 /// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock).
 #[repr(C)]
@@ -510,8 +526,8 @@ const _: () = assert!(size_of::<SockOwner>() == 16);
 /// chosen yet when the socket connects.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SockPortKey {
-    pub addr: [u8; 4],
+pub struct SockPortKey<A = [u8; 4]> {
+    pub addr: A,
     pub port: [u8; 2],
     /// The socket's local port, in network byte order.
     pub sport: [u8; 2],
@@ -519,17 +535,19 @@ pub struct SockPortKey {
     pub _pad: [u8; 3],
 }
 const _: () = assert!(size_of::<SockPortKey>() == 12);
+const _: () = assert!(size_of::<SockPortKey<Ip6>>() == 24);
 
 /// Value of `SOCK_FWD_V1` (keyed by a `SockRevKey` holding the Service address).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SockFwd {
+pub struct SockFwd<A = [u8; 4]> {
     pub backend_id: u32,
-    pub addr: [u8; 4],
+    pub addr: A,
     pub port: [u8; 2],
     pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<SockFwd>() == 12);
+const _: () = assert!(size_of::<SockFwd<Ip6>>() == 24);
 
 /// The data of a `LB4_SRCRANGE_V1` key (value: a u8, 1). The trie matches its bits in order,
 /// so the prefix length of an entry is 32 (the whole service id) plus the range's.

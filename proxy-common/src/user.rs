@@ -17,8 +17,6 @@ unsafe impl aya::Pod for Counter {}
 unsafe impl aya::Pod for ServiceName {}
 unsafe impl aya::Pod for crate::AffinityValue {}
 unsafe impl aya::Pod for crate::AffinityMatchKey {}
-unsafe impl aya::Pod for crate::SockRevKey {}
-unsafe impl aya::Pod for crate::SockFwd {}
 unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::TraceResult {}
@@ -155,6 +153,9 @@ unsafe impl<A: MapAddr> aya::Pod for CtEntry<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::AffinityKey<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::SourceRangeKey<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::SvcCidrKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::SockRevKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::SockFwd<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::SockPortKey<A> {}
 
 #[cfg(test)]
 mod tests {

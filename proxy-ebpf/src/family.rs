@@ -32,7 +32,7 @@ pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AF
 /// An address family, implemented by its address type (network order bytes).
 pub trait Family: Copy + PartialEq + Sized + 'static {
     /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
-    type FragId: Copy;
+    type FragId: Copy + Default;
     /// The family's flow does not fit one BPF stack frame (512 bytes): a new flow's stage runs
     /// as a program of its own (`new_flow_apart`). IPv4's stays inline.
     const STAGES_APART: bool;

@@ -109,6 +109,16 @@ pub static SOCK_PORTS_V1: LruHashMap<SockPortKey, SockOwner, { limits::SOCK_REVN
 #[btf_map]
 pub static SOCK_HELD_V1: LruHashMap<u64, SockPortKey, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
 
+/// The same four for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the IPv4 ones).
+#[btf_map]
+pub static SOCK6_REVNAT_V1: LruHashMap<SockRevKey<Ip6>, RevNat<Ip6>, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+#[btf_map]
+pub static SOCK6_FWD_V1: LruHashMap<SockRevKey<Ip6>, SockFwd<Ip6>, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+#[btf_map]
+pub static SOCK6_PORTS_V1: LruHashMap<SockPortKey<Ip6>, SockOwner, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+#[btf_map]
+pub static SOCK6_HELD_V1: LruHashMap<u64, SockPortKey<Ip6>, { limits::SOCK_REVNAT_MAX as usize }> = LruHashMap::new();
+
 /// The cookie of the network namespace the socket hooks serve (0: none).
 #[btf_map]
 pub static HOST_NETNS_V1: Array<u64, 1> = Array::new();

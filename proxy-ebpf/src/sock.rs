@@ -30,25 +30,30 @@
 //! only: the kernel runs no release hook for its own sockets (an NFS client's), whose entries
 //! would otherwise stay.
 //!
-//! IPv6 sockets reach IPv4 Services through IPv4-mapped addresses (`::ffff:10.96.0.10`, what a
-//! JVM or any dual-stack socket passes for an IPv4 peer). Their hooks (connect6, sendmsg6,
-//! recvmsg6, getpeername6) read and write the mapped IPv4 address (the last 32 bits) and
-//! otherwise do what the IPv4 hooks do; any other IPv6 address is left alone.
+//! IPv6 sockets reach IPv6 Services by their addresses, and IPv4 Services through IPv4-mapped
+//! addresses (`::ffff:10.96.0.10`, what a JVM or any dual-stack socket passes for an IPv4
+//! peer). Their hooks (connect6, sendmsg6, recvmsg6, getpeername6) tell the two apart by the
+//! address: a mapped one is served from the IPv4 maps (the last 32 bits read and written), any
+//! other from the IPv6 ones (`SockFamily`). Everything above holds for both families.
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY},
+    btf_maps::LruHashMap,
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    svc_cidr, svc_flags, Backend, Reason, RevNat, ServiceKey, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey, IPPROTO_TCP,
-    IPPROTO_UDP,
+    limits, svc_cidr, svc_flags, Backend, Ip6, Reason, RevNat, ServiceKey, ServiceValue, SockFwd, SockOwner, SockPortKey, SockRevKey,
+    IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
     ct,
     family::Family,
-    maps::{HOST_NETNS_V1, SOCK_FWD_V1, SOCK_HELD_V1, SOCK_PORTS_V1, SOCK_REVNAT_V1},
+    maps::{
+        HOST_NETNS_V1, SOCK6_FWD_V1, SOCK6_HELD_V1, SOCK6_PORTS_V1, SOCK6_REVNAT_V1, SOCK_FWD_V1, SOCK_HELD_V1, SOCK_PORTS_V1,
+        SOCK_REVNAT_V1,
+    },
     parse::{Frag, Packet},
     pod_ingress::count_flow,
     select::{self, Choice},
@@ -66,6 +71,86 @@ const EADDRNOTAVAIL: i32 = 99;
 const OTHER_BACKENDS: u32 = 8;
 /// How long a holder of a tuple is trusted to make a UDP connect fail (see the module comment).
 const HOLDER_TRUSTED_NS: u64 = 120 * 1_000_000_000;
+
+const SOCK_MAX: usize = limits::SOCK_REVNAT_MAX as usize;
+
+/// Which hooks run: the IPv4 ones, or the IPv6 ones (which see IPv4 peers as IPv4-mapped
+/// addresses).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    V4,
+    V6,
+}
+
+/// A family as the socket hooks see it: its maps, and where a hook's context holds its
+/// address.
+trait SockFamily: Family {
+    fn revnats() -> &'static LruHashMap<SockRevKey<Self>, RevNat<Self>, SOCK_MAX>;
+    fn fwds() -> &'static LruHashMap<SockRevKey<Self>, SockFwd<Self>, SOCK_MAX>;
+    fn ports() -> &'static LruHashMap<SockPortKey<Self>, SockOwner, SOCK_MAX>;
+    fn held() -> &'static LruHashMap<u64, SockPortKey<Self>, SOCK_MAX>;
+    /// Makes the call name `addr` (the port is written apart).
+    fn set_addr(ctx: &SockAddrContext, hook: Hook, addr: Self);
+}
+
+impl SockFamily for [u8; 4] {
+    #[inline(always)]
+    fn revnats() -> &'static LruHashMap<SockRevKey<Self>, RevNat<Self>, SOCK_MAX> {
+        &SOCK_REVNAT_V1
+    }
+    #[inline(always)]
+    fn fwds() -> &'static LruHashMap<SockRevKey<Self>, SockFwd<Self>, SOCK_MAX> {
+        &SOCK_FWD_V1
+    }
+    #[inline(always)]
+    fn ports() -> &'static LruHashMap<SockPortKey<Self>, SockOwner, SOCK_MAX> {
+        &SOCK_PORTS_V1
+    }
+    #[inline(always)]
+    fn held() -> &'static LruHashMap<u64, SockPortKey<Self>, SOCK_MAX> {
+        &SOCK_HELD_V1
+    }
+    /// An IPv6 hook's address is IPv4-mapped: the prefix is there already (`peer` checked it).
+    #[inline(always)]
+    fn set_addr(ctx: &SockAddrContext, hook: Hook, addr: Self) {
+        // SAFETY: a 4-byte write to a field the hook may write.
+        unsafe {
+            match hook {
+                Hook::V4 => (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(addr),
+                Hook::V6 => (*ctx.sock_addr).user_ip6[3] = u32::from_ne_bytes(addr),
+            }
+        }
+    }
+}
+
+impl SockFamily for Ip6 {
+    #[inline(always)]
+    fn revnats() -> &'static LruHashMap<SockRevKey<Self>, RevNat<Self>, SOCK_MAX> {
+        &SOCK6_REVNAT_V1
+    }
+    #[inline(always)]
+    fn fwds() -> &'static LruHashMap<SockRevKey<Self>, SockFwd<Self>, SOCK_MAX> {
+        &SOCK6_FWD_V1
+    }
+    #[inline(always)]
+    fn ports() -> &'static LruHashMap<SockPortKey<Self>, SockOwner, SOCK_MAX> {
+        &SOCK6_PORTS_V1
+    }
+    #[inline(always)]
+    fn held() -> &'static LruHashMap<u64, SockPortKey<Self>, SOCK_MAX> {
+        &SOCK6_HELD_V1
+    }
+    /// Only IPv6 hooks see IPv6 addresses.
+    #[inline(always)]
+    fn set_addr(ctx: &SockAddrContext, _hook: Hook, addr: Self) {
+        // SAFETY: 4-byte writes to the words the hook may write.
+        unsafe {
+            for (i, word) in addr.0.iter().enumerate() {
+                (*ctx.sock_addr).user_ip6[i] = *word;
+            }
+        }
+    }
+}
 
 /// Fails the call with `errno`, counted under `reason`.
 #[inline(always)]
@@ -87,7 +172,7 @@ fn in_host_netns(ctx: *mut core::ffi::c_void) -> bool {
 
 /// The tuple key of a socket on local port `sport` (network byte order) at a backend.
 #[inline(always)]
-fn port_key(proto: u8, sport: [u8; 2], addr: [u8; 4], port: [u8; 2]) -> SockPortKey {
+fn port_key<A: Family>(proto: u8, sport: [u8; 2], addr: A, port: [u8; 2]) -> SockPortKey<A> {
     SockPortKey { addr, port, sport, proto, _pad: [0; 3] }
 }
 
@@ -107,60 +192,52 @@ fn protocol(ctx: &SockAddrContext) -> Option<u8> {
     (p == IPPROTO_TCP || p == IPPROTO_UDP).then_some(p)
 }
 
-/// Which hooks run: the IPv4 ones, or the IPv6 ones (which see IPv4 peers as IPv4-mapped
-/// addresses).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Hook {
-    V4,
-    V6,
-}
-
 /// `::ffff:0:0/96`, the IPv4-mapped prefix, as the three leading words of `user_ip6`.
 const V4_MAPPED: [u32; 3] = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff])];
 
-/// The IPv4 address the call names and its port, both as the packet would carry them; None
-/// for an IPv6 hook's address that is not IPv4-mapped.
+/// The address a call names, as the packet would carry it.
+enum Peer {
+    V4([u8; 4]),
+    V6(Ip6),
+}
+
+/// The address the call names and its port (network byte order).
 #[inline(always)]
-fn peer(ctx: &SockAddrContext, hook: Hook) -> Option<([u8; 4], [u8; 2])> {
+fn peer(ctx: &SockAddrContext, hook: Hook) -> (Peer, [u8; 2]) {
     // SAFETY: fields of our own context, read as the 4-byte words the kernel allows; they hold
     // network byte order (the port in the low 16 bits).
     unsafe {
         let sa = ctx.sock_addr;
         let addr = match hook {
-            Hook::V4 => (*sa).user_ip4,
+            Hook::V4 => Peer::V4((*sa).user_ip4.to_ne_bytes()),
             Hook::V6 => {
                 // One 4-byte load per word: the verifier refuses the 8-byte load the compiler
                 // could otherwise merge two of them into.
                 let word = |i: usize| core::ptr::read_volatile(core::ptr::addr_of!((*sa).user_ip6[i]));
-                if [word(0), word(1), word(2)] != V4_MAPPED {
-                    return None;
+                let words = [word(0), word(1), word(2), word(3)];
+                if [words[0], words[1], words[2]] == V4_MAPPED {
+                    Peer::V4(words[3].to_ne_bytes())
+                } else {
+                    Peer::V6(Ip6(words))
                 }
-                word(3)
             }
         };
-        Some((addr.to_ne_bytes(), ((*sa).user_port as u16).to_ne_bytes()))
+        (addr, ((*sa).user_port as u16).to_ne_bytes())
     }
 }
 
-/// Makes the call name `addr`:`port` (for an IPv6 hook, as an IPv4-mapped address: the
-/// prefix is there already, `peer` checked it).
+/// Makes the call name `addr`:`port`.
 #[inline(always)]
-fn set_peer(ctx: &SockAddrContext, hook: Hook, addr: [u8; 4], port: [u8; 2]) {
-    // SAFETY: 4-byte writes to the fields the hook may write.
-    unsafe {
-        match hook {
-            Hook::V4 => (*ctx.sock_addr).user_ip4 = u32::from_ne_bytes(addr),
-            Hook::V6 => (*ctx.sock_addr).user_ip6[3] = u32::from_ne_bytes(addr),
-        }
-        (*ctx.sock_addr).user_port = u32::from(u16::from_ne_bytes(port));
-    }
+fn set_peer<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, addr: A, port: [u8; 2]) {
+    A::set_addr(ctx, hook, addr);
+    // SAFETY: a 4-byte write to the field the hook may write.
+    unsafe { (*ctx.sock_addr).user_port = u32::from(u16::from_ne_bytes(port)) };
 }
 
 #[inline(always)]
-fn rev_key(ctx: &SockAddrContext, addr: [u8; 4], port: [u8; 2]) -> SockRevKey {
+fn rev_key<A: Family>(ctx: &SockAddrContext, addr: A, port: [u8; 2]) -> SockRevKey<A> {
     // SAFETY: plain helper call on our own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    SockRevKey { cookie, addr, port, _pad: [0; 2] }
+    SockRevKey::new(unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) }, addr, port)
 }
 
 /// `connect` and `sendmsg`: a Service address becomes one of its backends'.
@@ -170,7 +247,14 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
         return PROCEED;
     }
     let Some(proto) = protocol(ctx) else { return PROCEED };
-    let Some((vip, vport)) = peer(ctx, hook) else { return PROCEED };
+    match peer(ctx, hook) {
+        (Peer::V4(vip), vport) => translate_to(ctx, hook, connect, proto, vip, vport),
+        (Peer::V6(vip), vport) => translate_to(ctx, hook, connect, proto, vip, vport),
+    }
+}
+
+#[inline(always)]
+fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool, proto: u8, vip: A, vport: [u8; 2]) -> i32 {
     let mut key = ServiceKey::new(vip, vport, proto, 0);
     let Some(master) = select::service(&key) else {
         // A cluster IP on a port it does not serve is refused. (A free address of a Service
@@ -181,7 +265,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
         return PROCEED;
     };
     // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
-    if master.flags & svc_flags::SOURCE_RANGES != 0 && !Family::in_source_ranges(master.service_id, vip) {
+    if master.flags & svc_flags::SOURCE_RANGES != 0 && !A::in_source_ranges(master.service_id, vip) {
         return refuse(Reason::DropSourceRange, EPERM);
     }
     let Some(master) = select::internal_master(&mut key, master) else { return PROCEED };
@@ -196,8 +280,8 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     let fwd_key = rev_key(ctx, vip, vport);
     if proto == IPPROTO_UDP && !connect {
         // SAFETY: the value is copied out at once.
-        if let Some(f) = SOCK_FWD_V1.get_ptr(&fwd_key).map(|p| unsafe { *p }) {
-            if select::backend::<[u8; 4]>(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
+        if let Some(f) = A::fwds().get_ptr(&fwd_key).map(|p| unsafe { *p }) {
+            if select::backend::<A>(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
                 set_peer(ctx, hook, f.addr, f.port);
                 return PROCEED;
             }
@@ -205,16 +289,16 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     }
     // The node is one client for affinity (its source address is not chosen yet); Maglev
     // hashes the socket's cookie in the source port's place, so sockets spread.
-    let cookie = fwd_key.cookie;
+    let cookie = u64::from_ne_bytes(fwd_key.cookie);
     let pkt = Packet {
         l4_off: 0,
         proto,
-        saddr: [0; 4],
+        saddr: A::UNSPECIFIED,
         daddr: vip,
         sport: ((cookie ^ (cookie >> 16) ^ (cookie >> 32) ^ (cookie >> 48)) as u16).to_ne_bytes(),
         dport: vport,
         tcp_flags: 0,
-        ip_id: [0; 2],
+        ip_id: Default::default(),
         tot_len: [0; 2],
         ttl: 0,
         frag: Frag::Whole,
@@ -223,7 +307,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     let Ok(first) = select::choose(&pkt, &key, &master, now, true) else { return PROCEED };
     // SAFETY: the socket of a sock_addr context is always there.
     let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
-    let taken = |b: &Backend| holder(cookie, proto, sport, b).is_some() || (!connect && other_service(ctx, b, vip, vport));
+    let taken = |b: &Backend<A>| holder(cookie, proto, sport, b).is_some() || (!connect && other_service(ctx, b, vip, vport));
     let choice = if !taken(&first.backend) {
         first
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
@@ -241,61 +325,61 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
     let rn = RevNat { addr: vip, port: vport, _pad: [0; 2] };
     // A full LRU evicts; at worst getpeername shows the backend, or a UDP socket's next
     // datagram picks a backend afresh.
-    let _ = SOCK_REVNAT_V1.insert(&rev_key(ctx, be.addr, be.port), &rn, BPF_ANY as u64);
+    let _ = A::revnats().insert(&rev_key(ctx, be.addr, be.port), &rn, BPF_ANY as u64);
     if proto == IPPROTO_UDP {
         let f = SockFwd { backend_id: choice.id, addr: be.addr, port: be.port, _pad: [0; 2] };
-        let _ = SOCK_FWD_V1.insert(&fwd_key, &f, BPF_ANY as u64);
+        let _ = A::fwds().insert(&fwd_key, &f, BPF_ANY as u64);
     }
     if connect {
         // A UDP socket connecting again leaves its old tuple.
-        release_tuple(cookie);
+        release_tuples(cookie);
         if sport != [0; 2] {
             let key = port_key(proto, sport, be.addr, be.port);
-            if SOCK_PORTS_V1.insert(&key, &SockOwner { cookie, since_ns: now }, BPF_ANY as u64).is_ok() {
-                let _ = SOCK_HELD_V1.insert(&cookie, &key, BPF_ANY as u64);
+            if A::ports().insert(&key, &SockOwner { cookie, since_ns: now }, BPF_ANY as u64).is_ok() {
+                let _ = A::held().insert(&cookie, &key, BPF_ANY as u64);
             }
         }
     }
     set_peer(ctx, hook, be.addr, be.port);
-    count_flow::<[u8; 4]>(choice.id);
+    count_flow::<A>(choice.id);
     stats::count(Reason::HostConnect, 0);
     PROCEED
 }
 
 /// True when this socket reaches backend `b` for a Service other than `vip:vport`.
 #[inline(always)]
-fn other_service(ctx: &SockAddrContext, b: &Backend, vip: [u8; 4], vport: [u8; 2]) -> bool {
+fn other_service<A: SockFamily>(ctx: &SockAddrContext, b: &Backend<A>, vip: A, vport: [u8; 2]) -> bool {
     // SAFETY: the value is copied out at once.
-    SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|r| r.addr != vip || r.port != vport)
+    A::revnats().get_ptr(&rev_key(ctx, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|r| r.addr != vip || r.port != vport)
 }
 
 /// The other connected socket on local port `sport` that reaches backend `b`, if any (a socket
 /// without a local port yet gets one the kernel keeps apart).
 #[inline(always)]
-fn holder(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend) -> Option<(SockPortKey, SockOwner)> {
+fn holder<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> Option<(SockPortKey<A>, SockOwner)> {
     if sport == [0; 2] {
         return None;
     }
     let key = port_key(proto, sport, b.addr, b.port);
     // SAFETY: the value is copied out at once.
-    SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }).filter(|o| o.cookie != cookie).map(|o| (key, o))
+    A::ports().get_ptr(&key).map(|p| unsafe { *p }).filter(|o| o.cookie != cookie).map(|o| (key, o))
 }
 
 /// True when that holder can be trusted to be there: it took the tuple less than
 /// HOLDER_TRUSTED_NS ago, and its own record still names the tuple (the two LRU maps may lose
 /// entries independently).
 #[inline(always)]
-fn tuple_held(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend, now: u64) -> bool {
+fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
     holder(cookie, proto, sport, b).is_some_and(|(key, owner)| {
         // SAFETY: the value is copied out at once.
-        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && SOCK_HELD_V1.get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
+        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && A::held().get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
     })
 }
 
 /// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most
 /// `OTHER_BACKENDS` tried).
 #[inline(always)]
-fn untaken_backend(key: &ServiceKey, master: &ServiceValue, taken: &impl Fn(&Backend) -> bool) -> Option<Choice> {
+fn untaken_backend<A: Family>(key: &ServiceKey<A>, master: &ServiceValue, taken: &impl Fn(&Backend<A>) -> bool) -> Option<Choice<A>> {
     let count = u32::from(master.count);
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() } % count;
@@ -313,16 +397,24 @@ fn untaken_backend(key: &ServiceKey, master: &ServiceValue, taken: &impl Fn(&Bac
     None
 }
 
-/// Forgets the tuple the socket `cookie` held at a backend, if it still holds it.
+/// Forgets the tuple the socket `cookie` held at a backend of family `A`, if it still holds it.
 #[inline(always)]
-fn release_tuple(cookie: u64) {
+fn release_tuple<A: SockFamily>(cookie: u64) {
     // SAFETY: the value is copied out at once.
-    let Some(key) = SOCK_HELD_V1.get_ptr(&cookie).map(|p| unsafe { *p }) else { return };
-    let _ = SOCK_HELD_V1.remove(&cookie);
+    let Some(key) = A::held().get_ptr(&cookie).map(|p| unsafe { *p }) else { return };
+    let _ = A::held().remove(&cookie);
     // SAFETY: the value is copied out at once.
-    if SOCK_PORTS_V1.get_ptr(&key).map(|p| unsafe { *p }).is_some_and(|o| o.cookie == cookie) {
-        let _ = SOCK_PORTS_V1.remove(&key);
+    if A::ports().get_ptr(&key).map(|p| unsafe { *p }).is_some_and(|o| o.cookie == cookie) {
+        let _ = A::ports().remove(&key);
     }
+}
+
+/// Forgets the tuple the socket `cookie` held, of either family (an IPv6 socket may have
+/// connected to an IPv4-mapped address before).
+#[inline(always)]
+fn release_tuples(cookie: u64) {
+    release_tuple::<[u8; 4]>(cookie);
+    release_tuple::<Ip6>(cookie);
 }
 
 /// A host-network socket closed: the tuple it held is free for the next socket on its port.
@@ -332,7 +424,7 @@ pub fn release(ctx: &SockContext) {
         return;
     }
     // SAFETY: plain helper call on our own context.
-    release_tuple(unsafe { bpf_get_socket_cookie(ctx.sock.cast()) });
+    release_tuples(unsafe { bpf_get_socket_cookie(ctx.sock.cast()) });
 }
 
 /// `getpeername` and `recvmsg`: a backend this socket was sent to shows as its Service.
@@ -341,10 +433,17 @@ pub fn restore(ctx: &SockAddrContext, hook: Hook) -> i32 {
     if !in_host_netns(ctx.sock_addr.cast()) || protocol(ctx).is_none() {
         return PROCEED;
     }
-    let Some((addr, port)) = peer(ctx, hook) else { return PROCEED };
-    // SAFETY: the value is copied out at once.
-    if let Some(rn) = SOCK_REVNAT_V1.get_ptr(&rev_key(ctx, addr, port)).map(|p| unsafe { *p }) {
-        set_peer(ctx, hook, rn.addr, rn.port);
+    match peer(ctx, hook) {
+        (Peer::V4(addr), port) => restore_from(ctx, hook, addr, port),
+        (Peer::V6(addr), port) => restore_from(ctx, hook, addr, port),
     }
     PROCEED
+}
+
+#[inline(always)]
+fn restore_from<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, addr: A, port: [u8; 2]) {
+    // SAFETY: the value is copied out at once.
+    if let Some(rn) = A::revnats().get_ptr(&rev_key(ctx, addr, port)).map(|p| unsafe { *p }) {
+        set_peer(ctx, hook, rn.addr, rn.port);
+    }
 }

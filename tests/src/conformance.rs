@@ -821,6 +821,13 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         let at = (std::net::Ipv6Addr::UNSPECIFIED, 8081).into();
         servers.push(crate::servers::Acceptor::start(&b.ns, at, Some(format!("{}\n", b.name)), Duration::from_millis(20)));
     }
+    // Servers answering a request line (TCP) or datagram (UDP) over IPv6, on ports the IPv4
+    // servers do not hold.
+    let v6_servers: Vec<_> = lab
+        .backends
+        .iter()
+        .map(|b| crate::servers::Backend::start_on(&b.ns, &b.name, std::net::Ipv6Addr::UNSPECIFIED.into(), 8082, 5354))
+        .collect();
     let v6_slice = |svc: &str| {
         let eps: String = (1..=lab.backends.len()).map(|i| format!("- addresses: ['{}']\n", v6(0x100 + i as u16))).collect();
         format!(
@@ -843,6 +850,13 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         ),
         crate::lab::endpoint_slice("dual", "dual-v4", &lab.backend_ips(), &[("http", crate::lab::TCP_PORT, "TCP")]),
         v6_slice("dual"),
+        cluster::service(
+            "host6",
+            "  clusterIP: fd00:96::53\n  ipFamilies: [IPv6]\n  ports:\n  - {name: http, port: 80, targetPort: 8082, protocol: TCP}\n  - {name: dns, port: 53, targetPort: 5354, protocol: UDP}\n",
+            None,
+        ),
+        v6_slice("host6")
+            .replace("- {name: http, port: 8081, protocol: TCP}", "- {name: http, port: 8082, protocol: TCP}\n- {name: dns, port: 5354, protocol: UDP}"),
     ];
     lab.write_manifest("services.yaml", &objects.join("---\n"));
     let args = ["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"];
@@ -882,7 +896,8 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         let key = ServiceKey::new(Ip6::from_bytes(vip.octets()), 80u16.to_be_bytes(), 6, 0);
         let master = services.get(&key, 0).expect("the IPv6 cluster IP's master entry in LB6_SERVICES_V1");
         assert_eq!(usize::from(master.count), lab.backends.len(), "one slot per IPv6 endpoint");
-        drop(servers);
+        host_processes_reach_ipv6_services(&lab, &all);
+        drop((servers, v6_servers));
         return;
     }
     let node = lab.node.name.clone();
@@ -892,5 +907,38 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         _ => in_netns(&node, &["ip6tables-nft-save", "-t", "nat"]),
     };
     assert!(listing.contains("fd00:96::10"), "{mode}: the IPv6 cluster IP in the IPv6 rules:\n{listing}");
-    drop(servers);
+    drop((servers, v6_servers));
+}
+
+/// The eBPF dataplane's socket hooks for IPv6 Services (`ipv6_services`' Services): a
+/// host-network process's TCP connection and unconnected UDP datagrams reach the backends, its
+/// socket shows the Service as its peer, and a Service without endpoints refuses at once. (The
+/// iptables and nftables modes serve the node through their OUTPUT chains, which the rules
+/// listing above covers.)
+fn host_processes_reach_ipv6_services(lab: &Lab, all: &BTreeSet<String>) {
+    if lab.cgroup.is_none() {
+        println!("SKIPPED the host-process part of ipv6_services: no cgroup v2 hierarchy is mounted to attach socket hooks to");
+        return;
+    }
+    let mut seen = BTreeSet::new();
+    for i in 0..20 {
+        let out = lab.host_ask("tcp", "[fd00:96::53]:80");
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok", "host TCP connection {i} to an IPv6 Service: {out}\n{}", lab.agent_log());
+        assert_eq!(f[3], "[fd00:96::53]:80", "getpeername shows the Service, not the backend");
+        seen.insert(f[1].to_string());
+    }
+    assert_eq!(&seen, all, "host connections to an IPv6 Service spread over its backends");
+    for i in 0..5 {
+        let out = lab.host_ask("udp", "[fd00:96::53]:53");
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert!(f.len() == 4 && f[0] == "ok" && all.contains(f[1]), "host UDP query {i} to an IPv6 Service: {out}");
+        assert_eq!(f[3], "[fd00:96::53]:53", "recvfrom shows the answer as coming from the Service");
+    }
+    let out = lab.host_ask("udp-many", "[fd00:96::53]:53");
+    assert!(out.starts_with("ok 1 "), "an unconnected IPv6 UDP socket keeps one backend per Service: {out}");
+    assert_eq!(lab.host_ask("tcp", "[fd00:96::11]:80"), "err ConnectionRefused", "no endpoints: refused at once");
+    // IPv4-mapped addresses still reach the IPv4 Services beside the IPv6 ones.
+    let out = lab.host_ask("tcp", "[::ffff:10.96.0.50]:80");
+    assert!(out.starts_with("ok ") && out.ends_with(" [::ffff:10.96.0.50]:80"), "an IPv4-mapped address: {out}");
 }

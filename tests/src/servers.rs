@@ -28,9 +28,15 @@ pub struct Backend {
 
 impl Backend {
     pub fn start(ns: &Netns, name: &str, tcp_port: u16, udp_port: u16) -> Self {
+        Self::start_on(ns, name, std::net::Ipv4Addr::UNSPECIFIED.into(), tcp_port, udp_port)
+    }
+
+    /// The same on address `ip` (`::` for IPv6: dual-stack, so not on a port an IPv4 server
+    /// of the namespace holds).
+    pub fn start_on(ns: &Netns, name: &str, ip: std::net::IpAddr, tcp_port: u16, udp_port: u16) -> Self {
         let (tcp, udp) = ns.run(move || {
-            let tcp = TcpListener::bind(("0.0.0.0", tcp_port)).expect("bind TCP");
-            let udp = UdpSocket::bind(("0.0.0.0", udp_port)).expect("bind UDP");
+            let tcp = TcpListener::bind((ip, tcp_port)).expect("bind TCP");
+            let udp = UdpSocket::bind((ip, udp_port)).expect("bind UDP");
             (tcp, udp)
         });
         tcp.set_nonblocking(true).unwrap();

@@ -113,8 +113,8 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cid
 /// Translates one Service: a `PortView` per port for each family the Service has a cluster IP
 /// of (each family's view holds that family's addresses and the endpoints of that family's
 /// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
-/// dataplane's frontends of both families (its IPv6 ones serve pods only so far:
-/// `ebpf_notes` says what they leave out). `slices` are the Service's slices, sorted by
+/// dataplane's frontends of both families (its IPv6 ones serve pods and host processes so
+/// far, not outside clients: `ebpf_notes` says what they leave out). `slices` are the Service's slices, sorted by
 /// name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
@@ -164,12 +164,12 @@ fn family_service(
     let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
     let lb_source_ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == family).collect();
     if family == Family::V6 {
-        // The eBPF dataplane's IPv6 path runs on pod-facing interfaces only so far: pods reach
-        // every frontend, host processes and outside clients none.
+        // The eBPF dataplane's IPv6 path runs on pod-facing interfaces and in the socket hooks
+        // so far: pods and host processes reach every frontend, outside clients none.
         for (what, addrs) in [("cluster IP", cluster_ips), ("load-balancer IP", &lb_ips[..]), ("external IP", &external_ips[..])] {
             for a in addrs {
                 out.ebpf_notes.push(format!(
-                    "{what} {a}: served to pods only (the eBPF dataplane does not serve IPv6 to host processes or outside clients yet)"
+                    "{what} {a}: served to pods and host processes only (the eBPF dataplane does not serve IPv6 to outside clients yet)"
                 ));
             }
         }
@@ -482,7 +482,7 @@ mod tests {
         assert_eq!(a.cluster_endpoints.len(), 2, "the IPv4 slice's endpoints");
         assert_eq!(b.cluster_endpoints.iter().map(|e| e.socket().to_string()).collect::<Vec<_>>(), ["[fd00:1::1]:8080"]);
         // Each family's eBPF frontends hold that family's endpoints and ranges; the IPv6 ones
-        // say in their own notes that they serve pods only.
+        // say in their own notes that they serve pods and host processes only.
         assert_eq!(t.frontends.len(), 8, "cluster IP, NodePort, LB, external IP of each family: {:?}", t.frontends);
         for (k, f) in &t.frontends {
             assert!(f.backends.iter().all(|b| b.addr.is_ipv4() == k.addr.is_ipv4()), "{k}: {:?}", f.backends);

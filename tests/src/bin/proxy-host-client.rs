@@ -64,7 +64,7 @@ fn main() {
     }
     let to: SocketAddr = to.parse().expect("ADDR:PORT");
     if proto == "udp-many" {
-        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        let s = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).expect("bind");
         s.set_read_timeout(Some(TIMEOUT)).expect("timeout");
         let mut names = std::collections::BTreeSet::new();
         for _ in 0..10 {

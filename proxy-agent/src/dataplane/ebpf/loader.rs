@@ -156,6 +156,10 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOURCE_RANGES6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey<Ip6>>(), size_of::<u8>()),
         map_names::SERVICE_CIDRS6 => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey<Ip6>>(), size_of::<u8>()),
         map_names::NAMES6 => (MapType::Hash, size_of::<u32>(), size_of::<ServiceName>()),
+        map_names::SOCK6_REVNAT => (MapType::LruHash, size_of::<SockRevKey<Ip6>>(), size_of::<RevNat<Ip6>>()),
+        map_names::SOCK6_FWD => (MapType::LruHash, size_of::<SockRevKey<Ip6>>(), size_of::<SockFwd<Ip6>>()),
+        map_names::SOCK6_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey<Ip6>>(), size_of::<proxy_common::SockOwner>()),
+        map_names::SOCK6_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey<Ip6>>()),
         map_names::PROGS => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
         other => unreachable!("unknown map {other}"),
     }
@@ -288,13 +292,18 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's (as the
     // IPv4 ones are, adopted sizes included) on a cluster with IPv6 ranges, small elsewhere
     // instead of doubling the conntrack table's memory on every IPv4 node. A pinned one of
-    // the other size is replaced (its IPv6 flows are tracked afresh): that follows a change of
-    // the cluster's ranges, or an IPv4 table resized by `proxy-agent cleanup`.
+    // the other size is replaced (its IPv6 flows are tracked afresh; a host socket already
+    // connected to an IPv6 Service then shows its backend to getpeername): that follows a
+    // change of the cluster's ranges, or an IPv4 table resized by `proxy-agent cleanup`.
     let small = |v4: u32| if options.ipv6 { v4 } else { v4.min(IPV6_LRU_MAX_SMALL) };
     for (name, want) in [
         (map_names::CT6, small(ct_map_max)),
         (map_names::AFFINITY6, small(limits::AFFINITY_MAP_MAX)),
         (map_names::FRAGS6, small(limits::FRAG_MAP_MAX)),
+        (map_names::SOCK6_REVNAT, small(limits::SOCK_REVNAT_MAX)),
+        (map_names::SOCK6_FWD, small(limits::SOCK_REVNAT_MAX)),
+        (map_names::SOCK6_PORTS, small(limits::SOCK_REVNAT_MAX)),
+        (map_names::SOCK6_HELD, small(limits::SOCK_REVNAT_MAX)),
     ] {
         if let Some(held) = pinned(name).filter(|held| *held != want) {
             let path = pin_paths.iter().find(|(n, _)| *n == name).map(|(_, p)| p.clone()).expect("a pinned map has a path");

@@ -43,7 +43,7 @@ pub enum EbpfError {
 pub struct EbpfDataplane {
     ebpf: Ebpf,
     lb: LbMaps,
-    /// The IPv6 frontends' maps (served to pods only so far: see `proxy_ebpf`'s `family`).
+    /// The IPv6 frontends' maps (served to pods and host processes so far: see `proxy_ebpf`'s `family`).
     lb6: LbMaps<proxy_common::Ip6>,
     /// The IPv6 conntrack table was made small (`LoadOptions::ipv6` false); said once when an
     /// IPv6 frontend is programmed all the same.
