@@ -123,6 +123,7 @@ pub mod map_names {
         pub flows: &'static str,
         pub affinity_match: &'static str,
         pub source_ranges: &'static str,
+        pub service_cidrs: &'static str,
         /// IPv6 frontends do not select by Maglev (it serves north-south flows, which IPv6
         /// does not have yet).
         pub maglev: Option<&'static str>,
@@ -136,6 +137,7 @@ pub mod map_names {
         flows: BACKEND_FLOWS,
         affinity_match: AFFINITY_MATCH,
         source_ranges: SOURCE_RANGES,
+        service_cidrs: SERVICE_CIDRS,
         maglev: Some(MAGLEV),
     };
 
@@ -147,6 +149,7 @@ pub mod map_names {
         flows: BACKEND_FLOWS6,
         affinity_match: AFFINITY_MATCH6,
         source_ranges: SOURCE_RANGES6,
+        service_cidrs: SERVICE_CIDRS6,
         maglev: None,
     };
     /// The IPv6 programs, which the IPv4 ones tail-call (`prog_slots`): IPv6's flow does not

@@ -12,7 +12,7 @@ use proxy_common::{
 use crate::{
     ct,
     family::Family,
-    frag, icmp,
+    frag, icmp, icmp6,
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -54,9 +54,11 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
             // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
             // a host's TCP and UDP; they see no ICMP.)
             return match select::service_cidr_of(daddr) {
-                Some(svc_cidr::ALLOCATED) => {
-                    icmp::reject_leaving(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
-                }
+                Some(svc_cidr::ALLOCATED) => icmp::reject_leaving(
+                    ctx,
+                    &icmp::query_packet(l4_off, proxy_common::IPPROTO_ICMP, saddr, daddr, tot_len),
+                    Reason::RejectClusterIpPort,
+                ),
                 cidr => leaving_unmatched(cidr),
             };
         }
@@ -72,9 +74,8 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     flow(ctx, pkt)
 }
 
-/// An IPv6 packet about to leave (a program of its own, see `map_names::PROGS`). (ICMPv6 errors
-/// about translated flows are not rewritten yet, nor a host's ping to an IPv6 cluster IP
-/// rejected.)
+/// An IPv6 packet about to leave (a program of its own, see `map_names::PROGS`): as IPv4's,
+/// with ICMPv6.
 #[inline(always)]
 pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match crate::parse6::ipv6(ctx) {
@@ -83,7 +84,24 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
             Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
             cidr => leaving_unmatched(cidr),
         },
-        Parsed::Icmp { .. } | Parsed::NotIpv4 => Ok(Verdict::pass(Reason::EgressPass)),
+        Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
+            let kind = icmp6::kind(ctx, l4_off);
+            if icmp6::is_error(kind) {
+                return icmp6::translate_error(ctx, l4_off, saddr);
+            }
+            if !icmp6::is_echo_request(kind) {
+                return Ok(Verdict::pass(Reason::EgressPass));
+            }
+            // A host process's ping to a cluster IP, as IPv4's.
+            match select::service_cidr_of(daddr) {
+                Some(svc_cidr::ALLOCATED) => {
+                    let query = icmp::query_packet(l4_off, crate::parse6::IPPROTO_ICMPV6, saddr, daddr, tot_len);
+                    icmp6::reject_leaving(ctx, &query, Reason::RejectClusterIpPort)
+                }
+                cidr => leaving_unmatched(cidr),
+            }
+        }
+        Parsed::NotIpv4 => Ok(Verdict::pass(Reason::EgressPass)),
         Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
     }
 }

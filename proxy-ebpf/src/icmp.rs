@@ -51,18 +51,19 @@ pub fn is_query<F: crate::parse::Frame>(ctx: &F, l4_off: usize) -> bool {
     ptr_at::<[u8; 4]>(ctx, l4_off).is_some_and(|h| matches!(unsafe { (*h)[0] }, 8 | 13 | 15 | 17))
 }
 
-/// An ICMP query as a `Packet`, for `reject` (it quotes the message; there are no ports).
+/// An ICMP (ICMPv6: `proto`) query as a `Packet`, for `reject` (it quotes the message; there
+/// are no ports).
 #[inline(always)]
-pub fn query_packet(l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Packet {
+pub fn query_packet<A: crate::family::Family>(l4_off: usize, proto: u8, saddr: A, daddr: A, tot_len: [u8; 2]) -> Packet<A> {
     Packet {
         l4_off,
-        proto: IPPROTO_ICMP,
+        proto,
         saddr,
         daddr,
         sport: [0; 2],
         dport: [0; 2],
         tcp_flags: 0,
-        ip_id: [0; 2],
+        ip_id: Default::default(),
         tot_len,
         ttl: 0,
         frag: crate::parse::Frag::Whole,

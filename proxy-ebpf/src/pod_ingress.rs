@@ -13,7 +13,7 @@ use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, Se
 use crate::{
     ct,
     family::Family,
-    frag, icmp,
+    frag, icmp, icmp6,
     maps::{PROGS_V1, STAGE6},
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -38,14 +38,21 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
     }
 }
 
-/// An IPv6 packet from a pod (a program of its own, see `map_names::PROGS`). ICMPv6 (neighbour
-/// discovery among it) is no Service's. (A ping to an IPv6 cluster IP is not rejected yet, as
-/// IPv4's is.)
+/// An IPv6 packet from a pod (a program of its own, see `map_names::PROGS`). Of ICMPv6 (neighbour
+/// discovery among it), only a ping to a cluster IP is a Service's business: it is rejected
+/// as IPv4's is.
 #[inline(always)]
 pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match parse6::ipv6(ctx) {
         Parsed::Packet(p) => flow(ctx, p),
-        Parsed::OtherProto { .. } | Parsed::Icmp { .. } => Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
+            if !icmp6::is_echo_request(icmp6::kind(ctx, l4_off)) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+                return Ok(Verdict::pass(Reason::PassNotService));
+            }
+            let query = icmp::query_packet(l4_off, parse6::IPPROTO_ICMPV6, saddr, daddr, tot_len);
+            icmp6::reject(ctx, &query, Reason::RejectClusterIpPort)
+        }
+        Parsed::OtherProto { .. } => Ok(Verdict::pass(Reason::PassNotService)),
         Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
         Parsed::NotIpv4 => Ok(Verdict::pass(Reason::PassNotIpv4)),
     }
@@ -135,7 +142,7 @@ fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], to
     if !icmp::is_query(ctx, l4_off) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
-    icmp::reject(ctx, &icmp::query_packet(l4_off, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
+    icmp::reject(ctx, &icmp::query_packet(l4_off, proxy_common::IPPROTO_ICMP, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
 }
 
 /// A packet to no Service: passed, unless it opens a flow to an allocated cluster IP on a port

@@ -801,7 +801,9 @@ fn ask_name(ns: &crate::netns::Netns, to: SocketAddr) -> io::Result<String> {
 /// beside their IPv4 ones and the node an IPv6 address and default route on its uplink. An IPv6-only Service
 /// reaches every backend over IPv6 and its NodePort on the node's IPv6 address; one without
 /// endpoints refuses; a dual-stack Service answers on both cluster IPs, each from its own
-/// family's EndpointSlice; the IPv4 Services stay served throughout.
+/// family's EndpointSlice; the IPv4 Services stay served throughout. In eBPF mode also: its
+/// Service CIDR check refuses an IPv6 cluster IP's unserved port, and host-network processes
+/// reach the IPv6 Services through the socket hooks.
 pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
     if not_applicable(mode, "ipv6", "ipv6_services") {
         return;
@@ -859,7 +861,11 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
             .replace("- {name: http, port: 8081, protocol: TCP}", "- {name: http, port: 8082, protocol: TCP}\n- {name: dns, port: 5354, protocol: UDP}"),
     ];
     lab.write_manifest("services.yaml", &objects.join("---\n"));
-    let args = ["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"];
+    let mut args = vec!["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"];
+    if mode == ProxyMode::Ebpf {
+        // Its Service CIDR check, in both families (kube-proxy's `cluster-ips-check`).
+        args.extend(["--service-cluster-ip-range", "10.96.0.0/16,fd00:96::/112"]);
+    }
     lab.start_agent_with_extra(&args);
     let all: BTreeSet<String> = lab.backends.iter().map(|b| b.name.clone()).collect();
     let every_backend = |to: &str| {
@@ -896,6 +902,10 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         let key = ServiceKey::new(Ip6::from_bytes(vip.octets()), 80u16.to_be_bytes(), 6, 0);
         let master = services.get(&key, 0).expect("the IPv6 cluster IP's master entry in LB6_SERVICES_V1");
         assert_eq!(usize::from(master.count), lab.backends.len(), "one slot per IPv6 endpoint");
+        // An IPv6 cluster IP on a port its Service lacks is refused at once (the Service CIDR
+        // check), not left to time out.
+        let refused = ask_name(&lab.client.ns, "[fd00:96::10]:81".parse().unwrap());
+        assert_eq!(refused.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionRefused), "an unserved port of an IPv6 cluster IP");
         host_processes_reach_ipv6_services(&lab, &all);
         drop((servers, v6_servers));
         return;
@@ -938,6 +948,7 @@ fn host_processes_reach_ipv6_services(lab: &Lab, all: &BTreeSet<String>) {
     let out = lab.host_ask("udp-many", "[fd00:96::53]:53");
     assert!(out.starts_with("ok 1 "), "an unconnected IPv6 UDP socket keeps one backend per Service: {out}");
     assert_eq!(lab.host_ask("tcp", "[fd00:96::11]:80"), "err ConnectionRefused", "no endpoints: refused at once");
+    assert_eq!(lab.host_ask("tcp", "[fd00:96::53]:81"), "err ConnectionRefused", "an unserved port of an IPv6 cluster IP");
     // IPv4-mapped addresses still reach the IPv4 Services beside the IPv6 ones.
     let out = lab.host_ask("tcp", "[::ffff:10.96.0.50]:80");
     assert!(out.starts_with("ok ") && out.ends_with(" [::ffff:10.96.0.50]:80"), "an IPv4-mapped address: {out}");

@@ -64,6 +64,18 @@ pub fn udp_datagram(src: SocketAddrV6, dst: SocketAddrV6, payload: &[u8]) -> Vec
     s
 }
 
+/// An ICMPv6 message from `src` to `dst` with a valid checksum: type, code, the header's last
+/// four bytes (an MTU, a pointer, an echo's identifier and sequence) and the body (an error's
+/// quote).
+pub fn icmpv6_message(src: Ipv6Addr, dst: Ipv6Addr, kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
+    let mut m = vec![kind, code, 0, 0];
+    m.extend_from_slice(&rest);
+    m.extend_from_slice(body);
+    let c = l4_checksum(src, dst, ICMPV6, &m);
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    m
+}
+
 /// An IPv6 packet to be framed: the fixed header, extension headers (each given as its
 /// protocol number and its bytes after the next-header field), the upper-layer protocol and
 /// its bytes.

@@ -819,7 +819,7 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     assert_untouched(&mut dp, &other_port, "no ranges: another port of a cluster IP");
     assert_untouched(&mut dp, &free, "no ranges: a free address");
     let cidr = |s: &str| s.parse::<proxy_agent::model::store::Cidr>().unwrap();
-    let allocated: BTreeSet<Ipv4Addr> = [Ipv4Addr::new(10, 96, 0, 10)].into();
+    let allocated: BTreeSet<std::net::IpAddr> = [Ipv4Addr::new(10, 96, 0, 10).into()].into();
     dp.set_cluster_ip_ranges(&[cidr("10.96.0.0/16"), cidr("10.100.0.0/24")], &allocated).expect("write the ranges");
     assert_port_unreachable(&other_port, &run(&mut dp, &other_port), sock("10.96.0.10:81"), client);
     assert_untouched(&mut dp, &tcp_frame(client, sock("10.96.0.10:81"), ACK), "a segment of no new flow is no business of the check");

@@ -242,6 +242,21 @@ fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
                 let n = rng.below(400);
                 packet6::udp_datagram(src, dst, &vec![3u8; n])
             }
+            ICMPV6 if rng.chance(70) => {
+                // An ICMPv6 message quoting a packet from a client to a backend: an error about
+                // a translated flow where one is tracked (rewritten on egress), a ping, or
+                // neighbour discovery.
+                let b = *rng.pick(&[sock(BACKEND), sock("[fd00:10:244:1::9]:5353")]);
+                let n = rng.below(300);
+                let inner = if b.port() == 5353 {
+                    Ipv6::new(*client.ip(), *b.ip(), UDP, packet6::udp_datagram(client, b, &vec![5u8; n]))
+                } else {
+                    Ipv6::new(*client.ip(), *b.ip(), TCP, tcp_segment(client, b, ACK, &vec![5u8; n]))
+                };
+                let kind = *rng.pick(&[1, 2, 3, 4, 128, 135]);
+                label.push_str(&format!(", ICMPv6 type {kind} quoting {client} -> {b}"));
+                packet6::icmpv6_message(*src.ip(), *dst.ip(), kind, 0, [0, 0, 5, 0], &inner.frame()[14..])
+            }
             _ => {
                 let n = rng.below(64);
                 (0..n).map(|_| rng.next_u64() as u8).collect()
@@ -331,6 +346,7 @@ fn mutated_ipv6_frames_fault_nothing_and_break_no_checksum() {
     let c = counters(&mut dp);
     assert_eq!(c.values().sum::<u64>(), ran, "every run counted once: {c:?}");
     assert_eq!(c.get("pass_no_stage"), None, "{c:?}");
+    assert!(c.get("icmp_error_nat").is_some_and(|n| *n > 0), "ICMPv6 errors about tracked flows were rewritten: {c:?}");
     // Still serving afterwards.
     let d = dissect(&run(&mut dp, &tcp_frame(sock("[fd00:10:244::99]:40999"), sock(VIP), SYN)).frame);
     assert!(d.dst_sock() == sock(BACKEND) || d.dst_sock() == sock("[fd00:10:244:2::7]:8080"));
@@ -438,4 +454,151 @@ fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     let out = run_egress(&mut dp, &syn);
     assert_eq!((out.action, out.frame == syn), (TC_ACT_OK, true), "egress");
     assert_eq!(counters(&mut dp).get("pass_no_stage"), Some(&2));
+}
+
+/// kube-proxy's `cluster-ips-check` for an IPv6 Service CIDR, beside an IPv4 one (the agent
+/// writes each family's ranges and allocated cluster IPs to its own map): a new flow to an
+/// IPv6 cluster IP on a port its Service lacks gets ICMPv6 port unreachable where it enters,
+/// a packet to a free address is dropped as it leaves; outside the ranges nothing changes, and
+/// removing the IPv6 range leaves the IPv4 check as it was.
+#[test]
+fn ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
+    let Some(mut dp) = setup("ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let client = sock(CLIENT);
+    let other_port = tcp_frame(client, sock("[fd00:10:96::10]:81"), SYN);
+    let free = tcp_frame(client, sock("[fd00:10:96::77]:80"), SYN);
+    let (free_udp_to, outside_to) = (sock("[fd00:10:96::ff01]:53"), sock("[fd00:10:97::1]:80"));
+    let free_udp = Ipv6::new(*client.ip(), *free_udp_to.ip(), UDP, packet6::udp_datagram(client, free_udp_to, b"q")).frame();
+    let outside = tcp_frame(client, outside_to, SYN);
+    assert_untouched(&mut dp, &other_port, "no ranges: another port of a cluster IP");
+    assert_eq!(run_egress(&mut dp, &free).frame, free, "no ranges: a free address leaves");
+    let cidr = |s: &str| s.parse::<proxy_agent::model::store::Cidr>().unwrap();
+    let v4_free = proxy_tests::packet::tcp_frame("10.244.0.5:40000".parse().unwrap(), "10.96.0.77:80".parse().unwrap(), SYN);
+    let allocated: std::collections::BTreeSet<std::net::IpAddr> = ["fd00:10:96::10".parse().unwrap(), "10.96.0.10".parse().unwrap()].into();
+    let ranges = [cidr("10.96.0.0/16"), cidr("fd00:10:96::/112")];
+    dp.set_cluster_ip_ranges(&ranges, &allocated).expect("write both families' ranges");
+    let out = run(&mut dp, &other_port);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "an unserved port of an IPv6 cluster IP is answered");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src, d.dst), ("fd00:10:96::10".parse().unwrap(), *client.ip()), "from the cluster IP to the client");
+    let (kind, code, _) = d.icmp.expect("an ICMPv6 message (its checksum verified)");
+    assert_eq!((kind, code), (1, 4), "port unreachable");
+    for (frame, what) in [(&free, "a free TCP address"), (&free_udp, "a free UDP address")] {
+        assert_untouched(&mut dp, frame, &format!("{what} on ingress: something on the way may still take it"));
+        assert_eq!(run_egress(&mut dp, frame).action, TC_ACT_SHOT, "{what} is dropped as it leaves");
+    }
+    assert_untouched(&mut dp, &outside, "outside every range");
+    assert_eq!(run_egress(&mut dp, &outside).frame, outside, "outside every range, leaving");
+    assert_eq!(run_egress(&mut dp, &other_port).frame, other_port, "an allocated address is not dropped as it leaves");
+    assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range's check beside it");
+    let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock(BACKEND), "the Service itself is served");
+    let c = counters(&mut dp);
+    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&3)), "{c:?}");
+    // The IPv6 range goes, the IPv4 one stays.
+    dp.set_cluster_ip_ranges(&ranges[..1], &allocated).expect("remove the IPv6 range");
+    assert_eq!(run_egress(&mut dp, &free).frame, free, "IPv6 range removed");
+    assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range still checked");
+    let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey<Ip6>, u8> =
+        aya::maps::lpm_trie::LpmTrie::try_from(dp.ebpf_mut().map(map_names::SERVICE_CIDRS6).unwrap()).unwrap();
+    assert_eq!(trie.keys().count(), 0, "no IPv6 entries left");
+}
+
+/// ICMPv6 errors about translated flows reach the client rewritten, as nf_nat rewrites RELATED
+/// packets: the quoted packet names the Service (address, port, the quoted UDP checksum made
+/// right), the outer source is the Service where the backend itself sent the error, and the
+/// ICMPv6 checksum holds. Packet Too Big most of all: without it the client cannot lower its
+/// path MTU, and the connection stalls. An error about no tracked flow leaves untouched.
+#[test]
+fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
+    let Some(mut dp) = setup("icmpv6_errors_about_translated_flows_reach_the_client_rewritten") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let dns_vip = sock("[fd00:10:96::a]:53");
+    let dns_backend = sock("[fd00:10:244:1::9]:5353");
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, &["[fd00:10:244:1::9]:5353"]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    let router: std::net::Ipv6Addr = "fd00:10:1::1".parse().unwrap();
+    // The flows, as the backends see them (DNATed on their way in).
+    let syn = run(&mut dp, &Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, ACK, &[9; 1300])).frame()).frame;
+    assert_eq!(dissect(&syn).dst_sock(), backend);
+    let query = Ipv6::new(*client.ip(), *dns_vip.ip(), UDP, packet6::udp_datagram(client, dns_vip, b"a query")).frame();
+    let query = run(&mut dp, &query).frame;
+    assert_eq!(dissect(&query).dst_sock(), dns_backend);
+    let error = |from: std::net::Ipv6Addr, kind: u8, code: u8, rest: [u8; 4], about: &[u8]| {
+        // An error quotes as much of the packet as fits in 1280 bytes.
+        let quote = &about[14..about.len().min(14 + 1280 - 48)];
+        Ipv6::new(from, *client.ip(), ICMPV6, packet6::icmpv6_message(from, *client.ip(), kind, code, rest, quote)).frame()
+    };
+    let quoted = |frame: &[u8]| {
+        let d = dissect(frame);
+        let (kind, code, body) = d.icmp.clone().expect("an ICMPv6 message (its checksum verified)");
+        (d, kind, code, body)
+    };
+    let ip6 = |b: &[u8]| std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap());
+    // Packet Too Big from a router on the way: the outer source stays, the quote is translated.
+    let out = run_egress(&mut dp, &error(router, 2, 0, 1280u32.to_be_bytes(), &syn));
+    assert_eq!(out.action, TC_ACT_OK);
+    let (d, kind, code, body) = quoted(&out.frame);
+    assert_eq!((d.src, d.dst, kind, code), (router, *client.ip(), 2, 0), "a router's PTB, to the client");
+    assert_eq!((ip6(&body[8..24]), ip6(&body[24..40])), (*client.ip(), *vip.ip()), "the quote names the Service");
+    assert_eq!(&body[40..44], &[&client.port().to_be_bytes()[..], &vip.port().to_be_bytes()[..]].concat()[..], "and its port");
+    assert_eq!(out.frame[14 + 40 + 4..14 + 40 + 8], 1280u32.to_be_bytes(), "the MTU is kept");
+    // Time exceeded and destination unreachable from the backend itself: the outer source
+    // becomes the Service too.
+    for (kind, code) in [(3, 0), (1, 1)] {
+        let out = run_egress(&mut dp, &error(*backend.ip(), kind, code, [0; 4], &syn));
+        let (d, k, c, body) = quoted(&out.frame);
+        assert_eq!((d.src, k, c), (*vip.ip(), kind, code), "from the Service, not the backend");
+        assert_eq!(ip6(&body[24..40]), *vip.ip());
+    }
+    // UDP port unreachable from the DNS backend: the quoted UDP checksum is right for the
+    // datagram the client sent.
+    let out = run_egress(&mut dp, &error(*dns_backend.ip(), 1, 4, [0; 4], &query));
+    let (d, kind, code, body) = quoted(&out.frame);
+    assert_eq!((d.src, kind, code), (*dns_vip.ip(), 1, 4));
+    assert_eq!(&body[42..44], &dns_vip.port().to_be_bytes(), "the quoted destination port");
+    assert!(packet6::l4_checksum_ok_over(*client.ip(), *dns_vip.ip(), UDP, &body[40..]), "the quoted UDP checksum");
+    // About a flow nobody tracks: left as it is.
+    let stranger =
+        Ipv6::new(*client.ip(), "fd00:10:244:1::77".parse().unwrap(), TCP, tcp_segment(client, sock("[fd00:10:244:1::77]:80"), SYN, &[]));
+    let untracked = error(router, 2, 0, 1280u32.to_be_bytes(), &stranger.frame());
+    assert_eq!(run_egress(&mut dp, &untracked).frame, untracked, "an error about no translated flow");
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&4));
+}
+
+/// A ping to an IPv6 cluster IP is answered with port unreachable from the cluster IP, from a
+/// pod (where it enters) and from the node (as it leaves), as IPv4's; a ping to a free address
+/// of the Service CIDR is dropped as it leaves; neighbour discovery is no Service's business.
+#[test]
+fn a_ping_to_an_ipv6_cluster_ip_is_answered_port_unreachable() {
+    let Some(mut dp) = setup("a_ping_to_an_ipv6_cluster_ip_is_answered_port_unreachable") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    let ping = |to: std::net::Ipv6Addr| {
+        Ipv6::new(*client.ip(), to, ICMPV6, packet6::icmpv6_message(*client.ip(), to, 128, 0, [0, 1, 0, 1], b"ping")).frame()
+    };
+    assert_untouched(&mut dp, &ping(*vip.ip()), "no Service CIDR known: a ping to a cluster IP");
+    let allocated: std::collections::BTreeSet<std::net::IpAddr> = [(*vip.ip()).into()].into();
+    dp.set_cluster_ip_ranges(&["fd00:10:96::/112".parse().unwrap()], &allocated).expect("write the range");
+    for (out, what) in [(run(&mut dp, &ping(*vip.ip())), "from a pod"), (run_egress(&mut dp, &ping(*vip.ip())), "from the node")] {
+        assert_eq!(out.action, TC_ACT_REDIRECT, "{what}: answered");
+        let d = dissect(&out.frame);
+        let (kind, code, body) = d.icmp.expect("an ICMPv6 message (its checksum verified)");
+        assert_eq!((d.src, d.dst, kind, code), (*vip.ip(), *client.ip(), 1, 4), "{what}: port unreachable from the cluster IP");
+        assert_eq!(body, ping(*vip.ip())[14..].to_vec(), "{what}: quoting the ping");
+    }
+    let free = ping("fd00:10:96::77".parse().unwrap());
+    assert_untouched(&mut dp, &free, "a ping to a free address, entering");
+    assert_eq!(run_egress(&mut dp, &free).action, TC_ACT_SHOT, "a ping to a free address is dropped as it leaves");
+    let outside = ping("fd00:10:97::1".parse().unwrap());
+    assert_untouched(&mut dp, &outside, "outside the range");
+    assert_eq!(run_egress(&mut dp, &outside).frame, outside);
+    // A neighbour solicitation for a cluster IP (to its solicited-node group): not a Service's.
+    let group: std::net::Ipv6Addr = "ff02::1:ff00:10".parse().unwrap();
+    let target = vip.ip().octets();
+    let ns = Ipv6::new(*client.ip(), group, ICMPV6, packet6::icmpv6_message(*client.ip(), group, 135, 0, [0; 4], &target)).frame();
+    assert_untouched(&mut dp, &ns, "neighbour solicitation");
+    assert_eq!(run_egress(&mut dp, &ns).frame, ns, "neighbour solicitation, leaving");
+    assert_eq!(counters(&mut dp).get("reject_cluster_ip_port"), Some(&2));
 }

@@ -101,7 +101,7 @@ pub trait Dataplane {
     fn set_cluster_ip_ranges(
         &mut self,
         _cidrs: &[crate::model::store::Cidr],
-        _allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+        _allocated: &std::collections::BTreeSet<std::net::IpAddr>,
     ) -> Result<(), DataplaneError> {
         Ok(())
     }

@@ -19,7 +19,7 @@ use aya::{
     programs::SchedClassifier,
     Ebpf,
 };
-use proxy_common::{map_names, prog_names, Config, IfAddr};
+use proxy_common::{map_names, prog_names, user::MapAddr, Config, IfAddr};
 
 use self::{
     attach::{AttachError, Attachments, Role, XdpSetting},
@@ -63,7 +63,22 @@ pub struct EbpfDataplane {
     capacities: (u64, u64),
     /// What `LB4_SVCCIDR_V1` holds: (prefix length, address) -> `svc_cidr` value; read from the
     /// map the first time (a previous run's pins).
-    svc_cidrs: Option<std::collections::BTreeMap<(u8, [u8; 4]), u8>>,
+    svc_cidrs: Option<SvcCidrs<[u8; 4]>>,
+    /// The same of `LB6_SVCCIDR_V1`.
+    svc_cidrs6: Option<SvcCidrs<proxy_common::Ip6>>,
+}
+
+/// A Service CIDR map's entries: (prefix length, address) -> `svc_cidr` value.
+type SvcCidrs<A> = std::collections::BTreeMap<(u8, A), u8>;
+
+/// How one family's Service CIDR check is switched in `CONFIG_V2`, for `write_ranges`.
+struct CheckSwitch {
+    /// The config with the check on for the new ranges, and with it off.
+    on: Config,
+    off: Config,
+    /// The check must go off before the entries change (the ranges go, or IPv4's prefilter
+    /// changes).
+    off_first: bool,
 }
 
 impl EbpfDataplane {
@@ -95,7 +110,8 @@ impl EbpfDataplane {
         {
             let map = ebpf.map(map_names::CONFIG).expect("the object defines the config map");
             if let Ok(old) = Array::<&MapData, Config>::try_from(map).and_then(|a| a.get(&0, 0)) {
-                (config.svc_net, config.svc_mask, config.svc_cidrs) = (old.svc_net, old.svc_mask, old.svc_cidrs);
+                (config.svc_net, config.svc_mask, config.svc_cidrs, config.svc_cidrs6) =
+                    (old.svc_net, old.svc_mask, old.svc_cidrs, old.svc_cidrs6);
             }
         }
         let mut me = Self {
@@ -110,6 +126,7 @@ impl EbpfDataplane {
             pins_outlive_agent,
             config,
             svc_cidrs: None,
+            svc_cidrs6: None,
             capacities: (u64::from(lb_max), u64::from(ct_max)),
         };
         me.write_config(config)?;
@@ -125,39 +142,77 @@ impl EbpfDataplane {
         Ok(())
     }
 
-    /// See `Dataplane::set_cluster_ip_ranges`. Make-before-break: new entries are written
-    /// before the check is switched on or widened, and the check is narrowed or switched off
-    /// before entries go.
+    /// See `Dataplane::set_cluster_ip_ranges`: each family's ranges and allocated cluster IPs
+    /// in its own map, each family's check switched in `CONFIG_V2` (IPv4's behind a prefilter,
+    /// the ranges' common prefix; IPv6's by the number of ranges alone).
     fn write_cluster_ip_ranges(
         &mut self,
         cidrs: &[Cidr],
-        allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+        allocated: &std::collections::BTreeSet<std::net::IpAddr>,
     ) -> Result<(), DataplaneError> {
+        let v4: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_some()).collect();
+        let (net, mask) = supernet(&v4);
+        let c = self.config;
+        let switch = CheckSwitch {
+            on: Config { svc_net: net, svc_mask: mask, svc_cidrs: v4.len() as u32, ..c },
+            off: Config { svc_net: [0; 4], svc_mask: [0; 4], svc_cidrs: 0, ..c },
+            off_first: c.svc_cidrs != 0 && (v4.is_empty() || (c.svc_net, c.svc_mask) != (net, mask)),
+        };
+        let held = self.svc_cidrs.take();
+        let (held, v4_result) = self.write_ranges(&v4, allocated, held, switch);
+        self.svc_cidrs = held;
+        let v6: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_none()).collect();
+        let c = self.config;
+        let switch = CheckSwitch {
+            on: Config { svc_cidrs6: v6.len() as u32, ..c },
+            off: Config { svc_cidrs6: 0, ..c },
+            off_first: c.svc_cidrs6 != 0 && v6.is_empty(),
+        };
+        let held = self.svc_cidrs6.take();
+        let (held, v6_result) = self.write_ranges(&v6, allocated, held, switch);
+        self.svc_cidrs6 = held;
+        v4_result.and(v6_result)
+    }
+
+    /// One family's part of `write_cluster_ip_ranges`: `cidrs` are that family's. Make-before-
+    /// break: new entries are written before the check is switched on or widened, and the check
+    /// is narrowed or switched off before entries go. Returns what the map holds afterwards
+    /// (also when something failed: the next call diffs it), `held` being what it held (None:
+    /// read it).
+    fn write_ranges<A: MapAddr>(
+        &mut self,
+        cidrs: &[Cidr],
+        allocated: &std::collections::BTreeSet<std::net::IpAddr>,
+        held: Option<SvcCidrs<A>>,
+        switch: CheckSwitch,
+    ) -> (Option<SvcCidrs<A>>, Result<(), DataplaneError>) {
         use aya::maps::lpm_trie::{Key, LpmTrie};
         use proxy_common::{svc_cidr, SvcCidrKey};
-        let err = |op, source| DataplaneError::Map { op, map: map_names::SERVICE_CIDRS, source };
-        // The programs serve IPv4: the IPv6 ranges are not theirs.
-        let cidrs: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_some()).collect();
-        let cidrs = &cidrs[..];
-        let mut want: std::collections::BTreeMap<(u8, [u8; 4]), u8> =
-            cidrs.iter().filter_map(Cidr::v4).map(|(a, prefix)| ((prefix, a.octets()), svc_cidr::RANGE)).collect();
-        if !cidrs.is_empty() {
-            for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(std::net::IpAddr::V4(**ip)))) {
-                want.insert((32, ip.octets()), svc_cidr::ALLOCATED);
+        let name = A::LB.service_cidrs;
+        let err = |op, source| DataplaneError::Map { op, map: name, source };
+        let mut want: SvcCidrs<A> = cidrs.iter().filter_map(|c| Some(((c.prefix, A::from_ip(c.addr)?), svc_cidr::RANGE))).collect();
+        for ip in allocated.iter().filter(|ip| cidrs.iter().any(|c| c.contains(**ip))) {
+            if let Some(a) = A::from_ip(*ip) {
+                want.insert((A::BITS, a), svc_cidr::ALLOCATED);
             }
         }
-        let (net, mask) = supernet(cidrs);
-        let off = Config { svc_net: [0; 4], svc_mask: [0; 4], svc_cidrs: 0, ..self.config };
-        let on = Config { svc_net: net, svc_mask: mask, svc_cidrs: cidrs.len() as u32, ..self.config };
-        if self.config.svc_cidrs != 0 && (cidrs.is_empty() || (self.config.svc_net, self.config.svc_mask) != (net, mask)) {
-            self.write_config(off)?;
+        if switch.off_first {
+            if let Err(e) = self.write_config(switch.off) {
+                return (held, Err(e));
+            }
         }
-        fn open(ebpf: &mut aya::Ebpf) -> Result<LpmTrie<&mut MapData, SvcCidrKey, u8>, DataplaneError> {
-            let map = ebpf.map_mut(map_names::SERVICE_CIDRS).expect("the object defines the Service CIDR map");
-            LpmTrie::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: map_names::SERVICE_CIDRS, source })
+        fn open<'a, A: MapAddr>(
+            ebpf: &'a mut aya::Ebpf,
+            name: &'static str,
+        ) -> Result<LpmTrie<&'a mut MapData, SvcCidrKey<A>, u8>, DataplaneError> {
+            let map = ebpf.map_mut(name).expect("the object defines the Service CIDR maps");
+            LpmTrie::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: name, source })
         }
-        let mut trie = open(&mut self.ebpf)?;
-        let have = match self.svc_cidrs.take() {
+        let mut trie = match open::<A>(&mut self.ebpf, name) {
+            Ok(t) => t,
+            Err(e) => return (held, Err(e)),
+        };
+        let have = match held {
             Some(h) => h,
             None => trie
                 .keys()
@@ -165,32 +220,24 @@ impl EbpfDataplane {
                 .filter_map(|k| Some(((k.prefix_len() as u8, k.data().addr), trie.get(&k, 0).ok()?)))
                 .collect(),
         };
-        // What the map holds as this goes, kept when something fails (the next call diffs it).
+        // What the map holds as this goes.
         let mut now = have.clone();
-        let mut failed = None;
         for (&(prefix, addr), &value) in &want {
-            if have.get(&(prefix, addr)) != Some(&value) {
-                match trie.insert(&Key::new(u32::from(prefix), SvcCidrKey { addr }), value, 0) {
-                    Ok(()) => {
-                        now.insert((prefix, addr), value);
-                    }
-                    Err(e) => {
-                        failed = Some(err("insert", e));
-                        break;
-                    }
+            if have.get(&(prefix, addr)).is_none_or(|v| *v != value) {
+                if let Err(e) = trie.insert(&Key::new(u32::from(prefix), SvcCidrKey { addr }), value, 0) {
+                    return (Some(now), Err(err("insert", e)));
                 }
+                now.insert((prefix, addr), value);
             }
         }
-        if let Some(e) = failed {
-            self.svc_cidrs = Some(now);
-            return Err(e);
-        }
-        if !cidrs.is_empty() && self.config != on {
-            if let Err(e) = self.write_config(on) {
-                self.svc_cidrs = Some(now);
-                return Err(e);
+        if !cidrs.is_empty() && self.config != switch.on {
+            if let Err(e) = self.write_config(switch.on) {
+                return (Some(now), Err(e));
             }
-            trie = open(&mut self.ebpf)?;
+            trie = match open::<A>(&mut self.ebpf, name) {
+                Ok(t) => t,
+                Err(e) => return (Some(now), Err(e)),
+            };
         }
         for key in have.keys().filter(|k| !want.contains_key(*k)) {
             match trie.remove(&Key::new(u32::from(key.0), SvcCidrKey { addr: key.1 })) {
@@ -200,14 +247,10 @@ impl EbpfDataplane {
                 Err(e) if lbmaps::is_not_found(&e) => {
                     now.remove(key);
                 }
-                Err(e) => {
-                    self.svc_cidrs = Some(now);
-                    return Err(err("delete", e));
-                }
+                Err(e) => return (Some(now), Err(err("delete", e))),
             }
         }
-        self.svc_cidrs = Some(now);
-        Ok(())
+        (Some(now), Ok(()))
     }
 
     /// Records the address SNAT uses on flows leaving by external interface `ifindex` (None:
@@ -406,7 +449,7 @@ impl Dataplane for EbpfDataplane {
     fn set_cluster_ip_ranges(
         &mut self,
         cidrs: &[Cidr],
-        allocated: &std::collections::BTreeSet<std::net::Ipv4Addr>,
+        allocated: &std::collections::BTreeSet<std::net::IpAddr>,
     ) -> Result<(), DataplaneError> {
         self.write_cluster_ip_ranges(cidrs, allocated)
     }

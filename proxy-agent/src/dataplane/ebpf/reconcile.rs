@@ -127,14 +127,6 @@ impl<D: Dataplane> Reconciler<D> {
         let generation = self.store.cluster_ip_generation();
         if self.cluster_ips_written != Some(generation) {
             let (cidrs, allocated) = self.store.cluster_ip_ranges();
-            // The programs serve IPv4 cluster IPs.
-            let allocated = allocated
-                .into_iter()
-                .filter_map(|a| match a {
-                    std::net::IpAddr::V4(v) => Some(v),
-                    std::net::IpAddr::V6(_) => None,
-                })
-                .collect();
             match self.dp.set_cluster_ip_ranges(&cidrs, &allocated) {
                 Ok(()) => {
                     self.cluster_ips_written = Some(generation);
