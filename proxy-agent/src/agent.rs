@@ -233,38 +233,7 @@ fn ipv6_ranges(cfg: &Config) -> Vec<String> {
 /// had (as Cilium's datapath outlives a failing agent). An explicit `--proxy-mode` switches.
 fn choose_mode(cfg: &Config) -> anyhow::Result<(ProxyMode, Option<EbpfDataplane>)> {
     let root = &cfg.common.bpffs_root;
-    // A cluster with IPv6 ranges (dual-stack or IPv6-only): the eBPF dataplane would serve its
-    // IPv6 Services to pods and host processes only, not to outside clients (NodePorts, load
-    // balancers), where kube-proxy serves everyone. auto takes nftables, which serves both
-    // families, unless an earlier run's eBPF dataplane is attached: switching would reset every
-    // connection it carries, so that is left to an explicit --proxy-mode.
-    let v6 = ipv6_ranges(cfg);
     let links = crate::dataplane::ebpf::loader::pinned_links(root);
-    if !v6.is_empty() && links == 0 {
-        let mode = match crate::dataplane::modes::nftables_unsupported() {
-            None => ProxyMode::Nftables,
-            Some(why) => {
-                tracing::warn!("proxy mode auto: not using nftables: {why}");
-                ProxyMode::Iptables
-            }
-        };
-        tracing::info!(
-            mode = mode.as_str(),
-            "proxy mode auto: the cluster has IPv6 ranges ({}) and the eBPF dataplane serves IPv6 Services to pods and \
-             host processes only so far (not to outside clients); {mode} serves both families to all",
-            v6.join(", ")
-        );
-        return Ok((mode, None));
-    }
-    if !v6.is_empty() {
-        tracing::warn!(
-            "proxy mode auto: the cluster has IPv6 ranges ({}), whose Services the eBPF dataplane serves to pods and host \
-             processes only; \
-             keeping the attached eBPF dataplane ({links} pinned links), since switching would reset its connections: \
-             switch with --proxy-mode nftables to serve IPv6 to outside clients too",
-            v6.join(", ")
-        );
-    }
     let why = match crate::dataplane::modes::ebpf_unsupported() {
         None => match load_ebpf(cfg) {
             Ok(dp) => {

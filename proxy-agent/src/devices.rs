@@ -1,12 +1,12 @@
 //! Which interfaces the dataplane hooks, and in which role, from what netlink reports: pod
 //! interfaces by name (`--pod-devices`), external ones by name (`--devices`) or, by default,
-//! those that carry a global IPv4 address (the node's addresses, and so its default route).
-//! Also the node's addresses, which NodePorts are served on, and the address each external
-//! interface gives north-south SNAT.
+//! those that carry a global address (the node's addresses, and so its default route).
+//! Also the node's addresses, which NodePorts are served on, and the addresses (one per
+//! family) each external interface gives north-south SNAT.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use crate::{
@@ -23,6 +23,9 @@ use crate::{
 const NOT_EXTERNAL: &[&str] =
     &["lo", "docker*", "cni*", "br-*", "virbr*", "kube-ipvs0", "flannel*", "cilium_*", "tunl*", "vxlan*", "genev*", "wg*", "nodelocaldns"];
 
+/// An external interface's north-south SNAT source of each family.
+type SnatAddrs = (Option<Ipv4Addr>, Option<Ipv6Addr>);
+
 pub struct Devices {
     pod: DevicePatterns,
     /// `--devices`; None: automatic.
@@ -34,8 +37,8 @@ pub struct Devices {
     addrs: BTreeMap<u32, BTreeSet<(IpAddr, bool)>>,
     /// Interfaces to attach again (the last try failed).
     pub failed: BTreeMap<u32, String>,
-    /// What the interface-address map holds, per external interface.
-    snat_addrs: BTreeMap<u32, Option<Ipv4Addr>>,
+    /// What the interface-address maps hold, per external interface.
+    snat_addrs: BTreeMap<u32, SnatAddrs>,
     /// Why native XDP on an external interface hands its flows to TC, as last logged.
     xdp_to_tc: BTreeMap<u32, Option<&'static str>>,
 }
@@ -57,13 +60,23 @@ impl Devices {
         }
     }
 
-    /// The global IPv4 addresses of an interface: what makes it external (the eBPF dataplane
-    /// serves IPv4) and what it masquerades with.
-    fn global_addrs(&self, index: u32) -> impl Iterator<Item = Ipv4Addr> + '_ {
-        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).filter_map(|(a, _)| match a {
-            IpAddr::V4(v) => Some(*v),
+    /// The global addresses of an interface (both families): what makes it external, and
+    /// what it masquerades with.
+    fn global_addrs(&self, index: u32) -> impl Iterator<Item = IpAddr> + '_ {
+        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).map(|(a, _)| *a)
+    }
+
+    /// The SNAT source of each family on an interface: its first global address of each.
+    fn snat_addrs_of(&self, index: u32) -> SnatAddrs {
+        let v4 = self.global_addrs(index).find_map(|a| match a {
+            IpAddr::V4(v) => Some(v),
             IpAddr::V6(_) => None,
-        })
+        });
+        let v6 = self.global_addrs(index).find_map(|a| match a {
+            IpAddr::V6(v) => Some(v),
+            IpAddr::V4(_) => None,
+        });
+        (v4, v6)
     }
 
     /// The role `name` should have, if any. Pod patterns win.
@@ -144,17 +157,32 @@ impl Devices {
         }
         let externals: Vec<u32> = dp.external_interfaces();
         for index in externals {
-            let want = self.global_addrs(index).next();
-            if self.snat_addrs.get(&index) == Some(&want) {
+            let want = self.snat_addrs_of(index);
+            let have = self.snat_addrs.get(&index).copied();
+            if have == Some(want) {
                 continue;
             }
-            match dp.set_interface_address(index, want) {
-                Ok(()) => {
-                    tracing::info!(ifindex = index, address = ?want, "north-south SNAT address of external interface");
-                    self.snat_addrs.insert(index, want);
+            let (mut v4, mut v6) = have.unwrap_or((None, None));
+            if have.is_none() || v4 != want.0 {
+                match dp.set_interface_address(index, want.0) {
+                    Ok(()) => {
+                        tracing::info!(ifindex = index, address = ?want.0, "north-south IPv4 SNAT address of external interface");
+                        v4 = want.0;
+                    }
+                    Err(e) => tracing::error!(ifindex = index, "recording the interface's IPv4 address for SNAT: {e}"),
                 }
-                Err(e) => tracing::error!(ifindex = index, "recording the interface address for SNAT: {e}"),
             }
+            if have.is_none() || v6 != want.1 {
+                match dp.set_interface_address6(index, want.1) {
+                    Ok(()) => {
+                        tracing::info!(ifindex = index, address = ?want.1, "north-south IPv6 SNAT address of external interface");
+                        v6 = want.1;
+                    }
+                    Err(e) => tracing::error!(ifindex = index, "recording the interface's IPv6 address for SNAT: {e}"),
+                }
+            }
+            // A failed write is retried at the next sync (the entry then differs from `want`).
+            self.snat_addrs.insert(index, (v4, v6));
         }
     }
 }

@@ -3,12 +3,15 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
+    net::SocketAddr,
     path::{Path, PathBuf},
 };
 
 use aya::maps::{lpm_trie::LpmTrie, Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common::{
-    backend_flags, ct, map_names, svc_flags, user::proto_name, BackendFlows, Counter, CtEntry, CtKey, Reason, SourceRangeKey,
+    backend_flags, ct, map_names, svc_flags,
+    user::{proto_name, MapAddr},
+    BackendFlows, Counter, CtEntry, CtKey, Reason, SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -134,91 +137,20 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         return Err(InspectError::NotFound(root.display().to_string()));
     }
     let err = |map| move |source| InspectError::Map { map, source };
-    let services = HashMap::try_from(Map::HashMap(open(root, map_names::SERVICES)?)).map_err(err(map_names::SERVICES))?;
-    let backends = Array::try_from(Map::Array(open(root, map_names::BACKENDS)?)).map_err(err(map_names::BACKENDS))?;
-    let revnat = HashMap::try_from(Map::HashMap(open(root, map_names::REVNAT)?)).map_err(err(map_names::REVNAT))?;
-    let names = HashMap::try_from(Map::HashMap(open(root, map_names::NAMES)?)).map_err(err(map_names::NAMES))?;
-    let flows: Array<_, BackendFlows> =
-        Array::try_from(Map::Array(open(root, map_names::BACKEND_FLOWS)?)).map_err(err(map_names::BACKEND_FLOWS))?;
-    let ct_map: HashMap<_, CtKey, CtEntry> = HashMap::try_from(Map::LruHashMap(open(root, map_names::CT)?)).map_err(err(map_names::CT))?;
     let stats: PerCpuArray<_, Counter> =
         PerCpuArray::try_from(Map::PerCpuArray(open(root, map_names::STATS)?)).map_err(err(map_names::STATS))?;
-
-    let snap = snapshot::read(&services, &backends, &revnat, &names).map_err(err(map_names::SERVICES))?;
-    let mut ranges: BTreeMap<u32, Vec<String>> = BTreeMap::new();
-    // Absent in pins of a version without source ranges: none then.
-    if let Ok(m) = open(root, map_names::SOURCE_RANGES) {
-        let trie: LpmTrie<_, SourceRangeKey, u8> = LpmTrie::try_from(Map::LpmTrie(m)).map_err(err(map_names::SOURCE_RANGES))?;
-        for k in trie.keys().flatten() {
-            let shown = match lbmaps::range_of(&k) {
-                Some(r) => r.to_string(),
-                // Not a key the agent writes: shown as it is.
-                None => format!("{}/{}", std::net::Ipv4Addr::from(k.data().addr), k.prefix_len().saturating_sub(SourceRangeKey::ID_BITS)),
-            };
-            ranges.entry(k.data().service_id).or_default().push(shown);
-        }
-    }
-
     let now = monotonic_ns();
-    let mut conntrack = ConntrackReport::default();
-    let mut per_service: BTreeMap<u32, u64> = BTreeMap::new();
-    for entry in ct_map.iter() {
-        let Ok((k, e)) = entry else { continue };
-        conntrack.entries += 1;
-        if e.flags & ct::flags::REPLY != 0 {
-            continue;
-        }
-        if ct::expired(k.proto, e.flags, e.last_seen_ns, now, &ct::Lifetimes::DEFAULT) {
-            conntrack.expired += 1;
-        } else {
-            conntrack.connections += 1;
-            *per_service.entry(e.service_id).or_default() += 1;
-        }
+    let mut family = family_report::<[u8; 4]>(root, map_names::CT, now)?;
+    // Absent in pins of a version before IPv6: none then.
+    if pinned(&loader::maps_dir(root).join(map_names::SERVICES6))? {
+        let v6 = family_report::<proxy_common::Ip6>(root, map_names::CT6, now)?;
+        family.frontends.extend(v6.frontends);
+        family.retained_backends.extend(v6.retained_backends);
+        family.conntrack.entries += v6.conntrack.entries;
+        family.conntrack.connections += v6.conntrack.connections;
+        family.conntrack.expired += v6.conntrack.expired;
     }
-
-    let backend_report = |id: u32| -> Option<BackendReport> {
-        let b = snap.backends.get(&id)?;
-        Some(BackendReport {
-            id,
-            address: b.socket().to_string(),
-            flows: flows.get(&id, 0).map(|f| f.flows).unwrap_or(0),
-            terminating: b.flags & backend_flags::TERMINATING != 0,
-            local: b.flags & backend_flags::LOCAL != 0,
-        })
-    };
-    let mut in_slots = BTreeSet::new();
-    let frontends = snap
-        .frontends
-        .values()
-        .map(|fe| {
-            in_slots.extend(fe.slots.iter().copied());
-            let f = fe.master.flags;
-            let flags = [
-                (svc_flags::EXTERNAL, "external"),
-                (svc_flags::MAGLEV, "maglev"),
-                (svc_flags::DROP_WHEN_EMPTY, "drop-when-empty"),
-                (svc_flags::TWO_SCOPES, "two-scopes"),
-                (svc_flags::SOURCE_RANGES, "source-ranges"),
-            ]
-            .iter()
-            .filter(|(bit, _)| f & bit != 0)
-            .map(|(_, n)| *n)
-            .collect();
-            FrontendReport {
-                address: fe.key.socket().to_string(),
-                protocol: proto_name(fe.key.proto).to_string(),
-                service: fe.name.clone(),
-                service_id: fe.master.service_id,
-                scope: if fe.key.scope == proxy_common::scope::INTERNAL { "internal" } else { "external" },
-                flags,
-                affinity_timeout: (fe.master.affinity_timeout != 0).then_some(fe.master.affinity_timeout),
-                source_ranges: ranges.get(&fe.master.service_id).cloned().unwrap_or_default(),
-                backends: fe.slots.iter().filter_map(|id| backend_report(*id)).collect(),
-                connections: per_service.get(&fe.master.service_id).copied().unwrap_or(0),
-            }
-        })
-        .collect();
-    let retained_backends = snap.backends.keys().filter(|id| !in_slots.contains(id)).filter_map(|id| backend_report(*id)).collect();
+    let FamilyReport { frontends, retained_backends, conntrack } = family;
 
     let mut counters = BTreeMap::new();
     for r in Reason::ALL {
@@ -277,6 +209,101 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         external_interfaces,
         socket_hooks,
     })
+}
+
+/// One family's part of the report, from its maps (`MapAddr::LB`) and its conntrack table
+/// `ct`.
+struct FamilyReport {
+    frontends: Vec<FrontendReport>,
+    retained_backends: Vec<BackendReport>,
+    conntrack: ConntrackReport,
+}
+
+fn family_report<A: MapAddr>(root: &Path, ct_name: &'static str, now: u64) -> Result<FamilyReport, InspectError> {
+    let err = |map| move |source| InspectError::Map { map, source };
+    let maps = A::LB;
+    let services = HashMap::try_from(Map::HashMap(open(root, maps.services)?)).map_err(err(maps.services))?;
+    let backends = Array::try_from(Map::Array(open(root, maps.backends)?)).map_err(err(maps.backends))?;
+    let revnat = HashMap::try_from(Map::HashMap(open(root, maps.revnat)?)).map_err(err(maps.revnat))?;
+    let names = HashMap::try_from(Map::HashMap(open(root, maps.names)?)).map_err(err(maps.names))?;
+    let flows: Array<_, BackendFlows> = Array::try_from(Map::Array(open(root, maps.flows)?)).map_err(err(maps.flows))?;
+    let ct_map: HashMap<_, CtKey<A>, CtEntry<A>> = HashMap::try_from(Map::LruHashMap(open(root, ct_name)?)).map_err(err(ct_name))?;
+
+    let snap: snapshot::Snapshot<A> = snapshot::read(&services, &backends, &revnat, &names).map_err(err(maps.services))?;
+    let mut ranges: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    // Absent in pins of a version without source ranges: none then.
+    if let Ok(m) = open(root, maps.source_ranges) {
+        let trie: LpmTrie<_, SourceRangeKey<A>, u8> = LpmTrie::try_from(Map::LpmTrie(m)).map_err(err(maps.source_ranges))?;
+        for k in trie.keys().flatten() {
+            let shown = match lbmaps::range_of(&k) {
+                Some(r) => r.to_string(),
+                // Not a key the agent writes: shown as it is.
+                None => format!("{}/{}", k.data().addr.ip(), k.prefix_len().saturating_sub(SourceRangeKey::ID_BITS)),
+            };
+            ranges.entry(k.data().service_id).or_default().push(shown);
+        }
+    }
+
+    let mut conntrack = ConntrackReport::default();
+    let mut per_service: BTreeMap<u32, u64> = BTreeMap::new();
+    for entry in ct_map.iter() {
+        let Ok((k, e)) = entry else { continue };
+        conntrack.entries += 1;
+        if e.flags & ct::flags::REPLY != 0 {
+            continue;
+        }
+        if ct::expired(k.proto, e.flags, e.last_seen_ns, now, &ct::Lifetimes::DEFAULT) {
+            conntrack.expired += 1;
+        } else {
+            conntrack.connections += 1;
+            *per_service.entry(e.service_id).or_default() += 1;
+        }
+    }
+
+    let backend_report = |id: u32| -> Option<BackendReport> {
+        let b = snap.backends.get(&id)?;
+        Some(BackendReport {
+            id,
+            address: SocketAddr::new(b.addr.ip(), u16::from_be_bytes(b.port)).to_string(),
+            flows: flows.get(&id, 0).map(|f| f.flows).unwrap_or(0),
+            terminating: b.flags & backend_flags::TERMINATING != 0,
+            local: b.flags & backend_flags::LOCAL != 0,
+        })
+    };
+    let mut in_slots = BTreeSet::new();
+    let frontends = snap
+        .frontends
+        .values()
+        .map(|fe| {
+            in_slots.extend(fe.slots.iter().copied());
+            let f = fe.master.flags;
+            let flags = [
+                (svc_flags::EXTERNAL, "external"),
+                (svc_flags::MAGLEV, "maglev"),
+                (svc_flags::DROP_WHEN_EMPTY, "drop-when-empty"),
+                (svc_flags::TWO_SCOPES, "two-scopes"),
+                (svc_flags::SOURCE_RANGES, "source-ranges"),
+            ]
+            .iter()
+            .filter(|(bit, _)| f & bit != 0)
+            .map(|(_, n)| *n)
+            .collect();
+            FrontendReport {
+                address: SocketAddr::new(fe.key.addr.ip(), u16::from_be_bytes(fe.key.port)).to_string(),
+                protocol: proto_name(fe.key.proto).to_string(),
+                service: fe.name.clone(),
+                service_id: fe.master.service_id,
+                scope: if fe.key.scope == proxy_common::scope::INTERNAL { "internal" } else { "external" },
+                flags,
+                affinity_timeout: (fe.master.affinity_timeout != 0).then_some(fe.master.affinity_timeout),
+                source_ranges: ranges.get(&fe.master.service_id).cloned().unwrap_or_default(),
+                backends: fe.slots.iter().filter_map(|id| backend_report(*id)).collect(),
+                connections: per_service.get(&fe.master.service_id).copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    let retained_backends = snap.backends.keys().filter(|id| !in_slots.contains(id)).filter_map(|id| backend_report(*id)).collect();
+    Ok(FamilyReport { frontends, retained_backends, conntrack })
 }
 
 /// The report for people.

@@ -63,6 +63,8 @@ pub mod map_names {
     pub const AFFINITY_MATCH: &str = "LB4_AFFMATCH_V1";
     /// External interface index -> its IPv4 address (the SNAT source).
     pub const IFADDRS: &str = "NODE_IFADDR_V1";
+    /// External interface index -> its global IPv6 address (the IPv6 SNAT source).
+    pub const IFADDRS6: &str = "NODE_IFADDR6_V1";
     /// Node-wide settings (one entry).
     pub const CONFIG: &str = "CONFIG_V2";
     /// What the last `trace` packet did (one entry; only trace packets write it).
@@ -156,7 +158,7 @@ pub mod map_names {
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
     /// own, each with a frame of its own.
     pub const PROGS: &str = "PROGS_V1";
-    pub const ALL: [&str; 38] = [
+    pub const ALL: [&str; 39] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -194,6 +196,7 @@ pub mod map_names {
         SOCK6_FWD,
         SOCK6_PORTS,
         SOCK6_HELD,
+        IFADDRS6,
         PROGS,
     ];
 }
@@ -236,11 +239,15 @@ pub mod prog_names {
     pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
     pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";
+    pub const TC_EXT_INGRESS6: &str = "proxy_tc_ext_ingress6";
+    pub const TC_EXT_INGRESS6_NEW: &str = "proxy_tc_ext_ingress6_new";
     /// Each with its slot in `map_names::PROGS`.
-    pub const TAIL_CALLED: [(&str, u32); 3] = [
+    pub const TAIL_CALLED: [(&str, u32); 5] = [
         (TC_INGRESS6, super::prog_slots::INGRESS6),
         (TC_INGRESS6_NEW, super::prog_slots::INGRESS6_NEW),
         (TC_EGRESS6, super::prog_slots::EGRESS6),
+        (TC_EXT_INGRESS6, super::prog_slots::EXT_INGRESS6),
+        (TC_EXT_INGRESS6_NEW, super::prog_slots::EXT_INGRESS6_NEW),
     ];
 }
 
@@ -249,7 +256,9 @@ pub mod prog_slots {
     pub const INGRESS6: u32 = 0;
     pub const INGRESS6_NEW: u32 = 1;
     pub const EGRESS6: u32 = 2;
-    pub const COUNT: u32 = 3;
+    pub const EXT_INGRESS6: u32 = 3;
+    pub const EXT_INGRESS6_NEW: u32 = 4;
+    pub const COUNT: u32 = 5;
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -580,13 +589,14 @@ pub struct AffinityMatchKey {
 }
 const _: () = assert!(size_of::<AffinityMatchKey>() == 12);
 
-/// Value of `NODE_IFADDR_V1`.
+/// Value of `NODE_IFADDR_V1` (`NODE_IFADDR6_V1`).
 #[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IfAddr {
-    pub addr: [u8; 4],
+pub struct IfAddr<A = [u8; 4]> {
+    pub addr: A,
 }
 const _: () = assert!(size_of::<IfAddr>() == 4);
+const _: () = assert!(size_of::<IfAddr<Ip6>>() == 16);
 
 /// Value of `CONFIG_V2` (index 0).
 #[repr(C)]

@@ -17,7 +17,6 @@ unsafe impl aya::Pod for Counter {}
 unsafe impl aya::Pod for ServiceName {}
 unsafe impl aya::Pod for crate::AffinityValue {}
 unsafe impl aya::Pod for crate::AffinityMatchKey {}
-unsafe impl aya::Pod for crate::IfAddr {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::TraceResult {}
 unsafe impl aya::Pod for crate::Frag6Key {}
@@ -156,6 +155,7 @@ unsafe impl<A: MapAddr> aya::Pod for crate::SvcCidrKey<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::SockRevKey<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::SockFwd<A> {}
 unsafe impl<A: MapAddr> aya::Pod for crate::SockPortKey<A> {}
+unsafe impl<A: MapAddr> aya::Pod for crate::IfAddr<A> {}
 
 #[cfg(test)]
 mod tests {

@@ -361,29 +361,29 @@ pub fn create<A: Family>(
     let reply = reply_key(pkt, backend, hairpin);
     let own = key(pkt);
     // A hairpinned flow's replies go to the hairpin address: no other flow has them.
-    let mut moved = None;
+    // (The moved port is a flag and a value, not an `Option`: a `None` leaves its payload
+    // undefined, which the compiler may spill as an unwritten register the verifier refuses.)
+    let (mut moved, mut port) = (false, [0u8; 2]);
     if hairpin || A::ct().insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
         let in_use = !hairpin && A::ct().get_ptr(&reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
         if in_use {
-            moved = Some(claim_client_port(pkt, backend, e, &own, now)?);
+            port = claim_client_port(pkt, backend, e, &own, now)?;
+            moved = true;
         } else {
             A::ct().insert(reply, &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
         }
     }
-    e.flags = fin_rst | hp | if moved.is_some() { flags::PORT_NAT } else { 0 };
+    e.flags = fin_rst | hp | if moved { flags::PORT_NAT } else { 0 };
     e.l4_csum = l4_csum;
     e.nat_port = backend.port;
     e.nat_addr = backend.addr;
-    e.snat_port = moved.unwrap_or([0; 2]);
+    e.snat_port = port;
     if A::ct().insert(own, &*e, BPF_ANY as u64).is_err() {
-        let taken = match moved {
-            Some(port) => CtKey { dport: port, ..reply },
-            None => reply,
-        };
+        let taken = if moved { CtKey { dport: port, ..reply } } else { reply };
         let _ = A::ct().remove(taken);
         return Err(Reason::DropCtInsert);
     }
-    Ok(moved)
+    Ok(moved.then_some(port))
 }
 
 /// Tries for a free SNAT source port before giving up. Each try is one insert that fails only

@@ -6,18 +6,19 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-use proxy_common::{csum, Reason, TraceResult, TRACE_MARK};
+use proxy_common::{csum, prog_slots, Reason, TraceResult, TRACE_MARK};
 
 use crate::{
-    ct, frag, icmp,
-    maps::TRACE_V1,
+    ct,
+    family::Family,
+    frag,
+    maps::{PROGS_V1, TRACE_V1},
     nat::{self, Side},
     north::{self, Env, Route, Step},
-    parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF},
+    parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF, L3},
     verdict::Verdict,
 };
 
-const AF_INET: u32 = 2;
 const LOOPBACK_IFINDEX: u32 = 1;
 
 /// Outcome of the program: verdict, or for a trace the decision it recorded instead.
@@ -31,11 +32,16 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     // SAFETY: reads fields of our own context.
     let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
     let dry = mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX;
-    let mut pkt = match parse::ipv4(ctx) {
-        Parsed::Packet(p) => p,
-        Parsed::NotIpv4 => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
-        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
-        Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
+    let mut pkt = match parse::l3(ctx) {
+        L3::V4(Parsed::Packet(p)) => p,
+        L3::V4(Parsed::NotIpv4) | L3::Other => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
+        L3::V4(Parsed::Icmp { .. } | Parsed::OtherProto { .. }) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        L3::V4(Parsed::Malformed) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
+        L3::V6 => {
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_V1.tail_call(ctx, prog_slots::EXT_INGRESS6) };
+            return Outcome::Counted(Ok(Verdict::pass(Reason::PassNoStage)));
+        }
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
@@ -49,12 +55,53 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     Outcome::Counted(apply(ctx, &pkt, step))
 }
 
+/// An IPv6 packet on an external interface (a program of its own, see `map_names::PROGS`):
+/// the same decisions as IPv4's. (`proxy-agent trace` sends IPv4 only.)
 #[inline(always)]
-fn apply(ctx: &TcContext, pkt: &Packet, step: Step) -> Result<Verdict, Reason> {
+pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let mut pkt = match crate::parse6::ipv6(ctx) {
+        Parsed::Packet(p) => p,
+        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Ok(Verdict::pass(Reason::PassNotService)),
+        Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
+    };
+    if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+    }
+    let env = env6(ctx);
+    let now = ct::now();
+    // A new flow's decision runs as a program of its own (`try_tc_ext_ingress6_new`): IPv6's
+    // whole decision does not fit one 512-byte stack frame.
+    match north::decide_tracked(&env, &pkt, now, true) {
+        Step::NewFlow => Ok(Verdict::pass(crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, prog_slots::EXT_INGRESS6_NEW))),
+        step => apply(ctx, &pkt, step),
+    }
+}
+
+/// The IPv6 north-south new-flow program: `north::new_flow` for the packet
+/// `try_tc_ext_ingress6` staged, once it is checked to be this one.
+#[inline(always)]
+pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
+    let step = north::new_flow(&env6(ctx), &stage.pkt, stage.now);
+    apply(ctx, &stage.pkt, step)
+}
+
+#[inline(always)]
+fn env6(ctx: &TcContext) -> Env {
+    // SAFETY: reads a field of our own context.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry: false }
+}
+
+#[inline(always)]
+fn apply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, step: Step<A>) -> Result<Verdict, Reason> {
     match step {
         Step::Pass(reason) => Ok(Verdict::pass(reason)),
+        // Only `decide_tracked` with `stage_new` returns it, and its caller stages the packet.
+        Step::NewFlow => Ok(Verdict::pass(Reason::PassNoStage)),
         Step::Drop(reason) => Err(reason),
-        Step::Reject { .. } => icmp::reject(ctx, pkt, Reason::RejectNoEndpoints),
+        Step::Reject { .. } => A::reject(ctx, pkt, Reason::RejectNoEndpoints),
         Step::Dnat { backend, reason, sport, .. } => {
             frag::remember(pkt);
             nat::rewrite(ctx, pkt, Side::Dst, backend.addr, backend.port)?;
@@ -71,7 +118,7 @@ fn apply(ctx: &TcContext, pkt: &Packet, step: Step) -> Result<Verdict, Reason> {
             frag::remember(pkt);
             nat::rewrite(ctx, pkt, Side::Dst, dst.0, dst.1)?;
             nat::rewrite(ctx, pkt, Side::Src, src.0, src.1)?;
-            decrement_ttl(ctx)?;
+            A::decrement_hops(ctx)?;
             Ok(Verdict { action: send(ctx, &route)?, reason })
         }
     }
@@ -95,10 +142,9 @@ pub fn decrement_ttl<F: Frame>(ctx: &F) -> Result<(), Reason> {
 /// Out by `route`: with the next hop's address known, straight to the device; otherwise the
 /// kernel resolves the neighbour first.
 #[inline(always)]
-fn send(ctx: &TcContext, route: &Route) -> Result<i32, Reason> {
+fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
     if route.no_neigh {
-        let mut nh = bpf_redir_neigh { nh_family: AF_INET, __bindgen_anon_1: unsafe { core::mem::zeroed() } };
-        nh.__bindgen_anon_1.ipv4_nh = u32::from_ne_bytes(route.nexthop);
+        let mut nh = A::redirect_neigh_params(route.nexthop);
         // SAFETY: a valid parameter block of the size passed.
         let rc = unsafe { bpf_redirect_neigh(route.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) } as i32;
         return if rc == TC_ACT_REDIRECT { Ok(rc) } else { Err(Reason::DropNoRoute) };
@@ -123,6 +169,7 @@ fn trace(step: &Step) {
     let mut r = TraceResult::default();
     match step {
         Step::Pass(reason) | Step::Drop(reason) => r.reason = *reason as u32,
+        Step::NewFlow => r.reason = Reason::PassNoStage as u32,
         Step::Reject { service_id } => {
             r.reason = Reason::RejectNoEndpoints as u32;
             r.service_id = *service_id;

@@ -9,7 +9,7 @@
 //! addresses (an IPv4-mapped 16-byte key would make every IPv4 lookup hash 24 more bytes).
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{bpf_fib_lookup as FibParams, bpf_redir_neigh, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::TcContext,
 };
@@ -96,7 +96,22 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
 
     /// Answers the packet with the family's port unreachable, back where it came from.
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
+
+    /// The address SNAT puts on the family's flows leaving by external interface `ifindex`.
+    fn node_address(ifindex: u32) -> Option<Self>;
+    /// A FIB lookup's family and addresses.
+    fn set_fib_addresses(p: &mut FibParams, src: Self, dst: Self);
+    /// The next hop a successful FIB lookup left in its parameters.
+    fn fib_nexthop(p: &FibParams) -> Self;
+    /// The next hop as `bpf_redirect_neigh` takes it.
+    fn redirect_neigh_params(nexthop: Self) -> bpf_redir_neigh;
+    /// One hop less (IPv4's TTL with its header checksum, IPv6's hop limit), as the stack would
+    /// take it from a packet it routes.
+    fn decrement_hops(ctx: &TcContext) -> Result<(), Reason>;
 }
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
 impl Family for [u8; 4] {
     type FragId = [u8; 2];
@@ -208,6 +223,34 @@ impl Family for [u8; 4] {
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         icmp::reject(ctx, pkt, reason)
     }
+
+    #[inline(always)]
+    fn node_address(ifindex: u32) -> Option<Self> {
+        // SAFETY: the value is copied out at once.
+        maps::NODE_IFADDR_V1.get_ptr(&ifindex).map(|a| unsafe { (*a).addr })
+    }
+    #[inline(always)]
+    fn set_fib_addresses(p: &mut FibParams, src: Self, dst: Self) {
+        p.family = AF_INET;
+        p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
+        p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    }
+    #[inline(always)]
+    fn fib_nexthop(p: &FibParams) -> Self {
+        // SAFETY: the union field an IPv4 lookup fills in.
+        unsafe { p.__bindgen_anon_4.ipv4_dst }.to_ne_bytes()
+    }
+    #[inline(always)]
+    fn redirect_neigh_params(nexthop: Self) -> bpf_redir_neigh {
+        // SAFETY: plain data; all-zero is a valid value.
+        let mut nh = bpf_redir_neigh { nh_family: u32::from(AF_INET), __bindgen_anon_1: unsafe { core::mem::zeroed() } };
+        nh.__bindgen_anon_1.ipv4_nh = u32::from_ne_bytes(nexthop);
+        nh
+    }
+    #[inline(always)]
+    fn decrement_hops(ctx: &TcContext) -> Result<(), Reason> {
+        crate::ext::decrement_ttl(ctx)
+    }
 }
 
 impl Family for Ip6 {
@@ -220,13 +263,7 @@ impl Family for Ip6 {
     }
     #[inline(always)]
     fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason {
-        let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::PassNoStage };
-        // SAFETY: this CPU's slot; the program does not migrate while it runs, and the next
-        // program runs on this CPU before any other packet.
-        unsafe { *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 } };
-        // SAFETY: plain helper call; on success it does not return.
-        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::INGRESS6_NEW) };
-        Reason::PassNoStage
+        enter_stage(ctx, pkt, now, reason, proxy_common::prog_slots::INGRESS6_NEW)
     }
     type FragKey = Frag6Key;
     const UNSPECIFIED: Self = Ip6([0; 4]);
@@ -346,6 +383,71 @@ impl Family for Ip6 {
     #[inline(always)]
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         crate::icmp6::reject(ctx, pkt, reason)
+    }
+
+    #[inline(always)]
+    fn node_address(ifindex: u32) -> Option<Self> {
+        // SAFETY: the value is copied out at once.
+        maps::NODE_IFADDR6_V1.get_ptr(&ifindex).map(|a| unsafe { (*a).addr })
+    }
+    #[inline(always)]
+    fn set_fib_addresses(p: &mut FibParams, src: Self, dst: Self) {
+        p.family = AF_INET6;
+        p.__bindgen_anon_3.ipv6_src = src.0;
+        p.__bindgen_anon_4.ipv6_dst = dst.0;
+    }
+    #[inline(always)]
+    fn fib_nexthop(p: &FibParams) -> Self {
+        // SAFETY: the union field an IPv6 lookup fills in.
+        Ip6(unsafe { p.__bindgen_anon_4.ipv6_dst })
+    }
+    #[inline(always)]
+    fn redirect_neigh_params(nexthop: Self) -> bpf_redir_neigh {
+        bpf_redir_neigh {
+            nh_family: u32::from(AF_INET6),
+            __bindgen_anon_1: aya_ebpf::bindings::bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: nexthop.0 },
+        }
+    }
+    /// No header checksum: the hop limit is one byte.
+    #[inline(always)]
+    fn decrement_hops(ctx: &TcContext) -> Result<(), Reason> {
+        let ip = crate::parse::ptr_at::<[u8; 8]>(ctx, crate::parse::IP_OFF).ok_or(Reason::DropRewrite)?;
+        // SAFETY: bounds checked by ptr_at; the program owns the packet data.
+        unsafe { (*ip)[7] = (*ip)[7].wrapping_sub(1) };
+        Ok(())
+    }
+}
+
+/// Hands an IPv6 packet to the program in `slot` of `PROGS_V1` through this CPU's stage (a tail
+/// call, which does not return); returns the reason to pass the packet untouched under when
+/// that cannot be done. The program there checks that the stage holds its packet
+/// (`parse6::is_staged`).
+#[inline(always)]
+pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, slot: u32) -> Reason {
+    let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::PassNoStage };
+    // SAFETY: this CPU's slot; the program does not migrate while it runs, and the next
+    // program runs on this CPU before any other packet.
+    unsafe { *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 } };
+    // SAFETY: plain helper call; on success it does not return.
+    unsafe { maps::PROGS_V1.tail_call(ctx, slot) };
+    Reason::PassNoStage
+}
+
+/// The staged packet, if it is this frame's (see `enter_stage`).
+#[inline(always)]
+pub fn staged(ctx: &TcContext) -> Option<&'static Stage<Ip6>> {
+    let stage = maps::STAGE6.get_ptr(0)?;
+    // SAFETY: this CPU's slot, written by the program that tail-called here.
+    let stage = unsafe { &*stage };
+    (crate::parse6::is_staged(ctx, &stage.pkt) && (stage.reason as usize) < Reason::ALL.len()).then_some(stage)
+}
+
+impl Stage<Ip6> {
+    /// The reason the staging program gave (checked by `staged` to be one).
+    #[inline(always)]
+    pub fn reason(&self) -> Reason {
+        // SAFETY: a `Reason`'s discriminant (`repr(u32)`), checked in `staged`.
+        unsafe { core::mem::transmute::<u32, Reason>(self.reason) }
     }
 }
 

@@ -82,6 +82,17 @@ pub fn proxy_tc_ext_ingress(ctx: TcContext) -> i32 {
     }
 }
 
+/// IPv6 on external interfaces (tail-called by `proxy_tc_ext_ingress`).
+#[classifier]
+pub fn proxy_tc_ext_ingress6(ctx: TcContext) -> i32 {
+    finish(&ctx, ext::try_tc_ext_ingress6(&ctx))
+}
+
+#[classifier]
+pub fn proxy_tc_ext_ingress6_new(ctx: TcContext) -> i32 {
+    finish(&ctx, ext::try_tc_ext_ingress6_new(&ctx))
+}
+
 /// XDP on external interfaces: the fast path for north-south flows to remote backends.
 #[xdp]
 pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {

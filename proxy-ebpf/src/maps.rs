@@ -127,6 +127,10 @@ pub static HOST_NETNS_V1: Array<u64, 1> = Array::new();
 #[btf_map]
 pub static NODE_IFADDR_V1: HashMap<u32, IfAddr, { limits::IFADDR_MAP_MAX as usize }> = HashMap::new();
 
+/// External interface index -> the IPv6 address SNAT puts on IPv6 flows leaving by it.
+#[btf_map]
+pub static NODE_IFADDR6_V1: HashMap<u32, IfAddr<Ip6>, { limits::IFADDR_MAP_MAX as usize }> = HashMap::new();
+
 /// Interface index -> what native XDP may send out of it (`xdp_dev` flags; absent: nothing).
 #[btf_map]
 pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = HashMap::new();

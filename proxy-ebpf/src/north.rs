@@ -8,6 +8,9 @@
 //! XDP handles what it can finish on its own (remote backends with a resolved neighbour, their
 //! replies) and leaves the rest to TC, which makes the same choice: Maglev and affinity are
 //! deterministic for a flow.
+//!
+//! Both families take the same decisions (`Family`); IPv6 runs in TC only so far (XDP passes
+//! it to TC).
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},
@@ -18,24 +21,23 @@ use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, CtKe
 
 use crate::{
     ct,
-    maps::{CONFIG_V2, CT4_V2, NODE_IFADDR_V1, XDP_DEVS_V1},
+    family::Family,
+    maps::{CONFIG_V2, XDP_DEVS_V1},
     parse::Packet,
     pod_ingress::count_flow,
     select::{self, backend, revnat_of, service},
 };
 
-const AF_INET: u8 = 2;
-
 /// Where the FIB sends a packet.
 #[derive(Clone, Copy)]
-pub struct Route {
+pub struct Route<A = [u8; 4]> {
     pub ifindex: u32,
     pub smac: [u8; 6],
     pub dmac: [u8; 6],
     /// The next hop has no neighbour entry yet: `dmac` is unknown.
     pub no_neigh: bool,
     /// The next hop (gateway, or the destination itself).
-    pub nexthop: [u8; 4],
+    pub nexthop: A,
 }
 
 pub struct Env {
@@ -48,13 +50,13 @@ pub struct Env {
     pub dry: bool,
 }
 
-pub enum Step {
+pub enum Step<A = [u8; 4]> {
     /// Not ours to change.
     Pass(Reason),
     /// DNAT only, and on through the stack (a backend on this node).
     /// `sport`: the client's source port moved to keep the translated tuple unique.
     Dnat {
-        backend: Backend,
+        backend: Backend<A>,
         backend_id: u32,
         service_id: u32,
         reason: Reason,
@@ -62,14 +64,16 @@ pub enum Step {
     },
     /// Rewrite both addresses and send by `route`.
     Forward {
-        dst: ([u8; 4], [u8; 2]),
-        src: ([u8; 4], [u8; 2]),
-        route: Route,
+        dst: (A, [u8; 2]),
+        src: (A, [u8; 2]),
+        route: Route<A>,
         backend_id: u32,
         service_id: u32,
         reason: Reason,
     },
-    /// No endpoints: ICMP port unreachable.
+    /// A new flow, left for `new_flow` (`decide_tracked`).
+    NewFlow,
+    /// No endpoints: ICMP (ICMPv6) port unreachable.
     Reject {
         service_id: u32,
     },
@@ -77,30 +81,34 @@ pub enum Step {
 }
 
 #[inline(always)]
-pub fn fib(env: &Env, pkt: &Packet, src: [u8; 4], dst: [u8; 4]) -> Result<Route, Reason> {
+pub fn fib<A: Family>(env: &Env, pkt: &Packet<A>, src: A, dst: A) -> Result<Route<A>, Reason> {
     // SAFETY: a plain-data struct of integers and arrays; all-zero is a valid value.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.family = AF_INET;
     p.l4_protocol = pkt.proto;
     p.ifindex = env.ifindex;
     // tot_len stays 0: no MTU check (translation does not change the size).
-    p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
-    p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    A::set_fib_addresses(&mut p, src, dst);
     // SAFETY: `p` is a valid, fully initialised parameter block of the size passed.
     let rc = unsafe { bpf_fib_lookup(env.ctx, &mut p, size_of::<FibParams>() as i32, 0) };
     let no_neigh = rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64;
     if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 && !no_neigh {
         return Err(Reason::DropNoRoute);
     }
-    // SAFETY: union fields the helper filled in for an IPv4 lookup.
-    let nexthop = unsafe { p.__bindgen_anon_4.ipv4_dst }.to_ne_bytes();
-    Ok(Route { ifindex: p.ifindex, smac: p.smac, dmac: p.dmac, no_neigh, nexthop })
+    Ok(Route { ifindex: p.ifindex, smac: p.smac, dmac: p.dmac, no_neigh, nexthop: A::fib_nexthop(&p) })
 }
 
 /// The route of a tracked flow: the one cached in its entry while it is fresh, else a FIB lookup
 /// whose answer is cached (not for a neighbour that is not resolved yet, nor in a trace).
 #[inline(always)]
-fn route_of(env: &Env, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, src: [u8; 4], dst: [u8; 4], now: u64) -> Result<Route, Reason> {
+fn route_of<A: Family>(
+    env: &Env,
+    pkt: &Packet<A>,
+    e: *mut CtEntry<A>,
+    entry: &CtEntry<A>,
+    src: A,
+    dst: A,
+    now: u64,
+) -> Result<Route<A>, Reason> {
     let epoch = proxy_common::ct::route_epoch(now);
     if entry.route_ifindex != 0 && entry.route_epoch == epoch {
         return Ok(Route { ifindex: entry.route_ifindex, smac: entry.route_smac, dmac: entry.route_dmac, no_neigh: false, nexthop: dst });
@@ -123,7 +131,7 @@ fn route_of(env: &Env, pkt: &Packet, e: *mut CtEntry, entry: &CtEntry, src: [u8;
 /// or leaves by a device that cannot take its frames (and everything else it cannot finish);
 /// TC drops what has no route.
 #[inline(always)]
-fn usable(env: &Env, route: Result<Route, Reason>) -> Result<Route, Step> {
+fn usable<A: Family>(env: &Env, route: Result<Route<A>, Reason>) -> Result<Route<A>, Step<A>> {
     match route {
         Ok(r) if !env.xdp || (!r.no_neigh && xdp_can_send(env.ifindex, r.ifindex)) => Ok(r),
         Ok(_) => Err(Step::Pass(Reason::XdpPass)),
@@ -146,13 +154,21 @@ fn xdp_can_send(ingress: u32, egress: u32) -> bool {
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
 #[inline(always)]
-fn xdp_pass(env: &Env) -> Option<Step> {
+fn xdp_pass<A: Family>(env: &Env) -> Option<Step<A>> {
     env.xdp.then_some(Step::Pass(Reason::XdpPass))
 }
 
 #[inline(always)]
-pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
-    if let Some(e) = CT4_V2.get_ptr_mut(ct::key(pkt)) {
+pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
+    decide_tracked(env, pkt, now, false)
+}
+
+/// `decide`; with `stage_new`, a packet that opens a flow gets `Step::NewFlow` instead of its
+/// step, for a program of its own to decide (IPv6's whole decision does not fit one 512-byte
+/// stack frame).
+#[inline(always)]
+pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new: bool) -> Step<A> {
+    if let Some(e) = A::ct().get_ptr_mut(ct::key(pkt)) {
         // SAFETY: live map value; CtEntry is plain data.
         let entry = unsafe { *e };
         if entry.flags & flags::REPLY != 0 {
@@ -192,7 +208,7 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
             };
         }
         let live = !ct::forward_stale(pkt, &entry, now);
-        let be = backend(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+        let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
         if let (true, Some(be)) = (live, be) {
             if entry.flags & flags::SNAT == 0 {
                 if let Some(s) = xdp_pass(env) {
@@ -234,11 +250,15 @@ pub fn decide(env: &Env, pkt: &Packet, now: u64) -> Step {
             ct::drop_reply(pkt, &entry);
         }
     }
+    if stage_new {
+        return Step::NewFlow;
+    }
     new_flow(env, pkt, now)
 }
 
+/// The step for a packet opening a flow (or of none the hooks serve).
 #[inline(always)]
-fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
+pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
     let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let master = match service(&key) {
         Some(m) if m.flags & svc_flags::EXTERNAL != 0 => m,
@@ -272,7 +292,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
                 Ok(moved) => sport = moved,
                 Err(r) => return Step::Drop(r),
             }
-            count_flow::<[u8; 4]>(choice.id);
+            count_flow::<A>(choice.id);
         }
         return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal, sport };
     }
@@ -280,8 +300,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         Ok(r) => r,
         Err(step) => return step,
     };
-    // SAFETY: the value is copied out at once.
-    let Some(snat_addr) = NODE_IFADDR_V1.get_ptr(&route.ifindex).map(|a| unsafe { (*a).addr }) else {
+    let Some(snat_addr) = A::node_address(route.ifindex) else {
         return xdp_pass(env).unwrap_or(Step::Drop(Reason::DropNoRoute));
     };
     let (min, max) = match CONFIG_V2.get(0) {
@@ -297,7 +316,7 @@ fn new_flow(env: &Env, pkt: &Packet, now: u64) -> Step {
         }
     };
     if !env.dry {
-        count_flow::<[u8; 4]>(choice.id);
+        count_flow::<A>(choice.id);
     }
     Step::Forward {
         dst: (be.addr, be.port),

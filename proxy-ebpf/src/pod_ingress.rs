@@ -14,7 +14,7 @@ use crate::{
     ct,
     family::Family,
     frag, icmp, icmp6,
-    maps::{PROGS_V1, STAGE6},
+    maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     parse6,
@@ -106,15 +106,8 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
 /// a new flow stage may tail-call an old new-flow program, whose stage map is the old one).
 #[inline(always)]
 pub fn try_tc_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let Some(stage) = STAGE6.get_ptr(0) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    // SAFETY: this CPU's slot, written by the flow stage that tail-called here; the reason is a
-    // `Reason`'s discriminant (`repr(u32)`), checked below to be this packet's stage.
-    let (pkt, now, reason) = unsafe { (&(*stage).pkt, (*stage).now, (*stage).reason) };
-    if !parse6::is_staged(ctx, pkt) || reason as usize >= Reason::ALL.len() {
-        return Ok(Verdict::pass(Reason::PassNoStage));
-    }
-    // SAFETY: see above.
-    to_service(ctx, pkt, now, unsafe { core::mem::transmute::<u32, Reason>(reason) })
+    let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
+    to_service(ctx, &stage.pkt, stage.now, stage.reason())
 }
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.

@@ -29,6 +29,15 @@ use crate::{
 pub const CLIENT_IP: &str = "192.168.100.100";
 pub const TCP_PORT: u16 = 8080;
 pub const UDP_PORT: u16 = 5353;
+/// The backends' IPv6 servers (`Cluster::add_ipv6`).
+pub const TCP_PORT6: u16 = 8081;
+pub const UDP_PORT6: u16 = 5354;
+pub const CLIENT_IP6: &str = "fd00:100::100";
+
+/// The IPv6 address of node `n`'s (1, 2) `j`th backend pod (`Cluster::add_ipv6`).
+pub fn pod_ipv6(n: u16, j: usize) -> std::net::Ipv6Addr {
+    std::net::Ipv6Addr::new(0xfd00, 0x244, n, 0, 0, 0, 0, 0x11 + j as u16)
+}
 
 pub struct Node {
     pub name: String,
@@ -186,6 +195,27 @@ impl Cluster {
         self.switch_xdp.insert(port.to_string(), xdp_program_on(&self.switch, &[port], program));
     }
 
+    /// Makes the lab dual-stack, as a node's network is: the client is fd00:100::100, node A
+    /// fd00:100::1 with pods in fd00:244:1::/64, node B fd00:100::2 with pods in
+    /// fd00:244:2::/64 (each routing the other's through it), and every backend pod answers
+    /// over IPv6 too, on TCP `TCP_PORT6` and UDP `UDP_PORT6` (an IPv6 socket on the IPv4
+    /// servers' ports would be refused: it is dual-stack).
+    pub fn add_ipv6(&mut self) {
+        self.client.ip(&["-6", "addr", "add", "fd00:100::100/64", "dev", "eth0", "nodad"]);
+        for (i, node) in self.nodes.iter().enumerate() {
+            let n = i as u16 + 1;
+            node.ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+            node.ns.ip(&["-6", "addr", "add", &format!("fd00:100::{n}/64"), "dev", "wire0", "nodad"]);
+            let other = 3 - n;
+            node.ns.ip(&["-6", "route", "add", &format!("fd00:244:{other}::/64"), "via", &format!("fd00:100::{other}")]);
+            for (j, pod) in node.pods.iter().enumerate() {
+                pod.add_ipv6(&node.ns, pod_ipv6(n, j));
+                let any = std::net::Ipv6Addr::UNSPECIFIED.into();
+                self.servers.push(servers::Backend::start_on(&pod.ns, &pod.name, any, TCP_PORT6, UDP_PORT6));
+            }
+        }
+    }
+
     /// The switch namespace (the bench reads its ports' counters).
     pub fn switch(&self) -> &Netns {
         &self.switch
@@ -339,6 +369,18 @@ pub fn slice(svc: &str, endpoints: &[(Ipv4Addr, &str)]) -> String {
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-1\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n- {{name: http, port: {TCP_PORT}, protocol: TCP}}\n- {{name: dns, port: {UDP_PORT}, protocol: UDP}}\n"
     );
     s += if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
+    for (ip, node) in endpoints {
+        s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {node}\n");
+    }
+    s
+}
+
+/// An IPv6 EndpointSlice for `svc` (named `<svc>-v6`): (address, node) endpoints on the
+/// backends' IPv6 ports (`Cluster::add_ipv6`), "http" and "dns".
+pub fn slice6(svc: &str, endpoints: &[(std::net::Ipv6Addr, &str)]) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {{name: http, port: {TCP_PORT6}, protocol: TCP}}\n- {{name: dns, port: {UDP_PORT6}, protocol: UDP}}\nendpoints:\n"
+    );
     for (ip, node) in endpoints {
         s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {node}\n");
     }

@@ -233,9 +233,22 @@ pub fn tcp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
     Conn::open(ns, to)?.ask()
 }
 
+/// One TCP request on a fresh connection, to an address of either family.
+pub fn tcp_ask_any(ns: &Netns, to: SocketAddr) -> io::Result<Answer> {
+    let stream = ns.run(move || TcpStream::connect_timeout(&to, TIMEOUT))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.set_write_timeout(Some(TIMEOUT))?;
+    Conn { writer: stream.try_clone()?, reader: BufReader::new(stream) }.ask()
+}
+
 /// One UDP request; returns the answer and the address it came from.
 pub fn udp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<(Answer, SocketAddr)> {
-    let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
+    udp_ask_any(ns, to.into())
+}
+
+/// The same to an address of either family.
+pub fn udp_ask_any(ns: &Netns, to: SocketAddr) -> io::Result<(Answer, SocketAddr)> {
+    let sock = ns.run(move || UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }))?;
     sock.set_read_timeout(Some(TIMEOUT))?;
     sock.send_to(b"hello", to)?;
     let mut buf = [0u8; 2048];

@@ -806,39 +806,29 @@ fn auto_mode_keeps_an_attached_ebpf_dataplane_when_ebpf_cannot_load() {
     }
 }
 
-/// `auto` on a dual-stack cluster (an IPv6 range in --cluster-cidr) takes nftables, which
-/// serves both families, instead of the IPv4-only eBPF dataplane; with an earlier run's eBPF
-/// dataplane attached it keeps that one (switching would reset its connections) and says how
-/// to switch.
+/// `auto` on a dual-stack cluster (an IPv6 range in --cluster-cidr) takes the eBPF dataplane,
+/// which serves both families, and sizes the IPv6 tables like the IPv4 ones (elsewhere they
+/// are small: an LRU map is allocated whole).
 #[test]
-fn auto_mode_takes_nftables_on_a_dual_stack_cluster_unless_ebpf_is_attached() {
-    let test = "auto_mode_takes_nftables_on_a_dual_stack_cluster_unless_ebpf_is_attached";
-    if !require::root(test) {
-        return;
-    }
-    let dual_stack = ["--cluster-cidr", "10.244.0.0/16,fd00:244::/64"];
-    let mut lab = Lab::new(AGENT, 3);
-    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.start_agent_with_extra(&dual_stack);
-    lab.wait_log("initial sync done", 1);
-    let log = lab.agent_log();
-    assert!(log.contains("the cluster has IPv6 ranges (fd00:244::/64)") && log.contains("mode=\"nftables\""), "{log}");
-    let ip6 =
-        std::process::Command::new("ip").args(["netns", "exec", &lab.node.name, "nft", "list", "table", "ip6", "kube-proxy"]).output();
-    assert!(ip6.unwrap().status.success(), "the ip6 kube-proxy table is written");
-    assert_eq!(counts(&lab, 30).len(), 3, "IPv4 Services are served too");
-    assert!(lab.inspect().is_err(), "no eBPF dataplane");
-
-    // An attached eBPF dataplane stays.
-    let Some(mut lab) = self::lab(test) else { return };
-    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
-    let backend = conn.ask().expect("first answer").backend;
+fn auto_mode_takes_ebpf_on_a_dual_stack_cluster_with_full_size_ipv6_tables() {
+    let Some(mut lab) = lab("auto_mode_takes_ebpf_on_a_dual_stack_cluster_with_full_size_ipv6_tables") else { return };
+    let size = |lab: &Lab, name: &str| {
+        aya::maps::MapInfo::from_pin(lab.bpffs().join("maps").join(name)).map(|i| i.max_entries()).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let ct = size(&lab, proxy_common::map_names::CT);
+    assert_eq!(
+        size(&lab, proxy_common::map_names::CT6),
+        proxy_agent::dataplane::ebpf::loader::IPV6_LRU_MAX_SMALL.min(ct),
+        "IPv4 only: small"
+    );
     lab.stop_agent();
-    lab.start_agent_with_extra(&dual_stack);
+    lab.start_agent_with_extra(&["--cluster-cidr", "10.244.0.0/16,fd00:244::/64"]);
     lab.wait_log("initial sync done", 2);
     let log = lab.agent_log();
-    assert!(log.contains("keeping the attached eBPF dataplane") && log.contains("--proxy-mode nftables"), "{log}");
-    assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    assert!(log.contains("proxy mode auto: the kernel runs the eBPF dataplane"), "{log}");
+    assert_eq!(size(&lab, proxy_common::map_names::CT6), ct, "dual-stack: the IPv6 conntrack table is the IPv4 one's size");
+    assert_eq!(size(&lab, proxy_common::map_names::SOCK6_REVNAT), proxy_common::limits::SOCK_REVNAT_MAX);
+    assert_eq!(counts(&lab, 30).len(), 3, "IPv4 Services are served");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use std::{
 };
 
 use proxy_tests::{
-    cluster::{nodes_manifest, service, slice, sock, Cluster, CLIENT_IP},
+    cluster::{nodes_manifest, pod_ipv6, service, slice, slice6, sock, Cluster, CLIENT_IP, CLIENT_IP6},
     require,
     servers::{http_get_with_headers, tcp_ask, udp_ask, Answer},
 };
@@ -359,4 +359,76 @@ fn load_balancer_source_ranges_admit_only_their_clients() {
     let dropped: u64 =
         c.nodes.iter().filter_map(|n| n.inspect().ok()).filter_map(|r| r.counters.get("drop_source_range").map(|c| c.packets)).sum();
     assert!(dropped >= 1, "the drops are counted");
+}
+
+/// IPv6 north-south end to end on a dual-stack lab: an outside client reaches a dual-stack
+/// Service's IPv6 NodePorts (TCP and UDP) on both nodes; a backend on the node it asked sees
+/// the client's own address, one on the other node the asking node's (SNAT with a tracked
+/// port, and the reply comes back the same way); without endpoints the client is refused at
+/// once; the IPv4 NodePorts serve beside them.
+#[test]
+fn ipv6_node_ports_keep_the_client_address_for_local_backends_and_snat_for_remote_ones() {
+    let Some(mut c) = cluster("ipv6_node_ports", [&["a1"], &["b1", "b2"]]) else { return };
+    c.add_ipv6();
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    let dual = |name: &str, cluster_ips: &str, node_ports: (u16, u16)| {
+        let primary = cluster_ips.split(',').next().unwrap_or_default();
+        service(
+            name,
+            &format!(
+                "  type: NodePort\n  clusterIP: {primary}\n  clusterIPs: [{cluster_ips}]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - {{name: http, port: 80, targetPort: http, nodePort: {}, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: dns, nodePort: {}, protocol: UDP}}\n",
+                node_ports.0, node_ports.1
+            ),
+            None,
+        )
+    };
+    c.write_manifest("web.yaml", &dual("web", "10.96.0.10, 'fd00:96::10'", (30080, 30053)));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
+    let eps6 = [(pod_ipv6(1, 0), "node-a"), (pod_ipv6(2, 0), "node-b"), (pod_ipv6(2, 1), "node-b")];
+    c.write_manifest("web-eps6.yaml", &slice6("web", &eps6));
+    c.write_manifest("empty.yaml", &dual("empty", "10.96.0.11, 'fd00:96::11'", (30090, 30091)));
+    c.start_agents(&["--cluster-cidr", "10.244.0.0/16,fd00:244::/48", "--service-cluster-ip-range", "10.96.0.0/16,fd00:96::/112"]);
+    c.wait_frontend("NODE:30080", "TCP", 3);
+    let client6: std::net::Ipv6Addr = CLIENT_IP6.parse().unwrap();
+    for (node, via) in [("node-a", "fd00:100::1"), ("node-b", "fd00:100::2")] {
+        for udp in [false, true] {
+            let to: SocketAddr = format!("[{via}]:{}", if udp { 30053 } else { 30080 }).parse().unwrap();
+            let ask = || {
+                if udp {
+                    proxy_tests::servers::udp_ask_any(&c.client, to).map(|(a, _)| a)
+                } else {
+                    proxy_tests::servers::tcp_ask_any(&c.client, to)
+                }
+            };
+            // The agents program the IPv6 NodePorts once they have seen the nodes' addresses.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while let Err(e) = ask() {
+                assert!(std::time::Instant::now() < deadline, "{to} via {node}: {e}\n{}", c.node(node).agent_log());
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let mut peers: BTreeMap<String, BTreeSet<std::net::IpAddr>> = BTreeMap::new();
+            for i in 0..40 {
+                let a = ask().unwrap_or_else(|e| panic!("request {i} to {to}: {e}"));
+                peers.entry(a.backend).or_default().insert(a.peer.ip());
+            }
+            assert_eq!(peers.keys().cloned().collect::<Vec<_>>(), ["a1", "b1", "b2"], "{to}: every backend, on both nodes: {peers:?}");
+            for (backend, seen) in &peers {
+                let local = (backend == "a1") == (node == "node-a");
+                let want: std::net::IpAddr = if local { client6.into() } else { via.parse::<std::net::Ipv6Addr>().unwrap().into() };
+                assert_eq!(seen, &BTreeSet::from([want]), "{to}: {backend} ({}) must see {want}", if local { "local" } else { "remote" });
+            }
+        }
+    }
+    // `inspect` shows the IPv6 frontends beside the IPv4 ones.
+    let r = c.node("node-a").inspect().unwrap();
+    let f = r.frontends.iter().find(|f| f.address == "[fd00:100::1]:30080" && f.scope == "external").expect("the IPv6 NodePort in inspect");
+    assert_eq!(f.backends.len(), 3, "{:?}", f.backends);
+    assert!(f.backends.iter().any(|b| b.address == format!("[{}]:8081", pod_ipv6(2, 0))), "{:?}", f.backends);
+    assert!(r.frontends.iter().any(|f| f.address == "192.168.100.1:30080"), "and the IPv4 one");
+    assert!(r.counters.get("ext_new_remote").is_some_and(|c| c.packets > 0), "{:?}", r.counters);
+    // Without endpoints: refused at once (ICMPv6 port unreachable from the node).
+    let err = proxy_tests::servers::tcp_ask_any(&c.client, "[fd00:100::1]:30090".parse().unwrap()).expect_err("no endpoints");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    // The IPv4 NodePort beside it.
+    assert_eq!(ask_many(&c, "192.168.100.1:30080", false, 10).len(), 10);
 }

@@ -38,9 +38,6 @@ pub struct Translation {
     pub ports: Vec<PortView>,
     pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
-    /// What the eBPF dataplane leaves out of this Service (outside clients of its IPv6
-    /// addresses), for that mode's log only: the netfilter modes serve both families.
-    pub ebpf_notes: Vec<String>,
 }
 
 /// externalTrafficPolicy counts only for NodePort and LoadBalancer Services (a ClusterIP
@@ -113,8 +110,7 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cid
 /// Translates one Service: a `PortView` per port for each family the Service has a cluster IP
 /// of (each family's view holds that family's addresses and the endpoints of that family's
 /// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
-/// dataplane's frontends of both families (its IPv6 ones serve pods and host processes so
-/// far, not outside clients: `ebpf_notes` says what they leave out). `slices` are the Service's slices, sorted by
+/// dataplane's frontends of both families. `slices` are the Service's slices, sorted by
 /// name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
@@ -163,17 +159,6 @@ fn family_service(
     let external_ips = of_family(&svc.external_ips, family);
     let node_ports = matches!(svc.service_type, ServiceType::NodePort | ServiceType::LoadBalancer);
     let lb_source_ranges: Vec<Cidr> = svc.lb_source_ranges.iter().copied().filter(|r| r.family() == family).collect();
-    if family == Family::V6 {
-        // The eBPF dataplane's IPv6 path runs on pod-facing interfaces and in the socket hooks
-        // so far: pods and host processes reach every frontend, outside clients none.
-        for (what, addrs) in [("cluster IP", cluster_ips), ("load-balancer IP", &lb_ips[..]), ("external IP", &external_ips[..])] {
-            for a in addrs {
-                out.ebpf_notes.push(format!(
-                    "{what} {a}: served to pods and host processes only (the eBPF dataplane does not serve IPv6 to outside clients yet)"
-                ));
-            }
-        }
-    }
     let mut local_endpoints = 0;
     for port in &svc.ports {
         let endpoints = port_endpoints(port, slices, node);
@@ -481,8 +466,7 @@ mod tests {
         assert_eq!(a.lb_source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
         assert_eq!(a.cluster_endpoints.len(), 2, "the IPv4 slice's endpoints");
         assert_eq!(b.cluster_endpoints.iter().map(|e| e.socket().to_string()).collect::<Vec<_>>(), ["[fd00:1::1]:8080"]);
-        // Each family's eBPF frontends hold that family's endpoints and ranges; the IPv6 ones
-        // say in their own notes that they serve pods and host processes only.
+        // Each family's eBPF frontends hold that family's endpoints and ranges.
         assert_eq!(t.frontends.len(), 8, "cluster IP, NodePort, LB, external IP of each family: {:?}", t.frontends);
         for (k, f) in &t.frontends {
             assert!(f.backends.iter().all(|b| b.addr.is_ipv4() == k.addr.is_ipv4()), "{k}: {:?}", f.backends);
@@ -492,7 +476,6 @@ mod tests {
         assert_eq!(find(&t, fk("203.0.113.1", 80, Protocol::Tcp)).source_ranges, vec!["10.0.0.0/8".parse().unwrap()]);
         assert_eq!(find(&t, fk("2001:db8::1", 80, Protocol::Tcp)).source_ranges, vec!["2001:db8:1::/48".parse().unwrap()]);
         assert_eq!(find(&t, fk("fd00:ff::10", 30080, Protocol::Tcp)).kind, FrontendKind::NodePort);
-        assert_eq!(t.ebpf_notes.len(), 3, "{:?}", t.ebpf_notes);
         assert!(t.notes.is_empty(), "{:?}", t.notes);
         // Health-check endpoints are counted per family, not added up; the IPv4 family's count
         // is kept apart for the IPv4-only eBPF dataplane.

@@ -135,6 +135,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::AFFINITY => (MapType::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
         map_names::AFFINITY_MATCH => (MapType::Hash, size_of::<AffinityMatchKey>(), size_of::<u32>()),
         map_names::IFADDRS => (MapType::Hash, size_of::<u32>(), size_of::<IfAddr>()),
+        map_names::IFADDRS6 => (MapType::Hash, size_of::<u32>(), size_of::<IfAddr<Ip6>>()),
         map_names::CONFIG => (MapType::Array, size_of::<u32>(), size_of::<Config>()),
         map_names::TRACE => (MapType::Array, size_of::<u32>(), size_of::<TraceResult>()),
         map_names::SOURCE_RANGES => (MapType::LpmTrie, size_of::<u32>() + size_of::<SourceRangeKey>(), size_of::<u8>()),

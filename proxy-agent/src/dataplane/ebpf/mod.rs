@@ -253,22 +253,27 @@ impl EbpfDataplane {
         (Some(now), Ok(()))
     }
 
-    /// Records the address SNAT uses on flows leaving by external interface `ifindex` (None:
-    /// the interface has no IPv4 address any more).
+    /// Records the address SNAT uses on IPv4 flows leaving by external interface `ifindex`
+    /// (None: the interface has no IPv4 address any more).
     pub fn set_interface_address(&mut self, ifindex: u32, addr: Option<std::net::Ipv4Addr>) -> Result<(), DataplaneError> {
-        let map = self.ebpf.map_mut(map_names::IFADDRS).expect("the object defines the interface address map");
-        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr> =
-            aya::maps::HashMap::try_from(map).map_err(|source| DataplaneError::Map { op: "open", map: map_names::IFADDRS, source })?;
+        self.write_interface_address(map_names::IFADDRS, ifindex, addr.map(|a| a.octets()))
+    }
+
+    /// The same for IPv6 flows.
+    pub fn set_interface_address6(&mut self, ifindex: u32, addr: Option<std::net::Ipv6Addr>) -> Result<(), DataplaneError> {
+        self.write_interface_address(map_names::IFADDRS6, ifindex, addr.map(|a| proxy_common::Ip6::from_bytes(a.octets())))
+    }
+
+    fn write_interface_address<A: MapAddr>(&mut self, name: &'static str, ifindex: u32, addr: Option<A>) -> Result<(), DataplaneError> {
+        let map = self.ebpf.map_mut(name).expect("the object defines the interface address maps");
+        let err = |op, source| DataplaneError::Map { op, map: name, source };
+        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr<A>> = aya::maps::HashMap::try_from(map).map_err(|e| err("open", e))?;
         match addr {
-            Some(a) => m.insert(ifindex, IfAddr { addr: a.octets() }, 0).map_err(|source| DataplaneError::Map {
-                op: "update",
-                map: map_names::IFADDRS,
-                source,
-            }),
+            Some(addr) => m.insert(ifindex, IfAddr { addr }, 0).map_err(|e| err("update", e)),
             None => match m.remove(&ifindex) {
                 Ok(()) => Ok(()),
                 Err(e) if lbmaps::is_not_found(&e) => Ok(()),
-                Err(source) => Err(DataplaneError::Map { op: "delete", map: map_names::IFADDRS, source }),
+                Err(e) => Err(err("delete", e)),
             },
         }
     }

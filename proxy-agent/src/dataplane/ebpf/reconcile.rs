@@ -166,7 +166,6 @@ impl<D: Dataplane> Reconciler<D> {
     fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) -> bool {
         let translation = self.store.translate(svc);
         crate::model::store::log_notes(svc, &translation.notes);
-        crate::model::store::log_notes(svc, &translation.ebpf_notes);
         match translation.health_check {
             Some(h) => {
                 self.health_checks.insert(svc.clone(), h);

@@ -1,0 +1,282 @@
+//! IPv6 north-south packet tables: frames arriving on an external interface through the real
+//! TC external ingress program (which tail-calls the IPv6 ones) and XDP, inside a namespace of
+//! the test's own whose IPv6 routes and neighbours the programs' FIB lookups use. Outputs are
+//! dissected and every checksum is verified independently (`packet6`).
+
+use std::{ffi::CString, net::SocketAddrV6};
+
+use proxy_agent::{
+    dataplane::{ebpf::EbpfDataplane, Dataplane},
+    model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
+};
+use proxy_common::{xdp_dev, CtEntry, CtKey, Ip6};
+use proxy_tests::{
+    netns::{enter, unique_id, Netns},
+    packet::{ACK, SYN, TCP},
+    packet6::{dissect, tcp_frame, ICMPV6},
+    require,
+    testrun::{self, counters, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS},
+};
+
+const NODE_IP: &str = "fd00:50::1";
+const ROUTER_MAC: [u8; 6] = [0x02, 0x50, 0, 0, 0, 0x02];
+const NODE_MAC: [u8; 6] = [0x02, 0x50, 0, 0, 0, 0x01];
+const CLIENT: &str = "[2001:db8:100::7]:40000";
+const NODE_PORT: &str = "[fd00:50::1]:30080";
+const REMOTE: &str = "[fd00:244:2::5]:8080";
+const LOCAL: &str = "[fd00:244:1::5]:8080";
+
+fn sock(s: &str) -> SocketAddrV6 {
+    s.parse().unwrap()
+}
+
+/// A node namespace with one external interface (`ext0`, fd00:50::1/64 beside an IPv4
+/// address) whose next hop (fd00:50::2) leads to the client's network and to the other node's
+/// pods. The test's thread enters it, so the programs' FIB lookups see its routes.
+struct Node {
+    _ns: Netns,
+    ifindex: u32,
+    dp: EbpfDataplane,
+}
+
+fn node(test: &str) -> Option<Node> {
+    if !require::root(test) {
+        return None;
+    }
+    let ns = Netns::create(format!("pxn6-{}", unique_id()));
+    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
+    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
+    ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
+    ns.ip(&["link", "set", "ext0", "up"]);
+    ns.ip(&["link", "set", "ext1", "up"]);
+    ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
+    ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    enter(&ns.file()).expect("enter the node namespace");
+    let name = CString::new("ext0").unwrap();
+    // SAFETY: a valid C string; looks the name up in this thread's namespace.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0);
+    let mut dp = testrun::dataplane();
+    dp.set_interface_address(ifindex, Some("192.168.50.1".parse().unwrap())).unwrap();
+    dp.set_interface_address6(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();
+    dp.set_xdp_devices(&[(ifindex, xdp_dev::TX | xdp_dev::XMIT)].into()).unwrap();
+    Some(Node { _ns: ns, ifindex, dp })
+}
+
+fn backend(s: &str, local: bool) -> Backend {
+    let s = sock(s);
+    Backend { addr: (*s.ip()).into(), port: s.port(), terminating: false, local }
+}
+
+fn node_port(n: &mut Node, backends: Vec<Backend>) {
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let s = sock(NODE_PORT);
+    let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Tcp };
+    n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, backends)).unwrap();
+}
+
+fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
+    let map = dp.ebpf_mut().map(proxy_common::map_names::CT6).unwrap();
+    let ct: aya::maps::HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = aya::maps::HashMap::try_from(map).unwrap();
+    ct.iter().map(|e| e.unwrap()).collect()
+}
+
+#[test]
+fn an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib() {
+    let Some(mut n) = node("an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib") else { return };
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves IPv6 to TC");
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
+    let d = dissect(&out.frame);
+    assert_eq!(d.dst_sock(), sock(REMOTE));
+    assert_eq!(d.src, NODE_IP.parse::<std::net::Ipv6Addr>().unwrap(), "SNAT to the node's IPv6 address");
+    let snat_port = d.sport.unwrap();
+    assert!((61000..=65535).contains(&snat_port), "SNAT port {snat_port} outside the reserved range");
+    assert_eq!(d.l4_checksum_ok, Some(true), "{d:?}");
+    assert_eq!((&out.frame[..6], &out.frame[6..12]), (&ROUTER_MAC[..], &NODE_MAC[..]), "addressed to the next hop");
+    assert_eq!(out.frame[14 + 7], 63, "hop limit decremented");
+
+    // The port mapping is tracked both ways.
+    let ct = conntrack6(&mut n.dp);
+    assert_eq!(ct.len(), 2, "{ct:?}");
+    let node_ip = Ip6::from_bytes(NODE_IP.parse::<std::net::Ipv6Addr>().unwrap().octets());
+    assert!(ct.iter().any(|(k, _)| k.daddr == node_ip && u16::from_be_bytes(k.dport) == snat_port), "the reply entry: {ct:?}");
+
+    // The backend's reply comes back to the node and leaves towards the client as the NodePort.
+    let snat = SocketAddrV6::new(NODE_IP.parse().unwrap(), snat_port, 0, 0);
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(REMOTE), snat, SYN | ACK), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(NODE_PORT), sock(CLIENT)));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+
+    // Later packets of the flow keep their port mapping (the tracked path: no new-flow stage).
+    let d = dissect(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).frame);
+    assert_eq!((d.src, d.sport), (NODE_IP.parse().unwrap(), Some(snat_port)));
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("ext_new_remote"), c.get("ext_reply"), c.get("ext_established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+}
+
+#[test]
+fn an_ipv6_local_backend_is_only_dnatted_and_keeps_the_client_address() {
+    let Some(mut n) = node("an_ipv6_local_backend_is_only_dnatted_and_keeps_the_client_address") else { return };
+    node_port(&mut n, vec![backend(LOCAL, true)]);
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_OK, "routed by the stack to the pod");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(CLIENT), sock(LOCAL)));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    // The pod's reply leaves through TC egress with the NodePort as its source.
+    let d = dissect(&run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), sock(CLIENT), SYN | ACK)).frame);
+    assert_eq!(d.src_sock(), sock(NODE_PORT));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    assert_eq!(counters(&mut n.dp).get("ext_new_local"), Some(&1));
+}
+
+#[test]
+fn an_ipv6_node_port_without_endpoints_refuses_or_under_local_policy_drops() {
+    let Some(mut n) = node("an_ipv6_node_port_without_endpoints_refuses_or_under_local_policy_drops") else { return };
+    node_port(&mut n, vec![]);
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.proto, d.src, d.dst), (ICMPV6, *sock(NODE_PORT).ip(), *sock(CLIENT).ip()));
+    assert_eq!(d.icmp.map(|(kind, code, _)| (kind, code)), Some((1, 4)), "ICMPv6 port unreachable");
+    // externalTrafficPolicy Local with endpoints on other nodes only: dropped.
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let mut fe = Frontend::new(name, FrontendKind::NodePort, vec![]);
+    fe.drop_when_empty = true;
+    fe.internal_backends = Some(vec![backend(REMOTE, false)]);
+    let s = sock(NODE_PORT);
+    n.dp.upsert(&FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Tcp }, &fe).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_SHOT, "externalTrafficPolicy Local without a local endpoint drops");
+}
+
+#[test]
+fn ipv6_for_no_node_port_passes_the_external_hooks_untouched() {
+    let Some(mut n) = node("ipv6_for_no_node_port_passes_the_external_hooks_untouched") else { return };
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    for to in ["[fd00:50::1]:22", "[fd00:50::1]:30081"] {
+        let f = tcp_frame(sock(CLIENT), sock(to), SYN);
+        let out = run_ext(&mut n.dp, &f, n.ifindex);
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &f), "{to}: untouched");
+    }
+    assert!(conntrack6(&mut n.dp).is_empty());
+}
+
+/// Mutated IPv6 frames (truncations, length lies, flipped bits, extension headers, trailers)
+/// through the external TC programs and XDP: no fault, a verdict the hook allows, every
+/// rewritten frame whole IPv6 with each checksum that was valid still valid (and one the
+/// program built valid), every run counted once, and the NodePorts still served after.
+#[test]
+fn mutated_ipv6_frames_through_the_external_programs_fault_nothing() {
+    let Some(mut n) = node("mutated_ipv6_frames_through_the_external_programs_fault_nothing") else { return };
+    use proxy_tests::packet6::{self as p6, Ipv6, DEST_OPTS, FRAGMENT, HOP_BY_HOP};
+    let frames: usize = std::env::var("PROXY_FUZZ_FRAMES").ok().and_then(|s| s.parse().ok()).unwrap_or(30_000);
+    let seed: u64 = std::env::var("PROXY_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x6e0f_f00d);
+    node_port(&mut n, vec![backend(REMOTE, false), backend(LOCAL, true)]);
+    let udp = |n: &mut Node, at: &str, backends: Vec<Backend>| {
+        let name = ServicePortName { service: ObjectKey::new("default", "dns"), port: "dns".into(), protocol: Protocol::Udp };
+        let s = sock(at);
+        let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Udp };
+        n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, backends)).unwrap();
+    };
+    udp(&mut n, "[fd00:50::1]:30053", vec![backend("[fd00:244:2::5]:5353", false)]);
+    udp(&mut n, "[fd00:50::1]:30054", vec![]);
+    let clients = [sock(CLIENT), sock("[2001:db8:100::8]:1024"), sock("[fd00:50::2]:61000")];
+    let ends = [
+        (sock(NODE_PORT), TCP),
+        (sock("[fd00:50::1]:30053"), proxy_tests::packet::UDP),
+        (sock("[fd00:50::1]:30054"), proxy_tests::packet::UDP),
+        (sock(REMOTE), TCP),
+        (SocketAddrV6::new(NODE_IP.parse().unwrap(), 61000, 0, 0), TCP),
+    ];
+    let mut rng = proxy_tests::fuzz::Rng::new(seed);
+    let (mut ran, mut rewritten) = (0u64, 0u64);
+    for i in 0..frames {
+        let client = *rng.pick(&clients);
+        let (end, proto) = *rng.pick(&ends);
+        let (src, dst) = if rng.chance(60) { (client, end) } else { (end, client) };
+        let l4 = if proto == TCP {
+            p6::tcp_segment(src, dst, *rng.pick(&[SYN, ACK, SYN | ACK, 0x11, 0x04]), &vec![7u8; rng.below(3) * rng.below(300)])
+        } else {
+            p6::udp_datagram(src, dst, &vec![3u8; rng.below(300)])
+        };
+        let mut ip = Ipv6::new(*src.ip(), *dst.ip(), proto, l4);
+        for _ in 0..if rng.chance(30) { rng.below(4) } else { 0 } {
+            let kind = *rng.pick(&[HOP_BY_HOP, DEST_OPTS, FRAGMENT]);
+            let body = if kind == FRAGMENT {
+                Ipv6::fragment(if rng.chance(50) { 0 } else { rng.below(100) as u16 }, rng.chance(50), rng.next_u64() as u32)
+            } else {
+                Ipv6::padding_options()
+            };
+            ip = ip.with_ext(kind, body);
+        }
+        let mut f = ip.frame();
+        for _ in 0..if rng.chance(40) { 0 } else { 1 + rng.below(2) } {
+            match rng.below(4) {
+                0 if f.len() > 60 => f.truncate(60 + rng.below(f.len() - 60)),
+                1 => {
+                    let len = rng.next_u64() as u16 % 1600;
+                    f[18..20].copy_from_slice(&len.to_be_bytes());
+                }
+                2 => {
+                    let at = 14 + rng.below(f.len() - 14);
+                    f[at] ^= 1 << rng.below(8);
+                }
+                _ => f.extend((0..rng.below(100)).map(|_| rng.next_u64() as u8)),
+            }
+        }
+        let xdp = run_xdp(&mut n.dp, &f, n.ifindex);
+        assert_eq!((xdp.action, &xdp.frame), (XDP_PASS, &f), "frame {i}: XDP passes IPv6 untouched");
+        let out = run_ext(&mut n.dp, &f, n.ifindex);
+        ran += 2;
+        assert!([TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT].contains(&out.action), "frame {i}: verdict {}", out.action);
+        if out.frame == f {
+            continue;
+        }
+        rewritten += 1;
+        let Some((out_proto, out_ok)) = p6::checksum_state(&out.frame) else {
+            panic!("frame {i}: rewritten into something not whole IPv6")
+        };
+        match p6::checksum_state(&f) {
+            Some((in_proto, in_ok)) if in_proto == out_proto => {
+                assert!(!(in_ok == Some(true) && out_ok == Some(false)), "frame {i}: a valid checksum was broken\n in: {f:02x?}")
+            }
+            _ => assert_eq!(out_ok, Some(true), "frame {i}: a frame the program built has a bad checksum"),
+        }
+    }
+    println!("ipv6 external fuzz: seed {seed}, {frames} frames, {ran} program runs, {rewritten} rewritten");
+    assert!(rewritten > frames as u64 / 20, "the frames reach the translation: {rewritten} rewritten");
+    let c = counters(&mut n.dp);
+    assert_eq!(c.values().sum::<u64>(), ran, "every run counted once: {c:?}");
+    assert_eq!(c.get("pass_no_stage"), None, "{c:?}");
+    let out = run_ext(&mut n.dp, &tcp_frame(sock("[2001:db8:100::99]:40999"), sock(NODE_PORT), SYN), n.ifindex);
+    assert!([TC_ACT_OK, TC_ACT_REDIRECT].contains(&out.action), "still serving");
+}
+
+/// loadBalancerSourceRanges on an IPv6 load-balancer IP: a source inside an IPv6 range is
+/// load-balanced, any other dropped, the Service's NodePort not subject to them.
+#[test]
+fn an_ipv6_load_balancer_admits_only_sources_in_its_ranges() {
+    let Some(mut n) = node("an_ipv6_load_balancer_admits_only_sources_in_its_ranges") else { return };
+    const LB: &str = "[2001:db8:ff::10]:80";
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    let mut fe = Frontend::new(name, FrontendKind::LoadBalancer, vec![backend(REMOTE, false)]);
+    fe.source_ranges = vec!["2001:db8:100::/64".parse().unwrap()];
+    let s = sock(LB);
+    n.dp.upsert(&FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Tcp }, &fe).unwrap();
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(LB), SYN), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "a source inside the range");
+    let outsider = sock("[2001:db8:200::9]:40000");
+    assert_eq!(run_ext(&mut n.dp, &tcp_frame(outsider, sock(LB), SYN), n.ifindex).action, TC_ACT_SHOT, "outside the ranges");
+    let out = run_ext(&mut n.dp, &tcp_frame(outsider, sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "the NodePort has no ranges");
+    assert_eq!(counters(&mut n.dp).get("drop_source_range"), Some(&1));
+}
