@@ -23,8 +23,9 @@ use crate::{
 const NOT_EXTERNAL: &[&str] =
     &["lo", "docker*", "cni*", "br-*", "virbr*", "kube-ipvs0", "flannel*", "cilium_*", "tunl*", "vxlan*", "genev*", "wg*", "nodelocaldns"];
 
-/// An external interface's north-south SNAT source of each family.
-type SnatAddrs = (Option<Ipv4Addr>, Option<Ipv6Addr>);
+/// An external interface's SNAT address of each family as written to its map (None: not
+/// known to be written).
+type Written = (Option<Option<Ipv4Addr>>, Option<Option<Ipv6Addr>>);
 
 pub struct Devices {
     pod: DevicePatterns,
@@ -37,8 +38,9 @@ pub struct Devices {
     addrs: BTreeMap<u32, BTreeSet<(IpAddr, bool)>>,
     /// Interfaces to attach again (the last try failed).
     pub failed: BTreeMap<u32, String>,
-    /// What the interface-address maps hold, per external interface.
-    snat_addrs: BTreeMap<u32, SnatAddrs>,
+    /// What the interface-address maps hold, per external interface and family (None: not
+    /// written yet, or the last write failed).
+    snat_addrs: BTreeMap<u32, Written>,
     /// Why native XDP on an external interface hands its flows to TC, as last logged.
     xdp_to_tc: BTreeMap<u32, Option<&'static str>>,
 }
@@ -67,7 +69,7 @@ impl Devices {
     }
 
     /// The SNAT source of each family on an interface: its first global address of each.
-    fn snat_addrs_of(&self, index: u32) -> SnatAddrs {
+    fn snat_addrs_of(&self, index: u32) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
         let v4 = self.global_addrs(index).find_map(|a| match a {
             IpAddr::V4(v) => Some(v),
             IpAddr::V6(_) => None,
@@ -157,32 +159,27 @@ impl Devices {
         }
         let externals: Vec<u32> = dp.external_interfaces();
         for index in externals {
-            let want = self.snat_addrs_of(index);
-            let have = self.snat_addrs.get(&index).copied();
-            if have == Some(want) {
-                continue;
-            }
-            let (mut v4, mut v6) = have.unwrap_or((None, None));
-            if have.is_none() || v4 != want.0 {
-                match dp.set_interface_address(index, want.0) {
+            let (want4, want6) = self.snat_addrs_of(index);
+            // A failed write is retried at the next sync (its family stays unknown).
+            let have = self.snat_addrs.entry(index).or_default();
+            if have.0 != Some(want4) {
+                match dp.set_interface_address(index, want4) {
                     Ok(()) => {
-                        tracing::info!(ifindex = index, address = ?want.0, "north-south IPv4 SNAT address of external interface");
-                        v4 = want.0;
+                        tracing::info!(ifindex = index, address = ?want4, "north-south IPv4 SNAT address of external interface");
+                        have.0 = Some(want4);
                     }
                     Err(e) => tracing::error!(ifindex = index, "recording the interface's IPv4 address for SNAT: {e}"),
                 }
             }
-            if have.is_none() || v6 != want.1 {
-                match dp.set_interface_address6(index, want.1) {
+            if have.1 != Some(want6) {
+                match dp.set_interface_address6(index, want6) {
                     Ok(()) => {
-                        tracing::info!(ifindex = index, address = ?want.1, "north-south IPv6 SNAT address of external interface");
-                        v6 = want.1;
+                        tracing::info!(ifindex = index, address = ?want6, "north-south IPv6 SNAT address of external interface");
+                        have.1 = Some(want6);
                     }
                     Err(e) => tracing::error!(ifindex = index, "recording the interface's IPv6 address for SNAT: {e}"),
                 }
             }
-            // A failed write is retried at the next sync (the entry then differs from `want`).
-            self.snat_addrs.insert(index, (v4, v6));
         }
     }
 }

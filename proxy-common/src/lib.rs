@@ -126,8 +126,8 @@ pub mod map_names {
         pub affinity_match: &'static str,
         pub source_ranges: &'static str,
         pub service_cidrs: &'static str,
-        /// IPv6 frontends do not select by Maglev (it serves north-south flows, which IPv6
-        /// does not have yet).
+        /// IPv6 frontends do not select by Maglev yet (its tables and members are IPv4's):
+        /// they pick at random, as kube-proxy does.
         pub maglev: Option<&'static str>,
     }
 

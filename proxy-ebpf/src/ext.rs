@@ -73,7 +73,15 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     // A new flow's decision runs as a program of its own (`try_tc_ext_ingress6_new`): IPv6's
     // whole decision does not fit one 512-byte stack frame.
     match north::decide_tracked(&env, &pkt, now, true) {
-        Step::NewFlow => Ok(Verdict::pass(crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, prog_slots::EXT_INGRESS6_NEW))),
+        Step::NewFlow => {
+            // Most untracked packets on an external interface are the node's own (SSH, the
+            // kubelet) or routed on: passed here, without the stage's copy and tail call.
+            let key = proxy_common::ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+            if !crate::select::service(&key).is_some_and(|m| m.flags & proxy_common::svc_flags::EXTERNAL != 0) {
+                return Ok(Verdict::pass(Reason::PassNotService));
+            }
+            Ok(Verdict::pass(crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, prog_slots::EXT_INGRESS6_NEW)))
+        }
         step => apply(ctx, &pkt, step),
     }
 }

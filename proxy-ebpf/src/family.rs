@@ -318,8 +318,8 @@ impl Family for Ip6 {
         }
         maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied()
     }
-    /// IPv6 frontends do not select by Maglev (the agent never sets their MAGLEV flag): it
-    /// serves north-south flows, which IPv6 does not have yet.
+    /// IPv6 frontends do not select by Maglev yet (the agent never sets their MAGLEV flag):
+    /// they pick at random, as kube-proxy does.
     #[inline(always)]
     fn maglev_pick(_pkt: &Packet<Self>, _table_id: u32, _size: u32) -> Option<u32> {
         None
@@ -408,12 +408,23 @@ impl Family for Ip6 {
             __bindgen_anon_1: aya_ebpf::bindings::bpf_redir_neigh__bindgen_ty_1 { ipv6_nh: nexthop.0 },
         }
     }
-    /// No header checksum: the hop limit is one byte.
+    /// No header checksum, but a CHECKSUM_COMPLETE skb's `skb->csum` covers the header: it
+    /// moves by the change (`bpf_csum_update` does nothing to other skbs).
     #[inline(always)]
     fn decrement_hops(ctx: &TcContext) -> Result<(), Reason> {
         let ip = crate::parse::ptr_at::<[u8; 8]>(ctx, crate::parse::IP_OFF).ok_or(Reason::DropRewrite)?;
         // SAFETY: bounds checked by ptr_at; the program owns the packet data.
-        unsafe { (*ip)[7] = (*ip)[7].wrapping_sub(1) };
+        let ip = unsafe { &mut *ip };
+        // The header's second word: payload length, next header, hop limit.
+        let mut old = [u32::from_ne_bytes([ip[4], ip[5], ip[6], ip[7]])];
+        ip[7] = ip[7].wrapping_sub(1);
+        let mut new = [u32::from_ne_bytes([ip[4], ip[5], ip[6], ip[7]])];
+        // SAFETY: two 4-byte stack buffers.
+        let diff = unsafe { aya_ebpf::helpers::bpf_csum_diff(old.as_mut_ptr(), 4, new.as_mut_ptr(), 4, 0) };
+        if diff >= 0 {
+            // SAFETY: plain helper call on our own skb.
+            unsafe { aya_ebpf::helpers::bpf_csum_update(ctx.skb.skb, diff as u32) };
+        }
         Ok(())
     }
 }

@@ -203,7 +203,7 @@ pub fn l3<F: Frame>(ctx: &F) -> L3 {
     }
 }
 
-/// IPv4 only (the north-south paths): anything else is `NotIpv4`.
+/// IPv4 only (XDP, which passes IPv6 to TC): anything else is `NotIpv4`.
 #[inline(always)]
 pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
     pull_headers(ctx, HEADERS_MAX);

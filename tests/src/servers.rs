@@ -136,8 +136,9 @@ pub struct Conn {
 
 impl Conn {
     /// Connects from inside `ns`.
-    pub fn open(ns: &Netns, to: SocketAddrV4) -> io::Result<Self> {
-        let stream = ns.run(move || TcpStream::connect_timeout(&to.into(), TIMEOUT))?;
+    pub fn open(ns: &Netns, to: impl Into<SocketAddr>) -> io::Result<Self> {
+        let to = to.into();
+        let stream = ns.run(move || TcpStream::connect_timeout(&to, TIMEOUT))?;
         stream.set_read_timeout(Some(TIMEOUT))?;
         stream.set_write_timeout(Some(TIMEOUT))?;
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
@@ -235,10 +236,7 @@ pub fn tcp_ask(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
 
 /// One TCP request on a fresh connection, to an address of either family.
 pub fn tcp_ask_any(ns: &Netns, to: SocketAddr) -> io::Result<Answer> {
-    let stream = ns.run(move || TcpStream::connect_timeout(&to, TIMEOUT))?;
-    stream.set_read_timeout(Some(TIMEOUT))?;
-    stream.set_write_timeout(Some(TIMEOUT))?;
-    Conn { writer: stream.try_clone()?, reader: BufReader::new(stream) }.ask()
+    Conn::open(ns, to)?.ask()
 }
 
 /// One UDP request; returns the answer and the address it came from.

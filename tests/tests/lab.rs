@@ -831,6 +831,29 @@ fn auto_mode_takes_ebpf_on_a_dual_stack_cluster_with_full_size_ipv6_tables() {
     assert_eq!(counts(&lab, 30).len(), 3, "IPv4 Services are served");
 }
 
+/// Upgrading over an older build's pins: its program array had fewer slots (the build before
+/// IPv6 north-south had three), which this build replaces instead of failing to load, while
+/// the older programs still attached keep theirs until the links move on; the Services go on
+/// serving, a connection open across the restart included.
+#[test]
+fn an_older_builds_smaller_program_array_is_replaced_and_connections_survive() {
+    let Some(mut lab) = lab("an_older_builds_smaller_program_array_is_replaced_and_connections_survive") else { return };
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
+    let backend = conn.ask().expect("first answer").backend;
+    lab.stop_agent();
+    let pin = lab.bpffs().join("maps").join(proxy_common::map_names::PROGS);
+    std::fs::remove_file(&pin).expect("remove this build's program array pin");
+    let path = pin.to_str().unwrap();
+    netns::sh(&["bpftool", "map", "create", path, "type", "prog_array", "key", "4", "value", "4", "entries", "3", "name", "PROGS_V1"]);
+    lab.start_agent();
+    lab.wait_log("initial sync done", 2);
+    assert!(lab.agent_log().contains("replacing the program array of an older build"), "{}", lab.agent_log());
+    let slots = aya::maps::MapInfo::from_pin(&pin).expect("the new program array is pinned").max_entries();
+    assert_eq!(slots, proxy_common::prog_slots::COUNT);
+    assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
+}
+
 #[test]
 fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";

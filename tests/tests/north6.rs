@@ -280,3 +280,31 @@ fn an_ipv6_load_balancer_admits_only_sources_in_its_ranges() {
     assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "the NodePort has no ranges");
     assert_eq!(counters(&mut n.dp).get("drop_source_range"), Some(&1));
 }
+
+/// A packet whose hop limit would expire here is left to the kernel (which answers time
+/// exceeded), and a next hop without a neighbour entry yet is resolved by the kernel
+/// (`bpf_redirect_neigh`) rather than dropped.
+#[test]
+fn ipv6_hop_limit_and_unresolved_neighbours_are_left_to_the_kernel() {
+    let Some(mut n) = node("ipv6_hop_limit_and_unresolved_neighbours_are_left_to_the_kernel") else { return };
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    let mut ip = proxy_tests::packet6::Ipv6::new(
+        *sock(CLIENT).ip(),
+        *sock(NODE_PORT).ip(),
+        TCP,
+        proxy_tests::packet6::tcp_segment(sock(CLIENT), sock(NODE_PORT), SYN, &[]),
+    );
+    ip.hop_limit = 1;
+    let f = ip.frame();
+    let out = run_ext(&mut n.dp, &f, n.ifindex);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &f), "hop limit 1: untouched");
+    assert_eq!(counters(&mut n.dp).get("pass_ttl"), Some(&1));
+    // A backend behind a next hop the node has no neighbour entry for.
+    n._ns.ip(&["-6", "route", "add", "fd00:244:3::/64", "via", "fd00:50::3"]);
+    node_port(&mut n, vec![backend("[fd00:244:3::5]:8080", false)]);
+    let out = run_ext(&mut n.dp, &tcp_frame(sock("[2001:db8:100::8]:40001"), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "handed to the kernel's neighbour resolution");
+    let d = dissect(&out.frame);
+    assert_eq!((d.dst_sock(), d.src), (sock("[fd00:244:3::5]:8080"), NODE_IP.parse().unwrap()), "translated all the same");
+    assert_eq!(d.l4_checksum_ok, Some(true));
+}

@@ -564,7 +564,24 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
         Ipv6::new(*client.ip(), "fd00:10:244:1::77".parse().unwrap(), TCP, tcp_segment(client, sock("[fd00:10:244:1::77]:80"), SYN, &[]));
     let untracked = error(router, 2, 0, 1280u32.to_be_bytes(), &stranger.frame());
     assert_eq!(run_egress(&mut dp, &untracked).frame, untracked, "an error about no translated flow");
-    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&4));
+    // The same client port to a second Service of the same backend: the flow's client port is
+    // moved (the translated tuple would clash), and an error about it names the client's own.
+    let vip2 = sock("[fd00:10:96::11]:80");
+    program6(&mut dp, "[fd00:10:96::11]:80", TCP, &[BACKEND]);
+    let moved = run(&mut dp, &Ipv6::new(*client.ip(), *vip2.ip(), TCP, tcp_segment(client, vip2, SYN, &[])).frame()).frame;
+    let d = dissect(&moved);
+    assert_eq!(d.dst_sock(), backend);
+    assert_ne!(d.sport, Some(client.port()), "the client port was moved");
+    let out = run_egress(&mut dp, &error(*backend.ip(), 1, 4, [0; 4], &moved));
+    let (d, _, _, body) = quoted(&out.frame);
+    assert_eq!(d.src, *vip2.ip());
+    assert_eq!(ip6(&body[24..40]), *vip2.ip(), "the quote names the second Service");
+    assert_eq!(
+        &body[40..44],
+        &[&client.port().to_be_bytes()[..], &vip2.port().to_be_bytes()[..]].concat()[..],
+        "and the client's own port"
+    );
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&5));
 }
 
 /// A ping to an IPv6 cluster IP is answered with port unreachable from the cluster IP, from a

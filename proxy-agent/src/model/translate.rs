@@ -22,12 +22,8 @@ pub struct HealthCheck {
     pub port: u16,
     pub service: ObjectKey,
     /// Usable local endpoints (the load balancer sends traffic here only when > 0): the most
-    /// of any family, for a dataplane serving both.
+    /// of any family, as kube-proxy's health server counts a dual-stack Service.
     pub local_endpoints: usize,
-    /// The same of the IPv4 family alone, for the eBPF dataplane, which serves IPv4 only to
-    /// outside clients: a node with local IPv6 endpoints only would drop what the load
-    /// balancer sends it.
-    pub local_endpoints_ipv4: usize,
 }
 
 /// The frontends of one Service, and remarks worth a log line (not errors).
@@ -117,7 +113,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
     if svc.skip.is_some() {
         return out;
     }
-    let (mut health_check_endpoints, mut ipv4_endpoints) = (0, 0);
+    let mut health_check_endpoints = 0;
     for family in Family::ALL {
         let cluster_ips = of_family(&svc.cluster_ips, family);
         // kube-proxy's proxier of a family skips a Service without a cluster IP of it.
@@ -127,18 +123,10 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
         let slices: Vec<&CheckedSlice> = slices.iter().copied().filter(|s| s.family == family).collect();
         let local = family_service(svc, &slices, node, family, &cluster_ips, &mut out);
         health_check_endpoints = health_check_endpoints.max(local);
-        if family == Family::V4 {
-            ipv4_endpoints = local;
-        }
     }
     if svc.service_type == ServiceType::LoadBalancer && external_local(svc) {
         if let Some(port) = svc.health_check_node_port {
-            out.health_check = Some(HealthCheck {
-                port,
-                service: svc.key.clone(),
-                local_endpoints: health_check_endpoints,
-                local_endpoints_ipv4: ipv4_endpoints,
-            });
+            out.health_check = Some(HealthCheck { port, service: svc.key.clone(), local_endpoints: health_check_endpoints });
         }
     }
     out
@@ -429,10 +417,7 @@ mod tests {
         assert_eq!(np.internal_backends.as_ref().map(Vec::len), Some(2), "pods: cluster-wide");
         let cip = find(&t, fk("10.96.0.10", 80, Protocol::Tcp));
         assert_eq!(cip.backends.len(), 2, "the cluster IP is not affected by externalTrafficPolicy");
-        assert_eq!(
-            t.health_check,
-            Some(HealthCheck { port: 32000, service: ObjectKey::new("default", "web"), local_endpoints: 1, local_endpoints_ipv4: 1 })
-        );
+        assert_eq!(t.health_check, Some(HealthCheck { port: 32000, service: ObjectKey::new("default", "web"), local_endpoints: 1 }));
 
         // No local endpoint: outside traffic is dropped (kube-proxy), pods still get through.
         let remote_only = slice("metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n- {addresses: [10.1.0.2], nodeName: node-b}\n");
@@ -477,13 +462,12 @@ mod tests {
         assert_eq!(find(&t, fk("2001:db8::1", 80, Protocol::Tcp)).source_ranges, vec!["2001:db8:1::/48".parse().unwrap()]);
         assert_eq!(find(&t, fk("fd00:ff::10", 30080, Protocol::Tcp)).kind, FrontendKind::NodePort);
         assert!(t.notes.is_empty(), "{:?}", t.notes);
-        // Health-check endpoints are counted per family, not added up; the IPv4 family's count
-        // is kept apart for the IPv4-only eBPF dataplane.
+        // Health-check endpoints are counted per family, not added up.
         let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, externalTrafficPolicy: Local, healthCheckNodePort: 32000, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00::10'], ports: [{name: http, port: 80, nodePort: 30080}]}");
         let h = service(&s, &[&v4, &v6], &node).health_check.unwrap();
-        assert_eq!((h.local_endpoints, h.local_endpoints_ipv4), (1, 1));
+        assert_eq!(h.local_endpoints, 1);
         let h = service(&s, &[&v6], &node).health_check.unwrap();
-        assert_eq!((h.local_endpoints, h.local_endpoints_ipv4), (1, 0), "local IPv6 endpoints only");
+        assert_eq!(h.local_endpoints, 1, "local IPv6 endpoints only");
     }
 
     #[test]

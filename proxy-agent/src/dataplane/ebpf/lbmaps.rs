@@ -90,8 +90,8 @@ fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
         backends: fe.backends.clone(),
         retained: fe.retained.clone(),
         flags,
-        // IPv6 frontends select without Maglev: it serves north-south flows, which the eBPF
-        // dataplane's IPv6 path does not have yet.
+        // IPv6 frontends select without Maglev yet (its tables and members are IPv4's): at
+        // random, as kube-proxy does.
         maglev: external && !fe.backends.is_empty() && key.addr.is_ipv4(),
         affinity_timeout: fe.affinity_timeout,
         source_ranges: fe.source_ranges.iter().map(|c| c.network()).collect(),

@@ -7,7 +7,7 @@ use std::{
 };
 
 use aya::{
-    maps::{MapInfo, MapType},
+    maps::{MapData, MapInfo, MapType},
     programs::{SchedClassifier, Xdp},
     Ebpf, EbpfLoader,
 };
@@ -185,7 +185,9 @@ pub fn pinned_links(root: &Path) -> usize {
 }
 
 /// Refuses pinned maps whose layout differs from ours; adopting them would corrupt both.
-fn check_pins(root: &Path) -> Result<(), LoadError> {
+/// Returns the maps whose pins it replaced and that must stay alive meanwhile (see below).
+fn check_pins(root: &Path) -> Result<Vec<MapData>, LoadError> {
+    let mut retired = Vec::new();
     // Maps of an older build's layout (a bumped version suffix, `CONFIG_V1` say): no program
     // of this build uses them; the old programs keep theirs alive until their links move on.
     if let Ok(entries) = fs::read_dir(maps_dir(root)) {
@@ -220,8 +222,18 @@ fn check_pins(root: &Path) -> Result<(), LoadError> {
             tracing::info!(pin = %path.display(), entries = info.max_entries(), "replacing the packet counters of an older build");
             fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
         }
+        // The program array of an older build with fewer slots: this build's programs do not
+        // fit in it, so it is replaced. A program array is emptied when its last holder of a
+        // descriptor or pin lets go; the older programs, attached until this run's links replace
+        // them, keep calling into it meanwhile, so this process holds it open (as long as it
+        // runs: by then nothing attached uses it).
+        if *name == *map_names::PROGS && info.max_entries() != proxy_common::prog_slots::COUNT {
+            tracing::info!(pin = %path.display(), slots = info.max_entries(), "replacing the program array of an older build");
+            retired.push(MapData::from_pin(&path).map_err(|e| bad(format!("cannot hold it open: {e}")))?);
+            fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
+        }
     }
-    Ok(())
+    Ok(retired)
 }
 
 /// The loaded object: maps (created, or adopted from pins) and the verified programs; and
@@ -234,6 +246,8 @@ pub struct Loaded {
     pub outlives_agent: bool,
     pub lb_map_max: u32,
     pub ct_map_max: u32,
+    /// Maps of an older build whose pins were replaced, held open (see `check_pins`).
+    pub retired: Vec<MapData>,
 }
 
 pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
@@ -242,6 +256,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     loader.map_max_entries(map_names::STATS, REASON_SLOTS);
     loader.override_global("CT_LIFETIMES", &options.ct_lifetimes, true);
     let mut outlives_agent = false;
+    let mut retired = Vec::new();
     let pin_paths: Vec<(&str, PathBuf)> = match &options.pin_root {
         Some(root) => {
             let prepared = bpffs::prepare(root)?;
@@ -250,7 +265,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
             for dir in [maps_dir(root), progs_dir(root), links_dir(root)] {
                 fs::create_dir_all(&dir).map_err(|source| LoadError::PinDir { path: dir.display().to_string(), source })?;
             }
-            check_pins(root)?;
+            retired = check_pins(root)?;
             map_names::ALL.iter().map(|n| (*n, maps_dir(root).join(n))).collect()
         }
         None => Vec::new(),
@@ -338,7 +353,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         }
     }
     fill_tail_calls(&mut ebpf)?;
-    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max })
+    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max, retired })
 }
 
 /// See the IPv6 LRUs' sizing in `load`.

@@ -66,6 +66,8 @@ pub struct EbpfDataplane {
     svc_cidrs: Option<SvcCidrs<[u8; 4]>>,
     /// The same of `LB6_SVCCIDR_V1`.
     svc_cidrs6: Option<SvcCidrs<proxy_common::Ip6>>,
+    /// Maps of an older build still in use by its attached programs (`loader::Loaded`).
+    _retired: Vec<MapData>,
 }
 
 /// A Service CIDR map's entries: (prefix length, address) -> `svc_cidr` value.
@@ -91,7 +93,7 @@ impl EbpfDataplane {
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
             )));
         }
-        let loader::Loaded { mut ebpf, outlives_agent: pins_outlive_agent, lb_map_max: lb_max, ct_map_max: ct_max } =
+        let loader::Loaded { mut ebpf, outlives_agent: pins_outlive_agent, lb_map_max: lb_max, ct_map_max: ct_max, retired } =
             loader::load(&options)?;
         // Maps adopted from a previous run keep their size: ids and the fill gauges follow the
         // kernel's, not the option.
@@ -127,6 +129,7 @@ impl EbpfDataplane {
             config,
             svc_cidrs: None,
             svc_cidrs6: None,
+            _retired: retired,
             capacities: (u64::from(lb_max), u64::from(ct_max)),
         };
         me.write_config(config)?;

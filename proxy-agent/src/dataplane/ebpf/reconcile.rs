@@ -72,8 +72,7 @@ impl<D: Dataplane> Reconciler<D> {
     pub fn health_checks(&self) -> BTreeMap<u16, PortState> {
         let mut out = BTreeMap::new();
         for h in self.health_checks.values() {
-            // This dataplane serves the IPv4 family only.
-            out.entry(h.port).or_insert_with(|| PortState { service: h.service.clone(), local_endpoints: h.local_endpoints_ipv4 });
+            out.entry(h.port).or_insert_with(|| PortState { service: h.service.clone(), local_endpoints: h.local_endpoints });
         }
         out
     }
