@@ -109,6 +109,7 @@ pub mod map_names {
     pub const SOURCE_RANGES6: &str = "LB6_SRCRANGE_V1";
     pub const SERVICE_CIDRS6: &str = "LB6_SVCCIDR_V1";
     pub const NAMES6: &str = "LB6_NAMES_V1";
+    pub const MAGLEV6: &str = "LB6_MAGLEV_V1";
     /// The socket hooks' maps for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the
     /// IPv4 ones).
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
@@ -126,9 +127,7 @@ pub mod map_names {
         pub affinity_match: &'static str,
         pub source_ranges: &'static str,
         pub service_cidrs: &'static str,
-        /// IPv6 frontends do not select by Maglev yet (its tables and members are IPv4's):
-        /// they pick at random, as kube-proxy does.
-        pub maglev: Option<&'static str>,
+        pub maglev: &'static str,
     }
 
     pub const LB4: LbMaps = LbMaps {
@@ -140,7 +139,7 @@ pub mod map_names {
         affinity_match: AFFINITY_MATCH,
         source_ranges: SOURCE_RANGES,
         service_cidrs: SERVICE_CIDRS,
-        maglev: Some(MAGLEV),
+        maglev: MAGLEV,
     };
 
     pub const LB6: LbMaps = LbMaps {
@@ -152,13 +151,13 @@ pub mod map_names {
         affinity_match: AFFINITY_MATCH6,
         source_ranges: SOURCE_RANGES6,
         service_cidrs: SERVICE_CIDRS6,
-        maglev: None,
+        maglev: MAGLEV6,
     };
     /// The IPv6 programs, which the IPv4 ones tail-call (`prog_slots`): IPv6's flow does not
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
     /// own, each with a frame of its own.
     pub const PROGS: &str = "PROGS_V1";
-    pub const ALL: [&str; 39] = [
+    pub const ALL: [&str; 40] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -197,6 +196,7 @@ pub mod map_names {
         SOCK6_PORTS,
         SOCK6_HELD,
         IFADDRS6,
+        MAGLEV6,
         PROGS,
     ];
 }

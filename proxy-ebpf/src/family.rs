@@ -318,11 +318,11 @@ impl Family for Ip6 {
         }
         maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied()
     }
-    /// IPv6 frontends do not select by Maglev yet (the agent never sets their MAGLEV flag):
-    /// they pick at random, as kube-proxy does.
     #[inline(always)]
-    fn maglev_pick(_pkt: &Packet<Self>, _table_id: u32, _size: u32) -> Option<u32> {
-        None
+    fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
+        let index = proxy_common::hash::flow6(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
+        // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
+        unsafe { maps::LB6_MAGLEV_V1.get_value(&table_id, &index) }.copied()
     }
     #[inline(always)]
     fn frag_key(pkt: &Packet<Self>) -> Frag6Key {

@@ -72,6 +72,10 @@ pub type MaglevTable = Array<u32, { limits::MAGLEV_TABLE_SIZE as usize }, MAGLEV
 #[btf_map]
 pub static LB4_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = HashOfMaps::new();
 
+/// The IPv6 frontends' Maglev tables (their own ids).
+#[btf_map]
+pub static LB6_MAGLEV_V1: HashOfMaps<u32, MaglevTable, LB_MAX, NO_PREALLOC> = HashOfMaps::new();
+
 /// ClientIP session affinity. An LRU: a client that went away is forgotten first.
 #[btf_map]
 pub static LB4_AFFINITY_V1: LruHashMap<AffinityKey, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }> = LruHashMap::new();

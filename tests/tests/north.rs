@@ -400,7 +400,7 @@ fn removing_a_backend_moves_only_about_its_share_of_flows() {
         .copied()
         .filter(|b| {
             let id = n.dp.maglev().tables.values().next().unwrap();
-            let pos = id.members.iter().position(|m| std::net::IpAddr::from(<[u8; 4]>::try_from(&m[..4]).unwrap()) == b.addr).unwrap();
+            let pos = id.members.iter().position(|m| *m == proxy_agent::dataplane::ebpf::maglev::member(b.addr, b.port)).unwrap();
             id.backend_ids[pos] != removed_id
         })
         .collect();

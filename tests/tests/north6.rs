@@ -308,3 +308,41 @@ fn ipv6_hop_limit_and_unresolved_neighbours_are_left_to_the_kernel() {
     assert_eq!((d.dst_sock(), d.src), (sock("[fd00:244:3::5]:8080"), NODE_IP.parse().unwrap()), "translated all the same");
     assert_eq!(d.l4_checksum_ok, Some(true));
 }
+
+/// Maglev for IPv6 north-south: two nodes that learned the backends in other orders, with
+/// other ids, send every flow to the same backend (so a flow an upstream router moves between
+/// nodes keeps its backend), and the flows spread over all backends.
+#[test]
+fn ipv6_maglev_picks_the_same_backend_on_every_node_whatever_the_ids() {
+    if !require::root("ipv6_maglev_picks_the_same_backend_on_every_node_whatever_the_ids") {
+        return;
+    }
+    let backends: Vec<Backend> = (1..=7).map(|i| backend(&format!("[fd00:244:2::{i}]:8080"), false)).collect();
+    let mut picks: Vec<Vec<SocketAddrV6>> = Vec::new();
+    for order in 0..2 {
+        let mut n = node("ipv6_maglev").unwrap();
+        if order == 1 {
+            // Another node: a filler frontend takes ids first, and the list comes reversed.
+            let filler: Vec<Backend> = (1..=5).map(|i| backend(&format!("[fd00:244:9::{i}]:80"), false)).collect();
+            let name = ServicePortName { service: ObjectKey::new("default", "filler"), port: "p".into(), protocol: Protocol::Tcp };
+            let key = FrontendKey { addr: "fd00:96::99".parse::<std::net::Ipv6Addr>().unwrap().into(), port: 80, protocol: Protocol::Tcp };
+            n.dp.upsert(&key, &Frontend::new(name, FrontendKind::ClusterIp, filler)).unwrap();
+        }
+        let mut list = backends.clone();
+        if order == 1 {
+            list.reverse();
+        }
+        node_port(&mut n, list);
+        let seen: Vec<SocketAddrV6> = (0..200u16)
+            .map(|port| {
+                let from = SocketAddrV6::new("2001:db8:100::7".parse().unwrap(), 20000 + port, 0, 0);
+                dissect(&run_ext(&mut n.dp, &tcp_frame(from, sock(NODE_PORT), SYN), n.ifindex).frame).dst_sock()
+            })
+            .collect();
+        picks.push(seen);
+    }
+    assert_eq!(picks[0], picks[1], "two nodes must send each flow to the same backend");
+    let distinct: std::collections::BTreeSet<_> = picks[0].iter().collect();
+    assert_eq!(distinct.len(), 7, "200 flows spread over all 7 backends");
+    assert!(picks[0].iter().all(|s| s.ip().segments()[2] == 2), "only the NodePort's backends");
+}

@@ -90,9 +90,7 @@ fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
         backends: fe.backends.clone(),
         retained: fe.retained.clone(),
         flags,
-        // IPv6 frontends select without Maglev yet (its tables and members are IPv4's): at
-        // random, as kube-proxy does.
-        maglev: external && !fe.backends.is_empty() && key.addr.is_ipv4(),
+        maglev: external && !fe.backends.is_empty(),
         affinity_timeout: fe.affinity_timeout,
         source_ranges: fe.source_ranges.iter().map(|c| c.network()).collect(),
     };
@@ -101,13 +99,7 @@ fn views(key: &FrontendKey, fe: &Frontend) -> (View, Option<View>) {
 
 /// Maglev members of `backends`, sorted (as every node sorts them), with the backends.
 fn maglev_members(backends: &[model::Backend]) -> Vec<(maglev::Member, model::Backend)> {
-    let mut m: Vec<_> = backends
-        .iter()
-        .filter_map(|b| match b.addr {
-            IpAddr::V4(a) => Some((maglev::member(a, b.port), *b)),
-            IpAddr::V6(_) => None,
-        })
-        .collect();
+    let mut m: Vec<_> = backends.iter().map(|b| (maglev::member(b.addr, b.port), *b)).collect();
     m.sort_by_key(|(k, _)| *k);
     m.dedup_by_key(|(k, _)| *k);
     m
@@ -270,21 +262,16 @@ impl<A: MapAddr> LbMaps<A> {
     /// Opens the family's maps of a loaded object and adopts whatever a previous run left in
     /// them. `maglev_size`: entries of each Maglev table (a prime).
     pub fn adopt(ebpf: &mut Ebpf, limit: u32, maglev_size: u32) -> Result<Self, DataplaneError> {
-        let maglev = match A::LB.maglev {
-            Some(name) => {
-                let outer = match take_raw(ebpf, name)? {
-                    aya::maps::Map::HashOfMaps(m) => m,
-                    _ => return Err(DataplaneError::Unsupported(format!("{name} is not a hash of maps"))),
-                };
-                Maglev::adopt(outer, maglev_size, limit).map_err(|e| DataplaneError::Map {
-                    op: "read",
-                    map: name,
-                    source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
-                })?
-            }
-            // Never written (see `views`).
-            None => Maglev::in_memory(maglev_size, limit),
+        let name = A::LB.maglev;
+        let outer = match take_raw(ebpf, name)? {
+            aya::maps::Map::HashOfMaps(m) => m,
+            _ => return Err(DataplaneError::Unsupported(format!("{name} is not a hash of maps"))),
         };
+        let maglev = Maglev::adopt(outer, maglev_size, limit).map_err(|e| DataplaneError::Map {
+            op: "read",
+            map: name,
+            source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
+        })?;
         let services: HashMap<MapData, ServiceKey<A>, ServiceValue> = take(ebpf, A::LB.services)?;
         let backends: Array<MapData, Backend<A>> = take(ebpf, A::LB.backends)?;
         let revnat: HashMap<MapData, u32, RevNat<A>> = take(ebpf, A::LB.revnat)?;
@@ -365,12 +352,7 @@ impl<A: MapAddr> LbMaps<A> {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| {
-                    by_id.get(&id).and_then(|i| match i.addr {
-                        IpAddr::V4(a) => Some(maglev::member(a, i.port)),
-                        IpAddr::V6(_) => None,
-                    })
-                });
+                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(&id).map(|i| maglev::member(i.addr, i.port)));
                 for id in held {
                     me.add_ref(id);
                 }
@@ -728,7 +710,7 @@ impl<A: MapAddr> LbMaps<A> {
                         self.release_all(&ids);
                         return Err(map_error(
                             "write",
-                            A::LB.maglev.unwrap_or("maglev"),
+                            A::LB.maglev,
                             self.limit,
                             MapError::SyscallError(aya::sys::SyscallError { call: "bpf", io_error: e }),
                         ));

@@ -131,7 +131,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::CT => (MapType::LruHash, size_of::<CtKey>(), size_of::<CtEntry>()),
         map_names::FRAGS => (MapType::LruHash, size_of::<FragKey>(), size_of::<FragPorts>()),
         map_names::STATS => (MapType::PerCpuArray, size_of::<u32>(), size_of::<Counter>()),
-        map_names::MAGLEV => (MapType::HashOfMaps, size_of::<u32>(), size_of::<u32>()),
+        map_names::MAGLEV | map_names::MAGLEV6 => (MapType::HashOfMaps, size_of::<u32>(), size_of::<u32>()),
         map_names::AFFINITY => (MapType::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
         map_names::AFFINITY_MATCH => (MapType::Hash, size_of::<AffinityMatchKey>(), size_of::<u32>()),
         map_names::IFADDRS => (MapType::Hash, size_of::<u32>(), size_of::<IfAddr>()),
@@ -301,6 +301,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::SOURCE_RANGES6,
         map_names::SERVICE_CIDRS6,
         map_names::NAMES6,
+        map_names::MAGLEV6,
     ] {
         loader.map_max_entries(name, pinned(name).unwrap_or(lb_map_max));
     }

@@ -39,13 +39,35 @@ pub const EMPTY: u32 = u32::MAX;
 const OFFSET_SEED: u64 = 0x6d61_676c_6576_0001;
 const SKIP_SEED: u64 = 0x6d61_676c_6576_0002;
 
-/// The identity a backend's permutation is derived from: address and port, network order.
-pub type Member = [u8; 6];
+/// The identity a backend's permutation is derived from: address and port, network order (6
+/// bytes for IPv4, 18 for IPv6; its hashes cover those bytes only, so IPv4 tables are what
+/// they were before IPv6 had them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Member {
+    bytes: [u8; 18],
+    len: u8,
+}
 
-pub fn member(addr: std::net::Ipv4Addr, port: u16) -> Member {
-    let mut m = [0u8; 6];
-    m[..4].copy_from_slice(&addr.octets());
-    m[4..].copy_from_slice(&port.to_be_bytes());
+impl Member {
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+pub fn member(addr: std::net::IpAddr, port: u16) -> Member {
+    let mut m = Member { bytes: [0; 18], len: 0 };
+    let n = match addr {
+        std::net::IpAddr::V4(a) => {
+            m.bytes[..4].copy_from_slice(&a.octets());
+            4
+        }
+        std::net::IpAddr::V6(a) => {
+            m.bytes[..16].copy_from_slice(&a.octets());
+            16
+        }
+    };
+    m.bytes[n..n + 2].copy_from_slice(&port.to_be_bytes());
+    m.len = n as u8 + 2;
     m
 }
 
@@ -66,8 +88,8 @@ pub fn compute(members: &[Member], m: u32) -> Vec<u32> {
     let perms: Vec<(u64, u64)> = members
         .iter()
         .map(|b| {
-            let offset = proxy_common::hash::bytes64(OFFSET_SEED, b) % m64;
-            let skip = if m64 > 1 { proxy_common::hash::bytes64(SKIP_SEED, b) % (m64 - 1) + 1 } else { 1 };
+            let offset = proxy_common::hash::bytes64(OFFSET_SEED, b.bytes()) % m64;
+            let skip = if m64 > 1 { proxy_common::hash::bytes64(SKIP_SEED, b.bytes()) % (m64 - 1) + 1 } else { 1 };
             (offset, skip)
         })
         .collect();
@@ -477,7 +499,7 @@ mod tests {
     use super::*;
 
     fn members(n: u8) -> Vec<Member> {
-        let mut v: Vec<Member> = (1..=n).map(|i| member(std::net::Ipv4Addr::new(10, 244, i / 100, i % 100 + 1), 8080)).collect();
+        let mut v: Vec<Member> = (1..=n).map(|i| member(std::net::Ipv4Addr::new(10, 244, i / 100, i % 100 + 1).into(), 8080)).collect();
         v.sort();
         v
     }
