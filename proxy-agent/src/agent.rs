@@ -92,8 +92,13 @@ impl Proxier for Reconciler<EbpfDataplane> {
         Reconciler::health_checks(self)
     }
     fn report(&self, telemetry: &Telemetry) {
-        telemetry.fill.services.store(self.dataplane().service_entries() as u64, Ordering::Relaxed);
-        telemetry.fill.backends.store(self.dataplane().backend_count() as u64, Ordering::Relaxed);
+        let ((services, services6), (backends, backends6)) = self.dataplane().entries_by_family();
+        let fill = &telemetry.fill;
+        for (gauge, n) in
+            [(&fill.services, services), (&fill.services6, services6), (&fill.backends, backends), (&fill.backends6, backends6)]
+        {
+            gauge.store(n as u64, Ordering::Relaxed);
+        }
     }
     fn interfaces_changed(&mut self, devices: &mut Devices) {
         devices.sync(self.dataplane_mut());
@@ -158,21 +163,29 @@ fn log_sync(s: &SyncStats) {
     }
 }
 
-/// Counts conntrack entries every 15 s for the map gauge (a batched walk of the map).
+/// Counts each family's conntrack entries every 15 s for the map gauges (a batched walk of
+/// the map).
 fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
+    use proxy_common::{map_names, CtEntry, CtKey, Ip6};
     tokio::spawn(async move {
-        let path = loader::maps_dir(&root).join(proxy_common::map_names::CT);
+        let tables = [
+            (map_names::CT, size_of::<CtKey>(), size_of::<CtEntry>()),
+            (map_names::CT6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>()),
+        ];
         loop {
-            let p = path.clone();
-            let counted = tokio::task::spawn_blocking(move || {
-                let map = aya::maps::MapData::from_pin(&p).map_err(std::io::Error::other)?;
-                batch::count_entries(map.fd().as_fd(), size_of::<proxy_common::CtKey>(), size_of::<proxy_common::CtEntry>())
-            })
-            .await;
-            match counted {
-                Ok(Ok(n)) => t.fill.conntrack.store(n, Ordering::Relaxed),
-                Ok(Err(e)) => tracing::debug!(error = %e, "counting conntrack entries"),
-                Err(_) => {}
+            for (i, (name, key, value)) in tables.into_iter().enumerate() {
+                let path = loader::maps_dir(&root).join(name);
+                let counted = tokio::task::spawn_blocking(move || {
+                    let map = aya::maps::MapData::from_pin(&path).map_err(std::io::Error::other)?;
+                    batch::count_entries(map.fd().as_fd(), key, value)
+                })
+                .await;
+                let gauge = if i == 0 { &t.fill.conntrack } else { &t.fill.conntrack6 };
+                match counted {
+                    Ok(Ok(n)) => gauge.store(n, Ordering::Relaxed),
+                    Ok(Err(e)) => tracing::debug!(error = %e, map = name, "counting conntrack entries"),
+                    Err(_) => {}
+                }
             }
             tokio::time::sleep(Duration::from_secs(15)).await;
         }
@@ -368,7 +381,7 @@ fn telemetry_and_servers(
     health_timeout: Duration,
     mode: ProxyMode,
     pins: Option<&Path>,
-    capacities: (u64, u64),
+    capacities: crate::telemetry::MapCapacities,
 ) -> Arc<Telemetry> {
     let telemetry = Telemetry::new(health_timeout, pins, capacities);
     http::spawn("metrics", "--metrics-bind-address", cfg.common.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
@@ -395,7 +408,7 @@ async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyh
             .is_ok();
     let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables, nfacct).map_err(anyhow::Error::msg)?;
     let settings = cfg.netfilter.for_mode(mode);
-    let telemetry = telemetry_and_servers(&cfg, 2 * settings.sync.sync, mode, None, (0, 0));
+    let telemetry = telemetry_and_servers(&cfg, 2 * settings.sync.sync, mode, None, Default::default());
     if nfacct {
         telemetry.count_nfacct();
     }

@@ -62,6 +62,19 @@ pub struct MapFill {
     pub services: AtomicU64,
     pub backends: AtomicU64,
     pub conntrack: AtomicU64,
+    /// The IPv6 family's maps.
+    pub services6: AtomicU64,
+    pub backends6: AtomicU64,
+    pub conntrack6: AtomicU64,
+}
+
+/// Entries each datapath map holds at most (all 0 without the eBPF dataplane). Each family's
+/// load-balancer maps have `lb`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MapCapacities {
+    pub lb: u64,
+    pub ct: u64,
+    pub ct6: u64,
 }
 
 pub struct Telemetry {
@@ -95,7 +108,7 @@ fn rfc3339(t: SystemTime) -> String {
 
 impl Telemetry {
     /// `pin_root`: where the datapath maps are pinned, for the datapath counters.
-    pub fn new(health_timeout: Duration, pin_root: Option<&Path>, capacities: (u64, u64)) -> Arc<Self> {
+    pub fn new(health_timeout: Duration, pin_root: Option<&Path>, capacities: MapCapacities) -> Arc<Self> {
         let mut registry = Registry::default();
         let sync_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
         registry.register("kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds", sync_duration.clone());
@@ -318,8 +331,7 @@ fn open_stats(root: &Path) -> Option<PerCpuArray<MapData, DpCounter>> {
 struct DatapathCollector {
     stats: Option<Mutex<PerCpuArray<MapData, DpCounter>>>,
     fill: Arc<MapFill>,
-    /// (load-balancer map capacity, conntrack capacity)
-    capacities: (u64, u64),
+    capacities: MapCapacities,
 }
 
 impl std::fmt::Debug for DatapathCollector {
@@ -360,10 +372,14 @@ impl Collector for DatapathCollector {
         }
         let mut entries =
             encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
+        let (f, c) = (&self.fill, self.capacities);
         let fill = [
-            ("services", self.fill.services.load(Ordering::Relaxed), self.capacities.0),
-            ("backends", self.fill.backends.load(Ordering::Relaxed), self.capacities.0),
-            ("conntrack", self.fill.conntrack.load(Ordering::Relaxed), self.capacities.1),
+            ("services", f.services.load(Ordering::Relaxed), c.lb),
+            ("backends", f.backends.load(Ordering::Relaxed), c.lb),
+            ("conntrack", f.conntrack.load(Ordering::Relaxed), c.ct),
+            ("services_ipv6", f.services6.load(Ordering::Relaxed), c.lb),
+            ("backends_ipv6", f.backends6.load(Ordering::Relaxed), c.lb),
+            ("conntrack_ipv6", f.conntrack6.load(Ordering::Relaxed), c.ct6),
         ];
         for (map, n, _) in fill {
             ConstGauge::new(n as i64).encode(entries.encode_family(&[("map", map)])?)?;
@@ -383,7 +399,7 @@ mod tests {
 
     #[test]
     fn health_follows_kube_proxy() {
-        let t = Telemetry::new(Duration::from_millis(50), None, (1, 1));
+        let t = Telemetry::new(Duration::from_millis(50), None, MapCapacities { lb: 1, ct: 1, ct6: 1 });
         assert_eq!(t.healthz().0, 200, "healthy while starting up");
         t.queued();
         assert_eq!(t.healthz().0, 200, "a fresh queued update is not late yet");
@@ -403,7 +419,7 @@ mod tests {
 
     #[test]
     fn metrics_use_kube_proxy_names() {
-        let t = Telemetry::new(Duration::from_secs(60), None, (65536, 262144));
+        let t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 65536, ct: 262144, ct6: 4096 });
         let trigger = SystemTime::now();
         std::thread::sleep(Duration::from_millis(15));
         let stats = SyncStats { duration: Duration::from_millis(3), trigger_times: vec![trigger], ..Default::default() };
@@ -418,6 +434,8 @@ mod tests {
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending 1",
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "proxy_agent_map_capacity{map=\"conntrack\"} 262144",
+            "proxy_agent_map_capacity{map=\"conntrack_ipv6\"} 4096",
+            "proxy_agent_map_capacity{map=\"services_ipv6\"} 65536",
         ] {
             assert!(m.contains(want), "missing {want} in\n{m}");
         }

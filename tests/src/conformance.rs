@@ -907,6 +907,20 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         let refused = ask_name(&lab.client.ns, "[fd00:96::10]:81".parse().unwrap());
         assert_eq!(refused.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionRefused), "an unserved port of an IPv6 cluster IP");
         host_processes_reach_ipv6_services(&lab, &all);
+        // The IPv6 maps' gauges count the IPv6 frontends (the IPv4 ones count IPv4's only).
+        eventually("the IPv6 services gauge", || {
+            let (_, metrics) =
+                crate::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").map_err(|e| e.to_string())?;
+            let gauge = |map: &str| {
+                let line = format!("proxy_agent_map_entries{{map=\"{map}\"}} ");
+                metrics.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0)
+            };
+            if gauge("services_ipv6") > 0 && gauge("backends_ipv6") > 0 {
+                Ok(())
+            } else {
+                Err(format!("services_ipv6 {}, backends_ipv6 {}", gauge("services_ipv6"), gauge("backends_ipv6")))
+            }
+        });
         drop((servers, v6_servers));
         return;
     }

@@ -1005,6 +1005,9 @@ fn a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so() {
     assert!(log.contains("unchanged=3"), "the restart rewrites nothing:\n{log}");
     let (_, metrics) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
     assert!(metrics.contains("proxy_agent_map_capacity{map=\"services\"} 1024"), "{metrics}");
+    // Each family's maps have gauges of their own; without IPv6 ranges its conntrack is small.
+    assert!(metrics.contains("proxy_agent_map_capacity{map=\"services_ipv6\"} 1024"), "{metrics}");
+    assert!(metrics.contains("proxy_agent_map_capacity{map=\"conntrack_ipv6\"} 4096"), "{metrics}");
     assert_eq!(counts(&lab, 30).len(), 3);
 }
 

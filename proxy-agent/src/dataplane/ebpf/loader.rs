@@ -246,6 +246,8 @@ pub struct Loaded {
     pub outlives_agent: bool,
     pub lb_map_max: u32,
     pub ct_map_max: u32,
+    /// Entries of the IPv6 conntrack map.
+    pub ct6_map_max: u32,
     /// Maps of an older build whose pins were replaced, held open (see `check_pins`).
     pub retired: Vec<MapData>,
 }
@@ -354,7 +356,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         }
     }
     fill_tail_calls(&mut ebpf)?;
-    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max, retired })
+    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max, ct6_map_max: small(ct_map_max), retired })
 }
 
 /// See the IPv6 LRUs' sizing in `load`.

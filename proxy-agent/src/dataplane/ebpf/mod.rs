@@ -60,7 +60,7 @@ pub struct EbpfDataplane {
     /// What `CONFIG_V2` holds.
     config: Config,
     /// Entries the load-balancer maps and the conntrack map hold at most, as the kernel has them.
-    capacities: (u64, u64),
+    capacities: crate::telemetry::MapCapacities,
     /// What `LB4_SVCCIDR_V1` holds: (prefix length, address) -> `svc_cidr` value; read from the
     /// map the first time (a previous run's pins).
     svc_cidrs: Option<SvcCidrs<[u8; 4]>>,
@@ -93,8 +93,14 @@ impl EbpfDataplane {
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
             )));
         }
-        let loader::Loaded { mut ebpf, outlives_agent: pins_outlive_agent, lb_map_max: lb_max, ct_map_max: ct_max, retired } =
-            loader::load(&options)?;
+        let loader::Loaded {
+            mut ebpf,
+            outlives_agent: pins_outlive_agent,
+            lb_map_max: lb_max,
+            ct_map_max: ct_max,
+            ct6_map_max: ct6_max,
+            retired,
+        } = loader::load(&options)?;
         // Maps adopted from a previous run keep their size: ids and the fill gauges follow the
         // kernel's, not the option.
         for (what, asked, held) in [("--lb-map-max", options.lb_map_max, lb_max), ("--ct-map-max", options.ct_map_max, ct_max)] {
@@ -130,7 +136,7 @@ impl EbpfDataplane {
             svc_cidrs: None,
             svc_cidrs6: None,
             _retired: retired,
-            capacities: (u64::from(lb_max), u64::from(ct_max)),
+            capacities: crate::telemetry::MapCapacities { lb: u64::from(lb_max), ct: u64::from(ct_max), ct6: u64::from(ct6_max) },
         };
         me.write_config(config)?;
         Ok(me)
@@ -387,7 +393,7 @@ impl EbpfDataplane {
     }
 
     /// (load-balancer maps, conntrack) capacity, as the kernel has them.
-    pub fn capacities(&self) -> (u64, u64) {
+    pub fn capacities(&self) -> crate::telemetry::MapCapacities {
         self.capacities
     }
 
@@ -404,6 +410,12 @@ impl EbpfDataplane {
 
     pub fn service_entries(&self) -> usize {
         self.lb.service_entries() + self.lb6.service_entries()
+    }
+
+    /// ((IPv4, IPv6) service entries, (IPv4, IPv6) backends), for the map gauges: each family
+    /// has maps of its own.
+    pub fn entries_by_family(&self) -> ((usize, usize), (usize, usize)) {
+        ((self.lb.service_entries(), self.lb6.service_entries()), (self.lb.backend_count(), self.lb6.backend_count()))
     }
 }
 
