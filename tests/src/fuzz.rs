@@ -365,6 +365,136 @@ impl Tally {
     }
 }
 
+/// An IPv6 frame for the IPv6 fuzz tests, and what was done to it: between one of `clients`
+/// and one of `ends` (address, protocol) either way, now and then of another protocol or an
+/// ICMPv6 message quoting a packet from the client to one of `quoted` (address, protocol: an error about a
+/// translated flow, a ping, neighbour discovery), with extension headers, then mutated
+/// (truncated, a length lie, flipped bits, a trailer, another version).
+pub fn ipv6_frame(
+    rng: &mut Rng,
+    clients: &[std::net::SocketAddrV6],
+    ends: &[(std::net::SocketAddrV6, u8)],
+    quoted: &[(std::net::SocketAddrV6, u8)],
+) -> (Vec<u8>, String) {
+    use crate::packet::{ACK, SYN};
+    use crate::packet6::{self, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING};
+    let client = *rng.pick(clients);
+    let (end, proto) = *rng.pick(ends);
+    let (src, dst) = if rng.chance(60) { (client, end) } else { (end, client) };
+    let mut label = format!("{src} -> {dst}");
+    let other = rng.next_u64() as u8;
+    let proto = if rng.chance(85) { proto } else { *rng.pick(&[ICMPV6, ESP, 59, 47, other]) };
+    let l4 = match proto {
+        TCP => {
+            let flags = *rng.pick(&[SYN, ACK, SYN | ACK, 0x11, 0x04, 0x18, 0x3f]);
+            let n = rng.below(3) * rng.below(300);
+            packet6::tcp_segment(src, dst, flags, &vec![9u8; n])
+        }
+        UDP => {
+            let n = rng.below(400);
+            packet6::udp_datagram(src, dst, &vec![3u8; n])
+        }
+        ICMPV6 if rng.chance(70) => {
+            // An ICMPv6 message quoting a packet from a client to a backend: an error about
+            // a translated flow where one is tracked (rewritten on egress), a ping, or
+            // neighbour discovery.
+            let (b, quoted_proto) = *rng.pick(quoted);
+            let n = rng.below(300);
+            let inner = if quoted_proto == UDP {
+                Ipv6::new(*client.ip(), *b.ip(), UDP, packet6::udp_datagram(client, b, &vec![5u8; n]))
+            } else {
+                Ipv6::new(*client.ip(), *b.ip(), TCP, packet6::tcp_segment(client, b, ACK, &vec![5u8; n]))
+            };
+            let kind = *rng.pick(&[1, 2, 3, 4, 128, 135]);
+            label.push_str(&format!(", ICMPv6 type {kind} quoting {client} -> {b}"));
+            packet6::icmpv6_message(*src.ip(), *dst.ip(), kind, 0, [0, 0, 5, 0], &inner.frame()[14..])
+        }
+        _ => {
+            let n = rng.below(64);
+            (0..n).map(|_| rng.next_u64() as u8).collect()
+        }
+    };
+    let mut ip = Ipv6::new(*src.ip(), *dst.ip(), proto, l4);
+    for _ in 0..if rng.chance(40) { rng.below(9) } else { 0 } {
+        let kind = *rng.pick(&[HOP_BY_HOP, DEST_OPTS, ROUTING, FRAGMENT]);
+        let body = match kind {
+            FRAGMENT => {
+                let offset = if rng.chance(50) { 0 } else { rng.below(200) as u16 };
+                Ipv6::fragment(offset, rng.chance(50), rng.next_u64() as u32)
+            }
+            _ => {
+                let units = rng.below(3);
+                let mut b = vec![units as u8];
+                b.extend((0..6 + 8 * units).map(|_| if rng.chance(70) { 0 } else { rng.next_u64() as u8 }));
+                b
+            }
+        };
+        label.push_str(&format!(", ext {kind}"));
+        ip = ip.with_ext(kind, body);
+    }
+    let mut f = ip.frame();
+    for _ in 0..if rng.chance(30) { 0 } else { 1 + rng.below(3) } {
+        match rng.below(5) {
+            0 if f.len() > 70 => {
+                let n = 70 + rng.below(f.len() - 70);
+                f.truncate(n);
+                label.push_str(&format!(", cut to {n}"));
+            }
+            1 => {
+                let len = rng.next_u64() as u16 % 1600;
+                f[18..20].copy_from_slice(&len.to_be_bytes());
+                label.push_str(&format!(", payload length {len}"));
+            }
+            2 => {
+                for _ in 0..1 + rng.below(4) {
+                    let at = 14 + rng.below(f.len() - 14);
+                    f[at] ^= 1 << rng.below(8);
+                }
+                label.push_str(", bits flipped");
+            }
+            3 => {
+                let n = rng.below(200);
+                f.extend((0..n).map(|_| rng.next_u64() as u8));
+                label.push_str(&format!(", {n} bytes of trailer"));
+            }
+            _ => {
+                f[14] = (rng.below(16) as u8) << 4;
+                label.push_str(&format!(", version {}", f[14] >> 4));
+            }
+        }
+    }
+    (f, label)
+}
+
+/// Checks a program's output for an IPv6 input frame: a verdict TC allows, and a rewritten
+/// frame whole IPv6 with each checksum that was valid still valid (one the program built
+/// valid). Ok(true): the frame was rewritten.
+pub fn check_ipv6_output(input: &[u8], action: i32, output: &[u8]) -> Result<bool, String> {
+    use crate::{
+        packet6,
+        testrun::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
+    };
+    if ![TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT].contains(&action) {
+        return Err(format!("verdict {action}"));
+    }
+    if output == input {
+        return Ok(false);
+    }
+    let Some((out_proto, out_ok)) = packet6::checksum_state(output) else {
+        return Err("rewritten into something that is not whole IPv6".into());
+    };
+    match packet6::checksum_state(input) {
+        Some((in_proto, in_ok)) if in_proto == out_proto => {
+            if in_ok == Some(true) && out_ok == Some(false) {
+                return Err("a valid checksum was broken".into());
+            }
+            Ok(true)
+        }
+        _ if out_ok != Some(true) => Err("a frame the program built has a bad checksum".into()),
+        _ => Ok(true),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
