@@ -62,19 +62,20 @@ enum Cmd {
 struct TraceArgs {
     #[command(flatten)]
     root: RootArgs,
-    /// Source of the packet, IP:PORT.
+    /// Source of the packet, IP:PORT ([IPv6]:PORT).
     #[arg(long)]
-    from: std::net::SocketAddrV4,
-    /// Destination, IP:PORT/PROTO (TCP or UDP; TCP when omitted), e.g. 192.168.1.10:30080/TCP.
+    from: std::net::SocketAddr,
+    /// Destination, IP:PORT/PROTO (TCP or UDP; TCP when omitted), e.g. 192.168.1.10:30080/TCP
+    /// or [2001:db8::10]:30080/UDP; of the source's family.
     #[arg(long, value_parser = parse_destination)]
-    to: (std::net::SocketAddrV4, Protocol),
+    to: (std::net::SocketAddr, Protocol),
     #[arg(long, value_enum, default_value = "text")]
     output: Output,
 }
 
-fn parse_destination(s: &str) -> Result<(std::net::SocketAddrV4, Protocol), String> {
+fn parse_destination(s: &str) -> Result<(std::net::SocketAddr, Protocol), String> {
     let (addr, proto) = s.split_once('/').unwrap_or((s, "TCP"));
-    let addr = addr.parse().map_err(|_| format!("{addr:?} is not IPv4:PORT"))?;
+    let addr = addr.parse().map_err(|_| format!("{addr:?} is not IP:PORT ([IPv6]:PORT)"))?;
     let proto = match proto.to_ascii_uppercase().as_str() {
         "TCP" => Protocol::Tcp,
         "UDP" => Protocol::Udp,

@@ -68,7 +68,7 @@ pub mod map_names {
     /// Node-wide settings (one entry).
     pub const CONFIG: &str = "CONFIG_V2";
     /// What the last `trace` packet did (one entry; only trace packets write it).
-    pub const TRACE: &str = "TRACE_V1";
+    pub const TRACE: &str = "TRACE_V2";
     /// loadBalancerSourceRanges: an LPM trie of (service id, source prefix) a load-balancer
     /// frontend with the `SOURCE_RANGES` flag accepts new flows from.
     pub const SOURCE_RANGES: &str = "LB4_SRCRANGE_V1";
@@ -241,13 +241,15 @@ pub mod prog_names {
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";
     pub const TC_EXT_INGRESS6: &str = "proxy_tc_ext_ingress6";
     pub const TC_EXT_INGRESS6_NEW: &str = "proxy_tc_ext_ingress6_new";
+    pub const TC_EXT_INGRESS6_TRACE: &str = "proxy_tc_ext_ingress6_trace";
     /// Each with its slot in `map_names::PROGS`.
-    pub const TAIL_CALLED: [(&str, u32); 5] = [
+    pub const TAIL_CALLED: [(&str, u32); 6] = [
         (TC_INGRESS6, super::prog_slots::INGRESS6),
         (TC_INGRESS6_NEW, super::prog_slots::INGRESS6_NEW),
         (TC_EGRESS6, super::prog_slots::EGRESS6),
         (TC_EXT_INGRESS6, super::prog_slots::EXT_INGRESS6),
         (TC_EXT_INGRESS6_NEW, super::prog_slots::EXT_INGRESS6_NEW),
+        (TC_EXT_INGRESS6_TRACE, super::prog_slots::EXT_INGRESS6_TRACE),
     ];
 }
 
@@ -258,7 +260,8 @@ pub mod prog_slots {
     pub const EGRESS6: u32 = 2;
     pub const EXT_INGRESS6: u32 = 3;
     pub const EXT_INGRESS6_NEW: u32 = 4;
-    pub const COUNT: u32 = 5;
+    pub const EXT_INGRESS6_TRACE: u32 = 5;
+    pub const COUNT: u32 = 6;
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.
@@ -643,10 +646,10 @@ pub mod svc_cidr {
 /// `__sk_buff.mark` of a `proxy-agent trace` packet. Together with arriving on loopback (where
 /// the programs are never attached, but where BPF_PROG_TEST_RUN puts its packets) it makes
 /// the external ingress program decide without side effects (no conntrack, affinity or counter
-/// writes) and record its decision in `TRACE_V1`.
+/// writes) and record its decision in `TRACE_V2`.
 pub const TRACE_MARK: u32 = 0x7ace_0001;
 
-/// Value of `TRACE_V1`.
+/// Value of `TRACE_V2`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TraceResult {
@@ -660,8 +663,10 @@ pub struct TraceResult {
     pub snat_addr: [u8; 4],
     /// Interface the packet would leave by (FIB lookup), else zero.
     pub ifindex: u32,
+    /// The same as `snat_addr` for an IPv6 packet.
+    pub snat_addr6: Ip6,
 }
-const _: () = assert!(size_of::<TraceResult>() == 24);
+const _: () = assert!(size_of::<TraceResult>() == 40);
 
 /// Key of `FRAG4_V1`: identifies the fragments of one datagram (RFC 791).
 #[repr(C, align(4))]

@@ -6,13 +6,13 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-use proxy_common::{csum, prog_slots, Reason, TraceResult, TRACE_MARK};
+use proxy_common::{csum, prog_slots, Reason, TRACE_MARK};
 
 use crate::{
     ct,
     family::Family,
     frag,
-    maps::{PROGS_V1, TRACE_V1},
+    maps::{PROGS_V1, TRACE_V2},
     nat::{self, Side},
     north::{self, Env, Route, Step},
     parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF, L3},
@@ -56,34 +56,39 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
 }
 
 /// An IPv6 packet on an external interface (a program of its own, see `map_names::PROGS`):
-/// the same decisions as IPv4's. (`proxy-agent trace` sends IPv4 only.)
+/// the same decisions as IPv4's, trace packets included.
 #[inline(always)]
-pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
+pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     let mut pkt = match crate::parse6::ipv6(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
-        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Ok(Verdict::pass(Reason::PassNotService)),
-        Parsed::Malformed => return Ok(Verdict::pass(Reason::PassMalformed)),
+        Parsed::NotIpv4 => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
+        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
-        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+        return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
     }
-    let env = env6(ctx);
+    let env = env6(ctx, None);
     let now = ct::now();
     // A new flow's decision runs as a program of its own (`try_tc_ext_ingress6_new`): IPv6's
     // whole decision does not fit one 512-byte stack frame.
-    match north::decide_tracked(&env, &pkt, now, true) {
+    let step = match north::decide_tracked(&env, &pkt, now, true) {
         Step::NewFlow => {
             // Most untracked packets on an external interface are the node's own (SSH, the
             // kubelet) or routed on: passed here, without the stage's copy and tail call.
             let key = proxy_common::ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-            if !crate::select::service(&key).is_some_and(|m| m.flags & proxy_common::svc_flags::EXTERNAL != 0) {
-                return Ok(Verdict::pass(Reason::PassNotService));
+            if crate::select::service(&key).is_some_and(|m| m.flags & proxy_common::svc_flags::EXTERNAL != 0) {
+                // A trace packet's new flow is decided by a program of its own, which only
+                // records (the new-flow program has no room for that beside its work).
+                let slot = if env.dry { prog_slots::EXT_INGRESS6_TRACE } else { prog_slots::EXT_INGRESS6_NEW };
+                let reason = crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, slot);
+                return Outcome::Counted(Ok(Verdict::pass(reason)));
             }
-            Ok(Verdict::pass(crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, prog_slots::EXT_INGRESS6_NEW)))
+            Step::Pass(Reason::PassNotService)
         }
-        step => apply(ctx, &pkt, step),
-    }
+        step => step,
+    };
+    finish6(ctx, &env, &pkt, step)
 }
 
 /// The IPv6 north-south new-flow program: `north::new_flow` for the packet
@@ -91,15 +96,36 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
 #[inline(always)]
 pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    let step = north::new_flow(&env6(ctx), &stage.pkt, stage.now);
+    let step = north::new_flow(&env6(ctx, Some(false)), &stage.pkt, stage.now);
     apply(ctx, &stage.pkt, step)
 }
 
+/// The same for a trace packet: decides, writes nothing, records the decision.
 #[inline(always)]
-fn env6(ctx: &TcContext) -> Env {
-    // SAFETY: reads a field of our own context.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry: false }
+pub fn try_tc_ext_ingress6_trace(ctx: &TcContext) -> Outcome {
+    let Some(stage) = crate::family::staged(ctx) else { return Outcome::Counted(Ok(Verdict::pass(Reason::PassNoStage))) };
+    trace(&north::new_flow(&env6(ctx, Some(true)), &stage.pkt, stage.now));
+    Outcome::Traced
+}
+
+/// Applies the step, or for a trace packet records it.
+#[inline(always)]
+fn finish6(ctx: &TcContext, env: &Env, pkt: &Packet<proxy_common::Ip6>, step: Step<proxy_common::Ip6>) -> Outcome {
+    if env.dry {
+        trace(&step);
+        return Outcome::Traced;
+    }
+    Outcome::Counted(apply(ctx, pkt, step))
+}
+
+/// The environment of an IPv6 program; `dry`: as the staging program said, else from the
+/// packet's mark and interface (a trace packet).
+#[inline(always)]
+fn env6(ctx: &TcContext, dry: Option<bool>) -> Env {
+    // SAFETY: reads fields of our own context.
+    let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
+    let dry = dry.unwrap_or(mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX);
+    Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry }
 }
 
 #[inline(always)]
@@ -171,37 +197,32 @@ fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
     }
 }
 
-/// Records a trace packet's decision for `proxy-agent trace`.
+/// Records a trace packet's decision for `proxy-agent trace`, in the map's value itself (a
+/// copy on the stack would not fit beside IPv6's decision).
 #[inline(always)]
-fn trace(step: &Step) {
-    let mut r = TraceResult::default();
-    match step {
-        Step::Pass(reason) | Step::Drop(reason) => r.reason = *reason as u32,
-        Step::NewFlow => r.reason = Reason::PassNoStage as u32,
-        Step::Reject { service_id } => {
-            r.reason = Reason::RejectNoEndpoints as u32;
-            r.service_id = *service_id;
+fn trace<A: Family>(step: &Step<A>) {
+    let Some(slot) = TRACE_V2.get_ptr_mut(0) else { return };
+    // SAFETY: a live array value; only trace packets write it.
+    let r = unsafe { &mut *slot };
+    let (reason, backend_id, service_id) = match step {
+        Step::Pass(reason) | Step::Drop(reason) => (*reason, 0, 0),
+        Step::NewFlow => (Reason::PassNoStage, 0, 0),
+        Step::Reject { service_id } => (Reason::RejectNoEndpoints, 0, *service_id),
+        Step::Dnat { backend_id, service_id, reason, .. } | Step::Forward { backend_id, service_id, reason, .. } => {
+            (*reason, *backend_id, *service_id)
         }
-        Step::Dnat { backend_id, service_id, reason, .. } => {
-            r.reason = *reason as u32;
-            r.backend_id = *backend_id;
-            r.service_id = *service_id;
-        }
-        Step::Forward { src, route, backend_id, service_id, reason, .. } => {
-            r.reason = *reason as u32;
-            r.backend_id = *backend_id;
-            r.service_id = *service_id;
-            r.snat_addr = src.0;
-            r.ifindex = route.ifindex;
-        }
+    };
+    r.reason = reason as u32;
+    r.backend_id = backend_id;
+    r.service_id = service_id;
+    r.snat_addr = [0; 4];
+    r.snat_addr6 = proxy_common::Ip6([0; 4]);
+    r.ifindex = 0;
+    if let Step::Forward { src, route, .. } = step {
+        A::trace_snat(r, src.0);
+        r.ifindex = route.ifindex;
     }
-    if let Some(slot) = TRACE_V1.get_ptr_mut(0) {
-        // SAFETY: a live array value; only trace packets write it.
-        unsafe {
-            r.seq = (*slot).seq.wrapping_add(1);
-            *slot = r;
-        }
-    }
+    r.seq = r.seq.wrapping_add(1);
 }
 
 /// Returned for a trace packet: nothing leaves.

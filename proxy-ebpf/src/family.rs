@@ -108,6 +108,8 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     /// One hop less (IPv4's TTL with its header checksum, IPv6's hop limit), as the stack would
     /// take it from a packet it routes.
     fn decrement_hops(ctx: &TcContext) -> Result<(), Reason>;
+    /// Records a trace packet's SNAT source.
+    fn trace_snat(r: &mut proxy_common::TraceResult, addr: Self);
 }
 
 const AF_INET: u8 = 2;
@@ -250,6 +252,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn decrement_hops(ctx: &TcContext) -> Result<(), Reason> {
         crate::ext::decrement_ttl(ctx)
+    }
+    #[inline(always)]
+    fn trace_snat(r: &mut proxy_common::TraceResult, addr: Self) {
+        r.snat_addr = addr;
     }
 }
 
@@ -426,6 +432,10 @@ impl Family for Ip6 {
             unsafe { aya_ebpf::helpers::bpf_csum_update(ctx.skb.skb, diff as u32) };
         }
         Ok(())
+    }
+    #[inline(always)]
+    fn trace_snat(r: &mut proxy_common::TraceResult, addr: Self) {
+        r.snat_addr6 = addr;
     }
 }
 

@@ -85,12 +85,23 @@ pub fn proxy_tc_ext_ingress(ctx: TcContext) -> i32 {
 /// IPv6 on external interfaces (tail-called by `proxy_tc_ext_ingress`).
 #[classifier]
 pub fn proxy_tc_ext_ingress6(ctx: TcContext) -> i32 {
-    finish(&ctx, ext::try_tc_ext_ingress6(&ctx))
+    match ext::try_tc_ext_ingress6(&ctx) {
+        ext::Outcome::Counted(v) => finish(&ctx, v),
+        ext::Outcome::Traced => ext::TRACE_ACTION,
+    }
 }
 
 #[classifier]
 pub fn proxy_tc_ext_ingress6_new(ctx: TcContext) -> i32 {
     finish(&ctx, ext::try_tc_ext_ingress6_new(&ctx))
+}
+
+#[classifier]
+pub fn proxy_tc_ext_ingress6_trace(ctx: TcContext) -> i32 {
+    match ext::try_tc_ext_ingress6_trace(&ctx) {
+        ext::Outcome::Counted(v) => finish(&ctx, v),
+        ext::Outcome::Traced => ext::TRACE_ACTION,
+    }
 }
 
 /// XDP on external interfaces: the fast path for north-south flows to remote backends.

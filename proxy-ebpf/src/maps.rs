@@ -143,7 +143,7 @@ pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = H
 pub static CONFIG_V2: Array<Config, 1> = Array::new();
 
 #[btf_map]
-pub static TRACE_V1: Array<TraceResult, 1> = Array::new();
+pub static TRACE_V2: Array<TraceResult, 1> = Array::new();
 
 // The IPv6 family's maps (see `family`): the same roles as the IPv4 ones above.
 

@@ -304,3 +304,29 @@ fn ipv6_maglev_picks_the_same_backend_on_every_node_whatever_the_ids() {
     assert_eq!(distinct.len(), 7, "200 flows spread over all 7 backends");
     assert!(picks[0].iter().all(|s| s.ip().segments()[2] == 2), "only the NodePort's backends");
 }
+
+/// `proxy-agent trace` for IPv6: a marked packet on loopback is decided by the IPv6 programs
+/// (a new flow by a trace program of its own) without writing anything, and a real packet
+/// then goes where the trace said; a tracked flow's trace says so, and a packet for no
+/// NodePort is left to the kernel.
+#[test]
+fn an_ipv6_trace_decides_like_a_real_packet_without_writing_anything() {
+    let Some(mut n) = node("an_ipv6_trace_decides_like_a_real_packet_without_writing_anything") else { return };
+    let backends: Vec<Backend> = (1..=5).map(|i| backend(&format!("[fd00:244:2::{i}]:8080"), false)).collect();
+    node_port(&mut n, backends);
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    let (reason, id) = testrun::run_trace(&mut n.dp, &syn);
+    assert_eq!(reason, proxy_common::Reason::ExtNewRemote);
+    assert!(conntrack6(&mut n.dp).is_empty(), "a trace tracks nothing");
+    assert!(counters(&mut n.dp).is_empty(), "a trace counts nothing");
+    run_ext(&mut n.dp, &syn, n.ifindex);
+    let backend_of_id = conntrack6(&mut n.dp).iter().find(|(k, _)| k.sport == sock(CLIENT).port().to_be_bytes()).map(|(_, e)| e.backend_id);
+    assert_eq!(backend_of_id, Some(id), "the real packet went where the trace said");
+    let (reason, again) = testrun::run_trace(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK));
+    assert_eq!((reason, again), (proxy_common::Reason::ExtEstablished, id), "the tracked flow");
+    let (reason, _) = testrun::run_trace(&mut n.dp, &tcp_frame(sock(CLIENT), sock("[fd00:50::1]:22"), SYN));
+    assert_eq!(reason, proxy_common::Reason::PassNotService);
+    // The command's own frame builder makes the same packet.
+    let built = proxy_agent::trace::frame(sock(CLIENT).into(), sock(NODE_PORT).into(), Protocol::Tcp).unwrap();
+    assert_eq!(testrun::run_trace(&mut n.dp, &built).0, proxy_common::Reason::ExtEstablished);
+}

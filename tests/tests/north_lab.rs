@@ -426,6 +426,24 @@ fn ipv6_node_ports_keep_the_client_address_for_local_backends_and_snat_for_remot
     assert!(f.backends.iter().any(|b| b.address == format!("[{}]:8081", pod_ipv6(2, 0))), "{:?}", f.backends);
     assert!(r.frontends.iter().any(|f| f.address == "192.168.100.1:30080"), "and the IPv4 one");
     assert!(r.counters.get("ext_new_remote").is_some_and(|c| c.packets > 0), "{:?}", r.counters);
+    // `proxy-agent trace` for an IPv6 NodePort names the backend and, for a remote one, the
+    // node's IPv6 address as the SNAT source.
+    let root = c.node("node-a").bpffs();
+    let traced: Vec<proxy_agent::trace::TraceReport> = c.node("node-a").ns.run(move || {
+        (0..20u16)
+            .map(|p| {
+                let from: SocketAddr = format!("[{CLIENT_IP6}]:{}", 41000 + p).parse().unwrap();
+                let to: SocketAddr = "[fd00:100::1]:30080".parse().unwrap();
+                proxy_agent::trace::run(&root, from, to, proxy_agent::model::Protocol::Tcp).expect("trace")
+            })
+            .collect()
+    });
+    for r in &traced {
+        assert!(r.backend.as_deref().is_some_and(|b| b.starts_with("[fd00:244:")), "{r:?}");
+        let remote = r.verdict == "ext_new_remote";
+        assert!(remote || r.verdict == "ext_new_local", "{r:?}");
+        assert_eq!(r.snat_address, remote.then(|| "fd00:100::1".parse().unwrap()), "{r:?}");
+    }
     // Without endpoints: refused at once (ICMPv6 port unreachable from the node).
     let err = proxy_tests::servers::tcp_ask_any(&c.client, "[fd00:100::1]:30090".parse().unwrap()).expect_err("no endpoints");
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
