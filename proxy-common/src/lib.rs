@@ -157,7 +157,10 @@ pub mod map_names {
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
     /// own, each with a frame of its own.
     pub const PROGS: &str = "PROGS_V1";
-    pub const ALL: [&str; 40] = [
+    /// The same for XDP (a program array holds programs of one type): slot 0, the IPv6 XDP
+    /// program (`prog_names::XDP_EXT6`).
+    pub const PROGS_XDP: &str = "PROGS_XDP_V1";
+    pub const ALL: [&str; 41] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -198,6 +201,7 @@ pub mod map_names {
         IFADDRS6,
         MAGLEV6,
         PROGS,
+        PROGS_XDP,
     ];
 }
 
@@ -209,6 +213,9 @@ pub mod prog_names {
     pub const TC_EXT_INGRESS: &str = "proxy_tc_ext_ingress";
     /// XDP on external interfaces: the fast path to remote backends.
     pub const XDP_EXT: &str = "proxy_xdp_ext";
+    /// IPv6 in XDP on external interfaces (tail-called by `XDP_EXT`: slot 0 of
+    /// `map_names::PROGS_XDP`).
+    pub const XDP_EXT6: &str = "proxy_xdp_ext6";
     /// An empty classifier, only loaded by the benchmark as its floor.
     pub const TC_FLOOR: &str = "proxy_tc_floor";
     /// XDP_PASS for everything, only loaded by the lab (see the program's comment).

@@ -110,6 +110,14 @@ pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
     xdp_ext(&ctx)
 }
 
+/// IPv6 in XDP on external interfaces (tail-called by `proxy_xdp_ext`).
+#[xdp]
+pub fn proxy_xdp_ext6(ctx: XdpContext) -> u32 {
+    let v = xdp::try_xdp6(&ctx);
+    stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
+    v.action
+}
+
 #[inline(always)]
 fn xdp_ext(ctx: &XdpContext) -> u32 {
     let v = xdp::try_xdp(ctx);

@@ -188,6 +188,10 @@ pub static CT6_SCRATCH: PerCpuArray<CtEntry<Ip6>, 1> = PerCpuArray::new();
 #[btf_map]
 pub static PROGS_V1: ProgramArray<{ proxy_common::prog_slots::COUNT as usize }> = ProgramArray::new();
 
+/// The IPv6 XDP program, which the IPv4 one tail-calls (slot 0).
+#[btf_map]
+pub static PROGS_XDP_V1: ProgramArray<1> = ProgramArray::new();
+
 /// An IPv6 packet between two of its programs (see `family::Family::new_flow_apart`). Scratch,
 /// never pinned.
 #[btf_map]

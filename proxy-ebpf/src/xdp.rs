@@ -2,19 +2,25 @@
 //! replies, translated and sent back out from the driver (XDP_TX on the same interface,
 //! XDP_REDIRECT to another), before the kernel allocates an skb. Everything else is XDP_PASS,
 //! for TC and the stack.
+//!
+//! IPv6 runs in a program of its own, tail-called (`PROGS_XDP_V1`), for tracked flows only:
+//! IPv6's whole decision does not fit one stack frame, so a new IPv6 flow is passed to TC,
+//! which tracks it; its later packets and its replies take the XDP path.
 
 use aya_ebpf::{
-    bindings::xdp_action::{XDP_PASS, XDP_REDIRECT, XDP_TX},
+    bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
     helpers::bpf_redirect,
     programs::XdpContext,
 };
-use proxy_common::{csum, Reason, IPPROTO_TCP};
+use proxy_common::{csum, Ip6, Reason, IPPROTO_TCP};
 
 use crate::{
-    ct,
+    access, ct,
+    family::Family,
+    maps::PROGS_XDP_V1,
     nat::{TCP_CSUM_OFF, UDP_CSUM_OFF},
-    north::{self, Env, Step},
-    parse::{self, ptr_at, Frag, Packet, Parsed, IP_OFF},
+    north::{self, Env, Route, Step},
+    parse::{self, ptr_at, Frag, Packet, Parsed, IP_OFF, L3},
 };
 
 pub struct XdpVerdict {
@@ -28,85 +34,148 @@ const fn pass(reason: Reason) -> XdpVerdict {
 }
 
 #[inline(always)]
+fn env(ctx: &XdpContext) -> Env {
+    // SAFETY: reads a field of our own context.
+    let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
+    Env { ctx: ctx.ctx as *mut _, ifindex, xdp: true, dry: false }
+}
+
+#[inline(always)]
 pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
-    let pkt = match parse::ipv4(ctx) {
-        Parsed::Packet(p) => p,
-        Parsed::NotIpv4 => return pass(Reason::PassNotIpv4),
+    let pkt = match parse::l3(ctx) {
+        L3::V4(Parsed::Packet(p)) => p,
+        L3::V4(Parsed::NotIpv4) | L3::Other => return pass(Reason::PassNotIpv4),
+        L3::V6 => {
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_XDP_V1.tail_call(ctx, 0) };
+            return pass(Reason::PassNoStage);
+        }
         _ => return pass(Reason::XdpPass),
     };
     // Fragments need the fragment map and TC's helpers; the TTL check needs the stack.
     if pkt.frag != Frag::Whole || pkt.ttl <= 1 {
         return pass(Reason::XdpPass);
     }
-    // SAFETY: reads a field of our own context.
-    let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    let env = Env { ctx: ctx.ctx as *mut _, ifindex, xdp: true, dry: false };
+    let env = env(ctx);
     match north::decide(&env, &pkt, ct::now()) {
-        Step::Forward { dst, src, route, reason, .. } => {
-            if rewrite(ctx, &pkt, dst, src).is_err() {
-                // Half-written: must not reach the stack.
-                return XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropRewrite };
-            }
-            let Some(macs) = ptr_at::<[u8; 12]>(ctx, 0) else {
-                return XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropRewrite };
-            };
-            // SAFETY: bounds checked by ptr_at.
-            let macs = unsafe { &mut *macs };
-            macs[..6].copy_from_slice(&route.dmac);
-            macs[6..].copy_from_slice(&route.smac);
-            if route.ifindex == ifindex {
-                return XdpVerdict { action: XDP_TX, reason };
-            }
-            // SAFETY: plain helper call.
-            let action = unsafe { bpf_redirect(route.ifindex, 0) } as u32;
-            XdpVerdict { action, reason: if action == XDP_REDIRECT { reason } else { Reason::DropNoRoute } }
-        }
+        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
         Step::Pass(reason) => pass(reason),
         // A source outside a load balancer's ranges goes no further than here.
-        Step::Drop(Reason::DropSourceRange) => {
-            XdpVerdict { action: aya_ebpf::bindings::xdp_action::XDP_DROP, reason: Reason::DropSourceRange }
-        }
+        Step::Drop(Reason::DropSourceRange) => XdpVerdict { action: XDP_DROP, reason: Reason::DropSourceRange },
         _ => pass(Reason::XdpPass),
     }
 }
 
-/// Both addresses and ports, and the TTL (the packet is routed here, past the stack), with the
-/// IPv4 and L4 checksums updated by hand (RFC 1624): XDP has no checksum helpers, and frames
-/// from the wire carry complete checksums. The IPv4 header is fetched and summed once.
+/// IPv6 (a program of its own): packets of tracked flows, and their replies.
 #[inline(always)]
-fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2])) -> Result<(), ()> {
-    let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())?;
-    // SAFETY: bounds checked by ptr_at.
-    let ip = unsafe { &mut *ip };
-    let mut check = csum::update4([ip[10], ip[11]], pkt.saddr, src.0);
-    check = csum::update4(check, pkt.daddr, dst.0);
-    let ttl = [ip[8].wrapping_sub(1), ip[9]];
-    check = csum::update2(check, [ip[8], ip[9]], ttl);
-    ip[8] = ttl[0];
-    ip[12..16].copy_from_slice(&src.0);
-    ip[16..20].copy_from_slice(&dst.0);
-    ip[10] = check[0];
-    ip[11] = check[1];
+pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
+    let pkt = match crate::parse6::ipv6(ctx) {
+        Parsed::Packet(p) => p,
+        _ => return pass(Reason::XdpPass),
+    };
+    if pkt.frag != Frag::Whole || pkt.ttl <= 1 {
+        return pass(Reason::XdpPass);
+    }
+    let env = env(ctx);
+    match north::decide_tracked(&env, &pkt, ct::now(), true) {
+        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
+        Step::Pass(reason) => pass(reason),
+        _ => pass(Reason::XdpPass),
+    }
+}
 
+/// Rewrites the packet for `Step::Forward` and sends it out by `route`.
+#[inline(always)]
+fn forward<A: XdpFamily>(
+    ctx: &XdpContext,
+    pkt: &Packet<A>,
+    dst: (A, [u8; 2]),
+    src: (A, [u8; 2]),
+    route: &Route<A>,
+    ifindex: u32,
+    reason: Reason,
+) -> XdpVerdict {
+    if A::rewrite(ctx, pkt, dst, src).is_err() {
+        // Half-written: must not reach the stack.
+        return XdpVerdict { action: XDP_DROP, reason: Reason::DropRewrite };
+    }
+    let Some(macs) = ptr_at::<[u8; 12]>(ctx, 0) else {
+        return XdpVerdict { action: XDP_DROP, reason: Reason::DropRewrite };
+    };
+    // SAFETY: bounds checked by ptr_at.
+    let macs = unsafe { &mut *macs };
+    macs[..6].copy_from_slice(&route.dmac);
+    macs[6..].copy_from_slice(&route.smac);
+    if route.ifindex == ifindex {
+        return XdpVerdict { action: XDP_TX, reason };
+    }
+    // SAFETY: plain helper call.
+    let action = unsafe { bpf_redirect(route.ifindex, 0) } as u32;
+    XdpVerdict { action, reason: if action == XDP_REDIRECT { reason } else { Reason::DropNoRoute } }
+}
+
+/// A family's header rewrite in XDP: both addresses and ports and one hop less, with the
+/// checksums updated by hand (RFC 1624): XDP has no checksum helpers, and frames from the wire
+/// carry complete checksums.
+trait XdpFamily: Family + csum::Words {
+    fn rewrite(ctx: &XdpContext, pkt: &Packet<Self>, dst: (Self, [u8; 2]), src: (Self, [u8; 2])) -> Result<(), ()>;
+}
+
+impl XdpFamily for [u8; 4] {
+    /// The IPv4 header is fetched and summed once.
+    #[inline(always)]
+    fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2])) -> Result<(), ()> {
+        let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())?;
+        // SAFETY: bounds checked by ptr_at.
+        let ip = unsafe { &mut *ip };
+        let mut check = csum::update4([ip[10], ip[11]], pkt.saddr, src.0);
+        check = csum::update4(check, pkt.daddr, dst.0);
+        let ttl = [ip[8].wrapping_sub(1), ip[9]];
+        check = csum::update2(check, [ip[8], ip[9]], ttl);
+        ip[8] = ttl[0];
+        ip[12..16].copy_from_slice(&src.0);
+        ip[16..20].copy_from_slice(&dst.0);
+        ip[10] = check[0];
+        ip[11] = check[1];
+        rewrite_l4(ctx, pkt, dst, src)
+    }
+}
+
+impl XdpFamily for Ip6 {
+    /// No header checksum: the addresses and the hop limit are written as they are.
+    #[inline(always)]
+    fn rewrite(ctx: &XdpContext, pkt: &Packet<Ip6>, dst: (Ip6, [u8; 2]), src: (Ip6, [u8; 2])) -> Result<(), ()> {
+        let ip = ptr_at::<[u8; 40]>(ctx, IP_OFF).ok_or(())?;
+        let at = ip as usize;
+        // SAFETY: bounds checked by ptr_at (the 40-byte header).
+        unsafe {
+            *((at + 7) as *mut u8) = (*((at + 7) as *const u8)).wrapping_sub(1);
+            for i in 0..4 {
+                access::store_word(at + 8 + 4 * i, src.0 .0[i]);
+                access::store_word(at + 24 + 4 * i, dst.0 .0[i]);
+            }
+        }
+        rewrite_l4(ctx, pkt, dst, src)
+    }
+}
+
+/// Both ports and the L4 checksum over the new pseudo-header (a UDP checksum of zero means
+/// "none" and stays so).
+#[inline(always)]
+fn rewrite_l4<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>, dst: (A, [u8; 2]), src: (A, [u8; 2])) -> Result<(), ()> {
     let tcp = pkt.proto == IPPROTO_TCP;
-    let off = pkt.l4_off + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
-    let ports = ptr_at::<[u8; 4]>(ctx, pkt.l4_off).ok_or(())?;
+    let l4_off = pkt.l4();
+    let off = l4_off + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
+    let ports = ptr_at::<[u8; 4]>(ctx, l4_off).ok_or(())?;
     let sum = ptr_at::<[u8; 2]>(ctx, off).ok_or(())?;
     // SAFETY: bounds checked by ptr_at.
     let (ports, sum) = unsafe { (&mut *ports, &mut *sum) };
     ports[..2].copy_from_slice(&src.1);
     ports[2..].copy_from_slice(&dst.1);
-    // A UDP checksum of zero means "none" and stays so.
     if !tcp && *sum == [0, 0] {
         return Ok(());
     }
-    let mut c = csum::update4(*sum, pkt.saddr, src.0);
-    c = csum::update4(c, pkt.daddr, dst.0);
-    c = csum::update2(c, pkt.sport, src.1);
-    c = csum::update2(c, pkt.dport, dst.1);
-    if !tcp && c == [0, 0] {
-        c = [0xff, 0xff];
-    }
-    *sum = c;
+    let c = csum::l4_update(*sum, pkt.saddr, src.0, pkt.sport, src.1, !tcp);
+    *sum = csum::l4_update(c, pkt.daddr, dst.0, pkt.dport, dst.1, !tcp);
     Ok(())
 }

@@ -15,7 +15,7 @@ use proxy_tests::{
     packet::{ACK, SYN, TCP},
     packet6::{dissect, tcp_frame, ICMPV6},
     require,
-    testrun::{self, counters, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS},
+    testrun::{self, counters, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX},
 };
 
 const NODE_IP: &str = "fd00:50::1";
@@ -88,7 +88,7 @@ fn an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib
     let Some(mut n) = node("an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib") else { return };
     node_port(&mut n, vec![backend(REMOTE, false)]);
     let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
-    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves IPv6 to TC");
+    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves a new IPv6 flow to TC");
     let out = run_ext(&mut n.dp, &syn, n.ifindex);
     assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
     let d = dissect(&out.frame);
@@ -119,6 +119,22 @@ fn an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib
     assert_eq!((d.src, d.sport), (NODE_IP.parse().unwrap(), Some(snat_port)));
     let c = counters(&mut n.dp);
     assert_eq!((c.get("ext_new_remote"), c.get("ext_reply"), c.get("ext_established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+
+    // XDP takes the tracked flow both ways, out of the interface it came in by (XDP_TX), with
+    // the same translation and checksums computed by hand.
+    let out = run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex);
+    assert_eq!(out.action, XDP_TX, "an established IPv6 flow in XDP");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (snat, sock(REMOTE)));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    assert_eq!((out.frame[14 + 7], &out.frame[..6]), (63, &ROUTER_MAC[..]), "hop limit and next hop");
+    let out = run_xdp(&mut n.dp, &tcp_frame(sock(REMOTE), snat, ACK), n.ifindex);
+    assert_eq!(out.action, XDP_TX, "its reply in XDP");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(NODE_PORT), sock(CLIENT)));
+    assert_eq!(d.l4_checksum_ok, Some(true));
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("xdp_forward"), c.get("xdp_reply")), (Some(&1), Some(&1)), "{c:?}");
 }
 
 #[test]
@@ -201,12 +217,14 @@ fn mutated_ipv6_frames_through_the_external_programs_fault_nothing() {
     for i in 0..frames {
         let (f, label) = proxy_tests::fuzz::ipv6_frame(&mut rng, &clients, &ends, &quoted);
         let xdp = run_xdp(&mut n.dp, &f, n.ifindex);
-        assert_eq!((xdp.action, &xdp.frame), (XDP_PASS, &f), "frame {i} ({label}): XDP passes IPv6 untouched");
-        let out = run_ext(&mut n.dp, &f, n.ifindex);
+        let tc = run_ext(&mut n.dp, &f, n.ifindex);
         ran += 2;
-        match proxy_tests::fuzz::check_ipv6_output(&f, out.action, &out.frame) {
-            Ok(changed) => rewritten += u64::from(changed),
-            Err(why) => panic!("seed {seed}, frame {i} ({label}): {why}\n in:  {f:02x?}\n out: {:02x?}", out.frame),
+        let xdp_actions = [XDP_PASS, XDP_TX, XDP_DROP, testrun::XDP_REDIRECT];
+        for (hook, out, allowed) in [("XDP", &xdp, &xdp_actions[..]), ("TC", &tc, &[TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT][..])] {
+            match proxy_tests::fuzz::check_ipv6_output(&f, out.action, &out.frame, allowed) {
+                Ok(changed) => rewritten += u64::from(changed),
+                Err(why) => panic!("seed {seed}, frame {i} ({label}) through {hook}: {why}\n in:  {f:02x?}\n out: {:02x?}", out.frame),
+            }
         }
     }
     println!("ipv6 external fuzz: seed {seed}, {frames} frames, {ran} program runs, {rewritten} rewritten");

@@ -419,6 +419,17 @@ fn ipv6_node_ports_keep_the_client_address_for_local_backends_and_snat_for_remot
             }
         }
     }
+    // Once the far end takes XDP frames (as a NIC's does), XDP carries the IPv6 flows to
+    // remote backends after their first packet, which TC tracks.
+    c.switch_takes_xdp_frames();
+    c.wait_all("XDP to send frames itself", |_, r| r.external_interfaces.values().all(|e| e.xdp_sends));
+    let xdp_forwarded = |c: &Cluster| c.node("node-a").inspect().unwrap().counters.get("xdp_forward").map_or(0, |c| c.packets);
+    let before = xdp_forwarded(&c);
+    for i in 0..20 {
+        proxy_tests::servers::tcp_ask_any(&c.client, "[fd00:100::1]:30080".parse().unwrap())
+            .unwrap_or_else(|e| panic!("request {i} with XDP: {e}"));
+    }
+    assert!(xdp_forwarded(&c) > before, "IPv6 flows to remote backends took the XDP path");
     // `inspect` shows the IPv6 frontends beside the IPv4 ones.
     let r = c.node("node-a").inspect().unwrap();
     let f = r.frontends.iter().find(|f| f.address == "[fd00:100::1]:30080" && f.scope == "external").expect("the IPv6 NodePort in inspect");

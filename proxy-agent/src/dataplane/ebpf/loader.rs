@@ -161,7 +161,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOCK6_FWD => (MapType::LruHash, size_of::<SockRevKey<Ip6>>(), size_of::<SockFwd<Ip6>>()),
         map_names::SOCK6_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey<Ip6>>(), size_of::<proxy_common::SockOwner>()),
         map_names::SOCK6_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey<Ip6>>()),
-        map_names::PROGS => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
+        map_names::PROGS | map_names::PROGS_XDP => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -381,6 +381,14 @@ fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
             .set(*slot, fd, 0)
             .map_err(|e| LoadError::TailCalls { what: format!("{}[{slot}]", map_names::PROGS), source: io::Error::other(e) })?;
     }
+    let name = prog_names::XDP_EXT6;
+    let prog = xdp(ebpf, name);
+    prog.load().map_err(|source| LoadError::Program { name, source })?;
+    let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
+    let fd = fd.try_clone().map_err(|source| LoadError::TailCalls { what: format!("{name}'s descriptor"), source })?;
+    let map = ebpf.map_mut(map_names::PROGS_XDP).expect("the object defines PROGS_XDP_V1");
+    let mut progs = aya::maps::ProgramArray::try_from(map).expect("PROGS_XDP_V1 is a program array");
+    progs.set(0, &fd, 0).map_err(|e| LoadError::TailCalls { what: format!("{}[0]", map_names::PROGS_XDP), source: io::Error::other(e) })?;
     Ok(())
 }
 
