@@ -222,12 +222,17 @@ fn check_pins(root: &Path) -> Result<Vec<MapData>, LoadError> {
             tracing::info!(pin = %path.display(), entries = info.max_entries(), "replacing the packet counters of an older build");
             fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
         }
-        // The program array of an older build with fewer slots: this build's programs do not
+        // A program array of an older build with fewer slots: this build's programs do not
         // fit in it, so it is replaced. A program array is emptied when its last holder of a
         // descriptor or pin lets go; the older programs, attached until this run's links replace
         // them, keep calling into it meanwhile, so this process holds it open (as long as it
         // runs: by then nothing attached uses it).
-        if *name == *map_names::PROGS && info.max_entries() != proxy_common::prog_slots::COUNT {
+        let slots = match name {
+            map_names::PROGS => Some(proxy_common::prog_slots::COUNT),
+            map_names::PROGS_XDP => Some(1),
+            _ => None,
+        };
+        if slots.is_some_and(|n| info.max_entries() != n) {
             tracing::info!(pin = %path.display(), slots = info.max_entries(), "replacing the program array of an older build");
             retired.push(MapData::from_pin(&path).map_err(|e| bad(format!("cannot hold it open: {e}")))?);
             fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
