@@ -269,6 +269,8 @@ pub mod prog_slots {
     pub const EXT_INGRESS6_NEW: u32 = 4;
     pub const EXT_INGRESS6_TRACE: u32 = 5;
     pub const COUNT: u32 = 6;
+    /// Slots of `map_names::PROGS_XDP` (slot 0: `prog_names::XDP_EXT6`).
+    pub const XDP_COUNT: u32 = 1;
 }
 
 /// Default map sizes. The agent may override them when it first creates the maps.

@@ -40,7 +40,7 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
         L3::V6 => {
             // SAFETY: plain helper call; on success it does not return.
             unsafe { PROGS_V1.tail_call(ctx, prog_slots::EXT_INGRESS6) };
-            return Outcome::Counted(Ok(Verdict::pass(Reason::PassNoStage)));
+            return passed_unstaged(dry);
         }
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
@@ -81,8 +81,8 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
                 // A trace packet's new flow is decided by a program of its own, which only
                 // records (the new-flow program has no room for that beside its work).
                 let slot = if env.dry { prog_slots::EXT_INGRESS6_TRACE } else { prog_slots::EXT_INGRESS6_NEW };
-                let reason = crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, slot);
-                return Outcome::Counted(Ok(Verdict::pass(reason)));
+                crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, slot);
+                return passed_unstaged(env.dry);
             }
             Step::Pass(Reason::PassNotService)
         }
@@ -103,9 +103,20 @@ pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
 /// The same for a trace packet: decides, writes nothing, records the decision.
 #[inline(always)]
 pub fn try_tc_ext_ingress6_trace(ctx: &TcContext) -> Outcome {
-    let Some(stage) = crate::family::staged(ctx) else { return Outcome::Counted(Ok(Verdict::pass(Reason::PassNoStage))) };
+    let Some(stage) = crate::family::staged(ctx) else { return passed_unstaged(true) };
     trace(&north::new_flow(&env6(ctx, Some(true)), &stage.pkt, stage.now));
     Outcome::Traced
+}
+
+/// A packet whose next program could not be entered (a restart refilling the program array):
+/// passed untouched, or for a trace packet recorded so (a trace counts nothing).
+#[inline(always)]
+fn passed_unstaged(dry: bool) -> Outcome {
+    if dry {
+        trace::<[u8; 4]>(&Step::Pass(Reason::PassNoStage));
+        return Outcome::Traced;
+    }
+    Outcome::Counted(Ok(Verdict::pass(Reason::PassNoStage)))
 }
 
 /// Applies the step, or for a trace packet records it.

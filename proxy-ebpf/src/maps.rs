@@ -190,7 +190,7 @@ pub static PROGS_V1: ProgramArray<{ proxy_common::prog_slots::COUNT as usize }> 
 
 /// The IPv6 XDP program, which the IPv4 one tail-calls (slot 0).
 #[btf_map]
-pub static PROGS_XDP_V1: ProgramArray<1> = ProgramArray::new();
+pub static PROGS_XDP_V1: ProgramArray<{ proxy_common::prog_slots::XDP_COUNT as usize }> = ProgramArray::new();
 
 /// An IPv6 packet between two of its programs (see `family::Family::new_flow_apart`). Scratch,
 /// never pinned.

@@ -203,17 +203,6 @@ pub fn l3<F: Frame>(ctx: &F) -> L3 {
     }
 }
 
-/// IPv4 only (XDP, which passes IPv6 to TC): anything else is `NotIpv4`.
-#[inline(always)]
-pub fn ipv4<F: Frame>(ctx: &F) -> Parsed {
-    pull_headers(ctx, HEADERS_MAX);
-    match ether_type(ctx) {
-        Some(t) if t == EtherType::Ipv4 as u16 => ipv4_header(ctx),
-        Some(_) => Parsed::NotIpv4,
-        None => Parsed::Malformed,
-    }
-}
-
 #[inline(always)]
 fn ipv4_header<F: Frame>(ctx: &F) -> Parsed {
     let len = ctx.total_len();

@@ -595,7 +595,9 @@ fn ten_thousand_create_delete_cycles_leak_no_map_entries() {
         program(&mut dp, &vip.to_string(), Protocol::Tcp, &refs);
         if i % 1000 == 0 {
             let counts = dp.count_in_kernel().expect("count map entries");
-            assert_eq!(dp.service_entries() as u64, counts[proxy_common::map_names::SERVICES], "the gauge follows the map");
+            let ((services, services6), _) = dp.entries_by_family();
+            assert_eq!(services as u64, counts[proxy_common::map_names::SERVICES], "the IPv4 gauge follows the IPv4 map");
+            assert_eq!(services6 as u64, counts[proxy_common::map_names::SERVICES6], "and the IPv6 one the IPv6 map");
         }
         dp.remove(&FrontendKey { addr: (*vip.ip()).into(), port: 80, protocol: Protocol::Tcp }).expect("remove");
         if i % 10 == 0 {

@@ -229,7 +229,7 @@ fn check_pins(root: &Path) -> Result<Vec<MapData>, LoadError> {
         // runs: by then nothing attached uses it).
         let slots = match name {
             map_names::PROGS => Some(proxy_common::prog_slots::COUNT),
-            map_names::PROGS_XDP => Some(1),
+            map_names::PROGS_XDP => Some(proxy_common::prog_slots::XDP_COUNT),
             _ => None,
         };
         if slots.is_some_and(|n| info.max_entries() != n) {

@@ -6,7 +6,8 @@
 //! so a flow picks the same backend whichever node it reaches, and a change of one backend in N
 //! moves about 1/N of the positions.
 //!
-//! Tables live in inner arrays of `LB4_MAGLEV_V1` (one per Service port's external view), made
+//! Tables live in inner arrays of `LB4_MAGLEV_V1` or `LB6_MAGLEV_V1` (one per Service port's
+//! external view of the family; an IPv6 member is its 16-byte address and port), made
 //! memory-mappable so a change writes only the positions that differ, with plain 32-bit stores
 //! the datapath sees atomically.
 
@@ -171,7 +172,7 @@ unsafe impl Send for Inner {}
 impl Inner {
     fn create(m: u32) -> io::Result<Self> {
         let mut name = [0u8; 16];
-        name[..14].copy_from_slice(b"LB4_MAGLEV_TBL");
+        name[..10].copy_from_slice(b"MAGLEV_TBL");
         let mut attr = CreateAttr {
             map_type: BPF_MAP_TYPE_ARRAY,
             key_size: 4,
@@ -498,10 +499,26 @@ impl Maglev {
 mod tests {
     use super::*;
 
+    const PINNED_V4: [u32; 13] = [2, 1, 2, 0, 1, 4, 2, 3, 4, 0, 1, 0, 3];
+    const PINNED_V6: [u32; 13] = [1, 2, 4, 1, 0, 0, 0, 1, 4, 3, 3, 2, 2];
+
     fn members(n: u8) -> Vec<Member> {
         let mut v: Vec<Member> = (1..=n).map(|i| member(std::net::Ipv4Addr::new(10, 244, i / 100, i % 100 + 1).into(), 8080)).collect();
         v.sort();
         v
+    }
+
+    /// The tables are ABI: every node, of this build or an older one, must compute the same
+    /// table from the same backends (an IPv4 member hashes its 6 bytes, as before IPv6 had
+    /// Maglev).
+    #[test]
+    fn tables_are_pinned_for_both_families() {
+        assert_eq!(compute(&members(5), 13), PINNED_V4, "IPv4");
+        let mut v6: Vec<Member> =
+            (1..=5u16).map(|i| member(std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, i).into(), 8080)).collect();
+        v6.sort();
+        assert_eq!(compute(&v6, 13), PINNED_V6, "IPv6");
+        assert_eq!(member(std::net::Ipv4Addr::new(10, 0, 0, 1).into(), 80).bytes(), [10, 0, 0, 1, 0, 80]);
     }
 
     #[test]

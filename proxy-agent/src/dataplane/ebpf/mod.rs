@@ -59,7 +59,8 @@ pub struct EbpfDataplane {
     xdp_devs: std::collections::BTreeMap<u32, u32>,
     /// What `CONFIG_V2` holds.
     config: Config,
-    /// Entries the load-balancer maps and the conntrack map hold at most, as the kernel has them.
+    /// Entries the load-balancer maps and each family's conntrack map hold at most, as the
+    /// kernel has them.
     capacities: crate::telemetry::MapCapacities,
     /// What `LB4_SVCCIDR_V1` holds: (prefix length, address) -> `svc_cidr` value; read from the
     /// map the first time (a previous run's pins).
@@ -392,7 +393,7 @@ impl EbpfDataplane {
         &self.attachments.interfaces
     }
 
-    /// (load-balancer maps, conntrack) capacity, as the kernel has them.
+    /// The maps' capacities (each family's), as the kernel has them.
     pub fn capacities(&self) -> crate::telemetry::MapCapacities {
         self.capacities
     }
