@@ -62,7 +62,6 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
                 cidr => leaving_unmatched(cidr),
             };
         }
-        Parsed::NotIpv4 => return Ok(Verdict::pass(Reason::PassNotIpv4)),
         Parsed::OtherProto { daddr } => {
             return match select::service_cidr_of(daddr) {
                 Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
@@ -101,7 +100,6 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
                 cidr => leaving_unmatched(cidr),
             }
         }
-        Parsed::NotIpv4 => Ok(Verdict::pass(Reason::EgressPass)),
         Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
     }
 }

@@ -34,7 +34,7 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     let dry = mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX;
     let mut pkt = match parse::l3(ctx) {
         L3::V4(Parsed::Packet(p)) => p,
-        L3::V4(Parsed::NotIpv4) | L3::Other => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
+        L3::Other => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
         L3::V4(Parsed::Icmp { .. } | Parsed::OtherProto { .. }) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         L3::V4(Parsed::Malformed) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
         L3::V6 => {
@@ -61,7 +61,6 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
 pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     let mut pkt = match crate::parse6::ipv6(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::NotIpv4 => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
         Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
     };

@@ -154,8 +154,6 @@ pub enum Parsed<A: Family = [u8; 4]> {
         daddr: A,
         tot_len: [u8; 2],
     },
-    /// Not this family (`ipv4`: not IPv4).
-    NotIpv4,
     /// Not a protocol services use (or a later fragment of ICMP; in IPv6 also ESP, no next
     /// header, or more extension headers than are walked).
     OtherProto {

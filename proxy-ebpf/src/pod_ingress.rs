@@ -34,7 +34,7 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
             unsafe { PROGS_V1.tail_call(ctx, prog_slots::INGRESS6) };
             Ok(Verdict::pass(Reason::PassNoStage))
         }
-        L3::V4(Parsed::NotIpv4) | L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
+        L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
     }
 }
 
@@ -54,7 +54,6 @@ pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
         }
         Parsed::OtherProto { .. } => Ok(Verdict::pass(Reason::PassNotService)),
         Parsed::Malformed => Ok(Verdict::pass(Reason::PassMalformed)),
-        Parsed::NotIpv4 => Ok(Verdict::pass(Reason::PassNotIpv4)),
     }
 }
 

@@ -44,7 +44,7 @@ fn env(ctx: &XdpContext) -> Env {
 pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
     let pkt = match parse::l3(ctx) {
         L3::V4(Parsed::Packet(p)) => p,
-        L3::V4(Parsed::NotIpv4) | L3::Other => return pass(Reason::PassNotIpv4),
+        L3::Other => return pass(Reason::PassNotIpv4),
         L3::V6 => {
             // SAFETY: plain helper call; on success it does not return.
             unsafe { PROGS_XDP_V1.tail_call(ctx, 0) };
