@@ -169,18 +169,17 @@ fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
     use proxy_common::{map_names, CtEntry, CtKey, Ip6};
     tokio::spawn(async move {
         let tables = [
-            (map_names::CT, size_of::<CtKey>(), size_of::<CtEntry>()),
-            (map_names::CT6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>()),
+            (map_names::CT, size_of::<CtKey>(), size_of::<CtEntry>(), &t.fill.conntrack),
+            (map_names::CT6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>(), &t.fill.conntrack6),
         ];
         loop {
-            for (i, (name, key, value)) in tables.into_iter().enumerate() {
+            for (name, key, value, gauge) in tables {
                 let path = loader::maps_dir(&root).join(name);
                 let counted = tokio::task::spawn_blocking(move || {
                     let map = aya::maps::MapData::from_pin(&path).map_err(std::io::Error::other)?;
                     batch::count_entries(map.fd().as_fd(), key, value)
                 })
                 .await;
-                let gauge = if i == 0 { &t.fill.conntrack } else { &t.fill.conntrack6 };
                 match counted {
                     Ok(Ok(n)) => gauge.store(n, Ordering::Relaxed),
                     Ok(Err(e)) => tracing::debug!(error = %e, map = name, "counting conntrack entries"),

@@ -29,9 +29,8 @@ pub enum Outcome {
 
 #[inline(always)]
 pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
-    // SAFETY: reads fields of our own context.
-    let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
-    let dry = mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX;
+    let env = env_of(ctx, None);
+    let dry = env.dry;
     let mut pkt = match parse::l3(ctx) {
         L3::V4(Parsed::Packet(p)) => p,
         L3::Other => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
@@ -46,7 +45,6 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
     }
-    let env = Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry };
     let step = north::decide(&env, &pkt, ct::now());
     if dry {
         trace(&step);
@@ -67,7 +65,7 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
     }
-    let env = env6(ctx, None);
+    let env = env_of(ctx, None);
     let now = ct::now();
     // A new flow's decision runs as a program of its own (`try_tc_ext_ingress6_new`): IPv6's
     // whole decision does not fit one 512-byte stack frame.
@@ -95,7 +93,7 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
 #[inline(always)]
 pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    let step = north::new_flow(&env6(ctx, Some(false)), &stage.pkt, stage.now);
+    let step = north::new_flow(&env_of(ctx, Some(false)), &stage.pkt, stage.now);
     apply(ctx, &stage.pkt, step)
 }
 
@@ -103,7 +101,7 @@ pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
 #[inline(always)]
 pub fn try_tc_ext_ingress6_trace(ctx: &TcContext) -> Outcome {
     let Some(stage) = crate::family::staged(ctx) else { return passed_unstaged(true) };
-    trace(&north::new_flow(&env6(ctx, Some(true)), &stage.pkt, stage.now));
+    trace(&north::new_flow(&env_of(ctx, Some(true)), &stage.pkt, stage.now));
     Outcome::Traced
 }
 
@@ -128,10 +126,10 @@ fn finish6(ctx: &TcContext, env: &Env, pkt: &Packet<proxy_common::Ip6>, step: St
     Outcome::Counted(apply(ctx, pkt, step))
 }
 
-/// The environment of an IPv6 program; `dry`: as the staging program said, else from the
-/// packet's mark and interface (a trace packet).
+/// The environment of an external program; `dry`: as the staging program said, else from
+/// the packet's mark and interface (a trace packet).
 #[inline(always)]
-fn env6(ctx: &TcContext, dry: Option<bool>) -> Env {
+fn env_of(ctx: &TcContext, dry: Option<bool>) -> Env {
     // SAFETY: reads fields of our own context.
     let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
     let dry = dry.unwrap_or(mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX);

@@ -76,19 +76,13 @@ pub fn proxy_tc_egress6(ctx: TcContext) -> i32 {
 /// replies of flows SNATed to remote backends, and `proxy-agent trace` packets.
 #[classifier]
 pub fn proxy_tc_ext_ingress(ctx: TcContext) -> i32 {
-    match ext::try_tc_ext_ingress(&ctx) {
-        ext::Outcome::Counted(v) => finish(&ctx, v),
-        ext::Outcome::Traced => ext::TRACE_ACTION,
-    }
+    outcome(&ctx, ext::try_tc_ext_ingress(&ctx))
 }
 
 /// IPv6 on external interfaces (tail-called by `proxy_tc_ext_ingress`).
 #[classifier]
 pub fn proxy_tc_ext_ingress6(ctx: TcContext) -> i32 {
-    match ext::try_tc_ext_ingress6(&ctx) {
-        ext::Outcome::Counted(v) => finish(&ctx, v),
-        ext::Outcome::Traced => ext::TRACE_ACTION,
-    }
+    outcome(&ctx, ext::try_tc_ext_ingress6(&ctx))
 }
 
 #[classifier]
@@ -98,8 +92,14 @@ pub fn proxy_tc_ext_ingress6_new(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn proxy_tc_ext_ingress6_trace(ctx: TcContext) -> i32 {
-    match ext::try_tc_ext_ingress6_trace(&ctx) {
-        ext::Outcome::Counted(v) => finish(&ctx, v),
+    outcome(&ctx, ext::try_tc_ext_ingress6_trace(&ctx))
+}
+
+/// An external program's outcome: counted, or a trace packet's (which counts nothing).
+#[inline(always)]
+fn outcome(ctx: &TcContext, o: ext::Outcome) -> i32 {
+    match o {
+        ext::Outcome::Counted(v) => finish(ctx, v),
         ext::Outcome::Traced => ext::TRACE_ACTION,
     }
 }
@@ -113,14 +113,16 @@ pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
 /// IPv6 in XDP on external interfaces (tail-called by `proxy_xdp_ext`).
 #[xdp]
 pub fn proxy_xdp_ext6(ctx: XdpContext) -> u32 {
-    let v = xdp::try_xdp6(&ctx);
-    stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
-    v.action
+    xdp_counted(&ctx, xdp::try_xdp6(&ctx))
 }
 
 #[inline(always)]
 fn xdp_ext(ctx: &XdpContext) -> u32 {
-    let v = xdp::try_xdp(ctx);
+    xdp_counted(ctx, xdp::try_xdp(ctx))
+}
+
+#[inline(always)]
+fn xdp_counted(ctx: &XdpContext, v: xdp::XdpVerdict) -> u32 {
     stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
     v.action
 }
