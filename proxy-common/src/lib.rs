@@ -216,16 +216,18 @@ pub mod prog_names {
     /// IPv6 in XDP on external interfaces (tail-called by `XDP_EXT`: slot 0 of
     /// `map_names::PROGS_XDP`).
     pub const XDP_EXT6: &str = "proxy_xdp_ext6";
-    /// An empty classifier, only loaded by the benchmark as its floor.
+    /// The lab object's programs (proxy-ebpf/src/bin/lab.rs), which the agent's object does
+    /// not carry. An empty classifier: the benchmark's floor.
     pub const TC_FLOOR: &str = "proxy_tc_floor";
-    /// XDP_PASS for everything, only loaded by the lab (see the program's comment).
+    /// XDP_PASS for everything, for the far ends of the lab's links (see the program's comment).
     pub const XDP_PASS: &str = "proxy_xdp_pass";
     /// Benchmark frame generators (restore the frame, then the external XDP logic, or pass).
     pub const XDP_BENCH_EXT: &str = "proxy_xdp_bench_ext";
     pub const XDP_BENCH_PASS: &str = "proxy_xdp_bench_pass";
     pub const XDP_BENCH_TX: &str = "proxy_xdp_bench_tx";
-    /// XDP_DROP for everything, only loaded by the benchmark as a sink.
+    /// XDP_DROP for everything: the benchmark's sink.
     pub const XDP_DROP: &str = "proxy_xdp_drop";
+    pub const LAB: [&str; 6] = [TC_FLOOR, XDP_PASS, XDP_BENCH_EXT, XDP_BENCH_PASS, XDP_BENCH_TX, XDP_DROP];
     /// cgroup socket hooks serving Services to host-network processes.
     pub const SOCK_CONNECT4: &str = "proxy_sock_connect4";
     pub const SOCK_SENDMSG4: &str = "proxy_sock_sendmsg4";

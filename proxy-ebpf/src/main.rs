@@ -4,7 +4,6 @@
 #![expect(internal_features, reason = "atomic_xadd: the bpf target has no AtomicU64::fetch_add")]
 
 mod access;
-mod bench;
 mod ct;
 mod egress;
 mod ext;
@@ -107,24 +106,13 @@ fn outcome(ctx: &TcContext, o: ext::Outcome) -> i32 {
 /// XDP on external interfaces: the fast path for north-south flows to remote backends.
 #[xdp]
 pub fn proxy_xdp_ext(ctx: XdpContext) -> u32 {
-    xdp_ext(&ctx)
+    xdp::finish(&ctx, xdp::try_xdp(&ctx))
 }
 
 /// IPv6 in XDP on external interfaces (tail-called by `proxy_xdp_ext`).
 #[xdp]
 pub fn proxy_xdp_ext6(ctx: XdpContext) -> u32 {
-    xdp_counted(&ctx, xdp::try_xdp6(&ctx))
-}
-
-#[inline(always)]
-fn xdp_ext(ctx: &XdpContext) -> u32 {
-    xdp_counted(ctx, xdp::try_xdp(ctx))
-}
-
-#[inline(always)]
-fn xdp_counted(ctx: &XdpContext, v: xdp::XdpVerdict) -> u32 {
-    stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
-    v.action
+    xdp::finish(&ctx, xdp::try_xdp6(&ctx))
 }
 
 /// connect() of host-network sockets: Services to backends (see `sock`).
@@ -177,57 +165,6 @@ pub fn proxy_sock_getpeername6(ctx: SockAddrContext) -> i32 {
 pub fn proxy_sock_release(ctx: SockContext) -> i32 {
     sock::release(&ctx);
     1
-}
-
-/// Passes every frame. The agent never loads it; the lab attaches it to the far end of veths
-/// that XDP_TX and XDP_REDIRECT send into, because veth delivers XDP frames promptly only to a
-/// peer that runs XDP itself.
-#[xdp]
-pub fn proxy_xdp_pass(_ctx: XdpContext) -> u32 {
-    aya_ebpf::bindings::xdp_action::XDP_PASS
-}
-
-/// Benchmark only (never loaded by the agent): restores the frame from `BENCH_FRAME_V1`, then
-/// runs the external XDP logic on it. XDP live-frame test runs recycle frames with whatever the
-/// program wrote into them; the restore makes every run see the same arriving frame.
-#[xdp]
-pub fn proxy_xdp_bench_ext(ctx: XdpContext) -> u32 {
-    if !bench::restore(&ctx) {
-        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
-    }
-    xdp_ext(&ctx)
-}
-
-/// Benchmark only: restores the frame and sends it straight back out (the floor: generator,
-/// transmit and sink with no processing at all).
-#[xdp]
-pub fn proxy_xdp_bench_tx(ctx: XdpContext) -> u32 {
-    if !bench::restore(&ctx) {
-        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
-    }
-    aya_ebpf::bindings::xdp_action::XDP_TX
-}
-
-/// Benchmark only: restores the frame, then hands it to the stack.
-#[xdp]
-pub fn proxy_xdp_bench_pass(ctx: XdpContext) -> u32 {
-    if !bench::restore(&ctx) {
-        return aya_ebpf::bindings::xdp_action::XDP_ABORTED;
-    }
-    aya_ebpf::bindings::xdp_action::XDP_PASS
-}
-
-/// Drops every frame: the benchmark's sink on the far side of the forwarding node.
-#[xdp]
-pub fn proxy_xdp_drop(_ctx: XdpContext) -> u32 {
-    aya_ebpf::bindings::xdp_action::XDP_DROP
-}
-
-/// An empty program of the same type: the floor `cargo xtask bench` measures the others
-/// against (test-run and skb set-up cost). The agent never loads it.
-#[classifier]
-pub fn proxy_tc_floor(_ctx: TcContext) -> i32 {
-    aya_ebpf::bindings::TC_ACT_OK
 }
 
 #[cfg(not(test))]

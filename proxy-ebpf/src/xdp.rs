@@ -28,6 +28,13 @@ pub struct XdpVerdict {
     pub reason: Reason,
 }
 
+/// Counts the verdict against the frame and returns its action (the programs' last step).
+#[inline(always)]
+pub fn finish(ctx: &XdpContext, v: XdpVerdict) -> u32 {
+    crate::stats::count(v.reason, (ctx.data_end() - ctx.data()) as u32);
+    v.action
+}
+
 #[inline(always)]
 const fn pass(reason: Reason) -> XdpVerdict {
     XdpVerdict { action: XDP_PASS, reason }

@@ -77,16 +77,11 @@ pub struct XdpPass {
     _ebpf: aya::Ebpf,
 }
 
-/// Attaches one of the object's XDP programs natively to `devs` in `ns`.
+/// Attaches one of the lab object's XDP programs natively to `devs` in `ns`.
 pub fn xdp_program_on(ns: &Netns, devs: &[&str], program: &'static str) -> XdpPass {
     let devs: Vec<String> = devs.iter().map(|d| d.to_string()).collect();
     let ebpf = ns.run(move || {
-        let mut loader = aya::EbpfLoader::new();
-        // Only the program is used: keep the maps it drags along tiny.
-        for name in proxy_common::map_names::ALL {
-            loader.map_max_entries(name, 1);
-        }
-        let mut ebpf = loader.load(proxy_agent::dataplane::ebpf::loader::OBJECT).expect("load the eBPF object");
+        let mut ebpf = crate::load_lab_object();
         let prog: &mut aya::programs::Xdp = ebpf.program_mut(program).expect("program").try_into().expect("an XDP program");
         prog.load().expect("load the program");
         for d in &devs {

@@ -164,25 +164,18 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
             let name = std::ffi::CString::new("wire0").unwrap();
             // SAFETY: a valid C string.
             let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-            let mut loader = aya::EbpfLoader::new();
-            let program = if mode == Mode::Floor {
-                for n in proxy_common::map_names::ALL {
-                    loader.map_max_entries(n, 1);
+            let (mut ebpf, program) = match mode {
+                Mode::Floor => (crate::load_lab_object(), proxy_common::prog_names::XDP_BENCH_TX),
+                Mode::Xdp => {
+                    // The agent's XDP logic on the agent's own maps.
+                    let mut loader = aya::EbpfLoader::new();
+                    for n in proxy_common::map_names::ALL {
+                        loader.map_pin_path(n, proxy_agent::dataplane::ebpf::loader::maps_dir(&root).join(n));
+                    }
+                    (loader.load(crate::LAB_OBJECT).expect("load the lab object"), proxy_common::prog_names::XDP_BENCH_EXT)
                 }
-                proxy_common::prog_names::XDP_BENCH_TX
-            } else if mode == Mode::Xdp {
-                // The agent's XDP logic on the agent's own maps.
-                for n in proxy_common::map_names::ALL {
-                    loader.map_pin_path(n, proxy_agent::dataplane::ebpf::loader::maps_dir(&root).join(n));
-                }
-                proxy_common::prog_names::XDP_BENCH_EXT
-            } else {
-                for n in proxy_common::map_names::ALL {
-                    loader.map_max_entries(n, 1);
-                }
-                proxy_common::prog_names::XDP_BENCH_PASS
+                _ => (crate::load_lab_object(), proxy_common::prog_names::XDP_BENCH_PASS),
             };
-            let mut ebpf = loader.load(proxy_agent::dataplane::ebpf::loader::OBJECT).expect("load the object");
             let mut template: aya::maps::Array<_, [u8; 64]> =
                 aya::maps::Array::try_from(ebpf.take_map("BENCH_FRAME_V1").expect("frame map")).expect("an array");
             let prog: &mut Xdp = ebpf.program_mut(program).expect("bench program").try_into().expect("XDP");

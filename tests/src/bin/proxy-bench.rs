@@ -202,7 +202,9 @@ fn measure(services: u32) -> Measured {
     let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
     let bench_fwd = tcp_frame(client, SocketAddrV4::new(bench_vip, 80), ACK);
 
-    loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR).load().expect("load the floor program");
+    // The floor is the lab object's empty classifier (the agent's object does not carry it).
+    let mut lab = proxy_tests::load_lab_object();
+    loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
     let mut cases = BTreeMap::new();
 
     // Each measurement checks that every run took the path it is named for.
@@ -226,7 +228,7 @@ fn measure(services: u32) -> Measured {
     let (established, reply) = (tcp_frame(client, ping, ACK), tcp_frame(pong, client, ACK));
     let mut rounds: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
     for _ in 0..ROUNDS {
-        let floor = loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR);
+        let floor = loader::classifier(&mut lab, prog_names::TC_FLOOR);
         rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, repeat));
         rounds.entry("not_service/repeat").or_default().push(run(dp.ingress_program(), &not_service, repeat));
         rounds.entry("established/repeat").or_default().push(run(dp.ingress_program(), &established, repeat));
@@ -247,7 +249,7 @@ fn measure(services: u32) -> Measured {
     for (case, ns) in rounds {
         cases.insert(case, median(ns));
     }
-    cases.insert("floor/calls", calls(loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR), |_| not_service.clone()));
+    cases.insert("floor/calls", calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| not_service.clone()));
     cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
     check.took(&mut dp, Reason::Established, n_calls, "established/calls");
     cases.insert(
@@ -275,7 +277,8 @@ fn measure(services: u32) -> Measured {
 fn profile() {
     let mut dp = EbpfDataplane::load(LoadOptions::default()).expect("load the dataplane (as root)");
     let (ping, pong) = ping_pong(&mut dp);
-    loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR).load().expect("load the floor program");
+    let mut lab = proxy_tests::load_lab_object();
+    loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
     let ingress = dp.ingress_program();
     run(ingress, &tcp_frame(client, ping, SYN), 1);
@@ -299,7 +302,7 @@ fn profile() {
         let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN);
         for _ in 0..if only_new { 10 } else { 1 } {
             let ns = calls(dp.ingress_program(), frame);
-            let floor = calls(loader::classifier(dp.ebpf_mut(), prog_names::TC_FLOOR), |_| other.clone());
+            let floor = calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| other.clone());
             println!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
         }
     }
