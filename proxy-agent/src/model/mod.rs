@@ -218,7 +218,7 @@ pub struct NodeInfo {
     pub localhost_nodeports: bool,
 }
 
-/// One endpoint of a service port as the netfilter renderers need it.
+/// One endpoint of a service port as the dataplanes need it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointView {
     pub addr: IpAddr,
@@ -236,11 +236,11 @@ impl EndpointView {
     }
 }
 
-/// One Service port in one address family with everything a rule renderer needs: addresses,
-/// policies and the endpoint sets kube-proxy's `CategorizeEndpoints` yields, all of that
-/// family (as kube-proxy gives each family's proxier its own view of a dual-stack Service).
-/// The eBPF dataplane works from frontends instead; the netfilter renderers (iptables,
-/// nftables, IPVS) from this.
+/// The plan of one Service port in one address family, with everything a dataplane renders
+/// from it: addresses, policies and the endpoint sets kube-proxy's `CategorizeEndpoints`
+/// yields, all of that family (as kube-proxy gives each family's proxier its own view of a
+/// dual-stack Service). The netfilter renderers (iptables, nftables, IPVS) make rules of it,
+/// the eBPF dataplane frontends (`dataplane::ebpf::frontends`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortView {
     pub name: ServicePortName,
@@ -265,6 +265,10 @@ pub struct PortView {
     /// The Service has a usable endpoint somewhere (so "no local endpoint" drops rather than
     /// rejects).
     pub has_endpoints: bool,
+    /// Every endpoint of the port, in slice order, whatever its conditions: those outside the
+    /// chosen sets keep the flows they have (the eBPF dataplane's retained backends; netfilter
+    /// leaves that to conntrack).
+    pub endpoints: Vec<EndpointView>,
 }
 
 impl PortView {
@@ -285,6 +289,7 @@ impl PortView {
             affinity_timeout: None,
             health_check_node_port: None,
             has_endpoints: !endpoints.is_empty(),
+            endpoints: endpoints.clone(),
             cluster_endpoints: endpoints,
             local_endpoints: vec![],
         }

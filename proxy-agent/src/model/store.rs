@@ -346,7 +346,7 @@ impl Store {
         }
     }
 
-    /// The frontends of one Service, or none when it does not exist (any more).
+    /// The plan of one Service, or none when it does not exist (any more).
     pub fn translate(&self, key: &ObjectKey) -> Translation {
         let Some(svc) = self.services.get(key) else {
             return Translation::default();
@@ -642,6 +642,12 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{Frontend, FrontendKey};
+
+    /// The eBPF dataplane's frontends of a Service: what most of these checks look at.
+    fn frontends(s: &Store, key: &ObjectKey) -> Vec<(FrontendKey, Frontend)> {
+        crate::dataplane::ebpf::frontends::render(&s.translate(key).ports, &s.node_info())
+    }
 
     fn svc(yaml: &str) -> Object {
         Object::Service(Box::new(serde_yaml::from_str(yaml).unwrap()))
@@ -711,22 +717,22 @@ mod tests {
         s.set_local_addresses(vec!["10.96.0.10".parse().unwrap(), "192.168.1.5".parse().unwrap()]);
         assert!(s.take_dirty().services.contains(&web()), "the address change re-checks the Service");
         let t = s.translate(&web());
-        assert!(t.frontends.is_empty() && t.ports.is_empty());
+        assert!(t.ports.is_empty());
         assert_eq!(t.notes, ["refused: cluster IP 10.96.0.10 is one of this node's own addresses"]);
         s.set_local_addresses(vec!["192.168.1.5".parse().unwrap()]);
         assert!(s.take_dirty().services.contains(&web()));
-        assert_eq!(s.translate(&web()).frontends.len(), 1, "programmed again once it is not");
+        assert_eq!(frontends(&s, &web()).len(), 1, "programmed again once it is not");
     }
 
     #[test]
     fn slice_before_its_service_is_used_once_the_service_arrives() {
         let mut s = Store::new("n");
         s.apply(Event::Apply(slice(WEB_SLICE)));
-        assert!(s.translate(&web()).frontends.is_empty());
+        assert!(frontends(&s, &web()).is_empty());
         s.apply(Event::Apply(svc(WEB)));
-        let t = s.translate(&web());
-        assert_eq!(t.frontends.len(), 1);
-        assert_eq!(t.frontends[0].1.backends.len(), 1);
+        let t = frontends(&s, &web());
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].1.backends.len(), 1);
     }
 
     #[test]
@@ -761,8 +767,8 @@ mod tests {
         s.apply(Event::ListEnd { kind: Kind::Service });
         let other_key = ObjectKey::new("default", "other");
         assert_eq!(s.take_dirty().services, BTreeSet::from([web(), other_key.clone()]));
-        assert!(s.translate(&other_key).frontends.is_empty());
-        assert_eq!(s.translate(&web()).frontends.len(), 1, "objects of other kinds are not the list's business");
+        assert!(frontends(&s, &other_key).is_empty());
+        assert_eq!(frontends(&s, &web()).len(), 1, "objects of other kinds are not the list's business");
     }
 
     #[test]
@@ -774,7 +780,7 @@ mod tests {
         s.take_dirty();
         s.apply(Event::Replace { kind: Kind::Service, objects: vec![] });
         assert_eq!(s.take_dirty().services, BTreeSet::from([web()]));
-        assert!(s.translate(&web()).frontends.is_empty());
+        assert!(frontends(&s, &web()).is_empty());
     }
 
     #[test]
@@ -789,7 +795,7 @@ mod tests {
             reports[0].message.contains("70000 is out of range") && reports[0].message.contains("keeping the previous version"),
             "{reports:?}"
         );
-        assert_eq!(s.translate(&web()).frontends.len(), 1, "the good version must stay programmed");
+        assert_eq!(frontends(&s, &web()).len(), 1, "the good version must stay programmed");
         assert!(s.apply(Event::Replace { kind: Kind::Service, objects: vec![svc(bad)] }).is_empty(), "reported once");
     }
 
@@ -802,7 +808,7 @@ mod tests {
             "metadata: {name: web-1}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.1.0.1]}]",
         )));
         assert!(reports[0].message.contains("kubernetes.io/service-name"), "{reports:?}");
-        assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
+        assert!(frontends(&s, &web())[0].1.backends.is_empty());
     }
 
     #[test]
@@ -814,13 +820,13 @@ mod tests {
         s.take_dirty();
         s.apply(Event::Apply(slice(&WEB_SLICE.replace("service-name: web", "service-name: other"))));
         assert_eq!(s.take_dirty().services, BTreeSet::from([web(), ObjectKey::new("default", "other")]));
-        assert!(s.translate(&web()).frontends[0].1.backends.is_empty());
+        assert!(frontends(&s, &web())[0].1.backends.is_empty());
     }
 
     #[test]
     fn nodeport_addresses_follow_the_flag_and_the_node() {
         let np = "metadata: {name: web}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, nodePort: 30080}]}";
-        let addrs = |s: &Store| s.translate(&web()).frontends.iter().skip(1).map(|(k, _)| k.addr.to_string()).collect::<Vec<_>>();
+        let addrs = |s: &Store| frontends(s, &web()).iter().skip(1).map(|(k, _)| k.addr.to_string()).collect::<Vec<_>>();
         let mut s = Store::new("node-a");
         s.apply(Event::Apply(svc(np)));
         s.set_local_addresses(vec!["127.0.0.1".parse().unwrap(), "192.168.1.5".parse().unwrap(), "10.0.0.5".parse().unwrap()]);
@@ -901,9 +907,9 @@ mod tests {
         s.apply(Event::Apply(svc(WEB)));
         s.apply(Event::Apply(slice(WEB_SLICE)));
         s.apply(Event::Delete { kind: Kind::Service, key: web() });
-        assert!(s.translate(&web()).frontends.is_empty());
+        assert!(frontends(&s, &web()).is_empty());
         s.apply(Event::Apply(svc(WEB)));
-        assert_eq!(s.translate(&web()).frontends[0].1.backends.len(), 1);
+        assert_eq!(frontends(&s, &web())[0].1.backends.len(), 1);
     }
 
     #[test]
@@ -911,8 +917,8 @@ mod tests {
         let mut s = Store::new("n");
         s.apply(Event::Apply(svc("metadata: {name: external-db}\nspec: {clusterIP: 10.96.0.20, ports: [{port: 5432}]}")));
         s.apply(Event::Apply(slice("metadata: {name: my-own-slice, labels: {kubernetes.io/service-name: external-db}}\naddressType: IPv4\nports: [{port: 5432}]\nendpoints: [{addresses: [192.168.10.5]}]")));
-        let t = s.translate(&ObjectKey::new("default", "external-db"));
-        assert_eq!(t.frontends[0].1.backends[0].addr.to_string(), "192.168.10.5");
+        let t = frontends(&s, &ObjectKey::new("default", "external-db"));
+        assert_eq!(t[0].1.backends[0].addr.to_string(), "192.168.10.5");
     }
 
     #[test]
@@ -920,11 +926,11 @@ mod tests {
         let mut s = Store::new("node-a");
         s.apply(Event::Apply(svc(WEB)));
         s.apply(Event::Apply(slice("metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints:\n- {addresses: [10.1.0.1], hints: {forZones: [{name: z1}]}}\n- {addresses: [10.1.0.2], hints: {forZones: [{name: z2}]}}\n")));
-        assert_eq!(s.translate(&web()).frontends[0].1.backends.len(), 2, "no Node yet: no zone, hints ignored");
+        assert_eq!(frontends(&s, &web())[0].1.backends.len(), 2, "no Node yet: no zone, hints ignored");
         s.apply(Event::Apply(Object::Node(Box::new(
             serde_yaml::from_str("metadata: {name: node-a, labels: {topology.kubernetes.io/zone: z2}}").unwrap(),
         ))));
-        let b = &s.translate(&web()).frontends[0].1.backends;
+        let b = &frontends(&s, &web())[0].1.backends;
         assert_eq!(b.iter().map(|b| b.addr.to_string()).collect::<Vec<_>>(), ["10.1.0.2"]);
     }
 }

@@ -1,15 +1,13 @@
-//! Service + its EndpointSlices + this node -> the frontends this node programs.
+//! Service + its EndpointSlices + this node -> the plan every mode renders: one `PortView` per
+//! Service port and address family.
 
-use std::{
-    collections::HashSet,
-    net::{IpAddr, Ipv4Addr},
-};
+use std::{collections::HashSet, net::IpAddr};
 
 use super::{
     addr::{Cidr, Family},
     endpoints::{categorize, Endpoint, Policies},
     validate::{CheckedService, CheckedSlice, ServicePort, ServiceType},
-    Backend, EndpointView, Frontend, FrontendKey, FrontendKind, NodeInfo, ObjectKey, PortView, Protocol, ServicePortName,
+    EndpointView, NodeInfo, ObjectKey, PortView, ServicePortName,
 };
 
 fn endpoint_view(ep: &Endpoint) -> EndpointView {
@@ -26,11 +24,10 @@ pub struct HealthCheck {
     pub local_endpoints: usize,
 }
 
-/// The frontends of one Service, and remarks worth a log line (not errors).
+/// The plan of one Service, and remarks worth a log line (not errors).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Translation {
-    pub frontends: Vec<(FrontendKey, Frontend)>,
-    /// The same Service per port, for rule renderers.
+    /// One per port and address family the Service has a cluster IP of.
     pub ports: Vec<PortView>,
     pub health_check: Option<HealthCheck>,
     pub notes: Vec<String>,
@@ -70,44 +67,14 @@ pub fn port_endpoints(port: &ServicePort, slices: &[&CheckedSlice], node: &NodeI
     out
 }
 
-/// The eBPF dataplane's form of an endpoint.
-fn backend(ep: &Endpoint) -> Backend {
-    Backend { addr: ep.addr, port: ep.port, terminating: ep.terminating, local: ep.local }
-}
-
-fn backends(eps: &[Endpoint]) -> Vec<Backend> {
-    let mut b: Vec<Backend> = eps.iter().map(backend).collect();
-    b.sort();
-    b
-}
-
 fn of_family(addrs: &[IpAddr], family: Family) -> Vec<IpAddr> {
     addrs.iter().copied().filter(|a| Family::of(*a) == family).collect()
 }
 
-/// The sources the load-balancer IPs `lb_ips` accept new flows from: the Service's IPv4
-/// loadBalancerSourceRanges (`ranges`), sorted, and the load-balancer IPs themselves when a range holds
-/// the node's primary IP or one of its NodePort addresses. kube-proxy's rules check the node IP
-/// only, for packets whose own source the ranges then judge; the eBPF mode's socket hooks judge
-/// a node's process before it has a source address, by whether the load-balancer IP is in the
-/// list, so any node address in the ranges admits it (a node reaching the load balancer from a
-/// secondary address in a range gets through, as with kube-proxy). Empty: no ranges.
-fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cidr> {
-    let mut ranges = ranges.to_vec();
-    let node_addrs: Vec<IpAddr> = node.node_ips.iter().chain(node.nodeport_addresses.iter()).copied().collect();
-    if Cidr::any_contains(&ranges, &node_addrs) {
-        ranges.extend(lb_ips.iter().map(|a| Cidr::host(*a)));
-    }
-    ranges.sort();
-    ranges.dedup();
-    ranges
-}
-
 /// Translates one Service: a `PortView` per port for each family the Service has a cluster IP
 /// of (each family's view holds that family's addresses and the endpoints of that family's
-/// slices, as kube-proxy's per-family proxiers see a dual-stack Service), and the eBPF
-/// dataplane's frontends of both families. `slices` are the Service's slices, sorted by
-/// name.
+/// slices, as kube-proxy's per-family proxiers see a dual-stack Service). `slices` are the
+/// Service's slices, sorted by name.
 pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Translation {
     let mut out = Translation::default();
     if svc.skip.is_some() {
@@ -132,7 +99,7 @@ pub fn service(svc: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) 
     out
 }
 
-/// One family of `svc`: its port views and its frontends. Returns the number of usable local
+/// One family of `svc`: its port views. Returns the number of usable local
 /// endpoints (for the health check).
 fn family_service(
     svc: &CheckedService,
@@ -154,7 +121,7 @@ fn family_service(
         local_endpoints += sets.local.len();
         let name = ServicePortName { service: svc.key.clone(), port: port.name.clone(), protocol: port.protocol };
         out.ports.push(PortView {
-            name: name.clone(),
+            name,
             family,
             port: port.port,
             cluster_ips: cluster_ips.to_vec(),
@@ -171,64 +138,8 @@ fn family_service(
             cluster_endpoints: sets.cluster.iter().map(endpoint_view).collect(),
             local_endpoints: sets.local.iter().map(endpoint_view).collect(),
             has_endpoints: sets.has_any,
+            endpoints: endpoints.iter().map(endpoint_view).collect(),
         });
-        let frontend_ranges = source_ranges(&lb_source_ranges, &lb_ips, node);
-        // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them
-        // for kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy
-        // clears their conntrack entries.
-        let view = |chosen: &[Endpoint], kind: FrontendKind, internal: Option<Vec<Backend>>, source_ranges: Vec<Cidr>| {
-            let active = backends(chosen);
-            let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
-            let retained = backends(
-                &endpoints
-                    .iter()
-                    .filter(|e| !in_use.contains(&(e.addr, e.port)))
-                    .filter(|e| port.protocol != Protocol::Udp || e.serving)
-                    .cloned()
-                    .collect::<Vec<_>>(),
-            );
-            Frontend {
-                name: name.clone(),
-                kind,
-                drop_when_empty: active.is_empty() && sets.has_any,
-                backends: active,
-                retained,
-                affinity_timeout: svc.affinity_timeout,
-                internal_backends: internal,
-                source_ranges,
-            }
-        };
-        let internal = if svc.internal_local { &sets.local } else { &sets.cluster };
-        for vip in cluster_ips {
-            out.frontends.push((
-                FrontendKey { addr: *vip, port: port.port, protocol: port.protocol },
-                view(internal, FrontendKind::ClusterIp, None, vec![]),
-            ));
-        }
-        // External frontends: outside clients get the local endpoints under
-        // externalTrafficPolicy Local, pods reaching the same address get the cluster's.
-        let (external, for_pods) = if external_local(svc) { (&sets.local, Some(backends(&sets.cluster))) } else { (&sets.cluster, None) };
-        let mut add = |addr: IpAddr, port_no: u16, kind: FrontendKind| {
-            let key = FrontendKey { addr, port: port_no, protocol: port.protocol };
-            let ranges = if kind == FrontendKind::LoadBalancer { frontend_ranges.clone() } else { vec![] };
-            out.frontends.push((key, view(external, kind, for_pods.clone(), ranges)));
-        };
-        if let (true, Some(np)) = (node_ports, port.node_port) {
-            for a in of_family(&node.nodeport_addresses, family) {
-                add(a, np, FrontendKind::NodePort);
-            }
-            // (The NodePort addresses never hold loopback: the store leaves it out.) Localhost
-            // NodePorts are IPv4's (kube-proxy's route_localnet has no IPv6 counterpart).
-            if node.localhost_nodeports && family == Family::V4 {
-                add(IpAddr::V4(Ipv4Addr::LOCALHOST), np, FrontendKind::NodePort);
-            }
-        }
-        for a in &lb_ips {
-            add(*a, port.port, FrontendKind::LoadBalancer);
-        }
-        for a in &external_ips {
-            add(*a, port.port, FrontendKind::ExternalIp);
-        }
     }
     local_endpoints
 }
@@ -238,7 +149,25 @@ mod tests {
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
     use super::*;
-    use crate::model::validate;
+    use crate::model::{validate, Backend, Frontend, FrontendKey, FrontendKind, Protocol};
+
+    /// A translation and the eBPF dataplane's rendering of it, which most of these tests check.
+    struct Rendered {
+        ports: Vec<PortView>,
+        frontends: Vec<(FrontendKey, Frontend)>,
+        health_check: Option<HealthCheck>,
+        notes: Vec<String>,
+    }
+
+    fn service(s: &CheckedService, slices: &[&CheckedSlice], node: &NodeInfo) -> Rendered {
+        let t = super::service(s, slices, node);
+        Rendered {
+            frontends: crate::dataplane::ebpf::frontends::render(&t.ports, node),
+            ports: t.ports,
+            health_check: t.health_check,
+            notes: t.notes,
+        }
+    }
 
     fn node() -> NodeInfo {
         NodeInfo {
@@ -266,7 +195,7 @@ mod tests {
         Backend { addr: addr.parse().unwrap(), port, terminating: false, local: false }
     }
 
-    fn backends_of(t: &Translation, key: FrontendKey) -> Vec<String> {
+    fn backends_of(t: &Rendered, key: FrontendKey) -> Vec<String> {
         let fe = &t.frontends.iter().find(|(k, _)| *k == key).unwrap_or_else(|| panic!("no frontend {key}")).1;
         fe.backends.iter().map(|b| b.to_string()).collect()
     }
@@ -347,7 +276,7 @@ mod tests {
         assert!(!fe.drop_when_empty, "no endpoints at all: reject");
     }
 
-    fn find(t: &Translation, key: FrontendKey) -> &Frontend {
+    fn find(t: &Rendered, key: FrontendKey) -> &Frontend {
         &t.frontends.iter().find(|(k, _)| *k == key).unwrap_or_else(|| panic!("no frontend {key} in {:?}", t.frontends)).1
     }
 
@@ -381,7 +310,7 @@ mod tests {
     fn load_balancer_source_ranges_restrict_only_the_load_balancer_ips() {
         let s = svc("metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalIPs: [192.0.2.7], loadBalancerSourceRanges: [10.1.2.3/8, 2001:db8::/32], ports: [{name: http, port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}");
         let t = service(&s, &[&slice(NS_SLICE)], &node());
-        let ranges = |t: &Translation, k: FrontendKey| find(t, k).source_ranges.iter().map(|c| c.to_string()).collect::<Vec<_>>();
+        let ranges = |t: &Rendered, k: FrontendKey| find(t, k).source_ranges.iter().map(|c| c.to_string()).collect::<Vec<_>>();
         assert_eq!(ranges(&t, fk("203.0.113.1", 80, Protocol::Tcp)), ["10.0.0.0/8"], "the network of each IPv4 range");
         for other in [fk("10.96.0.10", 80, Protocol::Tcp), fk("192.168.0.10", 30080, Protocol::Tcp), fk("192.0.2.7", 80, Protocol::Tcp)] {
             assert!(ranges(&t, other).is_empty(), "{other}: cluster IP, NodePort and external IP are not restricted");

@@ -174,7 +174,8 @@ impl<D: Dataplane> Reconciler<D> {
             }
         }
         let mut failed = false;
-        let wanted: BTreeMap<FrontendKey, Frontend> = translation.frontends.into_iter().collect();
+        let wanted: BTreeMap<FrontendKey, Frontend> =
+            super::frontends::render(&translation.ports, &self.store.node_info()).into_iter().collect();
         for (key, fe) in &wanted {
             if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
                 if self.contenders.entry(*key).or_default().insert(svc.clone()) {
