@@ -29,13 +29,13 @@ pub static BENCH_SEQ_V1: PerCpuArray<u32, 1> = PerCpuArray::new();
 #[inline(always)]
 pub fn restore(ctx: &XdpContext) -> bool {
     let Some(t) = BENCH_FRAME_V1.get(0) else { return false };
-    let Some(seq) = BENCH_SEQ_V1.get_ptr_mut(0) else { return false };
+    let Some(seq) = crate::value::per_cpu(&BENCH_SEQ_V1, 0) else { return false };
     let Some(p) = ptr_at::<[u8; FRAME_LEN]>(ctx, 0) else { return false };
-    // SAFETY: bounds checked by ptr_at; the per-CPU slot is this CPU's.
+    let n = *seq;
+    *seq = n.wrapping_add(1);
+    // SAFETY: bounds checked by ptr_at.
     unsafe {
         *p = *t;
-        let n = *seq;
-        *seq = n.wrapping_add(1);
         let base = u16::from_be_bytes([(*p)[SPORT_OFF], (*p)[SPORT_OFF + 1]]);
         let port = base.wrapping_add((n % FLOWS) as u16).to_be_bytes();
         (*p)[SPORT_OFF] = port[0];

@@ -15,6 +15,7 @@ use crate::{
     family::Family,
     maps::CLOCK,
     parse::{Packet, TCP_FIN, TCP_RST},
+    value::{self, Slot},
 };
 
 /// An entry without a cached route (the route fields of a new entry).
@@ -45,18 +46,18 @@ pub const fn no_route<A: Family>() -> CtEntry<A> {
 /// load instead of a seqlock read and a conversion; measured at ~15 ns per packet).
 #[inline(always)]
 pub fn now() -> u64 {
-    // SAFETY: plain helper calls; the per-CPU slot is only touched by this CPU.
-    unsafe {
-        let jiffies = bpf_jiffies64();
-        let Some(c) = CLOCK.get_ptr_mut(0) else {
-            return bpf_ktime_get_coarse_ns();
-        };
-        if (*c).jiffies != jiffies || (*c).ns == 0 {
-            (*c).ns = bpf_ktime_get_coarse_ns();
-            (*c).jiffies = jiffies;
-        }
-        (*c).ns
+    // SAFETY: plain helper calls.
+    let jiffies = unsafe { bpf_jiffies64() };
+    let Some(c) = value::per_cpu(&CLOCK, 0) else {
+        // SAFETY: as above.
+        return unsafe { bpf_ktime_get_coarse_ns() };
+    };
+    if c.jiffies != jiffies || c.ns == 0 {
+        // SAFETY: as above.
+        c.ns = unsafe { bpf_ktime_get_coarse_ns() };
+        c.jiffies = jiffies;
     }
+    c.ns
 }
 
 /// The tuple of the packet as it is on the wire.
@@ -142,18 +143,18 @@ pub fn forward_stale<A: Family>(pkt: &Packet<A>, e: &CtEntry<A>, now: u64) -> bo
 
 /// Records a forward packet on its entry: state flags always, the timestamp at most once a second.
 #[inline(always)]
-pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: *mut CtEntry<A>, now: u64) {
-    // SAFETY: `e` is a live map value. Racing writers store the same kind of data; a lost
-    // update costs at most one second of lifetime or one flag that the next packet sets again.
-    unsafe {
-        let add = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
-        if (*e).flags & add != add {
-            (*e).flags |= add;
+pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, now: u64) {
+    let add = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
+    // Racing writers store the same kind of data; a lost update costs at most one second of
+    // lifetime or one flag that the next packet sets again.
+    e.update(move |e| {
+        if e.flags & add != add {
+            e.flags |= add;
         }
-        if now.wrapping_sub((*e).last_seen_ns) > ct::REFRESH_NS {
-            (*e).last_seen_ns = now;
+        if now.wrapping_sub(e.last_seen_ns) > ct::REFRESH_NS {
+            e.last_seen_ns = now;
         }
-    }
+    });
 }
 
 /// Records a reply, and checks that it still belongs to a live connection. A reply entry is
@@ -164,37 +165,33 @@ pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: *mut CtEntry<A>, now: u64) {
 /// a second) or gains a flag; it also refreshes the forward entry, so a flow where only the
 /// backend talks stays alive. Returns false (after deleting the entry) when the reply is stale.
 #[inline(always)]
-pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, fwd_key: &CtKey<A>, now: u64) -> bool {
+pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, entry: &CtEntry<A>, fwd_key: &CtKey<A>, now: u64) -> bool {
     let add = flags::SEEN_REPLY | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
     let gains_flags = entry.flags & add != add;
     let due = now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS;
     if !gains_flags && !due {
         return true;
     }
-    let live = match A::ct().get_ptr_mut(fwd_key) {
-        // SAFETY: a live map value; racing writers store the same kind of data.
-        Some(f) => unsafe {
-            let fwd_flags = (*f).flags;
-            let ok = fwd_flags & flags::REPLY == 0
-                && (*f).backend_id == entry.backend_id
-                && !expired(pkt.proto, fwd_flags, (*f).last_seen_ns, now);
+    // Racing writers store the same kind of data.
+    let live = Slot::of(A::ct(), fwd_key).is_some_and(|f| {
+        f.update(move |f| {
+            let ok = f.flags & flags::REPLY == 0 && f.backend_id == entry.backend_id && !expired(pkt.proto, f.flags, f.last_seen_ns, now);
             if ok {
-                (*f).flags |= add;
-                (*f).last_seen_ns = now;
+                f.flags |= add;
+                f.last_seen_ns = now;
             }
             ok
-        },
-        None => false,
-    };
+        })
+    });
     if !live {
         let _ = A::ct().remove(key(pkt));
         return false;
     }
-    // SAFETY: as in touch_forward.
-    unsafe {
-        (*e).flags |= add;
-        (*e).last_seen_ns = now;
-    }
+    // As in touch_forward.
+    e.update(move |e| {
+        e.flags |= add;
+        e.last_seen_ns = now;
+    });
     true
 }
 
@@ -229,10 +226,9 @@ fn snat_reply_key<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, snat_addr: A
 /// new SYN could confuse; a connection closed with FINs waits for expiry, as the backend may
 /// hold it in TIME_WAIT).
 #[inline(always)]
-fn reply_reusable<A: Family>(proto: u8, old: *const CtEntry<A>, now: u64) -> bool {
-    // SAFETY: fields of a live map value, read at once.
+fn reply_reusable<A: Family>(proto: u8, old: Slot<CtEntry<A>>, now: u64) -> bool {
     let (oflags, olast, nat_addr, nat_port, service_id, backend_id) =
-        unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).service_id, (*old).backend_id) };
+        old.read(|o| (o.flags, o.last_seen_ns, o.nat_addr, o.nat_port, o.service_id, o.backend_id));
     if oflags & flags::SNAT == 0 {
         // Not a port mapping: not ours to hand out.
         return false;
@@ -240,37 +236,35 @@ fn reply_reusable<A: Family>(proto: u8, old: *const CtEntry<A>, now: u64) -> boo
     if expired(proto, oflags, olast, now) {
         return true;
     }
-    // SAFETY: the value is copied out at once.
-    let Some(rn) = A::revnat().get_ptr(&service_id).map(|p| unsafe { *p }) else { return true };
+    let Some(rn) = value::copy(A::revnat(), service_id) else { return true };
     let fwd_key = CtKey { saddr: nat_addr, daddr: rn.addr, sport: nat_port, dport: rn.port, proto, _pad: 0, _pad2: 0 };
-    match A::ct().get_ptr(&fwd_key) {
+    match Slot::of(A::ct(), &fwd_key) {
         None => true,
-        // SAFETY: fields of a live map value, read at once.
-        Some(f) => unsafe {
-            let ff = (*f).flags;
-            ff & flags::REPLY != 0 || (*f).backend_id != backend_id || ff & flags::RST != 0 || expired(proto, ff, (*f).last_seen_ns, now)
-        },
+        Some(f) => f.read(move |f| {
+            f.flags & flags::REPLY != 0
+                || f.backend_id != backend_id
+                || f.flags & flags::RST != 0
+                || expired(proto, f.flags, f.last_seen_ns, now)
+        }),
     }
 }
 
 /// A per-CPU entry to build new entries in: map values, unlike stack variables, do not count
 /// against the programs' 512-byte stack.
 #[inline(always)]
-fn scratch<A: Family>() -> Result<*mut CtEntry<A>, Reason> {
-    let p = A::ct_scratch().get_ptr_mut(0).ok_or(Reason::DropCtInsert)?;
-    // SAFETY: this CPU's slot; the program does not migrate while it runs.
-    unsafe { *p = no_route() };
-    Ok(p)
+fn scratch<A: Family>() -> Result<&'static mut CtEntry<A>, Reason> {
+    let e = value::per_cpu(A::ct_scratch(), 0).ok_or(Reason::DropCtInsert)?;
+    *e = no_route();
+    Ok(e)
 }
 
 /// Whether the reply entry `old`, at the backend -> client tuple a new flow `own` would take,
 /// still answers for a live connection other than `own` (then the new flow must not take the
 /// tuple: the backend would see two connections as one, and the first would die).
 #[inline(always)]
-fn reply_in_use<A: Family>(pkt: &Packet<A>, old: *const CtEntry<A>, client_port: [u8; 2], own: &CtKey<A>, now: u64) -> bool {
-    // SAFETY: fields of a live map value, read at once.
+fn reply_in_use<A: Family>(pkt: &Packet<A>, old: Slot<CtEntry<A>>, client_port: [u8; 2], own: &CtKey<A>, now: u64) -> bool {
     let (oflags, olast, nat_addr, nat_port, snat_port, backend_id) =
-        unsafe { ((*old).flags, (*old).last_seen_ns, (*old).nat_addr, (*old).nat_port, (*old).snat_port, (*old).backend_id) };
+        old.read(|o| (o.flags, o.last_seen_ns, o.nat_addr, o.nat_port, o.snat_port, o.backend_id));
     if oflags & flags::SNAT != 0 {
         return !reply_reusable(pkt.proto, old, now);
     }
@@ -285,16 +279,14 @@ fn reply_in_use<A: Family>(pkt: &Packet<A>, old: *const CtEntry<A>, client_port:
         // The same connection, tracked afresh.
         return false;
     }
-    match A::ct().get_ptr(&fwd) {
+    match Slot::of(A::ct(), &fwd) {
         None => false,
-        // SAFETY: fields of a live map value, read at once.
-        Some(f) => unsafe {
-            let ff = (*f).flags;
-            ff & flags::REPLY == 0
-                && (*f).backend_id == backend_id
-                && ff & flags::RST == 0
-                && !expired(pkt.proto, ff, (*f).last_seen_ns, now)
-        },
+        Some(f) => f.read(move |f| {
+            f.flags & flags::REPLY == 0
+                && f.backend_id == backend_id
+                && f.flags & flags::RST == 0
+                && !expired(pkt.proto, f.flags, f.last_seen_ns, now)
+        }),
     }
 }
 
@@ -325,7 +317,7 @@ fn claim_client_port<A: Family>(
         if A::ct().insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             return Ok(port);
         }
-        let free = A::ct().get_ptr(&k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
+        let free = Slot::of(A::ct(), &k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
         if free && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             return Ok(port);
         }
@@ -349,8 +341,6 @@ pub fn create<A: Family>(
     let fin_rst = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     let hp = if hairpin { flags::HAIRPIN } else { 0 };
     let e = scratch::<A>()?;
-    // SAFETY: this CPU's scratch slot (see `scratch`).
-    let e = unsafe { &mut *e };
     e.last_seen_ns = now;
     e.backend_id = backend_id;
     e.service_id = service_id;
@@ -365,7 +355,7 @@ pub fn create<A: Family>(
     // undefined, which the compiler may spill as an unwritten register the verifier refuses.)
     let (mut moved, mut port) = (false, [0u8; 2]);
     if hairpin || A::ct().insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
-        let in_use = !hairpin && A::ct().get_ptr(&reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
+        let in_use = !hairpin && Slot::of(A::ct(), &reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
         if in_use {
             port = claim_client_port(pkt, backend, e, &own, now)?;
             moved = true;
@@ -410,8 +400,6 @@ pub fn create_snat<A: Family>(
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() };
     let e = scratch::<A>()?;
-    // SAFETY: this CPU's scratch slot (see `scratch`).
-    let e = unsafe { &mut *e };
     e.last_seen_ns = now;
     e.backend_id = backend_id;
     e.service_id = service_id;
@@ -429,7 +417,7 @@ pub fn create_snat<A: Family>(
         }
         // Taken, but perhaps by a flow that has ended: its mapping may be reused. (The LRU
         // would only evict it once the whole table is full.)
-        let stale = A::ct().get_ptr(&k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
+        let stale = Slot::of(A::ct(), &k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
         if stale && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             claimed = true;
             break;

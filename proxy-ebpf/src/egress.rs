@@ -17,6 +17,7 @@ use crate::{
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
+    value::Slot,
     verdict::Verdict,
 };
 
@@ -111,11 +112,10 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(e) = A::ct().get_ptr_mut(ct::key(&pkt)) else {
+    let Some(e) = Slot::of(A::ct(), ct::key(&pkt)) else {
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
-    // SAFETY: live map value; CtEntry is plain data.
-    let entry = unsafe { *e };
+    let entry = e.get();
     if entry.flags & flags::REPLY == 0 {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
@@ -131,8 +131,8 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         // The first reply (or one the form could not be told from): learn the form.
         let form = nat::rewrite_learning(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
         if form != l4_csum::UNKNOWN {
-            // SAFETY: a live map value; a racing writer stores the same value.
-            unsafe { (*e).l4_csum = form };
+            // A racing writer stores the same value.
+            e.update(move |e| e.l4_csum = form);
         }
     } else {
         nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum)?;

@@ -16,6 +16,7 @@ use crate::{
     nat::{self, Side},
     north::{self, Env, Route, Step},
     parse::{self, ptr_at, Frag, Frame, Packet, Parsed, IP_OFF, L3},
+    value::Slot,
     verdict::Verdict,
 };
 
@@ -209,9 +210,8 @@ fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
 /// copy on the stack would not fit beside IPv6's decision).
 #[inline(always)]
 fn trace<A: Family>(step: &Step<A>) {
-    let Some(slot) = TRACE_V2.get_ptr_mut(0) else { return };
-    // SAFETY: a live array value; only trace packets write it.
-    let r = unsafe { &mut *slot };
+    // Only trace packets write it.
+    let Some(slot) = Slot::of(&TRACE_V2, 0) else { return };
     let (reason, backend_id, service_id) = match step {
         Step::Pass(reason) | Step::Drop(reason) => (*reason, 0, 0),
         Step::NewFlow => (Reason::PassNoStage, 0, 0),
@@ -220,17 +220,24 @@ fn trace<A: Family>(step: &Step<A>) {
             (*reason, *backend_id, *service_id)
         }
     };
-    r.reason = reason as u32;
-    r.backend_id = backend_id;
-    r.service_id = service_id;
-    r.snat_addr = [0; 4];
-    r.snat_addr6 = proxy_common::Ip6([0; 4]);
-    r.ifindex = 0;
-    if let Step::Forward { src, route, .. } = step {
-        A::trace_snat(r, src.0);
-        r.ifindex = route.ifindex;
-    }
-    r.seq = r.seq.wrapping_add(1);
+    // Values, not the step, go into the write (a step referred to from there would have to
+    // stay on the stack).
+    let (forward, snat, ifindex) = match step {
+        Step::Forward { src, route, .. } => (true, src.0, route.ifindex),
+        _ => (false, A::UNSPECIFIED, 0),
+    };
+    slot.update(move |r| {
+        r.reason = reason as u32;
+        r.backend_id = backend_id;
+        r.service_id = service_id;
+        r.snat_addr = [0; 4];
+        r.snat_addr6 = proxy_common::Ip6([0; 4]);
+        r.ifindex = ifindex;
+        if forward {
+            A::trace_snat(r, snat);
+        }
+        r.seq = r.seq.wrapping_add(1);
+    });
 }
 
 /// Returned for a trace packet: nothing leaves.

@@ -18,7 +18,7 @@ use proxy_common::{
     RevNat, ServiceKey, ServiceValue,
 };
 
-use crate::{icmp, maps, parse::Packet, verdict::Verdict};
+use crate::{icmp, maps, parse::Packet, value, verdict::Verdict};
 
 const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -183,8 +183,8 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
         let index = proxy_common::hash::flow(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
-        // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
-        unsafe { maps::LB4_MAGLEV_V1.get_value(&table_id, &index) }.copied()
+        // The agent only ever stores whole u32s into it.
+        value::copy_inner(&maps::LB4_MAGLEV_V1, &table_id, index)
     }
 
     type FragKey = FragKey;
@@ -229,7 +229,7 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn node_address(ifindex: u32) -> Option<Self> {
         // SAFETY: the value is copied out at once.
-        maps::NODE_IFADDR_V1.get_ptr(&ifindex).map(|a| unsafe { (*a).addr })
+        value::copy(&maps::NODE_IFADDR_V1, &ifindex).map(|a| a.addr)
     }
     #[inline(always)]
     fn set_fib_addresses(p: &mut FibParams, src: Self, dst: Self) {
@@ -327,8 +327,8 @@ impl Family for Ip6 {
     #[inline(always)]
     fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
         let index = proxy_common::hash::flow6(pkt.saddr, pkt.daddr, pkt.sport, pkt.dport, pkt.proto) % size;
-        // SAFETY: an array value, read at once; the agent only ever stores whole u32s into it.
-        unsafe { maps::LB6_MAGLEV_V1.get_value(&table_id, &index) }.copied()
+        // The agent only ever stores whole u32s into it.
+        value::copy_inner(&maps::LB6_MAGLEV_V1, &table_id, index)
     }
     #[inline(always)]
     fn frag_key(pkt: &Packet<Self>) -> Frag6Key {
@@ -394,7 +394,7 @@ impl Family for Ip6 {
     #[inline(always)]
     fn node_address(ifindex: u32) -> Option<Self> {
         // SAFETY: the value is copied out at once.
-        maps::NODE_IFADDR6_V1.get_ptr(&ifindex).map(|a| unsafe { (*a).addr })
+        value::copy(&maps::NODE_IFADDR6_V1, &ifindex).map(|a| a.addr)
     }
     #[inline(always)]
     fn set_fib_addresses(p: &mut FibParams, src: Self, dst: Self) {
@@ -445,10 +445,9 @@ impl Family for Ip6 {
 /// (`parse6::is_staged`).
 #[inline(always)]
 pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, slot: u32) -> Reason {
-    let Some(stage) = maps::STAGE6.get_ptr_mut(0) else { return Reason::PassNoStage };
-    // SAFETY: this CPU's slot; the program does not migrate while it runs, and the next
-    // program runs on this CPU before any other packet.
-    unsafe { *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 } };
+    // This CPU's slot: the next program runs on this CPU before any other packet.
+    let Some(stage) = value::per_cpu(&maps::STAGE6, 0) else { return Reason::PassNoStage };
+    *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 };
     // SAFETY: plain helper call; on success it does not return.
     unsafe { maps::PROGS_V1.tail_call(ctx, slot) };
     Reason::PassNoStage
@@ -457,9 +456,8 @@ pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason,
 /// The staged packet, if it is this frame's (see `enter_stage`).
 #[inline(always)]
 pub fn staged(ctx: &TcContext) -> Option<&'static Stage<Ip6>> {
-    let stage = maps::STAGE6.get_ptr(0)?;
-    // SAFETY: this CPU's slot, written by the program that tail-called here.
-    let stage = unsafe { &*stage };
+    // This CPU's slot, written by the program that tail-called here.
+    let stage: &'static Stage<Ip6> = value::per_cpu(&maps::STAGE6, 0)?;
     (crate::parse6::is_staged(ctx, &stage.pkt) && (stage.reason as usize) < Reason::ALL.len()).then_some(stage)
 }
 

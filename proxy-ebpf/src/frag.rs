@@ -14,10 +14,8 @@ use crate::{
 /// Fills in the ports of a later fragment. False when its first fragment was not seen.
 #[inline(always)]
 pub fn resolve_ports<A: Family>(pkt: &mut Packet<A>) -> bool {
-    match A::frags().get_ptr(A::frag_key(pkt)) {
-        Some(p) => {
-            // SAFETY: a valid map value pointer; FragPorts is plain bytes.
-            let ports = unsafe { *p };
+    match crate::value::copy(A::frags(), A::frag_key(pkt)) {
+        Some(ports) => {
             pkt.sport = ports.sport;
             pkt.dport = ports.dport;
             true

@@ -128,9 +128,7 @@ pub fn quote(ctx: &TcContext, quote_len: usize, kind: u8, code: u8) -> Result<u6
     // ICMP header followed by the quote (zero-padded to a multiple of 4 for bpf_csum_diff;
     // zero padding does not change a one's-complement sum), so one pass covers the message. In
     // a per-CPU buffer: the stack has no room for it beside the flow's state.
-    let msg = crate::maps::ICMP_SCRATCH.get_ptr_mut(0).ok_or(Reason::DropRejectFailed)?;
-    // SAFETY: this CPU's buffer; the program does not migrate while it runs.
-    let msg = unsafe { &mut (*msg).bytes };
+    let msg = &mut crate::value::per_cpu(&crate::maps::ICMP_SCRATCH, 0).ok_or(Reason::DropRejectFailed)?.bytes;
     *msg = [0; MESSAGE_MAX + 4];
     msg[0] = kind;
     msg[1] = code;
@@ -228,8 +226,7 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> 
     let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
     let reply_key =
         CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
-    // SAFETY: the value is copied out at once.
-    let Some(entry) = CT4_V2.get_ptr(&reply_key).map(|p| unsafe { *p }) else {
+    let Some(entry) = crate::value::copy(&CT4_V2, &reply_key) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     if entry.flags & flags::REPLY == 0 {

@@ -143,16 +143,15 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Resu
     }
     let (sport, dport) = ([ports[0], ports[1]], [ports[2], ports[3]]);
     let reply_key = CtKey { saddr: dst, daddr: src, sport: dport, dport: sport, proto: next, _pad: 0, _pad2: 0 };
-    let Some(e) = Ip6::ct().get_ptr(&reply_key) else {
+    let Some(e) = crate::value::Slot::of(Ip6::ct(), &reply_key) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
-    // SAFETY: a live map value, read field by field (not copied whole: the stack is short).
-    let (entry_flags, snat_port) = unsafe { ((*e).flags, (*e).snat_port) };
+    // Read field by field (not copied whole: the stack is short).
+    let (entry_flags, snat_port) = e.read(|e| (e.flags, e.snat_port));
     if entry_flags & flags::REPLY == 0 {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
-    // SAFETY: as above.
-    let Some(rn) = revnat_of(unsafe { &*e }) else {
+    let Some(rn) = e.read(revnat_of) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     let fail = |_| Reason::DropRewrite;

@@ -20,6 +20,7 @@ mod pod_ingress;
 mod select;
 mod sock;
 mod stats;
+mod value;
 mod verdict;
 mod xdp;
 

@@ -26,6 +26,7 @@ use crate::{
     parse::Packet,
     pod_ingress::count_flow,
     select::{self, backend, revnat_of, service},
+    value::{self, Slot},
 };
 
 /// Where the FIB sends a packet.
@@ -103,7 +104,7 @@ pub fn fib<A: Family>(env: &Env, pkt: &Packet<A>, src: A, dst: A) -> Result<Rout
 fn route_of<A: Family>(
     env: &Env,
     pkt: &Packet<A>,
-    e: *mut CtEntry<A>,
+    e: Slot<CtEntry<A>>,
     entry: &CtEntry<A>,
     src: A,
     dst: A,
@@ -115,14 +116,14 @@ fn route_of<A: Family>(
     }
     let r = fib(env, pkt, src, dst)?;
     if !r.no_neigh && !env.dry {
-        // SAFETY: a live map value; racing writers store the same kind of data, and a torn
-        // route is at worst looked up again when the epoch moves on.
-        unsafe {
-            (*e).route_ifindex = r.ifindex;
-            (*e).route_dmac = r.dmac;
-            (*e).route_smac = r.smac;
-            (*e).route_epoch = epoch;
-        }
+        // Racing writers store the same kind of data, and a torn route is at worst looked up
+        // again when the epoch moves on.
+        e.update(move |e| {
+            e.route_ifindex = r.ifindex;
+            e.route_dmac = r.dmac;
+            e.route_smac = r.smac;
+            e.route_epoch = epoch;
+        });
     }
     Ok(r)
 }
@@ -146,8 +147,7 @@ fn usable<A: Family>(env: &Env, route: Result<Route<A>, Reason>) -> Result<Route
 /// goes to TC.
 #[inline(always)]
 fn xdp_can_send(ingress: u32, egress: u32) -> bool {
-    // SAFETY: the value is copied out at once.
-    let flags = |i: u32| XDP_DEVS_V1.get_ptr(&i).map_or(0, |f| unsafe { *f });
+    let flags = |i: u32| value::copy(&XDP_DEVS_V1, &i).unwrap_or(0);
     let need = if ingress == egress { xdp_dev::TX } else { xdp_dev::XMIT };
     flags(egress) & need != 0 || flags(ingress) & xdp_dev::GENERIC != 0
 }
@@ -168,9 +168,8 @@ pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
 /// stack frame).
 #[inline(always)]
 pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new: bool) -> Step<A> {
-    if let Some(e) = A::ct().get_ptr_mut(ct::key(pkt)) {
-        // SAFETY: live map value; CtEntry is plain data.
-        let entry = unsafe { *e };
+    if let Some(e) = Slot::of(A::ct(), ct::key(pkt)) {
+        let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {
                 // A local backend's flow (TC egress translates its replies), or a pod's reply

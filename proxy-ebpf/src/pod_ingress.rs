@@ -5,8 +5,6 @@
 //! kube-proxy's DNAT; translating them here would show conntrack two half-connections that any
 //! `ctstate INVALID` drop rule discards.
 
-use core::intrinsics::{atomic_xadd, AtomicOrdering};
-
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
 
@@ -19,6 +17,7 @@ use crate::{
     parse::{self, Frag, Packet, Parsed, L3},
     parse6,
     select::{self, backend, service},
+    value::Slot,
     verdict::Verdict,
 };
 
@@ -64,9 +63,8 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let now = ct::now();
-    if let Some(e) = A::ct().get_ptr_mut(ct::key(&pkt)) {
-        // SAFETY: live map value; CtEntry is plain data.
-        let entry = unsafe { *e };
+    if let Some(e) = Slot::of(A::ct(), ct::key(&pkt)) {
+        let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::HAIRPIN != 0 {
                 return hairpin_reply(ctx, &pkt, e, &entry, now);
@@ -152,7 +150,7 @@ fn unserved<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reas
 
 /// A packet of a tracked connection towards the service.
 #[inline(always)]
-fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
+fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: Slot<CtEntry<A>>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
     // The id must still name the backend the flow went to: ids are reused eventually.
     let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
     let Some(be) = be else {
@@ -188,7 +186,13 @@ fn translate_hairpin<A: Family>(ctx: &TcContext, pkt: &Packet<A>, be: &Backend<A
 /// A pod's reply to its own hairpinned flow: from the pod to the hairpin address, it must reach
 /// the pod again as coming from the service.
 #[inline(always)]
-fn hairpin_reply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: *mut CtEntry<A>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
+fn hairpin_reply<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    e: Slot<CtEntry<A>>,
+    entry: &CtEntry<A>,
+    now: u64,
+) -> Result<Verdict, Reason> {
     let Some(rn) = select::revnat_of(entry) else {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     };
@@ -242,9 +246,7 @@ fn new_flow<A: Family>(
 /// Counts a new flow to the backend.
 #[inline(always)]
 pub fn count_flow<A: Family>(backend_id: u32) {
-    if let Some(c) = A::flows().get_ptr_mut(backend_id) {
-        // SAFETY: a live array value shared by all CPUs, hence the atomic add. The bpf target
-        // does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to BPF_ATOMIC_ADD.
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).flows, 1) };
+    if let Some(c) = Slot::of(A::flows(), backend_id) {
+        c.count_flow();
     }
 }

@@ -8,6 +8,7 @@ use crate::{
     family::Family,
     maps::CONFIG_V2,
     parse::{Frag, Packet},
+    value,
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
@@ -44,21 +45,18 @@ pub fn service_cidr_of<A: Family>(daddr: A) -> Option<u8> {
 /// The Service address a tracked flow's replies must come from.
 #[inline(always)]
 pub fn revnat_of<A: Family>(entry: &CtEntry<A>) -> Option<RevNat<A>> {
-    // SAFETY: the value is copied out at once.
-    A::revnat().get_ptr(entry.service_id).map(|p| unsafe { *p })
+    value::copy(A::revnat(), entry.service_id)
 }
 
 #[inline(always)]
 pub fn service<A: Family>(key: &ServiceKey<A>) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once.
-    A::services().get_ptr(key).map(|p| unsafe { *p })
+    value::copy(A::services(), key)
 }
 
 /// The backend with this id, if it is set (an unset array entry is all zeroes).
 #[inline(always)]
 pub fn backend<A: Family>(id: u32) -> Option<Backend<A>> {
-    // SAFETY: the value is copied out at once.
-    A::backends().get_ptr(id).map(|p| unsafe { *p }).filter(|b| b.addr != A::UNSPECIFIED)
+    value::copy(A::backends(), id).filter(|b| b.addr != A::UNSPECIFIED)
 }
 
 /// The master entry pods use for `key`: the frontend's own, or for a frontend whose outside
@@ -85,13 +83,14 @@ fn affinity_key<A: Family>(pkt: &Packet<A>, master: &ServiceValue, scope: u8) ->
 /// still serves the service.
 #[inline(always)]
 fn affinity<A: Family>(pkt: &Packet<A>, master: &ServiceValue, scope: u8, now: u64) -> Option<Choice<A>> {
-    // SAFETY: the value is copied out at once.
-    let a = A::affinity().get_ptr(&affinity_key(pkt, master, scope)).map(|p| unsafe { *p })?;
+    let a = value::copy(A::affinity(), &affinity_key(pkt, master, scope))?;
     if now.saturating_sub(a.last_used_ns) > u64::from(master.affinity_timeout) * NS_PER_SEC {
         return None;
     }
     let m = AffinityMatchKey { service_id: master.service_id, backend_id: a.backend_id, scope, _pad: 0, _pad2: 0 };
-    A::affinity_matches().get_ptr(&m)?;
+    if !value::contains(A::affinity_matches(), &m) {
+        return None;
+    }
     backend(a.backend_id).map(|backend| Choice { id: a.backend_id, backend })
 }
 

@@ -57,7 +57,7 @@ use crate::{
     parse::{Frag, Packet},
     pod_ingress::count_flow,
     select::{self, Choice},
-    stats,
+    stats, value,
 };
 
 /// What a socket hook returns to let the call go on.
@@ -279,8 +279,7 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
     // if its id still names it (as the TC path checks a tracked flow's).
     let fwd_key = rev_key(ctx, vip, vport);
     if proto == IPPROTO_UDP && !connect {
-        // SAFETY: the value is copied out at once.
-        if let Some(f) = A::fwds().get_ptr(&fwd_key).map(|p| unsafe { *p }) {
+        if let Some(f) = value::copy(A::fwds(), &fwd_key) {
             if select::backend::<A>(f.backend_id).is_some_and(|b| b.addr == f.addr && b.port == f.port) {
                 set_peer(ctx, hook, f.addr, f.port);
                 return PROCEED;
@@ -349,8 +348,7 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
 /// True when this socket reaches backend `b` for a Service other than `vip:vport`.
 #[inline(always)]
 fn other_service<A: SockFamily>(ctx: &SockAddrContext, b: &Backend<A>, vip: A, vport: [u8; 2]) -> bool {
-    // SAFETY: the value is copied out at once.
-    A::revnats().get_ptr(&rev_key(ctx, b.addr, b.port)).map(|p| unsafe { *p }).is_some_and(|r| r.addr != vip || r.port != vport)
+    value::copy(A::revnats(), &rev_key(ctx, b.addr, b.port)).is_some_and(|r| r.addr != vip || r.port != vport)
 }
 
 /// The other connected socket on local port `sport` that reaches backend `b`, if any (a socket
@@ -361,8 +359,7 @@ fn holder<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>)
         return None;
     }
     let key = port_key(proto, sport, b.addr, b.port);
-    // SAFETY: the value is copied out at once.
-    A::ports().get_ptr(&key).map(|p| unsafe { *p }).filter(|o| o.cookie != cookie).map(|o| (key, o))
+    value::copy(A::ports(), &key).filter(|o| o.cookie != cookie).map(|o| (key, o))
 }
 
 /// True when that holder can be trusted to be there: it took the tuple less than
@@ -371,8 +368,7 @@ fn holder<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>)
 #[inline(always)]
 fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
     holder(cookie, proto, sport, b).is_some_and(|(key, owner)| {
-        // SAFETY: the value is copied out at once.
-        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && A::held().get_ptr(&owner.cookie).map(|p| unsafe { *p }) == Some(key)
+        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && value::copy(A::held(), &owner.cookie) == Some(key)
     })
 }
 
@@ -400,11 +396,9 @@ fn untaken_backend<A: Family>(key: &ServiceKey<A>, master: &ServiceValue, taken:
 /// Forgets the tuple the socket `cookie` held at a backend of family `A`, if it still holds it.
 #[inline(always)]
 fn release_tuple<A: SockFamily>(cookie: u64) {
-    // SAFETY: the value is copied out at once.
-    let Some(key) = A::held().get_ptr(&cookie).map(|p| unsafe { *p }) else { return };
+    let Some(key) = value::copy(A::held(), &cookie) else { return };
     let _ = A::held().remove(&cookie);
-    // SAFETY: the value is copied out at once.
-    if A::ports().get_ptr(&key).map(|p| unsafe { *p }).is_some_and(|o| o.cookie == cookie) {
+    if value::copy(A::ports(), &key).is_some_and(|o| o.cookie == cookie) {
         let _ = A::ports().remove(&key);
     }
 }
@@ -442,8 +436,7 @@ pub fn restore(ctx: &SockAddrContext, hook: Hook) -> i32 {
 
 #[inline(always)]
 fn restore_from<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, addr: A, port: [u8; 2]) {
-    // SAFETY: the value is copied out at once.
-    if let Some(rn) = A::revnats().get_ptr(&rev_key(ctx, addr, port)).map(|p| unsafe { *p }) {
+    if let Some(rn) = value::copy(A::revnats(), &rev_key(ctx, addr, port)) {
         set_peer(ctx, hook, rn.addr, rn.port);
     }
 }

@@ -40,6 +40,8 @@ mod pod_ingress;
 mod select;
 #[path = "../stats.rs"]
 mod stats;
+#[path = "../value.rs"]
+mod value;
 #[path = "../verdict.rs"]
 mod verdict;
 #[path = "../xdp.rs"]

@@ -1,0 +1,132 @@
+//! Map values behind safe functions: the one module that dereferences the pointers map lookups
+//! return, as `access` is for packet data.
+//!
+//! A lookup's pointer stays valid until the program returns (the kernel frees map elements
+//! after an RCU grace period), but what it points at is not the program's alone: another CPU
+//! may write a shared map's value meanwhile, or delete the entry and let the slot be reused.
+//! So values leave this module as copies read at once (`copy`), or as a `Slot` that reads and
+//! writes in place (conntrack entries, counters). Every value here is plain data, so a racing
+//! writer can only mix two versions' fields; the callers' comments say why that is harmless
+//! where it can happen. Per-CPU slots (`per_cpu`) are this CPU's alone while the program runs,
+//! since BPF programs do not migrate.
+
+use core::{
+    borrow::Borrow,
+    intrinsics::{atomic_xadd, AtomicOrdering},
+    ptr::NonNull,
+};
+
+use aya_ebpf::btf_maps::{Array, HashMap, HashOfMaps, LruHashMap, PerCpuArray};
+use proxy_common::BackendFlows;
+
+/// A map whose values can be looked up by key.
+pub trait Values<K, V> {
+    fn ptr(&self, key: &K) -> Option<*mut V>;
+}
+
+impl<K, V, const M: usize, const F: usize> Values<K, V> for HashMap<K, V, M, F> {
+    #[inline(always)]
+    fn ptr(&self, key: &K) -> Option<*mut V> {
+        self.get_ptr_mut(key)
+    }
+}
+
+impl<K, V, const M: usize, const F: usize> Values<K, V> for LruHashMap<K, V, M, F> {
+    #[inline(always)]
+    fn ptr(&self, key: &K) -> Option<*mut V> {
+        self.get_ptr_mut(key)
+    }
+}
+
+impl<V, const M: usize, const F: usize> Values<u32, V> for Array<V, M, F> {
+    #[inline(always)]
+    fn ptr(&self, key: &u32) -> Option<*mut V> {
+        self.get_ptr_mut(*key)
+    }
+}
+
+/// A copy of the value under `key`, read at once. (Keys are taken by value or by reference,
+/// as aya's lookups take them: a reference to a field of a local struct would make the
+/// compiler keep the whole struct on the stack, which the programs cannot spare.)
+#[inline(always)]
+pub fn copy<K, V: Copy>(map: &impl Values<K, V>, key: impl Borrow<K>) -> Option<V> {
+    // SAFETY: a live map value of plain data (see the module comment), copied at once.
+    map.ptr(key.borrow()).map(|p| unsafe { *p })
+}
+
+/// A copy of the value at `index` of the inner array under `key` of a map of arrays (the
+/// Maglev tables), read at once.
+#[inline(always)]
+pub fn copy_inner<K, V: Copy, const N: usize, const IF: usize, const M: usize, const F: usize>(
+    map: &HashOfMaps<K, Array<V, N, IF>, M, F>,
+    key: &K,
+    index: u32,
+) -> Option<V> {
+    // SAFETY: a live map value of plain data (see the module comment), copied at once.
+    unsafe { map.get_value(key, &index) }.copied()
+}
+
+/// Whether `key` has a value.
+#[inline(always)]
+pub fn contains<K, V>(map: &impl Values<K, V>, key: impl Borrow<K>) -> bool {
+    map.ptr(key.borrow()).is_some()
+}
+
+/// A value in a shared map, read and written in place.
+#[derive(Clone, Copy)]
+pub struct Slot<V>(NonNull<V>);
+
+impl<V> Slot<V> {
+    #[inline(always)]
+    pub fn of<K>(map: &impl Values<K, V>, key: impl Borrow<K>) -> Option<Self> {
+        map.ptr(key.borrow()).and_then(NonNull::new).map(Self)
+    }
+
+    /// The whole value, read at once.
+    #[inline(always)]
+    pub fn get(self) -> V
+    where
+        V: Copy,
+    {
+        // SAFETY: a live map value of plain data (see the module comment).
+        unsafe { *self.0.as_ptr() }
+    }
+
+    /// Reads and changes fields in place. Other CPUs may do the same meanwhile: the caller's
+    /// changes must be ones a racing writer's can overwrite without harm.
+    #[inline(always)]
+    pub fn update<R>(self, f: impl FnOnce(&mut V) -> R) -> R {
+        // SAFETY: a live map value of plain data (see the module comment); the reference does
+        // not outlive the call.
+        unsafe { f(&mut *self.0.as_ptr()) }
+    }
+
+    /// Reads fields in place (where a copy of the whole value would take stack the programs
+    /// do not have).
+    #[inline(always)]
+    pub fn read<R>(self, f: impl FnOnce(&V) -> R) -> R {
+        // SAFETY: a live map value of plain data (see the module comment); the reference does
+        // not outlive the call.
+        unsafe { f(self.0.as_ref()) }
+    }
+}
+
+impl Slot<BackendFlows> {
+    /// One more flow to the backend: a counter all CPUs share, hence the atomic add. (The bpf
+    /// target does not expose AtomicU64::fetch_add, but LLVM lowers the intrinsic to
+    /// BPF_ATOMIC_ADD.)
+    #[inline(always)]
+    pub fn count_flow(self) {
+        let p = self.0.as_ptr();
+        // SAFETY: a field of a live map value, changed by one atomic instruction.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*p).flows, 1) };
+    }
+}
+
+/// This CPU's value at `index` of a per-CPU array, to use as scratch space or a private
+/// counter: no other CPU touches it, and the program does not migrate while it runs.
+#[inline(always)]
+pub fn per_cpu<V, const M: usize, const F: usize>(map: &PerCpuArray<V, M, F>, index: u32) -> Option<&mut V> {
+    // SAFETY: see above; the reference lives no longer than the program's run.
+    map.get_ptr_mut(index).map(|p| unsafe { &mut *p })
+}
