@@ -68,11 +68,12 @@ pub struct MapFill {
     pub conntrack6: AtomicU64,
 }
 
-/// Entries each datapath map holds at most (all 0 without the eBPF dataplane). Each family's
-/// load-balancer maps have `lb`.
+/// Entries each datapath map holds at most (all 0 without the eBPF dataplane): the IPv4 and
+/// IPv6 load-balancer maps (`lb`, `lb6`) and conntrack tables.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MapCapacities {
     pub lb: u64,
+    pub lb6: u64,
     pub ct: u64,
     pub ct6: u64,
 }
@@ -377,8 +378,8 @@ impl Collector for DatapathCollector {
             ("services", f.services.load(Ordering::Relaxed), c.lb),
             ("backends", f.backends.load(Ordering::Relaxed), c.lb),
             ("conntrack", f.conntrack.load(Ordering::Relaxed), c.ct),
-            ("services_ipv6", f.services6.load(Ordering::Relaxed), c.lb),
-            ("backends_ipv6", f.backends6.load(Ordering::Relaxed), c.lb),
+            ("services_ipv6", f.services6.load(Ordering::Relaxed), c.lb6),
+            ("backends_ipv6", f.backends6.load(Ordering::Relaxed), c.lb6),
             ("conntrack_ipv6", f.conntrack6.load(Ordering::Relaxed), c.ct6),
         ];
         for (map, n, _) in fill {
@@ -399,7 +400,7 @@ mod tests {
 
     #[test]
     fn health_follows_kube_proxy() {
-        let t = Telemetry::new(Duration::from_millis(50), None, MapCapacities { lb: 1, ct: 1, ct6: 1 });
+        let t = Telemetry::new(Duration::from_millis(50), None, MapCapacities { lb: 1, lb6: 1, ct: 1, ct6: 1 });
         assert_eq!(t.healthz().0, 200, "healthy while starting up");
         t.queued();
         assert_eq!(t.healthz().0, 200, "a fresh queued update is not late yet");
@@ -419,7 +420,7 @@ mod tests {
 
     #[test]
     fn metrics_use_kube_proxy_names() {
-        let t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 65536, ct: 262144, ct6: 4096 });
+        let t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 65536, lb6: 32768, ct: 262144, ct6: 4096 });
         let trigger = SystemTime::now();
         std::thread::sleep(Duration::from_millis(15));
         let stats = SyncStats { duration: Duration::from_millis(3), trigger_times: vec![trigger], ..Default::default() };
@@ -435,7 +436,8 @@ mod tests {
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "proxy_agent_map_capacity{map=\"conntrack\"} 262144",
             "proxy_agent_map_capacity{map=\"conntrack_ipv6\"} 4096",
-            "proxy_agent_map_capacity{map=\"services_ipv6\"} 65536",
+            "proxy_agent_map_capacity{map=\"services_ipv6\"} 32768",
+            "proxy_agent_map_capacity{map=\"services\"} 65536",
         ] {
             assert!(m.contains(want), "missing {want} in\n{m}");
         }

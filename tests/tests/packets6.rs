@@ -516,3 +516,67 @@ fn a_ping_to_an_ipv6_cluster_ip_is_answered_port_unreachable() {
     assert_eq!(run_egress(&mut dp, &ns).frame, ns, "neighbour solicitation, leaving");
     assert_eq!(counters(&mut dp).get("reject_cluster_ip_port"), Some(&2));
 }
+
+/// IPv6 load-balancer maps an earlier run pinned at another size than the IPv4 ones (as when
+/// the IPv4 ones were resized and the IPv6 ones kept) are adopted as they are, and the writer
+/// and the fill gauges follow their size, not IPv4's.
+#[test]
+fn ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it() {
+    if !require::root("ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it") {
+        return;
+    }
+    use proxy_agent::dataplane::{ebpf::loader::LoadOptions, DataplaneError};
+    let root = proxy_tests::lab::TempBpffs::new("pxpin6");
+    let load = |lb_map_max: u32| {
+        EbpfDataplane::load(LoadOptions { pin_root: Some(root.0.clone()), lb_map_max, ..Default::default() }).expect("load with pins")
+    };
+    drop(load(8));
+    // The IPv4 load-balancer maps go (so the next start creates them at the new size); the
+    // IPv6 ones stay pinned at 8 entries.
+    let maps = proxy_agent::dataplane::ebpf::loader::maps_dir(&root.0);
+    for name in [
+        map_names::SERVICES,
+        map_names::BACKENDS,
+        map_names::REVNAT,
+        map_names::NAMES,
+        map_names::BACKEND_FLOWS,
+        map_names::MAGLEV,
+        map_names::AFFINITY_MATCH,
+        map_names::SOURCE_RANGES,
+        map_names::SERVICE_CIDRS,
+    ] {
+        std::fs::remove_file(maps.join(name)).expect("remove an IPv4 pin");
+    }
+    let mut dp = load(64);
+    let caps = dp.capacities();
+    assert_eq!((caps.lb, caps.lb6), (64, 8), "each family's maps reported at their own size");
+    // IPv4 takes more than 8 entries; IPv6 is refused as full at its own 8.
+    for i in 0..6u8 {
+        let key = FrontendKey { addr: std::net::IpAddr::from([10, 96, 0, 10 + i]), port: 80, protocol: Protocol::Tcp };
+        let name = ServicePortName { service: ObjectKey::new("default", format!("v4-{i}")), port: "http".into(), protocol: Protocol::Tcp };
+        let backend = ModelBackend { addr: std::net::IpAddr::from([10, 244, 1, 2 + i]), port: 8080, terminating: false, local: false };
+        dp.upsert(&key, &Frontend::new(name, FrontendKind::ClusterIp, vec![backend])).expect("an IPv4 frontend");
+    }
+    let mut programmed = 0;
+    let refused = (0..8u16).find_map(|i| {
+        let key = FrontendKey { addr: format!("fd00:10:96::{:x}", 0x10 + i).parse().unwrap(), port: 80, protocol: Protocol::Tcp };
+        let name = ServicePortName { service: ObjectKey::new("default", format!("v6-{i}")), port: "http".into(), protocol: Protocol::Tcp };
+        let backend =
+            ModelBackend { addr: format!("fd00:10:244:1::{:x}", 2 + i).parse().unwrap(), port: 8080, terminating: false, local: false };
+        match dp.upsert(&key, &Frontend::new(name, FrontendKind::ClusterIp, vec![backend])) {
+            Ok(()) => {
+                programmed += 1;
+                None
+            }
+            Err(e) => Some(e),
+        }
+    });
+    match refused {
+        Some(DataplaneError::MapFull { max, .. }) => assert_eq!(max, 8, "full at the IPv6 maps' own size"),
+        other => panic!("expected the IPv6 maps to fill at 8 entries, got {other:?} after {programmed} frontends"),
+    }
+    assert!(programmed >= 1, "the IPv6 frontends that fit are programmed");
+    // The ones that fit serve.
+    let out = run(&mut dp, &tcp_frame(sock(CLIENT), sock("[fd00:10:96::10]:80"), SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("[fd00:10:244:1::2]:8080"));
+}

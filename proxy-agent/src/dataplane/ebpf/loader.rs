@@ -250,6 +250,9 @@ pub struct Loaded {
     pub ebpf: Ebpf,
     pub outlives_agent: bool,
     pub lb_map_max: u32,
+    /// Entries of the IPv6 load-balancer maps: IPv4's, unless an earlier run pinned them at
+    /// another size (adopted as they are).
+    pub lb6_map_max: u32,
     pub ct_map_max: u32,
     /// Entries of the IPv6 conntrack map.
     pub ct6_map_max: u32,
@@ -312,6 +315,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     ] {
         loader.map_max_entries(name, pinned(name).unwrap_or(lb_map_max));
     }
+    let lb6_map_max = pinned(map_names::SERVICES6).unwrap_or(lb_map_max);
     let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's (as the
     // IPv4 ones are, adopted sizes included) on a cluster with IPv6 ranges, small elsewhere
@@ -361,7 +365,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         }
     }
     fill_tail_calls(&mut ebpf)?;
-    Ok(Loaded { ebpf, outlives_agent, lb_map_max, ct_map_max, ct6_map_max: small(ct_map_max), retired })
+    Ok(Loaded { ebpf, outlives_agent, lb_map_max, lb6_map_max, ct_map_max, ct6_map_max: small(ct_map_max), retired })
 }
 
 /// See the IPv6 LRUs' sizing in `load`.

@@ -99,6 +99,7 @@ impl EbpfDataplane {
             mut ebpf,
             outlives_agent: pins_outlive_agent,
             lb_map_max: lb_max,
+            lb6_map_max: lb6_max,
             ct_map_max: ct_max,
             ct6_map_max: ct6_max,
             retired,
@@ -114,7 +115,7 @@ impl EbpfDataplane {
             }
         }
         let lb = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
-        let lb6 = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
+        let lb6 = LbMaps::adopt(&mut ebpf, lb6_max, maglev_size)?;
         // The Service CIDR check stays as a previous run left it until the first sync.
         let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
         {
@@ -138,7 +139,12 @@ impl EbpfDataplane {
             svc_cidrs: None,
             svc_cidrs6: None,
             _retired: retired,
-            capacities: crate::telemetry::MapCapacities { lb: u64::from(lb_max), ct: u64::from(ct_max), ct6: u64::from(ct6_max) },
+            capacities: crate::telemetry::MapCapacities {
+                lb: u64::from(lb_max),
+                lb6: u64::from(lb6_max),
+                ct: u64::from(ct_max),
+                ct6: u64::from(ct6_max),
+            },
         };
         me.write_config(config)?;
         Ok(me)
