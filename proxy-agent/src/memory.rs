@@ -6,12 +6,20 @@
 //! thread makes it), and what a large change freed is handed back once it is done.
 //! (`cargo xtask bench footprint`: 287 MiB before, 187 MiB with both; see the README.)
 
-/// Caps malloc's arenas; call before any thread starts.
+/// Allocations from this size up get pages of their own (mmap), which go back to the kernel
+/// when freed. glibc's default starts at 128 KiB but raises the threshold to the size of each
+/// mapped block freed, up to 32 MiB: after the first large API list was decoded (its body and
+/// the Vec of its items are tens of MiB), later lists landed in the arena, between live
+/// objects, and stayed there. Setting the threshold fixes it.
+const MMAP_THRESHOLD: i32 = 256 * 1024;
+
+/// Caps malloc's arenas and fixes the mmap threshold; call before any thread starts.
 pub fn limit_arenas() {
     #[cfg(target_env = "gnu")]
     // SAFETY: mallopt only sets a tunable; called before other threads exist.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
     }
 }
 
