@@ -29,7 +29,8 @@ pub static BENCH_SEQ_V1: PerCpuArray<u32, 1> = PerCpuArray::new();
 #[inline(always)]
 pub fn restore(ctx: &XdpContext) -> bool {
     let Some(t) = BENCH_FRAME_V1.get(0) else { return false };
-    let Some(seq) = crate::value::per_cpu(&BENCH_SEQ_V1, 0) else { return false };
+    // SAFETY: taken once here; only this generator uses the slot.
+    let Some(seq) = (unsafe { crate::value::per_cpu(&BENCH_SEQ_V1, 0) }) else { return false };
     let Some(p) = ptr_at::<[u8; FRAME_LEN]>(ctx, 0) else { return false };
     let n = *seq;
     *seq = n.wrapping_add(1);

@@ -48,7 +48,9 @@ pub const fn no_route<A: Family>() -> CtEntry<A> {
 pub fn now() -> u64 {
     // SAFETY: plain helper calls.
     let jiffies = unsafe { bpf_jiffies64() };
-    let Some(c) = value::per_cpu(&CLOCK, 0) else {
+    // SAFETY: taken once per call and dropped at its end. The socket hooks use the cache too;
+    // a TC program interrupting one can at worst leave it a tick behind for one packet.
+    let Some(c) = (unsafe { value::per_cpu(&CLOCK, 0) }) else {
         // SAFETY: as above.
         return unsafe { bpf_ktime_get_coarse_ns() };
     };
@@ -143,7 +145,7 @@ pub fn forward_stale<A: Family>(pkt: &Packet<A>, e: &CtEntry<A>, now: u64) -> bo
 
 /// Records a forward packet on its entry: state flags always, the timestamp at most once a second.
 #[inline(always)]
-pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, now: u64) {
+pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: &mut Slot<CtEntry<A>>, now: u64) {
     let add = if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_FWD) } else { 0 };
     // Racing writers store the same kind of data; a lost update costs at most one second of
     // lifetime or one flag that the next packet sets again.
@@ -165,7 +167,7 @@ pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, now: u64) 
 /// a second) or gains a flag; it also refreshes the forward entry, so a flow where only the
 /// backend talks stays alive. Returns false (after deleting the entry) when the reply is stale.
 #[inline(always)]
-pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, entry: &CtEntry<A>, fwd_key: &CtKey<A>, now: u64) -> bool {
+pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: &mut Slot<CtEntry<A>>, entry: &CtEntry<A>, fwd_key: &CtKey<A>, now: u64) -> bool {
     let add = flags::SEEN_REPLY | if pkt.proto == IPPROTO_TCP { tcp_state_flags(pkt, flags::FIN_REV) } else { 0 };
     let gains_flags = entry.flags & add != add;
     let due = now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS;
@@ -173,7 +175,7 @@ pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: Slot<CtEntry<A>>, entry: &CtEn
         return true;
     }
     // Racing writers store the same kind of data.
-    let live = Slot::of(A::ct(), fwd_key).is_some_and(|f| {
+    let live = Slot::of(A::ct(), fwd_key).is_some_and(|mut f| {
         f.update(move |f| {
             let ok = f.flags & flags::REPLY == 0 && f.backend_id == entry.backend_id && !expired(pkt.proto, f.flags, f.last_seen_ns, now);
             if ok {
@@ -226,7 +228,7 @@ fn snat_reply_key<A: Family>(pkt: &Packet<A>, backend: &Backend<A>, snat_addr: A
 /// new SYN could confuse; a connection closed with FINs waits for expiry, as the backend may
 /// hold it in TIME_WAIT).
 #[inline(always)]
-fn reply_reusable<A: Family>(proto: u8, old: Slot<CtEntry<A>>, now: u64) -> bool {
+fn reply_reusable<A: Family>(proto: u8, old: &Slot<CtEntry<A>>, now: u64) -> bool {
     let (oflags, olast, nat_addr, nat_port, service_id, backend_id) =
         old.read(|o| (o.flags, o.last_seen_ns, o.nat_addr, o.nat_port, o.service_id, o.backend_id));
     if oflags & flags::SNAT == 0 {
@@ -253,7 +255,9 @@ fn reply_reusable<A: Family>(proto: u8, old: Slot<CtEntry<A>>, now: u64) -> bool
 /// against the programs' 512-byte stack.
 #[inline(always)]
 fn scratch<A: Family>() -> Result<&'static mut CtEntry<A>, Reason> {
-    let e = value::per_cpu(A::ct_scratch(), 0).ok_or(Reason::DropCtInsert)?;
+    // SAFETY: `create` and `create_snat` take the scratch entry once per packet, and only the
+    // TC and XDP programs use it (they do not interrupt each other on a CPU).
+    let e = unsafe { value::per_cpu(A::ct_scratch(), 0) }.ok_or(Reason::DropCtInsert)?;
     *e = no_route();
     Ok(e)
 }
@@ -262,7 +266,7 @@ fn scratch<A: Family>() -> Result<&'static mut CtEntry<A>, Reason> {
 /// still answers for a live connection other than `own` (then the new flow must not take the
 /// tuple: the backend would see two connections as one, and the first would die).
 #[inline(always)]
-fn reply_in_use<A: Family>(pkt: &Packet<A>, old: Slot<CtEntry<A>>, client_port: [u8; 2], own: &CtKey<A>, now: u64) -> bool {
+fn reply_in_use<A: Family>(pkt: &Packet<A>, old: &Slot<CtEntry<A>>, client_port: [u8; 2], own: &CtKey<A>, now: u64) -> bool {
     let (oflags, olast, nat_addr, nat_port, snat_port, backend_id) =
         old.read(|o| (o.flags, o.last_seen_ns, o.nat_addr, o.nat_port, o.snat_port, o.backend_id));
     if oflags & flags::SNAT != 0 {
@@ -317,7 +321,7 @@ fn claim_client_port<A: Family>(
         if A::ct().insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             return Ok(port);
         }
-        let free = Slot::of(A::ct(), &k).is_some_and(|old| !reply_in_use(pkt, old, port, own, now));
+        let free = Slot::of(A::ct(), &k).is_some_and(|old| !reply_in_use(pkt, &old, port, own, now));
         if free && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             return Ok(port);
         }
@@ -355,7 +359,7 @@ pub fn create<A: Family>(
     // undefined, which the compiler may spill as an unwritten register the verifier refuses.)
     let (mut moved, mut port) = (false, [0u8; 2]);
     if hairpin || A::ct().insert(reply, &*e, BPF_NOEXIST as u64).is_err() {
-        let in_use = !hairpin && Slot::of(A::ct(), &reply).is_some_and(|old| reply_in_use(pkt, old, pkt.sport, &own, now));
+        let in_use = !hairpin && Slot::of(A::ct(), &reply).is_some_and(|old| reply_in_use(pkt, &old, pkt.sport, &own, now));
         if in_use {
             port = claim_client_port(pkt, backend, e, &own, now)?;
             moved = true;
@@ -417,7 +421,7 @@ pub fn create_snat<A: Family>(
         }
         // Taken, but perhaps by a flow that has ended: its mapping may be reused. (The LRU
         // would only evict it once the whole table is full.)
-        let stale = Slot::of(A::ct(), &k).is_some_and(|old| reply_reusable(pkt.proto, old, now));
+        let stale = Slot::of(A::ct(), &k).is_some_and(|old| reply_reusable(pkt.proto, &old, now));
         if stale && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
             claimed = true;
             break;

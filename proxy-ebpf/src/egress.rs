@@ -112,7 +112,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(e) = Slot::of(A::ct(), ct::key(&pkt)) else {
+    let Some(mut e) = Slot::of(A::ct(), ct::key(&pkt)) else {
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
     let entry = e.get();
@@ -123,7 +123,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     let Some(rn) = revnat_of(&entry) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
-    if !ct::touch_reply(&pkt, e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
+    if !ct::touch_reply(&pkt, &mut e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
     frag::remember(&pkt);

@@ -211,7 +211,7 @@ fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
 #[inline(always)]
 fn trace<A: Family>(step: &Step<A>) {
     // Only trace packets write it.
-    let Some(slot) = Slot::of(&TRACE_V2, 0) else { return };
+    let Some(mut slot) = Slot::of(&TRACE_V2, 0) else { return };
     let (reason, backend_id, service_id) = match step {
         Step::Pass(reason) | Step::Drop(reason) => (*reason, 0, 0),
         Step::NewFlow => (Reason::PassNoStage, 0, 0),

@@ -445,8 +445,9 @@ impl Family for Ip6 {
 /// (`parse6::is_staged`).
 #[inline(always)]
 pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, slot: u32) -> Reason {
-    // This CPU's slot: the next program runs on this CPU before any other packet.
-    let Some(stage) = value::per_cpu(&maps::STAGE6, 0) else { return Reason::PassNoStage };
+    // SAFETY: taken once, written, and dropped before the tail call; the next program runs on
+    // this CPU before any other packet.
+    let Some(stage) = (unsafe { value::per_cpu(&maps::STAGE6, 0) }) else { return Reason::PassNoStage };
     *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 };
     // SAFETY: plain helper call; on success it does not return.
     unsafe { maps::PROGS_V1.tail_call(ctx, slot) };
@@ -456,8 +457,9 @@ pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason,
 /// The staged packet, if it is this frame's (see `enter_stage`).
 #[inline(always)]
 pub fn staged(ctx: &TcContext) -> Option<&'static Stage<Ip6>> {
-    // This CPU's slot, written by the program that tail-called here.
-    let stage: &'static Stage<Ip6> = value::per_cpu(&maps::STAGE6, 0)?;
+    // SAFETY: written by the program that tail-called here; each staged program takes it once
+    // and only reads it.
+    let stage: &'static Stage<Ip6> = unsafe { value::per_cpu(&maps::STAGE6, 0) }?;
     (crate::parse6::is_staged(ctx, &stage.pkt) && (stage.reason as usize) < Reason::ALL.len()).then_some(stage)
 }
 

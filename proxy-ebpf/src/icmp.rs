@@ -128,7 +128,8 @@ pub fn quote(ctx: &TcContext, quote_len: usize, kind: u8, code: u8) -> Result<u6
     // ICMP header followed by the quote (zero-padded to a multiple of 4 for bpf_csum_diff;
     // zero padding does not change a one's-complement sum), so one pass covers the message. In
     // a per-CPU buffer: the stack has no room for it beside the flow's state.
-    let msg = &mut crate::value::per_cpu(&crate::maps::ICMP_SCRATCH, 0).ok_or(Reason::DropRejectFailed)?.bytes;
+    // SAFETY: taken once per message; only the TC programs use it.
+    let msg = &mut unsafe { crate::value::per_cpu(&crate::maps::ICMP_SCRATCH, 0) }.ok_or(Reason::DropRejectFailed)?.bytes;
     *msg = [0; MESSAGE_MAX + 4];
     msg[0] = kind;
     msg[1] = code;

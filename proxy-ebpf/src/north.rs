@@ -104,7 +104,7 @@ pub fn fib<A: Family>(env: &Env, pkt: &Packet<A>, src: A, dst: A) -> Result<Rout
 fn route_of<A: Family>(
     env: &Env,
     pkt: &Packet<A>,
-    e: Slot<CtEntry<A>>,
+    e: &mut Slot<CtEntry<A>>,
     entry: &CtEntry<A>,
     src: A,
     dst: A,
@@ -168,7 +168,7 @@ pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
 /// stack frame).
 #[inline(always)]
 pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new: bool) -> Step<A> {
-    if let Some(e) = Slot::of(A::ct(), ct::key(pkt)) {
+    if let Some(mut e) = Slot::of(A::ct(), ct::key(pkt)) {
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {
@@ -179,7 +179,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
             let Some(rn) = revnat_of(&entry) else {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             };
-            let route = match usable(env, route_of(env, pkt, e, &entry, rn.addr, entry.nat_addr, now)) {
+            let route = match usable(env, route_of(env, pkt, &mut e, &entry, rn.addr, entry.nat_addr, now)) {
                 Ok(r) => r,
                 Err(step) => return step,
             };
@@ -193,7 +193,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                     _pad: 0,
                     _pad2: 0,
                 };
-                if !ct::touch_reply(pkt, e, &entry, &fwd, now) {
+                if !ct::touch_reply(pkt, &mut e, &entry, &fwd, now) {
                     return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
                 }
             }
@@ -214,7 +214,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                     return s;
                 }
                 if !env.dry {
-                    ct::touch_forward(pkt, e, now);
+                    ct::touch_forward(pkt, &mut e, now);
                 }
                 let sport = (entry.flags & flags::PORT_NAT != 0).then_some(entry.snat_port);
                 return Step::Dnat {
@@ -225,12 +225,12 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                     sport,
                 };
             }
-            let route = match usable(env, route_of(env, pkt, e, &entry, pkt.saddr, be.addr, now)) {
+            let route = match usable(env, route_of(env, pkt, &mut e, &entry, pkt.saddr, be.addr, now)) {
                 Ok(r) => r,
                 Err(step) => return step,
             };
             if !env.dry {
-                ct::touch_forward(pkt, e, now);
+                ct::touch_forward(pkt, &mut e, now);
             }
             return Step::Forward {
                 dst: (be.addr, be.port),

@@ -150,7 +150,13 @@ fn unserved<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reas
 
 /// A packet of a tracked connection towards the service.
 #[inline(always)]
-fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: Slot<CtEntry<A>>, entry: &CtEntry<A>, now: u64) -> Result<Verdict, Reason> {
+fn established<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    mut e: Slot<CtEntry<A>>,
+    entry: &CtEntry<A>,
+    now: u64,
+) -> Result<Verdict, Reason> {
     // The id must still name the backend the flow went to: ids are reused eventually.
     let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
     let Some(be) = be else {
@@ -159,7 +165,7 @@ fn established<A: Family>(ctx: &TcContext, pkt: &Packet<A>, e: Slot<CtEntry<A>>,
         ct::drop_reply(pkt, entry);
         return to_service_stage(ctx, pkt, now, Reason::Reselected);
     };
-    ct::touch_forward(pkt, e, now);
+    ct::touch_forward(pkt, &mut e, now);
     frag::remember(pkt);
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate_hairpin(ctx, pkt, &be)?
@@ -189,7 +195,7 @@ fn translate_hairpin<A: Family>(ctx: &TcContext, pkt: &Packet<A>, be: &Backend<A
 fn hairpin_reply<A: Family>(
     ctx: &TcContext,
     pkt: &Packet<A>,
-    e: Slot<CtEntry<A>>,
+    mut e: Slot<CtEntry<A>>,
     entry: &CtEntry<A>,
     now: u64,
 ) -> Result<Verdict, Reason> {
@@ -199,7 +205,7 @@ fn hairpin_reply<A: Family>(
     // The client is the pod itself: its forward tuple starts at this packet's source address.
     let fwd_key =
         proxy_common::CtKey { saddr: pkt.saddr, daddr: rn.addr, sport: pkt.dport, dport: rn.port, proto: pkt.proto, _pad: 0, _pad2: 0 };
-    if !ct::touch_reply(pkt, e, entry, &fwd_key, now) {
+    if !ct::touch_reply(pkt, &mut e, entry, &fwd_key, now) {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     }
     nat::rewrite(ctx, pkt, Side::Dst, pkt.saddr, pkt.dport)?;

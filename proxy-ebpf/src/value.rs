@@ -1,14 +1,21 @@
 //! Map values behind safe functions: the one module that dereferences the pointers map lookups
 //! return, as `access` is for packet data.
 //!
-//! A lookup's pointer stays valid until the program returns (the kernel frees map elements
-//! after an RCU grace period), but what it points at is not the program's alone: another CPU
-//! may write a shared map's value meanwhile, or delete the entry and let the slot be reused.
-//! So values leave this module as copies read at once (`copy`), or as a `Slot` that reads and
-//! writes in place (conntrack entries, counters). Every value here is plain data, so a racing
-//! writer can only mix two versions' fields; the callers' comments say why that is harmless
-//! where it can happen. Per-CPU slots (`per_cpu`) are this CPU's alone while the program runs,
-//! since BPF programs do not migrate.
+//! A lookup's pointer stays valid until the program returns, but what it points at is not the
+//! program's alone. Another CPU may write a shared map's value meanwhile. And an element can
+//! change hands under the pointer: the LRU maps (conntrack, affinity, the socket maps) are
+//! preallocated, so an element deleted or evicted while a program holds it goes back on the
+//! free list at once and may be filled for another key; hash maps without preallocation free
+//! theirs after an RCU grace period. So values leave this module as copies read at once
+//! (`copy`), or as a `Slot` that reads and writes fields in place (conntrack entries,
+//! counters). Every value here is plain data, so a racing writer can only mix two versions'
+//! fields, and a write after the element changed hands lands in another key's entry of the
+//! same map; the callers' comments say why each write tolerates both (at worst a flag, a
+//! timestamp or a cached route of another flow, until its next refresh). That is the BPF
+//! memory model every program lives with, not something Rust's references could promise:
+//! a `Slot` hands out a reference only for the length of one closure, and takes `&mut self` to
+//! write, so one handle cannot alias itself. Per-CPU slots (`per_cpu`) are this CPU's, with
+//! the caveat written there.
 
 use core::{
     borrow::Borrow,
@@ -72,8 +79,8 @@ pub fn contains<K, V>(map: &impl Values<K, V>, key: impl Borrow<K>) -> bool {
     map.ptr(key.borrow()).is_some()
 }
 
-/// A value in a shared map, read and written in place.
-#[derive(Clone, Copy)]
+/// A value in a shared map, read and written in place (see the module comment). Not `Copy`:
+/// writing takes `&mut self`, so a handle is never borrowed twice at once.
 pub struct Slot<V>(NonNull<V>);
 
 impl<V> Slot<V> {
@@ -84,7 +91,7 @@ impl<V> Slot<V> {
 
     /// The whole value, read at once.
     #[inline(always)]
-    pub fn get(self) -> V
+    pub fn get(&self) -> V
     where
         V: Copy,
     {
@@ -95,7 +102,7 @@ impl<V> Slot<V> {
     /// Reads and changes fields in place. Other CPUs may do the same meanwhile: the caller's
     /// changes must be ones a racing writer's can overwrite without harm.
     #[inline(always)]
-    pub fn update<R>(self, f: impl FnOnce(&mut V) -> R) -> R {
+    pub fn update<R>(&mut self, f: impl FnOnce(&mut V) -> R) -> R {
         // SAFETY: a live map value of plain data (see the module comment); the reference does
         // not outlive the call.
         unsafe { f(&mut *self.0.as_ptr()) }
@@ -104,7 +111,7 @@ impl<V> Slot<V> {
     /// Reads fields in place (where a copy of the whole value would take stack the programs
     /// do not have).
     #[inline(always)]
-    pub fn read<R>(self, f: impl FnOnce(&V) -> R) -> R {
+    pub fn read<R>(&self, f: impl FnOnce(&V) -> R) -> R {
         // SAFETY: a live map value of plain data (see the module comment); the reference does
         // not outlive the call.
         unsafe { f(self.0.as_ref()) }
@@ -124,9 +131,18 @@ impl Slot<BackendFlows> {
 }
 
 /// This CPU's value at `index` of a per-CPU array, to use as scratch space or a private
-/// counter: no other CPU touches it, and the program does not migrate while it runs.
+/// counter.
+///
+/// # Safety
+/// No other reference to the same slot may be live while the returned one is used: a program
+/// takes each slot once and drops it before it returns (the reference's lifetime is the map's,
+/// which the compiler cannot hold it to). Programs do not migrate between CPUs while they run,
+/// so other CPUs never touch it; but a program in process context (the socket hooks) can be
+/// interrupted by a TC or XDP program on the same CPU, so a slot both kinds use (the packet
+/// counters, the clock cache) may lose an update or be read mid-change, which the callers
+/// accept.
 #[inline(always)]
-pub fn per_cpu<V, const M: usize, const F: usize>(map: &PerCpuArray<V, M, F>, index: u32) -> Option<&mut V> {
-    // SAFETY: see above; the reference lives no longer than the program's run.
+pub unsafe fn per_cpu<V, const M: usize, const F: usize>(map: &PerCpuArray<V, M, F>, index: u32) -> Option<&mut V> {
+    // SAFETY: the caller's contract above.
     map.get_ptr_mut(index).map(|p| unsafe { &mut *p })
 }

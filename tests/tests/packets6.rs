@@ -518,8 +518,8 @@ fn a_ping_to_an_ipv6_cluster_ip_is_answered_port_unreachable() {
 }
 
 /// IPv6 load-balancer maps an earlier run pinned at another size than the IPv4 ones (as when
-/// the IPv4 ones were resized and the IPv6 ones kept) are adopted as they are, and the writer
-/// and the fill gauges follow their size, not IPv4's.
+/// the IPv4 ones were resized and the IPv6 ones kept) are adopted as they are, a missing one
+/// of them is made at their size, and the writer and the fill gauges follow it, not IPv4's.
 #[test]
 fn ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it() {
     if !require::root("ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it") {
@@ -547,9 +547,14 @@ fn ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it() {
     ] {
         std::fs::remove_file(maps.join(name)).expect("remove an IPv4 pin");
     }
+    // And one IPv6 map goes too (as when a build adds one): it must come back at its family's
+    // size, not IPv4's, or ids the writer hands out would fall past its end.
+    std::fs::remove_file(maps.join(map_names::BACKENDS6)).expect("remove an IPv6 pin");
     let mut dp = load(64);
     let caps = dp.capacities();
     assert_eq!((caps.lb, caps.lb6), (64, 8), "each family's maps reported at their own size");
+    let held = |name: &str| aya::maps::MapInfo::from_pin(maps.join(name)).expect("a pinned map").max_entries();
+    assert_eq!((held(map_names::BACKENDS6), held(map_names::BACKENDS)), (8, 64), "an unpinned map is made at its family's size");
     // IPv4 takes more than 8 entries; IPv6 is refused as full at its own 8.
     for i in 0..6u8 {
         let key = FrontendKey { addr: std::net::IpAddr::from([10, 96, 0, 10 + i]), port: 80, protocol: Protocol::Tcp };

@@ -285,11 +285,12 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // pin for the object's map and the load would fail.
     let pinned =
         |name: &str| pin_paths.iter().find(|(n, _)| *n == name).and_then(|(_, p)| MapInfo::from_pin(p).ok()).map(|i| i.max_entries());
-    let lb = options.lb_map_max.max(2);
-    // The IPv6 maps a build first creates take the IPv4 maps' size as they are (adopted), so
-    // the writer's limit holds for both families.
-    let lb_map_max = pinned(map_names::SERVICES).unwrap_or(lb);
-    for name in [
+    // Each family's load-balancer maps share one size, the writer's id limit: the smallest an
+    // earlier run pinned (adopted as they are), else the option for IPv4 and IPv4's for IPv6.
+    // A map of the family that is not pinned (a build that adds one, a pin removed by hand) is
+    // created at that size, so no id the writer hands out falls past its end.
+    let family_size = |names: &[&str], otherwise: u32| names.iter().filter_map(|n| pinned(n)).min().unwrap_or(otherwise);
+    const V4: [&str; 9] = [
         map_names::SERVICES,
         map_names::BACKENDS,
         map_names::REVNAT,
@@ -299,10 +300,8 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::AFFINITY_MATCH,
         map_names::SOURCE_RANGES,
         map_names::SERVICE_CIDRS,
-    ] {
-        loader.map_max_entries(name, pinned(name).unwrap_or(lb));
-    }
-    for name in [
+    ];
+    const V6: [&str; 9] = [
         map_names::SERVICES6,
         map_names::BACKENDS6,
         map_names::REVNAT6,
@@ -312,10 +311,14 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         map_names::SERVICE_CIDRS6,
         map_names::NAMES6,
         map_names::MAGLEV6,
-    ] {
-        loader.map_max_entries(name, pinned(name).unwrap_or(lb_map_max));
+    ];
+    let lb_map_max = family_size(&V4, options.lb_map_max.max(2));
+    let lb6_map_max = family_size(&V6, lb_map_max);
+    for (names, size) in [(V4, lb_map_max), (V6, lb6_map_max)] {
+        for name in names {
+            loader.map_max_entries(name, pinned(name).unwrap_or(size));
+        }
     }
-    let lb6_map_max = pinned(map_names::SERVICES6).unwrap_or(lb_map_max);
     let ct_map_max = pinned(map_names::CT).unwrap_or(options.ct_map_max.max(2));
     // The IPv6 tables that are allocated whole when created (LRUs): sized like IPv4's (as the
     // IPv4 ones are, adopted sizes included) on a cluster with IPv6 ranges, small elsewhere

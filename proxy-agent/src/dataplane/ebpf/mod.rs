@@ -114,6 +114,12 @@ impl EbpfDataplane {
                 );
             }
         }
+        if lb6_max != lb_max {
+            tracing::warn!(
+                "the IPv6 load-balancer maps a previous run pinned hold {lb6_max} entries where the IPv4 ones hold {lb_max}; each \
+                 family keeps its own (`proxy-agent cleanup` before the start makes them one size again)"
+            );
+        }
         let lb = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
         let lb6 = LbMaps::adopt(&mut ebpf, lb6_max, maglev_size)?;
         // The Service CIDR check stays as a previous run left it until the first sync.

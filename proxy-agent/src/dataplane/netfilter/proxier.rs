@@ -159,8 +159,14 @@ impl NetfilterProxier {
         }
         let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
         for svc in &dirty.services {
-            let t = self.store.translate(svc);
+            let mut t = self.store.translate(svc);
             crate::model::store::log_notes(svc, &t.notes);
+            // Rules are written for the chosen endpoints only; the others (what the eBPF
+            // dataplane keeps flows to) would only make a change that writes no rule look like
+            // one, and sweep UDP conntrack for it.
+            for p in &mut t.ports {
+                p.endpoints = Vec::new();
+            }
             match t.health_check {
                 Some(h) => {
                     self.health_checks.insert(svc.clone(), h);
@@ -222,5 +228,58 @@ impl NetfilterProxier {
         self.synced_once = true;
         stats.duration = start.elapsed();
         Some(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        dataplane::{netfilter::NetfilterError, ProxyMode},
+        model::store::Object,
+    };
+
+    /// Writes nothing and reports failure, so that a sync never goes on to sweep conntrack (an
+    /// outside command) while what it decided stays visible.
+    struct Refusing;
+
+    impl RuleSet for Refusing {
+        fn mode(&self) -> ProxyMode {
+            ProxyMode::Nftables
+        }
+        fn render(&self, _: &Services, _: &NodeContext) -> String {
+            String::new()
+        }
+        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
+            Err(NetfilterError::Failed { command: "nothing".into(), stderr: "a test".into() })
+        }
+        fn forget_applied(&mut self) {}
+    }
+
+    fn slice(endpoints: &str) -> Event {
+        let yaml = format!(
+            "metadata: {{name: dns-a, namespace: kube-system, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: UDP}}]\nendpoints:\n{endpoints}"
+        );
+        Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).unwrap())))
+    }
+
+    /// An endpoint that no rule is written for (not ready, not serving) changes no rule: the
+    /// Service counts as unchanged and no UDP conntrack sweep is due.
+    #[test]
+    fn an_endpoint_no_rule_uses_leaves_the_service_unchanged() {
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Refusing), vec![], Masquerading::default(), vec![]);
+        let svc = "metadata: {name: dns, namespace: kube-system}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 53, protocol: UDP}]}";
+        p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
+        p.handle(slice("- addresses: [10.244.0.5]\n"));
+        assert_eq!(p.sync().expect("a first sync").upserted, 1);
+        p.udp_changed = false;
+        p.handle(slice("- addresses: [10.244.0.5]\n- addresses: [10.244.0.6]\n  conditions: {ready: false, serving: false}\n"));
+        let second = p.sync().expect("a sync for the changed slice");
+        assert_eq!((second.upserted, second.unchanged), (0, 1), "{second:?}");
+        assert!(!p.udp_changed, "no UDP conntrack sweep for a change no rule shows");
+        // A ready endpoint is a change.
+        p.handle(slice("- addresses: [10.244.0.5]\n- addresses: [10.244.0.6]\n"));
+        assert_eq!(p.sync().expect("a sync").upserted, 1);
+        assert!(p.udp_changed, "a UDP Service's endpoints changed");
     }
 }
