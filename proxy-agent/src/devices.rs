@@ -5,7 +5,7 @@
 //! family) each external interface gives north-south SNAT.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
@@ -23,6 +23,15 @@ use crate::{
 const NOT_EXTERNAL: &[&str] =
     &["lo", "docker*", "cni*", "br-*", "virbr*", "kube-ipvs0", "flannel*", "cilium_*", "tunl*", "vxlan*", "genev*", "wg*", "nodelocaldns"];
 
+/// What an interface's address is good for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct AddrKind {
+    /// Scope universe.
+    global: bool,
+    /// A source the kernel would pick (see `LinkChange::Address`).
+    preferred: bool,
+}
+
 /// An external interface's SNAT address of each family as written to its map (None: not
 /// known to be written).
 type Written = (Option<Option<Ipv4Addr>>, Option<Option<Ipv6Addr>>);
@@ -34,8 +43,8 @@ pub struct Devices {
     not_external: DevicePatterns,
     xdp: XdpSetting,
     pub links: BTreeMap<u32, String>,
-    /// Addresses per interface (both families), and whether each is global.
-    addrs: BTreeMap<u32, BTreeSet<(IpAddr, bool)>>,
+    /// Addresses per interface (both families).
+    addrs: BTreeMap<u32, BTreeMap<IpAddr, AddrKind>>,
     /// Interfaces to attach again (the last try failed).
     pub failed: BTreeMap<u32, String>,
     /// What the interface-address maps hold, per external interface and family (None: not
@@ -43,6 +52,9 @@ pub struct Devices {
     snat_addrs: BTreeMap<u32, Written>,
     /// Why native XDP on an external interface hands its flows to TC, as last logged.
     xdp_to_tc: BTreeMap<u32, Option<&'static str>>,
+    /// The interface-address maps hold entries of present interfaces only (false until the
+    /// first sync has removed those of interfaces gone before the agent started).
+    addresses_pruned: bool,
 }
 
 impl Devices {
@@ -59,16 +71,22 @@ impl Devices {
             failed: BTreeMap::new(),
             snat_addrs: BTreeMap::new(),
             xdp_to_tc: BTreeMap::new(),
+            addresses_pruned: false,
         }
     }
 
     /// The global addresses of an interface (both families): what makes it external, and
-    /// what it masquerades with.
+    /// what it masquerades with. Those the kernel would pick as a source come first.
     fn global_addrs(&self, index: u32) -> impl Iterator<Item = IpAddr> + '_ {
-        self.addrs.get(&index).into_iter().flatten().filter(|(_, g)| *g).map(|(a, _)| *a)
+        let global = self.addrs.get(&index).into_iter().flatten().filter(|(_, k)| k.global);
+        let preferred = global.clone().filter(|(_, k)| k.preferred).map(|(a, _)| *a);
+        preferred.chain(global.filter(|(_, k)| !k.preferred).map(|(a, _)| *a))
     }
 
-    /// The SNAT source of each family on an interface: its first global address of each.
+    /// The SNAT source of each family on an interface: its first global address of each that
+    /// the kernel would pick as a source itself (not an IPv4 secondary, nor a temporary,
+    /// deprecated or tentative IPv6 address: a temporary one goes away within a day, taking
+    /// the flows masqueraded with it), else its first global one.
     fn snat_addrs_of(&self, index: u32) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
         let v4 = self.global_addrs(index).find_map(|a| match a {
             IpAddr::V4(v) => Some(v),
@@ -101,7 +119,7 @@ impl Devices {
             .addrs
             .iter()
             .filter(|(index, _)| self.links.get(index).map(String::as_str) != Some(crate::dataplane::netfilter::ipvs::DUMMY))
-            .flat_map(|(_, addrs)| addrs.iter().map(|(a, _)| *a))
+            .flat_map(|(_, addrs)| addrs.keys().copied())
             .filter(|a| !a.is_loopback())
             .collect();
         v.sort();
@@ -122,10 +140,17 @@ impl Devices {
                 self.snat_addrs.remove(index);
                 self.addrs.remove(index).is_some_and(|a| !a.is_empty())
             }
-            LinkChange::Address { index, addr, global, added } => {
+            LinkChange::Address { index, addr, global, preferred, added } => {
                 let on_dummy = self.links.get(index).map(String::as_str) == Some(crate::dataplane::netfilter::ipvs::DUMMY);
                 let set = self.addrs.entry(*index).or_default();
-                let changed = if *added { set.insert((*addr, *global)) } else { set.remove(&(*addr, *global)) };
+                // A change of flags (an address deprecated, its duplicate detection done) is a
+                // new message for the same address: only its presence is a change of the
+                // node's addresses.
+                let changed = if *added {
+                    set.insert(*addr, AddrKind { global: *global, preferred: *preferred }).is_none()
+                } else {
+                    set.remove(addr).is_some()
+                };
                 changed && !on_dummy
             }
         }
@@ -135,9 +160,25 @@ impl Devices {
     /// vanished ones, and keeps the SNAT address of each external interface current.
     pub fn sync(&mut self, dp: &mut EbpfDataplane) {
         let gone: Vec<u32> = dp.attached().keys().filter(|i| !self.links.contains_key(i)).copied().collect();
+        if !gone.is_empty() {
+            self.addresses_pruned = false;
+        }
         for index in gone {
             if let Some(name) = dp.forget_interface(index) {
                 tracing::info!(interface = name, ifindex = index, "interface gone");
+            }
+        }
+        // The SNAT addresses of interfaces that are gone: their index may come back as another
+        // interface, which must not masquerade with the old one's address.
+        if !self.addresses_pruned {
+            match dp.prune_interface_addresses(|i| self.links.contains_key(&i)) {
+                Ok(n) => {
+                    if n > 0 {
+                        tracing::info!(entries = n, "removed the SNAT addresses of interfaces that are gone");
+                    }
+                    self.addresses_pruned = true;
+                }
+                Err(e) => tracing::warn!("removing the SNAT addresses of interfaces that are gone (retried): {e}"),
             }
         }
         for (index, name) in self.links.clone() {
@@ -226,7 +267,7 @@ mod tests {
     #[test]
     fn service_addresses_on_the_ipvs_dummy_are_not_node_addresses() {
         let mut d = Devices::new(DevicePatterns::parse(&[]).unwrap(), None, XdpSetting::Disabled);
-        let addr = |index, a: &str, added| LinkChange::Address { index, addr: a.parse().unwrap(), global: true, added };
+        let addr = |index, a: &str, added| LinkChange::Address { index, addr: a.parse().unwrap(), global: true, preferred: true, added };
         d.apply(&LinkChange::Present { index: 2, name: "eth0".into() });
         d.apply(&LinkChange::Present { index: 7, name: "kube-ipvs0".into() });
         assert!(d.apply(&addr(2, "192.168.1.10", true)), "a node address is a change");
@@ -234,5 +275,25 @@ mod tests {
         assert_eq!(d.node_addresses(), vec![IpAddr::V4(Ipv4Addr::new(192, 168, 1, 10))]);
         assert!(d.apply(&addr(2, "192.168.1.10", false)));
         assert!(d.node_addresses().is_empty());
+    }
+
+    #[test]
+    fn the_snat_source_is_an_address_the_kernel_would_pick_and_follows_its_flags() {
+        let mut d = Devices::new(DevicePatterns::parse(&[]).unwrap(), None, XdpSetting::Disabled);
+        let addr = |a: &str, preferred| LinkChange::Address { index: 2, addr: a.parse().unwrap(), global: true, preferred, added: true };
+        d.apply(&LinkChange::Present { index: 2, name: "eth0".into() });
+        assert!(d.apply(&addr("2001:db8::1", false)), "a new address is a change of the node's addresses");
+        assert!(d.apply(&addr("2001:db8::9", true)));
+        assert!(d.apply(&addr("192.0.2.3", false)));
+        assert!(d.apply(&addr("192.0.2.9", true)));
+        let want = |v4: &str, v6: &str| (Some(v4.parse().unwrap()), Some(v6.parse().unwrap()));
+        assert_eq!(d.snat_addrs_of(2), want("192.0.2.9", "2001:db8::9"), "preferred ones before numerically smaller ones");
+        // ::9 deprecated, ::1 usable again: new flags for known addresses, not new addresses.
+        assert!(!d.apply(&addr("2001:db8::9", false)));
+        assert!(!d.apply(&addr("2001:db8::1", true)));
+        assert_eq!(d.snat_addrs_of(2), want("192.0.2.9", "2001:db8::1"));
+        // With none preferred, the first global one still serves.
+        assert!(!d.apply(&addr("2001:db8::1", false)));
+        assert_eq!(d.snat_addrs_of(2).1, Some("2001:db8::1".parse().unwrap()));
     }
 }

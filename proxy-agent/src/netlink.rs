@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use futures::{StreamExt, TryStreamExt};
 use netlink_packet_core::NetlinkPayload;
 use netlink_packet_route::{
-    address::{AddressAttribute, AddressMessage, AddressScope},
+    address::{AddressAttribute, AddressFlags, AddressMessage, AddressScope},
     link::{LinkAttribute, LinkMessage},
     RouteNetlinkMessage,
 };
@@ -23,17 +23,20 @@ pub enum LinkChange {
     Gone {
         index: u32,
     },
-    /// An address was added to (or removed from) interface `index`. `global`: scope universe
-    /// (not host or link scope).
+    /// An address was added to (or removed from, or changed on) interface `index`. `global`:
+    /// scope universe (not host or link scope). `preferred`: one the kernel would pick as a
+    /// source (not an IPv4 secondary, not a temporary IPv6 address (the same flag), nor
+    /// deprecated, tentative or failed duplicate address detection).
     Address {
         index: u32,
         addr: IpAddr,
         global: bool,
+        preferred: bool,
         added: bool,
     },
 }
 
-fn address_of(msg: &AddressMessage) -> Option<(u32, IpAddr, bool)> {
+fn address_of(msg: &AddressMessage, added: bool) -> Option<LinkChange> {
     // IFA_LOCAL is the interface's own address on point-to-point links; IFA_ADDRESS otherwise
     // (IPv6 sends IFA_ADDRESS only).
     let addr = msg
@@ -49,7 +52,23 @@ fn address_of(msg: &AddressMessage) -> Option<(u32, IpAddr, bool)> {
                 _ => None,
             })
         })?;
-    Some((msg.header.index, addr, msg.header.scope == AddressScope::Universe))
+    // IFA_FLAGS holds all 32 bits where present; the header the first eight.
+    let flags = msg
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            AddressAttribute::Flags(f) => Some(*f),
+            _ => None,
+        })
+        .unwrap_or_else(|| AddressFlags::from_bits_retain(u32::from(msg.header.flags.bits())));
+    let not_preferred = AddressFlags::Secondary | AddressFlags::Deprecated | AddressFlags::Tentative | AddressFlags::Dadfailed;
+    Some(LinkChange::Address {
+        index: msg.header.index,
+        addr,
+        global: msg.header.scope == AddressScope::Universe,
+        preferred: !flags.intersects(not_preferred),
+        added,
+    })
 }
 
 fn name_of(msg: &LinkMessage) -> Option<String> {
@@ -77,9 +96,7 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, S
     let mut addrs = Vec::new();
     let mut dump = handle.address().get().execute();
     while let Some(msg) = dump.try_next().await.map_err(std::io::Error::other)? {
-        if let Some((index, addr, global)) = address_of(&msg) {
-            addrs.push(LinkChange::Address { index, addr, global, added: true });
-        }
+        addrs.extend(address_of(&msg, true));
     }
     tokio::spawn(async move {
         // Keep the handle alive with the task: dropping it closes the connection.
@@ -90,12 +107,8 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, S
                     name_of(&m).map(|name| LinkChange::Present { index: m.header.index, name })
                 }
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(m)) => Some(LinkChange::Gone { index: m.header.index }),
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(m)) => {
-                    address_of(&m).map(|(index, addr, global)| LinkChange::Address { index, addr, global, added: true })
-                }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelAddress(m)) => {
-                    address_of(&m).map(|(index, addr, global)| LinkChange::Address { index, addr, global, added: false })
-                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(m)) => address_of(&m, true),
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelAddress(m)) => address_of(&m, false),
                 _ => None,
             };
             if let Some(c) = change {

@@ -1039,3 +1039,51 @@ fn an_address_of_a_service_cidr_the_node_holds_still_reaches_the_node() {
     assert!(tcp_ask(&lab.client.ns, sock("10.96.0.201:8053")).is_err());
     assert!(lab.inspect().unwrap().counters.get("drop_unallocated_cluster_ip").is_some_and(|c| c.packets >= 1));
 }
+
+/// An external interface masquerades north-south flows with an address the kernel would pick
+/// as a source itself: not an IPv4 secondary nor a deprecated IPv6 address, even when one is
+/// numerically first. When the interface goes, so do its SNAT addresses (its index may come
+/// back as another interface). The interface is a veth pair of the lab node's own namespace
+/// with nothing on the far end, as a second NIC would be.
+#[test]
+fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
+    let Some(mut lab) = lab("an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it") else { return };
+    use proxy_common::{map_names, IfAddr, Ip6};
+    lab.node.ip(&["link", "add", "extsn0", "type", "veth", "peer", "name", "extsn1"]);
+    lab.node.ip(&["addr", "add", "192.0.2.9/24", "dev", "extsn0"]);
+    // Same subnet: a secondary address, numerically before the primary.
+    lab.node.ip(&["addr", "add", "192.0.2.3/24", "dev", "extsn0"]);
+    // Deprecated (preferred lifetime 0), numerically before the usable one.
+    lab.node.ip(&["-6", "addr", "add", "2001:db8:9::1/64", "dev", "extsn0", "nodad", "preferred_lft", "0"]);
+    lab.node.ip(&["-6", "addr", "add", "2001:db8:9::9/64", "dev", "extsn0", "nodad"]);
+    lab.node.ip(&["link", "set", "extsn0", "up"]);
+    lab.node.ip(&["link", "set", "extsn1", "up"]);
+    let r = lab.wait_for("the new external interface to be attached", |r| r.external_interfaces.values().any(|e| e.name == "extsn0"));
+    let index = *r.external_interfaces.iter().find(|(_, e)| e.name == "extsn0").unwrap().0;
+    let maps = lab.bpffs().join("maps");
+    let v4 = || -> Option<[u8; 4]> {
+        let map = aya::maps::MapData::from_pin(maps.join(map_names::IFADDRS)).expect("the IPv4 interface-address map");
+        let m: aya::maps::HashMap<_, u32, IfAddr> = aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map)).expect("a hash map");
+        m.get(&index, 0).ok().map(|a| a.addr)
+    };
+    let v6 = || -> Option<std::net::Ipv6Addr> {
+        let map = aya::maps::MapData::from_pin(maps.join(map_names::IFADDRS6)).expect("the IPv6 interface-address map");
+        let m: aya::maps::HashMap<_, u32, IfAddr<Ip6>> = aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map)).expect("a hash map");
+        m.get(&index, 0).ok().map(|a| std::net::Ipv6Addr::from(a.addr.to_bytes()))
+    };
+    let log = lab.log_path();
+    let until = |what: &str, f: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !f() {
+            let agent_log = std::fs::read_to_string(&log).unwrap_or_default();
+            assert!(std::time::Instant::now() < deadline, "{what}: IPv4 {:?}, IPv6 {:?}\n{agent_log}", v4(), v6());
+            thread::sleep(Duration::from_millis(100));
+        }
+    };
+    until("the primary IPv4 and the usable IPv6 address as SNAT sources", &|| {
+        v4() == Some([192, 0, 2, 9]) && v6() == Some("2001:db8:9::9".parse().unwrap())
+    });
+    lab.node.ip(&["link", "del", "extsn0"]);
+    lab.wait_for("the interface to be detached", |r| !r.external_interfaces.values().any(|e| e.name == "extsn0"));
+    until("no SNAT address left for the vanished interface", &|| v4().is_none() && v6().is_none());
+}

@@ -287,6 +287,32 @@ impl EbpfDataplane {
         self.write_interface_address(map_names::IFADDRS6, ifindex, addr.map(|a| proxy_common::Ip6::from_bytes(a.octets())))
     }
 
+    /// Deletes the interface-address entries (both families) of interfaces that are not
+    /// `present` (gone while the agent ran, or before it started). Returns how many went.
+    pub fn prune_interface_addresses(&mut self, present: impl Fn(u32) -> bool) -> Result<usize, DataplaneError> {
+        Ok(self.prune_interface_addresses_of::<[u8; 4]>(map_names::IFADDRS, &present)?
+            + self.prune_interface_addresses_of::<proxy_common::Ip6>(map_names::IFADDRS6, &present)?)
+    }
+
+    fn prune_interface_addresses_of<A: MapAddr>(
+        &mut self,
+        name: &'static str,
+        present: &dyn Fn(u32) -> bool,
+    ) -> Result<usize, DataplaneError> {
+        let map = self.ebpf.map_mut(name).expect("the object defines the interface address maps");
+        let err = |op, source| DataplaneError::Map { op, map: name, source };
+        let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr<A>> = aya::maps::HashMap::try_from(map).map_err(|e| err("open", e))?;
+        let gone: Vec<u32> = m.keys().filter_map(Result::ok).filter(|i| !present(*i)).collect();
+        for index in &gone {
+            match m.remove(index) {
+                Ok(()) => {}
+                Err(e) if lbmaps::is_not_found(&e) => {}
+                Err(e) => return Err(err("delete", e)),
+            }
+        }
+        Ok(gone.len())
+    }
+
     fn write_interface_address<A: MapAddr>(&mut self, name: &'static str, ifindex: u32, addr: Option<A>) -> Result<(), DataplaneError> {
         let map = self.ebpf.map_mut(name).expect("the object defines the interface address maps");
         let err = |op, source| DataplaneError::Map { op, map: name, source };
