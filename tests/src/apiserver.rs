@@ -1,5 +1,6 @@
 //! An in-process Kubernetes API server for the kube-rs code path. It speaks the real list/watch
-//! protocol over HTTP: JSON lists with a resourceVersion, chunked watch streams of JSON events
+//! protocol over HTTP: JSON lists with a resourceVersion (paged with continue tokens when the
+//! client sets `limit`, as kube-rs does), chunked watch streams of JSON events
 //! from a resourceVersion, BOOKMARK events, `410 Gone` (an ERROR event with an Expired Status)
 //! for a compacted resourceVersion, label and field selectors, and streams that the test can
 //! cut mid-way. Objects that stop matching a watch's selector are DELETED on that watch, as the
@@ -92,6 +93,10 @@ struct Inner {
     next_watch: u64,
     /// Answer 404 for ServiceCIDRs, as API servers before 1.33 do.
     no_service_cidrs: bool,
+    /// Lists being paged (`limit`/`continue`): what is left of each, and the list's
+    /// resourceVersion, by continue token.
+    pages: BTreeMap<String, (Vec<Value>, u64)>,
+    next_page: u64,
 }
 
 /// Matches a label selector of the forms kube-proxy uses: `key`, `!key`, `key=value`,
@@ -155,6 +160,9 @@ struct Params {
     label_selector: Option<String>,
     field_selector: Option<String>,
     timeout_seconds: Option<u64>,
+    limit: Option<usize>,
+    #[serde(rename = "continue")]
+    continue_token: Option<String>,
 }
 
 impl ApiServer {
@@ -303,9 +311,11 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
     let fields = p.field_selector.clone().unwrap_or_default();
     let mut g = inner.lock().unwrap();
     let query = format!(
-        "watch={} resourceVersion={} labelSelector={labels} fieldSelector={fields}",
+        "watch={} resourceVersion={} labelSelector={labels} fieldSelector={fields} limit={} continue={}",
         p.watch.clone().unwrap_or_default(),
-        p.resource_version.clone().unwrap_or_default()
+        p.resource_version.clone().unwrap_or_default(),
+        p.limit.map(|l| l.to_string()).unwrap_or_default(),
+        p.continue_token.clone().unwrap_or_default(),
     );
     g.requests.push((kind.as_str().into(), query));
     if kind == Kind::ServiceCidr && g.no_service_cidrs {
@@ -316,12 +326,36 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
         g.authorizations.insert(auth.to_string());
     }
     if p.watch.as_deref() != Some("true") && p.watch.as_deref() != Some("1") {
-        let items: Vec<Value> =
-            g.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(&labels, &fields, o)).map(|(_, o)| o.clone()).collect();
+        // A list is paged when the client sets `limit`, as the real server pages one (kube-rs
+        // asks for 500 at a time): each page a part of one snapshot, taken at the first page,
+        // whose resourceVersion every page carries.
+        let (mut items, rv) = match p.continue_token.as_deref().filter(|t| !t.is_empty()) {
+            Some(token) => match g.pages.remove(token) {
+                Some(rest) => rest,
+                None => {
+                    let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                        "message": "the provided continue parameter is too old", "reason": "Expired", "code": 410});
+                    return (StatusCode::GONE, [("content-type", "application/json")], status.to_string()).into_response();
+                }
+            },
+            None => (
+                g.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(&labels, &fields, o)).map(|(_, o)| o.clone()).collect(),
+                g.rv,
+            ),
+        };
+        let mut metadata = json!({"resourceVersion": rv.to_string()});
+        if let Some(limit) = p.limit.filter(|l| *l > 0 && items.len() > *l) {
+            let rest = items.split_off(limit);
+            let token = format!("page-{}", g.next_page);
+            g.next_page += 1;
+            metadata["continue"] = json!(token);
+            metadata["remainingItemCount"] = json!(rest.len());
+            g.pages.insert(token, (rest, rv));
+        }
         let body = json!({
             "apiVersion": api_version(kind),
             "kind": format!("{}List", kind.as_str()),
-            "metadata": {"resourceVersion": g.rv.to_string()},
+            "metadata": metadata,
             "items": items,
         });
         return (StatusCode::OK, [("content-type", "application/json")], body.to_string()).into_response();

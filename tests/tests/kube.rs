@@ -433,3 +433,45 @@ fn service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing() {
     let log = lab.agent_log();
     assert_eq!(log.matches("ServiceCIDRs cannot be watched").count(), 1, "said once, however often it is retried:\n{log}");
 }
+
+/// Lists larger than a page (the agent asks for 5,000 objects at a time) are read page by page
+/// through continue tokens, and every object of every page is programmed: 12,000 Services with
+/// a slice each, beside the standard ones.
+#[test]
+fn lists_larger_than_a_page_are_read_page_by_page() {
+    if !require::root("lists_larger_than_a_page_are_read_page_by_page") {
+        return;
+    }
+    const N: u32 = 12_000;
+    let mut lab = Lab::new(AGENT, 3);
+    let api = ApiServer::start(&lab.node, 0);
+    api.apply(&node_manifest());
+    for obj in standard_objects(&lab.backend_ips()) {
+        api.apply(&obj);
+    }
+    let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_1000 + i);
+    for i in 0..N {
+        let name = format!("paged-{i}");
+        api.apply(&service(&name, &vip(i).to_string(), &[("http", 80, "TCP", lab::TCP_PORT)]));
+        api.apply(&endpoint_slice(&name, &format!("{name}-1"), &lab.backend_ips()[..1], &[("http", lab::TCP_PORT, "TCP")]));
+    }
+    let kubeconfig = lab.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig);
+    lab.start_agent_kube(&kubeconfig, &[]);
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    // The last Service of the last page, with its one endpoint from a slice of a later page.
+    lab.wait_programmed(&format!("{}:80", vip(N - 1)), "TCP", 1);
+    let r = lab.inspect().expect("inspect");
+    let paged = r
+        .frontends
+        .iter()
+        .filter_map(|f| f.address.parse::<SocketAddrV4>().ok())
+        .filter(|a| (vip(0)..=vip(N - 1)).contains(a.ip()))
+        .count();
+    assert_eq!(paged, N as usize, "every paged Service is programmed");
+    let reqs = api.requests();
+    for kind in ["Service", "EndpointSlice"] {
+        let pages = reqs.iter().filter(|(k, q)| k == kind && q.starts_with("watch= ") && q.contains("continue=page-")).count();
+        assert!(pages >= 2, "{kind}: the list was read in pages ({pages} continued)");
+    }
+}

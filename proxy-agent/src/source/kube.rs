@@ -380,13 +380,22 @@ where
     });
 }
 
+/// Objects per page of a list. The API server pages a list (served from etcd, or from its
+/// cache since consistent reads from the cache) when asked to, and each page is a request
+/// under the client's rate limit (kube-proxy's qps 5, burst 10): at kube-rs' and client-go's
+/// 500, listing 30,000 Services and their slices took 120 requests and 24 s here, while
+/// kube-proxy's informers list from the cache in one response (resourceVersion 0, where the
+/// cache ignores the limit). 5,000 keeps a page's decoded objects small (a tenth of that list)
+/// and the list within the burst.
+const PAGE_SIZE: u32 = 5_000;
+
 /// Starts the four watchers.
 pub fn spawn(client: Client, node_name: &str, tx: mpsc::Sender<Event>) {
     // kube-proxy's selectors: Services another proxy claims are not ours (KEP-2447), and slices
     // of headless Services are never needed.
     watch(
         Api::<Service>::all(client.clone()),
-        watcher::Config::default().labels(&format!("!{LABEL_SERVICE_PROXY_NAME}")),
+        watcher::Config::default().page_size(PAGE_SIZE).labels(&format!("!{LABEL_SERVICE_PROXY_NAME}")),
         Kind::Service,
         |s| Object::Service(Box::new(s)),
         true,
@@ -394,7 +403,7 @@ pub fn spawn(client: Client, node_name: &str, tx: mpsc::Sender<Event>) {
     );
     watch(
         Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default().labels(&format!("!{LABEL_HEADLESS}")),
+        watcher::Config::default().page_size(PAGE_SIZE).labels(&format!("!{LABEL_HEADLESS}")),
         Kind::EndpointSlice,
         |s| Object::EndpointSlice(Box::new(s)),
         true,
