@@ -95,25 +95,58 @@ fn fold_address(ctx: &TcContext, csum_off: usize, old: Ip6, new: Ip6, flags: u64
     ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)
 }
 
+/// Extension headers a quote may carry before its upper-layer header.
+const QUOTE_EXT_HEADERS: usize = 4;
+
+/// The upper-layer protocol (TCP or UDP) of a quoted packet whose first header after the IPv6
+/// one is `next` at `off`, and that header's offset: past Hop-by-Hop, Routing and Destination
+/// Options headers, and a Fragment header of a first fragment (a later one quotes no ports).
+/// None for anything else. (Read through the helper: the offsets depend on the quote.)
+#[inline(always)]
+fn quoted_upper_layer(ctx: &TcContext, mut off: usize, mut next: u8) -> Option<(u8, usize)> {
+    use crate::parse6::{FRAG_OFFSET_MASK, NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING};
+    for _ in 0..QUOTE_EXT_HEADERS {
+        if next == IPPROTO_TCP || next == IPPROTO_UDP {
+            return Some((next, off));
+        }
+        if !matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_FRAGMENT) {
+            return None;
+        }
+        let h: [u8; 4] = ctx.load(off).ok()?;
+        if next == NEXTHDR_FRAGMENT {
+            if u16::from_be_bytes([h[2], h[3]]) & FRAG_OFFSET_MASK != 0 {
+                return None;
+            }
+            off += 8;
+        } else {
+            off += (usize::from(h[1]) + 1) * 8;
+        }
+        next = h[0];
+    }
+    (next == IPPROTO_TCP || next == IPPROTO_UDP).then_some((next, off))
+}
+
 /// Rewrites an ICMPv6 error (destination unreachable, packet too big, time exceeded, parameter
 /// problem) leaving towards a client about a packet that client sent to a Service: the quoted
 /// packet went client -> backend, the client knows it as client -> Service. The quoted
 /// destination (address, port, the quoted UDP checksum) becomes the Service's, the quoted
 /// source port the client's own where the flow moved it, and when the backend itself sent the
 /// error, so does the outer source; the ICMPv6 checksum (which covers the pseudo-header and
-/// the quote) follows every change. A quote whose upper-layer header is not right after the
-/// IPv6 header (extension headers) is passed as it is.
+/// the quote) follows every change. Extension headers in the quote are walked to its
+/// upper-layer header (a Packet Too Big about a fragmented UDP datagram quotes its first
+/// fragment, Fragment header and all); a quote of a later fragment carries no ports and is
+/// passed as it is.
 #[inline(always)]
 pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Result<Verdict, Reason> {
     let l4_off = Ip6::bound_offset(l4_off);
     let inner_off = l4_off + ICMP_HDR_LEN;
-    // The quoted IPv6 header and the upper-layer header's first 8 bytes (ports; UDP's checksum).
-    let Some(inner) = ptr_at::<[u8; 48]>(ctx, inner_off) else {
+    // The quoted IPv6 header.
+    let Some(inner) = ptr_at::<[u8; 40]>(ctx, inner_off) else {
         return Ok(Verdict::pass(Reason::EgressPass));
     };
     let inner = inner as usize;
-    // SAFETY: bounds checked by ptr_at (48 bytes), for every read below.
-    let (next, src, dst, ports, udp_check) = unsafe {
+    // SAFETY: bounds checked by ptr_at (40 bytes), for every read below.
+    let (first_next, src, dst) = unsafe {
         (
             *((inner + 6) as *const u8),
             Ip6([
@@ -128,20 +161,20 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Resu
                 access::load_word(inner + 32),
                 access::load_word(inner + 36),
             ]),
-            access::load4(inner + 40),
-            access::load2(inner + 46),
         )
     };
-    if next != IPPROTO_TCP && next != IPPROTO_UDP {
+    let Some((next, l4)) = quoted_upper_layer(ctx, inner_off + 40, first_next) else {
         return Ok(Verdict::pass(Reason::EgressPass));
-    }
-    // The quote must lie within the outer packet's payload (bytes past it are not the
-    // message's: the ICMPv6 checksum does not cover them).
+    };
+    // The quote, up to the upper-layer header's first 8 bytes (ports; UDP's checksum), must lie
+    // within the outer packet's payload (bytes past it are not the message's: the ICMPv6
+    // checksum does not cover them).
     let payload_len: [u8; 2] = ctx.load(IP_OFF + 4).map_err(|_| Reason::DropRewrite)?;
-    if inner_off + 48 > IP_OFF + 40 + usize::from(u16::from_be_bytes(payload_len)) {
+    if l4 + 8 > IP_OFF + 40 + usize::from(u16::from_be_bytes(payload_len)) {
         return Ok(Verdict::pass(Reason::EgressPass));
     }
-    let (sport, dport) = ([ports[0], ports[1]], [ports[2], ports[3]]);
+    let head: [u8; 8] = ctx.load(l4).map_err(|_| Reason::DropRewrite)?;
+    let (sport, dport, udp_check) = ([head[0], head[1]], [head[2], head[3]], [head[6], head[7]]);
     let reply_key = CtKey { saddr: dst, daddr: src, sport: dport, dport: sport, proto: next, _pad: 0, _pad2: 0 };
     let Some(e) = crate::value::Slot::of(Ip6::ct(), &reply_key) else {
         return Ok(Verdict::pass(Reason::EgressPass));
@@ -163,19 +196,19 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Resu
     ctx.store(inner_off + 24, &rn.addr, 0).map_err(fail)?;
     fold_address(ctx, icmp_csum, dst, rn.addr, 0)?;
     // Quoted destination port.
-    ctx.store(inner_off + 42, &rn.port, 0).map_err(fail)?;
+    ctx.store(l4 + 2, &rn.port, 0).map_err(fail)?;
     ctx.l4_csum_replace(icmp_csum, word2(dport), word2(rn.port), 2).map_err(fail)?;
     // Quoted source port, when the flow's client port was moved (`PORT_NAT`).
     let moved = entry_flags & flags::PORT_NAT != 0;
     if moved {
-        ctx.store(inner_off + 40, &snat_port, 0).map_err(fail)?;
+        ctx.store(l4, &snat_port, 0).map_err(fail)?;
         ctx.l4_csum_replace(icmp_csum, word2(sport), word2(snat_port), 2).map_err(fail)?;
     }
     // The quoted UDP checksum (inside the 8 quoted bytes; TCP's is not) follows the new
     // destination, as nf_nat keeps it.
     if next == IPPROTO_UDP && udp_check != [0; 2] {
         let mangled = u64::from(BPF_F_MARK_MANGLED_0);
-        let udp_csum = inner_off + 46;
+        let udp_csum = l4 + 6;
         fold_address(ctx, udp_csum, dst, rn.addr, mangled)?;
         ctx.l4_csum_replace(udp_csum, word2(dport), word2(rn.port), mangled | 2).map_err(fail)?;
         if moved {

@@ -16,15 +16,15 @@ const EXT_HEADERS: usize = 6;
 pub const EXT_MAX: usize = 256;
 const _: () = assert!(crate::parse::IP_OFF + IPV6_HDR_LEN + EXT_MAX < 0x200);
 
-const NEXTHDR_HOP: u8 = 0;
-const NEXTHDR_ROUTING: u8 = 43;
-const NEXTHDR_FRAGMENT: u8 = 44;
+pub const NEXTHDR_HOP: u8 = 0;
+pub const NEXTHDR_ROUTING: u8 = 43;
+pub const NEXTHDR_FRAGMENT: u8 = 44;
 const NEXTHDR_AUTH: u8 = 51;
-const NEXTHDR_DEST: u8 = 60;
+pub const NEXTHDR_DEST: u8 = 60;
 pub const IPPROTO_ICMPV6: u8 = 58;
 
 /// Fragment header: offset in 8-byte units (high 13 bits), then the M flag (bit 0).
-const FRAG_OFFSET_MASK: u16 = 0xfff8;
+pub const FRAG_OFFSET_MASK: u16 = 0xfff8;
 const FRAG_MORE: u16 = 0x0001;
 
 /// The IPv6 address at `p` (four word loads).

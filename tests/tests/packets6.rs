@@ -456,6 +456,32 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
     assert_eq!((d.src, kind, code), (*dns_vip.ip(), 1, 4));
     assert_eq!(&body[42..44], &dns_vip.port().to_be_bytes(), "the quoted destination port");
     assert!(packet6::l4_checksum_ok_over(*client.ip(), *dns_vip.ip(), UDP, &body[40..]), "the quoted UDP checksum");
+    // A Packet Too Big about the first fragment of a large query the client sent: the quote
+    // carries the Fragment header before the UDP header, and is translated past it.
+    let frag_id = 0x4242;
+    let big = Ipv6::new(*client.ip(), *dns_vip.ip(), UDP, packet6::udp_datagram(client, dns_vip, &[7; 1400]))
+        .with_ext(FRAGMENT, Ipv6::fragment(0, true, frag_id));
+    let first = run(&mut dp, &big.frame()).frame;
+    assert_eq!(dissect(&first).dst_sock(), dns_backend, "the first fragment is DNATed");
+    let out = run_egress(&mut dp, &error(router, 2, 0, 1280u32.to_be_bytes(), &first));
+    let (_, kind, _, body) = quoted(&out.frame);
+    assert_eq!(kind, 2);
+    assert_eq!((body[6], body[40]), (FRAGMENT, UDP), "the quote keeps its Fragment header");
+    assert_eq!(ip6(&body[24..40]), *dns_vip.ip(), "the quote names the Service");
+    assert_eq!(&body[48 + 2..48 + 4], &dns_vip.port().to_be_bytes(), "and its port, past the Fragment header");
+    // A Destination Options header before TCP: the same.
+    let opts =
+        Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, ACK, &[5; 64])).with_ext(DEST_OPTS, Ipv6::padding_options());
+    let sent = run(&mut dp, &opts.frame()).frame;
+    assert_eq!(dissect(&sent).dst_sock(), backend);
+    let out = run_egress(&mut dp, &error(router, 2, 0, 1280u32.to_be_bytes(), &sent));
+    let (_, _, _, body) = quoted(&out.frame);
+    assert_eq!(ip6(&body[24..40]), *vip.ip());
+    assert_eq!(&body[48 + 2..48 + 4], &vip.port().to_be_bytes(), "the port past the options");
+    // A later fragment quotes no ports: left as it is.
+    let later = Ipv6::new(*client.ip(), *dns_backend.ip(), UDP, vec![7; 64]).with_ext(FRAGMENT, Ipv6::fragment(181, false, frag_id));
+    let about_later = error(router, 2, 0, 1280u32.to_be_bytes(), &later.frame());
+    assert_eq!(run_egress(&mut dp, &about_later).frame, about_later, "an error quoting a later fragment");
     // About a flow nobody tracks: left as it is.
     let stranger =
         Ipv6::new(*client.ip(), "fd00:10:244:1::77".parse().unwrap(), TCP, tcp_segment(client, sock("[fd00:10:244:1::77]:80"), SYN, &[]));
@@ -478,7 +504,7 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
         &[&client.port().to_be_bytes()[..], &vip2.port().to_be_bytes()[..]].concat()[..],
         "and the client's own port"
     );
-    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&5));
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&7));
 }
 
 /// A ping to an IPv6 cluster IP is answered with port unreachable from the cluster IP, from a
