@@ -160,6 +160,10 @@ pub mod map_names {
     /// The same for XDP (a program array holds programs of one type): slot 0, the IPv6 XDP
     /// program (`prog_names::XDP_EXT6`).
     pub const PROGS_XDP: &str = "PROGS_XDP_V1";
+    /// Each family's load-balancer maps: one size per family (the writer's id limit).
+    pub const LB_V4: [&str; 9] = [SERVICES, BACKENDS, REVNAT, NAMES, BACKEND_FLOWS, MAGLEV, AFFINITY_MATCH, SOURCE_RANGES, SERVICE_CIDRS];
+    pub const LB_V6: [&str; 9] =
+        [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6, MAGLEV6];
     pub const ALL: [&str; 41] = [
         SERVICES,
         BACKENDS,

@@ -560,17 +560,7 @@ fn ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it() {
     // The IPv4 load-balancer maps go (so the next start creates them at the new size); the
     // IPv6 ones stay pinned at 8 entries.
     let maps = proxy_agent::dataplane::ebpf::loader::maps_dir(&root.0);
-    for name in [
-        map_names::SERVICES,
-        map_names::BACKENDS,
-        map_names::REVNAT,
-        map_names::NAMES,
-        map_names::BACKEND_FLOWS,
-        map_names::MAGLEV,
-        map_names::AFFINITY_MATCH,
-        map_names::SOURCE_RANGES,
-        map_names::SERVICE_CIDRS,
-    ] {
+    for name in map_names::LB_V4 {
         std::fs::remove_file(maps.join(name)).expect("remove an IPv4 pin");
     }
     // And one IPv6 map goes too (as when a build adds one): it must come back at its family's

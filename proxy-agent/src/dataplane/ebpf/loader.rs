@@ -290,31 +290,9 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // A map of the family that is not pinned (a build that adds one, a pin removed by hand) is
     // created at that size, so no id the writer hands out falls past its end.
     let family_size = |names: &[&str], otherwise: u32| names.iter().filter_map(|n| pinned(n)).min().unwrap_or(otherwise);
-    const V4: [&str; 9] = [
-        map_names::SERVICES,
-        map_names::BACKENDS,
-        map_names::REVNAT,
-        map_names::NAMES,
-        map_names::BACKEND_FLOWS,
-        map_names::MAGLEV,
-        map_names::AFFINITY_MATCH,
-        map_names::SOURCE_RANGES,
-        map_names::SERVICE_CIDRS,
-    ];
-    const V6: [&str; 9] = [
-        map_names::SERVICES6,
-        map_names::BACKENDS6,
-        map_names::REVNAT6,
-        map_names::BACKEND_FLOWS6,
-        map_names::AFFINITY_MATCH6,
-        map_names::SOURCE_RANGES6,
-        map_names::SERVICE_CIDRS6,
-        map_names::NAMES6,
-        map_names::MAGLEV6,
-    ];
-    let lb_map_max = family_size(&V4, options.lb_map_max.max(2));
-    let lb6_map_max = family_size(&V6, lb_map_max);
-    for (names, size) in [(V4, lb_map_max), (V6, lb6_map_max)] {
+    let lb_map_max = family_size(&map_names::LB_V4, options.lb_map_max.max(2));
+    let lb6_map_max = family_size(&map_names::LB_V6, lb_map_max);
+    for (names, size) in [(map_names::LB_V4, lb_map_max), (map_names::LB_V6, lb6_map_max)] {
         for name in names {
             loader.map_max_entries(name, pinned(name).unwrap_or(size));
         }
