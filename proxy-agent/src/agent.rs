@@ -104,7 +104,7 @@ impl Proxier for Reconciler<EbpfDataplane> {
         devices.sync(self.dataplane_mut());
     }
     async fn housekeeping(&mut self, devices: &mut Devices) {
-        if !devices.failed.is_empty() {
+        if devices.retry_due() {
             devices.sync(self.dataplane_mut());
         }
         // A veth's xdp_features follow its peer, which changes without a netlink event here.

@@ -15,7 +15,7 @@ use crate::{
         xdpdevs::XdpDevice,
         EbpfDataplane,
     },
-    netlink::LinkChange,
+    netlink::{LinkChange, SourceUse},
 };
 
 /// Never external by default: loopback, container bridges and overlay or tunnel devices hold
@@ -28,8 +28,8 @@ const NOT_EXTERNAL: &[&str] =
 struct AddrKind {
     /// Scope universe.
     global: bool,
-    /// A source the kernel would pick (see `LinkChange::Address`).
-    preferred: bool,
+    /// As a source address.
+    source: SourceUse,
 }
 
 /// An external interface's SNAT address of each family as written to its map (None: not
@@ -55,6 +55,9 @@ pub struct Devices {
     /// The interface-address maps hold entries of present interfaces only (false until the
     /// first sync has removed those of interfaces gone before the agent started).
     addresses_pruned: bool,
+    /// Interfaces reported gone since the last sync: their SNAT addresses are deleted even when
+    /// another interface already took the index.
+    gone: std::collections::BTreeSet<u32>,
 }
 
 impl Devices {
@@ -72,27 +75,31 @@ impl Devices {
             snat_addrs: BTreeMap::new(),
             xdp_to_tc: BTreeMap::new(),
             addresses_pruned: false,
+            gone: Default::default(),
         }
     }
 
-    /// The global addresses of an interface (both families): what makes it external, and
-    /// what it masquerades with. Those the kernel would pick as a source come first.
-    fn global_addrs(&self, index: u32) -> impl Iterator<Item = IpAddr> + '_ {
-        let global = self.addrs.get(&index).into_iter().flatten().filter(|(_, k)| k.global);
-        let preferred = global.clone().filter(|(_, k)| k.preferred).map(|(a, _)| *a);
-        preferred.chain(global.filter(|(_, k)| !k.preferred).map(|(a, _)| *a))
+    /// The global addresses of an interface (both families): what makes it external.
+    fn global_addrs(&self, index: u32) -> impl Iterator<Item = (IpAddr, SourceUse)> + '_ {
+        self.addrs.get(&index).into_iter().flatten().filter(|(_, k)| k.global).map(|(a, k)| (*a, k.source))
     }
 
-    /// The SNAT source of each family on an interface: its first global address of each that
-    /// the kernel would pick as a source itself (not an IPv4 secondary, nor a temporary,
-    /// deprecated or tentative IPv6 address: a temporary one goes away within a day, taking
-    /// the flows masqueraded with it), else its first global one.
+    /// The SNAT source of each family on an interface: of its global addresses, one the kernel
+    /// would pick as a source itself, else an IPv4 secondary or a temporary or deprecated IPv6
+    /// one (a temporary address goes away within a day, taking the flows masqueraded with it),
+    /// never a tentative one or one that failed duplicate address detection (another host's).
     fn snat_addrs_of(&self, index: u32) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
-        let v4 = self.global_addrs(index).find_map(|a| match a {
+        let best = |v6: bool| {
+            self.global_addrs(index)
+                .filter(|(a, s)| a.is_ipv6() == v6 && *s != SourceUse::Never)
+                .min_by_key(|(a, s)| (*s, *a))
+                .map(|(a, _)| a)
+        };
+        let v4 = best(false).and_then(|a| match a {
             IpAddr::V4(v) => Some(v),
             IpAddr::V6(_) => None,
         });
-        let v6 = self.global_addrs(index).find_map(|a| match a {
+        let v6 = best(true).and_then(|a| match a {
             IpAddr::V6(v) => Some(v),
             IpAddr::V4(_) => None,
         });
@@ -136,18 +143,19 @@ impl Devices {
             }
             LinkChange::Gone { index } => {
                 self.links.remove(index);
+                self.gone.insert(*index);
                 self.failed.remove(index);
                 self.snat_addrs.remove(index);
                 self.addrs.remove(index).is_some_and(|a| !a.is_empty())
             }
-            LinkChange::Address { index, addr, global, preferred, added } => {
+            LinkChange::Address { index, addr, global, source, added } => {
                 let on_dummy = self.links.get(index).map(String::as_str) == Some(crate::dataplane::netfilter::ipvs::DUMMY);
                 let set = self.addrs.entry(*index).or_default();
                 // A change of flags (an address deprecated, its duplicate detection done) is a
                 // new message for the same address: only its presence is a change of the
                 // node's addresses.
                 let changed = if *added {
-                    set.insert(*addr, AddrKind { global: *global, preferred: *preferred }).is_none()
+                    set.insert(*addr, AddrKind { global: *global, source: *source }).is_none()
                 } else {
                     set.remove(addr).is_some()
                 };
@@ -156,20 +164,31 @@ impl Devices {
         }
     }
 
+    /// Something a sync should retry without waiting for a netlink event: an attach, or the
+    /// removal of vanished interfaces' SNAT addresses.
+    pub fn retry_due(&self) -> bool {
+        !self.failed.is_empty() || !self.addresses_pruned
+    }
+
     /// Attaches to every interface that should be and is not yet, follows renames, detaches
     /// vanished ones, and keeps the SNAT address of each external interface current.
     pub fn sync(&mut self, dp: &mut EbpfDataplane) {
         let gone: Vec<u32> = dp.attached().keys().filter(|i| !self.links.contains_key(i)).copied().collect();
-        if !gone.is_empty() {
-            self.addresses_pruned = false;
-        }
         for index in gone {
             if let Some(name) = dp.forget_interface(index) {
                 tracing::info!(interface = name, ifindex = index, "interface gone");
             }
         }
         // The SNAT addresses of interfaces that are gone: their index may come back as another
-        // interface, which must not masquerade with the old one's address.
+        // interface, which must not masquerade with the old one's address (its own are written
+        // below, where it is external).
+        for index in std::mem::take(&mut self.gone) {
+            let cleared = dp.set_interface_address(index, None).and_then(|()| dp.set_interface_address6(index, None));
+            if let Err(e) = cleared {
+                tracing::warn!(ifindex = index, "removing the SNAT addresses of a vanished interface (retried): {e}");
+                self.addresses_pruned = false;
+            }
+        }
         if !self.addresses_pruned {
             match dp.prune_interface_addresses(|i| self.links.contains_key(&i)) {
                 Ok(n) => {
@@ -267,7 +286,13 @@ mod tests {
     #[test]
     fn service_addresses_on_the_ipvs_dummy_are_not_node_addresses() {
         let mut d = Devices::new(DevicePatterns::parse(&[]).unwrap(), None, XdpSetting::Disabled);
-        let addr = |index, a: &str, added| LinkChange::Address { index, addr: a.parse().unwrap(), global: true, preferred: true, added };
+        let addr = |index, a: &str, added| LinkChange::Address {
+            index,
+            addr: a.parse().unwrap(),
+            global: true,
+            source: SourceUse::Preferred,
+            added,
+        };
         d.apply(&LinkChange::Present { index: 2, name: "eth0".into() });
         d.apply(&LinkChange::Present { index: 7, name: "kube-ipvs0".into() });
         assert!(d.apply(&addr(2, "192.168.1.10", true)), "a node address is a change");
@@ -280,20 +305,23 @@ mod tests {
     #[test]
     fn the_snat_source_is_an_address_the_kernel_would_pick_and_follows_its_flags() {
         let mut d = Devices::new(DevicePatterns::parse(&[]).unwrap(), None, XdpSetting::Disabled);
-        let addr = |a: &str, preferred| LinkChange::Address { index: 2, addr: a.parse().unwrap(), global: true, preferred, added: true };
+        let addr = |a: &str, source| LinkChange::Address { index: 2, addr: a.parse().unwrap(), global: true, source, added: true };
+        use SourceUse::{Fallback, Never, Preferred};
         d.apply(&LinkChange::Present { index: 2, name: "eth0".into() });
-        assert!(d.apply(&addr("2001:db8::1", false)), "a new address is a change of the node's addresses");
-        assert!(d.apply(&addr("2001:db8::9", true)));
-        assert!(d.apply(&addr("192.0.2.3", false)));
-        assert!(d.apply(&addr("192.0.2.9", true)));
+        assert!(d.apply(&addr("2001:db8::1", Fallback)), "a new address is a change of the node's addresses");
+        assert!(d.apply(&addr("2001:db8::9", Preferred)));
+        assert!(d.apply(&addr("192.0.2.3", Fallback)));
+        assert!(d.apply(&addr("192.0.2.9", Preferred)));
         let want = |v4: &str, v6: &str| (Some(v4.parse().unwrap()), Some(v6.parse().unwrap()));
         assert_eq!(d.snat_addrs_of(2), want("192.0.2.9", "2001:db8::9"), "preferred ones before numerically smaller ones");
         // ::9 deprecated, ::1 usable again: new flags for known addresses, not new addresses.
-        assert!(!d.apply(&addr("2001:db8::9", false)));
-        assert!(!d.apply(&addr("2001:db8::1", true)));
+        assert!(!d.apply(&addr("2001:db8::9", Fallback)));
+        assert!(!d.apply(&addr("2001:db8::1", Preferred)));
         assert_eq!(d.snat_addrs_of(2), want("192.0.2.9", "2001:db8::1"));
-        // With none preferred, the first global one still serves.
-        assert!(!d.apply(&addr("2001:db8::1", false)));
-        assert_eq!(d.snat_addrs_of(2).1, Some("2001:db8::1".parse().unwrap()));
+        // With none preferred, a fallback one serves; a tentative one never does.
+        assert!(!d.apply(&addr("2001:db8::1", Never)));
+        assert_eq!(d.snat_addrs_of(2).1, Some("2001:db8::9".parse().unwrap()));
+        assert!(!d.apply(&addr("2001:db8::9", Never)));
+        assert_eq!(d.snat_addrs_of(2).1, None, "only tentative or failed addresses: none");
     }
 }

@@ -24,16 +24,27 @@ pub enum LinkChange {
         index: u32,
     },
     /// An address was added to (or removed from, or changed on) interface `index`. `global`:
-    /// scope universe (not host or link scope). `preferred`: one the kernel would pick as a
-    /// source (not an IPv4 secondary, not a temporary IPv6 address (the same flag), nor
-    /// deprecated, tentative or failed duplicate address detection).
+    /// scope universe (not host or link scope). `source`: what it is good for as a source.
     Address {
         index: u32,
         addr: IpAddr,
         global: bool,
-        preferred: bool,
+        source: SourceUse,
         added: bool,
     },
+}
+
+/// An address as a source address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SourceUse {
+    /// One the kernel picks itself.
+    Preferred,
+    /// One it picks only when nothing better is there: an IPv4 secondary, a temporary IPv6
+    /// address (the same flag) or a deprecated one.
+    Fallback,
+    /// Not to be used at all: still tentative (duplicate address detection not done) or
+    /// failed it (the address is another host's).
+    Never,
 }
 
 fn address_of(msg: &AddressMessage, added: bool) -> Option<LinkChange> {
@@ -61,14 +72,14 @@ fn address_of(msg: &AddressMessage, added: bool) -> Option<LinkChange> {
             _ => None,
         })
         .unwrap_or_else(|| AddressFlags::from_bits_retain(u32::from(msg.header.flags.bits())));
-    let not_preferred = AddressFlags::Secondary | AddressFlags::Deprecated | AddressFlags::Tentative | AddressFlags::Dadfailed;
-    Some(LinkChange::Address {
-        index: msg.header.index,
-        addr,
-        global: msg.header.scope == AddressScope::Universe,
-        preferred: !flags.intersects(not_preferred),
-        added,
-    })
+    let source = if flags.intersects(AddressFlags::Tentative | AddressFlags::Dadfailed) {
+        SourceUse::Never
+    } else if flags.intersects(AddressFlags::Secondary | AddressFlags::Deprecated) {
+        SourceUse::Fallback
+    } else {
+        SourceUse::Preferred
+    };
+    Some(LinkChange::Address { index: msg.header.index, addr, global: msg.header.scope == AddressScope::Universe, source, added })
 }
 
 fn name_of(msg: &LinkMessage) -> Option<String> {

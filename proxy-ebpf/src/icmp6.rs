@@ -95,21 +95,19 @@ fn fold_address(ctx: &TcContext, csum_off: usize, old: Ip6, new: Ip6, flags: u64
     ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)
 }
 
-/// Extension headers a quote may carry before its upper-layer header.
-const QUOTE_EXT_HEADERS: usize = 4;
-
 /// The upper-layer protocol (TCP or UDP) of a quoted packet whose first header after the IPv6
-/// one is `next` at `off`, and that header's offset: past Hop-by-Hop, Routing and Destination
-/// Options headers, and a Fragment header of a first fragment (a later one quotes no ports).
-/// None for anything else. (Read through the helper: the offsets depend on the quote.)
+/// one is `next` at `off`, and that header's offset: past Hop-by-Hop, Routing, Destination
+/// Options and AH headers, and a Fragment header of a first fragment (a later one quotes no
+/// ports), as many as the parser walks. None for anything else. (Read through the helper: the
+/// offsets depend on the quote.)
 #[inline(always)]
 fn quoted_upper_layer(ctx: &TcContext, mut off: usize, mut next: u8) -> Option<(u8, usize)> {
-    use crate::parse6::{FRAG_OFFSET_MASK, NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING};
-    for _ in 0..QUOTE_EXT_HEADERS {
+    use crate::parse6::{EXT_HEADERS, FRAG_OFFSET_MASK, NEXTHDR_AUTH, NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING};
+    for _ in 0..EXT_HEADERS {
         if next == IPPROTO_TCP || next == IPPROTO_UDP {
             return Some((next, off));
         }
-        if !matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_FRAGMENT) {
+        if !matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH | NEXTHDR_FRAGMENT) {
             return None;
         }
         let h: [u8; 4] = ctx.load(off).ok()?;
@@ -118,6 +116,9 @@ fn quoted_upper_layer(ctx: &TcContext, mut off: usize, mut next: u8) -> Option<(
                 return None;
             }
             off += 8;
+        } else if next == NEXTHDR_AUTH {
+            // AH's length is in 4-byte units, less 2.
+            off += (usize::from(h[1]) + 2) * 4;
         } else {
             off += (usize::from(h[1]) + 1) * 8;
         }

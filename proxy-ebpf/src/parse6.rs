@@ -12,14 +12,14 @@ use crate::{
 
 const IPV6_HDR_LEN: usize = 40;
 /// Extension headers walked at most, and the bytes they may take together.
-const EXT_HEADERS: usize = 6;
+pub const EXT_HEADERS: usize = 6;
 pub const EXT_MAX: usize = 256;
 const _: () = assert!(crate::parse::IP_OFF + IPV6_HDR_LEN + EXT_MAX < 0x200);
 
 pub const NEXTHDR_HOP: u8 = 0;
 pub const NEXTHDR_ROUTING: u8 = 43;
 pub const NEXTHDR_FRAGMENT: u8 = 44;
-const NEXTHDR_AUTH: u8 = 51;
+pub const NEXTHDR_AUTH: u8 = 51;
 pub const NEXTHDR_DEST: u8 = 60;
 pub const IPPROTO_ICMPV6: u8 = 58;
 

@@ -269,6 +269,8 @@ impl ApiServer {
             let mut inner = self.inner.lock().unwrap();
             inner.compacted_below = inner.rv + 1;
             inner.history.clear();
+            // Continue tokens expire with the history they stand on.
+            inner.pages.clear();
         }
         self.cut_watches(false);
     }
@@ -326,9 +328,10 @@ async fn serve(State(inner): State<Arc<Mutex<Inner>>>, headers: axum::http::Head
         g.authorizations.insert(auth.to_string());
     }
     if p.watch.as_deref() != Some("true") && p.watch.as_deref() != Some("1") {
-        // A list is paged when the client sets `limit`, as the real server pages one (kube-rs
-        // asks for 500 at a time): each page a part of one snapshot, taken at the first page,
-        // whose resourceVersion every page carries.
+        // A list is paged when the client sets `limit`, as the real server pages one: each
+        // page a part of one snapshot, taken at the first page, whose resourceVersion every
+        // page carries. (Simpler than the real one: a token serves once, is not tied to its
+        // kind or selectors, and `remainingItemCount` is given with selectors too.)
         let (mut items, rv) = match p.continue_token.as_deref().filter(|t| !t.is_empty()) {
             Some(token) => match g.pages.remove(token) {
                 Some(rest) => rest,

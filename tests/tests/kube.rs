@@ -434,9 +434,9 @@ fn service_cidrs_are_watched_and_an_api_server_without_them_changes_nothing() {
     assert_eq!(log.matches("ServiceCIDRs cannot be watched").count(), 1, "said once, however often it is retried:\n{log}");
 }
 
-/// Lists larger than a page (the agent asks for 5,000 objects at a time) are read page by page
-/// through continue tokens, and every object of every page is programmed: 12,000 Services with
-/// a slice each, beside the standard ones.
+/// Lists larger than a page (the agent asks for 5,000 Services or 2,000 EndpointSlices at a
+/// time) are read page by page through continue tokens, and every object of every page is
+/// programmed: 12,000 Services with a slice each, beside the standard ones.
 #[test]
 fn lists_larger_than_a_page_are_read_page_by_page() {
     if !require::root("lists_larger_than_a_page_are_read_page_by_page") {
@@ -459,7 +459,7 @@ fn lists_larger_than_a_page_are_read_page_by_page() {
     api.write_kubeconfig(&kubeconfig);
     lab.start_agent_kube(&kubeconfig, &[]);
     lab.wait_programmed(WEB_VIP, "TCP", 3);
-    // The last Service of the last page, with its one endpoint from a slice of a later page.
+    // One Service of a late page (names sort as text), with its endpoint.
     lab.wait_programmed(&format!("{}:80", vip(N - 1)), "TCP", 1);
     let r = lab.inspect().expect("inspect");
     let paged = r
@@ -470,8 +470,13 @@ fn lists_larger_than_a_page_are_read_page_by_page() {
         .count();
     assert_eq!(paged, N as usize, "every paged Service is programmed");
     let reqs = api.requests();
-    for kind in ["Service", "EndpointSlice"] {
-        let pages = reqs.iter().filter(|(k, q)| k == kind && q.starts_with("watch= ") && q.contains("continue=page-")).count();
-        assert!(pages >= 2, "{kind}: the list was read in pages ({pages} continued)");
+    for (kind, limit) in [("Service", 5_000), ("EndpointSlice", 2_000)] {
+        let pages = reqs
+            .iter()
+            .filter(|(k, q)| {
+                k == kind && q.starts_with("watch= ") && q.contains(&format!("limit={limit} ")) && q.contains("continue=page-")
+            })
+            .count();
+        assert!(pages >= 2, "{kind}: the list was read in pages of {limit} ({pages} continued)");
     }
 }

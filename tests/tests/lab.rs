@@ -1042,8 +1042,9 @@ fn an_address_of_a_service_cidr_the_node_holds_still_reaches_the_node() {
 
 /// An external interface masquerades north-south flows with an address the kernel would pick
 /// as a source itself: not an IPv4 secondary nor a deprecated IPv6 address, even when one is
-/// numerically first. When the interface goes, so do its SNAT addresses (its index may come
-/// back as another interface). The interface is a veth pair of the lab node's own namespace
+/// numerically first, and it follows the flags as they change (a primary deleted, its
+/// secondary promoted; an address deprecated). When the interface goes, so do its SNAT
+/// addresses (its index may come back as another interface). The interface is a veth pair of the lab node's own namespace
 /// with nothing on the far end, as a second NIC would be.
 #[test]
 fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
@@ -1082,6 +1083,14 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
     };
     until("the primary IPv4 and the usable IPv6 address as SNAT sources", &|| {
         v4() == Some([192, 0, 2, 9]) && v6() == Some("2001:db8:9::9".parse().unwrap())
+    });
+    // Flags change at run time: the usable IPv6 address is deprecated too (both are then
+    // fallbacks: the first serves), and the IPv4 primary goes with secondaries promoted.
+    lab.node.ip(&["-6", "addr", "change", "2001:db8:9::9/64", "dev", "extsn0", "preferred_lft", "0"]);
+    lab.node.sysctl("net.ipv4.conf.extsn0.promote_secondaries", "1");
+    lab.node.ip(&["addr", "del", "192.0.2.9/24", "dev", "extsn0"]);
+    until("the promoted IPv4 address, and the first of two deprecated IPv6 ones", &|| {
+        v4() == Some([192, 0, 2, 3]) && v6() == Some("2001:db8:9::1".parse().unwrap())
     });
     lab.node.ip(&["link", "del", "extsn0"]);
     lab.wait_for("the interface to be detached", |r| !r.external_interfaces.values().any(|e| e.name == "extsn0"));

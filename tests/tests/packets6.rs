@@ -469,6 +469,8 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
     assert_eq!((body[6], body[40]), (FRAGMENT, UDP), "the quote keeps its Fragment header");
     assert_eq!(ip6(&body[24..40]), *dns_vip.ip(), "the quote names the Service");
     assert_eq!(&body[48 + 2..48 + 4], &dns_vip.port().to_be_bytes(), "and its port, past the Fragment header");
+    let sent_udp = packet6::udp_datagram(client, dns_vip, &[7; 1400]);
+    assert_eq!(&body[48 + 6..48 + 8], &sent_udp[6..8], "and the UDP checksum of the datagram as the client sent it");
     // A Destination Options header before TCP: the same.
     let opts =
         Ipv6::new(*client.ip(), *vip.ip(), TCP, tcp_segment(client, vip, ACK, &[5; 64])).with_ext(DEST_OPTS, Ipv6::padding_options());
@@ -479,7 +481,11 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
     assert_eq!(ip6(&body[24..40]), *vip.ip());
     assert_eq!(&body[48 + 2..48 + 4], &vip.port().to_be_bytes(), "the port past the options");
     // A later fragment quotes no ports: left as it is.
-    let later = Ipv6::new(*client.ip(), *dns_backend.ip(), UDP, vec![7; 64]).with_ext(FRAGMENT, Ipv6::fragment(181, false, frag_id));
+    // (Its payload starts with the flow's ports, so a walk that took it for a UDP header would
+    // find the flow and translate.)
+    let mut tail = [&client.port().to_be_bytes()[..], &dns_backend.port().to_be_bytes()[..]].concat();
+    tail.resize(64, 7);
+    let later = Ipv6::new(*client.ip(), *dns_backend.ip(), UDP, tail).with_ext(FRAGMENT, Ipv6::fragment(181, false, frag_id));
     let about_later = error(router, 2, 0, 1280u32.to_be_bytes(), &later.frame());
     assert_eq!(run_egress(&mut dp, &about_later).frame, about_later, "an error quoting a later fragment");
     // About a flow nobody tracks: left as it is.

@@ -302,7 +302,8 @@ impl EbpfDataplane {
         let map = self.ebpf.map_mut(name).expect("the object defines the interface address maps");
         let err = |op, source| DataplaneError::Map { op, map: name, source };
         let mut m: aya::maps::HashMap<&mut MapData, u32, IfAddr<A>> = aya::maps::HashMap::try_from(map).map_err(|e| err("open", e))?;
-        let gone: Vec<u32> = m.keys().filter_map(Result::ok).filter(|i| !present(*i)).collect();
+        let keys: Vec<u32> = m.keys().collect::<Result<_, _>>().map_err(|e| err("iterate", e))?;
+        let gone: Vec<u32> = keys.into_iter().filter(|i| !present(*i)).collect();
         for index in &gone {
             match m.remove(index) {
                 Ok(()) => {}
