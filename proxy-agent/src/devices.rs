@@ -53,10 +53,11 @@ pub struct Devices {
     /// Why native XDP on an external interface hands its flows to TC, as last logged.
     xdp_to_tc: BTreeMap<u32, Option<&'static str>>,
     /// The interface-address maps hold entries of present interfaces only (false until the
-    /// first sync has removed those of interfaces gone before the agent started).
+    /// first sync has removed those of interfaces gone before the agent started, and again
+    /// whenever one goes).
     addresses_pruned: bool,
-    /// Interfaces reported gone since the last sync: their SNAT addresses are deleted even when
-    /// another interface already took the index.
+    /// Interfaces reported gone since the maps were last pruned: their SNAT addresses go even
+    /// when another interface has already taken the index.
     gone: std::collections::BTreeSet<u32>,
 }
 
@@ -89,20 +90,16 @@ impl Devices {
     /// one (a temporary address goes away within a day, taking the flows masqueraded with it),
     /// never a tentative one or one that failed duplicate address detection (another host's).
     fn snat_addrs_of(&self, index: u32) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
-        let best = |v6: bool| {
-            self.global_addrs(index)
-                .filter(|(a, s)| a.is_ipv6() == v6 && *s != SourceUse::Never)
-                .min_by_key(|(a, s)| (*s, *a))
-                .map(|(a, _)| a)
+        let best =
+            |v6: bool| self.global_addrs(index).filter(|(a, s)| a.is_ipv6() == v6 && *s != SourceUse::Never).min_by_key(|(a, s)| (*s, *a));
+        let v4 = match best(false) {
+            Some((IpAddr::V4(v), _)) => Some(v),
+            _ => None,
         };
-        let v4 = best(false).and_then(|a| match a {
-            IpAddr::V4(v) => Some(v),
-            IpAddr::V6(_) => None,
-        });
-        let v6 = best(true).and_then(|a| match a {
-            IpAddr::V6(v) => Some(v),
-            IpAddr::V4(_) => None,
-        });
+        let v6 = match best(true) {
+            Some((IpAddr::V6(v), _)) => Some(v),
+            _ => None,
+        };
         (v4, v6)
     }
 
@@ -144,6 +141,7 @@ impl Devices {
             LinkChange::Gone { index } => {
                 self.links.remove(index);
                 self.gone.insert(*index);
+                self.addresses_pruned = false;
                 self.failed.remove(index);
                 self.snat_addrs.remove(index);
                 self.addrs.remove(index).is_some_and(|a| !a.is_empty())
@@ -182,20 +180,14 @@ impl Devices {
         // The SNAT addresses of interfaces that are gone: their index may come back as another
         // interface, which must not masquerade with the old one's address (its own are written
         // below, where it is external).
-        for index in std::mem::take(&mut self.gone) {
-            let cleared = dp.set_interface_address(index, None).and_then(|()| dp.set_interface_address6(index, None));
-            if let Err(e) = cleared {
-                tracing::warn!(ifindex = index, "removing the SNAT addresses of a vanished interface (retried): {e}");
-                self.addresses_pruned = false;
-            }
-        }
         if !self.addresses_pruned {
-            match dp.prune_interface_addresses(|i| self.links.contains_key(&i)) {
+            match dp.prune_interface_addresses(|i| self.links.contains_key(&i) && !self.gone.contains(&i)) {
                 Ok(n) => {
                     if n > 0 {
                         tracing::info!(entries = n, "removed the SNAT addresses of interfaces that are gone");
                     }
                     self.addresses_pruned = true;
+                    self.gone.clear();
                 }
                 Err(e) => tracing::warn!("removing the SNAT addresses of interfaces that are gone (retried): {e}"),
             }

@@ -100,8 +100,9 @@ pub fn print(mode: ProxyMode, dir: &Path, cfg: &Config, node_ips: &[std::net::Ip
     if mode == ProxyMode::Ebpf {
         // The frontends the map writer would program.
         let mut out = String::new();
+        let node = store.node_info();
         for ports in services.values() {
-            for (key, fe) in crate::dataplane::ebpf::frontends::render(ports, &store.node_info()) {
+            for (key, fe) in crate::dataplane::ebpf::frontends::render(ports, &node) {
                 let backends: Vec<String> = fe.backends.iter().map(|b| b.to_string()).collect();
                 let _ = writeln!(out, "{key} {:?} {} -> [{}]", fe.kind, fe.name, backends.join(", "));
             }

@@ -348,6 +348,12 @@ impl Store {
 
     /// The plan of one Service, or none when it does not exist (any more).
     pub fn translate(&self, key: &ObjectKey) -> Translation {
+        self.translate_on(key, &self.node_info())
+    }
+
+    /// `translate` with this node's identity as `node_info` gives it, taken once by a caller
+    /// that translates many Services (and renders them with it).
+    pub fn translate_on(&self, key: &ObjectKey, node: &NodeInfo) -> Translation {
         let Some(svc) = self.services.get(key) else {
             return Translation::default();
         };
@@ -361,7 +367,7 @@ impl Store {
                 ..Default::default()
             };
         }
-        translate::service(svc, &slices, &self.node_info())
+        translate::service(svc, &slices, node)
     }
 
     /// `apply`, logging what it reports (what the agent's loops feed every source event to).

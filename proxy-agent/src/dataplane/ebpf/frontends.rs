@@ -47,11 +47,10 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cid
 
 fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<(FrontendKey, Frontend)>) {
     let protocol = view.name.protocol;
-    let lb_ranges = source_ranges(&view.lb_source_ranges, &view.lb_ips, node);
     // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them for
     // kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy clears
-    // their conntrack entries.
-    let frontend = |chosen: &[EndpointView], kind: FrontendKind, internal: Option<Vec<Backend>>, source_ranges: Vec<Cidr>| {
+    // their conntrack entries. One frontend per chosen set, copied to each address.
+    let frontend = |chosen: &[EndpointView], kind: FrontendKind, internal: Option<Vec<Backend>>| {
         let active = backends(chosen);
         let in_use: HashSet<_> = active.iter().map(|b| (b.addr, b.port)).collect();
         let others: Vec<EndpointView> = view
@@ -69,23 +68,29 @@ fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<(FrontendKey, Frontend)>
             retained: backends(&others),
             affinity_timeout: view.affinity_timeout,
             internal_backends: internal,
-            source_ranges,
+            source_ranges: vec![],
         }
     };
-    let internal = if view.internal_local { &view.local_endpoints } else { &view.cluster_endpoints };
+    let internal =
+        frontend(if view.internal_local { &view.local_endpoints } else { &view.cluster_endpoints }, FrontendKind::ClusterIp, None);
     for vip in &view.cluster_ips {
-        out.push((FrontendKey { addr: *vip, port: view.port, protocol }, frontend(internal, FrontendKind::ClusterIp, None, vec![])));
+        out.push((FrontendKey { addr: *vip, port: view.port, protocol }, internal.clone()));
     }
     // External frontends: outside clients get the local endpoints under externalTrafficPolicy
-    // Local, pods reaching the same address get the cluster's.
-    let (external, for_pods) = if view.external_local {
-        (&view.local_endpoints, Some(backends(&view.cluster_endpoints)))
-    } else {
-        (&view.cluster_endpoints, None)
-    };
+    // Local, pods reaching the same address get the cluster's. (Made at the first external
+    // address: most Services have none.)
+    let mut external: Option<Frontend> = None;
+    let lb_ranges = source_ranges(&view.lb_source_ranges, &view.lb_ips, node);
     let mut add = |addr: IpAddr, port: u16, kind: FrontendKind| {
-        let ranges = if kind == FrontendKind::LoadBalancer { lb_ranges.clone() } else { vec![] };
-        out.push((FrontendKey { addr, port, protocol }, frontend(external, kind, for_pods.clone(), ranges)));
+        let external = external.get_or_insert_with(|| {
+            if view.external_local {
+                frontend(&view.local_endpoints, kind, Some(backends(&view.cluster_endpoints)))
+            } else {
+                frontend(&view.cluster_endpoints, kind, None)
+            }
+        });
+        let source_ranges = if kind == FrontendKind::LoadBalancer { lb_ranges.clone() } else { vec![] };
+        out.push((FrontendKey { addr, port, protocol }, Frontend { kind, source_ranges, ..external.clone() }));
     };
     if let Some(np) = view.node_port {
         for a in node.nodeport_addresses.iter().filter(|a| Family::of(**a) == view.family) {

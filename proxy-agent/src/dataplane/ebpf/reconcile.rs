@@ -14,7 +14,7 @@ use crate::{
     model::{
         store::{Event, Kind, Store},
         translate::HealthCheck,
-        Frontend, FrontendKey, ObjectKey,
+        Frontend, FrontendKey, NodeInfo, ObjectKey,
     },
     sync::{PortState, SyncStats},
 };
@@ -118,8 +118,9 @@ impl<D: Dataplane> Reconciler<D> {
         }
         dirty.append(&mut self.retry);
         stats.services = dirty.len();
+        let node = self.store.node_info();
         for svc in dirty {
-            if self.sync_service(&svc, &mut stats) {
+            if self.sync_service(&svc, &node, &mut stats) {
                 stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
             }
         }
@@ -162,8 +163,8 @@ impl<D: Dataplane> Reconciler<D> {
     }
 
     /// Programs one Service; false when something failed and it will be retried.
-    fn sync_service(&mut self, svc: &ObjectKey, stats: &mut SyncStats) -> bool {
-        let translation = self.store.translate(svc);
+    fn sync_service(&mut self, svc: &ObjectKey, node: &NodeInfo, stats: &mut SyncStats) -> bool {
+        let translation = self.store.translate_on(svc, node);
         crate::model::store::log_notes(svc, &translation.notes);
         match translation.health_check {
             Some(h) => {
@@ -174,8 +175,7 @@ impl<D: Dataplane> Reconciler<D> {
             }
         }
         let mut failed = false;
-        let wanted: BTreeMap<FrontendKey, Frontend> =
-            super::frontends::render(&translation.ports, &self.store.node_info()).into_iter().collect();
+        let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::render(&translation.ports, node).into_iter().collect();
         for (key, fe) in &wanted {
             if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
                 if self.contenders.entry(*key).or_default().insert(svc.clone()) {

@@ -158,8 +158,9 @@ impl NetfilterProxier {
             return None;
         }
         let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
+        let node_info = self.store.node_info();
         for svc in &dirty.services {
-            let mut t = self.store.translate(svc);
+            let mut t = self.store.translate_on(svc, &node_info);
             crate::model::store::log_notes(svc, &t.notes);
             // Rules are written for the chosen endpoints only; the others (what the eBPF
             // dataplane keeps flows to) would only make a change that writes no rule look like
