@@ -99,6 +99,12 @@ pub fn update4(check: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
     (!fold(not16(check) + not32(old) + w32(new))).to_ne_bytes()
 }
 
+/// As `update4`, for an address of either family (one word for IPv4, four for IPv6).
+#[inline(always)]
+pub fn update_address<A: Words>(check: [u8; 2], old: A, new: A) -> [u8; 2] {
+    (!fold(not16(check) + old.not_sum() + new.sum())).to_ne_bytes()
+}
+
 /// As `update4`, for one 16-bit word (a port, or the TTL/protocol word).
 #[inline(always)]
 pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {

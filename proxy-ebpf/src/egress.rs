@@ -1,6 +1,6 @@
 //! TC egress of every attached interface, pod-facing and external: replies of translated flows
 //! leave towards their client with the service address as source, ICMP errors about those
-//! flows are rewritten so the client's socket recognises them, and what would leave for a free
+//! flows are rewritten so the client's socket recognises them (`icmp_nat`), and what would leave for a free
 //! address of a Service CIDR (or a host's ping to a cluster IP) is dropped (rejected).
 
 use aya_ebpf::programs::TcContext;
@@ -13,6 +13,7 @@ use crate::{
     ct,
     family::Family,
     frag, icmp, icmp6,
+    icmp_nat::{self, Direction},
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -49,7 +50,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         Parsed::Packet(p) => p,
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             if !icmp::is_query(ctx, l4_off) {
-                return icmp::translate_error(ctx, l4_off, saddr);
+                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Leaving);
             }
             // A host process's ping to a cluster IP (a pod's was answered where it entered):
             // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
@@ -87,7 +88,7 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             let kind = icmp6::kind(ctx, l4_off);
             if icmp6::is_error(kind) {
-                return icmp6::translate_error(ctx, l4_off, saddr);
+                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Leaving);
             }
             if !icmp6::is_echo_request(kind) {
                 return Ok(Verdict::pass(Reason::EgressPass));

@@ -12,6 +12,7 @@ use crate::{
     ct,
     family::Family,
     frag,
+    icmp_nat::{self, Direction},
     maps::{PROGS_V1, TRACE_V2},
     nat::{self, Side},
     north::{self, Env, Route, Step},
@@ -35,7 +36,8 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     let mut pkt = match parse::l3(ctx) {
         L3::V4(Parsed::Packet(p)) => p,
         L3::Other => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotIpv4))),
-        L3::V4(Parsed::Icmp { .. } | Parsed::OtherProto { .. }) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        L3::V4(Parsed::Icmp { l4_off, saddr, daddr, .. }) => return icmp_message(ctx, l4_off, saddr, daddr, dry),
+        L3::V4(Parsed::OtherProto { .. }) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         L3::V4(Parsed::Malformed) => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
         L3::V6 => {
             // SAFETY: plain helper call; on success it does not return.
@@ -60,7 +62,8 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
 pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     let mut pkt = match crate::parse6::ipv6(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::Icmp { .. } | Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
+        Parsed::Icmp { l4_off, saddr, daddr, .. } => return icmp_message(ctx, l4_off, saddr, daddr, env_of(ctx, None).dry),
+        Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
     };
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
@@ -87,6 +90,16 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
         step => step,
     };
     finish6(ctx, &env, &pkt, step)
+}
+
+/// An ICMP (ICMPv6) message from outside: an error about a translated flow is rewritten for
+/// the host it must reach (`icmp_nat`); the rest is the node's. (A trace sends no ICMP.)
+#[inline(always)]
+fn icmp_message<A: Family>(ctx: &TcContext, l4_off: usize, saddr: A, daddr: A, dry: bool) -> Outcome {
+    if dry {
+        return passed_unstaged(true);
+    }
+    Outcome::Counted(icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving))
 }
 
 /// The IPv6 north-south new-flow program: `north::new_flow` for the packet

@@ -30,7 +30,7 @@ pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
 pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
 
 /// An address family, implemented by its address type (network order bytes).
-pub trait Family: Copy + PartialEq + Sized + 'static {
+pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static {
     /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
     type FragId: Copy + Default;
     /// The family's flow does not fit one BPF stack frame (512 bytes): a new flow's stage runs
@@ -94,6 +94,9 @@ pub trait Family: Copy + PartialEq + Sized + 'static {
     /// The pseudo-header sum of a packet from `saddr` to `daddr` with `l4_len` bytes of L4.
     fn pseudo_header(saddr: Self, daddr: Self, proto: u8, l4_len: u16) -> [u8; 2];
 
+    /// The quote of the ICMP (ICMPv6) message at `l4_off`, if it is an error quoting a TCP or
+    /// UDP packet with its ports (`icmp_nat`).
+    fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>>;
     /// Answers the packet with the family's port unreachable, back where it came from.
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
 
@@ -224,6 +227,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         icmp::reject(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
+        icmp::read_quote(ctx, l4_off)
     }
 
     #[inline(always)]
@@ -389,6 +396,10 @@ impl Family for Ip6 {
     #[inline(always)]
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         crate::icmp6::reject(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
+        crate::icmp6::read_quote(ctx, l4_off)
     }
 
     #[inline(always)]

@@ -1,21 +1,18 @@
 //! ICMP: port unreachable for services without endpoints (what kube-proxy's REJECT rule sends,
-//! so clients fail at once with "connection refused" instead of timing out), and ICMP errors
-//! about translated flows rewritten on their way to the client, as nf_nat does for RELATED
-//! packets: a UDP client then sees ECONNREFUSED when the backend has no listener, and TCP path
-//! MTU discovery works through a service.
+//! so clients fail at once with "connection refused" instead of timing out), and the reading of
+//! ICMP errors' quotes, which `icmp_nat` translates.
 
 use aya_ebpf::{
-    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, BPF_F_MARK_MANGLED_0, TC_ACT_REDIRECT},
+    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, TC_ACT_REDIRECT},
     helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
 };
 use network_types::ip::Ipv4Hdr;
-use proxy_common::{csum, ct::flags, CtKey, Reason, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
+use proxy_common::{csum, Reason, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    maps::CT4_V2,
-    parse::{ptr_at, Packet, ETH_LEN, IP_OFF},
-    select::revnat_of,
+    icmp_nat::Quote,
+    parse::{ptr_at, Packet, ETH_LEN, IP_OFF, IP_OFFSET_MASK},
     verdict::Verdict,
 };
 
@@ -32,8 +29,6 @@ const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
-const IP_CSUM_OFF: usize = IP_OFF + 10;
-const IP_SRC_OFF: usize = IP_OFF + 12;
 
 /// A message buffer (see `maps::ICMP_SCRATCH`), with room for the checksum's rounding up to
 /// whole words, which the verifier bounds less tightly than the arithmetic does.
@@ -187,98 +182,42 @@ pub fn send_in_place<const IP_LEN: usize>(
     Ok(Verdict { action, reason })
 }
 
-/// Rewrites an ICMP error leaving towards a client about a packet that client sent to a service:
-/// the quoted packet went client -> backend, the client knows it as client -> service. The
-/// quoted destination (address, port, and the quoted checksums) becomes the service's, and when
-/// the backend itself sent the error, so does the outer source.
+/// The quote of the ICMP error at `l4_off` (destination unreachable, time exceeded, parameter
+/// problem), if it quotes a TCP or UDP packet, not a later fragment, with its ports within the
+/// message (bytes past the outer packet's total length are a trailer the ICMP checksum does not
+/// cover; the parser has checked that length against the frame).
 #[inline(always)]
-pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: [u8; 4]) -> Result<Verdict, Reason> {
-    let Some(hdr) = ptr_at::<[u8; 4]>(ctx, l4_off) else {
-        return Ok(Verdict::pass(Reason::PassMalformed));
-    };
+pub fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<Quote<[u8; 4]>> {
+    let hdr = ptr_at::<[u8; 4]>(ctx, l4_off)?;
     // SAFETY: bounds checked by ptr_at.
     let kind = unsafe { (*hdr)[0] };
     if kind != ICMP_DEST_UNREACH && kind != ICMP_TIME_EXCEEDED && kind != ICMP_PARAMETERPROB {
-        return Ok(Verdict::pass(Reason::EgressPass));
+        return None;
     }
     let inner_off = l4_off + ICMP_HDR_LEN;
-    let Some(inner) = ptr_at::<Ipv4Hdr>(ctx, inner_off) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
     // SAFETY: bounds checked by ptr_at; copied before any rewrite invalidates the pointer.
-    let inner = unsafe { *inner };
+    let inner = unsafe { *ptr_at::<Ipv4Hdr>(ctx, inner_off)? };
     let inner_ihl = usize::from(inner.vihl & 0x0f) * 4;
-    if inner_ihl < IP_HDR_LEN || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) {
-        return Ok(Verdict::pass(Reason::EgressPass));
+    let later_fragment = u16::from_be_bytes(inner.frags) & IP_OFFSET_MASK != 0;
+    if inner_ihl < IP_HDR_LEN || (inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP) || later_fragment {
+        return None;
     }
-    let inner_l4 = inner_off + inner_ihl;
-    // The quote must hold the inner header and 8 bytes of ports and checksum within the
-    // outer packet's total length (bytes past it are a trailer the ICMP checksum does not
-    // cover; the parser has checked that length against the frame).
-    let outer_len: [u8; 2] = ctx.load(IP_OFF + 2).map_err(|_| Reason::DropRewrite)?;
-    if inner_l4 + 8 > IP_OFF + usize::from(u16::from_be_bytes(outer_len)) {
-        return Ok(Verdict::pass(Reason::EgressPass));
+    let l4 = inner_off + inner_ihl;
+    let outer_len: [u8; 2] = ctx.load(IP_OFF + 2).ok()?;
+    if l4 + 8 > IP_OFF + usize::from(u16::from_be_bytes(outer_len)) {
+        return None;
     }
-    let Some(l4) = ptr_at::<[u8; 8]>(ctx, inner_l4) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
     // SAFETY: bounds checked by ptr_at.
-    let l4 = unsafe { *l4 };
-    let (sport, dport) = ([l4[0], l4[1]], [l4[2], l4[3]]);
-    let reply_key =
-        CtKey { saddr: inner.dst_addr, daddr: inner.src_addr, sport: dport, dport: sport, proto: inner.proto, _pad: 0, _pad2: 0 };
-    let Some(entry) = crate::value::copy(&CT4_V2, &reply_key) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    if entry.flags & flags::REPLY == 0 {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    }
-    let Some(rn) = revnat_of(&entry) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    let fail = |_| Reason::DropRewrite;
-    let icmp_csum = l4_off + 2;
-    let word4 = |b: [u8; 4]| u64::from(u32::from_ne_bytes(b));
-    let word2 = |b: [u8; 2]| u64::from(u16::from_ne_bytes(b));
-
-    // Quoted destination address, and the quoted IP header checksum that covers it. Every
-    // quoted byte that changes is also folded into the ICMP checksum.
-    ctx.store(inner_off + 16, &rn.addr, 0).map_err(fail)?;
-    ctx.l4_csum_replace(icmp_csum, word4(inner.dst_addr), word4(rn.addr), 4).map_err(fail)?;
-    ctx.l3_csum_replace(inner_off + 10, word4(inner.dst_addr), word4(rn.addr), 4).map_err(fail)?;
-    let new_check: [u8; 2] = ctx.load(inner_off + 10).map_err(fail)?;
-    ctx.l4_csum_replace(icmp_csum, word2(inner.check), word2(new_check), 2).map_err(fail)?;
-
-    // Quoted destination port.
-    ctx.store(inner_l4 + 2, &rn.port, 0).map_err(fail)?;
-    ctx.l4_csum_replace(icmp_csum, word2(dport), word2(rn.port), 2).map_err(fail)?;
-
-    // Quoted source port, when the flow's client port was moved (`PORT_NAT`).
-    let moved = entry.flags & flags::PORT_NAT != 0;
-    if moved {
-        ctx.store(inner_l4, &entry.snat_port, 0).map_err(fail)?;
-        ctx.l4_csum_replace(icmp_csum, word2(sport), word2(entry.snat_port), 2).map_err(fail)?;
-    }
-
-    // The quoted UDP checksum (inside the 8 quoted bytes; TCP's is not) follows the new
-    // destination, as nf_nat keeps it.
-    if inner.proto == IPPROTO_UDP && (l4[6] != 0 || l4[7] != 0) {
-        let mangled = u64::from(BPF_F_MARK_MANGLED_0);
-        let udp_csum = inner_l4 + 6;
-        ctx.l4_csum_replace(udp_csum, word4(inner.dst_addr), word4(rn.addr), mangled | 4).map_err(fail)?;
-        ctx.l4_csum_replace(udp_csum, word2(dport), word2(rn.port), mangled | 2).map_err(fail)?;
-        if moved {
-            ctx.l4_csum_replace(udp_csum, word2(sport), word2(entry.snat_port), mangled | 2).map_err(fail)?;
-        }
-        let new_udp: [u8; 2] = ctx.load(udp_csum).map_err(fail)?;
-        ctx.l4_csum_replace(icmp_csum, word2([l4[6], l4[7]]), word2(new_udp), 2).map_err(fail)?;
-    }
-
-    // Sent by the backend itself: it must appear to come from the service. ICMP has no
-    // pseudo-header, so only the IP header checksum changes.
-    if outer_saddr == inner.dst_addr {
-        ctx.store(IP_SRC_OFF, &rn.addr, 0).map_err(fail)?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, word4(outer_saddr), word4(rn.addr), 4).map_err(fail)?;
-    }
-    Ok(Verdict::pass(Reason::IcmpErrorNat))
+    let h = unsafe { *ptr_at::<[u8; 8]>(ctx, l4)? };
+    Some(Quote {
+        icmp_csum: l4_off + 2,
+        ip: inner_off,
+        l4,
+        proto: inner.proto,
+        saddr: inner.src_addr,
+        daddr: inner.dst_addr,
+        sport: [h[0], h[1]],
+        dport: [h[2], h[3]],
+        udp_check: [h[6], h[7]],
+    })
 }

@@ -1,24 +1,17 @@
 //! ICMPv6 port unreachable for IPv6 Services without endpoints (what kube-proxy's ip6tables
-//! REJECT sends: type 1, code 4), built in place of the packet as `icmp` does for IPv4; and
-//! ICMPv6 errors about translated flows rewritten on their way to the client, as nf_nat does
-//! for RELATED packets. Packet Too Big matters most: routers do not fragment IPv6, so a PTB the
-//! client cannot match to its connection (it names the backend, which the client never
-//! talked to) stalls the connection for good instead of lowering its path MTU.
+//! REJECT sends: type 1, code 4), built in place of the packet as `icmp` does for IPv4; and the
+//! reading of ICMPv6 errors' quotes, which `icmp_nat` translates.
 
-use aya_ebpf::{
-    bindings::{BPF_F_INGRESS, BPF_F_MARK_MANGLED_0},
-    helpers::bpf_csum_diff,
-    programs::TcContext,
-};
-use proxy_common::{csum, ct::flags, CtKey, Ip6, Reason, IPPROTO_TCP, IPPROTO_UDP};
+use aya_ebpf::{bindings::BPF_F_INGRESS, programs::TcContext};
+use proxy_common::{csum, Ip6, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
     access,
     family::Family,
     icmp::{self, ICMP_HDR_LEN},
+    icmp_nat::Quote,
     parse::{ptr_at, Packet, IP_OFF},
     parse6::IPPROTO_ICMPV6,
-    select::revnat_of,
     verdict::Verdict,
 };
 
@@ -82,19 +75,6 @@ pub fn is_error(kind: Option<u8>) -> bool {
     kind.is_some_and(|k| ICMPV6_ERRORS.contains(&k))
 }
 
-/// The checksum update for address `old` becoming `new` under the checksum at `csum_off`
-/// (`flags`: the helper's, without a size: the update is a difference).
-#[inline(always)]
-fn fold_address(ctx: &TcContext, csum_off: usize, old: Ip6, new: Ip6, flags: u64) -> Result<(), Reason> {
-    let (mut old, mut new) = (old.0, new.0);
-    // SAFETY: two 16-byte stack buffers, sizes multiples of 4.
-    let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
-    if diff < 0 {
-        return Err(Reason::DropRewrite);
-    }
-    ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)
-}
-
 /// The upper-layer protocol (TCP or UDP) of a quoted packet whose first header after the IPv6
 /// one is `next` at `off`, and that header's offset: past Hop-by-Hop, Routing, Destination
 /// Options and AH headers, and a Fragment header of a first fragment (a later one quotes no
@@ -127,27 +107,23 @@ fn quoted_upper_layer(ctx: &TcContext, mut off: usize, mut next: u8) -> Option<(
     (next == IPPROTO_TCP || next == IPPROTO_UDP).then_some((next, off))
 }
 
-/// Rewrites an ICMPv6 error (destination unreachable, packet too big, time exceeded, parameter
-/// problem) leaving towards a client about a packet that client sent to a Service: the quoted
-/// packet went client -> backend, the client knows it as client -> Service. The quoted
-/// destination (address, port, the quoted UDP checksum) becomes the Service's, the quoted
-/// source port the client's own where the flow moved it, and when the backend itself sent the
-/// error, so does the outer source; the ICMPv6 checksum (which covers the pseudo-header and
-/// the quote) follows every change. Extension headers in the quote are walked to its
-/// upper-layer header (a Packet Too Big about a fragmented UDP datagram quotes its first
-/// fragment, Fragment header and all); a quote of a later fragment carries no ports and is
-/// passed as it is.
+/// The quote of the ICMPv6 error at `l4_off` (destination unreachable, packet too big, time
+/// exceeded, parameter problem), if it quotes a TCP or UDP packet with its ports within the
+/// message (bytes past the outer payload length are not the message's: the ICMPv6 checksum
+/// does not cover them). Extension headers in the quote are walked to its upper-layer header (a
+/// Packet Too Big about a fragmented UDP datagram quotes its first fragment, Fragment header
+/// and all); a quote of a later fragment carries no ports.
 #[inline(always)]
-pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Result<Verdict, Reason> {
+pub fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<Quote<Ip6>> {
     let l4_off = Ip6::bound_offset(l4_off);
+    if !is_error(kind(ctx, l4_off)) {
+        return None;
+    }
     let inner_off = l4_off + ICMP_HDR_LEN;
     // The quoted IPv6 header.
-    let Some(inner) = ptr_at::<[u8; 40]>(ctx, inner_off) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    let inner = inner as usize;
+    let inner = ptr_at::<[u8; 40]>(ctx, inner_off)? as usize;
     // SAFETY: bounds checked by ptr_at (40 bytes), for every read below.
-    let (first_next, src, dst) = unsafe {
+    let (first_next, saddr, daddr) = unsafe {
         (
             *((inner + 6) as *const u8),
             Ip6([
@@ -164,65 +140,21 @@ pub fn translate_error(ctx: &TcContext, l4_off: usize, outer_saddr: Ip6) -> Resu
             ]),
         )
     };
-    let Some((next, l4)) = quoted_upper_layer(ctx, inner_off + 40, first_next) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    // The quote, up to the upper-layer header's first 8 bytes (ports; UDP's checksum), must lie
-    // within the outer packet's payload (bytes past it are not the message's: the ICMPv6
-    // checksum does not cover them).
-    let payload_len: [u8; 2] = ctx.load(IP_OFF + 4).map_err(|_| Reason::DropRewrite)?;
+    let (proto, l4) = quoted_upper_layer(ctx, inner_off + 40, first_next)?;
+    let payload_len: [u8; 2] = ctx.load(IP_OFF + 4).ok()?;
     if l4 + 8 > IP_OFF + 40 + usize::from(u16::from_be_bytes(payload_len)) {
-        return Ok(Verdict::pass(Reason::EgressPass));
+        return None;
     }
-    let head: [u8; 8] = ctx.load(l4).map_err(|_| Reason::DropRewrite)?;
-    let (sport, dport, udp_check) = ([head[0], head[1]], [head[2], head[3]], [head[6], head[7]]);
-    let reply_key = CtKey { saddr: dst, daddr: src, sport: dport, dport: sport, proto: next, _pad: 0, _pad2: 0 };
-    let Some(e) = crate::value::Slot::of(Ip6::ct(), &reply_key) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    // Read field by field (not copied whole: the stack is short).
-    let (entry_flags, snat_port) = e.read(|e| (e.flags, e.snat_port));
-    if entry_flags & flags::REPLY == 0 {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    }
-    let Some(rn) = e.read(revnat_of) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
-    };
-    let fail = |_| Reason::DropRewrite;
-    let icmp_csum = l4_off + 2;
-    let word2 = |b: [u8; 2]| u64::from(u16::from_ne_bytes(b));
-
-    // Quoted destination address: every quoted byte that changes is folded into the ICMPv6
-    // checksum as a change of the message (not of the pseudo-header).
-    ctx.store(inner_off + 24, &rn.addr, 0).map_err(fail)?;
-    fold_address(ctx, icmp_csum, dst, rn.addr, 0)?;
-    // Quoted destination port.
-    ctx.store(l4 + 2, &rn.port, 0).map_err(fail)?;
-    ctx.l4_csum_replace(icmp_csum, word2(dport), word2(rn.port), 2).map_err(fail)?;
-    // Quoted source port, when the flow's client port was moved (`PORT_NAT`).
-    let moved = entry_flags & flags::PORT_NAT != 0;
-    if moved {
-        ctx.store(l4, &snat_port, 0).map_err(fail)?;
-        ctx.l4_csum_replace(icmp_csum, word2(sport), word2(snat_port), 2).map_err(fail)?;
-    }
-    // The quoted UDP checksum (inside the 8 quoted bytes; TCP's is not) follows the new
-    // destination, as nf_nat keeps it.
-    if next == IPPROTO_UDP && udp_check != [0; 2] {
-        let mangled = u64::from(BPF_F_MARK_MANGLED_0);
-        let udp_csum = l4 + 6;
-        fold_address(ctx, udp_csum, dst, rn.addr, mangled)?;
-        ctx.l4_csum_replace(udp_csum, word2(dport), word2(rn.port), mangled | 2).map_err(fail)?;
-        if moved {
-            ctx.l4_csum_replace(udp_csum, word2(sport), word2(snat_port), mangled | 2).map_err(fail)?;
-        }
-        let new_udp: [u8; 2] = ctx.load(udp_csum).map_err(fail)?;
-        ctx.l4_csum_replace(icmp_csum, word2(udp_check), word2(new_udp), 2).map_err(fail)?;
-    }
-    // Sent by the backend itself: it must appear to come from the Service. The outer source is
-    // in the ICMPv6 pseudo-header.
-    if outer_saddr == dst {
-        Ip6::store_address(ctx, Ip6::SRC_OFF, outer_saddr, rn.addr)?;
-        Ip6::l4_address_helper(ctx, icmp_csum, 0, outer_saddr, rn.addr)?;
-    }
-    Ok(Verdict::pass(Reason::IcmpErrorNat))
+    let h: [u8; 8] = ctx.load(l4).ok()?;
+    Some(Quote {
+        icmp_csum: l4_off + 2,
+        ip: inner_off,
+        l4,
+        proto,
+        saddr,
+        daddr,
+        sport: [h[0], h[1]],
+        dport: [h[2], h[3]],
+        udp_check: [h[6], h[7]],
+    })
 }

@@ -11,6 +11,7 @@ mod family;
 mod frag;
 mod icmp;
 mod icmp6;
+mod icmp_nat;
 mod maps;
 mod nat;
 mod north;

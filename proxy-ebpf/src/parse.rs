@@ -22,7 +22,7 @@ const HEADERS_MAX: u32 = (ETH_LEN + 60 + size_of::<TcpHdr>()) as u32;
 pub const HEADERS6_MAX: u32 = (ETH_LEN + 40 + crate::parse6::EXT_MAX + size_of::<TcpHdr>()) as u32;
 
 const IP_MF: u16 = 0x2000;
-const IP_OFFSET_MASK: u16 = 0x1fff;
+pub const IP_OFFSET_MASK: u16 = 0x1fff;
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;

@@ -12,6 +12,7 @@ use crate::{
     ct,
     family::Family,
     frag, icmp, icmp6,
+    icmp_nat::{self, Direction},
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -25,7 +26,7 @@ use crate::{
 pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
     match parse::l3(ctx) {
         L3::V4(Parsed::Packet(p)) => flow(ctx, p),
-        L3::V4(Parsed::Icmp { l4_off, saddr, daddr, tot_len }) => icmp_query(ctx, l4_off, saddr, daddr, tot_len),
+        L3::V4(Parsed::Icmp { l4_off, saddr, daddr, tot_len }) => icmp_message(ctx, l4_off, saddr, daddr, tot_len),
         L3::V4(Parsed::OtherProto { .. }) => Ok(Verdict::pass(Reason::PassNotService)),
         L3::V4(Parsed::Malformed) => Ok(Verdict::pass(Reason::PassMalformed)),
         L3::V6 => {
@@ -38,14 +39,18 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
 }
 
 /// An IPv6 packet from a pod (a program of its own, see `map_names::PROGS`). Of ICMPv6 (neighbour
-/// discovery among it), only a ping to a cluster IP is a Service's business: it is rejected
-/// as IPv4's is.
+/// discovery among it), only an error about a translated flow and a ping to a cluster IP are a
+/// Service's business, handled as IPv4's are.
 #[inline(always)]
 pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match parse6::ipv6(ctx) {
         Parsed::Packet(p) => flow(ctx, p),
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
-            if !icmp6::is_echo_request(icmp6::kind(ctx, l4_off)) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+            let kind = icmp6::kind(ctx, l4_off);
+            if icmp6::is_error(kind) {
+                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving);
+            }
+            if !icmp6::is_echo_request(kind) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
                 return Ok(Verdict::pass(Reason::PassNotService));
             }
             let query = icmp::query_packet(l4_off, parse6::IPPROTO_ICMPV6, saddr, daddr, tot_len);
@@ -124,12 +129,16 @@ fn to_service<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Rea
     }
 }
 
-/// An ICMP message from a pod: a query (a ping) to an allocated cluster IP is rejected, as
+/// An ICMP message from a pod: an error about a reply it received from a Service goes to the
+/// backend (`icmp_nat`); a query (a ping) to an allocated cluster IP is rejected, as
 /// kube-proxy's `cluster-ips-check` rejects every new flow to a cluster IP that no Service
 /// port takes; anything else is no Service's.
 #[inline(always)]
-fn icmp_query(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Result<Verdict, Reason> {
-    if !icmp::is_query(ctx, l4_off) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Result<Verdict, Reason> {
+    if !icmp::is_query(ctx, l4_off) {
+        return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving);
+    }
+    if select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
     icmp::reject(ctx, &icmp::query_packet(l4_off, proxy_common::IPPROTO_ICMP, saddr, daddr, tot_len), Reason::RejectClusterIpPort)

@@ -205,6 +205,78 @@ fn a_local_backend_is_only_dnatted_and_keeps_the_client_address() {
     assert_eq!(counters(&mut n.dp).get("ext_new_local"), Some(&1));
 }
 
+/// An ICMP error from `from` to `to`, quoting `about` (a frame).
+fn icmp_error(from: Ipv4Addr, to: Ipv4Addr, code: u8, about: &[u8]) -> Vec<u8> {
+    let mut body = vec![3, code, 0, 0, 0, 0, 0x05, 0x00];
+    body.extend_from_slice(&about[14..]);
+    let c = proxy_tests::packet::internet_checksum(&body);
+    body[2..4].copy_from_slice(&c.to_be_bytes());
+    Ipv4::new(from, to, ICMP, body).frame()
+}
+
+/// What an ICMP error frame quotes, dissected, after its outer header is checked.
+fn quote_of(out: &testrun::Output) -> (proxy_tests::packet::Dissected, proxy_tests::packet::Dissected) {
+    assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+    let d = dissect(&out.frame);
+    assert!(d.ip_checksum_ok, "outer IP checksum");
+    let icmp = d.icmp.clone().expect("still ICMP");
+    assert!(icmp.checksum_ok, "ICMP checksum");
+    assert_eq!(&out.frame[14 + 20 + 4..14 + 20 + 8], &[0, 0, 5, 0], "the next-hop MTU is kept");
+    let mut inner = vec![0u8; 12];
+    inner.extend_from_slice(&[0x08, 0x00]);
+    inner.extend_from_slice(&icmp.body);
+    let q = dissect(&inner);
+    assert!(q.ip_checksum_ok, "quoted IP checksum");
+    (d, q)
+}
+
+/// ICMP errors from outside about north-south flows reach the host that must act on them, as
+/// nf_nat sends them. A router's fragmentation needed about a reply to the client, addressed
+/// to the node's NodePort address, goes to the backend, local or remote, quoting the reply as
+/// the backend sent it (to the client, or to the node's SNAT address and port); without it the
+/// backend's large replies are lost for good. One about a packet the node forwarded to a remote
+/// backend, addressed to the node's SNAT address, goes to the client, quoting what it sent.
+#[test]
+fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
+    let Some(mut n) = node("icmp_errors_about_north_south_flows_reach_the_backend_or_the_client") else { return };
+    let node_ip: Ipv4Addr = NODE_IP.parse().unwrap();
+    let router: Ipv4Addr = ROUTER.parse().unwrap();
+    let (client, node_port) = (sock(CLIENT), sock(NODE_PORT));
+
+    // A local backend: the reply left by TC egress as the NodePort.
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(LOCAL, true)])).unwrap();
+    run_ext(&mut n.dp, &tcp_frame(client, node_port, SYN), n.ifindex);
+    let reply = run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), client, SYN | ACK)).frame;
+    assert_eq!(dissect(&reply).src_sock(), node_port);
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &reply), n.ifindex));
+    assert_eq!((d.src, d.dst), (router, *sock(LOCAL).ip()), "to the local backend, from the router");
+    assert_eq!((q.src_sock(), q.dst_sock()), (sock(LOCAL), client), "quoting the reply as the backend sent it");
+
+    // A remote backend, through SNAT.
+    let client2 = sock("198.51.100.8:40001");
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(client2, node_port, SYN), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let forwarded = out.frame;
+    let snat = SocketAddrV4::new(node_ip, dissect(&forwarded).sport.unwrap());
+    let reply = run_ext(&mut n.dp, &tcp_frame(sock(REMOTE), snat, SYN | ACK), n.ifindex).frame;
+    assert_eq!((dissect(&reply).src_sock(), dissect(&reply).dst_sock()), (node_port, client2));
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &reply), n.ifindex));
+    assert_eq!((d.src, d.dst), (router, *sock(REMOTE).ip()), "to the remote backend");
+    assert_eq!((q.src_sock(), q.dst_sock()), (sock(REMOTE), snat), "quoting the reply as sent to the SNAT address and port");
+    // From the backend's side, about the forwarded packet: to the client, naming the NodePort.
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &forwarded), n.ifindex));
+    assert_eq!((d.src, d.dst), (router, *client2.ip()), "to the client");
+    assert_eq!((q.src_sock(), q.dst_sock()), (client2, node_port), "quoting what the client sent");
+
+    // XDP leaves ICMP to TC; an error about no flow of ours is the node's.
+    let err = icmp_error(router, node_ip, 4, &reply);
+    assert_eq!(run_xdp(&mut n.dp, &err, n.ifindex).action, XDP_PASS);
+    let own = icmp_error(router, node_ip, 4, &tcp_frame(SocketAddrV4::new(node_ip, 22), client, ACK));
+    assert_eq!(run_ext(&mut n.dp, &own, n.ifindex).frame, own, "about the node's own SSH connection");
+    assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&3));
+}
+
 #[test]
 fn without_endpoints_the_client_is_refused_or_with_only_remote_ones_under_local_policy_dropped() {
     let Some(mut n) = node("without_endpoints_the_client_is_refused_or_with_only_remote_ones_under_local_policy_dropped") else {

@@ -13,7 +13,7 @@ use proxy_common::{xdp_dev, CtEntry, CtKey, Ip6};
 use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{ACK, SYN, TCP},
-    packet6::{dissect, tcp_frame, ICMPV6},
+    packet6::{self, dissect, tcp_frame, Ipv6, ICMPV6},
     require,
     testrun::{self, counters, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS, XDP_TX},
 };
@@ -151,6 +151,58 @@ fn an_ipv6_local_backend_is_only_dnatted_and_keeps_the_client_address() {
     assert_eq!(d.src_sock(), sock(NODE_PORT));
     assert_eq!(d.l4_checksum_ok, Some(true));
     assert_eq!(counters(&mut n.dp).get("ext_new_local"), Some(&1));
+}
+
+/// A Packet Too Big from `from` to `to` (MTU 1280), quoting `about` (a frame).
+fn packet_too_big(from: std::net::Ipv6Addr, to: std::net::Ipv6Addr, about: &[u8]) -> Vec<u8> {
+    let quote = &about[14..about.len().min(14 + 1280 - 48)];
+    Ipv6::new(from, to, ICMPV6, packet6::icmpv6_message(from, to, 2, 0, 1280u32.to_be_bytes(), quote)).frame()
+}
+
+/// The outer addresses of a translated Packet Too Big, and its quote's sockets.
+fn ptb_of(out: &testrun::Output) -> ((std::net::Ipv6Addr, std::net::Ipv6Addr), (SocketAddrV6, SocketAddrV6)) {
+    assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+    // `dissect` checks the ICMPv6 checksum over the new pseudo-header.
+    let d = dissect(&out.frame);
+    let (kind, _, body) = d.icmp.expect("still ICMPv6");
+    assert_eq!((kind, &out.frame[14 + 44..14 + 48]), (2, &1280u32.to_be_bytes()[..]), "a Packet Too Big, its MTU kept");
+    let ip6 = |b: &[u8]| std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap());
+    let port = |b: &[u8]| u16::from_be_bytes([b[0], b[1]]);
+    let (src, dst) = (ip6(&body[8..24]), ip6(&body[24..40]));
+    ((d.src, d.dst), (SocketAddrV6::new(src, port(&body[40..]), 0, 0), SocketAddrV6::new(dst, port(&body[42..]), 0, 0)))
+}
+
+/// Packet Too Big from outside about IPv6 north-south flows reaches the host that must lower
+/// its path MTU, as IPv4's errors do: about a reply to the client, the backend (local, or
+/// remote through SNAT); about a packet forwarded to a remote backend, the client.
+#[test]
+fn ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client() {
+    let Some(mut n) = node("ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client") else { return };
+    let node_ip: std::net::Ipv6Addr = NODE_IP.parse().unwrap();
+    let router: std::net::Ipv6Addr = "fd00:50::2".parse().unwrap();
+    let (client, np) = (sock(CLIENT), sock(NODE_PORT));
+
+    node_port(&mut n, vec![backend(LOCAL, true)]);
+    run_ext(&mut n.dp, &tcp_frame(client, np, SYN), n.ifindex);
+    let reply = run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), client, SYN | ACK)).frame;
+    assert_eq!(dissect(&reply).src_sock(), np);
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex));
+    assert_eq!(outer, (router, *sock(LOCAL).ip()), "to the local backend");
+    assert_eq!(quote, (sock(LOCAL), client), "quoting the reply as the backend sent it");
+
+    let client2 = sock("[2001:db8:100::8]:40001");
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    let forwarded = run_ext(&mut n.dp, &tcp_frame(client2, np, SYN), n.ifindex).frame;
+    let snat = SocketAddrV6::new(node_ip, dissect(&forwarded).sport.unwrap(), 0, 0);
+    let reply = run_ext(&mut n.dp, &tcp_frame(sock(REMOTE), snat, SYN | ACK), n.ifindex).frame;
+    assert_eq!(dissect(&reply).dst_sock(), client2);
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex));
+    assert_eq!(outer, (router, *sock(REMOTE).ip()), "to the remote backend");
+    assert_eq!(quote, (sock(REMOTE), snat), "quoting the reply as sent to the SNAT address and port");
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &forwarded), n.ifindex));
+    assert_eq!(outer, (router, *client2.ip()), "to the client");
+    assert_eq!(quote, (client2, np), "quoting what the client sent");
+    assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&3));
 }
 
 #[test]

@@ -315,6 +315,69 @@ fn icmp_errors_about_translated_flows_name_the_service() {
     assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&2));
 }
 
+/// The packet an ICMP error quotes, dissected (checksums checked as far as the quote holds).
+fn quoted(icmp: &packet::Icmp) -> packet::Dissected {
+    let mut frame = vec![0u8; 12];
+    frame.extend_from_slice(&[0x08, 0x00]);
+    frame.extend_from_slice(&icmp.body);
+    dissect(&frame)
+}
+
+/// ICMP errors about a Service's replies, arriving from the client's side, reach the backend as
+/// nf_nat sends them: addressed to the backend, quoting the reply as the backend sent it. The
+/// client's own port unreachable (its UDP socket closed) and a router's fragmentation needed
+/// (the backend must lower its path MTU, or its large replies are lost for good) alike.
+#[test]
+fn icmp_errors_about_a_services_replies_reach_the_backend() {
+    let Some(mut dp) = setup("icmp_errors_about_a_services_replies_reach_the_backend") else { return };
+    let (client, vip, backend) = (sock(CLIENT), sock("10.96.0.53:53"), sock("10.244.1.9:5353"));
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    run(&mut dp, &udp_frame(client, vip, b"query"));
+    let reply = run_egress(&mut dp, &udp_frame(backend, client, b"an answer the client no longer waits for")).frame;
+    assert_eq!(dissect(&reply).src_sock(), vip, "the reply as the client received it");
+    let router = Ipv4Addr::new(10, 244, 255, 1);
+
+    for (from, code) in [(*client.ip(), 3), (router, 4)] {
+        let err = icmp_error(from, *vip.ip(), 3, code, &reply[14..]);
+        let out = run(&mut dp, &err);
+        assert_eq!(out.action, TC_ACT_OK, "on through the stack, to the backend");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src, d.dst), (from, *backend.ip()), "code {code}: to the backend, from whoever sent it");
+        assert!(d.ip_checksum_ok, "outer IP checksum");
+        let icmp = d.icmp.expect("still ICMP");
+        assert_eq!((icmp.kind, icmp.code, icmp.checksum_ok), (3, code, true), "type, code and ICMP checksum");
+        let inner = quoted(&icmp);
+        assert_eq!((inner.src_sock(), inner.dst_sock()), (backend, client), "the quote shows the reply as the backend sent it");
+        assert!(inner.ip_checksum_ok, "quoted IP checksum");
+        assert_eq!(inner.l4_checksum_ok, Some(true), "quoted UDP checksum");
+    }
+
+    // The same client port to a second Service of the same backend: the flow's client port is
+    // moved, and an error about its reply quotes the moved port the backend knows.
+    let vip2 = sock("10.96.0.54:53");
+    program(&mut dp, "10.96.0.54:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let moved = dissect(&run(&mut dp, &udp_frame(client, vip2, b"query")).frame).sport.unwrap();
+    assert_ne!(moved, client.port(), "the client port was moved");
+    let reply2 = run_egress(&mut dp, &udp_frame(backend, SocketAddrV4::new(*client.ip(), moved), b"answer")).frame;
+    assert_eq!((dissect(&reply2).src_sock(), dissect(&reply2).dst_sock()), (vip2, client));
+    let out = run(&mut dp, &icmp_error(*client.ip(), *vip2.ip(), 3, 3, &reply2[14..]));
+    let d = dissect(&out.frame);
+    assert_eq!(d.dst, *backend.ip());
+    let inner = quoted(&d.icmp.unwrap());
+    assert_eq!((inner.src_sock(), inner.dst_sock()), (backend, SocketAddrV4::new(*client.ip(), moved)));
+
+    // Not addressed to the Service the quote names, or about no flow: untouched.
+    let stray = icmp_error(router, Ipv4Addr::new(10, 244, 0, 99), 3, 4, &reply[14..]);
+    assert_eq!(run(&mut dp, &stray).frame, stray, "an error addressed elsewhere");
+    let unknown = udp_frame(sock("10.96.0.77:53"), client, b"x");
+    let stray = icmp_error(router, Ipv4Addr::new(10, 96, 0, 77), 3, 4, &unknown[14..]);
+    assert_eq!(run(&mut dp, &stray).frame, stray, "an error about no flow");
+    // And a ping still passes as it is.
+    let ping = packet::icmp_echo_frame(*client.ip(), *backend.ip());
+    assert_eq!(run(&mut dp, &ping).frame, ping);
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&3));
+}
+
 fn assert_port_unreachable(input: &[u8], out: &testrun::Output, vip: SocketAddrV4, client: SocketAddrV4) {
     assert_eq!(out.action, TC_ACT_REDIRECT, "the reply must be sent back out the interface it came in on");
     let d = dissect(&out.frame);

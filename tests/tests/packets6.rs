@@ -513,6 +513,47 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
     assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&7));
 }
 
+/// ICMPv6 errors about a Service's replies, arriving from the client's side, reach the backend
+/// as nf_nat sends them: addressed to the backend, quoting the reply as the backend sent it, the
+/// ICMPv6 checksum (whose pseudo-header holds the new destination) made right. A router's
+/// Packet Too Big most of all: routers do not fragment IPv6, so without it a backend's large
+/// replies are lost for good and the connection stalls.
+#[test]
+fn icmpv6_errors_about_a_services_replies_reach_the_backend() {
+    let Some(mut dp) = setup("icmpv6_errors_about_a_services_replies_reach_the_backend") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    let router: std::net::Ipv6Addr = "fd00:10:1::1".parse().unwrap();
+    let syn = run(&mut dp, &tcp_frame(client, vip, SYN)).frame;
+    assert_eq!(dissect(&syn).dst_sock(), backend);
+    // A large reply, as the client's side of the path sees it.
+    let reply = Ipv6::new(*backend.ip(), *client.ip(), TCP, tcp_segment(backend, client, ACK, &[3; 1400])).frame();
+    let reply = run_egress(&mut dp, &reply).frame;
+    assert_eq!((dissect(&reply).src_sock(), dissect(&reply).dst_sock()), (vip, client));
+    let error = |from: std::net::Ipv6Addr, kind: u8, code: u8, rest: [u8; 4]| {
+        let quote = &reply[14..reply.len().min(14 + 1280 - 48)];
+        Ipv6::new(from, *vip.ip(), ICMPV6, packet6::icmpv6_message(from, *vip.ip(), kind, code, rest, quote)).frame()
+    };
+    let ip6 = |b: &[u8]| std::net::Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap());
+    for (from, kind, code, rest) in [(router, 2, 0, 1280u32.to_be_bytes()), (*client.ip(), 1, 4, [0; 4])] {
+        let out = run(&mut dp, &error(from, kind, code, rest));
+        assert_eq!(out.action, TC_ACT_OK, "on through the stack, to the backend");
+        // `dissect` checks the ICMPv6 checksum over the new pseudo-header.
+        let d = dissect(&out.frame);
+        assert_eq!((d.src, d.dst), (from, *backend.ip()), "type {kind}: to the backend, from whoever sent it");
+        let (k, c, body) = d.icmp.expect("still ICMPv6");
+        assert_eq!((k, c), (kind, code));
+        assert_eq!(out.frame[14 + 40 + 4..14 + 40 + 8], rest, "the MTU is kept");
+        assert_eq!((ip6(&body[8..24]), ip6(&body[24..40])), (*backend.ip(), *client.ip()), "the quote is the reply as sent");
+        assert_eq!(&body[40..44], &[&backend.port().to_be_bytes()[..], &client.port().to_be_bytes()[..]].concat()[..], "and its ports");
+    }
+    // An error addressed elsewhere than the Service it quotes: untouched.
+    let mut stray = error(router, 2, 0, 1280u32.to_be_bytes());
+    stray[14 + 24 + 15] ^= 1;
+    assert_eq!(run(&mut dp, &stray).frame, stray, "an error addressed elsewhere");
+    assert_eq!(counters(&mut dp).get("icmp_error_nat"), Some(&2));
+}
+
 /// A ping to an IPv6 cluster IP is answered with port unreachable from the cluster IP, from a
 /// pod (where it enters) and from the node (as it leaves), as IPv4's; a ping to a free address
 /// of the Service CIDR is dropped as it leaves; neighbour discovery is no Service's business.

@@ -24,6 +24,8 @@ mod frag;
 mod icmp;
 #[path = "../icmp6.rs"]
 mod icmp6;
+#[path = "../icmp_nat.rs"]
+mod icmp_nat;
 #[path = "../maps.rs"]
 mod maps;
 #[path = "../nat.rs"]
