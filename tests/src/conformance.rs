@@ -782,6 +782,7 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("maglev_agreement", maglev_agreement),
     ("service_cidrs_drop_free_addresses_and_reject_unserved_ports", service_cidrs_drop_free_addresses_and_reject_unserved_ports),
     ("ipv6_services", ipv6_services),
+    ("path_mtu_discovery_through_a_service", path_mtu_discovery_through_a_service),
 ];
 
 /// Connects from `ns` to `to` and reads the name the server answers with.
@@ -966,4 +967,94 @@ fn host_processes_reach_ipv6_services(lab: &Lab, all: &BTreeSet<String>) {
     // IPv4-mapped addresses still reach the IPv4 Services beside the IPv6 ones.
     let out = lab.host_ask("tcp", "[::ffff:10.96.0.50]:80");
     assert!(out.starts_with("ok ") && out.ends_with(" [::ffff:10.96.0.50]:80"), "an IPv4-mapped address: {out}");
+}
+
+/// Path MTU discovery through a Service, in both families: a client behind a router whose
+/// next link has a smaller MTU (1280) than the backend's (1500) downloads from a Service. The
+/// backend's full-sized replies cannot cross that link; the router answers each with
+/// fragmentation needed (ICMPv6 packet too big), addressed to the Service address the replies
+/// carry. Only when the proxy hands that error to the backend, quoting the reply as the
+/// backend sent it, does the backend lower its path MTU; otherwise the download stalls for
+/// good (routers fragment neither IPv6 nor IPv4 with DF set, and Linux probes for black holes
+/// only when asked to). kube-proxy's modes get this from conntrack, which NATs ICMP errors
+/// RELATED to a connection.
+///
+/// Lab versus node: the router is a pod here (the client pod with forwarding on and a second
+/// link to the client's namespace, inside the cluster CIDR), so the error arrives on a pod
+/// interface; on a node, an outside client's router sends it in by the uplink, which
+/// `tests/north.rs` and `north6.rs` cover packet by packet.
+pub fn path_mtu_discovery_through_a_service(agent: &Path, mode: ProxyMode) {
+    use std::io::Read as _;
+    let mut lab = Lab::new(agent, 1);
+    lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
+    lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
+    lab.node.ip(&["-6", "route", "add", "default", "via", "fd00:250::fe", "dev", "uplink0"]);
+    let router_v6 = std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 2);
+    let backend_v6 = std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0x101);
+    lab.client.add_ipv6(&lab.node, router_v6);
+    lab.backends[0].add_ipv6(&lab.node, backend_v6);
+    let router = &lab.client;
+    router.ns.sysctl("net.ipv4.ip_forward", "1");
+    router.ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    // The client, one link past the router: 1280 bytes on the router's side of it, 1500 on
+    // the client's (so the client's SYN offers the full MSS).
+    let far = crate::netns::Netns::create(format!("pxl-{}-far", lab.id));
+    router.ns.ip(&["link", "add", "far0", "mtu", "1280", "type", "veth", "peer", "name", "eth0", "netns", &far.name]);
+    router.ns.ip(&["addr", "add", "10.244.250.1/24", "dev", "far0"]);
+    router.ns.ip(&["-6", "addr", "add", "fd00:244::250:1/112", "dev", "far0", "nodad"]);
+    router.ns.ip(&["link", "set", "far0", "up"]);
+    far.ip(&["addr", "add", "10.244.250.2/24", "dev", "eth0"]);
+    far.ip(&["-6", "addr", "add", "fd00:244::250:2/112", "dev", "eth0", "nodad"]);
+    far.ip(&["link", "set", "eth0", "up"]);
+    far.ip(&["route", "add", "default", "via", "10.244.250.1"]);
+    far.ip(&["-6", "route", "add", "default", "via", "fd00:244::250:1"]);
+    lab.node.ip(&["route", "add", "10.244.250.0/24", "via", &router.ip.to_string(), "dev", &router.host_if]);
+    lab.node.ip(&["-6", "route", "add", "fd00:244::250:0/112", "via", &router_v6.to_string(), "dev", &router.host_if]);
+    // A download larger than any window, from a listener taking both families.
+    const SIZE: usize = 256 * 1024;
+    let download = std::iter::repeat_n('x', SIZE).collect::<String>();
+    let _server = crate::servers::Acceptor::start(
+        &lab.backends[0].ns,
+        (std::net::Ipv6Addr::UNSPECIFIED, 8090).into(),
+        Some(download),
+        Duration::from_millis(20),
+    );
+    let objects = [
+        crate::lab::service("bulk", "10.96.0.60", &[("http", 80, "TCP", 8090)]),
+        crate::lab::endpoint_slice("bulk", "bulk-v4", &lab.backend_ips(), &[("http", 8090, "TCP")]),
+        cluster::service(
+            "bulk6",
+            "  clusterIP: fd00:96::60\n  clusterIPs: ['fd00:96::60']\n  ipFamilies: [IPv6]\n  ports:\n  - {name: http, port: 80, targetPort: 8090, protocol: TCP}\n",
+            None,
+        ),
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: bulk6-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: bulk6\naddressType: IPv6\nports:\n- {{name: http, port: 8090, protocol: TCP}}\nendpoints:\n- addresses: ['{backend_v6}']\n"
+        ),
+    ];
+    lab.write_manifest("services.yaml", &objects.join("---\n"));
+    lab.start_agent_with_extra(&["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"]);
+    let fetch = |to: SocketAddr| -> Result<usize, String> {
+        let mut stream =
+            far.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map_err(|e| format!("connect: {e}"))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+        let mut got = Vec::new();
+        match stream.read_to_end(&mut got) {
+            Ok(_) if got.len() == SIZE => Ok(got.len()),
+            Ok(_) => Err(format!("{} of {SIZE} bytes, then the end", got.len())),
+            Err(e) => Err(format!("{} of {SIZE} bytes, then {e}", got.len())),
+        }
+    };
+    for to in ["10.96.0.60:80", "[fd00:96::60]:80"] {
+        let to: SocketAddr = to.parse().unwrap();
+        // The Service's rules come first: until they are there, connecting fails at once.
+        eventually(&format!("{to} to accept connections"), || {
+            far.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map(drop).map_err(|e| e.to_string())
+        });
+        fetch(to).unwrap_or_else(|e| {
+            panic!(
+                "{mode}: a download from {to} through a link of MTU 1280 (the backend must learn the path MTU): {e}\n{}",
+                lab.agent_log()
+            )
+        });
+    }
 }

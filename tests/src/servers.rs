@@ -329,6 +329,9 @@ impl Acceptor {
                 match listener.accept() {
                     Ok((mut conn, _)) => {
                         if let Some(g) = &greeting {
+                            // A greeting larger than the socket buffer waits for the peer: never
+                            // for ever (a connection that stalls must not hang the test's end).
+                            let _ = conn.set_write_timeout(Some(Duration::from_secs(10)));
                             let _ = conn.write_all(g.as_bytes());
                         }
                     }

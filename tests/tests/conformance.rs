@@ -77,6 +77,10 @@ macro_rules! suite {
                 run($m, "service_cidrs_drop_free_addresses_and_reject_unserved_ports")
             }
             #[test]
+            fn path_mtu_discovery_through_a_service() {
+                run($m, "path_mtu_discovery_through_a_service")
+            }
+            #[test]
             fn ipv6_services() {
                 run($m, "ipv6_services")
             }
