@@ -11,7 +11,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::Path,
     time::{Duration, Instant},
 };
@@ -21,7 +21,7 @@ use proxy_agent::dataplane::ProxyMode;
 use crate::{
     cluster::{self, nodes_manifest, slice, Cluster, CLIENT_IP},
     lab::{sock, standard_manifests, Lab, DNS_VIP, EMPTY_VIP, WEB_VIP},
-    servers::{http_get_with_headers, tcp_ask, udp_ask, udp_ask_connected, Answer, UdpFlow},
+    servers::{http_get_with_headers, tcp_ask, tcp_ask_any, udp_ask, udp_ask_any, udp_ask_connected, Answer, UdpFlow},
 };
 
 /// What a mode cannot do at all, and why.
@@ -76,12 +76,116 @@ fn peer_ip(a: &Answer) -> Ipv4Addr {
     }
 }
 
-/// The single-node lab with three backends and the standard Services, agent running in
-/// `mode`, traffic flowing.
+/// One family of the single-node lab: its Services' addresses (web TCP, dns UDP, one without
+/// endpoints) and the pods' addresses in it.
+struct InFamily {
+    name: &'static str,
+    web: SocketAddr,
+    dns: SocketAddr,
+    empty: SocketAddr,
+    client: IpAddr,
+    backends: Vec<IpAddr>,
+}
+
+/// The lab's families: IPv4, and IPv6 (`dual_stack`).
+fn families(lab: &Lab) -> [InFamily; 2] {
+    let v4 = InFamily {
+        name: "IPv4",
+        web: sock(WEB_VIP).into(),
+        dns: sock(DNS_VIP).into(),
+        empty: sock(EMPTY_VIP).into(),
+        client: lab.client.ip.into(),
+        backends: lab.backend_ips().into_iter().map(IpAddr::from).collect(),
+    };
+    let v6 = InFamily {
+        name: "IPv6",
+        web: "[fd00:96::10]:80".parse().unwrap(),
+        dns: "[fd00:96::53]:53".parse().unwrap(),
+        empty: "[fd00:96::99]:80".parse().unwrap(),
+        client: pod6(2).into(),
+        backends: (1..=lab.backends.len()).map(|i| pod6(0x100 + i as u16).into()).collect(),
+    };
+    [v4, v6]
+}
+
+/// A pod's IPv6 address in the lab (`dual_stack`).
+fn pod6(i: u16) -> std::net::Ipv6Addr {
+    std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, i)
+}
+
+/// Makes the lab dual-stack, as a dual-stack node is: the node an IPv6 address and default
+/// route on its uplink, every pod an IPv6 address (the client fd00:244::2, backend i
+/// fd00:244::10i), and each backend the servers of the IPv6 endpoints (TCP 8082, UDP 5354:
+/// the IPv4 servers hold 8080 and 5353).
+fn dual_stack(lab: &mut Lab) {
+    lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
+    lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
+    lab.node.ip(&["-6", "route", "add", "default", "via", "fd00:250::fe", "dev", "uplink0"]);
+    lab.client.add_ipv6(&lab.node, pod6(2));
+    let mut servers = Vec::new();
+    for (i, b) in lab.backends.iter().enumerate() {
+        b.add_ipv6(&lab.node, pod6(0x100 + i as u16 + 1));
+        servers.push(crate::servers::Backend::start_on(&b.ns, &b.name, std::net::Ipv6Addr::UNSPECIFIED.into(), 8082, 5354));
+    }
+    for s in servers {
+        lab.keep_server(s);
+    }
+}
+
+/// The standard Services (`lab::standard_manifests`) made dual-stack: each with an IPv6
+/// cluster IP beside its IPv4 one and an IPv6 EndpointSlice beside its IPv4 one, over the
+/// backends `v4` and `v6` (1-based backend numbers in each).
+fn dual_stack_manifests(lab: &Lab, v4: &[usize], v6: &[usize]) -> String {
+    let ips4: Vec<Ipv4Addr> = v4.iter().map(|&i| lab.backend_ips()[i - 1]).collect();
+    let slice6 = |svc: &str, port: &str, v6: &[usize]| {
+        let eps: String = v6.iter().map(|&i| format!("- addresses: ['{}']\n", pod6(0x100 + i as u16))).collect();
+        let eps = if eps.is_empty() { "[]\n".to_string() } else { format!("\n{eps}") };
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {port}\nendpoints: {eps}"
+        )
+    };
+    let svc = |name: &str, n: u8, port: &str| {
+        cluster::service(
+            name,
+            &format!(
+                "  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, 'fd00:96::{n}']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - {port}\n"
+            ),
+            None,
+        )
+    };
+    let (tcp, udp) = (crate::lab::TCP_PORT, crate::lab::UDP_PORT);
+    [
+        svc("web", 10, &format!("{{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}")),
+        crate::lab::endpoint_slice("web", "web-1", &ips4, &[("http", tcp, "TCP")]),
+        slice6("web", "{name: http, port: 8082, protocol: TCP}", v6),
+        svc("dns", 53, &format!("{{name: dns, port: 53, targetPort: {udp}, protocol: UDP}}")),
+        crate::lab::endpoint_slice("dns", "dns-1", &ips4, &[("dns", udp, "UDP")]),
+        slice6("dns", "{name: dns, port: 5354, protocol: UDP}", v6),
+        svc("empty", 99, &format!("{{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}")),
+        crate::lab::endpoint_slice("empty", "empty-1", &[], &[("http", tcp, "TCP")]),
+        slice6("empty", "{name: http, port: 8082, protocol: TCP}", &[]),
+    ]
+    .join("---\n")
+}
+
+/// The single-node lab with three backends and the standard Services in both families
+/// (`dual_stack_manifests`), agent running in `mode`, traffic flowing in both.
 pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
     let mut lab = Lab::new(agent, 3);
-    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    start(&mut lab, mode, &[]);
+    dual_stack(&mut lab);
+    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    lab.start_agent_with_extra(&["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"]);
+    let all: BTreeSet<String> = (1..=3).map(|i| format!("backend-{i}")).collect();
+    for f in families(&lab) {
+        eventually(&format!("the {} web Service to reach every backend", f.name), || {
+            let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask_any(&lab.client.ns, f.web).ok()).map(|a| a.backend).collect();
+            if seen == all {
+                Ok(())
+            } else {
+                Err(format!("answered by {seen:?}"))
+            }
+        });
+    }
     lab
 }
 
@@ -276,85 +380,107 @@ pub fn localhost_node_ports(agent: &Path, mode: ProxyMode, enabled: bool) {
 
 pub fn clusterip_tcp_and_udp_reach_every_backend(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
-    let mut tcp = BTreeMap::<String, usize>::new();
-    for _ in 0..90 {
-        let a = tcp_ask(&lab.client.ns, sock(WEB_VIP)).expect("TCP through the cluster IP");
-        assert_eq!(peer_ip(&a), lab.client.ip, "{mode}: a cluster IP is DNAT only, the backend sees the pod");
-        *tcp.entry(a.backend).or_default() += 1;
+    for f in families(&lab) {
+        let mut tcp = BTreeMap::<String, usize>::new();
+        for _ in 0..90 {
+            let a = tcp_ask_any(&lab.client.ns, f.web).unwrap_or_else(|e| panic!("{mode}: TCP through the {} cluster IP: {e}", f.name));
+            assert_eq!(a.peer.ip(), f.client, "{mode}: a cluster IP is DNAT only, the backend sees the pod ({})", f.name);
+            *tcp.entry(a.backend).or_default() += 1;
+        }
+        assert_eq!(tcp.len(), 3, "{mode}: 90 {} connections over 3 backends: {tcp:?}", f.name);
+        let mut udp = BTreeSet::new();
+        for _ in 0..40 {
+            let (a, from) =
+                udp_ask_any(&lab.client.ns, f.dns).unwrap_or_else(|e| panic!("{mode}: UDP through the {} cluster IP: {e}", f.name));
+            assert_eq!(from, f.dns, "{mode}: the reply comes from the service address ({})", f.name);
+            udp.insert(a.backend);
+        }
+        assert!(udp.len() > 1, "{mode}: {} UDP flows spread: {udp:?}", f.name);
     }
-    assert_eq!(tcp.len(), 3, "{mode}: 90 connections over 3 backends: {tcp:?}");
-    let mut udp = BTreeSet::new();
-    for _ in 0..40 {
-        let (a, from) = udp_ask(&lab.client.ns, sock(DNS_VIP)).expect("UDP through the cluster IP");
-        assert_eq!(from, sock(DNS_VIP).into(), "{mode}: the reply comes from the service address");
-        udp.insert(a.backend);
-    }
-    assert!(udp.len() > 1, "{mode}: UDP flows spread: {udp:?}");
 }
 
+/// Refused at once, not left to time out. "At once" is the first SYN's answer in IPv4; in
+/// IPv6 it is the first SYN retransmission's, about a second later, in the iptables mode
+/// (kube-proxy's REJECT) as in eBPF: here the answer to the first SYN reaches the client while
+/// its connect() still holds the socket, and the kernel drops it (`TcpExtLockDroppedIcmps`
+/// counts it, in both families), which IPv4's connect survives and IPv6's does not.
 pub fn a_service_without_endpoints_refuses(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
-    let start = Instant::now();
-    let err = tcp_ask(&lab.client.ns, sock(EMPTY_VIP)).expect_err("no endpoints");
-    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {err}");
-    assert!(start.elapsed() < Duration::from_secs(1), "{mode}: refused at once, not after a timeout");
+    for f in families(&lab) {
+        let bound = if f.web.is_ipv4() { Duration::from_secs(1) } else { Duration::from_secs(2) };
+        let start = Instant::now();
+        let err = tcp_ask_any(&lab.client.ns, f.empty).expect_err("no endpoints");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode} ({}): {err}", f.name);
+        assert!(start.elapsed() < bound, "{mode} ({}): refused in {:?}, not after a timeout", f.name, start.elapsed());
+    }
 }
 
 pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
-    let ips = lab.backend_ips();
-    // A resolver's UDP flow that backend-3 answers: it must move when backend-3 goes, though
-    // its packets keep coming (conntrack would keep it there: the classic stale DNS entry).
-    let pinned = (0..100)
-        .find_map(|_| {
-            let flow = UdpFlow::open(&lab.client.ns, sock(DNS_VIP)).ok()?;
-            (flow.ask().ok()?.backend == "backend-3").then_some(flow)
-        })
-        .unwrap_or_else(|| panic!("{mode}: no UDP flow got backend-3 in 100 tries"));
-    lab.write_manifest("services.yaml", &standard_manifests(&ips[..2]));
-    eventually("backend-3 to get no new connections", || {
-        let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
-        if seen.contains("backend-3") || seen.len() != 2 {
-            Err(format!("{seen:?}"))
-        } else {
-            Ok(())
-        }
-    });
-    eventually("UDP to leave backend-3 too", || {
-        let seen: BTreeSet<String> = (0..30).filter_map(|_| udp_ask(&lab.client.ns, sock(DNS_VIP)).ok()).map(|(a, _)| a.backend).collect();
-        if seen.contains("backend-3") {
-            Err(format!("{seen:?}"))
-        } else {
-            Ok(())
-        }
-    });
-    eventually("the UDP flow that backend-3 answered to move to another backend", || match pinned.ask() {
-        Ok(a) if a.backend != "backend-3" => Ok(()),
-        other => Err(format!("{other:?}")),
-    });
-    lab.write_manifest("services.yaml", &standard_manifests(&ips));
-    eventually("backend-3 to be back", || {
-        let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask(&lab.client.ns, sock(WEB_VIP)).ok()).map(|a| a.backend).collect();
-        if seen.contains("backend-3") {
-            Ok(())
-        } else {
-            Err(format!("{seen:?}"))
-        }
-    });
+    let [v4, v6] = families(&lab);
+    // A resolver's UDP flow that backend-3 answers, in each family: it must move when
+    // backend-3 goes, though its packets keep coming (conntrack would keep it there: the
+    // classic stale DNS entry).
+    let pinned = |f: &InFamily| {
+        (0..100)
+            .find_map(|_| {
+                let flow = UdpFlow::open(&lab.client.ns, f.dns).ok()?;
+                (flow.ask().ok()?.backend == "backend-3").then_some(flow)
+            })
+            .unwrap_or_else(|| panic!("{mode}: no {} UDP flow got backend-3 in 100 tries", f.name))
+    };
+    let pinned = [pinned(&v4), pinned(&v6)];
+    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2], &[1, 2]));
+    for (f, flow) in [&v4, &v6].into_iter().zip(&pinned) {
+        eventually(&format!("backend-3 to get no new {} connections", f.name), || {
+            let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask_any(&lab.client.ns, f.web).ok()).map(|a| a.backend).collect();
+            if seen.contains("backend-3") || seen.len() != 2 {
+                Err(format!("{seen:?}"))
+            } else {
+                Ok(())
+            }
+        });
+        eventually(&format!("{} UDP to leave backend-3 too", f.name), || {
+            let seen: BTreeSet<String> = (0..30).filter_map(|_| udp_ask_any(&lab.client.ns, f.dns).ok()).map(|(a, _)| a.backend).collect();
+            if seen.contains("backend-3") {
+                Err(format!("{seen:?}"))
+            } else {
+                Ok(())
+            }
+        });
+        eventually(&format!("the {} UDP flow that backend-3 answered to move to another backend", f.name), || match flow.ask() {
+            Ok(a) if a.backend != "backend-3" => Ok(()),
+            other => Err(format!("{other:?}")),
+        });
+    }
+    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    for f in [&v4, &v6] {
+        eventually(&format!("backend-3 to be back in {}", f.name), || {
+            let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask_any(&lab.client.ns, f.web).ok()).map(|a| a.backend).collect();
+            if seen.contains("backend-3") {
+                Ok(())
+            } else {
+                Err(format!("{seen:?}"))
+            }
+        });
+    }
 }
 
 pub fn a_pod_reaching_its_own_service_gets_through(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let me = &lab.backends[0];
-    let mut own = None;
-    for i in 0..80 {
-        let a = tcp_ask(&me.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("{mode}: request {i} from {} to its own Service: {e}", me.name));
-        if a.backend == me.name {
-            own = Some(a);
+    for f in families(&lab) {
+        let mut own = None;
+        for i in 0..80 {
+            let a = tcp_ask_any(&me.ns, f.web)
+                .unwrap_or_else(|e| panic!("{mode}: {} request {i} from {} to its own Service: {e}", f.name, me.name));
+            if a.backend == me.name {
+                own = Some(a);
+            }
         }
+        let own = own.unwrap_or_else(|| panic!("{mode}: 80 {} requests never picked the caller itself", f.name));
+        assert_ne!(own.peer.ip(), f.backends[0], "{mode}: hairpinned {} traffic is masqueraded, the pod does not see itself", f.name);
     }
-    let own = own.unwrap_or_else(|| panic!("{mode}: 80 requests never picked the caller itself"));
-    assert_ne!(peer_ip(&own), me.ip, "{mode}: hairpinned traffic is masqueraded, the pod does not see itself");
 }
 
 fn web(spec_extra: &str) -> String {

@@ -123,6 +123,11 @@ impl Lab {
         self.extra.last().unwrap()
     }
 
+    /// Keeps a server the test started until the lab is dropped.
+    pub fn keep_server(&mut self, server: servers::Backend) {
+        self.servers.push(server);
+    }
+
     /// The agent binary the lab runs.
     pub fn agent_bin(&self) -> &Path {
         &self.agent_bin

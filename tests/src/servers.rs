@@ -259,8 +259,9 @@ pub fn udp_ask_any(ns: &Netns, to: SocketAddr) -> io::Result<(Answer, SocketAddr
 pub struct UdpFlow(UdpSocket);
 
 impl UdpFlow {
-    pub fn open(ns: &Netns, to: SocketAddrV4) -> io::Result<Self> {
-        let sock = ns.run(|| UdpSocket::bind("0.0.0.0:0"))?;
+    pub fn open(ns: &Netns, to: impl Into<SocketAddr>) -> io::Result<Self> {
+        let to = to.into();
+        let sock = ns.run(move || UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }))?;
         sock.set_read_timeout(Some(TIMEOUT))?;
         sock.connect(to)?;
         Ok(Self(sock))
