@@ -192,17 +192,23 @@ impl Cluster {
 
     /// Makes the lab dual-stack, as a node's network is: the client is fd00:100::100, node A
     /// fd00:100::1 with pods in fd00:244:1::/64, node B fd00:100::2 with pods in
-    /// fd00:244:2::/64 (each routing the other's through it), and every backend pod answers
-    /// over IPv6 too, on TCP `TCP_PORT6` and UDP `UDP_PORT6` (an IPv6 socket on the IPv4
-    /// servers' ports would be refused: it is dual-stack).
+    /// fd00:244:2::/64 (each routing the other's through it; each node's client pod is
+    /// fd00:244:n::2), and every backend pod answers over IPv6 too, on TCP `TCP_PORT6` and UDP
+    /// `UDP_PORT6` (an IPv6 socket on the IPv4 servers' ports would be refused: it is
+    /// dual-stack). The client reaches IPv6 load-balancer and external IPs (2001:db8:203::/64,
+    /// 2001:db8:192::/64) through node A, as IPv4's.
     pub fn add_ipv6(&mut self) {
         self.client.ip(&["-6", "addr", "add", "fd00:100::100/64", "dev", "eth0", "nodad"]);
+        for net in ["2001:db8:203::/64", "2001:db8:192::/64"] {
+            self.client.ip(&["-6", "route", "add", net, "via", "fd00:100::1"]);
+        }
         for (i, node) in self.nodes.iter().enumerate() {
             let n = i as u16 + 1;
             node.ns.sysctl("net.ipv6.conf.all.forwarding", "1");
             node.ns.ip(&["-6", "addr", "add", &format!("fd00:100::{n}/64"), "dev", "wire0", "nodad"]);
             let other = 3 - n;
             node.ns.ip(&["-6", "route", "add", &format!("fd00:244:{other}::/64"), "via", &format!("fd00:100::{other}")]);
+            node.client_pod.add_ipv6(&node.ns, std::net::Ipv6Addr::new(0xfd00, 0x244, n, 0, 0, 0, 0, 2));
             for (j, pod) in node.pods.iter().enumerate() {
                 pod.add_ipv6(&node.ns, pod_ipv6(n, j));
                 let any = std::net::Ipv6Addr::UNSPECIFIED.into();
@@ -374,8 +380,9 @@ pub fn slice(svc: &str, endpoints: &[(Ipv4Addr, &str)]) -> String {
 /// backends' IPv6 ports (`Cluster::add_ipv6`), "http" and "dns".
 pub fn slice6(svc: &str, endpoints: &[(std::net::Ipv6Addr, &str)]) -> String {
     let mut s = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {{name: http, port: {TCP_PORT6}, protocol: TCP}}\n- {{name: dns, port: {UDP_PORT6}, protocol: UDP}}\nendpoints:\n"
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {{name: http, port: {TCP_PORT6}, protocol: TCP}}\n- {{name: dns, port: {UDP_PORT6}, protocol: UDP}}\n"
     );
+    s += if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
     for (ip, node) in endpoints {
         s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: {node}\n");
     }

@@ -21,7 +21,7 @@ use proxy_agent::dataplane::ProxyMode;
 use crate::{
     cluster::{self, nodes_manifest, slice, Cluster, CLIENT_IP},
     lab::{sock, standard_manifests, Lab, DNS_VIP, EMPTY_VIP, WEB_VIP},
-    servers::{http_get_with_headers, tcp_ask, tcp_ask_any, udp_ask, udp_ask_any, udp_ask_connected, Answer, UdpFlow},
+    servers::{http_get_with_headers, tcp_ask, tcp_ask_any, udp_ask_any, udp_ask_connected, Answer, UdpFlow},
 };
 
 /// What a mode cannot do at all, and why.
@@ -66,13 +66,6 @@ pub fn eventually<T>(what: &str, mut f: impl FnMut() -> Result<T, String>) -> T 
             Err(e) if Instant::now() > deadline => panic!("timed out waiting for {what}: {e}"),
             Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
-    }
-}
-
-fn peer_ip(a: &Answer) -> Ipv4Addr {
-    match a.peer {
-        SocketAddr::V4(p) => *p.ip(),
-        SocketAddr::V6(_) => panic!("IPv6 peer"),
     }
 }
 
@@ -493,16 +486,78 @@ fn web(spec_extra: &str) -> String {
     )
 }
 
-/// The two-node lab running `mode` on both nodes, `web` programmed.
+/// One family of the two-node lab (`Cluster::add_ipv6`): the addresses a scenario reaches and
+/// sees.
+struct NorthFamily {
+    name: &'static str,
+    node_a: IpAddr,
+    node_b: IpAddr,
+    client: IpAddr,
+    cluster_ip: IpAddr,
+    /// The load-balancer IP, one with ipMode Proxy, and the external IP, of the scenarios'
+    /// Services.
+    lb: IpAddr,
+    lb_proxy: IpAddr,
+    external: IpAddr,
+}
+
+fn north_families() -> [NorthFamily; 2] {
+    let a = |s: &str| s.parse::<IpAddr>().unwrap();
+    [
+        NorthFamily {
+            name: "IPv4",
+            node_a: a("192.168.100.1"),
+            node_b: a("192.168.100.2"),
+            client: a(CLIENT_IP),
+            cluster_ip: a("10.96.0.10"),
+            lb: a("203.0.113.10"),
+            lb_proxy: a("203.0.113.11"),
+            external: a("192.0.2.7"),
+        },
+        NorthFamily {
+            name: "IPv6",
+            node_a: a("fd00:100::1"),
+            node_b: a("fd00:100::2"),
+            client: a(cluster::CLIENT_IP6),
+            cluster_ip: a("fd00:96::10"),
+            lb: a("2001:db8:203::10"),
+            lb_proxy: a("2001:db8:203::11"),
+            external: a("2001:db8:192::7"),
+        },
+    ]
+}
+
+fn at(ip: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+/// The web Service `svc` made dual-stack: an IPv6 cluster IP beside 10.96.0.10, and IPv6
+/// load-balancer and external IPs beside the IPv4 ones it names (`NorthFamily`).
+fn dual_stack_web(svc: &str) -> String {
+    svc.replace(
+        "  clusterIP: 10.96.0.10\n",
+        "  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, 'fd00:96::10']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n",
+    )
+    .replace("    - {ip: 203.0.113.10}\n", "    - {ip: 203.0.113.10}\n    - {ip: '2001:db8:203::10'}\n")
+    .replace("    - {ip: 203.0.113.11, ipMode: Proxy}\n", "    - {ip: 203.0.113.11, ipMode: Proxy}\n    - {ip: '2001:db8:203::11', ipMode: Proxy}\n")
+    .replace("  externalIPs: [192.0.2.7]\n", "  externalIPs: [192.0.2.7, '2001:db8:192::7']\n")
+}
+
+/// The two-node lab, dual-stack, running `mode` on both nodes, `web` programmed in both
+/// families (`dual_stack_web`): its IPv6 EndpointSlice names the same pods as `eps`, by their
+/// IPv6 addresses.
 fn cluster_with(agent: &Path, mode: ProxyMode, pods: [&[&str]; 2], svc: &str, eps: &[(Ipv4Addr, &str)], extra: &[&str]) -> Cluster {
     let mut c = Cluster::new(agent, pods);
+    c.add_ipv6();
     c.write_manifest("nodes.yaml", &nodes_manifest());
-    c.write_manifest("web.yaml", svc);
+    c.write_manifest("web.yaml", &dual_stack_web(svc));
     c.write_manifest("web-eps.yaml", &slice("web", eps));
-    let mut args = mode_args(mode);
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    c.start_agents(&refs);
+    let eps6: Vec<(std::net::Ipv6Addr, &str)> =
+        eps.iter().map(|(ip, node)| (cluster::pod_ipv6(u16::from(ip.octets()[2]), usize::from(ip.octets()[3] - 11)), *node)).collect();
+    c.write_manifest("web-eps6.yaml", &cluster::slice6("web", &eps6));
+    let mut args = vec!["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/48"];
+    args.extend(extra);
+    c.start_agents(&args);
     c
 }
 
@@ -510,14 +565,14 @@ fn ip(s: &str) -> Ipv4Addr {
     s.parse().unwrap()
 }
 
-fn answers(c: &Cluster, to: &str, udp: bool, n: usize) -> Vec<Answer> {
-    (0..n).filter_map(|_| if udp { udp_ask(&c.client, sock(to)).ok().map(|(a, _)| a) } else { tcp_ask(&c.client, sock(to)).ok() }).collect()
+fn answers(c: &Cluster, to: SocketAddr, udp: bool, n: usize) -> Vec<Answer> {
+    (0..n).filter_map(|_| if udp { udp_ask_any(&c.client, to).ok().map(|(a, _)| a) } else { tcp_ask_any(&c.client, to).ok() }).collect()
 }
 
-fn by_backend(a: &[Answer]) -> BTreeMap<String, BTreeSet<Ipv4Addr>> {
-    let mut m: BTreeMap<String, BTreeSet<Ipv4Addr>> = BTreeMap::new();
+fn by_backend(a: &[Answer]) -> BTreeMap<String, BTreeSet<IpAddr>> {
+    let mut m: BTreeMap<String, BTreeSet<IpAddr>> = BTreeMap::new();
     for x in a {
-        m.entry(x.backend.clone()).or_default().insert(peer_ip(x));
+        m.entry(x.backend.clone()).or_default().insert(x.peer.ip());
     }
     m
 }
@@ -525,27 +580,29 @@ fn by_backend(a: &[Answer]) -> BTreeMap<String, BTreeSet<Ipv4Addr>> {
 pub fn node_port_from_outside(agent: &Path, mode: ProxyMode) {
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b"), (ip("10.244.2.12"), "node-b")];
     let c = cluster_with(agent, mode, [&["a1"], &["b1", "b2"]], &web(""), &eps, &[]);
-    for (to, udp) in [("192.168.100.1:30080", false), ("192.168.100.1:30053", true), ("192.168.100.2:30080", false)] {
-        let seen = eventually(&format!("{to} to reach all three backends"), || {
-            let m = by_backend(&answers(&c, to, udp, 40));
-            if m.len() == 3 {
-                Ok(m)
-            } else {
-                Err(format!("{m:?}"))
+    for f in north_families() {
+        for (to, udp) in [(at(f.node_a, 30080), false), (at(f.node_a, 30053), true), (at(f.node_b, 30080), false)] {
+            let seen = eventually(&format!("{to} to reach all three backends"), || {
+                let m = by_backend(&answers(&c, to, udp, 40));
+                if m.len() == 3 {
+                    Ok(m)
+                } else {
+                    Err(format!("{m:?}"))
+                }
+            });
+            let via = to.ip();
+            for (backend, peers) in &seen {
+                let local = (backend == "a1") == (via == f.node_a);
+                // Remote backends see the node that forwarded (SNAT). Local ones: the eBPF
+                // dataplane only DNATs (the client's address is kept, as the issue asks);
+                // kube-proxy's modes masquerade all externally-sourced traffic under
+                // externalTrafficPolicy Cluster, local endpoints included.
+                let want = if local && mode == ProxyMode::Ebpf { f.client } else { via };
+                if local && mode != ProxyMode::Ebpf {
+                    println!("{mode}: as kube-proxy, a local endpoint under externalTrafficPolicy Cluster sees the node address");
+                }
+                assert_eq!(peers, &BTreeSet::from([want]), "{mode} {to}: {backend} ({})", if local { "local" } else { "remote" });
             }
-        });
-        let via: Ipv4Addr = *sock(to).ip();
-        for (backend, peers) in &seen {
-            let local = (backend == "a1") == (via == ip("192.168.100.1"));
-            // Remote backends see the node that forwarded (SNAT). Local ones: the eBPF
-            // dataplane only DNATs (the client's address is kept, as the issue asks);
-            // kube-proxy's modes masquerade all externally-sourced traffic under
-            // externalTrafficPolicy Cluster, local endpoints included.
-            let want = if local && mode == ProxyMode::Ebpf { ip(CLIENT_IP) } else { via };
-            if local && mode != ProxyMode::Ebpf {
-                println!("{mode}: as kube-proxy, a local endpoint under externalTrafficPolicy Cluster sees the node address");
-            }
-            assert_eq!(peers, &BTreeSet::from([want]), "{mode} {to}: {backend} ({})", if local { "local" } else { "remote" });
         }
     }
 }
@@ -557,16 +614,18 @@ pub fn external_traffic_policy_local(agent: &Path, mode: ProxyMode) {
         Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n"),
     );
     let c = cluster_with(agent, mode, [&["a1"], &["b1"]], &lb, &[(ip("10.244.1.11"), "node-a")], &[]);
-    for to in ["192.168.100.1:30080", "203.0.113.10:80"] {
-        let m = eventually(&format!("{to} to answer"), || {
-            let m = by_backend(&answers(&c, to, false, 5));
-            if m.is_empty() {
-                Err("no answer".into())
-            } else {
-                Ok(m)
-            }
-        });
-        assert_eq!(m, BTreeMap::from([("a1".to_string(), BTreeSet::from([ip(CLIENT_IP)]))]), "{mode} {to}: the client address is kept");
+    for f in north_families() {
+        for to in [at(f.node_a, 30080), at(f.lb, 80)] {
+            let m = eventually(&format!("{to} to answer"), || {
+                let m = by_backend(&answers(&c, to, false, 5));
+                if m.is_empty() {
+                    Err("no answer".into())
+                } else {
+                    Ok(m)
+                }
+            });
+            assert_eq!(m, BTreeMap::from([("a1".to_string(), BTreeSet::from([f.client]))]), "{mode} {to}: the client address is kept");
+        }
     }
     let (code, headers, _) = eventually("the health check on node A", || {
         http_get_with_headers(&c.client, sock("192.168.100.1:32000"), "/").map_err(|e| e.to_string())
@@ -579,24 +638,33 @@ pub fn external_traffic_policy_local(agent: &Path, mode: ProxyMode) {
         http_get_with_headers(&c.client, sock("192.168.100.2:32000"), "/").map_err(|e| e.to_string())
     });
     assert_eq!(code, 503, "{mode}");
-    let err = tcp_ask(&c.client, sock("192.168.100.2:30080")).expect_err("node B has no local endpoint");
-    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, not refused: {err}");
+    for f in north_families() {
+        let err = tcp_ask_any(&c.client, at(f.node_b, 30080)).expect_err("node B has no local endpoint");
+        assert!(
+            matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock),
+            "{mode} ({}): dropped, not refused: {err}",
+            f.name
+        );
+    }
 }
 
 pub fn internal_traffic_policy_local(agent: &Path, mode: ProxyMode) {
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b")];
     let c = cluster_with(agent, mode, [&["a1"], &["b1"]], &web("  internalTrafficPolicy: Local\n"), &eps, &[]);
-    for (node, want) in [("node-a", "a1"), ("node-b", "b1")] {
-        let pod = &c.node(node).client_pod.ns;
-        let seen = eventually(&format!("pods on {node} to reach {want}"), || {
-            let s: BTreeSet<String> = (0..10).filter_map(|_| tcp_ask(pod, sock("10.96.0.10:80")).ok()).map(|a| a.backend).collect();
-            if s.is_empty() {
-                Err("no answer".into())
-            } else {
-                Ok(s)
-            }
-        });
-        assert_eq!(seen, BTreeSet::from([want.to_string()]), "{mode}: pods on {node}");
+    for f in north_families() {
+        for (node, want) in [("node-a", "a1"), ("node-b", "b1")] {
+            let pod = &c.node(node).client_pod.ns;
+            let to = at(f.cluster_ip, 80);
+            let seen = eventually(&format!("pods on {node} to reach {want} ({})", f.name), || {
+                let s: BTreeSet<String> = (0..10).filter_map(|_| tcp_ask_any(pod, to).ok()).map(|a| a.backend).collect();
+                if s.is_empty() {
+                    Err("no answer".into())
+                } else {
+                    Ok(s)
+                }
+            });
+            assert_eq!(seen, BTreeSet::from([want.to_string()]), "{mode} ({}): pods on {node}", f.name);
+        }
     }
 }
 
@@ -607,17 +675,19 @@ pub fn load_balancer_and_external_ips(agent: &Path, mode: ProxyMode) {
         Some("  loadBalancer:\n    ingress:\n    - {ip: 203.0.113.10}\n    - {ip: 203.0.113.11, ipMode: Proxy}\n"),
     );
     let c = cluster_with(agent, mode, [&["a1"], &["b1"]], &lb, &[(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b")], &[]);
-    for (to, udp) in [("203.0.113.10:80", false), ("203.0.113.10:53", true), ("192.0.2.7:80", false), ("192.0.2.7:53", true)] {
-        eventually(&format!("{to} to reach both backends"), || {
-            let m = by_backend(&answers(&c, to, udp, 30));
-            if m.len() == 2 {
-                Ok(())
-            } else {
-                Err(format!("{m:?}"))
-            }
-        });
+    for f in north_families() {
+        for (to, udp) in [(at(f.lb, 80), false), (at(f.lb, 53), true), (at(f.external, 80), false), (at(f.external, 53), true)] {
+            eventually(&format!("{to} to reach both backends"), || {
+                let m = by_backend(&answers(&c, to, udp, 30));
+                if m.len() == 2 {
+                    Ok(())
+                } else {
+                    Err(format!("{m:?}"))
+                }
+            });
+        }
+        assert!(tcp_ask_any(&c.client, at(f.lb_proxy, 80)).is_err(), "{mode} ({}): ipMode Proxy is the load balancer's to serve", f.name);
     }
-    assert!(tcp_ask(&c.client, sock("203.0.113.11:80")).is_err(), "{mode}: ipMode Proxy is the load balancer's to serve");
 }
 
 pub fn client_ip_affinity(agent: &Path, mode: ProxyMode) {
@@ -625,23 +695,30 @@ pub fn client_ip_affinity(agent: &Path, mode: ProxyMode) {
     let svc = web("  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}\n");
     let c = cluster_with(agent, mode, [&["a1"], &["b1", "b2"]], &svc, &eps, &[]);
     let pod = &c.node("node-a").client_pod.ns;
-    eventually("the cluster IP to answer", || tcp_ask(pod, sock("10.96.0.10:80")).map_err(|e| e.to_string()));
-    let seen: BTreeSet<String> = (0..20).map(|_| tcp_ask(pod, sock("10.96.0.10:80")).unwrap().backend).collect();
-    assert_eq!(seen.len(), 1, "{mode}: cluster IP: one client, one backend: {seen:?}");
-    eventually("the NodePort to answer", || tcp_ask(&c.client, sock("192.168.100.1:30080")).map_err(|e| e.to_string()));
-    let seen: BTreeSet<String> = (0..20).map(|_| tcp_ask(&c.client, sock("192.168.100.1:30080")).unwrap().backend).collect();
-    assert_eq!(seen.len(), 1, "{mode}: NodePort: one client, one backend: {seen:?}");
+    for f in north_families() {
+        let cluster_ip = at(f.cluster_ip, 80);
+        eventually("the cluster IP to answer", || tcp_ask_any(pod, cluster_ip).map_err(|e| e.to_string()));
+        let seen: BTreeSet<String> = (0..20).map(|_| tcp_ask_any(pod, cluster_ip).unwrap().backend).collect();
+        assert_eq!(seen.len(), 1, "{mode} ({}): cluster IP: one client, one backend: {seen:?}", f.name);
+        let node_port = at(f.node_a, 30080);
+        eventually("the NodePort to answer", || tcp_ask_any(&c.client, node_port).map_err(|e| e.to_string()));
+        let seen: BTreeSet<String> = (0..20).map(|_| tcp_ask_any(&c.client, node_port).unwrap().backend).collect();
+        assert_eq!(seen.len(), 1, "{mode} ({}): NodePort: one client, one backend: {seen:?}", f.name);
+    }
 }
 
 pub fn a_node_port_without_endpoints_refuses(agent: &Path, mode: ProxyMode) {
     let c = cluster_with(agent, mode, [&[], &[]], &web(""), &[], &[]);
-    let err = eventually("the NodePort to refuse", || match tcp_ask(&c.client, sock("192.168.100.1:30080")) {
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(e),
-        other => Err(format!("{other:?}")),
-    });
-    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused);
-    let udp = udp_ask_connected(&c.client, sock("192.168.100.1:30053")).expect_err("no endpoints");
-    assert_eq!(udp.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {udp}");
+    for f in north_families() {
+        let to = at(f.node_a, 30080);
+        let err = eventually(&format!("{to} to refuse"), || match tcp_ask_any(&c.client, to) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Ok(e),
+            other => Err(format!("{other:?}")),
+        });
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused);
+        let udp = udp_ask_connected(&c.client, at(f.node_a, 30053)).expect_err("no endpoints");
+        assert_eq!(udp.kind(), io::ErrorKind::ConnectionRefused, "{mode} ({}): {udp}", f.name);
+    }
 }
 
 pub fn xdp_forwards_north_south(agent: &Path, mode: ProxyMode) {
@@ -650,12 +727,20 @@ pub fn xdp_forwards_north_south(agent: &Path, mode: ProxyMode) {
     }
     let eps = [(ip("10.244.2.11"), "node-b")];
     let mut c = cluster_with(agent, mode, [&[], &["b1"]], &web(""), &eps, &[]);
+    let families = north_families();
+    // Every family's NodePort, TCP and UDP.
+    let traffic = |c: &Cluster| {
+        for f in &families {
+            let to = at(f.node_a, 30080);
+            eventually(&format!("{to} to answer"), || tcp_ask_any(&c.client, to).map_err(|e| e.to_string()));
+            let _ = answers(c, at(f.node_a, 30053), true, 10);
+        }
+    };
+    let n = |r: &proxy_agent::inspect::Report, k: &str| r.counters.get(k).map_or(0, |c| c.packets);
     // A veth uplink whose far end runs no XDP program (kind nodes, many VMs): the kernel would
     // drop frames native XDP sent out of it, so XDP hands these flows to TC, and nothing is lost.
-    eventually("the NodePort to answer", || tcp_ask(&c.client, sock("192.168.100.1:30080")).map_err(|e| e.to_string()));
-    let _ = answers(&c, "192.168.100.1:30053", true, 10);
+    traffic(&c);
     let r = c.node("node-a").inspect().unwrap();
-    let n = |r: &proxy_agent::inspect::Report, k: &str| r.counters.get(k).map_or(0, |c| c.packets);
     assert!(r.external_interfaces.values().all(|e| e.xdp && !e.xdp_sends), "{:?}", r.external_interfaces);
     assert!(n(&r, "xdp_forward") == 0 && n(&r, "ext_new_remote") > 0, "TC forwarded: {:?}", r.counters);
     // GRO on the far end makes the kernel report that it takes XDP frames, yet frames sent
@@ -664,18 +749,22 @@ pub fn xdp_forwards_north_south(agent: &Path, mode: ProxyMode) {
     std::thread::sleep(std::time::Duration::from_secs(6));
     let r = c.node("node-a").inspect().unwrap();
     assert!(r.external_interfaces.values().all(|e| !e.xdp_sends), "GRO alone is not enough: {:?}", r.external_interfaces);
-    let _ = answers(&c, "192.168.100.1:30053", true, 10);
-    tcp_ask(&c.client, sock("192.168.100.1:30080")).expect("the NodePort answers with GRO on the far end");
-    // Once the far end takes XDP frames (as a NIC's does), XDP sends the flows itself.
+    traffic(&c);
+    // Once the far end takes XDP frames (as a NIC's does), XDP sends the flows itself, in
+    // both families (IPv6's after a first packet TC tracks).
     c.switch_takes_xdp_frames();
     eventually("XDP to send frames itself", || {
         let r = c.node("node-a").inspect().map_err(|e| e.to_string())?;
         r.external_interfaces.values().all(|e| e.xdp_sends).then_some(()).ok_or(format!("{:?}", r.external_interfaces))
     });
-    eventually("the NodePort to answer through XDP", || tcp_ask(&c.client, sock("192.168.100.1:30080")).map_err(|e| e.to_string()));
-    let _ = answers(&c, "192.168.100.1:30053", true, 10);
-    let r = c.node("node-a").inspect().unwrap();
-    assert!(n(&r, "xdp_forward") > 0 && n(&r, "xdp_reply") > 0, "{:?}", r.counters);
+    for f in &families {
+        let before = n(&c.node("node-a").inspect().unwrap(), "xdp_forward");
+        let to = at(f.node_a, 30080);
+        eventually(&format!("{to} to answer through XDP"), || tcp_ask_any(&c.client, to).map_err(|e| e.to_string()));
+        let _ = answers(&c, at(f.node_a, 30053), true, 10);
+        let r = c.node("node-a").inspect().unwrap();
+        assert!(n(&r, "xdp_forward") > before && n(&r, "xdp_reply") > 0, "{}: {:?}", f.name, r.counters);
+    }
 }
 
 pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
@@ -689,31 +778,34 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
     );
     let eps = [(ip("10.244.1.11"), "node-a"), (ip("10.244.2.11"), "node-b"), (ip("10.244.2.12"), "node-b")];
     let c = cluster_with(agent, mode, [&["a1"], &["b1", "b2"]], &lb, &eps, &[]);
-    eventually("the load-balancer IP to answer", || tcp_ask(&c.client, sock("203.0.113.10:80")).map_err(|e| e.to_string()));
-    let mut picks = Vec::new();
-    for node in &c.nodes {
-        let root = node.bpffs();
-        // The client's traffic reached one node; the other may still be programming its maps.
-        picks.push(eventually(&format!("{} to pick a backend for every flow", node.name), || {
-            let root = root.clone();
-            let picks = node.ns.run(move || {
-                (0..60u16)
-                    .map(|p| {
-                        let from = std::net::SocketAddrV4::new(ip("198.51.100.1"), 40000 + p);
-                        proxy_agent::trace::run(&root, from, sock("203.0.113.10:80"), proxy_agent::model::Protocol::Tcp)
-                            .map_or_else(|e| format!("trace: {e}"), |t| t.backend.unwrap_or_default())
-                    })
-                    .collect::<Vec<_>>()
-            });
-            if picks.iter().all(|b| !b.is_empty() && !b.starts_with("trace: ")) {
-                Ok(picks)
-            } else {
-                Err(format!("{picks:?}"))
-            }
-        }));
+    for f in north_families() {
+        let lb = at(f.lb, 80);
+        eventually("the load-balancer IP to answer", || tcp_ask_any(&c.client, lb).map_err(|e| e.to_string()));
+        let client_net: IpAddr = if f.lb.is_ipv4() { "198.51.100.1".parse().unwrap() } else { "2001:db8:100::1".parse().unwrap() };
+        let mut picks = Vec::new();
+        for node in &c.nodes {
+            let root = node.bpffs();
+            // The client's traffic reached one node; the other may still be programming its maps.
+            picks.push(eventually(&format!("{} to pick a backend for every {} flow", node.name, f.name), || {
+                let root = root.clone();
+                let picks = node.ns.run(move || {
+                    (0..60u16)
+                        .map(|p| {
+                            proxy_agent::trace::run(&root, at(client_net, 40000 + p), lb, proxy_agent::model::Protocol::Tcp)
+                                .map_or_else(|e| format!("trace: {e}"), |t| t.backend.unwrap_or_default())
+                        })
+                        .collect::<Vec<_>>()
+                });
+                if picks.iter().all(|b| !b.is_empty() && !b.starts_with("trace: ")) {
+                    Ok(picks)
+                } else {
+                    Err(format!("{picks:?}"))
+                }
+            }));
+        }
+        assert_eq!(picks[0], picks[1], "{mode} ({}): both nodes pick the same backend for every flow", f.name);
+        assert_eq!(picks[0].iter().collect::<BTreeSet<_>>().len(), 3, "{mode} ({}): 60 flows reach all 3 backends", f.name);
     }
-    assert_eq!(picks[0], picks[1], "{mode}: both nodes pick the same backend for every flow");
-    assert_eq!(picks[0].iter().collect::<BTreeSet<_>>().len(), 3, "{mode}: 60 flows reach all 3 backends");
 }
 
 /// Sends one ICMP echo request from namespace `ns` to `dst` and returns what first answers it

@@ -276,7 +276,7 @@ impl UdpFlow {
 }
 
 /// A UDP request on a connected socket, so ICMP errors surface as errors (ECONNREFUSED).
-pub fn udp_ask_connected(ns: &Netns, to: SocketAddrV4) -> io::Result<Answer> {
+pub fn udp_ask_connected(ns: &Netns, to: impl Into<SocketAddr>) -> io::Result<Answer> {
     UdpFlow::open(ns, to)?.ask()
 }
 
