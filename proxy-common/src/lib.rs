@@ -255,14 +255,22 @@ pub mod prog_names {
     pub const TC_EXT_INGRESS6: &str = "proxy_tc_ext_ingress6";
     pub const TC_EXT_INGRESS6_NEW: &str = "proxy_tc_ext_ingress6_new";
     pub const TC_EXT_INGRESS6_TRACE: &str = "proxy_tc_ext_ingress6_trace";
+    /// ICMPv6 errors arriving from pods and from outside, tail-called from `TC_INGRESS6` and
+    /// `TC_EXT_INGRESS6` (the translation and its route do not fit their frames).
+    pub const TC_ICMP6: &str = "proxy_tc_icmp6";
+    /// An ICMPv6 error `TC_ICMP6` translated for a remote backend or its client, sent on past
+    /// the stack by the FIB's route.
+    pub const TC_ICMP6_SEND: &str = "proxy_tc_icmp6_send";
     /// Each with its slot in `map_names::PROGS`.
-    pub const TAIL_CALLED: [(&str, u32); 6] = [
+    pub const TAIL_CALLED: [(&str, u32); 8] = [
         (TC_INGRESS6, super::prog_slots::INGRESS6),
         (TC_INGRESS6_NEW, super::prog_slots::INGRESS6_NEW),
         (TC_EGRESS6, super::prog_slots::EGRESS6),
         (TC_EXT_INGRESS6, super::prog_slots::EXT_INGRESS6),
         (TC_EXT_INGRESS6_NEW, super::prog_slots::EXT_INGRESS6_NEW),
         (TC_EXT_INGRESS6_TRACE, super::prog_slots::EXT_INGRESS6_TRACE),
+        (TC_ICMP6, super::prog_slots::ICMP6),
+        (TC_ICMP6_SEND, super::prog_slots::ICMP6_SEND),
     ];
 }
 
@@ -274,7 +282,9 @@ pub mod prog_slots {
     pub const EXT_INGRESS6: u32 = 3;
     pub const EXT_INGRESS6_NEW: u32 = 4;
     pub const EXT_INGRESS6_TRACE: u32 = 5;
-    pub const COUNT: u32 = 6;
+    pub const ICMP6: u32 = 6;
+    pub const ICMP6_SEND: u32 = 7;
+    pub const COUNT: u32 = 8;
     /// Slots of `map_names::PROGS_XDP` (slot 0: `prog_names::XDP_EXT6`).
     pub const XDP_COUNT: u32 = 1;
 }

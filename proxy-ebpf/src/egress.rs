@@ -12,8 +12,7 @@ use proxy_common::{
 use crate::{
     ct,
     family::Family,
-    frag, icmp, icmp6,
-    icmp_nat::{self, Direction},
+    frag, icmp, icmp6, icmp_nat,
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -50,7 +49,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         Parsed::Packet(p) => p,
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             if !icmp::is_query(ctx, l4_off) {
-                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Leaving);
+                return icmp_nat::leaving(ctx, l4_off, saddr, daddr);
             }
             // A host process's ping to a cluster IP (a pod's was answered where it entered):
             // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
@@ -88,7 +87,7 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             let kind = icmp6::kind(ctx, l4_off);
             if icmp6::is_error(kind) {
-                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Leaving);
+                return icmp_nat::leaving(ctx, l4_off, saddr, daddr);
             }
             if !icmp6::is_echo_request(kind) {
                 return Ok(Verdict::pass(Reason::EgressPass));

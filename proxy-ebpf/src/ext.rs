@@ -11,8 +11,7 @@ use proxy_common::{csum, prog_slots, Reason, TRACE_MARK};
 use crate::{
     ct,
     family::Family,
-    frag,
-    icmp_nat::{self, Direction},
+    frag, icmp_nat,
     maps::{PROGS_V1, TRACE_V2},
     nat::{self, Side},
     north::{self, Env, Route, Step},
@@ -62,7 +61,14 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
 pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     let mut pkt = match crate::parse6::ipv6(ctx) {
         Parsed::Packet(p) => p,
-        Parsed::Icmp { l4_off, saddr, daddr, .. } => return icmp_message(ctx, l4_off, saddr, daddr, env_of(ctx, None).dry),
+        Parsed::Icmp { l4_off, .. } => {
+            if env_of(ctx, None).dry || !crate::icmp6::is_error(crate::icmp6::kind(ctx, l4_off)) {
+                return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService)));
+            }
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_V1.tail_call(ctx, prog_slots::ICMP6) };
+            return passed_unstaged(false);
+        }
         Parsed::OtherProto { .. } => return Outcome::Counted(Ok(Verdict::pass(Reason::PassNotService))),
         Parsed::Malformed => return Outcome::Counted(Ok(Verdict::pass(Reason::PassMalformed))),
     };
@@ -92,14 +98,15 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
     finish6(ctx, &env, &pkt, step)
 }
 
-/// An ICMP (ICMPv6) message from outside: an error about a translated flow is rewritten for
-/// the host it must reach (`icmp_nat`); the rest is the node's. (A trace sends no ICMP.)
+/// An ICMP message from outside: an error about a translated flow is rewritten for the host it
+/// must reach (`icmp_nat`); the rest is the node's. (A trace sends no ICMP. IPv6's errors go
+/// to a program of their own, `prog_names::TC_ICMP6`.)
 #[inline(always)]
-fn icmp_message<A: Family>(ctx: &TcContext, l4_off: usize, saddr: A, daddr: A, dry: bool) -> Outcome {
+fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], dry: bool) -> Outcome {
     if dry {
         return passed_unstaged(true);
     }
-    Outcome::Counted(icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving))
+    Outcome::Counted(icmp_nat::arriving(ctx, l4_off, saddr, daddr))
 }
 
 /// The IPv6 north-south new-flow program: `north::new_flow` for the packet
@@ -198,7 +205,7 @@ pub fn decrement_ttl<F: Frame>(ctx: &F) -> Result<(), Reason> {
 /// Out by `route`: with the next hop's address known, straight to the device; otherwise the
 /// kernel resolves the neighbour first.
 #[inline(always)]
-fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
+pub fn send<A: Family>(ctx: &TcContext, route: &Route<A>) -> Result<i32, Reason> {
     if route.no_neigh {
         let mut nh = A::redirect_neigh_params(route.nexthop);
         // SAFETY: a valid parameter block of the size passed.

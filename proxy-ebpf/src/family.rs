@@ -84,6 +84,9 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     /// Offsets of the source and destination address in the network header.
     const SRC_OFF: usize;
     const DST_OFF: usize;
+    /// Offset of the TTL (hop limit) in the network header, and the family's ICMP protocol.
+    const HOPS_OFF: usize;
+    const ICMP_PROTO: u8;
     /// The L4 checksum's update for an address of the pseudo-header, through the kernel's
     /// helper (which also keeps a CHECKSUM_COMPLETE skb's `skb->csum` right).
     fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason>;
@@ -97,6 +100,9 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     /// The quote of the ICMP (ICMPv6) message at `l4_off`, if it is an error quoting a TCP or
     /// UDP packet with its ports (`icmp_nat`).
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>>;
+    /// `icmp_nat::send_on` for a translated error from `src` to `dst`: inline (IPv4), or in a
+    /// program of its own (IPv6: the translation and the route do not fit one stack frame).
+    fn send_translated(ctx: &TcContext, src: Self, dst: Self) -> Result<Verdict, Reason>;
     /// Answers the packet with the family's port unreachable, back where it came from.
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
 
@@ -134,6 +140,8 @@ impl Family for [u8; 4] {
     const HEADER_CSUM: bool = true;
     const SRC_OFF: usize = 12;
     const DST_OFF: usize = 16;
+    const HOPS_OFF: usize = 8;
+    const ICMP_PROTO: u8 = proxy_common::IPPROTO_ICMP;
 
     #[inline(always)]
     fn ct() -> &'static CtMap<Self> {
@@ -232,6 +240,10 @@ impl Family for [u8; 4] {
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
         icmp::read_quote(ctx, l4_off)
     }
+    #[inline(always)]
+    fn send_translated(ctx: &TcContext, src: Self, dst: Self) -> Result<Verdict, Reason> {
+        crate::icmp_nat::send_on(ctx, src, dst)
+    }
 
     #[inline(always)]
     fn node_address(ifindex: u32) -> Option<Self> {
@@ -284,6 +296,8 @@ impl Family for Ip6 {
     const HEADER_CSUM: bool = false;
     const SRC_OFF: usize = 8;
     const DST_OFF: usize = 24;
+    const HOPS_OFF: usize = 7;
+    const ICMP_PROTO: u8 = crate::parse6::IPPROTO_ICMPV6;
 
     #[inline(always)]
     fn ct() -> &'static CtMap<Self> {
@@ -400,6 +414,14 @@ impl Family for Ip6 {
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
         crate::icmp6::read_quote(ctx, l4_off)
+    }
+    #[inline(always)]
+    fn send_translated(ctx: &TcContext, _src: Self, _dst: Self) -> Result<Verdict, Reason> {
+        // SAFETY: plain helper call; on success it does not return.
+        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::ICMP6_SEND) };
+        // Translated, but its stage could not be entered (a restart refilling the program
+        // array): the stack may still route it.
+        Ok(Verdict::pass(Reason::PassNoStage))
     }
 
     #[inline(always)]

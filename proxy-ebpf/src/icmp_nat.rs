@@ -3,12 +3,12 @@
 //! is about, and the host it goes to must recognise that packet as one of its own: as it sent
 //! it, before the translation.
 //!
-//! - **Towards a client** (`Direction::Leaving`, on TC egress): an error about a packet the client
+//! - **Towards a client** (`leaving`, on TC egress): an error about a packet the client
 //!   sent to a Service (quoted client -> backend) must name the Service (quoted client ->
 //!   Service, with the client's own port where the flow moved it); sent by the backend itself,
 //!   it comes from the Service too. Without it a client's TCP cannot lower its path MTU, and a
 //!   UDP client never hears "connection refused".
-//! - **Towards a backend** (`Direction::Arriving`, on TC ingress of pods and of external
+//! - **Towards a backend** (`arriving`, on TC ingress of pods and of external
 //!   interfaces): an error about a reply the client received (quoted Service -> client: a
 //!   router's Fragmentation Needed or Packet Too Big on the way to the client, or the client's
 //!   own port unreachable) is addressed to the Service; it must go to the backend, quoting the
@@ -19,9 +19,15 @@
 //!   address:port -> backend) is addressed to the node; it must go to the client, quoting what
 //!   the client sent.
 //!
-//! An arriving error goes on through the stack to its new destination. Its outer source is
-//! kept (a router's, or the sender's): an address of the node there would be dropped as a
-//! martian on the way in, and the receiver matches an error by its quote.
+//! An arriving error about a local backend's flow goes on through the stack to its new
+//! destination (the kernel's conntrack saw that flow, so the error is RELATED for the node's
+//! netfilter too), with its outer source kept (a router's, or the client's). One about a flow
+//! SNATed to a remote backend is sent on past the stack by the FIB's route, as that flow's
+//! packets are: the node's conntrack never saw them (a `ctstate INVALID` drop would take the
+//! error), and its outer source becomes what nf_nat would make it, the node's SNAT address
+//! towards the backend, the Service towards the client when the backend sent it (an address
+//! of the node, which the stack would drop as a martian on the way in). A hairpinned flow's
+//! error goes straight back to its pod, as the flow's packets do.
 //!
 //! Checksums are updated with arithmetic. Every region a checksum covers keeps its sum (the
 //! quoted headers' changes are made up in the ICMP checksum, an IPv6 outer address's in the
@@ -29,18 +35,16 @@
 //! change, and a CHECKSUM_COMPLETE skb's `csum` stays right without the helper.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{csum, ct::flags, CtKey, Reason, IPPROTO_UDP};
+use proxy_common::{csum, ct::flags, CtKey, Ip6, Reason, IPPROTO_UDP};
 
-use crate::{family::Family, select::revnat_of, value::Slot, verdict::Verdict};
-
-/// Where an error is met.
-#[derive(Clone, Copy, PartialEq)]
-pub enum Direction {
-    /// TC egress: about to leave towards its destination.
-    Leaving,
-    /// TC ingress: just received from a pod or from outside.
-    Arriving,
-}
+use crate::{
+    family::Family,
+    north::{self, Env},
+    parse::{Parsed, IP_OFF},
+    select::revnat_of,
+    value::Slot,
+    verdict::Verdict,
+};
 
 /// An ICMP (ICMPv6) error quoting a TCP or UDP packet whose ports are in the message: where
 /// its fields are, and what they hold.
@@ -71,13 +75,31 @@ struct Rewrite<A> {
     outer_src: A,
 }
 
-/// The ICMP (ICMPv6) message at `l4_off` (from `outer_src` to `outer_dst`), rewritten if it is
-/// an error about a translated flow that must be translated where it is met (see the module
-/// comment); anything else is passed as it is.
+/// The ICMP (ICMPv6) message at `l4_off` (from `outer_src` to `outer_dst`) about to leave (TC
+/// egress), rewritten if it is an error about a translated flow that must be translated there
+/// (see the module comment); anything else is passed as it is. A genuine error is addressed to the sender of
+/// the packet it quotes: one addressed elsewhere is left alone, as conntrack leaves it.
 #[inline(always)]
-pub fn translate<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_dst: A, at: Direction) -> Result<Verdict, Reason> {
-    let untouched = Ok(Verdict::pass(if at == Direction::Leaving { Reason::EgressPass } else { Reason::PassNotService }));
+pub fn leaving<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_dst: A) -> Result<Verdict, Reason> {
+    translate::<A, false>(ctx, l4_off, outer_src, outer_dst)
+}
+
+/// `leaving`'s counterpart on TC ingress, for an error just received from a pod or from
+/// outside.
+#[inline(always)]
+pub fn arriving<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_dst: A) -> Result<Verdict, Reason> {
+    translate::<A, true>(ctx, l4_off, outer_src, outer_dst)
+}
+
+/// Both, told apart at compile time (what only an arriving error needs, its route past the
+/// stack, would not fit TC egress's IPv6 frame).
+#[inline(always)]
+fn translate<A: Family, const ARRIVING: bool>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_dst: A) -> Result<Verdict, Reason> {
+    let untouched = Ok(Verdict::pass(if ARRIVING { Reason::PassNotService } else { Reason::EgressPass }));
     let Some(q) = A::read_quote(ctx, l4_off) else { return untouched };
+    if outer_dst != q.saddr {
+        return untouched;
+    }
     // The tuple the flow's packets in the other direction carry: one lookup finds the flow
     // from a quote in either of its forms.
     let key = CtKey { saddr: q.daddr, daddr: q.saddr, sport: q.dport, dport: q.sport, proto: q.proto, _pad: 0, _pad2: 0 };
@@ -85,14 +107,25 @@ pub fn translate<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_
     // Read field by field (not copied whole: IPv6's entry would not fit beside the quote).
     let (f, nat_addr, nat_port, snat_addr, snat_port) = e.read(|e| (e.flags, e.nat_addr, e.nat_port, e.snat_addr, e.snat_port));
     let snat = f & flags::SNAT != 0;
+    // A hairpinned client is its own backend, which knows the client by the hairpin address:
+    // the error goes straight back to the pod it came from, as the flow's packets do.
+    let hairpin = f & flags::HAIRPIN != 0;
     let to = if f & flags::REPLY != 0 {
         // The quote is of a packet towards the backend (the key is the reply tuple): the client
         // must see the Service. A local backend's client is reached by TC egress, where the
-        // error leaves; a remote one's error was addressed to this node's SNAT address.
-        if at == Direction::Arriving && !snat {
+        // error leaves; a remote one's error was addressed to this node's SNAT address, and a
+        // hairpinned one's to the hairpin address, and both are met on arrival.
+        if ARRIVING != (snat || hairpin) {
             return untouched;
         }
         let Some(rn) = e.read(revnat_of) else { return untouched };
+        let client = if snat {
+            nat_addr
+        } else if hairpin {
+            q.daddr
+        } else {
+            q.saddr
+        };
         let sport = if snat {
             nat_port
         } else if f & flags::PORT_NAT != 0 {
@@ -101,22 +134,20 @@ pub fn translate<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_
             q.sport
         };
         Rewrite {
-            src: if snat { nat_addr } else { q.saddr },
+            src: client,
             sport,
             dst: rn.addr,
             dport: rn.port,
-            outer_dst: if snat && outer_dst == q.saddr { nat_addr } else { outer_dst },
-            // Sent by the backend itself: it comes from the Service (not on arrival: see the
-            // module comment).
-            outer_src: if !snat && outer_src == q.daddr { rn.addr } else { outer_src },
+            outer_dst: client,
+            // Sent by the backend itself: it comes from the Service.
+            outer_src: if outer_src == q.daddr { rn.addr } else { outer_src },
         }
     } else {
         // The quote is of a reply (the key is the forward tuple): it goes to the backend,
         // quoting the reply as the backend sent it, to the address and port it sent it to.
-        if at == Direction::Leaving || outer_dst != q.saddr {
+        if !ARRIVING {
             return untouched;
         }
-        let hairpin = f & flags::HAIRPIN != 0;
         let client = if snat {
             snat_addr
         } else if hairpin {
@@ -130,12 +161,62 @@ pub fn translate<A: Family>(ctx: &TcContext, l4_off: usize, outer_src: A, outer_
             dst: client,
             dport: if f & (flags::SNAT | flags::PORT_NAT) != 0 { snat_port } else { q.dport },
             outer_dst: nat_addr,
-            // A hairpinned client is its own backend, known to itself by the hairpin address.
-            outer_src: if hairpin && outer_src == q.daddr { A::HAIRPIN } else { outer_src },
+            outer_src: if snat {
+                snat_addr
+            } else if hairpin && outer_src == q.daddr {
+                A::HAIRPIN
+            } else {
+                outer_src
+            },
         }
     };
+    if ARRIVING && snat {
+        // Sent on past the stack, one hop further: an error on its last hop is left to the
+        // kernel, untranslated (it sends no error about an error).
+        let hops: [u8; 1] = ctx.load(IP_OFF + A::HOPS_OFF).map_err(|_| Reason::DropRewrite)?;
+        if hops[0] <= 1 {
+            return untouched;
+        }
+    }
     rewrite(ctx, &q, outer_src, outer_dst, &to)?;
+    if ARRIVING && hairpin {
+        return Ok(Verdict { action: crate::nat::bounce(ctx)?, reason: Reason::IcmpErrorNat });
+    }
+    if ARRIVING && snat {
+        return A::send_translated(ctx, to.outer_src, to.outer_dst);
+    }
     Ok(Verdict::pass(Reason::IcmpErrorNat))
+}
+
+/// Sends a translated error from `src` to `dst` on past the stack by the FIB's route, one hop
+/// less (the caller has checked it has one to spare), as `Step::Forward` sends a flow's packets.
+#[inline(always)]
+pub fn send_on<A: Family>(ctx: &TcContext, src: A, dst: A) -> Result<Verdict, Reason> {
+    // SAFETY: reads a field of our own context.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let env = Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry: false };
+    let route = north::fib_proto(&env, A::ICMP_PROTO, src, dst)?;
+    A::decrement_hops(ctx)?;
+    Ok(Verdict { action: crate::ext::send(ctx, &route)?, reason: Reason::IcmpErrorNat })
+}
+
+/// The IPv6 stage of `send_on` (`prog_names::TC_ICMP6_SEND`): the addresses are the packet's,
+/// already translated.
+#[inline(always)]
+pub fn try_send6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let src: [u8; 16] = ctx.load(IP_OFF + Ip6::SRC_OFF).map_err(|_| Reason::DropRewrite)?;
+    let dst: [u8; 16] = ctx.load(IP_OFF + Ip6::DST_OFF).map_err(|_| Reason::DropRewrite)?;
+    send_on(ctx, Ip6::from_bytes(src), Ip6::from_bytes(dst))
+}
+
+/// An ICMPv6 error arriving from a pod or from outside (a program of its own: see
+/// `prog_names::TC_ICMP6`).
+#[inline(always)]
+pub fn try_arriving6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    match crate::parse6::ipv6(ctx) {
+        Parsed::Icmp { l4_off, saddr, daddr, .. } => arriving::<Ip6>(ctx, l4_off, saddr, daddr),
+        _ => Ok(Verdict::pass(Reason::PassNotService)),
+    }
 }
 
 /// Writes the rewrite, every checksum following (see the module comment).

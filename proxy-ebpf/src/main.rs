@@ -96,6 +96,19 @@ pub fn proxy_tc_ext_ingress6_trace(ctx: TcContext) -> i32 {
     outcome(&ctx, ext::try_tc_ext_ingress6_trace(&ctx))
 }
 
+/// ICMPv6 errors arriving from pods and from outside (tail-called by `proxy_tc_ingress6` and
+/// `proxy_tc_ext_ingress6`).
+#[classifier]
+pub fn proxy_tc_icmp6(ctx: TcContext) -> i32 {
+    finish(&ctx, icmp_nat::try_arriving6(&ctx))
+}
+
+/// An ICMPv6 error `proxy_tc_icmp6` translated, sent on by the FIB's route.
+#[classifier]
+pub fn proxy_tc_icmp6_send(ctx: TcContext) -> i32 {
+    finish(&ctx, icmp_nat::try_send6(&ctx))
+}
+
 /// An external program's outcome: counted, or a trace packet's (which counts nothing).
 #[inline(always)]
 fn outcome(ctx: &TcContext, o: ext::Outcome) -> i32 {

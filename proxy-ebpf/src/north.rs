@@ -83,9 +83,15 @@ pub enum Step<A = [u8; 4]> {
 
 #[inline(always)]
 pub fn fib<A: Family>(env: &Env, pkt: &Packet<A>, src: A, dst: A) -> Result<Route<A>, Reason> {
+    fib_proto(env, pkt.proto, src, dst)
+}
+
+/// `fib` for a packet of protocol `proto` from `src` to `dst`.
+#[inline(always)]
+pub fn fib_proto<A: Family>(env: &Env, proto: u8, src: A, dst: A) -> Result<Route<A>, Reason> {
     // SAFETY: a plain-data struct of integers and arrays; all-zero is a valid value.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.l4_protocol = pkt.proto;
+    p.l4_protocol = proto;
     p.ifindex = env.ifindex;
     // tot_len stays 0: no MTU check (translation does not change the size).
     A::set_fib_addresses(&mut p, src, dst);

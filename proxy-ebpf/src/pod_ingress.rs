@@ -11,8 +11,7 @@ use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, Se
 use crate::{
     ct,
     family::Family,
-    frag, icmp, icmp6,
-    icmp_nat::{self, Direction},
+    frag, icmp, icmp6, icmp_nat,
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -48,7 +47,9 @@ pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
             let kind = icmp6::kind(ctx, l4_off);
             if icmp6::is_error(kind) {
-                return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving);
+                // SAFETY: plain helper call; on success it does not return.
+                unsafe { PROGS_V1.tail_call(ctx, prog_slots::ICMP6) };
+                return Ok(Verdict::pass(Reason::PassNoStage));
             }
             if !icmp6::is_echo_request(kind) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
                 return Ok(Verdict::pass(Reason::PassNotService));
@@ -136,7 +137,7 @@ fn to_service<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Rea
 #[inline(always)]
 fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], tot_len: [u8; 2]) -> Result<Verdict, Reason> {
     if !icmp::is_query(ctx, l4_off) {
-        return icmp_nat::translate(ctx, l4_off, saddr, daddr, Direction::Arriving);
+        return icmp_nat::arriving(ctx, l4_off, saddr, daddr);
     }
     if select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
         return Ok(Verdict::pass(Reason::PassNotService));

@@ -214,9 +214,15 @@ fn icmp_error(from: Ipv4Addr, to: Ipv4Addr, code: u8, about: &[u8]) -> Vec<u8> {
     Ipv4::new(from, to, ICMP, body).frame()
 }
 
-/// What an ICMP error frame quotes, dissected, after its outer header is checked.
-fn quote_of(out: &testrun::Output) -> (proxy_tests::packet::Dissected, proxy_tests::packet::Dissected) {
-    assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+/// What an ICMP error frame quotes, dissected, after its outer header is checked: passed on
+/// through the stack, or (`forwarded`) sent on past it to the next hop, one hop less.
+fn quote_of(out: &testrun::Output, forwarded: bool) -> (proxy_tests::packet::Dissected, proxy_tests::packet::Dissected) {
+    if forwarded {
+        assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
+        assert_eq!((&out.frame[..6], out.frame[14 + 8]), (&ROUTER_MAC[..], 63), "to the next hop, one hop less");
+    } else {
+        assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+    }
     let d = dissect(&out.frame);
     assert!(d.ip_checksum_ok, "outer IP checksum");
     let icmp = d.icmp.clone().expect("still ICMP");
@@ -232,10 +238,13 @@ fn quote_of(out: &testrun::Output) -> (proxy_tests::packet::Dissected, proxy_tes
 
 /// ICMP errors from outside about north-south flows reach the host that must act on them, as
 /// nf_nat sends them. A router's fragmentation needed about a reply to the client, addressed
-/// to the node's NodePort address, goes to the backend, local or remote, quoting the reply as
-/// the backend sent it (to the client, or to the node's SNAT address and port); without it the
-/// backend's large replies are lost for good. One about a packet the node forwarded to a remote
-/// backend, addressed to the node's SNAT address, goes to the client, quoting what it sent.
+/// to the NodePort's or load balancer's address, goes to the backend quoting the reply as the
+/// backend sent it: to a local one through the stack (its flow is the kernel's too), to a
+/// remote one past the stack from the node's SNAT address, as that flow's packets go (the
+/// kernel never saw them). Without it the backend's large replies are lost for good. One about
+/// a packet the node forwarded to a remote backend, addressed to the node's SNAT address, goes
+/// to the client quoting what it sent, past the stack too, from the Service when the backend
+/// sent it.
 #[test]
 fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
     let Some(mut n) = node("icmp_errors_about_north_south_flows_reach_the_backend_or_the_client") else { return };
@@ -248,33 +257,52 @@ fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
     run_ext(&mut n.dp, &tcp_frame(client, node_port, SYN), n.ifindex);
     let reply = run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), client, SYN | ACK)).frame;
     assert_eq!(dissect(&reply).src_sock(), node_port);
-    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &reply), n.ifindex));
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &reply), n.ifindex), false);
     assert_eq!((d.src, d.dst), (router, *sock(LOCAL).ip()), "to the local backend, from the router");
     assert_eq!((q.src_sock(), q.dst_sock()), (sock(LOCAL), client), "quoting the reply as the backend sent it");
 
-    // A remote backend, through SNAT.
+    // A remote backend behind a load-balancer IP (not the SNAT address), through SNAT.
+    let lb = sock("203.0.113.10:80");
     let client2 = sock("198.51.100.8:40001");
-    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
-    let out = run_ext(&mut n.dp, &tcp_frame(client2, node_port, SYN), n.ifindex);
+    n.dp.upsert(&key("203.0.113.10:80", Protocol::Tcp), &frontend(FrontendKind::LoadBalancer, vec![backend(REMOTE, false)])).unwrap();
+    let out = run_ext(&mut n.dp, &tcp_frame(client2, lb, SYN), n.ifindex);
     assert_eq!(out.action, TC_ACT_REDIRECT);
     let forwarded = out.frame;
     let snat = SocketAddrV4::new(node_ip, dissect(&forwarded).sport.unwrap());
     let reply = run_ext(&mut n.dp, &tcp_frame(sock(REMOTE), snat, SYN | ACK), n.ifindex).frame;
-    assert_eq!((dissect(&reply).src_sock(), dissect(&reply).dst_sock()), (node_port, client2));
-    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &reply), n.ifindex));
-    assert_eq!((d.src, d.dst), (router, *sock(REMOTE).ip()), "to the remote backend");
+    assert_eq!((dissect(&reply).src_sock(), dissect(&reply).dst_sock()), (lb, client2));
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, *lb.ip(), 4, &reply), n.ifindex), true);
+    assert_eq!((d.src, d.dst), (node_ip, *sock(REMOTE).ip()), "to the remote backend, from the node's SNAT address");
     assert_eq!((q.src_sock(), q.dst_sock()), (sock(REMOTE), snat), "quoting the reply as sent to the SNAT address and port");
-    // From the backend's side, about the forwarded packet: to the client, naming the NodePort.
-    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &forwarded), n.ifindex));
-    assert_eq!((d.src, d.dst), (router, *client2.ip()), "to the client");
-    assert_eq!((q.src_sock(), q.dst_sock()), (client2, node_port), "quoting what the client sent");
+    // From the backend's side, about the forwarded packet: to the client, naming the Service.
+    let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &forwarded), n.ifindex), true);
+    assert_eq!((d.src, d.dst), (router, *client2.ip()), "to the client, from the router");
+    assert_eq!((q.src_sock(), q.dst_sock()), (client2, lb), "quoting what the client sent");
+    let (d, _) = quote_of(&run_ext(&mut n.dp, &icmp_error(*sock(REMOTE).ip(), node_ip, 4, &forwarded), n.ifindex), true);
+    assert_eq!((d.src, d.dst), (*lb.ip(), *client2.ip()), "sent by the backend itself: from the Service");
 
+    // Not addressed to the sender of what it quotes (a reply's error must go to the Service,
+    // the forwarded packet's to the SNAT address): the node's, untouched.
+    for (to, about) in [(node_ip, &reply), (*lb.ip(), &forwarded)] {
+        let stray = icmp_error(router, to, 4, about);
+        assert_eq!(run_ext(&mut n.dp, &stray, n.ifindex).frame, stray, "an error to {to} about a packet it did not send");
+    }
+    // An error on its last hop is left to the kernel.
+    let mut last_hop = icmp_error(router, *lb.ip(), 4, &reply);
+    last_hop[14 + 8] = 1;
+    let c = proxy_tests::packet::internet_checksum(&{
+        let mut h = last_hop[14..34].to_vec();
+        h[10..12].copy_from_slice(&[0, 0]);
+        h
+    });
+    last_hop[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
+    assert_eq!(run_ext(&mut n.dp, &last_hop, n.ifindex).frame, last_hop, "an error with one hop left");
     // XDP leaves ICMP to TC; an error about no flow of ours is the node's.
-    let err = icmp_error(router, node_ip, 4, &reply);
+    let err = icmp_error(router, *lb.ip(), 4, &reply);
     assert_eq!(run_xdp(&mut n.dp, &err, n.ifindex).action, XDP_PASS);
     let own = icmp_error(router, node_ip, 4, &tcp_frame(SocketAddrV4::new(node_ip, 22), client, ACK));
     assert_eq!(run_ext(&mut n.dp, &own, n.ifindex).frame, own, "about the node's own SSH connection");
-    assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&3));
+    assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&4));
 }
 
 #[test]

@@ -159,9 +159,15 @@ fn packet_too_big(from: std::net::Ipv6Addr, to: std::net::Ipv6Addr, about: &[u8]
     Ipv6::new(from, to, ICMPV6, packet6::icmpv6_message(from, to, 2, 0, 1280u32.to_be_bytes(), quote)).frame()
 }
 
-/// The outer addresses of a translated Packet Too Big, and its quote's sockets.
-fn ptb_of(out: &testrun::Output) -> ((std::net::Ipv6Addr, std::net::Ipv6Addr), (SocketAddrV6, SocketAddrV6)) {
-    assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+/// The outer addresses of a translated Packet Too Big, and its quote's sockets; passed on
+/// through the stack, or (`forwarded`) sent on past it to the next hop, one hop less.
+fn ptb_of(out: &testrun::Output, forwarded: bool) -> ((std::net::Ipv6Addr, std::net::Ipv6Addr), (SocketAddrV6, SocketAddrV6)) {
+    if forwarded {
+        assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
+        assert_eq!((&out.frame[..6], out.frame[14 + 7]), (&ROUTER_MAC[..], 63), "to the next hop, one hop less");
+    } else {
+        assert_eq!(out.action, TC_ACT_OK, "on through the stack");
+    }
     // `dissect` checks the ICMPv6 checksum over the new pseudo-header.
     let d = dissect(&out.frame);
     let (kind, _, body) = d.icmp.expect("still ICMPv6");
@@ -173,8 +179,9 @@ fn ptb_of(out: &testrun::Output) -> ((std::net::Ipv6Addr, std::net::Ipv6Addr), (
 }
 
 /// Packet Too Big from outside about IPv6 north-south flows reaches the host that must lower
-/// its path MTU, as IPv4's errors do: about a reply to the client, the backend (local, or
-/// remote through SNAT); about a packet forwarded to a remote backend, the client.
+/// its path MTU, as IPv4's errors do: about a reply to the client, the backend (local through
+/// the stack, or remote past it from the node's SNAT address); about a packet forwarded to a
+/// remote backend, the client, past the stack.
 #[test]
 fn ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client() {
     let Some(mut n) = node("ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client") else { return };
@@ -186,7 +193,7 @@ fn ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client
     run_ext(&mut n.dp, &tcp_frame(client, np, SYN), n.ifindex);
     let reply = run_egress(&mut n.dp, &tcp_frame(sock(LOCAL), client, SYN | ACK)).frame;
     assert_eq!(dissect(&reply).src_sock(), np);
-    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex));
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex), false);
     assert_eq!(outer, (router, *sock(LOCAL).ip()), "to the local backend");
     assert_eq!(quote, (sock(LOCAL), client), "quoting the reply as the backend sent it");
 
@@ -196,10 +203,10 @@ fn ipv6_packet_too_big_about_north_south_flows_reaches_the_backend_or_the_client
     let snat = SocketAddrV6::new(node_ip, dissect(&forwarded).sport.unwrap(), 0, 0);
     let reply = run_ext(&mut n.dp, &tcp_frame(sock(REMOTE), snat, SYN | ACK), n.ifindex).frame;
     assert_eq!(dissect(&reply).dst_sock(), client2);
-    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex));
-    assert_eq!(outer, (router, *sock(REMOTE).ip()), "to the remote backend");
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &reply), n.ifindex), true);
+    assert_eq!(outer, (node_ip, *sock(REMOTE).ip()), "to the remote backend, from the node's SNAT address");
     assert_eq!(quote, (sock(REMOTE), snat), "quoting the reply as sent to the SNAT address and port");
-    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &forwarded), n.ifindex));
+    let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &forwarded), n.ifindex), true);
     assert_eq!(outer, (router, *client2.ip()), "to the client");
     assert_eq!(quote, (client2, np), "quoting what the client sent");
     assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&3));

@@ -372,6 +372,14 @@ fn icmp_errors_about_a_services_replies_reach_the_backend() {
     let unknown = udp_frame(sock("10.96.0.77:53"), client, b"x");
     let stray = icmp_error(router, Ipv4Addr::new(10, 96, 0, 77), 3, 4, &unknown[14..]);
     assert_eq!(run(&mut dp, &stray).frame, stray, "an error about no flow");
+    // A quote of a later fragment has no ports: untouched, though its first bytes match.
+    let mut later = reply[14..].to_vec();
+    later[6..8].copy_from_slice(&0x0010u16.to_be_bytes());
+    later[10..12].copy_from_slice(&[0, 0]);
+    let c = packet::internet_checksum(&later[..20]);
+    later[10..12].copy_from_slice(&c.to_be_bytes());
+    let stray = icmp_error(router, *vip.ip(), 3, 4, &later);
+    assert_eq!(run(&mut dp, &stray).frame, stray, "an error quoting a later fragment");
     // And a ping still passes as it is.
     let ping = packet::icmp_echo_frame(*client.ip(), *backend.ip());
     assert_eq!(run(&mut dp, &ping).frame, ping);
@@ -645,6 +653,28 @@ fn a_pod_reaching_itself_through_its_service_is_hairpinned() {
     assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
     let c = counters(&mut dp);
     assert_eq!((c.get("new_flow"), c.get("reverse_nat"), c.get("established")), (Some(&1), Some(&1), Some(&1)), "{c:?}");
+
+    // ICMP errors about the flow go straight back to the pod too, in the form it knows each
+    // side by: its port unreachable about the request it received (from the hairpin address),
+    // to itself as the client, from the Service...
+    let request = tcp_frame(hairpin, sock("10.244.1.2:8080"), ACK);
+    let out = run(&mut dp, &icmp_error(*me.ip(), *hairpin.ip(), 3, 3, &request[14..]));
+    assert_eq!(out.action, TC_ACT_REDIRECT, "straight back out the pod's interface");
+    let d = dissect(&out.frame);
+    assert_eq!((d.src, d.dst), (*sock(VIP).ip(), *me.ip()));
+    let inner = quoted(d.icmp.as_ref().filter(|i| i.checksum_ok).expect("a valid ICMP message"));
+    assert_eq!((inner.src_sock(), inner.dst_sock()), (me, sock(VIP)), "the request as the client sent it");
+    // ...and its error as the client about the reply it received (from the Service), to itself
+    // as the backend, from the hairpin address.
+    let reply = tcp_frame(sock(VIP), me, ACK);
+    let out = run(&mut dp, &icmp_error(*me.ip(), *sock(VIP).ip(), 3, 3, &reply[14..]));
+    assert_eq!(out.action, TC_ACT_REDIRECT);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src, d.dst), (*hairpin.ip(), *me.ip()));
+    assert!(d.ip_checksum_ok);
+    let inner = quoted(d.icmp.as_ref().filter(|i| i.checksum_ok).expect("a valid ICMP message"));
+    assert_eq!((inner.src_sock(), inner.dst_sock()), (sock("10.244.1.2:8080"), hairpin), "the reply as the backend sent it");
+    assert!(inner.ip_checksum_ok);
 }
 
 #[test]
