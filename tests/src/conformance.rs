@@ -161,15 +161,36 @@ fn dual_stack_manifests(lab: &Lab, v4: &[usize], v6: &[usize]) -> String {
     .join("---\n")
 }
 
+/// `lab` with ServiceCIDR objects for both families' Service ranges (10.96.0.0/16,
+/// fd00:96::/112).
+fn lab_with_service_cidrs(agent: &Path, mode: ProxyMode) -> Lab {
+    let mut lab = Lab::new(agent, 3);
+    dual_stack(&mut lab);
+    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    lab.write_manifest(
+        "service-cidr.yaml",
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, 'fd00:96::/112']}\n",
+    );
+    start_dual_stack(&mut lab, mode);
+    lab
+}
+
 /// The single-node lab with three backends and the standard Services in both families
 /// (`dual_stack_manifests`), agent running in `mode`, traffic flowing in both.
 pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
     let mut lab = Lab::new(agent, 3);
     dual_stack(&mut lab);
     lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    start_dual_stack(&mut lab, mode);
+    lab
+}
+
+/// Starts the agent in `mode` on the dual-stack lab and waits until the web Service reaches
+/// every backend in both families.
+fn start_dual_stack(lab: &mut Lab, mode: ProxyMode) {
     lab.start_agent_with_extra(&["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"]);
     let all: BTreeSet<String> = (1..=3).map(|i| format!("backend-{i}")).collect();
-    for f in families(&lab) {
+    for f in families(lab) {
         eventually(&format!("the {} web Service to reach every backend", f.name), || {
             let seen: BTreeSet<String> = (0..30).filter_map(|_| tcp_ask_any(&lab.client.ns, f.web).ok()).map(|a| a.backend).collect();
             if seen == all {
@@ -179,7 +200,6 @@ pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
             }
         });
     }
-    lab
 }
 
 /// Starts the agent in `mode` (with `extra` flags) and waits until the web Service reaches
@@ -472,6 +492,7 @@ pub fn a_pod_reaching_its_own_service_gets_through(agent: &Path, mode: ProxyMode
             }
         }
         let own = own.unwrap_or_else(|| panic!("{mode}: 80 {} requests never picked the caller itself", f.name));
+        assert_eq!(own.peer.is_ipv4(), f.web.is_ipv4(), "{mode}: an {} connection", f.name);
         assert_ne!(own.peer.ip(), f.backends[0], "{mode}: hairpinned {} traffic is masqueraded, the pod does not see itself", f.name);
     }
 }
@@ -874,7 +895,8 @@ fn ping_refused(answer: &Result<Option<(Ipv4Addr, u8, u8)>, io::ErrorKind>) -> b
 
 /// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
 /// the link's other traffic, IPv6 router solicitations say, does not count).
-fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize, T) {
+fn sent_by_uplink<T>(lab: &Lab, dst: impl Into<IpAddr>, f: impl FnOnce() -> T) -> (usize, T) {
+    let dst = dst.into();
     let ifindex: i32 =
         lab.node.ip(&["-o", "link", "show", "uplink0"]).split(':').next().and_then(|i| i.trim().parse().ok()).expect("uplink0's index");
     let fd = lab.node.run(move || {
@@ -904,9 +926,13 @@ fn sent_by_uplink<T>(lab: &Lab, dst: Ipv4Addr, f: impl FnOnce() -> T) -> (usize,
             break;
         }
         let n = n as usize;
-        // Outgoing frames only; the IPv4 destination at bytes 16..20 of the IP header.
-        if from.sll_pkttype == libc::PACKET_OUTGOING && n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == dst.octets()
-        {
+        // Outgoing frames only; the destination at bytes 16..20 of the IPv4 header, 24..40 of
+        // the IPv6 one.
+        let to_dst = match dst {
+            IpAddr::V4(d) => n >= 14 + 20 && buf[12..14] == [0x08, 0x00] && buf[14 + 16..14 + 20] == d.octets(),
+            IpAddr::V6(d) => n >= 14 + 40 && buf[12..14] == [0x86, 0xdd] && buf[14 + 24..14 + 40] == d.octets(),
+        };
+        if from.sll_pkttype == libc::PACKET_OUTGOING && to_dst {
             count += 1;
         }
     }
@@ -922,28 +948,38 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     if not_applicable(mode, "service-cidrs", "service_cidrs_drop_free_addresses_and_reject_unserved_ports") {
         return;
     }
-    let mut lab = Lab::new(agent, 3);
-    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.write_manifest(
-        "service-cidr.yaml",
-        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n",
-    );
-    start(&mut lab, mode, &[]);
-    let start = Instant::now();
-    let err = tcp_ask(&lab.client.ns, sock("10.96.0.10:81")).expect_err("no such port");
-    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {err}");
-    assert!(start.elapsed() < Duration::from_secs(1), "{mode}: refused at once, not after a timeout");
-    // The uplink's far end answers no ARP: a neighbour entry for the gateway lets a SYN that is
-    // not dropped leave as it would on a node, where the gateway answers.
+    let lab = lab_with_service_cidrs(agent, mode);
+    // The uplink's far end answers no ARP (no neighbour discovery): a neighbour entry for the
+    // gateway lets a SYN that is not dropped leave as it would on a node, where the gateway
+    // answers.
     lab.node.ip(&["neigh", "replace", "192.168.250.254", "lladdr", "02:00:00:00:00:fe", "dev", "uplink0", "nud", "permanent"]);
-    let (sent, err) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 77), || {
-        tcp_ask(&lab.client.ns, sock("10.96.0.77:80")).expect_err("a free address answers nothing")
-    });
-    assert!(matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock), "{mode}: dropped, so it times out: {err}");
-    assert_eq!(sent, 0, "{mode}: nothing left by the default route; log:\n{}", lab.agent_log());
-    // Outside the range, the same packet goes where routing sends it.
-    let (sent, _) = sent_by_uplink(&lab, Ipv4Addr::new(10, 97, 0, 77), || tcp_ask(&lab.client.ns, sock("10.97.0.77:80")));
-    assert!(sent >= 1, "{mode}: outside the ServiceCIDR the SYN leaves by the default route");
+    lab.node.ip(&["-6", "neigh", "replace", "fd00:250::fe", "lladdr", "02:00:00:00:00:fe", "dev", "uplink0", "nud", "permanent"]);
+    for f in families(&lab) {
+        // An allocated cluster IP on a port its Service does not have: refused (as in
+        // `a_service_without_endpoints_refuses`, IPv6's answer ends its connect() at the first
+        // SYN retransmission).
+        let bound = if f.web.is_ipv4() { Duration::from_secs(1) } else { Duration::from_secs(2) };
+        let start = Instant::now();
+        let err = tcp_ask_any(&lab.client.ns, at(f.web.ip(), 81)).expect_err("no such port");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode} ({}): {err}", f.name);
+        assert!(start.elapsed() < bound, "{mode} ({}): refused in {:?}, not after a timeout", f.name, start.elapsed());
+        let (free, outside): (IpAddr, IpAddr) = if f.web.is_ipv4() {
+            (Ipv4Addr::new(10, 96, 0, 77).into(), Ipv4Addr::new(10, 97, 0, 77).into())
+        } else {
+            ("fd00:96::77".parse().unwrap(), "fd00:97::77".parse().unwrap())
+        };
+        let (sent, err) =
+            sent_by_uplink(&lab, free, || tcp_ask_any(&lab.client.ns, at(free, 80)).expect_err("a free address answers nothing"));
+        assert!(
+            matches!(err.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock),
+            "{mode} ({}): dropped, so it times out: {err}",
+            f.name
+        );
+        assert_eq!(sent, 0, "{mode} ({}): nothing left by the default route; log:\n{}", f.name, lab.agent_log());
+        // Outside the range, the same packet goes where routing sends it.
+        let (sent, _) = sent_by_uplink(&lab, outside, || tcp_ask_any(&lab.client.ns, at(outside, 80)));
+        assert!(sent >= 1, "{mode} ({}): outside the ServiceCIDR the SYN leaves by the default route", f.name);
+    }
     // A ping is a new flow too: to a cluster IP it is rejected, to a free address dropped.
     // (nftables' reject answers from the node's address, the eBPF dataplane from the cluster IP.)
     let answer = ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 10));
