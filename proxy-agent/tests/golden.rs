@@ -204,6 +204,35 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
 /// A large nftables table is built Service by Service in several transactions (the kernel's
 /// cost per transaction grows with its square); that relies on the ruleset of a set of
 /// Services being the union of each Service's.
+/// A dual-stack Service: kube-proxy runs a proxier per family, and each renders the Service's
+/// cluster IP and EndpointSlice of its family. kube-proxy's TestDisableLocalhostNodePortsIPv4
+/// and TestDisableLocalhostNodePortsIPv6 (no local-traffic detector, localhost NodePorts off)
+/// give both halves; the case makes them one Service (see its manifests).
+#[test]
+fn iptables_rules_match_kube_proxys_for_a_dual_stack_service_in_each_family() {
+    use proxy_agent::model::Family;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dual-stack");
+    let node = NodeContext {
+        nodeport_ips: vec![],
+        nodeport_all: true,
+        local: LocalTraffic::Unknown,
+        masquerade_all: false,
+        node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into(), "2001:db8::1".parse().unwrap()],
+        ..Default::default()
+    };
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    for (family, file) in [(Family::V4, "iptables.txt"), (Family::V6, "ip6tables.txt")] {
+        let opts = iptables::IptablesOptions {
+            family,
+            localhost_nodeports: false,
+            nfacct: false,
+            ..iptables::IptablesOptions::upstream_fixture()
+        };
+        let text = iptables::restore_text(&iptables::render(&services, &node.for_family(family), &opts), &|_| true, &Default::default());
+        assert_same(&format!("dual-stack: {file}"), &normalize_iptables(&text), &normalize_iptables(&golden("dual-stack", file)));
+    }
+}
+
 #[test]
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
