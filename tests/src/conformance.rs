@@ -1037,6 +1037,7 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("service_cidrs_drop_free_addresses_and_reject_unserved_ports", service_cidrs_drop_free_addresses_and_reject_unserved_ports),
     ("ipv6_services", ipv6_services),
     ("path_mtu_discovery_through_a_service", path_mtu_discovery_through_a_service),
+    ("path_mtu_discovery_through_a_node_port", path_mtu_discovery_through_a_node_port),
 ];
 
 /// Connects from `ns` to `to` and reads the name the server answers with.
@@ -1238,41 +1239,15 @@ fn host_processes_reach_ipv6_services(lab: &Lab, all: &BTreeSet<String>) {
 /// interface; on a node, an outside client's router sends it in by the uplink, which
 /// `tests/north.rs` and `north6.rs` cover packet by packet.
 pub fn path_mtu_discovery_through_a_service(agent: &Path, mode: ProxyMode) {
-    use std::io::Read as _;
     let mut lab = Lab::new(agent, 1);
-    lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
-    lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
-    lab.node.ip(&["-6", "route", "add", "default", "via", "fd00:250::fe", "dev", "uplink0"]);
-    let router_v6 = std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 2);
-    let backend_v6 = std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, 0x101);
-    lab.client.add_ipv6(&lab.node, router_v6);
-    lab.backends[0].add_ipv6(&lab.node, backend_v6);
+    dual_stack(&mut lab);
+    let (router_v6, backend_v6) = (pod6(2), pod6(0x101));
     let router = &lab.client;
-    router.ns.sysctl("net.ipv4.ip_forward", "1");
-    router.ns.sysctl("net.ipv6.conf.all.forwarding", "1");
-    // The client, one link past the router: 1280 bytes on the router's side of it, 1500 on
-    // the client's (so the client's SYN offers the full MSS).
-    let far = crate::netns::Netns::create(format!("pxl-{}-far", lab.id));
-    router.ns.ip(&["link", "add", "far0", "mtu", "1280", "type", "veth", "peer", "name", "eth0", "netns", &far.name]);
-    router.ns.ip(&["addr", "add", "10.244.250.1/24", "dev", "far0"]);
-    router.ns.ip(&["-6", "addr", "add", "fd00:244::250:1/112", "dev", "far0", "nodad"]);
-    router.ns.ip(&["link", "set", "far0", "up"]);
-    far.ip(&["addr", "add", "10.244.250.2/24", "dev", "eth0"]);
-    far.ip(&["-6", "addr", "add", "fd00:244::250:2/112", "dev", "eth0", "nodad"]);
-    far.ip(&["link", "set", "eth0", "up"]);
-    far.ip(&["route", "add", "default", "via", "10.244.250.1"]);
-    far.ip(&["-6", "route", "add", "default", "via", "fd00:244::250:1"]);
+    // The client, one link past the router.
+    let far = behind_a_small_link(&router.ns, &format!("pxl-{}-far", lab.id), ("10.244.250", "fd00:244::250:"));
     lab.node.ip(&["route", "add", "10.244.250.0/24", "via", &router.ip.to_string(), "dev", &router.host_if]);
     lab.node.ip(&["-6", "route", "add", "fd00:244::250:0/112", "via", &router_v6.to_string(), "dev", &router.host_if]);
-    // A download larger than any window, from a listener taking both families.
-    const SIZE: usize = 256 * 1024;
-    let download = std::iter::repeat_n('x', SIZE).collect::<String>();
-    let _server = crate::servers::Acceptor::start(
-        &lab.backends[0].ns,
-        (std::net::Ipv6Addr::UNSPECIFIED, 8090).into(),
-        Some(download),
-        Duration::from_millis(20),
-    );
+    let _server = bulk_server(&lab.backends[0].ns, "");
     let objects = [
         crate::lab::service("bulk", "10.96.0.60", &[("http", 80, "TCP", 8090)]),
         crate::lab::endpoint_slice("bulk", "bulk-v4", &lab.backend_ips(), &[("http", 8090, "TCP")]),
@@ -1287,28 +1262,116 @@ pub fn path_mtu_discovery_through_a_service(agent: &Path, mode: ProxyMode) {
     ];
     lab.write_manifest("services.yaml", &objects.join("---\n"));
     lab.start_agent_with_extra(&["--proxy-mode", mode.as_str(), "--cluster-cidr", "10.244.0.0/16,fd00:244::/64"]);
-    let fetch = |to: SocketAddr| -> Result<usize, String> {
-        let mut stream =
-            far.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map_err(|e| format!("connect: {e}"))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-        let mut got = Vec::new();
-        match stream.read_to_end(&mut got) {
-            Ok(_) if got.len() == SIZE => Ok(got.len()),
-            Ok(_) => Err(format!("{} of {SIZE} bytes, then the end", got.len())),
-            Err(e) => Err(format!("{} of {SIZE} bytes, then {e}", got.len())),
-        }
-    };
     for to in ["10.96.0.60:80", "[fd00:96::60]:80"] {
         let to: SocketAddr = to.parse().unwrap();
         // The Service's rules come first: until they are there, connecting fails at once.
         eventually(&format!("{to} to accept connections"), || {
             far.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map(drop).map_err(|e| e.to_string())
         });
-        fetch(to).unwrap_or_else(|e| {
+        download(&far, to).unwrap_or_else(|e| {
             panic!(
                 "{mode}: a download from {to} through a link of MTU 1280 (the backend must learn the path MTU): {e}\n{}",
                 lab.agent_log()
             )
         });
+    }
+}
+
+/// Bytes a `bulk_server` sends after its greeting: more than any window.
+const BULK: usize = 256 * 1024;
+
+/// A listener in `ns` taking both families on TCP 8090 that sends every connection `name`, a
+/// newline and `BULK` bytes, then closes it.
+fn bulk_server(ns: &crate::netns::Netns, name: &str) -> crate::servers::Acceptor {
+    let text = format!("{name}\n{}", "x".repeat(BULK));
+    crate::servers::Acceptor::start(ns, (std::net::Ipv6Addr::UNSPECIFIED, 8090).into(), Some(text), Duration::from_millis(20))
+}
+
+/// Downloads from a `bulk_server` at `to`, from `ns`: the server's name once every byte came.
+fn download(ns: &crate::netns::Netns, to: SocketAddr) -> Result<String, String> {
+    use std::io::Read as _;
+    let mut stream =
+        ns.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+    let mut got = Vec::new();
+    let end = match stream.read_to_end(&mut got) {
+        Ok(_) => "the end".to_string(),
+        Err(e) => e.to_string(),
+    };
+    let text = String::from_utf8_lossy(&got);
+    match text.split_once('\n') {
+        Some((name, rest)) if rest.len() == BULK => Ok(name.to_string()),
+        _ => Err(format!("{} bytes, then {end}", got.len())),
+    }
+}
+
+/// A namespace `name` one router past `router`: a link of MTU 1280 on the router's side and
+/// 1500 on the far one (so the far end's SYN offers the full MSS), addressed `<v4>.1`/`.2`
+/// (a /24) and `<v6>1`/`2` (a /112), the far end routing everything through the router.
+fn behind_a_small_link(router: &crate::netns::Netns, name: &str, (v4, v6): (&str, &str)) -> crate::netns::Netns {
+    router.sysctl("net.ipv4.ip_forward", "1");
+    router.sysctl("net.ipv6.conf.all.forwarding", "1");
+    let far = crate::netns::Netns::create(name);
+    router.ip(&["link", "add", "far0", "mtu", "1280", "type", "veth", "peer", "name", "eth0", "netns", &far.name]);
+    router.ip(&["addr", "add", &format!("{v4}.1/24"), "dev", "far0"]);
+    router.ip(&["-6", "addr", "add", &format!("{v6}1/112"), "dev", "far0", "nodad"]);
+    router.ip(&["link", "set", "far0", "up"]);
+    far.ip(&["addr", "add", &format!("{v4}.2/24"), "dev", "eth0"]);
+    far.ip(&["-6", "addr", "add", &format!("{v6}2/112"), "dev", "eth0", "nodad"]);
+    far.ip(&["link", "set", "eth0", "up"]);
+    far.ip(&["route", "add", "default", "via", &format!("{v4}.1")]);
+    far.ip(&["-6", "route", "add", "default", "via", &format!("{v6}1")]);
+    far
+}
+
+/// Path MTU discovery through NodePorts from outside, in both families: the client is one
+/// router past a link of MTU 1280 (the lab's outside client routes for it), and downloads
+/// from a Service whose backends are on node A, which it asks, and on node B. The router's
+/// fragmentation needed (packet too big) about the backends' full-sized replies is addressed
+/// to node A's NodePort address; only when the proxy hands it to the backend, on node A or
+/// past node A's stack to node B (the SNATed flow's path), quoting the reply as the backend
+/// sent it, does the download finish. kube-proxy's modes get this from conntrack.
+pub fn path_mtu_discovery_through_a_node_port(agent: &Path, mode: ProxyMode) {
+    let c = cluster_with(agent, mode, [&["a1"], &["b1"]], &web(""), &[], &[]);
+    let far = behind_a_small_link(&c.client, &format!("pxc-{}-far", c.id), ("100.64.0", "fd00:64::"));
+    for node in &c.nodes {
+        node.ns.ip(&["route", "add", "100.64.0.0/24", "via", CLIENT_IP]);
+        node.ns.ip(&["-6", "route", "add", "fd00:64::/112", "via", cluster::CLIENT_IP6]);
+    }
+    let _servers = [bulk_server(&c.nodes[0].pods[0].ns, "a1"), bulk_server(&c.nodes[1].pods[0].ns, "b1")];
+    let bulk = cluster::service(
+        "bulk",
+        "  type: NodePort\n  clusterIP: 10.96.0.60\n  clusterIPs: [10.96.0.60, 'fd00:96::60']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  ports:\n  - {name: http, port: 80, targetPort: 8090, nodePort: 30090, protocol: TCP}\n",
+        None,
+    );
+    let slice_of = |family: &str, eps: [(String, &str); 2]| {
+        let eps: String = eps.iter().map(|(a, n)| format!("- addresses: ['{a}']\n  nodeName: {n}\n")).collect();
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: bulk-{}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: bulk\naddressType: {family}\nports:\n- {{name: http, port: 8090, protocol: TCP}}\nendpoints:\n{eps}",
+            family.to_lowercase()
+        )
+    };
+    let objects = [
+        bulk,
+        slice_of("IPv4", [("10.244.1.11".into(), "node-a"), ("10.244.2.11".into(), "node-b")]),
+        slice_of("IPv6", [(cluster::pod_ipv6(1, 0).to_string(), "node-a"), (cluster::pod_ipv6(2, 0).to_string(), "node-b")]),
+    ];
+    c.write_manifest("bulk.yaml", &objects.join("---\n"));
+    for f in north_families() {
+        let to = at(f.node_a, 30090);
+        eventually(&format!("{to} to accept connections"), || {
+            far.run(move || std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))).map(drop).map_err(|e| e.to_string())
+        });
+        let mut seen = BTreeSet::new();
+        for i in 0..30 {
+            let name = download(&far, to).unwrap_or_else(|e| {
+                panic!("{mode}: download {i} from {to} through a link of MTU 1280 (the backend must learn the path MTU): {e}")
+            });
+            seen.insert(name);
+            if seen.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(seen, BTreeSet::from(["a1".to_string(), "b1".to_string()]), "{mode} {to}: both the local and the remote backend");
     }
 }

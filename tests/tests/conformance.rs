@@ -81,6 +81,10 @@ macro_rules! suite {
                 run($m, "path_mtu_discovery_through_a_service")
             }
             #[test]
+            fn path_mtu_discovery_through_a_node_port() {
+                run($m, "path_mtu_discovery_through_a_node_port")
+            }
+            #[test]
             fn ipv6_services() {
                 run($m, "ipv6_services")
             }
@@ -162,7 +166,7 @@ fn iptables_backend_auto_and_switching() {
 #[test]
 fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.
-    assert_eq!(conformance::SCENARIOS.len(), 14);
+    assert_eq!(conformance::SCENARIOS.len(), 16);
 }
 
 /// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's
