@@ -233,6 +233,41 @@ fn iptables_rules_match_kube_proxys_for_a_dual_stack_service_in_each_family() {
     }
 }
 
+/// The nftables mode's two tables for a dual-stack ClusterIP Service (`ip kube-proxy` and `ip6
+/// kube-proxy`, one per family as kube-proxy's per-family proxiers write them). The IPv6 half's
+/// Service lines are those of kube-proxy's nftables TestNodePorts IPv6 case; the table's own
+/// chains and rules are the IPv4 fixture's in kube-proxy's IPv6 form (see the case's README
+/// entry).
+#[test]
+fn nftables_rules_match_kube_proxys_for_a_dual_stack_service_in_each_family() {
+    use proxy_agent::model::Family;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dual-stack-cluster-ip");
+    let ips: Vec<std::net::IpAddr> = vec![Ipv4Addr::new(192, 168, 0, 2).into(), "2001:db8::1".parse().unwrap()];
+    let node = NodeContext {
+        nodeport_ips: ips.clone(),
+        nodeport_all: false,
+        local: LocalTraffic::Cidrs(vec![cidr("10.0.0.0/8"), cidr("fd00:10::/64")]),
+        masquerade_all: false,
+        node_ips: ips,
+        ..Default::default()
+    };
+    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
+    for (family, file) in [(Family::V4, "nftables.txt"), (Family::V6, "nftables6.txt")] {
+        let opts = nftables::NftablesOptions {
+            family,
+            mark: "0x4000".into(),
+            service_cidrs: vec![cidr("172.30.0.0/16"), cidr("fd00:172:30::/112")],
+            ..Default::default()
+        };
+        let dump = nftables::render(&services, &node.for_family(family), &opts).dump();
+        assert_same(
+            &format!("dual-stack-cluster-ip: {file}"),
+            &normalize_nft(&dump),
+            &normalize_nft(&golden("dual-stack-cluster-ip", file)),
+        );
+    }
+}
+
 #[test]
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {
