@@ -170,8 +170,10 @@ pub struct Store {
     /// The node's own addresses, both families (loopback and IPv6 link-local excluded), from
     /// netlink.
     local_addresses: Vec<std::net::IpAddr>,
-    services: HashMap<ObjectKey, CheckedService>,
-    slices: HashMap<ObjectKey, CheckedSlice>,
+    /// Boxed: a hash table holds its values inline in slots of which up to half are empty, and
+    /// these are a few hundred bytes each.
+    services: HashMap<ObjectKey, Box<CheckedService>>,
+    slices: HashMap<ObjectKey, Box<CheckedSlice>>,
     /// The slices of each Service, sorted. (A Vec: nearly every Service has one slice, and a
     /// BTreeSet's first node alone takes half a kilobyte.)
     slices_by_service: HashMap<ObjectKey, Vec<ObjectKey>>,
@@ -357,7 +359,8 @@ impl Store {
         let Some(svc) = self.services.get(key) else {
             return Translation::default();
         };
-        let slices: Vec<&CheckedSlice> = self.slices_by_service.get(key).into_iter().flatten().filter_map(|k| self.slices.get(k)).collect();
+        let slices: Vec<&CheckedSlice> =
+            self.slices_by_service.get(key).into_iter().flatten().filter_map(|k| self.slices.get(k).map(|s| &**s)).collect();
         // A cluster IP that is one of this node's own addresses would capture the node's own
         // traffic to that address (its SSH, its kubelet): refused, as the API server never
         // allocates one.
@@ -477,8 +480,8 @@ impl Store {
                     Ok(checked) => {
                         let key = checked.key.clone();
                         self.clear_report(Kind::Service, &key);
-                        if self.services.get(&key) != Some(&checked) {
-                            self.services.insert(key.clone(), checked);
+                        if self.services.get(&key).map(|s| &**s) != Some(&checked) {
+                            self.services.insert(key.clone(), Box::new(checked));
                             self.service_changed(&key);
                         }
                         Some(key)
@@ -497,7 +500,7 @@ impl Store {
                     Ok(Ok(checked)) => {
                         let key = checked.key.clone();
                         self.clear_report(Kind::EndpointSlice, &key);
-                        if self.slices.get(&key) != Some(&checked) {
+                        if self.slices.get(&key).map(|s| &**s) != Some(&checked) {
                             // Relabelled to another Service: the old one loses these endpoints.
                             if let Some(old) = self.unlink_slice(&key) {
                                 if old.service != checked.service {
@@ -509,7 +512,7 @@ impl Store {
                                 of_service.insert(at, key.clone());
                             }
                             self.endpoints_changed(&checked.service.clone(), checked.trigger_time);
-                            self.slices.insert(key.clone(), checked);
+                            self.slices.insert(key.clone(), Box::new(checked));
                         }
                         Some(key)
                     }
@@ -609,7 +612,7 @@ impl Store {
 
     /// Takes a slice out of the indexes, without counting it as a change.
     fn unlink_slice(&mut self, key: &ObjectKey) -> Option<CheckedSlice> {
-        let old = self.slices.remove(key)?;
+        let old = *self.slices.remove(key)?;
         if let Some(set) = self.slices_by_service.get_mut(&old.service) {
             set.retain(|k| k != key);
             if set.is_empty() {

@@ -105,11 +105,20 @@ fn maglev_members(backends: &[model::Backend]) -> Vec<(maglev::Member, model::Ba
     m
 }
 
+/// A backend as the maps know it, its address in the family's own form (an IPv4 one in 4
+/// bytes: the two tables of these hold one entry per backend on the node).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct Ident {
-    addr: IpAddr,
+struct Ident<A> {
+    addr: A,
     port: u16,
     proto: u8,
+}
+
+impl<A: MapAddr> Ident<A> {
+    /// `b`'s, or None for a backend of the other family.
+    fn of(b: &model::Backend, proto: u8) -> Option<Self> {
+        Some(Self { addr: A::from_ip(b.addr)?, port: b.port, proto })
+    }
 }
 
 #[derive(Debug)]
@@ -187,8 +196,8 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
     maglev: Maglev,
     limit: u32,
-    by_ident: StdHashMap<Ident, BackendEntry>,
-    by_id: StdHashMap<u32, Ident>,
+    by_ident: StdHashMap<Ident<A>, BackendEntry>,
+    by_id: StdHashMap<u32, Ident<A>>,
     backend_ids: IdAllocator,
     service_ids: IdAllocator,
     frontends: BTreeMap<Scoped, Programmed>,
@@ -336,7 +345,7 @@ impl<A: MapAddr> LbMaps<A> {
         let snap = found.snapshot;
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
-                let ident = Ident { addr: b.addr.ip(), port: u16::from_be_bytes(b.port), proto: b.proto };
+                let ident = Ident { addr: b.addr, port: u16::from_be_bytes(b.port), proto: b.proto };
                 me.by_ident.insert(ident, BackendEntry { id: *id, flags: b.flags, refs: 0 });
                 me.by_id.insert(*id, ident);
             }
@@ -352,7 +361,8 @@ impl<A: MapAddr> LbMaps<A> {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held = me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(&id).map(|i| maglev::member(i.addr, i.port)));
+                let held =
+                    me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(&id).map(|i| maglev::member(i.addr.ip(), i.port)));
                 for id in held {
                     me.add_ref(id);
                 }
@@ -455,9 +465,10 @@ impl<A: MapAddr> LbMaps<A> {
 
     /// Takes a reference on the backend, creating or updating its map entry.
     fn acquire(&mut self, b: &model::Backend, proto: u8) -> Result<u32, DataplaneError> {
-        let ident = Ident { addr: b.addr, port: b.port, proto };
+        let addr = Self::addr(b.addr)?;
+        let ident = Ident { addr, port: b.port, proto };
         let flags = flags_of(b);
-        let value = Backend { addr: Self::addr(b.addr)?, port: b.port.to_be_bytes(), proto, flags };
+        let value = Backend { addr, port: b.port.to_be_bytes(), proto, flags };
         if let Some(e) = self.by_ident.get_mut(&ident) {
             if e.flags != flags {
                 self.backends.put(&e.id, &value).map_err(|s| map_error("update", A::LB.backends, self.limit, s))?;
@@ -505,7 +516,7 @@ impl<A: MapAddr> LbMaps<A> {
         }
     }
 
-    fn delete_backend(&mut self, id: u32, ident: Ident) {
+    fn delete_backend(&mut self, id: u32, ident: Ident<A>) {
         match self.backends.del(&id) {
             Ok(()) => {}
             Err(e) => {
@@ -539,7 +550,7 @@ impl<A: MapAddr> LbMaps<A> {
         }
         let have: HashSet<u32> = ids.iter().copied().collect();
         want.iter().all(|b| {
-            self.by_ident.get(&Ident { addr: b.addr, port: b.port, proto }).is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
+            Ident::of(b, proto).and_then(|i| self.by_ident.get(&i)).is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
         })
     }
 
@@ -562,7 +573,7 @@ impl<A: MapAddr> LbMaps<A> {
     /// Backend ids of `list` as the maps hold them now, if every one is there.
     fn ids_of(&self, list: &[model::Backend], proto: u8) -> Option<Vec<u32>> {
         list.iter()
-            .map(|b| self.by_ident.get(&Ident { addr: b.addr, port: b.port, proto }).filter(|e| e.flags == flags_of(b)).map(|e| e.id))
+            .map(|b| Ident::of(b, proto).and_then(|i| self.by_ident.get(&i)).filter(|e| e.flags == flags_of(b)).map(|e| e.id))
             .collect()
     }
 
@@ -945,7 +956,7 @@ impl<A: MapAddr> LbMaps<A> {
     /// Removes backends no frontend references, and leftovers of an interrupted run.
     pub fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let mut removed = 0;
-        let orphans: Vec<(u32, Ident)> = self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
+        let orphans: Vec<(u32, Ident<A>)> = self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
         for (id, ident) in orphans {
             self.delete_backend(id, ident);
             removed += 1;

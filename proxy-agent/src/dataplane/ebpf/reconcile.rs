@@ -24,7 +24,9 @@ pub struct Reconciler<D> {
     dp: D,
     required: Vec<Kind>,
     owners: HashMap<FrontendKey, ObjectKey>,
-    by_service: HashMap<ObjectKey, BTreeSet<FrontendKey>>,
+    /// The frontends each Service holds, sorted. (A Vec: nearly every Service holds one or two,
+    /// and a BTreeSet's first node alone takes hundreds of bytes.)
+    by_service: HashMap<ObjectKey, Vec<FrontendKey>>,
     /// Services that want a frontend another Service holds.
     contenders: HashMap<FrontendKey, BTreeSet<ObjectKey>>,
     /// Frontends a previous run left, not yet claimed by a Service; cleared at the first sync.
@@ -223,7 +225,10 @@ impl<D: Dataplane> Reconciler<D> {
             // Owned even when programming failed: a previous run's working version of it must
             // not be removed as stale, and it is retried as this Service's.
             self.owners.insert(*key, svc.clone());
-            self.by_service.entry(svc.clone()).or_default().insert(*key);
+            let held = self.by_service.entry(svc.clone()).or_default();
+            if let Err(at) = held.binary_search(key) {
+                held.insert(at, *key);
+            }
         }
         let held = self.by_service.get(svc).cloned().unwrap_or_default();
         for key in held.iter().filter(|k| !wanted.contains_key(k)) {
@@ -234,8 +239,8 @@ impl<D: Dataplane> Reconciler<D> {
                     self.failing.remove(key);
                     tracing::debug!(service = %svc, frontend = %key, "removed");
                     self.owners.remove(key);
-                    if let Some(set) = self.by_service.get_mut(svc) {
-                        set.remove(key);
+                    if let Some(held) = self.by_service.get_mut(svc) {
+                        held.retain(|k| k != key);
                     }
                     // A Service that wanted this frontend may have it now.
                     if let Some(waiting) = self.contenders.remove(key) {
