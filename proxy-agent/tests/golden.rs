@@ -257,7 +257,6 @@ fn nftables_rules_match_kube_proxys_for_a_dual_stack_service_in_each_family() {
             family,
             mark: "0x4000".into(),
             service_cidrs: vec![cidr("172.30.0.0/16"), cidr("fd00:172:30::/112")],
-            ..Default::default()
         };
         let dump = nftables::render(&services, &node.for_family(family), &opts).dump();
         assert_same(
