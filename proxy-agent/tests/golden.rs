@@ -201,9 +201,6 @@ fn nftables_rules_match_kube_proxys_for_services_with_several_ports() {
     nftables_case("multiport");
 }
 
-/// A large nftables table is built Service by Service in several transactions (the kernel's
-/// cost per transaction grows with its square); that relies on the ruleset of a set of
-/// Services being the union of each Service's.
 /// A dual-stack Service: kube-proxy runs a proxier per family, and each renders the Service's
 /// cluster IP and EndpointSlice of its family. kube-proxy's TestDisableLocalhostNodePortsIPv4
 /// and TestDisableLocalhostNodePortsIPv6 (no local-traffic detector, localhost NodePorts off)
@@ -267,6 +264,9 @@ fn nftables_rules_match_kube_proxys_for_a_dual_stack_service_in_each_family() {
     }
 }
 
+/// A large nftables table is built Service by Service in several transactions (the kernel's
+/// cost per transaction grows with its square); that relies on the ruleset of a set of
+/// Services being the union of each Service's.
 #[test]
 fn an_nftables_ruleset_is_the_union_of_its_services_rulesets() {
     for case in ["overall", "multiport"] {

@@ -1365,7 +1365,10 @@ pub fn path_mtu_discovery_through_a_node_port(agent: &Path, mode: ProxyMode) {
         let mut seen = BTreeSet::new();
         for i in 0..30 {
             let name = download(&far, to).unwrap_or_else(|e| {
-                panic!("{mode}: download {i} from {to} through a link of MTU 1280 (the backend must learn the path MTU): {e}")
+                panic!(
+                    "{mode}: download {i} from {to} through a link of MTU 1280 (the backend must learn the path MTU): {e}\n{}",
+                    c.node("node-a").agent_log()
+                )
             });
             seen.insert(name);
             if seen.len() == 2 {
