@@ -96,7 +96,7 @@ impl Words for crate::Ip6 {
 /// covered data became `new`. Values are as the packet stores them (network order).
 #[inline(always)]
 pub fn update4(check: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
-    (!fold(not16(check) + not32(old) + w32(new))).to_ne_bytes()
+    update_address(check, old, new)
 }
 
 /// As `update4`, for an address of either family (one word for IPv4, four for IPv6).

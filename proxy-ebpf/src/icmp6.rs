@@ -82,26 +82,19 @@ pub fn is_error(kind: Option<u8>) -> bool {
 /// offsets depend on the quote.)
 #[inline(always)]
 fn quoted_upper_layer(ctx: &TcContext, mut off: usize, mut next: u8) -> Option<(u8, usize)> {
-    use crate::parse6::{EXT_HEADERS, FRAG_OFFSET_MASK, NEXTHDR_AUTH, NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING};
+    use crate::parse6::{ext_header_len, is_ext_header, EXT_HEADERS, FRAG_OFFSET_MASK, NEXTHDR_FRAGMENT};
     for _ in 0..EXT_HEADERS {
         if next == IPPROTO_TCP || next == IPPROTO_UDP {
             return Some((next, off));
         }
-        if !matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH | NEXTHDR_FRAGMENT) {
+        if !is_ext_header(next) {
             return None;
         }
         let h: [u8; 4] = ctx.load(off).ok()?;
-        if next == NEXTHDR_FRAGMENT {
-            if u16::from_be_bytes([h[2], h[3]]) & FRAG_OFFSET_MASK != 0 {
-                return None;
-            }
-            off += 8;
-        } else if next == NEXTHDR_AUTH {
-            // AH's length is in 4-byte units, less 2.
-            off += (usize::from(h[1]) + 2) * 4;
-        } else {
-            off += (usize::from(h[1]) + 1) * 8;
+        if next == NEXTHDR_FRAGMENT && u16::from_be_bytes([h[2], h[3]]) & FRAG_OFFSET_MASK != 0 {
+            return None;
         }
+        off += ext_header_len(next, h[1]);
         next = h[0];
     }
     (next == IPPROTO_TCP || next == IPPROTO_UDP).then_some((next, off))

@@ -27,6 +27,24 @@ pub const IPPROTO_ICMPV6: u8 = 58;
 pub const FRAG_OFFSET_MASK: u16 = 0xfff8;
 const FRAG_MORE: u16 = 0x0001;
 
+/// True for the extension headers the walk takes (Hop-by-Hop, Routing, Destination Options,
+/// AH, Fragment).
+#[inline(always)]
+pub fn is_ext_header(next: u8) -> bool {
+    matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH | NEXTHDR_FRAGMENT)
+}
+
+/// The length of extension header `next` whose length field is `hdr_len`: a Fragment header's
+/// is fixed, AH's is in 4-byte units less 2, the others' in 8-byte units less 1.
+#[inline(always)]
+pub fn ext_header_len(next: u8, hdr_len: u8) -> usize {
+    match next {
+        NEXTHDR_FRAGMENT => 8,
+        NEXTHDR_AUTH => (usize::from(hdr_len) + 2) * 4,
+        _ => (usize::from(hdr_len) + 1) * 8,
+    }
+}
+
 /// The IPv6 address at `p` (four word loads).
 ///
 /// # Safety
@@ -95,8 +113,7 @@ pub fn ipv6<F: Frame>(ctx: &F) -> Parsed<Ip6> {
     let mut frag = Frag::Whole;
     let mut ip_id = [0u8; 4];
     for _ in 0..EXT_HEADERS {
-        let is_ext = matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH | NEXTHDR_FRAGMENT);
-        if !is_ext {
+        if !is_ext_header(next) {
             break;
         }
         let Some(h) = ptr_at::<[u8; 8]>(ctx, off) else {
@@ -106,28 +123,23 @@ pub fn ipv6<F: Frame>(ctx: &F) -> Parsed<Ip6> {
         // SAFETY: bounds checked by ptr_at (8 bytes: every extension header has at least that).
         let (nh, hdr_len, offset_flags, id) =
             unsafe { (*(h as *const u8), *((h + 1) as *const u8), u16::from_be_bytes(access::load2(h + 2)), access::load4(h + 4)) };
-        let this_len = match next {
-            NEXTHDR_FRAGMENT => {
-                frag = if offset_flags & FRAG_OFFSET_MASK != 0 {
-                    Frag::Later
-                } else if offset_flags & FRAG_MORE != 0 {
-                    Frag::First
-                } else {
-                    // An atomic fragment (RFC 6946): the whole datagram.
-                    Frag::Whole
-                };
-                ip_id = id;
-                8
-            }
+        if next == NEXTHDR_FRAGMENT {
+            frag = if offset_flags & FRAG_OFFSET_MASK != 0 {
+                Frag::Later
+            } else if offset_flags & FRAG_MORE != 0 {
+                Frag::First
+            } else {
+                // An atomic fragment (RFC 6946): the whole datagram.
+                Frag::Whole
+            };
+            ip_id = id;
+        } else if next == NEXTHDR_ROUTING && (offset_flags & 0xff) != 0 {
             // A Routing header with segments left: the destination is a hop on the way, not
             // the packet's final one (which the L4 checksum covers), so no Service's.
-            NEXTHDR_ROUTING if (offset_flags & 0xff) != 0 => return Parsed::OtherProto { daddr },
-            // AH's length is in 4-byte units, less 2; the others' in 8-byte units, less 1.
-            NEXTHDR_AUTH => (usize::from(hdr_len) + 2) * 4,
-            _ => (usize::from(hdr_len) + 1) * 8,
-        };
+            return Parsed::OtherProto { daddr };
+        }
+        off += ext_header_len(next, hdr_len);
         next = nh;
-        off += this_len;
         if off > IP_OFF + IPV6_HDR_LEN + EXT_MAX {
             return Parsed::OtherProto { daddr };
         }

@@ -164,23 +164,30 @@ fn dual_stack_manifests(lab: &Lab, v4: &[usize], v6: &[usize]) -> String {
 /// `lab` with ServiceCIDR objects for both families' Service ranges (10.96.0.0/16,
 /// fd00:96::/112).
 fn lab_with_service_cidrs(agent: &Path, mode: ProxyMode) -> Lab {
-    let mut lab = Lab::new(agent, 3);
-    dual_stack(&mut lab);
-    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
-    lab.write_manifest(
-        "service-cidr.yaml",
-        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, 'fd00:96::/112']}\n",
-    );
-    start_dual_stack(&mut lab, mode);
-    lab
+    lab_with(
+        agent,
+        mode,
+        Some((
+            "service-cidr.yaml",
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, 'fd00:96::/112']}\n",
+        )),
+    )
 }
 
 /// The single-node lab with three backends and the standard Services in both families
 /// (`dual_stack_manifests`), agent running in `mode`, traffic flowing in both.
 pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
+    lab_with(agent, mode, None)
+}
+
+/// `lab`, with one more manifest (file name, text) beside the Services.
+fn lab_with(agent: &Path, mode: ProxyMode, extra: Option<(&str, &str)>) -> Lab {
     let mut lab = Lab::new(agent, 3);
     dual_stack(&mut lab);
     lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    if let Some((name, text)) = extra {
+        lab.write_manifest(name, text);
+    }
     start_dual_stack(&mut lab, mode);
     lab
 }
@@ -1065,26 +1072,18 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         return;
     }
     let mut lab = Lab::new(agent, 2);
-    lab.node.sysctl("net.ipv6.conf.all.forwarding", "1");
-    lab.node.ip(&["-6", "addr", "add", "fd00:250::1/64", "dev", "uplink0", "nodad"]);
-    // A default route, as a dual-stack node has: without one, traffic to a cluster IP dies in
-    // routing (ICMPv6 no route) before netfilter sees it.
-    lab.node.ip(&["-6", "route", "add", "default", "via", "fd00:250::fe", "dev", "uplink0"]);
-    let v6 = |i: u16| std::net::Ipv6Addr::new(0xfd00, 0x244, 0, 0, 0, 0, 0, i);
-    lab.client.add_ipv6(&lab.node, v6(2));
-    let mut servers = Vec::new();
-    for (i, b) in lab.backends.iter().enumerate() {
-        b.add_ipv6(&lab.node, v6(0x100 + i as u16 + 1));
-        // Answers with the pod's name (the lab's own servers listen on IPv4 only).
-        let at = (std::net::Ipv6Addr::UNSPECIFIED, 8081).into();
-        servers.push(crate::servers::Acceptor::start(&b.ns, at, Some(format!("{}\n", b.name)), Duration::from_millis(20)));
-    }
-    // Servers answering a request line (TCP) or datagram (UDP) over IPv6, on ports the IPv4
-    // servers do not hold.
-    let v6_servers: Vec<_> = lab
+    // Addresses, a default route (without one, traffic to a cluster IP dies in routing, ICMPv6
+    // no route, before netfilter sees it) and the IPv6 servers on TCP 8082 and UDP 5354.
+    dual_stack(&mut lab);
+    let v6 = pod6;
+    // Answers with the pod's name (the lab's own servers listen on IPv4 only).
+    let servers: Vec<_> = lab
         .backends
         .iter()
-        .map(|b| crate::servers::Backend::start_on(&b.ns, &b.name, std::net::Ipv6Addr::UNSPECIFIED.into(), 8082, 5354))
+        .map(|b| {
+            let at = (std::net::Ipv6Addr::UNSPECIFIED, 8081).into();
+            crate::servers::Acceptor::start(&b.ns, at, Some(format!("{}\n", b.name)), Duration::from_millis(20))
+        })
         .collect();
     let v6_slice = |svc: &str| {
         let eps: String = (1..=lab.backends.len()).map(|i| format!("- addresses: ['{}']\n", v6(0x100 + i as u16))).collect();
@@ -1177,7 +1176,7 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
                 Err(format!("services_ipv6 {}, backends_ipv6 {}", gauge("services_ipv6"), gauge("backends_ipv6")))
             }
         });
-        drop((servers, v6_servers));
+        drop(servers);
         return;
     }
     let node = lab.node.name.clone();
@@ -1187,7 +1186,7 @@ pub fn ipv6_services(agent: &Path, mode: ProxyMode) {
         _ => in_netns(&node, &["ip6tables-nft-save", "-t", "nat"]),
     };
     assert!(listing.contains("fd00:96::10"), "{mode}: the IPv6 cluster IP in the IPv6 rules:\n{listing}");
-    drop((servers, v6_servers));
+    drop(servers);
 }
 
 /// The eBPF dataplane's socket hooks for IPv6 Services (`ipv6_services`' Services): a

@@ -611,8 +611,8 @@ impl Store {
     }
 
     /// Takes a slice out of the indexes, without counting it as a change.
-    fn unlink_slice(&mut self, key: &ObjectKey) -> Option<CheckedSlice> {
-        let old = *self.slices.remove(key)?;
+    fn unlink_slice(&mut self, key: &ObjectKey) -> Option<Box<CheckedSlice>> {
+        let old = self.slices.remove(key)?;
         if let Some(set) = self.slices_by_service.get_mut(&old.service) {
             set.retain(|k| k != key);
             if set.is_empty() {
