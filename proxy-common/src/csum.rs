@@ -120,6 +120,48 @@ pub fn pseudo_header<A: Words>(saddr: A, daddr: A, proto: u8, l4_len: u16) -> [u
     fold(saddr.sum() + daddr.sum() + w16([0, proto]) + w16(l4_len.to_be_bytes())).to_ne_bytes()
 }
 
+/// The folded sum of a pseudo-header's two addresses: a flow's constant part of
+/// `pseudo_header`, kept in its conntrack entry (`pseudo_header_with`). Never 0 unless both
+/// addresses are all zeroes, so 0 can stand for "not computed".
+#[inline(always)]
+pub fn address_pair<A: Words>(saddr: A, daddr: A) -> [u8; 2] {
+    fold(saddr.sum() + daddr.sum()).to_ne_bytes()
+}
+
+/// `pseudo_header` from the addresses' `address_pair`.
+#[inline(always)]
+pub fn pseudo_header_with(pair: [u8; 2], proto: u8, l4_len: u16) -> [u8; 2] {
+    fold(w16(pair) + w16([0, proto]) + w16(l4_len.to_be_bytes())).to_ne_bytes()
+}
+
+/// The folded change an address rewrite from `old` to `new` makes to a checksum: a flow's
+/// constant part of `partial_update` and `l4_update`, kept in its conntrack entry (the
+/// `_with` forms). 0 only when `old` is all ones and `new` all zeroes.
+#[inline(always)]
+pub fn address_delta<A: Words>(old: A, new: A) -> [u8; 2] {
+    fold(old.not_sum() + new.sum()).to_ne_bytes()
+}
+
+/// `partial_update` from the addresses' `address_delta`.
+#[inline(always)]
+pub fn partial_update_with(field: [u8; 2], delta: [u8; 2]) -> [u8; 2] {
+    fold(w16(field) + w16(delta)).to_ne_bytes()
+}
+
+/// `l4_update` from the addresses' `address_delta`.
+#[inline(always)]
+pub fn l4_update_with(field: [u8; 2], delta: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
+    if udp_zero && field == [0, 0] {
+        return field;
+    }
+    let c = (!fold(not16(field) + w16(delta) + not16(old_port) + w16(new_port))).to_ne_bytes();
+    if udp_zero && c == [0, 0] {
+        [0xff, 0xff]
+    } else {
+        c
+    }
+}
+
 /// A pseudo-header sum (CHECKSUM_PARTIAL field) after an address in it changed from `old` to
 /// `new`. Ports are not in it: their change needs nothing.
 #[inline(always)]
@@ -280,6 +322,34 @@ mod tests {
             ph[34..36].copy_from_slice(&len.to_be_bytes());
             ph[39] = 17;
             assert_eq!(pseudo_header(old6, new6, 17, len), fold(add_be_words(0, &ph)).to_be_bytes());
+        }
+    }
+
+    /// The conntrack entry's kept sums give, bit for bit, what summing the addresses gives
+    /// (all-zero and all-ones addresses included, and a UDP checksum of zero).
+    #[test]
+    fn kept_address_sums_give_what_the_addresses_give() {
+        fn check<A: Words>(next: &mut impl FnMut() -> u64, saddr: A, daddr: A, new: A) {
+            let field = (next() as u16).to_ne_bytes();
+            let field = if next().is_multiple_of(7) { [0, 0] } else { field };
+            let (op, np, len) = ((next() as u16).to_ne_bytes(), (next() as u16).to_ne_bytes(), next() as u16);
+            let (pair, delta) = (address_pair(saddr, daddr), address_delta(daddr, new));
+            for proto in [6, 17] {
+                assert_eq!(pseudo_header_with(pair, proto, len), pseudo_header(saddr, daddr, proto, len));
+            }
+            assert_eq!(partial_update_with(field, delta), partial_update(field, daddr, new));
+            for udp in [false, true] {
+                assert_eq!(l4_update_with(field, delta, op, np, udp), l4_update(field, daddr, new, op, np, udp));
+            }
+        }
+        let mut next = xorshift(0x1234_5678_9abc_def1);
+        let edges: [u128; 3] = [0, u128::MAX, 0xffff_0000];
+        for i in 0..30_000u32 {
+            let mut addr = |k: u32| if k % 4 < 3 { edges[(k % 4) as usize] } else { u128::from(next()) << 64 | u128::from(next()) };
+            let (s, d, n) = (addr(i), addr(i / 4), addr(i / 16));
+            check(&mut next, (s as u32).to_ne_bytes(), (d as u32).to_ne_bytes(), (n as u32).to_ne_bytes());
+            let ip6 = |v: u128| crate::Ip6::from_bytes(v.to_be_bytes());
+            check(&mut next, ip6(s), ip6(d), ip6(n));
         }
     }
 

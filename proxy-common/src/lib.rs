@@ -247,15 +247,17 @@ pub mod prog_names {
         [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4, SOCK_CONNECT6, SOCK_SENDMSG6, SOCK_RECVMSG6, SOCK_GETPEERNAME6];
     /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
-    /// The IPv6 flow, tail-called from `TC_INGRESS` and `TC_EGRESS` (see `map_names::PROGS`):
-    /// conntrack and established flows, a new flow's service lookup and tracking, replies.
+    /// The IPv6 flow, tail-called from `TC_EGRESS` (see `map_names::PROGS`): conntrack and
+    /// established flows, a new flow's service lookup and tracking, replies. `TC_INGRESS`
+    /// serves IPv6 itself and enters only `TC_INGRESS6_NEW`; `TC_INGRESS6` stays for an older
+    /// build's `TC_INGRESS`, which tail-calls it until an upgrade replaces that program.
     pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
     pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";
     pub const TC_EXT_INGRESS6: &str = "proxy_tc_ext_ingress6";
     pub const TC_EXT_INGRESS6_NEW: &str = "proxy_tc_ext_ingress6_new";
     pub const TC_EXT_INGRESS6_TRACE: &str = "proxy_tc_ext_ingress6_trace";
-    /// ICMPv6 errors arriving from pods and from outside, tail-called from `TC_INGRESS6` and
+    /// ICMPv6 errors arriving from pods and from outside, tail-called from IPv6 pod ingress and
     /// `TC_EXT_INGRESS6` (the translation and its route do not fit their frames).
     pub const TC_ICMP6: &str = "proxy_tc_icmp6";
     /// An ICMPv6 error `TC_ICMP6` translated for a remote backend or its client, sent on past
@@ -503,7 +505,14 @@ pub struct CtEntry<A = [u8; 4]> {
     pub route_smac: [u8; 6],
     /// `ct::route_epoch` of the cached route.
     pub route_epoch: u16,
-    pub _pad3: [u8; 6],
+    /// Forward entry: the folded sum of the key's two addresses, as the L4 pseudo-header holds
+    /// them (`csum::address_pair`), so established packets check their checksum's form without
+    /// summing the addresses again. 0: not computed (an entry of an older build).
+    pub addr_sum: [u8; 2],
+    /// Forward entry: the folded change from the key's destination address to `nat_addr`
+    /// (`csum::address_delta`), what DNAT adds to the checksum. 0: not computed.
+    pub addr_delta: [u8; 2],
+    pub _pad3: [u8; 2],
 }
 const _: () = assert!(size_of::<CtEntry>() == 56);
 const _: () = assert!(size_of::<CtEntry<Ip6>>() == 80);

@@ -18,28 +18,6 @@ use crate::{
     value::{self, Slot},
 };
 
-/// An entry without a cached route (the route fields of a new entry).
-#[inline(always)]
-pub const fn no_route<A: Family>() -> CtEntry<A> {
-    CtEntry {
-        last_seen_ns: 0,
-        backend_id: 0,
-        service_id: 0,
-        flags: 0,
-        l4_csum: 0,
-        nat_port: [0; 2],
-        nat_addr: A::UNSPECIFIED,
-        snat_port: [0; 2],
-        _pad2: [0; 2],
-        snat_addr: A::UNSPECIFIED,
-        route_ifindex: 0,
-        route_dmac: [0; 6],
-        route_smac: [0; 6],
-        route_epoch: 0,
-        _pad3: [0; 6],
-    }
-}
-
 /// Monotonic nanoseconds at the last timer tick (`bpf_ktime_get_coarse_ns`). Timeouts are in
 /// seconds, so tick resolution is plenty. The coarse clock only moves on a tick, so a per-CPU
 /// cache keyed by jiffies returns exactly what it would, for a fraction of its cost (a plain
@@ -258,7 +236,15 @@ fn scratch<A: Family>() -> Result<&'static mut CtEntry<A>, Reason> {
     // SAFETY: `create` and `create_snat` take the scratch entry once per packet, and only the
     // TC and XDP programs use it (they do not interrupt each other on a CPU).
     let e = unsafe { value::per_cpu(A::ct_scratch(), 0) }.ok_or(Reason::DropCtInsert)?;
-    *e = no_route();
+    // Zeroed (no route cached, nothing set) a word at a time: assigned as a whole, the entry
+    // was cleared by a call to a byte-at-a-time `memset`, a loop of 56 or 80 rounds per new
+    // flow. (The volatile stores keep the compiler from merging them back into that call.)
+    let words = (e as *mut CtEntry<A>).cast::<u64>();
+    for i in 0..size_of::<CtEntry<A>>() / 8 {
+        // SAFETY: within the entry, which is 8-byte aligned (it starts with a u64) and a
+        // multiple of 8 bytes long (checked in proxy_common); all zeroes is a valid entry.
+        unsafe { words.add(i).write_volatile(0) };
+    }
     Ok(e)
 }
 
@@ -351,7 +337,10 @@ pub fn create<A: Family>(
     e.flags = flags::REPLY | hp;
     e.l4_csum = proxy_common::ct::l4_csum::UNKNOWN;
     e.nat_port = pkt.dport;
-    e.nat_addr = pkt.daddr;
+    // Read into a register first: `pkt` may be in a map (an IPv6 stage), and a copy between two
+    // map values became a call to a byte-at-a-time `memmove`.
+    // SAFETY: a plain read of a field of a valid reference.
+    e.nat_addr = unsafe { core::ptr::read_volatile(&pkt.daddr) };
     let reply = reply_key(pkt, backend, hairpin);
     let own = key(pkt);
     // A hairpinned flow's replies go to the hairpin address: no other flow has them.
@@ -372,6 +361,8 @@ pub fn create<A: Family>(
     e.nat_port = backend.port;
     e.nat_addr = backend.addr;
     e.snat_port = port;
+    e.addr_sum = proxy_common::csum::address_pair(pkt.saddr, pkt.daddr);
+    e.addr_delta = proxy_common::csum::address_delta(pkt.daddr, backend.addr);
     if A::ct().insert(own, &*e, BPF_ANY as u64).is_err() {
         let taken = if moved { CtKey { dport: port, ..reply } } else { reply };
         let _ = A::ct().remove(taken);

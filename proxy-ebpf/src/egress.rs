@@ -135,7 +135,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
             e.update(move |e| e.l4_csum = form);
         }
     } else {
-        nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum)?;
+        nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum, nat::Kept::NONE)?;
     }
     if entry.flags & flags::PORT_NAT != 0 {
         // The client's own port, which the forward direction moved.

@@ -88,7 +88,7 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
                 // A trace packet's new flow is decided by a program of its own, which only
                 // records (the new-flow program has no room for that beside its work).
                 let slot = if env.dry { prog_slots::EXT_INGRESS6_TRACE } else { prog_slots::EXT_INGRESS6_NEW };
-                crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, slot);
+                crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, None, slot);
                 return passed_unstaged(env.dry);
             }
             Step::Pass(Reason::PassNotService)

@@ -38,7 +38,9 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     const STAGES_APART: bool;
     /// Enters the family's new-flow program with this packet (a tail call, which does not
     /// return); returns the reason to pass it untouched under when that cannot be done.
-    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason;
+    /// `master`: the frontend's master entry, which the caller looked up already (`None`: no
+    /// such frontend).
+    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason, master: Option<&ServiceValue>) -> Reason;
     /// The unset address (an unset backend entry holds it).
     const UNSPECIFIED: Self;
     /// Where replies of a hairpinned flow (a pod reaching itself through a Service) are sent.
@@ -132,7 +134,7 @@ impl Family for [u8; 4] {
         off
     }
     #[inline(always)]
-    fn new_flow_apart(_ctx: &TcContext, _pkt: &Packet<Self>, _now: u64, _reason: Reason) -> Reason {
+    fn new_flow_apart(_ctx: &TcContext, _pkt: &Packet<Self>, _now: u64, _reason: Reason, _master: Option<&ServiceValue>) -> Reason {
         Reason::PassNoStage
     }
     const UNSPECIFIED: Self = [0; 4];
@@ -287,8 +289,8 @@ impl Family for Ip6 {
         off & 0x1ff
     }
     #[inline(always)]
-    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason) -> Reason {
-        enter_stage(ctx, pkt, now, reason, proxy_common::prog_slots::INGRESS6_NEW)
+    fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason, master: Option<&ServiceValue>) -> Reason {
+        enter_stage(ctx, pkt, now, reason, master, proxy_common::prog_slots::INGRESS6_NEW)
     }
     type FragKey = Frag6Key;
     const UNSPECIFIED: Self = Ip6([0; 4]);
@@ -379,15 +381,12 @@ impl Family for Ip6 {
     /// a CHECKSUM_COMPLETE skb's `skb->csum` by the field's change, which is IPv4's due (see
     /// `HEADER_CSUM`) but not IPv6's: `bpf_csum_update` (a no-op for other skbs) moves it back.
     /// (Linux 6.16's BPF_F_IPV6 says the same to the helper; older kernels refuse the flag.)
+    /// The difference is summed here (`csum::address_delta`), not by `bpf_csum_diff`: the
+    /// kernel folds what it is given, so any value congruent to its sum modulo 0xffff is the
+    /// same difference, and this one costs no helper call.
     #[inline(always)]
     fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason> {
-        let mut old = old.0;
-        let mut new = new.0;
-        // SAFETY: two 16-byte stack buffers, sizes multiples of 4.
-        let diff = unsafe { aya_ebpf::helpers::bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
-        if diff < 0 {
-            return Err(Reason::DropRewrite);
-        }
+        let diff = u64::from(u16::from_ne_bytes(proxy_common::csum::address_delta(old, new)));
         let flags = u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR) | mangled;
         ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)?;
         // SAFETY: plain helper call on our own skb.
@@ -477,11 +476,15 @@ impl Family for Ip6 {
 /// that cannot be done. The program there checks that the stage holds its packet
 /// (`parse6::is_staged`).
 #[inline(always)]
-pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, slot: u32) -> Reason {
+pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, master: Option<&ServiceValue>, slot: u32) -> Reason {
     // SAFETY: taken once, written, and dropped before the tail call; the next program runs on
     // this CPU before any other packet.
     let Some(stage) = (unsafe { value::per_cpu(&maps::STAGE6, 0) }) else { return Reason::PassNoStage };
-    *stage = Stage { pkt: *pkt, now, reason: reason as u32, _pad: 0 };
+    let (looked_up, master) = match master {
+        Some(m) => (1, *m),
+        None => (0, ServiceValue::default()),
+    };
+    *stage = Stage { pkt: *pkt, now, reason: reason as u32, looked_up, master };
     // SAFETY: plain helper call; on success it does not return.
     unsafe { maps::PROGS_V1.tail_call(ctx, slot) };
     Reason::PassNoStage
@@ -511,5 +514,9 @@ pub struct Stage<A: Family> {
     pub pkt: Packet<A>,
     pub now: u64,
     pub reason: u32,
-    pub _pad: u32,
+    /// 1: `master` is the frontend's master entry as the staging program found it, which the
+    /// next one need not look up again (pod ingress stages it; an external interface's new
+    /// flow decides with its own lookups).
+    pub looked_up: u32,
+    pub master: ServiceValue,
 }

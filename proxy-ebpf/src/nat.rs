@@ -99,13 +99,38 @@ fn l4_csum_field<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<[u8; 2]>
     ptr_at::<[u8; 2]>(ctx, off).map(|p| unsafe { access::load2(p as usize) })
 }
 
+/// The length of the packet's L4 header and payload, as its pseudo-header counts it.
+#[inline(always)]
+fn l4_len<A: Family>(pkt: &Packet<A>) -> u16 {
+    u16::from_be_bytes(pkt.tot_len).wrapping_sub((pkt.l4_off - IP_OFF) as u16)
+}
+
 /// The pseudo-header sum of the packet as it arrived: what its checksum field holds in the
 /// partial form.
 #[inline(always)]
 fn pseudo_header<A: Family>(pkt: &Packet<A>) -> [u8; 2] {
-    let ip_len = u16::from_be_bytes(pkt.tot_len);
-    let l4_len = ip_len.wrapping_sub((pkt.l4_off - IP_OFF) as u16);
-    A::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len)
+    A::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len(pkt))
+}
+
+/// A flow's address sums kept in its forward conntrack entry (`CtEntry::addr_sum` and
+/// `addr_delta`): with them an established packet's arithmetic does not sum the addresses
+/// again (four words each in IPv6). A zero half is summed from the addresses as before.
+#[derive(Clone, Copy)]
+pub struct Kept {
+    pair: [u8; 2],
+    delta: [u8; 2],
+}
+
+impl Kept {
+    /// Nothing kept: every sum is made from the addresses.
+    pub const NONE: Kept = Kept { pair: [0; 2], delta: [0; 2] };
+
+    /// The sums of forward entry `e`, for the DNAT of a packet that matched its key to the
+    /// entry's `nat_addr` (the delta is from the key's destination to that address).
+    #[inline(always)]
+    pub fn of_forward<A: Family>(e: &proxy_common::CtEntry<A>) -> Kept {
+        Kept { pair: e.addr_sum, delta: e.addr_delta }
+    }
 }
 
 /// The rewrite of a flow's first packet (or first reply), through the helper (`rewrite`);
@@ -137,14 +162,22 @@ pub fn rewrite_learning<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side,
 /// The rewrite of a later packet of a flow whose checksum form is `form`: plain arithmetic
 /// when the packet fits that form (see the module comment), else the helper (`rewrite`).
 #[inline(always)]
-pub fn rewrite_known<A: Family>(ctx: &TcContext, pkt: &Packet<A>, side: Side, addr: A, port: [u8; 2], form: u8) -> Result<(), Reason> {
+pub fn rewrite_known<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    side: Side,
+    addr: A,
+    port: [u8; 2],
+    form: u8,
+    kept: Kept,
+) -> Result<(), Reason> {
     let usable = form == l4_csum::PARTIAL || form == l4_csum::COMPLETE;
     let whole = pkt.frag == crate::parse::Frag::Whole && u32::from(u16::from_be_bytes(pkt.tot_len)) + IP_OFF as u32 == ctx.len();
     if !usable || !whole || pkt.tcp_flags & crate::parse::TCP_RST != 0 {
         return rewrite(ctx, pkt, side, addr, port);
     }
     let (addr_off, port_off, old_addr, _) = side.fields(pkt);
-    let fit = Fit { pkt, side, addr, port, form };
+    let fit = Fit { pkt, side, addr, port, form, kept };
     let written = if pkt.proto == IPPROTO_TCP {
         l4_arithmetic::<A, { TCP_CSUM_OFF + 2 }>(ctx, pkt.l4(), port_off, &fit)
     } else {
@@ -167,6 +200,7 @@ struct Fit<'a, A: Family> {
     addr: A,
     port: [u8; 2],
     form: u8,
+    kept: Kept,
 }
 
 impl<A: Family> Fit<'_, A> {
@@ -183,13 +217,18 @@ impl<A: Family> Fit<'_, A> {
     #[inline(always)]
     fn new_field(&self, field: [u8; 2]) -> Option<[u8; 2]> {
         let (_, _, old_addr, old_port) = self.side.fields(self.pkt);
-        let is_partial = field == pseudo_header(self.pkt);
+        let (pair, delta) = (self.kept.pair, self.kept.delta);
+        let pseudo =
+            if pair != [0, 0] { csum::pseudo_header_with(pair, self.pkt.proto, l4_len(self.pkt)) } else { pseudo_header(self.pkt) };
+        let is_partial = field == pseudo;
         if self.form == l4_csum::PARTIAL && is_partial {
-            Some(A::partial_update(field, old_addr, self.addr))
+            Some(if delta != [0, 0] { csum::partial_update_with(field, delta) } else { A::partial_update(field, old_addr, self.addr) })
         } else if self.form == l4_csum::COMPLETE && !is_partial {
             let udp = self.pkt.proto == IPPROTO_UDP;
             Some(if self.address_by_helper() {
                 csum::l4_port_update(field, old_port, self.port, udp)
+            } else if delta != [0, 0] {
+                csum::l4_update_with(field, delta, old_port, self.port, udp)
             } else {
                 A::complete_update(field, old_addr, self.addr, old_port, self.port, udp)
             })

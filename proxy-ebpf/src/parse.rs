@@ -191,6 +191,12 @@ fn ether_type<F: Frame>(ctx: &F) -> Option<u16> {
     Some(unsafe { (*eth).ether_type })
 }
 
+/// Whether the frame is IPv6 (its Ethernet header's type: what `l3` answers `L3::V6` for).
+#[inline(always)]
+pub fn is_ipv6<F: Frame>(ctx: &F) -> bool {
+    ether_type(ctx) == Some(EtherType::Ipv6 as u16)
+}
+
 #[inline(always)]
 pub fn l3<F: Frame>(ctx: &F) -> L3 {
     pull_headers(ctx, HEADERS_MAX);

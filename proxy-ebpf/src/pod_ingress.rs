@@ -96,12 +96,13 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
         // without the stage's copy and tail call. What the new-flow program may still act on
         // (a Service's frontend, an allocated cluster IP's other ports) goes on.
         let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-        if service(&key).is_none() && select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+        let master = service(&key);
+        if master.is_none() && select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
             return Ok(Verdict::pass(Reason::PassNotService));
         }
-        return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason)));
+        return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason, master.as_ref())));
     }
-    to_service(ctx, pkt, now, reason)
+    to_service(ctx, pkt, now, reason, service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).as_ref())
 }
 
 /// The IPv6 new-flow program: `to_service` for the packet the flow stage left in `STAGE6`,
@@ -110,21 +111,30 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
 #[inline(always)]
 pub fn try_tc_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    to_service(ctx, &stage.pkt, stage.now, stage.reason())
+    // The frontend as the flow stage found it.
+    let master = (stage.looked_up == 1).then_some(&stage.master);
+    to_service(ctx, &stage.pkt, stage.now, stage.reason(), master)
 }
 
 /// A packet without a usable conntrack entry: a new flow if it is addressed to a service.
+/// `master`: the frontend's master entry (`select::service` of the packet's destination).
 #[inline(always)]
-fn to_service<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
-    let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-    let Some(master) = service(&key) else {
+fn to_service<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    now: u64,
+    reason: Reason,
+    master: Option<&ServiceValue>,
+) -> Result<Verdict, Reason> {
+    let Some(master) = master else {
         return unserved(ctx, pkt);
     };
+    let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     // kube-proxy's firewall applies to pods too: it sits before the Service's own chains.
-    if !select::source_allowed(pkt, &master) {
+    if !select::source_allowed(pkt, master) {
         return Err(Reason::DropSourceRange);
     }
-    match select::internal_master(&mut key, master) {
+    match select::internal_master(&mut key, *master) {
         Some(master) => new_flow(ctx, pkt, &key, &master, now, reason),
         None => Ok(Verdict::pass(Reason::PassNotService)),
     }
@@ -180,7 +190,7 @@ fn established<A: Family>(
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate_hairpin(ctx, pkt, &be)?
     } else {
-        nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum)?;
+        nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum, nat::Kept::of_forward(entry))?;
         if entry.flags & flags::PORT_NAT != 0 {
             nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, entry.snat_port)?;
         }

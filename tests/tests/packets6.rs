@@ -334,7 +334,8 @@ fn an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned() {
 }
 
 /// With the IPv6 programs' slots empty (as for a moment while a restart between builds refills
-/// them), IPv6 passes untouched, as before this agent served IPv6: never dropped.
+/// them), IPv6 passes untouched, as before this agent served IPv6: never dropped. (Pod ingress
+/// serves IPv6's tracked flows itself and enters a slot only for a new flow's stage.)
 #[test]
 fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     let Some(mut dp) = setup("ipv6_passes_untouched_when_its_programs_cannot_be_entered") else { return };
@@ -342,7 +343,7 @@ fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     {
         let map = dp.ebpf_mut().map_mut(map_names::PROGS).expect("the program array");
         let mut progs = aya::maps::ProgramArray::try_from(map).expect("a program array");
-        for slot in [proxy_common::prog_slots::INGRESS6, proxy_common::prog_slots::EGRESS6] {
+        for slot in [proxy_common::prog_slots::INGRESS6, proxy_common::prog_slots::INGRESS6_NEW, proxy_common::prog_slots::EGRESS6] {
             progs.clear_index(&slot).expect("empty the slot");
         }
     }
