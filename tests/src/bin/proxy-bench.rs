@@ -44,7 +44,9 @@ use proxy_tests::{
 
 const REPEAT: u32 = 1_000_000;
 /// Calls of REPEAT runs each per "repeat" figure, which is their median.
-const ROUNDS: usize = 7;
+const ROUNDS: usize = 11;
+/// Rounds of new flows, an IPv4 and an IPv6 share of CALLS each.
+const NEW_ROUNDS: u32 = 5;
 const CALLS: u32 = 1_000_000;
 const SIZES: [u32; 3] = [1, 10_000, 100_000];
 
@@ -120,6 +122,12 @@ fn median(mut ns: Vec<u64>) -> f64 {
     ns[ns.len() / 2] as f64
 }
 
+/// The median of ratios.
+fn median_f(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Mean ns per packet over REPEAT runs of one frame in one call; the median of ROUNDS calls.
 fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
     median((0..ROUNDS).map(|_| run(prog, frame, REPEAT / scale())).collect())
@@ -127,9 +135,13 @@ fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
 
 /// Mean ns per packet over CALLS calls, the frame for call i from `frame(i)`.
 fn calls(prog: &mut SchedClassifier, frame: impl Fn(u32) -> Vec<u8>) -> f64 {
-    let n = CALLS / scale();
+    calls_from(prog, 0, CALLS / scale(), frame)
+}
+
+/// Mean ns per packet over `n` calls, the frame for call i (from `first` on) from `frame(i)`.
+fn calls_from(prog: &mut SchedClassifier, first: u32, n: u32, frame: impl Fn(u32) -> Vec<u8>) -> f64 {
     let mut total = 0u64;
-    for i in 0..n {
+    for i in first..first + n {
         total += run(prog, &frame(i), 1);
     }
     total as f64 / f64::from(n)
@@ -173,6 +185,9 @@ impl Checker {
 
 struct Measured {
     cases: BTreeMap<&'static str, f64>,
+    /// IPv6's cost over IPv4's per case (established, reply, not_service, new_flow): the median
+    /// of the ratios of figures taken back to back.
+    ratios6: BTreeMap<&'static str, f64>,
     program_ms: f64,
 }
 
@@ -246,34 +261,46 @@ fn measure(services: u32) -> Measured {
         ],
         "repeat rounds",
     );
+    // IPv6 against IPv4 round by round: each round's two figures ran back to back, so a
+    // change in the machine's pace between rounds cancels out of their ratio.
+    let mut ratios6 = BTreeMap::new();
+    for case in ["established", "reply", "not_service"] {
+        let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
+        ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
+    }
     for (case, ns) in rounds {
         cases.insert(case, median(ns));
     }
     cases.insert("floor/calls", calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| not_service.clone()));
     cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
     check.took(&mut dp, Reason::Established, n_calls, "established/calls");
-    cases.insert(
-        "new_flow/calls",
-        calls(dp.ingress_program(), |i| {
+    // New flows in turns too: NEW_ROUNDS rounds of an IPv4 and an IPv6 share of the calls,
+    // each call a connection of its own (call i of the whole run opens client i).
+    let share = CALLS / scale() / NEW_ROUNDS;
+    let (mut new4, mut new6, mut new_ratios) = (0.0, 0.0, Vec::new());
+    for round in 0..NEW_ROUNDS {
+        let first = round * share;
+        let v4 = calls_from(dp.ingress_program(), first, share, |i| {
             let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
             tcp_frame(src, SocketAddrV4::new(bench_vip, 80), SYN)
-        }),
-    );
-    check.took(&mut dp, Reason::NewFlow, n_calls, "new_flow/calls");
-    cases.insert(
-        "new_flow6/calls",
-        calls(dp.ingress_program(), |i| {
+        });
+        let v6 = calls_from(dp.ingress_program(), first, share, |i| {
             let src =
                 SocketAddrV6::new(std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)), 1024 + (i & 0xff) as u16, 0, 0);
             packet6::tcp_frame(src, bench6, SYN)
-        }),
-    );
-    check.took(&mut dp, Reason::NewFlow, n_calls, "new_flow6/calls");
-    Measured { cases, program_ms }
+        });
+        (new4, new6) = (new4 + v4 / f64::from(NEW_ROUNDS), new6 + v6 / f64::from(NEW_ROUNDS));
+        new_ratios.push(v6 / v4);
+    }
+    check.took(&mut dp, Reason::NewFlow, 2 * u64::from(share * NEW_ROUNDS), "new flows");
+    cases.insert("new_flow/calls", new4);
+    cases.insert("new_flow6/calls", new6);
+    ratios6.insert("new_flow", median_f(new_ratios));
+    Measured { cases, ratios6, program_ms }
 }
 
 /// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
-/// under `perf record -a` when working on the datapath.
+/// under `perf record -a` when working on the datapath (`--ipv6` for IPv6's).
 fn profile() {
     let mut dp = EbpfDataplane::load(LoadOptions::default()).expect("load the dataplane (as root)");
     let (ping, pong) = ping_pong(&mut dp);
@@ -283,8 +310,25 @@ fn profile() {
     let ingress = dp.ingress_program();
     run(ingress, &tcp_frame(client, ping, SYN), 1);
     run(ingress, &tcp_frame(client, pong, SYN), 1);
-    let est = tcp_frame(client, ping, ACK);
-    let other = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
+    let (mut est, mut other) = (tcp_frame(client, ping, ACK), tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK));
+    let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), ping, SYN);
+    let mut new_flow: Box<dyn Fn(u32) -> Vec<u8>> = Box::new(frame);
+    // `--ipv6`: the same packets in IPv6, for comparing the families' paths.
+    if std::env::args().any(|a| a == "--ipv6") {
+        let (ping6, pong6) = ping_pong6(&mut dp);
+        new_flow = Box::new(move |i: u32| {
+            let src =
+                SocketAddrV6::new(std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)), 1024 + (i & 0xff) as u16, 0, 0);
+            packet6::tcp_frame(src, ping6, SYN)
+        });
+        let client6: SocketAddrV6 = "[fd00:244::5]:40000".parse().unwrap();
+        let ingress = dp.ingress_program();
+        run(ingress, &packet6::tcp_frame(client6, ping6, SYN), 1);
+        run(ingress, &packet6::tcp_frame(client6, pong6, SYN), 1);
+        est = packet6::tcp_frame(client6, ping6, ACK);
+        other = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
+    }
+    let ingress = dp.ingress_program();
     // `--established`: only the established flow, for a profiler's view of that path alone.
     let only_established = std::env::args().any(|a| a == "--established");
     let only_new = std::env::args().any(|a| a == "--only-new-flows");
@@ -298,10 +342,9 @@ fn profile() {
     // `--new-flows`: then new flows (one call each), beside the empty program's calls;
     // `--only-new-flows` skips the established rounds, for a profiler's view of that path.
     if std::env::args().any(|a| a == "--new-flows" || a == "--only-new-flows") {
-        let vip = ping;
-        let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), vip, SYN);
-        for _ in 0..if only_new { 10 } else { 1 } {
-            let ns = calls(dp.ingress_program(), frame);
+        for round in 0..if only_new { 10 } else { 1 } {
+            let n = CALLS / scale();
+            let ns = calls_from(dp.ingress_program(), round * n, n, &new_flow);
             let floor = calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| other.clone());
             println!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
         }
@@ -625,18 +668,17 @@ fn datapath(out_dir: &std::path::Path) {
         flat("new_flow/calls"),
         flat("not_service/repeat")
     );
-    let v6: Vec<String> = ["established", "reply", "not_service"]
+    let v6: Vec<String> = ["established", "reply", "not_service", "new_flow"]
         .iter()
         .map(|c| {
-            let r = ratio(&format!("{c}6/repeat"), &format!("{c}/repeat"));
-            format!("{c} {:+.0}%", (r.iter().sum::<f64>() / r.len() as f64 - 1.0) * 100.0)
+            let r: Vec<f64> = results.iter().map(|(_, m)| m.ratios6[c]).collect();
+            let each: Vec<String> = r.iter().map(|x| format!("{:+.0}", (x - 1.0) * 100.0)).collect();
+            format!("{c} {:+.0}% ({})", (r.iter().sum::<f64>() / r.len() as f64 - 1.0) * 100.0, each.join("/"))
         })
         .collect();
-    let new6 = ratio("new_flow6/calls", "new_flow/calls");
     println!(
-        "IPv6 vs IPv4, mean over the sizes: {}, new flow {:+.0}%   target within 15%",
-        v6.join(", "),
-        (new6.iter().sum::<f64>() / new6.len() as f64 - 1.0) * 100.0
+        "IPv6 vs IPv4 (median of the ratios of figures taken back to back; mean over the sizes, then each size): {}   target within 15%",
+        v6.join(", ")
     );
     let programming: Vec<String> = results.iter().map(|(n, m)| format!("{n} services in {:.0} ms", m.program_ms)).collect();
     println!("programming (agent map writer, 4 backends each): {}", programming.join(", "));
@@ -650,7 +692,7 @@ fn datapath(out_dir: &std::path::Path) {
         "repeat_rounds_median_of": ROUNDS,
         "calls": CALLS,
         "services": SIZES,
-        "cases": results.iter().map(|(n, m)| serde_json::json!({"services": n, "program_ms": m.program_ms, "ns": m.cases})).collect::<Vec<_>>(),
+        "cases": results.iter().map(|(n, m)| serde_json::json!({"services": n, "program_ms": m.program_ms, "ns": m.cases, "ipv6_over_ipv4": m.ratios6})).collect::<Vec<_>>(),
     });
     let path = out_dir.join("datapath.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
