@@ -1,5 +1,5 @@
-//! IPv6 packet tables: frames through the real TC programs (the IPv4 ones, which tail-call the
-//! IPv6 ones) with BPF_PROG_TEST_RUN, the IPv6 maps written by the agent's own map writer;
+//! IPv6 packet tables: frames through the real TC programs (the entry points attached to an
+//! interface, which serve IPv6 or tail-call its programs) with BPF_PROG_TEST_RUN, the IPv6 maps written by the agent's own map writer;
 //! outputs are dissected and checksums verified independently (`packet6`).
 
 use std::net::SocketAddrV6;
@@ -331,6 +331,33 @@ fn an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned() {
     assert_eq!(d.l4_checksum_ok, Some(true));
     let out = run(&mut dp, &tcp_frame(me, sock(VIP), ACK));
     assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
+}
+
+/// A forward conntrack entry keeps the two address sums its DNAT needs. An entry an older build
+/// wrote has zeroes there (its padding then); its established packets are translated all the
+/// same, from the addresses, with valid checksums.
+#[test]
+fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
+    let Some(mut dp) = setup("ipv6_entries_without_kept_sums_are_translated_from_their_addresses") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+    let forward = |dp: &mut EbpfDataplane| conntrack6(dp).into_iter().find(|(k, _)| k.daddr == Ip6::from_bytes(vip.ip().octets())).expect("the forward entry");
+    let (key, mut entry) = forward(&mut dp);
+    assert!(entry.addr_sum != [0, 0] && entry.addr_delta != [0, 0], "a new flow's entry keeps its sums: {entry:?}");
+    let ack = tcp_frame(client, vip, ACK);
+    let kept = run(&mut dp, &ack);
+    (entry.addr_sum, entry.addr_delta) = ([0, 0], [0, 0]);
+    {
+        let mut ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT6).unwrap()).unwrap();
+        ct.insert(key, entry, 0).expect("write the entry as an older build did");
+    }
+    let summed = run(&mut dp, &ack);
+    let d = dissect(&summed.frame);
+    assert_eq!((summed.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, client, backend));
+    assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum from the summed addresses");
+    assert_eq!(summed.frame, kept.frame, "the same packet as with the kept sums");
+    assert_eq!(forward(&mut dp).1.addr_sum, [0, 0], "the entry is left as it was found");
 }
 
 /// With the IPv6 programs' slots empty (as for a moment while a restart between builds refills
