@@ -836,29 +836,48 @@ pub fn maglev_agreement(agent: &Path, mode: ProxyMode) {
     }
 }
 
-/// Sends one ICMP echo request from namespace `ns` to `dst` and returns what first answers it
-/// within a second (the sender, ICMP type and code), if anything does; Err when the send
-/// itself fails (netfilter dropping or rejecting a local packet fails it with EPERM).
-fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Result<Option<(Ipv4Addr, u8, u8)>, io::ErrorKind> {
+/// What answered a ping: the sender, ICMP (ICMPv6) type and code; or the send's errno.
+type PingAnswer = Result<Option<(IpAddr, u8, u8)>, i32>;
+
+/// Sends one ICMP (ICMPv6) echo request from namespace `ns` to `dst` and returns what first
+/// answers it within a second, if anything does; Err(errno) when the send itself fails
+/// (netfilter dropping or rejecting a local packet fails it with EPERM; a drop on TC egress
+/// fails an IPv6 raw send with ENOBUFS, which IPv4's raw sockets report only with IP_RECVERR).
+fn ping(ns: &crate::netns::Netns, dst: impl Into<IpAddr>) -> PingAnswer {
+    let dst = dst.into();
     ns.run(move || {
-        // SAFETY: plain socket calls on a descriptor this closure owns and closes.
+        // SAFETY: plain socket calls on a descriptor this closure owns and closes, with buffers
+        // and addresses of the sizes given.
         unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::IPPROTO_ICMP);
+            let (domain, proto) = if dst.is_ipv4() { (libc::AF_INET, libc::IPPROTO_ICMP) } else { (libc::AF_INET6, libc::IPPROTO_ICMPV6) };
+            let fd = libc::socket(domain, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto);
             assert!(fd >= 0, "a raw ICMP socket: {}", io::Error::last_os_error());
             let timeout = libc::timeval { tv_sec: 0, tv_usec: 200_000 };
             libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const timeout).cast(), size_of::<libc::timeval>() as u32);
+            // Echo request (ICMPv6's type 128: the kernel fills in its checksum), id 0x4b50.
             let mut echo = [8u8, 0, 0, 0, 0x4b, 0x50, 0, 1, b'p', b'i', b'n', b'g'];
-            let sum = crate::packet::internet_checksum(&echo);
-            echo[2..4].copy_from_slice(&sum.to_be_bytes());
-            let to = libc::sockaddr_in {
-                sin_family: libc::AF_INET as u16,
-                sin_port: 0,
-                sin_addr: libc::in_addr { s_addr: u32::from(dst).to_be() },
-                sin_zero: [0; 8],
+            let n = match dst {
+                IpAddr::V4(d) => {
+                    let sum = crate::packet::internet_checksum(&echo);
+                    echo[2..4].copy_from_slice(&sum.to_be_bytes());
+                    let to = libc::sockaddr_in {
+                        sin_family: libc::AF_INET as u16,
+                        sin_port: 0,
+                        sin_addr: libc::in_addr { s_addr: u32::from(d).to_be() },
+                        sin_zero: [0; 8],
+                    };
+                    libc::sendto(fd, echo.as_ptr().cast(), echo.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_in>() as u32)
+                }
+                IpAddr::V6(d) => {
+                    echo[0] = 128;
+                    let mut to: libc::sockaddr_in6 = std::mem::zeroed();
+                    to.sin6_family = libc::AF_INET6 as u16;
+                    to.sin6_addr.s6_addr = d.octets();
+                    libc::sendto(fd, echo.as_ptr().cast(), echo.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_in6>() as u32)
+                }
             };
-            let n = libc::sendto(fd, echo.as_ptr().cast(), echo.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_in>() as u32);
             if n < 0 {
-                let e = io::Error::last_os_error().kind();
+                let e = io::Error::last_os_error().raw_os_error().unwrap_or(0);
                 libc::close(fd);
                 return Err(e);
             }
@@ -866,22 +885,29 @@ fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Result<Option<(Ipv4Addr, u8,
             let mut answer = None;
             let mut buf = [0u8; 1500];
             while answer.is_none() && Instant::now() < deadline {
-                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
-                // A raw socket gets the IP header too; this echo's id (0x4b50) marks what is ours:
-                // an echo reply carries it at 4, an error quotes the echo after the inner header.
+                let mut from: libc::sockaddr_in6 = std::mem::zeroed();
+                let mut len = size_of::<libc::sockaddr_in6>() as u32;
+                let n = libc::recvfrom(fd, buf.as_mut_ptr().cast(), buf.len(), 0, (&raw mut from).cast(), &mut len);
                 let Ok(n) = usize::try_from(n) else { continue };
-                let ihl = usize::from(buf[0] & 0x0f) * 4;
-                if n < ihl + 8 {
+                // An IPv4 raw socket gets the IP header too, an ICMPv6 one only the message. This
+                // echo's id marks what is ours: an echo reply carries it at 4, an error quotes the
+                // echo after the inner header.
+                let (at, from): (usize, IpAddr) = match dst {
+                    IpAddr::V4(_) => (usize::from(buf[0] & 0x0f) * 4, Ipv4Addr::new(buf[12], buf[13], buf[14], buf[15]).into()),
+                    IpAddr::V6(_) => (0, std::net::Ipv6Addr::from(from.sin6_addr.s6_addr).into()),
+                };
+                if n < at + 8 {
                     continue;
                 }
-                let (kind, code, from) = (buf[ihl], buf[ihl + 1], Ipv4Addr::new(buf[12], buf[13], buf[14], buf[15]));
-                let ours = match kind {
-                    0 => buf[ihl + 4..ihl + 6] == [0x4b, 0x50],
-                    3 | 11 => {
-                        let inner = ihl + 8;
-                        let inner_ihl = usize::from(buf.get(inner).copied().unwrap_or(0) & 0x0f) * 4;
-                        n >= inner + inner_ihl + 6 && buf[inner + inner_ihl + 4..inner + inner_ihl + 6] == [0x4b, 0x50]
-                    }
+                let (kind, code) = (buf[at], buf[at + 1]);
+                let inner = at + 8;
+                let quoted = match dst {
+                    IpAddr::V4(_) => inner + usize::from(buf[inner] & 0x0f) * 4,
+                    IpAddr::V6(_) => inner + 40,
+                };
+                let ours = match (dst.is_ipv4(), kind) {
+                    (true, 0) | (false, 129) => buf[at + 4..at + 6] == [0x4b, 0x50],
+                    (true, 3 | 11) | (false, 1 | 3) => n >= quoted + 6 && buf[quoted + 4..quoted + 6] == [0x4b, 0x50],
                     _ => false,
                 };
                 if ours {
@@ -894,10 +920,10 @@ fn ping(ns: &crate::netns::Netns, dst: Ipv4Addr) -> Result<Option<(Ipv4Addr, u8,
     })
 }
 
-/// True when a ping was refused: answered with port unreachable, or (from the node itself,
-/// by netfilter) failed at once with EPERM.
-fn ping_refused(answer: &Result<Option<(Ipv4Addr, u8, u8)>, io::ErrorKind>) -> bool {
-    matches!(answer, Ok(Some((_, 3, 3))) | Err(io::ErrorKind::PermissionDenied))
+/// True when a ping was refused: answered with port unreachable (ICMPv6's code 4 of type 1),
+/// or (from the node itself, by netfilter) failed at once with EPERM.
+fn ping_refused(answer: &PingAnswer) -> bool {
+    matches!(answer, Ok(Some((IpAddr::V4(_), 3, 3) | (IpAddr::V6(_), 1, 4))) | Err(libc::EPERM))
 }
 
 /// How many IPv4 packets to `dst` the node's uplink sent while `f` ran (a packet socket on it:
@@ -989,21 +1015,30 @@ pub fn service_cidrs_drop_free_addresses_and_reject_unserved_ports(agent: &Path,
     }
     // A ping is a new flow too: to a cluster IP it is rejected, to a free address dropped.
     // (nftables' reject answers from the node's address, the eBPF dataplane from the cluster IP.)
-    let answer = ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 10));
-    assert_eq!(answer.map(|a| a.map(|(_, kind, code)| (kind, code))), Ok(Some((3, 3))), "{mode}: port unreachable");
-    let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.client.ns, Ipv4Addr::new(10, 96, 0, 79)));
-    assert_eq!((sent, answer), (0, Ok(None)), "{mode}: a ping to a free address is dropped");
-    // The node's own ping too (netfilter fails a local packet it rejects or drops with EPERM).
-    let answer = ping(&lab.node, Ipv4Addr::new(10, 96, 0, 10));
-    if mode == ProxyMode::Ebpf {
-        assert_eq!(answer, Ok(Some((Ipv4Addr::new(10, 96, 0, 10), 3, 3))), "{mode}: the node's ping answered from the cluster IP");
+    for f in families(&lab) {
+        let (vip, free): (IpAddr, IpAddr) =
+            if f.web.is_ipv4() { (f.web.ip(), Ipv4Addr::new(10, 96, 0, 79).into()) } else { (f.web.ip(), "fd00:96::79".parse().unwrap()) };
+        let answer = ping(&lab.client.ns, vip);
+        assert!(matches!(answer, Ok(Some(_))) && ping_refused(&answer), "{mode} ({}): port unreachable: {answer:?}", f.name);
+        let (sent, answer) = sent_by_uplink(&lab, free, || ping(&lab.client.ns, free));
+        assert_eq!((sent, answer), (0, Ok(None)), "{mode} ({}): a ping to a free address is dropped", f.name);
+        // The node's own ping too (netfilter fails a local packet it rejects or drops with EPERM).
+        let answer = ping(&lab.node, vip);
+        if mode == ProxyMode::Ebpf {
+            assert!(
+                matches!(answer, Ok(Some((from, _, _))) if from == vip),
+                "{mode} ({}): the node's ping answered from the cluster IP: {answer:?}",
+                f.name
+            );
+        }
+        assert!(ping_refused(&answer), "{mode} ({}): the node's ping to a cluster IP is refused: {answer:?}", f.name);
+        let (sent, answer) = sent_by_uplink(&lab, free, || ping(&lab.node, free));
+        assert!(
+            sent == 0 && matches!(answer, Ok(None) | Err(libc::EPERM | libc::ENOBUFS)),
+            "{mode} ({}): the node's ping to a free address is dropped: {answer:?}",
+            f.name
+        );
     }
-    assert!(ping_refused(&answer), "{mode}: the node's ping to a cluster IP is refused: {answer:?}");
-    let (sent, answer) = sent_by_uplink(&lab, Ipv4Addr::new(10, 96, 0, 79), || ping(&lab.node, Ipv4Addr::new(10, 96, 0, 79)));
-    assert!(
-        sent == 0 && matches!(answer, Ok(None) | Err(io::ErrorKind::PermissionDenied)),
-        "{mode}: the node's ping to a free address is dropped: {answer:?}"
-    );
     if mode == ProxyMode::Ebpf {
         // Host-network processes: refused through the socket hooks; what they send to a free
         // address is dropped as it would leave, as a pod's.
