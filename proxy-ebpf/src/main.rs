@@ -74,8 +74,9 @@ pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
     finish(&ctx, egress::try_tc_egress(&ctx))
 }
 
-/// The IPv6 flow from pods, as `proxy_tc_ingress` serves it (`from_pod6`). An older build's
-/// `proxy_tc_ingress` tail-calls this program while an upgrade replaces it. Its new flows:
+/// The IPv6 flow from pods, as `proxy_tc_ingress` serves it (`from_pod6`): an older build's
+/// `proxy_tc_ingress` tail-calls this program until an upgrade replaces it. The new flows of
+/// both go on to `proxy_tc_ingress6_new`.
 #[classifier]
 pub fn proxy_tc_ingress6(ctx: TcContext) -> i32 {
     finish(&ctx, pod_ingress::try_tc_ingress6(&ctx))

@@ -9,8 +9,9 @@
 //! replies) and leaves the rest to TC, which makes the same choice: Maglev and affinity are
 //! deterministic for a flow.
 //!
-//! Both families take the same decisions (`Family`). IPv6's new flows are TC's only (its whole
-//! decision does not fit one stack frame: `decide_tracked`); XDP takes its tracked flows.
+//! Both families take the same decisions (`Family`), in XDP and in TC. TC's external IPv6
+//! program decides a new flow in a program of its own (`decide_tracked`): its whole decision
+//! beside the rest of that program does not fit one stack frame.
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup as FibParams, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS},

@@ -3,9 +3,10 @@
 //! XDP_REDIRECT to another), before the kernel allocates an skb. Everything else is XDP_PASS,
 //! for TC and the stack.
 //!
-//! IPv6 runs in a program of its own, tail-called (`PROGS_XDP_V1`), for tracked flows only:
-//! IPv6's whole decision does not fit one stack frame, so a new IPv6 flow is passed to TC,
-//! which tracks it; its later packets and its replies take the XDP path.
+//! IPv6 runs in a program of its own, tail-called (`PROGS_XDP_V1`), beside IPv4's in one frame
+//! would not fit: new flows, tracked ones and their replies, as IPv4's. (Its frame is 504 of the
+//! 512 bytes: TC's external IPv6 program, which also serves trace packets and ICMPv6 errors,
+//! stages its new flows into a program of their own.)
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
@@ -73,7 +74,7 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
     }
 }
 
-/// IPv6 (a program of its own): packets of tracked flows, and their replies.
+/// IPv6 (a program of its own): new flows, tracked ones, and their replies.
 #[inline(always)]
 pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
     let pkt = match crate::parse6::ipv6(ctx) {
@@ -84,7 +85,7 @@ pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
         return pass(Reason::XdpPass);
     }
     let env = env(ctx);
-    match north::decide_tracked(&env, &pkt, ct::now(), true) {
+    match north::decide(&env, &pkt, ct::now()) {
         Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
         Step::Pass(reason) => pass(reason),
         _ => pass(Reason::XdpPass),

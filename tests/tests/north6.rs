@@ -71,10 +71,24 @@ fn backend(s: &str, local: bool) -> Backend {
 }
 
 fn node_port(n: &mut Node, backends: Vec<Backend>) {
-    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol: Protocol::Tcp };
+    node_port_of(n, Protocol::Tcp, backends);
+}
+
+fn node_port_udp(n: &mut Node, backends: Vec<Backend>) {
+    node_port_of(n, Protocol::Udp, backends);
+}
+
+fn node_port_of(n: &mut Node, protocol: Protocol, backends: Vec<Backend>) {
+    let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol };
     let s = sock(NODE_PORT);
-    let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol: Protocol::Tcp };
+    let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol };
     n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, backends)).unwrap();
+}
+
+/// A UDP datagram frame from `from` to `to`.
+fn datagram(from: SocketAddrV6, to: SocketAddrV6, body: &[u8]) -> Vec<u8> {
+    proxy_tests::packet6::Ipv6::new(*from.ip(), *to.ip(), proxy_tests::packet::UDP, proxy_tests::packet6::udp_datagram(from, to, body))
+        .frame()
 }
 
 fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
@@ -88,7 +102,6 @@ fn an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib
     let Some(mut n) = node("an_ipv6_node_port_flow_to_a_remote_backend_is_dnatted_snatted_and_sent_by_fib") else { return };
     node_port(&mut n, vec![backend(REMOTE, false)]);
     let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
-    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves a new IPv6 flow to TC");
     let out = run_ext(&mut n.dp, &syn, n.ifindex);
     assert_eq!(out.action, TC_ACT_REDIRECT, "sent on past the stack");
     let d = dissect(&out.frame);
@@ -409,6 +422,35 @@ fn an_ipv6_trace_decides_like_a_real_packet_without_writing_anything() {
     assert_eq!(testrun::run_trace(&mut n.dp, &built).0, proxy_common::Reason::ExtEstablished);
 }
 
+/// XDP decides new IPv6 flows as it does IPv4's: a NodePort's first packet (TCP and UDP) to a
+/// remote backend leaves from the driver translated (DNAT, SNAT to a tracked port, one hop
+/// less, checksums by hand), and so does the backend's reply towards the client.
+#[test]
+fn xdp_forwards_new_ipv6_flows_and_their_replies() {
+    let Some(mut n) = node("xdp_forwards_new_ipv6_flows_and_their_replies") else { return };
+    node_port(&mut n, vec![backend(REMOTE, false)]);
+    node_port_udp(&mut n, vec![backend(REMOTE, false)]);
+    let (client, np) = (sock(CLIENT), sock(NODE_PORT));
+    for (frame, proto) in [(datagram(client, np, b"ping"), "UDP"), (tcp_frame(client, np, SYN), "TCP")] {
+        let out = run_xdp(&mut n.dp, &frame, n.ifindex);
+        assert_eq!(out.action, XDP_TX, "{proto}: a new flow leaves from the driver");
+        let d = dissect(&out.frame);
+        assert_eq!((d.dst_sock(), d.src), (sock(REMOTE), NODE_IP.parse::<std::net::Ipv6Addr>().unwrap()), "{proto}");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: checksum computed by hand in XDP");
+        assert_eq!((&out.frame[..6], out.frame[14 + 7]), (&ROUTER_MAC[..], 63), "{proto}: next hop and hop limit");
+        let snat = SocketAddrV6::new(NODE_IP.parse().unwrap(), d.sport.unwrap(), 0, 0);
+        let reply = if proto == "UDP" { datagram(sock(REMOTE), snat, b"pong") } else { tcp_frame(sock(REMOTE), snat, SYN | ACK) };
+        let out = run_xdp(&mut n.dp, &reply, n.ifindex);
+        assert_eq!(out.action, XDP_TX, "{proto}: the reply too");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (np, client), "{proto}");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{proto}");
+    }
+    assert_eq!(conntrack6(&mut n.dp).len(), 4, "each flow tracked both ways");
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("xdp_forward"), c.get("xdp_reply"), c.get("ext_new_remote")), (Some(&2), Some(&2), None), "{c:?}");
+}
+
 /// UDP through XDP: a tracked IPv6 UDP flow's later datagrams and its replies leave by XDP with
 /// their checksums right, and a datagram without a checksum (zero, which IPv6 receivers
 /// refuse anyway) is not given one.
@@ -420,10 +462,6 @@ fn ipv6_udp_flows_take_the_xdp_path_with_valid_checksums() {
     let key = FrontendKey { addr: (*np.ip()).into(), port: np.port(), protocol: Protocol::Udp };
     n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend(&be.to_string(), false)])).unwrap();
     let client = sock(CLIENT);
-    let datagram = |from: SocketAddrV6, to: SocketAddrV6, body: &[u8]| {
-        proxy_tests::packet6::Ipv6::new(*from.ip(), *to.ip(), proxy_tests::packet::UDP, proxy_tests::packet6::udp_datagram(from, to, body))
-            .frame()
-    };
     let first = run_ext(&mut n.dp, &datagram(client, np, b"first"), n.ifindex);
     assert_eq!(first.action, TC_ACT_REDIRECT, "the first datagram: TC tracks the flow");
     let snat = dissect(&first.frame).src_sock();

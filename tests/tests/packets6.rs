@@ -342,7 +342,9 @@ fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
     program6(&mut dp, VIP, TCP, &[BACKEND]);
     let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
     assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
-    let forward = |dp: &mut EbpfDataplane| conntrack6(dp).into_iter().find(|(k, _)| k.daddr == Ip6::from_bytes(vip.ip().octets())).expect("the forward entry");
+    let forward = |dp: &mut EbpfDataplane| {
+        conntrack6(dp).into_iter().find(|(k, _)| k.daddr == Ip6::from_bytes(vip.ip().octets())).expect("the forward entry")
+    };
     let (key, mut entry) = forward(&mut dp);
     assert!(entry.addr_sum != [0, 0] && entry.addr_delta != [0, 0], "a new flow's entry keeps its sums: {entry:?}");
     let ack = tcp_frame(client, vip, ACK);
