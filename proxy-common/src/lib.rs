@@ -249,8 +249,9 @@ pub mod prog_names {
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
     /// The IPv6 flow, tail-called from `TC_EGRESS` (see `map_names::PROGS`): conntrack and
     /// established flows, a new flow's service lookup and tracking, replies. `TC_INGRESS`
-    /// serves IPv6 itself and enters only `TC_INGRESS6_NEW`; `TC_INGRESS6` stays for an older
-    /// build's `TC_INGRESS`, which tail-calls it until an upgrade replaces that program.
+    /// serves IPv6 itself and enters only `TC_INGRESS6_NEW` (new flows) and `TC_ICMP6`
+    /// (errors); `TC_INGRESS6` stays for an older build's `TC_INGRESS`, which tail-calls it
+    /// until an upgrade replaces that program.
     pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
     pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";

@@ -290,7 +290,7 @@ impl Family for Ip6 {
     }
     #[inline(always)]
     fn new_flow_apart(ctx: &TcContext, pkt: &Packet<Self>, now: u64, reason: Reason, master: Option<&ServiceValue>) -> Reason {
-        enter_stage(ctx, pkt, now, reason, master, proxy_common::prog_slots::INGRESS6_NEW)
+        enter_stage(ctx, pkt, now, reason, Some(master), proxy_common::prog_slots::INGRESS6_NEW)
     }
     type FragKey = Frag6Key;
     const UNSPECIFIED: Self = Ip6([0; 4]);
@@ -381,12 +381,17 @@ impl Family for Ip6 {
     /// a CHECKSUM_COMPLETE skb's `skb->csum` by the field's change, which is IPv4's due (see
     /// `HEADER_CSUM`) but not IPv6's: `bpf_csum_update` (a no-op for other skbs) moves it back.
     /// (Linux 6.16's BPF_F_IPV6 says the same to the helper; older kernels refuse the flag.)
-    /// The difference is summed here (`csum::address_delta`), not by `bpf_csum_diff`: the
-    /// kernel folds what it is given, so any value congruent to its sum modulo 0xffff is the
-    /// same difference, and this one costs no helper call.
+    /// (Summing the difference in the program instead, `csum::address_delta`, saves the
+    /// `bpf_csum_diff` call but took the external IPv6 program's frame from 424 to 496 bytes.)
     #[inline(always)]
     fn l4_address_helper(ctx: &TcContext, csum_off: usize, mangled: u64, old: Self, new: Self) -> Result<(), Reason> {
-        let diff = u64::from(u16::from_ne_bytes(proxy_common::csum::address_delta(old, new)));
+        let mut old = old.0;
+        let mut new = new.0;
+        // SAFETY: two 16-byte stack buffers, sizes multiples of 4.
+        let diff = unsafe { aya_ebpf::helpers::bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(Reason::DropRewrite);
+        }
         let flags = u64::from(aya_ebpf::bindings::BPF_F_PSEUDO_HDR) | mangled;
         ctx.l4_csum_replace(csum_off, 0, diff as u64, flags).map_err(|_| Reason::DropRewrite)?;
         // SAFETY: plain helper call on our own skb.
@@ -476,15 +481,25 @@ impl Family for Ip6 {
 /// that cannot be done. The program there checks that the stage holds its packet
 /// (`parse6::is_staged`).
 #[inline(always)]
-pub fn enter_stage(ctx: &TcContext, pkt: &Packet<Ip6>, now: u64, reason: Reason, master: Option<&ServiceValue>, slot: u32) -> Reason {
+pub fn enter_stage(
+    ctx: &TcContext,
+    pkt: &Packet<Ip6>,
+    now: u64,
+    reason: Reason,
+    master: Option<Option<&ServiceValue>>,
+    slot: u32,
+) -> Reason {
     // SAFETY: taken once, written, and dropped before the tail call; the next program runs on
     // this CPU before any other packet.
     let Some(stage) = (unsafe { value::per_cpu(&maps::STAGE6, 0) }) else { return Reason::PassNoStage };
-    let (looked_up, master) = match master {
-        Some(m) => (1, *m),
-        None => (0, ServiceValue::default()),
-    };
-    *stage = Stage { pkt: *pkt, now, reason: reason as u32, looked_up, master };
+    stage.pkt = *pkt;
+    stage.now = now;
+    stage.reason = reason as u32;
+    match master {
+        Some(Some(m)) => (stage.lookup, stage.master) = (lookup::FOUND, *m),
+        Some(None) => stage.lookup = lookup::MISSED,
+        None => stage.lookup = lookup::NOT_DONE,
+    }
     // SAFETY: plain helper call; on success it does not return.
     unsafe { maps::PROGS_V1.tail_call(ctx, slot) };
     Reason::PassNoStage
@@ -514,9 +529,18 @@ pub struct Stage<A: Family> {
     pub pkt: Packet<A>,
     pub now: u64,
     pub reason: u32,
-    /// 1: `master` is the frontend's master entry as the staging program found it, which the
-    /// next one need not look up again (pod ingress stages it; an external interface's new
-    /// flow decides with its own lookups).
-    pub looked_up: u32,
+    /// What the staging program's lookup of the frontend's master entry gave (`lookup`), so
+    /// that the next program need not look it up again: with `lookup::FOUND`, `master`.
+    pub lookup: u32,
     pub master: ServiceValue,
+}
+
+/// `Stage::lookup`.
+pub mod lookup {
+    /// Not looked up (an external interface's new flow decides with lookups of its own): the
+    /// next program looks it up.
+    pub const NOT_DONE: u32 = 0;
+    pub const FOUND: u32 = 1;
+    /// Looked up, and no such frontend.
+    pub const MISSED: u32 = 2;
 }

@@ -54,9 +54,11 @@ pub fn proxy_tc_ingress(ctx: TcContext) -> i32 {
 }
 
 /// The IPv4 (and other) half of `proxy_tc_ingress`, and its IPv6 half: two BPF functions side
-/// by side, so that the program's stack is the larger of their frames rather than their sum,
-/// and IPv6 is served without a tail call. (Each may tail-call on: the frames before it, the
-/// entry point's, are below the verifier's 256 bytes for that.)
+/// by side, so that the program's stack is the entry point's (empty) frame and the larger of
+/// theirs rather than their sum, and IPv6's tracked flows are served without a tail call.
+/// (Each may tail-call on: the frames before it, the entry point's, are below the verifier's
+/// 256 bytes for that. A BPF function that tail-calls needs the JIT: x86-64 from Linux 5.10,
+/// arm64 from 6.0.)
 #[inline(never)]
 fn from_pod(ctx: &TcContext) -> i32 {
     finish(ctx, pod_ingress::try_tc_ingress(ctx))

@@ -111,8 +111,13 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
 #[inline(always)]
 pub fn try_tc_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    // The frontend as the flow stage found it.
-    let master = (stage.looked_up == 1).then_some(&stage.master);
+    // The frontend as the flow stage found it. (Pod ingress always looks; a stage that did not
+    // is not one of its own, and the packet passes as when no program can be entered.)
+    let master = match stage.lookup {
+        crate::family::lookup::FOUND => Some(&stage.master),
+        crate::family::lookup::MISSED => None,
+        _ => return Ok(Verdict::pass(Reason::PassNoStage)),
+    };
     to_service(ctx, &stage.pkt, stage.now, stage.reason(), master)
 }
 

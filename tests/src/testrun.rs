@@ -44,12 +44,22 @@ pub fn run_egress(dp: &mut EbpfDataplane, frame: &[u8]) -> Output {
 }
 
 pub fn run_at(dp: &mut EbpfDataplane, hook: Hook, frame: &[u8]) -> Output {
-    let mut out = vec![0u8; frame.len() + 512];
-    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
     let prog = match hook {
         Hook::Ingress => dp.ingress_program(),
         Hook::Egress => dp.egress_program(),
     };
+    run_classifier(prog, frame)
+}
+
+/// Runs a frame through the loaded TC program `name` itself (`prog_names`), as a tail call
+/// into its slot would.
+pub fn run_program(dp: &mut EbpfDataplane, name: &'static str, frame: &[u8]) -> Output {
+    run_classifier(proxy_agent::dataplane::ebpf::loader::classifier(dp.ebpf_mut(), name), frame)
+}
+
+fn run_classifier(prog: &mut aya::programs::SchedClassifier, frame: &[u8]) -> Output {
+    let mut out = vec![0u8; frame.len() + 512];
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
     let res = prog.test_run(opts).unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN with a {}-byte frame: {e:?}", frame.len()));
     out.truncate(res.data_size_out as usize);
     Output { action: res.return_value as i32, frame: out }

@@ -9,7 +9,7 @@ use proxy_agent::{
     dataplane::{ebpf::EbpfDataplane, Dataplane},
     model::{Backend as ModelBackend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
-use proxy_common::{map_names, CtEntry, CtKey, Ip6};
+use proxy_common::{csum, map_names, CtEntry, CtKey, Ip6};
 use proxy_tests::{
     packet::{ACK, SYN, TCP, UDP},
     packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
@@ -346,14 +346,20 @@ fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
         conntrack6(dp).into_iter().find(|(k, _)| k.daddr == Ip6::from_bytes(vip.ip().octets())).expect("the forward entry")
     };
     let (key, mut entry) = forward(&mut dp);
-    assert!(entry.addr_sum != [0, 0] && entry.addr_delta != [0, 0], "a new flow's entry keeps its sums: {entry:?}");
+    let sums = (csum::address_pair(key.saddr, key.daddr), csum::address_delta(key.daddr, entry.nat_addr));
+    assert_eq!((entry.addr_sum, entry.addr_delta), sums, "a new flow's entry keeps its sums");
     let ack = tcp_frame(client, vip, ACK);
     let kept = run(&mut dp, &ack);
-    (entry.addr_sum, entry.addr_delta) = ([0, 0], [0, 0]);
-    {
+    let write = |dp: &mut EbpfDataplane, entry: CtEntry<Ip6>| {
         let mut ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT6).unwrap()).unwrap();
-        ct.insert(key, entry, 0).expect("write the entry as an older build did");
-    }
+        ct.insert(key, entry, 0).expect("write the entry");
+    };
+    // The kept delta is what the translation adds: a wrong one gives a wrong checksum.
+    entry.addr_delta = [entry.addr_delta[0] ^ 0x10, entry.addr_delta[1]];
+    write(&mut dp, entry);
+    assert_eq!(dissect(&run(&mut dp, &ack).frame).l4_checksum_ok, Some(false), "the datapath uses the kept delta");
+    (entry.addr_sum, entry.addr_delta) = ([0, 0], [0, 0]);
+    write(&mut dp, entry);
     let summed = run(&mut dp, &ack);
     let d = dissect(&summed.frame);
     assert_eq!((summed.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, client, backend));
@@ -362,9 +368,28 @@ fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
     assert_eq!(forward(&mut dp).1.addr_sum, [0, 0], "the entry is left as it was found");
 }
 
+/// `proxy_tc_ingress6`, which pod ingress no longer enters, is what an older build's ingress
+/// program tail-calls while an upgrade replaces it: it still serves a new flow and an
+/// established one, with the new build's maps and new-flow program.
+#[test]
+fn the_ipv6_program_an_older_ingress_enters_serves_new_and_tracked_flows() {
+    let Some(mut dp) = setup("the_ipv6_program_an_older_ingress_enters_serves_new_and_tracked_flows") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    for (flags, what) in [(SYN, "a new flow"), (ACK, "an established one")] {
+        let out = testrun::run_program(&mut dp, proxy_common::prog_names::TC_INGRESS6, &tcp_frame(client, vip, flags));
+        let d = dissect(&out.frame);
+        assert_eq!((out.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, client, backend), "{what}");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{what}");
+    }
+    let c = counters(&mut dp);
+    assert_eq!((c.get("new_flow"), c.get("established")), (Some(&1), Some(&1)), "{c:?}");
+}
+
 /// With the IPv6 programs' slots empty (as for a moment while a restart between builds refills
 /// them), IPv6 passes untouched, as before this agent served IPv6: never dropped. (Pod ingress
-/// serves IPv6's tracked flows itself and enters a slot only for a new flow's stage.)
+/// serves IPv6's tracked flows itself and enters a slot for a new flow's stage, or an ICMPv6
+/// error.)
 #[test]
 fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     let Some(mut dp) = setup("ipv6_passes_untouched_when_its_programs_cannot_be_entered") else { return };
