@@ -479,7 +479,8 @@ impl Family for Ip6 {
 /// Hands an IPv6 packet to the program in `slot` of `PROGS_V1` through this CPU's stage (a tail
 /// call, which does not return); returns the reason to pass the packet untouched under when
 /// that cannot be done. The program there checks that the stage holds its packet
-/// (`parse6::is_staged`).
+/// (`parse6::is_staged`). `master`: what the caller's lookup of the frontend's master entry
+/// gave (`Some(None)`: no such frontend), `None` when it did not look.
 #[inline(always)]
 pub fn enter_stage(
     ctx: &TcContext,
@@ -537,8 +538,8 @@ pub struct Stage<A: Family> {
 
 /// `Stage::lookup`.
 pub mod lookup {
-    /// Not looked up (an external interface's new flow decides with lookups of its own): the
-    /// next program looks it up.
+    /// Not looked up: an external interface's new flow, whose program decides with lookups of
+    /// its own. (The pod new-flow program passes such a stage's packet: not one of its own.)
     pub const NOT_DONE: u32 = 0;
     pub const FOUND: u32 = 1;
     /// Looked up, and no such frontend.

@@ -3,10 +3,10 @@
 //! XDP_REDIRECT to another), before the kernel allocates an skb. Everything else is XDP_PASS,
 //! for TC and the stack.
 //!
-//! IPv6 runs in a program of its own, tail-called (`PROGS_XDP_V1`), beside IPv4's in one frame
-//! would not fit: new flows, tracked ones and their replies, as IPv4's. (Its frame is 504 of the
-//! 512 bytes: TC's external IPv6 program, which also serves trace packets and ICMPv6 errors,
-//! stages its new flows into a program of their own.)
+//! IPv6 runs in a program of its own, tail-called (`PROGS_XDP_V1`): both families' decisions do
+//! not fit one frame together. It takes new flows, tracked ones and their replies, as IPv4's
+//! does. (Its frame is 504 of the 512 bytes. TC's external IPv6 program, which also serves
+//! trace packets and ICMPv6 errors, stages its new flows into a program of their own.)
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
