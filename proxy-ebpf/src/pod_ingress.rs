@@ -28,12 +28,9 @@ pub fn try_tc_ingress(ctx: &TcContext) -> Result<Verdict, Reason> {
         L3::V4(Parsed::Icmp { l4_off, saddr, daddr, tot_len }) => icmp_message(ctx, l4_off, saddr, daddr, tot_len),
         L3::V4(Parsed::OtherProto { .. }) => Ok(Verdict::pass(Reason::PassNotService)),
         L3::V4(Parsed::Malformed) => Ok(Verdict::pass(Reason::PassMalformed)),
-        L3::V6 => {
-            // SAFETY: plain helper call; on success it does not return.
-            unsafe { PROGS_V1.tail_call(ctx, prog_slots::INGRESS6) };
-            Ok(Verdict::pass(Reason::PassNoStage))
-        }
-        L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
+        // IPv6 never comes here: the entry point sends it to `try_tc_ingress6` on the same
+        // ethertype.
+        L3::V6 | L3::Other => Ok(Verdict::pass(Reason::PassNotIpv4)),
     }
 }
 
@@ -91,18 +88,17 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
 /// (`Family::STAGES_APART`) in its new-flow program (`try_tc_ingress6_new`).
 #[inline(always)]
 fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+    let master = service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0));
     if A::STAGES_APART {
         // Most packets without a flow are for no Service (pod to pod): they are passed here,
         // without the stage's copy and tail call. What the new-flow program may still act on
         // (a Service's frontend, an allocated cluster IP's other ports) goes on.
-        let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-        let master = service(&key);
         if master.is_none() && select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
             return Ok(Verdict::pass(Reason::PassNotService));
         }
         return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason, master.as_ref())));
     }
-    to_service(ctx, pkt, now, reason, service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).as_ref())
+    to_service(ctx, pkt, now, reason, master.as_ref())
 }
 
 /// The IPv6 new-flow program: `to_service` for the packet the flow stage left in `STAGE6`,

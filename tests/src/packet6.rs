@@ -149,6 +149,10 @@ pub fn tcp_frame(src: SocketAddrV6, dst: SocketAddrV6, flags: u8) -> Vec<u8> {
     Ipv6::new(*src.ip(), *dst.ip(), TCP, tcp_segment(src, dst, flags, &[])).frame()
 }
 
+pub fn udp_frame(src: SocketAddrV6, dst: SocketAddrV6, payload: &[u8]) -> Vec<u8> {
+    Ipv6::new(*src.ip(), *dst.ip(), UDP, udp_datagram(src, dst, payload)).frame()
+}
+
 #[derive(Clone, Debug)]
 pub struct Dissected {
     pub src: Ipv6Addr,

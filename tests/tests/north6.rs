@@ -13,7 +13,7 @@ use proxy_common::{xdp_dev, CtEntry, CtKey, Ip6};
 use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{ACK, SYN, TCP},
-    packet6::{self, dissect, tcp_frame, Ipv6, ICMPV6},
+    packet6::{self, dissect, tcp_frame, udp_frame, Ipv6, ICMPV6},
     require,
     testrun::{self, counters, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS, XDP_TX},
 };
@@ -74,21 +74,11 @@ fn node_port(n: &mut Node, backends: Vec<Backend>) {
     node_port_of(n, Protocol::Tcp, backends);
 }
 
-fn node_port_udp(n: &mut Node, backends: Vec<Backend>) {
-    node_port_of(n, Protocol::Udp, backends);
-}
-
 fn node_port_of(n: &mut Node, protocol: Protocol, backends: Vec<Backend>) {
     let name = ServicePortName { service: ObjectKey::new("default", "web"), port: "http".into(), protocol };
     let s = sock(NODE_PORT);
     let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol };
     n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, backends)).unwrap();
-}
-
-/// A UDP datagram frame from `from` to `to`.
-fn datagram(from: SocketAddrV6, to: SocketAddrV6, body: &[u8]) -> Vec<u8> {
-    proxy_tests::packet6::Ipv6::new(*from.ip(), *to.ip(), proxy_tests::packet::UDP, proxy_tests::packet6::udp_datagram(from, to, body))
-        .frame()
 }
 
 fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
@@ -429,9 +419,9 @@ fn an_ipv6_trace_decides_like_a_real_packet_without_writing_anything() {
 fn xdp_forwards_new_ipv6_flows_and_their_replies() {
     let Some(mut n) = node("xdp_forwards_new_ipv6_flows_and_their_replies") else { return };
     node_port(&mut n, vec![backend(REMOTE, false)]);
-    node_port_udp(&mut n, vec![backend(REMOTE, false)]);
+    node_port_of(&mut n, Protocol::Udp, vec![backend(REMOTE, false)]);
     let (client, np) = (sock(CLIENT), sock(NODE_PORT));
-    for (frame, proto) in [(datagram(client, np, b"ping"), "UDP"), (tcp_frame(client, np, SYN), "TCP")] {
+    for (frame, proto) in [(udp_frame(client, np, b"ping"), "UDP"), (tcp_frame(client, np, SYN), "TCP")] {
         let out = run_xdp(&mut n.dp, &frame, n.ifindex);
         assert_eq!(out.action, XDP_TX, "{proto}: a new flow leaves from the driver");
         let d = dissect(&out.frame);
@@ -439,7 +429,7 @@ fn xdp_forwards_new_ipv6_flows_and_their_replies() {
         assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: checksum computed by hand in XDP");
         assert_eq!((&out.frame[..6], out.frame[14 + 7]), (&ROUTER_MAC[..], 63), "{proto}: next hop and hop limit");
         let snat = SocketAddrV6::new(NODE_IP.parse().unwrap(), d.sport.unwrap(), 0, 0);
-        let reply = if proto == "UDP" { datagram(sock(REMOTE), snat, b"pong") } else { tcp_frame(sock(REMOTE), snat, SYN | ACK) };
+        let reply = if proto == "UDP" { udp_frame(sock(REMOTE), snat, b"pong") } else { tcp_frame(sock(REMOTE), snat, SYN | ACK) };
         let out = run_xdp(&mut n.dp, &reply, n.ifindex);
         assert_eq!(out.action, XDP_TX, "{proto}: the reply too");
         let d = dissect(&out.frame);
@@ -462,20 +452,20 @@ fn ipv6_udp_flows_take_the_xdp_path_with_valid_checksums() {
     let key = FrontendKey { addr: (*np.ip()).into(), port: np.port(), protocol: Protocol::Udp };
     n.dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend(&be.to_string(), false)])).unwrap();
     let client = sock(CLIENT);
-    let first = run_ext(&mut n.dp, &datagram(client, np, b"first"), n.ifindex);
+    let first = run_ext(&mut n.dp, &udp_frame(client, np, b"first"), n.ifindex);
     assert_eq!(first.action, TC_ACT_REDIRECT, "the first datagram: TC tracks the flow");
     let snat = dissect(&first.frame).src_sock();
     for body in [&b"an odd-sized query"[..], b"even"] {
-        let out = run_xdp(&mut n.dp, &datagram(client, np, body), n.ifindex);
+        let out = run_xdp(&mut n.dp, &udp_frame(client, np, body), n.ifindex);
         assert_eq!(out.action, XDP_TX, "a later datagram in XDP");
         let d = dissect(&out.frame);
         assert_eq!((d.src_sock(), d.dst_sock(), d.l4_checksum_ok), (snat, be, Some(true)));
-        let out = run_xdp(&mut n.dp, &datagram(be, snat, body), n.ifindex);
+        let out = run_xdp(&mut n.dp, &udp_frame(be, snat, body), n.ifindex);
         assert_eq!(out.action, XDP_TX, "a reply in XDP");
         let d = dissect(&out.frame);
         assert_eq!((d.src_sock(), d.dst_sock(), d.l4_checksum_ok), (np, client, Some(true)));
     }
-    let mut zero = datagram(client, np, b"no checksum");
+    let mut zero = udp_frame(client, np, b"no checksum");
     let l4 = 14 + 40;
     zero[l4 + 6..l4 + 8].copy_from_slice(&[0, 0]);
     let out = run_xdp(&mut n.dp, &zero, n.ifindex);

@@ -83,6 +83,15 @@ impl fmt::Display for ObjectKey {
     }
 }
 
+/// Adds `x` to the sorted `v` where it belongs, unless it is there already: the small sorted
+/// sets the store and the reconciler keep per Service (nearly always one or two entries, where
+/// a `BTreeSet` would allocate a node of hundreds of bytes).
+pub fn insert_sorted<T: Ord>(v: &mut Vec<T>, x: T) {
+    if let Err(at) = v.binary_search(&x) {
+        v.insert(at, x);
+    }
+}
+
 /// `text`, or its first `max` characters and how long it was: what a log line quotes of
 /// something a user or an API server wrote, however long that is.
 pub fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {

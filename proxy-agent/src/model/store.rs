@@ -507,10 +507,7 @@ impl Store {
                                     self.endpoints_changed(&old.service, None);
                                 }
                             }
-                            let of_service = self.slices_by_service.entry(checked.service.clone()).or_default();
-                            if let Err(at) = of_service.binary_search(&key) {
-                                of_service.insert(at, key.clone());
-                            }
+                            super::insert_sorted(self.slices_by_service.entry(checked.service.clone()).or_default(), key.clone());
                             self.endpoints_changed(&checked.service.clone(), checked.trigger_time);
                             self.slices.insert(key.clone(), Box::new(checked));
                         }

@@ -225,10 +225,7 @@ impl<D: Dataplane> Reconciler<D> {
             // Owned even when programming failed: a previous run's working version of it must
             // not be removed as stale, and it is retried as this Service's.
             self.owners.insert(*key, svc.clone());
-            let held = self.by_service.entry(svc.clone()).or_default();
-            if let Err(at) = held.binary_search(key) {
-                held.insert(at, *key);
-            }
+            crate::model::insert_sorted(self.by_service.entry(svc.clone()).or_default(), *key);
         }
         let held = self.by_service.get(svc).cloned().unwrap_or_default();
         for key in held.iter().filter(|k| !wanted.contains_key(k)) {
