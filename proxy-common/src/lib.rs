@@ -264,8 +264,12 @@ pub mod prog_names {
     /// An ICMPv6 error `TC_ICMP6` translated for a remote backend or its client, sent on past
     /// the stack by the FIB's route.
     pub const TC_ICMP6_SEND: &str = "proxy_tc_icmp6_send";
+    /// An IPv6 host flow the socket hooks left to TC, staged by `TC_EGRESS6`: tracked ones, and
+    /// new ones (`TC_HOST6_NEW`), which do not fit one frame with them.
+    pub const TC_HOST6: &str = "proxy_tc_host6";
+    pub const TC_HOST6_NEW: &str = "proxy_tc_host6_new";
     /// Each with its slot in `map_names::PROGS`.
-    pub const TAIL_CALLED: [(&str, u32); 8] = [
+    pub const TAIL_CALLED: [(&str, u32); 10] = [
         (TC_INGRESS6, super::prog_slots::INGRESS6),
         (TC_INGRESS6_NEW, super::prog_slots::INGRESS6_NEW),
         (TC_EGRESS6, super::prog_slots::EGRESS6),
@@ -274,6 +278,8 @@ pub mod prog_names {
         (TC_EXT_INGRESS6_TRACE, super::prog_slots::EXT_INGRESS6_TRACE),
         (TC_ICMP6, super::prog_slots::ICMP6),
         (TC_ICMP6_SEND, super::prog_slots::ICMP6_SEND),
+        (TC_HOST6, super::prog_slots::HOST6),
+        (TC_HOST6_NEW, super::prog_slots::HOST6_NEW),
     ];
 }
 
@@ -287,7 +293,9 @@ pub mod prog_slots {
     pub const EXT_INGRESS6_TRACE: u32 = 5;
     pub const ICMP6: u32 = 6;
     pub const ICMP6_SEND: u32 = 7;
-    pub const COUNT: u32 = 8;
+    pub const HOST6: u32 = 8;
+    pub const HOST6_NEW: u32 = 9;
+    pub const COUNT: u32 = 10;
     /// Slots of `map_names::PROGS_XDP` (slot 0: `prog_names::XDP_EXT6`).
     pub const XDP_COUNT: u32 = 1;
 }
@@ -562,7 +570,8 @@ impl<A> SockRevKey<A> {
     }
 }
 
-/// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock).
+/// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock;
+/// no longer read, kept for the map's layout).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockOwner {
@@ -670,6 +679,8 @@ const _: () = assert!(size_of::<SvcCidrKey<Ip6>>() == 16);
 /// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
 /// to an address of a Service CIDR that no Service serves on that port and protocol.
 pub mod svc_cidr {
+    /// In no Service CIDR (what the datapath's lookup gives; never stored).
+    pub const NONE: u8 = 0;
     /// A Service CIDR: the address is not allocated; a packet that would leave the node for it
     /// is dropped ("Drop traffic to unallocated ClusterIPs").
     pub const RANGE: u8 = 1;
@@ -890,15 +901,16 @@ reasons! {
     /// (netfilter's NAT would move the local port instead; a socket hook acts before there is
     /// a packet.)
     HostBackendMoved = 36 => "host_backend_moved",
-    /// A host-network UDP socket's connect refused with EADDRNOTAVAIL: every backend of the
-    /// Service tried (up to 9) is already reached from this local port by another connected
-    /// socket, as the kernel refuses a TCP connect onto a taken tuple; the other socket keeps
-    /// its replies. (A TCP connect goes on: the kernel itself refuses it if the tuple is in use.)
+    /// Not counted any more (a build before host flows were moved in TC counted here a
+    /// host-network UDP connect it refused with EADDRNOTAVAIL because every backend's tuple was
+    /// taken; such a connect now goes on, see `host_shared_backend`).
     HostPortClash = 37 => "host_port_clash",
-    /// A host-network UDP send or connect that went on to a backend whose tuple another flow
-    /// holds (every backend tried was taken): an unconnected socket reaching it for another
-    /// Service (its replies then show the later Service as sender), or a socket whose holder
-    /// may be gone (an entry over two minutes old is not trusted to refuse).
+    /// A host-network socket's connect or send to a Service left untranslated by the socket
+    /// hooks, because every backend tried was taken: another connected socket on the same
+    /// local port reaches it, or this unconnected socket reaches it for another Service. Its
+    /// packets follow the node's route for the Service address, and TC egress translates
+    /// them with a moved port (`host_flow_new`), as netfilter's NAT moves the port on such a
+    /// clash.
     HostSharedBackend = 38 => "host_shared_backend",
     /// Egress: a packet of another protocol than TCP, UDP or ICMP (SCTP, GRE) to an allocated
     /// cluster IP, about to leave the node by the default route: dropped (kube-proxy's
@@ -908,6 +920,17 @@ reasons! {
     /// of `map_names::PROGS` is empty (the agent fills it at load; a restart between builds may
     /// leave it so for a moment), or the packet a new-flow stage found staged was another one.
     PassNoStage = 40 => "pass_no_stage",
+    /// Egress: a new flow from a host-network process to a Service, which the socket hooks
+    /// left untranslated (`host_shared_backend`, or no hooks attached): DNAT to a backend, the
+    /// local port moved to one of `--snat-port-range` so the tuple at the backend is unique,
+    /// and sent by the route to the backend.
+    HostFlowNew = 41 => "host_flow_new",
+    /// Egress: a packet of such a flow, translated the same way.
+    HostFlow = 42 => "host_flow",
+    /// Ingress (of a pod or an external interface): a backend's reply to such a flow,
+    /// translated back (from the Service, to the process's own port) and delivered to the
+    /// node's socket.
+    HostReply = 43 => "host_reply",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

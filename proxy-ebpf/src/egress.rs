@@ -12,7 +12,7 @@ use proxy_common::{
 use crate::{
     ct,
     family::Family,
-    frag, icmp, icmp6, icmp_nat,
+    frag, host, icmp, icmp6, icmp_nat,
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
@@ -27,8 +27,8 @@ use crate::{
 /// `cluster-ips-check` drops traffic to unallocated cluster IPs, instead of following the
 /// default route.
 #[inline(always)]
-fn leaving_unmatched(cidr: Option<u8>) -> Result<Verdict, Reason> {
-    if cidr == Some(svc_cidr::RANGE) {
+fn leaving_unmatched(cidr: u8) -> Result<Verdict, Reason> {
+    if cidr == svc_cidr::RANGE {
         return Err(Reason::DropUnallocatedClusterIp);
     }
     Ok(Verdict::pass(Reason::EgressPass))
@@ -55,7 +55,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
             // rejected as kube-proxy's `cluster-ips-check` rejects it. (The socket hooks answer
             // a host's TCP and UDP; they see no ICMP.)
             return match select::service_cidr_of(daddr) {
-                Some(svc_cidr::ALLOCATED) => icmp::reject_leaving(
+                svc_cidr::ALLOCATED => icmp::reject_leaving(
                     ctx,
                     &icmp::query_packet(l4_off, proxy_common::IPPROTO_ICMP, saddr, daddr, tot_len),
                     Reason::RejectClusterIpPort,
@@ -65,7 +65,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
         }
         Parsed::OtherProto { daddr } => {
             return match select::service_cidr_of(daddr) {
-                Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
+                svc_cidr::ALLOCATED => Err(Reason::DropClusterIpProtocol),
                 cidr => leaving_unmatched(cidr),
             };
         }
@@ -81,7 +81,7 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match crate::parse6::ipv6(ctx) {
         Parsed::Packet(p) => flow(ctx, p),
         Parsed::OtherProto { daddr } => match select::service_cidr_of(daddr) {
-            Some(svc_cidr::ALLOCATED) => Err(Reason::DropClusterIpProtocol),
+            svc_cidr::ALLOCATED => Err(Reason::DropClusterIpProtocol),
             cidr => leaving_unmatched(cidr),
         },
         Parsed::Icmp { l4_off, saddr, daddr, tot_len } => {
@@ -94,7 +94,7 @@ pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
             }
             // A host process's ping to a cluster IP, as IPv4's.
             match select::service_cidr_of(daddr) {
-                Some(svc_cidr::ALLOCATED) => {
+                svc_cidr::ALLOCATED => {
                     let query = icmp::query_packet(l4_off, crate::parse6::IPPROTO_ICMPV6, saddr, daddr, tot_len);
                     icmp6::reject_leaving(ctx, &query, Reason::RejectClusterIpPort)
                 }
@@ -113,10 +113,22 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(mut e) = Slot::of(A::ct(), ct::key(&pkt)) else {
+        // A host process's flow the socket hooks left to TC (`host`), if it is one.
+        if host::from_host(ctx) {
+            if let Some(v) = A::host_leaving(ctx, &pkt, false) {
+                return v;
+            }
+        }
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
     let entry = e.get();
     if entry.flags & flags::REPLY == 0 {
+        // A tracked host flow's next packet (a SNAT entry's flow from this node).
+        if entry.flags & flags::SNAT != 0 && host::from_host(ctx) {
+            if let Some(v) = A::host_leaving(ctx, &pkt, true) {
+                return v;
+            }
+        }
         return Ok(Verdict::pass(Reason::EgressPass));
     }
     // The service is gone: nothing to restore, the client gets the packet as it is.

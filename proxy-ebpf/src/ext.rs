@@ -165,11 +165,24 @@ fn apply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, step: Step<A>) -> Result<V
         Step::NewFlow => Ok(Verdict::pass(Reason::PassNoStage)),
         Step::Drop(reason) => Err(reason),
         Step::Reject { .. } => A::reject(ctx, pkt, Reason::RejectNoEndpoints),
-        Step::Dnat { backend, reason, sport, .. } => {
+        step @ (Step::Dnat { .. } | Step::Deliver { .. }) => {
+            // Both rewrite one side whole and perhaps the other side's port, and go on through
+            // the stack: a flow to a backend here (its client's port moved on a clash), and a
+            // host flow's reply (`host`). One code path for both: two would not fit IPv6's
+            // stack frame.
+            let (side, addr, port, other, other_port, reason) = match step {
+                Step::Dnat { backend, reason, sport, .. } => (Side::Dst, backend.addr, backend.port, Side::Src, sport, reason),
+                Step::Deliver { src, dport, .. } => (Side::Src, src.0, src.1, Side::Dst, Some(dport), Reason::HostReply),
+                _ => return Ok(Verdict::pass(Reason::PassNoStage)),
+            };
             frag::remember(pkt);
-            nat::rewrite(ctx, pkt, Side::Dst, backend.addr, backend.port)?;
-            if let Some(port) = sport {
-                nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, port)?;
+            nat::rewrite(ctx, pkt, side, addr, port)?;
+            if let Some(p) = other_port {
+                let kept = match other {
+                    Side::Src => pkt.saddr,
+                    Side::Dst => pkt.daddr,
+                };
+                nat::rewrite(ctx, pkt, other, kept, p)?;
             }
             let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { reason };
             Ok(Verdict::pass(reason))
@@ -239,6 +252,7 @@ fn trace<A: Family>(step: &Step<A>) {
         Step::Dnat { backend_id, service_id, reason, .. } | Step::Forward { backend_id, service_id, reason, .. } => {
             (*reason, *backend_id, *service_id)
         }
+        Step::Deliver { backend_id, service_id, .. } => (Reason::HostReply, *backend_id, *service_id),
     };
     // Values, not the step, go into the write (a step referred to from there would have to
     // stay on the stack).

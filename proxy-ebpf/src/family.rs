@@ -14,8 +14,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    limits, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Frag6Key, FragKey, FragPorts, Ip6, Reason,
-    RevNat, ServiceKey, ServiceValue,
+    limits, svc_cidr, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendFlows, CtEntry, CtKey, Frag6Key, FragKey, FragPorts,
+    Ip6, Reason, RevNat, ServiceKey, ServiceValue,
 };
 
 use crate::{icmp, maps, parse::Packet, value, verdict::Verdict};
@@ -59,8 +59,8 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     fn ct_scratch() -> &'static PerCpuArray<CtEntry<Self>, 1>;
     /// True when one of service `service_id`'s loadBalancerSourceRanges holds `addr`.
     fn in_source_ranges(service_id: u32, addr: Self) -> bool;
-    /// What the Service CIDR map says of `addr` (`svc_cidr`); None: in no Service CIDR.
-    fn service_cidr_of(addr: Self) -> Option<u8>;
+    /// What the Service CIDR map says of `addr` (`svc_cidr`; `NONE`: in no Service CIDR).
+    fn service_cidr_of(addr: Self) -> u8;
     /// The entry of Maglev table `table_id` (of `size` entries) this flow's hash picks (0:
     /// none).
     fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32>;
@@ -107,6 +107,14 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     fn send_translated(ctx: &TcContext, src: Self, dst: Self) -> Result<Verdict, Reason>;
     /// Answers the packet with the family's port unreachable, back where it came from.
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
+    /// The same for a packet about to leave (TC egress): the answer is received on the
+    /// interface instead, as from the destination.
+    fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
+    /// `host::leaving`, inline (IPv4), or in programs of their own (IPv6: its decision and
+    /// its new flow do not fit the egress program's stack frame).
+    /// `tracked`: the packet has a (forward) conntrack entry; otherwise it is looked at only
+    /// when it is addressed to a Service.
+    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>>;
 
     /// The address SNAT puts on the family's flows leaving by external interface `ifindex`.
     fn node_address(ifindex: u32) -> Option<Self>;
@@ -185,13 +193,13 @@ impl Family for [u8; 4] {
     }
     /// Checked in two ALU operations against the ranges' common prefix first.
     #[inline(always)]
-    fn service_cidr_of(addr: Self) -> Option<u8> {
+    fn service_cidr_of(addr: Self) -> u8 {
         use aya_ebpf::btf_maps::lpm_trie::Key;
-        let cfg = maps::CONFIG_V2.get(0)?;
+        let Some(cfg) = maps::CONFIG_V2.get(0) else { return svc_cidr::NONE };
         if cfg.svc_cidrs == 0 || u32::from_ne_bytes(addr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
-            return None;
+            return svc_cidr::NONE;
         }
-        maps::LB4_SVCCIDR_V1.get(&Key::new(32, proxy_common::SvcCidrKey { addr })).copied()
+        maps::LB4_SVCCIDR_V1.get(&Key::new(32, proxy_common::SvcCidrKey { addr })).copied().unwrap_or(svc_cidr::NONE)
     }
     #[inline(always)]
     fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
@@ -237,6 +245,14 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         icmp::reject(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
+        icmp::reject_leaving(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, _tracked: bool) -> Option<Result<Verdict, Reason>> {
+        crate::host::leaving(ctx, pkt)
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
@@ -340,12 +356,12 @@ impl Family for Ip6 {
         maps::LB6_SRCRANGE_V1.get(&key).is_some()
     }
     #[inline(always)]
-    fn service_cidr_of(addr: Self) -> Option<u8> {
+    fn service_cidr_of(addr: Self) -> u8 {
         use aya_ebpf::btf_maps::lpm_trie::Key;
-        if maps::CONFIG_V2.get(0)?.svc_cidrs6 == 0 {
-            return None;
+        if maps::CONFIG_V2.get(0).is_none_or(|c| c.svc_cidrs6 == 0) {
+            return svc_cidr::NONE;
         }
-        maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied()
+        maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied().unwrap_or(svc_cidr::NONE)
     }
     #[inline(always)]
     fn maglev_pick(pkt: &Packet<Self>, table_id: u32, size: u32) -> Option<u32> {
@@ -414,6 +430,19 @@ impl Family for Ip6 {
     #[inline(always)]
     fn reject(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         crate::icmp6::reject(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
+        crate::icmp6::reject_leaving(ctx, pkt, reason)
+    }
+    #[inline(always)]
+    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
+        let key = proxy_common::ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+        if !tracked && crate::select::service(&key).is_none() {
+            return None;
+        }
+        let reason = enter_stage(ctx, pkt, crate::ct::now(), Reason::HostFlow, None, proxy_common::prog_slots::HOST6);
+        Some(Ok(Verdict::pass(reason)))
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {

@@ -9,6 +9,7 @@ mod egress;
 mod ext;
 mod family;
 mod frag;
+mod host;
 mod icmp;
 mod icmp6;
 mod icmp_nat;
@@ -131,6 +132,16 @@ pub fn proxy_tc_icmp6_send(ctx: TcContext) -> i32 {
     finish(&ctx, icmp_nat::try_send6(&ctx))
 }
 
+/// An IPv6 host flow's packet leaving (staged by `proxy_tc_egress6`, see `host`).
+#[classifier]
+pub fn proxy_tc_host6(ctx: TcContext) -> i32 {
+    finish(&ctx, host::try_host6(&ctx))
+}
+/// An IPv6 host flow's first packet (tail-called by `proxy_tc_host6`).
+#[classifier]
+pub fn proxy_tc_host6_new(ctx: TcContext) -> i32 {
+    finish(&ctx, host::try_host6_new(&ctx))
+}
 /// An external program's outcome: counted, or a trace packet's (which counts nothing).
 #[inline(always)]
 fn outcome(ctx: &TcContext, o: ext::Outcome) -> i32 {

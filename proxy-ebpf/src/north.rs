@@ -73,6 +73,14 @@ pub enum Step<A = [u8; 4]> {
         service_id: u32,
         reason: Reason,
     },
+    /// A reply of a flow the node itself opened (`host`): the source becomes `src` and the
+    /// destination port `dport` (the process's own), and it goes up the stack to its socket.
+    Deliver {
+        src: (A, [u8; 2]),
+        dport: [u8; 2],
+        backend_id: u32,
+        service_id: u32,
+    },
     /// A new flow, left for `new_flow` (`decide_tracked`).
     NewFlow,
     /// No endpoints: ICMP (ICMPv6) port unreachable.
@@ -186,23 +194,35 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
             let Some(rn) = revnat_of(&entry) else {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             };
+            // The flow's forward tuple, as its client sent it.
+            let fwd = |rn: &proxy_common::RevNat<A>| CtKey {
+                saddr: entry.nat_addr,
+                daddr: rn.addr,
+                sport: entry.nat_port,
+                dport: rn.port,
+                proto: pkt.proto,
+                _pad: 0,
+                _pad2: 0,
+            };
+            if !env.xdp && entry.nat_addr == pkt.daddr {
+                // The client is the node itself (`host`): delivered here, by TC. (XDP passes
+                // it all the same: the FIB has no route to forward to a local address.)
+                if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &fwd(&rn), now) {
+                    return Step::Pass(Reason::PassNotService);
+                }
+                return Step::Deliver {
+                    src: (rn.addr, rn.port),
+                    dport: entry.nat_port,
+                    backend_id: entry.backend_id,
+                    service_id: entry.service_id,
+                };
+            }
             let route = match usable(env, route_of(env, pkt, &mut e, &entry, rn.addr, entry.nat_addr, now)) {
                 Ok(r) => r,
                 Err(step) => return step,
             };
-            if !env.dry {
-                let fwd = CtKey {
-                    saddr: entry.nat_addr,
-                    daddr: rn.addr,
-                    sport: entry.nat_port,
-                    dport: rn.port,
-                    proto: pkt.proto,
-                    _pad: 0,
-                    _pad2: 0,
-                };
-                if !ct::touch_reply(pkt, &mut e, &entry, &fwd, now) {
-                    return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
-                }
+            if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &fwd(&rn), now) {
+                return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             }
             return Step::Forward {
                 dst: (entry.nat_addr, entry.nat_port),
@@ -309,10 +329,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
     let Some(snat_addr) = A::node_address(route.ifindex) else {
         return xdp_pass(env).unwrap_or(Step::Drop(Reason::DropNoRoute));
     };
-    let (min, max) = match CONFIG_V2.get(0) {
-        Some(c) if c.snat_port_min != 0 && c.snat_port_min <= c.snat_port_max => (c.snat_port_min, c.snat_port_max),
-        _ => (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
-    };
+    let (min, max) = snat_ports();
     let port = if env.dry {
         [0; 2]
     } else {
@@ -331,5 +348,14 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
         backend_id: choice.id,
         service_id: master.service_id,
         reason: if env.xdp { Reason::XdpForward } else { Reason::ExtNewRemote },
+    }
+}
+
+/// The ports SNAT gives flows (`--snat-port-range`), network byte order aside.
+#[inline(always)]
+pub fn snat_ports() -> (u16, u16) {
+    match CONFIG_V2.get(0) {
+        Some(c) if c.snat_port_min != 0 && c.snat_port_min <= c.snat_port_max => (c.snat_port_min, c.snat_port_max),
+        _ => (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
     }
 }

@@ -48,7 +48,7 @@ pub fn try_tc_ingress6(ctx: &TcContext) -> Result<Verdict, Reason> {
                 unsafe { PROGS_V1.tail_call(ctx, prog_slots::ICMP6) };
                 return Ok(Verdict::pass(Reason::PassNoStage));
             }
-            if !icmp6::is_echo_request(kind) || select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+            if !icmp6::is_echo_request(kind) || select::service_cidr_of(daddr) != svc_cidr::ALLOCATED {
                 return Ok(Verdict::pass(Reason::PassNotService));
             }
             let query = icmp::query_packet(l4_off, parse6::IPPROTO_ICMPV6, saddr, daddr, tot_len);
@@ -72,6 +72,10 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
             if entry.flags & flags::HAIRPIN != 0 {
                 return hairpin_reply(ctx, &pkt, e, &entry, now);
             }
+            if entry.flags & flags::SNAT != 0 {
+                // Only a flow of the node's own (`host`) has a SNAT entry at a pod.
+                return crate::host::pod_reply(ctx, &pkt, e, &entry, now);
+            }
             return Ok(Verdict::pass(Reason::ReplyIngress));
         }
         if !ct::forward_stale(&pkt, &entry, now) {
@@ -93,7 +97,7 @@ fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reaso
         // Most packets without a flow are for no Service (pod to pod): they are passed here,
         // without the stage's copy and tail call. What the new-flow program may still act on
         // (a Service's frontend, an allocated cluster IP's other ports) goes on.
-        if master.is_none() && select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+        if master.is_none() && select::service_cidr_of(pkt.daddr) != svc_cidr::ALLOCATED {
             return Ok(Verdict::pass(Reason::PassNotService));
         }
         return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason, master.as_ref())));
@@ -150,7 +154,7 @@ fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], 
     if !icmp::is_query(ctx, l4_off) {
         return icmp_nat::arriving(ctx, l4_off, saddr, daddr);
     }
-    if select::service_cidr_of(daddr) != Some(svc_cidr::ALLOCATED) {
+    if select::service_cidr_of(daddr) != svc_cidr::ALLOCATED {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
     icmp::reject(ctx, &icmp::query_packet(l4_off, proxy_common::IPPROTO_ICMP, saddr, daddr, tot_len), Reason::RejectClusterIpPort)
@@ -163,7 +167,7 @@ fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], 
 /// still claim it.)
 #[inline(always)]
 fn unserved<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reason> {
-    if pkt.frag == Frag::Later || pkt.is_tcp_mid_connection() || select::service_cidr_of(pkt.daddr) != Some(svc_cidr::ALLOCATED) {
+    if pkt.frag == Frag::Later || pkt.is_tcp_mid_connection() || select::service_cidr_of(pkt.daddr) != svc_cidr::ALLOCATED {
         return Ok(Verdict::pass(Reason::PassNotService));
     }
     A::reject(ctx, pkt, Reason::RejectClusterIpPort)

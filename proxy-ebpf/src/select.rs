@@ -35,10 +35,11 @@ pub fn source_allowed<A: Family>(pkt: &Packet<A>, master: &ServiceValue) -> bool
 }
 
 /// What the family's Service CIDR map says of `daddr` (a `svc_cidr` value: an allocated
-/// cluster IP, or a free address of a Service CIDR), for a packet no Service serves; None: in
-/// no Service CIDR.
+/// cluster IP, or a free address of a Service CIDR), for a packet no Service serves; `NONE`:
+/// in no Service CIDR. (A plain value, not an `Option`: a `None`'s undefined payload may be
+/// read by the compiled code as an unwritten register, which the verifier refuses.)
 #[inline(always)]
-pub fn service_cidr_of<A: Family>(daddr: A) -> Option<u8> {
+pub fn service_cidr_of<A: Family>(daddr: A) -> u8 {
     A::service_cidr_of(daddr)
 }
 

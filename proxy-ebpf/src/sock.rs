@@ -23,12 +23,9 @@
 //! moves the local port on such a clash; here there is no packet yet, so the backend moves:
 //! the hooks pass over backends whose tuple is taken (`SOCK_PORTS_V1` for connected sockets on
 //! a port of their own choosing, `SOCK_REVNAT_V1` for the socket's own other Services). Where
-//! every backend's tuple is taken, a UDP connect fails with EADDRNOTAVAIL, as the kernel fails
-//! a TCP connect onto a taken tuple (a TCP connect goes on, to meet the kernel's own check),
-//! and the first socket keeps its replies; an unconnected send goes on, and the backend's
-//! replies show the later Service (counted). A holder is trusted to refuse for two minutes
-//! only: the kernel runs no release hook for its own sockets (an NFS client's), whose entries
-//! would otherwise stay.
+//! every backend's tuple is taken, the call goes on to the Service's address untranslated,
+//! and TC egress moves the port of its packets as netfilter would (`host`); so both flows
+//! keep their own replies.
 //!
 //! IPv6 sockets reach IPv6 Services by their addresses, and IPv4 Services through IPv4-mapped
 //! addresses (`::ffff:10.96.0.10`, what a JVM or any dual-stack socket passes for an IPv4
@@ -66,11 +63,8 @@ const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 const EPERM: i32 = 1;
-const EADDRNOTAVAIL: i32 = 99;
 /// Backends tried after a first pick whose tuple is taken.
 const OTHER_BACKENDS: u32 = 8;
-/// How long a holder of a tuple is trusted to make a UDP connect fail (see the module comment).
-const HOLDER_TRUSTED_NS: u64 = 120 * 1_000_000_000;
 
 const SOCK_MAX: usize = limits::SOCK_REVNAT_MAX as usize;
 
@@ -259,7 +253,7 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
     let Some(master) = select::service(&key) else {
         // A cluster IP on a port it does not serve is refused. (A free address of a Service
         // CIDR is dropped where it would leave the node, by the egress program.)
-        if select::service_cidr_of(vip) == Some(svc_cidr::ALLOCATED) {
+        if select::service_cidr_of(vip) == svc_cidr::ALLOCATED {
             return refuse(Reason::RejectClusterIpPort, ECONNREFUSED);
         }
         return PROCEED;
@@ -306,19 +300,21 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
     let Ok(first) = select::choose(&pkt, &key, &master, now, true) else { return PROCEED };
     // SAFETY: the socket of a sock_addr context is always there.
     let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
-    let taken = |b: &Backend<A>| holder(cookie, proto, sport, b).is_some() || (!connect && other_service(ctx, b, vip, vport));
+    let taken = |b: &Backend<A>| held_by_other(cookie, proto, sport, b) || (!connect && other_service(ctx, b, vip, vport));
     let choice = if !taken(&first.backend) {
         first
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
         stats::count(Reason::HostBackendMoved, 0);
         other
-    } else if proto == IPPROTO_TCP {
-        first
-    } else if connect && tuple_held(cookie, proto, sport, &first.backend, now) {
-        return refuse(Reason::HostPortClash, EADDRNOTAVAIL);
     } else {
+        // Every backend's tuple is taken from this port: the call goes on to the Service, and
+        // TC egress moves the port of its packets (`host`). A socket connecting again leaves
+        // its old tuple.
+        if connect {
+            release_tuples(cookie);
+        }
         stats::count(Reason::HostSharedBackend, 0);
-        first
+        return PROCEED;
     };
     let be = choice.backend;
     let rn = RevNat { addr: vip, port: vport, _pad: [0; 2] };
@@ -351,25 +347,11 @@ fn other_service<A: SockFamily>(ctx: &SockAddrContext, b: &Backend<A>, vip: A, v
     value::copy(A::revnats(), &rev_key(ctx, b.addr, b.port)).is_some_and(|r| r.addr != vip || r.port != vport)
 }
 
-/// The other connected socket on local port `sport` that reaches backend `b`, if any (a socket
+/// True when another connected socket on local port `sport` reaches backend `b` (a socket
 /// without a local port yet gets one the kernel keeps apart).
 #[inline(always)]
-fn holder<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> Option<(SockPortKey<A>, SockOwner)> {
-    if sport == [0; 2] {
-        return None;
-    }
-    let key = port_key(proto, sport, b.addr, b.port);
-    value::copy(A::ports(), &key).filter(|o| o.cookie != cookie).map(|o| (key, o))
-}
-
-/// True when that holder can be trusted to be there: it took the tuple less than
-/// HOLDER_TRUSTED_NS ago, and its own record still names the tuple (the two LRU maps may lose
-/// entries independently).
-#[inline(always)]
-fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
-    holder(cookie, proto, sport, b).is_some_and(|(key, owner)| {
-        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && value::copy(A::held(), &owner.cookie) == Some(key)
-    })
+fn held_by_other<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> bool {
+    sport != [0; 2] && value::copy(A::ports(), &port_key(proto, sport, b.addr, b.port)).is_some_and(|o| o.cookie != cookie)
 }
 
 /// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most

@@ -104,13 +104,23 @@ pub const XDP_REDIRECT: i32 = 4;
 /// Runs a frame arriving on external interface `ifindex` through the TC external ingress
 /// program (FIB lookups use the calling thread's network namespace).
 pub fn run_ext(dp: &mut EbpfDataplane, frame: &[u8], ifindex: u32) -> Output {
+    run_on(dp.ext_ingress_program(), frame, ifindex)
+}
+
+/// Runs a frame leaving by interface `ifindex` through the TC egress program, as a packet of
+/// the node's own (BPF_PROG_TEST_RUN gives every skb a socket).
+pub fn run_egress_on(dp: &mut EbpfDataplane, frame: &[u8], ifindex: u32) -> Output {
+    run_on(dp.egress_program(), frame, ifindex)
+}
+
+fn run_on(prog: &mut aya::programs::SchedClassifier, frame: &[u8], ifindex: u32) -> Output {
     let mut out = vec![0u8; frame.len() + 512];
     // `struct __sk_buff` up to `ifindex`: ingress_ifindex at 36, ifindex at 40.
     let mut ctx = [0u8; 44];
     ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
     ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat: 1, ..Default::default() };
-    let res = dp.ext_ingress_program().test_run(opts).unwrap_or_else(|e| panic!("test run of the external ingress: {e:?}"));
+    let res = prog.test_run(opts).unwrap_or_else(|e| panic!("test run on interface {ifindex}: {e:?}"));
     out.truncate(res.data_size_out as usize);
     Output { action: res.return_value as i32, frame: out }
 }

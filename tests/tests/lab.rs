@@ -615,9 +615,9 @@ fn a_source_port_reused_towards_two_services_of_one_backend_keeps_both_connectio
 /// a backend at connect time: there is no packet whose port could be moved, so the hooks move
 /// the backend instead. Two connected sockets on one local port (SO_REUSEADDR), TCP and UDP,
 /// and one unconnected socket asking two Services at once, reach different backends and each
-/// gets its own answers. Where the Services share their only backend, the second connect
-/// fails at once with EADDRNOTAVAIL (as the kernel fails a TCP connect onto a taken tuple) and
-/// the first socket keeps its answers; kube-proxy's NAT would let both through (README).
+/// gets its own answers. Where the Services share their only backend, the hooks leave the
+/// second flow to TC, which moves its port (`host`): both connect and keep their answers, as
+/// under kube-proxy's NAT.
 #[test]
 fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing() {
     let Some(mut lab) = lab("a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_loses_nothing") else { return };
@@ -675,33 +675,37 @@ fn a_host_process_reusing_its_source_port_towards_two_services_of_one_backend_lo
     // Half the first picks land on the other socket's backend: 24 pairs, at least one moved.
     assert!(counter(&lab, "host_backend_moved") >= 1, "{:?}", lab.inspect().unwrap().counters);
 
-    // One shared backend: the second connect is refused, the first keeps its answers. Once it
-    // is closed, a UDP socket gets the tuple (a closed TCP one lingers in TIME_WAIT, and the
-    // kernel refuses it as it would without a proxy).
+    // One shared backend: no backend is left to move to, so the hooks leave the second
+    // socket's flow to TC, which moves its port as netfilter's NAT would: both connect, each
+    // keeps its own answers, and the backend sees the second on a port of the SNAT range. The
+    // flow follows the node's route for the Service address, by the uplink, whose gateway a
+    // node has resolved (the lab's answers no ARP: its neighbour is set by hand here).
+    lab.node.ip(&["neigh", "replace", "192.168.250.254", "lladdr", "02:00:00:00:fa:fe", "dev", "uplink0", "nud", "permanent"]);
+    let port_of = |answer: &str| answer.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
     for (proto, to) in [("tcp-same-port", "10.96.0.65:80,10.96.0.66:80"), ("udp-same-port", "10.96.0.65:53,10.96.0.66:53")] {
         let out = lab.host_ask(proto, to);
         let f: Vec<&str> = out.split_whitespace().collect();
         assert!(
             f.len() == 4 && f[0].starts_with("first=backend-1/") && f[2] == format!("first-again={}", &f[0]["first=".len()..]),
-            "{proto}: the first connection answers before and after: {out}"
+            "{proto}: the first connection answers before and after: {out}\n{}",
+            lab.agent_log()
         );
-        assert_eq!(f[1], "second=err-AddrNotAvailable", "{proto}: {out}");
+        assert!(f[1].starts_with("second=backend-1/"), "{proto}: the second connection answers too: {out}");
+        let (first_port, second_port) = (port_of(f[0]), port_of(f[1]));
+        assert!(
+            second_port.is_some_and(|p| p >= 61000) && second_port != first_port,
+            "{proto}: the backend sees the second flow on a moved port of the SNAT range: {out}"
+        );
         if proto == "udp-same-port" {
-            let dump =
-                proxy_tests::netns::sh(&["bpftool", "map", "dump", "pinned", lab.bpffs().join("maps/SOCK_PORTS_V1").to_str().unwrap()]);
-            assert!(
-                f[3].starts_with("after-close=backend-1/"),
-                "the closed socket's tuple is free again: {out}\n{dump}\n{}",
-                lab.agent_log()
-            );
+            assert!(f[3].starts_with("after-close=backend-1/"), "the closed socket's tuple is free again: {out}");
         }
     }
-    // (TCP meets the kernel's own check of the tuple; UDP is refused by the hook.)
-    assert!(counter(&lab, "host_port_clash") >= 1, "{:?}", lab.inspect().unwrap().counters);
-    // One unconnected socket: both answers arrive, both shown from the later Service.
+    // One unconnected socket: each answer arrives from its own Service.
     let out = lab.host_ask("udp-two-services", "10.96.0.65:53,10.96.0.66:53");
-    assert_eq!(out, "10.96.0.66:53=backend-1 10.96.0.66:53=backend-1", "the later Service wins");
-    assert!(counter(&lab, "host_shared_backend") >= 1, "{:?}", lab.inspect().unwrap().counters);
+    assert_eq!(out, "10.96.0.65:53=backend-1 10.96.0.66:53=backend-1", "each answer shows its Service");
+    for name in ["host_shared_backend", "host_flow_new", "host_reply"] {
+        assert!(counter(&lab, name) >= 1, "{name}: {:?}", lab.inspect().unwrap().counters);
+    }
 }
 
 /// A restart storm under load: the agent killed (SIGKILL) 100 times, at random moments of its

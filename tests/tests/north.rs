@@ -60,6 +60,8 @@ fn node(test: &str) -> Option<Node> {
     ns.ip(&["neigh", "add", ROUTER, "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
     ns.ip(&["route", "add", "10.244.2.0/24", "via", ROUTER]);
     ns.ip(&["route", "add", "198.51.100.0/24", "via", ROUTER]);
+    // The pods of this node, behind the veth's other end (a pod interface of the node).
+    ns.ip(&["route", "add", "10.244.1.0/24", "dev", "ext1"]);
     ns.sysctl("net.ipv4.ip_forward", "1");
     enter(&ns.file()).expect("enter the node namespace");
     let name = CString::new("ext0").unwrap();
@@ -648,4 +650,69 @@ fn a_localhost_node_port_is_not_served_from_outside() {
     // The node's address still serves it.
     let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
     assert_eq!(dissect(&out.frame).dst_sock(), sock(REMOTE));
+}
+
+/// A host process's flow the socket hooks left to TC (every backend's tuple taken from its
+/// port, or no hooks attached): it leaves by the uplink still addressed to the Service, and
+/// TC egress gives it a backend and moves its port into the SNAT range, keeping the node's
+/// address, with no hop taken (the node sent it). The backend's replies, to the node's address
+/// and the moved port, come back translated from the Service to the process's own port and go
+/// up the stack: from another node through external ingress, from a pod of this node through
+/// pod ingress. TCP and UDP.
+#[test]
+fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() {
+    let Some(mut n) = node("a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process") else { return };
+    let node_ip: Ipv4Addr = NODE_IP.parse().unwrap();
+    let host = SocketAddrV4::new(node_ip, 41053);
+    let (vip_udp, vip_tcp, vip_local) = ("10.96.0.10:53", "10.96.0.10:80", "10.96.0.11:53");
+    n.dp.upsert(&key(vip_udp, Protocol::Udp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
+    n.dp.upsert(&key(vip_tcp, Protocol::Tcp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
+    n.dp.upsert(&key(vip_local, Protocol::Udp), &frontend(FrontendKind::ClusterIp, vec![backend(LOCAL, true)])).unwrap();
+    for (vip, proto) in [(vip_udp, "UDP"), (vip_tcp, "TCP")] {
+        let first = if proto == "UDP" { udp_frame(host, sock(vip), b"query") } else { tcp_frame(host, sock(vip), SYN) };
+        let out = testrun::run_egress_on(&mut n.dp, &first, n.ifindex);
+        assert_eq!(out.action, TC_ACT_REDIRECT, "{proto}: sent by the route to the backend");
+        let d = dissect(&out.frame);
+        assert_eq!(d.dst_sock(), sock(REMOTE), "{proto}");
+        assert_eq!(d.src, node_ip, "{proto}: the node's own address is kept");
+        let moved = d.sport.unwrap();
+        assert!((61000..=65535).contains(&moved), "{proto}: port {moved} moved into the SNAT range");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto}: {d:?}");
+        assert_eq!((d.eth_dst, d.eth_src), (ROUTER_MAC, n.mac), "{proto}: addressed to the next hop");
+        assert_eq!(out.frame[14 + 8], 64, "{proto}: no hop taken from a packet the node sent");
+
+        let back = SocketAddrV4::new(node_ip, moved);
+        let reply = if proto == "UDP" { udp_frame(sock(REMOTE), back, b"answer") } else { tcp_frame(sock(REMOTE), back, SYN | ACK) };
+        let out = run_ext(&mut n.dp, &reply, n.ifindex);
+        assert_eq!(out.action, TC_ACT_OK, "{proto}: up the stack to the process");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip), host), "{proto}: from the Service to the process's own port");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto}: {d:?}");
+        assert_eq!(run_xdp(&mut n.dp, &reply, n.ifindex).action, XDP_PASS, "{proto}: XDP leaves the reply to TC");
+
+        // The flow's next packet keeps its backend and port.
+        let next = if proto == "UDP" { udp_frame(host, sock(vip), b"again") } else { tcp_frame(host, sock(vip), ACK) };
+        let d = dissect(&testrun::run_egress_on(&mut n.dp, &next, n.ifindex).frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (back, sock(REMOTE)), "{proto}");
+    }
+
+    // A backend on this node: the reply comes from its pod.
+    let out = testrun::run_egress_on(&mut n.dp, &udp_frame(host, sock(vip_local), b"query"), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "sent by the route to the pod");
+    let d = dissect(&out.frame);
+    assert_eq!(d.dst_sock(), sock(LOCAL));
+    let back = SocketAddrV4::new(node_ip, d.sport.unwrap());
+    let out = run(&mut n.dp, &udp_frame(sock(LOCAL), back, b"answer"));
+    assert_eq!(out.action, TC_ACT_OK);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip_local), host), "the pod's reply, from the Service to the process's port");
+    assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{d:?}");
+
+    // A pod's reply to the node under no such entry is left alone.
+    let stray = udp_frame(sock(LOCAL), SocketAddrV4::new(node_ip, 61999), b"stray");
+    let out = run(&mut n.dp, &stray);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &stray));
+
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("host_flow_new"), c.get("host_flow"), c.get("host_reply")), (Some(&3), Some(&2), Some(&3)), "{c:?}");
 }

@@ -52,6 +52,8 @@ fn node(test: &str) -> Option<Node> {
     ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
     ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
     ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
+    // The pods of this node, behind the veth's other end (a pod interface of the node).
+    ns.ip(&["-6", "route", "add", "fd00:244:1::/64", "dev", "ext1"]);
     ns.sysctl("net.ipv6.conf.all.forwarding", "1");
     enter(&ns.file()).expect("enter the node namespace");
     let name = CString::new("ext0").unwrap();
@@ -471,4 +473,66 @@ fn ipv6_udp_flows_take_the_xdp_path_with_valid_checksums() {
     let out = run_xdp(&mut n.dp, &zero, n.ifindex);
     assert_eq!(out.action, XDP_TX);
     assert_eq!(&out.frame[l4 + 6..l4 + 8], &[0, 0], "no checksum stays none");
+}
+
+/// IPv6's host flows left to TC (see north's
+/// `a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process`): the egress
+/// program stages them for programs of their own, which translate the first packet and the next
+/// with a port of the SNAT range; replies from another node (external ingress) and from a pod
+/// of this node (pod ingress) reach the process's port from the Service.
+#[test]
+fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() {
+    let Some(mut n) = node("an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process") else { return };
+    let node_ip: std::net::Ipv6Addr = NODE_IP.parse().unwrap();
+    let host = SocketAddrV6::new(node_ip, 41053, 0, 0);
+    let (vip_udp, vip_tcp, vip_local) = ("[fd00:96::10]:53", "[fd00:96::10]:80", "[fd00:96::11]:53");
+    let upsert = |n: &mut Node, vip: &str, protocol: Protocol, b: Backend| {
+        let name = ServicePortName { service: ObjectKey::new("default", "dns"), port: "p".into(), protocol };
+        let s = sock(vip);
+        let key = FrontendKey { addr: (*s.ip()).into(), port: s.port(), protocol };
+        n.dp.upsert(&key, &Frontend::new(name, FrontendKind::ClusterIp, vec![b])).unwrap();
+    };
+    upsert(&mut n, vip_udp, Protocol::Udp, backend(REMOTE, false));
+    upsert(&mut n, vip_tcp, Protocol::Tcp, backend(REMOTE, false));
+    upsert(&mut n, vip_local, Protocol::Udp, backend(LOCAL, true));
+    for (vip, proto) in [(vip_udp, "UDP"), (vip_tcp, "TCP")] {
+        let first = if proto == "UDP" { udp_frame(host, sock(vip), b"query") } else { tcp_frame(host, sock(vip), SYN) };
+        let out = testrun::run_egress_on(&mut n.dp, &first, n.ifindex);
+        assert_eq!(out.action, TC_ACT_REDIRECT, "{proto}: sent by the route to the backend");
+        let d = dissect(&out.frame);
+        assert_eq!(d.dst_sock(), sock(REMOTE), "{proto}");
+        assert_eq!(d.src, node_ip, "{proto}: the node's own address is kept");
+        let moved = d.sport.unwrap();
+        assert!((61000..=65535).contains(&moved), "{proto}: port {moved} moved into the SNAT range");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: {d:?}");
+        assert_eq!((&out.frame[..6], &out.frame[6..12]), (&ROUTER_MAC[..], &NODE_MAC[..]), "{proto}: to the next hop");
+        assert_eq!(out.frame[14 + 7], 64, "{proto}: no hop taken from a packet the node sent");
+
+        let back = SocketAddrV6::new(node_ip, moved, 0, 0);
+        let reply = if proto == "UDP" { udp_frame(sock(REMOTE), back, b"answer") } else { tcp_frame(sock(REMOTE), back, SYN | ACK) };
+        let out = run_ext(&mut n.dp, &reply, n.ifindex);
+        assert_eq!(out.action, TC_ACT_OK, "{proto}: up the stack to the process");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip), host), "{proto}: from the Service to the process's own port");
+        assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: {d:?}");
+        assert_eq!(run_xdp(&mut n.dp, &reply, n.ifindex).action, XDP_PASS, "{proto}: XDP leaves the reply to TC");
+
+        let next = if proto == "UDP" { udp_frame(host, sock(vip), b"again") } else { tcp_frame(host, sock(vip), ACK) };
+        let d = dissect(&testrun::run_egress_on(&mut n.dp, &next, n.ifindex).frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (back, sock(REMOTE)), "{proto}: the next packet keeps backend and port");
+    }
+
+    let out = testrun::run_egress_on(&mut n.dp, &udp_frame(host, sock(vip_local), b"query"), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "sent by the route to the pod");
+    let d = dissect(&out.frame);
+    assert_eq!(d.dst_sock(), sock(LOCAL));
+    let back = SocketAddrV6::new(node_ip, d.sport.unwrap(), 0, 0);
+    let out = testrun::run(&mut n.dp, &udp_frame(sock(LOCAL), back, b"answer"));
+    assert_eq!(out.action, TC_ACT_OK);
+    let d = dissect(&out.frame);
+    assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip_local), host), "the pod's reply, from the Service to the process's port");
+    assert_eq!(d.l4_checksum_ok, Some(true), "{d:?}");
+
+    let c = counters(&mut n.dp);
+    assert_eq!((c.get("host_flow_new"), c.get("host_flow"), c.get("host_reply")), (Some(&3), Some(&2), Some(&3)), "{c:?}");
 }

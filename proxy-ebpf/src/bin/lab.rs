@@ -20,6 +20,8 @@ mod ext;
 mod family;
 #[path = "../frag.rs"]
 mod frag;
+#[path = "../host.rs"]
+mod host;
 #[path = "../icmp.rs"]
 mod icmp;
 #[path = "../icmp6.rs"]

@@ -1,0 +1,197 @@
+//! Flows of host-network processes that the socket hooks leave to TC: those whose every
+//! backend's tuple is taken from the process's local port (`sock`), and every host flow where
+//! no hooks are attached. netfilter's NAT keeps such flows apart by moving the local port; a
+//! socket hook acts before there is a packet and cannot. So the call goes on to the Service's
+//! address, and the packet follows the node's route for it (a cluster IP needs one, as under
+//! kube-proxy) to TC egress of the interface that route takes. There the flow gets a backend
+//! as a pod's would, and the process's port is moved to one of the SNAT range
+//! (`--snat-port-range`, outside the kernel's own local ports), the claim of its reply entry
+//! keeping it unique at the backend; the source address stays the one the stack chose. The
+//! packet then goes by the route to the backend. The backend's replies, to the node's address
+//! and the moved port, are translated back where they come in (pod ingress for a backend on
+//! this node, external ingress for another node's), from the Service to the process's own
+//! port, and go up the stack to its socket; conntrack on the node sees the connection the
+//! process opened, to the Service.
+//!
+//! The conntrack entries are north-south SNAT entries (`ct::create_snat`) whose client address
+//! is the node's own: a reply entry is a host flow's when its client is the packet's
+//! destination.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{ct::flags, prog_slots, CtEntry, CtKey, Reason, ServiceKey};
+
+use crate::{
+    ct, ext,
+    family::Family,
+    frag,
+    nat::{self, Side},
+    north::{self, Env, Step},
+    parse::Packet,
+    pod_ingress::count_flow,
+    select,
+    value::Slot,
+    verdict::Verdict,
+};
+
+/// True when the packet was sent by a socket of this node (the egress program also sees what
+/// the node forwards, whose sockets are elsewhere).
+#[inline(always)]
+pub fn from_host(ctx: &TcContext) -> bool {
+    // SAFETY: a field of our own context, read whole; the verifier knows it as a socket
+    // pointer or null, and it is only compared.
+    let sk = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.skb.skb).__bindgen_anon_2.sk)) };
+    !sk.is_null()
+}
+
+/// A host process's packet leaving by TC egress, without a reply entry: a packet of a host
+/// flow (tracked, or a new one to a Service), translated and sent by the backend's route.
+/// None: not such a packet, the egress program goes on with it.
+#[inline(always)]
+pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
+    let env = env_of(ctx);
+    let now = ct::now();
+    // Each step applied where it is made: one value merged from both, its payload undefined
+    // for some variants, was read by the compiled code as an unwritten register.
+    match north::decide_tracked(&env, pkt, now, true) {
+        Step::NewFlow => apply(ctx, pkt, new_flow(&env, pkt, now)?),
+        step => apply(ctx, pkt, step),
+    }
+}
+
+/// The IPv6 host flow program: `leaving` for the packet the egress program staged, its new
+/// flow in a program of its own (`try_host6_new`; both do not fit one frame).
+#[inline(always)]
+pub fn try_host6(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
+    let step = match north::decide_tracked(&env_of(ctx), &stage.pkt, ct::now(), true) {
+        Step::NewFlow => {
+            // The stage still holds the packet.
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { crate::maps::PROGS_V1.tail_call(ctx, prog_slots::HOST6_NEW) };
+            return Ok(Verdict::pass(Reason::PassNoStage));
+        }
+        step => step,
+    };
+    apply(ctx, &stage.pkt, step).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
+}
+
+/// The IPv6 host flow's first packet (see `try_host6`).
+#[inline(always)]
+pub fn try_host6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
+    let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
+    let step = new_flow(&env_of(ctx), &stage.pkt, stage.now);
+    step.and_then(|step| apply(ctx, &stage.pkt, step)).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
+}
+
+#[inline(always)]
+fn env_of(ctx: &TcContext) -> Env {
+    // SAFETY: reads a field of our own context.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    Env { ctx: ctx.skb.skb.cast(), ifindex, xdp: false, dry: false }
+}
+
+/// Applies a host flow's step (None: it is not one, the packet goes on as before). A tracked
+/// flow's packet is counted as a host flow's, not as the north-south one `north` calls it.
+#[inline(always)]
+fn apply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, step: Step<A>) -> Option<Result<Verdict, Reason>> {
+    Some(match step {
+        Step::Forward { dst, src, route, reason, .. } => {
+            let reason = if reason == Reason::ExtEstablished { Reason::HostFlow } else { reason };
+            forward(ctx, pkt, dst, src, &route, reason)
+        }
+        Step::Reject { .. } => A::reject_leaving(ctx, pkt, Reason::RejectNoEndpoints),
+        Step::Drop(reason) => Err(reason),
+        _ => return None,
+    })
+}
+
+/// The packet, translated, out by the route to the backend (no hop is taken from it: the node
+/// sent it).
+#[inline(always)]
+fn forward<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    dst: (A, [u8; 2]),
+    src: (A, [u8; 2]),
+    route: &north::Route<A>,
+    reason: Reason,
+) -> Result<Verdict, Reason> {
+    frag::remember(pkt);
+    nat::rewrite(ctx, pkt, Side::Dst, dst.0, dst.1)?;
+    nat::rewrite(ctx, pkt, Side::Src, src.0, src.1)?;
+    Ok(Verdict { action: ext::send(ctx, route)?, reason })
+}
+
+/// A host flow's first packet: a backend of the Service's internal scope (a host process is
+/// inside the cluster, as for kube-proxy), tracked with a moved port. None: the destination is
+/// no Service's.
+#[inline(always)]
+fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Option<Step<A>> {
+    let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
+    let master = select::service(&key)?;
+    if !select::source_allowed(pkt, &master) {
+        return Some(Step::Drop(Reason::DropSourceRange));
+    }
+    let master = select::internal_master(&mut key, master)?;
+    if master.count == 0 {
+        return Some(match select::without_endpoints(pkt, &master) {
+            Ok(()) => Step::Reject { service_id: master.service_id },
+            Err(r) => Step::Drop(r),
+        });
+    }
+    let choice = match select::choose(pkt, &key, &master, now, true) {
+        Ok(c) => c,
+        Err(r) => return Some(Step::Drop(r)),
+    };
+    let be = choice.backend;
+    let route = match north::fib(env, pkt, pkt.saddr, be.addr) {
+        Ok(r) => r,
+        Err(r) => return Some(Step::Drop(r)),
+    };
+    let (min, max) = north::snat_ports();
+    let port = match ct::create_snat(pkt, master.service_id, choice.id, &be, pkt.saddr, min, max, now) {
+        Ok(p) => p,
+        Err(r) => return Some(Step::Drop(r)),
+    };
+    count_flow::<A>(choice.id);
+    Some(Step::Forward {
+        dst: (be.addr, be.port),
+        src: (pkt.saddr, port),
+        route,
+        backend_id: choice.id,
+        service_id: master.service_id,
+        reason: Reason::HostFlowNew,
+    })
+}
+
+/// A reply from a pod of this node to the node's address under a SNAT reply entry: a host
+/// flow's (its client is the node), translated back and delivered; any other is left as
+/// before.
+#[inline(always)]
+pub fn pod_reply<A: Family>(
+    ctx: &TcContext,
+    pkt: &Packet<A>,
+    mut e: Slot<CtEntry<A>>,
+    entry: &CtEntry<A>,
+    now: u64,
+) -> Result<Verdict, Reason> {
+    let rn = select::revnat_of(entry);
+    let Some(rn) = rn.filter(|_| entry.flags & flags::SNAT != 0 && entry.nat_addr == pkt.daddr) else {
+        return Ok(Verdict::pass(Reason::ReplyIngress));
+    };
+    let fwd = CtKey { saddr: entry.nat_addr, daddr: rn.addr, sport: entry.nat_port, dport: rn.port, proto: pkt.proto, _pad: 0, _pad2: 0 };
+    if !ct::touch_reply(pkt, &mut e, entry, &fwd, now) {
+        return Ok(Verdict::pass(Reason::ReplyIngress));
+    }
+    deliver(ctx, pkt, (rn.addr, rn.port), entry.nat_port)
+}
+
+/// A host flow's reply, from `src` (the Service) to the process's port `dport`, on up the
+/// stack.
+#[inline(always)]
+pub fn deliver<A: Family>(ctx: &TcContext, pkt: &Packet<A>, src: (A, [u8; 2]), dport: [u8; 2]) -> Result<Verdict, Reason> {
+    frag::remember(pkt);
+    nat::rewrite(ctx, pkt, Side::Src, src.0, src.1)?;
+    nat::rewrite(ctx, pkt, Side::Dst, pkt.daddr, dport)?;
+    Ok(Verdict::pass(Reason::HostReply))
+}
