@@ -27,7 +27,8 @@
 //! error), and its outer source becomes what nf_nat would make it, the node's SNAT address
 //! towards the backend, the Service towards the client when the backend sent it (an address
 //! of the node, which the stack would drop as a martian on the way in). A hairpinned flow's
-//! error goes straight back to its pod, as the flow's packets do.
+//! error goes straight back to its pod, as the flow's packets do. One about a flow the node
+//! itself opened (`host`), addressed to the node, goes up the stack to the process's socket.
 //!
 //! Checksums are updated with arithmetic. Every region a checksum covers keeps its sum (the
 //! quoted headers' changes are made up in the ICMP checksum, an IPv6 outer address's in the
@@ -170,7 +171,10 @@ fn translate<A: Family, const ARRIVING: bool>(ctx: &TcContext, l4_off: usize, ou
             },
         }
     };
-    if ARRIVING && snat {
+    // An error about a flow the node itself opened (`host`): its client is the node, where the
+    // error is addressed. It goes up the stack to the process's socket, as the flow's replies.
+    let host = ARRIVING && snat && f & flags::REPLY != 0 && nat_addr == outer_dst;
+    if ARRIVING && snat && !host {
         // Sent on past the stack, one hop further: an error on its last hop is left to the
         // kernel, untranslated (it sends no error about an error).
         let hops: [u8; 1] = ctx.load(IP_OFF + A::HOPS_OFF).map_err(|_| Reason::DropRewrite)?;
@@ -182,7 +186,7 @@ fn translate<A: Family, const ARRIVING: bool>(ctx: &TcContext, l4_off: usize, ou
     if ARRIVING && hairpin {
         return Ok(Verdict { action: crate::nat::bounce(ctx)?, reason: Reason::IcmpErrorNat });
     }
-    if ARRIVING && snat {
+    if ARRIVING && snat && !host {
         return A::send_translated(ctx, to.outer_src, to.outer_dst);
     }
     Ok(Verdict::pass(Reason::IcmpErrorNat))

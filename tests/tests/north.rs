@@ -658,11 +658,12 @@ fn a_localhost_node_port_is_not_served_from_outside() {
 /// address, with no hop taken (the node sent it). The backend's replies, to the node's address
 /// and the moved port, come back translated from the Service to the process's own port and go
 /// up the stack: from another node through external ingress, from a pod of this node through
-/// pod ingress. TCP and UDP.
+/// pod ingress; so do ICMP errors about what it sent. TCP and UDP.
 #[test]
 fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() {
     let Some(mut n) = node("a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process") else { return };
     let node_ip: Ipv4Addr = NODE_IP.parse().unwrap();
+    let router: Ipv4Addr = ROUTER.parse().unwrap();
     let host = SocketAddrV4::new(node_ip, 41053);
     let (vip_udp, vip_tcp, vip_local) = ("10.96.0.10:53", "10.96.0.10:80", "10.96.0.11:53");
     n.dp.upsert(&key(vip_udp, Protocol::Udp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
@@ -680,6 +681,15 @@ fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() 
         assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto}: {d:?}");
         assert_eq!((d.eth_dst, d.eth_src), (ROUTER_MAC, n.mac), "{proto}: addressed to the next hop");
         assert_eq!(out.frame[14 + 8], 64, "{proto}: no hop taken from a packet the node sent");
+
+        // Errors about what left (a router's fragmentation needed, the backend's port
+        // unreachable) reach the process's socket, quoting what it sent.
+        let forwarded = out.frame;
+        let (d, q) = quote_of(&run_ext(&mut n.dp, &icmp_error(router, node_ip, 4, &forwarded), n.ifindex), false);
+        assert_eq!((d.src, d.dst), (router, node_ip), "{proto}: up the stack, from the router");
+        assert_eq!((q.src_sock(), q.dst_sock()), (host, sock(vip)), "{proto}: quoting what the process sent");
+        let (d, _) = quote_of(&run_ext(&mut n.dp, &icmp_error(*sock(REMOTE).ip(), node_ip, 3, &forwarded), n.ifindex), false);
+        assert_eq!(d.src, *sock(vip).ip(), "{proto}: sent by the backend itself: from the Service");
 
         let back = SocketAddrV4::new(node_ip, moved);
         let reply = if proto == "UDP" { udp_frame(sock(REMOTE), back, b"answer") } else { tcp_frame(sock(REMOTE), back, SYN | ACK) };
@@ -707,6 +717,11 @@ fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() 
     let d = dissect(&out.frame);
     assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip_local), host), "the pod's reply, from the Service to the process's port");
     assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{d:?}");
+    // The pod's port unreachable about the datagram: to the process, from the Service.
+    let pod_error = icmp_error(*sock(LOCAL).ip(), node_ip, 3, &udp_frame(back, sock(LOCAL), b"query"));
+    let (d, q) = quote_of(&run(&mut n.dp, &pod_error), false);
+    assert_eq!((d.src, d.dst), (*sock(vip_local).ip(), node_ip));
+    assert_eq!((q.src_sock(), q.dst_sock()), (host, sock(vip_local)));
 
     // A pod's reply to the node under no such entry is left alone.
     let stray = udp_frame(sock(LOCAL), SocketAddrV4::new(node_ip, 61999), b"stray");

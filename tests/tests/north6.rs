@@ -479,11 +479,13 @@ fn ipv6_udp_flows_take_the_xdp_path_with_valid_checksums() {
 /// `a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process`): the egress
 /// program stages them for programs of their own, which translate the first packet and the next
 /// with a port of the SNAT range; replies from another node (external ingress) and from a pod
-/// of this node (pod ingress) reach the process's port from the Service.
+/// of this node (pod ingress) reach the process's port from the Service, and a Packet Too Big
+/// about what it sent reaches it too.
 #[test]
 fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() {
     let Some(mut n) = node("an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process") else { return };
     let node_ip: std::net::Ipv6Addr = NODE_IP.parse().unwrap();
+    let router: std::net::Ipv6Addr = "fd00:50::2".parse().unwrap();
     let host = SocketAddrV6::new(node_ip, 41053, 0, 0);
     let (vip_udp, vip_tcp, vip_local) = ("[fd00:96::10]:53", "[fd00:96::10]:80", "[fd00:96::11]:53");
     let upsert = |n: &mut Node, vip: &str, protocol: Protocol, b: Backend| {
@@ -507,6 +509,9 @@ fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_proc
         assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: {d:?}");
         assert_eq!((&out.frame[..6], &out.frame[6..12]), (&ROUTER_MAC[..], &NODE_MAC[..]), "{proto}: to the next hop");
         assert_eq!(out.frame[14 + 7], 64, "{proto}: no hop taken from a packet the node sent");
+        // A router's Packet Too Big about it reaches the process, quoting what it sent.
+        let (outer, quote) = ptb_of(&run_ext(&mut n.dp, &packet_too_big(router, node_ip, &out.frame), n.ifindex), false);
+        assert_eq!((outer, quote), ((router, node_ip), (host, sock(vip))), "{proto}: up the stack, about what the process sent");
 
         let back = SocketAddrV6::new(node_ip, moved, 0, 0);
         let reply = if proto == "UDP" { udp_frame(sock(REMOTE), back, b"answer") } else { tcp_frame(sock(REMOTE), back, SYN | ACK) };
