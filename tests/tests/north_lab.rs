@@ -461,3 +461,40 @@ fn ipv6_node_ports_keep_the_client_address_for_local_backends_and_snat_for_remot
     // The IPv4 NodePort beside it.
     assert_eq!(ask_many(&c, "192.168.100.1:30080", false, 10).len(), 10);
 }
+
+/// A node's own processes reach a cluster IP through TC when no socket hooks translate for them
+/// (the agents here run with `--cgroup-root none`; with hooks, this is the path they leave a
+/// flow whose every backend's tuple is taken from its port): the packets leave by the node's
+/// route for the Service address, the egress program on the uplink gives each flow a backend
+/// and a port of the SNAT range, and sends it on to a pod of this node or across to the other
+/// node; the replies reach the process from the Service. TCP and UDP, real traffic.
+#[test]
+fn a_node_process_reaches_a_cluster_ip_through_tc_without_socket_hooks() {
+    let Some(mut c) = cluster("a_node_process_reaches_a_cluster_ip_through_tc", [&["a1"], &["b1", "b2"]]) else { return };
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(B1), "node-b"), (ip(B2), "node-b")]));
+    // A node routes a cluster IP by its default route, as under kube-proxy (here the gateway is
+    // the client's address on the uplink's network).
+    c.node("node-a").ns.ip(&["route", "add", "default", "via", CLIENT_IP]);
+    c.start_agents(&[]);
+    c.wait_frontend("10.96.0.10:80", "TCP", 3);
+    c.wait_frontend("10.96.0.10:53", "UDP", 3);
+    let node = c.node("node-a");
+    for udp in [false, true] {
+        let mut backends = BTreeSet::new();
+        for i in 0..30 {
+            let vip = sock(if udp { "10.96.0.10:53" } else { "10.96.0.10:80" });
+            let asked = if udp { udp_ask(&node.ns, vip) } else { tcp_ask(&node.ns, vip).map(|a| (a, SocketAddr::V4(vip))) };
+            let (answer, from) = asked.unwrap_or_else(|e| panic!("request {i} to {vip} from the node: {e}\n{}", node.agent_log()));
+            assert_eq!(from, SocketAddr::V4(vip), "the answer comes from the Service");
+            let SocketAddr::V4(peer) = answer.peer else { panic!("IPv6 peer") };
+            assert!(*peer.ip() == node.ip && peer.port() >= 61000, "{vip}: the backend sees the node at a port of the SNAT range: {peer}");
+            backends.insert(answer.backend);
+        }
+        assert_eq!(backends, BTreeSet::from(["a1".to_string(), "b1".into(), "b2".into()]), "udp={udp}: backends on both nodes");
+    }
+    let r = node.inspect().unwrap();
+    let count = |k: &str| r.counters.get(k).map_or(0, |c| c.packets);
+    assert!(count("host_flow_new") >= 60 && count("host_reply") >= 60, "{:?}", r.counters);
+}
