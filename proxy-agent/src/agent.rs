@@ -439,7 +439,10 @@ fn serve_host_sockets(cfg: &Config, dp: &mut EbpfDataplane) {
     use crate::dataplane::ebpf::hostsock;
     let Some(root) = &cfg.ebpf.cgroup_root else {
         let removed = dp.stop_serving_host_sockets();
-        tracing::info!(removed_hooks = removed, "--cgroup-root none: host-network processes do not reach Services through this agent");
+        tracing::info!(
+            removed_hooks = removed,
+            "--cgroup-root none: no socket hooks; host-network processes reach Services only where TC meets their packets (the node's route for the Service address leaving by an attached interface)"
+        );
         return;
     };
     let cgroup = match root {

@@ -247,11 +247,11 @@ pub mod prog_names {
         [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4, SOCK_CONNECT6, SOCK_SENDMSG6, SOCK_RECVMSG6, SOCK_GETPEERNAME6];
     /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
-    /// The IPv6 flow, tail-called from `TC_EGRESS` (see `map_names::PROGS`): conntrack and
-    /// established flows, a new flow's service lookup and tracking, replies. `TC_INGRESS`
-    /// serves IPv6 itself and enters only `TC_INGRESS6_NEW` (new flows) and `TC_ICMP6`
-    /// (errors); `TC_INGRESS6` stays for an older build's `TC_INGRESS`, which tail-calls it
-    /// until an upgrade replaces that program.
+    /// The IPv6 halves of the pod programs (see `map_names::PROGS`). `TC_INGRESS` and
+    /// `TC_EGRESS` serve IPv6 themselves; of these, ingress enters only `TC_INGRESS6_NEW` (new
+    /// flows) and `TC_ICMP6` (errors), and egress `TC_HOST6` (host flows). `TC_INGRESS6` and
+    /// `TC_EGRESS6` stay for an older build's `TC_INGRESS` and `TC_EGRESS`, which tail-call
+    /// them until an upgrade replaces those programs.
     pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
     pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";
@@ -570,8 +570,7 @@ impl<A> SockRevKey<A> {
     }
 }
 
-/// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock;
-/// no longer read, kept for the map's layout).
+/// Value of `SOCK_PORTS_V1`: the socket holding the tuple, and since when (the coarse clock).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockOwner {
@@ -931,6 +930,10 @@ reasons! {
     /// translated back (from the Service, to the process's own port) and delivered to the
     /// node's socket.
     HostReply = 43 => "host_reply",
+    /// Egress: a host flow left to TC whose backend has no route past the stack (an address of
+    /// the node itself, a host-network endpoint here, or no route at all): refused with port
+    /// unreachable, which fails the process's call at once (ECONNREFUSED).
+    RejectHostNoRoute = 44 => "reject_host_no_route",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

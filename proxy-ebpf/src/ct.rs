@@ -379,9 +379,9 @@ const SNAT_TRIES: u32 = 8;
 /// Tracks a new north-south flow to a remote backend, with its source translated to
 /// `snat_addr` and a free port of `[port_min, port_max]`. The port is claimed by inserting the
 /// reply entry only if its tuple is free, so two flows never share a reply tuple. Returns the
-/// port (network order).
+/// port (network order). `HOST`: a host flow (`host`), whose own port is never the one given.
 #[inline(always)]
-pub fn create_snat<A: Family>(
+pub fn create_snat<A: Family, const HOST: bool>(
     pkt: &Packet<A>,
     service_id: u32,
     backend_id: u32,
@@ -405,6 +405,10 @@ pub fn create_snat<A: Family>(
     let mut claimed = false;
     for i in 0..SNAT_TRIES {
         port = ((port_min as u32 + start.wrapping_add(i) % range) as u16).to_be_bytes();
+        if HOST && port == pkt.sport {
+            // A host flow keeps its address: its own port is the tuple it must leave.
+            continue;
+        }
         let k = snat_reply_key(pkt, backend, snat_addr, port);
         if A::ct().insert(k, &*e, BPF_NOEXIST as u64).is_ok() {
             claimed = true;

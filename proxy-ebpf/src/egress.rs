@@ -1,19 +1,20 @@
 //! TC egress of every attached interface, pod-facing and external: replies of translated flows
 //! leave towards their client with the service address as source, ICMP errors about those
-//! flows are rewritten so the client's socket recognises them (`icmp_nat`), and what would leave for a free
-//! address of a Service CIDR (or a host's ping to a cluster IP) is dropped (rejected).
+//! flows are rewritten so the client's socket recognises them (`icmp_nat`), what would leave
+//! for a free address of a Service CIDR (or a host's ping to a cluster IP) is dropped
+//! (rejected), and the node's own flows to a Service that the socket hooks left to TC get a
+//! backend and a moved port (`host`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    prog_slots, svc_cidr, Reason,
+    svc_cidr, Reason,
 };
 
 use crate::{
     ct,
     family::Family,
     frag, host, icmp, icmp6, icmp_nat,
-    maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
@@ -38,12 +39,9 @@ fn leaving_unmatched(cidr: u8) -> Result<Verdict, Reason> {
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let pkt = match parse::l3(ctx) {
         L3::V4(parsed) => parsed,
-        L3::V6 => {
-            // SAFETY: plain helper call; on success it does not return.
-            unsafe { PROGS_V1.tail_call(ctx, prog_slots::EGRESS6) };
-            return Ok(Verdict::pass(Reason::PassNoStage));
-        }
-        L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+        // IPv6 never comes here: the entry point sends it to `try_tc_egress6` on the same
+        // ethertype.
+        L3::V6 | L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
     };
     let pkt = match pkt {
         Parsed::Packet(p) => p,
@@ -74,8 +72,7 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     flow(ctx, pkt)
 }
 
-/// An IPv6 packet about to leave (a program of its own, see `map_names::PROGS`): as IPv4's,
-/// with ICMPv6.
+/// An IPv6 packet about to leave: as IPv4's, with ICMPv6.
 #[inline(always)]
 pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match crate::parse6::ipv6(ctx) {

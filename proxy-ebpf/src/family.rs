@@ -251,8 +251,8 @@ impl Family for [u8; 4] {
         icmp::reject_leaving(ctx, pkt, reason)
     }
     #[inline(always)]
-    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, _tracked: bool) -> Option<Result<Verdict, Reason>> {
-        crate::host::leaving(ctx, pkt)
+    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
+        crate::host::leaving(ctx, pkt, tracked)
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {

@@ -46,10 +46,15 @@ pub fn from_host(ctx: &TcContext) -> bool {
 /// A host process's packet leaving by TC egress, without a reply entry: a packet of a host
 /// flow (tracked, or a new one to a Service), translated and sent by the backend's route.
 /// None: not such a packet, the egress program goes on with it.
+/// `tracked`: the packet has a forward conntrack entry (otherwise its first packet, if it is
+/// addressed to a Service at all: most of the node's own traffic is not).
 #[inline(always)]
-pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
+pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>, tracked: bool) -> Option<Result<Verdict, Reason>> {
     let env = env_of(ctx);
     let now = ct::now();
+    if !tracked {
+        return apply(ctx, pkt, new_flow(&env, pkt, now)?);
+    }
     // Each step applied where it is made: one value merged from both, its payload undefined
     // for some variants, was read by the compiled code as an unwritten register.
     match north::decide_tracked(&env, pkt, now, true) {
@@ -99,6 +104,7 @@ fn apply<A: Family>(ctx: &TcContext, pkt: &Packet<A>, step: Step<A>) -> Option<R
             let reason = if reason == Reason::ExtEstablished { Reason::HostFlow } else { reason };
             forward(ctx, pkt, dst, src, &route, reason)
         }
+        Step::Reject { service_id: 0 } => A::reject_leaving(ctx, pkt, Reason::RejectHostNoRoute),
         Step::Reject { .. } => A::reject_leaving(ctx, pkt, Reason::RejectNoEndpoints),
         Step::Drop(reason) => Err(reason),
         _ => return None,
@@ -129,7 +135,9 @@ fn forward<A: Family>(
 fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Option<Step<A>> {
     let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let master = select::service(&key)?;
-    if !select::source_allowed(pkt, &master) {
+    // The node passes a load-balancer IP's ranges that admit its address, or the IP itself
+    // (as the socket hooks let it).
+    if !select::source_allowed(pkt, &master) && !A::in_source_ranges(master.service_id, pkt.daddr) {
         return Some(Step::Drop(Reason::DropSourceRange));
     }
     let master = select::internal_master(&mut key, master)?;
@@ -144,12 +152,14 @@ fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Option<Step<A>> 
         Err(r) => return Some(Step::Drop(r)),
     };
     let be = choice.backend;
-    let route = match north::fib(env, pkt, pkt.saddr, be.addr) {
-        Ok(r) => r,
-        Err(r) => return Some(Step::Drop(r)),
+    let Ok(route) = north::fib(env, pkt, pkt.saddr, be.addr) else {
+        // An address of the node itself (a host-network endpoint here), or none routed: the
+        // process hears it at once rather than waiting on a flow that goes nowhere. (Service id
+        // 0, which no Service has, tells it from a Service without endpoints.)
+        return Some(Step::Reject { service_id: 0 });
     };
-    let (min, max) = north::snat_ports();
-    let port = match ct::create_snat(pkt, master.service_id, choice.id, &be, pkt.saddr, min, max, now) {
+    let (min, max) = ports_for(pkt.sport);
+    let port = match ct::create_snat::<A, true>(pkt, master.service_id, choice.id, &be, pkt.saddr, min, max, now) {
         Ok(p) => p,
         Err(r) => return Some(Step::Drop(r)),
     };
@@ -162,6 +172,18 @@ fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Option<Step<A>> 
         service_id: master.service_id,
         reason: Reason::HostFlowNew,
     })
+}
+
+/// The ports a host flow from local port `sport` (network byte order) may be moved to: as
+/// nf_nat moves them, a privileged port stays privileged (a server may insist on one, as NFS's
+/// `secure` exports do), others go to the SNAT range.
+#[inline(always)]
+fn ports_for(sport: [u8; 2]) -> (u16, u16) {
+    match u16::from_be_bytes(sport) {
+        0..512 => (1, 511),
+        512..1024 => (600, 1023),
+        _ => north::snat_ports(),
+    }
 }
 
 /// A reply from a pod of this node to the node's address under a SNAT reply entry: a host

@@ -71,10 +71,25 @@ fn from_pod6(ctx: &TcContext) -> i32 {
 }
 
 /// TC egress on every attached interface: reverse NAT of replies, ICMP errors made
-/// recognisable, the Service CIDR checks of what leaves the node.
+/// recognisable, the Service CIDR checks of what leaves the node, host flows the socket hooks
+/// left to TC (`host`). Two halves side by side, as `proxy_tc_ingress`'s.
 #[classifier]
 pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
-    finish(&ctx, egress::try_tc_egress(&ctx))
+    if parse::is_ipv6(&ctx) {
+        to_pod6(&ctx)
+    } else {
+        to_pod(&ctx)
+    }
+}
+
+#[inline(never)]
+fn to_pod(ctx: &TcContext) -> i32 {
+    finish(ctx, egress::try_tc_egress(ctx))
+}
+
+#[inline(never)]
+fn to_pod6(ctx: &TcContext) -> i32 {
+    finish(ctx, egress::try_tc_egress6(ctx))
 }
 
 /// The IPv6 flow from pods, as `proxy_tc_ingress` serves it (`from_pod6`): an older build's
@@ -90,7 +105,8 @@ pub fn proxy_tc_ingress6_new(ctx: TcContext) -> i32 {
     finish(&ctx, pod_ingress::try_tc_ingress6_new(&ctx))
 }
 
-/// IPv6 packets leaving (tail-called by `proxy_tc_egress`).
+/// IPv6 packets leaving, as `proxy_tc_egress` serves them (`to_pod6`): an older build's
+/// `proxy_tc_egress` tail-calls this program until an upgrade replaces it.
 #[classifier]
 pub fn proxy_tc_egress6(ctx: TcContext) -> i32 {
     finish(&ctx, egress::try_tc_egress6(&ctx))

@@ -333,7 +333,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
     let port = if env.dry {
         [0; 2]
     } else {
-        match ct::create_snat(pkt, master.service_id, choice.id, &be, snat_addr, min, max, now) {
+        match ct::create_snat::<A, false>(pkt, master.service_id, choice.id, &be, snat_addr, min, max, now) {
             Ok(p) => p,
             Err(r) => return Step::Drop(r),
         }

@@ -25,7 +25,10 @@
 //! a port of their own choosing, `SOCK_REVNAT_V1` for the socket's own other Services). Where
 //! every backend's tuple is taken, the call goes on to the Service's address untranslated,
 //! and TC egress moves the port of its packets as netfilter would (`host`); so both flows
-//! keep their own replies.
+//! keep their own replies. A holder is trusted for two minutes only: the kernel runs no
+//! release hook for its own sockets (an NFS client's), whose entries would otherwise send
+//! every later socket on that port to TC; past that, the call is translated as if the tuple
+//! were free, and the kernel's own check refuses a TCP connect onto a tuple still in use.
 //!
 //! IPv6 sockets reach IPv6 Services by their addresses, and IPv4 Services through IPv4-mapped
 //! addresses (`::ffff:10.96.0.10`, what a JVM or any dual-stack socket passes for an IPv4
@@ -65,6 +68,8 @@ const ECONNREFUSED: i32 = 111;
 const EPERM: i32 = 1;
 /// Backends tried after a first pick whose tuple is taken.
 const OTHER_BACKENDS: u32 = 8;
+/// How long a holder of a tuple is trusted to be there (see the module comment).
+const HOLDER_TRUSTED_NS: u64 = 120 * 1_000_000_000;
 
 const SOCK_MAX: usize = limits::SOCK_REVNAT_MAX as usize;
 
@@ -306,6 +311,10 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
         stats::count(Reason::HostBackendMoved, 0);
         other
+    } else if !(!connect && other_service(ctx, &first.backend, vip, vport)) && !tuple_held(cookie, proto, sport, &first.backend, now) {
+        // Taken only by a holder that may be gone (see the module comment): sent on as if the
+        // tuple were free; a live TCP one is refused by the kernel's own check.
+        first
     } else {
         // Every backend's tuple is taken from this port: the call goes on to the Service, and
         // TC egress moves the port of its packets (`host`). A socket connecting again leaves
@@ -352,6 +361,20 @@ fn other_service<A: SockFamily>(ctx: &SockAddrContext, b: &Backend<A>, vip: A, v
 #[inline(always)]
 fn held_by_other<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> bool {
     sport != [0; 2] && value::copy(A::ports(), &port_key(proto, sport, b.addr, b.port)).is_some_and(|o| o.cookie != cookie)
+}
+
+/// True when the holder of backend `b`'s tuple from `sport` can be trusted to be there: it
+/// took the tuple less than HOLDER_TRUSTED_NS ago, and its own record still names the tuple
+/// (the two LRU maps may lose entries independently).
+#[inline(always)]
+fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
+    if sport == [0; 2] {
+        return false;
+    }
+    let key = port_key(proto, sport, b.addr, b.port);
+    value::copy(A::ports(), &key).is_some_and(|o| {
+        o.cookie != cookie && now.saturating_sub(o.since_ns) < HOLDER_TRUSTED_NS && value::copy(A::held(), &o.cookie) == Some(key)
+    })
 }
 
 /// Another backend of the Service whose tuple is not `taken`, from a random slot on (at most

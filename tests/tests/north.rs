@@ -728,6 +728,41 @@ fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() 
     let out = run(&mut n.dp, &stray);
     assert_eq!((out.action, &out.frame), (TC_ACT_OK, &stray));
 
+    // The node's own traffic to no Service leaves untouched.
+    let plain = udp_frame(host, sock("198.51.100.9:53"), b"query");
+    let out = testrun::run_egress_on(&mut n.dp, &plain, n.ifindex);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &plain), "not a Service's: untouched");
+
     let c = counters(&mut n.dp);
     assert_eq!((c.get("host_flow_new"), c.get("host_flow"), c.get("host_reply")), (Some(&3), Some(&2), Some(&3)), "{c:?}");
+}
+
+/// A host flow left to TC from a privileged port keeps a privileged port, as nf_nat keeps it (a
+/// server may insist: NFS's `secure` exports), never the process's own. One whose backend is an
+/// address of the node itself (a host-network endpoint here) has no route past the stack: the
+/// process is refused at once (port unreachable, received as if from the Service).
+#[test]
+fn a_host_flow_left_to_tc_keeps_a_privileged_port_and_is_refused_when_its_backend_is_the_node() {
+    let Some(mut n) = node("a_host_flow_left_to_tc_keeps_a_privileged_port_and_is_refused_when_its_backend_is_the_node") else { return };
+    let node_ip: Ipv4Addr = NODE_IP.parse().unwrap();
+    n.dp.upsert(&key("10.96.0.20:2049", Protocol::Tcp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
+    let mut seen = BTreeSet::new();
+    for port in [700u16, 600, 1023, 1022, 650] {
+        let host = SocketAddrV4::new(node_ip, port);
+        let out = testrun::run_egress_on(&mut n.dp, &tcp_frame(host, sock("10.96.0.20:2049"), SYN), n.ifindex);
+        assert_eq!(out.action, TC_ACT_REDIRECT);
+        let moved = dissect(&out.frame).sport.unwrap();
+        assert!((600..1024).contains(&moved) && moved != port, "from {port}: moved to {moved}, a privileged port of nf_nat's range");
+        seen.insert(moved);
+    }
+    assert_eq!(seen.len(), 5, "each flow its own port: {seen:?}");
+
+    let own = SocketAddrV4::new(node_ip, 6443);
+    n.dp.upsert(&key("10.96.0.1:443", Protocol::Tcp), &frontend(FrontendKind::ClusterIp, vec![backend(&own.to_string(), true)])).unwrap();
+    let syn = tcp_frame(SocketAddrV4::new(node_ip, 41000), sock("10.96.0.1:443"), SYN);
+    let out = testrun::run_egress_on(&mut n.dp, &syn, n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "the answer is turned back into the node");
+    let d = dissect(&out.frame);
+    assert_eq!((d.proto, d.src, d.dst), (ICMP, *sock("10.96.0.1:443").ip(), node_ip), "port unreachable from the Service");
+    assert_eq!(counters(&mut n.dp).get("reject_host_no_route"), Some(&1));
 }

@@ -537,6 +537,10 @@ fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_proc
     let d = dissect(&out.frame);
     assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip_local), host), "the pod's reply, from the Service to the process's port");
     assert_eq!(d.l4_checksum_ok, Some(true), "{d:?}");
+    // A pod's reply to the node under no such entry is left alone.
+    let stray = udp_frame(sock(LOCAL), SocketAddrV6::new(node_ip, 61999, 0, 0), b"stray");
+    let out = testrun::run(&mut n.dp, &stray);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &stray));
 
     let c = counters(&mut n.dp);
     assert_eq!((c.get("host_flow_new"), c.get("host_flow"), c.get("host_reply")), (Some(&3), Some(&2), Some(&3)), "{c:?}");

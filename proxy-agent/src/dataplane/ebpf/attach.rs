@@ -85,9 +85,11 @@ impl Hook {
     }
 }
 
-/// The hooks of each role, in attach order. Egress comes first: on its own it is harmless (it
-/// only translates replies of flows tracked elsewhere), while ingress on its own would DNAT
-/// flows whose replies nobody translates back. XDP comes last: it only takes over flows TC
+/// The hooks of each role, in attach order. Egress comes first: on its own it is nearly
+/// harmless (it translates replies of flows tracked elsewhere, and the rare host flow the
+/// socket hooks leave to TC, whose first replies may come before ingress is there to
+/// translate them and are retransmitted), while ingress on its own would DNAT every flow whose
+/// replies nobody translates back. XDP comes last: it only takes over flows TC
 /// would handle the same way.
 const POD_HOOKS: [Hook; 2] =
     [Hook::Tc(TcAttachType::Egress, prog_names::TC_EGRESS), Hook::Tc(TcAttachType::Ingress, prog_names::TC_INGRESS)];
