@@ -63,6 +63,20 @@ pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>, tracked: bool) -> Op
     }
 }
 
+/// An IPv4 host flow's packet, which the egress program's IPv4 half handed on (`tracked`: it
+/// found a forward entry; otherwise a Service frontend): `leaving`, after parsing it again.
+#[inline(always)]
+pub fn try_host4(ctx: &TcContext, tracked: bool) -> Result<Verdict, Reason> {
+    let mut pkt = match crate::parse::l3(ctx) {
+        crate::parse::L3::V4(crate::parse::Parsed::Packet(p)) => p,
+        _ => return Ok(Verdict::pass(Reason::EgressPass)),
+    };
+    if pkt.frag == crate::parse::Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+    }
+    leaving(ctx, &pkt, tracked).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
+}
+
 /// The IPv6 host flow program: `leaving` for the packet the egress program staged, its new
 /// flow in a program of its own (`try_host6_new`; both do not fit one frame).
 #[inline(always)]

@@ -76,15 +76,29 @@ fn from_pod6(ctx: &TcContext) -> i32 {
 #[classifier]
 pub fn proxy_tc_egress(ctx: TcContext) -> i32 {
     if parse::is_ipv6(&ctx) {
-        to_pod6(&ctx)
-    } else {
-        to_pod(&ctx)
+        return to_pod6(&ctx);
+    }
+    match to_pod(&ctx) {
+        verdict::HOST_NEW => from_host(&ctx, false),
+        verdict::HOST_TRACKED => from_host(&ctx, true),
+        action => action,
     }
 }
 
+/// The IPv4 half; a host flow's packet it hands back to the entry point, uncounted, for
+/// `from_host`.
 #[inline(never)]
 fn to_pod(ctx: &TcContext) -> i32 {
-    finish(ctx, egress::try_tc_egress(ctx))
+    match egress::try_tc_egress(ctx) {
+        Ok(v) if v.action == verdict::HOST_NEW || v.action == verdict::HOST_TRACKED => v.action,
+        v => finish(ctx, v),
+    }
+}
+
+/// An IPv4 host flow's packet (`host`), beside `to_pod`.
+#[inline(never)]
+fn from_host(ctx: &TcContext, tracked: bool) -> i32 {
+    finish(ctx, host::try_host4(ctx, tracked))
 }
 
 #[inline(never)]
