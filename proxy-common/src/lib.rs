@@ -247,11 +247,12 @@ pub mod prog_names {
         [SOCK_CONNECT4, SOCK_SENDMSG4, SOCK_RECVMSG4, SOCK_GETPEERNAME4, SOCK_CONNECT6, SOCK_SENDMSG6, SOCK_RECVMSG6, SOCK_GETPEERNAME6];
     /// A cgroup sock program, run when a host-network socket is closed (forgets its tuple).
     pub const SOCK_RELEASE: &str = "proxy_sock_release";
-    /// The IPv6 halves of the pod programs (see `map_names::PROGS`). `TC_INGRESS` and
-    /// `TC_EGRESS` serve IPv6 themselves; of these, ingress enters only `TC_INGRESS6_NEW` (new
-    /// flows) and `TC_ICMP6` (errors), and egress `TC_HOST6` (host flows). `TC_INGRESS6` and
-    /// `TC_EGRESS6` stay for an older build's `TC_INGRESS` and `TC_EGRESS`, which tail-call
-    /// them until an upgrade replaces those programs.
+    /// The IPv6 flow, tail-called from `TC_EGRESS` (see `map_names::PROGS`): conntrack and
+    /// established flows, a new flow's service lookup and tracking, replies (and, in
+    /// `TC_EGRESS6`, IPv4 host flows: see `TC_HOST6`). `TC_INGRESS`
+    /// serves IPv6 itself and enters only `TC_INGRESS6_NEW` (new flows) and `TC_ICMP6`
+    /// (errors); `TC_INGRESS6` stays for an older build's `TC_INGRESS`, which tail-calls it
+    /// until an upgrade replaces that program.
     pub const TC_INGRESS6: &str = "proxy_tc_ingress6";
     pub const TC_INGRESS6_NEW: &str = "proxy_tc_ingress6_new";
     pub const TC_EGRESS6: &str = "proxy_tc_egress6";
@@ -264,8 +265,10 @@ pub mod prog_names {
     /// An ICMPv6 error `TC_ICMP6` translated for a remote backend or its client, sent on past
     /// the stack by the FIB's route.
     pub const TC_ICMP6_SEND: &str = "proxy_tc_icmp6_send";
-    /// An IPv6 host flow the socket hooks left to TC, staged by `TC_EGRESS6`: tracked ones, and
-    /// new ones (`TC_HOST6_NEW`), which do not fit one frame with them.
+    /// An IPv6 host flow the socket hooks left to TC, tail-called from `TC_EGRESS6` (its new
+    /// ones go on to `TC_HOST6_NEW`: both do not fit one frame). An IPv4 one goes from
+    /// `TC_EGRESS` to `TC_EGRESS6`, the egress program's one tail call. Kept out of the egress
+    /// programs themselves: inline, their decision made every packet there slower.
     pub const TC_HOST6: &str = "proxy_tc_host6";
     pub const TC_HOST6_NEW: &str = "proxy_tc_host6_new";
     /// Each with its slot in `map_names::PROGS`.

@@ -8,13 +8,14 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    svc_cidr, Reason,
+    prog_slots, svc_cidr, Reason,
 };
 
 use crate::{
     ct,
     family::Family,
     frag, host, icmp, icmp6, icmp_nat,
+    maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
@@ -39,9 +40,12 @@ fn leaving_unmatched(cidr: u8) -> Result<Verdict, Reason> {
 pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     let pkt = match parse::l3(ctx) {
         L3::V4(parsed) => parsed,
-        // IPv6 never comes here: the entry point sends it to `try_tc_egress6` on the same
-        // ethertype.
-        L3::V6 | L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
+        L3::V6 => {
+            // SAFETY: plain helper call; on success it does not return.
+            unsafe { PROGS_V1.tail_call(ctx, prog_slots::EGRESS6) };
+            return Ok(Verdict::pass(Reason::PassNoStage));
+        }
+        L3::Other => return Ok(Verdict::pass(Reason::PassNotIpv4)),
     };
     let pkt = match pkt {
         Parsed::Packet(p) => p,
@@ -72,7 +76,8 @@ pub fn try_tc_egress(ctx: &TcContext) -> Result<Verdict, Reason> {
     flow(ctx, pkt)
 }
 
-/// An IPv6 packet about to leave: as IPv4's, with ICMPv6.
+/// An IPv6 packet about to leave (a program of its own, see `map_names::PROGS`): as IPv4's,
+/// with ICMPv6.
 #[inline(always)]
 pub fn try_tc_egress6(ctx: &TcContext) -> Result<Verdict, Reason> {
     match crate::parse6::ipv6(ctx) {

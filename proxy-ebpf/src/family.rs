@@ -110,9 +110,10 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     /// The same for a packet about to leave (TC egress): the answer is received on the
     /// interface instead, as from the destination.
     fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
-    /// `host::leaving`, in a function beside the egress program's IPv4 half (`verdict::HOST_*`),
-    /// or in programs of their own (IPv6: its decision and its new flow do not fit one stack
-    /// frame).
+    /// Hands a host flow's packet to `host::leaving`, in other programs (IPv4's in
+    /// `prog_names::TC_EGRESS6`, the egress program's one tail call; IPv6's in `TC_HOST6`):
+    /// inline, its decision made every packet of the egress programs slower. None: not a host
+    /// flow's.
     /// `tracked`: the packet has a (forward) conntrack entry; otherwise it is looked at only
     /// when it is addressed to a Service.
     fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>>;
@@ -252,14 +253,15 @@ impl Family for [u8; 4] {
         icmp::reject_leaving(ctx, pkt, reason)
     }
     #[inline(always)]
-    fn host_leaving(_ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
+    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
         if !tracked && crate::select::service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).is_none() {
             return None;
         }
-        // Served beside the egress program's IPv4 half, not within it: inline, its decision
-        // made that half's every packet slower (a reply's by a third).
-        let action = if tracked { crate::verdict::HOST_TRACKED } else { crate::verdict::HOST_NEW };
-        Some(Ok(Verdict { action, reason: Reason::HostFlow }))
+        // Through the IPv6 program's slot, the egress program's one tail call site (see
+        // `proxy_tc_egress6`).
+        // SAFETY: plain helper call; on success it does not return.
+        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::EGRESS6) };
+        Some(Ok(Verdict::pass(Reason::PassNoStage)))
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
@@ -448,8 +450,9 @@ impl Family for Ip6 {
         if !tracked && crate::select::service(&key).is_none() {
             return None;
         }
-        let reason = enter_stage(ctx, pkt, crate::ct::now(), Reason::HostFlow, None, proxy_common::prog_slots::HOST6);
-        Some(Ok(Verdict::pass(reason)))
+        // SAFETY: plain helper call; on success it does not return.
+        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::HOST6) };
+        Some(Ok(Verdict::pass(Reason::PassNoStage)))
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {

@@ -46,15 +46,10 @@ pub fn from_host(ctx: &TcContext) -> bool {
 /// A host process's packet leaving by TC egress, without a reply entry: a packet of a host
 /// flow (tracked, or a new one to a Service), translated and sent by the backend's route.
 /// None: not such a packet, the egress program goes on with it.
-/// `tracked`: the packet has a forward conntrack entry (otherwise its first packet, if it is
-/// addressed to a Service at all: most of the node's own traffic is not).
 #[inline(always)]
-pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>, tracked: bool) -> Option<Result<Verdict, Reason>> {
+fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
     let env = env_of(ctx);
     let now = ct::now();
-    if !tracked {
-        return apply(ctx, pkt, new_flow(&env, pkt, now)?);
-    }
     // Each step applied where it is made: one value merged from both, its payload undefined
     // for some variants, was read by the compiled code as an unwritten register.
     match north::decide_tracked(&env, pkt, now, true) {
@@ -63,10 +58,10 @@ pub fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>, tracked: bool) -> Op
     }
 }
 
-/// An IPv4 host flow's packet, which the egress program's IPv4 half handed on (`tracked`: it
-/// found a forward entry; otherwise a Service frontend): `leaving`, after parsing it again.
+/// An IPv4 host flow's packet the egress program handed on (a forward entry's, or one to a
+/// Service frontend; in `proxy_tc_egress6`'s program): `leaving`, parsed again.
 #[inline(always)]
-pub fn try_host4(ctx: &TcContext, tracked: bool) -> Result<Verdict, Reason> {
+pub fn try_host4(ctx: &TcContext) -> Result<Verdict, Reason> {
     let mut pkt = match crate::parse::l3(ctx) {
         crate::parse::L3::V4(crate::parse::Parsed::Packet(p)) => p,
         _ => return Ok(Verdict::pass(Reason::EgressPass)),
@@ -74,24 +69,30 @@ pub fn try_host4(ctx: &TcContext, tracked: bool) -> Result<Verdict, Reason> {
     if pkt.frag == crate::parse::Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    leaving(ctx, &pkt, tracked).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
+    leaving(ctx, &pkt).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
 }
 
-/// The IPv6 host flow program: `leaving` for the packet the egress program staged, its new
-/// flow in a program of its own (`try_host6_new`; both do not fit one frame).
+/// The IPv6 host flow program: `leaving` for the packet the egress program handed on, parsed
+/// again; its new flow goes on in a program of its own (`try_host6_new`, through the stage:
+/// both do not fit one frame).
 #[inline(always)]
 pub fn try_host6(ctx: &TcContext) -> Result<Verdict, Reason> {
-    let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    let step = match north::decide_tracked(&env_of(ctx), &stage.pkt, ct::now(), true) {
+    let mut pkt = match crate::parse6::ipv6(ctx) {
+        crate::parse::Parsed::Packet(p) => p,
+        _ => return Ok(Verdict::pass(Reason::EgressPass)),
+    };
+    if pkt.frag == crate::parse::Frag::Later && !frag::resolve_ports(&mut pkt) {
+        return Ok(Verdict::pass(Reason::PassFragmentUnknown));
+    }
+    let now = ct::now();
+    let step = match north::decide_tracked(&env_of(ctx), &pkt, now, true) {
         Step::NewFlow => {
-            // The stage still holds the packet.
-            // SAFETY: plain helper call; on success it does not return.
-            unsafe { crate::maps::PROGS_V1.tail_call(ctx, prog_slots::HOST6_NEW) };
-            return Ok(Verdict::pass(Reason::PassNoStage));
+            let reason = crate::family::enter_stage(ctx, &pkt, now, Reason::HostFlowNew, None, prog_slots::HOST6_NEW);
+            return Ok(Verdict::pass(reason));
         }
         step => step,
     };
-    apply(ctx, &stage.pkt, step).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
+    apply(ctx, &pkt, step).unwrap_or(Ok(Verdict::pass(Reason::EgressPass)))
 }
 
 /// The IPv6 host flow's first packet (see `try_host6`).

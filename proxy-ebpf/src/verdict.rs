@@ -16,8 +16,3 @@ impl Verdict {
         Self { action: TC_ACT_OK, reason }
     }
 }
-
-/// Not TC actions: what the egress program's IPv4 half returns to its entry point for a host
-/// flow's packet (`host`), which a function of its own then serves (first packet, or tracked).
-pub const HOST_NEW: i32 = 0x100;
-pub const HOST_TRACKED: i32 = 0x101;

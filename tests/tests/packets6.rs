@@ -386,25 +386,10 @@ fn the_ipv6_program_an_older_ingress_enters_serves_new_and_tracked_flows() {
     assert_eq!((c.get("new_flow"), c.get("established")), (Some(&1), Some(&1)), "{c:?}");
 }
 
-/// `proxy_tc_egress6`, which egress no longer enters, is what an older build's egress program
-/// tail-calls while an upgrade replaces it: it still gives a reply the Service's address.
-#[test]
-fn the_ipv6_program_an_older_egress_enters_translates_replies() {
-    let Some(mut dp) = setup("the_ipv6_program_an_older_egress_enters_translates_replies") else { return };
-    program6(&mut dp, VIP, TCP, &[BACKEND]);
-    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
-    assert_eq!(dissect(&run(&mut dp, &tcp_frame(client, vip, SYN)).frame).dst_sock(), backend);
-    let out = testrun::run_program(&mut dp, proxy_common::prog_names::TC_EGRESS6, &tcp_frame(backend, client, SYN | ACK));
-    let d = dissect(&out.frame);
-    assert_eq!((out.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, vip, client));
-    assert_eq!(d.l4_checksum_ok, Some(true));
-}
-
 /// With the IPv6 programs' slots empty (as for a moment while a restart between builds refills
 /// them), IPv6 passes untouched, as before this agent served IPv6: never dropped. (Pod ingress
 /// serves IPv6's tracked flows itself and enters a slot for a new flow's stage, or an ICMPv6
-/// error; egress serves IPv6 itself and enters a slot for a host flow: test runs' packets all
-/// look like the node's own.)
+/// error.)
 #[test]
 fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     let Some(mut dp) = setup("ipv6_passes_untouched_when_its_programs_cannot_be_entered") else { return };
@@ -412,7 +397,7 @@ fn ipv6_passes_untouched_when_its_programs_cannot_be_entered() {
     {
         let map = dp.ebpf_mut().map_mut(map_names::PROGS).expect("the program array");
         let mut progs = aya::maps::ProgramArray::try_from(map).expect("a program array");
-        for slot in [proxy_common::prog_slots::INGRESS6, proxy_common::prog_slots::INGRESS6_NEW, proxy_common::prog_slots::HOST6] {
+        for slot in [proxy_common::prog_slots::INGRESS6, proxy_common::prog_slots::INGRESS6_NEW, proxy_common::prog_slots::EGRESS6] {
             progs.clear_index(&slot).expect("empty the slot");
         }
     }
