@@ -110,12 +110,11 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     /// The same for a packet about to leave (TC egress): the answer is received on the
     /// interface instead, as from the destination.
     fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
-    /// Hands a host flow's packet to `host::leaving`, in other programs (IPv4's in
-    /// `prog_names::TC_EGRESS6`, the egress program's one tail call; IPv6's in `TC_HOST6`):
-    /// inline, its decision made every packet of the egress programs slower. None: not a host
-    /// flow's.
-    /// `tracked`: the packet has a (forward) conntrack entry; otherwise it is looked at only
-    /// when it is addressed to a Service.
+    /// Hands a host flow's packet on to `host` in another program (IPv4's to
+    /// `prog_names::TC_EGRESS6`, the egress program's one tail call; IPv6's to `TC_HOST6`):
+    /// inline, its decision made every packet of the egress programs slower. `tracked`: the
+    /// packet has a forward conntrack entry; otherwise it is handed on only when it is
+    /// addressed to a Service. None: not handed on.
     fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>>;
 
     /// The address SNAT puts on the family's flows leaving by external interface `ifindex`.

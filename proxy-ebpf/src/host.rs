@@ -5,8 +5,9 @@
 //! address, and the packet follows the node's route for it (a cluster IP needs one, as under
 //! kube-proxy) to TC egress of the interface that route takes. There the flow gets a backend
 //! as a pod's would, and the process's port is moved to one of the SNAT range
-//! (`--snat-port-range`, outside the kernel's own local ports), the claim of its reply entry
-//! keeping it unique at the backend; the source address stays the one the stack chose. The
+//! (`--snat-port-range`, outside the kernel's own local ports; a privileged port to another
+//! privileged one, as nf_nat moves it), the claim of its reply entry keeping it unique at the
+//! backend; the source address stays the one the stack chose. The
 //! packet then goes by the route to the backend. The backend's replies, to the node's address
 //! and the moved port, are translated back where they come in (pod ingress for a backend on
 //! this node, external ingress for another node's), from the Service to the process's own
@@ -43,9 +44,9 @@ pub fn from_host(ctx: &TcContext) -> bool {
     !sk.is_null()
 }
 
-/// A host process's packet leaving by TC egress, without a reply entry: a packet of a host
+/// A host process's packet the egress program handed on (no reply entry): a packet of a host
 /// flow (tracked, or a new one to a Service), translated and sent by the backend's route.
-/// None: not such a packet, the egress program goes on with it.
+/// None: not such a packet after all (it passes).
 #[inline(always)]
 fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
     let env = env_of(ctx);

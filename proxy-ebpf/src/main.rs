@@ -138,7 +138,7 @@ pub fn proxy_tc_icmp6_send(ctx: TcContext) -> i32 {
     finish(&ctx, icmp_nat::try_send6(&ctx))
 }
 
-/// An IPv6 host flow's packet leaving (staged by `proxy_tc_egress6`, see `host`).
+/// An IPv6 host flow's packet leaving (tail-called by `proxy_tc_egress6`, see `host`).
 #[classifier]
 pub fn proxy_tc_host6(ctx: TcContext) -> i32 {
     finish(&ctx, host::try_host6(&ctx))
