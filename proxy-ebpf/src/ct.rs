@@ -86,6 +86,13 @@ pub fn forward_key_of_reply<A: Family>(pkt: &Packet<A>, entry: &CtEntry<A>, vip:
     }
 }
 
+/// The forward tuple of the SNAT flow a reply entry belongs to (north-south, or a host flow's),
+/// given the service address: its client, at the address and port the entry keeps.
+#[inline(always)]
+pub fn snat_forward_key<A: Family>(entry: &CtEntry<A>, vip: A, vport: [u8; 2], proto: u8) -> CtKey<A> {
+    CtKey { saddr: entry.nat_addr, daddr: vip, sport: entry.nat_port, dport: vport, proto, _pad: 0, _pad2: 0 }
+}
+
 /// The lifetimes the agent set at load (kube-proxy's conntrack settings). A read-only global:
 /// the verifier sees its frozen value.
 #[no_mangle]

@@ -8,7 +8,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    prog_slots, svc_cidr, Reason,
+    prog_slots, svc_cidr, Reason, ServiceKey,
 };
 
 use crate::{
@@ -115,11 +115,9 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let Some(mut e) = Slot::of(A::ct(), ct::key(&pkt)) else {
-        // A host process's flow the socket hooks left to TC (`host`), if it is one.
-        if host::from_host(ctx) {
-            if let Some(v) = A::host_leaving(ctx, &pkt, false) {
-                return v;
-            }
+        // A host process's first packet to a Service, which the socket hooks left to TC.
+        if host::from_host(ctx) && select::service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).is_some() {
+            return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
         }
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));
     };
@@ -127,9 +125,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if entry.flags & flags::REPLY == 0 {
         // A tracked host flow's next packet (a SNAT entry's flow from this node).
         if entry.flags & flags::SNAT != 0 && host::from_host(ctx) {
-            if let Some(v) = A::host_leaving(ctx, &pkt, true) {
-                return v;
-            }
+            return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
         }
         return Ok(Verdict::pass(Reason::EgressPass));
     }

@@ -110,12 +110,10 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
     /// The same for a packet about to leave (TC egress): the answer is received on the
     /// interface instead, as from the destination.
     fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason>;
-    /// Hands a host flow's packet on to `host` in another program (IPv4's to
-    /// `prog_names::TC_EGRESS6`, the egress program's one tail call; IPv6's to `TC_HOST6`):
-    /// inline, its decision made every packet of the egress programs slower. `tracked`: the
-    /// packet has a forward conntrack entry; otherwise it is handed on only when it is
-    /// addressed to a Service. None: not handed on.
-    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>>;
+    /// The slot of `map_names::PROGS` a host flow's packet leaving is handed on to (`host`):
+    /// IPv4's is `prog_slots::EGRESS6`, the egress program's one tail call (a second call site
+    /// there made every IPv6 reply slower); IPv6's `prog_slots::HOST6`.
+    const HOST_SLOT: u32;
 
     /// The address SNAT puts on the family's flows leaving by external interface `ifindex`.
     fn node_address(ifindex: u32) -> Option<Self>;
@@ -138,6 +136,7 @@ const AF_INET6: u8 = 10;
 impl Family for [u8; 4] {
     type FragId = [u8; 2];
     const STAGES_APART: bool = false;
+    const HOST_SLOT: u32 = proxy_common::prog_slots::EGRESS6;
     #[inline(always)]
     fn bound_offset(off: usize) -> usize {
         off
@@ -252,17 +251,6 @@ impl Family for [u8; 4] {
         icmp::reject_leaving(ctx, pkt, reason)
     }
     #[inline(always)]
-    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
-        if !tracked && crate::select::service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).is_none() {
-            return None;
-        }
-        // Through the IPv6 program's slot, the egress program's one tail call site (see
-        // `proxy_tc_egress6`).
-        // SAFETY: plain helper call; on success it does not return.
-        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::EGRESS6) };
-        Some(Ok(Verdict::pass(Reason::PassNoStage)))
-    }
-    #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {
         icmp::read_quote(ctx, l4_off)
     }
@@ -307,6 +295,7 @@ impl Family for [u8; 4] {
 impl Family for Ip6 {
     type FragId = [u8; 4];
     const STAGES_APART: bool = true;
+    const HOST_SLOT: u32 = proxy_common::prog_slots::HOST6;
     /// The parser's longest (`parse6::EXT_MAX`) is below 512.
     #[inline(always)]
     fn bound_offset(off: usize) -> usize {
@@ -442,16 +431,6 @@ impl Family for Ip6 {
     #[inline(always)]
     fn reject_leaving(ctx: &TcContext, pkt: &Packet<Self>, reason: Reason) -> Result<Verdict, Reason> {
         crate::icmp6::reject_leaving(ctx, pkt, reason)
-    }
-    #[inline(always)]
-    fn host_leaving(ctx: &TcContext, pkt: &Packet<Self>, tracked: bool) -> Option<Result<Verdict, Reason>> {
-        let key = proxy_common::ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-        if !tracked && crate::select::service(&key).is_none() {
-            return None;
-        }
-        // SAFETY: plain helper call; on success it does not return.
-        unsafe { maps::PROGS_V1.tail_call(ctx, proxy_common::prog_slots::HOST6) };
-        Some(Ok(Verdict::pass(Reason::PassNoStage)))
     }
     #[inline(always)]
     fn read_quote(ctx: &TcContext, l4_off: usize) -> Option<crate::icmp_nat::Quote<Self>> {

@@ -19,7 +19,7 @@
 //! destination.
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{ct::flags, prog_slots, CtEntry, CtKey, Reason, ServiceKey};
+use proxy_common::{ct::flags, prog_slots, CtEntry, Reason, ServiceKey};
 
 use crate::{
     ct, ext,
@@ -42,6 +42,15 @@ pub fn from_host(ctx: &TcContext) -> bool {
     // pointer or null, and it is only compared.
     let sk = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*ctx.skb.skb).__bindgen_anon_2.sk)) };
     !sk.is_null()
+}
+
+/// Hands a host flow's packet on to the program that serves it (`Family::HOST_SLOT`); returns
+/// the reason to pass it untouched under when that cannot be done.
+#[inline(always)]
+pub fn hand_on<A: Family>(ctx: &TcContext) -> Reason {
+    // SAFETY: plain helper call; on success it does not return.
+    unsafe { crate::maps::PROGS_V1.tail_call(ctx, A::HOST_SLOT) };
+    Reason::PassNoStage
 }
 
 /// A host process's packet the egress program handed on (no reply entry): a packet of a host
@@ -217,8 +226,7 @@ pub fn pod_reply<A: Family>(
     let Some(rn) = rn.filter(|_| entry.flags & flags::SNAT != 0 && entry.nat_addr == pkt.daddr) else {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     };
-    let fwd = CtKey { saddr: entry.nat_addr, daddr: rn.addr, sport: entry.nat_port, dport: rn.port, proto: pkt.proto, _pad: 0, _pad2: 0 };
-    if !ct::touch_reply(pkt, &mut e, entry, &fwd, now) {
+    if !ct::touch_reply(pkt, &mut e, entry, &ct::snat_forward_key(entry, rn.addr, rn.port, pkt.proto), now) {
         return Ok(Verdict::pass(Reason::ReplyIngress));
     }
     deliver(ctx, pkt, (rn.addr, rn.port), entry.nat_port)

@@ -18,7 +18,7 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_fib_lookup,
 };
-use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, CtKey, Reason, ServiceKey};
+use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, Reason, ServiceKey};
 
 use crate::{
     ct,
@@ -194,20 +194,10 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
             let Some(rn) = revnat_of(&entry) else {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             };
-            // The flow's forward tuple, as its client sent it.
-            let fwd = |rn: &proxy_common::RevNat<A>| CtKey {
-                saddr: entry.nat_addr,
-                daddr: rn.addr,
-                sport: entry.nat_port,
-                dport: rn.port,
-                proto: pkt.proto,
-                _pad: 0,
-                _pad2: 0,
-            };
             if !env.xdp && entry.nat_addr == pkt.daddr {
                 // The client is the node itself (`host`): delivered here, by TC. (XDP passes
                 // it all the same: the FIB has no route to forward to a local address.)
-                if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &fwd(&rn), now) {
+                if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &ct::snat_forward_key(&entry, rn.addr, rn.port, pkt.proto), now) {
                     return Step::Pass(Reason::PassNotService);
                 }
                 return Step::Deliver {
@@ -221,7 +211,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                 Ok(r) => r,
                 Err(step) => return step,
             };
-            if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &fwd(&rn), now) {
+            if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &ct::snat_forward_key(&entry, rn.addr, rn.port, pkt.proto), now) {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             }
             return Step::Forward {

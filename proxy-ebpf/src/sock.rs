@@ -305,13 +305,13 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
     let Ok(first) = select::choose(&pkt, &key, &master, now, true) else { return PROCEED };
     // SAFETY: the socket of a sock_addr context is always there.
     let sport = local_port(unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk });
-    let taken = |b: &Backend<A>| held_by_other(cookie, proto, sport, b) || (!connect && other_service(ctx, b, vip, vport));
+    let taken = |b: &Backend<A>| holder(cookie, proto, sport, b).is_some() || (!connect && other_service(ctx, b, vip, vport));
     let choice = if !taken(&first.backend) {
         first
     } else if let Some(other) = untaken_backend(&key, &master, &taken) {
         stats::count(Reason::HostBackendMoved, 0);
         other
-    } else if !(!connect && other_service(ctx, &first.backend, vip, vport)) && !tuple_held(cookie, proto, sport, &first.backend, now) {
+    } else if (connect || !other_service(ctx, &first.backend, vip, vport)) && !tuple_held(cookie, proto, sport, &first.backend, now) {
         // Taken only by a holder that may be gone (see the module comment): sent on as if the
         // tuple were free; a live TCP one is refused by the kernel's own check.
         first
@@ -356,24 +356,24 @@ fn other_service<A: SockFamily>(ctx: &SockAddrContext, b: &Backend<A>, vip: A, v
     value::copy(A::revnats(), &rev_key(ctx, b.addr, b.port)).is_some_and(|r| r.addr != vip || r.port != vport)
 }
 
-/// True when another connected socket on local port `sport` reaches backend `b` (a socket
+/// The other connected socket on local port `sport` that reaches backend `b`, if any (a socket
 /// without a local port yet gets one the kernel keeps apart).
 #[inline(always)]
-fn held_by_other<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> bool {
-    sport != [0; 2] && value::copy(A::ports(), &port_key(proto, sport, b.addr, b.port)).is_some_and(|o| o.cookie != cookie)
-}
-
-/// True when the holder of backend `b`'s tuple from `sport` can be trusted to be there: it
-/// took the tuple less than HOLDER_TRUSTED_NS ago, and its own record still names the tuple
-/// (the two LRU maps may lose entries independently).
-#[inline(always)]
-fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
+fn holder<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>) -> Option<(SockPortKey<A>, SockOwner)> {
     if sport == [0; 2] {
-        return false;
+        return None;
     }
     let key = port_key(proto, sport, b.addr, b.port);
-    value::copy(A::ports(), &key).is_some_and(|o| {
-        o.cookie != cookie && now.saturating_sub(o.since_ns) < HOLDER_TRUSTED_NS && value::copy(A::held(), &o.cookie) == Some(key)
+    value::copy(A::ports(), &key).filter(|o| o.cookie != cookie).map(|o| (key, o))
+}
+
+/// True when that holder can be trusted to be there: it took the tuple less than
+/// HOLDER_TRUSTED_NS ago, and its own record still names the tuple (the two LRU maps may lose
+/// entries independently).
+#[inline(always)]
+fn tuple_held<A: SockFamily>(cookie: u64, proto: u8, sport: [u8; 2], b: &Backend<A>, now: u64) -> bool {
+    holder(cookie, proto, sport, b).is_some_and(|(key, owner)| {
+        now.saturating_sub(owner.since_ns) < HOLDER_TRUSTED_NS && value::copy(A::held(), &owner.cookie) == Some(key)
     })
 }
 
