@@ -24,7 +24,7 @@ pub use crate::sync::PortState;
 /// The body and status of a probe.
 pub fn answer(state: &PortState, proxy_healthy: bool) -> (u16, String) {
     let body = serde_json::json!({
-        "service": {"namespace": state.service.namespace, "name": state.service.name},
+        "service": {"namespace": state.service.namespace(), "name": state.service.name()},
         "localEndpoints": state.local_endpoints,
         "serviceProxyHealthy": proxy_healthy,
     });

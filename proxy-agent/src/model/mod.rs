@@ -63,23 +63,44 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// Namespace and name of an object.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+/// Namespace and name of an object. One allocation, shared by every clone: the store, the
+/// reconciler and the dataplanes keep a key per Service in several maps, and with 30,000
+/// Services two `String`s per copy were a fifth of the agent's memory (see `memory.rs`).
+/// Compared, hashed and ordered by (namespace, name), as the two fields were.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey(std::sync::Arc<Names>);
+
+#[derive(PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Names {
+    namespace: Box<str>,
+    name: Box<str>,
 }
 
 impl ObjectKey {
     pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { namespace: namespace.into(), name: name.into() }
+        let (namespace, name): (String, String) = (namespace.into(), name.into());
+        Self(std::sync::Arc::new(Names { namespace: namespace.into_boxed_str(), name: name.into_boxed_str() }))
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.0.namespace
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+}
+
+impl fmt::Debug for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ObjectKey").field("namespace", &self.namespace()).field("name", &self.name()).finish()
     }
 }
 
 impl fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // No valid name is longer than 253; an invalid one is shown clipped.
-        write!(f, "{}/{}", clip(&self.namespace, 253), clip(&self.name, 253))
+        write!(f, "{}/{}", clip(self.namespace(), 253), clip(self.name(), 253))
     }
 }
 

@@ -559,19 +559,19 @@ impl Store {
                 Some(key)
             }
             Object::ServiceCidr(obj) => {
-                let key = validate::object_key(&obj.metadata).ok().map(|k| ObjectKey::new("", k.name));
+                let key = validate::object_key(&obj.metadata).ok().map(|k| ObjectKey::new("", k.name()));
                 match validate::service_cidr(&obj) {
                     Ok(cidrs) => {
                         let key = key?;
                         self.clear_report(Kind::ServiceCidr, &key);
-                        if self.service_cidr_objects.get(&key.name) != Some(&cidrs) {
-                            self.service_cidr_objects.insert(key.name.clone(), cidrs);
+                        if self.service_cidr_objects.get(key.name()) != Some(&cidrs) {
+                            self.service_cidr_objects.insert(key.name().to_string(), cidrs);
                             self.cluster_ip_generation += 1;
                         }
                         Some(key)
                     }
                     Err(invalid) => {
-                        let kept = key.as_ref().is_some_and(|k| self.service_cidr_objects.contains_key(&k.name));
+                        let kept = key.as_ref().is_some_and(|k| self.service_cidr_objects.contains_key(k.name()));
                         self.report_invalid(Kind::ServiceCidr, key.clone(), &invalid.to_string(), kept, reports);
                         key.filter(|_| kept)
                     }
@@ -594,13 +594,13 @@ impl Store {
                 }
             }
             Kind::Node => {
-                if self.node.as_ref().is_some_and(|n| n.name == key.name) {
+                if self.node.as_ref().is_some_and(|n| n.name == key.name()) {
                     self.node = None;
                     self.dirty.extend(self.services.keys().cloned());
                 }
             }
             Kind::ServiceCidr => {
-                if self.service_cidr_objects.remove(&key.name).is_some() {
+                if self.service_cidr_objects.remove(key.name()).is_some() {
                     self.cluster_ip_generation += 1;
                 }
             }

@@ -237,7 +237,7 @@ pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectM
     };
     // kubectl apply puts namespace-less objects in "default"; do the same.
     let namespace = meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into());
-    Ok(ObjectKey { namespace, name })
+    Ok(ObjectKey::new(namespace, name))
 }
 
 /// `object_key`, and the name and namespace checked as the API server checks them.
@@ -247,10 +247,10 @@ fn checked_key(
     errs: &mut Vec<String>,
 ) -> Result<ObjectKey, Invalid> {
     let key = object_key(meta)?;
-    if let Some(p) = name_problem(&key.name, rule) {
+    if let Some(p) = name_problem(key.name(), rule) {
         errs.push(format!("metadata.name {p}"));
     }
-    if let Some(p) = name_problem(&key.namespace, NameRule::Dns1123Label) {
+    if let Some(p) = name_problem(key.namespace(), NameRule::Dns1123Label) {
         errs.push(format!("metadata.namespace {p}"));
     }
     Ok(key)
@@ -557,16 +557,23 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         key,
         skip,
         service_type,
-        cluster_ips,
-        ports,
+        cluster_ips: exact(cluster_ips),
+        ports: exact(ports),
         affinity_timeout,
         internal_local,
         external_local,
-        external_ips,
-        lb_ingress,
+        external_ips: exact(external_ips),
+        lb_ingress: exact(lb_ingress),
         health_check_node_port,
-        lb_source_ranges,
+        lb_source_ranges: exact(lb_source_ranges),
     })
+}
+
+/// `v` without spare room. A checked object is kept for as long as the object exists, 30,000
+/// and more of them, and a Vec grown by pushes or collected from a filter holds room for four.
+fn exact<T>(mut v: Vec<T>) -> Vec<T> {
+    v.shrink_to_fit();
+    v
 }
 
 /// Checks a ServiceCIDR (`networking.k8s.io/v1`) as the API server does (at most two ranges,
@@ -680,7 +687,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
     let Some(svc) = labels.get(LABEL_SERVICE_NAME).filter(|s| !s.is_empty()) else {
         return Ok(Err(SliceIgnored::NoServiceLabel));
     };
-    let service = ObjectKey::new(key.namespace.clone(), svc.clone());
+    let service = ObjectKey::new(key.namespace(), svc.clone());
     let trigger_time = slice
         .metadata
         .annotations
@@ -688,7 +695,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
         .map(std::time::SystemTime::from);
-    Ok(Ok(CheckedSlice { key, service, family, ports, endpoints, trigger_time }))
+    Ok(Ok(CheckedSlice { key, service, family, ports: exact(ports), endpoints, trigger_time }))
 }
 
 /// A Node as the proxy needs it.

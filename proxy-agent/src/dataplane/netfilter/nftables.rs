@@ -49,7 +49,7 @@ pub fn base_name(name: &str) -> String {
 /// `ns/name/proto/port`.
 fn port_name(p: &Plan) -> String {
     let n = &p.port.name;
-    format!("{}/{}/{}/{}", n.service.namespace, n.service.name, p.proto, n.port)
+    format!("{}/{}/{}/{}", n.service.namespace(), n.service.name(), p.proto, n.port)
 }
 
 /// The desired ruleset of one family's table, object by object.
