@@ -4,18 +4,32 @@ use std::collections::{BTreeSet, HashSet};
 
 /// Hands out ids in `1..limit`, moving forward and wrapping, so a freed id is reused as late as
 /// possible: a stale conntrack entry naming a freed backend or service id is then far more
-/// likely to find nothing than to find a stranger.
+/// likely to find nothing than to find a stranger. The ids in use are a bit each, up to the
+/// highest one taken (15 KiB for 120,000 backends, whose ids in a hash set took over a MiB).
 #[derive(Debug)]
 pub struct IdAllocator {
     limit: u32,
     next: u32,
-    used: HashSet<u32>,
+    used: Vec<u64>,
+    in_use: usize,
 }
 
 impl IdAllocator {
     /// Ids `1..limit`; 0 is never handed out.
     pub fn new(limit: u32) -> Self {
-        Self { limit, next: 1, used: HashSet::new() }
+        Self { limit, next: 1, used: Vec::new(), in_use: 0 }
+    }
+
+    /// Sets `id`'s bit; false when it was set already.
+    fn take(&mut self, id: u32) -> bool {
+        let (word, bit) = ((id / 64) as usize, 1u64 << (id % 64));
+        if word >= self.used.len() {
+            self.used.resize(word + 1, 0);
+        }
+        let fresh = self.used[word] & bit == 0;
+        self.used[word] |= bit;
+        self.in_use += usize::from(fresh);
+        fresh
     }
 
     /// Marks an id found in pinned state as taken. False when it is out of range.
@@ -23,7 +37,7 @@ impl IdAllocator {
         if id == 0 || id >= self.limit {
             return false;
         }
-        self.used.insert(id);
+        self.take(id);
         if id >= self.next {
             self.next = if id + 1 >= self.limit { 1 } else { id + 1 };
         }
@@ -32,24 +46,59 @@ impl IdAllocator {
 
     pub fn alloc(&mut self) -> Option<u32> {
         let span = self.limit.saturating_sub(1);
-        if self.used.len() as u32 >= span {
+        if self.in_use as u32 >= span {
             return None;
         }
         loop {
             let id = self.next;
             self.next = if id + 1 >= self.limit { 1 } else { id + 1 };
-            if self.used.insert(id) {
+            if self.take(id) {
                 return Some(id);
             }
         }
     }
 
     pub fn free(&mut self, id: u32) {
-        self.used.remove(&id);
+        let (word, bit) = ((id / 64) as usize, 1u64 << (id % 64));
+        if let Some(w) = self.used.get_mut(word).filter(|w| **w & bit != 0) {
+            *w &= !bit;
+            self.in_use -= 1;
+        }
     }
 
     pub fn in_use(&self) -> usize {
-        self.used.len()
+        self.in_use
+    }
+}
+
+/// Values by id, for the ids an `IdAllocator` hands out (dense from 1): a Vec indexed by id,
+/// up to the highest one set. (Of 120,000 backends, 1.2 MiB where a hash map took 3.4.)
+#[derive(Debug)]
+pub struct ById<T> {
+    slots: Vec<Option<T>>,
+}
+
+impl<T> Default for ById<T> {
+    fn default() -> Self {
+        Self { slots: Vec::new() }
+    }
+}
+
+impl<T> ById<T> {
+    pub fn get(&self, id: u32) -> Option<&T> {
+        self.slots.get(id as usize)?.as_ref()
+    }
+
+    pub fn insert(&mut self, id: u32, value: T) {
+        let at = id as usize;
+        if at >= self.slots.len() {
+            self.slots.resize_with(at + 1, || None);
+        }
+        self.slots[at] = Some(value);
+    }
+
+    pub fn remove(&mut self, id: u32) -> Option<T> {
+        self.slots.get_mut(id as usize)?.take()
     }
 }
 
@@ -116,6 +165,32 @@ mod tests {
         assert!(!a.claim(10));
         assert_eq!(a.alloc(), Some(6), "allocation continues after the highest claimed id");
         assert_eq!(a.in_use(), 3);
+    }
+
+    #[test]
+    fn the_count_survives_repeats_and_ids_out_of_range() {
+        let mut a = IdAllocator::new(130); // three words of bits
+        assert!(a.claim(129));
+        assert!(a.claim(129), "claimed twice (two pinned entries naming it)");
+        assert_eq!(a.in_use(), 1);
+        a.free(129);
+        a.free(129);
+        a.free(0);
+        a.free(500);
+        assert_eq!(a.in_use(), 0);
+        assert_eq!((1..130).filter_map(|_| a.alloc()).count(), 129, "every id of 1..130 once");
+        assert_eq!(a.alloc(), None);
+    }
+
+    #[test]
+    fn values_by_id() {
+        let mut m = ById::default();
+        assert_eq!(m.get(7), None);
+        m.insert(7, "seven");
+        m.insert(2, "two");
+        assert_eq!((m.get(7), m.get(2), m.get(3), m.get(8)), (Some(&"seven"), Some(&"two"), None, None));
+        assert_eq!(m.remove(7), Some("seven"));
+        assert_eq!((m.remove(7), m.remove(100), m.get(7)), (None, None, None));
     }
 
     #[test]
