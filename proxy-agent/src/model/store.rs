@@ -3,7 +3,10 @@
 //! version of an object when an update is invalid, and records which Services need translating
 //! again, so a changed EndpointSlice touches only its own Service.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    sync::Arc,
+};
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},
@@ -199,6 +202,10 @@ pub struct Store {
     cluster_ip_generation: u64,
     /// Lists in progress (`Event::ListBegin`): the keys listed so far, per kind.
     listing: BTreeMap<Kind, BTreeSet<ObjectKey>>,
+    /// The node names endpoints carry, one copy each (`share_node_names`), and how many there
+    /// were when names no endpoint holds were last dropped.
+    node_names: HashSet<Arc<str>>,
+    node_names_kept: usize,
 }
 
 impl Store {
@@ -497,7 +504,8 @@ impl Store {
             Object::EndpointSlice(slice) => {
                 let key = validate::object_key(&slice.metadata);
                 match validate::endpoint_slice(&slice) {
-                    Ok(Ok(checked)) => {
+                    Ok(Ok(mut checked)) => {
+                        self.share_node_names(&mut checked);
                         let key = checked.key.clone();
                         self.clear_report(Kind::EndpointSlice, &key);
                         if self.slices.get(&key).map(|s| &**s) != Some(&checked) {
@@ -608,6 +616,24 @@ impl Store {
     }
 
     /// Takes a slice out of the indexes, without counting it as a change.
+    /// Points `slice`'s endpoints at the store's copy of their node's name: a cluster has a few
+    /// hundred nodes, and 120,000 endpoints each held its own copy of one of their names.
+    fn share_node_names(&mut self, slice: &mut CheckedSlice) {
+        for name in slice.endpoints.iter_mut().filter_map(|e| e.node_name.as_mut()) {
+            match self.node_names.get(name) {
+                Some(shared) => *name = shared.clone(),
+                None => {
+                    self.node_names.insert(name.clone());
+                }
+            }
+        }
+        // Nodes come and go: once the set has doubled, names only the set holds are dropped.
+        if self.node_names.len() > 2 * self.node_names_kept.max(64) {
+            self.node_names.retain(|n| Arc::strong_count(n) > 1);
+            self.node_names_kept = self.node_names.len();
+        }
+    }
+
     fn unlink_slice(&mut self, key: &ObjectKey) -> Option<Box<CheckedSlice>> {
         let old = self.slices.remove(key)?;
         if let Some(set) = self.slices_by_service.get_mut(&old.service) {
@@ -728,6 +754,26 @@ mod tests {
         s.set_local_addresses(vec!["192.168.1.5".parse().unwrap()]);
         assert!(s.take_dirty().services.contains(&web()));
         assert_eq!(frontends(&s, &web()).len(), 1, "programmed again once it is not");
+    }
+
+    #[test]
+    fn endpoints_share_one_copy_of_their_node_name_and_unused_names_go() {
+        let mut s = Store::new("n");
+        let on = |slice: &str, node: &str| {
+            format!("metadata: {{name: {slice}, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{{addresses: [10.1.0.1], nodeName: {node}}}]")
+        };
+        s.apply(Event::Apply(slice(&on("web-1", "node-a"))));
+        s.apply(Event::Apply(slice(&on("web-2", "node-a"))));
+        let name = |s: &Store, slice: &str| s.slices[&ObjectKey::new("default", slice)].endpoints[0].node_name.clone().unwrap();
+        assert_eq!(&*name(&s, "web-1"), "node-a");
+        assert!(Arc::ptr_eq(&name(&s, "web-1"), &name(&s, "web-2")), "one copy of the name");
+        // Endpoints move over many nodes: names no endpoint holds any more are dropped.
+        for i in 0..300 {
+            s.apply(Event::Apply(slice(&on("web-2", &format!("node-{i}")))));
+        }
+        assert!(s.node_names.len() <= 130, "{} names kept", s.node_names.len());
+        assert!(s.node_names.iter().any(|n| &**n == "node-a"), "still held by web-1");
+        assert!(s.node_names.iter().any(|n| &**n == "node-299"));
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub struct SliceEndpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
+    pub node_name: Option<std::sync::Arc<str>>,
     /// Topology hints, boxed: most endpoints carry none, and two empty sets inline take 48
     /// bytes of every endpoint held.
     pub hints: Option<Box<Hints>>,
@@ -669,7 +669,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
             ready,
             serving: c.serving.unwrap_or(true),
             terminating: c.terminating.unwrap_or(false),
-            node_name: e.node_name.clone(),
+            node_name: e.node_name.as_deref().map(Into::into),
             hints: Some(Hints {
                 zones: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
                 nodes: hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
