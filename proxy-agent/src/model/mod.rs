@@ -63,13 +63,14 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// Namespace and name of an object, held as `namespace/name` in one allocation that every
-/// clone shares: the store, the reconciler and the dataplanes keep a key per Service in several
-/// maps, and with 30,000 Services two `String`s per copy were a fifth of the agent's memory.
-/// A namespace is a DNS label, so the first '/' ends it. Ordered by (namespace, name), as the
-/// two fields were.
+/// Namespace and name of an object, held as `namespace/name` in one string that every clone
+/// shares: the store, the reconciler and the dataplanes keep a key per Service in several maps,
+/// and with 30,000 Services two `String`s per copy were a fifth of the agent's memory. (An
+/// `Arc<String>`, not an `Arc<str>`: a key of one word keeps those maps' tables smaller.) A
+/// namespace is a DNS label, so the first '/' ends it. Ordered by (namespace, name), as the two
+/// fields were.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct ObjectKey(std::sync::Arc<str>);
+pub struct ObjectKey(std::sync::Arc<String>);
 
 impl ObjectKey {
     pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
@@ -78,11 +79,11 @@ impl ObjectKey {
         text.push_str(namespace);
         text.push('/');
         text.push_str(name);
-        Self(text.into())
+        Self(std::sync::Arc::new(text))
     }
 
     fn parts(&self) -> (&str, &str) {
-        self.0.split_once('/').unwrap_or(("", &self.0))
+        self.0.split_once('/').unwrap_or(("", self.0.as_str()))
     }
 
     pub fn namespace(&self) -> &str {

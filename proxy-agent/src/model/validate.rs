@@ -84,20 +84,20 @@ pub struct CheckedService {
     pub key: ObjectKey,
     pub skip: Option<Skip>,
     pub service_type: ServiceType,
-    pub cluster_ips: Vec<IpAddr>,
-    pub ports: Vec<ServicePort>,
+    pub cluster_ips: Box<[IpAddr]>,
+    pub ports: Box<[ServicePort]>,
     pub affinity_timeout: Option<u32>,
     pub internal_local: bool,
     pub external_local: bool,
     /// `spec.externalIPs`.
-    pub external_ips: Vec<IpAddr>,
+    pub external_ips: Box<[IpAddr]>,
     /// `status.loadBalancer.ingress[].ip`, without those in `ipMode: Proxy` (KEP-1860: the
     /// load balancer proxies, so traffic must reach it rather than be short-circuited).
-    pub lb_ingress: Vec<IpAddr>,
+    pub lb_ingress: Box<[IpAddr]>,
     /// `spec.healthCheckNodePort`, for LoadBalancer Services with externalTrafficPolicy Local.
     pub health_check_node_port: Option<u16>,
     /// `spec.loadBalancerSourceRanges` (both families), canonical (network address).
-    pub lb_source_ranges: Vec<super::addr::Cidr>,
+    pub lb_source_ranges: Box<[super::addr::Cidr]>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,8 +114,8 @@ pub struct CheckedSlice {
     pub service: ObjectKey,
     /// `addressType`: every endpoint's address is of this family.
     pub family: super::Family,
-    pub ports: Vec<SlicePort>,
-    pub endpoints: Vec<SliceEndpoint>,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[SliceEndpoint]>,
     /// `endpoints.kubernetes.io/last-change-trigger-time`, when present and valid.
     pub trigger_time: Option<std::time::SystemTime>,
 }
@@ -379,15 +379,15 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
                 key,
                 skip,
                 service_type,
-                cluster_ips: vec![],
-                ports: vec![],
+                cluster_ips: Box::default(),
+                ports: Box::default(),
                 affinity_timeout: None,
                 internal_local: false,
                 external_local: false,
-                external_ips: vec![],
-                lb_ingress: vec![],
+                external_ips: Box::default(),
+                lb_ingress: Box::default(),
                 health_check_node_port: None,
-                lb_source_ranges: vec![],
+                lb_source_ranges: Box::default(),
             })
         } else {
             Err(Invalid(errs))
@@ -569,11 +569,11 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
     })
 }
 
-/// `v` without spare room. A checked object is kept for as long as the object exists, 30,000
-/// and more of them, and a Vec grown by pushes or collected from a filter holds room for four.
-fn exact<T>(mut v: Vec<T>) -> Vec<T> {
-    v.shrink_to_fit();
-    v
+/// `v` without spare room, and without a Vec's capacity field. A checked object is kept for as
+/// long as the object exists, 30,000 and more of them, and a Vec grown by pushes or collected
+/// from a filter holds room for four.
+fn exact<T>(v: Vec<T>) -> Box<[T]> {
+    v.into_boxed_slice()
 }
 
 /// Checks a ServiceCIDR (`networking.k8s.io/v1`) as the API server does (at most two ranges,
@@ -695,7 +695,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
         .map(std::time::SystemTime::from);
-    Ok(Ok(CheckedSlice { key, service, family, ports: exact(ports), endpoints, trigger_time }))
+    Ok(Ok(CheckedSlice { key, service, family, ports: exact(ports), endpoints: endpoints.into_boxed_slice(), trigger_time }))
 }
 
 /// A Node as the proxy needs it.
@@ -763,8 +763,8 @@ mod tests {
         let s = service(&svc("metadata: {name: web}\nspec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {port: 80}\n")).unwrap();
         assert_eq!(s.key, ObjectKey::new("default", "web"));
         assert_eq!(s.skip, None);
-        assert_eq!(s.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.ports, vec![ServicePort { name: "".into(), port: 80, protocol: Protocol::Tcp, node_port: None }]);
+        assert_eq!(s.cluster_ips.to_vec(), vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.ports.to_vec(), vec![ServicePort { name: "".into(), port: 80, protocol: Protocol::Tcp, node_port: None }]);
         assert_eq!(s.affinity_timeout, None);
     }
 
@@ -849,8 +849,8 @@ mod tests {
             "metadata: {name: a}\nspec: {type: LoadBalancer, clusterIP: 10.0.0.1, externalIPs: [192.0.2.7], externalTrafficPolicy: Local, healthCheckNodePort: 32100, ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}, {ip: 203.0.113.2, ipMode: Proxy}, {ip: 203.0.113.3, ipMode: VIP}, {hostname: lb.example.com}]}}",
         ))
         .unwrap();
-        assert_eq!(s.external_ips, vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.lb_ingress, vec!["203.0.113.1".parse::<IpAddr>().unwrap(), "203.0.113.3".parse().unwrap()], "ipMode Proxy skipped");
+        assert_eq!(s.external_ips.to_vec(), vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_ingress.to_vec(), vec!["203.0.113.1".parse::<IpAddr>().unwrap(), "203.0.113.3".parse().unwrap()], "ipMode Proxy skipped");
         assert_eq!(s.health_check_node_port, Some(32100));
         assert_eq!(s.ports[0].node_port, Some(30080));
         let bad = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, externalIPs: [nope], ports: [{port: 80}]}")).unwrap_err();
@@ -948,7 +948,7 @@ mod tests {
         assert_eq!(with("FQDN", "example.com").unwrap(), Err(SliceIgnored::AddressType("FQDN".into())));
         // An IPv6 cluster IP is a Service's like an IPv4 one; a link-local one is refused.
         let s = service(&svc("metadata: {name: web}\nspec: {clusterIP: 'fd00::10', ports: [{port: 80}]}")).unwrap();
-        assert_eq!(s.cluster_ips, vec!["fd00::10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.cluster_ips.to_vec(), vec!["fd00::10".parse::<IpAddr>().unwrap()]);
         let e = service(&svc("metadata: {name: web}\nspec: {clusterIP: 'fe80::10', ports: [{port: 80}]}")).unwrap_err().to_string();
         assert!(e.contains("link-local"), "{e}");
     }
@@ -960,10 +960,10 @@ mod tests {
             "metadata: {name: old}\nspec: {type: LoadBalancer, clusterIP: 010.096.000.010, externalIPs: [192.000.002.007], loadBalancerSourceRanges: [010.001.000.000/016], ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.001}]}}",
         ))
         .unwrap();
-        assert_eq!(s.cluster_ips, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.external_ips, vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.lb_ingress, vec!["203.0.113.1".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.lb_source_ranges, vec!["10.1.0.0/16".parse().unwrap()]);
+        assert_eq!(s.cluster_ips.to_vec(), vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.external_ips.to_vec(), vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_ingress.to_vec(), vec!["203.0.113.1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.lb_source_ranges.to_vec(), vec!["10.1.0.0/16".parse().unwrap()]);
         let e = endpoint_slice(&slice(
             "metadata: {name: s, labels: {kubernetes.io/service-name: old}}\naddressType: IPv4\nendpoints: [{addresses: [10.244.001.041]}]",
         ))
