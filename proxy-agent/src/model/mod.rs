@@ -93,6 +93,12 @@ impl ObjectKey {
     pub fn name(&self) -> &str {
         self.parts().1
     }
+
+    /// Whether the two are one allocation (not merely equal).
+    #[cfg(test)]
+    pub fn shares(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl Ord for ObjectKey {

@@ -484,7 +484,10 @@ impl Store {
             Object::Service(svc) => {
                 let key = validate::object_key(&svc.metadata);
                 match validate::service_with(&svc, &self.rules) {
-                    Ok(checked) => {
+                    Ok(mut checked) => {
+                        if let Some(known) = self.known_service_key(&checked.key) {
+                            checked.key = known;
+                        }
                         let key = checked.key.clone();
                         self.clear_report(Kind::Service, &key);
                         if self.services.get(&key).map(|s| &**s) != Some(&checked) {
@@ -506,6 +509,12 @@ impl Store {
                 match validate::endpoint_slice(&slice) {
                     Ok(Ok(mut checked)) => {
                         self.share_node_names(&mut checked);
+                        if let Some(known) = self.known_service_key(&checked.service) {
+                            checked.service = known;
+                        }
+                        if let Some((known, _)) = self.slices.get_key_value(&checked.key) {
+                            checked.key = known.clone();
+                        }
                         let key = checked.key.clone();
                         self.clear_report(Kind::EndpointSlice, &key);
                         if self.slices.get(&key).map(|s| &**s) != Some(&checked) {
@@ -616,6 +625,14 @@ impl Store {
     }
 
     /// Takes a slice out of the indexes, without counting it as a change.
+    /// The store's copy of a Service's key, if it holds one: an update, and each EndpointSlice
+    /// of the Service, then share it (a key is an allocation, and 30,000 Services have as many
+    /// slices) instead of keeping one more copy each.
+    fn known_service_key(&self, key: &ObjectKey) -> Option<ObjectKey> {
+        let held = self.services.get_key_value(key).map(|(k, _)| k);
+        held.or_else(|| self.slices_by_service.get_key_value(key).map(|(k, _)| k)).cloned()
+    }
+
     /// Points `slice`'s endpoints at the store's copy of their node's name: a cluster has a few
     /// hundred nodes, and 120,000 endpoints each held its own copy of one of their names.
     fn share_node_names(&mut self, slice: &mut CheckedSlice) {
@@ -774,6 +791,23 @@ mod tests {
         assert!(s.node_names.len() <= 130, "{} names kept", s.node_names.len());
         assert!(s.node_names.iter().any(|n| &**n == "node-a"), "still held by web-1");
         assert!(s.node_names.iter().any(|n| &**n == "node-299"));
+    }
+
+    #[test]
+    fn a_service_and_its_slices_share_one_copy_of_its_key() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(slice(WEB_SLICE)));
+        s.apply(Event::Apply(svc(WEB)));
+        s.apply(Event::Apply(svc(&WEB.replace("port: 80", "port: 81"))));
+        let slice_key = ObjectKey::new("default", "web-1");
+        s.apply(Event::Apply(slice(&WEB_SLICE.replace("10.1.0.1", "10.1.0.2"))));
+        let (held, service) = s.services.get_key_value(&web()).unwrap();
+        assert_eq!(service.ports[0].port, 81);
+        assert!(held.shares(&service.key), "an update keeps the key the map holds");
+        let (slice_held, checked) = s.slices.get_key_value(&slice_key).unwrap();
+        assert!(checked.service.shares(held), "the slice names its Service with the Service's own key");
+        assert!(slice_held.shares(&checked.key));
+        assert!(s.slices_by_service.get_key_value(&web()).unwrap().0.shares(held));
     }
 
     #[test]

@@ -850,7 +850,11 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(s.external_ips.to_vec(), vec!["192.0.2.7".parse::<IpAddr>().unwrap()]);
-        assert_eq!(s.lb_ingress.to_vec(), vec!["203.0.113.1".parse::<IpAddr>().unwrap(), "203.0.113.3".parse().unwrap()], "ipMode Proxy skipped");
+        assert_eq!(
+            s.lb_ingress.to_vec(),
+            vec!["203.0.113.1".parse::<IpAddr>().unwrap(), "203.0.113.3".parse().unwrap()],
+            "ipMode Proxy skipped"
+        );
         assert_eq!(s.health_check_node_port, Some(32100));
         assert_eq!(s.ports[0].node_port, Some(30080));
         let bad = service(&svc("metadata: {name: a}\nspec: {clusterIP: 10.0.0.1, externalIPs: [nope], ports: [{port: 80}]}")).unwrap_err();
