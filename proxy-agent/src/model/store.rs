@@ -204,7 +204,7 @@ pub struct Store {
     listing: BTreeMap<Kind, BTreeSet<ObjectKey>>,
     /// The node names endpoints carry, one copy each (`share_node_names`), and how many there
     /// were when names no endpoint holds were last dropped.
-    node_names: HashSet<Arc<str>>,
+    node_names: HashSet<Arc<String>>,
     node_names_kept: usize,
 }
 
@@ -782,15 +782,15 @@ mod tests {
         s.apply(Event::Apply(slice(&on("web-1", "node-a"))));
         s.apply(Event::Apply(slice(&on("web-2", "node-a"))));
         let name = |s: &Store, slice: &str| s.slices[&ObjectKey::new("default", slice)].endpoints[0].node_name.clone().unwrap();
-        assert_eq!(&*name(&s, "web-1"), "node-a");
+        assert_eq!(name(&s, "web-1").as_str(), "node-a");
         assert!(Arc::ptr_eq(&name(&s, "web-1"), &name(&s, "web-2")), "one copy of the name");
         // Endpoints move over many nodes: names no endpoint holds any more are dropped.
         for i in 0..300 {
             s.apply(Event::Apply(slice(&on("web-2", &format!("node-{i}")))));
         }
         assert!(s.node_names.len() <= 130, "{} names kept", s.node_names.len());
-        assert!(s.node_names.iter().any(|n| &**n == "node-a"), "still held by web-1");
-        assert!(s.node_names.iter().any(|n| &**n == "node-299"));
+        assert!(s.node_names.iter().any(|n| n.as_str() == "node-a"), "still held by web-1");
+        assert!(s.node_names.iter().any(|n| n.as_str() == "node-299"));
     }
 
     #[test]

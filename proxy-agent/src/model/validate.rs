@@ -126,7 +126,9 @@ pub struct SliceEndpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<std::sync::Arc<str>>,
+    /// Shared with every endpoint on that node (`Store::share_node_names`); an `Arc<String>`,
+    /// one word, not an `Arc<str>`: 120,000 endpoints are 40 bytes each instead of 48.
+    pub node_name: Option<std::sync::Arc<String>>,
     /// Topology hints, boxed: most endpoints carry none, and two empty sets inline take 48
     /// bytes of every endpoint held.
     pub hints: Option<Box<Hints>>,
@@ -147,7 +149,7 @@ impl SliceEndpoint {
             ready: self.ready,
             serving: self.serving,
             terminating: self.terminating,
-            local: self.node_name.as_deref() == Some(node_name),
+            local: self.node_name.as_ref().is_some_and(|n| n.as_str() == node_name),
             zone_hints: self.hints.as_ref().map(|h| h.zones.clone()).unwrap_or_default(),
             node_hints: self.hints.as_ref().map(|h| h.nodes.clone()).unwrap_or_default(),
         }
@@ -669,7 +671,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
             ready,
             serving: c.serving.unwrap_or(true),
             terminating: c.terminating.unwrap_or(false),
-            node_name: e.node_name.as_deref().map(Into::into),
+            node_name: e.node_name.clone().map(std::sync::Arc::new),
             hints: Some(Hints {
                 zones: hints.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
                 nodes: hints.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
