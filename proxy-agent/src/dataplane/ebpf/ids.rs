@@ -97,8 +97,17 @@ impl<T> ById<T> {
         self.slots[at] = Some(value);
     }
 
+    pub fn get_mut(&mut self, id: u32) -> Option<&mut T> {
+        self.slots.get_mut(id as usize)?.as_mut()
+    }
+
     pub fn remove(&mut self, id: u32) -> Option<T> {
         self.slots.get_mut(id as usize)?.take()
+    }
+
+    /// The ids set, in order, with their values.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.slots.iter().enumerate().filter_map(|(id, v)| Some((id as u32, v.as_ref()?)))
     }
 }
 
@@ -189,6 +198,8 @@ mod tests {
         m.insert(7, "seven");
         m.insert(2, "two");
         assert_eq!((m.get(7), m.get(2), m.get(3), m.get(8)), (Some(&"seven"), Some(&"two"), None, None));
+        *m.get_mut(2).unwrap() = "deux";
+        assert_eq!(m.iter().collect::<Vec<_>>(), [(2, &"deux"), (7, &"seven")]);
         assert_eq!(m.remove(7), Some("seven"));
         assert_eq!((m.remove(7), m.remove(100), m.get(7)), (None, None, None));
     }

@@ -121,9 +121,10 @@ impl<A: MapAddr> Ident<A> {
     }
 }
 
+/// A backend the maps hold, by its id (`LbMaps::by_id`).
 #[derive(Debug)]
-struct BackendEntry {
-    id: u32,
+struct BackendEntry<A> {
+    ident: Ident<A>,
     flags: u8,
     /// Frontends that use this backend (in slots or retained).
     refs: u32,
@@ -221,8 +222,10 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
     maglev: Maglev,
     limit: u32,
-    by_ident: StdHashMap<Ident<A>, BackendEntry>,
-    by_id: ById<Ident<A>>,
+    /// Backend ids by backend, and the backends by id: the entries sit in the dense Vec by id,
+    /// the hash map holds only ids (a smaller table, for 120,000 backends on a large node).
+    by_ident: StdHashMap<Ident<A>, u32>,
+    by_id: ById<BackendEntry<A>>,
     backend_ids: IdAllocator,
     service_ids: IdAllocator,
     /// Boxed: a B-tree node holds eleven values inline, most of a node is unused, and 30,000
@@ -373,8 +376,8 @@ impl<A: MapAddr> LbMaps<A> {
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
                 let ident = Ident { addr: b.addr, port: u16::from_be_bytes(b.port), proto: b.proto };
-                me.by_ident.insert(ident, BackendEntry { id: *id, flags: b.flags, refs: 0 });
-                me.by_id.insert(*id, ident);
+                me.by_ident.insert(ident, *id);
+                me.by_id.insert(*id, BackendEntry { ident, flags: b.flags, refs: 0 });
             }
         }
         for fe in snap.frontends.values() {
@@ -388,8 +391,9 @@ impl<A: MapAddr> LbMaps<A> {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held =
-                    me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(id).map(|i| maglev::member(i.addr.ip(), i.port)));
+                let held = me
+                    .maglev
+                    .claim(fe.master.backend_id, &name, key, |id| by_id.get(id).map(|e| maglev::member(e.ident.addr.ip(), e.ident.port)));
                 for id in held {
                     me.add_ref(id);
                 }
@@ -474,10 +478,8 @@ impl<A: MapAddr> LbMaps<A> {
     }
 
     fn add_ref(&mut self, id: u32) {
-        if let Some(ident) = self.by_id.get(id) {
-            if let Some(e) = self.by_ident.get_mut(ident) {
-                e.refs += 1;
-            }
+        if let Some(e) = self.by_id.get_mut(id) {
+            e.refs += 1;
         }
     }
 
@@ -487,13 +489,13 @@ impl<A: MapAddr> LbMaps<A> {
         let ident = Ident { addr, port: b.port, proto };
         let flags = flags_of(b);
         let value = Backend { addr, port: b.port.to_be_bytes(), proto, flags };
-        if let Some(e) = self.by_ident.get_mut(&ident) {
+        if let Some((&id, e)) = self.by_ident.get(&ident).and_then(|id| Some((id, self.by_id.get_mut(*id)?))) {
             if e.flags != flags {
-                self.backends.put(&e.id, &value).map_err(|s| map_error("update", A::LB.backends, self.limit, s))?;
+                self.backends.put(&id, &value).map_err(|s| map_error("update", A::LB.backends, self.limit, s))?;
                 e.flags = flags;
             }
             e.refs += 1;
-            return Ok(e.id);
+            return Ok(id);
         }
         let id = self.backend_ids.alloc().ok_or(DataplaneError::MapFull { map: A::LB.backends, max: self.limit })?;
         let written = self
@@ -505,8 +507,8 @@ impl<A: MapAddr> LbMaps<A> {
             self.backend_ids.free(id);
             return Err(e);
         }
-        self.by_ident.insert(ident, BackendEntry { id, flags, refs: 1 });
-        self.by_id.insert(id, ident);
+        self.by_ident.insert(ident, id);
+        self.by_id.insert(id, BackendEntry { ident, flags, refs: 1 });
         Ok(id)
     }
 
@@ -526,10 +528,10 @@ impl<A: MapAddr> LbMaps<A> {
 
     /// Drops a reference; the backend's entry goes when the last one does.
     fn release(&mut self, id: u32) {
-        let Some(ident) = self.by_id.get(id).copied() else { return };
-        let Some(e) = self.by_ident.get_mut(&ident) else { return };
+        let Some(e) = self.by_id.get_mut(id) else { return };
         e.refs = e.refs.saturating_sub(1);
         if e.refs == 0 {
+            let ident = e.ident;
             self.delete_backend(id, ident);
         }
     }
@@ -567,9 +569,7 @@ impl<A: MapAddr> LbMaps<A> {
             return false;
         }
         let have: HashSet<u32> = ids.iter().copied().collect();
-        want.iter().all(|b| {
-            Ident::of(b, proto).and_then(|i| self.by_ident.get(&i)).is_some_and(|e| e.flags == flags_of(b) && have.contains(&e.id))
-        })
+        want.iter().all(|b| self.id_of(b, proto).is_some_and(|id| have.contains(&id)))
     }
 
     /// The master entry of a view. `maglev_id`: the table it selects with, if any.
@@ -590,9 +590,13 @@ impl<A: MapAddr> LbMaps<A> {
 
     /// Backend ids of `list` as the maps hold them now, if every one is there.
     fn ids_of(&self, list: &[model::Backend], proto: u8) -> Option<Vec<u32>> {
-        list.iter()
-            .map(|b| Ident::of(b, proto).and_then(|i| self.by_ident.get(&i)).filter(|e| e.flags == flags_of(b)).map(|e| e.id))
-            .collect()
+        list.iter().map(|b| self.id_of(b, proto)).collect()
+    }
+
+    /// The id of `b` as the maps hold it now (with its current flags), if they do.
+    fn id_of(&self, b: &model::Backend, proto: u8) -> Option<u32> {
+        let id = *self.by_ident.get(&Ident::of(b, proto)?)?;
+        self.by_id.get(id).filter(|e| e.flags == flags_of(b)).map(|_| id)
     }
 
     fn scope_current(&self, key: &FrontendKey, scope_id: u8, view: &View, name: &str, proto: u8) -> bool {
@@ -972,7 +976,7 @@ impl<A: MapAddr> LbMaps<A> {
     /// Removes backends no frontend references, and leftovers of an interrupted run.
     pub fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let mut removed = 0;
-        let orphans: Vec<(u32, Ident<A>)> = self.by_ident.iter().filter(|(_, e)| e.refs == 0).map(|(i, e)| (e.id, *i)).collect();
+        let orphans: Vec<(u32, Ident<A>)> = self.by_id.iter().filter(|(_, e)| e.refs == 0).map(|(id, e)| (id, e.ident)).collect();
         for (id, ident) in orphans {
             self.delete_backend(id, ident);
             removed += 1;
