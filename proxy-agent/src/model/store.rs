@@ -576,7 +576,8 @@ impl Store {
                 Some(key)
             }
             Object::ServiceCidr(obj) => {
-                let key = validate::object_key(&obj.metadata).ok().map(|k| ObjectKey::new("", k.name()));
+                // Cluster-scoped: the name alone.
+                let key = obj.metadata.name.as_deref().filter(|n| !n.is_empty()).map(|n| ObjectKey::new("", n));
                 match validate::service_cidr(&obj) {
                     Ok(cidrs) => {
                         let key = key?;
@@ -624,7 +625,6 @@ impl Store {
         }
     }
 
-    /// Takes a slice out of the indexes, without counting it as a change.
     /// The store's copy of a Service's key, if it holds one: an update, and each EndpointSlice
     /// of the Service, then share it (a key is an allocation, and 30,000 Services have as many
     /// slices) instead of keeping one more copy each.
@@ -651,6 +651,7 @@ impl Store {
         }
     }
 
+    /// Takes a slice out of the indexes, without counting it as a change.
     fn unlink_slice(&mut self, key: &ObjectKey) -> Option<Box<CheckedSlice>> {
         let old = self.slices.remove(key)?;
         if let Some(set) = self.slices_by_service.get_mut(&old.service) {

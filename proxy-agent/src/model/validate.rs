@@ -249,10 +249,11 @@ fn checked_key(
     errs: &mut Vec<String>,
 ) -> Result<ObjectKey, Invalid> {
     let key = object_key(meta)?;
-    if let Some(p) = name_problem(key.name(), rule) {
+    // The fields as written, not the key's parts: a '/' in a namespace would move the split.
+    if let Some(p) = name_problem(meta.name.as_deref().unwrap_or_default(), rule) {
         errs.push(format!("metadata.name {p}"));
     }
-    if let Some(p) = name_problem(key.namespace(), NameRule::Dns1123Label) {
+    if let Some(p) = name_problem(meta.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default"), NameRule::Dns1123Label) {
         errs.push(format!("metadata.namespace {p}"));
     }
     Ok(key)
@@ -834,6 +835,9 @@ mod tests {
         assert!(named("{name: Web_1}").unwrap_err().to_string().contains("metadata.name \"Web_1\" is not an RFC 1035 label"));
         assert!(named("{name: 1web}").is_err(), "a Service name starts with a letter");
         assert!(named("{name: web, namespace: Prod!}").unwrap_err().to_string().contains("metadata.namespace"));
+        // A key holds "namespace/name": a '/' is still blamed on the field that has it.
+        let e = named("{name: web, namespace: a/b}").unwrap_err().to_string();
+        assert!(e.contains("metadata.namespace \"a/b\"") && !e.contains("metadata.name "), "{e}");
         assert!(named(&format!("{{name: {}}}", "a".repeat(64))).is_err(), "at most 63");
         assert!(named("{name: web-1, namespace: team-a}").is_ok());
         // A wider range, as an API server configured so allows.

@@ -71,8 +71,10 @@ impl IdAllocator {
     }
 }
 
-/// Values by id, for the ids an `IdAllocator` hands out (dense from 1): a Vec indexed by id,
-/// up to the highest one set. (Of 120,000 backends, 1.2 MiB where a hash map took 3.4.)
+/// Values by id, for the ids an `IdAllocator` hands out: a Vec indexed by id, up to the highest
+/// one set. Ids start dense from 1; after much churn they spread over `1..limit` (the allocator
+/// moves forward), and the Vec can reach `limit` slots: for backends 20 bytes each (IPv6 32),
+/// 1.3 MiB at the default limit of 65,536, where a hash map of 120,000 backends took 3.4.
 #[derive(Debug)]
 pub struct ById<T> {
     slots: Vec<Option<T>>,

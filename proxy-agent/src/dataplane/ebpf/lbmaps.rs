@@ -373,10 +373,14 @@ impl<A: MapAddr> LbMaps<A> {
             held_service_ids: Vec::new(),
         };
         let snap = found.snapshot;
+        // Backends pinned under a second id (an interrupted older run may leave one).
+        let mut twins = Vec::new();
         for (id, b) in &snap.backends {
             if me.backend_ids.claim(*id) {
                 let ident = Ident { addr: b.addr, port: u16::from_be_bytes(b.port), proto: b.proto };
-                me.by_ident.insert(ident, *id);
+                if me.by_ident.insert(ident, *id).is_some() {
+                    twins.push(ident);
+                }
                 me.by_id.insert(*id, BackendEntry { ident, flags: b.flags, refs: 0 });
             }
         }
@@ -403,6 +407,13 @@ impl<A: MapAddr> LbMaps<A> {
                 (key, fe.key.scope),
                 Programmed::new(fe.master.service_id, fe.slots.clone(), name, fe.master, Extra { maglev: table, ..Extra::default() }),
             );
+        }
+        // Such a backend is known by the id frontends use; garbage collection takes the other.
+        for ident in twins {
+            let used = me.by_id.iter().filter(|(_, e)| e.ident == ident).max_by_key(|(_, e)| e.refs).map(|(id, _)| id);
+            if let Some(id) = used {
+                me.by_ident.insert(ident, id);
+            }
         }
         let by_service: StdHashMap<u32, Scoped> = me.frontends.iter().map(|(k, p)| (p.service_id, *k)).collect();
         for k in found.affinity_matches {
@@ -545,7 +556,11 @@ impl<A: MapAddr> LbMaps<A> {
                 return;
             }
         }
-        self.by_ident.remove(&ident);
+        // Pinned state may hold one backend under two ids (an interrupted older run): the map
+        // by backend names one of them, which must not lose its entry when the other goes.
+        if self.by_ident.get(&ident) == Some(&id) {
+            self.by_ident.remove(&ident);
+        }
         self.by_id.remove(id);
         self.backend_ids.free(id);
     }
@@ -905,9 +920,15 @@ impl<A: MapAddr> LbMaps<A> {
         if let Some(r) = self.frontends.get_mut(&scoped) {
             r.master = ServiceValue::default();
             let live: Vec<u32> = r.slots.iter().copied().filter(|id| *id != 0).collect();
-            r.extra_mut().retained.extend(live);
+            if !live.is_empty() {
+                r.extra_mut().retained.extend(live);
+            }
             r.slots.iter_mut().for_each(|id| *id = 0);
-            for id in std::mem::take(&mut r.extra_mut().affinity_matches) {
+            let (matches, ranges) = match r.extra.as_deref_mut() {
+                Some(x) => (std::mem::take(&mut x.affinity_matches), std::mem::take(&mut x.source_ranges)),
+                None => Default::default(),
+            };
+            for id in matches {
                 self.stray_affinity_matches.push(AffinityMatchKey {
                     service_id: r.service_id,
                     backend_id: id,
@@ -916,7 +937,7 @@ impl<A: MapAddr> LbMaps<A> {
                     _pad2: 0,
                 });
             }
-            for range in std::mem::take(&mut r.extra_mut().source_ranges) {
+            for range in ranges {
                 self.stray_ranges.push(range_key(r.service_id, range));
             }
             p = r.clone();

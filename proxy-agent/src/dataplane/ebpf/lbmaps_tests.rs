@@ -463,6 +463,31 @@ fn a_restart_adopts_the_maps_without_a_write() {
     assert_eq!(kernel.lock().unwrap().calls, calls, "adopting writes nothing");
 }
 
+/// Pinned maps holding one backend under two ids (left by an interrupted older run): the
+/// unused id is collected, and the frontend's own stays known, so the next sync writes nothing.
+#[test]
+fn a_backend_pinned_under_two_ids_keeps_the_one_in_use() {
+    let (mut lb, kernel) = writer();
+    let fe = frontend(FrontendKind::ClusterIp, &[1]);
+    lb.upsert(&cluster_ip(), &fe).expect("upsert");
+    {
+        let mut k = kernel.lock().unwrap();
+        let (&used, &entry) = k.backends.iter().next().expect("one backend");
+        for spare in [used.saturating_sub(1).max(1), used + 1].into_iter().filter(|id| *id != used) {
+            k.backends.insert(spare, entry);
+        }
+        assert_eq!(k.backends.len(), if used > 1 { 3 } else { 2 });
+    }
+    let mut lb = restarted(&kernel);
+    lb.collect_garbage().expect("garbage");
+    assert_eq!(kernel.lock().unwrap().backends.len(), 1, "the spare ids are removed:\n{}", picture(&kernel));
+    assert!(lb.is_current(&cluster_ip(), &fe), "the frontend's backend is still known by its id");
+    let calls = kernel.lock().unwrap().calls;
+    lb.upsert(&cluster_ip(), &fe).expect("upsert");
+    lb.collect_garbage().expect("garbage");
+    assert_eq!(kernel.lock().unwrap().calls, calls, "nothing to write");
+}
+
 /// Each call of a removal fails in turn: packets keep a usable view, and the next attempt
 /// removes everything.
 #[test]
