@@ -144,7 +144,8 @@ struct Programmed {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Extra {
-    /// Backends of terminating endpoints a flow may still reach.
+    /// Backends referenced beside the slots: terminating endpoints flows may still reach, and
+    /// after an interrupted write those the old version named.
     retained: Vec<u32>,
     /// Name of the Maglev table the master points at.
     maglev: Option<String>,
