@@ -519,7 +519,8 @@ fn control(out_dir: &std::path::Path) {
     println!("written to {}", path.display());
 }
 
-/// CPU time (user + system) a process has used, in seconds.
+/// CPU time (user + system) a process has used, with that of the programs it ran and waited
+/// for (the nftables mode's `nft`), in seconds.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces): state is the 3rd, utime the 14th.
@@ -528,26 +529,81 @@ fn cpu_seconds(pid: u32) -> f64 {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (ticks(11) + ticks(12)) / hz
+    (ticks(11) + ticks(12) + ticks(13) + ticks(14)) / hz
 }
 
-/// `cargo xtask bench footprint`: the agent at 30,000 Services x 4 endpoints from the API
-/// server: its memory, its CPU while 100 EndpointSlice changes a second arrive for a minute,
-/// and a restart with everything pinned (time to /healthz 200, what it rewrites).
-fn footprint(out_dir: &std::path::Path) {
-    use proxy_tests::lab;
-    const N: u32 = 30_000;
-    const RATE: u32 = 100;
-    const SECONDS: u32 = 60;
+const FOOTPRINT_SERVICES: u32 = 30_000;
+const FOOTPRINT_RATE: u32 = 100;
+const FOOTPRINT_SECONDS: u32 = 60;
+
+/// A lab and API server holding `FOOTPRINT_SERVICES` Services x 4 endpoints.
+fn footprint_lab() -> (proxy_tests::lab::Lab, proxy_tests::apiserver::ApiServer, std::path::PathBuf) {
     let (mut lab, api, kubeconfig) = api_lab();
-    let first = |i: u32| Ipv4Addr::from(0x0ac8_0000 + i * 4);
-    eprintln!("footprint: {N} services x 4 endpoints in the API server...");
-    for i in 0..N {
-        for obj in svc_objects(i, first(i)) {
+    eprintln!("footprint: {FOOTPRINT_SERVICES} services x 4 endpoints in the API server...");
+    for i in 0..FOOTPRINT_SERVICES {
+        for obj in svc_objects(i, Ipv4Addr::from(0x0ac8_0000 + i * 4)) {
             api.apply(&obj);
         }
     }
     lab.agent_log_level = "info";
+    (lab, api, kubeconfig)
+}
+
+/// The agent's CPU (percent of one core, with the programs it runs) while `FOOTPRINT_RATE`
+/// EndpointSlice changes a second arrive for `FOOTPRINT_SECONDS`, and the wall time taken.
+fn cpu_under_changes(pid: u32, api: &proxy_tests::apiserver::ApiServer) -> (f64, f64) {
+    eprintln!("footprint: {FOOTPRINT_RATE} EndpointSlice changes a second for {FOOTPRINT_SECONDS} s...");
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    for s in 0..FOOTPRINT_RATE * FOOTPRINT_SECONDS {
+        let due = std::time::Duration::from_secs_f64(f64::from(s) / f64::from(FOOTPRINT_RATE));
+        if let Some(wait) = due.checked_sub(t0.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        let i = (s * 7919) % FOOTPRINT_SERVICES;
+        let [_, slice] = svc_objects(i, Ipv4Addr::from(0x0b00_0000 + s));
+        api.apply(&slice);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    ((cpu_seconds(pid) - cpu0) / wall * 100.0, wall)
+}
+
+/// The nftables mode beside eBPF (issue: its CPU under the same changes): a lab of its own,
+/// programmed when the agent logs its first complete sync.
+fn footprint_nftables() -> serde_json::Value {
+    let (mut lab, api, kubeconfig) = footprint_lab();
+    let t = Instant::now();
+    lab.start_agent_kube(&kubeconfig, &["--proxy-mode", "nftables"]);
+    while !lab.agent_log().contains("initial sync done") {
+        assert!(t.elapsed() < std::time::Duration::from_secs(1800), "nftables mode never synced:\n{}", lab.agent_log());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let programmed = t.elapsed();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let pid = lab.agent_pid().expect("agent running");
+    let rss = rss_mib(pid);
+    let (cpu, wall) = cpu_under_changes(pid, &api);
+    let rss_after = rss_mib(pid);
+    println!("\nThe same in the nftables mode (its own lab and API server)");
+    println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
+    println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
+    println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s (with the nft it runs)");
+    serde_json::json!({
+        "programmed_s": programmed.as_secs_f64(),
+        "rss_mib": rss,
+        "rss_mib_after_changes": rss_after,
+        "cpu_percent_at_100_changes_per_s": cpu,
+    })
+}
+
+/// `cargo xtask bench footprint`: the agent at 30,000 Services x 4 endpoints from the API
+/// server: its memory, its CPU while 100 EndpointSlice changes a second arrive for a minute,
+/// and a restart with everything pinned (time to /healthz 200, what it rewrites); then the
+/// nftables mode's memory and CPU beside it (`PROXY_BENCH_MODES=ebpf` leaves that out).
+fn footprint(out_dir: &std::path::Path) {
+    use proxy_tests::lab;
+    const N: u32 = FOOTPRINT_SERVICES;
+    let (mut lab, api, kubeconfig) = footprint_lab();
     let wait_programmed = |lab: &lab::Lab| {
         let t = Instant::now();
         loop {
@@ -565,20 +621,7 @@ fn footprint(out_dir: &std::path::Path) {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let pid = lab.agent_pid().expect("agent running");
     let rss = rss_mib(pid);
-    eprintln!("footprint: {RATE} EndpointSlice changes a second for {SECONDS} s...");
-    let cpu0 = cpu_seconds(pid);
-    let t0 = Instant::now();
-    for s in 0..RATE * SECONDS {
-        let due = std::time::Duration::from_secs_f64(f64::from(s) / f64::from(RATE));
-        if let Some(wait) = due.checked_sub(t0.elapsed()) {
-            std::thread::sleep(wait);
-        }
-        let i = (s * 7919) % N;
-        let [_, slice] = svc_objects(i, Ipv4Addr::from(0x0b00_0000 + s));
-        api.apply(&slice);
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    let cpu = (cpu_seconds(pid) - cpu0) / wall * 100.0;
+    let (cpu, wall) = cpu_under_changes(pid, &api);
     let rss_after = rss_mib(pid);
     // A restart with everything pinned: time until /healthz answers 200, and what it rewrote.
     lab.stop_agent();
@@ -607,7 +650,7 @@ fn footprint(out_dir: &std::path::Path) {
     println!("\nFootprint at {N} Services x 4 endpoints (eBPF mode, API server source)");
     println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
     println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
-    println!("  agent CPU, {RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s");
+    println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s");
     println!(
         "  restart with everything pinned:     /healthz 200 after {:.2} s, first sync done after {:.2} s: unchanged={} programmed={} removed={}",
         ready.as_secs_f64(),
@@ -616,6 +659,9 @@ fn footprint(out_dir: &std::path::Path) {
         field("programmed"),
         field("removed")
     );
+    drop((lab, api));
+    let nftables_wanted = std::env::var("PROXY_BENCH_MODES").map_or(true, |m| m.split(',').any(|x| x.trim() == "nftables"));
+    let nftables = if nftables_wanted { footprint_nftables() } else { serde_json::Value::Null };
     let json = serde_json::json!({
         "benchmark": "footprint",
         "services": N,
@@ -626,6 +672,7 @@ fn footprint(out_dir: &std::path::Path) {
         "restart_healthz_s": ready.as_secs_f64(),
         "restart_synced_s": synced.as_secs_f64(),
         "restart_initial_sync": sync,
+        "nftables": nftables,
     });
     let path = out_dir.join("footprint.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
