@@ -577,7 +577,7 @@ impl Store {
             }
             Object::ServiceCidr(obj) => {
                 // Cluster-scoped: the name alone.
-                let key = obj.metadata.name.as_deref().filter(|n| !n.is_empty()).map(|n| ObjectKey::new("", n));
+                let key = validate::names(&obj.metadata).ok().map(|(_, name)| ObjectKey::new("", name));
                 match validate::service_cidr(&obj) {
                     Ok(cidrs) => {
                         let key = key?;

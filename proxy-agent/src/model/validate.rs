@@ -232,13 +232,17 @@ pub fn name_problem(name: &str, rule: NameRule) -> Option<String> {
     })
 }
 
-pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<ObjectKey, Invalid> {
-    let name = meta.name.clone().filter(|n| !n.is_empty());
-    let Some(name) = name else {
+/// The namespace and name an object is known by, as written.
+pub fn names(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<(&str, &str), Invalid> {
+    let Some(name) = meta.name.as_deref().filter(|n| !n.is_empty()) else {
         return Err(Invalid(vec!["metadata.name is missing".into()]));
     };
     // kubectl apply puts namespace-less objects in "default"; do the same.
-    let namespace = meta.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into());
+    Ok((meta.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default"), name))
+}
+
+pub fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<ObjectKey, Invalid> {
+    let (namespace, name) = names(meta)?;
     Ok(ObjectKey::new(namespace, name))
 }
 
@@ -248,15 +252,15 @@ fn checked_key(
     rule: NameRule,
     errs: &mut Vec<String>,
 ) -> Result<ObjectKey, Invalid> {
-    let key = object_key(meta)?;
     // The fields as written, not the key's parts: a '/' in a namespace would move the split.
-    if let Some(p) = name_problem(meta.name.as_deref().unwrap_or_default(), rule) {
+    let (namespace, name) = names(meta)?;
+    if let Some(p) = name_problem(name, rule) {
         errs.push(format!("metadata.name {p}"));
     }
-    if let Some(p) = name_problem(meta.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default"), NameRule::Dns1123Label) {
+    if let Some(p) = name_problem(namespace, NameRule::Dns1123Label) {
         errs.push(format!("metadata.namespace {p}"));
     }
-    Ok(key)
+    Ok(ObjectKey::new(namespace, name))
 }
 
 /// What the API server enforces that depends on its configuration.
@@ -698,7 +702,7 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Result<CheckedSlice, Slic
         .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
         .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
         .map(std::time::SystemTime::from);
-    Ok(Ok(CheckedSlice { key, service, family, ports: exact(ports), endpoints: endpoints.into_boxed_slice(), trigger_time }))
+    Ok(Ok(CheckedSlice { key, service, family, ports: exact(ports), endpoints: exact(endpoints), trigger_time }))
 }
 
 /// A Node as the proxy needs it.
