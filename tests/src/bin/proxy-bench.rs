@@ -327,7 +327,11 @@ fn measure(services: u32) -> Measured {
 /// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
 /// under `perf record -a` when working on the datapath (`--ipv6` for IPv6's).
 fn profile() {
-    let mut dp = EbpfDataplane::load(LoadOptions::default()).expect("load the dataplane (as root)");
+    // `--ct-max=N`: the conntrack map's size (the default's, else), to tell the cost of cold
+    // memory from the LRU's own work.
+    let ct_max = std::env::args().find_map(|a| a.strip_prefix("--ct-max=")?.parse().ok());
+    let options = LoadOptions { ct_map_max: ct_max.unwrap_or(LoadOptions::default().ct_map_max), ..Default::default() };
+    let mut dp = EbpfDataplane::load(options).expect("load the dataplane (as root)");
     let (ping, pong) = ping_pong(&mut dp);
     let mut lab = proxy_tests::load_lab_object();
     loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
