@@ -72,6 +72,9 @@ pub const fn route_epoch(now_ns: u64) -> u16 {
     (now_ns >> 30) as u16
 }
 
+/// Marks `CtEntry::route_xdp` as holding the route's device flags (which may be none).
+pub const ROUTE_XDP_KNOWN: u8 = 0x80;
+
 /// True when a TCP flow is closing: a RST, or a FIN each way.
 #[inline(always)]
 pub const fn tcp_closing(f: u8) -> bool {

@@ -524,7 +524,11 @@ pub struct CtEntry<A = [u8; 4]> {
     /// Forward entry: the folded change from the key's destination address to `nat_addr`
     /// (`csum::address_delta`), what DNAT adds to the checksum. 0: not computed.
     pub addr_delta: [u8; 2],
-    pub _pad3: [u8; 2],
+    /// With the cached route: the `xdp_dev` flags its device had when it was cached, or'd with
+    /// `ct::ROUTE_XDP_KNOWN`, so native XDP need not look the device up on every packet. 0: not
+    /// known (an entry of an older build, or no route cached).
+    pub route_xdp: u8,
+    pub _pad3: u8,
 }
 const _: () = assert!(size_of::<CtEntry>() == 56);
 const _: () = assert!(size_of::<CtEntry<Ip6>>() == 80);

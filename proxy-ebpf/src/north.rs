@@ -18,7 +18,10 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_fib_lookup,
 };
-use proxy_common::{ct::flags, limits, svc_flags, xdp_dev, Backend, CtEntry, Reason, ServiceKey};
+use proxy_common::{
+    ct::{flags, ROUTE_XDP_KNOWN},
+    limits, svc_flags, xdp_dev, Backend, CtEntry, Reason, ServiceKey,
+};
 
 use crate::{
     ct,
@@ -114,7 +117,10 @@ pub fn fib_proto<A: Family>(env: &Env, proto: u8, src: A, dst: A) -> Result<Rout
 }
 
 /// The route of a tracked flow: the one cached in its entry while it is fresh, else a FIB lookup
-/// whose answer is cached (not for a neighbour that is not resolved yet, nor in a trace).
+/// whose answer is cached (not for a neighbour that is not resolved yet, nor in a trace), with
+/// what native XDP may send out of its device (`xdp_dev` flags): an established packet in XDP
+/// then needs no lookup of its device. The flags are as fresh as the route (an epoch); the
+/// agent itself notices a change of what a device takes only at its next housekeeping.
 #[inline(always)]
 fn route_of<A: Family>(
     env: &Env,
@@ -131,6 +137,9 @@ fn route_of<A: Family>(
     }
     let r = fib(env, pkt, src, dst)?;
     if !r.no_neigh && !env.dry {
+        // The flags are 3 bits (`xdp_dev`); anything wider is not cached.
+        let flags = device_flags(r.ifindex);
+        let xdp = if flags < u32::from(ROUTE_XDP_KNOWN) { ROUTE_XDP_KNOWN | flags as u8 } else { 0 };
         // Racing writers store the same kind of data, and a torn route is at worst looked up
         // again when the epoch moves on.
         e.update(move |e| {
@@ -138,33 +147,51 @@ fn route_of<A: Family>(
             e.route_dmac = r.dmac;
             e.route_smac = r.smac;
             e.route_epoch = epoch;
+            e.route_xdp = xdp;
         });
     }
     Ok(r)
 }
 
+/// The `xdp_dev` flags cached with a tracked flow's route (`CtEntry::route_xdp`), while that
+/// route is the one `route_of` gives; else 0 (not known).
+#[inline(always)]
+fn cached_device<A: Family>(entry: &CtEntry<A>, now: u64) -> u8 {
+    if entry.route_ifindex != 0 && entry.route_epoch == proxy_common::ct::route_epoch(now) {
+        entry.route_xdp
+    } else {
+        0
+    }
+}
+
 /// A route XDP can use, or the step to take instead: XDP passes what needs a neighbour resolved
 /// or leaves by a device that cannot take its frames (and everything else it cannot finish);
-/// TC drops what has no route.
+/// TC drops what has no route. `device`: the route device's flags if known (`cached_device`).
 #[inline(always)]
-fn usable<A: Family>(env: &Env, route: Result<Route<A>, Reason>) -> Result<Route<A>, Step<A>> {
+fn usable<A: Family>(env: &Env, route: Result<Route<A>, Reason>, device: u8) -> Result<Route<A>, Step<A>> {
     match route {
-        Ok(r) if !env.xdp || (!r.no_neigh && xdp_can_send(env.ifindex, r.ifindex)) => Ok(r),
+        Ok(r) if !env.xdp || (!r.no_neigh && xdp_can_send(env.ifindex, r.ifindex, device)) => Ok(r),
         Ok(_) => Err(Step::Pass(Reason::XdpPass)),
         Err(r) => Err(xdp_pass(env).unwrap_or(Step::Drop(r))),
     }
 }
 
 /// Whether XDP running on `ingress` may send a frame out of `egress` (XDP_TX when they are the
-/// same device, XDP_REDIRECT otherwise). A frame native XDP sends into a device that cannot
-/// take it is dropped by the kernel, a veth whose peer runs no XDP program being the common
-/// case; the agent records what each device takes (`xdp_dev`), and what it has not recorded
-/// goes to TC.
+/// same device, XDP_REDIRECT otherwise), whose flags `device` gives if it has `ROUTE_XDP_KNOWN`. A frame native XDP sends into a device
+/// that cannot take it is dropped by the kernel, a veth whose peer runs no XDP program being
+/// the common case; the agent records what each device takes (`xdp_dev`), and what it has not
+/// recorded goes to TC.
 #[inline(always)]
-fn xdp_can_send(ingress: u32, egress: u32) -> bool {
-    let flags = |i: u32| value::copy(&XDP_DEVS_V1, &i).unwrap_or(0);
+fn xdp_can_send(ingress: u32, egress: u32, device: u8) -> bool {
+    let flags = if device & ROUTE_XDP_KNOWN != 0 { u32::from(device & !ROUTE_XDP_KNOWN) } else { device_flags(egress) };
     let need = if ingress == egress { xdp_dev::TX } else { xdp_dev::XMIT };
-    flags(egress) & need != 0 || flags(ingress) & xdp_dev::GENERIC != 0
+    flags & need != 0 || device_flags(ingress) & xdp_dev::GENERIC != 0
+}
+
+/// The `xdp_dev` flags the agent recorded for a device (0: none, or not recorded).
+#[inline(always)]
+fn device_flags(ifindex: u32) -> u32 {
+    value::copy(&XDP_DEVS_V1, &ifindex).unwrap_or(0)
 }
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
@@ -207,7 +234,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                     service_id: entry.service_id,
                 };
             }
-            let route = match usable(env, route_of(env, pkt, &mut e, &entry, rn.addr, entry.nat_addr, now)) {
+            let route = match usable(env, route_of(env, pkt, &mut e, &entry, rn.addr, entry.nat_addr, now), cached_device(&entry, now)) {
                 Ok(r) => r,
                 Err(step) => return step,
             };
@@ -242,7 +269,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
                     sport,
                 };
             }
-            let route = match usable(env, route_of(env, pkt, &mut e, &entry, pkt.saddr, be.addr, now)) {
+            let route = match usable(env, route_of(env, pkt, &mut e, &entry, pkt.saddr, be.addr, now), cached_device(&entry, now)) {
                 Ok(r) => r,
                 Err(step) => return step,
             };
@@ -312,7 +339,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
         }
         return Step::Dnat { backend: be, backend_id: choice.id, service_id: master.service_id, reason: Reason::ExtNewLocal, sport };
     }
-    let route = match usable(env, fib(env, pkt, pkt.saddr, be.addr)) {
+    let route = match usable(env, fib(env, pkt, pkt.saddr, be.addr), 0) {
         Ok(r) => r,
         Err(step) => return step,
     };

@@ -16,7 +16,10 @@ use proxy_agent::{
     },
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
-use proxy_common::{ct::flags, xdp_dev, Config};
+use proxy_common::{
+    ct::{flags, ROUTE_XDP_KNOWN},
+    xdp_dev, Config,
+};
 use proxy_tests::{
     netns::{enter, unique_id, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
@@ -158,6 +161,67 @@ fn xdp_hands_flows_to_tc_when_the_uplink_cannot_take_its_frames() {
     assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).action, XDP_PASS);
     let c = counters(&mut n.dp);
     assert_eq!((c.get("xdp_forward"), c.get("ext_new_remote")), (None, Some(&1)), "{c:?}");
+}
+
+/// The forward conntrack entry of the flow from CLIENT to NODE_PORT.
+fn forward_entry(dp: &mut EbpfDataplane) -> (proxy_common::CtKey, proxy_common::CtEntry) {
+    let client = sock(CLIENT);
+    conntrack(dp)
+        .into_iter()
+        .find(|(k, _)| k.saddr == client.ip().octets() && k.sport == client.port().to_be_bytes())
+        .expect("forward entry")
+}
+
+#[test]
+fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the_route_is_looked_up_again() {
+    let Some(mut n) = node("xdp_keeps_what_a_device_takes_with_a_flows_route") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let both = xdp_dev::TX | xdp_dev::XMIT;
+    let ack = tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK);
+    assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
+    // The first packet after the SYN caches the route, and with it what its device takes.
+    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
+    let (k, e) = forward_entry(&mut n.dp);
+    assert_eq!((e.route_ifindex, e.route_xdp), (n.ifindex, ROUTE_XDP_KNOWN | both as u8), "cached with the route");
+    // While the route is fresh, established packets go by the cached flags, not the device
+    // map: with the map saying the device takes nothing, the flow still leaves from XDP. (The
+    // route is fresh for about a second: if its epoch turned meanwhile, the packet looked the
+    // device up, passed to TC, and the round is tried again.)
+    let mut cached_used = false;
+    for _ in 0..5 {
+        n.dp.set_xdp_devices(&[(n.ifindex, both)].into()).unwrap();
+        assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
+        let epoch = forward_entry(&mut n.dp).1.route_epoch;
+        n.dp.set_xdp_devices(&[].into()).unwrap();
+        let action = run_xdp(&mut n.dp, &ack, n.ifindex).action;
+        if action == XDP_TX && forward_entry(&mut n.dp).1.route_epoch == epoch {
+            cached_used = true;
+            break;
+        }
+        // The epoch turned: the route was looked up again, and the device with it.
+        assert_eq!(action, XDP_PASS);
+        // Cache the route again for the next round, with the device taking frames.
+        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
+            n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
+        )
+        .unwrap();
+        let mut e = ct.get(&k, 0).unwrap();
+        e.route_ifindex = 0;
+        ct.insert(k, e, 0).unwrap();
+    }
+    assert!(cached_used, "established packets went by the flags cached with their route");
+    // When the route is looked up again (its epoch over; here: forgotten), the device is too:
+    // taking nothing now, the flow is TC's.
+    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
+        n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
+    )
+    .unwrap();
+    let mut e = ct.get(&k, 0).unwrap();
+    e.route_epoch = e.route_epoch.wrapping_add(0x8000);
+    ct.insert(k, e, 0).unwrap();
+    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_PASS, "handed to TC once the device is looked up again");
+    assert_eq!(forward_entry(&mut n.dp).1.route_xdp, ROUTE_XDP_KNOWN, "the device's new flags (none) cached with the route");
+    assert_eq!(run_ext(&mut n.dp, &ack, n.ifindex).action, TC_ACT_REDIRECT, "TC carries the flow on");
 }
 
 #[test]
