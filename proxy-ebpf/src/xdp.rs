@@ -136,16 +136,15 @@ impl XdpFamily for [u8; 4] {
         let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())?;
         // SAFETY: bounds checked by ptr_at.
         let ip = unsafe { &mut *ip };
-        let mut check = csum::update4([ip[10], ip[11]], pkt.saddr, src.0);
-        check = csum::update4(check, pkt.daddr, dst.0);
+        let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
         let ttl = [ip[8].wrapping_sub(1), ip[9]];
-        check = csum::update2(check, [ip[8], ip[9]], ttl);
+        let check = csum::apply([ip[10], ip[11]], addrs + csum::word_change([ip[8], ip[9]], ttl));
         ip[8] = ttl[0];
         ip[12..16].copy_from_slice(&src.0);
         ip[16..20].copy_from_slice(&dst.0);
         ip[10] = check[0];
         ip[11] = check[1];
-        rewrite_l4(ctx, pkt, dst, src)
+        rewrite_l4(ctx, pkt, dst, src, addrs)
     }
 }
 
@@ -163,14 +162,16 @@ impl XdpFamily for Ip6 {
                 access::store_word(at + 24 + 4 * i, dst.0 .0[i]);
             }
         }
-        rewrite_l4(ctx, pkt, dst, src)
+        let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
+        rewrite_l4(ctx, pkt, dst, src, addrs)
     }
 }
 
 /// Both ports and the L4 checksum over the new pseudo-header (a UDP checksum of zero means
-/// "none" and stays so).
+/// "none" and stays so). `addrs`: the addresses' change (`csum::address_change`), summed once
+/// for both checksums; the checksum is folded once.
 #[inline(always)]
-fn rewrite_l4<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>, dst: (A, [u8; 2]), src: (A, [u8; 2])) -> Result<(), ()> {
+fn rewrite_l4<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>, dst: (A, [u8; 2]), src: (A, [u8; 2]), addrs: u64) -> Result<(), ()> {
     let tcp = pkt.proto == IPPROTO_TCP;
     let l4_off = pkt.l4();
     let off = l4_off + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
@@ -180,10 +181,6 @@ fn rewrite_l4<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>, dst: (A, [u8; 2])
     let (ports, sum) = unsafe { (&mut *ports, &mut *sum) };
     ports[..2].copy_from_slice(&src.1);
     ports[2..].copy_from_slice(&dst.1);
-    if !tcp && *sum == [0, 0] {
-        return Ok(());
-    }
-    let c = csum::l4_update(*sum, pkt.saddr, src.0, pkt.sport, src.1, !tcp);
-    *sum = csum::l4_update(c, pkt.daddr, dst.0, pkt.dport, dst.1, !tcp);
+    *sum = csum::l4_apply(*sum, addrs + csum::word_change(pkt.sport, src.1) + csum::word_change(pkt.dport, dst.1), !tcp);
     Ok(())
 }
