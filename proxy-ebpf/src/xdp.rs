@@ -130,20 +130,23 @@ trait XdpFamily: Family + csum::Words {
 }
 
 impl XdpFamily for [u8; 4] {
-    /// The IPv4 header is fetched and summed once.
+    /// The IPv4 header is fetched and summed once, and written a field at a time (`access`:
+    /// as bytes, each address was four stores and three shifts).
     #[inline(always)]
     fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2])) -> Result<(), ()> {
-        let ip = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())?;
-        // SAFETY: bounds checked by ptr_at.
-        let ip = unsafe { &mut *ip };
+        let at = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())? as usize;
         let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
-        let ttl = [ip[8].wrapping_sub(1), ip[9]];
-        let check = csum::apply([ip[10], ip[11]], addrs + csum::word_change([ip[8], ip[9]], ttl));
-        ip[8] = ttl[0];
-        ip[12..16].copy_from_slice(&src.0);
-        ip[16..20].copy_from_slice(&dst.0);
-        ip[10] = check[0];
-        ip[11] = check[1];
+        // SAFETY: bounds checked by ptr_at (the 20-byte header).
+        unsafe {
+            // The TTL and protocol word: one hop less.
+            let word = access::load2(at + 8);
+            let ttl = [word[0].wrapping_sub(1), word[1]];
+            let check = csum::apply(access::load2(at + 10), addrs + csum::word_change(word, ttl));
+            access::store2(at + 8, ttl);
+            access::store2(at + 10, check);
+            access::store4(at + 12, src.0);
+            access::store4(at + 16, dst.0);
+        }
         rewrite_l4(ctx, pkt, dst, src, addrs)
     }
 }
@@ -175,12 +178,14 @@ fn rewrite_l4<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>, dst: (A, [u8; 2])
     let tcp = pkt.proto == IPPROTO_TCP;
     let l4_off = pkt.l4();
     let off = l4_off + if tcp { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
-    let ports = ptr_at::<[u8; 4]>(ctx, l4_off).ok_or(())?;
-    let sum = ptr_at::<[u8; 2]>(ctx, off).ok_or(())?;
+    let ports = ptr_at::<[u8; 4]>(ctx, l4_off).ok_or(())? as usize;
+    let sum = ptr_at::<[u8; 2]>(ctx, off).ok_or(())? as usize;
     // SAFETY: bounds checked by ptr_at.
-    let (ports, sum) = unsafe { (&mut *ports, &mut *sum) };
-    ports[..2].copy_from_slice(&src.1);
-    ports[2..].copy_from_slice(&dst.1);
-    *sum = csum::l4_apply(*sum, addrs + csum::word_change(pkt.sport, src.1) + csum::word_change(pkt.dport, dst.1), !tcp);
+    unsafe {
+        access::store2(ports, src.1);
+        access::store2(ports + 2, dst.1);
+        let change = addrs + csum::word_change(pkt.sport, src.1) + csum::word_change(pkt.dport, dst.1);
+        access::store2(sum, csum::l4_apply(access::load2(sum), change, !tcp));
+    }
     Ok(())
 }
