@@ -10,6 +10,8 @@ use crate::parse::ptr_at;
 
 /// Length of the benchmark's frames (the classic minimum Ethernet frame, without FCS).
 pub const FRAME_LEN: usize = 64;
+// `restore` copies it a u64 at a time.
+const _: () = assert!(FRAME_LEN % 8 == 0);
 /// Offset of the UDP source port in the frame (Ethernet + a 20-byte IPv4 header).
 const SPORT_OFF: usize = 34;
 /// Flows the generator cycles through (consecutive source ports).

@@ -137,17 +137,19 @@ fn route_of<A: Family>(
     }
     let r = fib(env, pkt, src, dst)?;
     if !r.no_neigh && !env.dry {
+        // Only XDP uses them (TC caches none: its packets would pay the lookup for nothing).
         // The flags are 3 bits (`xdp_dev`); anything wider is not cached.
-        let flags = device_flags(r.ifindex);
+        let flags = if env.xdp { device_flags(r.ifindex) } else { u32::MAX };
         let xdp = if flags < u32::from(ROUTE_XDP_KNOWN) { ROUTE_XDP_KNOWN | flags as u8 } else { 0 };
-        // Racing writers store the same kind of data, and a torn route is at worst looked up
-        // again when the epoch moves on.
+        // Racing writers store the same kind of data, and a torn route (or one route's device
+        // flags beside another's index) is at worst used until the epoch moves on.
         e.update(move |e| {
             e.route_ifindex = r.ifindex;
             e.route_dmac = r.dmac;
             e.route_smac = r.smac;
-            e.route_epoch = epoch;
+            // Before the epoch that makes them current.
             e.route_xdp = xdp;
+            e.route_epoch = epoch;
         });
     }
     Ok(r)
