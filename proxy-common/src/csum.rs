@@ -470,9 +470,47 @@ mod tests {
                 assert_eq!(l4_apply(field, change, udp), by_field, "L4, udp {udp}");
             }
         }
-        // IPv6 addresses (four words each) sum the same way.
-        let (a, b) = (crate::Ip6([1, 2, 3, 4]), crate::Ip6([0xffff_ffff, 7, 0, 9]));
-        assert_eq!(apply([0x12, 0x34], address_change(a, b)), update_address([0x12, 0x34], a, b));
+        // IPv6 addresses (four words each): both addresses and both ports summed once give what
+        // the field-by-field updates give.
+        for _ in 0..20_000 {
+            let mut ip6 = || crate::Ip6([next() as u32, next() as u32, next() as u32, next() as u32]);
+            let (s, ns, d, nd) = (ip6(), ip6(), ip6(), ip6());
+            let (sport, nsport, dport, ndport) = (
+                (next() as u16).to_be_bytes(),
+                (next() as u16).to_be_bytes(),
+                (next() as u16).to_be_bytes(),
+                (next() as u16).to_be_bytes(),
+            );
+            let field = (next() as u16).to_be_bytes();
+            let change = address_change(s, ns) + address_change(d, nd) + word_change(sport, nsport) + word_change(dport, ndport);
+            let by_field = l4_update(l4_update(field, s, ns, sport, nsport, false), d, nd, dport, ndport, false);
+            assert_eq!(l4_apply(field, change, false), by_field, "IPv6");
+        }
+        // The L4 checksum against recomputation: a TCP segment with both addresses and ports
+        // changed.
+        for _ in 0..10_000 {
+            let (saddr, daddr) = ((next() as u32).to_be_bytes(), (next() as u32).to_be_bytes());
+            let (nsaddr, ndaddr) = ((next() as u32).to_be_bytes(), (next() as u32).to_be_bytes());
+            let mut seg = [0u8; 40];
+            seg.iter_mut().for_each(|b| *b = next() as u8);
+            (seg[16], seg[17]) = (0, 0);
+            let check = tcp_checksum(saddr, daddr, &seg);
+            let (nsport, ndport) = ((next() as u16).to_be_bytes(), (next() as u16).to_be_bytes());
+            let change = address_change(saddr, nsaddr)
+                + address_change(daddr, ndaddr)
+                + word_change([seg[0], seg[1]], nsport)
+                + word_change([seg[2], seg[3]], ndport);
+            let updated = l4_apply(check, change, false);
+            seg[0..2].copy_from_slice(&nsport);
+            seg[2..4].copy_from_slice(&ndport);
+            seg[16..18].copy_from_slice(&updated);
+            let verify = add_be_words(u64::from(u16::from_be_bytes(pseudo_header(nsaddr, ndaddr, 6, seg.len() as u16))), &seg);
+            assert_eq!(fold(verify), 0xffff, "the rewritten segment verifies");
+        }
+        // UDP's special values: no checksum stays none, a computed zero is sent as ones.
+        assert_eq!(l4_apply([0, 0], word_change([0, 53], [0, 54]), true), [0, 0]);
+        assert_eq!(l4_apply([0, 1], word_change([0, 0], [0, 1]), false), [0, 0]);
+        assert_eq!(l4_apply([0, 1], word_change([0, 0], [0, 1]), true), [0xff, 0xff]);
     }
 
     #[test]
