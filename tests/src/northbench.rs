@@ -45,7 +45,7 @@ use crate::{
 const CONN_PORT: u16 = 9090;
 /// Flows the generator cycles through (as in the eBPF generator).
 const FLOWS: u32 = 16;
-/// Rounds of the floor and XDP, one after the other, for XDP's share of the floor.
+/// Rounds of the floor and XDP, one after the other, for XDP's share of the floor (odd).
 const FLOOR_ROUNDS: usize = 5;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -379,19 +379,20 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
         } else {
             wait_programmed(&mut c, filler);
         }
-        let (mut pps_delivered, pps_offered) = udp_pps(&mut c, mode, frames);
+        let (mut pps_delivered, mut pps_offered) = udp_pps(&mut c, mode, frames);
         let mut of_floor = Vec::new();
         if mode == Mode::Xdp {
-            let mut rates = vec![pps_delivered];
-            for _ in 0..if quick { 2 } else { FLOOR_ROUNDS } {
+            // An odd number of rounds, so that the median is one of them.
+            let mut rounds = Vec::new();
+            for _ in 0..if quick { 3 } else { FLOOR_ROUNDS } {
                 let (floor, _) = udp_pps(&mut c, Mode::Floor, frames);
-                let (xdp, _) = udp_pps(&mut c, mode, frames);
-                of_floor.push(xdp / floor);
-                rates.push(xdp);
+                let (delivered, offered) = udp_pps(&mut c, mode, frames);
+                of_floor.push(delivered / floor);
+                rounds.push((delivered, offered));
             }
-            // The rate reported is the median of all of XDP's.
-            rates.sort_by(f64::total_cmp);
-            pps_delivered = rates[rates.len() / 2];
+            // XDP's rate is the median round's.
+            rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (pps_delivered, pps_offered) = rounds[rounds.len() / 2];
         }
         let conns_per_sec = tcp_cps(&c, cps_secs);
         eprintln!("  {}: {:.0} pps delivered, {:.0} new TCP connections/s", mode.label(), pps_delivered, conns_per_sec);
