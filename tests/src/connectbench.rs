@@ -247,8 +247,8 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
 }
 
 /// Sizes projected (from the previous size's programming time, scaled by the cube of the
-/// ratio, as the modes benchmark does) to take longer than this are skipped.
-pub const SKIP_PROJECTED_OVER: Duration = Duration::from_secs(45 * 60);
+/// ratio) to take longer than the modes benchmark's limit (`modesbench::skip_projected_over`)
+/// are skipped.
 
 /// Every wanted mode at every size.
 pub fn run(agent: &std::path::Path, sizes: &[u32], wanted: impl Fn(&str) -> bool, seed: u64) -> Vec<Row> {
@@ -259,7 +259,7 @@ pub fn run(agent: &std::path::Path, sizes: &[u32], wanted: impl Fn(&str) -> bool
         for &n in if v.flags.is_none() { &sizes[..1] } else { sizes } {
             if let Some((prev, secs)) = last {
                 let projected = secs * (f64::from(n) / f64::from(prev)).powi(3);
-                if projected > SKIP_PROJECTED_OVER.as_secs_f64() {
+                if projected > crate::modesbench::skip_projected_over().as_secs_f64() {
                     let note = format!("not run: {prev} Services took {secs:.0} s to program, so {n} would take about {projected:.0} s");
                     eprintln!("connect: {}, {n} services: {note}", v.label);
                     rows.push(Row::unmeasured(v.label, n, note));

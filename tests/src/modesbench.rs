@@ -253,6 +253,12 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
 /// 30,000 run stopped after 47 minutes had read a third of its input.
 pub const SKIP_PROJECTED_OVER: Duration = Duration::from_secs(45 * 60);
 
+/// `SKIP_PROJECTED_OVER`, or `PROXY_BENCH_SKIP_OVER` seconds (a shorter run: the largest size
+/// of a slow mode alone can take most of an hour).
+pub fn skip_projected_over() -> Duration {
+    std::env::var("PROXY_BENCH_SKIP_OVER").ok().and_then(|s| s.parse().ok()).map_or(SKIP_PROJECTED_OVER, Duration::from_secs)
+}
+
 /// Runs `v` at each size, each in a fresh network namespace. A size projected to take longer
 /// than SKIP_PROJECTED_OVER is skipped, and its row says so.
 pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
@@ -261,7 +267,7 @@ pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
     for &n in sizes {
         if let Some(prev) = rows.last().filter(|r| !r.program_s.is_nan()) {
             let projected = prev.program_s * (f64::from(n) / f64::from(prev.services)).powi(3);
-            if projected > SKIP_PROJECTED_OVER.as_secs_f64() {
+            if projected > skip_projected_over().as_secs_f64() {
                 let why =
                     format!("not run: {} Services took {:.0} s, so {n} would take about {:.0} s", prev.services, prev.program_s, projected);
                 eprintln!("modes: {label}, {n} services: {why}");
