@@ -14,6 +14,7 @@ pub mod netns;
 pub mod northbench;
 pub mod packet;
 pub mod packet6;
+pub mod report;
 pub mod require;
 pub mod servers;
 pub mod testrun;

@@ -78,7 +78,8 @@ fn print_help() {
          \x20 fuzz    mutated frames through every eBPF program, longer than the test's fixed seed:\n\
          \x20         `--frames N` (2,000,000), `--seed S` (new each run; printed, to replay a failure)\n\
          \x20 bench   benchmarks; `cargo xtask bench datapath` for per-packet cost, `footprint` for the agent at 30,000 Services,\n\
-         \x20         `connect` for new-connection latency through every mode at 1k, 10k and 30k Services"
+         \x20         `connect` for new-connection latency through every mode at 1k, 10k and 30k Services;\n\
+         \x20         every run ends with target/bench/report.html (tables and plots of all figures there)"
     );
 }
 
