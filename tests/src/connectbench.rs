@@ -246,11 +246,9 @@ pub fn one(agent: &std::path::Path, v: &Variant, n: u32, seed: &mut u64) -> Row 
     row
 }
 
-/// Sizes projected (from the previous size's programming time, scaled by the cube of the
-/// ratio) to take longer than the modes benchmark's limit (`modesbench::skip_projected_over`)
-/// are skipped.
-
-/// Every wanted mode at every size.
+/// Every wanted mode at every size. Sizes projected (from the previous size's programming time,
+/// scaled by the cube of the ratio) to take longer than the modes benchmark's limit
+/// (`modesbench::skip_projected_over`) are skipped.
 pub fn run(agent: &std::path::Path, sizes: &[u32], wanted: impl Fn(&str) -> bool, seed: u64) -> Vec<Row> {
     let mut seed = seed.max(1);
     let mut rows = Vec::new();
