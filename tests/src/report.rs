@@ -153,7 +153,8 @@ fn plot_connect(rows: &[Value], path: &Path) -> Result<(), Box<dyn std::error::E
         return Err("no latency figures to plot".into());
     }
     let (lo, hi) = all.iter().fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
-    let (lo, hi) = (lo / 1.5, hi * 1.5);
+    // Room above the lines for the legend.
+    let (lo, hi) = (lo / 1.5, hi * 4.0);
     let sizes: Vec<u32> = rows.iter().filter_map(|r| r["services"].as_u64().map(|n| n as u32)).collect();
     let (smin, smax) = (sizes.iter().min().copied().unwrap_or(1000), sizes.iter().max().copied().unwrap_or(30000));
     for ((key, title), panel) in figures.iter().zip(panels.iter()) {
@@ -163,15 +164,28 @@ fn plot_connect(rows: &[Value], path: &Path) -> Result<(), Box<dyn std::error::E
             .x_label_area_size(40)
             .y_label_area_size(56)
             .build_cartesian_2d((f64::from(smin) / 1.3..f64::from(smax) * 1.3).log_scale(), (lo..hi).log_scale())?;
-        chart.configure_mesh().x_desc("Services").y_desc("p99 (µs)").x_label_formatter(&|x| format!("{x:.0}")).draw()?;
+        chart
+            .configure_mesh()
+            .max_light_lines(0)
+            .x_labels(4)
+            .y_labels(6)
+            .x_desc("Services")
+            .y_desc("p99 (µs)")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()?;
         for mode in modes(rows) {
-            let pts: Vec<(f64, f64)> = rows
+            let mut pts: Vec<(f64, f64)> = rows
                 .iter()
                 .filter(|r| r["mode"].as_str() == Some(mode.as_str()))
                 .filter_map(|r| Some((r["services"].as_f64()?, p99(r, key)?)))
                 .collect();
             if pts.is_empty() {
                 continue;
+            }
+            if mode == "floor" {
+                // No Services in its path: one figure, drawn across.
+                pts = vec![(f64::from(smin), pts[0].1), (f64::from(smax), pts[0].1)];
             }
             let c = colour(&mode);
             chart
