@@ -179,10 +179,10 @@ fn usable<A: Family>(env: &Env, route: Result<Route<A>, Reason>, device: u8) -> 
 }
 
 /// Whether XDP running on `ingress` may send a frame out of `egress` (XDP_TX when they are the
-/// same device, XDP_REDIRECT otherwise), whose flags `device` gives if it has `ROUTE_XDP_KNOWN`. A frame native XDP sends into a device
-/// that cannot take it is dropped by the kernel, a veth whose peer runs no XDP program being
-/// the common case; the agent records what each device takes (`xdp_dev`), and what it has not
-/// recorded goes to TC.
+/// same device, XDP_REDIRECT otherwise), whose flags `device` gives if it has `ROUTE_XDP_KNOWN`.
+/// A frame native XDP sends into a device that cannot take it is dropped by the kernel, a veth
+/// whose peer runs no XDP program being the common case; the agent records what each device
+/// takes (`xdp_dev`), and what it has not recorded goes to TC.
 #[inline(always)]
 fn xdp_can_send(ingress: u32, egress: u32, device: u8) -> bool {
     let flags = if device & ROUTE_XDP_KNOWN != 0 { u32::from(device & !ROUTE_XDP_KNOWN) } else { device_flags(egress) };

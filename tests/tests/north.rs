@@ -172,6 +172,15 @@ fn forward_entry(dp: &mut EbpfDataplane) -> (proxy_common::CtKey, proxy_common::
         .expect("forward entry")
 }
 
+/// Changes the flow's forward entry in the kernel's map, as nothing but time would.
+fn edit_forward_entry(dp: &mut EbpfDataplane, edit: impl FnOnce(&mut proxy_common::CtEntry)) {
+    let (k, mut e) = forward_entry(dp);
+    edit(&mut e);
+    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
+    ct.insert(k, e, 0).unwrap();
+}
+
 #[test]
 fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the_route_is_looked_up_again() {
     let Some(mut n) = node("xdp_keeps_what_a_device_takes_with_a_flows_route") else { return };
@@ -181,7 +190,7 @@ fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the
     assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
     // The first packet after the SYN caches the route, and with it what its device takes.
     assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
-    let (k, e) = forward_entry(&mut n.dp);
+    let (_, e) = forward_entry(&mut n.dp);
     assert_eq!((e.route_ifindex, e.route_xdp), (n.ifindex, ROUTE_XDP_KNOWN | both as u8), "cached with the route");
     // While the route is fresh, established packets go by the cached flags, not the device
     // map: with the map saying the device takes nothing, the flow still leaves from XDP. (The
@@ -201,24 +210,12 @@ fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the
         // The epoch turned: the route was looked up again, and the device with it.
         assert_eq!(action, XDP_PASS);
         // Cache the route again for the next round, with the device taking frames.
-        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
-            n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
-        )
-        .unwrap();
-        let mut e = ct.get(&k, 0).unwrap();
-        e.route_ifindex = 0;
-        ct.insert(k, e, 0).unwrap();
+        edit_forward_entry(&mut n.dp, |e| e.route_ifindex = 0);
     }
     assert!(cached_used, "established packets went by the flags cached with their route");
     // When the route is looked up again (its epoch over; here: forgotten), the device is too:
     // taking nothing now, the flow is TC's.
-    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
-        n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
-    )
-    .unwrap();
-    let mut e = ct.get(&k, 0).unwrap();
-    e.route_epoch = e.route_epoch.wrapping_add(0x8000);
-    ct.insert(k, e, 0).unwrap();
+    edit_forward_entry(&mut n.dp, |e| e.route_epoch = e.route_epoch.wrapping_add(0x8000));
     assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_PASS, "handed to TC once the device is looked up again");
     assert_eq!(forward_entry(&mut n.dp).1.route_xdp, ROUTE_XDP_KNOWN, "the device's new flags (none) cached with the route");
     assert_eq!(run_ext(&mut n.dp, &ack, n.ifindex).action, TC_ACT_REDIRECT, "TC carries the flow on");
