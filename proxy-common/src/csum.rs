@@ -92,6 +92,44 @@ impl Words for crate::Ip6 {
     }
 }
 
+/// The unfolded change to a one's-complement sum when the address `old` becomes `new`. A
+/// rewrite of several fields adds their changes (`word_change` for 16-bit ones) and folds once
+/// (`apply`, `l4_apply`): XDP's rewrite of both addresses sums the address part once for the
+/// IPv4 header and the L4 pseudo-header, where updating field by field folded five times.
+#[inline(always)]
+pub fn address_change<A: Words>(old: A, new: A) -> u64 {
+    old.not_sum() + new.sum()
+}
+
+/// The unfolded change to a one's-complement sum when the 16-bit field `old` becomes `new`.
+#[inline(always)]
+pub fn word_change(old: [u8; 2], new: [u8; 2]) -> u64 {
+    not16(old) + w16(new)
+}
+
+/// A checksum field after the covered data changed by `change` (RFC 1624, eqn. 3).
+#[inline(always)]
+pub fn apply(check: [u8; 2], change: u64) -> [u8; 2] {
+    (!fold(not16(check) + change)).to_ne_bytes()
+}
+
+/// A complete TCP/UDP checksum after the change `change` to what it covers. For UDP
+/// (`udp_zero`), zero means "no checksum" and stays zero, and a computed zero is sent as 0xffff
+/// (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0. Every complete-form update
+/// below goes through it.
+#[inline(always)]
+pub fn l4_apply(field: [u8; 2], change: u64, udp_zero: bool) -> [u8; 2] {
+    if udp_zero && field == [0, 0] {
+        return field;
+    }
+    let c = apply(field, change);
+    if udp_zero && c == [0, 0] {
+        [0xff, 0xff]
+    } else {
+        c
+    }
+}
+
 /// RFC 1624 (eqn. 3) incremental update: the checksum field after the 16-bit words `old` of the
 /// covered data became `new`. Values are as the packet stores them (network order).
 #[inline(always)]
@@ -102,13 +140,13 @@ pub fn update4(check: [u8; 2], old: [u8; 4], new: [u8; 4]) -> [u8; 2] {
 /// As `update4`, for an address of either family (one word for IPv4, four for IPv6).
 #[inline(always)]
 pub fn update_address<A: Words>(check: [u8; 2], old: A, new: A) -> [u8; 2] {
-    (!fold(not16(check) + old.not_sum() + new.sum())).to_ne_bytes()
+    apply(check, address_change(old, new))
 }
 
 /// As `update4`, for one 16-bit word (a port, or the TTL/protocol word).
 #[inline(always)]
 pub fn update2(check: [u8; 2], old: [u8; 2], new: [u8; 2]) -> [u8; 2] {
-    (!fold(not16(check) + not16(old) + w16(new))).to_ne_bytes()
+    apply(check, word_change(old, new))
 }
 
 /// The TCP/UDP pseudo-header sum, folded and not complemented: what the checksum field of a
@@ -139,7 +177,7 @@ pub fn pseudo_header_with(pair: [u8; 2], proto: u8, l4_len: u16) -> [u8; 2] {
 /// `_with` forms). 0 only when `old` is all ones and `new` all zeroes.
 #[inline(always)]
 pub fn address_delta<A: Words>(old: A, new: A) -> [u8; 2] {
-    fold(old.not_sum() + new.sum()).to_ne_bytes()
+    fold(address_change(old, new)).to_ne_bytes()
 }
 
 /// `partial_update` from the addresses' `address_delta`.
@@ -151,90 +189,29 @@ pub fn partial_update_with(field: [u8; 2], delta: [u8; 2]) -> [u8; 2] {
 /// `l4_update` from the addresses' `address_delta`.
 #[inline(always)]
 pub fn l4_update_with(field: [u8; 2], delta: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
-    if udp_zero && field == [0, 0] {
-        return field;
-    }
-    let c = (!fold(not16(field) + w16(delta) + not16(old_port) + w16(new_port))).to_ne_bytes();
-    if udp_zero && c == [0, 0] {
-        [0xff, 0xff]
-    } else {
-        c
-    }
+    l4_apply(field, w16(delta) + word_change(old_port, new_port), udp_zero)
 }
 
 /// A pseudo-header sum (CHECKSUM_PARTIAL field) after an address in it changed from `old` to
 /// `new`. Ports are not in it: their change needs nothing.
 #[inline(always)]
 pub fn partial_update<A: Words>(field: [u8; 2], old: A, new: A) -> [u8; 2] {
-    fold(w16(field) + old.not_sum() + new.sum()).to_ne_bytes()
+    fold(w16(field) + address_change(old, new)).to_ne_bytes()
 }
 
-/// A complete TCP/UDP checksum after an address of the pseudo-header and a port changed. For
-/// UDP (`udp_zero`), zero means "no checksum" and stays zero, and a computed zero is sent as
-/// 0xffff (RFC 768), as the kernel's helper does with BPF_F_MARK_MANGLED_0. (One sum for both
-/// changes: it folds to what `update2(update4(..))` gives, as a fold is zero only for a zero sum.)
+/// A complete TCP/UDP checksum after an address of the pseudo-header and a port changed;
+/// `udp_zero` as in `l4_apply`. (One sum for both changes: it folds to what
+/// `update2(update4(..))` gives, as a fold is zero only for a zero sum.)
 #[inline(always)]
 pub fn l4_update<A: Words>(field: [u8; 2], old_addr: A, new_addr: A, old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
-    if udp_zero && field == [0, 0] {
-        return field;
-    }
-    let c = (!fold(not16(field) + old_addr.not_sum() + new_addr.sum() + not16(old_port) + w16(new_port))).to_ne_bytes();
-    if udp_zero && c == [0, 0] {
-        [0xff, 0xff]
-    } else {
-        c
-    }
+    l4_apply(field, address_change(old_addr, new_addr) + word_change(old_port, new_port), udp_zero)
 }
 
 /// A complete TCP/UDP checksum after a port changed (the address part left to someone else);
-/// `udp_zero` as in `l4_update`.
+/// `udp_zero` as in `l4_apply`.
 #[inline(always)]
 pub fn l4_port_update(field: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
-    if udp_zero && field == [0, 0] {
-        return field;
-    }
-    let c = update2(field, old_port, new_port);
-    if udp_zero && c == [0, 0] {
-        [0xff, 0xff]
-    } else {
-        c
-    }
-}
-
-/// The unfolded change to a one's-complement sum when the address `old` becomes `new`. A
-/// rewrite of several fields adds their changes (`word_change` for 16-bit ones) and folds once
-/// (`apply`, `l4_apply`): XDP's rewrite of both addresses sums the address part once for the
-/// IPv4 header and the L4 pseudo-header, where updating field by field folded five times.
-#[inline(always)]
-pub fn address_change<A: Words>(old: A, new: A) -> u64 {
-    old.not_sum() + new.sum()
-}
-
-/// The unfolded change to a one's-complement sum when the 16-bit field `old` becomes `new`.
-#[inline(always)]
-pub fn word_change(old: [u8; 2], new: [u8; 2]) -> u64 {
-    not16(old) + w16(new)
-}
-
-/// A checksum field after the covered data changed by `change` (RFC 1624, eqn. 3).
-#[inline(always)]
-pub fn apply(check: [u8; 2], change: u64) -> [u8; 2] {
-    (!fold(not16(check) + change)).to_ne_bytes()
-}
-
-/// A complete TCP/UDP checksum after the change `change` to what it covers; `udp_zero` as in
-/// `l4_update`.
-#[inline(always)]
-pub fn l4_apply(field: [u8; 2], change: u64, udp_zero: bool) -> [u8; 2] {
-    if udp_zero && field == [0, 0] {
-        return field;
-    }
-    let c = apply(field, change);
-    if udp_zero && c == [0, 0] {
-        [0xff, 0xff]
-    } else {
-        c
-    }
+    l4_apply(field, word_change(old_port, new_port), udp_zero)
 }
 
 /// The checksum field value for an IPv4 header whose checksum field is zero.

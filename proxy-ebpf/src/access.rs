@@ -82,3 +82,13 @@ pub unsafe fn store_word(p: usize, v: u32) {
     // SAFETY: the caller's bounds check.
     unsafe { asm!("*(u32 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
 }
+
+/// Stores 8 bytes at `p` as one native-order doubleword.
+///
+/// # Safety
+/// `p..p + 8` must be inside the packet's checked range, and the packet writable (TC).
+#[inline(always)]
+pub unsafe fn store8(p: usize, v: u64) {
+    // SAFETY: the caller's bounds check.
+    unsafe { asm!("*(u64 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
+}

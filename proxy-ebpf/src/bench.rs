@@ -42,7 +42,7 @@ pub fn restore(ctx: &XdpContext) -> bool {
         // which made the floor look slower than the lab is.
         let (to, from) = (p as usize, (t as *const [u8; FRAME_LEN]).cast::<u64>());
         for i in 0..FRAME_LEN / 8 {
-            store8(to + 8 * i, from.add(i).read());
+            crate::access::store8(to + 8 * i, from.add(i).read());
         }
         let base = u16::from_be_bytes([(*p)[SPORT_OFF], (*p)[SPORT_OFF + 1]]);
         let port = base.wrapping_add((n % FLOWS) as u16).to_be_bytes();
@@ -50,14 +50,4 @@ pub fn restore(ctx: &XdpContext) -> bool {
         (*p)[SPORT_OFF + 1] = port[1];
     }
     true
-}
-
-/// Stores 8 bytes at `p`, whatever its alignment (see `access`).
-///
-/// # Safety
-/// `p..p + 8` must be inside the packet's checked range.
-#[inline(always)]
-unsafe fn store8(p: usize, v: u64) {
-    // SAFETY: the caller's bounds check.
-    unsafe { core::arch::asm!("*(u64 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
 }

@@ -131,8 +131,7 @@ fn route_of<A: Family>(
     dst: A,
     now: u64,
 ) -> Result<Route<A>, Reason> {
-    let epoch = proxy_common::ct::route_epoch(now);
-    if entry.route_ifindex != 0 && entry.route_epoch == epoch {
+    if route_fresh(entry, now) {
         return Ok(Route { ifindex: entry.route_ifindex, smac: entry.route_smac, dmac: entry.route_dmac, no_neigh: false, nexthop: dst });
     }
     let r = fib(env, pkt, src, dst)?;
@@ -141,6 +140,7 @@ fn route_of<A: Family>(
         // The flags are 3 bits (`xdp_dev`); anything wider is not cached.
         let flags = if env.xdp { device_flags(r.ifindex) } else { u32::MAX };
         let xdp = if flags < u32::from(ROUTE_XDP_KNOWN) { ROUTE_XDP_KNOWN | flags as u8 } else { 0 };
+        let epoch = proxy_common::ct::route_epoch(now);
         // Racing writers store the same kind of data, and a torn route (or one route's device
         // flags beside another's index) is at worst used until the epoch moves on.
         e.update(move |e| {
@@ -155,11 +155,17 @@ fn route_of<A: Family>(
     Ok(r)
 }
 
+/// Whether the entry's cached route is set and of the current epoch (`route_of` uses it).
+#[inline(always)]
+fn route_fresh<A: Family>(entry: &CtEntry<A>, now: u64) -> bool {
+    entry.route_ifindex != 0 && entry.route_epoch == proxy_common::ct::route_epoch(now)
+}
+
 /// The `xdp_dev` flags cached with a tracked flow's route (`CtEntry::route_xdp`), while that
 /// route is the one `route_of` gives; else 0 (not known).
 #[inline(always)]
 fn cached_device<A: Family>(entry: &CtEntry<A>, now: u64) -> u8 {
-    if entry.route_ifindex != 0 && entry.route_epoch == proxy_common::ct::route_epoch(now) {
+    if route_fresh(entry, now) {
         entry.route_xdp
     } else {
         0

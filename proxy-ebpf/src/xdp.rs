@@ -103,7 +103,9 @@ fn forward<A: XdpFamily>(
     ifindex: u32,
     reason: Reason,
 ) -> XdpVerdict {
-    if A::rewrite(ctx, pkt, dst, src).is_err() {
+    // What both addresses' rewrite adds to the checksums, summed once for both.
+    let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
+    if A::rewrite(ctx, pkt, dst, src, addrs).is_err() {
         // Half-written: must not reach the stack.
         return XdpVerdict { action: XDP_DROP, reason: Reason::DropRewrite };
     }
@@ -126,16 +128,16 @@ fn forward<A: XdpFamily>(
 /// checksums updated by hand (RFC 1624): XDP has no checksum helpers, and frames from the wire
 /// carry complete checksums.
 trait XdpFamily: Family + csum::Words {
-    fn rewrite(ctx: &XdpContext, pkt: &Packet<Self>, dst: (Self, [u8; 2]), src: (Self, [u8; 2])) -> Result<(), ()>;
+    /// `addrs`: the addresses' change (`csum::address_change`, both of them).
+    fn rewrite(ctx: &XdpContext, pkt: &Packet<Self>, dst: (Self, [u8; 2]), src: (Self, [u8; 2]), addrs: u64) -> Result<(), ()>;
 }
 
 impl XdpFamily for [u8; 4] {
     /// The IPv4 header is fetched and summed once, and written a field at a time (`access`:
     /// as bytes, each address was four stores and three shifts).
     #[inline(always)]
-    fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2])) -> Result<(), ()> {
+    fn rewrite(ctx: &XdpContext, pkt: &Packet, dst: ([u8; 4], [u8; 2]), src: ([u8; 4], [u8; 2]), addrs: u64) -> Result<(), ()> {
         let at = ptr_at::<[u8; 20]>(ctx, IP_OFF).ok_or(())? as usize;
-        let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
         // SAFETY: bounds checked by ptr_at (the 20-byte header).
         unsafe {
             // The TTL and protocol word: one hop less.
@@ -154,7 +156,7 @@ impl XdpFamily for [u8; 4] {
 impl XdpFamily for Ip6 {
     /// No header checksum: the addresses and the hop limit are written as they are.
     #[inline(always)]
-    fn rewrite(ctx: &XdpContext, pkt: &Packet<Ip6>, dst: (Ip6, [u8; 2]), src: (Ip6, [u8; 2])) -> Result<(), ()> {
+    fn rewrite(ctx: &XdpContext, pkt: &Packet<Ip6>, dst: (Ip6, [u8; 2]), src: (Ip6, [u8; 2]), addrs: u64) -> Result<(), ()> {
         let ip = ptr_at::<[u8; 40]>(ctx, IP_OFF).ok_or(())?;
         let at = ip as usize;
         // SAFETY: bounds checked by ptr_at (the 40-byte header).
@@ -165,7 +167,6 @@ impl XdpFamily for Ip6 {
                 access::store_word(at + 24 + 4 * i, dst.0 .0[i]);
             }
         }
-        let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
         rewrite_l4(ctx, pkt, dst, src, addrs)
     }
 }

@@ -379,9 +379,10 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
         } else {
             wait_programmed(&mut c, filler);
         }
-        let (mut pps_delivered, mut pps_offered) = udp_pps(&mut c, mode, frames);
         let mut of_floor = Vec::new();
-        if mode == Mode::Xdp {
+        let (pps_delivered, pps_offered) = if mode != Mode::Xdp {
+            udp_pps(&mut c, mode, frames)
+        } else {
             // An odd number of rounds, so that the median is one of them.
             let mut rounds = Vec::new();
             for _ in 0..if quick { 3 } else { FLOOR_ROUNDS } {
@@ -392,8 +393,8 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
             }
             // XDP's rate is the median round's.
             rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
-            (pps_delivered, pps_offered) = rounds[rounds.len() / 2];
-        }
+            rounds[rounds.len() / 2]
+        };
         let conns_per_sec = tcp_cps(&c, cps_secs);
         eprintln!("  {}: {:.0} pps delivered, {:.0} new TCP connections/s", mode.label(), pps_delivered, conns_per_sec);
         out.push(Figures { mode, floor_pps: floor, of_floor, pps_delivered, pps_offered, conns_per_sec });

@@ -60,31 +60,28 @@ fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
+/// The running kernel's release (`uname -r`).
+pub fn kernel() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// The CPUs this process may run on.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+}
+
 /// The machine the figures come from: CPU model, cores, kernel.
 pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
         .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default();
-    format!("{cpu}, {cores} cores, Linux {kernel}")
+    format!("{cpu}, {} cores, Linux {}", cores(), kernel())
 }
 
-/// A moment as YYYY-MM-DD HH:MM UTC (days to a civil date, proleptic Gregorian).
+/// A moment as YYYY-MM-DD HH:MM UTC (as the agent's health endpoint formats its times: jiff).
 fn date(t: std::time::SystemTime) -> String {
-    let secs = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let (days, minute) = ((secs / 86_400) as i64, (secs % 86_400) / 60);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02} {:02}:{:02} UTC", minute / 60, minute % 60)
+    k8s_openapi::jiff::Timestamp::try_from(t).map(|t| t.strftime("%Y-%m-%d %H:%M UTC").to_string()).unwrap_or_else(|_| "?".into())
 }
 
 /// When the benchmark's JSON was written.
@@ -257,18 +254,21 @@ fn plot_north(v: &Value, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
     Ok(())
 }
 
+/// The plot `file` on the page, or why there is none.
+fn embed(html: &mut String, drawn: Result<(), Box<dyn std::error::Error>>, file: &str, alt: &str) {
+    let _ = match drawn {
+        Ok(()) => writeln!(html, "<img src=\"{file}\" alt=\"{alt}\">"),
+        Err(e) => writeln!(html, "<p>(no plot: {})</p>", esc(&e.to_string())),
+    };
+}
+
 /// The tables (and plots) of one benchmark's JSON.
 fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
     let rows = |k: &str| v[k].as_array().cloned().unwrap_or_default();
     match name {
         "connect" => {
             let rows = rows("rows");
-            match plot_connect(&rows, &dir.join("connect.svg")) {
-                Ok(()) => html.push_str("<img src=\"connect.svg\" alt=\"connect p99 against Services\">\n"),
-                Err(e) => {
-                    let _ = writeln!(html, "<p>(no plot: {})</p>", esc(&e.to_string()));
-                }
-            }
+            embed(html, plot_connect(&rows, &dir.join("connect.svg")), "connect.svg", "connect p99 against Services");
             let t: Vec<Vec<String>> = rows
                 .iter()
                 .map(|r| {
@@ -288,12 +288,7 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
             html.push_str(&table(&head, &t));
         }
         "north" => {
-            match plot_north(v, &dir.join("north.svg")) {
-                Ok(()) => html.push_str("<img src=\"north.svg\" alt=\"packet rate per mode against the floor\">\n"),
-                Err(e) => {
-                    let _ = writeln!(html, "<p>(no plot: {})</p>", esc(&e.to_string()));
-                }
-            }
+            embed(html, plot_north(v, &dir.join("north.svg")), "north.svg", "packet rate per mode against the floor");
             let floor = num(&v["floor_pps"]);
             let t: Vec<Vec<String>> = rows("modes")
                 .iter()

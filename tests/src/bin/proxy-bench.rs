@@ -710,9 +710,8 @@ fn datapath(out_dir: &std::path::Path) {
         ("new_flow/calls", "new flow (select, track, DNAT)"),
         ("new_flow6/calls", "IPv6: new flow"),
     ];
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    println!("\nDatapath cost per packet through BPF_PROG_TEST_RUN (ns), kernel {}, {cpus} CPUs", kernel.trim());
+    let (kernel, cpus) = (proxy_tests::report::kernel(), proxy_tests::report::cores());
+    println!("\nDatapath cost per packet through BPF_PROG_TEST_RUN (ns), kernel {kernel}, {cpus} CPUs");
     println!("{:<44}{:>10}{:>12}{:>13}{:>12}", "", "1 svc", "10,000 svc", "100,000 svc", "100k vs 1");
     for (i, (case, label)) in rows.iter().enumerate() {
         if case.is_empty() {
@@ -762,7 +761,7 @@ fn datapath(out_dir: &std::path::Path) {
     let json = serde_json::json!({
         "benchmark": "datapath",
         "unit": "ns_per_packet",
-        "kernel": kernel.trim(),
+        "kernel": kernel,
         "cpus": cpus,
         "repeat": REPEAT,
         "repeat_rounds_median_of": ROUNDS,
