@@ -88,6 +88,7 @@ pub unsafe fn store_word(p: usize, v: u32) {
 /// # Safety
 /// `p..p + 8` must be inside the packet's checked range, and the packet writable (TC).
 #[inline(always)]
+#[allow(dead_code, reason = "only the lab object's frame generator (bench.rs) uses it; the agent's object includes this module too")]
 pub unsafe fn store8(p: usize, v: u64) {
     // SAFETY: the caller's bounds check.
     unsafe { asm!("*(u64 *)({p} + 0) = {v}", v = in(reg) v, p = in(reg) p, options(nostack, preserves_flags)) };
