@@ -486,6 +486,42 @@ pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     }
 }
 
+/// A client that tried a Service address before anything served it (a Service just created,
+/// or an agent just started) gets through once it is served, from the same source port: its
+/// retransmitted SYN (or a later connection that reuses the port, or a resolver's UDP socket)
+/// has the tuple of the first attempt, which left by the node's default route untranslated and
+/// which conntrack still holds (120 s for an unanswered SYN, renewed by every retransmission).
+/// kube-proxy's rules then refuse it (nftables: traffic to a ClusterIP port nothing serves) or
+/// send it to nowhere (iptables); the agent deletes such attempts once the address is served.
+/// The eBPF dataplane translates before conntrack and is held to the same. (IPv4: the lab's
+/// port-bound sockets are IPv4 ones; the sweep reads both families alike.)
+pub fn a_connection_tried_before_its_service_existed_gets_through(agent: &Path, mode: ProxyMode) {
+    let lab = lab(agent, mode);
+    let (tcp, udp) = (crate::lab::TCP_PORT, crate::lab::UDP_PORT);
+    let late = Ipv4Addr::new(10, 96, 0, 77);
+    let (web, dns) = (std::net::SocketAddrV4::new(late, 80), std::net::SocketAddrV4::new(late, 53));
+    // A source port of the client's own, outside the ephemeral range its other connections use.
+    const PORT: u16 = 20077;
+    let early = crate::servers::Conn::open_from_port(&lab.client.ns, PORT, web).map(|_| ());
+    assert!(early.is_err(), "{mode}: nothing serves {web} yet, but a connection went through");
+    let resolver = UdpFlow::open_from_port(&lab.client.ns, PORT, dns).expect("a UDP socket");
+    assert!(resolver.ask().is_err(), "{mode}: nothing serves {dns} yet, but it answered");
+    let backends = lab.backend_ips();
+    lab.write_manifest(
+        "late.yaml",
+        &[
+            crate::lab::service("late", &late.to_string(), &[("http", 80, "TCP", tcp), ("dns", 53, "UDP", udp)]),
+            crate::lab::endpoint_slice("late", "late-1", &backends, &[("http", tcp, "TCP"), ("dns", udp, "UDP")]),
+        ]
+        .join("---\n"),
+    );
+    eventually(&format!("{web} to be served"), || tcp_ask(&lab.client.ns, web).map_err(|e| e.to_string()));
+    eventually(&format!("a connection to {web} from the port tried before it was served"), || {
+        crate::servers::Conn::open_from_port(&lab.client.ns, PORT, web).and_then(|mut c| c.ask()).map_err(|e| e.to_string())
+    });
+    eventually(&format!("the resolver that asked {dns} before it was served to be answered"), || resolver.ask().map_err(|e| e.to_string()));
+}
+
 pub fn a_pod_reaching_its_own_service_gets_through(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let me = &lab.backends[0];
@@ -1070,6 +1106,7 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("a_service_without_endpoints_refuses", a_service_without_endpoints_refuses),
     ("endpoint_changes_are_followed", endpoint_changes_are_followed),
     ("a_pod_reaching_its_own_service_gets_through", a_pod_reaching_its_own_service_gets_through),
+    ("a_connection_tried_before_its_service_existed_gets_through", a_connection_tried_before_its_service_existed_gets_through),
     ("node_port_from_outside", node_port_from_outside),
     ("external_traffic_policy_local", external_traffic_policy_local),
     ("internal_traffic_policy_local", internal_traffic_policy_local),

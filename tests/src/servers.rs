@@ -196,6 +196,9 @@ impl Conn {
     pub fn open_from_port(ns: &Netns, port: u16, to: SocketAddrV4) -> io::Result<Self> {
         let fd = bound_socket(ns, libc::SOCK_STREAM, port)?;
         let stream = TcpStream::from(fd);
+        // Set before connecting, it bounds the connect too (SO_SNDTIMEO): a SYN nothing
+        // answers gives up after TIMEOUT, not after the kernel's two minutes of retries.
+        stream.set_write_timeout(Some(TIMEOUT))?;
         let sa = libc::sockaddr_in {
             sin_family: libc::AF_INET as u16,
             sin_port: to.port().to_be(),
@@ -214,7 +217,6 @@ impl Conn {
             return Err(io::Error::last_os_error());
         }
         stream.set_read_timeout(Some(TIMEOUT))?;
-        stream.set_write_timeout(Some(TIMEOUT))?;
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
     }
 }

@@ -41,6 +41,10 @@ macro_rules! suite {
                 run($m, "a_pod_reaching_its_own_service_gets_through")
             }
             #[test]
+            fn a_connection_tried_before_its_service_existed_gets_through() {
+                run($m, "a_connection_tried_before_its_service_existed_gets_through")
+            }
+            #[test]
             fn node_port_from_outside() {
                 run($m, "node_port_from_outside")
             }

@@ -5,8 +5,19 @@
 //! such entries after each sync; so do we: after a sync that changed a UDP Service, one
 //! `conntrack -L -p udp` dump, read line by line as it comes (a busy node's table is large;
 //! only the stale pairs are kept), then one `conntrack -D` per stale (Service address,
-//! endpoint) pair. TCP needs none of this: a removed endpoint's connections end with a reset.
-//! (The eBPF dataplane re-selects such flows itself, on their next packet.)
+//! endpoint) pair. TCP to a removed endpoint needs none of this: its connections end with a
+//! reset. (The eBPF dataplane re-selects such flows itself, on their next packet.)
+//!
+//! TCP needs one sweep of its own, which kube-proxy does not make: a connection attempt to a
+//! Service address before its rules existed (a Service just created, or an agent just started)
+//! leaves the node by its default route with an untranslated conntrack entry, and the client's
+//! retransmitted SYNs (the same tuple) keep following that entry past the new DNAT rules for
+//! as long as it lives (120 s of SYN_SENT, renewed by each retransmission): the nftables rules
+//! refuse them as traffic to a ClusterIP port nothing serves, the iptables rules let them go
+//! to nowhere. A client that reuses such a source port (one that wraps the ephemeral range
+//! within two minutes) meets the same. So after a sync that gave a TCP Service address its
+//! first endpoints, the unanswered, untranslated attempts to it are deleted
+//! (`forget_untranslated_attempts`), and the next SYN is translated.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -15,7 +26,7 @@ use std::{
 };
 
 use super::{run, spawn, NetfilterError, NodeContext, Services};
-use crate::model::{Family, Protocol};
+use crate::model::{Family, PortView, Protocol};
 
 const CONNTRACK: &str = "conntrack";
 
@@ -32,14 +43,56 @@ pub struct Flow {
 /// Parses one line of `conntrack -L -p udp` output (the first src/dst/sport/dport are the
 /// original direction, the second the reply).
 pub fn parse_line(line: &str) -> Option<Flow> {
-    // The n-th value of `key=` on the line.
-    let nth = |key: &str, n: usize| line.split_whitespace().filter_map(|w| w.strip_prefix(key)?.strip_prefix('=')).nth(n);
+    let nth = |key: &str, n: usize| field(line, key, n);
     Some(Flow {
         dst: nth("dst", 0)?.parse().ok()?,
         dport: nth("dport", 0)?.parse().ok()?,
         reply_src: nth("src", 1)?.parse().ok()?,
         reply_sport: nth("sport", 1)?.parse().ok()?,
     })
+}
+
+/// The n-th value of `key=` on a line of `conntrack -L` output.
+fn field<'a>(line: &'a str, key: &str, n: usize) -> Option<&'a str> {
+    line.split_whitespace().filter_map(|w| w.strip_prefix(key)?.strip_prefix('=')).nth(n)
+}
+
+/// A TCP connection attempt that nothing answered and no rule translated, by its original
+/// tuple (what `conntrack -D` names it by).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Attempt {
+    pub src: IpAddr,
+    pub sport: u16,
+    pub dst: IpAddr,
+    pub dport: u16,
+}
+
+/// Reads a line of `conntrack -L -p tcp` output as an unanswered attempt that went out
+/// untranslated (replies would come from the address it was sent to); None for anything else.
+pub fn parse_attempt(line: &str) -> Option<Attempt> {
+    if !line.split_whitespace().any(|w| w == "[UNREPLIED]") {
+        return None;
+    }
+    let flow = parse_line(line)?;
+    if (flow.reply_src, flow.reply_sport) != (flow.dst, flow.dport) {
+        return None;
+    }
+    Some(Attempt {
+        src: field(line, "src", 0)?.parse().ok()?,
+        sport: field(line, "sport", 0)?.parse().ok()?,
+        dst: flow.dst,
+        dport: flow.dport,
+    })
+}
+
+/// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) that
+/// `ports` serve with endpoints: where an attempt made before they did may be stuck.
+pub fn served_tcp_frontends(ports: &[PortView]) -> BTreeSet<(IpAddr, u16)> {
+    ports
+        .iter()
+        .filter(|p| p.name.protocol == Protocol::Tcp && p.has_endpoints)
+        .flat_map(|p| p.cluster_ips.iter().chain(&p.external_ips).chain(&p.lb_ips).map(|a| (*a, p.port)))
+        .collect()
 }
 
 /// The flows that no longer lead where the rules do: to a UDP Service address (cluster IP,
@@ -106,16 +159,20 @@ fn conntrack_family(family: Family) -> &'static str {
     }
 }
 
-/// Lists one family's UDP flows and keeps the stale ones, reading the listing as `conntrack`
-/// writes it.
+/// Lists one family's UDP flows and keeps the stale ones.
 fn list_stale(services: &Services, node: &NodeContext, family: Family) -> Result<BTreeSet<Flow>, NetfilterError> {
-    let args = ["-L", "-f", conntrack_family(family), "-p", "udp"];
+    list(&["-L", "-f", conntrack_family(family), "-p", "udp"], |lines| stale(lines.filter_map(|l| parse_line(&l)), services, node))
+}
+
+/// Runs a `conntrack -L` and hands its lines to `read` as `conntrack` writes them (a busy
+/// node's table is large: only what `read` keeps is held).
+fn list<R>(args: &[&str], read: impl FnOnce(&mut dyn Iterator<Item = String>) -> R) -> Result<R, NetfilterError> {
     let command = || format!("{CONNTRACK} {}", args.join(" "));
-    let mut child = spawn(CONNTRACK, CONNTRACK, &args, false)?;
+    let mut child = spawn(CONNTRACK, CONNTRACK, args, false)?;
     let stdout = child.stdout.take().expect("piped stdout");
     // Its summary line ("... flow entries have been shown") goes to stderr, which stays small;
     // it is read after stdout ends.
-    let stale = stale(BufReader::new(stdout).lines().map_while(Result::ok).filter_map(|l| parse_line(&l)), services, node);
+    let kept = read(&mut BufReader::new(stdout).lines().map_while(Result::ok));
     let mut stderr = String::new();
     if let Some(mut e) = child.stderr.take() {
         let _ = e.read_to_string(&mut stderr);
@@ -124,13 +181,38 @@ fn list_stale(services: &Services, node: &NodeContext, family: Family) -> Result
     if !status.success() {
         return Err(NetfilterError::Failed { command: command(), stderr: stderr.trim().to_string() });
     }
-    Ok(stale)
+    Ok(kept)
+}
+
+/// Deletes the unanswered, untranslated TCP attempts to `frontends` (Service addresses that
+/// just got their first endpoints; see the module's notes), one `conntrack -D` per attempt by
+/// its exact tuple. Returns how many were deleted.
+pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Result<usize, NetfilterError> {
+    let mut deleted = 0;
+    for family in Family::ALL.into_iter().filter(|f| frontends.iter().any(|(a, _)| Family::of(*a) == *f)) {
+        let f = conntrack_family(family);
+        // An attempt nothing answered is in SYN_SENT; listing only those keeps the read short.
+        let attempts: Vec<Attempt> = list(&["-L", "-f", f, "-p", "tcp", "--state", "SYN_SENT"], |lines| {
+            lines.filter_map(|l| parse_attempt(&l)).filter(|a| frontends.contains(&(a.dst, a.dport))).collect()
+        })?;
+        for a in attempts {
+            let (src, dst, sport, dport) = (a.src.to_string(), a.dst.to_string(), a.sport.to_string(), a.dport.to_string());
+            let args =
+                ["-D", "-f", f, "-p", "tcp", "--orig-src", &src, "--orig-dst", &dst, "--orig-port-src", &sport, "--orig-port-dst", &dport];
+            // Exit status 1 ("0 flow entries have been deleted"): the attempt ended meanwhile.
+            if run(CONNTRACK, CONNTRACK, &args).is_ok() {
+                deleted += 1;
+                tracing::info!(service = %format!("{}/tcp", std::net::SocketAddr::new(a.dst, a.dport)), client = %std::net::SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
+            }
+        }
+    }
+    Ok(deleted)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{EndpointView, ObjectKey, PortView, ServicePortName};
+    use crate::model::{EndpointView, ObjectKey, ServicePortName};
 
     fn ep(addr: &str, port: u16) -> EndpointView {
         EndpointView { addr: addr.parse().unwrap(), port, ready: true, serving: true, terminating: false, local: false }
@@ -153,6 +235,39 @@ mod tests {
                 Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.96.0.10".parse().unwrap(), reply_sport: 53 },
             ]
         );
+    }
+
+    #[test]
+    fn only_unanswered_untranslated_attempts_are_read_as_stuck() {
+        let lines = [
+            // Sent before the Service was served: untranslated, unanswered.
+            "tcp      6 117 SYN_SENT src=10.244.0.2 dst=10.96.0.77 sport=44044 dport=80 [UNREPLIED] src=10.96.0.77 dst=10.244.0.2 sport=80 dport=44044 mark=0 use=1",
+            // Translated (a backend is waiting to answer): not stuck, left alone.
+            "tcp      6 118 SYN_SENT src=10.244.0.2 dst=10.96.0.77 sport=44046 dport=80 [UNREPLIED] src=10.244.1.1 dst=10.244.0.2 sport=8080 dport=44046 mark=0 use=1",
+            // Answered: a live connection to a host that held the address before.
+            "tcp      6 431999 ESTABLISHED src=10.244.0.2 dst=192.0.2.7 sport=44048 dport=80 src=192.0.2.7 dst=10.244.0.2 sport=80 dport=44048 [ASSURED] mark=0 use=1",
+            "tcp      6 117 SYN_SENT src=fd00:244::2 dst=fd00:96::77 sport=40000 dport=443 [UNREPLIED] src=fd00:96::77 dst=fd00:244::2 sport=443 dport=40000 mark=0 use=1",
+            "conntrack v1.4.7 (conntrack-tools): 4 flow entries have been shown.",
+        ];
+        let got: Vec<Attempt> = lines.iter().filter_map(|l| parse_attempt(l)).collect();
+        let at = |src: &str, sport, dst: &str, dport| Attempt { src: src.parse().unwrap(), sport, dst: dst.parse().unwrap(), dport };
+        assert_eq!(got, vec![at("10.244.0.2", 44044, "10.96.0.77", 80), at("fd00:244::2", 40000, "fd00:96::77", 443)]);
+    }
+
+    #[test]
+    fn served_tcp_frontends_are_every_address_of_a_tcp_port_with_endpoints() {
+        let name = |proto| ServicePortName { service: ObjectKey::new("default", "web"), port: "p".into(), protocol: proto };
+        let web = PortView {
+            external_ips: vec!["192.0.2.1".parse().unwrap()],
+            lb_ips: vec!["198.51.100.1".parse().unwrap()],
+            node_port: Some(30080),
+            ..PortView::new(name(Protocol::Tcp), Family::V4, 80, vec!["10.96.0.1".parse().unwrap()], vec![ep("10.244.1.1", 8080)])
+        };
+        let empty = PortView::new(name(Protocol::Tcp), Family::V4, 81, vec!["10.96.0.1".parse().unwrap()], vec![]);
+        let udp = PortView::new(name(Protocol::Udp), Family::V4, 53, vec!["10.96.0.1".parse().unwrap()], vec![ep("10.244.1.1", 53)]);
+        let got = served_tcp_frontends(&[web, empty, udp]);
+        let want: BTreeSet<(IpAddr, u16)> = ["10.96.0.1", "192.0.2.1", "198.51.100.1"].iter().map(|a| (a.parse().unwrap(), 80)).collect();
+        assert_eq!(got, want, "no NodePort (the node answers those itself), no port without endpoints, no UDP");
     }
 
     #[test]

@@ -3,12 +3,12 @@
 //! is one kernel transaction). Nothing is written until every source has listed everything.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     time::{Instant, SystemTime},
 };
 
 use crate::{
-    dataplane::netfilter::{NodeContext, RuleSet, Services},
+    dataplane::netfilter::{conntrack, NodeContext, RuleSet, Services},
     model::{
         store::{Event, Kind, NodePortAddresses, Store},
         translate::HealthCheck,
@@ -60,6 +60,11 @@ pub struct NetfilterProxier {
     /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
     /// first: flows from before the agent ran may be stale too).
     udp_changed: bool,
+    /// TCP Service addresses that got their first endpoints since the last sync applied:
+    /// attempts made to them before are deleted from conntrack once the rules are in
+    /// (`conntrack::forget_untranslated_attempts`). All of them at first: attempts made before
+    /// the agent ran are stuck alike.
+    newly_served: BTreeSet<(std::net::IpAddr, u16)>,
     /// `Store::cluster_ip_generation` last looked at, and the Service CIDRs the rules hold.
     cluster_ips_written: Option<u64>,
     service_cidrs: Option<Vec<crate::model::store::Cidr>>,
@@ -87,6 +92,7 @@ impl NetfilterProxier {
             synced_once: false,
             triggers: Vec::new(),
             udp_changed: true,
+            newly_served: BTreeSet::new(),
             cluster_ips_written: None,
             service_cidrs: None,
         }
@@ -176,6 +182,9 @@ impl NetfilterProxier {
                     self.health_checks.remove(svc);
                 }
             }
+            let served =
+                |ports: Option<&Vec<crate::model::PortView>>| ports.map(|p| conntrack::served_tcp_frontends(p)).unwrap_or_default();
+            self.newly_served.extend(served(Some(&t.ports)).difference(&served(self.services.get(svc))));
             // A change to a Service with UDP ports (before or after) calls for a conntrack sweep.
             let udp = |ports: &[crate::model::PortView]| ports.iter().any(|p| p.name.protocol == crate::model::Protocol::Udp);
             if t.ports.is_empty() {
@@ -210,8 +219,14 @@ impl NetfilterProxier {
                 stats.trigger_times = std::mem::take(&mut self.triggers);
                 if std::mem::take(&mut self.udp_changed) {
                     // After the rules: new flows must not pick the old endpoint again.
-                    if let Err(e) = crate::dataplane::netfilter::conntrack::reconcile(&self.services, &node) {
+                    if let Err(e) = conntrack::reconcile(&self.services, &node) {
                         tracing::warn!("stale UDP conntrack entries were not deleted (UDP flows to removed endpoints last until their conntrack timeout): {e}");
+                    }
+                }
+                let newly_served = std::mem::take(&mut self.newly_served);
+                if !newly_served.is_empty() {
+                    if let Err(e) = conntrack::forget_untranslated_attempts(&newly_served) {
+                        tracing::warn!("connection attempts made before their Services were served were not deleted from conntrack (their retransmissions stay untranslated until the entries time out): {e}");
                     }
                 }
             }
@@ -262,6 +277,37 @@ mod tests {
             "metadata: {{name: dns-a, namespace: kube-system, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: UDP}}]\nendpoints:\n{endpoints}"
         );
         Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).unwrap())))
+    }
+
+    /// A TCP Service address is "newly served" (its untranslated attempts are then swept from
+    /// conntrack) when it gains its first endpoint, and only then: not on a change that leaves
+    /// it served, nor for a UDP port (the UDP sweep has those).
+    #[test]
+    fn a_tcp_address_is_newly_served_when_it_gains_its_first_endpoint() {
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Refusing), vec![], Masquerading::default(), vec![]);
+        let svc = "metadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.80, ports: [{name: http, port: 80, protocol: TCP}, {name: dns, port: 53, protocol: UDP}]}";
+        p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
+        let slice = |endpoints: &str| {
+            let yaml = format!(
+                "metadata: {{name: web-a, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 53, protocol: UDP}}]\nendpoints: {endpoints}"
+            );
+            Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).unwrap())))
+        };
+        let web: BTreeSet<(std::net::IpAddr, u16)> = [("10.96.0.80".parse().unwrap(), 80)].into();
+        p.handle(slice("[{addresses: [10.244.0.5]}]"));
+        p.sync().expect("a first sync");
+        // (The refusing rules keep it pending, as a failed apply does, for the retry.)
+        assert_eq!(p.newly_served, web);
+        p.newly_served.clear();
+        p.handle(slice("[{addresses: [10.244.0.5]}, {addresses: [10.244.0.6]}]"));
+        p.sync().expect("a sync");
+        assert!(p.newly_served.is_empty(), "still served: {:?}", p.newly_served);
+        p.handle(slice("[]"));
+        p.sync().expect("a sync");
+        assert!(p.newly_served.is_empty(), "served no more: {:?}", p.newly_served);
+        p.handle(slice("[{addresses: [10.244.0.7]}]"));
+        p.sync().expect("a sync");
+        assert_eq!(p.newly_served, web, "served again");
     }
 
     /// An endpoint that no rule is written for (not ready, not serving) changes no rule: the
