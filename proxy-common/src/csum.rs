@@ -214,6 +214,16 @@ pub fn l4_port_update(field: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_
     l4_apply(field, word_change(old_port, new_port), udp_zero)
 }
 
+/// The change to add to a CHECKSUM_COMPLETE skb's `skb->csum` (a sum over the network header
+/// and everything after it, in memory order) when a rewrite wrote a port (`old_port` to
+/// `new_port`) and its L4 checksum field (`old_field` to `new_field`), and changed the IPv4
+/// header only together with its checksum (which leaves the header's sum as it was). Folded,
+/// for `bpf_csum_update`.
+#[inline(always)]
+pub fn covered_change(old_port: [u8; 2], new_port: [u8; 2], old_field: [u8; 2], new_field: [u8; 2]) -> u16 {
+    fold(word_change(old_port, new_port) + word_change(old_field, new_field))
+}
+
 /// The checksum field value for an IPv4 header whose checksum field is zero.
 #[inline(always)]
 pub fn ipv4_header(header: &[u8; 20]) -> [u8; 2] {
@@ -411,6 +421,42 @@ mod tests {
 
     /// XDP's one-fold rewrite of both addresses, both ports and the TTL gives what updating
     /// field by field gives, and what recomputing gives.
+    #[test]
+    fn covered_change_keeps_a_complete_skb_sum_equal_to_the_rewritten_bytes_sum() {
+        // The skb's sum over an IPv4 header and a TCP or UDP segment (memory order, as
+        // `csum_partial` adds), before and after a reply's source address and port are
+        // rewritten the way the TC datapath does it: header checksum and L4 field by
+        // arithmetic; the skb sum moved by `covered_change` must be the new bytes' sum.
+        let sum_of = |bytes: &[u8]| bytes.chunks(2).fold(0u64, |a, w| a + u64::from(u16::from_ne_bytes([w[0], w[1]])));
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
+        for round in 0..20_000 {
+            let udp = round % 2 == 1;
+            let mut pkt = [0u8; 20 + 28];
+            pkt.iter_mut().for_each(|b| *b = next() as u8);
+            (pkt[0], pkt[10], pkt[11]) = (0x45, 0, 0);
+            let check = ipv4_header(pkt[..20].try_into().unwrap());
+            pkt[10..12].copy_from_slice(&check);
+            let csum_at = 20 + if udp { 6 } else { 16 };
+            if udp && round % 6 == 1 {
+                // No UDP checksum: it stays zero, and the port's change alone moves the sum.
+                (pkt[csum_at], pkt[csum_at + 1]) = (0, 0);
+            }
+            let skb_before = fold(sum_of(&pkt));
+            let (old_addr, new_addr): ([u8; 4], [u8; 4]) = (pkt[12..16].try_into().unwrap(), (next() as u32).to_be_bytes());
+            let (old_port, new_port) = ([pkt[20], pkt[21]], (next() as u16).to_be_bytes());
+            let old_field = [pkt[csum_at], pkt[csum_at + 1]];
+            let new_field = l4_update(old_field, old_addr, new_addr, old_port, new_port, udp);
+            let new_check = update4(check, old_addr, new_addr);
+            pkt[12..16].copy_from_slice(&new_addr);
+            pkt[10..12].copy_from_slice(&new_check);
+            pkt[20..22].copy_from_slice(&new_port);
+            pkt[csum_at..csum_at + 2].copy_from_slice(&new_field);
+            let skb_after = fold(u64::from(skb_before) + u64::from(covered_change(old_port, new_port, old_field, new_field)));
+            // Compared as residues mod 0xffff (0 and 0xffff are both zero).
+            assert_eq!(u32::from(skb_after) % 0xffff, u32::from(fold(sum_of(&pkt))) % 0xffff, "round {round}, udp {udp}");
+        }
+    }
+
     #[test]
     fn a_rewrite_summed_once_matches_field_by_field_updates_and_recomputation() {
         let mut next = xorshift(0x9e37_79b9_7f4a_7c15);

@@ -183,12 +183,13 @@ pub fn rewrite_known<A: Family>(
     } else {
         l4_arithmetic::<A, { UDP_CSUM_OFF + 2 }>(ctx, pkt.l4(), port_off, &fit)
     };
-    if !written {
+    let Some(l4_change) = written else {
         return rewrite(ctx, pkt, side, addr, port);
-    }
-    if fit.address_by_helper() {
-        let (csum_off, mangled) = l4_csum_at(pkt);
-        A::l4_address_helper(ctx, csum_off, mangled, old_addr, addr)?;
+    };
+    if fit.moves_skb_csum() {
+        // SAFETY: plain helper call on our own skb; for a skb that is not CHECKSUM_COMPLETE it
+        // does nothing (and says so, which is no failure here).
+        unsafe { aya_ebpf::helpers::bpf_csum_update(ctx.skb.skb, u32::from(l4_change)) };
     }
     A::store_address(ctx, addr_off, old_addr, addr)
 }
@@ -204,11 +205,15 @@ struct Fit<'a, A: Family> {
 }
 
 impl<A: Family> Fit<'_, A> {
-    /// The complete form's address change on egress goes through the helper (see the module
-    /// comment); its port change does not touch `skb->csum` (the port and the checksum field
-    /// change by opposite amounts), so that part is arithmetic.
+    /// On egress a complete-form skb may be CHECKSUM_COMPLETE (see the module comment), whose
+    /// `skb->csum` covers the network header and the L4 bytes. An IPv4 header's change sums to
+    /// zero with its checksum's, but the L4 checksum field moves by the address change, which
+    /// nothing in the packet cancels: `skb->csum` must move by what the L4 bytes did
+    /// (`bpf_csum_update`, one call that only adds, where the L4 helper took two checks, a
+    /// writability check and the field's rewrite again). In IPv6 the address bytes' change
+    /// and the field's cancel, and `skb->csum` stays.
     #[inline(always)]
-    fn address_by_helper(&self) -> bool {
+    fn moves_skb_csum(&self) -> bool {
         A::HEADER_CSUM && self.form == l4_csum::COMPLETE && matches!(self.side, Side::Src)
     }
 
@@ -225,9 +230,7 @@ impl<A: Family> Fit<'_, A> {
             Some(if delta != [0, 0] { csum::partial_update_with(field, delta) } else { A::partial_update(field, old_addr, self.addr) })
         } else if self.form == l4_csum::COMPLETE && !is_partial {
             let udp = self.pkt.proto == IPPROTO_UDP;
-            Some(if self.address_by_helper() {
-                csum::l4_port_update(field, old_port, self.port, udp)
-            } else if delta != [0, 0] {
+            Some(if delta != [0, 0] {
                 csum::l4_update_with(field, delta, old_port, self.port, udp)
             } else {
                 A::complete_update(field, old_addr, self.addr, old_port, self.port, udp)
@@ -239,20 +242,22 @@ impl<A: Family> Fit<'_, A> {
 }
 
 /// Writes the port at `port_off` of the L4 header and the checksum `fit` makes of the one at
-/// its end (`LEN` is the checksum's offset + 2). False, with nothing written, when the header
-/// is out of bounds or the packet does not fit.
+/// its end (`LEN` is the checksum's offset + 2). Returns the change of the sum of the bytes it
+/// wrote (`csum::covered_change`); None, with nothing written, when the header is out of
+/// bounds or the packet does not fit.
 #[inline(always)]
-fn l4_arithmetic<A: Family, const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, fit: &Fit<A>) -> bool {
-    let Some(l4) = ptr_at::<[u8; LEN]>(ctx, l4_off) else { return false };
-    let l4 = l4 as usize;
+fn l4_arithmetic<A: Family, const LEN: usize>(ctx: &TcContext, l4_off: usize, port_off: usize, fit: &Fit<A>) -> Option<u16> {
+    let l4 = ptr_at::<[u8; LEN]>(ctx, l4_off)? as usize;
     // SAFETY: bounds checked by ptr_at, for these accesses too.
-    let Some(new) = fit.new_field(unsafe { access::load2(l4 + LEN - 2) }) else { return false };
+    let field = unsafe { access::load2(l4 + LEN - 2) };
+    let new = fit.new_field(field)?;
+    let (_, _, _, old_port) = fit.side.fields(fit.pkt);
     // SAFETY: as above.
     unsafe {
         access::store2(l4 + port_off, fit.port);
         access::store2(l4 + LEN - 2, new);
     }
-    true
+    Some(csum::covered_change(old_port, fit.port, field, new))
 }
 
 /// Replaces the address at `addr_off` of the IPv4 header, `old` with `new`, and updates the

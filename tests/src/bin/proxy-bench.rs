@@ -340,6 +340,7 @@ fn profile() {
     run(ingress, &tcp_frame(client, ping, SYN), 1);
     run(ingress, &tcp_frame(client, pong, SYN), 1);
     let (mut est, mut other) = (tcp_frame(client, ping, ACK), tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK));
+    let mut reply = tcp_frame(pong, client, ACK);
     let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), ping, SYN);
     let mut new_flow: Box<dyn Fn(u32) -> Vec<u8>> = Box::new(frame);
     // `--ipv6`: the same packets in IPv6, for comparing the families' paths.
@@ -355,7 +356,16 @@ fn profile() {
         run(ingress, &packet6::tcp_frame(client6, ping6, SYN), 1);
         run(ingress, &packet6::tcp_frame(client6, pong6, SYN), 1);
         est = packet6::tcp_frame(client6, ping6, ACK);
+        reply = packet6::tcp_frame(pong6, client6, ACK);
         other = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
+    }
+    // `--reply`: only the reply of the established flow (TC egress), as `--established`.
+    if std::env::args().any(|a| a == "--reply") {
+        let egress = dp.egress_program();
+        for _ in 0..10 {
+            println!("reply {:.1} ns", repeated(egress, &reply));
+        }
+        return;
     }
     let ingress = dp.ingress_program();
     // `--established`: only the established flow, for a profiler's view of that path alone.
