@@ -170,7 +170,7 @@ fn iptables_backend_auto_and_switching() {
 #[test]
 fn every_scenario_is_in_the_suite() {
     // The macro lists scenarios by hand; keep it in step with the library.
-    assert_eq!(conformance::SCENARIOS.len(), 16);
+    assert_eq!(conformance::SCENARIOS.len(), 17);
 }
 
 /// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's
