@@ -132,3 +132,85 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, S
     });
     Ok((links, addrs))
 }
+
+// Raw netlink requests, for the families the netlink crates do not cover (generic netlink's
+// netdev family in `xdpdevs`, ctnetlink in the netfilter modes' `conntrack`).
+
+pub const NLM_F_REQUEST: u16 = 1;
+pub const NLM_F_ACK: u16 = 4;
+pub const NLM_F_DUMP: u16 = 0x300;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+/// The flag a nested attribute's type carries.
+pub const NLA_F_NESTED: u16 = 0x8000;
+
+/// One attribute: length, type, value, padded to 4 bytes.
+pub fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+    let len = 4 + value.len();
+    let mut v = Vec::with_capacity(len.next_multiple_of(4));
+    v.extend_from_slice(&(len as u16).to_ne_bytes());
+    v.extend_from_slice(&kind.to_ne_bytes());
+    v.extend_from_slice(value);
+    v.resize(len.next_multiple_of(4), 0);
+    v
+}
+
+/// The attributes of `payload` (a message's attributes, or a nested attribute's value), their
+/// types without the nested and byte-order flags.
+pub fn attrs(payload: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut rest = payload;
+    std::iter::from_fn(move || {
+        let len = u16::from_ne_bytes([*rest.first()?, *rest.get(1)?]) as usize;
+        let kind = u16::from_ne_bytes([*rest.get(2)?, *rest.get(3)?]) & 0x3fff;
+        let value = rest.get(4..len)?;
+        rest = rest.get(len.next_multiple_of(4)..).unwrap_or(&[]);
+        Some((kind, value))
+    })
+}
+
+/// Sends one request of type `kind`, whose family header (generic netlink's command and
+/// version, netfilter's address family and version) is `header`, and returns the payloads of
+/// the replies after their netlink header (a dump's until NLMSG_DONE; with NLM_F_ACK, none,
+/// and the kernel's error as the error).
+pub fn request(
+    socket: &mut netlink_sys::Socket,
+    kind: u16,
+    flags: u16,
+    header: [u8; 4],
+    body: &mut Vec<u8>,
+) -> std::io::Result<Vec<Vec<u8>>> {
+    use std::io;
+    let mut msg = Vec::with_capacity(20 + body.len());
+    msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&kind.to_ne_bytes());
+    msg.extend_from_slice(&flags.to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&header);
+    msg.append(body);
+    socket.send(&msg, 0)?;
+    let mut out = Vec::new();
+    loop {
+        let (buf, _) = socket.recv_from_full()?;
+        let mut rest = &buf[..];
+        while rest.len() >= 16 {
+            let len = u32::from_ne_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
+            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+            if len < 16 || len > rest.len() {
+                return Err(io::Error::other("truncated netlink message"));
+            }
+            match kind {
+                NLMSG_DONE => return Ok(out),
+                NLMSG_ERROR => {
+                    let code = i32::from_ne_bytes(rest[16..20].try_into().expect("4 bytes"));
+                    return if code == 0 { Ok(out) } else { Err(io::Error::from_raw_os_error(-code)) };
+                }
+                _ => out.push(rest[16..len].to_vec()),
+            }
+            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+        }
+        if flags & NLM_F_DUMP == 0 {
+            return Ok(out);
+        }
+    }
+}

@@ -502,10 +502,26 @@ pub fn a_connection_tried_before_its_service_existed_gets_through(agent: &Path, 
     let (web, dns) = (std::net::SocketAddrV4::new(late, 80), std::net::SocketAddrV4::new(late, 53));
     // A source port of the client's own, outside the ephemeral range its other connections use.
     const PORT: u16 = 20077;
+    // Unanswered, not refused: its SYN left by the default route (a refused SYN would leave no
+    // entry, and nothing to test). It times out, or the node's failed neighbour lookup of the
+    // gateway (3 s) answers it with host unreachable first.
     let early = crate::servers::Conn::open_from_port(&lab.client.ns, PORT, web).map(|_| ());
-    assert!(early.is_err(), "{mode}: nothing serves {web} yet, but a connection went through");
+    let err = early.expect_err(&format!("{mode}: nothing serves {web} yet, but a connection went through"));
+    assert!(
+        matches!(err.raw_os_error(), Some(libc::EINPROGRESS | libc::EHOSTUNREACH)),
+        "{mode}: the first attempt should go unanswered, not fail with {err}"
+    );
     let resolver = UdpFlow::open_from_port(&lab.client.ns, PORT, dns).expect("a UDP socket");
     assert!(resolver.ask().is_err(), "{mode}: nothing serves {dns} yet, but it answered");
+    if mode != ProxyMode::Ebpf {
+        // The entry that would keep the retransmissions untranslated. (The eBPF dataplane's
+        // lab loads no netfilter rules, and the kernel tracks nothing there.)
+        let held = in_netns(&lab.node.name, &["conntrack", "-L", "-p", "tcp", "--orig-port-src", &PORT.to_string()]);
+        assert!(
+            held.lines().any(|l| l.contains("SYN_SENT") && l.contains(&format!("dst={late} ")) && l.contains("[UNREPLIED]")),
+            "{mode}: no untranslated attempt in conntrack:\n{held}"
+        );
+    }
     let backends = lab.backend_ips();
     lab.write_manifest(
         "late.yaml",

@@ -326,6 +326,12 @@ pub struct PortView {
 }
 
 impl PortView {
+    /// The addresses the port is reached on, node ports aside: its cluster, external and
+    /// load-balancer IPs.
+    pub fn service_ips(&self) -> impl Iterator<Item = &IpAddr> {
+        self.cluster_ips.iter().chain(&self.external_ips).chain(&self.lb_ips)
+    }
+
     /// A port reached on `cluster_ips` only, with `endpoints` for the Cluster policy and
     /// nothing else set.
     pub fn new(name: ServicePortName, family: Family, port: u16, cluster_ips: Vec<IpAddr>, endpoints: Vec<EndpointView>) -> Self {

@@ -18,6 +18,8 @@ use std::{collections::BTreeMap, io};
 use futures::TryStreamExt as _;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkXdp, XdpAttached};
 use netlink_sys::{protocols::NETLINK_GENERIC, Socket, SocketAddr};
+
+use crate::netlink::{attr, attrs, request, NLM_F_DUMP, NLM_F_REQUEST};
 use proxy_common::xdp_dev;
 
 /// NETDEV_XDP_ACT_* bits of `xdp_features` (include/uapi/linux/netdev.h).
@@ -142,10 +144,10 @@ const CTRL_ATTR_FAMILY_NAME: u16 = 2;
 const NETDEV_CMD_DEV_GET: u8 = 1;
 const NETDEV_A_DEV_IFINDEX: u16 = 1;
 const NETDEV_A_DEV_XDP_FEATURES: u16 = 3;
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
+/// A generic netlink message's header: the command, version 1.
+fn genl(cmd: u8) -> [u8; 4] {
+    [cmd, 1, 0, 0]
+}
 
 /// `xdp_features` of every device, by index (Linux 6.3+).
 pub fn xdp_features() -> io::Result<BTreeMap<u32, u64>> {
@@ -153,16 +155,16 @@ pub fn xdp_features() -> io::Result<BTreeMap<u32, u64>> {
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
     let mut name = attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0");
-    let family = request(&mut socket, GENL_ID_CTRL, NLM_F_REQUEST, CTRL_CMD_GETFAMILY, &mut name)
+    let family = request(&mut socket, GENL_ID_CTRL, NLM_F_REQUEST, genl(CTRL_CMD_GETFAMILY), &mut name)
         .map_err(|e| io::Error::new(e.kind(), format!("the netdev generic netlink family (Linux 6.3+): {e}")))?
         .iter()
-        .find_map(|m| attrs(m).find(|(t, _)| *t == CTRL_ATTR_FAMILY_ID).and_then(|(_, v)| v.get(..2)))
+        .find_map(|m| attrs(m.get(4..).unwrap_or(&[])).find(|(t, _)| *t == CTRL_ATTR_FAMILY_ID).and_then(|(_, v)| v.get(..2)))
         .map(|v| u16::from_ne_bytes([v[0], v[1]]))
         .ok_or_else(|| io::Error::other("no id for the netdev generic netlink family"))?;
     let mut devices = BTreeMap::new();
-    for m in request(&mut socket, family, NLM_F_REQUEST | NLM_F_DUMP, NETDEV_CMD_DEV_GET, &mut Vec::new())? {
+    for m in request(&mut socket, family, NLM_F_REQUEST | NLM_F_DUMP, genl(NETDEV_CMD_DEV_GET), &mut Vec::new())? {
         let (mut index, mut features) = (None, None);
-        for (t, v) in attrs(&m) {
+        for (t, v) in attrs(m.get(4..).unwrap_or(&[])) {
             match (t, v.len()) {
                 (NETDEV_A_DEV_IFINDEX, 4) => index = Some(u32::from_ne_bytes(v.try_into().expect("4 bytes"))),
                 (NETDEV_A_DEV_XDP_FEATURES, 8) => features = Some(u64::from_ne_bytes(v.try_into().expect("8 bytes"))),
@@ -174,65 +176,6 @@ pub fn xdp_features() -> io::Result<BTreeMap<u32, u64>> {
         }
     }
     Ok(devices)
-}
-
-fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
-    let len = 4 + value.len();
-    let mut v = Vec::with_capacity(len.next_multiple_of(4));
-    v.extend_from_slice(&(len as u16).to_ne_bytes());
-    v.extend_from_slice(&kind.to_ne_bytes());
-    v.extend_from_slice(value);
-    v.resize(len.next_multiple_of(4), 0);
-    v
-}
-
-/// The attributes of a generic netlink message's payload (after its 4-byte header).
-fn attrs(payload: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    let mut rest = payload.get(4..).unwrap_or(&[]);
-    std::iter::from_fn(move || {
-        let len = u16::from_ne_bytes([*rest.first()?, *rest.get(1)?]) as usize;
-        let kind = u16::from_ne_bytes([*rest.get(2)?, *rest.get(3)?]) & 0x3fff;
-        let value = rest.get(4..len)?;
-        rest = rest.get(len.next_multiple_of(4)..).unwrap_or(&[]);
-        Some((kind, value))
-    })
-}
-
-/// Sends one request and returns the payloads of the replies (a dump's until NLMSG_DONE).
-fn request(socket: &mut Socket, family: u16, flags: u16, cmd: u8, body: &mut Vec<u8>) -> io::Result<Vec<Vec<u8>>> {
-    let mut msg = Vec::with_capacity(20 + body.len());
-    msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
-    msg.extend_from_slice(&family.to_ne_bytes());
-    msg.extend_from_slice(&flags.to_ne_bytes());
-    msg.extend_from_slice(&1u32.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.extend_from_slice(&[cmd, 1, 0, 0]);
-    msg.append(body);
-    socket.send(&msg, 0)?;
-    let mut out = Vec::new();
-    loop {
-        let (buf, _) = socket.recv_from_full()?;
-        let mut rest = &buf[..];
-        while rest.len() >= 16 {
-            let len = u32::from_ne_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
-            let kind = u16::from_ne_bytes([rest[4], rest[5]]);
-            if len < 16 || len > rest.len() {
-                return Err(io::Error::other("truncated netlink message"));
-            }
-            match kind {
-                NLMSG_DONE => return Ok(out),
-                NLMSG_ERROR => {
-                    let code = i32::from_ne_bytes(rest[16..20].try_into().expect("4 bytes"));
-                    return if code == 0 { Ok(out) } else { Err(io::Error::from_raw_os_error(-code)) };
-                }
-                _ => out.push(rest[16..len].to_vec()),
-            }
-            rest = &rest[len.next_multiple_of(4).min(rest.len())..];
-        }
-        if flags & NLM_F_DUMP == 0 {
-            return Ok(out);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -267,8 +210,7 @@ mod tests {
 
     #[test]
     fn attributes_are_walked_with_their_padding() {
-        let mut payload = vec![1, 1, 0, 0];
-        payload.extend(attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0"));
+        let mut payload = attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0");
         payload.extend(attr(CTRL_ATTR_FAMILY_ID, &33u16.to_ne_bytes()));
         let got: Vec<(u16, Vec<u8>)> = attrs(&payload).map(|(t, v)| (t, v.to_vec())).collect();
         assert_eq!(got, vec![(CTRL_ATTR_FAMILY_NAME, b"netdev\0".to_vec()), (CTRL_ATTR_FAMILY_ID, 33u16.to_ne_bytes().to_vec())]);

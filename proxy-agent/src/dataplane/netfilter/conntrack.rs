@@ -17,7 +17,8 @@
 //! to nowhere. A client that reuses such a source port (one that wraps the ephemeral range
 //! within two minutes) meets the same. So after a sync that gave a TCP Service address its
 //! first endpoints, the unanswered, untranslated attempts to it are deleted
-//! (`forget_untranslated_attempts`), and the next SYN is translated.
+//! (`forget_untranslated_attempts`: one listing, then a ctnetlink request per attempt), and
+//! the next SYN is translated.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -91,7 +92,7 @@ pub fn served_tcp_frontends(ports: &[PortView]) -> BTreeSet<(IpAddr, u16)> {
     ports
         .iter()
         .filter(|p| p.name.protocol == Protocol::Tcp && p.has_endpoints)
-        .flat_map(|p| p.cluster_ips.iter().chain(&p.external_ips).chain(&p.lb_ips).map(|a| (*a, p.port)))
+        .flat_map(|p| p.service_ips().map(|a| (*a, p.port)))
         .collect()
 }
 
@@ -104,7 +105,7 @@ pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &
     let mut frontends: BTreeMap<(IpAddr, u16), BTreeSet<(IpAddr, u16)>> = BTreeMap::new();
     for port in services.values().flatten().filter(|p| p.name.protocol == Protocol::Udp && p.has_endpoints) {
         let eps: BTreeSet<(IpAddr, u16)> = port.reachable_endpoints().iter().map(|e| (e.addr, e.port)).collect();
-        for addr in port.cluster_ips.iter().chain(&port.external_ips).chain(&port.lb_ips) {
+        for addr in port.service_ips() {
             frontends.entry((*addr, port.port)).or_default().extend(&eps);
         }
         if let Some(np) = port.node_port {
@@ -185,28 +186,107 @@ fn list<R>(args: &[&str], read: impl FnOnce(&mut dyn Iterator<Item = String>) ->
 }
 
 /// Deletes the unanswered, untranslated TCP attempts to `frontends` (Service addresses that
-/// just got their first endpoints; see the module's notes), one `conntrack -D` per attempt by
-/// its exact tuple. Returns how many were deleted.
+/// just got their first endpoints; see the module's notes): one listing per family, then one
+/// ctnetlink request per attempt, by its exact tuple (`conntrack -D` would dump the whole
+/// table again for each). Returns how many were deleted; a family that fails does not keep
+/// the other from its sweep.
 pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Result<usize, NetfilterError> {
-    let mut deleted = 0;
+    let (mut deleted, mut failure) = (0, None);
     for family in Family::ALL.into_iter().filter(|f| frontends.iter().any(|(a, _)| Family::of(*a) == *f)) {
-        let f = conntrack_family(family);
         // An attempt nothing answered is in SYN_SENT; listing only those keeps the read short.
-        let attempts: Vec<Attempt> = list(&["-L", "-f", f, "-p", "tcp", "--state", "SYN_SENT"], |lines| {
-            lines.filter_map(|l| parse_attempt(&l)).filter(|a| frontends.contains(&(a.dst, a.dport))).collect()
-        })?;
+        let listed = list(&["-L", "-f", conntrack_family(family), "-p", "tcp", "--state", "SYN_SENT"], |lines| {
+            lines.filter_map(|l| parse_attempt(&l)).filter(|a| frontends.contains(&(a.dst, a.dport))).collect::<Vec<Attempt>>()
+        });
+        let attempts = match listed {
+            Ok(a) => a,
+            Err(e) => {
+                failure = Some(e);
+                continue;
+            }
+        };
+        if attempts.is_empty() {
+            continue;
+        }
+        let failed =
+            |e: std::io::Error| NetfilterError::Failed { command: "ctnetlink: delete a conntrack entry".into(), stderr: e.to_string() };
+        let mut socket = match ctnetlink() {
+            Ok(s) => s,
+            Err(e) => {
+                failure = Some(failed(e));
+                continue;
+            }
+        };
         for a in attempts {
-            let (src, dst, sport, dport) = (a.src.to_string(), a.dst.to_string(), a.sport.to_string(), a.dport.to_string());
-            let args =
-                ["-D", "-f", f, "-p", "tcp", "--orig-src", &src, "--orig-dst", &dst, "--orig-port-src", &sport, "--orig-port-dst", &dport];
-            // Exit status 1 ("0 flow entries have been deleted"): the attempt ended meanwhile.
-            if run(CONNTRACK, CONNTRACK, &args).is_ok() {
-                deleted += 1;
-                tracing::info!(service = %format!("{}/tcp", std::net::SocketAddr::new(a.dst, a.dport)), client = %std::net::SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
+            match delete_tcp(&mut socket, &a) {
+                Ok(true) => {
+                    deleted += 1;
+                    tracing::info!(service = %format!("{}/tcp", std::net::SocketAddr::new(a.dst, a.dport)), client = %std::net::SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
+                }
+                // Gone meanwhile (it timed out, or the client gave up).
+                Ok(false) => {}
+                Err(e) => failure = Some(failed(e)),
             }
         }
     }
-    Ok(deleted)
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(deleted),
+    }
+}
+
+// ctnetlink (linux/netfilter/nfnetlink_conntrack.h).
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+
+fn ctnetlink() -> std::io::Result<netlink_sys::Socket> {
+    let mut socket = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_NETFILTER)?;
+    socket.bind_auto()?;
+    socket.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+    Ok(socket)
+}
+
+/// The ctnetlink request that deletes the TCP entry whose original tuple is `a`'s: its
+/// netfilter header (address family, version 0) and attributes.
+fn delete_request(a: &Attempt) -> ([u8; 4], Vec<u8>) {
+    use crate::netlink::{attr, NLA_F_NESTED};
+    let (family, src_attr, src, dst) = match (a.src, a.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => (libc::AF_INET, CTA_IP_V4_SRC, s.octets().to_vec(), d.octets().to_vec()),
+        (s, d) => {
+            let v6 = |ip: IpAddr| match ip {
+                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+                IpAddr::V6(v6) => v6,
+            };
+            (libc::AF_INET6, CTA_IP_V6_SRC, v6(s).octets().to_vec(), v6(d).octets().to_vec())
+        }
+    };
+    let ip = [attr(src_attr, &src), attr(src_attr + 1, &dst)].concat();
+    let proto = [
+        attr(CTA_PROTO_NUM, &[libc::IPPROTO_TCP as u8]),
+        attr(CTA_PROTO_SRC_PORT, &a.sport.to_be_bytes()),
+        attr(CTA_PROTO_DST_PORT, &a.dport.to_be_bytes()),
+    ]
+    .concat();
+    let tuple = [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &proto)].concat();
+    ([family as u8, 0, 0, 0], attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple))
+}
+
+/// Deletes the TCP entry whose original tuple is `a`'s. False when there is none.
+fn delete_tcp(socket: &mut netlink_sys::Socket, a: &Attempt) -> std::io::Result<bool> {
+    use crate::netlink::{request, NLM_F_ACK, NLM_F_REQUEST};
+    let (header, mut body) = delete_request(a);
+    match request(socket, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, header, &mut body) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -252,6 +332,31 @@ mod tests {
         let got: Vec<Attempt> = lines.iter().filter_map(|l| parse_attempt(l)).collect();
         let at = |src: &str, sport, dst: &str, dport| Attempt { src: src.parse().unwrap(), sport, dst: dst.parse().unwrap(), dport };
         assert_eq!(got, vec![at("10.244.0.2", 44044, "10.96.0.77", 80), at("fd00:244::2", 40000, "fd00:96::77", 443)]);
+    }
+
+    /// The delete request names the attempt's original tuple as ctnetlink nests it.
+    #[test]
+    fn a_delete_request_names_the_original_tuple() {
+        use crate::netlink::attrs;
+        let nested = |v: &[u8], kind: u16| -> Vec<u8> { attrs(v).find(|(t, _)| *t == kind).map(|(_, x)| x.to_vec()).unwrap_or_default() };
+        for (src, dst, family, src_attr) in
+            [("10.244.0.2", "10.96.0.77", libc::AF_INET, CTA_IP_V4_SRC), ("fd00:244::2", "fd00:96::77", libc::AF_INET6, CTA_IP_V6_SRC)]
+        {
+            let (src, dst): (IpAddr, IpAddr) = (src.parse().unwrap(), dst.parse().unwrap());
+            let octets = |ip: IpAddr| match ip {
+                IpAddr::V4(a) => a.octets().to_vec(),
+                IpAddr::V6(a) => a.octets().to_vec(),
+            };
+            let (header, body) = delete_request(&Attempt { src, sport: 20077, dst, dport: 80 });
+            assert_eq!(header, [family as u8, 0, 0, 0]);
+            let orig = nested(&body, CTA_TUPLE_ORIG);
+            let (ip, proto) = (nested(&orig, CTA_TUPLE_IP), nested(&orig, CTA_TUPLE_PROTO));
+            assert_eq!((nested(&ip, src_attr), nested(&ip, src_attr + 1)), (octets(src), octets(dst)));
+            assert_eq!(nested(&proto, CTA_PROTO_NUM), vec![6]);
+            assert_eq!((nested(&proto, CTA_PROTO_SRC_PORT), nested(&proto, CTA_PROTO_DST_PORT)), (vec![0x4e, 0x6d], vec![0, 80]));
+            // Every nested attribute says so (the kernel's strict parsing wants the flag).
+            assert_eq!(u16::from_ne_bytes([body[2], body[3]]) & crate::netlink::NLA_F_NESTED, crate::netlink::NLA_F_NESTED);
+        }
     }
 
     #[test]
