@@ -207,13 +207,6 @@ pub fn l4_update<A: Words>(field: [u8; 2], old_addr: A, new_addr: A, old_port: [
     l4_apply(field, address_change(old_addr, new_addr) + word_change(old_port, new_port), udp_zero)
 }
 
-/// A complete TCP/UDP checksum after a port changed (the address part left to someone else);
-/// `udp_zero` as in `l4_apply`.
-#[inline(always)]
-pub fn l4_port_update(field: [u8; 2], old_port: [u8; 2], new_port: [u8; 2], udp_zero: bool) -> [u8; 2] {
-    l4_apply(field, word_change(old_port, new_port), udp_zero)
-}
-
 /// The change to add to a CHECKSUM_COMPLETE skb's `skb->csum` (a sum over the network header
 /// and everything after it, in memory order) when a rewrite wrote a port (`old_port` to
 /// `new_port`) and its L4 checksum field (`old_field` to `new_field`), and changed the IPv4
@@ -303,7 +296,7 @@ mod tests {
             assert_eq!(update2(check, op, np), reference_update(check, &op, &np));
             let both = reference_update(reference_update(check, &old, &new), &op, &np);
             assert_eq!(l4_update(check, old, new, op, np, false), both);
-            assert_eq!(update4(l4_port_update(check, op, np, false), old, new), both);
+            assert_eq!(update4(l4_apply(check, word_change(op, np), false), old, new), both);
             assert_eq!(
                 partial_update(check, old, new),
                 (!u16::from_be_bytes(reference_update((!u16::from_be_bytes(check)).to_be_bytes(), &old, &new))).to_be_bytes()
@@ -419,14 +412,12 @@ mod tests {
         }
     }
 
-    /// XDP's one-fold rewrite of both addresses, both ports and the TTL gives what updating
-    /// field by field gives, and what recomputing gives.
+    /// The skb's sum over an IPv4 header and a TCP or UDP segment (memory order, as
+    /// `csum_partial` adds), before and after a reply's source address and port are rewritten
+    /// the way the TC datapath does it (header checksum and L4 field by arithmetic): the sum
+    /// moved by `covered_change` is the new bytes' sum.
     #[test]
     fn covered_change_keeps_a_complete_skb_sum_equal_to_the_rewritten_bytes_sum() {
-        // The skb's sum over an IPv4 header and a TCP or UDP segment (memory order, as
-        // `csum_partial` adds), before and after a reply's source address and port are
-        // rewritten the way the TC datapath does it: header checksum and L4 field by
-        // arithmetic; the skb sum moved by `covered_change` must be the new bytes' sum.
         let sum_of = |bytes: &[u8]| bytes.chunks(2).fold(0u64, |a, w| a + u64::from(u16::from_ne_bytes([w[0], w[1]])));
         let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for round in 0..20_000 {
@@ -457,6 +448,8 @@ mod tests {
         }
     }
 
+    /// XDP's one-fold rewrite of both addresses, both ports and the TTL gives what updating
+    /// field by field gives, and what recomputing gives.
     #[test]
     fn a_rewrite_summed_once_matches_field_by_field_updates_and_recomputation() {
         let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
@@ -542,11 +535,12 @@ mod tests {
         // An update that computes to zero: the address grows by one from a field of 1.
         assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], false), [0, 0]);
         assert_eq!(l4_update([0, 1], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0], [0, 0], true), [0xff, 0xff]);
-        // The port-only update of a reply: the same rules.
-        assert_eq!(l4_port_update([0, 0], [0, 53], [0, 54], true), [0, 0], "no checksum stays none");
-        assert_eq!(l4_port_update([0, 1], [0, 0], [0, 1], false), [0, 0]);
-        assert_eq!(l4_port_update([0, 1], [0, 0], [0, 1], true), [0xff, 0xff], "a computed zero is sent as ones");
-        assert_eq!(l4_port_update([0x12, 0x34], [0, 53], [0, 54], true), l4_port_update([0x12, 0x34], [0, 53], [0, 54], false));
+        // A port-only change: the same rules.
+        let port_only = |field, old, new, udp| l4_apply(field, word_change(old, new), udp);
+        assert_eq!(port_only([0, 0], [0, 53], [0, 54], true), [0, 0], "no checksum stays none");
+        assert_eq!(port_only([0, 1], [0, 0], [0, 1], false), [0, 0]);
+        assert_eq!(port_only([0, 1], [0, 0], [0, 1], true), [0xff, 0xff], "a computed zero is sent as ones");
+        assert_eq!(port_only([0x12, 0x34], [0, 53], [0, 54], true), port_only([0x12, 0x34], [0, 53], [0, 54], false));
     }
 
     #[test]

@@ -16,15 +16,17 @@
 //! kernel sends them (and TIME_WAIT acks) from its control socket with a complete checksum even
 //! in an offloaded flow, and for those few packets the chance is not worth taking.
 //!
-//! A CHECKSUM_COMPLETE skb also carries the checksum of its whole payload in `skb->csum`, which
-//! only the helper updates; left stale, the receiving stack checks the packet again in software
-//! and logs "hw csum failure". On TC ingress of a pod's veth packets come from the pod's stack
-//! or its forwarding (which clears CHECKSUM_COMPLETE), so there the complete form is rewritten
-//! with arithmetic. On egress, towards the pod, a packet from a NIC may arrive still
-//! CHECKSUM_COMPLETE (an OVS datapath or a TC redirect delivers it without clearing the state),
-//! so in the complete form a reply's address change goes through the helper (one call, not two:
-//! the port change needs no `skb->csum` update, so it is arithmetic). The partial form, which a
-//! NIC never produces, is all arithmetic.
+//! A CHECKSUM_COMPLETE skb also carries the checksum of its whole payload in `skb->csum`,
+//! which direct writes leave stale; the receiving stack then checks the packet again in
+//! software and logs "hw csum failure". On TC ingress of a pod's veth packets come from the
+//! pod's stack or its forwarding (which clears CHECKSUM_COMPLETE), so there the complete form
+//! is rewritten with arithmetic alone. On egress, towards the pod, a packet from a NIC may
+//! arrive still CHECKSUM_COMPLETE (an OVS datapath or a TC redirect delivers it without
+//! clearing the state), so after an IPv4 reply's arithmetic rewrite in the complete form
+//! `bpf_csum_update` moves `skb->csum` by what the written L4 bytes changed
+//! (`csum::covered_change`; a no-op for other skbs). IPv6 needs nothing: its address change
+//! and its L4 field's cancel in the sum. The partial form, which a NIC never produces, is all
+//! arithmetic.
 //!
 //! The work is the same whether or not the values change, so a no-op rewrite costs what a real
 //! one does.
