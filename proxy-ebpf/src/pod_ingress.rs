@@ -65,8 +65,8 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let now = ct::now();
     if let Some(e) = Slot::of(A::ct(), ct::key(&pkt)) {
+        let now = ct::now();
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::HAIRPIN != 0 {
@@ -83,23 +83,40 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
         }
         // Tracked afresh below; the old connection's reply entry must not outlive it.
         ct::drop_reply(&pkt, &entry);
+        return to_service_stage(ctx, &pkt, Some(now), reason_of_new(&pkt));
     }
-    let reason = if pkt.is_tcp_mid_connection() { Reason::NewFlowMidConnection } else { Reason::NewFlow };
-    to_service_stage(ctx, &pkt, now, reason)
+    to_service_stage(ctx, &pkt, None, reason_of_new(&pkt))
+}
+
+#[inline(always)]
+fn reason_of_new<A: Family>(pkt: &Packet<A>) -> Reason {
+    if pkt.is_tcp_mid_connection() {
+        Reason::NewFlowMidConnection
+    } else {
+        Reason::NewFlow
+    }
 }
 
 /// `to_service`, inline, or for a family whose flow does not fit one stack frame
-/// (`Family::STAGES_APART`) in its new-flow program (`try_tc_ingress6_new`).
+/// (`Family::STAGES_APART`) in its new-flow program (`try_tc_ingress6_new`). `now`, if the
+/// caller has it: a packet for no Service (pod to pod, most of a node's traffic) is passed
+/// without reading the clock.
 #[inline(always)]
-fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: u64, reason: Reason) -> Result<Verdict, Reason> {
+fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: Option<u64>, reason: Reason) -> Result<Verdict, Reason> {
     let master = service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0));
-    if A::STAGES_APART {
-        // Most packets without a flow are for no Service (pod to pod): they are passed here,
-        // without the stage's copy and tail call. What the new-flow program may still act on
-        // (a Service's frontend, an allocated cluster IP's other ports) goes on.
-        if master.is_none() && select::service_cidr_of(pkt.daddr) != svc_cidr::ALLOCATED {
+    if master.is_none() {
+        if !A::STAGES_APART {
+            return unserved(ctx, pkt);
+        }
+        // Most packets without a flow are for no Service: they are passed here, without the
+        // stage's copy and tail call. What the new-flow program may still act on (an
+        // allocated cluster IP's other ports) goes on.
+        if select::service_cidr_of(pkt.daddr) != svc_cidr::ALLOCATED {
             return Ok(Verdict::pass(Reason::PassNotService));
         }
+    }
+    let now = now.unwrap_or_else(ct::now);
+    if A::STAGES_APART {
         return Ok(Verdict::pass(A::new_flow_apart(ctx, pkt, now, reason, master.as_ref())));
     }
     to_service(ctx, pkt, now, reason, master.as_ref())
@@ -188,7 +205,7 @@ fn established<A: Family>(
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging.
         ct::drop_reply(pkt, entry);
-        return to_service_stage(ctx, pkt, now, Reason::Reselected);
+        return to_service_stage(ctx, pkt, Some(now), Reason::Reselected);
     };
     ct::touch_forward(pkt, &mut e, now);
     frag::remember(pkt);
