@@ -59,7 +59,7 @@ fn field<'a>(line: &'a str, key: &str, n: usize) -> Option<&'a str> {
 }
 
 /// A TCP connection attempt that nothing answered and no rule translated, by its original
-/// tuple (what `conntrack -D` names it by).
+/// tuple (what its deletion names it by).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Attempt {
     pub src: IpAddr,
@@ -86,12 +86,13 @@ pub fn parse_attempt(line: &str) -> Option<Attempt> {
     })
 }
 
-/// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) that
-/// `ports` serve with endpoints: where an attempt made before they did may be stuck.
-pub fn served_tcp_frontends(ports: &[PortView]) -> BTreeSet<(IpAddr, u16)> {
+/// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) of
+/// `ports` that are in the rules (`served`: those with endpoints, where an attempt made before
+/// may be stuck).
+pub fn tcp_frontends(ports: &[PortView], served: bool) -> BTreeSet<(IpAddr, u16)> {
     ports
         .iter()
-        .filter(|p| p.name.protocol == Protocol::Tcp && p.has_endpoints)
+        .filter(|p| p.name.protocol == Protocol::Tcp && (p.has_endpoints || !served))
         .flat_map(|p| p.service_ips().map(|a| (*a, p.port)))
         .collect()
 }
@@ -360,7 +361,7 @@ mod tests {
     }
 
     #[test]
-    fn served_tcp_frontends_are_every_address_of_a_tcp_port_with_endpoints() {
+    fn tcp_frontends_are_every_address_of_a_tcp_port_in_the_rules() {
         let name = |proto| ServicePortName { service: ObjectKey::new("default", "web"), port: "p".into(), protocol: proto };
         let web = PortView {
             external_ips: vec!["192.0.2.1".parse().unwrap()],
@@ -370,9 +371,16 @@ mod tests {
         };
         let empty = PortView::new(name(Protocol::Tcp), Family::V4, 81, vec!["10.96.0.1".parse().unwrap()], vec![]);
         let udp = PortView::new(name(Protocol::Udp), Family::V4, 53, vec!["10.96.0.1".parse().unwrap()], vec![ep("10.244.1.1", 53)]);
-        let got = served_tcp_frontends(&[web, empty, udp]);
+        let ports = [web, empty, udp];
         let want: BTreeSet<(IpAddr, u16)> = ["10.96.0.1", "192.0.2.1", "198.51.100.1"].iter().map(|a| (a.parse().unwrap(), 80)).collect();
-        assert_eq!(got, want, "no NodePort (the node answers those itself), no port without endpoints, no UDP");
+        assert_eq!(
+            tcp_frontends(&ports, true),
+            want,
+            "served: no NodePort (the node answers those itself), no port without endpoints, no UDP"
+        );
+        let mut present = want.clone();
+        present.insert(("10.96.0.1".parse().unwrap(), 81));
+        assert_eq!(tcp_frontends(&ports, false), present, "in the rules: the port without endpoints too");
     }
 
     #[test]

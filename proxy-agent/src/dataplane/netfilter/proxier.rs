@@ -60,11 +60,16 @@ pub struct NetfilterProxier {
     /// A UDP Service changed since stale UDP conntrack entries were last deleted (true at
     /// first: flows from before the agent ran may be stale too).
     udp_changed: bool,
-    /// TCP Service addresses that got their first endpoints since the last sync applied:
-    /// attempts made to them before are deleted from conntrack once the rules are in
-    /// (`conntrack::forget_untranslated_attempts`). All of them at first: attempts made before
-    /// the agent ran are stuck alike.
-    newly_served: BTreeSet<(std::net::IpAddr, u16)>,
+    /// TCP Service addresses with endpoints whose earlier attempts are still to be deleted from
+    /// conntrack once the rules are in (`conntrack::forget_untranslated_attempts`): all of them
+    /// at first (attempts made before the agent ran are stuck alike), then each address that
+    /// gets endpoints and is not in `swept`.
+    to_sweep: BTreeSet<(std::net::IpAddr, u16)>,
+    /// TCP Service addresses swept and in the rules ever since. While such an address has no
+    /// endpoints the rules refuse (or drop) its attempts, which leaves no conntrack entry, so
+    /// it needs no second sweep until it leaves the rules: endpoints that come and go cost no
+    /// conntrack listing.
+    swept: BTreeSet<(std::net::IpAddr, u16)>,
     /// `Store::cluster_ip_generation` last looked at, and the Service CIDRs the rules hold.
     cluster_ips_written: Option<u64>,
     service_cidrs: Option<Vec<crate::model::store::Cidr>>,
@@ -92,7 +97,8 @@ impl NetfilterProxier {
             synced_once: false,
             triggers: Vec::new(),
             udp_changed: true,
-            newly_served: BTreeSet::new(),
+            to_sweep: BTreeSet::new(),
+            swept: BTreeSet::new(),
             cluster_ips_written: None,
             service_cidrs: None,
         }
@@ -182,9 +188,14 @@ impl NetfilterProxier {
                     self.health_checks.remove(svc);
                 }
             }
-            let served =
-                |ports: Option<&Vec<crate::model::PortView>>| ports.map(|p| conntrack::served_tcp_frontends(p)).unwrap_or_default();
-            self.newly_served.extend(served(Some(&t.ports)).difference(&served(self.services.get(svc))));
+            let before = self.services.get(svc).map(|p| conntrack::tcp_frontends(p, false)).unwrap_or_default();
+            let present = conntrack::tcp_frontends(&t.ports, false);
+            for gone in before.difference(&present) {
+                self.swept.remove(gone);
+                self.to_sweep.remove(gone);
+            }
+            let swept = &self.swept;
+            self.to_sweep.extend(conntrack::tcp_frontends(&t.ports, true).into_iter().filter(|a| !swept.contains(a)));
             // A change to a Service with UDP ports (before or after) calls for a conntrack sweep.
             let udp = |ports: &[crate::model::PortView]| ports.iter().any(|p| p.name.protocol == crate::model::Protocol::Udp);
             if t.ports.is_empty() {
@@ -223,11 +234,12 @@ impl NetfilterProxier {
                         tracing::warn!("stale UDP conntrack entries were not deleted (UDP flows to removed endpoints last until their conntrack timeout): {e}");
                     }
                 }
-                let newly_served = std::mem::take(&mut self.newly_served);
-                if !newly_served.is_empty() {
-                    if let Err(e) = conntrack::forget_untranslated_attempts(&newly_served) {
+                if !self.to_sweep.is_empty() {
+                    let to_sweep = std::mem::take(&mut self.to_sweep);
+                    if let Err(e) = conntrack::forget_untranslated_attempts(&to_sweep) {
                         tracing::warn!("connection attempts made before their Services were served were not deleted from conntrack (their retransmissions stay untranslated until the entries time out): {e}");
                     }
+                    self.swept.extend(to_sweep);
                 }
             }
             Err(e) => {
@@ -279,14 +291,17 @@ mod tests {
         Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).unwrap())))
     }
 
-    /// A TCP Service address is "newly served" (its untranslated attempts are then swept from
-    /// conntrack) when it gains its first endpoint, and only then: not on a change that leaves
-    /// it served, nor for a UDP port (the UDP sweep has those).
+    /// A TCP Service address is swept for stuck attempts when it is served (has endpoints) for
+    /// the first time since it entered the rules, and only then: not on a change that leaves it
+    /// served, nor when endpoints come back to an address that stayed in the rules (its
+    /// attempts meanwhile were refused and left nothing), nor for a UDP port (the UDP sweep has
+    /// those). It is again once it left the rules and came back.
     #[test]
-    fn a_tcp_address_is_newly_served_when_it_gains_its_first_endpoint() {
+    fn a_tcp_address_is_swept_when_first_served_after_entering_the_rules() {
         let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Refusing), vec![], Masquerading::default(), vec![]);
         let svc = "metadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.80, ports: [{name: http, port: 80, protocol: TCP}, {name: dns, port: 53, protocol: UDP}]}";
-        p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
+        let service = || Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap())));
+        p.handle(service());
         let slice = |endpoints: &str| {
             let yaml = format!(
                 "metadata: {{name: web-a, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}, {{name: dns, port: 53, protocol: UDP}}]\nendpoints: {endpoints}"
@@ -294,20 +309,30 @@ mod tests {
             Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).unwrap())))
         };
         let web: BTreeSet<(std::net::IpAddr, u16)> = [("10.96.0.80".parse().unwrap(), 80)].into();
+        // The refusing rules keep the sweep pending, as a failed apply does; an applied sync's
+        // sweep is played by hand (the real one runs `conntrack`).
+        let swept = |p: &mut NetfilterProxier| {
+            let done = std::mem::take(&mut p.to_sweep);
+            p.swept.extend(done);
+        };
         p.handle(slice("[{addresses: [10.244.0.5]}]"));
         p.sync().expect("a first sync");
-        // (The refusing rules keep it pending, as a failed apply does, for the retry.)
-        assert_eq!(p.newly_served, web);
-        p.newly_served.clear();
+        assert_eq!(p.to_sweep, web, "served at the first sync");
+        swept(&mut p);
         p.handle(slice("[{addresses: [10.244.0.5]}, {addresses: [10.244.0.6]}]"));
         p.sync().expect("a sync");
-        assert!(p.newly_served.is_empty(), "still served: {:?}", p.newly_served);
+        assert!(p.to_sweep.is_empty(), "still served: {:?}", p.to_sweep);
         p.handle(slice("[]"));
         p.sync().expect("a sync");
-        assert!(p.newly_served.is_empty(), "served no more: {:?}", p.newly_served);
         p.handle(slice("[{addresses: [10.244.0.7]}]"));
         p.sync().expect("a sync");
-        assert_eq!(p.newly_served, web, "served again");
+        assert!(p.to_sweep.is_empty(), "endpoints back at an address that stayed in the rules: {:?}", p.to_sweep);
+        p.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "web") });
+        p.sync().expect("a sync");
+        assert!(p.swept.is_empty() && p.to_sweep.is_empty(), "out of the rules: {:?} {:?}", p.swept, p.to_sweep);
+        p.handle(service());
+        p.sync().expect("a sync");
+        assert_eq!(p.to_sweep, web, "back in the rules, served");
     }
 
     /// An endpoint that no rule is written for (not ready, not serving) changes no rule: the
