@@ -4,8 +4,8 @@
 //! flow that started before the Service had endpoints stays untranslated. kube-proxy deletes
 //! such entries after each sync; so do we: after a sync that changed a UDP Service, one
 //! `conntrack -L -p udp` dump, read line by line as it comes (a busy node's table is large;
-//! only the stale pairs are kept), then one `conntrack -D` per stale (Service address,
-//! endpoint) pair. TCP to a removed endpoint needs none of this: its connections end with a
+//! only the stale flows are kept), then one ctnetlink request per stale flow, by its exact
+//! tuple (`conntrack -D` would dump the whole table again for each). TCP to a removed endpoint needs none of this: its connections end with a
 //! reset. (The eBPF dataplane re-selects such flows itself, on their next packet.)
 //!
 //! TCP needs one sweep of its own, which kube-proxy does not make: a connection attempt to a
@@ -26,17 +26,19 @@ use std::{
     net::IpAddr,
 };
 
-use super::{run, spawn, NetfilterError, NodeContext, Services};
+use super::{spawn, NetfilterError, NodeContext, Services};
 use crate::model::{Family, PortView, Protocol};
 
 const CONNTRACK: &str = "conntrack";
 
-/// One tracked UDP flow: its original direction and where replies come from. As a stale one,
-/// what to delete: flows to `dst`:`dport` whose replies come from `reply_src`:`reply_sport`.
+/// One tracked UDP flow: its original direction (what its deletion names it by) and where
+/// replies come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Flow {
     pub dst: IpAddr,
     pub dport: u16,
+    pub src: IpAddr,
+    pub sport: u16,
     pub reply_src: IpAddr,
     pub reply_sport: u16,
 }
@@ -48,6 +50,8 @@ pub fn parse_line(line: &str) -> Option<Flow> {
     Some(Flow {
         dst: nth("dst", 0)?.parse().ok()?,
         dport: nth("dport", 0)?.parse().ok()?,
+        src: nth("src", 0)?.parse().ok()?,
+        sport: nth("sport", 0)?.parse().ok()?,
         reply_src: nth("src", 1)?.parse().ok()?,
         reply_sport: nth("sport", 1)?.parse().ok()?,
     })
@@ -78,12 +82,7 @@ pub fn parse_attempt(line: &str) -> Option<Attempt> {
     if (flow.reply_src, flow.reply_sport) != (flow.dst, flow.dport) {
         return None;
     }
-    Some(Attempt {
-        src: field(line, "src", 0)?.parse().ok()?,
-        sport: field(line, "sport", 0)?.parse().ok()?,
-        dst: flow.dst,
-        dport: flow.dport,
-    })
+    Some(Attempt { src: flow.src, sport: flow.sport, dst: flow.dst, dport: flow.dport })
 }
 
 /// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) of
@@ -118,40 +117,35 @@ pub fn stale(flows: impl IntoIterator<Item = Flow>, services: &Services, node: &
     flows.into_iter().filter(|f| frontends.get(&(f.dst, f.dport)).is_some_and(|eps| !eps.contains(&(f.reply_src, f.reply_sport)))).collect()
 }
 
-/// Deletes the stale UDP flows for `services`, one `conntrack -D` per (Service address,
-/// endpoint) pair.
+/// Deletes the stale UDP flows for `services`: one listing per family, then one ctnetlink
+/// request per flow.
 pub fn reconcile(services: &Services, node: &NodeContext) -> Result<(), NetfilterError> {
     let udp_in = |family| services.values().flatten().any(|p| p.family == family && p.name.protocol == Protocol::Udp);
     // `conntrack` lists one family at a time (IPv4 unless told).
     for family in Family::ALL.into_iter().filter(|f| *f == Family::V4 || udp_in(*f)) {
-        let f = conntrack_family(family);
-        for s in list_stale(services, node, family)? {
-            let (dst, dport, src, sport) = (s.dst.to_string(), s.dport.to_string(), s.reply_src.to_string(), s.reply_sport.to_string());
-            // Exit status 1 with "0 flow entries have been deleted" is a race with the flow ending.
-            let _ = run(
-                CONNTRACK,
-                CONNTRACK,
-                &[
-                    "-D",
-                    "-f",
-                    f,
-                    "-p",
-                    "udp",
-                    "--orig-dst",
-                    &dst,
-                    "--orig-port-dst",
-                    &dport,
-                    "--reply-src",
-                    &src,
-                    "--reply-port-src",
-                    &sport,
-                ],
-            );
-            let service = std::net::SocketAddr::new(s.dst, s.dport);
-            tracing::info!(service = %format!("{service}/udp"), stale = %std::net::SocketAddr::new(s.reply_src, s.reply_sport), "deleted stale UDP conntrack entries");
+        let stale = list_stale(services, node, family)?;
+        if stale.is_empty() {
+            continue;
+        }
+        let mut socket = ctnetlink().map_err(ctnetlink_failed)?;
+        // Said once per (Service address, answering endpoint), not per client.
+        let mut deleted: BTreeMap<(std::net::SocketAddr, std::net::SocketAddr), usize> = BTreeMap::new();
+        for f in stale {
+            let (from, to) = (std::net::SocketAddr::new(f.src, f.sport), std::net::SocketAddr::new(f.dst, f.dport));
+            // False: the flow ended meanwhile.
+            if delete(&mut socket, libc::IPPROTO_UDP as u8, from, to).map_err(ctnetlink_failed)? {
+                *deleted.entry((to, std::net::SocketAddr::new(f.reply_src, f.reply_sport))).or_default() += 1;
+            }
+        }
+        for ((service, stale), flows) in deleted {
+            tracing::info!(service = %format!("{service}/udp"), stale = %stale, flows, "deleted stale UDP conntrack entries");
         }
     }
     Ok(())
+}
+
+fn ctnetlink_failed(e: std::io::Error) -> NetfilterError {
+    NetfilterError::Failed { command: "ctnetlink: delete a conntrack entry".into(), stderr: e.to_string() }
 }
 
 fn conntrack_family(family: Family) -> &'static str {
@@ -208,24 +202,23 @@ pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Resu
         if attempts.is_empty() {
             continue;
         }
-        let failed =
-            |e: std::io::Error| NetfilterError::Failed { command: "ctnetlink: delete a conntrack entry".into(), stderr: e.to_string() };
         let mut socket = match ctnetlink() {
             Ok(s) => s,
             Err(e) => {
-                failure = Some(failed(e));
+                failure = Some(ctnetlink_failed(e));
                 continue;
             }
         };
         for a in attempts {
-            match delete_tcp(&mut socket, &a) {
+            let (from, to) = (std::net::SocketAddr::new(a.src, a.sport), std::net::SocketAddr::new(a.dst, a.dport));
+            match delete(&mut socket, libc::IPPROTO_TCP as u8, from, to) {
                 Ok(true) => {
                     deleted += 1;
                     tracing::info!(service = %format!("{}/tcp", std::net::SocketAddr::new(a.dst, a.dport)), client = %std::net::SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
                 }
                 // Gone meanwhile (it timed out, or the client gave up).
                 Ok(false) => {}
-                Err(e) => failure = Some(failed(e)),
+                Err(e) => failure = Some(ctnetlink_failed(e)),
             }
         }
     }
@@ -254,11 +247,11 @@ fn ctnetlink() -> std::io::Result<netlink_sys::Socket> {
     Ok(socket)
 }
 
-/// The ctnetlink request that deletes the TCP entry whose original tuple is `a`'s: its
-/// netfilter header (address family, version 0) and attributes.
-fn delete_request(a: &Attempt) -> ([u8; 4], Vec<u8>) {
+/// The ctnetlink request that deletes the entry of protocol `proto` whose original tuple is
+/// `from` -> `to`: its netfilter header (address family, version 0) and attributes.
+fn delete_request(proto: u8, from: std::net::SocketAddr, to: std::net::SocketAddr) -> ([u8; 4], Vec<u8>) {
     use crate::netlink::{attr, NLA_F_NESTED};
-    let (family, src_attr, src, dst) = match (a.src, a.dst) {
+    let (family, src_attr, src, dst) = match (from.ip(), to.ip()) {
         (IpAddr::V4(s), IpAddr::V4(d)) => (libc::AF_INET, CTA_IP_V4_SRC, s.octets().to_vec(), d.octets().to_vec()),
         (s, d) => {
             let v6 = |ip: IpAddr| match ip {
@@ -269,20 +262,21 @@ fn delete_request(a: &Attempt) -> ([u8; 4], Vec<u8>) {
         }
     };
     let ip = [attr(src_attr, &src), attr(src_attr + 1, &dst)].concat();
-    let proto = [
-        attr(CTA_PROTO_NUM, &[libc::IPPROTO_TCP as u8]),
-        attr(CTA_PROTO_SRC_PORT, &a.sport.to_be_bytes()),
-        attr(CTA_PROTO_DST_PORT, &a.dport.to_be_bytes()),
+    let ports = [
+        attr(CTA_PROTO_NUM, &[proto]),
+        attr(CTA_PROTO_SRC_PORT, &from.port().to_be_bytes()),
+        attr(CTA_PROTO_DST_PORT, &to.port().to_be_bytes()),
     ]
     .concat();
-    let tuple = [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &proto)].concat();
+    let tuple = [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &ports)].concat();
     ([family as u8, 0, 0, 0], attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple))
 }
 
-/// Deletes the TCP entry whose original tuple is `a`'s. False when there is none.
-fn delete_tcp(socket: &mut netlink_sys::Socket, a: &Attempt) -> std::io::Result<bool> {
+/// Deletes the entry of protocol `proto` whose original tuple is `from` -> `to`. False when
+/// there is none.
+fn delete(socket: &mut netlink_sys::Socket, proto: u8, from: std::net::SocketAddr, to: std::net::SocketAddr) -> std::io::Result<bool> {
     use crate::netlink::{request, NLM_F_ACK, NLM_F_REQUEST};
-    let (header, mut body) = delete_request(a);
+    let (header, mut body) = delete_request(proto, from, to);
     match request(socket, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, header, &mut body) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
@@ -312,8 +306,22 @@ mod tests {
         assert_eq!(
             text.lines().filter_map(parse_line).collect::<Vec<_>>(),
             vec![
-                Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.244.1.3".parse().unwrap(), reply_sport: 5353 },
-                Flow { dst: "10.96.0.10".parse().unwrap(), dport: 53, reply_src: "10.96.0.10".parse().unwrap(), reply_sport: 53 },
+                Flow {
+                    dst: "10.96.0.10".parse().unwrap(),
+                    dport: 53,
+                    src: "10.244.0.2".parse().unwrap(),
+                    sport: 40000,
+                    reply_src: "10.244.1.3".parse().unwrap(),
+                    reply_sport: 5353
+                },
+                Flow {
+                    dst: "10.96.0.10".parse().unwrap(),
+                    dport: 53,
+                    src: "10.244.0.2".parse().unwrap(),
+                    sport: 40001,
+                    reply_src: "10.96.0.10".parse().unwrap(),
+                    reply_sport: 53
+                },
             ]
         );
     }
@@ -335,7 +343,7 @@ mod tests {
         assert_eq!(got, vec![at("10.244.0.2", 44044, "10.96.0.77", 80), at("fd00:244::2", 40000, "fd00:96::77", 443)]);
     }
 
-    /// The delete request names the attempt's original tuple as ctnetlink nests it.
+    /// The delete request names the flow's protocol and original tuple as ctnetlink nests them.
     #[test]
     fn a_delete_request_names_the_original_tuple() {
         use crate::netlink::attrs;
@@ -348,7 +356,8 @@ mod tests {
                 IpAddr::V4(a) => a.octets().to_vec(),
                 IpAddr::V6(a) => a.octets().to_vec(),
             };
-            let (header, body) = delete_request(&Attempt { src, sport: 20077, dst, dport: 80 });
+            let (header, body) =
+                delete_request(libc::IPPROTO_TCP as u8, std::net::SocketAddr::new(src, 20077), std::net::SocketAddr::new(dst, 80));
             assert_eq!(header, [family as u8, 0, 0, 0]);
             let orig = nested(&body, CTA_TUPLE_ORIG);
             let (ip, proto) = (nested(&orig, CTA_TUPLE_IP), nested(&orig, CTA_TUPLE_PROTO));
@@ -392,8 +401,14 @@ mod tests {
         (v6.family, v6.cluster_ips) = (Family::V6, vec!["fd00:96::10".parse().unwrap()]);
         let node = NodeContext { nodeport_ips: vec!["192.168.0.1".parse().unwrap(), "fd00::1".parse().unwrap()], ..Default::default() };
         let services = Services::from([(ObjectKey::new("kube-system", "dns"), vec![dns(vec![ep("10.244.1.1", 5353)], Some(30053)), v6])]);
-        let flow =
-            |dst: &str, dport, src: &str| Flow { dst: dst.parse().unwrap(), dport, reply_src: src.parse().unwrap(), reply_sport: 5353 };
+        let flow = |dst: &str, dport, src: &str| Flow {
+            dst: dst.parse().unwrap(),
+            dport,
+            src: "fd00:244::2".parse().unwrap(),
+            sport: 40000,
+            reply_src: src.parse().unwrap(),
+            reply_sport: 5353,
+        };
         let flows = [
             f,
             flow("fd00:96::10", 53, "fd00:244::101"),
@@ -413,6 +428,8 @@ mod tests {
         let flow = |dst: &str, dport, src: &str, sport| Flow {
             dst: dst.parse().unwrap(),
             dport,
+            src: "10.244.0.2".parse().unwrap(),
+            sport: 40000,
             reply_src: src.parse().unwrap(),
             reply_sport: sport,
         };
