@@ -303,26 +303,17 @@ mod tests {
         let text = "udp      17 27 src=10.244.0.2 dst=10.96.0.10 sport=40000 dport=53 src=10.244.1.3 dst=10.244.0.2 sport=5353 dport=40000 mark=0 use=1\n\
                     udp      17 29 src=10.244.0.2 dst=10.96.0.10 sport=40001 dport=53 [UNREPLIED] src=10.96.0.10 dst=10.244.0.2 sport=53 dport=40001 mark=0 use=1\n\
                     conntrack v1.4.7 (conntrack-tools): 2 flow entries have been shown.\n";
+        let flow = |sport, reply_src: &str, reply_sport| Flow {
+            dst: "10.96.0.10".parse().unwrap(),
+            dport: 53,
+            src: "10.244.0.2".parse().unwrap(),
+            sport,
+            reply_src: reply_src.parse().unwrap(),
+            reply_sport,
+        };
         assert_eq!(
             text.lines().filter_map(parse_line).collect::<Vec<_>>(),
-            vec![
-                Flow {
-                    dst: "10.96.0.10".parse().unwrap(),
-                    dport: 53,
-                    src: "10.244.0.2".parse().unwrap(),
-                    sport: 40000,
-                    reply_src: "10.244.1.3".parse().unwrap(),
-                    reply_sport: 5353
-                },
-                Flow {
-                    dst: "10.96.0.10".parse().unwrap(),
-                    dport: 53,
-                    src: "10.244.0.2".parse().unwrap(),
-                    sport: 40001,
-                    reply_src: "10.96.0.10".parse().unwrap(),
-                    reply_sport: 53
-                },
-            ]
+            vec![flow(40000, "10.244.1.3", 5353), flow(40001, "10.96.0.10", 53)]
         );
     }
 
