@@ -191,12 +191,7 @@ fn plot_connect(rows: &[Value], path: &Path) -> Result<(), Box<dyn std::error::E
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
             chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     }
     root.present()?;
     Ok(())
@@ -244,13 +239,17 @@ fn plot_north(v: &Value, path: &Path) -> Result<(), Box<dyn std::error::Error>> 
         .draw_series(LineSeries::new([(0.0, floor / 1e6), (modes.len() as f64, floor / 1e6)], BLACK.stroke_width(2)))?
         .label(format!("floor: the lab with no processing ({:.2} Mpps)", floor / 1e6))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     root.present()?;
+    Ok(())
+}
+
+/// Both plots' legend: framed, on a light background, at `at`.
+fn legend<'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    at: SeriesLabelPosition,
+) -> Result<(), Box<dyn std::error::Error>> {
+    chart.configure_series_labels().position(at).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     Ok(())
 }
 

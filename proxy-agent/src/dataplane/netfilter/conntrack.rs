@@ -251,17 +251,13 @@ fn ctnetlink() -> std::io::Result<netlink_sys::Socket> {
 /// `from` -> `to`: its netfilter header (address family, version 0) and attributes.
 fn delete_request(proto: u8, from: std::net::SocketAddr, to: std::net::SocketAddr) -> ([u8; 4], Vec<u8>) {
     use crate::netlink::{attr, NLA_F_NESTED};
-    let (family, src_attr, src, dst) = match (from.ip(), to.ip()) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => (libc::AF_INET, CTA_IP_V4_SRC, s.octets().to_vec(), d.octets().to_vec()),
-        (s, d) => {
-            let v6 = |ip: IpAddr| match ip {
-                IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-                IpAddr::V6(v6) => v6,
-            };
-            (libc::AF_INET6, CTA_IP_V6_SRC, v6(s).octets().to_vec(), v6(d).octets().to_vec())
-        }
+    // (A conntrack tuple is of one family: both addresses are the listing's, of the family.)
+    let (family, src_attr) = if from.is_ipv4() { (libc::AF_INET, CTA_IP_V4_SRC) } else { (libc::AF_INET6, CTA_IP_V6_SRC) };
+    let octets = |ip: IpAddr| match ip {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
     };
-    let ip = [attr(src_attr, &src), attr(src_attr + 1, &dst)].concat();
+    let ip = [attr(src_attr, &octets(from.ip())), attr(src_attr + 1, &octets(to.ip()))].concat();
     let ports = [
         attr(CTA_PROTO_NUM, &[proto]),
         attr(CTA_PROTO_SRC_PORT, &from.port().to_be_bytes()),
