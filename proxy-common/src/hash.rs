@@ -50,6 +50,29 @@ pub const fn flow6(saddr: crate::Ip6, daddr: crate::Ip6, sport: [u8; 2], dport: 
     finish(h ^ 37)
 }
 
+/// Hash of a frontend (address, port and protocol, in network order as the maps hold them),
+/// which places it in the frontend filter (`crate::filter`).
+#[inline(always)]
+pub const fn frontend(addr: [u8; 4], port: [u8; 2], proto: u8) -> u32 {
+    frontend_word(u32::from_ne_bytes(addr), port, proto)
+}
+
+/// The same for an IPv6 frontend, its address folded to one word first: addresses that fold
+/// alike only share a bit (a lookup more for one of them), and a Service range's addresses,
+/// which differ in their last word, never do.
+#[inline(always)]
+pub const fn frontend6(addr: crate::Ip6, port: [u8; 2], proto: u8) -> u32 {
+    frontend_word(addr.0[0] ^ addr.0[1] ^ addr.0[2] ^ addr.0[3], port, proto)
+}
+
+#[inline(always)]
+const fn frontend_word(addr: u32, port: [u8; 2], proto: u8) -> u32 {
+    let mut h = 0xf1e7_7e55;
+    h = mix(h, addr);
+    h = mix(h, u32::from_ne_bytes([port[0], port[1], proto, 0]));
+    finish(h)
+}
+
 /// 64-bit hash of bytes (FNV-1a, then a 64-bit finaliser), seeded, for user space.
 pub const fn bytes64(seed: u64, data: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325 ^ seed;
@@ -96,6 +119,47 @@ mod tests {
         }
         assert!(buckets.iter().all(|b| (900..1100).contains(b)), "uneven: {buckets:?}");
         assert_ne!(flow6(a, b, [0, 1], [0, 2], 6), flow6(b, a, [0, 1], [0, 2], 6), "the direction counts");
+    }
+
+    /// Cluster IPs of a /16 Service range and IPv6 ones of a /112 take about as many bits as
+    /// a uniform hash would give them, and pod addresses then meet a set bit about as often as
+    /// the share of set bits says.
+    #[test]
+    fn frontend_hash_is_stable_and_spreads_a_service_range() {
+        extern crate std;
+        use crate::filter::{place, BITS_LOG2};
+        // Pinned: the filter's words outlive the agent in their pin (`map_names::FILTER`); a
+        // change of the hash must rename the map.
+        assert_eq!(frontend([10, 96, 0, 10], 53u16.to_be_bytes(), 17), 0x497d_d487);
+        let (n, bits) = (10_000u32, 1u64 << BITS_LOG2);
+        let mut set = std::collections::BTreeSet::new();
+        let mut set6 = std::collections::BTreeSet::new();
+        for i in 0..n {
+            let [a, b, c, d] = (0x0a60_0000 + i).to_be_bytes();
+            set.insert(place([a, b, c, d], 443u16.to_be_bytes(), 6));
+            let mut v6 = [0u8; 16];
+            v6[..4].copy_from_slice(&[0xfd, 0, 0x10, 0x96]);
+            v6[12..].copy_from_slice(&i.to_be_bytes());
+            set6.insert(place(crate::Ip6::from_bytes(v6), 443u16.to_be_bytes(), 6));
+        }
+        // A uniform hash leaves bits * (1 - e^(-n/bits)) of them set: 9,817 here.
+        let uniform = bits as f64 * (1.0 - (-(f64::from(n)) / bits as f64).exp());
+        for (family, s) in [("IPv4", &set), ("IPv6", &set6)] {
+            assert!(s.len() as f64 > uniform * 0.98, "{family}: {} distinct bits of {n} frontends", s.len());
+        }
+        let words: std::collections::BTreeMap<u32, u64> = set.iter().fold(Default::default(), |mut m, (w, b)| {
+            *m.entry(*w).or_default() |= b;
+            m
+        });
+        let hits = (0..100_000u32)
+            .filter(|i| {
+                let [a, b, c, d] = (0x0af4_0000 + i).to_be_bytes();
+                let (w, bit) = place([a, b, c, d], 8080u16.to_be_bytes(), 6);
+                words.get(&w).is_some_and(|v| v & bit != 0)
+            })
+            .count();
+        let share = set.len() as f64 / bits as f64;
+        assert!((hits as f64 / 100_000.0) < share * 1.3, "{hits} of 100,000 pod flows meet a set bit, {share:.3} of the bits are set");
     }
 
     #[test]

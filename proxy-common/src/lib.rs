@@ -95,6 +95,9 @@ pub mod map_names {
     /// allocated in them: an LPM trie whose value (`svc_cidr`) says what a packet to an address
     /// without a Service on its port meets there.
     pub const SERVICE_CIDRS: &str = "LB4_SVCCIDR_V1";
+    /// The frontend filter (`crate::filter`): a bit per hash of every frontend's address, port
+    /// and protocol, so a packet for no Service is told so without a services map lookup.
+    pub const FILTER: &str = "LB4_FILTER_V1";
 
     /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte
     /// addresses. Ids (service, backend) are the family's own.
@@ -110,6 +113,7 @@ pub mod map_names {
     pub const SERVICE_CIDRS6: &str = "LB6_SVCCIDR_V1";
     pub const NAMES6: &str = "LB6_NAMES_V1";
     pub const MAGLEV6: &str = "LB6_MAGLEV_V1";
+    pub const FILTER6: &str = "LB6_FILTER_V1";
     /// The socket hooks' maps for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the
     /// IPv4 ones).
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
@@ -128,6 +132,7 @@ pub mod map_names {
         pub source_ranges: &'static str,
         pub service_cidrs: &'static str,
         pub maglev: &'static str,
+        pub filter: &'static str,
     }
 
     pub const LB4: LbMaps = LbMaps {
@@ -140,6 +145,7 @@ pub mod map_names {
         source_ranges: SOURCE_RANGES,
         service_cidrs: SERVICE_CIDRS,
         maglev: MAGLEV,
+        filter: FILTER,
     };
 
     pub const LB6: LbMaps = LbMaps {
@@ -152,6 +158,7 @@ pub mod map_names {
         source_ranges: SOURCE_RANGES6,
         service_cidrs: SERVICE_CIDRS6,
         maglev: MAGLEV6,
+        filter: FILTER6,
     };
     /// The IPv6 programs, which the IPv4 ones tail-call (`prog_slots`): IPv6's flow does not
     /// fit the IPv4 programs' 512-byte stack frame beside IPv4's, so it runs as programs of its
@@ -164,7 +171,7 @@ pub mod map_names {
     pub const LB_V4: [&str; 9] = [SERVICES, BACKENDS, REVNAT, NAMES, BACKEND_FLOWS, MAGLEV, AFFINITY_MATCH, SOURCE_RANGES, SERVICE_CIDRS];
     pub const LB_V6: [&str; 9] =
         [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6, MAGLEV6];
-    pub const ALL: [&str; 41] = [
+    pub const ALL: [&str; 43] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -206,6 +213,8 @@ pub mod map_names {
         MAGLEV6,
         PROGS,
         PROGS_XDP,
+        FILTER,
+        FILTER6,
     ];
 }
 
@@ -681,6 +690,45 @@ pub struct SvcCidrKey<A = [u8; 4]> {
 }
 const _: () = assert!(size_of::<SvcCidrKey>() == 4);
 const _: () = assert!(size_of::<SvcCidrKey<Ip6>>() == 16);
+
+/// The frontend filter (`LB4_FILTER_V1`, `LB6_FILTER_V1`): an array of 64-bit words holding one
+/// bit per frontend hash (`hash::frontend`), set by the agent before it writes a frontend's
+/// master entry and cleared after the last master of that bit is deleted. A packet whose
+/// destination's bit is clear is for no Service, which the datapath then knows from one array
+/// read (inlined by the verifier) instead of a services map lookup that finds nothing: most
+/// packets a node sees (pod to pod, to the node itself) are such. A set bit says only "maybe":
+/// the services map decides.
+pub mod filter {
+    /// 2^18 bits (32 KiB a family): about 4 % of the bits are set at 10,000 frontends.
+    pub const BITS_LOG2: u32 = 18;
+    pub const WORDS: u32 = 1 << (BITS_LOG2 - 6);
+
+    /// An address the filter can place a frontend of.
+    pub trait Addr: Copy {
+        fn frontend_hash(self, port: [u8; 2], proto: u8) -> u32;
+    }
+
+    impl Addr for [u8; 4] {
+        #[inline(always)]
+        fn frontend_hash(self, port: [u8; 2], proto: u8) -> u32 {
+            crate::hash::frontend(self, port, proto)
+        }
+    }
+
+    impl Addr for crate::Ip6 {
+        #[inline(always)]
+        fn frontend_hash(self, port: [u8; 2], proto: u8) -> u32 {
+            crate::hash::frontend6(self, port, proto)
+        }
+    }
+
+    /// The word (index) and the bit in it of frontend (`addr`, `port`, `proto`).
+    #[inline(always)]
+    pub fn place<A: Addr>(addr: A, port: [u8; 2], proto: u8) -> (u32, u64) {
+        let bit = addr.frontend_hash(port, proto) >> (32 - BITS_LOG2);
+        (bit >> 6, 1 << (bit & 63))
+    }
+}
 
 /// Values of `LB4_SVCCIDR_V1`: what kube-proxy's `cluster-ips-check` chain does with a new flow
 /// to an address of a Service CIDR that no Service serves on that port and protocol.

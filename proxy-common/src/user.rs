@@ -103,7 +103,9 @@ impl ServiceName {
 
 /// An address as the maps hold it, on the user side: IPv4's four bytes or an `Ip6`, each with
 /// its family's load-balancer maps.
-pub trait MapAddr: Copy + Default + PartialEq + Eq + Ord + std::hash::Hash + std::fmt::Debug + Send + Sync + aya::Pod + 'static {
+pub trait MapAddr:
+    Copy + Default + PartialEq + Eq + Ord + std::hash::Hash + std::fmt::Debug + Send + Sync + aya::Pod + crate::filter::Addr + 'static
+{
     /// Bits of an address (the longest prefix).
     const BITS: u8;
     const LB: crate::map_names::LbMaps;

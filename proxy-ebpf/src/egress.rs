@@ -8,7 +8,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    prog_slots, svc_cidr, Reason, ServiceKey,
+    prog_slots, svc_cidr, Reason,
 };
 
 use crate::{
@@ -116,7 +116,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     }
     let Some(mut e) = Slot::of(A::ct(), ct::key(&pkt)) else {
         // A host process's first packet to a Service, which the socket hooks left to TC.
-        if host::from_host(ctx) && select::service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0)).is_some() {
+        if host::from_host(ctx) && select::frontend(pkt.daddr, pkt.dport, pkt.proto).is_some() {
             return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
         }
         return leaving_unmatched(select::service_cidr_of(pkt.daddr));

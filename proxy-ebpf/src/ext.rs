@@ -83,8 +83,7 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
         Step::NewFlow => {
             // Most untracked packets on an external interface are the node's own (SSH, the
             // kubelet) or routed on: passed here, without the stage's copy and tail call.
-            let key = proxy_common::ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-            if crate::select::service(&key).is_some_and(|m| m.flags & proxy_common::svc_flags::EXTERNAL != 0) {
+            if crate::select::frontend(pkt.daddr, pkt.dport, pkt.proto).is_some_and(|m| m.flags & proxy_common::svc_flags::EXTERNAL != 0) {
                 // A trace packet's new flow is decided by a program of its own, which only
                 // records (the new-flow program has no room for that beside its work).
                 let slot = if env.dry { prog_slots::EXT_INGRESS6_TRACE } else { prog_slots::EXT_INGRESS6_NEW };

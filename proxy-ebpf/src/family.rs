@@ -24,13 +24,20 @@ const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 pub type CtMap<A> = LruHashMap<CtKey<A>, CtEntry<A>, { limits::CT_MAP_MAX as usize }>;
+pub type FilterMap = Array<u64, { proxy_common::filter::WORDS as usize }>;
+
+#[inline(always)]
+fn in_filter<A: proxy_common::filter::Addr>(filter: &FilterMap, addr: A, port: [u8; 2], proto: u8) -> bool {
+    let (word, bit) = proxy_common::filter::place(addr, port, proto);
+    filter.get(word).is_some_and(|w| *w & bit != 0)
+}
 pub type ServicesMap<A> = HashMap<ServiceKey<A>, ServiceValue, LB_MAX, NO_PREALLOC>;
 pub type BackendsMap<A> = Array<Backend<A>, LB_MAX>;
 pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
 pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
 
 /// An address family, implemented by its address type (network order bytes).
-pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static {
+pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + proxy_common::filter::Addr + 'static {
     /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
     type FragId: Copy + Default;
     /// The family's flow does not fit one BPF stack frame (512 bytes): a new flow's stage runs
@@ -48,6 +55,9 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + 'static
 
     fn ct() -> &'static CtMap<Self>;
     fn services() -> &'static ServicesMap<Self>;
+    /// True when the family's frontend filter (`proxy_common::filter`) has the bit of frontend
+    /// (`addr`, `port`, `proto`): it may be one.
+    fn in_filter(addr: Self, port: [u8; 2], proto: u8) -> bool;
     fn backends() -> &'static BackendsMap<Self>;
     fn revnat() -> &'static RevNatMap<Self>;
     fn affinity() -> &'static AffinityMap<Self>;
@@ -160,6 +170,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {
         &maps::LB4_SERVICES_V1
+    }
+    #[inline(always)]
+    fn in_filter(addr: Self, port: [u8; 2], proto: u8) -> bool {
+        in_filter(&maps::LB4_FILTER_V1, addr, port, proto)
     }
     #[inline(always)]
     fn backends() -> &'static BackendsMap<Self> {
@@ -321,6 +335,10 @@ impl Family for Ip6 {
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {
         &maps::LB6_SERVICES_V1
+    }
+    #[inline(always)]
+    fn in_filter(addr: Self, port: [u8; 2], proto: u8) -> bool {
+        in_filter(&maps::LB6_FILTER_V1, addr, port, proto)
     }
     #[inline(always)]
     fn backends() -> &'static BackendsMap<Self> {

@@ -158,8 +158,8 @@ fn forward<A: Family>(
 /// no Service's.
 #[inline(always)]
 fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Option<Step<A>> {
+    let master = select::frontend(pkt.daddr, pkt.dport, pkt.proto)?;
     let mut key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-    let master = select::service(&key)?;
     // The node passes a load-balancer IP's ranges that admit its address, or the IP itself
     // (as the socket hooks let it).
     if !select::source_allowed(pkt, &master) && !A::in_source_ranges(master.service_id, pkt.daddr) {

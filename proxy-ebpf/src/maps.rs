@@ -142,6 +142,13 @@ pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = H
 #[btf_map]
 pub static CONFIG_V2: Array<Config, 1> = Array::new();
 
+/// The frontend filter of each family (`proxy_common::filter`).
+#[btf_map]
+pub static LB4_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> = Array::new();
+
+#[btf_map]
+pub static LB6_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> = Array::new();
+
 #[btf_map]
 pub static TRACE_V2: Array<TraceResult, 1> = Array::new();
 

@@ -29,7 +29,7 @@ use crate::{
     maps::{CONFIG_V2, XDP_DEVS_V1},
     parse::Packet,
     pod_ingress::count_flow,
-    select::{self, backend, revnat_of, service},
+    select::{self, backend, revnat_of},
     value::{self, Slot},
 };
 
@@ -310,8 +310,7 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
 /// The step for a packet opening a flow (or of none the hooks serve).
 #[inline(always)]
 pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
-    let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
-    let master = match service(&key) {
+    let master = match select::frontend(pkt.daddr, pkt.dport, pkt.proto) {
         Some(m) if m.flags & svc_flags::EXTERNAL != 0 => m,
         _ => return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService)),
     };
@@ -328,6 +327,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
             Err(r) => Step::Drop(r),
         };
     }
+    let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let choice = match select::choose(pkt, &key, &master, now, !env.dry) {
         Ok(c) => c,
         Err(r) => return xdp_pass(env).unwrap_or(Step::Drop(r)),

@@ -16,7 +16,7 @@ use crate::{
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     parse6,
-    select::{self, backend, service},
+    select::{self, backend},
     value::Slot,
     verdict::Verdict,
 };
@@ -103,7 +103,7 @@ fn reason_of_new<A: Family>(pkt: &Packet<A>) -> Reason {
 /// without reading the clock.
 #[inline(always)]
 fn to_service_stage<A: Family>(ctx: &TcContext, pkt: &Packet<A>, now: Option<u64>, reason: Reason) -> Result<Verdict, Reason> {
-    let master = service(&ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0));
+    let master = select::frontend(pkt.daddr, pkt.dport, pkt.proto);
     if master.is_none() {
         if !A::STAGES_APART {
             return unserved(ctx, pkt);

@@ -54,6 +54,17 @@ pub fn service<A: Family>(key: &ServiceKey<A>) -> Option<ServiceValue> {
     value::copy(A::services(), key)
 }
 
+/// The master entry of frontend (`addr`, `port`, `proto`) as `ServiceKey::new` keys it. The
+/// services map is looked up only when the frontend filter has the frontend's bit: a packet
+/// for no Service, most of a node's, is told so by one array read.
+#[inline(always)]
+pub fn frontend<A: Family>(addr: A, port: [u8; 2], proto: u8) -> Option<ServiceValue> {
+    if !A::in_filter(addr, port, proto) {
+        return None;
+    }
+    service(&ServiceKey::new(addr, port, proto, 0))
+}
+
 /// The backend with this id, if it is set (an unset array entry is all zeroes).
 #[inline(always)]
 pub fn backend<A: Family>(id: u32) -> Option<Backend<A>> {

@@ -254,8 +254,7 @@ pub fn translate(ctx: &SockAddrContext, hook: Hook, connect: bool) -> i32 {
 
 #[inline(always)]
 fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool, proto: u8, vip: A, vport: [u8; 2]) -> i32 {
-    let mut key = ServiceKey::new(vip, vport, proto, 0);
-    let Some(master) = select::service(&key) else {
+    let Some(master) = select::frontend(vip, vport, proto) else {
         // A cluster IP on a port it does not serve is refused. (A free address of a Service
         // CIDR is dropped where it would leave the node, by the egress program.)
         if select::service_cidr_of(vip) == svc_cidr::ALLOCATED {
@@ -263,6 +262,7 @@ fn translate_to<A: SockFamily>(ctx: &SockAddrContext, hook: Hook, connect: bool,
         }
         return PROCEED;
     };
+    let mut key = ServiceKey::new(vip, vport, proto, 0);
     // The node passes when its ranges admit the load-balancer IP itself (see the module comment).
     if master.flags & svc_flags::SOURCE_RANGES != 0 && !A::in_source_ranges(master.service_id, vip) {
         return refuse(Reason::DropSourceRange, EPERM);

@@ -858,6 +858,29 @@ fn an_older_builds_smaller_program_array_is_replaced_and_connections_survive() {
     assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
 }
 
+/// Pins of a build before the frontend filter (its maps without the filter): the restarted
+/// agent creates the filter and sets the bit of every frontend it adopts before its programs
+/// replace the old ones, so new connections are served without a rewrite of the Services. (Had
+/// it not, the new programs would take every Service address for none and pass its packets.)
+#[test]
+fn an_older_builds_pins_get_the_frontend_filter_filled_before_the_programs_serve() {
+    let Some(mut lab) = lab("an_older_builds_pins_get_the_frontend_filter_filled_before_the_programs_serve") else { return };
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
+    let backend = conn.ask().expect("first answer").backend;
+    lab.stop_agent();
+    for name in [proxy_common::map_names::FILTER, proxy_common::map_names::FILTER6] {
+        std::fs::remove_file(lab.bpffs().join("maps").join(name)).expect("remove this build's filter pin");
+    }
+    lab.start_agent();
+    lab.wait_log("initial sync done", 2);
+    let log = lab.agent_log();
+    let second_run = &log[log.rfind("dataplane loaded").unwrap()..];
+    assert!(second_run.contains("programmed=0"), "the Services are adopted, not written again:\n{second_run}");
+    assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
+    assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok());
+}
+
 #[test]
 fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";

@@ -23,11 +23,12 @@ use aya::{
     Ebpf,
 };
 use proxy_common::{
-    backend_flags, limits, scope, svc_flags, user::MapAddr, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName,
-    ServiceValue, SourceRangeKey,
+    backend_flags, filter, limits, scope, svc_flags, user::MapAddr, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey,
+    ServiceName, ServiceValue, SourceRangeKey,
 };
 
 use super::{
+    filter::Filter,
     ids::{assign_slots, ById, IdAllocator},
     maglev::{self, Maglev},
     snapshot,
@@ -196,6 +197,8 @@ pub struct Tables<A: MapAddr = [u8; 4]> {
     pub flows: Box<dyn Table<u32, BackendFlows>>,
     pub affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
     pub source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
+    /// The frontend filter's words (an array).
+    pub filter: Box<dyn Table<u32, u64>>,
 }
 
 /// What a previous run left in the maps, read before the writer takes them over.
@@ -203,11 +206,13 @@ pub struct Found<A: MapAddr = [u8; 4]> {
     pub snapshot: snapshot::Snapshot<A>,
     pub affinity_matches: Vec<AffinityMatchKey>,
     pub source_ranges: Vec<Key<SourceRangeKey<A>>>,
+    /// The frontend filter's words, by index.
+    pub filter: Vec<u64>,
 }
 
 impl<A: MapAddr> Default for Found<A> {
     fn default() -> Self {
-        Self { snapshot: snapshot::Snapshot::default(), affinity_matches: Vec::new(), source_ranges: Vec::new() }
+        Self { snapshot: snapshot::Snapshot::default(), affinity_matches: Vec::new(), source_ranges: Vec::new(), filter: Vec::new() }
     }
 }
 
@@ -221,6 +226,7 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     flows: Box<dyn Table<u32, BackendFlows>>,
     affinity_match: Box<dyn Table<AffinityMatchKey, u32>>,
     source_ranges: Box<dyn Table<Key<SourceRangeKey<A>>, u8>>,
+    filter: Filter,
     maglev: Maglev,
     limit: u32,
     /// Backend ids by backend, and the backends by id: the entries sit in the dense Vec by id,
@@ -318,6 +324,7 @@ impl<A: MapAddr> LbMaps<A> {
         let names: HashMap<MapData, u32, ServiceName> = take(ebpf, A::LB.names)?;
         let affinity_match: HashMap<MapData, AffinityMatchKey, u32> = take(ebpf, A::LB.affinity_match)?;
         let source_ranges: LpmTrie<MapData, SourceRangeKey<A>, u8> = take(ebpf, A::LB.source_ranges)?;
+        let filter: Array<MapData, u64> = take(ebpf, A::LB.filter)?;
         let snapshot = snapshot::read(&services, &backends, &revnat, &names).map_err(|source| DataplaneError::Map {
             op: "read",
             map: A::LB.services,
@@ -335,6 +342,11 @@ impl<A: MapAddr> LbMaps<A> {
                 map: A::LB.source_ranges,
                 source,
             })?,
+            filter: filter.iter().collect::<Result<_, _>>().map_err(|source| DataplaneError::Map {
+                op: "read",
+                map: A::LB.filter,
+                source,
+            })?,
         };
         let tables = Tables {
             services: Box::new(services),
@@ -344,13 +356,14 @@ impl<A: MapAddr> LbMaps<A> {
             flows: Box::new(take::<Array<MapData, BackendFlows>>(ebpf, A::LB.flows)?),
             affinity_match: Box::new(affinity_match),
             source_ranges: Box::new(source_ranges),
+            filter: Box::new(filter),
         };
         Self::with_found(tables, maglev, limit, found)
     }
 
     /// The writer over `tables`, taking over what `found` says they hold.
     pub fn with_found(tables: Tables<A>, maglev: Maglev, limit: u32, found: Found<A>) -> Result<Self, DataplaneError> {
-        let Tables { services, backends, revnat, names, flows, affinity_match, source_ranges } = tables;
+        let Tables { services, backends, revnat, names, flows, affinity_match, source_ranges, filter } = tables;
         let mut me = Self {
             services,
             backends,
@@ -359,6 +372,7 @@ impl<A: MapAddr> LbMaps<A> {
             flows,
             affinity_match,
             source_ranges,
+            filter: Filter::new(filter),
             maglev,
             limit,
             by_ident: StdHashMap::new(),
@@ -374,6 +388,8 @@ impl<A: MapAddr> LbMaps<A> {
             held_service_ids: Vec::new(),
         };
         let snap = found.snapshot;
+        // Bits for every master the maps hold, before anything else is written.
+        me.filter.adopt(&found.filter, snap.frontends.values().map(|fe| &fe.key));
         // Backends pinned under a second id (an interrupted older run may leave one).
         let mut twins = Vec::new();
         for (id, b) in &snap.backends {
@@ -689,18 +705,30 @@ impl<A: MapAddr> LbMaps<A> {
         let name = name.to_string();
         let mut skey = ServiceKey::new(Self::addr(key.addr)?, key.port.to_be_bytes(), proto, 0);
         skey.scope = scope_id;
+        let fresh = old.is_none();
+        // A new frontend's filter bit first; it stays counted while the frontend is recorded,
+        // and is released on every way out that leaves it unrecorded.
+        if fresh {
+            self.filter.hold(&skey).map_err(|s| map_error("update", A::LB.filter, filter::WORDS, s))?;
+        }
 
         // Phase A: everything that adds entries, and so may find a map full. Undone on failure,
         // leaving the frontend exactly as it was.
-        let active = self.acquire_all(&fe.backends, proto)?;
+        let active = match self.acquire_all(&fe.backends, proto) {
+            Ok(a) => a,
+            Err(e) => {
+                self.release_filter(fresh, &skey);
+                return Err(e);
+            }
+        };
         let retained = match self.acquire_all(&fe.retained, proto) {
             Ok(r) => r,
             Err(e) => {
                 self.release_all(&active);
+                self.release_filter(fresh, &skey);
                 return Err(e);
             }
         };
-        let fresh = old.is_none();
         let service_id = match &old {
             Some(o) => o.service_id,
             None => match self.service_ids.alloc() {
@@ -708,6 +736,7 @@ impl<A: MapAddr> LbMaps<A> {
                 None => {
                     self.release_all(&active);
                     self.release_all(&retained);
+                    self.release_filter(fresh, &skey);
                     return Err(DataplaneError::MapFull { map: A::LB.revnat, max: self.limit });
                 }
             },
@@ -818,6 +847,7 @@ impl<A: MapAddr> LbMaps<A> {
             }
             self.release_all(&active);
             self.release_all(&retained);
+            self.release_filter(fresh, &skey);
             return Err(e);
         }
 
@@ -974,8 +1004,16 @@ impl<A: MapAddr> LbMaps<A> {
         self.release_all(&p.extra().retained);
         if let Some(old) = self.frontends.remove(&scoped) {
             self.entries -= 1 + old.slots.len();
+            self.filter.release(&skey);
         }
         Ok(())
+    }
+
+    /// `Filter::release` of a new frontend's bit (`fresh`) that ends up unrecorded.
+    fn release_filter(&mut self, fresh: bool, skey: &ServiceKey<A>) {
+        if fresh {
+            self.filter.release(skey);
+        }
     }
 
     /// True when stray entries of a failed delete still name service id `id`.
@@ -992,7 +1030,8 @@ impl<A: MapAddr> LbMaps<A> {
             && self.stray_affinity_matches.is_empty()
             && self.stray_ranges.is_empty()
             && self.stray_slots.is_empty()
-            && self.held_service_ids.is_empty())
+            && self.held_service_ids.is_empty()
+            && !self.filter.has_dirty())
     }
 
     /// Removes backends no frontend references, and leftovers of an interrupted run.
@@ -1004,6 +1043,8 @@ impl<A: MapAddr> LbMaps<A> {
             removed += 1;
         }
         removed += self.maglev.collect_garbage();
+        // Filter words a failed write left as they were.
+        self.filter.retry();
         // A stray match or range stays only where a frontend's record lists it (it was
         // written again since); one that cannot be deleted now is tried again next time.
         for k in std::mem::take(&mut self.stray_affinity_matches) {

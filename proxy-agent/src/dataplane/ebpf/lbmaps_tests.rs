@@ -14,7 +14,7 @@ use std::{
 
 use aya::maps::{lpm_trie::Key, MapError};
 use proxy_common::{
-    scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName, ServiceValue, SourceRangeKey,
+    filter, scope, svc_flags, AffinityMatchKey, Backend, BackendFlows, RevNat, ServiceKey, ServiceName, ServiceValue, SourceRangeKey,
 };
 
 use super::{Found, LbMaps, Tables};
@@ -34,6 +34,8 @@ struct Kernel {
     affinity: BTreeMap<(u32, u32, u8), u32>,
     /// (service id, prefix length, address).
     ranges: BTreeMap<(u32, u32, [u8; 4]), u8>,
+    /// The frontend filter's words (an array: a missing word is unset).
+    filter: BTreeMap<u32, u64>,
     calls: usize,
     /// The call (counted from 1) that fails, with E2BIG as a full map answers.
     fail_at: Option<usize>,
@@ -82,6 +84,10 @@ impl Kernel {
             }
             if m.flags & svc_flags::SOURCE_RANGES != 0 && !self.ranges.keys().any(|(id, _, _)| *id == m.service_id) {
                 wrong.push(format!("{k:?}: source ranges on, none in the trie"));
+            }
+            let (word, bit) = filter::place(k.addr, k.port, k.proto);
+            if self.filter.get(&word).is_none_or(|w| w & bit == 0) {
+                wrong.push(format!("{k:?}: its frontend filter bit is clear"));
             }
         }
         self.broken.extend(wrong.into_iter().map(|w| format!("after {after} (call {}): {w}", self.calls)));
@@ -150,6 +156,7 @@ fn tables(kernel: &Shared) -> Tables {
             |k: &Key<SourceRangeKey>| (k.data().service_id, k.prefix_len(), k.data().addr),
             false,
         ),
+        filter: fake(kernel, "filter", |k| &mut k.filter, |k| *k, true),
     }
 }
 
@@ -194,6 +201,7 @@ fn restarted(kernel: &Shared) -> LbMaps {
                 .keys()
                 .map(|(service_id, prefix, addr)| Key::new(*prefix, SourceRangeKey { service_id: *service_id, addr: *addr }))
                 .collect(),
+            filter: (0..filter::WORDS).map(|w| k.filter.get(&w).copied().unwrap_or(0)).collect(),
         }
     };
     LbMaps::with_found(tables(kernel), Maglev::in_memory(MAGLEV_SIZE, LIMIT), LIMIT, found).expect("adopting writer")
@@ -289,15 +297,21 @@ fn picture(kernel: &Shared) -> String {
         );
     }
     out += &format!(
-        "entries: services {} backends {} revnat {} names {} affinity {} ranges {}\n",
+        "entries: services {} backends {} revnat {} names {} affinity {} ranges {} filter bits {:?}\n",
         k.services.len(),
         k.backends.len(),
         k.revnat.len(),
         k.names.len(),
         k.affinity.len(),
-        k.ranges.len()
+        k.ranges.len(),
+        filter_bits(&k),
     );
     out
+}
+
+/// The set bits of the frontend filter.
+fn filter_bits(k: &Kernel) -> Vec<u32> {
+    k.filter.iter().flat_map(|(w, v)| (0..64).filter(move |i| v & 1 << i != 0).map(move |i| w * 64 + i)).collect()
 }
 
 fn broken(kernel: &Shared) -> Vec<String> {
@@ -312,6 +326,7 @@ fn empty(kernel: &Shared) -> bool {
         && k.names.is_empty()
         && k.affinity.is_empty()
         && k.ranges.is_empty()
+        && filter_bits(&k).is_empty()
 }
 
 /// Every state of both frontends in turn, then their removal: after every single call the

@@ -162,6 +162,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOCK6_PORTS => (MapType::LruHash, size_of::<proxy_common::SockPortKey<Ip6>>(), size_of::<proxy_common::SockOwner>()),
         map_names::SOCK6_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey<Ip6>>()),
         map_names::PROGS | map_names::PROGS_XDP => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
+        map_names::FILTER | map_names::FILTER6 => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         other => unreachable!("unknown map {other}"),
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod attach;
 pub mod batch;
+pub mod filter;
 pub mod frontends;
 pub mod hostsock;
 pub mod ids;

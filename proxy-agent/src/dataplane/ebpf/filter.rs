@@ -1,0 +1,234 @@
+//! The writer's side of the frontend filter (`proxy_common::filter`): a bit per frontend hash,
+//! which the datapath reads before it looks a destination up in the services map. A bit must
+//! be set before any master entry it stands for is written, and may be cleared only once the
+//! last such entry is gone; a bit set for nothing costs a lookup, a bit missing loses a
+//! Service. So each bit counts the master entries (a frontend's scopes) it stands for, and
+//! every word whose kernel value may differ from the counts is written again later.
+
+use std::collections::BTreeSet;
+
+use aya::maps::MapError;
+use proxy_common::{
+    filter::{self, Addr},
+    ServiceKey,
+};
+
+use super::tables::Table;
+
+/// A count that reaches this stays: the bit is kept set for good (a superset is safe).
+const STUCK: u8 = u8::MAX;
+
+pub struct Filter {
+    table: Box<dyn Table<u32, u64>>,
+    /// Master entries per bit; empty until the first one (then 2^18 counts, one byte each).
+    counts: Vec<u8>,
+    /// Words whose kernel value may differ from what `counts` make of them (a failed write).
+    dirty: BTreeSet<u32>,
+}
+
+fn bit<A: Addr>(key: &ServiceKey<A>) -> usize {
+    let (word, mask) = filter::place(key.addr, key.port, key.proto);
+    word as usize * 64 + mask.trailing_zeros() as usize
+}
+
+impl Filter {
+    pub fn new(table: Box<dyn Table<u32, u64>>) -> Self {
+        Self { table, counts: Vec::new(), dirty: BTreeSet::new() }
+    }
+
+    /// The word `word` as the counts make it.
+    fn word(&self, word: u32) -> u64 {
+        let first = word as usize * 64;
+        let Some(counts) = self.counts.get(first..first + 64) else { return 0 };
+        counts.iter().enumerate().filter(|(_, c)| **c > 0).fold(0, |w, (i, _)| w | 1 << i)
+    }
+
+    fn write(&mut self, word: u32) -> Result<(), MapError> {
+        let value = self.word(word);
+        match self.table.put(&word, &value) {
+            Ok(()) => {
+                self.dirty.remove(&word);
+                Ok(())
+            }
+            Err(e) => {
+                self.dirty.insert(word);
+                Err(e)
+            }
+        }
+    }
+
+    /// Counts one more master entry at `key`'s bit, without writing (adopting the maps).
+    fn count<A: Addr>(&mut self, key: &ServiceKey<A>) -> u32 {
+        if self.counts.is_empty() {
+            self.counts = vec![0; 1 << filter::BITS_LOG2];
+        }
+        let b = bit(key);
+        if self.counts[b] != STUCK {
+            self.counts[b] += 1;
+        }
+        (b / 64) as u32
+    }
+
+    /// Takes over a previous run's filter (`found`: its words, missing ones unset) for the
+    /// master entries `masters` the maps hold, writing only the words that differ.
+    pub fn adopt<'a, A: Addr + 'a>(&mut self, found: &[u64], masters: impl IntoIterator<Item = &'a ServiceKey<A>>) {
+        for key in masters {
+            self.count(key);
+        }
+        for word in 0..filter::WORDS {
+            if found.get(word as usize).copied().unwrap_or(0) != self.word(word) {
+                // A failure leaves the word dirty, for `retry`.
+                let _ = self.write(word);
+            }
+        }
+    }
+
+    /// Before master entry `key` is first written: its bit is set in the kernel when this
+    /// returns Ok. On an error nothing is counted.
+    pub fn hold<A: Addr>(&mut self, key: &ServiceKey<A>) -> Result<(), MapError> {
+        let b = bit(key);
+        let was = self.counts.get(b).copied().unwrap_or(0);
+        let word = self.count(key);
+        if was > 0 && !self.dirty.contains(&word) {
+            return Ok(());
+        }
+        self.write(word).inspect_err(|_| {
+            if self.counts[b] != STUCK {
+                self.counts[b] -= 1;
+            }
+        })
+    }
+
+    /// After master entry `key` was deleted (or never written): its bit is cleared once no
+    /// other entry needs it. A failed write leaves the bit set until `retry`.
+    pub fn release<A: Addr>(&mut self, key: &ServiceKey<A>) {
+        let b = bit(key);
+        match self.counts.get(b).copied() {
+            None | Some(0) | Some(STUCK) => {}
+            Some(c) => {
+                self.counts[b] = c - 1;
+                if c == 1 {
+                    let _ = self.write((b / 64) as u32);
+                }
+            }
+        }
+    }
+
+    /// Writes again the words a failed write left.
+    pub fn retry(&mut self) -> usize {
+        let words: Vec<u32> = self.dirty.iter().copied().collect();
+        words.into_iter().filter(|w| self.write(*w).is_ok()).count()
+    }
+
+    pub fn has_dirty(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        collections::BTreeMap,
+        io,
+        sync::{Arc, Mutex},
+    };
+
+    use super::*;
+
+    /// The kernel's words, and whether writes fail.
+    #[derive(Default)]
+    struct Words {
+        words: BTreeMap<u32, u64>,
+        failing: bool,
+        writes: usize,
+    }
+
+    struct Fake(Arc<Mutex<Words>>);
+
+    impl Table<u32, u64> for Fake {
+        fn put(&mut self, key: &u32, value: &u64) -> Result<(), MapError> {
+            let mut w = self.0.lock().unwrap();
+            if w.failing {
+                return Err(MapError::KeyNotFound);
+            }
+            w.writes += 1;
+            w.words.insert(*key, *value);
+            Ok(())
+        }
+        fn del(&mut self, key: &u32) -> Result<(), MapError> {
+            self.put(key, &0)
+        }
+        fn count(&self) -> io::Result<u64> {
+            Ok(0)
+        }
+    }
+
+    fn set(words: &Arc<Mutex<Words>>, key: &ServiceKey) -> bool {
+        let (word, bit) = filter::place(key.addr, key.port, key.proto);
+        words.lock().unwrap().words.get(&word).is_some_and(|w| w & bit != 0)
+    }
+
+    /// A second frontend whose bit is `key`'s (found by trying ports).
+    fn twin(key: &ServiceKey) -> ServiceKey {
+        (1..=u16::MAX)
+            .map(|p| ServiceKey::new([10, 96, 7, 7], p.to_be_bytes(), 6, 0))
+            .find(|k| bit(k) == bit(key) && k != key)
+            .expect("a key sharing the bit")
+    }
+
+    #[test]
+    fn a_bit_shared_by_two_frontends_stays_until_both_are_gone() {
+        let words = Arc::new(Mutex::new(Words::default()));
+        let mut f = Filter::new(Box::new(Fake(words.clone())));
+        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let b = twin(&a);
+        f.hold(&a).expect("hold a");
+        assert!(set(&words, &a));
+        let writes = words.lock().unwrap().writes;
+        f.hold(&b).expect("hold b");
+        assert_eq!(words.lock().unwrap().writes, writes, "a bit already set is not written again");
+        f.release(&a);
+        assert!(set(&words, &b), "b still needs the bit");
+        f.release(&b);
+        assert!(!set(&words, &a), "cleared with the last one");
+        assert_eq!(words.lock().unwrap().words.values().copied().sum::<u64>(), 0);
+    }
+
+    #[test]
+    fn a_failed_write_is_not_counted_and_a_failed_clear_is_retried() {
+        let words = Arc::new(Mutex::new(Words::default()));
+        let mut f = Filter::new(Box::new(Fake(words.clone())));
+        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        words.lock().unwrap().failing = true;
+        assert!(f.hold(&a).is_err());
+        words.lock().unwrap().failing = false;
+        f.hold(&a).expect("hold");
+        f.release(&a);
+        assert!(!set(&words, &a), "one hold counted, not two");
+
+        f.hold(&a).expect("hold");
+        words.lock().unwrap().failing = true;
+        f.release(&a);
+        assert!(set(&words, &a) && f.has_dirty(), "the clear failed: the bit stays, marked");
+        words.lock().unwrap().failing = false;
+        assert_eq!(f.retry(), 1);
+        assert!(!set(&words, &a) && !f.has_dirty());
+    }
+
+    #[test]
+    fn adopting_writes_only_the_words_that_differ() {
+        let words = Arc::new(Mutex::new(Words::default()));
+        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let stale = ServiceKey::new([10, 96, 0, 2], 53u16.to_be_bytes(), 17, 0);
+        let mut found = vec![0u64; filter::WORDS as usize];
+        let (wa, ba) = filter::place(a.addr, a.port, a.proto);
+        let (ws, bs) = filter::place(stale.addr, stale.port, stale.proto);
+        found[wa as usize] |= ba;
+        found[ws as usize] |= bs;
+        let mut f = Filter::new(Box::new(Fake(words.clone())));
+        f.adopt(&found, [&a]);
+        let w = words.lock().unwrap();
+        assert_eq!(w.writes, 1, "one word rewritten: the stale bit's");
+        assert_eq!(w.words.get(&ws).copied(), Some(if wa == ws { ba } else { 0 }), "the stale bit is cleared, the live one kept");
+    }
+}
