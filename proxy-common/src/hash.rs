@@ -131,6 +131,8 @@ mod tests {
         // Pinned: the filter's words outlive the agent in their pin (`map_names::FILTER`); a
         // change of the hash must rename the map.
         assert_eq!(frontend([10, 96, 0, 10], 53u16.to_be_bytes(), 17), 0x497d_d487);
+        let v6 = crate::Ip6::from_bytes([0xfd, 0, 0x10, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10]);
+        assert_eq!(frontend6(v6, 53u16.to_be_bytes(), 17), 0xa035_38c9);
         let (n, bits) = (10_000u32, 1u64 << BITS_LOG2);
         let mut set = std::collections::BTreeSet::new();
         let mut set6 = std::collections::BTreeSet::new();

@@ -972,3 +972,61 @@ fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
         aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(map)).unwrap();
     assert_eq!(trie.keys().count(), 0, "no entries left");
 }
+
+/// The frontend filter of pins without one (a build before it) or of another size: created at
+/// load, it says "maybe" everywhere before the map writer runs, since the IPv6 programs go into
+/// the pinned program array (where the programs still attached call them) at load; the writer
+/// then keeps the bits of the Services it adopts and clears the rest, and they are served.
+#[test]
+fn a_frontend_filter_created_at_load_holds_every_bit_until_the_writer_adopts_the_services() {
+    if !require::root("a_frontend_filter_created_at_load_holds_every_bit_until_the_writer_adopts_the_services") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::loader::{self, LoadOptions};
+    use proxy_common::{filter, map_names};
+    let root = proxy_tests::lab::TempBpffs::new("pxflt");
+    let options = LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() };
+    {
+        let mut dp = EbpfDataplane::load(options.clone()).expect("load with pins");
+        program(&mut dp, "10.96.0.10:80", Protocol::Tcp, &["10.244.1.2:8080"]);
+    }
+    let pins = loader::maps_dir(&root.0);
+    std::fs::remove_file(pins.join(map_names::FILTER)).expect("remove the IPv4 filter's pin");
+    // The IPv6 one of another size.
+    std::fs::remove_file(pins.join(map_names::FILTER6)).expect("remove the IPv6 filter's pin");
+    let small = pins.join(map_names::FILTER6);
+    proxy_tests::netns::sh(&[
+        "bpftool",
+        "map",
+        "create",
+        small.to_str().unwrap(),
+        "type",
+        "array",
+        "key",
+        "4",
+        "value",
+        "8",
+        "entries",
+        "64",
+        "name",
+        "LB6_FILTER_V1",
+    ]);
+    let words = |ebpf: &mut aya::Ebpf, name: &str| -> Vec<u64> {
+        let map: aya::maps::Array<_, u64> = aya::maps::Array::try_from(ebpf.map_mut(name).expect("the filter")).expect("an array");
+        map.iter().map(|w| w.expect("read a word")).collect()
+    };
+    {
+        let mut loaded = loader::load(&options).expect("load");
+        for name in [map_names::FILTER, map_names::FILTER6] {
+            let w = words(&mut loaded.ebpf, name);
+            assert_eq!(w.len(), filter::WORDS as usize, "{name} at this build's size");
+            assert!(w.iter().all(|w| *w == u64::MAX), "{name}: every bit set before the writer runs");
+        }
+    }
+    let mut dp = EbpfDataplane::load(options).expect("load again");
+    let out = run(&mut dp, &tcp_frame(sock(CLIENT), sock("10.96.0.10:80"), SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "the adopted Service is served");
+    let map = testrun::map_by_name(&mut dp, map_names::FILTER);
+    let set: u32 = aya::maps::Array::<_, u64>::try_from(aya::maps::Map::Array(map)).unwrap().iter().map(|w| w.unwrap().count_ones()).sum();
+    assert_eq!(set, 1, "the writer kept the one frontend's bit and cleared the rest");
+}

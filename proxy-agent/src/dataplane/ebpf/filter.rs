@@ -70,17 +70,18 @@ impl Filter {
     }
 
     /// Takes over a previous run's filter (`found`: its words, missing ones unset) for the
-    /// master entries `masters` the maps hold, writing only the words that differ.
-    pub fn adopt<'a, A: Addr + 'a>(&mut self, found: &[u64], masters: impl IntoIterator<Item = &'a ServiceKey<A>>) {
+    /// master entries `masters` the maps hold, writing only the words that differ. An error:
+    /// a word could not be written, and may lack the bit of an adopted master.
+    pub fn adopt<'a, A: Addr + 'a>(&mut self, found: &[u64], masters: impl IntoIterator<Item = &'a ServiceKey<A>>) -> Result<(), MapError> {
         for key in masters {
             self.count(key);
         }
         for word in 0..filter::WORDS {
             if found.get(word as usize).copied().unwrap_or(0) != self.word(word) {
-                // A failure leaves the word dirty, for `retry`.
-                let _ = self.write(word);
+                self.write(word)?;
             }
         }
+        Ok(())
     }
 
     /// Before master entry `key` is first written: its bit is set in the kernel when this
@@ -226,7 +227,7 @@ mod tests {
         found[wa as usize] |= ba;
         found[ws as usize] |= bs;
         let mut f = Filter::new(Box::new(Fake(words.clone())));
-        f.adopt(&found, [&a]);
+        f.adopt(&found, [&a]).expect("adopt");
         let w = words.lock().unwrap();
         assert_eq!(w.writes, 1, "one word rewritten: the stale bit's");
         assert_eq!(w.words.get(&ws).copied(), Some(if wa == ws { ba } else { 0 }), "the stale bit is cleared, the live one kept");

@@ -389,7 +389,11 @@ impl<A: MapAddr> LbMaps<A> {
         };
         let snap = found.snapshot;
         // Bits for every master the maps hold, before anything else is written.
-        me.filter.adopt(&found.filter, snap.frontends.values().map(|fe| &fe.key));
+        me.filter.adopt(&found.filter, snap.frontends.values().map(|fe| &fe.key)).map_err(|source| DataplaneError::Map {
+            op: "update",
+            map: A::LB.filter,
+            source,
+        })?;
         // Backends pinned under a second id (an interrupted older run may leave one).
         let mut twins = Vec::new();
         for (id, b) in &snap.backends {

@@ -79,7 +79,7 @@ pub enum LoadError {
     #[error("pinning {path}: {source}")]
     Pin { path: String, source: io::Error },
     #[error("filling {what}: {source}")]
-    TailCalls { what: String, source: io::Error },
+    Fill { what: String, source: io::Error },
 }
 
 fn is_eperm(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -228,6 +228,12 @@ fn check_pins(root: &Path) -> Result<Vec<MapData>, LoadError> {
         // descriptor or pin lets go; the older programs, attached until this run's links replace
         // them, keep calling into it meanwhile, so this process holds it open (as long as it
         // runs: by then nothing attached uses it).
+        // A frontend filter of another size (a build with another `filter::BITS_LOG2`) places
+        // frontends elsewhere: replaced, and filled anew (see `load`).
+        if [map_names::FILTER, map_names::FILTER6].contains(&name) && info.max_entries() != proxy_common::filter::WORDS {
+            tracing::info!(pin = %path.display(), words = info.max_entries(), "replacing the frontend filter of an older build");
+            fs::remove_file(&path).map_err(|e| bad(format!("cannot replace it: {e}")))?;
+        }
         let slots = match name {
             map_names::PROGS => Some(proxy_common::prog_slots::COUNT),
             map_names::PROGS_XDP => Some(proxy_common::prog_slots::XDP_COUNT),
@@ -326,7 +332,22 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
+    let new_filters: Vec<&str> = [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| pinned(n).is_none()).collect();
     let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
+    // A frontend filter created now (the first start, or pins of a build without it) says
+    // "maybe" everywhere until the map writer has counted the Services it adopts and cleared
+    // the rest: the IPv6 programs go into the pinned program array below, where the programs
+    // still attached call them from their next packet, before the writer runs.
+    for name in new_filters {
+        let fail = |source: io::Error| LoadError::Fill { what: format!("the frontend filter {name}"), source };
+        let mut words: aya::maps::Array<_, u64> = ebpf
+            .map_mut(name)
+            .and_then(|m| aya::maps::Array::try_from(m).ok())
+            .ok_or_else(|| fail(io::Error::other("the object has no such array")))?;
+        for i in 0..proxy_common::filter::WORDS {
+            words.set(i, u64::MAX, 0).map_err(|e| fail(io::Error::other(e)))?;
+        }
+    }
     for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_EXT_INGRESS, prog_names::XDP_EXT] {
         let pin = |pin: &mut dyn FnMut(&Path) -> Result<(), aya::pin::PinError>| -> Result<(), LoadError> {
             let Some(root) = &options.pin_root else { return Ok(()) };
@@ -362,7 +383,7 @@ fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
         let prog = classifier(ebpf, name);
         prog.load().map_err(|source| LoadError::Program { name, source })?;
         let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
-        let fd = fd.try_clone().map_err(|source| LoadError::TailCalls { what: format!("{name}'s descriptor"), source })?;
+        let fd = fd.try_clone().map_err(|source| LoadError::Fill { what: format!("{name}'s descriptor"), source })?;
         fds.push((slot, fd));
     }
     let map = ebpf.map_mut(map_names::PROGS).expect("the object defines PROGS_V1");
@@ -370,16 +391,16 @@ fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
     for (slot, fd) in &fds {
         progs
             .set(*slot, fd, 0)
-            .map_err(|e| LoadError::TailCalls { what: format!("{}[{slot}]", map_names::PROGS), source: io::Error::other(e) })?;
+            .map_err(|e| LoadError::Fill { what: format!("{}[{slot}]", map_names::PROGS), source: io::Error::other(e) })?;
     }
     let name = prog_names::XDP_EXT6;
     let prog = xdp(ebpf, name);
     prog.load().map_err(|source| LoadError::Program { name, source })?;
     let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
-    let fd = fd.try_clone().map_err(|source| LoadError::TailCalls { what: format!("{name}'s descriptor"), source })?;
+    let fd = fd.try_clone().map_err(|source| LoadError::Fill { what: format!("{name}'s descriptor"), source })?;
     let map = ebpf.map_mut(map_names::PROGS_XDP).expect("the object defines PROGS_XDP_V1");
     let mut progs = aya::maps::ProgramArray::try_from(map).expect("PROGS_XDP_V1 is a program array");
-    progs.set(0, &fd, 0).map_err(|e| LoadError::TailCalls { what: format!("{}[0]", map_names::PROGS_XDP), source: io::Error::other(e) })?;
+    progs.set(0, &fd, 0).map_err(|e| LoadError::Fill { what: format!("{}[0]", map_names::PROGS_XDP), source: io::Error::other(e) })?;
     Ok(())
 }
 
