@@ -364,13 +364,16 @@ fn profile() {
         reply = packet6::tcp_frame(pong6, client6, ACK);
         other = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
     }
-    // `--reply`: only the reply of the established flow (TC egress), as `--established`.
-    if std::env::args().any(|a| a == "--reply") {
-        let egress = dp.egress_program();
-        for _ in 0..10 {
-            println!("reply {:.1} ns", repeated(egress, &reply));
+    // `--reply`: only the reply of the established flow (TC egress), as `--established`;
+    // `--egress-other`: only the packet for no Service, on TC egress.
+    for (flag, what, frame) in [("--reply", "reply", &reply), ("--egress-other", "not for a service on egress", &other)] {
+        if std::env::args().any(|a| a == flag) {
+            let egress = dp.egress_program();
+            for _ in 0..10 {
+                println!("{what} {:.1} ns", repeated(egress, frame));
+            }
+            return;
         }
-        return;
     }
     let ingress = dp.ingress_program();
     // `--established`: only the established flow, for a profiler's view of that path alone.
