@@ -5,7 +5,7 @@
 //! Service. So each bit counts the master entries (a frontend's scopes) it stands for, and
 //! every word whose kernel value may differ from the counts is written again later.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use aya::maps::MapError;
 use proxy_common::{
@@ -15,32 +15,32 @@ use proxy_common::{
 
 use super::tables::Table;
 
-/// A count that reaches this stays: the bit is kept set for good (a superset is safe).
-const STUCK: u8 = u8::MAX;
-
 pub struct Filter {
     table: Box<dyn Table<u32, u64>>,
-    /// Master entries per bit; empty until the first one (then 2^18 counts, one byte each).
-    counts: Vec<u8>,
-    /// Words whose kernel value may differ from what `counts` make of them (a failed write).
+    /// The bits of one master entry or more: the words the kernel should hold (empty until
+    /// the first, then 32 KiB).
+    words: Vec<u64>,
+    /// Entries beyond the first of a bit that stands for more than one (two scopes of a
+    /// frontend, or frontends whose hashes meet): a few per thousand frontends, where a count
+    /// per bit would take 256 KiB.
+    more: HashMap<u32, u32>,
+    /// Words whose kernel value may differ from `words` (a failed write).
     dirty: BTreeSet<u32>,
 }
 
-fn bit<A: Addr>(key: &ServiceKey<A>) -> usize {
+/// The word and the mask of `key`'s bit, and the bit's number.
+fn place<A: Addr>(key: &ServiceKey<A>) -> (u32, u64, u32) {
     let (word, mask) = filter::place(key.addr, key.port, key.proto);
-    word as usize * 64 + mask.trailing_zeros() as usize
+    (word, mask, word * 64 + mask.trailing_zeros())
 }
 
 impl Filter {
     pub fn new(table: Box<dyn Table<u32, u64>>) -> Self {
-        Self { table, counts: Vec::new(), dirty: BTreeSet::new() }
+        Self { table, words: Vec::new(), more: HashMap::new(), dirty: BTreeSet::new() }
     }
 
-    /// The word `word` as the counts make it.
     fn word(&self, word: u32) -> u64 {
-        let first = word as usize * 64;
-        let Some(counts) = self.counts.get(first..first + 64) else { return 0 };
-        counts.iter().enumerate().filter(|(_, c)| **c > 0).fold(0, |w, (i, _)| w | 1 << i)
+        self.words.get(word as usize).copied().unwrap_or(0)
     }
 
     fn write(&mut self, word: u32) -> Result<(), MapError> {
@@ -57,16 +57,39 @@ impl Filter {
         }
     }
 
-    /// Counts one more master entry at `key`'s bit, without writing (adopting the maps).
-    fn count<A: Addr>(&mut self, key: &ServiceKey<A>) -> u32 {
-        if self.counts.is_empty() {
-            self.counts = vec![0; 1 << filter::BITS_LOG2];
+    /// Counts one more master entry at `key`'s bit, without writing; true when the bit was
+    /// clear.
+    fn count<A: Addr>(&mut self, key: &ServiceKey<A>) -> bool {
+        if self.words.is_empty() {
+            self.words = vec![0; filter::WORDS as usize];
         }
-        let b = bit(key);
-        if self.counts[b] != STUCK {
-            self.counts[b] += 1;
+        let (word, mask, bit) = place(key);
+        let w = &mut self.words[word as usize];
+        if *w & mask == 0 {
+            *w |= mask;
+            return true;
         }
-        (b / 64) as u32
+        *self.more.entry(bit).or_default() += 1;
+        false
+    }
+
+    /// Counts one master entry less at `key`'s bit; true when that was the last.
+    fn uncount<A: Addr>(&mut self, key: &ServiceKey<A>) -> bool {
+        let (word, mask, bit) = place(key);
+        if let Some(n) = self.more.get_mut(&bit) {
+            *n -= 1;
+            if *n == 0 {
+                self.more.remove(&bit);
+            }
+            return false;
+        }
+        match self.words.get_mut(word as usize) {
+            Some(w) if *w & mask != 0 => {
+                *w &= !mask;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Takes over a previous run's filter (`found`: its words, missing ones unset) for the
@@ -87,31 +110,21 @@ impl Filter {
     /// Before master entry `key` is first written: its bit is set in the kernel when this
     /// returns Ok. On an error nothing is counted.
     pub fn hold<A: Addr>(&mut self, key: &ServiceKey<A>) -> Result<(), MapError> {
-        let b = bit(key);
-        let was = self.counts.get(b).copied().unwrap_or(0);
-        let word = self.count(key);
-        if was > 0 && !self.dirty.contains(&word) {
+        let (word, _, _) = place(key);
+        if !self.count(key) && !self.dirty.contains(&word) {
             return Ok(());
         }
         self.write(word).inspect_err(|_| {
-            if self.counts[b] != STUCK {
-                self.counts[b] -= 1;
-            }
+            self.uncount(key);
         })
     }
 
     /// After master entry `key` was deleted (or never written): its bit is cleared once no
     /// other entry needs it. A failed write leaves the bit set until `retry`.
     pub fn release<A: Addr>(&mut self, key: &ServiceKey<A>) {
-        let b = bit(key);
-        match self.counts.get(b).copied() {
-            None | Some(0) | Some(STUCK) => {}
-            Some(c) => {
-                self.counts[b] = c - 1;
-                if c == 1 {
-                    let _ = self.write((b / 64) as u32);
-                }
-            }
+        if self.uncount(key) {
+            let (word, _, _) = place(key);
+            let _ = self.write(word);
         }
     }
 
@@ -173,7 +186,7 @@ mod tests {
     fn twin(key: &ServiceKey) -> ServiceKey {
         (1..=u16::MAX)
             .map(|p| ServiceKey::new([10, 96, 7, 7], p.to_be_bytes(), 6, 0))
-            .find(|k| bit(k) == bit(key) && k != key)
+            .find(|k| place(k).2 == place(key).2 && k != key)
             .expect("a key sharing the bit")
     }
 
