@@ -1021,12 +1021,16 @@ fn a_frontend_filter_created_at_load_holds_every_bit_until_the_writer_adopts_the
             let w = words(&mut loaded.ebpf, name);
             assert_eq!(w.len(), filter::WORDS as usize, "{name} at this build's size");
             assert!(w.iter().all(|w| *w == u64::MAX), "{name}: every bit set before the writer runs");
+            assert!(pins.join(name).exists(), "{name} is pinned once filled");
         }
     }
     let mut dp = EbpfDataplane::load(options).expect("load again");
     let out = run(&mut dp, &tcp_frame(sock(CLIENT), sock("10.96.0.10:80"), SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "the adopted Service is served");
-    let map = testrun::map_by_name(&mut dp, map_names::FILTER);
-    let set: u32 = aya::maps::Array::<_, u64>::try_from(aya::maps::Map::Array(map)).unwrap().iter().map(|w| w.unwrap().count_ones()).sum();
-    assert_eq!(set, 1, "the writer kept the one frontend's bit and cleared the rest");
+    for (name, want) in [(map_names::FILTER, 1), (map_names::FILTER6, 0)] {
+        let map = testrun::map_by_name(&mut dp, name);
+        let set: u32 =
+            aya::maps::Array::<_, u64>::try_from(aya::maps::Map::Array(map)).unwrap().iter().map(|w| w.unwrap().count_ones()).sum();
+        assert_eq!(set, want, "{name}: the writer kept the bits of the frontends there are and cleared the rest");
+    }
 }

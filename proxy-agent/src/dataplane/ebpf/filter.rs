@@ -229,6 +229,32 @@ mod tests {
         assert!(!set(&words, &a) && !f.has_dirty());
     }
 
+    /// A shared bit whose word is dirty: a failed hold takes back only its own count.
+    #[test]
+    fn a_failed_hold_of_a_shared_bit_leaves_the_first_holder_its_bit() {
+        let words = Arc::new(Mutex::new(Words::default()));
+        let mut f = Filter::new(Box::new(Fake(words.clone())));
+        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let b = twin(&a);
+        f.hold(&a).expect("hold a");
+        let other = ServiceKey::new([10, 96, 0, 9], 443u16.to_be_bytes(), 6, 0);
+        let other = (1..=u16::MAX)
+            .map(|p| ServiceKey::new(other.addr, p.to_be_bytes(), 6, 0))
+            .find(|k| place(k).0 == place(&a).0 && place(k).2 != place(&a).2)
+            .expect("a key in a's word");
+        // A failed clear in the word leaves it dirty; b's hold then must write it, and fails.
+        f.hold(&other).expect("hold other");
+        words.lock().unwrap().failing = true;
+        f.release(&other);
+        assert!(f.has_dirty());
+        assert!(f.hold(&b).is_err(), "the dirty word's write fails");
+        words.lock().unwrap().failing = false;
+        assert!(set(&words, &a), "a keeps its bit");
+        // b's failed hold was not counted: a's release is the bit's last.
+        f.release(&a);
+        assert!(!set(&words, &a) && !set(&words, &other) && !f.has_dirty(), "the word is written whole, clean");
+    }
+
     #[test]
     fn adopting_writes_only_the_words_that_differ() {
         let words = Arc::new(Mutex::new(Words::default()));

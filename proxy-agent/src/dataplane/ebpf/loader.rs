@@ -329,23 +329,27 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         loader.map_max_entries(name, want);
     }
     loader.map_max_entries(map_names::CT, ct_map_max);
-    for (name, path) in &pin_paths {
-        loader.map_pin_path(name, path.as_path());
-    }
-    let new_filters: Vec<&str> = [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| pinned(n).is_none()).collect();
-    let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
     // A frontend filter created now (the first start, or pins of a build without it) says
     // "maybe" everywhere until the map writer has counted the Services it adopts and cleared
     // the rest: the IPv6 programs go into the pinned program array below, where the programs
-    // still attached call them from their next packet, before the writer runs.
+    // still attached call them from their next packet, before the writer runs. It is pinned
+    // once filled, so that a start that dies before leaves no pin to be trusted.
+    let new_filters: Vec<&str> = [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| pinned(n).is_none()).collect();
+    for (name, path) in &pin_paths {
+        if !new_filters.contains(name) {
+            loader.map_pin_path(name, path.as_path());
+        }
+    }
+    let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
     for name in new_filters {
         let fail = |source: io::Error| LoadError::Fill { what: format!("the frontend filter {name}"), source };
-        let mut words: aya::maps::Array<_, u64> = ebpf
-            .map_mut(name)
-            .and_then(|m| aya::maps::Array::try_from(m).ok())
-            .ok_or_else(|| fail(io::Error::other("the object has no such array")))?;
+        let map = ebpf.map_mut(name).ok_or_else(|| fail(io::Error::other("the object has no such map")))?;
+        let mut words: aya::maps::Array<_, u64> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
         for i in 0..proxy_common::filter::WORDS {
             words.set(i, u64::MAX, 0).map_err(|e| fail(io::Error::other(e)))?;
+        }
+        if let Some((_, path)) = pin_paths.iter().find(|(n, _)| *n == name) {
+            map.pin(path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
         }
     }
     for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_EXT_INGRESS, prog_names::XDP_EXT] {
