@@ -24,17 +24,18 @@ const LB_MAX: usize = limits::LB_MAP_MAX as usize;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 pub type CtMap<A> = LruHashMap<CtKey<A>, CtEntry<A>, { limits::CT_MAP_MAX as usize }>;
+pub type ServicesMap<A> = HashMap<ServiceKey<A>, ServiceValue, LB_MAX, NO_PREALLOC>;
+pub type BackendsMap<A> = Array<Backend<A>, LB_MAX>;
+pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
+pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
 pub type FilterMap = Array<u64, { proxy_common::filter::WORDS as usize }>;
 
+/// True when `filter` has the bit of frontend (`addr`, `port`, `proto`) (see `Family::in_filter`).
 #[inline(always)]
 fn in_filter<A: proxy_common::filter::Addr>(filter: &FilterMap, addr: A, port: [u8; 2], proto: u8) -> bool {
     let (word, bit) = proxy_common::filter::place(addr, port, proto);
     filter.get(word).is_some_and(|w| *w & bit != 0)
 }
-pub type ServicesMap<A> = HashMap<ServiceKey<A>, ServiceValue, LB_MAX, NO_PREALLOC>;
-pub type BackendsMap<A> = Array<Backend<A>, LB_MAX>;
-pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
-pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
 
 /// An address family, implemented by its address type (network order bytes).
 pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + proxy_common::filter::Addr + 'static {
