@@ -182,6 +182,13 @@ mod tests {
         words.lock().unwrap().words.get(&word).is_some_and(|w| w & bit != 0)
     }
 
+    /// A filter over an empty fake kernel, and a frontend.
+    fn fresh() -> (Arc<Mutex<Words>>, Filter, ServiceKey) {
+        let words = Arc::new(Mutex::new(Words::default()));
+        let f = Filter::new(Box::new(Fake(words.clone())));
+        (words, f, ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0))
+    }
+
     /// A second frontend whose bit is `key`'s (found by trying ports).
     fn twin(key: &ServiceKey) -> ServiceKey {
         (1..=u16::MAX)
@@ -192,9 +199,7 @@ mod tests {
 
     #[test]
     fn a_bit_shared_by_two_frontends_stays_until_both_are_gone() {
-        let words = Arc::new(Mutex::new(Words::default()));
-        let mut f = Filter::new(Box::new(Fake(words.clone())));
-        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let (words, mut f, a) = fresh();
         let b = twin(&a);
         f.hold(&a).expect("hold a");
         assert!(set(&words, &a));
@@ -210,9 +215,7 @@ mod tests {
 
     #[test]
     fn a_failed_write_is_not_counted_and_a_failed_clear_is_retried() {
-        let words = Arc::new(Mutex::new(Words::default()));
-        let mut f = Filter::new(Box::new(Fake(words.clone())));
-        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let (words, mut f, a) = fresh();
         words.lock().unwrap().failing = true;
         assert!(f.hold(&a).is_err());
         words.lock().unwrap().failing = false;
@@ -232,9 +235,7 @@ mod tests {
     /// A shared bit whose word is dirty: a failed hold takes back only its own count.
     #[test]
     fn a_failed_hold_of_a_shared_bit_leaves_the_first_holder_its_bit() {
-        let words = Arc::new(Mutex::new(Words::default()));
-        let mut f = Filter::new(Box::new(Fake(words.clone())));
-        let a = ServiceKey::new([10, 96, 0, 1], 80u16.to_be_bytes(), 6, 0);
+        let (words, mut f, a) = fresh();
         let b = twin(&a);
         f.hold(&a).expect("hold a");
         let other = ServiceKey::new([10, 96, 0, 9], 443u16.to_be_bytes(), 6, 0);

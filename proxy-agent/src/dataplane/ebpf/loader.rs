@@ -333,8 +333,10 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // "maybe" everywhere until the map writer has counted the Services it adopts and cleared
     // the rest: the IPv6 programs go into the pinned program array below, where the programs
     // still attached call them from their next packet, before the writer runs. It is pinned
-    // once filled, so that a start that dies before leaves no pin to be trusted.
-    let new_filters: Vec<&str> = [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| pinned(n).is_none()).collect();
+    // once filled, so that a start that dies before leaves no pin to be trusted. (Without pins
+    // nothing attached can reach this load's programs before the writer has run.)
+    let new_filters: Vec<&str> =
+        [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
     for (name, path) in &pin_paths {
         if !new_filters.contains(name) {
             loader.map_pin_path(name, path.as_path());

@@ -5,8 +5,9 @@
 //! such entries after each sync; so do we: after a sync that changed a UDP Service, one
 //! `conntrack -L -p udp` dump, read line by line as it comes (a busy node's table is large;
 //! only the stale flows are kept), then one ctnetlink request per stale flow, by its exact
-//! tuple (`conntrack -D` would dump the whole table again for each). TCP to a removed endpoint needs none of this: its connections end with a
-//! reset. (The eBPF dataplane re-selects such flows itself, on their next packet.)
+//! tuple (`conntrack -D` would dump the whole table again for each). TCP to a removed endpoint
+//! needs none of this: its connections end with a reset. (The eBPF dataplane re-selects such
+//! flows itself, on their next packet.)
 //!
 //! TCP needs one sweep of its own, which kube-proxy does not make: a connection attempt to a
 //! Service address before its rules existed (a Service just created, or an agent just started)
@@ -23,7 +24,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::{BufRead as _, BufReader, Read as _},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
 };
 
 use super::{spawn, NetfilterError, NodeContext, Services};
@@ -129,12 +130,12 @@ pub fn reconcile(services: &Services, node: &NodeContext) -> Result<(), Netfilte
         }
         let mut socket = ctnetlink().map_err(ctnetlink_failed)?;
         // Said once per (Service address, answering endpoint), not per client.
-        let mut deleted: BTreeMap<(std::net::SocketAddr, std::net::SocketAddr), usize> = BTreeMap::new();
+        let mut deleted: BTreeMap<(SocketAddr, SocketAddr), usize> = BTreeMap::new();
         for f in stale {
-            let (from, to) = (std::net::SocketAddr::new(f.src, f.sport), std::net::SocketAddr::new(f.dst, f.dport));
+            let (from, to) = (SocketAddr::new(f.src, f.sport), SocketAddr::new(f.dst, f.dport));
             // False: the flow ended meanwhile.
             if delete(&mut socket, libc::IPPROTO_UDP as u8, from, to).map_err(ctnetlink_failed)? {
-                *deleted.entry((to, std::net::SocketAddr::new(f.reply_src, f.reply_sport))).or_default() += 1;
+                *deleted.entry((to, SocketAddr::new(f.reply_src, f.reply_sport))).or_default() += 1;
             }
         }
         for ((service, stale), flows) in deleted {
@@ -210,11 +211,11 @@ pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Resu
             }
         };
         for a in attempts {
-            let (from, to) = (std::net::SocketAddr::new(a.src, a.sport), std::net::SocketAddr::new(a.dst, a.dport));
+            let (from, to) = (SocketAddr::new(a.src, a.sport), SocketAddr::new(a.dst, a.dport));
             match delete(&mut socket, libc::IPPROTO_TCP as u8, from, to) {
                 Ok(true) => {
                     deleted += 1;
-                    tracing::info!(service = %format!("{}/tcp", std::net::SocketAddr::new(a.dst, a.dport)), client = %std::net::SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
+                    tracing::info!(service = %format!("{}/tcp", SocketAddr::new(a.dst, a.dport)), client = %SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
                 }
                 // Gone meanwhile (it timed out, or the client gave up).
                 Ok(false) => {}
@@ -249,7 +250,7 @@ fn ctnetlink() -> std::io::Result<netlink_sys::Socket> {
 
 /// The ctnetlink request that deletes the entry of protocol `proto` whose original tuple is
 /// `from` -> `to`: its netfilter header (address family, version 0) and attributes.
-fn delete_request(proto: u8, from: std::net::SocketAddr, to: std::net::SocketAddr) -> ([u8; 4], Vec<u8>) {
+fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> ([u8; 4], Vec<u8>) {
     use crate::netlink::{attr, NLA_F_NESTED};
     // (A conntrack tuple is of one family: both addresses are the listing's, of the family.)
     let (family, src_attr) = if from.is_ipv4() { (libc::AF_INET, CTA_IP_V4_SRC) } else { (libc::AF_INET6, CTA_IP_V6_SRC) };
@@ -270,7 +271,7 @@ fn delete_request(proto: u8, from: std::net::SocketAddr, to: std::net::SocketAdd
 
 /// Deletes the entry of protocol `proto` whose original tuple is `from` -> `to`. False when
 /// there is none.
-fn delete(socket: &mut netlink_sys::Socket, proto: u8, from: std::net::SocketAddr, to: std::net::SocketAddr) -> std::io::Result<bool> {
+fn delete(socket: &mut netlink_sys::Socket, proto: u8, from: SocketAddr, to: SocketAddr) -> std::io::Result<bool> {
     use crate::netlink::{request, NLM_F_ACK, NLM_F_REQUEST};
     let (header, mut body) = delete_request(proto, from, to);
     match request(socket, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, header, &mut body) {
@@ -343,8 +344,7 @@ mod tests {
                 IpAddr::V4(a) => a.octets().to_vec(),
                 IpAddr::V6(a) => a.octets().to_vec(),
             };
-            let (header, body) =
-                delete_request(libc::IPPROTO_TCP as u8, std::net::SocketAddr::new(src, 20077), std::net::SocketAddr::new(dst, 80));
+            let (header, body) = delete_request(libc::IPPROTO_TCP as u8, SocketAddr::new(src, 20077), SocketAddr::new(dst, 80));
             assert_eq!(header, [family as u8, 0, 0, 0]);
             let orig = nested(&body, CTA_TUPLE_ORIG);
             let (ip, proto) = (nested(&orig, CTA_TUPLE_IP), nested(&orig, CTA_TUPLE_PROTO));
