@@ -66,7 +66,7 @@ pub mod map_names {
     /// External interface index -> its global IPv6 address (the IPv6 SNAT source).
     pub const IFADDRS6: &str = "NODE_IFADDR6_V1";
     /// Node-wide settings (one entry).
-    pub const CONFIG: &str = "CONFIG_V2";
+    pub const CONFIG: &str = "CONFIG_V3";
     /// What the last `trace` packet did (one entry; only trace packets write it).
     pub const TRACE: &str = "TRACE_V2";
     /// loadBalancerSourceRanges: an LPM trie of (service id, source prefix) a load-balancer
@@ -660,7 +660,7 @@ pub struct IfAddr<A = [u8; 4]> {
 const _: () = assert!(size_of::<IfAddr>() == 4);
 const _: () = assert!(size_of::<IfAddr<Ip6>>() == 16);
 
-/// Value of `CONFIG_V2` (index 0).
+/// Value of `CONFIG_V3` (index 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Config {
@@ -676,11 +676,14 @@ pub struct Config {
     pub svc_mask: [u8; 4],
     /// Service CIDRs in `LB4_SVCCIDR_V1`; 0: none known, nothing is checked.
     pub svc_cidrs: u32,
-    /// The same for `LB6_SVCCIDR_V1` (IPv6 has no common-prefix check: a node's IPv6 traffic
-    /// pays the trie lookup only when the cluster has IPv6 Service CIDRs).
+    /// The same for `LB6_SVCCIDR_V1`.
     pub svc_cidrs6: u32,
+    /// IPv6's common prefix, as `svc_net` and `svc_mask` (all zeroes, as a map created before
+    /// the agent wrote it holds: every address is looked up).
+    pub svc_net6: Ip6,
+    pub svc_mask6: Ip6,
 }
-const _: () = assert!(size_of::<Config>() == 24);
+const _: () = assert!(size_of::<Config>() == 56);
 
 /// Key of `LB4_SVCCIDR_V1` (after the LPM trie's prefix length).
 #[repr(C, align(4))]

@@ -210,7 +210,7 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn service_cidr_of(addr: Self) -> u8 {
         use aya_ebpf::btf_maps::lpm_trie::Key;
-        let Some(cfg) = maps::CONFIG_V2.get(0) else { return svc_cidr::NONE };
+        let Some(cfg) = maps::CONFIG_V3.get(0) else { return svc_cidr::NONE };
         if cfg.svc_cidrs == 0 || u32::from_ne_bytes(addr) & u32::from_ne_bytes(cfg.svc_mask) != u32::from_ne_bytes(cfg.svc_net) {
             return svc_cidr::NONE;
         }
@@ -371,10 +371,13 @@ impl Family for Ip6 {
         let key = Key::new(proxy_common::SourceRangeKey::ID_BITS + 128, proxy_common::SourceRangeKey { service_id, addr });
         maps::LB6_SRCRANGE_V1.get(&key).is_some()
     }
+    /// As IPv4's, the common prefix checked a word at a time (pod and node addresses mostly
+    /// differ from it in the first two).
     #[inline(always)]
     fn service_cidr_of(addr: Self) -> u8 {
         use aya_ebpf::btf_maps::lpm_trie::Key;
-        if maps::CONFIG_V2.get(0).is_none_or(|c| c.svc_cidrs6 == 0) {
+        let Some(cfg) = maps::CONFIG_V3.get(0) else { return svc_cidr::NONE };
+        if cfg.svc_cidrs6 == 0 || (0..4).any(|i| addr.0[i] & cfg.svc_mask6.0[i] != cfg.svc_net6.0[i]) {
             return svc_cidr::NONE;
         }
         maps::LB6_SVCCIDR_V1.get(&Key::new(128, proxy_common::SvcCidrKey { addr })).copied().unwrap_or(svc_cidr::NONE)

@@ -140,7 +140,7 @@ pub static NODE_IFADDR6_V1: HashMap<u32, IfAddr<Ip6>, { limits::IFADDR_MAP_MAX a
 pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = HashMap::new();
 
 #[btf_map]
-pub static CONFIG_V2: Array<Config, 1> = Array::new();
+pub static CONFIG_V3: Array<Config, 1> = Array::new();
 
 /// The frontend filter of each family (`proxy_common::filter`).
 #[btf_map]

@@ -26,7 +26,7 @@ use proxy_common::{
 use crate::{
     ct,
     family::Family,
-    maps::{CONFIG_V2, XDP_DEVS_V1},
+    maps::{CONFIG_V3, XDP_DEVS_V1},
     parse::Packet,
     pod_ingress::count_flow,
     select::{self, backend, revnat_of},
@@ -379,7 +379,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
 /// The ports SNAT gives flows (`--snat-port-range`), network byte order aside.
 #[inline(always)]
 pub fn snat_ports() -> (u16, u16) {
-    match CONFIG_V2.get(0) {
+    match CONFIG_V3.get(0) {
         Some(c) if c.snat_port_min != 0 && c.snat_port_min <= c.snat_port_max => (c.snat_port_min, c.snat_port_max),
         _ => (limits::SNAT_PORT_MIN, limits::SNAT_PORT_MAX),
     }

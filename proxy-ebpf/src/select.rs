@@ -6,7 +6,7 @@ use proxy_common::{svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Back
 
 use crate::{
     family::Family,
-    maps::CONFIG_V2,
+    maps::CONFIG_V3,
     parse::{Frag, Packet},
     value,
 };
@@ -109,7 +109,7 @@ fn affinity<A: Family>(pkt: &Packet<A>, master: &ServiceValue, scope: u8, now: u
 /// The Maglev table's pick for this flow; None when the table or the config is missing.
 #[inline(always)]
 fn maglev<A: Family>(pkt: &Packet<A>, table_id: u32) -> Option<u32> {
-    let size = CONFIG_V2.get(0)?.maglev_size;
+    let size = CONFIG_V3.get(0)?.maglev_size;
     if size == 0 {
         return None;
     }

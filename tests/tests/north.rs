@@ -478,7 +478,7 @@ fn client_ip_affinity_holds_across_connections_for_node_ports_and_cluster_ips() 
 fn snat_ports_run_out_cleanly() {
     let Some(mut n) = node("snat_ports_run_out_cleanly") else { return };
     // One SNAT port only: the second client to the same backend cannot get a mapping.
-    let cfg = testrun::map_by_name(&mut n.dp, "CONFIG_V2");
+    let cfg = testrun::map_by_name(&mut n.dp, "CONFIG_V3");
     let mut cfg: aya::maps::Array<_, Config> = aya::maps::Array::try_from(aya::maps::Map::Array(cfg)).unwrap();
     cfg.set(0, Config { maglev_size: 16381, snat_port_min: 62000, snat_port_max: 62000, ..Default::default() }, 0).unwrap();
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();

@@ -1034,3 +1034,44 @@ fn a_frontend_filter_created_at_load_holds_every_bit_until_the_writer_adopts_the
         assert_eq!(set, want, "{name}: the writer kept the bits of the frontends there are and cleared the rest");
     }
 }
+
+/// Pins of a build whose config map had another layout (`CONFIG_V2`, before IPv6's Service
+/// CIDR prefilter): that pin goes, and the new map holds the options' settings before it is
+/// pinned, before the IPv6 programs (which the programs still attached call) can read it.
+#[test]
+fn a_config_map_created_at_load_holds_the_options_before_the_programs_read_it() {
+    if !require::root("a_config_map_created_at_load_holds_the_options_before_the_programs_read_it") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::loader::{self, LoadOptions};
+    use proxy_common::{map_names, Config};
+    let root = proxy_tests::lab::TempBpffs::new("pxcfg");
+    let options = LoadOptions { pin_root: Some(root.0.clone()), maglev_size: 65521, snat_ports: (40000, 41000), ..Default::default() };
+    drop(EbpfDataplane::load(options.clone()).expect("load with pins"));
+    let pins = loader::maps_dir(&root.0);
+    std::fs::remove_file(pins.join(map_names::CONFIG)).expect("remove the config's pin");
+    let older = pins.join("CONFIG_V2");
+    proxy_tests::netns::sh(&[
+        "bpftool",
+        "map",
+        "create",
+        older.to_str().unwrap(),
+        "type",
+        "array",
+        "key",
+        "4",
+        "value",
+        "24",
+        "entries",
+        "1",
+        "name",
+        "CONFIG_V2",
+    ]);
+    let loaded = loader::load(&options).expect("load");
+    assert!(!older.exists(), "the older layout's pin is removed");
+    let pinned = aya::maps::MapData::from_pin(pins.join(map_names::CONFIG)).expect("the new config is pinned");
+    let config: aya::maps::Array<_, Config> = aya::maps::Array::try_from(aya::maps::Map::Array(pinned)).unwrap();
+    let want = Config { maglev_size: 65521, snat_port_min: 40000, snat_port_max: 41000, ..Default::default() };
+    assert_eq!(config.get(&0, 0).unwrap(), want, "the options' settings, the Service CIDR checks off");
+    drop(loaded);
+}

@@ -428,8 +428,14 @@ fn ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     let cidr = |s: &str| s.parse::<proxy_agent::model::store::Cidr>().unwrap();
     let v4_free = proxy_tests::packet::tcp_frame("10.244.0.5:40000".parse().unwrap(), "10.96.0.77:80".parse().unwrap(), SYN);
     let allocated: std::collections::BTreeSet<std::net::IpAddr> = ["fd00:10:96::10".parse().unwrap(), "10.96.0.10".parse().unwrap()].into();
-    let ranges = [cidr("10.96.0.0/16"), cidr("fd00:10:96::/112")];
+    // A second IPv6 range far from the first: the prefilter, their common prefix, holds both.
+    let ranges = [cidr("10.96.0.0/16"), cidr("fd00:10:96::/112"), cidr("fd00:20::/112")];
     dp.set_cluster_ip_ranges(&ranges, &allocated).expect("write both families' ranges");
+    let config: aya::maps::Array<_, proxy_common::Config> =
+        aya::maps::Array::try_from(dp.ebpf_mut().map(map_names::CONFIG).unwrap()).unwrap();
+    let config = config.get(&0, 0).unwrap();
+    let ip6 = |s: &str| Ip6::from_bytes(s.parse::<std::net::Ipv6Addr>().unwrap().octets());
+    assert_eq!((config.svc_net6, config.svc_mask6, config.svc_cidrs6), (ip6("fd00::"), ip6("ffff:ffc0::"), 2), "fd00::/26");
     let out = run(&mut dp, &other_port);
     assert_eq!(out.action, TC_ACT_REDIRECT, "an unserved port of an IPv6 cluster IP is answered");
     let d = dissect(&out.frame);
@@ -440,16 +446,20 @@ fn ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
         assert_untouched(&mut dp, frame, &format!("{what} on ingress: something on the way may still take it"));
         assert_eq!(run_egress(&mut dp, frame).action, TC_ACT_SHOT, "{what} is dropped as it leaves");
     }
+    let second = tcp_frame(client, sock("[fd00:20::9]:443"), SYN);
+    assert_eq!(run_egress(&mut dp, &second).action, TC_ACT_SHOT, "the second range too");
     assert_untouched(&mut dp, &outside, "outside every range");
     assert_eq!(run_egress(&mut dp, &outside).frame, outside, "outside every range, leaving");
+    let beyond = tcp_frame(client, sock("[fd01::1]:80"), SYN);
+    assert_eq!(run_egress(&mut dp, &beyond).frame, beyond, "outside the common prefix, leaving");
     assert_eq!(run_egress(&mut dp, &other_port).frame, other_port, "an allocated address is not dropped as it leaves");
     assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range's check beside it");
     let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), sock(BACKEND), "the Service itself is served");
     let c = counters(&mut dp);
-    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&3)), "{c:?}");
-    // The IPv6 range goes, the IPv4 one stays.
-    dp.set_cluster_ip_ranges(&ranges[..1], &allocated).expect("remove the IPv6 range");
+    assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&4)), "{c:?}");
+    // The IPv6 ranges go, the IPv4 one stays.
+    dp.set_cluster_ip_ranges(&ranges[..1], &allocated).expect("remove the IPv6 ranges");
     assert_eq!(run_egress(&mut dp, &free).frame, free, "IPv6 range removed");
     assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range still checked");
     let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey<Ip6>, u8> =

@@ -175,6 +175,29 @@ impl Cidr {
         Family::of(a) == self.family() && bits_of(a) & self.mask() == bits_of(self.addr) & self.mask()
     }
 
+    /// The range's mask written as an address (`10.0.0.0/8` -> `255.0.0.0`).
+    pub fn netmask(&self) -> IpAddr {
+        match self.addr {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(self.mask() as u32)),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(self.mask())),
+        }
+    }
+
+    /// The smallest range holding every one of `ranges`, written with its network address;
+    /// None when there are none or they are of both families.
+    pub fn covering(ranges: &[Cidr]) -> Option<Cidr> {
+        let first = *ranges.first()?;
+        if ranges.iter().any(|c| c.family() != first.family()) {
+            return None;
+        }
+        let at = |c: &Cidr, prefix| Cidr { addr: c.addr, prefix }.network();
+        let mut prefix = ranges.iter().map(|c| c.prefix).min()?;
+        while prefix > 0 && ranges.iter().any(|c| at(c, prefix) != at(&first, prefix)) {
+            prefix -= 1;
+        }
+        Some(at(&first, prefix))
+    }
+
     /// True when one of `ranges` holds one of `addrs` (loadBalancerSourceRanges holding a node
     /// address, which then admit the load balancer's own address too, as kube-proxy does).
     pub fn any_contains(ranges: &[Cidr], addrs: &[IpAddr]) -> bool {
@@ -233,6 +256,23 @@ mod tests {
         ] {
             assert_eq!(parse_ip(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_range_covering_others_is_their_longest_common_prefix() {
+        let c = |s: &str| s.parse::<Cidr>().unwrap();
+        let covering = |r: &[&str]| Cidr::covering(&r.iter().map(|s| c(s)).collect::<Vec<_>>()).map(|c| c.to_string());
+        assert_eq!(covering(&["10.96.0.0/12"]).as_deref(), Some("10.96.0.0/12"));
+        assert_eq!(covering(&["10.96.0.0/16", "10.100.0.0/24"]).as_deref(), Some("10.96.0.0/13"));
+        assert_eq!(covering(&["10.96.0.0/16", "192.168.0.0/24"]).as_deref(), Some("0.0.0.0/0"));
+        assert_eq!(covering(&["fd00:10:96::/112"]).as_deref(), Some("fd00:10:96::/112"));
+        assert_eq!(covering(&["fd00:10:96::/112", "fd00:10:97::/108"]).as_deref(), Some("fd00:10:96::/47"));
+        assert_eq!(covering(&["fd00:10:96::/112", "2001:db8::/112"]).as_deref(), Some("::/0"));
+        assert_eq!(covering(&["10.96.0.0/12", "fd00:10:96::/112"]), None, "one family at a time");
+        assert_eq!(covering(&[]), None);
+        assert_eq!(c("10.96.0.0/12").netmask(), v4("255.240.0.0").unwrap());
+        assert_eq!(c("fd00:10:96::/112").netmask(), "ffff:ffff:ffff:ffff:ffff:ffff:ffff:0".parse::<IpAddr>().unwrap());
+        assert_eq!(c("::/0").netmask(), "::".parse::<IpAddr>().unwrap());
     }
 
     #[test]

@@ -5,16 +5,20 @@
 //! Two methods, because the kernel repeats a test run on the same skb and the programs rewrite
 //! it:
 //! - "repeat": BPF_PROG_TEST_RUN with repeat = 1,000,000 on one frame, which each run finds as
-//!   the run before left it; the median of ROUNDS such calls, so that one disturbed call (this
-//!   is a shared 2-CPU machine) does not make the figure. The cases (the floor among them)
-//!   take turns, round after round, so a change in the machine's pace weighs on all alike. So the established flow and its reply are arranged as
-//!   two services, each the other's backend ("ping" 10.100.0.2:80 -> 10.100.0.3:8080 and
-//!   "pong" the other way), with a tracked flow to each: every run is a packet of a tracked
-//!   flow (or a reply) whose address and port really change.
+//!   the run before left it. So the established flow and its reply are arranged as two
+//!   services, each the other's backend ("ping" 10.100.0.2:80 -> 10.100.0.3:8080 and "pong"
+//!   the other way), with a tracked flow to each: every run is a packet of a tracked flow (or
+//!   a reply) whose address and port really change. Each figure is the median of ROUNDS such
+//!   calls, so that one disturbed call (this is a shared 2-CPU machine) does not make it; the
+//!   cases (the floor among them) take turns, round after round, so that a change in the
+//!   machine's pace weighs on all alike.
 //! - "calls": 1,000,000 BPF_PROG_TEST_RUN calls with repeat = 1, a fresh frame each, for new
 //!   flows (each a distinct 5-tuple) and, as a cross-check, the established flow.
 //!   The kernel's per-call duration includes one clock read, which the floor measured the same
 //!   way includes too.
+//!
+//! The maps hold what a node's do: beside the Services, a Service CIDR per family with the
+//! cluster IPs allocated in it, which traffic for no Service is checked against.
 
 use std::{
     collections::BTreeMap,
@@ -107,6 +111,18 @@ fn ping_pong6(dp: &mut EbpfDataplane) -> (SocketAddrV6, SocketAddrV6) {
     dp.upsert(&key6(ping), &one("ping6", pong)).unwrap();
     dp.upsert(&key6(pong), &one("pong6", ping)).unwrap();
     (ping, pong)
+}
+
+/// The Service CIDRs a node has (kube-apiserver's `kubernetes` ServiceCIDR, one range per
+/// family), with the cluster IPs the bench programmed allocated in them: the datapath checks
+/// traffic for no Service against them as it would on a node. `ipv4` is how many of
+/// `program_services`' addresses to allocate besides the fixed ones.
+fn node_service_cidrs(dp: &mut EbpfDataplane, ipv4: u32) {
+    let ranges = ["10.96.0.0/12".parse().unwrap(), "fd00:100::/112".parse().unwrap()];
+    let fixed = ["10.100.0.1", "10.100.0.2", "10.100.0.3", "fd00:100::1", "fd00:100::2", "fd00:100::3"];
+    let mut allocated: std::collections::BTreeSet<std::net::IpAddr> = fixed.iter().map(|a| a.parse().unwrap()).collect();
+    allocated.extend((0..ipv4).map(|i| std::net::IpAddr::V4(Ipv4Addr::from(0x0a60_0000 + i))));
+    dp.set_cluster_ip_ranges(&ranges, &allocated).expect("write the Service CIDRs");
 }
 
 /// Mean ns per packet over `repeat` runs of `frame` in one test run.
@@ -202,6 +218,7 @@ fn measure(services: u32) -> Measured {
     let (ping, pong) = ping_pong(&mut dp);
     program_services(&mut dp, services.saturating_sub(3));
     let program_ms = t.elapsed().as_secs_f64() * 1e3;
+    node_service_cidrs(&mut dp, services.saturating_sub(3));
     // IPv6 beside: its own ping/pong and a service for new flows, in the IPv6 maps (the IPv4
     // Services fill the IPv4 ones; the IPv6 maps are separate, so their number does not matter
     // to IPv6's lookups).
@@ -338,6 +355,7 @@ fn profile() {
     let options = LoadOptions { ct_map_max: ct_max.unwrap_or(LoadOptions::default().ct_map_max), ..Default::default() };
     let mut dp = EbpfDataplane::load(options).expect("load the dataplane (as root)");
     let (ping, pong) = ping_pong(&mut dp);
+    node_service_cidrs(&mut dp, 0);
     let mut lab = proxy_tests::load_lab_object();
     loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);

@@ -335,20 +335,30 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // still attached call them from their next packet, before the writer runs. It is pinned
     // once filled, so that a start that dies before leaves no pin to be trusted. (Without pins
     // nothing attached can reach this load's programs before the writer has run.)
-    let new_filters: Vec<&str> =
-        [map_names::FILTER, map_names::FILTER6].into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
+    // A config map created now (pins of a build with another layout) is likewise filled before
+    // it is pinned: the options' settings, the Service CIDR checks off, until
+    // `EbpfDataplane::load` writes it.
+    let filled_at_load = [map_names::FILTER, map_names::FILTER6, map_names::CONFIG];
+    let new_maps: Vec<&str> = filled_at_load.into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
     for (name, path) in &pin_paths {
-        if !new_filters.contains(name) {
+        if !new_maps.contains(name) {
             loader.map_pin_path(name, path.as_path());
         }
     }
     let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
-    for name in new_filters {
-        let fail = |source: io::Error| LoadError::Fill { what: format!("the frontend filter {name}"), source };
+    for name in new_maps {
+        let fail = |source: io::Error| LoadError::Fill { what: format!("the new map {name}"), source };
         let map = ebpf.map_mut(name).ok_or_else(|| fail(io::Error::other("the object has no such map")))?;
-        let mut words: aya::maps::Array<_, u64> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
-        for i in 0..proxy_common::filter::WORDS {
-            words.set(i, u64::MAX, 0).map_err(|e| fail(io::Error::other(e)))?;
+        if name == map_names::CONFIG {
+            let (snat_port_min, snat_port_max) = options.snat_ports;
+            let config = Config { maglev_size: options.maglev_size, snat_port_min, snat_port_max, ..Default::default() };
+            let mut array: aya::maps::Array<_, Config> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
+            array.set(0, config, 0).map_err(|e| fail(io::Error::other(e)))?;
+        } else {
+            let mut words: aya::maps::Array<_, u64> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
+            for i in 0..proxy_common::filter::WORDS {
+                words.set(i, u64::MAX, 0).map_err(|e| fail(io::Error::other(e)))?;
+            }
         }
         if let Some((_, path)) = pin_paths.iter().find(|(n, _)| *n == name) {
             map.pin(path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;

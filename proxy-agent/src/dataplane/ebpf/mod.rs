@@ -59,7 +59,7 @@ pub struct EbpfDataplane {
     pins_outlive_agent: bool,
     /// What `XDP_DEVS_V1` holds: interface index -> `xdp_dev` flags (none are 0).
     xdp_devs: std::collections::BTreeMap<u32, u32>,
-    /// What `CONFIG_V2` holds.
+    /// What `CONFIG_V3` holds.
     config: Config,
     /// Entries the load-balancer maps and each family's conntrack map hold at most, as the
     /// kernel has them.
@@ -76,12 +76,12 @@ pub struct EbpfDataplane {
 /// A Service CIDR map's entries: (prefix length, address) -> `svc_cidr` value.
 type SvcCidrs<A> = std::collections::BTreeMap<(u8, A), u8>;
 
-/// How one family's Service CIDR check is switched in `CONFIG_V2`, for `write_ranges`.
+/// How one family's Service CIDR check is switched in `CONFIG_V3`, for `write_ranges`.
 struct CheckSwitch {
     /// The config with the check on for the new ranges, and with it off.
     on: Config,
     off: Config,
-    /// The check must go off before the entries change (the ranges go, or IPv4's prefilter
+    /// The check must go off before the entries change (the ranges go, or its prefilter
     /// changes).
     off_first: bool,
 }
@@ -128,8 +128,7 @@ impl EbpfDataplane {
         {
             let map = ebpf.map(map_names::CONFIG).expect("the object defines the config map");
             if let Ok(old) = Array::<&MapData, Config>::try_from(map).and_then(|a| a.get(&0, 0)) {
-                (config.svc_net, config.svc_mask, config.svc_cidrs, config.svc_cidrs6) =
-                    (old.svc_net, old.svc_mask, old.svc_cidrs, old.svc_cidrs6);
+                config = Config { maglev_size, snat_port_min, snat_port_max, ..old };
             }
         }
         let mut me = Self {
@@ -167,15 +166,15 @@ impl EbpfDataplane {
     }
 
     /// See `Dataplane::set_cluster_ip_ranges`: each family's ranges and allocated cluster IPs
-    /// in its own map, each family's check switched in `CONFIG_V2` (IPv4's behind a prefilter,
-    /// the ranges' common prefix; IPv6's by the number of ranges alone).
+    /// in its own map, each family's check switched in `CONFIG_V3` behind a prefilter, the
+    /// ranges' common prefix.
     fn write_cluster_ip_ranges(
         &mut self,
         cidrs: &[Cidr],
         allocated: &std::collections::BTreeSet<std::net::IpAddr>,
     ) -> Result<(), DataplaneError> {
         let v4: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_some()).collect();
-        let (net, mask) = supernet(&v4);
+        let (net, mask) = common_prefix(&v4);
         let c = self.config;
         let switch = CheckSwitch {
             on: Config { svc_net: net, svc_mask: mask, svc_cidrs: v4.len() as u32, ..c },
@@ -186,11 +185,13 @@ impl EbpfDataplane {
         let (held, v4_result) = self.write_ranges(&v4, allocated, held, switch);
         self.svc_cidrs = held;
         let v6: Vec<Cidr> = cidrs.iter().copied().filter(|c| c.v4().is_none()).collect();
+        let (net, mask) = common_prefix(&v6);
         let c = self.config;
+        let none = proxy_common::Ip6::default();
         let switch = CheckSwitch {
-            on: Config { svc_cidrs6: v6.len() as u32, ..c },
-            off: Config { svc_cidrs6: 0, ..c },
-            off_first: c.svc_cidrs6 != 0 && v6.is_empty(),
+            on: Config { svc_net6: net, svc_mask6: mask, svc_cidrs6: v6.len() as u32, ..c },
+            off: Config { svc_net6: none, svc_mask6: none, svc_cidrs6: 0, ..c },
+            off_first: c.svc_cidrs6 != 0 && (v6.is_empty() || (c.svc_net6, c.svc_mask6) != (net, mask)),
         };
         let held = self.svc_cidrs6.take();
         let (held, v6_result) = self.write_ranges(&v6, allocated, held, switch);
@@ -517,15 +518,8 @@ impl Dataplane for EbpfDataplane {
     }
 }
 
-/// The smallest prefix holding every IPv4 range of `cidrs` (network address, mask; as the
-/// packet carries addresses). None: all zeroes.
-fn supernet(cidrs: &[Cidr]) -> ([u8; 4], [u8; 4]) {
-    let cidrs: Vec<(u32, u8)> = cidrs.iter().filter_map(Cidr::v4).map(|(a, p)| (u32::from(a), p)).collect();
-    let Some(&(base, _)) = cidrs.first() else { return ([0; 4], [0; 4]) };
-    let mut prefix = cidrs.iter().map(|c| c.1).min().unwrap_or(0);
-    let mask_of = |p: u8| if p == 0 { 0 } else { u32::MAX << (32 - u32::from(p)) };
-    while prefix > 0 && cidrs.iter().any(|c| c.0 & mask_of(prefix) != base & mask_of(prefix)) {
-        prefix -= 1;
-    }
-    ((base & mask_of(prefix)).to_be_bytes(), mask_of(prefix).to_be_bytes())
+/// The common prefix of one family's ranges as `Config` holds it (network address, mask; as
+/// packets carry addresses). None: all zeroes.
+fn common_prefix<A: MapAddr + Default>(cidrs: &[Cidr]) -> (A, A) {
+    Cidr::covering(cidrs).and_then(|c| Some((A::from_ip(c.addr)?, A::from_ip(c.netmask())?))).unwrap_or_default()
 }
