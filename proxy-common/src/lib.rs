@@ -678,8 +678,8 @@ pub struct Config {
     pub svc_cidrs: u32,
     /// The same for `LB6_SVCCIDR_V1`.
     pub svc_cidrs6: u32,
-    /// IPv6's common prefix, as `svc_net` and `svc_mask` (all zeroes, as a map created before
-    /// the agent wrote it holds: every address is looked up).
+    /// IPv6's common prefix, as `svc_net` and `svc_mask` (all zeroes with `svc_cidrs6` set, a
+    /// `::/0` range: every address is looked up).
     pub svc_net6: Ip6,
     pub svc_mask6: Ip6,
 }

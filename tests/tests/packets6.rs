@@ -57,6 +57,13 @@ fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
     assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
 }
 
+/// The same on egress: the frame leaves as it is (a drop would leave it unchanged too).
+fn assert_leaves(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
+    let out = run_egress(dp, frame);
+    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
+    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
+}
+
 #[test]
 fn ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored() {
     let Some(mut dp) = setup("ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored") else { return };
@@ -424,7 +431,7 @@ fn ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     let free_udp = Ipv6::new(*client.ip(), *free_udp_to.ip(), UDP, packet6::udp_datagram(client, free_udp_to, b"q")).frame();
     let outside = tcp_frame(client, outside_to, SYN);
     assert_untouched(&mut dp, &other_port, "no ranges: another port of a cluster IP");
-    assert_eq!(run_egress(&mut dp, &free).frame, free, "no ranges: a free address leaves");
+    assert_leaves(&mut dp, &free, "no ranges: a free address leaves");
     let cidr = |s: &str| s.parse::<proxy_agent::model::store::Cidr>().unwrap();
     let v4_free = proxy_tests::packet::tcp_frame("10.244.0.5:40000".parse().unwrap(), "10.96.0.77:80".parse().unwrap(), SYN);
     let allocated: std::collections::BTreeSet<std::net::IpAddr> = ["fd00:10:96::10".parse().unwrap(), "10.96.0.10".parse().unwrap()].into();
@@ -449,22 +456,37 @@ fn ipv6_service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
     let second = tcp_frame(client, sock("[fd00:20::9]:443"), SYN);
     assert_eq!(run_egress(&mut dp, &second).action, TC_ACT_SHOT, "the second range too");
     assert_untouched(&mut dp, &outside, "outside every range");
-    assert_eq!(run_egress(&mut dp, &outside).frame, outside, "outside every range, leaving");
-    let beyond = tcp_frame(client, sock("[fd01::1]:80"), SYN);
-    assert_eq!(run_egress(&mut dp, &beyond).frame, beyond, "outside the common prefix, leaving");
-    assert_eq!(run_egress(&mut dp, &other_port).frame, other_port, "an allocated address is not dropped as it leaves");
+    assert_leaves(&mut dp, &outside, "outside every range, leaving");
+    assert_leaves(&mut dp, &other_port, "an allocated address is not dropped as it leaves");
     assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range's check beside it");
     let out = run(&mut dp, &tcp_frame(client, sock(VIP), SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), sock(BACKEND), "the Service itself is served");
     let c = counters(&mut dp);
     assert_eq!((c.get("reject_cluster_ip_port"), c.get("drop_unallocated_cluster_ip")), (Some(&1), Some(&4)), "{c:?}");
+    // Outside the common prefix nothing is looked up: a stray range there (written behind the
+    // agent's back) is not seen.
+    fn trie6(dp: &mut EbpfDataplane) -> aya::maps::lpm_trie::LpmTrie<&mut aya::maps::MapData, proxy_common::SvcCidrKey<Ip6>, u8> {
+        aya::maps::lpm_trie::LpmTrie::try_from(dp.ebpf_mut().map_mut(map_names::SERVICE_CIDRS6).unwrap()).unwrap()
+    }
+    let stray = aya::maps::lpm_trie::Key::new(16, proxy_common::SvcCidrKey { addr: ip6("fd01::") });
+    trie6(&mut dp).insert(&stray, proxy_common::svc_cidr::RANGE, 0).expect("write a stray range");
+    let beyond = tcp_frame(client, sock("[fd01::1]:80"), SYN);
+    assert_leaves(&mut dp, &beyond, "outside the common prefix, leaving");
+    trie6(&mut dp).remove(&stray).expect("remove the stray range");
+    // The far range goes: the prefix narrows to the one left, whose check holds.
+    dp.set_cluster_ip_ranges(&ranges[..2], &allocated).expect("remove the far IPv6 range");
+    let config: aya::maps::Array<_, proxy_common::Config> =
+        aya::maps::Array::try_from(dp.ebpf_mut().map(map_names::CONFIG).unwrap()).unwrap();
+    let config = config.get(&0, 0).unwrap();
+    let want = (ip6("fd00:10:96::"), ip6("ffff:ffff:ffff:ffff:ffff:ffff:ffff:0"), 1);
+    assert_eq!((config.svc_net6, config.svc_mask6, config.svc_cidrs6), want, "fd00:10:96::/112");
+    assert_leaves(&mut dp, &second, "the far range's address leaves");
+    assert_eq!(run_egress(&mut dp, &free).action, TC_ACT_SHOT, "a free address of the range left is dropped");
     // The IPv6 ranges go, the IPv4 one stays.
     dp.set_cluster_ip_ranges(&ranges[..1], &allocated).expect("remove the IPv6 ranges");
-    assert_eq!(run_egress(&mut dp, &free).frame, free, "IPv6 range removed");
+    assert_leaves(&mut dp, &free, "IPv6 range removed");
     assert_eq!(run_egress(&mut dp, &v4_free).action, TC_ACT_SHOT, "the IPv4 range still checked");
-    let trie: aya::maps::lpm_trie::LpmTrie<_, proxy_common::SvcCidrKey<Ip6>, u8> =
-        aya::maps::lpm_trie::LpmTrie::try_from(dp.ebpf_mut().map(map_names::SERVICE_CIDRS6).unwrap()).unwrap();
-    assert_eq!(trie.keys().count(), 0, "no IPv6 entries left");
+    assert_eq!(trie6(&mut dp).keys().count(), 0, "no IPv6 entries left");
 }
 
 /// ICMPv6 errors about translated flows reach the client rewritten, as nf_nat rewrites RELATED
@@ -552,12 +574,12 @@ fn icmpv6_errors_about_translated_flows_reach_the_client_rewritten() {
     tail.resize(64, 7);
     let later = Ipv6::new(*client.ip(), *dns_backend.ip(), UDP, tail).with_ext(FRAGMENT, Ipv6::fragment(181, false, frag_id));
     let about_later = error(router, 2, 0, 1280u32.to_be_bytes(), &later.frame());
-    assert_eq!(run_egress(&mut dp, &about_later).frame, about_later, "an error quoting a later fragment");
+    assert_leaves(&mut dp, &about_later, "an error quoting a later fragment");
     // About a flow nobody tracks: left as it is.
     let stranger =
         Ipv6::new(*client.ip(), "fd00:10:244:1::77".parse().unwrap(), TCP, tcp_segment(client, sock("[fd00:10:244:1::77]:80"), SYN, &[]));
     let untracked = error(router, 2, 0, 1280u32.to_be_bytes(), &stranger.frame());
-    assert_eq!(run_egress(&mut dp, &untracked).frame, untracked, "an error about no translated flow");
+    assert_leaves(&mut dp, &untracked, "an error about no translated flow");
     // The same client port to a second Service of the same backend: the flow's client port is
     // moved (the translated tuple would clash), and an error about it names the client's own.
     let vip2 = sock("[fd00:10:96::11]:80");
@@ -645,13 +667,13 @@ fn a_ping_to_an_ipv6_cluster_ip_is_answered_port_unreachable() {
     assert_eq!(run_egress(&mut dp, &free).action, TC_ACT_SHOT, "a ping to a free address is dropped as it leaves");
     let outside = ping("fd00:10:97::1".parse().unwrap());
     assert_untouched(&mut dp, &outside, "outside the range");
-    assert_eq!(run_egress(&mut dp, &outside).frame, outside);
+    assert_leaves(&mut dp, &outside, "a ping outside the range, leaving");
     // A neighbour solicitation for a cluster IP (to its solicited-node group): not a Service's.
     let group: std::net::Ipv6Addr = "ff02::1:ff00:10".parse().unwrap();
     let target = vip.ip().octets();
     let ns = Ipv6::new(*client.ip(), group, ICMPV6, packet6::icmpv6_message(*client.ip(), group, 135, 0, [0; 4], &target)).frame();
     assert_untouched(&mut dp, &ns, "neighbour solicitation");
-    assert_eq!(run_egress(&mut dp, &ns).frame, ns, "neighbour solicitation, leaving");
+    assert_leaves(&mut dp, &ns, "neighbour solicitation, leaving");
     assert_eq!(counters(&mut dp).get("reject_cluster_ip_port"), Some(&2));
 }
 

@@ -335,9 +335,9 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // still attached call them from their next packet, before the writer runs. It is pinned
     // once filled, so that a start that dies before leaves no pin to be trusted. (Without pins
     // nothing attached can reach this load's programs before the writer has run.)
-    // A config map created now (pins of a build with another layout) is likewise filled before
-    // it is pinned: the options' settings, the Service CIDR checks off, until
-    // `EbpfDataplane::load` writes it.
+    // A config map created now (the first start, or pins of a build with another layout) is
+    // likewise filled before it is pinned: the options' settings, with the Service CIDR checks
+    // off until the first sync writes the ranges.
     let filled_at_load = [map_names::FILTER, map_names::FILTER6, map_names::CONFIG];
     let new_maps: Vec<&str> = filled_at_load.into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
     for (name, path) in &pin_paths {
@@ -347,7 +347,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     }
     let mut ebpf = loader.load(OBJECT).map_err(LoadError::Load)?;
     for name in new_maps {
-        let fail = |source: io::Error| LoadError::Fill { what: format!("the new map {name}"), source };
+        let fail = |source: io::Error| LoadError::Fill { what: format!("{name}, created at load"), source };
         let map = ebpf.map_mut(name).ok_or_else(|| fail(io::Error::other("the object has no such map")))?;
         if name == map_names::CONFIG {
             let (snat_port_min, snat_port_max) = options.snat_ports;

@@ -123,7 +123,8 @@ impl EbpfDataplane {
         }
         let lb = LbMaps::adopt(&mut ebpf, lb_max, maglev_size)?;
         let lb6 = LbMaps::adopt(&mut ebpf, lb6_max, maglev_size)?;
-        // The Service CIDR check stays as a previous run left it until the first sync.
+        // The Service CIDR check stays as a previous run left it until the first sync (off
+        // where the config map is new: the first start, or an upgrade that changed its layout).
         let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
         {
             let map = ebpf.map(map_names::CONFIG).expect("the object defines the config map");
@@ -247,13 +248,11 @@ impl EbpfDataplane {
         };
         // What the map holds as this goes.
         let mut now = have.clone();
-        for (&(prefix, addr), &value) in &want {
-            if have.get(&(prefix, addr)).is_none_or(|v| *v != value) {
-                if let Err(e) = trie.insert(&Key::new(u32::from(prefix), SvcCidrKey { addr }), value, 0) {
-                    return (Some(now), Err(err("insert", e)));
-                }
-                now.insert((prefix, addr), value);
+        for ((prefix, addr), value) in to_write(&want, &have) {
+            if let Err(e) = trie.insert(&Key::new(u32::from(prefix), SvcCidrKey { addr }), value, 0) {
+                return (Some(now), Err(err("insert", e)));
             }
+            now.insert((prefix, addr), value);
         }
         if !cidrs.is_empty() && self.config != switch.on {
             if let Err(e) = self.write_config(switch.on) {
@@ -518,8 +517,37 @@ impl Dataplane for EbpfDataplane {
     }
 }
 
+/// The entries of `want` that `have` lacks or holds with another value, in the order they are
+/// written: longest prefix first, so that a cluster IP's entry is in before the range around it
+/// (which, in between, would have it taken for a free address and dropped). Deletions go the
+/// other way, ranges first, as `have`'s order gives them.
+fn to_write<A: MapAddr>(want: &SvcCidrs<A>, have: &SvcCidrs<A>) -> Vec<((u8, A), u8)> {
+    want.iter().rev().filter(|(k, v)| have.get(k) != Some(v)).map(|(k, v)| (*k, *v)).collect()
+}
+
 /// The common prefix of one family's ranges as `Config` holds it (network address, mask; as
 /// packets carry addresses). None: all zeroes.
-fn common_prefix<A: MapAddr + Default>(cidrs: &[Cidr]) -> (A, A) {
+fn common_prefix<A: MapAddr>(cidrs: &[Cidr]) -> (A, A) {
     Cidr::covering(cidrs).and_then(|c| Some((A::from_ip(c.addr)?, A::from_ip(c.netmask())?))).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proxy_common::svc_cidr::{ALLOCATED, RANGE};
+
+    /// A range added while the check is on (inside the common prefix): its allocated cluster
+    /// IPs go in first, or packets to them would be taken for free addresses in between.
+    #[test]
+    fn a_ranges_cluster_ips_are_written_before_the_range() {
+        let have: SvcCidrs<[u8; 4]> = [((16, [10, 96, 0, 0]), RANGE), ((32, [10, 96, 0, 1]), ALLOCATED)].into();
+        let mut want = have.clone();
+        want.extend([((16, [10, 97, 0, 0]), RANGE), ((32, [10, 97, 0, 10]), ALLOCATED), ((32, [10, 97, 1, 1]), ALLOCATED)]);
+        assert_eq!(
+            to_write(&want, &have),
+            [((32, [10, 97, 1, 1]), ALLOCATED), ((32, [10, 97, 0, 10]), ALLOCATED), ((16, [10, 97, 0, 0]), RANGE)],
+            "what the map lacks, cluster IPs before their range"
+        );
+        assert!(to_write(&have, &have).is_empty(), "nothing written twice");
+    }
 }
