@@ -348,7 +348,8 @@ fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
     // the forwarded packet's to the SNAT address): the node's, untouched.
     for (to, about) in [(node_ip, &reply), (*lb.ip(), &forwarded)] {
         let stray = icmp_error(router, to, 4, about);
-        assert_eq!(run_ext(&mut n.dp, &stray, n.ifindex).frame, stray, "an error to {to} about a packet it did not send");
+        let out = run_ext(&mut n.dp, &stray, n.ifindex);
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &stray), "an error to {to} about a packet it did not send");
     }
     // An error on its last hop is left to the kernel.
     let mut last_hop = icmp_error(router, *lb.ip(), 4, &reply);
@@ -359,12 +360,14 @@ fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
         h
     });
     last_hop[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
-    assert_eq!(run_ext(&mut n.dp, &last_hop, n.ifindex).frame, last_hop, "an error with one hop left");
+    let out = run_ext(&mut n.dp, &last_hop, n.ifindex);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &last_hop), "an error with one hop left");
     // XDP leaves ICMP to TC; an error about no flow of ours is the node's.
     let err = icmp_error(router, *lb.ip(), 4, &reply);
     assert_eq!(run_xdp(&mut n.dp, &err, n.ifindex).action, XDP_PASS);
     let own = icmp_error(router, node_ip, 4, &tcp_frame(SocketAddrV4::new(node_ip, 22), client, ACK));
-    assert_eq!(run_ext(&mut n.dp, &own, n.ifindex).frame, own, "about the node's own SSH connection");
+    let out = run_ext(&mut n.dp, &own, n.ifindex);
+    assert_eq!((out.action, &out.frame), (TC_ACT_OK, &own), "about the node's own SSH connection");
     assert_eq!(counters(&mut n.dp).get("icmp_error_nat"), Some(&4));
 }
 
