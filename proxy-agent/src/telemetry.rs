@@ -400,11 +400,13 @@ mod tests {
 
     #[test]
     fn health_follows_kube_proxy() {
-        let t = Telemetry::new(Duration::from_millis(50), None, MapCapacities { lb: 1, lb6: 1, ct: 1, ct6: 1 });
+        let t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 1, lb6: 1, ct: 1, ct6: 1 });
         assert_eq!(t.healthz().0, 200, "healthy while starting up");
         t.queued();
         assert_eq!(t.healthz().0, 200, "a fresh queued update is not late yet");
-        std::thread::sleep(Duration::from_millis(60));
+        // Queued 61 s ago (moved back rather than waited for).
+        let queued = t.health.lock().unwrap().oldest_pending.expect("pending");
+        t.health.lock().unwrap().oldest_pending = Some(queued - Duration::from_secs(61));
         assert_eq!(t.healthz().0, 503, "an update queued longer than the timeout");
         assert_eq!(t.livez().0, 503);
         t.updated();
@@ -420,16 +422,19 @@ mod tests {
 
     #[test]
     fn metrics_use_kube_proxy_names() {
-        let t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 65536, lb6: 32768, ct: 262144, ct6: 4096 });
-        let trigger = SystemTime::now();
-        std::thread::sleep(Duration::from_millis(15));
+        let mut t = Telemetry::new(Duration::from_secs(60), None, MapCapacities { lb: 65536, lb6: 32768, ct: 262144, ct6: 4096 });
+        // A change that arrived 15 ms before the sync, after the agent started: its latency is
+        // at least that.
+        std::sync::Arc::get_mut(&mut t).expect("the only handle").start -= Duration::from_secs(1);
+        let trigger = SystemTime::now() - Duration::from_millis(15);
         let stats = SyncStats { duration: Duration::from_millis(3), trigger_times: vec![trigger], ..Default::default() };
         t.synced(&stats, &ChangeCounts { service_changes: 3, endpoint_changes: 5, services_pending: 0, endpoints_pending: 1 });
         let m = t.encode();
         for want in [
             "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
             "kubeproxy_network_programming_duration_seconds_count 1",
-            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.025\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.01\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"+Inf\"} 1",
             "kubeproxy_sync_proxy_rules_service_changes_total 3",
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending 1",

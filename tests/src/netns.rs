@@ -57,6 +57,23 @@ impl Netns {
         self.run(move || std::fs::write(&path, value).unwrap_or_else(|e| panic!("sysctl {path}: {e}")));
     }
 
+    /// A counter of the namespace's TCP stack (a `TcpExt:` field of /proc/net/netstat, such as
+    /// `TCPSynRetrans`, the SYNs sent again for want of an answer).
+    pub fn tcp_ext(&self, field: &str) -> u64 {
+        let field = field.to_string();
+        self.run(move || {
+            let text = std::fs::read_to_string("/proc/thread-self/net/netstat").expect("read /proc/net/netstat");
+            let mut rows = text.lines().filter(|l| l.starts_with("TcpExt:"));
+            let (names, values) = (rows.next().expect("TcpExt names"), rows.next().expect("TcpExt values"));
+            names
+                .split_whitespace()
+                .zip(values.split_whitespace())
+                .find(|(n, _)| *n == field)
+                .and_then(|(_, v)| v.parse().ok())
+                .unwrap_or_else(|| panic!("no TcpExt {field} in /proc/net/netstat"))
+        })
+    }
+
     /// The namespace file, for setns.
     pub fn file(&self) -> File {
         File::open(format!("/run/netns/{}", self.name)).unwrap_or_else(|e| panic!("open netns {}: {e}", self.name))

@@ -19,3 +19,18 @@ pub fn root(test: &str) -> bool {
     eprintln!("SKIPPED {why}");
     false
 }
+
+/// True when the lab has a cgroup v2 hierarchy (`has`), which the socket hooks attach to and the
+/// lab's host-network clients run in. Otherwise prints why `what` (a test, or its part) cannot
+/// run; under PROXY_TESTS_STRICT that fails instead, as `root` does.
+pub fn cgroup2(what: &str, has: bool) -> bool {
+    if has {
+        return true;
+    }
+    let why = format!("{what}: no cgroup v2 hierarchy is mounted, nor could the lab mount one, for the socket hooks");
+    if std::env::var_os("PROXY_TESTS_STRICT").is_some() {
+        panic!("{why}");
+    }
+    eprintln!("SKIPPED {why}");
+    false
+}

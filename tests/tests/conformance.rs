@@ -20,85 +20,47 @@ fn run(mode: ProxyMode, scenario: &str) {
     f(&agent(), mode);
 }
 
+/// Each scenario a test of its own in every mode's module (`ebpf::node_port_from_outside`...).
 macro_rules! suite {
-    ($mode:ident, $m:expr) => {
+    ($($scenario:ident),* $(,)?) => {
+        /// The scenarios the modules below run (`every_scenario_is_in_the_suite`).
+        const SUITE: &[&str] = &[$(stringify!($scenario)),*];
+        suite!(@mode ebpf, ProxyMode::Ebpf, $($scenario),*);
+        suite!(@mode iptables, ProxyMode::Iptables, $($scenario),*);
+        suite!(@mode nftables, ProxyMode::Nftables, $($scenario),*);
+    };
+    (@mode $mode:ident, $m:expr, $($scenario:ident),*) => {
         mod $mode {
             use super::*;
-            #[test]
-            fn clusterip_tcp_and_udp_reach_every_backend() {
-                run($m, "clusterip_tcp_and_udp_reach_every_backend")
-            }
-            #[test]
-            fn a_service_without_endpoints_refuses() {
-                run($m, "a_service_without_endpoints_refuses")
-            }
-            #[test]
-            fn endpoint_changes_are_followed() {
-                run($m, "endpoint_changes_are_followed")
-            }
-            #[test]
-            fn a_pod_reaching_its_own_service_gets_through() {
-                run($m, "a_pod_reaching_its_own_service_gets_through")
-            }
-            #[test]
-            fn a_connection_tried_before_its_service_existed_gets_through() {
-                run($m, "a_connection_tried_before_its_service_existed_gets_through")
-            }
-            #[test]
-            fn node_port_from_outside() {
-                run($m, "node_port_from_outside")
-            }
-            #[test]
-            fn external_traffic_policy_local() {
-                run($m, "external_traffic_policy_local")
-            }
-            #[test]
-            fn internal_traffic_policy_local() {
-                run($m, "internal_traffic_policy_local")
-            }
-            #[test]
-            fn load_balancer_and_external_ips() {
-                run($m, "load_balancer_and_external_ips")
-            }
-            #[test]
-            fn client_ip_affinity() {
-                run($m, "client_ip_affinity")
-            }
-            #[test]
-            fn a_node_port_without_endpoints_refuses() {
-                run($m, "a_node_port_without_endpoints_refuses")
-            }
-            #[test]
-            fn xdp_forwards_north_south() {
-                run($m, "xdp_forwards_north_south")
-            }
-            #[test]
-            fn maglev_agreement() {
-                run($m, "maglev_agreement")
-            }
-            #[test]
-            fn service_cidrs_drop_free_addresses_and_reject_unserved_ports() {
-                run($m, "service_cidrs_drop_free_addresses_and_reject_unserved_ports")
-            }
-            #[test]
-            fn path_mtu_discovery_through_a_service() {
-                run($m, "path_mtu_discovery_through_a_service")
-            }
-            #[test]
-            fn path_mtu_discovery_through_a_node_port() {
-                run($m, "path_mtu_discovery_through_a_node_port")
-            }
-            #[test]
-            fn ipv6_services() {
-                run($m, "ipv6_services")
-            }
+            $(
+                #[test]
+                fn $scenario() {
+                    run($m, stringify!($scenario))
+                }
+            )*
         }
     };
 }
 
-suite!(ebpf, ProxyMode::Ebpf);
-suite!(iptables, ProxyMode::Iptables);
-suite!(nftables, ProxyMode::Nftables);
+suite!(
+    clusterip_tcp_and_udp_reach_every_backend,
+    a_service_without_endpoints_refuses,
+    endpoint_changes_are_followed,
+    a_pod_reaching_its_own_service_gets_through,
+    a_connection_tried_before_its_service_existed_gets_through,
+    node_port_from_outside,
+    external_traffic_policy_local,
+    internal_traffic_policy_local,
+    load_balancer_and_external_ips,
+    client_ip_affinity,
+    a_node_port_without_endpoints_refuses,
+    xdp_forwards_north_south,
+    maglev_agreement,
+    service_cidrs_drop_free_addresses_and_reject_unserved_ports,
+    path_mtu_discovery_through_a_service,
+    path_mtu_discovery_through_a_node_port,
+    ipv6_services,
+);
 
 /// Not a scenario of every mode (IPVS state cannot be loaded on this kernel): taking a node
 /// over from kube-proxy, and going back.
@@ -169,8 +131,10 @@ fn iptables_backend_auto_and_switching() {
 
 #[test]
 fn every_scenario_is_in_the_suite() {
-    // The macro lists scenarios by hand; keep it in step with the library.
-    assert_eq!(conformance::SCENARIOS.len(), 17);
+    let library: std::collections::BTreeSet<&str> = conformance::SCENARIOS.iter().map(|(name, _)| *name).collect();
+    let suite: std::collections::BTreeSet<&str> = SUITE.iter().copied().collect();
+    assert_eq!(suite, library, "every scenario of the library runs in every mode, and nothing else");
+    assert_eq!((SUITE.len(), conformance::SCENARIOS.len()), (suite.len(), library.len()), "none listed twice");
 }
 
 /// IPVS mode's cleanup, which runs whenever another mode starts, leaves the iptables mode's

@@ -153,7 +153,7 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     eventually("the cluster IP to reach every backend", Duration::from_secs(15), || every_backend(&lab, WEB_VIP));
     eventually("the NodePort to reach every backend", Duration::from_secs(15), || every_backend(&lab, NODE_PORT));
     // Host-network processes too: the hooks sit on the cgroup v2 root the init container mounted.
-    if lab.cgroup.is_some() {
+    if require::cgroup2(&format!("{test}: its host-network part"), lab.cgroup.is_some()) {
         let out = lab.host_ask("tcp", WEB_VIP);
         assert!(out.starts_with("ok backend-"), "a host-network process reaches the Service: {out}\n{}", agent.log());
     }
@@ -175,8 +175,13 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     let mut agent2 = container::run(&ds, agent_spec, &node, &rootfs2.path, &lab.dir);
     ready(&mut agent2);
     let log2 = agent2.log();
-    let second = &log2[log2.rfind("dataplane loaded").unwrap_or(0)..];
-    assert!(second.contains("adopted_frontends="), "the new pod adopts the pins:\n{second}");
+    let second = &log2[log2.rfind("dataplane loaded").expect("the new pod loaded the dataplane")..];
+    let adopted: usize = second
+        .split("adopted_frontends=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no adopted_frontends in:\n{second}"));
+    assert!(adopted > 0, "the new pod adopts the pinned frontends:\n{second}");
     for (i, (c, backend)) in open.iter_mut().enumerate() {
         assert_eq!(
             &c.ask().unwrap_or_else(|e| panic!("connection {i} after the roll: {e}\n{log2}")).backend,

@@ -159,6 +159,11 @@ fn mutated_frames_through_every_program_fault_nothing_and_break_no_checksum() {
             if let Err(e) = fuzz::judge(&frame, verdict, allowed, &out) {
                 panic!("seed {seed}, frame {i} ({label}) through {name}: {e}\n in:  {frame:02x?}\n out: {out:02x?}");
             }
+            // What XDP passes on, TC and the stack see as it arrived.
+            assert!(
+                hook != 3 || verdict != XDP_PASS || out == frame,
+                "seed {seed}, frame {i} ({label}): XDP passed a frame it changed\n in:  {frame:02x?}\n out: {out:02x?}"
+            );
             *tally.by_verdict.entry((name, verdict)).or_default() += 1;
             if out != frame {
                 *tally.rewritten.entry(name).or_default() += 1;

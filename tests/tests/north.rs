@@ -37,6 +37,11 @@ const NODE_PORT: &str = "192.168.50.1:30080";
 const REMOTE: &str = "10.244.2.5:8080";
 const LOCAL: &str = "10.244.1.5:8080";
 
+/// XDP hands `frame` to TC and the stack as it arrived.
+fn assert_xdp_passes(n: &mut Node, frame: &[u8], what: &str) {
+    let out = run_xdp(&mut n.dp, frame, n.ifindex);
+    assert_eq!((out.action, out.frame.as_slice()), (XDP_PASS, frame), "{what}: expected XDP_PASS, the frame untouched");
+}
 fn sock(s: &str) -> SocketAddrV4 {
     s.parse().unwrap()
 }
@@ -158,7 +163,7 @@ fn xdp_hands_flows_to_tc_when_the_uplink_cannot_take_its_frames() {
     assert_eq!(out.action, TC_ACT_REDIRECT, "TC sends it on as an skb");
     assert_eq!(dissect(&out.frame).dst_sock(), sock(REMOTE));
     // Later packets of the flow are TC's too.
-    assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex).action, XDP_PASS);
+    assert_xdp_passes(&mut n, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), "later packets of a flow TC tracked");
     let c = counters(&mut n.dp);
     assert_eq!((c.get("xdp_forward"), c.get("ext_new_remote")), (None, Some(&1)), "{c:?}");
 }
@@ -202,13 +207,14 @@ fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the
         assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
         let epoch = forward_entry(&mut n.dp).1.route_epoch;
         n.dp.set_xdp_devices(&[].into()).unwrap();
-        let action = run_xdp(&mut n.dp, &ack, n.ifindex).action;
+        let out = run_xdp(&mut n.dp, &ack, n.ifindex);
+        let action = out.action;
         if action == XDP_TX && forward_entry(&mut n.dp).1.route_epoch == epoch {
             cached_used = true;
             break;
         }
         // The epoch turned: the route was looked up again, and the device with it.
-        assert_eq!(action, XDP_PASS);
+        assert_eq!((action, &out.frame), (XDP_PASS, &ack), "handed to TC untouched");
         // Cache the route again for the next round, with the device taking frames.
         edit_forward_entry(&mut n.dp, |e| e.route_ifindex = 0);
     }
@@ -216,7 +222,7 @@ fn xdp_keeps_what_a_device_takes_with_a_flows_route_and_learns_a_change_when_the
     // When the route is looked up again (its epoch over; here: forgotten), the device is too:
     // taking nothing now, the flow is TC's.
     edit_forward_entry(&mut n.dp, |e| e.route_epoch = e.route_epoch.wrapping_add(0x8000));
-    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_PASS, "handed to TC once the device is looked up again");
+    assert_xdp_passes(&mut n, &ack, "handed to TC once the device is looked up again");
     assert_eq!(forward_entry(&mut n.dp).1.route_xdp, ROUTE_XDP_KNOWN, "the device's new flags (none) cached with the route");
     assert_eq!(run_ext(&mut n.dp, &ack, n.ifindex).action, TC_ACT_REDIRECT, "TC carries the flow on");
 }
@@ -255,7 +261,7 @@ fn a_local_backend_is_only_dnatted_and_keeps_the_client_address() {
     let Some(mut n) = node("a_local_backend_is_only_dnatted_and_keeps_the_client_address") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(LOCAL, true)])).unwrap();
     let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
-    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves local delivery to TC and the stack");
+    assert_xdp_passes(&mut n, &syn, "XDP leaves local delivery to TC and the stack");
     let out = run_ext(&mut n.dp, &syn, n.ifindex);
     assert_eq!(out.action, TC_ACT_OK, "routed by the stack to the pod");
     let d = dissect(&out.frame);
@@ -364,7 +370,7 @@ fn icmp_errors_about_north_south_flows_reach_the_backend_or_the_client() {
     assert_eq!((out.action, &out.frame), (TC_ACT_OK, &last_hop), "an error with one hop left");
     // XDP leaves ICMP to TC; an error about no flow of ours is the node's.
     let err = icmp_error(router, *lb.ip(), 4, &reply);
-    assert_eq!(run_xdp(&mut n.dp, &err, n.ifindex).action, XDP_PASS);
+    assert_xdp_passes(&mut n, &err, "XDP leaves ICMP to TC");
     let own = icmp_error(router, node_ip, 4, &tcp_frame(SocketAddrV4::new(node_ip, 22), client, ACK));
     let out = run_ext(&mut n.dp, &own, n.ifindex);
     assert_eq!((out.action, &out.frame), (TC_ACT_OK, &own), "about the node's own SSH connection");
@@ -403,7 +409,7 @@ fn traffic_for_a_cluster_ip_or_the_node_itself_passes_the_external_hooks() {
         let f = tcp_frame(sock(CLIENT), sock(to), SYN);
         let out = run_ext(&mut n.dp, &f, n.ifindex);
         assert_eq!((out.action, &out.frame), (TC_ACT_OK, &f), "{to}: untouched");
-        assert_eq!(run_xdp(&mut n.dp, &f, n.ifindex).action, XDP_PASS, "{to}");
+        assert_xdp_passes(&mut n, &f, to);
     }
     assert!(conntrack(&mut n.dp).is_empty());
 }
@@ -525,7 +531,7 @@ fn a_packet_whose_ttl_would_expire_is_left_to_the_kernel() {
     );
     ip.ttl = 1;
     let f = ip.frame();
-    assert_eq!(run_xdp(&mut n.dp, &f, n.ifindex).action, XDP_PASS);
+    assert_xdp_passes(&mut n, &f, "one hop left: the kernel answers");
     let out = run_ext(&mut n.dp, &f, n.ifindex);
     assert_eq!((out.action, out.frame), (TC_ACT_OK, f), "the kernel answers with time exceeded");
 }
@@ -695,8 +701,9 @@ fn one_client_port_to_two_node_ports_of_one_local_backend_keeps_both_flows() {
     assert_eq!((r1.src_sock(), r1.dst_sock()), (sock(NODE_PORT), sock(CLIENT)), "the first flow is intact");
     let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(other), ACK), n.ifindex));
     assert_eq!(again.sport, Some(moved), "later packets keep the moved port");
-    let again = checked(&run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex));
-    assert_eq!(again.src_sock(), sock(CLIENT));
+    let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK), n.ifindex);
+    let again = checked(&out);
+    assert_eq!((out.action, again.src_sock(), again.dst_sock()), (TC_ACT_OK, sock(CLIENT), sock(LOCAL)), "the first flow, translated");
 }
 
 /// A localhost NodePort (127.0.0.1:nodePort, for the node's own processes through the socket
@@ -710,7 +717,7 @@ fn a_localhost_node_port_is_not_served_from_outside() {
     let syn = tcp_frame(sock(CLIENT), sock("127.0.0.1:30080"), SYN);
     let out = run_ext(&mut n.dp, &syn, n.ifindex);
     assert_eq!((out.action, &out.frame), (TC_ACT_OK, &syn), "TC leaves it alone");
-    assert_eq!(run_xdp(&mut n.dp, &syn, n.ifindex).action, XDP_PASS, "XDP leaves it alone");
+    assert_xdp_passes(&mut n, &syn, "XDP leaves it alone");
     // The node's address still serves it.
     let out = run_ext(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
     assert_eq!(dissect(&out.frame).dst_sock(), sock(REMOTE));
@@ -762,7 +769,7 @@ fn a_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_process() 
         let d = dissect(&out.frame);
         assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip), host), "{proto}: from the Service to the process's own port");
         assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true), "{proto}: {d:?}");
-        assert_eq!(run_xdp(&mut n.dp, &reply, n.ifindex).action, XDP_PASS, "{proto}: XDP leaves the reply to TC");
+        assert_xdp_passes(&mut n, &reply, &format!("{proto}: XDP leaves the reply to TC"));
 
         // The flow's next packet keeps its backend and port.
         let next = if proto == "UDP" { udp_frame(host, sock(vip), b"again") } else { tcp_frame(host, sock(vip), ACK) };

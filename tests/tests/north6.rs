@@ -299,6 +299,8 @@ fn mutated_ipv6_frames_through_the_external_programs_fault_nothing() {
     assert_eq!(c.get("pass_no_stage"), None, "{c:?}");
     let out = run_ext(&mut n.dp, &tcp_frame(sock("[2001:db8:100::99]:40999"), sock(NODE_PORT), SYN), n.ifindex);
     assert!([TC_ACT_OK, TC_ACT_REDIRECT].contains(&out.action), "still serving");
+    let to = dissect(&out.frame).dst_sock();
+    assert!([sock(REMOTE), sock(LOCAL)].contains(&to), "still serving: sent to a backend, not {to}");
 }
 
 /// loadBalancerSourceRanges on an IPv6 load-balancer IP: a source inside an IPv6 range is

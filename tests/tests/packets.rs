@@ -305,9 +305,14 @@ fn icmp_errors_about_translated_flows_name_the_service() {
 
     // From a router on the way (say, fragmentation needed): only the quote changes.
     let err = icmp_error(Ipv4Addr::new(10, 244, 255, 1), *client.ip(), 3, 4, &sent);
-    let d = dissect(&run_egress(&mut dp, &err).frame);
-    assert_eq!(d.src, Ipv4Addr::new(10, 244, 255, 1));
-    assert!(d.icmp.unwrap().checksum_ok);
+    let out = run_egress(&mut dp, &err);
+    let d = dissect(&out.frame);
+    assert_eq!((out.action, d.src, d.dst), (TC_ACT_OK, Ipv4Addr::new(10, 244, 255, 1), *client.ip()), "still the router's, to the client");
+    let icmp = d.icmp.expect("still ICMP");
+    assert!(icmp.checksum_ok, "ICMP checksum after rewriting the quote");
+    let inner = quoted(&icmp);
+    assert_eq!((inner.src_sock(), inner.dst_sock()), (client, vip), "the quote shows what the client sent");
+    assert!(inner.ip_checksum_ok, "quoted IP checksum");
 
     // About a flow that is not ours: untouched.
     let unrelated = udp_frame(client, sock("10.244.1.7:9999"), b"x")[14..].to_vec();
@@ -846,7 +851,8 @@ fn a_client_port_reused_towards_two_services_of_one_backend_keeps_both_flows() {
         assert_eq!((r1.src_sock(), r1.dst_sock()), (sock(vip1), sock(CLIENT)), "{proto:?}: the first flow is intact");
         // Later packets of each flow keep their translation.
         assert_eq!(checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip2), ACK)), "second flow again").sport, Some(moved));
-        assert_eq!(checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip1), ACK)), "first flow again").sport, Some(sock(CLIENT).port()));
+        let again = checked(&run(&mut dp, &frame(sock(CLIENT), sock(vip1), ACK)), "first flow again");
+        assert_eq!((again.src_sock(), again.dst_sock()), (sock(CLIENT), sock(be)), "{proto:?}: the first flow, translated, keeps its port");
         let ct = conntrack(&mut dp);
         let ipproto = if proto == Protocol::Tcp { 6 } else { 17 };
         let fwd = ct

@@ -420,6 +420,7 @@ mod tests {
     fn affinity_is_carried_to_every_frontend() {
         let s = svc("metadata: {name: web}\nspec: {clusterIP: 10.96.0.10, sessionAffinity: ClientIP, ports: [{name: a, port: 80}, {name: b, port: 81}]}");
         let t = service(&s, &[], &node());
+        assert_eq!(t.frontends.len(), 2, "a frontend per port");
         assert!(t.frontends.iter().all(|(_, f)| f.affinity_timeout == Some(10_800)));
     }
 }

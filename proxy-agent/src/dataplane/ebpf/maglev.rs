@@ -532,6 +532,7 @@ mod tests {
         let m = 16381;
         for n in [1u8, 3, 7, 100] {
             let t = compute(&members(n), m);
+            assert_eq!(t.len(), m as usize, "n={n}: a position for every entry");
             assert!(t.iter().all(|i| (*i as usize) < usize::from(n)));
             let mut share = vec![0u32; usize::from(n)];
             t.iter().for_each(|i| share[*i as usize] += 1);
@@ -539,7 +540,8 @@ mod tests {
             // Maglev's fill order caps the imbalance at one position per round.
             assert!(share.iter().all(|s| s.abs_diff(ideal) <= 1), "n={n}: {share:?}");
         }
-        assert!(compute(&[], m).iter().all(|e| *e == EMPTY));
+        let empty = compute(&[], m);
+        assert!(empty.len() == m as usize && empty.iter().all(|e| *e == EMPTY), "no members: every position empty");
     }
 
     #[test]
