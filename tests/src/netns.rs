@@ -62,7 +62,7 @@ impl Netns {
     pub fn tcp_ext(&self, field: &str) -> u64 {
         let field = field.to_string();
         self.run(move || {
-            let text = std::fs::read_to_string("/proc/thread-self/net/netstat").expect("read /proc/net/netstat");
+            let text = std::fs::read_to_string("/proc/thread-self/net/netstat").expect("read /proc/thread-self/net/netstat");
             let mut rows = text.lines().filter(|l| l.starts_with("TcpExt:"));
             let (names, values) = (rows.next().expect("TcpExt names"), rows.next().expect("TcpExt values"));
             names
@@ -70,7 +70,7 @@ impl Netns {
                 .zip(values.split_whitespace())
                 .find(|(n, _)| *n == field)
                 .and_then(|(_, v)| v.parse().ok())
-                .unwrap_or_else(|| panic!("no TcpExt {field} in /proc/net/netstat"))
+                .unwrap_or_else(|| panic!("no TcpExt {field} in /proc/thread-self/net/netstat"))
         })
     }
 

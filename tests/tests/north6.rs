@@ -522,7 +522,8 @@ fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_proc
         let d = dissect(&out.frame);
         assert_eq!((d.src_sock(), d.dst_sock()), (sock(vip), host), "{proto}: from the Service to the process's own port");
         assert_eq!(d.l4_checksum_ok, Some(true), "{proto}: {d:?}");
-        assert_eq!(run_xdp(&mut n.dp, &reply, n.ifindex).action, XDP_PASS, "{proto}: XDP leaves the reply to TC");
+        let out = run_xdp(&mut n.dp, &reply, n.ifindex);
+        assert_eq!((out.action, &out.frame), (XDP_PASS, &reply), "{proto}: XDP leaves the reply to TC, untouched");
 
         let next = if proto == "UDP" { udp_frame(host, sock(vip), b"again") } else { tcp_frame(host, sock(vip), ACK) };
         let d = dissect(&testrun::run_egress_on(&mut n.dp, &next, n.ifindex).frame);

@@ -313,6 +313,7 @@ fn icmp_errors_about_translated_flows_name_the_service() {
     let inner = quoted(&icmp);
     assert_eq!((inner.src_sock(), inner.dst_sock()), (client, vip), "the quote shows what the client sent");
     assert!(inner.ip_checksum_ok, "quoted IP checksum");
+    assert_eq!(inner.l4_checksum_ok, Some(true), "quoted UDP checksum");
 
     // About a flow that is not ours: untouched.
     let unrelated = udp_frame(client, sock("10.244.1.7:9999"), b"x")[14..].to_vec();
