@@ -125,6 +125,17 @@ fn node_service_cidrs(dp: &mut EbpfDataplane, ipv4: u32) {
     dp.set_cluster_ip_ranges(&ranges, &allocated).expect("write the Service CIDRs");
 }
 
+/// Mean ns per packet over `repeat` runs of `frame` in one test run, of any program type.
+fn run_any<P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>>(
+    prog: &P,
+    frame: &[u8],
+    repeat: u32,
+) -> u64 {
+    let mut out = vec![0u8; frame.len() + 256];
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
+    prog.test_run(opts).expect("BPF_PROG_TEST_RUN").duration.as_nanos() as u64
+}
+
 /// Mean ns per packet over `repeat` runs of `frame` in one test run.
 fn run(prog: &mut SchedClassifier, frame: &[u8], repeat: u32) -> u64 {
     let mut out = vec![0u8; frame.len() + 256];
@@ -199,6 +210,16 @@ impl Checker {
     }
 }
 
+/// Where a repeat case runs: a pod interface's TC ingress or egress, or an external
+/// interface's XDP or TC ingress.
+#[derive(Clone, Copy)]
+enum Hook {
+    Ingress,
+    Egress,
+    Xdp,
+    Ext,
+}
+
 struct Measured {
     cases: BTreeMap<&'static str, f64>,
     /// IPv6's cost over IPv4's per case (established, reply, not_service, new_flow): the median
@@ -259,34 +280,49 @@ fn measure(services: u32) -> Measured {
     // entry (of the flow to pong) turns it back, and so on.
     let (established, reply) = (tcp_frame(client, ping, ACK), tcp_frame(pong, client, ACK));
     let mut rounds: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
-    // (case, egress hook, frame); each IPv4 case is followed by its IPv6 twin, and odd rounds
-    // run the cases in the reverse order, so that neither family always goes first.
+    // (case, hook, frame); each IPv4 case is followed by its IPv6 twin, and odd rounds run the
+    // cases in the reverse order, so that neither family always goes first.
     // Pod-to-pod traffic (most of a cluster's) meets both hooks: the sender's ingress and the
-    // receiver's egress, where the same frame is for no Service either.
-    let order: [(&str, bool, &[u8]); 8] = [
-        ("not_service/repeat", false, &not_service),
-        ("not_service6/repeat", false, &not_service6),
-        ("not_service_egress/repeat", true, &not_service),
-        ("not_service_egress6/repeat", true, &not_service6),
-        ("established/repeat", false, &established),
-        ("established6/repeat", false, &established6),
-        ("reply/repeat", true, &reply),
-        ("reply6/repeat", true, &reply6),
+    // receiver's egress, where the same frame is for no Service either. From another node it
+    // first meets the uplink's: XDP, then TC's external ingress.
+    let order: [(&str, Hook, &[u8]); 12] = [
+        ("not_service/repeat", Hook::Ingress, &not_service),
+        ("not_service6/repeat", Hook::Ingress, &not_service6),
+        ("not_service_egress/repeat", Hook::Egress, &not_service),
+        ("not_service_egress6/repeat", Hook::Egress, &not_service6),
+        ("not_service_xdp/repeat", Hook::Xdp, &not_service),
+        ("not_service_xdp6/repeat", Hook::Xdp, &not_service6),
+        ("not_service_ext/repeat", Hook::Ext, &not_service),
+        ("not_service_ext6/repeat", Hook::Ext, &not_service6),
+        ("established/repeat", Hook::Ingress, &established),
+        ("established6/repeat", Hook::Ingress, &established6),
+        ("reply/repeat", Hook::Egress, &reply),
+        ("reply6/repeat", Hook::Egress, &reply6),
     ];
+    loader::xdp(&mut lab, prog_names::XDP_PASS).load().expect("load the XDP floor program");
     for round in 0..ROUNDS {
         let floor = loader::classifier(&mut lab, prog_names::TC_FLOOR);
         rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, repeat));
+        let floor = loader::xdp(&mut lab, prog_names::XDP_PASS);
+        rounds.entry("floor_xdp/repeat").or_default().push(run_any(floor, &not_service, repeat));
         for i in 0..order.len() {
-            let (case, egress, frame) = order[if round % 2 == 0 { i } else { order.len() - 1 - i }];
-            let prog = if egress { dp.egress_program() } else { dp.ingress_program() };
-            rounds.entry(case).or_default().push(run(prog, frame, repeat));
+            let (case, hook, frame) = order[if round % 2 == 0 { i } else { order.len() - 1 - i }];
+            let ns = match hook {
+                Hook::Ingress => run(dp.ingress_program(), frame, repeat),
+                Hook::Egress => run(dp.egress_program(), frame, repeat),
+                Hook::Ext => run(dp.ext_ingress_program(), frame, repeat),
+                Hook::Xdp => run_any(dp.xdp_program(), frame, repeat),
+            };
+            rounds.entry(case).or_default().push(ns);
         }
     }
     check.took_all(
         &mut dp,
         &[
-            (Reason::PassNotService, 2 * n_repeat * ROUNDS as u64),
+            // Pod ingress and TC's external ingress.
+            (Reason::PassNotService, 4 * n_repeat * ROUNDS as u64),
             (Reason::EgressPass, 2 * n_repeat * ROUNDS as u64),
+            (Reason::XdpPass, 2 * n_repeat * ROUNDS as u64),
             (Reason::Established, 2 * n_repeat * ROUNDS as u64),
             (Reason::ReverseNat, 2 * n_repeat * ROUNDS as u64),
         ],
@@ -295,7 +331,7 @@ fn measure(services: u32) -> Measured {
     // IPv6 against IPv4 round by round: each round's two figures ran one after the other, so a
     // change in the machine's pace between rounds cancels out of their ratio.
     let mut ratios6 = BTreeMap::new();
-    for case in ["established", "reply", "not_service", "not_service_egress"] {
+    for case in ["established", "reply", "not_service", "not_service_egress", "not_service_xdp", "not_service_ext"] {
         let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
         ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
     }
@@ -733,7 +769,7 @@ fn datapath(out_dir: &std::path::Path) {
         eprintln!("measuring with {n} services x 4 backends...");
         results.push((n, measure(n)));
     }
-    let rows: [(&str, &str); 13] = [
+    let rows: [(&str, &str); 18] = [
         ("floor/repeat", "empty program (floor)"),
         ("not_service/repeat", "not for a service (ingress)"),
         ("not_service_egress/repeat", "not for a service (egress)"),
@@ -743,6 +779,11 @@ fn datapath(out_dir: &std::path::Path) {
         ("not_service_egress6/repeat", "IPv6: not for a service (egress)"),
         ("established6/repeat", "IPv6: established flow"),
         ("reply6/repeat", "IPv6: reply"),
+        ("floor_xdp/repeat", "empty XDP program (XDP floor)"),
+        ("not_service_xdp/repeat", "not for a service (external, XDP)"),
+        ("not_service_ext/repeat", "not for a service (external, TC)"),
+        ("not_service_xdp6/repeat", "IPv6: not for a service (ext., XDP)"),
+        ("not_service_ext6/repeat", "IPv6: not for a service (ext., TC)"),
         ("floor/calls", "empty program (floor)"),
         ("established/calls", "established flow (ingress DNAT)"),
         ("new_flow/calls", "new flow (select, track, DNAT)"),
@@ -758,7 +799,7 @@ fn datapath(out_dir: &std::path::Path) {
         if i == 0 {
             println!("repeat = {REPEAT} in one call (median of {ROUNDS} rounds, the cases taking turns):");
         }
-        if i == 9 {
+        if case.ends_with("/calls") && rows[i - 1].0.ends_with("/repeat") {
             println!("{CALLS} calls, repeat = 1, a fresh frame each:");
         }
         let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
@@ -782,7 +823,7 @@ fn datapath(out_dir: &std::path::Path) {
         flat("not_service/repeat"),
         flat("not_service_egress/repeat")
     );
-    let v6: Vec<String> = ["established", "reply", "not_service", "not_service_egress", "new_flow"]
+    let v6: Vec<String> = ["established", "reply", "not_service", "not_service_egress", "not_service_xdp", "not_service_ext", "new_flow"]
         .iter()
         .map(|c| {
             let r: Vec<f64> = results.iter().map(|(_, m)| m.ratios6[c]).collect();
