@@ -43,6 +43,21 @@ pub fn run_egress(dp: &mut EbpfDataplane, frame: &[u8]) -> Output {
     run_at(dp, Hook::Egress, frame)
 }
 
+/// A frame from a pod passes the ingress program exactly as it went in. (BPF_PROG_TEST_RUN
+/// gives the frame back unchanged also when the program drops it: the verdict tells.)
+pub fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
+    let out = run(dp, frame);
+    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
+    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
+}
+
+/// The same on egress: the frame leaves as it is.
+pub fn assert_leaves(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
+    let out = run_egress(dp, frame);
+    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
+    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
+}
+
 pub fn run_at(dp: &mut EbpfDataplane, hook: Hook, frame: &[u8]) -> Output {
     let prog = match hook {
         Hook::Ingress => dp.ingress_program(),

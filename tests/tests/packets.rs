@@ -13,7 +13,7 @@ use proxy_agent::{
 use proxy_tests::{
     packet::{self, dissect, tcp_frame, tcp_segment, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
     require,
-    testrun::{self, conntrack, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{self, assert_leaves, assert_untouched, conntrack, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT},
 };
 
 fn sock(s: &str) -> SocketAddrV4 {
@@ -47,20 +47,6 @@ fn program(dp: &mut EbpfDataplane, vip: &str, proto: Protocol, backends: &[&str]
 
 fn setup(test: &str) -> Option<EbpfDataplane> {
     require::root(test).then(testrun::dataplane)
-}
-
-/// The frame must come out exactly as it went in.
-fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
-    let out = run(dp, frame);
-    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
-    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
-}
-
-/// The same on egress: the frame leaves as it is (a drop would leave it unchanged too).
-fn assert_leaves(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
-    let out = run_egress(dp, frame);
-    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
-    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
 }
 
 #[test]

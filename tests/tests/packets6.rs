@@ -14,7 +14,7 @@ use proxy_tests::{
     packet::{ACK, SYN, TCP, UDP},
     packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
     require,
-    testrun::{self, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
+    testrun::{self, assert_leaves, assert_untouched, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
 };
 
 fn sock(s: &str) -> SocketAddrV6 {
@@ -49,19 +49,6 @@ fn program6(dp: &mut EbpfDataplane, vip: &str, proto: u8, backends: &[&str]) {
 fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
     let ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map(map_names::CT6).unwrap()).unwrap();
     ct.iter().map(|e| e.unwrap()).collect()
-}
-
-fn assert_untouched(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
-    let out = run(dp, frame);
-    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
-    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
-}
-
-/// The same on egress: the frame leaves as it is (a drop would leave it unchanged too).
-fn assert_leaves(dp: &mut EbpfDataplane, frame: &[u8], what: &str) {
-    let out = run_egress(dp, frame);
-    assert_eq!(out.action, TC_ACT_OK, "{what}: expected TC_ACT_OK");
-    assert_eq!(out.frame, frame, "{what}: expected the frame unchanged");
 }
 
 #[test]

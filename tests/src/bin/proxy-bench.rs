@@ -125,19 +125,12 @@ fn node_service_cidrs(dp: &mut EbpfDataplane, ipv4: u32) {
     dp.set_cluster_ip_ranges(&ranges, &allocated).expect("write the Service CIDRs");
 }
 
-/// Mean ns per packet over `repeat` runs of `frame` in one test run, of any program type.
-fn run_any<P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>>(
+/// Mean ns per packet over `repeat` runs of `frame` in one test run (TC or XDP).
+fn run<P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>>(
     prog: &P,
     frame: &[u8],
     repeat: u32,
 ) -> u64 {
-    let mut out = vec![0u8; frame.len() + 256];
-    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
-    prog.test_run(opts).expect("BPF_PROG_TEST_RUN").duration.as_nanos() as u64
-}
-
-/// Mean ns per packet over `repeat` runs of `frame` in one test run.
-fn run(prog: &mut SchedClassifier, frame: &[u8], repeat: u32) -> u64 {
     let mut out = vec![0u8; frame.len() + 256];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
     prog.test_run(opts).expect("BPF_PROG_TEST_RUN").duration.as_nanos() as u64
@@ -210,6 +203,9 @@ impl Checker {
     }
 }
 
+/// The repeat cases measured in both families (`<case>/repeat` and `<case>6/repeat`).
+const TWINS: [&str; 6] = ["established", "reply", "not_service", "not_service_egress", "not_service_xdp", "not_service_ext"];
+
 /// Where a repeat case runs: a pod interface's TC ingress or egress, or an external
 /// interface's XDP or TC ingress.
 #[derive(Clone, Copy)]
@@ -222,8 +218,8 @@ enum Hook {
 
 struct Measured {
     cases: BTreeMap<&'static str, f64>,
-    /// IPv6's cost over IPv4's per case (established, reply, not_service, new_flow): the median
-    /// of the ratios of figures taken one after the other.
+    /// IPv6's cost over IPv4's per case (`TWINS`, and new_flow): the median of the ratios of
+    /// figures taken one after the other.
     ratios6: BTreeMap<&'static str, f64>,
     program_ms: f64,
 }
@@ -304,14 +300,14 @@ fn measure(services: u32) -> Measured {
         let floor = loader::classifier(&mut lab, prog_names::TC_FLOOR);
         rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, repeat));
         let floor = loader::xdp(&mut lab, prog_names::XDP_PASS);
-        rounds.entry("floor_xdp/repeat").or_default().push(run_any(floor, &not_service, repeat));
+        rounds.entry("floor_xdp/repeat").or_default().push(run(floor, &not_service, repeat));
         for i in 0..order.len() {
             let (case, hook, frame) = order[if round % 2 == 0 { i } else { order.len() - 1 - i }];
             let ns = match hook {
                 Hook::Ingress => run(dp.ingress_program(), frame, repeat),
                 Hook::Egress => run(dp.egress_program(), frame, repeat),
                 Hook::Ext => run(dp.ext_ingress_program(), frame, repeat),
-                Hook::Xdp => run_any(dp.xdp_program(), frame, repeat),
+                Hook::Xdp => run(dp.xdp_program(), frame, repeat),
             };
             rounds.entry(case).or_default().push(ns);
         }
@@ -331,7 +327,7 @@ fn measure(services: u32) -> Measured {
     // IPv6 against IPv4 round by round: each round's two figures ran one after the other, so a
     // change in the machine's pace between rounds cancels out of their ratio.
     let mut ratios6 = BTreeMap::new();
-    for case in ["established", "reply", "not_service", "not_service_egress", "not_service_xdp", "not_service_ext"] {
+    for case in TWINS {
         let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
         ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
     }
@@ -823,8 +819,9 @@ fn datapath(out_dir: &std::path::Path) {
         flat("not_service/repeat"),
         flat("not_service_egress/repeat")
     );
-    let v6: Vec<String> = ["established", "reply", "not_service", "not_service_egress", "not_service_xdp", "not_service_ext", "new_flow"]
+    let v6: Vec<String> = TWINS
         .iter()
+        .chain(&["new_flow"])
         .map(|c| {
             let r: Vec<f64> = results.iter().map(|(_, m)| m.ratios6[c]).collect();
             let each: Vec<String> = r.iter().map(|x| format!("{:+.0}", (x - 1.0) * 100.0)).collect();

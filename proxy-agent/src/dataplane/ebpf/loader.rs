@@ -42,6 +42,15 @@ pub struct LoadOptions {
     pub ipv6: bool,
 }
 
+impl LoadOptions {
+    /// The config map's entry these options make, the Service CIDR checks off (the ranges come
+    /// with the first sync).
+    pub fn config(&self) -> Config {
+        let (snat_port_min, snat_port_max) = self.snat_ports;
+        Config { maglev_size: self.maglev_size, snat_port_min, snat_port_max, ..Default::default() }
+    }
+}
+
 impl Default for LoadOptions {
     fn default() -> Self {
         Self {
@@ -350,10 +359,8 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         let fail = |source: io::Error| LoadError::Fill { what: format!("{name}, created at load"), source };
         let map = ebpf.map_mut(name).ok_or_else(|| fail(io::Error::other("the object has no such map")))?;
         if name == map_names::CONFIG {
-            let (snat_port_min, snat_port_max) = options.snat_ports;
-            let config = Config { maglev_size: options.maglev_size, snat_port_min, snat_port_max, ..Default::default() };
             let mut array: aya::maps::Array<_, Config> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
-            array.set(0, config, 0).map_err(|e| fail(io::Error::other(e)))?;
+            array.set(0, options.config(), 0).map_err(|e| fail(io::Error::other(e)))?;
         } else {
             let mut words: aya::maps::Array<_, u64> = aya::maps::Array::try_from(&mut *map).map_err(|e| fail(io::Error::other(e)))?;
             for i in 0..proxy_common::filter::WORDS {

@@ -90,7 +90,6 @@ impl EbpfDataplane {
     /// Loads the programs, creates or adopts the pinned maps and reads back what they hold.
     pub fn load(options: LoadOptions) -> Result<Self, EbpfError> {
         let maglev_size = options.maglev_size;
-        let (snat_port_min, snat_port_max) = options.snat_ports;
         if !maglev::is_prime(maglev_size) || maglev_size > (1 << 20) {
             return Err(EbpfError::Config(format!(
                 "--maglev-table-size {maglev_size} must be a prime no larger than 1048576 (e.g. 16381, 65521)"
@@ -125,10 +124,12 @@ impl EbpfDataplane {
         let lb6 = LbMaps::adopt(&mut ebpf, lb6_max, maglev_size)?;
         // The Service CIDR check stays as a previous run left it until the first sync (off
         // where the config map is new: the first start, or an upgrade that changed its layout).
-        let mut config = Config { maglev_size, snat_port_min, snat_port_max, ..Default::default() };
+        // The options' settings over what the map holds.
+        let mut config = options.config();
         {
             let map = ebpf.map(map_names::CONFIG).expect("the object defines the config map");
             if let Ok(old) = Array::<&MapData, Config>::try_from(map).and_then(|a| a.get(&0, 0)) {
+                let Config { maglev_size, snat_port_min, snat_port_max, .. } = config;
                 config = Config { maglev_size, snat_port_min, snat_port_max, ..old };
             }
         }
