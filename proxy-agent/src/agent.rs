@@ -26,7 +26,7 @@ use crate::{
     dataplane::{
         ebpf::{
             attach::{Attachments, DevicePatterns, Role, XdpSetting},
-            batch,
+            ct_filter,
             loader::{self, LoadOptions},
             reconcile::Reconciler,
             EbpfDataplane,
@@ -163,26 +163,38 @@ fn log_sync(s: &SyncStats) {
     }
 }
 
-/// Counts each family's conntrack entries every 15 s for the map gauges (a batched walk of
-/// the map).
+/// Every 15 s, rebuilds each family's conntrack filter from its conntrack map (see
+/// `ct_filter::rebuild`), which counts the entries for the map gauges on the way. Started once
+/// this run's programs are attached: at an upgrade, the filter was created with every bit set
+/// because the older programs did not set theirs, and they must be gone before a rebuild.
 fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
-    use proxy_common::{map_names, CtEntry, CtKey, Ip6};
+    use proxy_common::{map_names, CtEntry, Ip6};
     tokio::spawn(async move {
-        let tables = [
-            (map_names::CT, size_of::<CtKey>(), size_of::<CtEntry>(), &t.fill.conntrack),
-            (map_names::CT6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>(), &t.fill.conntrack6),
-        ];
         loop {
-            for (name, key, value, gauge) in tables {
-                let path = loader::maps_dir(&root).join(name);
-                let counted = tokio::task::spawn_blocking(move || {
-                    let map = aya::maps::MapData::from_pin(&path).map_err(std::io::Error::other)?;
-                    batch::count_entries(map.fd().as_fd(), key, value)
+            for family in [4, 6] {
+                let (ct, filter, value, entries, bits) = if family == 4 {
+                    (map_names::CT, map_names::CT_FILTER, size_of::<CtEntry>(), &t.fill.conntrack, &t.fill.conntrack_filter)
+                } else {
+                    (map_names::CT6, map_names::CT_FILTER6, size_of::<CtEntry<Ip6>>(), &t.fill.conntrack6, &t.fill.conntrack_filter6)
+                };
+                let (ct, filter) = (loader::maps_dir(&root).join(ct), loader::maps_dir(&root).join(filter));
+                let rebuilt = tokio::task::spawn_blocking(move || {
+                    let ct = aya::maps::MapData::from_pin(&ct).map_err(std::io::Error::other)?;
+                    let filter = aya::maps::MapData::from_pin(&filter).map_err(std::io::Error::other)?;
+                    let (ct, filter) = (ct.fd().as_fd(), filter.fd().as_fd());
+                    if family == 4 {
+                        ct_filter::rebuild::<[u8; 4]>(filter, ct, value)
+                    } else {
+                        ct_filter::rebuild::<Ip6>(filter, ct, value)
+                    }
                 })
                 .await;
-                match counted {
-                    Ok(Ok(n)) => gauge.store(n, Ordering::Relaxed),
-                    Ok(Err(e)) => tracing::debug!(error = %e, map = name, "counting conntrack entries"),
+                match rebuilt {
+                    Ok(Ok(r)) => {
+                        entries.store(r.keys, Ordering::Relaxed);
+                        bits.store(r.bits, Ordering::Relaxed);
+                    }
+                    Ok(Err(e)) => tracing::warn!(error = %e, family, "rebuilding the conntrack filter; it keeps the bits it has"),
                     Err(_) => {}
                 }
             }
@@ -493,7 +505,6 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     let root = &cfg.common.bpffs_root;
     tracing::info!(bpffs_root = %root.display(), node = cfg.common.hostname, adopted_frontends = dp.programmed_keys().len(), "dataplane loaded");
     let telemetry = telemetry_and_servers(&cfg, 2 * cfg.common.sync_period, ProxyMode::Ebpf, Some(root), dp.capacities());
-    spawn_conntrack_gauge(root.clone(), telemetry.clone());
     let mut store = new_store(&cfg);
     // NodePorts on 127.0.0.1 for the node's processes, through the socket hooks (no
     // route_localnet: nothing from outside can reach them); kube-proxy's rule for which
@@ -508,6 +519,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
         tracing::warn!(patterns = ?cfg.ebpf.pod_devices, "no interface matches --pod-devices yet; attaching as matching interfaces appear");
     }
     serve_host_sockets(&cfg, rec.dataplane_mut());
+    spawn_conntrack_gauge(root.clone(), telemetry.clone());
     if rec.dataplane().external_interfaces().is_empty() {
         tracing::warn!(
             devices = ?cfg.ebpf.devices,

@@ -66,6 +66,19 @@ pub struct MapFill {
     pub services6: AtomicU64,
     pub backends6: AtomicU64,
     pub conntrack6: AtomicU64,
+    /// Bits set in each family's conntrack filter (`proxy_common::ct_filter`), as its last
+    /// rebuild left them.
+    pub conntrack_filter: AtomicU64,
+    pub conntrack_filter6: AtomicU64,
+}
+
+/// Bits of a conntrack filter's half, where there is a conntrack map (`ct` entries; 0: none).
+fn filter_bits(ct: u64) -> u64 {
+    if ct == 0 {
+        0
+    } else {
+        (proxy_common::ct_filter::HALF_WORDS * 64) as u64
+    }
 }
 
 /// Entries each datapath map holds at most (all 0 without the eBPF dataplane): the IPv4 and
@@ -381,6 +394,10 @@ impl Collector for DatapathCollector {
             ("services_ipv6", f.services6.load(Ordering::Relaxed), c.lb6),
             ("backends_ipv6", f.backends6.load(Ordering::Relaxed), c.lb6),
             ("conntrack_ipv6", f.conntrack6.load(Ordering::Relaxed), c.ct6),
+            // Bits, of a half's: a packet of no tracked flow meets a set one (and pays a
+            // conntrack lookup) about as often as this share says.
+            ("conntrack_filter", f.conntrack_filter.load(Ordering::Relaxed), filter_bits(c.ct)),
+            ("conntrack_filter_ipv6", f.conntrack_filter6.load(Ordering::Relaxed), filter_bits(c.ct6)),
         ];
         for (map, n, _) in fill {
             ConstGauge::new(n as i64).encode(entries.encode_family(&[("map", map)])?)?;
@@ -441,6 +458,7 @@ mod tests {
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "proxy_agent_map_capacity{map=\"conntrack\"} 262144",
             "proxy_agent_map_capacity{map=\"conntrack_ipv6\"} 4096",
+            "proxy_agent_map_capacity{map=\"conntrack_filter\"} 1048576",
             "proxy_agent_map_capacity{map=\"services_ipv6\"} 32768",
             "proxy_agent_map_capacity{map=\"services\"} 65536",
         ] {

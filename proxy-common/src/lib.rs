@@ -98,6 +98,9 @@ pub mod map_names {
     /// The frontend filter (`crate::filter`): a bit per hash of every frontend's address, port
     /// and protocol, so a packet for no Service is told so without a services map lookup.
     pub const FILTER: &str = "LB4_FILTER_V1";
+    /// The conntrack filter (`crate::ct_filter`): a bit per hash of every key the conntrack map
+    /// may hold, so a packet of no tracked flow is told so without a conntrack lookup.
+    pub const CT_FILTER: &str = "CT4_FILTER_V1";
 
     /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte
     /// addresses. Ids (service, backend) are the family's own.
@@ -114,6 +117,7 @@ pub mod map_names {
     pub const NAMES6: &str = "LB6_NAMES_V1";
     pub const MAGLEV6: &str = "LB6_MAGLEV_V1";
     pub const FILTER6: &str = "LB6_FILTER_V1";
+    pub const CT_FILTER6: &str = "CT6_FILTER_V1";
     /// The socket hooks' maps for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the
     /// IPv4 ones).
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
@@ -171,7 +175,7 @@ pub mod map_names {
     pub const LB_V4: [&str; 9] = [SERVICES, BACKENDS, REVNAT, NAMES, BACKEND_FLOWS, MAGLEV, AFFINITY_MATCH, SOURCE_RANGES, SERVICE_CIDRS];
     pub const LB_V6: [&str; 9] =
         [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6, MAGLEV6];
-    pub const ALL: [&str; 43] = [
+    pub const ALL: [&str; 45] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -215,6 +219,8 @@ pub mod map_names {
         PROGS_XDP,
         FILTER,
         FILTER6,
+        CT_FILTER,
+        CT_FILTER6,
     ];
 }
 
@@ -730,6 +736,160 @@ pub mod filter {
     pub fn place<A: Addr>(addr: A, port: [u8; 2], proto: u8) -> (u32, u64) {
         let bit = addr.frontend_hash(port, proto) >> (32 - BITS_LOG2);
         (bit >> 6, 1 << (bit & 63))
+    }
+}
+
+/// The conntrack filter (`CT4_FILTER_V1`, `CT6_FILTER_V1`): a bit per hash of every key the
+/// family's conntrack map may hold. Most packets a node sees belong to no tracked flow (pod to
+/// pod, to and from the node itself); a clear bit tells the datapath so from one array read
+/// (inlined by the verifier) instead of a conntrack lookup that finds nothing, which hashes the
+/// whole key (16 bytes, 40 for IPv6) and walks a bucket. A set bit says only "maybe": the
+/// conntrack map decides.
+///
+/// The map holds one value (`CtFilter`): two halves of `2^BITS_LOG2` bits and a control word
+/// that says which half lookups read. The datapath sets a key's bit in both halves before it
+/// inserts the key, and never clears one. Bits of entries that expired or were evicted are
+/// dropped by a rebuild (the agent's `ct_filter::rebuild`): it clears the half lookups do not
+/// read, waits for every program run that may have set a bit there before the clear to
+/// finish, sets the bit of every key the map holds, and only then turns lookups to that half.
+/// A key inserted meanwhile had its bit set after the clear, or is in the map when the walk
+/// starts: no tracked key is ever without its bit in the half read.
+pub mod ct_filter {
+    /// 2^20 bits a half (128 KiB): four per entry of a default conntrack map (262,144), so
+    /// that a fifth of them are set when it is full.
+    pub const BITS_LOG2: u32 = 20;
+    pub const HALF_WORDS: usize = 1 << (BITS_LOG2 - 6);
+
+    /// The map's one value. (One value rather than an array of words: the datapath reaches
+    /// both halves and the control word from one lookup.)
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct CtFilter {
+        pub words: [u64; 2 * HALF_WORDS],
+        /// `control(half)`: lookups read half `half`. Anything else (a map not yet written)
+        /// makes the filter say "maybe" for every key.
+        pub control: u64,
+    }
+
+    const VALID: u64 = 0xc7f1_0000;
+
+    /// The control word of a filter whose lookups read half `half` (0 or 1).
+    pub const fn control(half: usize) -> u64 {
+        VALID | (half & 1) as u64
+    }
+
+    /// The half lookups read, of a control word; `None`: not one.
+    #[inline(always)]
+    pub const fn half(control: u64) -> Option<usize> {
+        if control & !1 == VALID {
+            Some((control & 1) as usize)
+        } else {
+            None
+        }
+    }
+
+    /// Where the key of hash `hash` has its bit in a half: the word and the bit.
+    #[inline(always)]
+    pub const fn place(hash: u64) -> (usize, u64) {
+        let bit = (hash >> (64 - BITS_LOG2)) as usize;
+        (bit >> 6, 1 << (bit & 63))
+    }
+
+    /// An address a conntrack key can hold, folded to one word (IPv6: its four words XORed;
+    /// addresses that fold alike only share bits).
+    pub trait Addr: Copy {
+        fn fold(self) -> u32;
+    }
+
+    impl Addr for [u8; 4] {
+        #[inline(always)]
+        fn fold(self) -> u32 {
+            u32::from_ne_bytes(self)
+        }
+    }
+
+    impl Addr for crate::Ip6 {
+        #[inline(always)]
+        fn fold(self) -> u32 {
+            self.0[0] ^ self.0[1] ^ self.0[2] ^ self.0[3]
+        }
+    }
+
+    /// Hash of a conntrack key (its fields as the map holds them), whose top bits place it:
+    /// a few multiplications and shifts, cheap beside the kernel's hash of the whole key. The destination
+    /// port is left out: a reply tuple's is the port the client is moved to or the SNAT port,
+    /// chosen by trying one after the other, and its bit is set once, before the tries. Part
+    /// of the ABI of the pinned filter: a change renames the maps.
+    #[inline(always)]
+    pub fn hash<A: Addr>(key: &crate::CtKey<A>) -> u64 {
+        let addrs = (key.saddr.fold() as u64) << 32 | key.daddr.fold() as u64;
+        let rest = u16::from_ne_bytes(key.sport) as u64 | (key.proto as u64) << 16;
+        let h = (addrs ^ rest << 40 ^ rest).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (h ^ h >> 32).wrapping_mul(0xd6e8_feb8_6659_fd93)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        extern crate std;
+        use super::*;
+        use crate::{CtKey, Ip6};
+
+        fn key<A: Addr>(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8) -> CtKey<A> {
+            CtKey { saddr, daddr, sport: sport.to_be_bytes(), dport: dport.to_be_bytes(), proto, _pad: 0, _pad2: 0 }
+        }
+
+        /// Distinct bits `keys` take in a half, against what a uniform hash gives their
+        /// distinct tuples (`m (1 - e^(-n/m))`; the destination port is not hashed).
+        fn spread<A: Addr>(keys: &[CtKey<A>]) -> (usize, f64) {
+            let set: std::collections::BTreeSet<(usize, u64)> = keys.iter().map(|k| place(hash(k))).collect();
+            let tuples: std::collections::BTreeSet<(u32, u32, [u8; 2], u8)> =
+                keys.iter().map(|k| (k.saddr.fold(), k.daddr.fold(), k.sport, k.proto)).collect();
+            let (n, m) = (tuples.len() as f64, (1u64 << BITS_LOG2) as f64);
+            (set.len(), m * (1.0 - (-n / m).exp()))
+        }
+
+        /// Pod-to-pod flows (addresses of a /16, ephemeral ports, a few backend ports) and the
+        /// replies of Service flows take about as many bits as a uniform hash would give them,
+        /// in both families, so a packet of no flow meets a set bit about as often as the
+        /// share of set bits says.
+        #[test]
+        fn conntrack_keys_spread_over_the_filter() {
+            // Pinned: the filter outlives the agent in its pin; a change of the hash must
+            // rename the maps.
+            assert_eq!(hash(&key([10, 244, 1, 7], [10, 96, 0, 10], 40_000, 53, 17)), 0xe35d_5154_6a3d_58e8);
+            assert_eq!(
+                hash(&key([10, 244, 1, 7], [10, 96, 0, 10], 40_000, 53, 17)),
+                hash(&key([10, 244, 1, 7], [10, 96, 0, 10], 40_000, 443, 17)),
+                "the destination port is not hashed"
+            );
+            let (mut v4, mut v6) = (std::vec::Vec::new(), std::vec::Vec::new());
+            for i in 0..100_000u32 {
+                let client = [10, 244, (i % 200) as u8, (i / 200 % 250) as u8];
+                let backend = [10, 244, (i % 13) as u8, 9];
+                let sport = 32_768 + (i * 7 % 28_000) as u16;
+                let dport = [80, 443, 8080, 5432][(i % 4) as usize];
+                v4.push(key(client, backend, sport, dport, 6));
+                v4.push(key(backend, client, dport, sport, 6));
+                let c6 = Ip6::from_bytes([0xfd, 0, 0x10, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, (i % 200) as u8, 0, (i / 200 % 250) as u8]);
+                let b6 = Ip6::from_bytes([0xfd, 0, 0x10, 0x44, 0, 0, 0, 0, 0, 0, 0, 0, 0, (i % 13) as u8, 0, 9]);
+                v6.push(key(c6, b6, sport, dport, 6));
+                v6.push(key(b6, c6, dport, sport, 6));
+            }
+            let (got, uniform) = spread(&v4);
+            assert!((got as f64) > 0.98 * uniform, "IPv4: {got} bits, a uniform hash gives {uniform:.0}");
+            let (got, uniform) = spread(&v6);
+            assert!((got as f64) > 0.98 * uniform, "IPv6: {got} bits, a uniform hash gives {uniform:.0}");
+        }
+
+        #[test]
+        fn control_words_and_places() {
+            assert_eq!((half(control(0)), half(control(1))), (Some(0), Some(1)));
+            assert_eq!(half(0), None, "an unwritten control word says nothing");
+            assert_eq!(half(u64::MAX), None, "nor all ones");
+            assert_eq!(place(u64::MAX), (HALF_WORDS - 1, 1 << 63), "the last bit of a half");
+            assert_eq!(place(0), (0, 1), "the first");
+            assert_eq!(size_of::<CtFilter>(), 8 * (2 * HALF_WORDS + 1));
+        }
     }
 }
 

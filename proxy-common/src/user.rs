@@ -20,6 +20,7 @@ unsafe impl aya::Pod for crate::AffinityMatchKey {}
 unsafe impl aya::Pod for crate::Config {}
 unsafe impl aya::Pod for crate::TraceResult {}
 unsafe impl aya::Pod for crate::Frag6Key {}
+unsafe impl aya::Pod for crate::ct_filter::CtFilter {}
 
 /// Protocol name as Kubernetes spells it.
 pub fn proto_name(proto: u8) -> &'static str {

@@ -6,9 +6,11 @@ use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
     helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns},
 };
+use core::intrinsics::{atomic_or, AtomicOrdering};
+
 use proxy_common::{
     ct::{self, flags},
-    Backend, CtEntry, CtKey, Reason, IPPROTO_TCP,
+    ct_filter, Backend, CtEntry, CtKey, Reason, IPPROTO_TCP,
 };
 
 use crate::{
@@ -38,6 +40,49 @@ pub fn now() -> u64 {
         c.jiffies = jiffies;
     }
     c.ns
+}
+
+/// May the conntrack map hold `k`? `false`: it surely does not, the conntrack filter says
+/// (`proxy_common::ct_filter`).
+#[inline(always)]
+fn may_hold<A: Family>(k: &CtKey<A>) -> bool {
+    let Some(f) = A::ct_filter().get_ptr(0) else { return true };
+    // SAFETY: the map's live value, read a word at a time.
+    let Some(half) = ct_filter::half(unsafe { (*f).control }) else { return true };
+    let (word, bit) = ct_filter::place(ct_filter::hash(k));
+    // SAFETY: in bounds: `half` is 0 or 1 and `word` below `HALF_WORDS`.
+    unsafe { *(*f).words.as_ptr().add(half * ct_filter::HALF_WORDS + word) & bit != 0 }
+}
+
+/// The entry of `k`, looked up only where the conntrack filter says it may be there: the
+/// lookup of a packet's own tuple, most of whose packets belong to no tracked flow.
+#[inline(always)]
+pub fn lookup<A: Family>(k: CtKey<A>) -> Option<Slot<CtEntry<A>>> {
+    if !may_hold(&k) {
+        return None;
+    }
+    Slot::of(A::ct(), k)
+}
+
+/// Sets the bits of the keys of hashes `hashes` in both halves of the conntrack filter, before
+/// their entries are inserted (see `proxy_common::ct_filter` for why both, and why first).
+#[inline(always)]
+fn mark<A: Family>(hashes: [u64; 2]) {
+    let Some(f) = A::ct_filter().get_ptr_mut(0) else { return };
+    for h in hashes {
+        let (word, bit) = ct_filter::place(h);
+        // SAFETY: in bounds (`word` is below `HALF_WORDS`); set by one atomic instruction each,
+        // as other CPUs and the agent set bits of the same words. A bit already set is only
+        // read: new flows on many CPUs then seldom write the same cache line.
+        unsafe {
+            let w = (*f).words.as_mut_ptr().add(word);
+            for w in [w, w.add(ct_filter::HALF_WORDS)] {
+                if *w & bit == 0 {
+                    atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(w, bit);
+                }
+            }
+        }
+    }
 }
 
 /// The tuple of the packet as it is on the wire.
@@ -350,6 +395,8 @@ pub fn create<A: Family>(
     e.nat_addr = unsafe { core::ptr::read_volatile(&pkt.daddr) };
     let reply = reply_key(pkt, backend, hairpin);
     let own = key(pkt);
+    // The reply tuple's bit holds whatever client port it ends with (`ct_filter::hash`).
+    mark::<A>([ct_filter::hash(&reply), ct_filter::hash(&own)]);
     // A hairpinned flow's replies go to the hairpin address: no other flow has them.
     // (The moved port is a flag and a value, not an `Option`: a `None` leaves its payload
     // undefined, which the compiler may spill as an unwritten register the verifier refuses.)
@@ -408,6 +455,8 @@ pub fn create_snat<A: Family, const HOST: bool>(
     e.flags = flags::REPLY | flags::SNAT;
     e.nat_port = pkt.sport;
     e.nat_addr = pkt.saddr;
+    // The reply tuple's bit holds whatever SNAT port it ends with (`ct_filter::hash`).
+    mark::<A>([ct_filter::hash(&snat_reply_key(pkt, backend, snat_addr, [0; 2])), ct_filter::hash(&key(pkt))]);
     let mut port = [0u8; 2];
     let mut claimed = false;
     for i in 0..SNAT_TRIES {

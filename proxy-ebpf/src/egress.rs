@@ -19,7 +19,6 @@ use crate::{
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
-    value::Slot,
     verdict::Verdict,
 };
 
@@ -114,7 +113,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(mut e) = Slot::of(A::ct(), ct::key(&pkt)) else {
+    let Some(mut e) = ct::lookup(ct::key(&pkt)) else {
         // A host process's first packet to a Service, which the socket hooks left to TC.
         if host::from_host(ctx) && select::frontend(pkt.daddr, pkt.dport, pkt.proto).is_some() {
             return Ok(Verdict::pass(host::hand_on::<A>(ctx)));

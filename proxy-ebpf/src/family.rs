@@ -29,6 +29,9 @@ pub type BackendsMap<A> = Array<Backend<A>, LB_MAX>;
 pub type RevNatMap<A> = HashMap<u32, RevNat<A>, LB_MAX, NO_PREALLOC>;
 pub type AffinityMap<A> = LruHashMap<AffinityKey<A>, AffinityValue, { limits::AFFINITY_MAP_MAX as usize }>;
 pub type FilterMap = Array<u64, { proxy_common::filter::WORDS as usize }>;
+/// The conntrack filter (`proxy_common::ct_filter`): one value, mmapable so that the agent
+/// rebuilds a half in place.
+pub type CtFilterMap = Array<proxy_common::ct_filter::CtFilter, 1, { aya_ebpf::bindings::BPF_F_MMAPABLE as usize }>;
 
 /// True when `filter` has the bit of frontend (`addr`, `port`, `proto`) (see `Family::in_filter`).
 #[inline(always)]
@@ -38,7 +41,9 @@ fn in_filter<A: proxy_common::filter::Addr>(filter: &FilterMap, addr: A, port: [
 }
 
 /// An address family, implemented by its address type (network order bytes).
-pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + proxy_common::filter::Addr + 'static {
+pub trait Family:
+    Copy + PartialEq + Sized + proxy_common::csum::Words + proxy_common::filter::Addr + proxy_common::ct_filter::Addr + 'static
+{
     /// The fragment identification a datagram's fragments share (IPv4: 16 bits, IPv6: 32).
     type FragId: Copy + Default;
     /// The family's flow does not fit one BPF stack frame (512 bytes): a new flow's stage runs
@@ -55,6 +60,7 @@ pub trait Family: Copy + PartialEq + Sized + proxy_common::csum::Words + proxy_c
     const HAIRPIN: Self;
 
     fn ct() -> &'static CtMap<Self>;
+    fn ct_filter() -> &'static CtFilterMap;
     fn services() -> &'static ServicesMap<Self>;
     /// True when the family's frontend filter (`proxy_common::filter`) has the bit of frontend
     /// (`addr`, `port`, `proto`): it may be one.
@@ -167,6 +173,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn ct() -> &'static CtMap<Self> {
         &maps::CT4_V2
+    }
+    #[inline(always)]
+    fn ct_filter() -> &'static CtFilterMap {
+        &maps::CT4_FILTER_V1
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {
@@ -332,6 +342,10 @@ impl Family for Ip6 {
     #[inline(always)]
     fn ct() -> &'static CtMap<Self> {
         &maps::CT6_V1
+    }
+    #[inline(always)]
+    fn ct_filter() -> &'static CtFilterMap {
+        &maps::CT6_FILTER_V1
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {

@@ -149,6 +149,13 @@ pub static LB4_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> =
 #[btf_map]
 pub static LB6_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> = Array::new();
 
+/// The conntrack filter of each family (`proxy_common::ct_filter`).
+#[btf_map]
+pub static CT4_FILTER_V1: crate::family::CtFilterMap = Array::new();
+
+#[btf_map]
+pub static CT6_FILTER_V1: crate::family::CtFilterMap = Array::new();
+
 #[btf_map]
 pub static TRACE_V2: Array<TraceResult, 1> = Array::new();
 

@@ -218,7 +218,7 @@ pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
 /// stack frame).
 #[inline(always)]
 pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new: bool) -> Step<A> {
-    if let Some(mut e) = Slot::of(A::ct(), ct::key(pkt)) {
+    if let Some(mut e) = ct::lookup(ct::key(pkt)) {
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {

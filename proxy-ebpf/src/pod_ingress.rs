@@ -65,7 +65,7 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    if let Some(e) = Slot::of(A::ct(), ct::key(&pkt)) {
+    if let Some(e) = ct::lookup(ct::key(&pkt)) {
         let now = ct::now();
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {

@@ -100,6 +100,18 @@ pub fn conntrack(dp: &mut EbpfDataplane) -> Vec<(CtKey, CtEntry)> {
     ct.iter().map(|e| e.expect("ct entry")).collect()
 }
 
+/// A descriptor of the loaded object's map `name` (an array or a hash map), of its own: for a
+/// thread that works on the map beside the test's packets.
+pub fn map_fd(dp: &mut EbpfDataplane, name: &str) -> std::os::fd::OwnedFd {
+    use std::os::fd::AsFd;
+    match dp.ebpf_mut().map(name) {
+        Some(aya::maps::Map::Array(m) | aya::maps::Map::LruHashMap(m) | aya::maps::Map::HashMap(m)) => {
+            m.fd().as_fd().try_clone_to_owned().expect("dup a map descriptor")
+        }
+        _ => panic!("no array or hash map {name}"),
+    }
+}
+
 /// A map of the loaded programs by its kernel name, opened afresh (for maps the agent's writer
 /// owns, which tests poke at to simulate what the writer would never do).
 pub fn map_by_name(dp: &mut EbpfDataplane, name: &str) -> aya::maps::MapData {

@@ -858,17 +858,21 @@ fn an_older_builds_smaller_program_array_is_replaced_and_connections_survive() {
     assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
 }
 
-/// Pins of a build before the frontend filter (its maps without the filter): the restarted
-/// agent creates the filter and sets the bit of every frontend it adopts before its programs
-/// replace the old ones, so new connections are served without a rewrite of the Services. (Had
-/// it not, the new programs would take every Service address for none and pass its packets.)
+/// Pins of a build before the frontend and conntrack filters (its maps without them): the
+/// restarted agent creates the frontend filter and sets the bit of every frontend it adopts
+/// before its programs replace the old ones, so new connections are served without a rewrite
+/// of the Services. (Had it not, the new programs would take every Service address for none
+/// and pass its packets.) The conntrack filter is created with every bit set, since the
+/// tracked connections have none, and the agent's first rebuild, once its programs are
+/// attached, keeps the bits of the open connection and drops the rest.
 #[test]
-fn an_older_builds_pins_get_the_frontend_filter_filled_before_the_programs_serve() {
-    let Some(mut lab) = lab("an_older_builds_pins_get_the_frontend_filter_filled_before_the_programs_serve") else { return };
+fn an_older_builds_pins_get_the_filters_filled_before_the_programs_serve() {
+    let Some(mut lab) = lab("an_older_builds_pins_get_the_filters_filled_before_the_programs_serve") else { return };
     let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
     let backend = conn.ask().expect("first answer").backend;
     lab.stop_agent();
-    for name in [proxy_common::map_names::FILTER, proxy_common::map_names::FILTER6] {
+    use proxy_common::map_names::{CT_FILTER, CT_FILTER6, FILTER, FILTER6};
+    for name in [FILTER, FILTER6, CT_FILTER, CT_FILTER6] {
         std::fs::remove_file(lab.bpffs().join("maps").join(name)).expect("remove this build's filter pin");
     }
     lab.start_agent();
@@ -877,6 +881,21 @@ fn an_older_builds_pins_get_the_frontend_filter_filled_before_the_programs_serve
     let second_run = &log[log.rfind("dataplane loaded").unwrap()..];
     assert!(second_run.contains("programmed=0"), "the Services are adopted, not written again:\n{second_run}");
     assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    // The first rebuild: the gauge of the filter's bits leaves 0 (it is not set before).
+    let bits = || {
+        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
+        m.lines().find_map(|l| l.strip_prefix("proxy_agent_map_entries{map=\"conntrack_filter\"} ")).and_then(|v| v.parse::<u64>().ok())
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let rebuilt = loop {
+        match bits() {
+            Some(n) if n > 0 => break n,
+            _ if std::time::Instant::now() > deadline => panic!("no rebuild of the conntrack filter in 30 s:\n{}", lab.agent_log()),
+            _ => std::thread::sleep(std::time::Duration::from_millis(200)),
+        }
+    };
+    assert!(rebuilt < 1000, "the rebuild dropped the bits set for want of knowing: {rebuilt} left");
+    assert_eq!(conn.ask().expect("the open connection goes on after the rebuild").backend, backend);
     assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
     assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok());
 }

@@ -1053,3 +1053,126 @@ fn a_config_map_created_at_load_holds_the_options_before_the_programs_read_it() 
     assert_eq!(config.get(&0, 0).unwrap(), want, "the options' settings, the Service CIDR checks off");
     drop(loaded);
 }
+
+/// The conntrack filter (`proxy_common::ct_filter`) stands before the conntrack lookup of every
+/// packet: with its bits cleared, a tracked flow's reply is taken for a packet of no flow and
+/// leaves untranslated (which shows the datapath heeds it); a rebuild from the conntrack map
+/// gives the flow its bits back, and a rebuild after the flow's entries are gone drops them.
+#[test]
+fn the_conntrack_filter_is_heeded_and_rebuilt_from_the_conntrack_map() {
+    use proxy_agent::dataplane::ebpf::ct_filter;
+    use std::os::fd::AsFd;
+    let Some(mut dp) = setup("the_conntrack_filter_is_heeded_and_rebuilt_from_the_conntrack_map") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    let reply = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "a tracked reply is translated");
+    let filter = testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER);
+    ct_filter::clear(filter.as_fd()).unwrap();
+    assert_leaves(&mut dp, &reply, "with the filter cleared, the reply is taken for a packet of no flow");
+    let [v4, _] = dp.rebuild_conntrack_filters().unwrap();
+    assert_eq!(v4.keys, 2, "a forward and a reply entry walked");
+    assert!((1..=2).contains(&v4.bits), "their bits set: {v4:?}");
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "translated again once rebuilt");
+    let d = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame);
+    assert_eq!(d.dst_sock(), sock("10.244.1.2:8080"), "the forward direction found its entry too");
+    assert_eq!(counters(&mut dp).get("new_flow"), Some(&1), "and was not taken for a new flow");
+    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
+    let keys: Vec<_> = ct.keys().map(Result::unwrap).collect();
+    keys.iter().for_each(|k| ct.remove(k).unwrap());
+    let [v4, _] = dp.rebuild_conntrack_filters().unwrap();
+    assert_eq!((v4.keys, v4.bits), (0, 0), "the bits of entries gone are dropped");
+}
+
+/// New flows tracked while the agent rebuilds the filter over and over (on another thread, as
+/// the agent's rebuild runs beside the datapath): none is ever left without its bit in the
+/// half lookups read, and every one's reply is translated. A rebuild that cleared bits of keys
+/// inserted during its walk, or turned lookups to a half before it held every key, would leave
+/// some behind.
+#[test]
+fn flows_tracked_during_rebuilds_keep_their_bits() {
+    use proxy_agent::dataplane::ebpf::ct_filter;
+    use std::{
+        os::fd::AsFd,
+        sync::atomic::{AtomicBool, AtomicU32, Ordering},
+    };
+    let Some(mut dp) = setup("flows_tracked_during_rebuilds_keep_their_bits") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080", "10.244.1.3:8080"]);
+    let filter = testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER);
+    let ct = testrun::map_fd(&mut dp, proxy_common::map_names::CT);
+    let value = size_of::<proxy_common::CtEntry>();
+    let (stop, rebuilds) = (AtomicBool::new(false), AtomicU32::new(0));
+    let clients: Vec<SocketAddrV4> =
+        (0..3000u32).map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, (i % 250) as u8), 20_000 + i as u16)).collect();
+    let backends = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                ct_filter::rebuild::<[u8; 4]>(filter.as_fd(), ct.as_fd(), value).unwrap();
+                rebuilds.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let mut backends = Vec::new();
+        for (i, c) in clients.iter().enumerate() {
+            backends.push(dissect(&run(&mut dp, &tcp_frame(*c, sock(VIP), SYN)).frame).dst_sock());
+            // Keep making flows until a few rebuilds ran among them.
+            if i + 1 == clients.len() / 2 {
+                while rebuilds.load(Ordering::Relaxed) < 3 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        let during = rebuilds.load(Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
+        assert!(during >= 3, "rebuilds ran while flows were made: {during}");
+        backends
+    });
+    assert_eq!(ct_filter::untracked_keys::<[u8; 4]>(filter.as_fd(), ct.as_fd(), value).unwrap(), 0, "every key has its bit");
+    for (c, b) in clients.iter().zip(&backends) {
+        let d = dissect(&run_egress(&mut dp, &tcp_frame(*b, *c, SYN | ACK)).frame);
+        assert_eq!(d.src_sock(), sock(VIP), "the reply of {c}'s flow to {b} is translated");
+    }
+}
+
+/// A conntrack filter created at load: over a conntrack map adopted from pins (a build before
+/// the filter), every bit is set, since its entries have none, and it is pinned once filled;
+/// beside a new conntrack map, none is. Either way its control word is written, so lookups
+/// heed it.
+#[test]
+fn a_conntrack_filter_created_at_load_says_maybe_for_every_adopted_flow() {
+    if !require::root("a_conntrack_filter_created_at_load_says_maybe_for_every_adopted_flow") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::{
+        ct_filter,
+        loader::{self, LoadOptions},
+    };
+    use proxy_common::{ct_filter::HALF_WORDS, map_names};
+    use std::os::fd::AsFd;
+    let all = (HALF_WORDS * 64) as u64;
+    let root = proxy_tests::lab::TempBpffs::new("pxctf");
+    let options = LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() };
+    {
+        let mut dp = EbpfDataplane::load(options.clone()).expect("load with pins");
+        for name in [map_names::CT_FILTER, map_names::CT_FILTER6] {
+            assert_eq!(ct_filter::bits_read(testrun::map_fd(&mut dp, name).as_fd()).unwrap(), Some(0), "{name} of a new conntrack map");
+        }
+        program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+        run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), SYN));
+    }
+    let pins = loader::maps_dir(&root.0);
+    for name in [map_names::CT_FILTER, map_names::CT_FILTER6] {
+        std::fs::remove_file(pins.join(name)).expect("remove the filter's pin");
+    }
+    let mut dp = EbpfDataplane::load(options).expect("load over the pinned conntrack maps");
+    for name in [map_names::CT_FILTER, map_names::CT_FILTER6] {
+        assert!(pins.join(name).exists(), "{name} is pinned once filled");
+        assert_eq!(ct_filter::bits_read(testrun::map_fd(&mut dp, name).as_fd()).unwrap(), Some(all), "{name}: every bit");
+    }
+    let reply = tcp_frame(sock("10.244.1.2:8080"), sock(CLIENT), SYN | ACK);
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "the adopted flow's reply is translated");
+    let [v4, v6] = dp.rebuild_conntrack_filters().unwrap();
+    assert_eq!((v4.keys, v6.keys, v6.bits), (2, 0, 0), "a rebuild keeps the adopted flow's bits only");
+    assert!((1..=2).contains(&v4.bits), "{v4:?}");
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "and its reply is still translated");
+}

@@ -722,3 +722,23 @@ fn ipv6_maps_pinned_at_another_size_keep_it_and_the_writer_follows_it() {
     let out = run(&mut dp, &tcp_frame(sock(CLIENT), sock("[fd00:10:96::10]:80"), SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), sock("[fd00:10:244:1::2]:8080"));
 }
+
+/// IPv6's conntrack filter, as IPv4's (`packets.rs`): heeded before the lookup (a cleared filter
+/// leaves a tracked reply untranslated), and rebuilt from the IPv6 conntrack map.
+#[test]
+fn ipv6_conntrack_filter_is_heeded_and_rebuilt() {
+    use proxy_agent::dataplane::ebpf::ct_filter;
+    use std::os::fd::AsFd;
+    let Some(mut dp) = setup("ipv6_conntrack_filter_is_heeded_and_rebuilt") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    run(&mut dp, &tcp_frame(client, vip, SYN));
+    let reply = tcp_frame(backend, client, SYN | ACK);
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "a tracked reply is translated");
+    ct_filter::clear(testrun::map_fd(&mut dp, map_names::CT_FILTER6).as_fd()).unwrap();
+    assert_leaves(&mut dp, &reply, "with the filter cleared, the reply is taken for a packet of no flow");
+    let [v4, v6] = dp.rebuild_conntrack_filters().unwrap();
+    assert_eq!((v4.keys, v6.keys), (0, 2), "the IPv6 map's forward and reply entries walked");
+    assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "translated again once rebuilt");
+    assert_eq!(dissect(&run(&mut dp, &tcp_frame(client, vip, ACK)).frame).dst_sock(), backend, "the forward entry found too");
+}

@@ -1,5 +1,6 @@
-//! Counting the entries of a hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries
-//! instead of one per entry (aya has no batch operations). Used for the conntrack gauge.
+//! Walking the entries of a hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries
+//! instead of one per entry (aya has no batch operations). Used for the conntrack gauge and the
+//! conntrack filter's rebuild (`ct_filter`).
 
 use std::{io, os::fd::AsRawFd};
 
@@ -22,6 +23,12 @@ struct BatchAttr {
 
 /// Entries in the hash map behind `fd`.
 pub fn count_entries(fd: impl AsRawFd, key_size: usize, value_size: usize) -> io::Result<u64> {
+    for_each_key(fd, key_size, value_size, |_| {})
+}
+
+/// Calls `f` with the bytes of each key of the hash map behind `fd`, a bucket at a time (an
+/// entry there from the first call to the last is seen once); returns how many it saw.
+pub fn for_each_key(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f: impl FnMut(&[u8])) -> io::Result<u64> {
     let mut keys = vec![0u8; key_size * CHUNK as usize];
     let mut values = vec![0u8; value_size * CHUNK as usize];
     // Hash maps use a 4-byte bucket index as the batch token.
@@ -41,6 +48,7 @@ pub fn count_entries(fd: impl AsRawFd, key_size: usize, value_size: usize) -> io
         // SAFETY: the attribute points at live buffers of the sizes the kernel will fill.
         let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
         let err = (rc < 0).then(io::Error::last_os_error);
+        keys.chunks_exact(key_size).take(attr.count as usize).for_each(&mut f);
         total += u64::from(attr.count);
         match err {
             None => {}

@@ -172,6 +172,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::SOCK6_HELD => (MapType::LruHash, size_of::<u64>(), size_of::<proxy_common::SockPortKey<Ip6>>()),
         map_names::PROGS | map_names::PROGS_XDP => (MapType::ProgramArray, size_of::<u32>(), size_of::<u32>()),
         map_names::FILTER | map_names::FILTER6 => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
+        map_names::CT_FILTER | map_names::CT_FILTER6 => (MapType::Array, size_of::<u32>(), size_of::<proxy_common::ct_filter::CtFilter>()),
         other => unreachable!("unknown map {other}"),
     }
 }
@@ -349,8 +350,16 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     // off until the first sync writes the ranges.
     let filled_at_load = [map_names::FILTER, map_names::FILTER6, map_names::CONFIG];
     let new_maps: Vec<&str> = filled_at_load.into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
+    // A conntrack filter created now is filled before it is pinned too, pins or not (its
+    // control word says which half lookups read): every bit set when the family's conntrack
+    // map is adopted, none when it is new (see `ct_filter::fill_created`).
+    let ct_filters: Vec<(&str, bool)> = [(map_names::CT_FILTER, map_names::CT), (map_names::CT_FILTER6, map_names::CT6)]
+        .into_iter()
+        .filter(|(filter, _)| pinned(filter).is_none())
+        .map(|(filter, ct)| (filter, pinned(ct).is_some()))
+        .collect();
     for (name, path) in &pin_paths {
-        if !new_maps.contains(name) {
+        if !new_maps.contains(name) && !ct_filters.iter().any(|(n, _)| n == name) {
             loader.map_pin_path(name, path.as_path());
         }
     }
@@ -367,6 +376,18 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
                 words.set(i, u64::MAX, 0).map_err(|e| fail(io::Error::other(e)))?;
             }
         }
+        if let Some((_, path)) = pin_paths.iter().find(|(n, _)| *n == name) {
+            map.pin(path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
+        }
+    }
+    for (name, ct_adopted) in ct_filters {
+        let fail = |source: io::Error| LoadError::Fill { what: format!("{name}, created at load"), source };
+        let map = ebpf.map_mut(name).ok_or_else(|| fail(io::Error::other("the object has no such map")))?;
+        let fd = match &*map {
+            aya::maps::Map::Array(data) => std::os::fd::AsFd::as_fd(data.fd()),
+            _ => return Err(fail(io::Error::other("not an array"))),
+        };
+        super::ct_filter::fill_created(fd, ct_adopted).map_err(fail)?;
         if let Some((_, path)) = pin_paths.iter().find(|(n, _)| *n == name) {
             map.pin(path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
         }

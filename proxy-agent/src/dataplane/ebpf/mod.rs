@@ -2,6 +2,7 @@
 
 pub mod attach;
 pub mod batch;
+pub mod ct_filter;
 pub mod filter;
 pub mod frontends;
 pub mod hostsock;
@@ -449,6 +450,23 @@ impl EbpfDataplane {
         let mut counts = self.lb.count_in_kernel()?;
         counts.extend(self.lb6.count_in_kernel()?);
         Ok(counts)
+    }
+
+    /// Rebuilds each family's conntrack filter (IPv4's, then IPv6's) from its conntrack map
+    /// (`ct_filter::rebuild`), as the agent does every 15 s through the pins.
+    pub fn rebuild_conntrack_filters(&self) -> std::io::Result<[ct_filter::Rebuilt; 2]> {
+        use std::os::fd::AsFd;
+        let fd = |name: &str| match self.ebpf.map(name) {
+            Some(aya::maps::Map::Array(m) | aya::maps::Map::LruHashMap(m)) => Ok(m.fd().as_fd()),
+            _ => Err(std::io::Error::other(format!("no map {name}"))),
+        };
+        let v4 = ct_filter::rebuild::<[u8; 4]>(fd(map_names::CT_FILTER)?, fd(map_names::CT)?, size_of::<proxy_common::CtEntry>())?;
+        let v6 = ct_filter::rebuild::<proxy_common::Ip6>(
+            fd(map_names::CT_FILTER6)?,
+            fd(map_names::CT6)?,
+            size_of::<proxy_common::CtEntry<proxy_common::Ip6>>(),
+        )?;
+        Ok([v4, v6])
     }
 
     pub fn service_entries(&self) -> usize {

@@ -1,0 +1,167 @@
+//! The conntrack filter's user side (`proxy_common::ct_filter`): filled when the map is created,
+//! and rebuilt from the conntrack map's keys so that the bits of entries gone are dropped.
+//!
+//! The map is mmapable: the agent reads and writes its words in place, with the same atomic
+//! operations the datapath uses on them.
+
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use proxy_common::{
+    ct_filter::{self, CtFilter, HALF_WORDS},
+    CtKey,
+};
+
+use super::batch;
+
+/// A filter map's value, mapped into this process.
+struct Mapped {
+    ptr: *mut u64,
+    bytes: usize,
+}
+
+impl Mapped {
+    fn of(fd: BorrowedFd<'_>) -> io::Result<Self> {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let bytes = size_of::<CtFilter>().div_ceil(page) * page;
+        // SAFETY: maps the value of an mmapable array map of one `CtFilter`, shared with the
+        // kernel; unmapped by Drop.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { ptr: ptr.cast(), bytes })
+    }
+
+    /// Word `i` of the halves (`2 * HALF_WORDS` of them), or the control word after them.
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i <= 2 * HALF_WORDS);
+        // SAFETY: in bounds of the mapping (a `CtFilter`: the halves, then the control word),
+        // 8-byte aligned; the datapath changes these words only atomically.
+        unsafe { AtomicU64::from_ptr(self.ptr.add(i)) }
+    }
+
+    fn control(&self) -> &AtomicU64 {
+        self.word(2 * HALF_WORDS)
+    }
+
+    fn half(&self, half: usize) -> impl Iterator<Item = &AtomicU64> {
+        (half * HALF_WORDS..(half + 1) * HALF_WORDS).map(|i| self.word(i))
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `of` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+    }
+}
+
+/// Fills a filter map created at load. When the family's conntrack map was adopted from pins,
+/// every bit is set: its entries have none yet, nor have those the programs still attached
+/// (an older build's, until this run's links replace them) insert meanwhile; the first
+/// `rebuild` after the programs are replaced drops the rest. A new conntrack map holds nothing,
+/// so neither does the filter. Lookups read half 0.
+pub fn fill_created(fd: BorrowedFd<'_>, ct_adopted: bool) -> io::Result<()> {
+    let m = Mapped::of(fd)?;
+    let fill = if ct_adopted { u64::MAX } else { 0 };
+    (0..2 * HALF_WORDS).for_each(|i| m.word(i).store(fill, Ordering::Relaxed));
+    m.control().store(ct_filter::control(0), Ordering::Release);
+    Ok(())
+}
+
+/// What a rebuild found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rebuilt {
+    /// Keys of the conntrack map it walked (its entries).
+    pub keys: u64,
+    /// Bits set in the half lookups now read, just after the walk.
+    pub bits: u64,
+}
+
+impl Rebuilt {
+    /// The share of the half's bits that are set: about the share of packets of no tracked
+    /// flow that still pay a conntrack lookup.
+    pub fn fill(&self) -> f64 {
+        self.bits as f64 / (HALF_WORDS * 64) as f64
+    }
+}
+
+/// Rebuilds the half of `filter` that lookups do not read from the keys `ct` holds (a
+/// conntrack map with keys of address `A`), then turns lookups to it. See
+/// `proxy_common::ct_filter` for why no tracked key is ever without its bit in the half read.
+/// A failed walk leaves lookups where they were.
+pub fn rebuild<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, ct_value_size: usize) -> io::Result<Rebuilt> {
+    let m = Mapped::of(filter)?;
+    // An unwritten control word (the filter says "maybe" everywhere): half 0 is rebuilt.
+    let target = ct_filter::half(m.control().load(Ordering::Acquire)).map_or(0, |read| 1 - read);
+    m.half(target).for_each(|w| w.store(0, Ordering::Relaxed));
+    // A program that set a bit of this half before it was cleared may not have inserted its
+    // key yet: once every run that began before the clear is over, that key is in the map
+    // for the walk to find.
+    grace_period();
+    let keys = batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
+        // SAFETY: `bytes` holds one key of the map, a plain-data `CtKey<A>` (unaligned in the
+        // buffer, hence the unaligned read).
+        let key: CtKey<A> = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let (word, bit) = ct_filter::place(ct_filter::hash(&key));
+        m.word(target * HALF_WORDS + word).fetch_or(bit, Ordering::Relaxed);
+    })?;
+    let bits = m.half(target).map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum();
+    m.control().store(ct_filter::control(target), Ordering::Release);
+    // The next rebuild clears the half just left: the runs that read it must be over first.
+    grace_period();
+    Ok(Rebuilt { keys, bits })
+}
+
+/// Waits until every BPF program run that began before the call is over. The programs run
+/// inside RCU read-side sections (softirq, or with preemption off), so an RCU grace period is
+/// one: `membarrier(MEMBARRIER_CMD_GLOBAL)` waits for one (`synchronize_rcu`). Where it is
+/// refused (a `nohz_full` kernel, a seccomp policy), a second is far longer than any run.
+fn grace_period() {
+    const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+    // SAFETY: plain syscall without pointers.
+    let rc = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
+    if rc != 0 {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// Keys of `ct` whose bit is clear in the half lookups read: packets of those flows would be
+/// taken for packets of no flow. None, ever, is the filter's promise; for tests and diagnosis.
+pub fn untracked_keys<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, ct_value_size: usize) -> io::Result<u64> {
+    let m = Mapped::of(filter)?;
+    let Some(read) = ct_filter::half(m.control().load(Ordering::Acquire)) else { return Ok(0) };
+    let mut missing = 0;
+    batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
+        // SAFETY: as in `rebuild`.
+        let key: CtKey<A> = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let (word, bit) = ct_filter::place(ct_filter::hash(&key));
+        if m.word(read * HALF_WORDS + word).load(Ordering::Relaxed) & bit == 0 {
+            missing += 1;
+        }
+    })?;
+    Ok(missing)
+}
+
+/// Clears every bit, the control word kept: the filter then says nothing is tracked. For
+/// tests, which show with it that the datapath heeds the filter.
+pub fn clear(filter: BorrowedFd<'_>) -> io::Result<()> {
+    let m = Mapped::of(filter)?;
+    (0..2 * HALF_WORDS).for_each(|i| m.word(i).store(0, Ordering::Relaxed));
+    Ok(())
+}
+
+/// Bits set in the half lookups read; `None` when the control word is not one (the filter
+/// says "maybe" for every key).
+pub fn bits_read(filter: BorrowedFd<'_>) -> io::Result<Option<u64>> {
+    let m = Mapped::of(filter)?;
+    let Some(read) = ct_filter::half(m.control().load(Ordering::Acquire)) else { return Ok(None) };
+    Ok(Some(m.half(read).map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()))
+}
