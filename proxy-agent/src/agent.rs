@@ -26,7 +26,7 @@ use crate::{
     dataplane::{
         ebpf::{
             attach::{Attachments, DevicePatterns, Role, XdpSetting},
-            ct_filter,
+            batch, ct_filter,
             loader::{self, LoadOptions},
             reconcile::Reconciler,
             EbpfDataplane,
@@ -167,40 +167,96 @@ fn log_sync(s: &SyncStats) {
 /// `ct_filter::rebuild`), which counts the entries for the map gauges on the way. Started once
 /// this run's programs are attached: at an upgrade, the filter was created with every bit set
 /// because the older programs did not set theirs, and they must be gone before a rebuild.
-fn spawn_conntrack_gauge(root: PathBuf, t: Arc<Telemetry>) {
-    use proxy_common::{map_names, CtEntry, Ip6};
+fn spawn_conntrack_upkeep(root: PathBuf, t: Arc<Telemetry>) {
     tokio::spawn(async move {
+        // Said when it first holds the rebuilds back, and again when that changes.
+        let mut held_back: Option<String> = None;
+        // No older program is attached any more: this run attaches only its own.
+        let mut clean = false;
         loop {
-            for family in [4, 6] {
-                let (ct, filter, value, entries, bits) = if family == 4 {
-                    (map_names::CT, map_names::CT_FILTER, size_of::<CtEntry>(), &t.fill.conntrack, &t.fill.conntrack_filter)
-                } else {
-                    (map_names::CT6, map_names::CT_FILTER6, size_of::<CtEntry<Ip6>>(), &t.fill.conntrack6, &t.fill.conntrack_filter6)
-                };
-                let (ct, filter) = (loader::maps_dir(&root).join(ct), loader::maps_dir(&root).join(filter));
-                let rebuilt = tokio::task::spawn_blocking(move || {
-                    let ct = aya::maps::MapData::from_pin(&ct).map_err(std::io::Error::other)?;
-                    let filter = aya::maps::MapData::from_pin(&filter).map_err(std::io::Error::other)?;
-                    let (ct, filter) = (ct.fd().as_fd(), filter.fd().as_fd());
-                    if family == 4 {
-                        ct_filter::rebuild::<[u8; 4]>(filter, ct, value)
-                    } else {
-                        ct_filter::rebuild::<Ip6>(filter, ct, value)
+            let r = root.clone();
+            let round = tokio::task::spawn_blocking(move || conntrack_round(&r, clean)).await;
+            let round = match round {
+                Ok(r) => r,
+                Err(e) => Err(std::io::Error::other(format!("the task failed: {e}"))),
+            };
+            match round {
+                Ok(ConntrackRound::Rebuilt([v4, v6])) => {
+                    clean = true;
+                    if held_back.take().is_some() {
+                        tracing::info!("rebuilding the conntrack filters again");
                     }
-                })
-                .await;
-                match rebuilt {
-                    Ok(Ok(r)) => {
-                        entries.store(r.keys, Ordering::Relaxed);
-                        bits.store(r.bits, Ordering::Relaxed);
+                    let f = &t.fill;
+                    f.conntrack.store(v4.keys, Ordering::Relaxed);
+                    f.conntrack6.store(v6.keys, Ordering::Relaxed);
+                    f.conntrack_filter.store(v4.bits, Ordering::Relaxed);
+                    f.conntrack_filter6.store(v6.bits, Ordering::Relaxed);
+                }
+                Ok(ConntrackRound::Counted([v4, v6], why)) => {
+                    t.fill.conntrack.store(v4, Ordering::Relaxed);
+                    t.fill.conntrack6.store(v6, Ordering::Relaxed);
+                    if held_back.as_ref() != Some(&why) {
+                        tracing::warn!(
+                            "not rebuilding the conntrack filters (they keep every bit they have, which costs only lookups): {why}"
+                        );
+                        held_back = Some(why);
                     }
-                    Ok(Err(e)) => tracing::warn!(error = %e, family, "rebuilding the conntrack filter; it keeps the bits it has"),
-                    Err(_) => {}
+                }
+                Err(e) => {
+                    let why = format!("error: {e}");
+                    if held_back.as_ref() != Some(&why) {
+                        tracing::warn!(error = %e, "rebuilding the conntrack filters; they keep every bit they have");
+                        held_back = Some(why);
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_secs(15)).await;
         }
     });
+}
+
+/// What one round of `spawn_conntrack_upkeep` did.
+enum ConntrackRound {
+    /// Each family's filter rebuilt (IPv4, IPv6).
+    Rebuilt([ct_filter::Rebuilt; 2]),
+    /// The entries counted only, and why.
+    Counted([u64; 2], String),
+}
+
+/// Rebuilds both families' conntrack filters through the pins under `root`, unless a link of an
+/// earlier run is attached (`ct_filter::stale_links`; `clean`: none was, once, and this run
+/// attaches only its own) or another agent is rebuilding them.
+fn conntrack_round(root: &Path, clean: bool) -> std::io::Result<ConntrackRound> {
+    use proxy_common::{map_names, CtEntry, CtKey, Ip6};
+    let open = |name: &str| aya::maps::MapData::from_pin(loader::maps_dir(root).join(name)).map_err(std::io::Error::other);
+    let (ct4, ct6) = (open(map_names::CT)?, open(map_names::CT6)?);
+    let (ct4, ct6) = (ct4.fd().as_fd(), ct6.fd().as_fd());
+    let count = || -> std::io::Result<[u64; 2]> {
+        Ok([
+            batch::count_entries(ct4, size_of::<CtKey>(), size_of::<CtEntry>())?,
+            batch::count_entries(ct6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>())?,
+        ])
+    };
+    if !clean {
+        let stale = ct_filter::stale_links(root)?;
+        if !stale.is_empty() {
+            let pins: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
+            let why = format!(
+                "links this run does not hold stay attached ({}): their programs are an earlier run's, perhaps of a build \
+                 that tracks flows without the filter; remove those pins to detach them",
+                pins.join(", ")
+            );
+            return Ok(ConntrackRound::Counted(count()?, why));
+        }
+    }
+    let Some(_lock) = ct_filter::RebuildLock::try_take(root)? else {
+        return Ok(ConntrackRound::Counted(count()?, "another agent on this node is rebuilding them".into()));
+    };
+    let (f4, f6) = (open(map_names::CT_FILTER)?, open(map_names::CT_FILTER6)?);
+    Ok(ConntrackRound::Rebuilt([
+        ct_filter::rebuild::<[u8; 4]>(f4.fd().as_fd(), ct4, size_of::<CtEntry>())?,
+        ct_filter::rebuild::<Ip6>(f6.fd().as_fd(), ct6, size_of::<CtEntry<Ip6>>())?,
+    ]))
 }
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory
@@ -519,7 +575,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
         tracing::warn!(patterns = ?cfg.ebpf.pod_devices, "no interface matches --pod-devices yet; attaching as matching interfaces appear");
     }
     serve_host_sockets(&cfg, rec.dataplane_mut());
-    spawn_conntrack_gauge(root.clone(), telemetry.clone());
+    spawn_conntrack_upkeep(root.clone(), telemetry.clone());
     if rec.dataplane().external_interfaces().is_empty() {
         tracing::warn!(
             devices = ?cfg.ebpf.devices,

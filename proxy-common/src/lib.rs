@@ -748,7 +748,7 @@ pub mod filter {
 ///
 /// The map holds one value (`CtFilter`): two halves of `2^BITS_LOG2` bits and a control word
 /// that says which half lookups read. The datapath sets a key's bit in both halves before it
-/// inserts the key, and never clears one. Bits of entries that expired or were evicted are
+/// inserts the key, and never clears one. Bits of entries gone (evicted, or deleted) are
 /// dropped by a rebuild (the agent's `ct_filter::rebuild`): it clears the half lookups do not
 /// read, waits for every program run that may have set a bit there before the clear to
 /// finish, sets the bit of every key the map holds, and only then turns lookups to that half.

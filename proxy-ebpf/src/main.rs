@@ -1,7 +1,7 @@
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics, asm_experimental_arch)]
-#![expect(internal_features, reason = "atomic_xadd: the bpf target has no AtomicU64::fetch_add")]
+#![expect(internal_features, reason = "atomic_xadd, atomic_or: the bpf target has no AtomicU64::fetch_add nor fetch_or")]
 
 mod access;
 mod ct;

@@ -900,6 +900,39 @@ fn an_older_builds_pins_get_the_filters_filled_before_the_programs_serve() {
     assert!(tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok());
 }
 
+/// A restart that no longer serves an interface leaves the previous run's links on it attached
+/// (here: `--pod-devices` narrowed). Programs other than this run's may track flows without
+/// setting their conntrack filter bits (an older build's), so the agent holds its rebuilds
+/// back, names the pins, and keeps every bit; once the pins are removed it rebuilds again.
+/// The connections are served throughout.
+#[test]
+fn links_a_restart_does_not_serve_hold_the_conntrack_filter_rebuilds_back() {
+    let Some(mut lab) = lab("links_a_restart_does_not_serve_hold_the_conntrack_filter_rebuilds_back") else { return };
+    lab.add_pod("extra", false);
+    lab.wait_for("the extra pod's interface to be attached", |r| r.interfaces.values().any(|n| n == "vethx1"));
+    let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
+    let backend = conn.ask().expect("first answer").backend;
+    lab.stop_agent();
+    lab.start_agent_with_extra(&["--pod-devices", "vethc,vethb*"]);
+    lab.wait_log("initial sync done", 2);
+    lab.wait_log("not rebuilding the conntrack filters", 1);
+    let log = lab.agent_log();
+    let said = log.lines().find(|l| l.contains("not rebuilding the conntrack filters")).unwrap();
+    assert!(said.contains("_vethx1"), "the pins of the interface no longer served are named: {said}");
+    assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
+    let links = lab.bpffs().join("links");
+    for pin in std::fs::read_dir(&links).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with("_vethx1")) {
+        std::fs::remove_file(pin.path()).unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    while !lab.agent_log().contains("rebuilding the conntrack filters again") {
+        assert!(std::time::Instant::now() < deadline, "no rebuild after the pins went:\n{}", lab.agent_log());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert_eq!(conn.ask().expect("the open connection goes on after the rebuild").backend, backend);
+    assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
+}
+
 #[test]
 fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";

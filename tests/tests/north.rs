@@ -837,3 +837,28 @@ fn a_host_flow_left_to_tc_keeps_a_privileged_port_and_is_refused_when_its_backen
     assert_eq!((d.proto, d.src, d.dst), (ICMP, *sock("10.96.0.1:443").ip(), node_ip), "port unreachable from the Service");
     assert_eq!(counters(&mut n.dp).get("reject_host_no_route"), Some(&1));
 }
+
+/// The conntrack filter stands before the conntrack lookup at the external hooks too: with its
+/// bits cleared, the reply of a NodePort flow SNATed to a remote backend is taken for a packet
+/// of no flow, in XDP and in TC, and passes untranslated; once rebuilt from the conntrack map,
+/// it reaches the client again. (The reply tuple's bit was set before its SNAT port was chosen:
+/// the destination port is not hashed.)
+#[test]
+fn the_conntrack_filter_is_heeded_at_the_external_hooks() {
+    use proxy_agent::dataplane::ebpf::ct_filter;
+    use std::os::fd::AsFd;
+    let Some(mut n) = node("the_conntrack_filter_is_heeded_at_the_external_hooks") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let out = run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex);
+    assert_eq!(out.action, XDP_TX);
+    let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), dissect(&out.frame).sport.unwrap());
+    let reply = tcp_frame(sock(REMOTE), back, SYN | ACK);
+    let translated = |out: &testrun::Output| dissect(&out.frame).dst_sock() == sock(CLIENT);
+    assert!(translated(&run_xdp(&mut n.dp, &reply, n.ifindex)), "a tracked reply is translated in XDP");
+    ct_filter::clear(testrun::map_fd(&mut n.dp, proxy_common::map_names::CT_FILTER).as_fd()).unwrap();
+    assert_xdp_passes(&mut n, &reply, "with the filter cleared, XDP takes the reply for a packet of no flow");
+    let out = run_ext(&mut n.dp, &reply, n.ifindex);
+    assert_eq!((out.action, out.frame == reply), (TC_ACT_OK, true), "and so does TC");
+    n.dp.rebuild_conntrack_filters().unwrap();
+    assert!(translated(&run_xdp(&mut n.dp, &reply, n.ifindex)), "translated again once rebuilt");
+}

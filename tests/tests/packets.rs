@@ -1070,67 +1070,88 @@ fn the_conntrack_filter_is_heeded_and_rebuilt_from_the_conntrack_map() {
     let filter = testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER);
     ct_filter::clear(filter.as_fd()).unwrap();
     assert_leaves(&mut dp, &reply, "with the filter cleared, the reply is taken for a packet of no flow");
+    // And at pod ingress, the flow's next segment for a new flow's, met mid-connection.
+    run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK));
+    assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "{:?}", counters(&mut dp));
     let [v4, _] = dp.rebuild_conntrack_filters().unwrap();
     assert_eq!(v4.keys, 2, "a forward and a reply entry walked");
     assert!((1..=2).contains(&v4.bits), "their bits set: {v4:?}");
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "translated again once rebuilt");
+    let before = counters(&mut dp);
     let d = dissect(&run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK)).frame);
-    assert_eq!(d.dst_sock(), sock("10.244.1.2:8080"), "the forward direction found its entry too");
-    assert_eq!(counters(&mut dp).get("new_flow"), Some(&1), "and was not taken for a new flow");
+    assert_eq!(d.dst_sock(), sock("10.244.1.2:8080"));
+    let after = counters(&mut dp);
+    assert_eq!(after.get("new_flow_mid_connection"), before.get("new_flow_mid_connection"), "found at pod ingress once rebuilt: {after:?}");
     let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
     let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
     let keys: Vec<_> = ct.keys().map(Result::unwrap).collect();
     keys.iter().for_each(|k| ct.remove(k).unwrap());
+    // Rebuilt twice: the half `clear` emptied, then the one the first rebuild filled, which
+    // held the flow's bits until now.
+    dp.rebuild_conntrack_filters().unwrap();
     let [v4, _] = dp.rebuild_conntrack_filters().unwrap();
     assert_eq!((v4.keys, v4.bits), (0, 0), "the bits of entries gone are dropped");
+    assert_eq!(ct_filter::bits_read(filter.as_fd()).unwrap(), Some(0));
 }
 
 /// New flows tracked while the agent rebuilds the filter over and over (on another thread, as
-/// the agent's rebuild runs beside the datapath): none is ever left without its bit in the
-/// half lookups read, and every one's reply is translated. A rebuild that cleared bits of keys
+/// the agent's rebuild runs beside the datapath), and earlier flows' replies sent meanwhile:
+/// every reply is translated, during the rebuilds and after them, and in the end no tracked key
+/// is without its bit in the half lookups read. A rebuild that cleared the bits of keys
 /// inserted during its walk, or turned lookups to a half before it held every key, would leave
 /// some behind.
 #[test]
-fn flows_tracked_during_rebuilds_keep_their_bits() {
+fn conntrack_keys_of_flows_made_during_rebuilds_keep_their_bits() {
     use proxy_agent::dataplane::ebpf::ct_filter;
     use std::{
         os::fd::AsFd,
         sync::atomic::{AtomicBool, AtomicU32, Ordering},
+        time::{Duration, Instant},
     };
-    let Some(mut dp) = setup("flows_tracked_during_rebuilds_keep_their_bits") else { return };
+    /// Stops the rebuilding thread however the test ends.
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let Some(mut dp) = setup("conntrack_keys_of_flows_made_during_rebuilds_keep_their_bits") else { return };
     program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080", "10.244.1.3:8080"]);
     let filter = testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER);
     let ct = testrun::map_fd(&mut dp, proxy_common::map_names::CT);
     let value = size_of::<proxy_common::CtEntry>();
     let (stop, rebuilds) = (AtomicBool::new(false), AtomicU32::new(0));
-    let clients: Vec<SocketAddrV4> =
-        (0..3000u32).map(|i| SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, (i % 250) as u8), 20_000 + i as u16)).collect();
-    let backends = std::thread::scope(|s| {
-        s.spawn(|| {
+    let client = |i: u32| SocketAddrV4::new(Ipv4Addr::new(10, 244, 2 + (i / 40_000) as u8, (i % 250) as u8), 20_000 + (i % 40_000) as u16);
+    let flows = std::thread::scope(|s| {
+        let _stop = Stop(&stop);
+        let rebuilder = s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
                 ct_filter::rebuild::<[u8; 4]>(filter.as_fd(), ct.as_fd(), value).unwrap();
                 rebuilds.fetch_add(1, Ordering::Relaxed);
             }
         });
-        let mut backends = Vec::new();
-        for (i, c) in clients.iter().enumerate() {
-            backends.push(dissect(&run(&mut dp, &tcp_frame(*c, sock(VIP), SYN)).frame).dst_sock());
-            // Keep making flows until a few rebuilds ran among them.
-            if i + 1 == clients.len() / 2 {
-                while rebuilds.load(Ordering::Relaxed) < 3 {
-                    std::thread::yield_now();
-                }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let first = rebuilds.load(Ordering::Relaxed);
+        // (client, backend) of each flow made.
+        let mut flows: Vec<(SocketAddrV4, SocketAddrV4)> = Vec::new();
+        // New flows and replies of earlier ones, until five rebuilds began and ended among them.
+        while flows.len() < 3000 || rebuilds.load(Ordering::Relaxed) < first + 6 {
+            assert!(!rebuilder.is_finished(), "the rebuilding thread stopped");
+            assert!(Instant::now() < deadline, "{} rebuilds in a minute", rebuilds.load(Ordering::Relaxed) - first);
+            if flows.len() < 200_000 {
+                let c = client(flows.len() as u32);
+                flows.push((c, dissect(&run(&mut dp, &tcp_frame(c, sock(VIP), SYN)).frame).dst_sock()));
             }
+            let (c, b) = flows[flows.len() / 2];
+            let d = dissect(&run_egress(&mut dp, &tcp_frame(b, c, SYN | ACK)).frame);
+            assert_eq!(d.src_sock(), sock(VIP), "the reply of {c}'s flow to {b}, during the rebuilds");
         }
-        let during = rebuilds.load(Ordering::Relaxed);
-        stop.store(true, Ordering::Relaxed);
-        assert!(during >= 3, "rebuilds ran while flows were made: {during}");
-        backends
+        flows
     });
     assert_eq!(ct_filter::untracked_keys::<[u8; 4]>(filter.as_fd(), ct.as_fd(), value).unwrap(), 0, "every key has its bit");
-    for (c, b) in clients.iter().zip(&backends) {
+    for (c, b) in &flows {
         let d = dissect(&run_egress(&mut dp, &tcp_frame(*b, *c, SYN | ACK)).frame);
-        assert_eq!(d.src_sock(), sock(VIP), "the reply of {c}'s flow to {b} is translated");
+        assert_eq!(d.src_sock(), sock(VIP), "the reply of {c}'s flow to {b}, after them");
     }
 }
 

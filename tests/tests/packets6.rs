@@ -737,8 +737,12 @@ fn ipv6_conntrack_filter_is_heeded_and_rebuilt() {
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "a tracked reply is translated");
     ct_filter::clear(testrun::map_fd(&mut dp, map_names::CT_FILTER6).as_fd()).unwrap();
     assert_leaves(&mut dp, &reply, "with the filter cleared, the reply is taken for a packet of no flow");
+    // And at pod ingress, the flow's next segment for a new flow's, met mid-connection.
+    run(&mut dp, &tcp_frame(client, vip, ACK));
+    assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "{:?}", counters(&mut dp));
     let [v4, v6] = dp.rebuild_conntrack_filters().unwrap();
     assert_eq!((v4.keys, v6.keys), (0, 2), "the IPv6 map's forward and reply entries walked");
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "translated again once rebuilt");
-    assert_eq!(dissect(&run(&mut dp, &tcp_frame(client, vip, ACK)).frame).dst_sock(), backend, "the forward entry found too");
+    assert_eq!(dissect(&run(&mut dp, &tcp_frame(client, vip, ACK)).frame).dst_sock(), backend);
+    assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "found at pod ingress once rebuilt");
 }

@@ -48,12 +48,16 @@ pub fn for_each_key(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f:
         // SAFETY: the attribute points at live buffers of the sizes the kernel will fill.
         let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
         let err = (rc < 0).then(io::Error::last_os_error);
+        let last = match err {
+            None => false,
+            // The walk's end: `count` says what the last call still gave.
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+            Some(e) => return Err(e),
+        };
         keys.chunks_exact(key_size).take(attr.count as usize).for_each(&mut f);
         total += u64::from(attr.count);
-        match err {
-            None => {}
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(total),
-            Some(e) => return Err(e),
+        if last {
+            return Ok(total);
         }
         token_in = token_out;
         first = false;

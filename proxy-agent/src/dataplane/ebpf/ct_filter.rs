@@ -7,16 +7,18 @@
 use std::{
     io,
     os::fd::{AsFd, AsRawFd, BorrowedFd},
+    path::{Path, PathBuf},
     sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
+use aya::programs::{links::PinnedLink, ProgramInfo};
 use proxy_common::{
     ct_filter::{self, CtFilter, HALF_WORDS},
-    CtKey,
+    prog_names, CtKey,
 };
 
-use super::batch;
+use super::{batch, loader};
 
 /// A filter map's value, mapped into this process.
 struct Mapped {
@@ -85,14 +87,6 @@ pub struct Rebuilt {
     pub bits: u64,
 }
 
-impl Rebuilt {
-    /// The share of the half's bits that are set: about the share of packets of no tracked
-    /// flow that still pay a conntrack lookup.
-    pub fn fill(&self) -> f64 {
-        self.bits as f64 / (HALF_WORDS * 64) as f64
-    }
-}
-
 /// Rebuilds the half of `filter` that lookups do not read from the keys `ct` holds (a
 /// conntrack map with keys of address `A`), then turns lookups to it. See
 /// `proxy_common::ct_filter` for why no tracked key is ever without its bit in the half read.
@@ -126,10 +120,61 @@ pub fn rebuild<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, c
 /// refused (a `nohz_full` kernel, a seccomp policy), a second is far longer than any run.
 fn grace_period() {
     const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+    static SAID: std::sync::Once = std::sync::Once::new();
     // SAFETY: plain syscall without pointers.
     let rc = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
     if rc != 0 {
+        let e = io::Error::last_os_error();
+        SAID.call_once(
+            || tracing::info!(error = %e, "membarrier(MEMBARRIER_CMD_GLOBAL) refused; the conntrack filter's rebuilds wait 1 s instead"),
+        );
         std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// TC and XDP link pins under `root` whose program is not one this run pinned: an earlier
+/// run's, which this run has not replaced (XDP now off, an interface no longer matched, or
+/// matched in another role). That run may be a build that tracks flows without setting their
+/// bits, so a rebuild while it stays attached could take its flows for no flow elsewhere.
+pub fn stale_links(root: &Path) -> io::Result<Vec<PathBuf>> {
+    let ours = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_EXT_INGRESS, prog_names::XDP_EXT]
+        .into_iter()
+        .map(|name| ProgramInfo::from_pin(loader::progs_dir(root).join(name)).map(|p| p.id()).map_err(io::Error::other))
+        .collect::<io::Result<Vec<u32>>>()?;
+    let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) else { return Ok(Vec::new()) };
+    let mut stale = Vec::new();
+    for entry in dir.flatten() {
+        if entry.file_name().to_str().and_then(super::attach::parse_pin_hook).is_none() {
+            continue;
+        }
+        let program = PinnedLink::from_pin(entry.path())
+            .map_err(io::Error::other)
+            .and_then(|link| aya::programs::links::FdLink::from(link).info().map(|i| i.program_id()).map_err(io::Error::other));
+        // A pin that is not a link (or is gone) runs nothing.
+        if program.is_ok_and(|id| !ours.contains(&id)) {
+            stale.push(entry.path());
+        }
+    }
+    Ok(stale)
+}
+
+/// Held while a rebuild runs: two agents on one node (a rollout that surges) must not rebuild
+/// the same filter at once, or one could clear the half the other just turned lookups to.
+pub struct RebuildLock {
+    _dir: std::fs::File,
+}
+
+impl RebuildLock {
+    /// The lock of the pins under `root` (on their maps directory), if no one else holds it.
+    pub fn try_take(root: &Path) -> io::Result<Option<Self>> {
+        let dir = std::fs::File::open(loader::maps_dir(root))?;
+        // SAFETY: plain syscall on a descriptor this function owns.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::EWOULDBLOCK) { Ok(None) } else { Err(e) };
+        }
+        // Released when the descriptor closes.
+        Ok(Some(Self { _dir: dir }))
     }
 }
 
