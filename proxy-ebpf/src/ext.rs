@@ -47,7 +47,7 @@ pub fn try_tc_ext_ingress(ctx: &TcContext) -> Outcome {
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
     }
-    let step = north::decide(&env, &pkt, ct::now());
+    let step = north::decide(&env, &pkt, ct::now);
     if dry {
         trace(&step);
         return Outcome::Traced;
@@ -76,10 +76,9 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
         return Outcome::Counted(Ok(Verdict::pass(Reason::PassFragmentUnknown)));
     }
     let env = env_of(ctx, None);
-    let now = ct::now();
     // A new flow's decision runs as a program of its own (`try_tc_ext_ingress6_new`): IPv6's
     // whole decision does not fit one 512-byte stack frame.
-    let step = match north::decide_tracked(&env, &pkt, now, true) {
+    let step = match north::decide_tracked(&env, &pkt, ct::now, true) {
         Step::NewFlow => {
             // Most untracked packets on an external interface are the node's own (SSH, the
             // kubelet) or routed on: passed here, without the stage's copy and tail call.
@@ -87,7 +86,7 @@ pub fn try_tc_ext_ingress6(ctx: &TcContext) -> Outcome {
                 // A trace packet's new flow is decided by a program of its own, which only
                 // records (the new-flow program has no room for that beside its work).
                 let slot = if env.dry { prog_slots::EXT_INGRESS6_TRACE } else { prog_slots::EXT_INGRESS6_NEW };
-                crate::family::enter_stage(ctx, &pkt, now, Reason::NewFlow, None, slot);
+                crate::family::enter_stage(ctx, &pkt, ct::now(), Reason::NewFlow, None, slot);
                 return passed_unstaged(env.dry);
             }
             Step::Pass(Reason::PassNotService)
@@ -113,7 +112,8 @@ fn icmp_message(ctx: &TcContext, l4_off: usize, saddr: [u8; 4], daddr: [u8; 4], 
 #[inline(always)]
 pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
     let Some(stage) = crate::family::staged(ctx) else { return Ok(Verdict::pass(Reason::PassNoStage)) };
-    let step = north::new_flow(&env_of(ctx, Some(false)), &stage.pkt, stage.now);
+    let now = stage.now;
+    let step = north::new_flow(&env_of(ctx, Some(false)), &stage.pkt, || now);
     apply(ctx, &stage.pkt, step)
 }
 
@@ -121,7 +121,8 @@ pub fn try_tc_ext_ingress6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
 #[inline(always)]
 pub fn try_tc_ext_ingress6_trace(ctx: &TcContext) -> Outcome {
     let Some(stage) = crate::family::staged(ctx) else { return passed_unstaged(true) };
-    trace(&north::new_flow(&env_of(ctx, Some(true)), &stage.pkt, stage.now));
+    let now = stage.now;
+    trace(&north::new_flow(&env_of(ctx, Some(true)), &stage.pkt, || now));
     Outcome::Traced
 }
 

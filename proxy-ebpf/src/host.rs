@@ -62,7 +62,7 @@ fn leaving<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict
     let now = ct::now();
     // Each step applied where it is made: one value merged from both, its payload undefined
     // for some variants, was read by the compiled code as an unwritten register.
-    match north::decide_tracked(&env, pkt, now, true) {
+    match north::decide_tracked(&env, pkt, || now, true) {
         Step::NewFlow => apply(ctx, pkt, new_flow(&env, pkt, now)?),
         step => apply(ctx, pkt, step),
     }
@@ -95,7 +95,7 @@ pub fn try_host6(ctx: &TcContext) -> Result<Verdict, Reason> {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
     let now = ct::now();
-    let step = match north::decide_tracked(&env_of(ctx), &pkt, now, true) {
+    let step = match north::decide_tracked(&env_of(ctx), &pkt, || now, true) {
         Step::NewFlow => {
             let reason = crate::family::enter_stage(ctx, &pkt, now, Reason::HostFlowNew, None, prog_slots::HOST6_NEW);
             return Ok(Verdict::pass(reason));

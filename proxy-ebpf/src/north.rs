@@ -209,16 +209,17 @@ fn xdp_pass<A: Family>(env: &Env) -> Option<Step<A>> {
 }
 
 #[inline(always)]
-pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
-    decide_tracked(env, pkt, now, false)
+pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 + Copy) -> Step<A> {
+    decide_tracked(env, pkt, clock, false)
 }
 
 /// `decide`; with `stage_new`, a packet that opens a flow gets `Step::NewFlow` instead of its
 /// step, for a program of its own to decide (IPv6's whole decision does not fit one 512-byte
 /// stack frame).
 #[inline(always)]
-pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new: bool) -> Step<A> {
+pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 + Copy, stage_new: bool) -> Step<A> {
     if let Some(mut e) = ct::lookup(ct::key(pkt)) {
+        let now = clock();
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {
@@ -304,12 +305,12 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, now: u64, stage_new
     if stage_new {
         return Step::NewFlow;
     }
-    new_flow(env, pkt, now)
+    new_flow(env, pkt, clock)
 }
 
 /// The step for a packet opening a flow (or of none the hooks serve).
 #[inline(always)]
-pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
+pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 + Copy) -> Step<A> {
     let master = match select::frontend(pkt.daddr, pkt.dport, pkt.proto) {
         Some(m) if m.flags & svc_flags::EXTERNAL != 0 => m,
         _ => return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService)),
@@ -327,6 +328,7 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, now: u64) -> Step<A> {
             Err(r) => Step::Drop(r),
         };
     }
+    let now = clock();
     let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let choice = match select::choose(pkt, &key, &master, now, !env.dry) {
         Ok(c) => c,

@@ -65,7 +65,7 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
         return pass(Reason::XdpPass);
     }
     let env = env(ctx);
-    match north::decide(&env, &pkt, ct::now()) {
+    match north::decide(&env, &pkt, ct::now) {
         Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
         Step::Pass(reason) => pass(reason),
         // A source outside a load balancer's ranges goes no further than here.
@@ -85,7 +85,7 @@ pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
         return pass(Reason::XdpPass);
     }
     let env = env(ctx);
-    match north::decide(&env, &pkt, ct::now()) {
+    match north::decide(&env, &pkt, ct::now) {
         Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
         Step::Pass(reason) => pass(reason),
         _ => pass(Reason::XdpPass),
