@@ -171,18 +171,14 @@ fn spawn_conntrack_upkeep(root: PathBuf, t: Arc<Telemetry>) {
     tokio::spawn(async move {
         // Said when it first holds the rebuilds back, and again when that changes.
         let mut held_back: Option<String> = None;
-        // No older program is attached any more: this run attaches only its own.
-        let mut clean = false;
         loop {
             let r = root.clone();
-            let round = tokio::task::spawn_blocking(move || conntrack_round(&r, clean)).await;
-            let round = match round {
+            let round = match tokio::task::spawn_blocking(move || conntrack_round(&r)).await {
                 Ok(r) => r,
                 Err(e) => Err(std::io::Error::other(format!("the task failed: {e}"))),
             };
             match round {
                 Ok(ConntrackRound::Rebuilt([v4, v6])) => {
-                    clean = true;
                     if held_back.take().is_some() {
                         tracing::info!("rebuilding the conntrack filters again");
                     }
@@ -196,9 +192,7 @@ fn spawn_conntrack_upkeep(root: PathBuf, t: Arc<Telemetry>) {
                     t.fill.conntrack.store(v4, Ordering::Relaxed);
                     t.fill.conntrack6.store(v6, Ordering::Relaxed);
                     if held_back.as_ref() != Some(&why) {
-                        tracing::warn!(
-                            "not rebuilding the conntrack filters (they keep every bit they have, which costs only lookups): {why}"
-                        );
+                        tracing::warn!("not rebuilding the conntrack filters (every bit of them set, which costs only lookups): {why}");
                         held_back = Some(why);
                     }
                 }
@@ -224,35 +218,36 @@ enum ConntrackRound {
 }
 
 /// Rebuilds both families' conntrack filters through the pins under `root`, unless a link of an
-/// earlier run is attached (`ct_filter::stale_links`; `clean`: none was, once, and this run
-/// attaches only its own) or another agent is rebuilding them.
-fn conntrack_round(root: &Path, clean: bool) -> std::io::Result<ConntrackRound> {
+/// older build that sets no bits is attached (`ct_filter::stale_links`: the filters are then
+/// filled with every bit, in case it tracked flows since the last rebuild) or another agent is
+/// rebuilding them.
+fn conntrack_round(root: &Path) -> std::io::Result<ConntrackRound> {
     use proxy_common::{map_names, CtEntry, CtKey, Ip6};
     let open = |name: &str| aya::maps::MapData::from_pin(loader::maps_dir(root).join(name)).map_err(std::io::Error::other);
     let (ct4, ct6) = (open(map_names::CT)?, open(map_names::CT6)?);
     let (ct4, ct6) = (ct4.fd().as_fd(), ct6.fd().as_fd());
+    let (f4, f6) = (open(map_names::CT_FILTER)?, open(map_names::CT_FILTER6)?);
     let count = || -> std::io::Result<[u64; 2]> {
         Ok([
             batch::count_entries(ct4, size_of::<CtKey>(), size_of::<CtEntry>())?,
             batch::count_entries(ct6, size_of::<CtKey<Ip6>>(), size_of::<CtEntry<Ip6>>())?,
         ])
     };
-    if !clean {
-        let stale = ct_filter::stale_links(root)?;
-        if !stale.is_empty() {
-            let pins: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
-            let why = format!(
-                "links this run does not hold stay attached ({}): their programs are an earlier run's, perhaps of a build \
-                 that tracks flows without the filter; remove those pins to detach them",
-                pins.join(", ")
-            );
-            return Ok(ConntrackRound::Counted(count()?, why));
-        }
-    }
     let Some(_lock) = ct_filter::RebuildLock::try_take(root)? else {
         return Ok(ConntrackRound::Counted(count()?, "another agent on this node is rebuilding them".into()));
     };
-    let (f4, f6) = (open(map_names::CT_FILTER)?, open(map_names::CT_FILTER6)?);
+    let stale = ct_filter::stale_links(root)?;
+    if !stale.is_empty() {
+        ct_filter::fill_all(f4.fd().as_fd())?;
+        ct_filter::fill_all(f6.fd().as_fd())?;
+        let pins: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
+        let why = format!(
+            "links of an older build, which track flows without the filter, stay attached ({}); this run does not serve \
+             those hooks: remove the pins to detach them",
+            pins.join(", ")
+        );
+        return Ok(ConntrackRound::Counted(count()?, why));
+    }
     Ok(ConntrackRound::Rebuilt([
         ct_filter::rebuild::<[u8; 4]>(f4.fd().as_fd(), ct4, size_of::<CtEntry>())?,
         ct_filter::rebuild::<Ip6>(f6.fd().as_fd(), ct6, size_of::<CtEntry<Ip6>>())?,

@@ -1073,6 +1073,10 @@ fn the_conntrack_filter_is_heeded_and_rebuilt_from_the_conntrack_map() {
     // And at pod ingress, the flow's next segment for a new flow's, met mid-connection.
     run(&mut dp, &tcp_frame(sock(CLIENT), sock(VIP), ACK));
     assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "{:?}", counters(&mut dp));
+    // Tracked afresh, that segment set its flow's bits again: cleared once more, so that only
+    // the rebuild can give them back.
+    ct_filter::clear(filter.as_fd()).unwrap();
+    assert_leaves(&mut dp, &reply, "cleared again");
     let [v4, _] = dp.rebuild_conntrack_filters().unwrap();
     assert_eq!(v4.keys, 2, "a forward and a reply entry walked");
     assert!((1..=2).contains(&v4.bits), "their bits set: {v4:?}");
@@ -1138,7 +1142,8 @@ fn conntrack_keys_of_flows_made_during_rebuilds_keep_their_bits() {
         while flows.len() < 3000 || rebuilds.load(Ordering::Relaxed) < first + 6 {
             assert!(!rebuilder.is_finished(), "the rebuilding thread stopped");
             assert!(Instant::now() < deadline, "{} rebuilds in a minute", rebuilds.load(Ordering::Relaxed) - first);
-            if flows.len() < 200_000 {
+            // Not past a few thousand: more would have the LRU evict the first flows.
+            if flows.len() < 10_000 {
                 let c = client(flows.len() as u32);
                 flows.push((c, dissect(&run(&mut dp, &tcp_frame(c, sock(VIP), SYN)).frame).dst_sock()));
             }
@@ -1196,4 +1201,54 @@ fn a_conntrack_filter_created_at_load_says_maybe_for_every_adopted_flow() {
     assert_eq!((v4.keys, v6.keys, v6.bits), (2, 0, 0), "a rebuild keeps the adopted flow's bits only");
     assert!((1..=2).contains(&v4.bits), "{v4:?}");
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "and its reply is still translated");
+}
+
+/// A link pin whose program looks the conntrack map up without the conntrack filter (an older
+/// build's; here the IPv6 ICMP error program of this object, which reads `CT6_V1` alone,
+/// stands in for one) is found, so that the agent holds its rebuilds back while it runs; one
+/// running this build's program is not; and once its interface is gone (the kernel detached
+/// the link) it is not either.
+#[test]
+fn a_link_whose_program_sets_no_bits_holds_the_rebuilds_back() {
+    if !require::root("a_link_whose_program_sets_no_bits_holds_the_rebuilds_back") {
+        return;
+    }
+    use aya::programs::{links::FdLink, tc::TcAttachOptions, LinkOrder, TcAttachType};
+    use proxy_agent::dataplane::ebpf::{
+        ct_filter,
+        loader::{self, LoadOptions},
+    };
+    use proxy_common::prog_names;
+    let root = proxy_tests::lab::TempBpffs::new("pxstl");
+    let ns = proxy_tests::netns::Netns::create(format!("pxstl{}", proxy_tests::netns::unique_id()));
+    let (a, b) = ("pxstla", "pxstlb");
+    ns.ip(&["link", "add", a, "type", "veth", "peer", "name", b]);
+    // This thread now lives in the test's namespace (it ends with the test).
+    proxy_tests::netns::enter(&ns.file()).expect("enter the test's namespace");
+    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() }).expect("load with pins");
+    let ifindex = |name: &str| {
+        let c = std::ffi::CString::new(name).unwrap();
+        // SAFETY: a valid NUL-terminated name.
+        let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+        assert_ne!(i, 0, "no interface {name} here");
+        i
+    };
+    let links = loader::links_dir(&root.0);
+    std::fs::create_dir_all(&links).unwrap();
+    let mut pin = |program: &'static str, ifname: &str, file: String| {
+        let prog = loader::classifier(dp.ebpf_mut(), program);
+        let id = prog.attach_with_options(ifname, TcAttachType::Ingress, TcAttachOptions::TcxOrder(LinkOrder::default())).unwrap();
+        let link = FdLink::try_from(prog.take_link(id).unwrap()).unwrap();
+        link.pin(links.join(&file)).unwrap();
+        links.join(file)
+    };
+    let old = pin(prog_names::TC_ICMP6, a, format!("tc_ingress_{}_{a}", ifindex(a)));
+    pin(prog_names::TC_INGRESS, b, format!("tc_ingress_{}_{b}", ifindex(b)));
+    assert_eq!(ct_filter::stale_links(&root.0).unwrap(), vec![old], "only the link whose program sets no bits");
+    ns.ip(&["link", "del", a]);
+    assert_eq!(
+        ct_filter::stale_links(&root.0).unwrap(),
+        Vec::<std::path::PathBuf>::new(),
+        "a link detached with its interface runs nothing"
+    );
 }

@@ -740,6 +740,10 @@ fn ipv6_conntrack_filter_is_heeded_and_rebuilt() {
     // And at pod ingress, the flow's next segment for a new flow's, met mid-connection.
     run(&mut dp, &tcp_frame(client, vip, ACK));
     assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "{:?}", counters(&mut dp));
+    // Tracked afresh, that segment set its flow's bits again: cleared once more, so that only
+    // the rebuild can give them back.
+    ct_filter::clear(testrun::map_fd(&mut dp, map_names::CT_FILTER6).as_fd()).unwrap();
+    assert_leaves(&mut dp, &reply, "cleared again");
     let [v4, v6] = dp.rebuild_conntrack_filters().unwrap();
     assert_eq!((v4.keys, v6.keys), (0, 2), "the IPv6 map's forward and reply entries walked");
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "translated again once rebuilt");

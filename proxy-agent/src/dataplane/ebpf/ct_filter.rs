@@ -12,10 +12,13 @@ use std::{
     time::Duration,
 };
 
-use aya::programs::{links::PinnedLink, ProgramInfo};
+use aya::{
+    maps::MapInfo,
+    programs::{links::PinnedLink, ProgramInfo},
+};
 use proxy_common::{
     ct_filter::{self, CtFilter, HALF_WORDS},
-    prog_names, CtKey,
+    map_names, CtKey,
 };
 
 use super::{batch, loader};
@@ -132,30 +135,47 @@ fn grace_period() {
     }
 }
 
-/// TC and XDP link pins under `root` whose program is not one this run pinned: an earlier
-/// run's, which this run has not replaced (XDP now off, an interface no longer matched, or
-/// matched in another role). That run may be a build that tracks flows without setting their
-/// bits, so a rebuild while it stays attached could take its flows for no flow elsewhere.
+/// TC and XDP link pins under `root` whose program looks a conntrack map of these pins up
+/// without that family's conntrack filter beside it, on an interface that still exists: an
+/// older build's, which this run has not replaced (XDP now off, an interface no longer
+/// matched, or matched in another role, or an older agent beside this one). Such a program
+/// tracks flows without setting their bits: while it stays attached, lookups could miss its
+/// flows after a rebuild.
 pub fn stale_links(root: &Path) -> io::Result<Vec<PathBuf>> {
-    let ours = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_EXT_INGRESS, prog_names::XDP_EXT]
-        .into_iter()
-        .map(|name| ProgramInfo::from_pin(loader::progs_dir(root).join(name)).map(|p| p.id()).map_err(io::Error::other))
-        .collect::<io::Result<Vec<u32>>>()?;
+    let id = |name: &str| MapInfo::from_pin(loader::maps_dir(root).join(name)).map(|i| i.id()).map_err(io::Error::other);
+    let pairs = [(id(map_names::CT)?, id(map_names::CT_FILTER)?), (id(map_names::CT6)?, id(map_names::CT_FILTER6)?)];
     let Ok(dir) = std::fs::read_dir(loader::links_dir(root)) else { return Ok(Vec::new()) };
+    let mut programs: Option<Vec<ProgramInfo>> = None;
     let mut stale = Vec::new();
     for entry in dir.flatten() {
-        if entry.file_name().to_str().and_then(super::attach::parse_pin_hook).is_none() {
+        let Some((_, ifindex, _)) = entry.file_name().to_str().and_then(super::attach::parse_pin_hook) else { continue };
+        // The kernel detached the link with its interface: it runs nothing.
+        if !interface_exists(ifindex) {
             continue;
         }
-        let program = PinnedLink::from_pin(entry.path())
-            .map_err(io::Error::other)
-            .and_then(|link| aya::programs::links::FdLink::from(link).info().map(|i| i.program_id()).map_err(io::Error::other));
-        // A pin that is not a link (or is gone) runs nothing.
-        if program.is_ok_and(|id| !ours.contains(&id)) {
+        let Ok(link) = PinnedLink::from_pin(entry.path()) else { continue };
+        let Ok(info) = aya::programs::links::FdLink::from(link).info() else { continue };
+        let programs = programs.get_or_insert_with(|| aya::programs::loaded_programs().flatten().collect());
+        let maps = programs.iter().find(|p| p.id() == info.program_id()).and_then(|p| p.map_ids().ok().flatten()).unwrap_or_default();
+        if pairs.iter().any(|(ct, filter)| maps.contains(ct) && !maps.contains(filter)) {
             stale.push(entry.path());
         }
     }
+    stale.sort();
     Ok(stale)
+}
+
+/// True when this network namespace has an interface of index `ifindex`.
+fn interface_exists(ifindex: u32) -> bool {
+    let mut name = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: the buffer has the IF_NAMESIZE bytes the call may write.
+    !unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null()
+}
+
+/// Sets every bit of the filter behind `fd`, lookups reading half 0: for when a program that
+/// sets no bits may have tracked flows (`stale_links`), as at an upgrade (`fill_created`).
+pub fn fill_all(fd: BorrowedFd<'_>) -> io::Result<()> {
+    fill_created(fd, true)
 }
 
 /// Held while a rebuild runs: two agents on one node (a rollout that surges) must not rebuild
