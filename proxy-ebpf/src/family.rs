@@ -59,6 +59,8 @@ pub trait Family:
     /// Where replies of a hairpinned flow (a pod reaching itself through a Service) are sent.
     const HAIRPIN: Self;
 
+    /// The conntrack map. Insert into it only after `ct::mark` has set the key's bit in the
+    /// conntrack filter (`ct_filter`): a key without its bit is not found by `ct::lookup`.
     fn ct() -> &'static CtMap<Self>;
     fn ct_filter() -> &'static CtFilterMap;
     fn services() -> &'static ServicesMap<Self>;
