@@ -241,6 +241,12 @@ struct AcceptClose {
 impl AcceptClose {
     fn start(ns: &Netns, ip: Ipv4Addr) -> Self {
         let listener = ns.run(move || TcpListener::bind((ip, CONN_PORT)).expect("bind backend"));
+        // A backlog of std's 128 overflows under the clients' bursts on a busy 2-core machine
+        // (the backend's TcpExt ListenOverflows rose with the attempts that timed out, in
+        // every mode): a few thousand. (listen() again on a listening socket sets its backlog;
+        // the namespace's net.core.somaxconn, 4096 by default, caps it.)
+        // SAFETY: plain syscall on the listener's own descriptor.
+        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 4096) }, 0, "listen backlog");
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = thread::spawn(move || {
