@@ -238,8 +238,8 @@ fn conntrack_round(root: &Path) -> std::io::Result<ConntrackRound> {
     };
     let stale = ct_filter::stale_links(root)?;
     if !stale.is_empty() {
-        ct_filter::fill_all(f4.fd().as_fd())?;
-        ct_filter::fill_all(f6.fd().as_fd())?;
+        ct_filter::fill(f4.fd().as_fd(), true)?;
+        ct_filter::fill(f6.fd().as_fd(), true)?;
         let pins: Vec<String> = stale.iter().map(|p| p.display().to_string()).collect();
         let why = format!(
             "links of an older build, which track flows without the filter, stay attached ({}); this run does not serve \
@@ -248,10 +248,7 @@ fn conntrack_round(root: &Path) -> std::io::Result<ConntrackRound> {
         );
         return Ok(ConntrackRound::Counted(count()?, why));
     }
-    Ok(ConntrackRound::Rebuilt([
-        ct_filter::rebuild::<[u8; 4]>(f4.fd().as_fd(), ct4, size_of::<CtEntry>())?,
-        ct_filter::rebuild::<Ip6>(f6.fd().as_fd(), ct6, size_of::<CtEntry<Ip6>>())?,
-    ]))
+    Ok(ConntrackRound::Rebuilt(ct_filter::rebuild_families([f4.fd().as_fd(), f6.fd().as_fd()], [ct4, ct6])?))
 }
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory

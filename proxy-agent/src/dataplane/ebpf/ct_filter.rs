@@ -59,6 +59,33 @@ impl Mapped {
     fn half(&self, half: usize) -> impl Iterator<Item = &AtomicU64> {
         (half * HALF_WORDS..(half + 1) * HALF_WORDS).map(|i| self.word(i))
     }
+
+    /// Every word of both halves set to `value` (the control word left alone).
+    fn set_halves(&self, value: u64) {
+        (0..2).flat_map(|h| self.half(h)).for_each(|w| w.store(value, Ordering::Relaxed));
+    }
+
+    /// Bits set in half `half`.
+    fn bits(&self, half: usize) -> u64 {
+        self.half(half).map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()
+    }
+
+    /// The half lookups read (`None`: the control word is not one).
+    fn read_half(&self) -> Option<usize> {
+        ct_filter::half(self.control().load(Ordering::Acquire))
+    }
+
+    /// Calls `f` with the word (in half 0) and bit of each key of the conntrack map `ct` (keys
+    /// of address `A`); returns how many keys it walked.
+    fn walk<A: ct_filter::Addr>(ct: BorrowedFd<'_>, ct_value_size: usize, mut f: impl FnMut(usize, u64)) -> io::Result<u64> {
+        batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
+            // SAFETY: `bytes` holds one key of the map, a plain-data `CtKey<A>` (unaligned in
+            // the buffer, hence the unaligned read).
+            let key: CtKey<A> = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+            let (word, bit) = ct_filter::place(ct_filter::hash(&key));
+            f(word, bit);
+        })
+    }
 }
 
 impl Drop for Mapped {
@@ -68,15 +95,16 @@ impl Drop for Mapped {
     }
 }
 
-/// Fills a filter map created at load. When the family's conntrack map was adopted from pins,
-/// every bit is set: its entries have none yet, nor have those the programs still attached
-/// (an older build's, until this run's links replace them) insert meanwhile; the first
-/// `rebuild` after the programs are replaced drops the rest. A new conntrack map holds nothing,
-/// so neither does the filter. Lookups read half 0.
-pub fn fill_created(fd: BorrowedFd<'_>, ct_adopted: bool) -> io::Result<()> {
+/// Fills a filter, lookups reading half 0: with every bit set when the family's conntrack map
+/// may hold keys without their bits (`every_bit`), else with none. Done at load to a filter
+/// created then: over a conntrack map adopted from pins, its entries have no bits yet, nor
+/// have those the programs still attached (an older build's, until this run's links replace
+/// them) insert meanwhile, and the first `rebuild` after the programs are replaced drops the
+/// rest; a new conntrack map holds nothing. Done again while an older build's link stays
+/// attached (`stale_links`).
+pub fn fill(fd: BorrowedFd<'_>, every_bit: bool) -> io::Result<()> {
     let m = Mapped::of(fd)?;
-    let fill = if ct_adopted { u64::MAX } else { 0 };
-    (0..2 * HALF_WORDS).for_each(|i| m.word(i).store(fill, Ordering::Relaxed));
+    m.set_halves(if every_bit { u64::MAX } else { 0 });
     m.control().store(ct_filter::control(0), Ordering::Release);
     Ok(())
 }
@@ -97,20 +125,16 @@ pub struct Rebuilt {
 pub fn rebuild<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, ct_value_size: usize) -> io::Result<Rebuilt> {
     let m = Mapped::of(filter)?;
     // An unwritten control word (the filter says "maybe" everywhere): half 0 is rebuilt.
-    let target = ct_filter::half(m.control().load(Ordering::Acquire)).map_or(0, |read| 1 - read);
+    let target = m.read_half().map_or(0, |read| 1 - read);
     m.half(target).for_each(|w| w.store(0, Ordering::Relaxed));
     // A program that set a bit of this half before it was cleared may not have inserted its
     // key yet: once every run that began before the clear is over, that key is in the map
     // for the walk to find.
     grace_period();
-    let keys = batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
-        // SAFETY: `bytes` holds one key of the map, a plain-data `CtKey<A>` (unaligned in the
-        // buffer, hence the unaligned read).
-        let key: CtKey<A> = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        let (word, bit) = ct_filter::place(ct_filter::hash(&key));
+    let keys = Mapped::walk::<A>(ct, ct_value_size, |word, bit| {
         m.word(target * HALF_WORDS + word).fetch_or(bit, Ordering::Relaxed);
     })?;
-    let bits = m.half(target).map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum();
+    let bits = m.bits(target);
     m.control().store(ct_filter::control(target), Ordering::Release);
     // The next rebuild clears the half just left: the runs that read it must be over first.
     grace_period();
@@ -172,12 +196,6 @@ fn interface_exists(ifindex: u32) -> bool {
     !unsafe { libc::if_indextoname(ifindex, name.as_mut_ptr()) }.is_null()
 }
 
-/// Sets every bit of the filter behind `fd`, lookups reading half 0: for when a program that
-/// sets no bits may have tracked flows (`stale_links`), as at an upgrade (`fill_created`).
-pub fn fill_all(fd: BorrowedFd<'_>) -> io::Result<()> {
-    fill_created(fd, true)
-}
-
 /// Held while a rebuild runs: two agents on one node (a rollout that surges) must not rebuild
 /// the same filter at once, or one could clear the half the other just turned lookups to.
 pub struct RebuildLock {
@@ -202,12 +220,9 @@ impl RebuildLock {
 /// taken for packets of no flow. None, ever, is the filter's promise; for tests and diagnosis.
 pub fn untracked_keys<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, ct_value_size: usize) -> io::Result<u64> {
     let m = Mapped::of(filter)?;
-    let Some(read) = ct_filter::half(m.control().load(Ordering::Acquire)) else { return Ok(0) };
+    let Some(read) = m.read_half() else { return Ok(0) };
     let mut missing = 0;
-    batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
-        // SAFETY: as in `rebuild`.
-        let key: CtKey<A> = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-        let (word, bit) = ct_filter::place(ct_filter::hash(&key));
+    Mapped::walk::<A>(ct, ct_value_size, |word, bit| {
         if m.word(read * HALF_WORDS + word).load(Ordering::Relaxed) & bit == 0 {
             missing += 1;
         }
@@ -218,8 +233,7 @@ pub fn untracked_keys<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd
 /// Clears every bit, the control word kept: the filter then says nothing is tracked. For
 /// tests, which show with it that the datapath heeds the filter.
 pub fn clear(filter: BorrowedFd<'_>) -> io::Result<()> {
-    let m = Mapped::of(filter)?;
-    (0..2 * HALF_WORDS).for_each(|i| m.word(i).store(0, Ordering::Relaxed));
+    Mapped::of(filter)?.set_halves(0);
     Ok(())
 }
 
@@ -227,6 +241,12 @@ pub fn clear(filter: BorrowedFd<'_>) -> io::Result<()> {
 /// says "maybe" for every key).
 pub fn bits_read(filter: BorrowedFd<'_>) -> io::Result<Option<u64>> {
     let m = Mapped::of(filter)?;
-    let Some(read) = ct_filter::half(m.control().load(Ordering::Acquire)) else { return Ok(None) };
-    Ok(Some(m.half(read).map(|w| u64::from(w.load(Ordering::Relaxed).count_ones())).sum()))
+    Ok(m.read_half().map(|read| m.bits(read)))
+}
+
+/// Rebuilds both families' filters, IPv4's then IPv6's (`rebuild`): `filters` and `cts` are
+/// the families' filter and conntrack maps, in that order.
+pub fn rebuild_families(filters: [BorrowedFd<'_>; 2], cts: [BorrowedFd<'_>; 2]) -> io::Result<[Rebuilt; 2]> {
+    use proxy_common::{CtEntry, Ip6};
+    Ok([rebuild::<[u8; 4]>(filters[0], cts[0], size_of::<CtEntry>())?, rebuild::<Ip6>(filters[1], cts[1], size_of::<CtEntry<Ip6>>())?])
 }

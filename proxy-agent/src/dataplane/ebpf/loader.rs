@@ -352,7 +352,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
     let new_maps: Vec<&str> = filled_at_load.into_iter().filter(|n| options.pin_root.is_some() && pinned(n).is_none()).collect();
     // A conntrack filter created now is filled before it is pinned too, pins or not (its
     // control word says which half lookups read): every bit set when the family's conntrack
-    // map is adopted, none when it is new (see `ct_filter::fill_created`).
+    // map is adopted, none when it is new (see `ct_filter::fill`).
     let ct_filters: Vec<(&str, bool)> = [(map_names::CT_FILTER, map_names::CT), (map_names::CT_FILTER6, map_names::CT6)]
         .into_iter()
         .filter(|(filter, _)| pinned(filter).is_none())
@@ -387,7 +387,7 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
             aya::maps::Map::Array(data) => std::os::fd::AsFd::as_fd(data.fd()),
             _ => return Err(fail(io::Error::other("not an array"))),
         };
-        super::ct_filter::fill_created(fd, ct_adopted).map_err(fail)?;
+        super::ct_filter::fill(fd, ct_adopted).map_err(fail)?;
         if let Some((_, path)) = pin_paths.iter().find(|(n, _)| *n == name) {
             map.pin(path).map_err(|e| LoadError::Pin { path: path.display().to_string(), source: io::Error::other(e) })?;
         }

@@ -460,13 +460,7 @@ impl EbpfDataplane {
             Some(aya::maps::Map::Array(m) | aya::maps::Map::LruHashMap(m)) => Ok(m.fd().as_fd()),
             _ => Err(std::io::Error::other(format!("no map {name}"))),
         };
-        let v4 = ct_filter::rebuild::<[u8; 4]>(fd(map_names::CT_FILTER)?, fd(map_names::CT)?, size_of::<proxy_common::CtEntry>())?;
-        let v6 = ct_filter::rebuild::<proxy_common::Ip6>(
-            fd(map_names::CT_FILTER6)?,
-            fd(map_names::CT6)?,
-            size_of::<proxy_common::CtEntry<proxy_common::Ip6>>(),
-        )?;
-        Ok([v4, v6])
+        ct_filter::rebuild_families([fd(map_names::CT_FILTER)?, fd(map_names::CT_FILTER6)?], [fd(map_names::CT)?, fd(map_names::CT6)?])
     }
 
     pub fn service_entries(&self) -> usize {
