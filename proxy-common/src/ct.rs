@@ -1,6 +1,10 @@
 //! Connection-tracking flags and the lifetime policy the datapath applies on lookup. The map is
 //! an LRU, so memory is bounded by eviction; lifetimes decide when a tracked flow stops steering
-//! its packets (a reused source port gets a fresh backend choice).
+//! its packets (a reused source port gets a fresh backend choice). The agent removes the flows
+//! that have expired by the same policy, with their reply entries (`reply_key_of`, `reply_of`),
+//! so that the LRU seldom has to evict.
+
+use crate::{CtEntry, CtKey};
 
 /// `CtEntry::flags`.
 pub mod flags {
@@ -137,6 +141,50 @@ pub const fn lifetime_ns(proto: u8, f: u8, lt: &Lifetimes) -> u64 {
 #[inline(always)]
 pub const fn expired(proto: u8, f: u8, last_seen_ns: u64, now_ns: u64, lt: &Lifetimes) -> bool {
     now_ns.saturating_sub(last_seen_ns) > lifetime_ns(proto, f, lt)
+}
+
+/// The reply tuple of the flow the forward entry `e`, at key `k`, tracks: what its backend's
+/// answers carry (the datapath's `reply_key`, `snat_reply_key` and the port moved by
+/// `PORT_NAT`). `hairpin`: the family's hairpin address (`HAIRPIN_ADDR`, `HAIRPIN_ADDR6`).
+#[inline(always)]
+pub fn reply_key_of<A: Copy>(k: &CtKey<A>, e: &CtEntry<A>, hairpin: A) -> CtKey<A> {
+    let snat = e.flags & flags::SNAT != 0;
+    CtKey {
+        saddr: e.nat_addr,
+        daddr: if snat {
+            e.snat_addr
+        } else if e.flags & flags::HAIRPIN != 0 {
+            hairpin
+        } else {
+            k.saddr
+        },
+        sport: e.nat_port,
+        dport: if e.flags & (flags::SNAT | flags::PORT_NAT) != 0 { e.snat_port } else { k.sport },
+        proto: k.proto,
+        _pad: 0,
+        _pad2: 0,
+    }
+}
+
+/// Whether `r`, the entry at `reply_key_of(k, e)`, is the reply entry of the forward entry `e`
+/// at `k`, and not one a later flow put at the same tuple (which then must be left alone).
+#[inline(always)]
+pub fn reply_of<A: PartialEq>(r: &CtEntry<A>, k: &CtKey<A>, e: &CtEntry<A>) -> bool {
+    if r.flags & flags::REPLY == 0 || r.backend_id != e.backend_id || r.service_id != e.service_id {
+        return false;
+    }
+    if e.flags & flags::SNAT != 0 {
+        // The client, as the reply entry restores it.
+        return r.flags & flags::SNAT != 0 && r.nat_addr == k.saddr && r.nat_port == k.sport;
+    }
+    // The Service address and port, as the reply entry restores them, and the client's own
+    // port where it was moved.
+    let moved = e.flags & flags::PORT_NAT != 0;
+    r.flags & flags::SNAT == 0
+        && r.nat_addr == k.daddr
+        && r.nat_port == k.dport
+        && (r.flags & flags::PORT_NAT != 0) == moved
+        && (!moved || r.snat_port == k.sport)
 }
 
 #[cfg(test)]

@@ -232,18 +232,7 @@ pub fn touch_reply<A: Family>(pkt: &Packet<A>, e: &mut Slot<CtEntry<A>>, entry: 
 /// happens to reuse the same ports.
 #[inline(always)]
 pub fn drop_reply<A: Family>(pkt: &Packet<A>, fwd: &CtEntry<A>) {
-    let snat = fwd.flags & flags::SNAT != 0;
-    let moved = fwd.flags & (flags::SNAT | flags::PORT_NAT) != 0;
-    let stale = CtKey {
-        saddr: fwd.nat_addr,
-        daddr: if snat { fwd.snat_addr } else { reply_daddr(pkt, fwd.flags & flags::HAIRPIN != 0) },
-        sport: fwd.nat_port,
-        dport: if moved { fwd.snat_port } else { pkt.sport },
-        proto: pkt.proto,
-        _pad: 0,
-        _pad2: 0,
-    };
-    let _ = A::ct().remove(stale);
+    let _ = A::ct().remove(ct::reply_key_of(&key(pkt), fwd, A::HAIRPIN));
 }
 
 /// The tuple replies from `backend` to the node's `snat_addr`:`port` carry.
