@@ -26,7 +26,7 @@ use crate::{
     dataplane::{
         ebpf::{
             attach::{Attachments, DevicePatterns, Role, XdpSetting},
-            batch, ct_filter,
+            batch, ct_filter, ct_gc,
             loader::{self, LoadOptions},
             reconcile::Reconciler,
             EbpfDataplane,
@@ -163,26 +163,33 @@ fn log_sync(s: &SyncStats) {
     }
 }
 
-/// Every 15 s, rebuilds each family's conntrack filter from its conntrack map (see
+/// Every 15 s, removes each family's expired flows (`ct_gc`, by the lifetimes the programs
+/// were loaded with) and rebuilds its conntrack filter from its conntrack map (see
 /// `ct_filter::rebuild`), which counts the entries for the map gauges on the way. Started once
 /// this run's programs are attached: at an upgrade, the filter was created with every bit set
-/// because the older programs did not set theirs, and they must be gone before a rebuild.
-fn spawn_conntrack_upkeep(root: PathBuf, t: Arc<Telemetry>) {
+/// because the older programs did not set theirs, and they must be gone before a rebuild (and
+/// before flows are removed by this run's lifetimes, which theirs may not be).
+fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes, t: Arc<Telemetry>) {
     tokio::spawn(async move {
         // Said when it first holds the rebuilds back, and again when that changes.
         let mut held_back: Option<String> = None;
         loop {
             let r = root.clone();
-            let round = match tokio::task::spawn_blocking(move || conntrack_round(&r)).await {
+            let round = match tokio::task::spawn_blocking(move || conntrack_round(&r, &lifetimes)).await {
                 Ok(r) => r,
                 Err(e) => Err(std::io::Error::other(format!("the task failed: {e}"))),
             };
             match round {
-                Ok(ConntrackRound::Rebuilt([v4, v6])) => {
+                Ok(ConntrackRound::Rebuilt([v4, v6], removed)) => {
                     if held_back.take().is_some() {
                         tracing::info!("rebuilding the conntrack filters again");
                     }
                     let f = &t.fill;
+                    f.conntrack_removed.fetch_add(removed[0].flows, Ordering::Relaxed);
+                    f.conntrack_removed6.fetch_add(removed[1].flows, Ordering::Relaxed);
+                    if removed.iter().any(|c| c.flows > 0) {
+                        tracing::debug!(ipv4 = ?removed[0], ipv6 = ?removed[1], "expired flows removed from the conntrack maps");
+                    }
                     f.conntrack.store(v4.keys, Ordering::Relaxed);
                     f.conntrack6.store(v6.keys, Ordering::Relaxed);
                     f.conntrack_filter.store(v4.bits, Ordering::Relaxed);
@@ -211,17 +218,17 @@ fn spawn_conntrack_upkeep(root: PathBuf, t: Arc<Telemetry>) {
 
 /// What one round of `spawn_conntrack_upkeep` did.
 enum ConntrackRound {
-    /// Each family's filter rebuilt (IPv4, IPv6).
-    Rebuilt([ct_filter::Rebuilt; 2]),
+    /// Each family's expired flows removed, then its filter rebuilt (IPv4, IPv6).
+    Rebuilt([ct_filter::Rebuilt; 2], [ct_gc::Collected; 2]),
     /// The entries counted only, and why.
     Counted([u64; 2], String),
 }
 
-/// Rebuilds both families' conntrack filters through the pins under `root`, unless a link of an
-/// older build that sets no bits is attached (`ct_filter::stale_links`: the filters are then
-/// filled with every bit, in case it tracked flows since the last rebuild) or another agent is
-/// rebuilding them.
-fn conntrack_round(root: &Path) -> std::io::Result<ConntrackRound> {
+/// Removes both families' expired flows and rebuilds their conntrack filters through the pins
+/// under `root`, unless a link of an older build that sets no bits is attached
+/// (`ct_filter::stale_links`: the filters are then filled with every bit, in case it tracked
+/// flows since the last rebuild, and no flow is removed) or another agent is at it.
+fn conntrack_round(root: &Path, lifetimes: &proxy_common::ct::Lifetimes) -> std::io::Result<ConntrackRound> {
     use proxy_common::{map_names, CtEntry, CtKey, Ip6};
     let open = |name: &str| aya::maps::MapData::from_pin(loader::maps_dir(root).join(name)).map_err(std::io::Error::other);
     let (ct4, ct6) = (open(map_names::CT)?, open(map_names::CT6)?);
@@ -248,7 +255,8 @@ fn conntrack_round(root: &Path) -> std::io::Result<ConntrackRound> {
         );
         return Ok(ConntrackRound::Counted(count()?, why));
     }
-    Ok(ConntrackRound::Rebuilt(ct_filter::rebuild_families([f4.fd().as_fd(), f6.fd().as_fd()], [ct4, ct6])?))
+    let removed = ct_gc::collect_families([ct4, ct6], lifetimes, ct_gc::monotonic_coarse_ns())?;
+    Ok(ConntrackRound::Rebuilt(ct_filter::rebuild_families([f4.fd().as_fd(), f6.fd().as_fd()], [ct4, ct6])?, removed))
 }
 
 /// The source of Services and endpoints, started; the returned guard keeps a directory
@@ -567,7 +575,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
         tracing::warn!(patterns = ?cfg.ebpf.pod_devices, "no interface matches --pod-devices yet; attaching as matching interfaces appear");
     }
     serve_host_sockets(&cfg, rec.dataplane_mut());
-    spawn_conntrack_upkeep(root.clone(), telemetry.clone());
+    spawn_conntrack_upkeep(root.clone(), cfg.ct_lifetimes(), telemetry.clone());
     if rec.dataplane().external_interfaces().is_empty() {
         tracing::warn!(
             devices = ?cfg.ebpf.devices,

@@ -107,13 +107,6 @@ fn open(root: &Path, name: &'static str) -> Result<MapData, InspectError> {
     MapData::from_pin(loader::maps_dir(root).join(name)).map_err(|source| InspectError::Map { map: name, source })
 }
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid out-pointer. bpf_ktime_get_coarse_ns reads the same clock.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Whether `path` is there; a directory on the way this process may not read is an error,
 /// not "nothing there".
 pub fn pinned(path: &Path) -> Result<bool, InspectError> {
@@ -139,7 +132,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
     let err = |map| move |source| InspectError::Map { map, source };
     let stats: PerCpuArray<_, Counter> =
         PerCpuArray::try_from(Map::PerCpuArray(open(root, map_names::STATS)?)).map_err(err(map_names::STATS))?;
-    let now = monotonic_ns();
+    let now = crate::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
     let mut family = family_report::<[u8; 4]>(root, map_names::CT, now)?;
     // Absent in pins of a version before IPv6: none then.
     if pinned(&loader::maps_dir(root).join(map_names::SERVICES6))? {

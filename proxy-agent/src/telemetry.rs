@@ -70,6 +70,9 @@ pub struct MapFill {
     /// rebuild left them.
     pub conntrack_filter: AtomicU64,
     pub conntrack_filter6: AtomicU64,
+    /// Expired flows removed from each family's conntrack map so far (`ct_gc`).
+    pub conntrack_removed: AtomicU64,
+    pub conntrack_removed6: AtomicU64,
 }
 
 /// Bits of a conntrack filter's half, where there is a conntrack map (`ct` entries; 0: none).
@@ -384,9 +387,20 @@ impl Collector for DatapathCollector {
                 ConstCounter::new(*b).encode(bytes.encode_family(&[("reason", r.label())])?)?;
             }
         }
+        let (f, c) = (&self.fill, self.capacities);
+        if c.ct > 0 {
+            let mut removed = encoder.encode_descriptor(
+                "proxy_agent_conntrack_expired_flows_removed",
+                "Flows past their conntrack lifetime the agent removed from each family's conntrack map, with their reply entries",
+                None,
+                MetricType::Counter,
+            )?;
+            for (family, n) in [("ipv4", &f.conntrack_removed), ("ipv6", &f.conntrack_removed6)] {
+                ConstCounter::new(n.load(Ordering::Relaxed)).encode(removed.encode_family(&[("family", family)])?)?;
+            }
+        }
         let mut entries =
             encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
-        let (f, c) = (&self.fill, self.capacities);
         let fill = [
             ("services", f.services.load(Ordering::Relaxed), c.lb),
             ("backends", f.backends.load(Ordering::Relaxed), c.lb),
@@ -461,6 +475,7 @@ mod tests {
             "proxy_agent_map_capacity{map=\"conntrack_filter\"} 1048576",
             "proxy_agent_map_capacity{map=\"services_ipv6\"} 32768",
             "proxy_agent_map_capacity{map=\"services\"} 65536",
+            "proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv6\"} 0",
         ] {
             assert!(m.contains(want), "missing {want} in\n{m}");
         }

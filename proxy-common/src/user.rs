@@ -110,6 +110,8 @@ pub trait MapAddr:
     /// Bits of an address (the longest prefix).
     const BITS: u8;
     const LB: crate::map_names::LbMaps;
+    /// Where the datapath sends a hairpinned flow's replies (`ct::HAIRPIN_ADDR`, `HAIRPIN_ADDR6`).
+    const HAIRPIN: Self;
     /// The address in the maps' form; None for the other family's.
     fn from_ip(ip: std::net::IpAddr) -> Option<Self>;
     fn ip(self) -> std::net::IpAddr;
@@ -118,6 +120,7 @@ pub trait MapAddr:
 impl MapAddr for [u8; 4] {
     const BITS: u8 = 32;
     const LB: crate::map_names::LbMaps = crate::map_names::LB4;
+    const HAIRPIN: Self = crate::ct::HAIRPIN_ADDR;
     fn from_ip(ip: std::net::IpAddr) -> Option<Self> {
         match ip {
             std::net::IpAddr::V4(a) => Some(a.octets()),
@@ -132,6 +135,7 @@ impl MapAddr for [u8; 4] {
 impl MapAddr for crate::Ip6 {
     const BITS: u8 = 128;
     const LB: crate::map_names::LbMaps = crate::map_names::LB6;
+    const HAIRPIN: Self = crate::ct::HAIRPIN_ADDR6;
     fn from_ip(ip: std::net::IpAddr) -> Option<Self> {
         match ip {
             std::net::IpAddr::V6(a) => Some(crate::Ip6::from_bytes(a.octets())),

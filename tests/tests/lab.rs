@@ -932,6 +932,50 @@ fn links_of_this_build_a_restart_leaves_behind_do_not_hold_the_conntrack_filter_
     assert_eq!(counts(&lab, 30).len(), 3, "new connections are served");
 }
 
+/// The agent removes flows past their lifetime from the conntrack maps in its 15 s upkeep
+/// round (`ct_gc`), with their reply entries: with kube-proxy's UDP conntrack timeouts at 1 s,
+/// answered UDP flows are gone a round after their lifetime and the margin, and counted in the
+/// metrics; the Service goes on answering.
+#[test]
+fn the_agent_removes_expired_flows_from_the_conntrack_map() {
+    let test = "the_agent_removes_expired_flows_from_the_conntrack_map";
+    if !require::root(test) {
+        return;
+    }
+    let mut lab = Lab::new(AGENT, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    lab.start_agent_with_extra(&["--conntrack-udp-timeout", "1s", "--conntrack-udp-timeout-stream", "1s"]);
+    lab.wait_programmed(DNS_VIP, "UDP", 3);
+    for i in 0..5 {
+        udp_ask(&lab.client.ns, sock(DNS_VIP)).unwrap_or_else(|e| panic!("UDP query {i}: {e}"));
+    }
+    let ct = aya::maps::MapData::from_pin(lab.bpffs().join("maps").join(proxy_common::map_names::CT)).expect("the pinned conntrack map");
+    let entries = || {
+        proxy_agent::dataplane::ebpf::batch::count_entries(
+            std::os::fd::AsFd::as_fd(ct.fd()),
+            size_of::<proxy_common::CtKey>(),
+            size_of::<proxy_common::CtEntry>(),
+        )
+        .unwrap()
+    };
+    assert!(entries() >= 10, "five flows and their reply entries tracked: {}", entries());
+    let removed = || {
+        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
+        m.lines()
+            .find_map(|l| l.strip_prefix("proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv4\"} "))
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    // 1 s of lifetime, 5 s of margin, and up to a round of 15 s.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(45);
+    while removed().unwrap_or(0) < 5 {
+        assert!(std::time::Instant::now() < deadline, "the flows were not removed in 45 s ({:?}):\n{}", removed(), lab.agent_log());
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    assert_eq!(entries(), 0, "the flows and their reply entries are gone");
+    let (_, from) = udp_ask(&lab.client.ns, sock(DNS_VIP)).expect("the Service answers after");
+    assert_eq!(from, sock(DNS_VIP).into());
+}
+
 #[test]
 fn the_malformed_manifest_corpus_is_named_once_and_breaks_nothing() {
     let test = "the_malformed_manifest_corpus_is_named_once_and_breaks_nothing";

@@ -862,3 +862,28 @@ fn the_conntrack_filter_is_heeded_at_the_external_hooks() {
     n.dp.rebuild_conntrack_filters().unwrap();
     assert!(translated(&run_xdp(&mut n.dp, &reply, n.ifindex)), "translated again once rebuilt");
 }
+
+/// An expired NodePort flow SNATed to a remote backend goes with its reply entry, the one that
+/// holds its SNAT port (`ct_gc`), so the port is free again; its reply, met later, is no longer
+/// translated.
+#[test]
+fn an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port() {
+    use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
+    let Some(mut n) = node("an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Udp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let out = run_ext(&mut n.dp, &udp_frame(sock(CLIENT), sock(NODE_PORT), b"q"), n.ifindex);
+    let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), dissect(&out.frame).sport.unwrap());
+    let reply = udp_frame(sock(REMOTE), back, b"a");
+    assert_eq!(dissect(&run_ext(&mut n.dp, &reply, n.ifindex).frame).dst_sock(), sock(CLIENT), "translated while tracked");
+    assert_eq!(testrun::conntrack(&mut n.dp).len(), 2);
+    let now = ct_gc::monotonic_coarse_ns();
+    let answered = proxy_common::ct::Lifetimes::DEFAULT.udp_stream_ns;
+    assert_eq!(n.dp.collect_expired_flows(now).unwrap()[0], Collected::default());
+    assert_eq!(
+        n.dp.collect_expired_flows(now + answered + 1_000_000_000 + ct_gc::MARGIN_NS).unwrap()[0],
+        Collected { flows: 1, replies: 1 }
+    );
+    assert!(testrun::conntrack(&mut n.dp).is_empty());
+    let out = run_ext(&mut n.dp, &reply, n.ifindex);
+    assert_eq!((out.action, out.frame == reply), (TC_ACT_OK, true), "the reply of a flow removed passes untranslated");
+}

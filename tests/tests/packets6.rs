@@ -750,3 +750,25 @@ fn ipv6_conntrack_filter_is_heeded_and_rebuilt() {
     assert_eq!(dissect(&run(&mut dp, &tcp_frame(client, vip, ACK)).frame).dst_sock(), backend);
     assert_eq!(counters(&mut dp).get("new_flow_mid_connection"), Some(&1), "found at pod ingress once rebuilt");
 }
+
+/// IPv6 flows past their lifetime go with their reply entries (`ct_gc`), a hairpinned one's
+/// (replies to IPv6's hairpin address) included; until then they stay.
+#[test]
+fn ipv6_expired_flows_are_removed_with_their_reply_entries() {
+    use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
+    let Some(mut dp) = setup("ipv6_expired_flows_are_removed_with_their_reply_entries") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    run(&mut dp, &tcp_frame(client, vip, SYN));
+    let me = SocketAddrV6::new(*backend.ip(), 41000, 0, 0);
+    run(&mut dp, &tcp_frame(me, vip, SYN));
+    let ct = conntrack6(&mut dp);
+    assert_eq!(ct.len(), 4, "two flows, one hairpinned, each with its reply entry: {ct:#?}");
+    assert!(ct.iter().any(|(_, e)| e.flags & proxy_common::ct::flags::HAIRPIN != 0), "{ct:#?}");
+    let now = ct_gc::monotonic_coarse_ns();
+    let syn = proxy_common::ct::Lifetimes::DEFAULT.tcp_syn_ns;
+    assert_eq!(dp.collect_expired_flows(now + syn).unwrap(), [Collected::default(); 2], "inside the margin");
+    let [v4, v6] = dp.collect_expired_flows(now + syn + 1_000_000_000 + ct_gc::MARGIN_NS).unwrap();
+    assert_eq!((v4, v6), (Collected::default(), Collected { flows: 2, replies: 2 }));
+    assert!(conntrack6(&mut dp).is_empty());
+}

@@ -1,6 +1,6 @@
 //! Walking the entries of a hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries
-//! instead of one per entry (aya has no batch operations). Used for the conntrack gauge and the
-//! conntrack filter's rebuild (`ct_filter`).
+//! instead of one per entry (aya has no batch operations). Used for the conntrack gauge, the
+//! conntrack filter's rebuild (`ct_filter`) and the removal of expired flows (`ct_gc`).
 
 use std::{io, os::fd::AsRawFd};
 
@@ -29,6 +29,12 @@ pub fn count_entries(fd: impl AsRawFd, key_size: usize, value_size: usize) -> io
 /// Calls `f` with the bytes of each key of the hash map behind `fd`, a bucket at a time (an
 /// entry there from the first call to the last is seen once); returns how many it saw.
 pub fn for_each_key(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f: impl FnMut(&[u8])) -> io::Result<u64> {
+    for_each_entry(fd, key_size, value_size, |k, _| f(k))
+}
+
+/// `for_each_key` with each key's value. `f` may remove entries of the map (the walk goes on
+/// from the bucket after the last it was given).
+pub fn for_each_entry(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f: impl FnMut(&[u8], &[u8])) -> io::Result<u64> {
     let mut keys = vec![0u8; key_size * CHUNK as usize];
     let mut values = vec![0u8; value_size * CHUNK as usize];
     // Hash maps use a 4-byte bucket index as the batch token.
@@ -54,7 +60,7 @@ pub fn for_each_key(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f:
             Some(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             Some(e) => return Err(e),
         };
-        keys.chunks_exact(key_size).take(attr.count as usize).for_each(&mut f);
+        keys.chunks_exact(key_size).zip(values.chunks_exact(value_size)).take(attr.count as usize).for_each(|(k, v)| f(k, v));
         total += u64::from(attr.count);
         if last {
             return Ok(total);
@@ -62,4 +68,44 @@ pub fn for_each_key(fd: impl AsRawFd, key_size: usize, value_size: usize, mut f:
         token_in = token_out;
         first = false;
     }
+}
+
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+
+/// The element members of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+fn elem_call(cmd: libc::c_long, mut attr: ElemAttr) -> io::Result<bool> {
+    // SAFETY: the attribute points at live buffers of the map's key and value sizes (the
+    // callers' types are the map's).
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, &mut attr as *mut ElemAttr, size_of::<ElemAttr>()) };
+    match (rc < 0).then(io::Error::last_os_error) {
+        None => Ok(true),
+        Some(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Some(e) => Err(e),
+    }
+}
+
+/// The value at `key` in the hash map behind `fd`, whose keys are `K`s and values `V`s (plain
+/// data). A lookup from here leaves an LRU map's order alone.
+pub fn lookup<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<Option<V>> {
+    let mut value = std::mem::MaybeUninit::<V>::zeroed();
+    let attr =
+        ElemAttr { map_fd: fd.as_raw_fd() as u32, key: key as *const K as u64, value: value.as_mut_ptr() as u64, ..Default::default() };
+    // SAFETY: zeroed, then written by the kernel; any bytes are a valid `V` (Pod).
+    Ok(elem_call(BPF_MAP_LOOKUP_ELEM, attr)?.then(|| unsafe { value.assume_init() }))
+}
+
+/// Removes `key` from the map behind `fd`; false when it was not there.
+pub fn delete<K: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<bool> {
+    elem_call(BPF_MAP_DELETE_ELEM, ElemAttr { map_fd: fd.as_raw_fd() as u32, key: key as *const K as u64, ..Default::default() })
 }

@@ -3,6 +3,7 @@
 pub mod attach;
 pub mod batch;
 pub mod ct_filter;
+pub mod ct_gc;
 pub mod filter;
 pub mod frontends;
 pub mod hostsock;
@@ -72,6 +73,8 @@ pub struct EbpfDataplane {
     svc_cidrs6: Option<SvcCidrs<proxy_common::Ip6>>,
     /// Maps of an older build still in use by its attached programs (`loader::Loaded`).
     _retired: Vec<MapData>,
+    /// The conntrack lifetimes the programs were loaded with.
+    ct_lifetimes: proxy_common::ct::Lifetimes,
 }
 
 /// A Service CIDR map's entries: (prefix length, address) -> `svc_cidr` value.
@@ -148,6 +151,7 @@ impl EbpfDataplane {
             svc_cidrs: None,
             svc_cidrs6: None,
             _retired: retired,
+            ct_lifetimes: options.ct_lifetimes,
             capacities: crate::telemetry::MapCapacities {
                 lb: u64::from(lb_max),
                 lb6: u64::from(lb6_max),
@@ -452,15 +456,26 @@ impl EbpfDataplane {
         Ok(counts)
     }
 
+    /// A map of the object (an array or an LRU hash map), for the calls that take its descriptor.
+    fn map_fd(&self, name: &str) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        match self.ebpf.map(name) {
+            Some(aya::maps::Map::Array(m) | aya::maps::Map::LruHashMap(m)) => Ok(m.fd().as_fd()),
+            _ => Err(std::io::Error::other(format!("no map {name}"))),
+        }
+    }
+
     /// Rebuilds each family's conntrack filter (IPv4's, then IPv6's) from its conntrack map
     /// (`ct_filter::rebuild`), as the agent does every 15 s through the pins.
     pub fn rebuild_conntrack_filters(&self) -> std::io::Result<[ct_filter::Rebuilt; 2]> {
-        use std::os::fd::AsFd;
-        let fd = |name: &str| match self.ebpf.map(name) {
-            Some(aya::maps::Map::Array(m) | aya::maps::Map::LruHashMap(m)) => Ok(m.fd().as_fd()),
-            _ => Err(std::io::Error::other(format!("no map {name}"))),
-        };
+        let fd = |name| self.map_fd(name);
         ct_filter::rebuild_families([fd(map_names::CT_FILTER)?, fd(map_names::CT_FILTER6)?], [fd(map_names::CT)?, fd(map_names::CT6)?])
+    }
+
+    /// Removes each family's expired flows at `now` (the datapath's clock: `ct_gc`), by the
+    /// lifetimes the programs were loaded with, as the agent does every 15 s through the pins.
+    pub fn collect_expired_flows(&self, now: u64) -> std::io::Result<[ct_gc::Collected; 2]> {
+        ct_gc::collect_families([self.map_fd(map_names::CT)?, self.map_fd(map_names::CT6)?], &self.ct_lifetimes, now)
     }
 
     pub fn service_entries(&self) -> usize {
