@@ -438,12 +438,28 @@ fn profile() {
     }
     // `--new-flows`: then new flows (one call each), beside the empty program's calls;
     // `--only-new-flows` skips the established rounds, for a profiler's view of that path.
+    // `--collect`: after each round, the agent's removal of expired flows (`ct_gc`) takes the
+    // round's flows, as if they had all ended: the next round's find free entries (a node whose
+    // flows end and are removed) instead of evicting (one whose map is full).
+    let collect = std::env::args().any(|a| a == "--collect");
     if std::env::args().any(|a| a == "--new-flows" || a == "--only-new-flows") {
         for round in 0..if only_new { 10 } else { 1 } {
             let n = CALLS / scale();
             let ns = calls_from(dp.ingress_program(), round * n, n, &new_flow);
             let floor = calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| other.clone());
-            println!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
+            print!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
+            if collect {
+                let t = Instant::now();
+                let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
+                let [v4, v6] = dp.collect_expired_flows(ended).expect("remove the flows");
+                print!(
+                    "; removed {} flows ({} reply entries) in {:.0} ms",
+                    v4.flows + v6.flows,
+                    v4.replies + v6.replies,
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+            }
+            println!();
         }
     }
 }
