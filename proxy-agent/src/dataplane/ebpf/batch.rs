@@ -1,6 +1,8 @@
-//! Walking the entries of a hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries
-//! instead of one per entry (aya has no batch operations). Used for the conntrack gauge, the
-//! conntrack filter's rebuild (`ct_filter`) and the removal of expired flows (`ct_gc`).
+//! The bpf syscalls aya lacks or does not offer on a bare descriptor. Walking the entries of a
+//! hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries instead of one per entry
+//! (aya has no batch operations), for the conntrack gauge, the conntrack filter's rebuild
+//! (`ct_filter`) and the removal of expired flows (`ct_gc`), which also reads and removes
+//! single entries; `maglev`'s calls.
 
 use std::{io, os::fd::AsRawFd};
 
@@ -51,14 +53,12 @@ pub fn for_each_entry(fd: impl AsRawFd, key_size: usize, value_size: usize, mut 
             map_fd: fd.as_raw_fd() as u32,
             ..Default::default()
         };
-        // SAFETY: the attribute points at live buffers of the sizes the kernel will fill.
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, size_of::<BatchAttr>()) };
-        let err = (rc < 0).then(io::Error::last_os_error);
-        let last = match err {
-            None => false,
+        // The attribute points at live buffers of the sizes the kernel will fill.
+        let last = match sys_bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+            Ok(_) => false,
             // The walk's end: `count` says what the last call still gave.
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
-            Some(e) => return Err(e),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+            Err(e) => return Err(e),
         };
         keys.chunks_exact(key_size).zip(values.chunks_exact(value_size)).take(attr.count as usize).for_each(|(k, v)| f(k, v));
         total += u64::from(attr.count);
@@ -76,22 +76,32 @@ const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 /// The element members of `union bpf_attr`.
 #[repr(C)]
 #[derive(Default)]
-struct ElemAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
+pub(super) struct ElemAttr {
+    pub map_fd: u32,
+    pub _pad: u32,
+    pub key: u64,
+    pub value: u64,
+    pub flags: u64,
 }
 
+/// The bpf syscall `cmd` with `attr`; its return value.
+pub(super) fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
+    // SAFETY: `attr` is a live, correctly laid out bpf_attr prefix for `cmd`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>()) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
+/// An element call; false where the key is not there (ENOENT). The attribute must point at
+/// buffers of the map's key and value sizes.
 fn elem_call(cmd: libc::c_long, mut attr: ElemAttr) -> io::Result<bool> {
-    // SAFETY: the attribute points at live buffers of the map's key and value sizes (the
-    // callers' types are the map's).
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, &mut attr as *mut ElemAttr, size_of::<ElemAttr>()) };
-    match (rc < 0).then(io::Error::last_os_error) {
-        None => Ok(true),
-        Some(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-        Some(e) => Err(e),
+    match sys_bpf(cmd, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

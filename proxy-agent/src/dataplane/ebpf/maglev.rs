@@ -20,7 +20,10 @@ use std::{
 
 use aya::maps::MapData;
 
-use super::ids::IdAllocator;
+use super::{
+    batch::{sys_bpf, ElemAttr},
+    ids::IdAllocator,
+};
 use crate::model::FrontendKey;
 
 const BPF_MAP_CREATE: libc::c_long = 0;
@@ -127,25 +130,6 @@ struct CreateAttr {
     inner_map_fd: u32,
     numa_node: u32,
     map_name: [u8; 16],
-}
-
-#[repr(C)]
-struct ElemAttr {
-    map_fd: u32,
-    _pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
-}
-
-fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
-    // SAFETY: `attr` is a live, correctly laid out bpf_attr prefix for `cmd`.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>()) };
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
 }
 
 fn elem(fd: i32, cmd: libc::c_long, key: &u32, value: Option<&mut u32>, flags: u64) -> io::Result<()> {
