@@ -173,6 +173,8 @@ fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes,
     tokio::spawn(async move {
         // Said when it first holds the rebuilds back, and again when that changes.
         let mut held_back: Option<String> = None;
+        // The same for a removal of expired flows that fails.
+        let mut removal_failed: Option<String> = None;
         loop {
             let r = root.clone();
             let round = match tokio::task::spawn_blocking(move || conntrack_round(&r, &lifetimes)).await {
@@ -185,10 +187,21 @@ fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes,
                         tracing::info!("rebuilding the conntrack filters again");
                     }
                     let f = &t.fill;
-                    f.conntrack_removed.fetch_add(removed[0].flows, Ordering::Relaxed);
-                    f.conntrack_removed6.fetch_add(removed[1].flows, Ordering::Relaxed);
-                    if removed.iter().any(|c| c.flows > 0) {
-                        tracing::debug!(ipv4 = ?removed[0], ipv6 = ?removed[1], "expired flows removed from the conntrack maps");
+                    match removed {
+                        Ok([r4, r6]) => {
+                            f.conntrack_removed.fetch_add(r4.flows, Ordering::Relaxed);
+                            f.conntrack_removed6.fetch_add(r6.flows, Ordering::Relaxed);
+                            if r4 != Default::default() || r6 != Default::default() {
+                                tracing::debug!(ipv4 = ?r4, ipv6 = ?r6, "expired flows removed from the conntrack maps");
+                            }
+                            removal_failed = None;
+                        }
+                        Err(e) => {
+                            if removal_failed.as_ref() != Some(&e) {
+                                tracing::warn!(error = %e, "removing expired flows from the conntrack maps; tried again each round");
+                                removal_failed = Some(e);
+                            }
+                        }
                     }
                     f.conntrack.store(v4.keys, Ordering::Relaxed);
                     f.conntrack6.store(v6.keys, Ordering::Relaxed);
@@ -218,8 +231,8 @@ fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes,
 
 /// What one round of `spawn_conntrack_upkeep` did.
 enum ConntrackRound {
-    /// Each family's expired flows removed, then its filter rebuilt (IPv4, IPv6).
-    Rebuilt([ct_filter::Rebuilt; 2], [ct_gc::Collected; 2]),
+    /// Each family's expired flows removed (or why not), then its filter rebuilt (IPv4, IPv6).
+    Rebuilt([ct_filter::Rebuilt; 2], Result<[ct_gc::Collected; 2], String>),
     /// The entries counted only, and why.
     Counted([u64; 2], String),
 }
@@ -255,7 +268,10 @@ fn conntrack_round(root: &Path, lifetimes: &proxy_common::ct::Lifetimes) -> std:
         );
         return Ok(ConntrackRound::Counted(count()?, why));
     }
-    let removed = ct_gc::collect_families([ct4, ct6], lifetimes, ct_gc::monotonic_coarse_ns())?;
+    // A removal that fails does not hold the rebuild back (it says why, and is tried again).
+    let (rn4, rn6) = (open(map_names::REVNAT)?, open(map_names::REVNAT6)?);
+    let removed = ct_gc::collect_families([ct4, ct6], [rn4.fd().as_fd(), rn6.fd().as_fd()], lifetimes, ct_gc::monotonic_coarse_ns())
+        .map_err(|e| e.to_string());
     Ok(ConntrackRound::Rebuilt(ct_filter::rebuild_families([f4.fd().as_fd(), f6.fd().as_fd()], [ct4, ct6])?, removed))
 }
 

@@ -166,6 +166,24 @@ pub fn reply_key_of<A: Copy>(k: &CtKey<A>, e: &CtEntry<A>, hairpin: A) -> CtKey<
     }
 }
 
+/// The forward tuple of the flow the reply entry `r`, at key `rk`, belongs to, given its
+/// Service's address and port (`RevNat`): the client, at the port it sent from. As the
+/// datapath finds it for a reply (`forward_key_of_reply`, `snat_forward_key`, a hairpinned
+/// reply's, where the client is the backend itself).
+#[inline(always)]
+pub fn forward_key_of<A: Copy>(rk: &CtKey<A>, r: &CtEntry<A>, vip: A, vport: [u8; 2]) -> CtKey<A> {
+    let (saddr, sport) = if r.flags & flags::SNAT != 0 {
+        (r.nat_addr, r.nat_port)
+    } else if r.flags & flags::HAIRPIN != 0 {
+        (rk.saddr, rk.dport)
+    } else if r.flags & flags::PORT_NAT != 0 {
+        (rk.daddr, r.snat_port)
+    } else {
+        (rk.daddr, rk.dport)
+    };
+    CtKey { saddr, daddr: vip, sport, dport: vport, proto: rk.proto, _pad: 0, _pad2: 0 }
+}
+
 /// Whether `r`, the entry at `reply_key_of(k, e)`, is the reply entry of the forward entry `e`
 /// at `k`, and not one a later flow put at the same tuple (which then must be left alone).
 #[inline(always)]

@@ -864,26 +864,35 @@ fn the_conntrack_filter_is_heeded_at_the_external_hooks() {
 }
 
 /// An expired NodePort flow SNATed to a remote backend goes with its reply entry, the one that
-/// holds its SNAT port (`ct_gc`), so the port is free again; its reply, met later, is no longer
-/// translated.
+/// holds its SNAT port (`ct_gc`), and its reply, met later, is no longer translated; a SNAT
+/// reply entry whose flow's forward entry is gone (evicted) goes on its own, found through the
+/// Service's reverse NAT entry.
 #[test]
 fn an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port() {
     use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
     let Some(mut n) = node("an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Udp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
-    let out = run_ext(&mut n.dp, &udp_frame(sock(CLIENT), sock(NODE_PORT), b"q"), n.ifindex);
-    let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), dissect(&out.frame).sport.unwrap());
-    let reply = udp_frame(sock(REMOTE), back, b"a");
-    assert_eq!(dissect(&run_ext(&mut n.dp, &reply, n.ifindex).frame).dst_sock(), sock(CLIENT), "translated while tracked");
-    assert_eq!(testrun::conntrack(&mut n.dp).len(), 2);
+    let mut replies = Vec::new();
+    for port in [40000, 40001] {
+        let from = SocketAddrV4::new(*sock(CLIENT).ip(), port);
+        let out = run_ext(&mut n.dp, &udp_frame(from, sock(NODE_PORT), b"q"), n.ifindex);
+        let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), dissect(&out.frame).sport.unwrap());
+        let reply = udp_frame(sock(REMOTE), back, b"a");
+        assert_eq!(dissect(&run_ext(&mut n.dp, &reply, n.ifindex).frame).dst_sock(), from, "translated while tracked");
+        replies.push(reply);
+    }
+    let ct = testrun::conntrack(&mut n.dp);
+    assert_eq!(ct.len(), 4);
+    // The second flow's forward entry evicted.
+    let evicted = ct.iter().find(|(k, e)| e.flags & proxy_common::ct::flags::REPLY == 0 && k.sport == 40001u16.to_be_bytes()).unwrap().0;
+    let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap().remove(&evicted).unwrap();
     let now = ct_gc::monotonic_coarse_ns();
     let answered = proxy_common::ct::Lifetimes::DEFAULT.udp_stream_ns;
     assert_eq!(n.dp.collect_expired_flows(now).unwrap()[0], Collected::default());
-    assert_eq!(
-        n.dp.collect_expired_flows(now + answered + 1_000_000_000 + ct_gc::MARGIN_NS).unwrap()[0],
-        Collected { flows: 1, replies: 1 }
-    );
+    let [v4, _] = n.dp.collect_expired_flows(now + answered + 1_000_000_000 + ct_gc::MARGIN_NS).unwrap();
+    assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 1 });
     assert!(testrun::conntrack(&mut n.dp).is_empty());
-    let out = run_ext(&mut n.dp, &reply, n.ifindex);
-    assert_eq!((out.action, out.frame == reply), (TC_ACT_OK, true), "the reply of a flow removed passes untranslated");
+    let out = run_ext(&mut n.dp, &replies[0], n.ifindex);
+    assert_eq!((out.action, out.frame == replies[0]), (TC_ACT_OK, true), "the reply of a flow removed passes untranslated");
 }

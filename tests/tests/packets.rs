@@ -1056,8 +1056,10 @@ fn a_config_map_created_at_load_holds_the_options_before_the_programs_read_it() 
 
 /// The agent removes flows past their lifetime (and a margin) with their reply entries
 /// (`ct_gc`), whatever kind of reply tuple they made: plain, with the client's port moved, and
-/// hairpinned. A reply entry at an expired flow's reply tuple that is not that flow's (a later
-/// flow took the tuple, or wrote it afresh) stays, and so do live flows, still translated.
+/// hairpinned. A reply entry written afresh since (later than its flow was last seen) stays with
+/// the flow; reply entries past their lifetime that no flow claims (its forward entry evicted,
+/// or naming another backend) go on their own; a reply entry past its own lifetime whose flow
+/// is live (only the client talks) stays; live flows stay, still translated.
 #[test]
 fn expired_flows_are_removed_with_their_own_reply_entries() {
     use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
@@ -1073,54 +1075,64 @@ fn expired_flows_are_removed_with_their_own_reply_entries() {
         assert_eq!(d.dport, Some(5353), "{from} -> {to}: translated");
     };
     // Unanswered UDP flows (30 s lifetime): plain, moved (a second Service of the same backend
-    // from the same client port), hairpinned (the backend reaching its own Service), and two
-    // whose reply entries the test changes below.
+    // from the same client port), hairpinned (the backend reaching its own Service), and four
+    // whose entries the test changes below.
     q(client(40000), dns);
     q(client(40000), dns2);
     q(sock("10.244.1.2:41000"), dns);
-    q(client(40003), dns);
-    q(client(40004), dns);
+    for port in [40003, 40004, 40006, 40007] {
+        q(client(port), dns);
+    }
     // A TCP flow after its SYN (60 s lifetime).
     run(&mut dp, &tcp_frame(client(40001), sock(VIP), SYN));
     let ct = conntrack(&mut dp);
-    assert_eq!(ct.len(), 12, "six flows, each with its reply entry: {ct:#?}");
+    assert_eq!(ct.len(), 16, "eight flows, each with its reply entry: {ct:#?}");
     let moved = ct.iter().filter(|(_, e)| e.flags & flags::REPLY == 0 && e.flags & flags::PORT_NAT != 0).count();
     let hairpinned = ct.iter().filter(|(_, e)| e.flags & flags::REPLY == 0 && e.flags & flags::HAIRPIN != 0).count();
     assert_eq!((moved, hairpinned), (1, 1), "{ct:#?}");
     let reply_of = |port: u16| ct.iter().find(|(k, e)| e.flags & flags::REPLY != 0 && k.dport == port.to_be_bytes()).copied().unwrap();
     let fwd_of = |port: u16| ct.iter().find(|(k, e)| e.flags & flags::REPLY == 0 && k.sport == port.to_be_bytes()).copied().unwrap();
-    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
-    let mut map = aya::maps::HashMap::<_, CtKey, CtEntry>::try_from(map).unwrap();
-    // 40003's reply tuple taken by a flow through another Service; 40004's written afresh
-    // (later than its forward entry was last seen).
-    let (k3, mut r3) = reply_of(40003);
-    r3.service_id += 1000;
-    map.insert(k3, r3, 0).unwrap();
-    let (k4, mut r4) = reply_of(40004);
-    r4.last_seen_ns = fwd_of(40004).1.last_seen_ns + 2_000_000_000;
-    map.insert(k4, r4, 0).unwrap();
-
     let now = ct_gc::monotonic_coarse_ns();
     let sec = 1_000_000_000;
+    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    let mut map = aya::maps::HashMap::<_, CtKey, CtEntry>::try_from(map).unwrap();
+    // 40003's reply entry now names another backend (its flow moved, say); 40004's was written
+    // afresh (later than its forward entry was last seen); 40006's forward entry is gone (the
+    // LRU evicted it); 40007's forward entry is seen later than the others (only the client
+    // talks: its reply entry is as old as theirs).
+    let (k3, mut r3) = reply_of(40003);
+    r3.backend_id += 1000;
+    map.insert(k3, r3, 0).unwrap();
+    let (k4, mut r4) = reply_of(40004);
+    r4.last_seen_ns = fwd_of(40004).1.last_seen_ns + 2 * sec;
+    map.insert(k4, r4, 0).unwrap();
+    map.remove(&fwd_of(40006).0).unwrap();
+    let (k7, mut f7) = fwd_of(40007);
+    f7.last_seen_ns = now + 10 * sec;
+    map.insert(k7, f7, 0).unwrap();
+
     assert_eq!(dp.collect_expired_flows(now).unwrap(), [Collected::default(); 2], "nothing has expired yet");
     // Past the UDP lifetime but inside its margin: nothing still.
     assert_eq!(dp.collect_expired_flows(now + 31 * sec).unwrap()[0], Collected::default());
     let [v4, v6] = dp.collect_expired_flows(now + 31 * sec + ct_gc::MARGIN_NS).unwrap();
-    assert_eq!((v4, v6), (Collected { flows: 5, replies: 3 }, Collected::default()));
-    let mut left: Vec<(CtKey, CtEntry)> = conntrack(&mut dp);
-    left.sort_by_key(|(k, _)| (k.proto, k.sport, k.dport));
-    let tcp: Vec<_> = left.iter().filter(|(k, _)| k.proto == 6).collect();
-    assert_eq!(tcp.len(), 2, "the TCP flow and its reply entry stay: {left:#?}");
-    let udp: Vec<_> = left.iter().filter(|(k, _)| k.proto == 17).map(|(k, e)| (*k, *e)).collect();
-    assert_eq!(udp, vec![(k3, r3), (k4, r4)], "only the reply entries that were not the expired flows' stay");
+    assert_eq!((v4, v6), (Collected { flows: 5, replies: 3, orphans: 2 }, Collected::default()));
+    let left: Vec<(CtKey, CtEntry)> = conntrack(&mut dp);
+    assert_eq!(left.iter().filter(|(k, _)| k.proto == 6).count(), 2, "the TCP flow and its reply entry stay: {left:#?}");
+    let mut udp: Vec<CtKey> = left.iter().filter(|(k, _)| k.proto == 17).map(|(k, _)| *k).collect();
+    udp.sort_by_key(|k| (k.sport, k.dport));
+    let mut want = vec![k4, k7, reply_of(40007).0];
+    want.sort_by_key(|k| (k.sport, k.dport));
+    assert_eq!(udp, want, "the reply entry written afresh, and the live flow with its reply entry, stay");
     let reply = tcp_frame(sock("10.244.1.2:8080"), client(40001), SYN | ACK);
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "the live flow's reply is still translated");
     assert_eq!(dp.collect_expired_flows(now + 31 * sec + ct_gc::MARGIN_NS).unwrap()[0], Collected::default(), "done once");
     // The TCP flow, answered since, lives for the established lifetime, then goes.
-    assert_eq!(dp.collect_expired_flows(now + 61 * sec + ct_gc::MARGIN_NS).unwrap()[0], Collected::default());
+    let later = dp.collect_expired_flows(now + 41 * sec + ct_gc::MARGIN_NS).unwrap()[0];
+    assert_eq!(later, Collected { flows: 1, replies: 1, orphans: 1 }, "the UDP flow seen later, and the reply entry written afresh");
     let established = proxy_common::ct::Lifetimes::DEFAULT.tcp_established_ns;
-    assert_eq!(dp.collect_expired_flows(now + established + sec + ct_gc::MARGIN_NS).unwrap()[0], Collected { flows: 1, replies: 1 });
-    assert_eq!(conntrack(&mut dp).len(), 2);
+    let [v4, _] = dp.collect_expired_flows(now + established + sec + ct_gc::MARGIN_NS).unwrap();
+    assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 0 });
+    assert!(conntrack(&mut dp).is_empty());
 }
 
 /// The conntrack filter (`proxy_common::ct_filter`) stands before the conntrack lookup of every

@@ -71,7 +71,9 @@ pub fn for_each_entry(fd: impl AsRawFd, key_size: usize, value_size: usize, mut 
 }
 
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
+const BPF_NOEXIST: u64 = 1;
 
 /// The element members of `union bpf_attr`.
 #[repr(C)]
@@ -95,27 +97,45 @@ pub(super) fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
     }
 }
 
-/// An element call; false where the key is not there (ENOENT). The attribute must point at
-/// buffers of the map's key and value sizes.
-fn elem_call(cmd: libc::c_long, mut attr: ElemAttr) -> io::Result<bool> {
+/// The value at `key` in the hash map behind `fd` (keys `K`, values `V`, plain data), or None.
+/// A lookup from here leaves an LRU map's order alone.
+pub fn lookup<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<Option<V>> {
+    elem_value(BPF_MAP_LOOKUP_ELEM, fd, key)
+}
+
+/// Takes the entry at `key` out of the hash map behind `fd` (keys `K`, values `V`, plain data)
+/// in one step, which no packet can come between: its value, or None when it was not there.
+/// (BPF_MAP_LOOKUP_AND_DELETE_ELEM: hash maps, LRU ones included, since Linux 5.14.)
+pub fn take<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<Option<V>> {
+    elem_value(BPF_MAP_LOOKUP_AND_DELETE_ELEM, fd, key)
+}
+
+/// A call that reads the value at `key` (`lookup`, `take`); None where the key is not there.
+fn elem_value<K: aya::Pod, V: aya::Pod>(cmd: libc::c_long, fd: impl AsRawFd, key: &K) -> io::Result<Option<V>> {
+    let mut value = std::mem::MaybeUninit::<V>::zeroed();
+    let mut attr =
+        ElemAttr { map_fd: fd.as_raw_fd() as u32, key: key as *const K as u64, value: value.as_mut_ptr() as u64, ..Default::default() };
     match sys_bpf(cmd, &mut attr) {
-        Ok(_) => Ok(true),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        // SAFETY: zeroed, then written by the kernel; any bytes are a valid `V` (Pod).
+        Ok(_) => Ok(Some(unsafe { value.assume_init() })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(e) => Err(e),
     }
 }
 
-/// The value at `key` in the hash map behind `fd`, whose keys are `K`s and values `V`s (plain
-/// data). A lookup from here leaves an LRU map's order alone.
-pub fn lookup<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<Option<V>> {
-    let mut value = std::mem::MaybeUninit::<V>::zeroed();
-    let attr =
-        ElemAttr { map_fd: fd.as_raw_fd() as u32, key: key as *const K as u64, value: value.as_mut_ptr() as u64, ..Default::default() };
-    // SAFETY: zeroed, then written by the kernel; any bytes are a valid `V` (Pod).
-    Ok(elem_call(BPF_MAP_LOOKUP_ELEM, attr)?.then(|| unsafe { value.assume_init() }))
-}
-
-/// Removes `key` from the map behind `fd`; false when it was not there.
-pub fn delete<K: aya::Pod>(fd: impl AsRawFd, key: &K) -> io::Result<bool> {
-    elem_call(BPF_MAP_DELETE_ELEM, ElemAttr { map_fd: fd.as_raw_fd() as u32, key: key as *const K as u64, ..Default::default() })
+/// Puts `value` at `key` in the map behind `fd` unless an entry is there (BPF_NOEXIST): false
+/// when one was.
+pub fn put_back<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) -> io::Result<bool> {
+    let mut attr = ElemAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        key: key as *const K as u64,
+        value: value as *const V as u64,
+        flags: BPF_NOEXIST,
+        ..Default::default()
+    };
+    match sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(e),
+    }
 }

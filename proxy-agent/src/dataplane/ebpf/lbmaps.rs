@@ -1027,6 +1027,13 @@ impl<A: MapAddr> LbMaps<A> {
             || self.stray_ranges.iter().any(|k| k.data().service_id == id)
     }
 
+    /// The reverse NAT map's descriptor (a Service's address and port by id), for readers of
+    /// the kernel's maps beside the writer (`ct_gc`); none where the tables are not the
+    /// kernel's.
+    pub fn revnat_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.revnat.fd()
+    }
+
     /// True when a failed delete left entries (or held an id) for `collect_garbage`. (A backend
     /// entry whose delete failed waits for the next full garbage collection.)
     pub fn has_leftovers(&self) -> bool {

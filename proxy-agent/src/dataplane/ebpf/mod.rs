@@ -472,10 +472,14 @@ impl EbpfDataplane {
         ct_filter::rebuild_families([fd(map_names::CT_FILTER)?, fd(map_names::CT_FILTER6)?], [fd(map_names::CT)?, fd(map_names::CT6)?])
     }
 
-    /// Removes each family's expired flows at `now` (the datapath's clock: `ct_gc`), by the
-    /// lifetimes the programs were loaded with, as the agent does every 15 s through the pins.
+    /// Removes each family's expired flows and the reply entries left without their flow, at
+    /// `now` (the datapath's clock: `ct_gc`), by the lifetimes the programs were loaded with, as
+    /// the agent does every 15 s through the pins.
     pub fn collect_expired_flows(&self, now: u64) -> std::io::Result<[ct_gc::Collected; 2]> {
-        ct_gc::collect_families([self.map_fd(map_names::CT)?, self.map_fd(map_names::CT6)?], &self.ct_lifetimes, now)
+        let fd = |name| self.map_fd(name);
+        let revnat = |fd: Option<_>| fd.ok_or_else(|| std::io::Error::other("no reverse NAT map"));
+        let revnats = [revnat(self.lb.revnat_fd())?, revnat(self.lb6.revnat_fd())?];
+        ct_gc::collect_families([fd(map_names::CT)?, fd(map_names::CT6)?], revnats, &self.ct_lifetimes, now)
     }
 
     pub fn service_entries(&self) -> usize {

@@ -22,6 +22,10 @@ pub trait Table<K, V>: Send {
     fn del(&mut self, key: &K) -> Result<(), MapError>;
     /// Entries the map holds (an array's set ones), counted in the map itself.
     fn count(&self) -> io::Result<u64>;
+    /// The kernel map's descriptor, for readers beside the writer (none: not a kernel map).
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
 }
 
 impl<K: Pod + Send, V: Pod + Send> Table<K, V> for HashMap<MapData, K, V> {
@@ -35,6 +39,10 @@ impl<K: Pod + Send, V: Pod + Send> Table<K, V> for HashMap<MapData, K, V> {
 
     fn count(&self) -> io::Result<u64> {
         super::batch::count_entries(self.map().fd().as_fd(), size_of::<K>(), size_of::<V>())
+    }
+
+    fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        Some(self.map().fd().as_fd())
     }
 }
 
