@@ -187,22 +187,21 @@ fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes,
                         tracing::info!("rebuilding the conntrack filters again");
                     }
                     let f = &t.fill;
-                    match removed {
-                        Ok([r4, r6]) => {
-                            f.conntrack_removed.fetch_add(r4.flows, Ordering::Relaxed);
-                            f.conntrack_removed6.fetch_add(r6.flows, Ordering::Relaxed);
-                            if r4 != Default::default() || r6 != Default::default() {
-                                tracing::debug!(ipv4 = ?r4, ipv6 = ?r6, "expired flows removed from the conntrack maps");
-                            }
-                            removal_failed = None;
-                        }
-                        Err(e) => {
-                            if removal_failed.as_ref() != Some(&e) {
-                                tracing::warn!(error = %e, "removing expired flows from the conntrack maps; tried again each round");
-                                removal_failed = Some(e);
-                            }
-                        }
+                    let ([r4, r6], error) = removed;
+                    f.conntrack_removed.fetch_add(r4.flows, Ordering::Relaxed);
+                    f.conntrack_removed6.fetch_add(r6.flows, Ordering::Relaxed);
+                    f.conntrack_orphans.fetch_add(r4.orphans, Ordering::Relaxed);
+                    f.conntrack_orphans6.fetch_add(r6.orphans, Ordering::Relaxed);
+                    if r4 != Default::default() || r6 != Default::default() {
+                        tracing::debug!(ipv4 = ?r4, ipv6 = ?r6, "expired flows removed from the conntrack maps");
                     }
+                    if error.is_some() && removal_failed != error {
+                        tracing::warn!(
+                            error = error.as_deref().unwrap_or_default(),
+                            "removing expired flows from the conntrack maps; tried again each round"
+                        );
+                    }
+                    removal_failed = error;
                     f.conntrack.store(v4.keys, Ordering::Relaxed);
                     f.conntrack6.store(v6.keys, Ordering::Relaxed);
                     f.conntrack_filter.store(v4.bits, Ordering::Relaxed);
@@ -231,8 +230,9 @@ fn spawn_conntrack_upkeep(root: PathBuf, lifetimes: proxy_common::ct::Lifetimes,
 
 /// What one round of `spawn_conntrack_upkeep` did.
 enum ConntrackRound {
-    /// Each family's expired flows removed (or why not), then its filter rebuilt (IPv4, IPv6).
-    Rebuilt([ct_filter::Rebuilt; 2], Result<[ct_gc::Collected; 2], String>),
+    /// Each family's expired flows removed (and why not all, if an error stopped a removal),
+    /// then its filter rebuilt (IPv4, IPv6).
+    Rebuilt([ct_filter::Rebuilt; 2], ([ct_gc::Collected; 2], Option<String>)),
     /// The entries counted only, and why.
     Counted([u64; 2], String),
 }
@@ -268,10 +268,19 @@ fn conntrack_round(root: &Path, lifetimes: &proxy_common::ct::Lifetimes) -> std:
         );
         return Ok(ConntrackRound::Counted(count()?, why));
     }
-    // A removal that fails does not hold the rebuild back (it says why, and is tried again).
-    let (rn4, rn6) = (open(map_names::REVNAT)?, open(map_names::REVNAT6)?);
-    let removed = ct_gc::collect_families([ct4, ct6], [rn4.fd().as_fd(), rn6.fd().as_fd()], lifetimes, ct_gc::monotonic_coarse_ns())
-        .map_err(|e| e.to_string());
+    // A removal that fails (a map that cannot be opened or read) does not hold the rebuild
+    // back: it is said, and tried again next round.
+    let (rn4, rn6) = (open(map_names::REVNAT), open(map_names::REVNAT6));
+    fn fd(m: &std::io::Result<aya::maps::MapData>) -> std::io::Result<std::os::fd::BorrowedFd<'_>> {
+        match m {
+            Ok(m) => Ok(m.fd().as_fd()),
+            Err(e) => Err(std::io::Error::new(e.kind(), format!("opening a reverse NAT map: {e}"))),
+        }
+    }
+    let revnats = [fd(&rn4), fd(&rn6)];
+    let (removed, errors) = ct_gc::collect_families([ct4, ct6], revnats, lifetimes, ct_gc::monotonic_coarse_ns());
+    let errors = (!errors.is_empty()).then(|| errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "));
+    let removed = (removed, errors);
     Ok(ConntrackRound::Rebuilt(ct_filter::rebuild_families([f4.fd().as_fd(), f6.fd().as_fd()], [ct4, ct6])?, removed))
 }
 

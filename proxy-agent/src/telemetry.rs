@@ -73,6 +73,9 @@ pub struct MapFill {
     /// Expired flows removed from each family's conntrack map so far (`ct_gc`).
     pub conntrack_removed: AtomicU64,
     pub conntrack_removed6: AtomicU64,
+    /// Reply entries removed without their flow (no flow claimed them any more).
+    pub conntrack_orphans: AtomicU64,
+    pub conntrack_orphans6: AtomicU64,
 }
 
 /// Bits of a conntrack filter's half, where there is a conntrack map (`ct` entries; 0: none).
@@ -398,6 +401,16 @@ impl Collector for DatapathCollector {
             for (family, n) in [("ipv4", &f.conntrack_removed), ("ipv6", &f.conntrack_removed6)] {
                 ConstCounter::new(n.load(Ordering::Relaxed)).encode(removed.encode_family(&[("family", family)])?)?;
             }
+            let mut orphans = encoder.encode_descriptor(
+                "proxy_agent_conntrack_orphan_replies_removed",
+                "Reply entries past their lifetime that no flow claimed any more (their forward entry evicted, or naming another \
+                 backend), removed from each family's conntrack map; each held its reply tuple, a SNAT port among them",
+                None,
+                MetricType::Counter,
+            )?;
+            for (family, n) in [("ipv4", &f.conntrack_orphans), ("ipv6", &f.conntrack_orphans6)] {
+                ConstCounter::new(n.load(Ordering::Relaxed)).encode(orphans.encode_family(&[("family", family)])?)?;
+            }
         }
         let mut entries =
             encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;
@@ -476,6 +489,7 @@ mod tests {
             "proxy_agent_map_capacity{map=\"services_ipv6\"} 32768",
             "proxy_agent_map_capacity{map=\"services\"} 65536",
             "proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv6\"} 0",
+            "proxy_agent_conntrack_orphan_replies_removed_total{family=\"ipv4\"} 0",
         ] {
             assert!(m.contains(want), "missing {want} in\n{m}");
         }

@@ -865,15 +865,16 @@ fn the_conntrack_filter_is_heeded_at_the_external_hooks() {
 
 /// An expired NodePort flow SNATed to a remote backend goes with its reply entry, the one that
 /// holds its SNAT port (`ct_gc`), and its reply, met later, is no longer translated; a SNAT
-/// reply entry whose flow's forward entry is gone (evicted) goes on its own, found through the
-/// Service's reverse NAT entry.
+/// reply entry whose flow's forward entry is gone (evicted) goes on its own; a live flow's
+/// stays, however old (found through the Service's reverse NAT entry, as the datapath finds
+/// it).
 #[test]
 fn an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port() {
     use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
     let Some(mut n) = node("an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Udp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
     let mut replies = Vec::new();
-    for port in [40000, 40001] {
+    for port in [40000, 40001, 40002] {
         let from = SocketAddrV4::new(*sock(CLIENT).ip(), port);
         let out = run_ext(&mut n.dp, &udp_frame(from, sock(NODE_PORT), b"q"), n.ifindex);
         let back = SocketAddrV4::new(NODE_IP.parse().unwrap(), dissect(&out.frame).sport.unwrap());
@@ -882,17 +883,27 @@ fn an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port() {
         replies.push(reply);
     }
     let ct = testrun::conntrack(&mut n.dp);
-    assert_eq!(ct.len(), 4);
-    // The second flow's forward entry evicted.
-    let evicted = ct.iter().find(|(k, e)| e.flags & proxy_common::ct::flags::REPLY == 0 && k.sport == 40001u16.to_be_bytes()).unwrap().0;
-    let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
-    aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap().remove(&evicted).unwrap();
+    assert_eq!(ct.len(), 6);
+    let forward =
+        |port: u16| ct.iter().find(|(k, e)| e.flags & proxy_common::ct::flags::REPLY == 0 && k.sport == port.to_be_bytes()).unwrap();
     let now = ct_gc::monotonic_coarse_ns();
+    let sec = 1_000_000_000;
+    let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    let mut map = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
+    // The second flow's forward entry evicted; the third's seen later than the others.
+    map.remove(&forward(40001).0).unwrap();
+    let (k3, mut f3) = *forward(40002);
+    f3.last_seen_ns = now + 10 * sec;
+    map.insert(k3, f3, 0).unwrap();
     let answered = proxy_common::ct::Lifetimes::DEFAULT.udp_stream_ns;
     assert_eq!(n.dp.collect_expired_flows(now).unwrap()[0], Collected::default());
-    let [v4, _] = n.dp.collect_expired_flows(now + answered + 1_000_000_000 + ct_gc::MARGIN_NS).unwrap();
+    let [v4, _] = n.dp.collect_expired_flows(now + answered + sec + ct_gc::MARGIN_NS).unwrap();
     assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 1 });
-    assert!(testrun::conntrack(&mut n.dp).is_empty());
+    let left: Vec<_> = testrun::conntrack(&mut n.dp).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(left.len(), 2, "the flow seen later and its reply entry, holding its SNAT port, stay: {left:?}");
+    assert!(left.contains(&proxy_common::ct::reply_key_of(&k3, &f3, proxy_common::ct::HAIRPIN_ADDR)));
     let out = run_ext(&mut n.dp, &replies[0], n.ifindex);
     assert_eq!((out.action, out.frame == replies[0]), (TC_ACT_OK, true), "the reply of a flow removed passes untranslated");
+    let from = SocketAddrV4::new(*sock(CLIENT).ip(), 40002);
+    assert_eq!(dissect(&run_ext(&mut n.dp, &replies[2], n.ifindex).frame).dst_sock(), from, "the live flow's is translated");
 }

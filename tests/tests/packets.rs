@@ -1083,13 +1083,17 @@ fn expired_flows_are_removed_with_their_own_reply_entries() {
     for port in [40003, 40004, 40006, 40007] {
         q(client(port), dns);
     }
+    // And a moved and a hairpinned flow that will be seen later than the others.
+    q(client(40009), dns);
+    q(client(40009), dns2);
+    q(sock("10.244.1.2:41009"), dns);
     // A TCP flow after its SYN (60 s lifetime).
     run(&mut dp, &tcp_frame(client(40001), sock(VIP), SYN));
     let ct = conntrack(&mut dp);
-    assert_eq!(ct.len(), 16, "eight flows, each with its reply entry: {ct:#?}");
+    assert_eq!(ct.len(), 22, "eleven flows, each with its reply entry: {ct:#?}");
     let moved = ct.iter().filter(|(_, e)| e.flags & flags::REPLY == 0 && e.flags & flags::PORT_NAT != 0).count();
     let hairpinned = ct.iter().filter(|(_, e)| e.flags & flags::REPLY == 0 && e.flags & flags::HAIRPIN != 0).count();
-    assert_eq!((moved, hairpinned), (1, 1), "{ct:#?}");
+    assert_eq!((moved, hairpinned), (2, 2), "{ct:#?}");
     let reply_of = |port: u16| ct.iter().find(|(k, e)| e.flags & flags::REPLY != 0 && k.dport == port.to_be_bytes()).copied().unwrap();
     let fwd_of = |port: u16| ct.iter().find(|(k, e)| e.flags & flags::REPLY == 0 && k.sport == port.to_be_bytes()).copied().unwrap();
     let now = ct_gc::monotonic_coarse_ns();
@@ -1098,37 +1102,53 @@ fn expired_flows_are_removed_with_their_own_reply_entries() {
     let mut map = aya::maps::HashMap::<_, CtKey, CtEntry>::try_from(map).unwrap();
     // 40003's reply entry now names another backend (its flow moved, say); 40004's was written
     // afresh (later than its forward entry was last seen); 40006's forward entry is gone (the
-    // LRU evicted it); 40007's forward entry is seen later than the others (only the client
-    // talks: its reply entry is as old as theirs).
+    // LRU evicted it); the forward entries of 40007's flow, of the one moved from 40009 and of
+    // the one hairpinned from 41009 are seen later than the others (only the client talks:
+    // their reply entries are as old as the others').
     let (k3, mut r3) = reply_of(40003);
     r3.backend_id += 1000;
     map.insert(k3, r3, 0).unwrap();
     let (k4, mut r4) = reply_of(40004);
-    r4.last_seen_ns = fwd_of(40004).1.last_seen_ns + 2 * sec;
+    r4.last_seen_ns = now + 2 * sec;
     map.insert(k4, r4, 0).unwrap();
     map.remove(&fwd_of(40006).0).unwrap();
-    let (k7, mut f7) = fwd_of(40007);
-    f7.last_seen_ns = now + 10 * sec;
-    map.insert(k7, f7, 0).unwrap();
+    let later = |(k, f): &&(CtKey, CtEntry)| match u16::from_be_bytes(k.sport) {
+        40007 | 41009 => true,
+        40009 => f.flags & flags::PORT_NAT != 0,
+        _ => false,
+    };
+    let seen_later: Vec<(CtKey, CtEntry)> = ct.iter().filter(|f| f.1.flags & flags::REPLY == 0 && later(f)).copied().collect();
+    assert_eq!(seen_later.len(), 3, "{seen_later:#?}");
+    for (k, mut f) in seen_later.iter().copied() {
+        f.last_seen_ns = now + 10 * sec;
+        map.insert(k, f, 0).unwrap();
+    }
 
     assert_eq!(dp.collect_expired_flows(now).unwrap(), [Collected::default(); 2], "nothing has expired yet");
     // Past the UDP lifetime but inside its margin: nothing still.
     assert_eq!(dp.collect_expired_flows(now + 31 * sec).unwrap()[0], Collected::default());
     let [v4, v6] = dp.collect_expired_flows(now + 31 * sec + ct_gc::MARGIN_NS).unwrap();
-    assert_eq!((v4, v6), (Collected { flows: 5, replies: 3, orphans: 2 }, Collected::default()));
+    assert_eq!((v4, v6), (Collected { flows: 6, replies: 4, orphans: 2 }, Collected::default()));
     let left: Vec<(CtKey, CtEntry)> = conntrack(&mut dp);
     assert_eq!(left.iter().filter(|(k, _)| k.proto == 6).count(), 2, "the TCP flow and its reply entry stay: {left:#?}");
     let mut udp: Vec<CtKey> = left.iter().filter(|(k, _)| k.proto == 17).map(|(k, _)| *k).collect();
     udp.sort_by_key(|k| (k.sport, k.dport));
-    let mut want = vec![k4, k7, reply_of(40007).0];
+    // The live flows' reply entries: keyed on the client's own port, the moved one's, and the
+    // hairpin address.
+    let replies_of_later: Vec<CtKey> =
+        seen_later.iter().map(|(k, f)| proxy_common::ct::reply_key_of(k, f, proxy_common::ct::HAIRPIN_ADDR)).collect();
+    let mut want = vec![k4];
+    want.extend(seen_later.iter().map(|(k, _)| *k));
+    want.extend(&replies_of_later);
     want.sort_by_key(|k| (k.sport, k.dport));
-    assert_eq!(udp, want, "the reply entry written afresh, and the live flow with its reply entry, stay");
+    assert_eq!(udp, want, "the reply entry written afresh, and the live flows with their reply entries, stay");
+    assert!(replies_of_later.iter().all(|k| ct.iter().any(|(c, _)| c == k)), "reply keys of the flows as made");
     let reply = tcp_frame(sock("10.244.1.2:8080"), client(40001), SYN | ACK);
     assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), sock(VIP), "the live flow's reply is still translated");
     assert_eq!(dp.collect_expired_flows(now + 31 * sec + ct_gc::MARGIN_NS).unwrap()[0], Collected::default(), "done once");
     // The TCP flow, answered since, lives for the established lifetime, then goes.
     let later = dp.collect_expired_flows(now + 41 * sec + ct_gc::MARGIN_NS).unwrap()[0];
-    assert_eq!(later, Collected { flows: 1, replies: 1, orphans: 1 }, "the UDP flow seen later, and the reply entry written afresh");
+    assert_eq!(later, Collected { flows: 3, replies: 3, orphans: 1 }, "the UDP flows seen later, and the reply entry written afresh");
     let established = proxy_common::ct::Lifetimes::DEFAULT.tcp_established_ns;
     let [v4, _] = dp.collect_expired_flows(now + established + sec + ct_gc::MARGIN_NS).unwrap();
     assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 0 });

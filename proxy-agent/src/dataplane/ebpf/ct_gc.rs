@@ -45,11 +45,11 @@ fn expired<A>(k: &CtKey<A>, e: &CtEntry<A>, lt: &Lifetimes, now: u64) -> bool {
 }
 
 /// Removes the expired flows of the conntrack map `ct` (keys of address `A`), and the reply
-/// entries left without their flow: `revnat` is the family's reverse NAT map (a Service's
-/// address and port by id), `now` the datapath's clock (`monotonic_coarse_ns`) and `lt` the
-/// lifetimes its programs were loaded with.
-pub fn collect<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, lt: &Lifetimes, now: u64) -> io::Result<Collected> {
-    let mut out = Collected::default();
+/// entries left without their flow, adding what it removed to `out` (also when it fails on
+/// the way): `revnat` is the family's reverse NAT map (a Service's address and port by id),
+/// `now` the datapath's clock (`monotonic_coarse_ns`) and `lt` the lifetimes its programs
+/// were loaded with.
+pub fn collect<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, lt: &Lifetimes, now: u64, out: &mut Collected) -> io::Result<()> {
     let mut failed = None;
     batch::for_each_entry(ct, size_of::<CtKey<A>>(), size_of::<CtEntry<A>>(), |kb, vb| {
         // SAFETY: one key and one value of the map, plain data (unaligned in the buffers).
@@ -70,37 +70,49 @@ pub fn collect<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, lt: &Life
             failed = Some(e);
         }
     })?;
-    failed.map_or(Ok(out), Err)
+    failed.map_or(Ok(()), Err)
 }
 
-/// Removes the forward entry at `k` if it is still expired when taken out (a packet may have
-/// tracked the tuple afresh since the walk read it: that entry is put back), then its reply
-/// entry if that is still its own (same Service, backend and client, and not written later
-/// than the flow was last seen: a packet that tracked the tuple afresh meanwhile wrote one
-/// seen after the lifetime and the margin), else that is put back. Each entry is taken out and
-/// read in one step, so a removal never takes what a packet wrote after it was read; a packet
-/// of a flow whose entry is out for the moment between a take and a put back (a flow seen
-/// since the walk, the rare case) is tracked as a new flow.
+/// Takes the entry at `k` out if it is still `seen` (read just before): the check and the
+/// removal are one step for the map, so an entry a packet wrote since the read is not lost; a
+/// value that changed in between (a packet's write) is put back, unless a packet wrote the
+/// key again meanwhile. True when it was removed.
+fn take_if_unchanged<A: MapAddr>(ct: BorrowedFd<'_>, k: &CtKey<A>, seen: &CtEntry<A>) -> io::Result<bool> {
+    let Some(taken) = batch::take::<_, CtEntry<A>>(ct, k)? else { return Ok(false) };
+    if taken == *seen {
+        return Ok(true);
+    }
+    batch::put_back(ct, k, &taken)?;
+    Ok(false)
+}
+
+/// Removes the forward entry at `k` if it is still expired (read again: a packet may have
+/// tracked the tuple afresh since the walk read it), then its reply entry if that is still
+/// its own (same Service, backend and client, and not written later than the flow was last
+/// seen: a later flow that took the tuple wrote one seen after the lifetime and the margin).
+/// Each entry is read, checked, and taken out only if it is what was checked
+/// (`take_if_unchanged`): a packet that writes it between the read and the removal, a
+/// syscall apart, has its entry out for as long as the put back takes.
 fn remove_flow<A: MapAddr>(ct: BorrowedFd<'_>, k: &CtKey<A>, lt: &Lifetimes, now: u64) -> io::Result<(bool, bool)> {
-    let Some(e) = batch::take::<_, CtEntry<A>>(ct, k)? else { return Ok((false, false)) };
-    if e.flags & flags::REPLY != 0 || !expired(k, &e, lt, now) {
-        batch::put_back(ct, k, &e)?;
+    let Some(e) = batch::lookup::<_, CtEntry<A>>(ct, k)? else { return Ok((false, false)) };
+    if e.flags & flags::REPLY != 0 || !expired(k, &e, lt, now) || !take_if_unchanged(ct, k, &e)? {
         return Ok((false, false));
     }
     let rk = ct::reply_key_of(k, &e, A::HAIRPIN);
-    let Some(r) = batch::take::<_, CtEntry<A>>(ct, &rk)? else { return Ok((true, false)) };
-    if ct::reply_of(&r, k, &e) && r.last_seen_ns <= e.last_seen_ns.saturating_add(ct::REFRESH_NS) {
-        return Ok((true, true));
-    }
-    batch::put_back(ct, &rk, &r)?;
-    Ok((true, false))
+    let own = batch::lookup::<_, CtEntry<A>>(ct, &rk)?
+        .filter(|r| ct::reply_of(r, k, &e) && r.last_seen_ns <= e.last_seen_ns.saturating_add(ct::REFRESH_NS));
+    let reply = match own {
+        Some(r) => take_if_unchanged(ct, &rk, &r)?,
+        None => false,
+    };
+    Ok((true, reply))
 }
 
 /// Removes the reply entry `r` at `rk`, past its own lifetime, unless a forward entry still
 /// claims it (that flow's own expiry decides then, in `remove_flow`): a reply entry whose
 /// forward entry is gone, or names another backend now, translates nothing any more (the
-/// datapath removes it at its next reply), and its tuple, a SNAT port among them, is held for
-/// nothing. Put back if it changed since the walk read it.
+/// datapath removes it at a reply due a refresh), and its tuple, a SNAT port among them, is
+/// held for nothing. Left if it changed since the walk read it.
 fn remove_orphan<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, rk: &CtKey<A>, r: &CtEntry<A>) -> io::Result<bool> {
     if let Some(rn) = batch::lookup::<u32, RevNat<A>>(revnat, &r.service_id)? {
         let fk = ct::forward_key_of(rk, r, rn.addr, rn.port);
@@ -110,18 +122,25 @@ fn remove_orphan<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, rk: &Ct
             return Ok(false);
         }
     }
-    let Some(taken) = batch::take::<_, CtEntry<A>>(ct, rk)? else { return Ok(false) };
-    if taken != *r {
-        batch::put_back(ct, rk, &taken)?;
-        return Ok(false);
-    }
-    Ok(true)
+    take_if_unchanged(ct, rk, r)
 }
 
-/// `collect` on both families' conntrack maps, IPv4's then IPv6's: `cts` and `revnats` are
-/// the families' conntrack and reverse NAT maps, in that order.
-pub fn collect_families(cts: [BorrowedFd<'_>; 2], revnats: [BorrowedFd<'_>; 2], lt: &Lifetimes, now: u64) -> io::Result<[Collected; 2]> {
-    Ok([collect::<[u8; 4]>(cts[0], revnats[0], lt, now)?, collect::<Ip6>(cts[1], revnats[1], lt, now)?])
+/// `collect` on both families' conntrack maps, IPv4's then IPv6's (`cts`; `revnats`: their
+/// reverse NAT maps, `None` where it could not be opened): what each removed, and the errors
+/// met (a family's does not keep the other's removal from running).
+pub fn collect_families(
+    cts: [BorrowedFd<'_>; 2],
+    revnats: [io::Result<BorrowedFd<'_>>; 2],
+    lt: &Lifetimes,
+    now: u64,
+) -> ([Collected; 2], Vec<io::Error>) {
+    let mut out = [Collected::default(); 2];
+    let [rn4, rn6] = revnats;
+    let results = [
+        rn4.and_then(|rn| collect::<[u8; 4]>(cts[0], rn, lt, now, &mut out[0])),
+        rn6.and_then(|rn| collect::<Ip6>(cts[1], rn, lt, now, &mut out[1])),
+    ];
+    (out, results.into_iter().filter_map(Result::err).collect())
 }
 
 /// The clock the datapath stamps entries with.

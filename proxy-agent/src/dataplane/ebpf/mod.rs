@@ -478,8 +478,9 @@ impl EbpfDataplane {
     pub fn collect_expired_flows(&self, now: u64) -> std::io::Result<[ct_gc::Collected; 2]> {
         let fd = |name| self.map_fd(name);
         let revnat = |fd: Option<_>| fd.ok_or_else(|| std::io::Error::other("no reverse NAT map"));
-        let revnats = [revnat(self.lb.revnat_fd())?, revnat(self.lb6.revnat_fd())?];
-        ct_gc::collect_families([fd(map_names::CT)?, fd(map_names::CT6)?], revnats, &self.ct_lifetimes, now)
+        let revnats = [revnat(self.lb.revnat_fd()), revnat(self.lb6.revnat_fd())];
+        let (removed, mut errors) = ct_gc::collect_families([fd(map_names::CT)?, fd(map_names::CT6)?], revnats, &self.ct_lifetimes, now);
+        errors.pop().map_or(Ok(removed), Err)
     }
 
     pub fn service_entries(&self) -> usize {
