@@ -37,6 +37,12 @@ fn counts(lab: &Lab, n: usize) -> BTreeMap<String, usize> {
     seen
 }
 
+/// The value of the agent's metric `series` (its name and labels, as `/metrics` prints them).
+fn metric(lab: &Lab, series: &str) -> Option<u64> {
+    let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
+    m.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
 #[test]
 fn tcp_connections_spread_over_every_backend() {
     let Some(lab) = lab("tcp_connections_spread_over_every_backend") else { return };
@@ -882,10 +888,7 @@ fn an_older_builds_pins_get_the_filters_filled_before_the_programs_serve() {
     assert!(second_run.contains("programmed=0"), "the Services are adopted, not written again:\n{second_run}");
     assert_eq!(conn.ask().expect("the open connection goes on").backend, backend);
     // The first rebuild: the gauge of the filter's bits leaves 0 (it is not set before).
-    let bits = || {
-        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
-        m.lines().find_map(|l| l.strip_prefix("proxy_agent_map_entries{map=\"conntrack_filter\"} ")).and_then(|v| v.parse::<u64>().ok())
-    };
+    let bits = || metric(&lab, "proxy_agent_map_entries{map=\"conntrack_filter\"}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let rebuilt = loop {
         match bits() {
@@ -918,10 +921,7 @@ fn links_of_this_build_a_restart_leaves_behind_do_not_hold_the_conntrack_filter_
     let links = std::fs::read_dir(lab.bpffs().join("links")).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned());
     assert!(links.into_iter().any(|n| n.ends_with("_vethx1")), "the previous run's links on vethx1 stay");
     // A rebuild: the gauge of the filter's bits leaves 0 (it is not set before one).
-    let bits = || {
-        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
-        m.lines().find_map(|l| l.strip_prefix("proxy_agent_map_entries{map=\"conntrack_filter\"} ")).and_then(|v| v.parse::<u64>().ok())
-    };
+    let bits = || metric(&lab, "proxy_agent_map_entries{map=\"conntrack_filter\"}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while bits().unwrap_or(0) == 0 {
         assert!(std::time::Instant::now() < deadline, "no rebuild of the conntrack filter in 30 s:\n{}", lab.agent_log());
@@ -946,12 +946,7 @@ fn the_agent_removes_expired_flows_from_the_conntrack_map() {
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     lab.start_agent_with_extra(&["--conntrack-udp-timeout", "1s", "--conntrack-udp-timeout-stream", "1s"]);
     lab.wait_programmed(DNS_VIP, "UDP", 3);
-    let removed = || {
-        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
-        m.lines()
-            .find_map(|l| l.strip_prefix("proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv4\"} "))
-            .and_then(|v| v.parse::<u64>().ok())
-    };
+    let removed = || metric(&lab, "proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv4\"}");
     let before = removed().unwrap_or(0);
     for i in 0..5 {
         udp_ask(&lab.client.ns, sock(DNS_VIP)).unwrap_or_else(|e| panic!("UDP query {i}: {e}"));
@@ -976,10 +971,7 @@ fn the_agent_removes_expired_flows_from_the_conntrack_map() {
     }
     assert_eq!(entries(), 0, "the flows and their reply entries are gone");
     // And their filter bits, with the rebuild that follows the removal in the same round.
-    let bits = || {
-        let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
-        m.lines().find_map(|l| l.strip_prefix("proxy_agent_map_entries{map=\"conntrack_filter\"} ")).and_then(|v| v.parse::<u64>().ok())
-    };
+    let bits = || metric(&lab, "proxy_agent_map_entries{map=\"conntrack_filter\"}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     while bits() != Some(0) {
         assert!(std::time::Instant::now() < deadline, "the filter keeps {:?} bits", bits());

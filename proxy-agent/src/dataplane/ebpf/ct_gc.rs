@@ -126,8 +126,8 @@ fn remove_orphan<A: MapAddr>(ct: BorrowedFd<'_>, revnat: BorrowedFd<'_>, rk: &Ct
 }
 
 /// `collect` on both families' conntrack maps, IPv4's then IPv6's (`cts`; `revnats`: their
-/// reverse NAT maps, `None` where it could not be opened): what each removed, and the errors
-/// met (a family's does not keep the other's removal from running).
+/// reverse NAT maps, or why one could not be opened): what each removed, and the errors met
+/// (a family's does not keep the other's removal from running).
 pub fn collect_families(
     cts: [BorrowedFd<'_>; 2],
     revnats: [io::Result<BorrowedFd<'_>>; 2],
