@@ -907,3 +907,33 @@ fn an_expired_snat_flow_is_removed_with_the_reply_entry_holding_its_port() {
     let from = SocketAddrV4::new(*sock(CLIENT).ip(), 40002);
     assert_eq!(dissect(&run_ext(&mut n.dp, &replies[2], n.ifindex).frame).dst_sock(), from, "the live flow's is translated");
 }
+
+/// A host flow's entries (a node process's connection to a Service with a remote backend, its
+/// port moved into the SNAT range: `create_snat` for the host) are claimed and removed as a
+/// north-south flow's are (`ct_gc`): its old reply entry stays while the flow is seen, and
+/// both go once it has expired.
+#[test]
+fn a_host_flows_entries_are_removed_once_it_has_expired() {
+    use proxy_agent::dataplane::ebpf::ct_gc::{self, Collected};
+    use proxy_common::{ct::flags, CtEntry, CtKey};
+    let Some(mut n) = node("a_host_flows_entries_are_removed_once_it_has_expired") else { return };
+    let host = SocketAddrV4::new(NODE_IP.parse().unwrap(), 41053);
+    n.dp.upsert(&key("10.96.0.10:53", Protocol::Udp), &frontend(FrontendKind::ClusterIp, vec![backend(REMOTE, false)])).unwrap();
+    let out = testrun::run_egress_on(&mut n.dp, &udp_frame(host, sock("10.96.0.10:53"), b"query"), n.ifindex);
+    assert_eq!(out.action, TC_ACT_REDIRECT, "sent by the route to the backend");
+    let ct = testrun::conntrack(&mut n.dp);
+    assert_eq!(ct.len(), 2);
+    let (k, mut f) = *ct.iter().find(|(_, e)| e.flags & flags::REPLY == 0).unwrap();
+    assert!(f.flags & flags::SNAT != 0, "{f:?}");
+    let now = ct_gc::monotonic_coarse_ns();
+    let sec = 1_000_000_000;
+    f.last_seen_ns = now + 10 * sec;
+    let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    aya::maps::HashMap::<_, CtKey, CtEntry>::try_from(map).unwrap().insert(k, f, 0).unwrap();
+    let unanswered = proxy_common::ct::Lifetimes::DEFAULT.udp_ns;
+    assert_eq!(n.dp.collect_expired_flows(now + unanswered + sec + ct_gc::MARGIN_NS).unwrap()[0], Collected::default());
+    assert_eq!(testrun::conntrack(&mut n.dp).len(), 2, "the reply entry of a flow seen since stays, however old");
+    let [v4, _] = n.dp.collect_expired_flows(now + 10 * sec + unanswered + sec + ct_gc::MARGIN_NS).unwrap();
+    assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 0 });
+    assert!(testrun::conntrack(&mut n.dp).is_empty());
+}
