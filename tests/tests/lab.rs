@@ -17,14 +17,21 @@ const AGENT: &str = env!("CARGO_BIN_EXE_proxy-lab-agent");
 
 /// A lab with three backends behind the standard Services, agent running and synced.
 fn lab(test: &str) -> Option<Lab> {
+    let mut lab = lab_with(test, &[])?;
+    lab.wait_programmed(WEB_VIP, "TCP", 3);
+    lab.wait_programmed(DNS_VIP, "UDP", 3);
+    Some(lab)
+}
+
+/// A lab with three backends behind the standard Services, the agent started with `extra`
+/// flags (not waited for).
+fn lab_with(test: &str, extra: &[&str]) -> Option<Lab> {
     if !require::root(test) {
         return None;
     }
     let mut lab = Lab::new(AGENT, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.start_agent();
-    lab.wait_programmed(WEB_VIP, "TCP", 3);
-    lab.wait_programmed(DNS_VIP, "UDP", 3);
+    lab.start_agent_with_extra(extra);
     Some(lab)
 }
 
@@ -938,13 +945,8 @@ fn links_of_this_build_a_restart_leaves_behind_do_not_hold_the_conntrack_filter_
 /// metrics; the Service goes on answering.
 #[test]
 fn the_agent_removes_expired_flows_from_the_conntrack_map() {
-    let test = "the_agent_removes_expired_flows_from_the_conntrack_map";
-    if !require::root(test) {
-        return;
-    }
-    let mut lab = Lab::new(AGENT, 3);
-    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.start_agent_with_extra(&["--conntrack-udp-timeout", "1s", "--conntrack-udp-timeout-stream", "1s"]);
+    let timeouts = ["--conntrack-udp-timeout", "1s", "--conntrack-udp-timeout-stream", "1s"];
+    let Some(mut lab) = lab_with("the_agent_removes_expired_flows_from_the_conntrack_map", &timeouts) else { return };
     lab.wait_programmed(DNS_VIP, "UDP", 3);
     let removed = || metric(&lab, "proxy_agent_conntrack_expired_flows_removed_total{family=\"ipv4\"}");
     let before = removed().unwrap_or(0);
@@ -1114,13 +1116,9 @@ fn host_processes_reach_node_ports_on_localhost_unless_told_not_to() {
 /// and the map-fill figures (and the ids handed out) follow the kernel's size, not the flag.
 #[test]
 fn a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so() {
-    let test = "a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so";
-    if !require::root(test) {
+    let Some(mut lab) = lab_with("a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so", &["--lb-map-max", "1024"]) else {
         return;
-    }
-    let mut lab = Lab::new(AGENT, 3);
-    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
-    lab.start_agent_with_extra(&["--lb-map-max", "1024"]);
+    };
     lab.wait_programmed(WEB_VIP, "TCP", 3);
     lab.stop_agent();
     lab.start_agent_with_extra(&["--lb-map-max", "4096"]);
