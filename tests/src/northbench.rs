@@ -85,6 +85,18 @@ impl Mode {
         }
     }
 
+    /// The mode's name in `PROXY_BENCH_MODES` (as the other benches name them).
+    pub fn key(self) -> &'static str {
+        match self {
+            Mode::Floor => "floor",
+            Mode::Xdp => "xdp",
+            Mode::Tc => "tc",
+            Mode::Iptables => "iptables-legacy",
+            Mode::IptablesNft => "iptables-nft",
+            Mode::Nftables => "nftables",
+        }
+    }
+
     fn netfilter(self) -> bool {
         matches!(self, Mode::Iptables | Mode::IptablesNft | Mode::Nftables)
     }
@@ -366,7 +378,9 @@ fn wait_programmed(c: &mut Cluster, filler: u32) {
     });
 }
 
-pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
+/// `wanted`: the modes to run (`Mode::key`); the floor runs always. `xdp_rounds`: XDP's rounds
+/// against the floor (odd; `FLOOR_ROUNDS` by default).
+pub fn run(agent_bin: PathBuf, quick: bool, filler: u32, wanted: impl Fn(&str) -> bool, xdp_rounds: Option<usize>) -> Vec<Figures> {
     let mut c = Cluster::new(agent_bin, [&[], &["b1"]]);
     // What is measured is native XDP forwarding: the far end of node A's link takes XDP
     // frames, as a NIC's does.
@@ -377,7 +391,8 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
     let cps_secs = if quick { 1.0 } else { 5.0 };
     let mut out = Vec::new();
     let (floor, _) = udp_pps(&mut c, Mode::Floor, frames);
-    for (starts, mode) in [Mode::Xdp, Mode::Tc, Mode::Iptables, Mode::IptablesNft, Mode::Nftables].into_iter().enumerate() {
+    let modes = [Mode::Xdp, Mode::Tc, Mode::Iptables, Mode::IptablesNft, Mode::Nftables];
+    for (starts, mode) in modes.into_iter().filter(|m| wanted(m.key())).enumerate() {
         // Each start removes what the mode before left (the eBPF pins, the other rules).
         c.start_agent_on("node-a", mode.flags());
         if mode.netfilter() {
@@ -391,7 +406,7 @@ pub fn run(agent_bin: PathBuf, quick: bool, filler: u32) -> Vec<Figures> {
         } else {
             // An odd number of rounds, so that the median is one of them.
             let mut rounds = Vec::new();
-            for _ in 0..if quick { 3 } else { FLOOR_ROUNDS } {
+            for _ in 0..xdp_rounds.unwrap_or(if quick { 3 } else { FLOOR_ROUNDS }) | 1 {
                 let (floor, _) = udp_pps(&mut c, Mode::Floor, frames);
                 let (delivered, offered) = udp_pps(&mut c, mode, frames);
                 of_floor.push(delivered / floor);

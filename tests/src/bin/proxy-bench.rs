@@ -867,47 +867,60 @@ fn datapath(out_dir: &std::path::Path) {
     println!("written to {}", path.display());
 }
 
+/// `PROXY_BENCH_MODES=xdp` (labels: xdp, tc, iptables-legacy, iptables-nft, nftables) runs only
+/// those modes, and `PROXY_BENCH_ROUNDS=N` gives XDP N rounds against the floor: for working on
+/// the XDP path. Such a run writes no JSON (the report's figures are a whole run's).
 fn north(out_dir: &std::path::Path) {
     let quick = std::env::args().any(|a| a == "--quick");
     let filler = 1000;
+    let modes = std::env::var("PROXY_BENCH_MODES").unwrap_or_default();
+    let wanted = |m: &str| modes.trim().is_empty() || modes.split(',').any(|w| w.trim() == m);
+    let rounds = std::env::var("PROXY_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok());
     println!("\nNodePort forwarding, client -> node A -> backend on node B ({filler} other Services programmed)");
-    let figures = proxy_tests::northbench::run(proxy_tests::lab::sibling("proxy-lab-agent"), quick, filler);
-    let of = |mode| figures.iter().find(|f| f.mode == mode).unwrap_or_else(|| panic!("{mode:?} figures"));
-    let ipt = of(proxy_tests::northbench::Mode::Iptables);
-    let (xdp, nft) = (of(proxy_tests::northbench::Mode::Xdp), of(proxy_tests::northbench::Mode::Nftables));
+    let figures = proxy_tests::northbench::run(proxy_tests::lab::sibling("proxy-lab-agent"), quick, filler, wanted, rounds);
+    let of = |mode| figures.iter().find(|f| f.mode == mode);
+    use proxy_tests::northbench::Mode;
     let floor = figures[0].floor_pps;
     println!(
         "\nfloor (frames generated, sent straight back out, dropped at the far end; no processing): {floor:.0} pps = {:.0} ns/packet",
         1e9 / floor
     );
+    let ipt = of(Mode::Iptables).map(|f| f.pps_delivered);
+    let ipt_cps = of(Mode::Iptables).map(|f| f.conns_per_sec);
+    let ratio = |a: f64, b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.2}x", a / b));
     println!(
         "\n{:<12} {:>13} {:>8} {:>13} {:>15} {:>8}",
         "node A runs", "UDP 64B pps", "vs ipt", "ns/pkt > floor", "new TCP conn/s", "vs ipt"
     );
     for f in &figures {
         println!(
-            "{:<12} {:>13.0} {:>7.2}x {:>13.0} {:>15.0} {:>7.2}x",
+            "{:<12} {:>13.0} {:>8} {:>13.0} {:>15.0} {:>8}",
             format!("{:?}", f.mode),
             f.pps_delivered,
-            f.pps_delivered / ipt.pps_delivered,
+            ratio(f.pps_delivered, ipt),
             1e9 / f.pps_delivered - 1e9 / floor,
             f.conns_per_sec,
-            f.conns_per_sec / ipt.conns_per_sec
+            ratio(f.conns_per_sec, ipt_cps)
         );
     }
+    let Some(xdp) = of(Mode::Xdp) else { return };
     // XDP's share of the floor: the median of the rounds that measured them one after the other.
     let mut shares = xdp.of_floor.clone();
     shares.sort_by(f64::total_cmp);
     let share = shares.get(shares.len() / 2).copied().unwrap_or(xdp.pps_delivered / floor);
     let pct = |v: &[f64]| v.iter().map(|r| format!("{:.0}", 100.0 * r)).collect::<Vec<_>>().join(", ");
     println!(
-        "\nXDP pps: {:.2}x iptables (target >= 5x), {:.2}x nftables (target >= 3x), {:.0} % of the floor (target >= 85 %; the median of {} rounds of the floor and XDP one after the other: {} %)",
-        xdp.pps_delivered / ipt.pps_delivered,
-        xdp.pps_delivered / nft.pps_delivered,
+        "\nXDP pps: {} iptables (target >= 5x), {} nftables (target >= 3x), {:.0} % of the floor (target >= 85 %; the median of {} rounds of the floor and XDP one after the other: {} %)",
+        ratio(xdp.pps_delivered, ipt),
+        ratio(xdp.pps_delivered, of(Mode::Nftables).map(|f| f.pps_delivered)),
         100.0 * share,
         xdp.of_floor.len(),
         pct(&xdp.of_floor)
     );
+    let (Some(ipt), Some(ipt_cps), 5) = (ipt, ipt_cps, figures.len()) else {
+        println!("(PROXY_BENCH_MODES left modes out: no JSON written)");
+        return;
+    };
     let json = serde_json::json!({
         "benchmark": "north",
         "filler_services": filler,
@@ -919,8 +932,8 @@ fn north(out_dir: &std::path::Path) {
             "udp_pps_delivered": f.pps_delivered,
             "udp_pps_offered": f.pps_offered,
             "tcp_new_conns_per_sec": f.conns_per_sec,
-            "pps_vs_iptables": f.pps_delivered / ipt.pps_delivered,
-            "conns_vs_iptables": f.conns_per_sec / ipt.conns_per_sec,
+            "pps_vs_iptables": f.pps_delivered / ipt,
+            "conns_vs_iptables": f.conns_per_sec / ipt_cps,
         })).collect::<Vec<_>>(),
     });
     let path = out_dir.join("north.json");
