@@ -76,6 +76,12 @@ pub const fn route_epoch(now_ns: u64) -> u16 {
     (now_ns >> 30) as u16
 }
 
+/// When the route epoch of `now_ns` ends.
+#[inline(always)]
+pub const fn route_epoch_end(now_ns: u64) -> u64 {
+    ((now_ns >> 30) + 1) << 30
+}
+
 /// Marks `CtEntry::route_xdp` as holding the route's device flags (which may be none).
 pub const ROUTE_XDP_KNOWN: u8 = 0x80;
 

@@ -101,6 +101,10 @@ pub mod map_names {
     /// The conntrack filter (`crate::ct_filter`): a bit per hash of every key the conntrack map
     /// may hold, so a packet of no tracked flow is told so without a conntrack lookup.
     pub const CT_FILTER: &str = "CT4_FILTER_V1";
+    /// The generation XDP's flow cache is valid under (one `u32`): the agent moves it on after
+    /// it deleted a backend or a reverse NAT entry, or changed what a device takes, so that no
+    /// cached step outlives what it was decided from.
+    pub const FLOW_GEN: &str = "FLOW_GEN_V1";
 
     /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte
     /// addresses. Ids (service, backend) are the family's own.
@@ -175,7 +179,7 @@ pub mod map_names {
     pub const LB_V4: [&str; 9] = [SERVICES, BACKENDS, REVNAT, NAMES, BACKEND_FLOWS, MAGLEV, AFFINITY_MATCH, SOURCE_RANGES, SERVICE_CIDRS];
     pub const LB_V6: [&str; 9] =
         [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6, MAGLEV6];
-    pub const ALL: [&str; 45] = [
+    pub const ALL: [&str; 46] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -197,6 +201,7 @@ pub mod map_names {
         SOCK_HELD,
         HOST_NETNS,
         XDP_DEVS,
+        FLOW_GEN,
         SERVICE_CIDRS,
         SERVICES6,
         BACKENDS6,

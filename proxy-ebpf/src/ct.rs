@@ -45,7 +45,7 @@ pub fn now() -> u64 {
 /// May the conntrack map hold `k`? `false`: it surely does not, the conntrack filter says
 /// (`proxy_common::ct_filter`).
 #[inline(always)]
-fn may_hold<A: Family>(k: &CtKey<A>) -> bool {
+pub fn may_hold<A: Family>(k: &CtKey<A>) -> bool {
     let Some(f) = A::ct_filter().get_ptr(0) else { return true };
     // SAFETY: the map's live value, read a word at a time.
     let Some(half) = ct_filter::half(unsafe { (*f).control }) else { return true };
@@ -150,6 +150,15 @@ pub fn expired(proto: u8, f: u8, last_seen_ns: u64, now: u64) -> bool {
     // before the loader sets the value.
     let lt = unsafe { core::ptr::read_volatile(&raw const CT_LIFETIMES) };
     ct::expired(proto, f, last_seen_ns, now, &lt)
+}
+
+/// The lifetime of an entry with flags `f` (`proxy_common::ct::lifetime_ns`), by the loaded
+/// settings.
+#[inline(always)]
+pub fn lifetime(proto: u8, f: u8) -> u64 {
+    // SAFETY: as in `expired`.
+    let lt = unsafe { core::ptr::read_volatile(&raw const CT_LIFETIMES) };
+    ct::lifetime_ns(proto, f, &lt)
 }
 
 /// CT flags a TCP packet contributes. `fin` is the FIN flag for its direction.

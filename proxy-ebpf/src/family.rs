@@ -63,6 +63,8 @@ pub trait Family:
     /// conntrack filter (`ct_filter`): a key without its bit is not found by `ct::lookup`.
     fn ct() -> &'static CtMap<Self>;
     fn ct_filter() -> &'static CtFilterMap;
+    /// XDP's cache of tracked flows (`flowcache`).
+    fn flow_cache() -> &'static crate::flowcache::FlowMap<Self>;
     fn services() -> &'static ServicesMap<Self>;
     /// True when the family's frontend filter (`proxy_common::filter`) has the bit of frontend
     /// (`addr`, `port`, `proto`): it may be one.
@@ -179,6 +181,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn ct_filter() -> &'static CtFilterMap {
         &maps::CT4_FILTER_V1
+    }
+    #[inline(always)]
+    fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {
+        &crate::flowcache::FLOWS4
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {
@@ -348,6 +354,10 @@ impl Family for Ip6 {
     #[inline(always)]
     fn ct_filter() -> &'static CtFilterMap {
         &maps::CT6_FILTER_V1
+    }
+    #[inline(always)]
+    fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {
+        &crate::flowcache::FLOWS6
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {

@@ -8,6 +8,7 @@ mod ct;
 mod egress;
 mod ext;
 mod family;
+mod flowcache;
 mod frag;
 mod host;
 mod icmp;

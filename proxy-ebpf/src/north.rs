@@ -26,6 +26,7 @@ use proxy_common::{
 use crate::{
     ct,
     family::Family,
+    flowcache,
     maps::{CONFIG_V3, XDP_DEVS_V1},
     parse::Packet,
     pod_ingress::count_flow,
@@ -53,6 +54,9 @@ pub struct Env {
     pub xdp: bool,
     /// A trace: decide, but write nothing.
     pub dry: bool,
+    /// XDP: the agent's generation for the flow cache (`flowcache`), read before the packet's
+    /// lookups.
+    pub generation: u32,
 }
 
 pub enum Step<A = [u8; 4]> {
@@ -202,6 +206,30 @@ fn device_flags(ifindex: u32) -> u32 {
     value::copy(&XDP_DEVS_V1, &ifindex).unwrap_or(0)
 }
 
+/// XDP: caches the step of a tracked flow's packet (`flowcache`), sent on by `route` with the
+/// addresses `dst` and `src`, for as long as the conntrack path would take it again without
+/// writing the flow's entry `e` (`lifetime`: the entry's, `u64::MAX` for one never checked).
+#[inline(always)]
+fn remember<A: Family>(
+    env: &Env,
+    pkt: &Packet<A>,
+    e: &Slot<CtEntry<A>>,
+    lifetime: u64,
+    now: u64,
+    dst: (A, [u8; 2]),
+    src: (A, [u8; 2]),
+    route: &Route<A>,
+    reason: Reason,
+) {
+    if !env.xdp || env.dry || !flowcache::takes(pkt) {
+        return;
+    }
+    // As the packet left it (a packet the cache takes adds no flags).
+    let last_seen = e.read(|e| e.last_seen_ns);
+    let until = flowcache::window_end(last_seen, lifetime, now);
+    flowcache::fill(&ct::key(pkt), env.ifindex, env.generation, until, dst, src, route, reason);
+}
+
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
 #[inline(always)]
 fn xdp_pass<A: Family>(env: &Env) -> Option<Step<A>> {
@@ -250,9 +278,12 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() ->
             if !env.dry && !ct::touch_reply(pkt, &mut e, &entry, &ct::snat_forward_key(&entry, rn.addr, rn.port, pkt.proto), now) {
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::PassNotService));
             }
+            let (dst, src) = ((entry.nat_addr, entry.nat_port), (rn.addr, rn.port));
+            // A reply entry's own age is never checked: its flow's forward entry is, when due.
+            remember(env, pkt, &e, u64::MAX, now, dst, src, &route, Reason::XdpReply);
             return Step::Forward {
-                dst: (entry.nat_addr, entry.nat_port),
-                src: (rn.addr, rn.port),
+                dst,
+                src,
                 route,
                 backend_id: entry.backend_id,
                 service_id: entry.service_id,
@@ -285,9 +316,11 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() ->
             if !env.dry {
                 ct::touch_forward(pkt, &mut e, now);
             }
+            let (dst, src) = ((be.addr, be.port), (entry.snat_addr, entry.snat_port));
+            remember(env, pkt, &e, ct::lifetime(pkt.proto, entry.flags), now, dst, src, &route, Reason::XdpForward);
             return Step::Forward {
-                dst: (be.addr, be.port),
-                src: (entry.snat_addr, entry.snat_port),
+                dst,
+                src,
                 route,
                 backend_id: entry.backend_id,
                 service_id: entry.service_id,

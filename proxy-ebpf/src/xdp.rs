@@ -18,6 +18,7 @@ use proxy_common::{csum, Ip6, Reason, IPPROTO_TCP};
 use crate::{
     access, ct,
     family::Family,
+    flowcache,
     maps::PROGS_XDP_V1,
     nat::{TCP_CSUM_OFF, UDP_CSUM_OFF},
     north::{self, Env, Route, Step},
@@ -41,11 +42,32 @@ const fn pass(reason: Reason) -> XdpVerdict {
     XdpVerdict { action: XDP_PASS, reason }
 }
 
+/// The interface the frame arrived on.
 #[inline(always)]
-fn env(ctx: &XdpContext) -> Env {
+fn ingress(ctx: &XdpContext) -> u32 {
     // SAFETY: reads a field of our own context.
-    let ifindex = unsafe { (*ctx.ctx).ingress_ifindex };
-    Env { ctx: ctx.ctx as *mut _, ifindex, xdp: true, dry: false }
+    unsafe { (*ctx.ctx).ingress_ifindex }
+}
+
+/// The step for `pkt`; or, for a packet of a tracked flow whose step XDP's flow cache holds
+/// (`flowcache`), the verdict it was sent on with.
+#[inline(always)]
+fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpVerdict> {
+    let mut env = Env { ctx: ctx.ctx as *mut _, ifindex: ingress(ctx), xdp: true, dry: false, generation: 0 };
+    let key = ct::key(pkt);
+    // A packet of no tracked flow (most of them) is told so by the conntrack filter, before
+    // the cache, as the conntrack lookup would be: only a new flow's decision is left.
+    if !ct::may_hold(&key) {
+        return Ok(north::new_flow(&env, pkt, ct::now));
+    }
+    if flowcache::takes(pkt) {
+        // Read before the decision's lookups, for caching its step.
+        env.generation = flowcache::generation();
+        if let Some(h) = flowcache::hit(&key, env.ifindex, ct::now(), env.generation) {
+            return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason));
+        }
+    }
+    Ok(north::decide(&env, pkt, ct::now))
 }
 
 #[inline(always)]
@@ -64,9 +86,12 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
     if pkt.frag != Frag::Whole || pkt.ttl <= 1 {
         return pass(Reason::XdpPass);
     }
-    let env = env(ctx);
-    match north::decide(&env, &pkt, ct::now) {
-        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
+    let step = match step(ctx, &pkt) {
+        Ok(step) => step,
+        Err(sent) => return sent,
+    };
+    match step {
+        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, ingress(ctx), reason),
         Step::Pass(reason) => pass(reason),
         // A source outside a load balancer's ranges goes no further than here.
         Step::Drop(Reason::DropSourceRange) => XdpVerdict { action: XDP_DROP, reason: Reason::DropSourceRange },
@@ -84,9 +109,12 @@ pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
     if pkt.frag != Frag::Whole || pkt.ttl <= 1 {
         return pass(Reason::XdpPass);
     }
-    let env = env(ctx);
-    match north::decide(&env, &pkt, ct::now) {
-        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, env.ifindex, reason),
+    let step = match step(ctx, &pkt) {
+        Ok(step) => step,
+        Err(sent) => return sent,
+    };
+    match step {
+        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, ingress(ctx), reason),
         Step::Pass(reason) => pass(reason),
         _ => pass(Reason::XdpPass),
     }

@@ -22,7 +22,7 @@ use proxy_common::{
 };
 use proxy_tests::{
     netns::{enter, unique_id, Netns},
-    packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, ICMP, SYN, TCP},
+    packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
     require,
     testrun::{
         self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
@@ -177,13 +177,16 @@ fn forward_entry(dp: &mut EbpfDataplane) -> (proxy_common::CtKey, proxy_common::
         .expect("forward entry")
 }
 
-/// Changes the flow's forward entry in the kernel's map, as nothing but time would.
+/// Changes the flow's forward entry in the kernel's map, as nothing but time would; and ends
+/// the window in which XDP's flow cache repeats the flow's step, as that time would (the
+/// window ends with the route's epoch at the latest).
 fn edit_forward_entry(dp: &mut EbpfDataplane, edit: impl FnOnce(&mut proxy_common::CtEntry)) {
     let (k, mut e) = forward_entry(dp);
     edit(&mut e);
     let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
     let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
     ct.insert(k, e, 0).unwrap();
+    dp.invalidate_cached_flows().unwrap();
 }
 
 #[test]
@@ -254,6 +257,124 @@ fn xdp_forwards_remote_flows_and_their_replies_with_valid_checksums() {
     }
     let c = counters(&mut n.dp);
     assert_eq!((c.get("xdp_forward"), c.get("xdp_reply")), (Some(&2), Some(&2)), "{c:?}");
+}
+
+/// Deletes every conntrack entry, behind the datapath's back (as only the LRU would).
+fn forget_conntrack(dp: &mut EbpfDataplane) {
+    let keys: Vec<proxy_common::CtKey> = conntrack(dp).into_iter().map(|(k, _)| k).collect();
+    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
+    for k in keys {
+        ct.remove(&k).unwrap();
+    }
+}
+
+/// Runs `attempt` up to five times until it says it was not cut short by the end of a cache
+/// window (a route epoch turns about once a second; an attempt takes a few milliseconds).
+fn within_a_window(what: &str, mut attempt: impl FnMut() -> bool) {
+    assert!((0..5).any(|_| attempt()), "{what}: every attempt met the end of a window");
+}
+
+#[test]
+fn xdp_repeats_a_tracked_flows_step_from_its_cache_only_while_the_conntrack_path_would_repeat_it_unchanged() {
+    let Some(mut n) = node("xdp_repeats_a_tracked_flows_step_from_its_cache") else { return };
+    let udp = key(NODE_PORT, Protocol::Udp);
+    n.dp.upsert(&udp, &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let ping = udp_frame(sock(CLIENT), sock(NODE_PORT), b"ping");
+    // The cache serves: with the flow's conntrack entries gone (as an LRU eviction would take
+    // them), a packet in its window is still sent on as before, and nothing is tracked anew.
+    within_a_window("a cached forward step", || {
+        forget_conntrack(&mut n.dp);
+        n.dp.invalidate_cached_flows().unwrap();
+        let first = run_xdp(&mut n.dp, &ping, n.ifindex);
+        assert_eq!(first.action, XDP_TX, "a new flow");
+        // Tracked now: this packet takes the conntrack path and caches its step.
+        let tracked = run_xdp(&mut n.dp, &ping, n.ifindex);
+        assert_eq!((tracked.action, &tracked.frame), (XDP_TX, &first.frame));
+        forget_conntrack(&mut n.dp);
+        let out = run_xdp(&mut n.dp, &ping, n.ifindex);
+        if !conntrack(&mut n.dp).is_empty() {
+            // The window ended between the two packets: tracked afresh.
+            return false;
+        }
+        assert_eq!((out.action, &out.frame), (XDP_TX, &first.frame), "sent on from the cache, translated as before");
+        true
+    });
+    // Its reply's step too.
+    within_a_window("a cached reply step", || {
+        forget_conntrack(&mut n.dp);
+        n.dp.invalidate_cached_flows().unwrap();
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
+        let snat_port = dissect(&run_xdp(&mut n.dp, &ping, n.ifindex).frame).sport.unwrap();
+        let pong = udp_frame(sock(REMOTE), SocketAddrV4::new(NODE_IP.parse().unwrap(), snat_port), b"pong");
+        let tracked = run_xdp(&mut n.dp, &pong, n.ifindex);
+        assert_eq!(tracked.action, XDP_TX, "the reply, by the conntrack path");
+        forget_conntrack(&mut n.dp);
+        let out = run_xdp(&mut n.dp, &pong, n.ifindex);
+        if out.action != XDP_TX {
+            assert_eq!((out.action, &out.frame), (XDP_PASS, &pong), "a reply of no flow, when the window ended");
+            return false;
+        }
+        assert_eq!(out.frame, tracked.frame, "the reply sent on from the cache, translated as before");
+        let d = dissect(&out.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (sock(NODE_PORT), sock(CLIENT)));
+        true
+    });
+
+    // A backend the agent deleted is not sent to from the cache: its deletion moves the
+    // generation on, and the flow's next packet finds it gone (TC tracks the flow afresh).
+    forget_conntrack(&mut n.dp);
+    n.dp.invalidate_cached_flows().unwrap();
+    assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
+    assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "cached");
+    n.dp.upsert(&udp, &frontend(FrontendKind::NodePort, vec![backend("10.244.2.6:8080", false)])).unwrap();
+    assert_xdp_passes(&mut n, &ping, "its backend gone");
+    n.dp.upsert(&udp, &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+
+    // The window ends where the conntrack path would write the entry: its refresh, due a
+    // second after the packet that last refreshed it. An entry refreshed 999 ms ago leaves a
+    // window of a millisecond; after it, the next packet refreshes the entry.
+    use proxy_agent::dataplane::ebpf::ct_gc;
+    within_a_window("a window ended by a refresh", || {
+        forget_conntrack(&mut n.dp);
+        n.dp.invalidate_cached_flows().unwrap();
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "caches the route in the entry");
+        let old = ct_gc::monotonic_coarse_ns() - 999_000_000;
+        edit_forward_entry(&mut n.dp, |e| e.last_seen_ns = old);
+        let epoch = forward_entry(&mut n.dp).1.route_epoch;
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "not due yet: caches its step");
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
+        let (_, e) = forward_entry(&mut n.dp);
+        if e.route_epoch != epoch {
+            return false;
+        }
+        assert!(e.last_seen_ns > old, "refreshed by the conntrack path, not skipped by the cache");
+        true
+    });
+}
+
+#[test]
+fn xdp_leaves_tcp_segments_that_change_a_flows_state_to_the_conntrack_path() {
+    let Some(mut n) = node("xdp_leaves_tcp_segments_that_change_a_flows_state") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let ack = tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK);
+    assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
+    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX, "caches its step");
+    // The FIN is recorded on the entry, which a step served from the cache would not do.
+    let fin = tcp_frame(sock(CLIENT), sock(NODE_PORT), FIN | ACK);
+    assert_eq!(run_xdp(&mut n.dp, &fin, n.ifindex).action, XDP_TX);
+    assert!(forward_entry(&mut n.dp).1.flags & flags::FIN_FWD != 0, "the FIN recorded");
+    // And a RST.
+    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
+    let rst = tcp_frame(sock(CLIENT), sock(NODE_PORT), RST);
+    assert_eq!(run_xdp(&mut n.dp, &rst, n.ifindex).action, XDP_TX);
+    assert!(forward_entry(&mut n.dp).1.flags & flags::RST != 0, "the RST recorded");
+    // A SYN reusing the closed flow's tuple is a new flow (TC tracks it afresh), not the old
+    // flow's cached step.
+    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+    assert_xdp_passes(&mut n, &syn, "a SYN on a closed flow's tuple");
 }
 
 #[test]

@@ -548,3 +548,47 @@ fn an_ipv6_host_flow_left_to_tc_gets_a_moved_port_and_its_replies_reach_the_proc
     let c = counters(&mut n.dp);
     assert_eq!((c.get("host_flow_new"), c.get("host_flow"), c.get("host_reply")), (Some(&3), Some(&2), Some(&3)), "{c:?}");
 }
+
+/// XDP's flow cache (`flowcache`) serves IPv6 flows as IPv4's: a tracked flow's packet is sent
+/// on from it while the conntrack path would repeat its step (here: with the flow's entries
+/// gone behind the datapath's back, nothing is tracked anew), and not once the agent deleted
+/// its backend.
+#[test]
+fn xdp_repeats_an_ipv6_flows_step_from_its_cache_until_its_backend_goes() {
+    let Some(mut n) = node("xdp_repeats_an_ipv6_flows_step_from_its_cache") else { return };
+    node_port_of(&mut n, Protocol::Udp, vec![backend(REMOTE, false)]);
+    let ping = udp_frame(sock(CLIENT), sock(NODE_PORT), b"ping");
+    let forget = |dp: &mut EbpfDataplane| {
+        let keys: Vec<CtKey<Ip6>> = conntrack6(dp).into_iter().map(|(k, _)| k).collect();
+        let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT6).unwrap();
+        let mut ct = aya::maps::HashMap::<_, CtKey<Ip6>, CtEntry<Ip6>>::try_from(map).unwrap();
+        for k in keys {
+            ct.remove(&k).unwrap();
+        }
+    };
+    // A route epoch (about a second) may end between two packets: a few attempts.
+    let served = (0..5).any(|_| {
+        forget(&mut n.dp);
+        n.dp.invalidate_cached_flows().unwrap();
+        let first = run_xdp(&mut n.dp, &ping, n.ifindex);
+        assert_eq!(first.action, XDP_TX, "a new flow");
+        assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).frame, first.frame, "tracked: its step cached");
+        forget(&mut n.dp);
+        let out = run_xdp(&mut n.dp, &ping, n.ifindex);
+        if !conntrack6(&mut n.dp).is_empty() {
+            return false;
+        }
+        assert_eq!((out.action, &out.frame), (XDP_TX, &first.frame), "sent on from the cache, translated as before");
+        let d = dissect(&out.frame);
+        assert!(d.l4_checksum_ok == Some(true), "{d:?}");
+        true
+    });
+    assert!(served, "every attempt met the end of a window");
+    forget(&mut n.dp);
+    n.dp.invalidate_cached_flows().unwrap();
+    assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
+    assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "cached");
+    node_port_of(&mut n, Protocol::Udp, vec![backend("[fd00:244:2::6]:8080", false)]);
+    let out = run_xdp(&mut n.dp, &ping, n.ifindex);
+    assert_eq!((out.action, &out.frame), (XDP_PASS, &ping), "its backend gone: handed to TC untouched");
+}

@@ -18,6 +18,8 @@ mod ct;
 mod ext;
 #[path = "../family.rs"]
 mod family;
+#[path = "../flowcache.rs"]
+mod flowcache;
 #[path = "../frag.rs"]
 mod frag;
 #[path = "../host.rs"]

@@ -250,6 +250,9 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     /// Service ids of frontends never written whose undo left entries behind: not given out
     /// again until `collect_garbage` has removed those.
     held_service_ids: Vec<u32>,
+    /// Backend and reverse NAT entries deleted (tried) so far: what a tracked flow's step is
+    /// decided from besides its conntrack entry (see `deletions`).
+    deletions: u64,
 }
 
 fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, DataplaneError> {
@@ -386,6 +389,7 @@ impl<A: MapAddr> LbMaps<A> {
             stray_affinity_matches: Vec::new(),
             stray_ranges: Vec::new(),
             held_service_ids: Vec::new(),
+            deletions: 0,
         };
         let snap = found.snapshot;
         // Bits for every master the maps hold, before anything else is written.
@@ -569,6 +573,7 @@ impl<A: MapAddr> LbMaps<A> {
     }
 
     fn delete_backend(&mut self, id: u32, ident: Ident<A>) {
+        self.deletions += 1;
         match self.backends.del(&id) {
             Ok(()) => {}
             Err(e) => {
@@ -584,6 +589,18 @@ impl<A: MapAddr> LbMaps<A> {
         }
         self.by_id.remove(id);
         self.backend_ids.free(id);
+    }
+
+    /// Deletes service `id`'s reverse NAT entry (counted, as a backend's deletion is).
+    fn del_revnat(&mut self, id: &u32) -> Result<(), MapError> {
+        self.deletions += 1;
+        self.revnat.del(id)
+    }
+
+    /// Backend and reverse NAT entries this writer has deleted (or tried to): when it moves,
+    /// a step XDP cached for a tracked flow may name what is gone (`proxy_ebpf`'s `flowcache`).
+    pub fn deletions(&self) -> u64 {
+        self.deletions
     }
 
     fn release_all(&mut self, ids: &[u32]) {
@@ -839,7 +856,7 @@ impl<A: MapAddr> LbMaps<A> {
                 self.release_all(&released);
             }
             if fresh {
-                if failed(self.revnat.del(&service_id)) | failed(self.names.del(&service_id)) {
+                if failed(self.del_revnat(&service_id)) | failed(self.names.del(&service_id)) {
                     self.stray_service_ids.push(service_id);
                     left = true;
                 }
@@ -995,7 +1012,7 @@ impl<A: MapAddr> LbMaps<A> {
         }
         // Left entries are overwritten when the id is given out again, and removed by
         // `collect_garbage` if it is not.
-        if failed(self.revnat.del(&p.service_id)) | failed(self.names.del(&p.service_id)) {
+        if failed(self.del_revnat(&p.service_id)) | failed(self.names.del(&p.service_id)) {
             self.stray_service_ids.push(p.service_id);
         }
         // An id that stray entries still name is held until `collect_garbage` removed them.
@@ -1102,7 +1119,7 @@ impl<A: MapAddr> LbMaps<A> {
             if self.frontends.values().any(|p| p.service_id == id) {
                 continue;
             }
-            if failed(self.revnat.del(&id)) | failed(self.names.del(&id)) {
+            if failed(self.del_revnat(&id)) | failed(self.names.del(&id)) {
                 self.stray_service_ids.push(id);
             } else {
                 removed += 1;

@@ -546,3 +546,33 @@ fn a_failure_at_any_call_of_a_removal_is_finished_by_the_next_attempt() {
         }
     }
 }
+
+/// A backend or reverse NAT entry leaving the maps moves `deletions` on (XDP's cached steps
+/// of tracked flows read those two maps besides the flow's own entry: the agent then moves the
+/// flow cache's generation on); writes that delete neither leave it.
+#[test]
+fn deleting_a_backend_or_a_reverse_nat_entry_is_counted() {
+    let held = |kernel: &Shared| {
+        let k = kernel.lock().unwrap();
+        (k.backends.iter().map(|(i, b)| (*i, *b)).collect::<Vec<_>>(), k.revnat.keys().copied().collect::<BTreeSet<u32>>())
+    };
+    for (key, states) in [(cluster_ip(), cluster_ip_states()), (load_balancer(), load_balancer_states())] {
+        let (mut lb, kernel) = writer();
+        // A second frontend shares the backends: removing the first deletes its reverse NAT
+        // entry and none of them.
+        let other = FrontendKey { port: 8443, ..key };
+        for (step, fe) in states.iter().chain([&states[0]]).enumerate() {
+            let (before, count) = (held(&kernel), lb.deletions());
+            lb.upsert(&key, fe).expect("state");
+            lb.upsert(&other, fe).expect("state");
+            let after = held(&kernel);
+            let gone = before.0.iter().any(|b| !after.0.contains(b)) || !before.1.is_subset(&after.1);
+            assert_eq!(lb.deletions() > count, gone, "{key} state {step}: {before:?} -> {after:?}");
+        }
+        let count = lb.deletions();
+        let backends = held(&kernel).0;
+        lb.remove(&key).expect("removal");
+        assert_eq!(held(&kernel).0, backends, "{key}: the backends stay, the other frontend's");
+        assert!(lb.deletions() > count, "{key}: the removal's reverse NAT entry counted");
+    }
+}

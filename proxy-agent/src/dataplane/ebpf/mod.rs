@@ -61,6 +61,9 @@ pub struct EbpfDataplane {
     pins_outlive_agent: bool,
     /// What `XDP_DEVS_V1` holds: interface index -> `xdp_dev` flags (none are 0).
     xdp_devs: std::collections::BTreeMap<u32, u32>,
+    /// `LbMaps::deletions` of both families when the flow cache's generation last moved on
+    /// for them (`after_lb_write`).
+    lb_deletions_seen: u64,
     /// What `CONFIG_V3` holds.
     config: Config,
     /// Entries the load-balancer maps and each family's conntrack map hold at most, as the
@@ -146,6 +149,7 @@ impl EbpfDataplane {
             attachments: Attachments::default(),
             host_sockets: Vec::new(),
             xdp_devs: Default::default(),
+            lb_deletions_seen: 0,
             pins_outlive_agent,
             config,
             svc_cidrs: None,
@@ -339,6 +343,14 @@ impl EbpfDataplane {
     /// changed are written, those of interfaces gone or now unable are deleted. A stale map
     /// (adopted from a previous run) is rewritten whole the first time.
     pub fn set_xdp_devices(&mut self, want: &std::collections::BTreeMap<u32, u32>) -> Result<(), DataplaneError> {
+        let mut changed = false;
+        let written = self.write_xdp_devices(want, &mut changed);
+        // A step XDP cached may rest on a device's old entry.
+        let moved = if changed { self.invalidate_cached_flows() } else { Ok(()) };
+        written.and(moved)
+    }
+
+    fn write_xdp_devices(&mut self, want: &std::collections::BTreeMap<u32, u32>, changed: &mut bool) -> Result<(), DataplaneError> {
         let map = self.ebpf.map_mut(map_names::XDP_DEVS).expect("the object defines the XDP device map");
         let err = |op, source| DataplaneError::Map { op, map: map_names::XDP_DEVS, source };
         let mut m: aya::maps::HashMap<&mut MapData, u32, u32> = aya::maps::HashMap::try_from(map).map_err(|e| err("open", e))?;
@@ -348,10 +360,12 @@ impl EbpfDataplane {
         }
         for (index, flags) in &want {
             if self.xdp_devs.get(index) != Some(flags) {
+                *changed = true;
                 m.insert(index, flags, 0).map_err(|e| err("update", e))?;
             }
         }
         for index in self.xdp_devs.keys().filter(|i| !want.contains_key(i)) {
+            *changed = true;
             match m.remove(index) {
                 Ok(()) => {}
                 Err(e) if lbmaps::is_not_found(&e) => {}
@@ -359,6 +373,47 @@ impl EbpfDataplane {
             }
         }
         self.xdp_devs = want;
+        Ok(())
+    }
+
+    /// Moves the generation XDP's flow cache is valid under on (`map_names::FLOW_GEN`): no
+    /// step cached before is used again (each flow's next packet takes the conntrack path).
+    pub fn invalidate_cached_flows(&mut self) -> Result<(), DataplaneError> {
+        let map = self.ebpf.map_mut(map_names::FLOW_GEN).expect("the object defines the flow cache's generation");
+        let err = |op, source| DataplaneError::Map { op, map: map_names::FLOW_GEN, source };
+        let mut a: Array<&mut MapData, u32> = Array::try_from(map).map_err(|e| err("open", e))?;
+        let next = a.get(&0, 0).map_err(|e| err("lookup", e))?.wrapping_add(1);
+        a.set(0, next, 0).map_err(|e| err("update", e))
+    }
+
+    /// `Dataplane::upsert` in the family's maps.
+    fn upsert_family(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
+        match key.addr {
+            IpAddr::V4(_) => self.lb.upsert(key, fe),
+            IpAddr::V6(_) => {
+                if std::mem::take(&mut self.ipv6_tables_small) {
+                    tracing::warn!(
+                        frontend = %key,
+                        "IPv6 Services are programmed, but the configuration names no IPv6 range (--cluster-cidr, \
+                         --service-cluster-ip-range), so the IPv6 conntrack table holds {} entries: name the ranges so \
+                         it is sized like IPv4's (--ct-map-max); the next start resizes it",
+                        loader::IPV6_LRU_MAX_SMALL
+                    );
+                }
+                self.lb6.upsert(key, fe)
+            }
+        }
+    }
+
+    /// After a write of the load-balancer maps: the flow cache's generation moves on if the
+    /// write deleted a backend or a reverse NAT entry (`LbMaps::deletions`).
+    fn after_lb_write(&mut self) -> Result<(), DataplaneError> {
+        let deletions = self.lb.deletions() + self.lb6.deletions();
+        if deletions == self.lb_deletions_seen {
+            return Ok(());
+        }
+        self.invalidate_cached_flows()?;
+        self.lb_deletions_seen = deletions;
         Ok(())
     }
 
@@ -509,32 +564,22 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
-        match key.addr {
-            IpAddr::V4(_) => self.lb.upsert(key, fe),
-            IpAddr::V6(_) => {
-                if std::mem::take(&mut self.ipv6_tables_small) {
-                    tracing::warn!(
-                        frontend = %key,
-                        "IPv6 Services are programmed, but the configuration names no IPv6 range (--cluster-cidr, \
-                         --service-cluster-ip-range), so the IPv6 conntrack table holds {} entries: name the ranges so \
-                         it is sized like IPv4's (--ct-map-max); the next start resizes it",
-                        loader::IPV6_LRU_MAX_SMALL
-                    );
-                }
-                self.lb6.upsert(key, fe)
-            }
-        }
+        let written = self.upsert_family(key, fe);
+        written.and(self.after_lb_write())
     }
 
     fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
-        match key.addr {
+        let removed = match key.addr {
             IpAddr::V4(_) => self.lb.remove(key),
             IpAddr::V6(_) => self.lb6.remove(key),
-        }
+        };
+        removed.and(self.after_lb_write())
     }
 
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
-        Ok(self.lb.collect_garbage()? + self.lb6.collect_garbage()?)
+        let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
+        let moved = self.after_lb_write();
+        collected.and_then(|n| moved.map(|()| n))
     }
 
     fn has_leftovers(&self) -> bool {

@@ -1,0 +1,162 @@
+//! XDP's per-CPU cache of tracked north-south flows: what the conntrack path decided for a
+//! tuple (its rewrite and its route), kept for the window in which that path would decide the
+//! same again and write nothing, so that a packet in that window is sent on without the
+//! conntrack lookup (the kernel's hash of the key and its walk: about half of what XDP spent
+//! on a tracked packet).
+//!
+//! A slot holds one flow, at the place its tuple's hash gives (direct-mapped); a flow that
+//! meets another in its slot is looked up in the conntrack map as before and takes the slot.
+//! A slot serves a packet only:
+//! - of the same tuple, arriving on the same interface;
+//! - before `until`: the first of the moments at which the conntrack path would write the
+//!   entry (its refresh, due `REFRESH_NS` after the packet that last refreshed it), find it
+//!   expired, or take another route (the route's epoch ends; see `north::route_of`);
+//! - while the agent's generation is the one the slot was filled under: the agent moves it on
+//!   after it deleted a backend or a Service's reverse NAT entry, the map entries a tracked
+//!   flow's decision reads besides its own conntrack entry (`FLOW_GEN_V1`);
+//! - that is not a TCP segment with SYN, FIN or RST, which change or end a flow's state (those
+//!   take the conntrack path, and do not fill a slot).
+//!
+//! So a packet the cache sends on is one the conntrack path would have sent the same way,
+//! leaving the entry as it was. What the cache cannot see: another CPU's packet changing the
+//! entry's flags (a FIN: the flow then lives on for at least the half-closed or closing
+//! lifetime, longer than a slot's window unless those are set under a second), and an entry
+//! the LRU evicts while its flow is sending (at most one window then).
+
+use aya_ebpf::{
+    btf_maps::{Array, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{ct, CtKey, Ip6, Reason, IPPROTO_TCP};
+
+use crate::{
+    family::Family,
+    north::Route,
+    parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
+};
+
+/// Slots per CPU and family (IPv4's are 64 bytes, IPv6's 112: 64 KiB and 112 KiB a CPU).
+pub const SLOTS: u32 = 1024;
+
+/// One cached flow. `until == 0`: empty.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Flow<A> {
+    key: CtKey<A>,
+    dst: A,
+    src: A,
+    dport: [u8; 2],
+    sport: [u8; 2],
+    ingress: u32,
+    egress: u32,
+    dmac: [u8; 6],
+    smac: [u8; 6],
+    generation: u32,
+    /// A reply's slot (`Reason::XdpReply`), else a forward packet's (`Reason::XdpForward`).
+    reply: u32,
+    until: u64,
+}
+
+pub type FlowMap<A> = PerCpuArray<Flow<A>, { SLOTS as usize }>;
+
+#[btf_map]
+pub static FLOWS4: FlowMap<[u8; 4]> = PerCpuArray::new();
+
+#[btf_map]
+pub static FLOWS6: FlowMap<Ip6> = PerCpuArray::new();
+
+/// The agent's generation (see the module comment). Pinned: programs of an earlier load that
+/// are still attached read the one the agent moves on.
+#[btf_map]
+pub static FLOW_GEN_V1: Array<u32, 1> = Array::new();
+
+/// What a slot sends a packet on with.
+pub struct Hit<A> {
+    pub dst: (A, [u8; 2]),
+    pub src: (A, [u8; 2]),
+    pub route: Route<A>,
+    pub reason: Reason,
+}
+
+/// The agent's current generation.
+#[inline(always)]
+pub fn generation() -> u32 {
+    FLOW_GEN_V1.get(0).copied().unwrap_or(0)
+}
+
+/// Whether the cache may serve (or learn from) `pkt`: not a TCP segment that changes its
+/// flow's state.
+#[inline(always)]
+pub fn takes<A: Family>(pkt: &Packet<A>) -> bool {
+    pkt.proto != IPPROTO_TCP || pkt.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+}
+
+#[inline(always)]
+fn slot<A: Family>(key: &CtKey<A>) -> Option<&'static mut Flow<A>> {
+    // The top bits of the conntrack filter's hash place the key in the filter; the next ones
+    // place it here.
+    let index = (proxy_common::ct_filter::hash(key) >> 32) as u32 & (SLOTS - 1);
+    // SAFETY: per-CPU, and only XDP uses the slots; XDP runs to its end on a CPU before the
+    // next packet there.
+    unsafe { crate::value::per_cpu(A::flow_cache(), index) }
+}
+
+/// The cached decision for `key`, arriving on `ingress`, at `now` under generation
+/// `generation`, if its slot holds one.
+#[inline(always)]
+pub fn hit<A: Family>(key: &CtKey<A>, ingress: u32, now: u64, generation: u32) -> Option<Hit<A>> {
+    let f = slot(key)?;
+    if now >= f.until || f.generation != generation || f.ingress != ingress || f.key != *key {
+        return None;
+    }
+    Some(Hit {
+        dst: (f.dst, f.dport),
+        src: (f.src, f.sport),
+        route: Route { ifindex: f.egress, smac: f.smac, dmac: f.dmac, no_neigh: false, nexthop: f.dst },
+        reason: if f.reply != 0 { Reason::XdpReply } else { Reason::XdpForward },
+    })
+}
+
+/// The end of the window, from `now`, in which the conntrack path leaves an entry last
+/// refreshed at `last_seen` as it is (its refresh is not due, and it has not outlived
+/// `lifetime`) and keeps its cached route (the route's epoch, `ct::route_epoch`, is the same).
+#[inline(always)]
+pub fn window_end(last_seen: u64, lifetime: u64, now: u64) -> u64 {
+    let quiet = last_seen.saturating_add(if lifetime < ct::REFRESH_NS { lifetime } else { ct::REFRESH_NS });
+    let epoch_end = ct::route_epoch_end(now);
+    if quiet < epoch_end {
+        quiet
+    } else {
+        epoch_end
+    }
+}
+
+/// Records what the conntrack path decided for `key` (arriving on `ingress`), valid until
+/// `until` under generation `generation`.
+#[inline(always)]
+pub fn fill<A: Family>(
+    key: &CtKey<A>,
+    ingress: u32,
+    generation: u32,
+    until: u64,
+    dst: (A, [u8; 2]),
+    src: (A, [u8; 2]),
+    route: &Route<A>,
+    reason: Reason,
+) {
+    let Some(f) = slot(key) else { return };
+    *f = Flow {
+        key: *key,
+        dst: dst.0,
+        src: src.0,
+        dport: dst.1,
+        sport: src.1,
+        ingress,
+        egress: route.ifindex,
+        dmac: route.dmac,
+        smac: route.smac,
+        generation,
+        reply: u32::from(reason == Reason::XdpReply),
+        until,
+    };
+}
