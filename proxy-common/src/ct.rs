@@ -76,6 +76,27 @@ pub const fn route_epoch(now_ns: u64) -> u16 {
     (now_ns >> 30) as u16
 }
 
+/// Value of `FLOW_GEN_V1` (mmapable): the generation XDP's flow cache is valid under is the
+/// sum of the agent's count and the datapath's, each moved on by its own writer only, with an
+/// atomic add (the agent through its mapping of the value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowGen {
+    /// Moved on after the agent deleted or wrote over a backend or reverse NAT entry, or
+    /// changed what a device takes from XDP.
+    pub agent: u32,
+    /// Moved on when TC tracks afresh the tuple of a flow that had not expired (a SYN reusing
+    /// a closing connection's ports, a flow whose backend went).
+    pub datapath: u32,
+}
+
+impl FlowGen {
+    #[inline(always)]
+    pub const fn generation(self) -> u32 {
+        self.agent.wrapping_add(self.datapath)
+    }
+}
+
 /// When the route epoch of `now_ns` ends.
 #[inline(always)]
 pub const fn route_epoch_end(now_ns: u64) -> u64 {

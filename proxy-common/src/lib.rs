@@ -101,9 +101,8 @@ pub mod map_names {
     /// The conntrack filter (`crate::ct_filter`): a bit per hash of every key the conntrack map
     /// may hold, so a packet of no tracked flow is told so without a conntrack lookup.
     pub const CT_FILTER: &str = "CT4_FILTER_V1";
-    /// The generation XDP's flow cache is valid under (one `u32`): the agent moves it on after
-    /// it deleted a backend or a reverse NAT entry, or changed what a device takes, so that no
-    /// cached step outlives what it was decided from.
+    /// The generation XDP's flow cache is valid under (`ct::FlowGen`), so that no cached step
+    /// outlives what it was decided from.
     pub const FLOW_GEN: &str = "FLOW_GEN_V1";
 
     /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte

@@ -11,23 +11,34 @@
 //! - before `until`: the first of the moments at which the conntrack path would write the
 //!   entry (its refresh, due `REFRESH_NS` after the packet that last refreshed it), find it
 //!   expired, or take another route (the route's epoch ends; see `north::route_of`);
-//! - while the agent's generation is the one the slot was filled under: the agent moves it on
-//!   after it deleted a backend or a Service's reverse NAT entry, the map entries a tracked
-//!   flow's decision reads besides its own conntrack entry (`FLOW_GEN_V1`);
+//! - under the generation the slot was filled under (`FLOW_GEN_V1`, `ct::FlowGen`): the agent
+//!   moves it on after it deleted a backend, wrote or deleted a reverse NAT entry, or changed
+//!   what a device takes from XDP (the entries a tracked flow's step reads besides its own,
+//!   with the FIB, whose answer the entry keeps for the epoch anyway); the datapath moves it on
+//!   when TC tracks afresh the tuple of a flow that had not expired (a SYN reusing a closing
+//!   connection's ports, a flow whose backend went), whose old step any CPU's slot may hold;
 //! - that is not a TCP segment with SYN, FIN or RST, which change or end a flow's state (those
 //!   take the conntrack path, and do not fill a slot).
 //!
 //! So a packet the cache sends on is one the conntrack path would have sent the same way,
 //! leaving the entry as it was. What the cache cannot see: another CPU's packet changing the
 //! entry's flags (a FIN: the flow then lives on for at least the half-closed or closing
-//! lifetime, longer than a slot's window unless those are set under a second), and an entry
-//! the LRU evicts while its flow is sending (at most one window then).
+//! lifetime, longer than a window unless those are set under a second); an entry the LRU
+//! evicts while its flow is sending (at most one window); and, on a kernel whose softirqs can
+//! be preempted (PREEMPT_RT), another XDP run on the same CPU writing a slot being read.
+//! (Weakly ordered CPUs may read the generation after the entries it guards: a slot filled
+//! then lasts one window at most.)
+
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     btf_maps::{Array, PerCpuArray},
     macros::btf_map,
 };
-use proxy_common::{ct, CtKey, Ip6, Reason, IPPROTO_TCP};
+use proxy_common::{
+    ct::{self, FlowGen},
+    CtKey, Ip6, Reason, IPPROTO_TCP,
+};
 
 use crate::{
     family::Family,
@@ -65,10 +76,10 @@ pub static FLOWS4: FlowMap<[u8; 4]> = PerCpuArray::new();
 #[btf_map]
 pub static FLOWS6: FlowMap<Ip6> = PerCpuArray::new();
 
-/// The agent's generation (see the module comment). Pinned: programs of an earlier load that
-/// are still attached read the one the agent moves on.
+/// The generation (see the module comment). Pinned: programs of an earlier load that are
+/// still attached read the one the agent moves on.
 #[btf_map]
-pub static FLOW_GEN_V1: Array<u32, 1> = Array::new();
+pub static FLOW_GEN_V1: Array<FlowGen, 1, { aya_ebpf::bindings::BPF_F_MMAPABLE as usize }> = Array::new();
 
 /// What a slot sends a packet on with.
 pub struct Hit<A> {
@@ -78,10 +89,21 @@ pub struct Hit<A> {
     pub reason: Reason,
 }
 
-/// The agent's current generation.
+/// The current generation.
 #[inline(always)]
 pub fn generation() -> u32 {
-    FLOW_GEN_V1.get(0).copied().unwrap_or(0)
+    FLOW_GEN_V1.get(0).map_or(0, |g| g.generation())
+}
+
+/// Moves the datapath's count of the generation on: every CPU's cached steps go. For TC
+/// tracking afresh the tuple of a flow that had not expired, whose old step a slot may hold
+/// (on any CPU: a veth uplink runs XDP on the sender's).
+#[inline(always)]
+pub fn retracked() {
+    let Some(g) = FLOW_GEN_V1.get_ptr_mut(0) else { return };
+    // SAFETY: a field of the map's live value, changed by one atomic instruction (the agent
+    // changes only the other field).
+    unsafe { atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(&raw mut (*g).datapath, 1) };
 }
 
 /// Whether the cache may serve (or learn from) `pkt`: not a TCP segment that changes its
@@ -96,8 +118,8 @@ fn slot<A: Family>(key: &CtKey<A>) -> Option<&'static mut Flow<A>> {
     // The top bits of the conntrack filter's hash place the key in the filter; the next ones
     // place it here.
     let index = (proxy_common::ct_filter::hash(key) >> 32) as u32 & (SLOTS - 1);
-    // SAFETY: per-CPU, and only XDP uses the slots; XDP runs to its end on a CPU before the
-    // next packet there.
+    // SAFETY: per-CPU, and only XDP uses the slots; XDP runs in a softirq, which another does
+    // not interrupt on the same CPU (see the module comment for PREEMPT_RT).
     unsafe { crate::value::per_cpu(A::flow_cache(), index) }
 }
 

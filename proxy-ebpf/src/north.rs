@@ -333,6 +333,12 @@ pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() ->
         }
         if !env.dry {
             ct::drop_reply(pkt, &entry);
+            if !ct::expired(pkt.proto, entry.flags, entry.last_seen_ns, now) {
+                // A SYN reusing a closing connection's ports, or a flow whose backend went:
+                // XDP's flow cache may hold the old step, on any CPU (an expired flow's
+                // window has ended).
+                flowcache::retracked();
+            }
         }
     }
     if stage_new {

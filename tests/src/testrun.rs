@@ -180,3 +180,14 @@ pub fn run_trace(dp: &mut EbpfDataplane, frame: &[u8]) -> (Reason, u32) {
     assert_eq!(r.seq, before.wrapping_add(1), "the program recorded the trace");
     (Reason::try_from(r.reason).expect("known reason"), r.backend_id)
 }
+
+/// Keeps the calling thread on the CPU it runs on: a test run runs the program where its caller
+/// does, and per-CPU state (XDP's flow cache) is then the same from one run to the next.
+pub fn stay_on_this_cpu() {
+    // SAFETY: plain calls on this thread's own affinity, with a zeroed set of the size passed.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(libc::sched_getcpu() as usize, &mut set);
+        assert_eq!(libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set), 0, "pin the thread to its CPU");
+    }
+}

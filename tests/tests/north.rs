@@ -186,7 +186,7 @@ fn edit_forward_entry(dp: &mut EbpfDataplane, edit: impl FnOnce(&mut proxy_commo
     let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
     let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
     ct.insert(k, e, 0).unwrap();
-    dp.invalidate_cached_flows().unwrap();
+    dp.invalidate_cached_flows();
 }
 
 #[test]
@@ -270,8 +270,11 @@ fn forget_conntrack(dp: &mut EbpfDataplane) {
 }
 
 /// Runs `attempt` up to five times until it says it was not cut short by the end of a cache
-/// window (a route epoch turns about once a second; an attempt takes a few milliseconds).
+/// window (a route epoch turns about once a second; an attempt takes a few milliseconds). The
+/// thread stays on one CPU meanwhile: the cache is per CPU, and a test run runs where its
+/// caller does.
 fn within_a_window(what: &str, mut attempt: impl FnMut() -> bool) {
+    testrun::stay_on_this_cpu();
     assert!((0..5).any(|_| attempt()), "{what}: every attempt met the end of a window");
 }
 
@@ -285,7 +288,7 @@ fn xdp_repeats_a_tracked_flows_step_from_its_cache_only_while_the_conntrack_path
     // them), a packet in its window is still sent on as before, and nothing is tracked anew.
     within_a_window("a cached forward step", || {
         forget_conntrack(&mut n.dp);
-        n.dp.invalidate_cached_flows().unwrap();
+        n.dp.invalidate_cached_flows();
         let first = run_xdp(&mut n.dp, &ping, n.ifindex);
         assert_eq!(first.action, XDP_TX, "a new flow");
         // Tracked now: this packet takes the conntrack path and caches its step.
@@ -303,7 +306,7 @@ fn xdp_repeats_a_tracked_flows_step_from_its_cache_only_while_the_conntrack_path
     // Its reply's step too.
     within_a_window("a cached reply step", || {
         forget_conntrack(&mut n.dp);
-        n.dp.invalidate_cached_flows().unwrap();
+        n.dp.invalidate_cached_flows();
         assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
         let snat_port = dissect(&run_xdp(&mut n.dp, &ping, n.ifindex).frame).sport.unwrap();
         let pong = udp_frame(sock(REMOTE), SocketAddrV4::new(NODE_IP.parse().unwrap(), snat_port), b"pong");
@@ -324,7 +327,7 @@ fn xdp_repeats_a_tracked_flows_step_from_its_cache_only_while_the_conntrack_path
     // A backend the agent deleted is not sent to from the cache: its deletion moves the
     // generation on, and the flow's next packet finds it gone (TC tracks the flow afresh).
     forget_conntrack(&mut n.dp);
-    n.dp.invalidate_cached_flows().unwrap();
+    n.dp.invalidate_cached_flows();
     assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
     assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "cached");
     n.dp.upsert(&udp, &frontend(FrontendKind::NodePort, vec![backend("10.244.2.6:8080", false)])).unwrap();
@@ -337,13 +340,17 @@ fn xdp_repeats_a_tracked_flows_step_from_its_cache_only_while_the_conntrack_path
     use proxy_agent::dataplane::ebpf::ct_gc;
     within_a_window("a window ended by a refresh", || {
         forget_conntrack(&mut n.dp);
-        n.dp.invalidate_cached_flows().unwrap();
+        n.dp.invalidate_cached_flows();
         assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
         assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "caches the route in the entry");
         let old = ct_gc::monotonic_coarse_ns() - 999_000_000;
         edit_forward_entry(&mut n.dp, |e| e.last_seen_ns = old);
         let epoch = forward_entry(&mut n.dp).1.route_epoch;
         assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX, "not due yet: caches its step");
+        if forward_entry(&mut n.dp).1.last_seen_ns != old {
+            // The clock ticked past the refresh before that packet.
+            return false;
+        }
         std::thread::sleep(std::time::Duration::from_millis(30));
         assert_eq!(run_xdp(&mut n.dp, &ping, n.ifindex).action, XDP_TX);
         let (_, e) = forward_entry(&mut n.dp);
@@ -360,21 +367,52 @@ fn xdp_leaves_tcp_segments_that_change_a_flows_state_to_the_conntrack_path() {
     let Some(mut n) = node("xdp_leaves_tcp_segments_that_change_a_flows_state") else { return };
     n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
     let ack = tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK);
-    assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
-    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX, "caches its step");
-    // The FIN is recorded on the entry, which a step served from the cache would not do.
-    let fin = tcp_frame(sock(CLIENT), sock(NODE_PORT), FIN | ACK);
-    assert_eq!(run_xdp(&mut n.dp, &fin, n.ifindex).action, XDP_TX);
-    assert!(forward_entry(&mut n.dp).1.flags & flags::FIN_FWD != 0, "the FIN recorded");
-    // And a RST.
-    assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX);
-    let rst = tcp_frame(sock(CLIENT), sock(NODE_PORT), RST);
-    assert_eq!(run_xdp(&mut n.dp, &rst, n.ifindex).action, XDP_TX);
-    assert!(forward_entry(&mut n.dp).1.flags & flags::RST != 0, "the RST recorded");
-    // A SYN reusing the closed flow's tuple is a new flow (TC tracks it afresh), not the old
-    // flow's cached step.
-    let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
-    assert_xdp_passes(&mut n, &syn, "a SYN on a closed flow's tuple");
+    let snat_port = |out: &testrun::Output| dissect(&out.frame).sport.unwrap();
+    within_a_window("a FIN and a RST beside a cached step", || {
+        forget_conntrack(&mut n.dp);
+        n.dp.invalidate_cached_flows();
+        assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
+        assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX, "caches its step");
+        // The step is cached (sent on with the entry gone; the entry is put back after).
+        let (k, e) = forward_entry(&mut n.dp);
+        forget_conntrack(&mut n.dp);
+        let served = run_xdp(&mut n.dp, &ack, n.ifindex).action == XDP_TX && conntrack(&mut n.dp).is_empty();
+        let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
+        aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap().insert(k, e, 0).unwrap();
+        if !served {
+            return false;
+        }
+        // A FIN is recorded on the entry, which a step served from the cache would not do.
+        let fin = tcp_frame(sock(CLIENT), sock(NODE_PORT), FIN | ACK);
+        assert_eq!(run_xdp(&mut n.dp, &fin, n.ifindex).action, XDP_TX);
+        assert!(forward_entry(&mut n.dp).1.flags & flags::FIN_FWD != 0, "the FIN recorded");
+        // And a RST.
+        let rst = tcp_frame(sock(CLIENT), sock(NODE_PORT), RST);
+        assert_eq!(run_xdp(&mut n.dp, &rst, n.ifindex).action, XDP_TX);
+        assert!(forward_entry(&mut n.dp).1.flags & flags::RST != 0, "the RST recorded");
+        true
+    });
+    // The client connects again from the same port at once: its SYN is a new flow (TC tracks
+    // it afresh), and the new connection's packets take its new SNAT port, not the step XDP
+    // cached for the old one (on any CPU: TC's tracking afresh moves the generation on).
+    let (mut old, mut new) = (0, 0);
+    for _ in 0..5 {
+        old = snat_port(&run_xdp(&mut n.dp, &ack, n.ifindex));
+        let rst = tcp_frame(sock(CLIENT), sock(NODE_PORT), RST);
+        assert_eq!(run_xdp(&mut n.dp, &rst, n.ifindex).action, XDP_TX);
+        let syn = tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN);
+        assert_xdp_passes(&mut n, &syn, "a SYN on a closed flow's tuple");
+        let out = run_ext(&mut n.dp, &syn, n.ifindex);
+        assert_eq!(out.action, TC_ACT_REDIRECT, "TC tracks it afresh");
+        new = snat_port(&out);
+        if new != old {
+            break;
+        }
+    }
+    assert_ne!(old, new, "five new connections all drew their old SNAT port");
+    let out = run_xdp(&mut n.dp, &ack, n.ifindex);
+    assert_eq!((out.action, snat_port(&out)), (XDP_TX, new), "the new connection's port, from its entry");
+    assert_eq!(u16::from_be_bytes(forward_entry(&mut n.dp).1.snat_port), new);
 }
 
 #[test]

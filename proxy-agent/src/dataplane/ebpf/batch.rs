@@ -2,7 +2,7 @@
 //! hash map with BPF_MAP_LOOKUP_BATCH: one syscall per 4096 entries instead of one per entry
 //! (aya has no batch operations), for the conntrack gauge, the conntrack filter's rebuild
 //! (`ct_filter`) and the removal of expired flows (`ct_gc`), which also reads and removes
-//! single entries; `maglev`'s calls.
+//! single entries; `maglev`'s calls; and the mapping of an mmapable array's values.
 
 use std::{io, os::fd::AsRawFd};
 
@@ -137,5 +137,40 @@ pub fn put_back<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) 
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+/// The values of an mmapable array map (BPF_F_MMAPABLE), mapped into this process: the
+/// conntrack filter (`ct_filter`) and the flow cache's generation. Unmapped when dropped.
+pub struct Mapped {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Mapped {
+    /// Maps the first `len` bytes of values of the array behind `fd` (whole pages).
+    pub fn of(fd: impl AsRawFd, len: usize) -> io::Result<Self> {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let bytes = len.div_ceil(page) * page;
+        // SAFETY: maps an mmapable array map's values, shared with the kernel; unmapped by Drop.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { ptr: ptr.cast(), bytes })
+    }
+
+    /// The start of the values (page-aligned).
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `of` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
     }
 }

@@ -24,24 +24,11 @@ use proxy_common::{
 use super::{batch, loader};
 
 /// A filter map's value, mapped into this process.
-struct Mapped {
-    ptr: *mut u64,
-    bytes: usize,
-}
+struct Mapped(batch::Mapped);
 
 impl Mapped {
     fn of(fd: BorrowedFd<'_>) -> io::Result<Self> {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let bytes = size_of::<CtFilter>().div_ceil(page) * page;
-        // SAFETY: maps the value of an mmapable array map of one `CtFilter`, shared with the
-        // kernel; unmapped by Drop.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self { ptr: ptr.cast(), bytes })
+        batch::Mapped::of(fd, size_of::<CtFilter>()).map(Self)
     }
 
     /// Word `i` of the halves (`2 * HALF_WORDS` of them), or the control word after them.
@@ -49,7 +36,7 @@ impl Mapped {
         assert!(i <= 2 * HALF_WORDS);
         // SAFETY: in bounds of the mapping (a `CtFilter`: the halves, then the control word),
         // 8-byte aligned; the datapath changes these words only atomically.
-        unsafe { AtomicU64::from_ptr(self.ptr.add(i)) }
+        unsafe { AtomicU64::from_ptr(self.0.ptr().cast::<u64>().add(i)) }
     }
 
     fn control(&self) -> &AtomicU64 {
@@ -85,13 +72,6 @@ impl Mapped {
             let (word, bit) = ct_filter::place(ct_filter::hash(&key));
             f(word, bit);
         })
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `of` mapped.
-        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
     }
 }
 

@@ -250,9 +250,9 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     /// Service ids of frontends never written whose undo left entries behind: not given out
     /// again until `collect_garbage` has removed those.
     held_service_ids: Vec<u32>,
-    /// Backend and reverse NAT entries deleted (tried) so far: what a tracked flow's step is
-    /// decided from besides its conntrack entry (see `deletions`).
-    deletions: u64,
+    /// Backend and reverse NAT entries deleted or written (tried) so far: what a tracked flow's
+    /// step reads besides its conntrack entry (see `entries_changed`).
+    entries_changed: u64,
 }
 
 fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, DataplaneError> {
@@ -389,7 +389,7 @@ impl<A: MapAddr> LbMaps<A> {
             stray_affinity_matches: Vec::new(),
             stray_ranges: Vec::new(),
             held_service_ids: Vec::new(),
-            deletions: 0,
+            entries_changed: 0,
         };
         let snap = found.snapshot;
         // Bits for every master the maps hold, before anything else is written.
@@ -573,7 +573,7 @@ impl<A: MapAddr> LbMaps<A> {
     }
 
     fn delete_backend(&mut self, id: u32, ident: Ident<A>) {
-        self.deletions += 1;
+        self.entries_changed += 1;
         match self.backends.del(&id) {
             Ok(()) => {}
             Err(e) => {
@@ -591,16 +591,20 @@ impl<A: MapAddr> LbMaps<A> {
         self.backend_ids.free(id);
     }
 
-    /// Deletes service `id`'s reverse NAT entry (counted, as a backend's deletion is).
+    /// Deletes service `id`'s reverse NAT entry (counted, as its writes and a backend's deletion
+    /// are).
     fn del_revnat(&mut self, id: &u32) -> Result<(), MapError> {
-        self.deletions += 1;
+        self.entries_changed += 1;
         self.revnat.del(id)
     }
 
-    /// Backend and reverse NAT entries this writer has deleted (or tried to): when it moves,
-    /// a step XDP cached for a tracked flow may name what is gone (`proxy_ebpf`'s `flowcache`).
-    pub fn deletions(&self) -> u64 {
-        self.deletions
+    /// Backend entries this writer has deleted and reverse NAT entries it has written or
+    /// deleted (or tried to): when it moves, a step XDP cached for a tracked flow may name what
+    /// is gone or changed (`proxy_ebpf`'s `flowcache`). (A backend is written at an id only
+    /// after the id's last backend was deleted, or with new flags, which a tracked flow does
+    /// not read.)
+    pub fn entries_changed(&self) -> u64 {
+        self.entries_changed
     }
 
     fn release_all(&mut self, ids: &[u32]) {
@@ -768,6 +772,8 @@ impl<A: MapAddr> LbMaps<A> {
         let mut added = Vec::new();
         let phase_a = (|| {
             if fresh {
+                // A fresh service id may be one an earlier run left entries under.
+                self.entries_changed += 1;
                 self.revnat
                     .put(&service_id, &RevNat { addr: Self::addr(key.addr)?, port: key.port.to_be_bytes(), _pad: [0; 2] })
                     .map_err(|s| map_error("insert", A::LB.revnat, self.limit, s))?;

@@ -61,9 +61,11 @@ pub struct EbpfDataplane {
     pins_outlive_agent: bool,
     /// What `XDP_DEVS_V1` holds: interface index -> `xdp_dev` flags (none are 0).
     xdp_devs: std::collections::BTreeMap<u32, u32>,
-    /// `LbMaps::deletions` of both families when the flow cache's generation last moved on
-    /// for them (`after_lb_write`).
-    lb_deletions_seen: u64,
+    /// `LbMaps::entries_changed` of both families when the flow cache's generation last moved
+    /// on for them (`after_lb_write`).
+    lb_changes_seen: u64,
+    /// `FLOW_GEN_V1`'s value, mapped (see `invalidate_cached_flows`).
+    flow_gen: batch::Mapped,
     /// What `CONFIG_V3` holds.
     config: Config,
     /// Entries the load-balancer maps and each family's conntrack map hold at most, as the
@@ -140,6 +142,15 @@ impl EbpfDataplane {
                 config = Config { maglev_size, snat_port_min, snat_port_max, ..old };
             }
         }
+        let flow_gen = {
+            let fail = |source| loader::LoadError::Fill { what: format!("{}, mapped", map_names::FLOW_GEN), source };
+            match ebpf.map(map_names::FLOW_GEN) {
+                Some(aya::maps::Map::Array(data)) => {
+                    batch::Mapped::of(std::os::fd::AsFd::as_fd(data.fd()), size_of::<proxy_common::ct::FlowGen>()).map_err(fail)?
+                }
+                _ => return Err(fail(std::io::Error::other("the object has no such array")).into()),
+            }
+        };
         let mut me = Self {
             ebpf,
             lb,
@@ -149,7 +160,8 @@ impl EbpfDataplane {
             attachments: Attachments::default(),
             host_sockets: Vec::new(),
             xdp_devs: Default::default(),
-            lb_deletions_seen: 0,
+            lb_changes_seen: 0,
+            flow_gen,
             pins_outlive_agent,
             config,
             svc_cidrs: None,
@@ -345,9 +357,11 @@ impl EbpfDataplane {
     pub fn set_xdp_devices(&mut self, want: &std::collections::BTreeMap<u32, u32>) -> Result<(), DataplaneError> {
         let mut changed = false;
         let written = self.write_xdp_devices(want, &mut changed);
-        // A step XDP cached may rest on a device's old entry.
-        let moved = if changed { self.invalidate_cached_flows() } else { Ok(()) };
-        written.and(moved)
+        if changed {
+            // A step XDP cached may rest on a device's old entry.
+            self.invalidate_cached_flows();
+        }
+        written
     }
 
     fn write_xdp_devices(&mut self, want: &std::collections::BTreeMap<u32, u32>, changed: &mut bool) -> Result<(), DataplaneError> {
@@ -378,12 +392,23 @@ impl EbpfDataplane {
 
     /// Moves the generation XDP's flow cache is valid under on (`map_names::FLOW_GEN`): no
     /// step cached before is used again (each flow's next packet takes the conntrack path).
-    pub fn invalidate_cached_flows(&mut self) -> Result<(), DataplaneError> {
-        let map = self.ebpf.map_mut(map_names::FLOW_GEN).expect("the object defines the flow cache's generation");
-        let err = |op, source| DataplaneError::Map { op, map: map_names::FLOW_GEN, source };
-        let mut a: Array<&mut MapData, u32> = Array::try_from(map).map_err(|e| err("open", e))?;
-        let next = a.get(&0, 0).map_err(|e| err("lookup", e))?.wrapping_add(1);
-        a.set(0, next, 0).map_err(|e| err("update", e))
+    /// An atomic add to the agent's count, through the mapping: another agent on the node (a
+    /// rollout that surges) moving it on at once loses nothing, nor does the datapath's count.
+    pub fn invalidate_cached_flows(&self) {
+        // SAFETY: the mapping holds a `FlowGen`, whose first field is the agent's count; only
+        // agents change it, and only with atomic adds.
+        let agent = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.flow_gen.ptr().cast()) };
+        agent.fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// After a write of the load-balancer maps: the flow cache's generation moves on if the
+    /// write deleted or wrote over what a tracked flow's step reads (`LbMaps::entries_changed`).
+    fn after_lb_write(&mut self) {
+        let changed = self.lb.entries_changed() + self.lb6.entries_changed();
+        if changed != self.lb_changes_seen {
+            self.invalidate_cached_flows();
+            self.lb_changes_seen = changed;
+        }
     }
 
     /// `Dataplane::upsert` in the family's maps.
@@ -403,18 +428,6 @@ impl EbpfDataplane {
                 self.lb6.upsert(key, fe)
             }
         }
-    }
-
-    /// After a write of the load-balancer maps: the flow cache's generation moves on if the
-    /// write deleted a backend or a reverse NAT entry (`LbMaps::deletions`).
-    fn after_lb_write(&mut self) -> Result<(), DataplaneError> {
-        let deletions = self.lb.deletions() + self.lb6.deletions();
-        if deletions == self.lb_deletions_seen {
-            return Ok(());
-        }
-        self.invalidate_cached_flows()?;
-        self.lb_deletions_seen = deletions;
-        Ok(())
     }
 
     /// Serves Services to the sockets of this network namespace in `cgroup` (and below it) with
@@ -565,7 +578,8 @@ impl Dataplane for EbpfDataplane {
 
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError> {
         let written = self.upsert_family(key, fe);
-        written.and(self.after_lb_write())
+        self.after_lb_write();
+        written
     }
 
     fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
@@ -573,13 +587,14 @@ impl Dataplane for EbpfDataplane {
             IpAddr::V4(_) => self.lb.remove(key),
             IpAddr::V6(_) => self.lb6.remove(key),
         };
-        removed.and(self.after_lb_write())
+        self.after_lb_write();
+        removed
     }
 
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
-        let moved = self.after_lb_write();
-        collected.and_then(|n| moved.map(|()| n))
+        self.after_lb_write();
+        collected
     }
 
     fn has_leftovers(&self) -> bool {
