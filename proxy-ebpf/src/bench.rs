@@ -14,13 +14,18 @@ pub const FRAME_LEN: usize = 64;
 const _: () = assert!(FRAME_LEN % 8 == 0);
 /// Offset of the UDP source port in the frame (Ethernet + a 20-byte IPv4 header).
 const SPORT_OFF: usize = 34;
-/// Flows the generator cycles through (consecutive source ports).
+/// Flows the generator cycles through (consecutive source ports), unless `BENCH_FLOWS_V1`
+/// says otherwise.
 const FLOWS: u32 = 16;
 
 /// The frame every benchmark run starts from (a UDP datagram without checksum, so the source
 /// port can change without one). Not pinned; only the benchmark writes it.
 #[btf_map]
 pub static BENCH_FRAME_V1: Array<[u8; FRAME_LEN], 1> = Array::new();
+
+/// How many flows the generator cycles through (0: `FLOWS`).
+#[btf_map]
+pub static BENCH_FLOWS_V1: Array<u32, 1> = Array::new();
 
 /// Frames generated on this CPU, to pick the next flow.
 #[btf_map]
@@ -45,7 +50,11 @@ pub fn restore(ctx: &XdpContext) -> bool {
             crate::access::store8(to + 8 * i, from.add(i).read());
         }
         let base = u16::from_be_bytes([(*p)[SPORT_OFF], (*p)[SPORT_OFF + 1]]);
-        let port = base.wrapping_add((n % FLOWS) as u16).to_be_bytes();
+        let flows = match BENCH_FLOWS_V1.get(0) {
+            Some(&f) if f != 0 => f,
+            _ => FLOWS,
+        };
+        let port = base.wrapping_add((n % flows) as u16).to_be_bytes();
         (*p)[SPORT_OFF] = port[0];
         (*p)[SPORT_OFF + 1] = port[1];
     }

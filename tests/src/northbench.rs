@@ -9,11 +9,12 @@
 //! Each mode serves the same Services: the NodePort under test plus `filler` ClusterIP Services
 //! (kube-proxy's KUBE-SERVICES chain holds one rule per cluster IP, which new connections walk).
 //!
-//! Packets per second: 64-byte UDP frames of 16 flows are generated in the kernel with XDP
-//! live frames (BPF_PROG_TEST_RUN) as if node A's external interface received them; in XDP
-//! mode the agent's own XDP program is run on them, otherwise a pass-through program hands
-//! them to node A's stack (TC, or netfilter). Node B's interface drops what arrives with XDP
-//! and counts it: the rate delivered to node B is node A's forwarding rate.
+//! Packets per second: 64-byte UDP frames of 16 flows (`PROXY_BENCH_FLOWS`: `flows`) are
+//! generated in the kernel with XDP live frames (BPF_PROG_TEST_RUN) as if node A's external
+//! interface received them; in XDP mode the agent's own XDP program is run on them, otherwise
+//! a pass-through program hands them to node A's stack (TC, or netfilter). Node B's interface
+//! drops what arrives with XDP and counts it: the rate delivered to node B is node A's
+//! forwarding rate.
 //!
 //! XDP's share of the floor is measured in `FLOOR_ROUNDS` rounds of the floor and XDP one right
 //! after the other (the agent's maps stay programmed: the floor program does not use them).
@@ -45,6 +46,13 @@ use crate::{
 const CONN_PORT: u16 = 9090;
 /// Flows the generator cycles through (as in the eBPF generator).
 const FLOWS: u32 = 16;
+
+/// Flows the generator cycles through: `PROXY_BENCH_FLOWS` (at most 16,384: each takes a SNAT
+/// port), else `FLOWS`. More flows than XDP's flow cache has slots a CPU (1,024) show its
+/// misses; many more, the conntrack map's out of cache.
+pub fn flows() -> u32 {
+    std::env::var("PROXY_BENCH_FLOWS").ok().and_then(|f| f.parse().ok()).filter(|f| (1..=16_384).contains(f)).unwrap_or(FLOWS)
+}
 /// Rounds of the floor and XDP, one after the other, for XDP's share of the floor (odd).
 const FLOOR_ROUNDS: usize = 5;
 
@@ -198,9 +206,12 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
             };
             let mut template: aya::maps::Array<_, [u8; 64]> =
                 aya::maps::Array::try_from(ebpf.take_map("BENCH_FRAME_V1").expect("frame map")).expect("an array");
+            let mut flow_count: aya::maps::Array<_, u32> =
+                aya::maps::Array::try_from(ebpf.take_map("BENCH_FLOWS_V1").expect("flow count map")).expect("an array");
+            flow_count.set(0, flows(), 0).expect("flow count");
             let prog: &mut Xdp = ebpf.program_mut(program).expect("bench program").try_into().expect("XDP");
             prog.load().expect("load the bench program");
-            // One run: the program cycles the frame through FLOWS source ports itself (a live
+            // One run: the program cycles the frame through `flows()` source ports itself (a live
             // test run has a fixed set-up cost of tens of milliseconds, so runs must be long).
             let f = frame(dst_mac, 40000);
             let t: [u8; 64] = f.as_slice().try_into().unwrap();
@@ -225,7 +236,7 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
     // Warm up: flows tracked, neighbours resolved (the sink drops ARP, so pin node B's).
     let node_b_mac = mac_of(&c.node("node-b").ns, "wire0").iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
     c.node("node-a").ns.ip(&["neigh", "replace", "192.168.100.2", "lladdr", &node_b_mac, "dev", "wire0", "nud", "permanent"]);
-    run(FLOWS * 4);
+    run(flows() * 4);
     thread::sleep(Duration::from_millis(300));
     let before = xdp_stat(c.switch(), "p1", "rx_queue_0_xdp_drops");
     let (sent, took) = run(frames);

@@ -870,13 +870,17 @@ fn datapath(out_dir: &std::path::Path) {
 /// `PROXY_BENCH_MODES=xdp` (labels: xdp, tc, iptables-legacy, iptables-nft, nftables) runs only
 /// those modes, and `PROXY_BENCH_ROUNDS=N` gives XDP N rounds against the floor: for working on
 /// the XDP path. Such a run writes no JSON (the report's figures are a whole run's).
+/// `PROXY_BENCH_FLOWS=N`: frames of N flows instead of 16 (see `northbench::flows`).
 fn north(out_dir: &std::path::Path) {
     let quick = std::env::args().any(|a| a == "--quick");
     let filler = 1000;
     let modes = std::env::var("PROXY_BENCH_MODES").unwrap_or_default();
     let wanted = |m: &str| modes.trim().is_empty() || modes.split(',').any(|w| w.trim() == m);
     let rounds = std::env::var("PROXY_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok());
-    println!("\nNodePort forwarding, client -> node A -> backend on node B ({filler} other Services programmed)");
+    let flows = proxy_tests::northbench::flows();
+    println!(
+        "\nNodePort forwarding, client -> node A -> backend on node B ({filler} other Services programmed; UDP frames of {flows} flows)"
+    );
     let figures = proxy_tests::northbench::run(proxy_tests::lab::sibling("proxy-lab-agent"), quick, filler, wanted, rounds);
     let of = |mode| figures.iter().find(|f| f.mode == mode);
     use proxy_tests::northbench::Mode;
@@ -924,6 +928,7 @@ fn north(out_dir: &std::path::Path) {
     let json = serde_json::json!({
         "benchmark": "north",
         "filler_services": filler,
+        "flows": flows,
         "floor_pps": floor,
         "xdp_share_of_floor": share,
         "xdp_share_of_floor_rounds": xdp.of_floor,
