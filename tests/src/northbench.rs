@@ -210,7 +210,7 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
                 aya::maps::Array::try_from(ebpf.take_map("BENCH_FLOWS_V1").expect("flow count map")).expect("an array");
             flow_count.set(0, flows(), 0).expect("flow count");
             let prog: &mut Xdp = ebpf.program_mut(program).expect("bench program").try_into().expect("XDP");
-            prog.load().expect("load the bench program");
+            proxy_agent::dataplane::ebpf::loader::load_program(|| prog.load()).expect("load the bench program");
             // One run: the program cycles the frame through `flows()` source ports itself (a live
             // test run has a fixed set-up cost of tens of milliseconds, so runs must be long).
             let f = frame(dst_mac, 40000);

@@ -170,7 +170,7 @@ pub fn attach(ebpf: &mut Ebpf, root: Option<&Path>, cgroup: &Path) -> Result<Vec
             let program: &'static str = $program;
             let err = |detail: String| HostSockError::Program { program, detail };
             let prog = $prog;
-            prog.load().map_err(|e| err(format!("loading: {e}")))?;
+            super::loader::load_program(|| prog.load()).map_err(|e| err(format!("loading: {e}")))?;
             let id = prog
                 .attach(&dir, CgroupAttachMode::Single)
                 .map_err(|e| err(format!("attaching to {}: {}", cgroup.display(), error_chain(&e))))?;

@@ -404,16 +404,35 @@ pub fn load(options: &LoadOptions) -> Result<Loaded, LoadError> {
         };
         if name == prog_names::XDP_EXT {
             let prog = xdp(&mut ebpf, name);
-            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            load_program(|| prog.load()).map_err(|source| LoadError::Program { name, source })?;
             pin(&mut |p| prog.pin(p))?;
         } else {
             let prog = classifier(&mut ebpf, name);
-            prog.load().map_err(|source| LoadError::Program { name, source })?;
+            load_program(|| prog.load()).map_err(|source| LoadError::Program { name, source })?;
             pin(&mut |p| prog.pin(p))?;
         }
     }
     fill_tail_calls(&mut ebpf)?;
     Ok(Loaded { ebpf, outlives_agent, lb_map_max, lb6_map_max, ct_map_max, ct6_map_max: small(ct_map_max), retired })
+}
+
+/// Loads a program (`load`: its `load()`), again while the kernel answers EAGAIN, as libbpf
+/// does: the verifier gives up with EAGAIN when a signal is pending for the loading thread
+/// (a child process's SIGCHLD, to a process that handles it), more often the longer a program
+/// takes to verify.
+pub fn load_program(load: impl FnMut() -> Result<(), aya::programs::ProgramError>) -> Result<(), aya::programs::ProgramError> {
+    retried(load, |e| matches!(e, aya::programs::ProgramError::LoadError { io_error, .. } if io_error.raw_os_error() == Some(libc::EAGAIN)))
+}
+
+/// `f`, called again (five calls at most) while its error is one `again` says may pass.
+fn retried<E>(mut f: impl FnMut() -> Result<(), E>, again: impl Fn(&E) -> bool) -> Result<(), E> {
+    let mut calls = 1;
+    loop {
+        match f() {
+            Err(e) if again(&e) && calls < 5 => calls += 1,
+            done => return done,
+        }
+    }
 }
 
 /// See the IPv6 LRUs' sizing in `load`.
@@ -426,7 +445,7 @@ fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
     let mut fds = Vec::new();
     for (name, slot) in prog_names::TAIL_CALLED {
         let prog = classifier(ebpf, name);
-        prog.load().map_err(|source| LoadError::Program { name, source })?;
+        load_program(|| prog.load()).map_err(|source| LoadError::Program { name, source })?;
         let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
         let fd = fd.try_clone().map_err(|source| LoadError::Fill { what: format!("{name}'s descriptor"), source })?;
         fds.push((slot, fd));
@@ -440,7 +459,7 @@ fn fill_tail_calls(ebpf: &mut Ebpf) -> Result<(), LoadError> {
     }
     let name = prog_names::XDP_EXT6;
     let prog = xdp(ebpf, name);
-    prog.load().map_err(|source| LoadError::Program { name, source })?;
+    load_program(|| prog.load()).map_err(|source| LoadError::Program { name, source })?;
     let fd = prog.fd().map_err(|source| LoadError::Program { name, source })?;
     let fd = fd.try_clone().map_err(|source| LoadError::Fill { what: format!("{name}'s descriptor"), source })?;
     let map = ebpf.map_mut(map_names::PROGS_XDP).expect("the object defines PROGS_XDP_V1");
@@ -515,4 +534,48 @@ pub fn cgroup_sock<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut aya::p
 /// An XDP program of the loaded object, by name (`prog_names`).
 pub fn xdp<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> &'a mut Xdp {
     program(ebpf, name, "an XDP program")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::retried;
+
+    /// A program load the verifier gave up on because of a signal (EAGAIN) is tried again, up
+    /// to five times in all; another error is not.
+    #[test]
+    fn a_load_interrupted_by_a_signal_is_tried_again() {
+        let eagain = || std::io::Error::from_raw_os_error(libc::EAGAIN);
+        let is_eagain = |e: &std::io::Error| e.raw_os_error() == Some(libc::EAGAIN);
+        let mut calls = 0;
+        let r = retried(
+            || {
+                calls += 1;
+                if calls < 3 {
+                    Err(eagain())
+                } else {
+                    Ok(())
+                }
+            },
+            is_eagain,
+        );
+        assert!(r.is_ok() && calls == 3, "loaded at the third call ({calls})");
+        calls = 0;
+        let r = retried(
+            || {
+                calls += 1;
+                Err(eagain())
+            },
+            is_eagain,
+        );
+        assert!(r.is_err() && calls == 5, "given up after five calls ({calls})");
+        calls = 0;
+        let r = retried(
+            || {
+                calls += 1;
+                Err(std::io::Error::from_raw_os_error(libc::EINVAL))
+            },
+            is_eagain,
+        );
+        assert!(r.is_err() && calls == 1, "a refusal is not tried again ({calls})");
+    }
 }
