@@ -54,9 +54,10 @@ pub struct Env {
     pub xdp: bool,
     /// A trace: decide, but write nothing.
     pub dry: bool,
-    /// XDP: the agent's generation for the flow cache (`flowcache`), read before the packet's
-    /// lookups.
+    /// XDP: the flow cache's generation (`flowcache`), read before the packet's lookups.
     pub generation: u32,
+    /// XDP: the packet's step is to be cached (its flow missed the cache).
+    pub remember: bool,
 }
 
 pub enum Step<A = [u8; 4]> {
@@ -221,13 +222,13 @@ fn remember<A: Family>(
     route: &Route<A>,
     reason: Reason,
 ) {
-    if !env.xdp || env.dry || !flowcache::takes(pkt) {
+    if !env.remember {
         return;
     }
     // As the packet left it (a packet the cache takes adds no flags).
     let last_seen = e.read(|e| e.last_seen_ns);
     let until = flowcache::window_end(last_seen, lifetime, now);
-    flowcache::fill(&ct::key(pkt), env.ifindex, env.generation, until, dst, src, route, reason);
+    flowcache::fill(&ct::key(pkt), env.ifindex, env.generation, now, until, dst, src, route, reason);
 }
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
@@ -246,7 +247,20 @@ pub fn decide<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 + C
 /// stack frame).
 #[inline(always)]
 pub fn decide_tracked<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 + Copy, stage_new: bool) -> Step<A> {
-    if let Some(mut e) = ct::lookup(ct::key(pkt)) {
+    decide_found(env, pkt, clock, stage_new, ct::lookup(ct::key(pkt)))
+}
+
+/// `decide_tracked`, with the packet's conntrack entry looked up by the caller (XDP, which
+/// reads the conntrack filter before its flow cache).
+#[inline(always)]
+pub fn decide_found<A: Family>(
+    env: &Env,
+    pkt: &Packet<A>,
+    clock: impl Fn() -> u64 + Copy,
+    stage_new: bool,
+    found: Option<Slot<CtEntry<A>>>,
+) -> Step<A> {
+    if let Some(mut e) = found {
         let now = clock();
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {

@@ -18,11 +18,12 @@ use proxy_common::{csum, Ip6, Reason, IPPROTO_TCP};
 use crate::{
     access, ct,
     family::Family,
-    flowcache,
+    flowcache::{self, Lookup},
     maps::PROGS_XDP_V1,
     nat::{TCP_CSUM_OFF, UDP_CSUM_OFF},
     north::{self, Env, Route, Step},
     parse::{self, ptr_at, Frag, Packet, Parsed, IP_OFF, L3},
+    value::Slot,
 };
 
 pub struct XdpVerdict {
@@ -53,21 +54,23 @@ fn ingress(ctx: &XdpContext) -> u32 {
 /// (`flowcache`), the verdict it was sent on with.
 #[inline(always)]
 fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpVerdict> {
-    let mut env = Env { ctx: ctx.ctx as *mut _, ifindex: ingress(ctx), xdp: true, dry: false, generation: 0 };
+    let mut env = Env { ctx: ctx.ctx as *mut _, ifindex: ingress(ctx), xdp: true, dry: false, generation: 0, remember: false };
     let key = ct::key(pkt);
     // A packet of no tracked flow (most of them) is told so by the conntrack filter, before
     // the cache, as the conntrack lookup would be: only a new flow's decision is left.
     if !ct::may_hold(&key) {
         return Ok(north::new_flow(&env, pkt, ct::now));
     }
+    let now = ct::now();
     if flowcache::takes(pkt) {
-        // Read before the decision's lookups, for caching its step.
-        env.generation = flowcache::generation();
-        if let Some(h) = flowcache::hit(&key, env.ifindex, ct::now(), env.generation) {
-            return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason));
+        match flowcache::lookup(&key, env.ifindex, now) {
+            Lookup::Hit(h) => return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason)),
+            Lookup::Miss { generation } => (env.remember, env.generation) = (true, generation),
+            Lookup::Resting => {}
         }
     }
-    Ok(north::decide(&env, pkt, ct::now))
+    // The filter is read: the entry is looked up directly.
+    Ok(north::decide_found(&env, pkt, move || now, false, Slot::of(A::ct(), key)))
 }
 
 #[inline(always)]

@@ -272,6 +272,76 @@ fn every_node_sends_a_flow_to_the_same_backend() {
     assert!(text.contains("service   default/web:http"), "{text}");
 }
 
+/// A UDP flow that XDP forwards to a backend on node B, its step cached on node A, leaves that
+/// backend once the agent has removed it: the removed backend's pod still runs and would
+/// answer, so an answer from it would be a packet the cache sent where the conntrack path
+/// sends the flow elsewhere (its backend gone, it is tracked afresh). Without the agent's move
+/// of the cache's generation, answers from the removed backend go on until the flow's window
+/// ends (up to a second; two runs in three failed so). The node is the way nodes are: the
+/// uplink's far end takes XDP frames (as a NIC does), the agent runs with its defaults.
+#[test]
+fn a_udp_flow_through_xdp_leaves_a_removed_backend_at_once() {
+    let Some(mut c) = cluster("a_udp_flow_through_xdp_leaves_a_removed_backend", [&[], &["b1", "b2"]]) else { return };
+    c.switch_takes_xdp_frames();
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(B1), "node-b"), (ip(B2), "node-b")]));
+    c.start_agents(&[]);
+    c.wait_frontend("NODE:30053", "UDP", 2);
+    c.wait_all("XDP to send frames itself", |_, r| r.external_interfaces.values().all(|e| e.xdp_sends));
+    let flow = proxy_tests::servers::UdpFlow::open(&c.client, sock("192.168.100.1:30053")).expect("a resolver's flow");
+    let first = flow.ask().expect("first answer").backend;
+    let forwarded = |c: &Cluster| c.node("node-a").inspect().unwrap().counters.get("xdp_forward").map_or(0, |c| c.packets);
+    let before = forwarded(&c);
+    for _ in 0..50 {
+        assert_eq!(flow.ask().expect("an answer").backend, first, "the flow keeps its backend");
+    }
+    assert!(forwarded(&c) >= before + 50, "the flow's packets took XDP");
+    let (keep, ip_keep) = if first == "b1" { ("b2", B2) } else { ("b1", B1) };
+    // The flow keeps asking while the backend goes (a cached step's window is renewed by the
+    // packet that refreshes the entry, once a second: a flow that keeps sending always has
+    // one open), from one CPU: node A's XDP then runs where the client sends (veth), and the
+    // flow's packets meet one CPU's cache. (From two, a packet that misses on one of them is
+    // tracked afresh by TC, which moves the generation on for both: the agent's own move
+    // would go untested.)
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let asker = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            proxy_tests::testrun::stay_on_this_cpu();
+            let mut answers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let sent = std::time::Instant::now();
+                answers.push((sent, flow.ask().map(|a| a.backend)));
+            }
+            answers
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(ip_keep), "node-b")]));
+    // The moment node A's agent has removed the backend (within 100 ms): the master
+    // entry shows one backend, and the removed one's entry goes right after (make before
+    // break), with the generation's move.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !c.node("node-a").inspect().is_ok_and(|r| {
+        r.frontends
+            .iter()
+            .any(|f| f.address == "192.168.100.1:30053" && f.protocol == "UDP" && f.scope == "external" && f.backends.len() == 1)
+    }) {
+        assert!(std::time::Instant::now() < deadline, "node A did not remove the backend");
+    }
+    let removed = std::time::Instant::now() + Duration::from_millis(100);
+    // Longer than a window.
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answers = asker.join().unwrap();
+    let after: Vec<_> = answers.iter().filter(|(sent, _)| *sent >= removed).collect();
+    assert!(after.len() >= 50, "the flow kept asking after the removal: {} requests", after.len());
+    for (i, (_, a)) in after.iter().enumerate() {
+        assert_eq!(a.as_deref().ok(), Some(keep), "request {i} after the removal: {a:?}");
+    }
+}
+
 #[test]
 fn a_north_south_connection_survives_an_agent_restart() {
     let Some(mut c) = cluster("a_north_south_connection_survives_an_agent_restart", [&["a1"], &["b1", "b2"]]) else { return };
