@@ -9,6 +9,7 @@ use crate::{Backend, BackendFlows, Counter, CtEntry, CtKey, FragKey, FragPorts, 
 // SAFETY: all of these are #[repr(C)] with explicit padding fields and only integer or byte-array
 // fields, so every bit pattern is valid and there are no uninitialised bytes.
 unsafe impl aya::Pod for crate::ct::Lifetimes {}
+unsafe impl aya::Pod for crate::ct::FlowGen {}
 unsafe impl aya::Pod for ServiceValue {}
 unsafe impl aya::Pod for BackendFlows {}
 unsafe impl aya::Pod for FragKey {}

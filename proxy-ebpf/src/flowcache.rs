@@ -5,7 +5,8 @@
 //! on a tracked packet).
 //!
 //! A slot holds one flow, at the place its tuple's hash gives (direct-mapped); a flow that
-//! meets another in its slot is looked up in the conntrack map as before and takes the slot.
+//! meets another in its slot is looked up in the conntrack map as before, and takes the slot
+//! once the other's window has ended (`fill`).
 //! A slot serves a packet only:
 //! - of the same tuple, arriving on the same interface;
 //! - before `until`: the first of the moments at which the conntrack path would write the
@@ -20,9 +21,9 @@
 //! - that is not a TCP segment with SYN, FIN or RST, which change or end a flow's state (those
 //!   take the conntrack path, and do not fill a slot).
 //!
-//! A flow that misses takes its slot only from a flow whose window has ended (`fill`), and a
-//! CPU whose lookups mostly miss rests its cache for a while (`Tally`): with more flows than
-//! slots taking turns, a lookup is a cost with nothing to show for it.
+//! A CPU whose lookups meet other flows' live slots more often than they hit rests its cache
+//! for a while (`Tally`): with more flows than slots taking turns, a lookup is a cost with
+//! nothing to show for it.
 //!
 //! So a packet the cache sends on is one the conntrack path would have sent the same way,
 //! leaving the entry as it was. What the cache cannot see: another CPU's packet changing the
@@ -85,16 +86,21 @@ pub static FLOWS6: FlowMap<Ip6> = PerCpuArray::new();
 #[btf_map]
 pub static FLOW_GEN_V1: Array<FlowGen, 1, { aya_ebpf::bindings::BPF_F_MMAPABLE as usize }> = Array::new();
 
-/// This CPU's count of how the cache fares. A round of `ROUND` lookups of which fewer than half
-/// hit (more flows than slots taking turns, each flow's packets far apart) rests the cache for
-/// the next `REST` tracked packets: a lookup that misses costs a cache line the conntrack path
-/// then reads besides its own (with 16,384 flows taking turns, about 15 ns a packet here),
-/// which the flows that hit must pay back.
+/// This CPU's count of how the cache fares. A round of `ROUND` lookups that met another flow's
+/// live slot more often than they hit (more flows than slots taking turns, each flow's packets
+/// far apart) rests the cache for the next `REST` tracked packets: a lookup that misses costs
+/// a cache line the conntrack path then reads besides its own (with 16,384 flows taking turns,
+/// about 15 ns a packet here), which the flows that hit must pay back. A lookup that finds an
+/// empty or ended slot counts neither way: the cache warming up (at its start, at the end of
+/// a route epoch, after the generation moved, after a rest) is not thrashing, nor is a flow
+/// whose step is never cached (XDP hands it to TC).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct Tally {
     probes: u32,
     hits: u32,
+    /// Lookups that met another flow's live slot.
+    taken: u32,
     rest: u32,
 }
 
@@ -169,14 +175,16 @@ pub fn lookup<A: Family>(key: &CtKey<A>, ingress: u32, now: u64) -> Lookup<A> {
     }
     let Some(f) = slot(key) else { return Lookup::Resting };
     let generation = generation();
-    let hit = now < f.until && f.generation == generation && f.ingress == ingress && f.key == *key;
+    let live = now < f.until && f.generation == generation;
+    let hit = live && f.ingress == ingress && f.key == *key;
     t.probes += 1;
     t.hits += u32::from(hit);
+    t.taken += u32::from(live && !hit);
     if t.probes == ROUND {
-        if t.hits < ROUND / 2 {
+        if t.taken > t.hits {
             t.rest = REST;
         }
-        (t.probes, t.hits) = (0, 0);
+        (t.probes, t.hits, t.taken) = (0, 0, 0);
     }
     if !hit {
         return Lookup::Miss { generation };
@@ -204,10 +212,10 @@ pub fn window_end(last_seen: u64, lifetime: u64, now: u64) -> u64 {
 }
 
 /// Records what the conntrack path decided at `now` for `key` (arriving on `ingress`), valid
-/// until `until` under generation `generation`; unless the slot serves another flow still (a
-/// flow seen once, a DNS query's, does not take the place of one that is sending: with more
-/// flows than slots, the slots keep the flows that took them until their windows end, where
-/// taking turns would have every flow miss).
+/// until `until` under generation `generation`; unless the slot serves another flow still:
+/// with more flows than slots, the slots keep the flows that took them until their windows
+/// end, where taking turns would have every flow miss. (A flow of one packet each way, a DNS
+/// query's, holds the slot it took until its window ends too.)
 #[inline(always)]
 pub fn fill<A: Family>(
     key: &CtKey<A>,

@@ -83,7 +83,7 @@ pub fn xdp_program_on(ns: &Netns, devs: &[&str], program: &'static str) -> XdpPa
     let ebpf = ns.run(move || {
         let mut ebpf = crate::load_lab_object();
         let prog: &mut aya::programs::Xdp = ebpf.program_mut(program).expect("program").try_into().expect("an XDP program");
-        prog.load().expect("load the program");
+        proxy_agent::dataplane::ebpf::loader::load_program(|| prog.load()).expect("load the program");
         for d in &devs {
             prog.attach(d, aya::programs::XdpMode::Driver).unwrap_or_else(|e| panic!("attach XDP pass to {d}: {e}"));
         }
