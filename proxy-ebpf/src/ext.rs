@@ -154,7 +154,7 @@ fn env_of(ctx: &TcContext, dry: Option<bool>) -> Env {
     // SAFETY: reads fields of our own context.
     let (mark, ifindex) = unsafe { ((*ctx.skb.skb).mark, (*ctx.skb.skb).ifindex) };
     let dry = dry.unwrap_or(mark == TRACE_MARK && ifindex == LOOPBACK_IFINDEX);
-    Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry, generation: 0, remember: false }
+    Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry, cache_under: None }
 }
 
 #[inline(always)]

@@ -117,7 +117,7 @@ pub fn try_host6_new(ctx: &TcContext) -> Result<Verdict, Reason> {
 fn env_of(ctx: &TcContext) -> Env {
     // SAFETY: reads a field of our own context.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    Env { ctx: ctx.skb.skb.cast(), ifindex, xdp: false, dry: false, generation: 0, remember: false }
+    Env { ctx: ctx.skb.skb.cast(), ifindex, xdp: false, dry: false, cache_under: None }
 }
 
 /// Applies a host flow's step (None: it is not one, the packet goes on as before). A tracked

@@ -198,7 +198,7 @@ fn translate<A: Family, const ARRIVING: bool>(ctx: &TcContext, l4_off: usize, ou
 pub fn send_on<A: Family>(ctx: &TcContext, src: A, dst: A) -> Result<Verdict, Reason> {
     // SAFETY: reads a field of our own context.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let env = Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry: false, generation: 0, remember: false };
+    let env = Env { ctx: ctx.skb.skb as *mut _, ifindex, xdp: false, dry: false, cache_under: None };
     let route = north::fib_proto(&env, A::ICMP_PROTO, src, dst)?;
     A::decrement_hops(ctx)?;
     Ok(Verdict { action: crate::ext::send(ctx, &route)?, reason: Reason::IcmpErrorNat })

@@ -54,10 +54,9 @@ pub struct Env {
     pub xdp: bool,
     /// A trace: decide, but write nothing.
     pub dry: bool,
-    /// XDP: the flow cache's generation (`flowcache`), read before the packet's lookups.
-    pub generation: u32,
-    /// XDP: the packet's step is to be cached (its flow missed the cache).
-    pub remember: bool,
+    /// XDP: the packet's step is to be cached (its flow missed the flow cache, `flowcache`),
+    /// under this generation, read before the packet's lookups.
+    pub cache_under: Option<u32>,
 }
 
 pub enum Step<A = [u8; 4]> {
@@ -222,13 +221,11 @@ fn remember<A: Family>(
     route: &Route<A>,
     reason: Reason,
 ) {
-    if !env.remember {
-        return;
-    }
+    let Some(generation) = env.cache_under else { return };
     // As the packet left it (a packet the cache takes adds no flags).
     let last_seen = e.read(|e| e.last_seen_ns);
     let until = flowcache::window_end(last_seen, lifetime, now);
-    flowcache::fill(&ct::key(pkt), env.ifindex, env.generation, now, until, dst, src, route, reason);
+    flowcache::fill(&ct::key(pkt), env.ifindex, generation, now, until, dst, src, route, reason);
 }
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.

@@ -54,7 +54,7 @@ fn ingress(ctx: &XdpContext) -> u32 {
 /// (`flowcache`), the verdict it was sent on with.
 #[inline(always)]
 fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpVerdict> {
-    let mut env = Env { ctx: ctx.ctx as *mut _, ifindex: ingress(ctx), xdp: true, dry: false, generation: 0, remember: false };
+    let mut env = Env { ctx: ctx.ctx as *mut _, ifindex: ingress(ctx), xdp: true, dry: false, cache_under: None };
     let key = ct::key(pkt);
     // A packet of no tracked flow (most of them) is told so by the conntrack filter, before
     // the cache, as the conntrack lookup would be: only a new flow's decision is left.
@@ -65,7 +65,7 @@ fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpV
     if flowcache::takes(pkt) {
         match flowcache::lookup(&key, env.ifindex, now) {
             Lookup::Hit(h) => return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason)),
-            Lookup::Miss { generation } => (env.remember, env.generation) = (true, generation),
+            Lookup::Miss { generation } => env.cache_under = Some(generation),
             Lookup::Resting => {}
         }
     }

@@ -544,38 +544,24 @@ mod tests {
     /// to five times in all; another error is not.
     #[test]
     fn a_load_interrupted_by_a_signal_is_tried_again() {
-        let eagain = || std::io::Error::from_raw_os_error(libc::EAGAIN);
-        let is_eagain = |e: &std::io::Error| e.raw_os_error() == Some(libc::EAGAIN);
-        let mut calls = 0;
-        let r = retried(
-            || {
-                calls += 1;
-                if calls < 3 {
-                    Err(eagain())
-                } else {
-                    Ok(())
-                }
-            },
-            is_eagain,
-        );
+        // Calls `retried` on a load whose call `n` (from 1) answers `answer(n)`: its result and
+        // how many calls it took.
+        let run = |answer: &dyn Fn(u32) -> Result<(), i32>| {
+            let mut calls = 0;
+            let r = retried(
+                || {
+                    calls += 1;
+                    answer(calls).map_err(std::io::Error::from_raw_os_error)
+                },
+                |e| e.raw_os_error() == Some(libc::EAGAIN),
+            );
+            (r, calls)
+        };
+        let (r, calls) = run(&|n| if n < 3 { Err(libc::EAGAIN) } else { Ok(()) });
         assert!(r.is_ok() && calls == 3, "loaded at the third call ({calls})");
-        calls = 0;
-        let r = retried(
-            || {
-                calls += 1;
-                Err(eagain())
-            },
-            is_eagain,
-        );
+        let (r, calls) = run(&|_| Err(libc::EAGAIN));
         assert!(r.is_err() && calls == 5, "given up after five calls ({calls})");
-        calls = 0;
-        let r = retried(
-            || {
-                calls += 1;
-                Err(std::io::Error::from_raw_os_error(libc::EINVAL))
-            },
-            is_eagain,
-        );
+        let (r, calls) = run(&|_| Err(libc::EINVAL));
         assert!(r.is_err() && calls == 1, "a refusal is not tried again ({calls})");
     }
 }
