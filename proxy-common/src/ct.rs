@@ -144,23 +144,39 @@ impl Default for Lifetimes {
     }
 }
 
+impl Lifetimes {
+    /// Which lifetime applies to an entry with flags `f`: its field's place among the
+    /// struct's `u64`s (so a reader can load that field alone).
+    #[inline(always)]
+    pub const fn index(proto: u8, f: u8) -> usize {
+        if proto == crate::IPPROTO_TCP {
+            if tcp_closing(f) {
+                3
+            } else if f & flags::SEEN_REPLY != 0 && f & (flags::FIN_FWD | flags::FIN_REV) != 0 {
+                2
+            } else if f & flags::SEEN_REPLY != 0 {
+                1
+            } else {
+                0
+            }
+        } else if f & flags::SEEN_REPLY != 0 {
+            5
+        } else {
+            4
+        }
+    }
+}
+
 /// How long an entry with `flags` stays valid after its last packet.
 #[inline(always)]
 pub const fn lifetime_ns(proto: u8, f: u8, lt: &Lifetimes) -> u64 {
-    if proto == crate::IPPROTO_TCP {
-        if tcp_closing(f) {
-            lt.tcp_closing_ns
-        } else if f & flags::SEEN_REPLY != 0 && f & (flags::FIN_FWD | flags::FIN_REV) != 0 {
-            lt.tcp_half_closed_ns
-        } else if f & flags::SEEN_REPLY != 0 {
-            lt.tcp_established_ns
-        } else {
-            lt.tcp_syn_ns
-        }
-    } else if f & flags::SEEN_REPLY != 0 {
-        lt.udp_stream_ns
-    } else {
-        lt.udp_ns
+    match Lifetimes::index(proto, f) {
+        0 => lt.tcp_syn_ns,
+        1 => lt.tcp_established_ns,
+        2 => lt.tcp_half_closed_ns,
+        3 => lt.tcp_closing_ns,
+        4 => lt.udp_ns,
+        _ => lt.udp_stream_ns,
     }
 }
 

@@ -143,22 +143,21 @@ pub fn snat_forward_key<A: Family>(entry: &CtEntry<A>, vip: A, vport: [u8; 2], p
 #[no_mangle]
 static CT_LIFETIMES: ct::Lifetimes = ct::Lifetimes::DEFAULT;
 
+/// The lifetime of an entry with flags `f` (`proxy_common::ct::lifetime_ns`), by the loaded
+/// settings: that field alone, read volatile so that the default is not folded in before the
+/// loader sets the value. (A volatile read of the whole struct put a 48-byte copy on the
+/// programs' stack at each use.)
+#[inline(always)]
+pub fn lifetime(proto: u8, f: u8) -> u64 {
+    let i = ct::Lifetimes::index(proto, f);
+    // SAFETY: within our own static, which is six `u64`s (`Lifetimes` is `repr(C)`, 48 bytes).
+    unsafe { core::ptr::read_volatile((&raw const CT_LIFETIMES).cast::<u64>().add(i)) }
+}
+
 /// True when an entry no longer steers packets at `now` (see `proxy_common::ct::expired`).
 #[inline(always)]
 pub fn expired(proto: u8, f: u8, last_seen_ns: u64, now: u64) -> bool {
-    // SAFETY: a plain read of our own static; volatile so that the default is not folded in
-    // before the loader sets the value.
-    let lt = unsafe { core::ptr::read_volatile(&raw const CT_LIFETIMES) };
-    ct::expired(proto, f, last_seen_ns, now, &lt)
-}
-
-/// The lifetime of an entry with flags `f` (`proxy_common::ct::lifetime_ns`), by the loaded
-/// settings.
-#[inline(always)]
-pub fn lifetime(proto: u8, f: u8) -> u64 {
-    // SAFETY: as in `expired`.
-    let lt = unsafe { core::ptr::read_volatile(&raw const CT_LIFETIMES) };
-    ct::lifetime_ns(proto, f, &lt)
+    now.saturating_sub(last_seen_ns) > lifetime(proto, f)
 }
 
 /// CT flags a TCP packet contributes. `fin` is the FIN flag for its direction.
