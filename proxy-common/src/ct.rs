@@ -76,7 +76,7 @@ pub const fn route_epoch(now_ns: u64) -> u16 {
     (now_ns >> 30) as u16
 }
 
-/// Value of `FLOW_GEN_V1` (mmapable): the generation XDP's flow cache is valid under is the
+/// Value of `FLOW_GEN_V1` (mmapable): the generation the flow caches (XDP's, TC's) are valid under is the
 /// sum of the agent's count and the datapath's, each moved on by its own writer only, with an
 /// atomic add (the agent through its mapping of the value).
 #[repr(C)]

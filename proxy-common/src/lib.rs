@@ -101,7 +101,7 @@ pub mod map_names {
     /// The conntrack filter (`crate::ct_filter`): a bit per hash of every key the conntrack map
     /// may hold, so a packet of no tracked flow is told so without a conntrack lookup.
     pub const CT_FILTER: &str = "CT4_FILTER_V1";
-    /// The generation XDP's flow cache is valid under (`ct::FlowGen`), so that no cached step
+    /// The generation the flow caches are valid under (`ct::FlowGen`), so that no cached step
     /// outlives what it was decided from.
     pub const FLOW_GEN: &str = "FLOW_GEN_V1";
 

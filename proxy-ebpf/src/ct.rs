@@ -358,6 +358,8 @@ fn claim_client_port<A: Family>(
         }
         let free = Slot::of(A::ct(), &k).is_some_and(|old| !reply_in_use(pkt, &old, port, own, now));
         if free && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
+            // Another flow's entry written over: a cached step may still be that flow's.
+            crate::flowcache::retracked();
             return Ok(port);
         }
     }
@@ -405,6 +407,12 @@ pub fn create<A: Family>(
             moved = true;
         } else {
             A::ct().insert(reply, &*e, BPF_ANY as u64).map_err(|_| Reason::DropCtInsert)?;
+            if !hairpin {
+                // Another flow's reply entry written over (a reset connection's, whose tuple
+                // is free to take at once): a cached step may still be that flow's. (No cache
+                // holds a hairpinned reply's, which pod ingress bounces and egress never sees.)
+                crate::flowcache::retracked();
+            }
         }
     }
     e.flags = fin_rst | hp | if moved { flags::PORT_NAT } else { 0 };
@@ -471,6 +479,8 @@ pub fn create_snat<A: Family, const HOST: bool>(
         // would only evict it once the whole table is full.)
         let stale = Slot::of(A::ct(), &k).is_some_and(|old| reply_reusable(pkt.proto, &old, now));
         if stale && A::ct().insert(k, &*e, BPF_ANY as u64).is_ok() {
+            // Another flow's mapping written over: a cached step may still be that flow's.
+            crate::flowcache::retracked();
             claimed = true;
             break;
         }

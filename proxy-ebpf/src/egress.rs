@@ -8,17 +8,19 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     ct::{flags, l4_csum},
-    prog_slots, svc_cidr, Reason,
+    prog_slots, svc_cidr, CtEntry, Reason,
 };
 
 use crate::{
     ct,
     family::Family,
+    flowcache::{self, Lookup},
     frag, host, icmp, icmp6, icmp_nat,
     maps::PROGS_V1,
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     select::{self, revnat_of},
+    value::Slot,
     verdict::Verdict,
 };
 
@@ -113,42 +115,95 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let Some(mut e) = ct::lookup(ct::key(&pkt)) else {
-        // A host process's first packet to a Service, which the socket hooks left to TC.
-        if host::from_host(ctx) && select::frontend(pkt.daddr, pkt.dport, pkt.proto).is_some() {
-            return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
+    if ct::may_hold(&ct::key(&pkt)) {
+        if let Some(verdict) = tracked(ctx, &pkt) {
+            return verdict;
         }
-        return leaving_unmatched(select::service_cidr_of(pkt.daddr));
-    };
+    }
+    untracked(ctx, &pkt)
+}
+
+/// A packet whose tuple the conntrack filter may hold (None: the conntrack map does not): a
+/// reply served from TC's flow cache (in its flow's window, which the conntrack path would
+/// translate the same way and write nothing for), else by its conntrack entry (the filter is
+/// read: the entry is looked up directly). (The key is made afresh at each use, as at pod
+/// ingress.)
+#[inline(always)]
+fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
+    let now = ct::now();
+    let mut cache_under = None;
+    if !flowcache::takes(pkt) {
+        flowcache::forget_tc(&ct::key(pkt));
+    } else if pkt.frag == Frag::Whole {
+        match flowcache::lookup_tc(&ct::key(pkt), now) {
+            Lookup::Hit(t) if t.entry.flags & flags::REPLY != 0 => return Some(reverse_nat(ctx, pkt, &t.entry, (t.rn_addr, t.rn_port))),
+            Lookup::Miss { generation } => cache_under = Some(generation),
+            _ => {}
+        }
+    }
+    let mut e = Slot::of(A::ct(), ct::key(pkt))?;
     let entry = e.get();
     if entry.flags & flags::REPLY == 0 {
         // A tracked host flow's next packet (a SNAT entry's flow from this node).
         if entry.flags & flags::SNAT != 0 && host::from_host(ctx) {
-            return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
+            return Some(Ok(Verdict::pass(host::hand_on::<A>(ctx))));
         }
-        return Ok(Verdict::pass(Reason::EgressPass));
+        return Some(Ok(Verdict::pass(Reason::EgressPass)));
     }
     // The service is gone: nothing to restore, the client gets the packet as it is.
     let Some(rn) = revnat_of(&entry) else {
-        return Ok(Verdict::pass(Reason::EgressPass));
+        return Some(Ok(Verdict::pass(Reason::EgressPass)));
     };
-    if !ct::touch_reply(&pkt, &mut e, &entry, &ct::forward_key_of_reply(&pkt, &entry, rn.addr, rn.port), ct::now()) {
-        return Ok(Verdict::pass(Reason::EgressPass));
+    if !ct::touch_reply(pkt, &mut e, &entry, &ct::forward_key_of_reply(pkt, &entry, rn.addr, rn.port), now) {
+        return Some(Ok(Verdict::pass(Reason::EgressPass)));
     }
-    frag::remember(&pkt);
+    frag::remember(pkt);
     if entry.l4_csum == l4_csum::UNKNOWN {
         // The first reply (or one the form could not be told from): learn the form.
-        let form = nat::rewrite_learning(ctx, &pkt, Side::Src, rn.addr, rn.port)?;
+        let form = match nat::rewrite_learning(ctx, pkt, Side::Src, rn.addr, rn.port) {
+            Ok(form) => form,
+            Err(reason) => return Some(Err(reason)),
+        };
         if form != l4_csum::UNKNOWN {
             // A racing writer stores the same value.
             e.update(move |e| e.l4_csum = form);
         }
-    } else {
-        nat::rewrite_known(ctx, &pkt, Side::Src, rn.addr, rn.port, entry.l4_csum, nat::Kept::NONE)?;
+        return Some(client_port(ctx, pkt, &entry));
     }
+    if let (Some(generation), true) = (cache_under, entry.flags & flags::SEEN_REPLY != 0 && flowcache::caches(entry.flags)) {
+        // As `touch_reply` left the entry (one that had seen a reply: a packet the cache takes
+        // adds no flag): refreshed if that was due.
+        let last_seen = if now.wrapping_sub(entry.last_seen_ns) > proxy_common::ct::REFRESH_NS { now } else { entry.last_seen_ns };
+        let until = flowcache::quiet_end(last_seen, ct::lifetime(pkt.proto, entry.flags));
+        flowcache::fill_tc(&ct::key(pkt), generation, now, until, &e, (entry.service_id, entry.backend_id), (rn.addr, rn.port));
+    }
+    Some(reverse_nat(ctx, pkt, &entry, (rn.addr, rn.port)))
+}
+
+/// A packet of no tracked flow about to leave.
+#[inline(always)]
+fn untracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reason> {
+    // A host process's first packet to a Service, which the socket hooks left to TC.
+    if host::from_host(ctx) && select::frontend(pkt.daddr, pkt.dport, pkt.proto).is_some() {
+        return Ok(Verdict::pass(host::hand_on::<A>(ctx)));
+    }
+    leaving_unmatched(select::service_cidr_of(pkt.daddr))
+}
+
+/// The reverse NAT of a reply whose entry `entry` knows its checksum form: the Service's
+/// address `rn` as its source, and the client's own port back (`client_port`).
+#[inline(always)]
+fn reverse_nat<A: Family>(ctx: &TcContext, pkt: &Packet<A>, entry: &CtEntry<A>, rn: (A, [u8; 2])) -> Result<Verdict, Reason> {
+    nat::rewrite_known(ctx, pkt, Side::Src, rn.0, rn.1, entry.l4_csum, nat::Kept::NONE)?;
+    client_port(ctx, pkt, entry)
+}
+
+/// The end of a reply's reverse NAT: the client's own port back if the forward direction moved
+/// it.
+#[inline(always)]
+fn client_port<A: Family>(ctx: &TcContext, pkt: &Packet<A>, entry: &CtEntry<A>) -> Result<Verdict, Reason> {
     if entry.flags & flags::PORT_NAT != 0 {
-        // The client's own port, which the forward direction moved.
-        nat::rewrite(ctx, &pkt, Side::Dst, pkt.daddr, entry.snat_port)?;
+        nat::rewrite(ctx, pkt, Side::Dst, pkt.daddr, entry.snat_port)?;
     }
     let reason = if pkt.frag == Frag::Later { Reason::FragmentNat } else { Reason::ReverseNat };
     Ok(Verdict::pass(reason))

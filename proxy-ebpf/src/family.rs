@@ -65,6 +65,8 @@ pub trait Family:
     fn ct_filter() -> &'static CtFilterMap;
     /// XDP's cache of tracked flows (`flowcache`).
     fn flow_cache() -> &'static crate::flowcache::FlowMap<Self>;
+    /// TC's cache of tracked pod flows (`flowcache`).
+    fn tc_cache() -> &'static crate::flowcache::TrackedMap<Self>;
     fn services() -> &'static ServicesMap<Self>;
     /// True when the family's frontend filter (`proxy_common::filter`) has the bit of frontend
     /// (`addr`, `port`, `proto`): it may be one.
@@ -185,6 +187,10 @@ impl Family for [u8; 4] {
     #[inline(always)]
     fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {
         &crate::flowcache::FLOWS4
+    }
+    #[inline(always)]
+    fn tc_cache() -> &'static crate::flowcache::TrackedMap<Self> {
+        &crate::flowcache::TRACKED4
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {
@@ -358,6 +364,10 @@ impl Family for Ip6 {
     #[inline(always)]
     fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {
         &crate::flowcache::FLOWS6
+    }
+    #[inline(always)]
+    fn tc_cache() -> &'static crate::flowcache::TrackedMap<Self> {
+        &crate::flowcache::TRACKED6
     }
     #[inline(always)]
     fn services() -> &'static ServicesMap<Self> {

@@ -1,38 +1,52 @@
-//! XDP's per-CPU cache of tracked north-south flows: what the conntrack path decided for a
-//! tuple (its rewrite and its route), kept for the window in which that path would decide the
-//! same again and write nothing, so that a packet in that window is sent on without the
-//! conntrack lookup (the kernel's hash of the key and its walk: about half of what XDP spent
-//! on a tracked packet).
+//! Per-CPU caches of tracked flows: what the conntrack path decided for a tuple, kept for the
+//! window in which that path would decide the same again and write nothing, so that a packet
+//! in that window is sent on without the conntrack lookup (the kernel's hash of the key and
+//! its walk: about half of what XDP spent on a tracked packet, a fifth to a quarter of what
+//! TC spent on an established or reply packet). Two caches, of the same kind:
+//! - XDP's, of north-south flows: the step (rewrite and route) of a forward or reply packet
+//!   (`XdpStep`, `lookup_xdp`, `fill_xdp`);
+//! - TC's, of pod flows: the conntrack entry pod ingress translated a forward packet with, or
+//!   egress a reply (with the Service address the reverse NAT map gave; `Tracked`,
+//!   `lookup_tc`, `fill_tc`). The rest of their paths run as for an entry of the map, with
+//!   the conntrack path's own checks that need no write (the backend still there).
 //!
 //! A slot holds one flow, at the place its tuple's hash gives (direct-mapped); a flow that
 //! meets another in its slot is looked up in the conntrack map as before, and takes the slot
 //! once the other's window has ended (`fill`).
 //! A slot serves a packet only:
-//! - of the same tuple, arriving on the same interface;
+//! - of the same tuple (for XDP, arriving on the same interface), a whole datagram for TC;
 //! - before `until`: the first of the moments at which the conntrack path would write the
 //!   entry (its refresh, due `REFRESH_NS` after the packet that last refreshed it), find it
-//!   expired, or take another route (the route's epoch ends; see `north::route_of`);
+//!   expired, or (XDP) take another route (the route's epoch ends; see `north::route_of`);
 //! - under the generation the slot was filled under (`FLOW_GEN_V1`, `ct::FlowGen`): the agent
 //!   moves it on after it deleted a backend, wrote or deleted a reverse NAT entry, or changed
 //!   what a device takes from XDP (the entries a tracked flow's step reads besides its own,
 //!   with the FIB, whose answer the entry keeps for the epoch anyway); the datapath moves it on
-//!   when TC tracks afresh the tuple of a flow that had not expired (a SYN reusing a closing
-//!   connection's ports, a flow whose backend went), whose old step any CPU's slot may hold;
+//!   when TC tracks afresh the tuple of a flow refreshed within the last two seconds (a SYN
+//!   reusing a closing connection's ports, a flow whose backend went), whose old step any
+//!   CPU's slot may hold (`retracked_unless_ended`), and when a new flow writes over another
+//!   flow's reply entry (a reset connection's reply tuple or SNAT port, free to take at once:
+//!   `ct::create`, `create_snat`);
 //! - that is not a TCP segment with SYN, FIN or RST, which change or end a flow's state (those
-//!   take the conntrack path, and do not fill a slot).
+//!   take the conntrack path, do not fill a slot, and empty this CPU's slot of the tuple).
+//!
+//! A closing flow (a FIN or a RST seen) is not cached at all (`caches`): a SYN may track its
+//! tuple afresh at any time, and a CPU that read the generation moved on for that, then the old
+//! entry before the new one was written, would cache the old step under the new generation.
 //!
 //! A CPU whose lookups meet other flows' live slots more often than they hit rests its cache
-//! for a while (`Tally`): with more flows than slots taking turns, a lookup is a cost with
-//! nothing to show for it.
+//! for a while (`Tally`, one per cache): with more flows than slots taking turns, a lookup is
+//! a cost with nothing to show for it.
 //!
-//! So a packet the cache sends on is one the conntrack path would have sent the same way,
-//! leaving the entry as it was. What the cache cannot see: another CPU's packet changing the
+//! So a packet a cache sends on is one the conntrack path would have sent the same way,
+//! leaving the entry as it was. What the caches cannot see: another CPU's packet changing the
 //! entry's flags (a FIN: the flow then lives on for at least the half-closed or closing
 //! lifetime, longer than a window unless those are set under a second); an entry the LRU
-//! evicts while its flow is sending (at most one window); and, on a kernel whose softirqs can
-//! be preempted (PREEMPT_RT), another XDP run on the same CPU writing a slot being read.
-//! (Weakly ordered CPUs may read the generation after the entries it guards: a slot filled
-//! then lasts one window at most.)
+//! evicts while its flow is sending (at most one window); during an upgrade, an older build's
+//! program tracking a flow afresh without moving the generation (at most one window); and, on
+//! a kernel whose softirqs can be preempted (PREEMPT_RT), another run on the same CPU writing
+//! a slot being read. (Weakly ordered CPUs may read the generation after the entries it
+//! guards: a slot filled then lasts one window at most.)
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
@@ -42,44 +56,75 @@ use aya_ebpf::{
 };
 use proxy_common::{
     ct::{self, FlowGen},
-    CtKey, Ip6, Reason, IPPROTO_TCP,
+    ct_filter, CtEntry, CtKey, Ip6, Reason, IPPROTO_TCP,
 };
 
 use crate::{
     family::Family,
     north::Route,
     parse::{Packet, TCP_FIN, TCP_RST, TCP_SYN},
+    value::Slot,
 };
 
-/// Slots per CPU and family (IPv4's are 64 bytes, IPv6's 112: 64 KiB and 112 KiB a CPU).
+/// Slots per CPU and family of XDP's cache (IPv4's are 64 bytes, IPv6's 112: 64 KiB and
+/// 112 KiB a CPU).
 pub const SLOTS: u32 = 1024;
+/// Slots per CPU and family of TC's cache (`Tracked`: IPv4's are 96 bytes, IPv6's 160: 48 KiB
+/// and 80 KiB a CPU).
+pub const TC_SLOTS: u32 = 512;
 
-/// One cached flow. `until == 0`: empty.
+/// One cached flow: `step` is what its packets are sent on with. `until == 0`: empty.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub struct Flow<A> {
+pub struct Cached<A, S> {
     key: CtKey<A>,
+    ingress: u32,
+    generation: u32,
+    until: u64,
+    step: S,
+}
+
+/// XDP's step of a tracked north-south flow: its rewrite and its route.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct XdpStep<A> {
     dst: A,
     src: A,
     dport: [u8; 2],
     sport: [u8; 2],
-    ingress: u32,
     egress: u32,
     dmac: [u8; 6],
     smac: [u8; 6],
-    generation: u32,
     /// A reply's slot (`Reason::XdpReply`), else a forward packet's (`Reason::XdpForward`).
     reply: u32,
-    until: u64,
 }
 
-pub type FlowMap<A> = PerCpuArray<Flow<A>, { SLOTS as usize }>;
+/// TC's step of a tracked pod flow (pod ingress's DNAT of a forward packet, egress's reverse
+/// NAT of a reply): the flow's entry as the conntrack path read it, and for a reply the
+/// Service address the reverse NAT map gave.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Tracked<A> {
+    pub entry: CtEntry<A>,
+    pub rn_addr: A,
+    pub rn_port: [u8; 2],
+    _pad: [u8; 2],
+}
+
+pub type FlowMap<A> = PerCpuArray<Cached<A, XdpStep<A>>, { SLOTS as usize }>;
+pub type TrackedMap<A> = PerCpuArray<Cached<A, Tracked<A>>, { TC_SLOTS as usize }>;
 
 #[btf_map]
 pub static FLOWS4: FlowMap<[u8; 4]> = PerCpuArray::new();
 
 #[btf_map]
 pub static FLOWS6: FlowMap<Ip6> = PerCpuArray::new();
+
+#[btf_map]
+pub static TRACKED4: TrackedMap<[u8; 4]> = PerCpuArray::new();
+
+#[btf_map]
+pub static TRACKED6: TrackedMap<Ip6> = PerCpuArray::new();
 
 /// The generation (see the module comment). Pinned: programs of an earlier load that are
 /// still attached read the one the agent moves on.
@@ -107,16 +152,13 @@ pub struct Tally {
 const ROUND: u32 = 256;
 const REST: u32 = 8192;
 
+/// XDP's tally.
 #[btf_map]
 pub static FLOW_TALLY: PerCpuArray<Tally, 1> = PerCpuArray::new();
 
-/// What a slot sends a packet on with.
-pub struct Hit<A> {
-    pub dst: (A, [u8; 2]),
-    pub src: (A, [u8; 2]),
-    pub route: Route<A>,
-    pub reason: Reason,
-}
+/// TC's tally (pod ingress and egress share it, and the slots).
+#[btf_map]
+pub static TC_TALLY: PerCpuArray<Tally, 1> = PerCpuArray::new();
 
 /// The current generation.
 #[inline(always)]
@@ -135,6 +177,27 @@ pub fn retracked() {
     unsafe { atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(&raw mut (*g).datapath, 1) };
 }
 
+/// Moves the datapath's count of the generation on (`retracked`), for a flow tracked afresh
+/// whose entry was last refreshed at `last_seen`: unless every window a slot could hold for it
+/// has ended by `now` (a window ends at most `REFRESH_NS` after the refresh it was filled
+/// after; twice that here, for CPUs whose clocks are a tick apart). Whatever the entry's
+/// lifetime: one set under a second may have ended before a slot's window did.
+#[inline(always)]
+pub fn retracked_unless_ended(last_seen: u64, now: u64) {
+    if now.saturating_sub(last_seen) <= 2 * ct::REFRESH_NS {
+        retracked();
+    }
+}
+
+/// Whether the step of a flow whose entry has flags `f` may be cached: not once the flow is
+/// closing (a FIN or a RST seen). Its tuple may then be tracked afresh by a SYN at any time;
+/// and a CPU that reads the generation moved on for that, then the old entry before the new
+/// one is written, would cache the old step under it.
+#[inline(always)]
+pub fn caches(f: u8) -> bool {
+    f & (ct::flags::FIN_FWD | ct::flags::FIN_REV | ct::flags::RST) == 0
+}
+
 /// Whether the cache may serve (or learn from) `pkt`: not a TCP segment that changes its
 /// flow's state.
 #[inline(always)]
@@ -143,19 +206,23 @@ pub fn takes<A: Family>(pkt: &Packet<A>) -> bool {
 }
 
 #[inline(always)]
-fn slot<A: Family>(key: &CtKey<A>) -> Option<&'static mut Flow<A>> {
+fn slot<A: Family, S: 'static, const M: usize>(
+    slots: &'static PerCpuArray<Cached<A, S>, M>,
+    key: &CtKey<A>,
+) -> Option<&'static mut Cached<A, S>> {
     // The top bits of the conntrack filter's hash place the key in the filter; the next ones
     // place it here.
-    let index = (proxy_common::ct_filter::hash(key) >> 32) as u32 & (SLOTS - 1);
-    // SAFETY: per-CPU, and only XDP uses the slots; XDP runs in a softirq, which another does
-    // not interrupt on the same CPU (see the module comment for PREEMPT_RT).
-    unsafe { crate::value::per_cpu(A::flow_cache(), index) }
+    let index = (ct_filter::hash(key) >> 32) as u32 & (M as u32 - 1);
+    // SAFETY: per-CPU, and each cache is used by programs that run in a softirq or with them
+    // held off (XDP; TC), which do not interrupt one another on the same CPU (see the module
+    // comment for PREEMPT_RT).
+    unsafe { crate::value::per_cpu(slots, index) }
 }
 
 /// What the cache has for a tracked flow's packet.
-pub enum Lookup<A> {
+pub enum Lookup<T> {
     /// The flow's step.
-    Hit(Hit<A>),
+    Hit(T),
     /// Nothing: the packet's step is to be cached once decided (`fill`), under `generation`
     /// (read before the decision's lookups).
     Miss { generation: u32 },
@@ -163,17 +230,23 @@ pub enum Lookup<A> {
     Resting,
 }
 
-/// The cached step for `key`, arriving on `ingress`, at `now`, if its slot holds one and this
-/// CPU's cache is not resting.
+/// The cached step for `key`, arriving on `ingress`, at `now`, if its slot in `slots` holds
+/// one and this CPU's cache is not resting (`tally`).
 #[inline(always)]
-pub fn lookup<A: Family>(key: &CtKey<A>, ingress: u32, now: u64) -> Lookup<A> {
+fn lookup<A: Family, S: 'static, const M: usize>(
+    slots: &'static PerCpuArray<Cached<A, S>, M>,
+    tally: &'static PerCpuArray<Tally, 1>,
+    key: &CtKey<A>,
+    ingress: u32,
+    now: u64,
+) -> Lookup<&'static S> {
     // SAFETY: per-CPU, taken once here (as `slot`).
-    let Some(t) = (unsafe { crate::value::per_cpu(&FLOW_TALLY, 0) }) else { return Lookup::Resting };
+    let Some(t) = (unsafe { crate::value::per_cpu(tally, 0) }) else { return Lookup::Resting };
     if t.rest > 0 {
         t.rest -= 1;
         return Lookup::Resting;
     }
-    let Some(f) = slot(key) else { return Lookup::Resting };
+    let Some(f) = slot(slots, key) else { return Lookup::Resting };
     let generation = generation();
     let live = now < f.until && f.generation == generation;
     let hit = live && f.ingress == ingress && f.key == *key;
@@ -189,20 +262,72 @@ pub fn lookup<A: Family>(key: &CtKey<A>, ingress: u32, now: u64) -> Lookup<A> {
     if !hit {
         return Lookup::Miss { generation };
     }
-    Lookup::Hit(Hit {
-        dst: (f.dst, f.dport),
-        src: (f.src, f.sport),
-        route: Route { ifindex: f.egress, smac: f.smac, dmac: f.dmac, no_neigh: false, nexthop: f.dst },
-        reason: if f.reply != 0 { Reason::XdpReply } else { Reason::XdpForward },
-    })
+    Lookup::Hit(&f.step)
 }
 
-/// The end of the window, from `now`, in which the conntrack path leaves an entry last
-/// refreshed at `last_seen` as it is (its refresh is not due, and it has not outlived
-/// `lifetime`) and keeps its cached route (the route's epoch, `ct::route_epoch`, is the same).
+/// Records what the conntrack path decided at `now` for `key` (arriving on `ingress`), valid
+/// until `until` under generation `generation` (`step` writes the step into the slot, and
+/// says whether it is one to serve: false leaves the slot empty); unless
+/// the slot serves another flow still: with more flows than slots, the slots keep the flows
+/// that took them until their windows end, where taking turns would have every flow miss. (A
+/// flow of one packet each way, a DNS query's, holds the slot it took until its window ends
+/// too.)
+#[inline(always)]
+fn fill<A: Family, S: 'static, const M: usize>(
+    slots: &'static PerCpuArray<Cached<A, S>, M>,
+    key: &CtKey<A>,
+    ingress: u32,
+    generation: u32,
+    now: u64,
+    until: u64,
+    step: impl FnOnce(&mut S) -> bool,
+) {
+    let Some(f) = slot(slots, key) else { return };
+    if now < f.until && f.generation == generation && f.key != *key {
+        return;
+    }
+    f.key = *key;
+    f.ingress = ingress;
+    f.generation = generation;
+    f.until = if step(&mut f.step) { until } else { 0 };
+}
+
+/// What an XDP slot sends a packet on with.
+pub struct Hit<A> {
+    pub dst: (A, [u8; 2]),
+    pub src: (A, [u8; 2]),
+    pub route: Route<A>,
+    pub reason: Reason,
+}
+
+/// XDP: the cached step for `key`, arriving on `ingress`, at `now`.
+#[inline(always)]
+pub fn lookup_xdp<A: Family>(key: &CtKey<A>, ingress: u32, now: u64) -> Lookup<Hit<A>> {
+    match lookup(A::flow_cache(), &FLOW_TALLY, key, ingress, now) {
+        Lookup::Hit(s) => Lookup::Hit(Hit {
+            dst: (s.dst, s.dport),
+            src: (s.src, s.sport),
+            route: Route { ifindex: s.egress, smac: s.smac, dmac: s.dmac, no_neigh: false, nexthop: s.dst },
+            reason: if s.reply != 0 { Reason::XdpReply } else { Reason::XdpForward },
+        }),
+        Lookup::Miss { generation } => Lookup::Miss { generation },
+        Lookup::Resting => Lookup::Resting,
+    }
+}
+
+/// The end of the window in which the conntrack path leaves an entry last refreshed at
+/// `last_seen` as it is: its refresh is not due, and it has not outlived `lifetime`.
+#[inline(always)]
+pub fn quiet_end(last_seen: u64, lifetime: u64) -> u64 {
+    last_seen.saturating_add(if lifetime < ct::REFRESH_NS { lifetime } else { ct::REFRESH_NS })
+}
+
+/// The end of the window, from `now`, in which the conntrack path leaves an entry as it is
+/// (`quiet_end`) and keeps its cached route (the route's epoch, `ct::route_epoch`, is the
+/// same).
 #[inline(always)]
 pub fn window_end(last_seen: u64, lifetime: u64, now: u64) -> u64 {
-    let quiet = last_seen.saturating_add(if lifetime < ct::REFRESH_NS { lifetime } else { ct::REFRESH_NS });
+    let quiet = quiet_end(last_seen, lifetime);
     let epoch_end = ct::route_epoch_end(now);
     if quiet < epoch_end {
         quiet
@@ -211,13 +336,9 @@ pub fn window_end(last_seen: u64, lifetime: u64, now: u64) -> u64 {
     }
 }
 
-/// Records what the conntrack path decided at `now` for `key` (arriving on `ingress`), valid
-/// until `until` under generation `generation`; unless the slot serves another flow still:
-/// with more flows than slots, the slots keep the flows that took them until their windows
-/// end, where taking turns would have every flow miss. (A flow of one packet each way, a DNS
-/// query's, holds the slot it took until its window ends too.)
+/// XDP: records the step decided for `key` (`fill`): sent on to `dst` from `src` by `route`.
 #[inline(always)]
-pub fn fill<A: Family>(
+pub fn fill_xdp<A: Family>(
     key: &CtKey<A>,
     ingress: u32,
     generation: u32,
@@ -228,22 +349,62 @@ pub fn fill<A: Family>(
     route: &Route<A>,
     reason: Reason,
 ) {
-    let Some(f) = slot(key) else { return };
-    if now < f.until && f.generation == generation && f.key != *key {
-        return;
+    fill(A::flow_cache(), key, ingress, generation, now, until, |s| {
+        *s = XdpStep {
+            dst: dst.0,
+            src: src.0,
+            dport: dst.1,
+            sport: src.1,
+            egress: route.ifindex,
+            dmac: route.dmac,
+            smac: route.smac,
+            reply: u32::from(reason == Reason::XdpReply),
+        };
+        true
+    });
+}
+
+/// TC: the cached step for `key` at `now` (pod ingress's forward packets and egress's replies;
+/// the interface plays no part in their steps).
+#[inline(always)]
+pub fn lookup_tc<A: Family>(key: &CtKey<A>, now: u64) -> Lookup<&'static Tracked<A>> {
+    lookup(A::tc_cache(), &TC_TALLY, key, 0, now)
+}
+
+/// TC: records the entry the conntrack path just served `key` with (`e`, the map's), and the
+/// Service address `rn` a reply was given; unless the entry no longer names the Service and
+/// backend the path read in it (`ids`): the LRU may have given the element to another key
+/// since (the copy is taken from the map, as one from the program's own copy took stack the
+/// IPv6 programs do not have).
+#[inline(always)]
+pub fn fill_tc<A: Family>(key: &CtKey<A>, generation: u32, now: u64, until: u64, e: &Slot<CtEntry<A>>, ids: (u32, u32), rn: (A, [u8; 2])) {
+    fill(A::tc_cache(), key, 0, generation, now, until, |s| {
+        e.read(|m| crate::value::copy_words(&mut s.entry, m));
+        s.rn_addr = rn.0;
+        s.rn_port = rn.1;
+        (s.entry.service_id, s.entry.backend_id) == ids
+    });
+}
+
+/// TC: forgets the slot of `key` on this CPU, if it holds it: for a packet that changes its
+/// flow's state (`takes` refuses it), after which the slot's window may outlast the entry's
+/// new lifetime. (Another CPU's slot keeps its window: see the module comment.)
+#[inline(always)]
+pub fn forget_tc<A: Family>(key: &CtKey<A>) {
+    forget(A::tc_cache(), key);
+}
+
+/// XDP: as `forget_tc`.
+#[inline(always)]
+pub fn forget_xdp<A: Family>(key: &CtKey<A>) {
+    forget(A::flow_cache(), key);
+}
+
+#[inline(always)]
+fn forget<A: Family, S: 'static, const M: usize>(slots: &'static PerCpuArray<Cached<A, S>, M>, key: &CtKey<A>) {
+    if let Some(f) = slot(slots, key) {
+        if f.until != 0 && f.key == *key {
+            f.until = 0;
+        }
     }
-    *f = Flow {
-        key: *key,
-        dst: dst.0,
-        src: src.0,
-        dport: dst.1,
-        sport: src.1,
-        ingress,
-        egress: route.ifindex,
-        dmac: route.dmac,
-        smac: route.smac,
-        generation,
-        reply: u32::from(reason == Reason::XdpReply),
-        until,
-    };
 }

@@ -223,9 +223,12 @@ fn remember<A: Family>(
 ) {
     let Some(generation) = env.cache_under else { return };
     // As the packet left it (a packet the cache takes adds no flags).
-    let last_seen = e.read(|e| e.last_seen_ns);
+    let (last_seen, flags) = e.read(|e| (e.last_seen_ns, e.flags));
+    if !flowcache::caches(flags) {
+        return;
+    }
     let until = flowcache::window_end(last_seen, lifetime, now);
-    flowcache::fill(&ct::key(pkt), env.ifindex, generation, now, until, dst, src, route, reason);
+    flowcache::fill_xdp(&ct::key(pkt), env.ifindex, generation, now, until, dst, src, route, reason);
 }
 
 /// XDP gives up on anything it cannot finish itself; TC decides it again.
@@ -344,12 +347,9 @@ pub fn decide_found<A: Family>(
         }
         if !env.dry {
             ct::drop_reply(pkt, &entry);
-            if !ct::expired(pkt.proto, entry.flags, entry.last_seen_ns, now) {
-                // A SYN reusing a closing connection's ports, or a flow whose backend went:
-                // XDP's flow cache may hold the old step, on any CPU (an expired flow's
-                // window has ended).
-                flowcache::retracked();
-            }
+            // A SYN reusing a closing connection's ports, or a flow whose backend went: the
+            // flow caches may hold the old step, on any CPU.
+            flowcache::retracked_unless_ended(entry.last_seen_ns, now);
         }
     }
     if stage_new {

@@ -11,6 +11,7 @@ use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, Se
 use crate::{
     ct,
     family::Family,
+    flowcache::{self, Lookup},
     frag, icmp, icmp6, icmp_nat,
     maps::PROGS_V1,
     nat::{self, Side},
@@ -65,27 +66,77 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    if let Some(e) = ct::lookup(ct::key(&pkt)) {
-        let now = ct::now();
-        let entry = e.get();
-        if entry.flags & flags::REPLY != 0 {
-            if entry.flags & flags::HAIRPIN != 0 {
-                return hairpin_reply(ctx, &pkt, e, &entry, now);
-            }
-            if entry.flags & flags::SNAT != 0 {
-                // Only a flow of the node's own (`host`) has a SNAT entry at a pod.
-                return crate::host::pod_reply(ctx, &pkt, e, &entry, now);
-            }
-            return Ok(Verdict::pass(Reason::ReplyIngress));
+    let (now, reason) = if ct::may_hold(&ct::key(&pkt)) {
+        match tracked(ctx, &pkt) {
+            Tracked::Done(verdict) => return verdict,
+            Tracked::Afresh(now, reason) => (now, reason),
         }
-        if !ct::forward_stale(&pkt, &entry, now) {
-            return established(ctx, &pkt, e, &entry, now);
+    } else {
+        (None, reason_of_new(&pkt))
+    };
+    // (Out here, the new-flow path has the stack the tracked path's copies took.)
+    to_service_stage(ctx, &pkt, now, reason)
+}
+
+/// What a packet that may be of a tracked flow comes to.
+enum Tracked {
+    Done(Result<Verdict, Reason>),
+    /// To be tracked afresh (a new flow), with the time if it was read.
+    Afresh(Option<u64>, Reason),
+}
+
+/// A packet whose tuple the conntrack filter may hold: served from TC's flow cache (a forward
+/// packet in its flow's window, which the conntrack path would translate the same way and
+/// write nothing for), else by its conntrack entry (the filter is read: the entry is looked up
+/// directly). (The key is made afresh at each use: one held across took stack.)
+#[inline(always)]
+fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Tracked {
+    let now = ct::now();
+    let mut cache_under = None;
+    if !flowcache::takes(pkt) {
+        flowcache::forget_tc(&ct::key(pkt));
+    } else if pkt.frag == Frag::Whole {
+        match flowcache::lookup_tc(&ct::key(pkt), now) {
+            Lookup::Hit(t) if t.entry.flags & flags::REPLY == 0 => return established(ctx, pkt, None, &t.entry, now, None),
+            // A local backend's reply (the slot egress filled): passed, as the conntrack path
+            // passes it.
+            Lookup::Hit(t) if t.entry.flags & (flags::HAIRPIN | flags::SNAT) == 0 => {
+                return Tracked::Done(Ok(Verdict::pass(Reason::ReplyIngress)));
+            }
+            Lookup::Miss { generation } => cache_under = Some(generation),
+            _ => {}
         }
-        // Tracked afresh below; the old connection's reply entry must not outlive it.
-        ct::drop_reply(&pkt, &entry);
-        return to_service_stage(ctx, &pkt, Some(now), reason_of_new(&pkt));
     }
-    to_service_stage(ctx, &pkt, None, reason_of_new(&pkt))
+    let Some(e) = Slot::of(A::ct(), ct::key(pkt)) else {
+        return Tracked::Afresh(None, reason_of_new(pkt));
+    };
+    let entry = e.get();
+    if entry.flags & flags::REPLY != 0 {
+        let verdict = if entry.flags & flags::HAIRPIN != 0 {
+            hairpin_reply(ctx, pkt, e, &entry, now)
+        } else if entry.flags & flags::SNAT != 0 {
+            // Only a flow of the node's own (`host`) has a SNAT entry at a pod.
+            crate::host::pod_reply(ctx, pkt, e, &entry, now)
+        } else {
+            Ok(Verdict::pass(Reason::ReplyIngress))
+        };
+        return Tracked::Done(verdict);
+    }
+    if ct::forward_stale(pkt, &entry, now) {
+        // Tracked afresh; the old connection's reply entry must not outlive it.
+        retrack(pkt, &entry, now);
+        return Tracked::Afresh(Some(now), reason_of_new(pkt));
+    }
+    established(ctx, pkt, Some(e), &entry, now, cache_under)
+}
+
+/// Before a flow is tracked afresh: its old reply entry goes, and if it had not expired (a SYN
+/// reusing a closing connection's ports, a flow whose backend went), the flow caches' steps
+/// go too, on every CPU (`flowcache::retracked`; an expired flow's windows have ended).
+#[inline(always)]
+fn retrack<A: Family>(pkt: &Packet<A>, entry: &CtEntry<A>, now: u64) {
+    ct::drop_reply(pkt, entry);
+    flowcache::retracked_unless_ended(entry.last_seen_ns, now);
 }
 
 #[inline(always)]
@@ -190,27 +241,48 @@ fn unserved<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Reas
     A::reject(ctx, pkt, Reason::RejectClusterIpPort)
 }
 
-/// A packet of a tracked connection towards the service.
+/// A packet of a tracked connection towards the service. `e`: its entry in the conntrack
+/// map, None when TC's flow cache served `entry`; `cache_under`: the generation under which
+/// its step is to be cached (the cache missed it).
 #[inline(always)]
 fn established<A: Family>(
     ctx: &TcContext,
     pkt: &Packet<A>,
-    mut e: Slot<CtEntry<A>>,
+    e: Option<Slot<CtEntry<A>>>,
     entry: &CtEntry<A>,
     now: u64,
-) -> Result<Verdict, Reason> {
+    cache_under: Option<u32>,
+) -> Tracked {
     // The id must still name the backend the flow went to: ids are reused eventually.
     let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
     let Some(be) = be else {
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
-        // reset from the new backend (it has no such connection) instead of hanging.
-        ct::drop_reply(pkt, entry);
-        return to_service_stage(ctx, pkt, Some(now), Reason::Reselected);
+        // reset from the new backend (it has no such connection) instead of hanging. (A step
+        // the cache served is the entry's: the agent moves the cache's generation on once it
+        // has deleted a backend, so only a packet in between comes here from the cache.)
+        retrack(pkt, entry, now);
+        return Tracked::Afresh(Some(now), Reason::Reselected);
     };
-    ct::touch_forward(pkt, &mut e, now);
-    frag::remember(pkt);
+    if let Some(mut e) = e {
+        ct::touch_forward(pkt, &mut e, now);
+        frag::remember(pkt);
+        if let (Some(generation), true) = (cache_under, flowcache::caches(entry.flags)) {
+            // As the packet left the entry: refreshed if that was due, no flag added (a packet
+            // the cache takes adds none).
+            let last_seen = if now.wrapping_sub(entry.last_seen_ns) > proxy_common::ct::REFRESH_NS { now } else { entry.last_seen_ns };
+            let until = flowcache::quiet_end(last_seen, ct::lifetime(pkt.proto, entry.flags));
+            flowcache::fill_tc(&ct::key(pkt), generation, now, until, &e, (entry.service_id, entry.backend_id), (A::UNSPECIFIED, [0; 2]));
+        }
+    }
+    Tracked::Done(translate(ctx, pkt, entry, &be))
+}
+
+/// The translation of a tracked connection's packet towards the service, sent to `be` by
+/// forward entry `entry`.
+#[inline(always)]
+fn translate<A: Family>(ctx: &TcContext, pkt: &Packet<A>, entry: &CtEntry<A>, be: &Backend<A>) -> Result<Verdict, Reason> {
     let action = if entry.flags & flags::HAIRPIN != 0 {
-        translate_hairpin(ctx, pkt, &be)?
+        translate_hairpin(ctx, pkt, be)?
     } else {
         nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum, nat::Kept::of_forward(entry))?;
         if entry.flags & flags::PORT_NAT != 0 {

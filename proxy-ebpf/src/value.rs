@@ -73,6 +73,20 @@ pub fn copy_inner<K, V: Copy, const N: usize, const IF: usize, const M: usize, c
     unsafe { map.get_value(key, &index) }.copied()
 }
 
+/// Copies `from` over `to` a word at a time: a copy between two map values as one assignment
+/// became a call to a byte-at-a-time `memmove`. `T` must be 8-byte aligned and a multiple of
+/// 8 bytes long (checked at compile time).
+#[inline(always)]
+pub fn copy_words<T: Copy>(to: &mut T, from: &T) {
+    const { assert!(align_of::<T>() >= 8 && size_of::<T>() % 8 == 0) };
+    let (to, from) = ((to as *mut T).cast::<u64>(), (from as *const T).cast::<u64>());
+    for i in 0..size_of::<T>() / 8 {
+        // SAFETY: within both values, aligned (checked above); plain data. Volatile, so that
+        // the compiler does not merge the words back into that call.
+        unsafe { to.add(i).write_volatile(from.add(i).read_volatile()) };
+    }
+}
+
 /// Whether `key` has a value.
 #[inline(always)]
 pub fn contains<K, V>(map: &impl Values<K, V>, key: impl Borrow<K>) -> bool {

@@ -63,11 +63,13 @@ fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpV
     }
     let now = ct::now();
     if flowcache::takes(pkt) {
-        match flowcache::lookup(&key, env.ifindex, now) {
+        match flowcache::lookup_xdp(&key, env.ifindex, now) {
             Lookup::Hit(h) => return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason)),
             Lookup::Miss { generation } => env.cache_under = Some(generation),
             Lookup::Resting => {}
         }
+    } else {
+        flowcache::forget_xdp(&key);
     }
     // The filter is read: the entry is looked up directly.
     Ok(north::decide_found(&env, pkt, move || now, false, Slot::of(A::ct(), key)))

@@ -548,7 +548,7 @@ fn a_failure_at_any_call_of_a_removal_is_finished_by_the_next_attempt() {
 }
 
 /// A backend entry leaving the maps, or a reverse NAT entry written or deleted, moves
-/// `entries_changed` on (XDP's cached steps of tracked flows read those two maps besides the
+/// `entries_changed` on (the flow caches' steps of tracked flows read those two maps besides the
 /// flow's own entry: the agent then moves the flow cache's generation on); writes that change
 /// neither leave it.
 #[test]

@@ -390,7 +390,7 @@ impl EbpfDataplane {
         Ok(())
     }
 
-    /// Moves the generation XDP's flow cache is valid under on (`map_names::FLOW_GEN`): no
+    /// Moves the generation the flow caches are valid under on (`map_names::FLOW_GEN`): no
     /// step cached before is used again (each flow's next packet takes the conntrack path).
     /// An atomic add to the agent's count, through the mapping: another agent on the node (a
     /// rollout that surges) moving it on at once loses nothing, nor does the datapath's count.
