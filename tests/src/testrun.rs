@@ -181,8 +181,35 @@ pub fn run_trace(dp: &mut EbpfDataplane, frame: &[u8]) -> (Reason, u32) {
     (Reason::try_from(r.reason).expect("known reason"), r.backend_id)
 }
 
+/// Deletes every conntrack entry of both families behind the datapath's back, as an LRU
+/// eviction would take them.
+pub fn forget_conntrack(dp: &mut EbpfDataplane) {
+    let keys: Vec<CtKey> = conntrack(dp).into_iter().map(|(k, _)| k).collect();
+    let mut ct = HashMap::<_, CtKey, CtEntry>::try_from(dp.ebpf_mut().map_mut(map_names::CT).expect("ct map")).expect("a hash map");
+    for k in keys {
+        ct.remove(&k).expect("delete a conntrack entry");
+    }
+    let mut ct6 = HashMap::<_, CtKey<proxy_common::Ip6>, CtEntry<proxy_common::Ip6>>::try_from(
+        dp.ebpf_mut().map_mut(map_names::CT6).expect("ct6 map"),
+    )
+    .expect("a hash map");
+    let keys6: Vec<_> = ct6.keys().map(|k| k.expect("ct6 key")).collect();
+    for k in keys6 {
+        ct6.remove(&k).expect("delete a conntrack entry");
+    }
+}
+
+/// Runs `attempt` up to five times until it says it was not cut short by the end of a flow
+/// cache's window (a window ends at most a second after it began; an attempt takes a few
+/// milliseconds). The thread stays on one CPU meanwhile: the caches are per CPU, and a test
+/// run runs where its caller does.
+pub fn within_a_window(what: &str, mut attempt: impl FnMut() -> bool) {
+    stay_on_this_cpu();
+    assert!((0..5).any(|_| attempt()), "{what}: in five attempts the cache never served (or each met the end of a window)");
+}
+
 /// Keeps the calling thread on the CPU it runs on: a test run runs the program where its caller
-/// does, and per-CPU state (XDP's flow cache) is then the same from one run to the next.
+/// does, and per-CPU state (the flow caches) is then the same from one run to the next.
 pub fn stay_on_this_cpu() {
     // SAFETY: plain calls on this thread's own affinity, with a zeroed set of the size passed.
     unsafe {

@@ -25,7 +25,8 @@ use proxy_tests::{
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
     require,
     testrun::{
-        self, conntrack, counters, run, run_egress, run_ext, run_xdp, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
+        self, conntrack, counters, forget_conntrack, run, run_egress, run_ext, run_xdp, within_a_window, TC_ACT_OK, TC_ACT_REDIRECT,
+        TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
     },
 };
 
@@ -257,25 +258,6 @@ fn xdp_forwards_remote_flows_and_their_replies_with_valid_checksums() {
     }
     let c = counters(&mut n.dp);
     assert_eq!((c.get("xdp_forward"), c.get("xdp_reply")), (Some(&2), Some(&2)), "{c:?}");
-}
-
-/// Deletes every conntrack entry, behind the datapath's back (as only the LRU would).
-fn forget_conntrack(dp: &mut EbpfDataplane) {
-    let keys: Vec<proxy_common::CtKey> = conntrack(dp).into_iter().map(|(k, _)| k).collect();
-    let map = dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
-    let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap();
-    for k in keys {
-        ct.remove(&k).unwrap();
-    }
-}
-
-/// Runs `attempt` up to five times until it says it was not cut short by the end of a cache
-/// window (a route epoch turns about once a second; an attempt takes a few milliseconds). The
-/// thread stays on one CPU meanwhile: the cache is per CPU, and a test run runs where its
-/// caller does.
-fn within_a_window(what: &str, mut attempt: impl FnMut() -> bool) {
-    testrun::stay_on_this_cpu();
-    assert!((0..5).any(|_| attempt()), "{what}: every attempt met the end of a window");
 }
 
 #[test]

@@ -11,9 +11,12 @@ use proxy_agent::{
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
 use proxy_tests::{
-    packet::{self, dissect, tcp_frame, tcp_segment, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, SYN, TCP, UDP},
+    packet::{self, dissect, tcp_frame, tcp_segment, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, RST, SYN, TCP, UDP},
     require,
-    testrun::{self, assert_leaves, assert_untouched, conntrack, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT},
+    testrun::{
+        self, assert_leaves, assert_untouched, conntrack, counters, forget_conntrack, run, run_egress, within_a_window, TC_ACT_OK,
+        TC_ACT_REDIRECT,
+    },
 };
 
 fn sock(s: &str) -> SocketAddrV4 {
@@ -560,6 +563,189 @@ fn a_closed_tuple_reused_by_a_new_syn_is_balanced_afresh() {
     assert_eq!(counters(&mut dp)["new_flow"], before + 1, "a SYN on a closed tuple is a new flow");
 }
 
+/// TC's flow cache: a tracked flow's packet in the window in which the conntrack path would
+/// translate it the same way and write nothing (within a second of the entry's last refresh,
+/// not a SYN, FIN or RST, nothing the agent deleted meanwhile) is translated from a per-CPU
+/// copy of its entry, without the conntrack lookup.
+#[test]
+fn tc_repeats_a_tracked_flows_translation_from_its_cache_only_while_the_conntrack_path_would_repeat_it_unchanged() {
+    let Some(mut dp) = setup("tc_repeats_a_tracked_flows_translation_from_its_cache") else { return };
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock("10.244.1.2:8080"));
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let (ack, reply) = (tcp_frame(client, vip, ACK), tcp_frame(backend, client, ACK));
+    // The cache serves: with the flow's conntrack entries gone (as an LRU eviction would take
+    // them), its packets in the window are translated as before each way, and nothing is
+    // tracked anew.
+    within_a_window("cached translations", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK, "a new flow");
+        // Tracked now: these take the conntrack path and cache the flow's entries (the first
+        // reply learns its checksum form, which the entry is written with: not cached).
+        let tracked = run(&mut dp, &ack);
+        assert_eq!(dissect(&tracked.frame).dst_sock(), backend);
+        let learned = run_egress(&mut dp, &reply);
+        let answered = run_egress(&mut dp, &reply);
+        assert_eq!(answered.frame, learned.frame);
+        forget_conntrack(&mut dp);
+        let (out, back) = (run(&mut dp, &ack), run_egress(&mut dp, &reply));
+        if !conntrack(&mut dp).is_empty() {
+            // The window ended between the packets: the segment was tracked afresh.
+            return false;
+        }
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &tracked.frame), "sent on from the cache, translated as before");
+        let d = dissect(&back.frame);
+        assert_eq!((back.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, vip, client), "the reply from the cache");
+        assert!(d.ip_checksum_ok && d.l4_checksum_ok == Some(true));
+        true
+    });
+
+    // The Service the agent deleted gives no Service address from the cache: its deletion
+    // (of the reverse NAT entry) moves the generation on, and the reply finds it gone, as the
+    // conntrack path does (the client gets it as it is).
+    within_a_window("a deleted Service", || {
+        forget_conntrack(&mut dp);
+        program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+        run_egress(&mut dp, &reply);
+        run_egress(&mut dp, &reply);
+        // Cached: answered with the entries gone.
+        forget_conntrack(&mut dp);
+        if dissect(&run_egress(&mut dp, &reply).frame).src_sock() != vip {
+            return false;
+        }
+        let key = FrontendKey { addr: (*vip.ip()).into(), port: vip.port(), protocol: Protocol::Tcp };
+        dp.remove(&key).unwrap();
+        let back = run_egress(&mut dp, &reply);
+        assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the Service gone: untranslated");
+        true
+    });
+
+    // The window ends where the conntrack path would write the entry: its refresh, due a
+    // second after the packet that last refreshed it. An entry refreshed 999 ms ago leaves a
+    // window of a millisecond; after it, the next packet refreshes the entry.
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    within_a_window("a window ended by a refresh", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+        let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 999_000_000;
+        let (k, mut e) = forward_entry(&mut dp, client);
+        e.last_seen_ns = old;
+        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
+            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
+        )
+        .unwrap();
+        ct.insert(k, e, 0).unwrap();
+        assert_eq!(run(&mut dp, &ack).action, TC_ACT_OK, "not due yet: caches the entry");
+        if forward_entry(&mut dp, client).1.last_seen_ns != old {
+            // The clock ticked past the refresh before that packet.
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        assert_eq!(run(&mut dp, &ack).action, TC_ACT_OK);
+        assert!(forward_entry(&mut dp, client).1.last_seen_ns > old, "refreshed by the conntrack path, not skipped by the cache");
+        true
+    });
+}
+
+/// A reset connection's reply tuple is free to take at once: a new flow from the same client
+/// port to another Service of the same backend takes it, writing over the old reply entry.
+/// The old flow's reply step, which the cache holds, must not answer for the new flow (the
+/// write moves the generation on): the new flow's replies come from its own Service.
+#[test]
+fn a_reply_tuple_taken_over_by_another_services_flow_is_not_answered_from_the_cache() {
+    let Some(mut dp) = setup("a_reply_tuple_taken_over_by_another_services_flow") else { return };
+    let (client, vip1, vip2, backend) = (sock(CLIENT), sock("10.96.0.10:80"), sock("10.96.0.11:80"), sock("10.244.1.2:8080"));
+    program(&mut dp, "10.96.0.10:80", Protocol::Tcp, &["10.244.1.2:8080"]);
+    program(&mut dp, "10.96.0.11:80", Protocol::Tcp, &["10.244.1.2:8080"]);
+    let reply = tcp_frame(backend, client, ACK);
+    within_a_window("a reply tuple taken over", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip1, SYN)).action, TC_ACT_OK);
+        run_egress(&mut dp, &reply);
+        assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip1, "caches the reply's step");
+        // Cached (proved with the entries gone, then put back).
+        let entries = conntrack(&mut dp);
+        forget_conntrack(&mut dp);
+        let served = dissect(&run_egress(&mut dp, &reply).frame).src_sock() == vip1;
+        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
+            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
+        )
+        .unwrap();
+        for (k, e) in entries {
+            ct.insert(k, e, 0).unwrap();
+        }
+        if !served {
+            return false;
+        }
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip1, RST)).action, TC_ACT_OK);
+        let out = run(&mut dp, &tcp_frame(client, vip2, SYN));
+        assert_eq!(dissect(&out.frame).src_sock(), client, "the new flow takes the reset one's reply tuple, its port kept");
+        let back = dissect(&run_egress(&mut dp, &reply).frame);
+        assert_eq!((back.src_sock(), back.dst_sock()), (vip2, client), "the new flow's reply, from its own Service");
+        true
+    });
+}
+
+/// The forward conntrack entry of `client`'s flow.
+fn forward_entry(dp: &mut EbpfDataplane, client: SocketAddrV4) -> (proxy_common::CtKey, proxy_common::CtEntry) {
+    conntrack(dp).into_iter().find(|(k, e)| k.src() == client && e.flags & proxy_common::ct::flags::REPLY == 0).expect("forward entry")
+}
+
+/// Segments that change a flow's state (FIN, RST, SYN) take the conntrack path beside a live
+/// cached copy of the flow's entry, and a connection opened again on a closed one's ports goes
+/// where its new entry says, not where the cached copy of the old one did (on any CPU: tracking
+/// a flow afresh moves the cache's generation on).
+#[test]
+fn tc_leaves_segments_that_change_a_flows_state_to_the_conntrack_path() {
+    let Some(mut dp) = setup("tc_leaves_segments_that_change_a_flows_state_to_the_conntrack_path") else { return };
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080", "10.244.1.3:8080"]);
+    let ack = tcp_frame(client, vip, ACK);
+    use proxy_common::ct::flags;
+    within_a_window("a FIN and a RST beside a cached entry", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+        assert_eq!(run(&mut dp, &ack).action, TC_ACT_OK, "caches the entry");
+        // Cached: translated with the entries gone (put back after).
+        let entries = conntrack(&mut dp);
+        forget_conntrack(&mut dp);
+        let served = run(&mut dp, &ack).action == TC_ACT_OK && conntrack(&mut dp).is_empty();
+        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
+            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
+        )
+        .unwrap();
+        for (k, e) in entries {
+            ct.insert(k, e, 0).unwrap();
+        }
+        if !served {
+            return false;
+        }
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, FIN | ACK)).action, TC_ACT_OK);
+        assert!(forward_entry(&mut dp, client).1.flags & flags::FIN_FWD != 0, "the FIN recorded");
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, RST)).action, TC_ACT_OK);
+        assert!(forward_entry(&mut dp, client).1.flags & flags::RST != 0, "the RST recorded");
+        true
+    });
+    // The client connects again from the same port at once: its SYN is a new flow, and the new
+    // connection's next segment goes to the backend its SYN went to.
+    let backend_of = |out: &testrun::Output| dissect(&out.frame).dst_sock();
+    let (mut old, mut new) = (sock(VIP), sock(VIP));
+    for _ in 0..16 {
+        old = backend_of(&run(&mut dp, &ack));
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, RST)).action, TC_ACT_OK);
+        new = backend_of(&run(&mut dp, &tcp_frame(client, vip, SYN)));
+        if new != old {
+            break;
+        }
+    }
+    assert_ne!(old, new, "sixteen new connections all drew their old backend");
+    assert_eq!(backend_of(&run(&mut dp, &ack)), new, "the new connection's backend, from its entry");
+}
+
 #[test]
 fn a_reply_entry_of_a_moved_flow_does_not_touch_a_direct_connection() {
     let Some(mut dp) = setup("a_reply_entry_of_a_moved_flow_does_not_touch_a_direct_connection") else { return };
@@ -889,6 +1075,10 @@ fn a_connection_whose_entry_a_flood_evicted_is_counted() {
         }
     }
     println!("{} new connections evicted the idle connection from a map of 64 entries", flood - 2000);
+    // TC's flow cache would send a segment within a second of the connection's last refresh
+    // on as before (at most one window, as the cache's comment says); past it, the segment
+    // finds no flow. The generation's move stands for that second.
+    dp.invalidate_cached_flows();
     let out = run(&mut dp, &tcp_frame(client, sock("10.96.0.10:80"), ACK));
     assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "balanced afresh");
     let c = counters(&mut dp);

@@ -14,7 +14,10 @@ use proxy_tests::{
     packet::{ACK, SYN, TCP, UDP},
     packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
     require,
-    testrun::{self, assert_leaves, assert_untouched, counters, run, run_egress, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
+    testrun::{
+        self, assert_leaves, assert_untouched, counters, forget_conntrack, run, run_egress, within_a_window, TC_ACT_OK, TC_ACT_REDIRECT,
+        TC_ACT_SHOT,
+    },
 };
 
 fn sock(s: &str) -> SocketAddrV6 {
@@ -327,6 +330,40 @@ fn an_ipv6_pod_reaching_itself_through_its_service_is_hairpinned() {
     assert_eq!((out.action, dissect(&out.frame).src_sock()), (TC_ACT_REDIRECT, hairpin), "established packets too");
 }
 
+/// TC's flow cache serves IPv6 flows as IPv4's (`packets::tc_repeats_a_tracked_flows_...`):
+/// with the flow's entries gone, its packets in the window are translated each way as before,
+/// until the agent deletes the Service.
+#[test]
+fn ipv6_tc_repeats_a_tracked_flows_translation_from_its_cache_until_its_service_goes() {
+    let Some(mut dp) = setup("ipv6_tc_repeats_a_tracked_flows_translation_from_its_cache") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    let (ack, reply) = (tcp_frame(client, vip, ACK), tcp_frame(backend, client, ACK));
+    within_a_window("cached translations", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK, "a new flow");
+        let tracked = run(&mut dp, &ack);
+        assert_eq!(dissect(&tracked.frame).dst_sock(), backend);
+        let learned = run_egress(&mut dp, &reply);
+        assert_eq!(run_egress(&mut dp, &reply).frame, learned.frame);
+        forget_conntrack(&mut dp);
+        let (out, back) = (run(&mut dp, &ack), run_egress(&mut dp, &reply));
+        if !conntrack6(&mut dp).is_empty() {
+            return false;
+        }
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &tracked.frame), "sent on from the cache, translated as before");
+        let d = dissect(&back.frame);
+        assert_eq!((back.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, vip, client), "the reply from the cache");
+        assert_eq!(d.l4_checksum_ok, Some(true));
+        true
+    });
+    let key = FrontendKey { addr: (*vip.ip()).into(), port: vip.port(), protocol: Protocol::Tcp };
+    dp.remove(&key).unwrap();
+    let back = run_egress(&mut dp, &reply);
+    assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the Service gone: untranslated");
+}
+
 /// A forward conntrack entry keeps the two address sums its DNAT needs. An entry an older build
 /// wrote has zeroes there (its padding then); its established packets are translated all the
 /// same, from the addresses, with valid checksums.
@@ -347,6 +384,9 @@ fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
     let write = |dp: &mut EbpfDataplane, entry: CtEntry<Ip6>| {
         let mut ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT6).unwrap()).unwrap();
         ct.insert(key, entry, 0).expect("write the entry");
+        // Written behind the datapath's back: TC's flow cache would serve the step it holds
+        // for up to a second.
+        dp.invalidate_cached_flows();
     };
     // The kept delta is what the translation adds: a wrong one gives a wrong checksum.
     entry.addr_delta = [entry.addr_delta[0] ^ 0x10, entry.addr_delta[1]];
