@@ -132,14 +132,10 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
 fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
     let now = ct::now();
     let mut cache_under = None;
-    if !flowcache::takes(pkt) {
-        flowcache::forget_tc(&ct::key(pkt));
-    } else if pkt.frag == Frag::Whole {
-        match flowcache::lookup_tc(&ct::key(pkt), now) {
-            Lookup::Hit(t) if t.entry.flags & flags::REPLY != 0 => return Some(reverse_nat(ctx, pkt, &t.entry, (t.rn_addr, t.rn_port))),
-            Lookup::Miss { generation } => cache_under = Some(generation),
-            _ => {}
-        }
+    match flowcache::consult_tc(pkt, now) {
+        Lookup::Hit(t) if t.entry.flags & flags::REPLY != 0 => return Some(reverse_nat(ctx, pkt, &t.entry, (t.rn_addr, t.rn_port))),
+        Lookup::Miss { generation } => cache_under = Some(generation),
+        _ => {}
     }
     let mut e = Slot::of(A::ct(), ct::key(pkt))?;
     let entry = e.get();

@@ -371,6 +371,22 @@ pub fn lookup_tc<A: Family>(key: &CtKey<A>, now: u64) -> Lookup<&'static Tracked
     lookup(A::tc_cache(), &TC_TALLY, key, 0, now)
 }
 
+/// TC: what the cache has for a tracked flow's packet `pkt` at `now`. A packet `takes`
+/// refuses empties its tuple's slot on this CPU (`forget_tc`) and, as a fragment, is not looked
+/// up (`Resting`: neither served nor cached).
+#[inline(always)]
+pub fn consult_tc<A: Family>(pkt: &Packet<A>, now: u64) -> Lookup<&'static Tracked<A>> {
+    // (The key is made afresh at each use: one held across took the callers' stack.)
+    if !takes(pkt) {
+        forget_tc(&crate::ct::key(pkt));
+        return Lookup::Resting;
+    }
+    if pkt.frag != crate::parse::Frag::Whole {
+        return Lookup::Resting;
+    }
+    lookup_tc(&crate::ct::key(pkt), now)
+}
+
 /// TC: records the entry the conntrack path just served `key` with (`e`, the map's), and the
 /// Service address `rn` a reply was given; unless the entry no longer names the Service and
 /// backend the path read in it (`ids`): the LRU may have given the element to another key

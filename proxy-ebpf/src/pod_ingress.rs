@@ -93,19 +93,15 @@ enum Tracked {
 fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Tracked {
     let now = ct::now();
     let mut cache_under = None;
-    if !flowcache::takes(pkt) {
-        flowcache::forget_tc(&ct::key(pkt));
-    } else if pkt.frag == Frag::Whole {
-        match flowcache::lookup_tc(&ct::key(pkt), now) {
-            Lookup::Hit(t) if t.entry.flags & flags::REPLY == 0 => return established(ctx, pkt, None, &t.entry, now, None),
-            // A local backend's reply (the slot egress filled): passed, as the conntrack path
-            // passes it.
-            Lookup::Hit(t) if t.entry.flags & (flags::HAIRPIN | flags::SNAT) == 0 => {
-                return Tracked::Done(Ok(Verdict::pass(Reason::ReplyIngress)));
-            }
-            Lookup::Miss { generation } => cache_under = Some(generation),
-            _ => {}
+    match flowcache::consult_tc(pkt, now) {
+        Lookup::Hit(t) if t.entry.flags & flags::REPLY == 0 => return established(ctx, pkt, None, &t.entry, now, None),
+        // A local backend's reply (the slot egress filled): passed, as the conntrack path
+        // passes it.
+        Lookup::Hit(t) if t.entry.flags & (flags::HAIRPIN | flags::SNAT) == 0 => {
+            return Tracked::Done(Ok(Verdict::pass(Reason::ReplyIngress)));
         }
+        Lookup::Miss { generation } => cache_under = Some(generation),
+        _ => {}
     }
     let Some(e) = Slot::of(A::ct(), ct::key(pkt)) else {
         return Tracked::Afresh(None, reason_of_new(pkt));

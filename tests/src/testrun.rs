@@ -199,6 +199,24 @@ pub fn forget_conntrack(dp: &mut EbpfDataplane) {
     }
 }
 
+/// Runs `f` with the IPv4 conntrack entries taken out of the map behind the datapath's back
+/// (as an LRU eviction would take them), then puts them back: a flow `f` sees served was served
+/// from a flow cache.
+pub fn without_conntrack<R>(dp: &mut EbpfDataplane, f: impl FnOnce(&mut EbpfDataplane) -> R) -> R {
+    fn map(dp: &mut EbpfDataplane) -> HashMap<&mut aya::maps::MapData, CtKey, CtEntry> {
+        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT).expect("ct map")).expect("a hash map")
+    }
+    let entries = conntrack(dp);
+    for (k, _) in &entries {
+        map(dp).remove(k).expect("take a conntrack entry out");
+    }
+    let r = f(dp);
+    for (k, e) in entries {
+        map(dp).insert(k, e, 0).expect("put a conntrack entry back");
+    }
+    r
+}
+
 /// Runs `attempt` up to five times until it says it was not cut short by the end of a flow
 /// cache's window (a window ends at most a second after it began; an attempt takes a few
 /// milliseconds). The thread stays on one CPU meanwhile: the caches are per CPU, and a test

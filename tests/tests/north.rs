@@ -25,8 +25,8 @@ use proxy_tests::{
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
     require,
     testrun::{
-        self, conntrack, counters, forget_conntrack, run, run_egress, run_ext, run_xdp, within_a_window, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
+        self, conntrack, counters, forget_conntrack, run, run_egress, run_ext, run_xdp, within_a_window, without_conntrack, TC_ACT_OK,
+        TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_TX,
     },
 };
 
@@ -356,12 +356,8 @@ fn xdp_leaves_tcp_segments_that_change_a_flows_state_to_the_conntrack_path() {
         assert_eq!(run_xdp(&mut n.dp, &tcp_frame(sock(CLIENT), sock(NODE_PORT), SYN), n.ifindex).action, XDP_TX);
         assert_eq!(run_xdp(&mut n.dp, &ack, n.ifindex).action, XDP_TX, "caches its step");
         // The step is cached (sent on with the entry gone; the entry is put back after).
-        let (k, e) = forward_entry(&mut n.dp);
-        forget_conntrack(&mut n.dp);
-        let served = run_xdp(&mut n.dp, &ack, n.ifindex).action == XDP_TX && conntrack(&mut n.dp).is_empty();
-        let map = n.dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap();
-        aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(map).unwrap().insert(k, e, 0).unwrap();
-        if !served {
+        let ifindex = n.ifindex;
+        if !without_conntrack(&mut n.dp, |dp| run_xdp(dp, &ack, ifindex).action == XDP_TX && conntrack(dp).is_empty()) {
             return false;
         }
         // A FIN is recorded on the entry, which a step served from the cache would not do.

@@ -14,8 +14,8 @@ use proxy_tests::{
     packet::{self, dissect, tcp_frame, tcp_segment, udp_frame, Ipv4, ACK, CLIENT_MAC, FIN, NODE_MAC, RST, SYN, TCP, UDP},
     require,
     testrun::{
-        self, assert_leaves, assert_untouched, conntrack, counters, forget_conntrack, run, run_egress, within_a_window, TC_ACT_OK,
-        TC_ACT_REDIRECT,
+        self, assert_leaves, assert_untouched, conntrack, counters, forget_conntrack, run, run_egress, within_a_window, without_conntrack,
+        TC_ACT_OK, TC_ACT_REDIRECT,
     },
 };
 
@@ -667,17 +667,7 @@ fn a_reply_tuple_taken_over_by_another_services_flow_is_not_answered_from_the_ca
         run_egress(&mut dp, &reply);
         assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip1, "caches the reply's step");
         // Cached (proved with the entries gone, then put back).
-        let entries = conntrack(&mut dp);
-        forget_conntrack(&mut dp);
-        let served = dissect(&run_egress(&mut dp, &reply).frame).src_sock() == vip1;
-        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
-            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
-        )
-        .unwrap();
-        for (k, e) in entries {
-            ct.insert(k, e, 0).unwrap();
-        }
-        if !served {
+        if !without_conntrack(&mut dp, |dp| dissect(&run_egress(dp, &reply).frame).src_sock() == vip1) {
             return false;
         }
         assert_eq!(run(&mut dp, &tcp_frame(client, vip1, RST)).action, TC_ACT_OK);
@@ -711,17 +701,7 @@ fn tc_leaves_segments_that_change_a_flows_state_to_the_conntrack_path() {
         assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
         assert_eq!(run(&mut dp, &ack).action, TC_ACT_OK, "caches the entry");
         // Cached: translated with the entries gone (put back after).
-        let entries = conntrack(&mut dp);
-        forget_conntrack(&mut dp);
-        let served = run(&mut dp, &ack).action == TC_ACT_OK && conntrack(&mut dp).is_empty();
-        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
-            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
-        )
-        .unwrap();
-        for (k, e) in entries {
-            ct.insert(k, e, 0).unwrap();
-        }
-        if !served {
+        if !without_conntrack(&mut dp, |dp| run(dp, &ack).action == TC_ACT_OK && conntrack(dp).is_empty()) {
             return false;
         }
         assert_eq!(run(&mut dp, &tcp_frame(client, vip, FIN | ACK)).action, TC_ACT_OK);
