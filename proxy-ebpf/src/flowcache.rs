@@ -167,8 +167,9 @@ fn generation() -> u32 {
 }
 
 /// Moves the datapath's count of the generation on: every CPU's cached steps go. For TC
-/// tracking afresh the tuple of a flow that had not expired, whose old step a slot may hold
-/// (on any CPU: a veth uplink runs XDP on the sender's).
+/// tracking afresh the tuple of a flow whose old step a slot may hold (on any CPU: a veth
+/// uplink runs XDP on the sender's; `retracked_unless_ended`), and for a new flow writing over
+/// another flow's reply entry (`ct::create`, `create_snat`).
 #[inline(always)]
 pub fn retracked() {
     let Some(g) = FLOW_GEN_V1.get_ptr_mut(0) else { return };

@@ -126,9 +126,10 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Tracked {
     established(ctx, pkt, Some(e), &entry, now, cache_under)
 }
 
-/// Before a flow is tracked afresh: its old reply entry goes, and if it had not expired (a SYN
-/// reusing a closing connection's ports, a flow whose backend went), the flow caches' steps
-/// go too, on every CPU (`flowcache::retracked`; an expired flow's windows have ended).
+/// Before a flow is tracked afresh (a SYN reusing a closing connection's ports, a flow whose
+/// backend went, an expired flow): its old reply entry goes, and the flow caches' steps go too,
+/// on every CPU, unless every window a slot could hold for it has ended
+/// (`flowcache::retracked_unless_ended`).
 #[inline(always)]
 fn retrack<A: Family>(pkt: &Packet<A>, entry: &CtEntry<A>, now: u64) {
     ct::drop_reply(pkt, entry);
