@@ -42,25 +42,26 @@ pub fn now() -> u64 {
     c.ns
 }
 
-/// May the conntrack map hold `k`? `false`: it surely does not, the conntrack filter says
-/// (`proxy_common::ct_filter`).
+/// May the conntrack map hold `k`? `None`: it surely does not, the conntrack filter says
+/// (`proxy_common::ct_filter`). Else the key's hash in the filter, which also places the key in
+/// the flow caches (`flowcache`): a packet's tuple is hashed once.
 #[inline(always)]
-pub fn may_hold<A: Family>(k: &CtKey<A>) -> bool {
-    let Some(f) = A::ct_filter().get_ptr(0) else { return true };
+pub fn may_hold<A: Family>(k: &CtKey<A>) -> Option<u64> {
+    let hash = ct_filter::hash(k);
+    let Some(f) = A::ct_filter().get_ptr(0) else { return Some(hash) };
     // SAFETY: the map's live value, read a word at a time.
-    let Some(half) = ct_filter::half(unsafe { (*f).control }) else { return true };
-    let (word, bit) = ct_filter::place(ct_filter::hash(k));
+    let Some(half) = ct_filter::half(unsafe { (*f).control }) else { return Some(hash) };
+    let (word, bit) = ct_filter::place(hash);
     // SAFETY: in bounds: `half` is 0 or 1 and `word` below `HALF_WORDS`.
-    unsafe { *(*f).words.as_ptr().add(half * ct_filter::HALF_WORDS + word) & bit != 0 }
+    let set = unsafe { *(*f).words.as_ptr().add(half * ct_filter::HALF_WORDS + word) & bit != 0 };
+    set.then_some(hash)
 }
 
 /// The entry of `k`, looked up only where the conntrack filter says it may be there: the
 /// lookup of a packet's own tuple, most of whose packets belong to no tracked flow.
 #[inline(always)]
 pub fn lookup<A: Family>(k: CtKey<A>) -> Option<Slot<CtEntry<A>>> {
-    if !may_hold(&k) {
-        return None;
-    }
+    may_hold(&k)?;
     Slot::of(A::ct(), k)
 }
 
@@ -89,6 +90,13 @@ fn mark<A: Family>(hashes: [u64; 2]) {
 #[inline(always)]
 pub fn key<A: Family>(pkt: &Packet<A>) -> CtKey<A> {
     CtKey { saddr: pkt.saddr, daddr: pkt.daddr, sport: pkt.sport, dport: pkt.dport, proto: pkt.proto, _pad: 0, _pad2: 0 }
+}
+
+/// Whether `k` is the tuple of the packet as it is on the wire (`key`), read field by field
+/// (a key made to compare with took stack).
+#[inline(always)]
+pub fn is_key_of<A: Family>(k: &CtKey<A>, pkt: &Packet<A>) -> bool {
+    k.saddr == pkt.saddr && k.daddr == pkt.daddr && k.sport == pkt.sport && k.dport == pkt.dport && k.proto == pkt.proto
 }
 
 /// Where replies of a flow from this packet's sender go: the sender, or the hairpin address

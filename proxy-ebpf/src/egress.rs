@@ -115,8 +115,8 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    if ct::may_hold(&ct::key(&pkt)) {
-        if let Some(verdict) = tracked(ctx, &pkt) {
+    if let Some(hash) = ct::may_hold(&ct::key(&pkt)) {
+        if let Some(verdict) = tracked(ctx, &pkt, hash) {
             return verdict;
         }
     }
@@ -129,10 +129,10 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
 /// read: the entry is looked up directly). (The key is made afresh at each use, as at pod
 /// ingress.)
 #[inline(always)]
-fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict, Reason>> {
+fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Option<Result<Verdict, Reason>> {
     let now = ct::now();
     let mut cache_under = None;
-    match flowcache::consult_tc(pkt, now) {
+    match flowcache::consult_tc(pkt, hash, now) {
         Lookup::Hit(t) if t.entry.flags & flags::REPLY != 0 => return Some(reverse_nat(ctx, pkt, &t.entry, (t.rn_addr, t.rn_port))),
         Lookup::Miss { generation } => cache_under = Some(generation),
         _ => {}
@@ -166,12 +166,10 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Option<Result<Verdict
         }
         return Some(client_port(ctx, pkt, &entry));
     }
+    // (Only an entry that had seen a reply before this packet: a later reply the cache takes
+    // then adds no flag to it.)
     if let (Some(generation), true) = (cache_under, entry.flags & flags::SEEN_REPLY != 0 && flowcache::caches(entry.flags)) {
-        // As `touch_reply` left the entry (one that had seen a reply: a packet the cache takes
-        // adds no flag): refreshed if that was due.
-        let last_seen = if now.wrapping_sub(entry.last_seen_ns) > proxy_common::ct::REFRESH_NS { now } else { entry.last_seen_ns };
-        let until = flowcache::quiet_end(last_seen, ct::lifetime(pkt.proto, entry.flags));
-        flowcache::fill_tc(&ct::key(pkt), generation, now, until, &e, (entry.service_id, entry.backend_id), (rn.addr, rn.port));
+        flowcache::fill_tc(pkt, generation, now, &e, &entry, (rn.addr, rn.port));
     }
     Some(reverse_nat(ctx, pkt, &entry, (rn.addr, rn.port)))
 }

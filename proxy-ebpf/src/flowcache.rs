@@ -209,11 +209,11 @@ pub fn takes<A: Family>(pkt: &Packet<A>) -> bool {
 #[inline(always)]
 fn slot<A: Family, S: 'static, const M: usize>(
     slots: &'static PerCpuArray<Cached<A, S>, M>,
-    key: &CtKey<A>,
+    hash: u64,
 ) -> Option<&'static mut Cached<A, S>> {
-    // The top bits of the conntrack filter's hash place the key in the filter; the next ones
-    // place it here.
-    let index = (ct_filter::hash(key) >> 32) as u32 & (M as u32 - 1);
+    // `hash`: the key's in the conntrack filter (`ct_filter::hash`), whose top bits place the
+    // key in the filter; the next ones place it here.
+    let index = (hash >> 32) as u32 & (M as u32 - 1);
     // SAFETY: per-CPU, and each cache is used by programs that run in a softirq or with them
     // held off (XDP; TC), which do not interrupt one another on the same CPU (see the module
     // comment for PREEMPT_RT).
@@ -231,13 +231,15 @@ pub enum Lookup<T> {
     Resting,
 }
 
-/// The cached step for `key`, arriving on `ingress`, at `now`, if its slot in `slots` holds
-/// one and this CPU's cache is not resting (`tally`).
+/// The cached step for the key `is_key` accepts (of filter hash `hash`, `ct::may_hold`),
+/// arriving on `ingress`, at `now`, if its slot in `slots` holds one and this CPU's cache is
+/// not resting (`tally`).
 #[inline(always)]
 fn lookup<A: Family, S: 'static, const M: usize>(
     slots: &'static PerCpuArray<Cached<A, S>, M>,
     tally: &'static PerCpuArray<Tally, 1>,
-    key: &CtKey<A>,
+    is_key: impl FnOnce(&CtKey<A>) -> bool,
+    hash: u64,
     ingress: u32,
     now: u64,
 ) -> Lookup<&'static S> {
@@ -247,10 +249,10 @@ fn lookup<A: Family, S: 'static, const M: usize>(
         t.rest -= 1;
         return Lookup::Resting;
     }
-    let Some(f) = slot(slots, key) else { return Lookup::Resting };
+    let Some(f) = slot(slots, hash) else { return Lookup::Resting };
     let generation = generation();
     let live = now < f.until && f.generation == generation;
-    let hit = live && f.ingress == ingress && f.key == *key;
+    let hit = live && f.ingress == ingress && is_key(&f.key);
     t.probes += 1;
     t.hits += u32::from(hit);
     t.taken += u32::from(live && !hit);
@@ -266,7 +268,8 @@ fn lookup<A: Family, S: 'static, const M: usize>(
     Lookup::Hit(&f.step)
 }
 
-/// Records what the conntrack path decided at `now` for `key` (arriving on `ingress`), valid
+/// Records what the conntrack path decided at `now` for `key()` (the key `is_key` accepts; made
+/// where it is used, as one held took TC's callers' stack), arriving on `ingress`, valid
 /// until `until` under generation `generation` (`step` writes the step into the slot, and
 /// says whether it is one to serve: false leaves the slot empty); unless
 /// the slot serves another flow still: with more flows than slots, the slots keep the flows
@@ -276,18 +279,20 @@ fn lookup<A: Family, S: 'static, const M: usize>(
 #[inline(always)]
 fn fill<A: Family, S: 'static, const M: usize>(
     slots: &'static PerCpuArray<Cached<A, S>, M>,
-    key: &CtKey<A>,
+    key: impl Fn() -> CtKey<A>,
+    is_key: impl FnOnce(&CtKey<A>) -> bool,
     ingress: u32,
     generation: u32,
     now: u64,
     until: u64,
     step: impl FnOnce(&mut S) -> bool,
 ) {
-    let Some(f) = slot(slots, key) else { return };
-    if now < f.until && f.generation == generation && f.key != *key {
+    // (Hashed again, not kept from the lookup: a miss pays the conntrack lookup besides.)
+    let Some(f) = slot(slots, ct_filter::hash(&key())) else { return };
+    if now < f.until && f.generation == generation && !is_key(&f.key) {
         return;
     }
-    f.key = *key;
+    f.key = key();
     f.ingress = ingress;
     f.generation = generation;
     f.until = if step(&mut f.step) { until } else { 0 };
@@ -301,10 +306,10 @@ pub struct Hit<A> {
     pub reason: Reason,
 }
 
-/// XDP: the cached step for `key`, arriving on `ingress`, at `now`.
+/// XDP: the cached step for `key` (of filter hash `hash`), arriving on `ingress`, at `now`.
 #[inline(always)]
-pub fn lookup_xdp<A: Family>(key: &CtKey<A>, ingress: u32, now: u64) -> Lookup<Hit<A>> {
-    match lookup(A::flow_cache(), &FLOW_TALLY, key, ingress, now) {
+pub fn lookup_xdp<A: Family>(key: &CtKey<A>, hash: u64, ingress: u32, now: u64) -> Lookup<Hit<A>> {
+    match lookup(A::flow_cache(), &FLOW_TALLY, |k| k == key, hash, ingress, now) {
         Lookup::Hit(s) => Lookup::Hit(Hit {
             dst: (s.dst, s.dport),
             src: (s.src, s.sport),
@@ -350,76 +355,101 @@ pub fn fill_xdp<A: Family>(
     route: &Route<A>,
     reason: Reason,
 ) {
-    fill(A::flow_cache(), key, ingress, generation, now, until, |s| {
-        *s = XdpStep {
-            dst: dst.0,
-            src: src.0,
-            dport: dst.1,
-            sport: src.1,
-            egress: route.ifindex,
-            dmac: route.dmac,
-            smac: route.smac,
-            reply: u32::from(reason == Reason::XdpReply),
-        };
-        true
-    });
+    fill(
+        A::flow_cache(),
+        || *key,
+        |k| k == key,
+        ingress,
+        generation,
+        now,
+        until,
+        |s| {
+            *s = XdpStep {
+                dst: dst.0,
+                src: src.0,
+                dport: dst.1,
+                sport: src.1,
+                egress: route.ifindex,
+                dmac: route.dmac,
+                smac: route.smac,
+                reply: u32::from(reason == Reason::XdpReply),
+            };
+            true
+        },
+    );
 }
 
-/// TC: the cached step for `key` at `now` (pod ingress's forward packets and egress's replies;
-/// the interface plays no part in their steps).
+/// TC: the cached step for `pkt`'s tuple (of filter hash `hash`) at `now` (pod ingress's forward
+/// packets and egress's replies; the interface plays no part in their steps).
 #[inline(always)]
-pub fn lookup_tc<A: Family>(key: &CtKey<A>, now: u64) -> Lookup<&'static Tracked<A>> {
-    lookup(A::tc_cache(), &TC_TALLY, key, 0, now)
+pub fn lookup_tc<A: Family>(pkt: &Packet<A>, hash: u64, now: u64) -> Lookup<&'static Tracked<A>> {
+    lookup(A::tc_cache(), &TC_TALLY, |k| crate::ct::is_key_of(k, pkt), hash, 0, now)
 }
 
-/// TC: what the cache has for a tracked flow's packet `pkt` at `now`. A packet `takes`
+/// TC: what the cache has for a tracked flow's packet `pkt` (whose tuple's filter hash is
+/// `hash`, `ct::may_hold`) at `now`. A packet `takes`
 /// refuses empties its tuple's slot on this CPU (`forget_tc`) and, as a fragment, is not looked
 /// up (`Resting`: neither served nor cached).
 #[inline(always)]
-pub fn consult_tc<A: Family>(pkt: &Packet<A>, now: u64) -> Lookup<&'static Tracked<A>> {
+pub fn consult_tc<A: Family>(pkt: &Packet<A>, hash: u64, now: u64) -> Lookup<&'static Tracked<A>> {
     // (The key is made afresh at each use: one held across took the callers' stack.)
     if !takes(pkt) {
-        forget_tc(&crate::ct::key(pkt));
+        forget_tc(&crate::ct::key(pkt), hash);
         return Lookup::Resting;
     }
     if pkt.frag != crate::parse::Frag::Whole {
         return Lookup::Resting;
     }
-    lookup_tc(&crate::ct::key(pkt), now)
+    lookup_tc(pkt, hash, now)
 }
 
-/// TC: records the entry the conntrack path just served `key` with (`e`, the map's), and the
-/// Service address `rn` a reply was given; unless the entry no longer names the Service and
-/// backend the path read in it (`ids`): the LRU may have given the element to another key
-/// since (the copy is taken from the map, as one from the program's own copy took stack the
-/// IPv6 programs do not have).
+/// TC: records the entry the conntrack path just served `pkt` with at `now` (`e`, the map's;
+/// `entry`, the path's copy as it read it), and the Service address `rn` a reply was given,
+/// for the window in which that path would leave the entry as it is: until its next refresh
+/// (counted from `now` if the packet refreshed it) or the end of its lifetime (`quiet_end`).
+/// Unless the entry no longer names the Service and backend the path read in it: the LRU may
+/// have given the element to another key since (the copy is taken from the map, as one from
+/// the program's own copy took stack the IPv6 programs do not have). For a packet that added
+/// no flag to the entry (callers fill only then: a later packet the cache takes adds none).
 #[inline(always)]
-pub fn fill_tc<A: Family>(key: &CtKey<A>, generation: u32, now: u64, until: u64, e: &Slot<CtEntry<A>>, ids: (u32, u32), rn: (A, [u8; 2])) {
-    fill(A::tc_cache(), key, 0, generation, now, until, |s| {
-        e.read(|m| crate::value::copy_words(&mut s.entry, m));
-        s.rn_addr = rn.0;
-        s.rn_port = rn.1;
-        (s.entry.service_id, s.entry.backend_id) == ids
-    });
+pub fn fill_tc<A: Family>(pkt: &Packet<A>, generation: u32, now: u64, e: &Slot<CtEntry<A>>, entry: &CtEntry<A>, rn: (A, [u8; 2])) {
+    let last_seen = if now.wrapping_sub(entry.last_seen_ns) > ct::REFRESH_NS { now } else { entry.last_seen_ns };
+    let until = quiet_end(last_seen, crate::ct::lifetime(pkt.proto, entry.flags));
+    let ids = (entry.service_id, entry.backend_id);
+    fill(
+        A::tc_cache(),
+        || crate::ct::key(pkt),
+        |k| crate::ct::is_key_of(k, pkt),
+        0,
+        generation,
+        now,
+        until,
+        |s| {
+            e.read(|m| crate::value::copy_words(&mut s.entry, m));
+            s.rn_addr = rn.0;
+            s.rn_port = rn.1;
+            (s.entry.service_id, s.entry.backend_id) == ids
+        },
+    );
 }
 
-/// TC: forgets the slot of `key` on this CPU, if it holds it: for a packet that changes its
-/// flow's state (`takes` refuses it), after which the slot's window may outlast the entry's
-/// new lifetime. (Another CPU's slot keeps its window: see the module comment.)
+/// TC: forgets the slot of `key` (of filter hash `hash`) on this CPU, if it holds it: for a
+/// packet that changes its flow's state (`takes` refuses it), after which the slot's window
+/// may outlast the entry's new lifetime. (Another CPU's slot keeps its window: see the module comment.)
 #[inline(always)]
-pub fn forget_tc<A: Family>(key: &CtKey<A>) {
-    forget(A::tc_cache(), key);
+pub fn forget_tc<A: Family>(key: &CtKey<A>, hash: u64) {
+    forget(A::tc_cache(), key, hash);
 }
 
 /// XDP: as `forget_tc`.
 #[inline(always)]
-pub fn forget_xdp<A: Family>(key: &CtKey<A>) {
-    forget(A::flow_cache(), key);
+pub fn forget_xdp<A: Family>(key: &CtKey<A>, hash: u64) {
+    forget(A::flow_cache(), key, hash);
 }
 
 #[inline(always)]
-fn forget<A: Family, S: 'static, const M: usize>(slots: &'static PerCpuArray<Cached<A, S>, M>, key: &CtKey<A>) {
-    if let Some(f) = slot(slots, key) {
+fn forget<A: Family, S: 'static, const M: usize>(slots: &'static PerCpuArray<Cached<A, S>, M>, key: &CtKey<A>, hash: u64) {
+    if let Some(f) = slot(slots, hash) {
         if f.until != 0 && f.key == *key {
             f.until = 0;
         }

@@ -66,8 +66,8 @@ fn flow<A: Family>(ctx: &TcContext, mut pkt: Packet<A>) -> Result<Verdict, Reaso
     if pkt.frag == Frag::Later && !frag::resolve_ports(&mut pkt) {
         return Ok(Verdict::pass(Reason::PassFragmentUnknown));
     }
-    let (now, reason) = if ct::may_hold(&ct::key(&pkt)) {
-        match tracked(ctx, &pkt) {
+    let (now, reason) = if let Some(hash) = ct::may_hold(&ct::key(&pkt)) {
+        match tracked(ctx, &pkt, hash) {
             Tracked::Done(verdict) => return verdict,
             Tracked::Afresh(now, reason) => (now, reason),
         }
@@ -90,10 +90,10 @@ enum Tracked {
 /// write nothing for), else by its conntrack entry (the filter is read: the entry is looked up
 /// directly). (The key is made afresh at each use: one held across took stack.)
 #[inline(always)]
-fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Tracked {
+fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
     let now = ct::now();
     let mut cache_under = None;
-    match flowcache::consult_tc(pkt, now) {
+    match flowcache::consult_tc(pkt, hash, now) {
         Lookup::Hit(t) if t.entry.flags & flags::REPLY == 0 => return established(ctx, pkt, None, &t.entry, now, None),
         // A local backend's reply (the slot egress filled): passed, as the conntrack path
         // passes it.
@@ -264,11 +264,7 @@ fn established<A: Family>(
         ct::touch_forward(pkt, &mut e, now);
         frag::remember(pkt);
         if let (Some(generation), true) = (cache_under, flowcache::caches(entry.flags)) {
-            // As the packet left the entry: refreshed if that was due, no flag added (a packet
-            // the cache takes adds none).
-            let last_seen = if now.wrapping_sub(entry.last_seen_ns) > proxy_common::ct::REFRESH_NS { now } else { entry.last_seen_ns };
-            let until = flowcache::quiet_end(last_seen, ct::lifetime(pkt.proto, entry.flags));
-            flowcache::fill_tc(&ct::key(pkt), generation, now, until, &e, (entry.service_id, entry.backend_id), (A::UNSPECIFIED, [0; 2]));
+            flowcache::fill_tc(pkt, generation, now, &e, entry, (A::UNSPECIFIED, [0; 2]));
         }
     }
     Tracked::Done(translate(ctx, pkt, entry, &be))

@@ -58,18 +58,18 @@ fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpV
     let key = ct::key(pkt);
     // A packet of no tracked flow (most of them) is told so by the conntrack filter, before
     // the cache, as the conntrack lookup would be: only a new flow's decision is left.
-    if !ct::may_hold(&key) {
+    let Some(hash) = ct::may_hold(&key) else {
         return Ok(north::new_flow(&env, pkt, ct::now));
-    }
+    };
     let now = ct::now();
     if flowcache::takes(pkt) {
-        match flowcache::lookup_xdp(&key, env.ifindex, now) {
+        match flowcache::lookup_xdp(&key, hash, env.ifindex, now) {
             Lookup::Hit(h) => return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason)),
             Lookup::Miss { generation } => env.cache_under = Some(generation),
             Lookup::Resting => {}
         }
     } else {
-        flowcache::forget_xdp(&key);
+        flowcache::forget_xdp(&key, hash);
     }
     // The filter is read: the entry is looked up directly.
     Ok(north::decide_found(&env, pkt, move || now, false, Slot::of(A::ct(), key)))
