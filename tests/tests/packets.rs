@@ -632,11 +632,7 @@ fn tc_repeats_a_tracked_flows_translation_from_its_cache_only_while_the_conntrac
         let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 999_000_000;
         let (k, mut e) = forward_entry(&mut dp, client);
         e.last_seen_ns = old;
-        let mut ct = aya::maps::HashMap::<_, proxy_common::CtKey, proxy_common::CtEntry>::try_from(
-            dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap(),
-        )
-        .unwrap();
-        ct.insert(k, e, 0).unwrap();
+        ct_map(&mut dp).insert(k, e, 0).unwrap();
         assert_eq!(run(&mut dp, &ack).action, TC_ACT_OK, "not due yet: caches the entry");
         if forward_entry(&mut dp, client).1.last_seen_ns != old {
             // The clock ticked past the refresh before that packet.
@@ -677,6 +673,136 @@ fn a_reply_tuple_taken_over_by_another_services_flow_is_not_answered_from_the_ca
         assert_eq!((back.src_sock(), back.dst_sock()), (vip2, client), "the new flow's reply, from its own Service");
         true
     });
+}
+
+/// TC's flow cache serves the flows whose translation has more than a destination to it as the
+/// conntrack path would: a pod reaching itself through its Service (hairpinned: its source
+/// becomes the hairpin address and the packet goes straight back out), and a flow whose
+/// client port was moved (a second flow from one client port to another Service of the same
+/// backend), each way.
+#[test]
+fn tc_serves_hairpinned_and_port_moved_flows_from_its_cache_as_the_conntrack_path_would() {
+    let Some(mut dp) = setup("tc_serves_hairpinned_and_port_moved_flows_from_its_cache") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let me = sock("10.244.1.2:40000");
+    let ack = tcp_frame(me, sock(VIP), ACK);
+    within_a_window("a hairpinned flow", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(me, sock(VIP), SYN)).action, TC_ACT_REDIRECT);
+        let tracked = run(&mut dp, &ack);
+        assert_eq!(tracked.action, TC_ACT_REDIRECT, "caches the entry");
+        let Some(served) = without_conntrack(&mut dp, |dp| {
+            let out = run(dp, &ack);
+            conntrack(dp).is_empty().then_some(out)
+        }) else {
+            return false;
+        };
+        assert_eq!((served.action, &served.frame), (TC_ACT_REDIRECT, &tracked.frame), "hairpinned from the cache as before");
+        true
+    });
+
+    let (vip1, vip2, be) = (sock("10.96.0.11:80"), sock("10.96.0.12:80"), sock("10.244.1.3:8080"));
+    program(&mut dp, "10.96.0.11:80", Protocol::Tcp, &["10.244.1.3:8080"]);
+    program(&mut dp, "10.96.0.12:80", Protocol::Tcp, &["10.244.1.3:8080"]);
+    let client = sock(CLIENT);
+    within_a_window("a flow whose client port was moved", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        run(&mut dp, &tcp_frame(client, vip1, SYN));
+        let moved = dissect(&run(&mut dp, &tcp_frame(client, vip2, SYN)).frame).sport.unwrap();
+        assert_ne!(moved, client.port(), "the second flow's client port is moved");
+        let (ack, reply) = (tcp_frame(client, vip2, ACK), tcp_frame(be, SocketAddrV4::new(*client.ip(), moved), ACK));
+        // Tracked: the forward packet caches its entry; the first reply learns its checksum
+        // form, the second caches its step.
+        let tracked = run(&mut dp, &ack);
+        run_egress(&mut dp, &reply);
+        let answered = run_egress(&mut dp, &reply);
+        let d = dissect(&answered.frame);
+        assert_eq!((d.src_sock(), d.dst_sock()), (vip2, client), "the reply, to the client's own port");
+        let Some((out, back)) = without_conntrack(&mut dp, |dp| {
+            let (out, back) = (run(dp, &ack), run_egress(dp, &reply));
+            conntrack(dp).is_empty().then_some((out, back))
+        }) else {
+            return false;
+        };
+        assert_eq!((out.action, &out.frame), (TC_ACT_OK, &tracked.frame), "the moved port, from the cache");
+        assert_eq!((back.action, &back.frame), (TC_ACT_OK, &answered.frame), "the client's own port back, from the cache");
+        true
+    });
+}
+
+/// A fragmented datagram of a flow whose entry TC's cache holds takes the conntrack path (its
+/// first fragment tells the fragment map where the later ones go; the cache serves whole
+/// datagrams only), and its later fragments follow it.
+#[test]
+fn a_fragmented_datagram_of_a_cached_flow_is_followed_by_its_later_fragments() {
+    let Some(mut dp) = setup("a_fragmented_datagram_of_a_cached_flow") else { return };
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.9:5353"]);
+    let (c, v, backend) = (sock(CLIENT), sock("10.96.0.53:53"), sock("10.244.1.9:5353"));
+    let small = udp_frame(c, v, b"q");
+    let whole = packet::udp_datagram(c, v, &(0..64u8).collect::<Vec<_>>(), true);
+    let mut first = Ipv4::new(*c.ip(), *v.ip(), UDP, whole[..32].to_vec());
+    first.frag = 0x2000; // MF, offset 0
+    let mut last = Ipv4::new(*c.ip(), *v.ip(), UDP, whole[32..].to_vec());
+    last.frag = 32 / 8;
+    within_a_window("a fragmented datagram of a cached flow", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        run(&mut dp, &small);
+        assert_eq!(dissect(&run(&mut dp, &small).frame).dst_sock(), backend, "caches the entry");
+        if !without_conntrack(&mut dp, |dp| dissect(&run(dp, &small).frame).dst_sock() == backend && conntrack(dp).is_empty()) {
+            return false;
+        }
+        first.id = first.id.wrapping_add(1);
+        last.id = first.id;
+        assert_eq!(dissect(&run(&mut dp, &first.frame()).frame).dst_sock(), backend);
+        let d = dissect(&run(&mut dp, &last.frame()).frame);
+        assert_eq!(d.dst, *backend.ip(), "the later fragment follows the first");
+        assert!(d.ip_checksum_ok);
+        true
+    });
+}
+
+/// A reply's cached step lasts until the conntrack path would next write the reply entry (its
+/// refresh, due a second after the packet that last refreshed it), where that path checks the
+/// connection's forward entry: a reply entry refreshed 999 ms ago leaves a window of a
+/// millisecond, after which a reply whose connection's forward entry is gone is left as it is.
+#[test]
+fn a_replys_cached_step_ends_where_the_conntrack_path_would_check_its_connection() {
+    let Some(mut dp) = setup("a_replys_cached_step_ends_where_the_conntrack_path_would_check") else { return };
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock("10.244.1.2:8080"));
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let reply = tcp_frame(backend, client, ACK);
+    let reply_entry = |dp: &mut EbpfDataplane| {
+        conntrack(dp).into_iter().find(|(k, e)| k.src() == backend && e.flags & proxy_common::ct::flags::REPLY != 0).expect("reply entry")
+    };
+    within_a_window("a reply's window ended by a refresh", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+        run_egress(&mut dp, &reply);
+        let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 999_000_000;
+        let (k, mut e) = reply_entry(&mut dp);
+        e.last_seen_ns = old;
+        ct_map(&mut dp).insert(k, e, 0).unwrap();
+        assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "not due yet: caches the step");
+        if reply_entry(&mut dp).1.last_seen_ns != old {
+            // The clock ticked past the refresh before that packet.
+            return false;
+        }
+        let (fk, _) = forward_entry(&mut dp, client);
+        ct_map(&mut dp).remove(&fk).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let back = run_egress(&mut dp, &reply);
+        assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the connection gone: left as it is, not answered from the cache");
+        true
+    });
+}
+
+/// The IPv4 conntrack map, to write behind the datapath's back.
+fn ct_map(dp: &mut EbpfDataplane) -> aya::maps::HashMap<&mut aya::maps::MapData, proxy_common::CtKey, proxy_common::CtEntry> {
+    aya::maps::HashMap::try_from(dp.ebpf_mut().map_mut(proxy_common::map_names::CT).unwrap()).unwrap()
 }
 
 /// The forward conntrack entry of `client`'s flow.
