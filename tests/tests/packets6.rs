@@ -54,6 +54,11 @@ fn conntrack6(dp: &mut EbpfDataplane) -> Vec<(CtKey<Ip6>, CtEntry<Ip6>)> {
     ct.iter().map(|e| e.unwrap()).collect()
 }
 
+/// The IPv6 conntrack map, to write behind the datapath's back.
+fn ct6_map(dp: &mut EbpfDataplane) -> HashMap<&mut aya::maps::MapData, CtKey<Ip6>, CtEntry<Ip6>> {
+    HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT6).unwrap()).unwrap()
+}
+
 #[test]
 fn ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored() {
     let Some(mut dp) = setup("ipv6_tcp_to_a_cluster_ip_is_dnatted_and_its_replies_restored") else { return };
@@ -362,6 +367,74 @@ fn ipv6_tc_repeats_a_tracked_flows_translation_from_its_cache_until_its_service_
     dp.remove(&key).unwrap();
     let back = run_egress(&mut dp, &reply);
     assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the Service gone: untranslated");
+}
+
+/// A fragmented IPv6 datagram of a flow whose step TC's cache holds takes the conntrack path
+/// (its first fragment tells the fragment map where the later ones go; the cache serves whole
+/// datagrams only), and its later fragment follows it.
+#[test]
+fn an_ipv6_fragmented_datagram_of_a_cached_flow_is_followed_by_its_later_fragment() {
+    let Some(mut dp) = setup("an_ipv6_fragmented_datagram_of_a_cached_flow") else { return };
+    program6(&mut dp, "[fd00:10:96::a]:53", UDP, &["[fd00:10:244:1::9]:5353"]);
+    let (client, vip, backend) = (sock(CLIENT), sock("[fd00:10:96::a]:53"), sock("[fd00:10:244:1::9]:5353"));
+    let small = packet6::udp_frame(client, vip, b"q");
+    let whole = packet6::udp_datagram(client, vip, &[5u8; 100]);
+    let (first, rest) = whole.split_at(56);
+    let mut id = 0xabcd;
+    within_a_window("a fragmented datagram of a cached flow", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        run(&mut dp, &small);
+        assert_eq!(dissect(&run(&mut dp, &small).frame).dst_sock(), backend, "caches the entry");
+        // Served from the cache with the entries gone; the datagram's first fragment then
+        // tracks the flow afresh, and remembers where its later one goes.
+        forget_conntrack(&mut dp);
+        if dissect(&run(&mut dp, &small).frame).dst_sock() != backend || !conntrack6(&mut dp).is_empty() {
+            return false;
+        }
+        id += 1;
+        let frag = |off: u16, more: bool, bytes: &[u8]| {
+            Ipv6::new(*client.ip(), *vip.ip(), UDP, bytes.to_vec()).with_ext(FRAGMENT, Ipv6::fragment(off, more, id)).frame()
+        };
+        assert_eq!(dissect(&run(&mut dp, &frag(0, true, first)).frame).dst_sock(), backend);
+        assert_eq!(dissect(&run(&mut dp, &frag(7, false, rest)).frame).dst, *backend.ip(), "the later fragment follows the first");
+        true
+    });
+}
+
+/// An IPv6 reply's cached step lasts until the conntrack path would next write the reply entry
+/// (a second after the packet that last refreshed it), where that path checks the connection's
+/// forward entry: a reply entry refreshed 999 ms ago leaves a window of a millisecond, after
+/// which a reply whose connection's forward entry is gone is left as it is.
+#[test]
+fn an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check_its_connection() {
+    let Some(mut dp) = setup("an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
+    let reply = tcp_frame(backend, client, ACK);
+    let is_reply = |e: &CtEntry<Ip6>| e.flags & proxy_common::ct::flags::REPLY != 0;
+    let entry = |dp: &mut EbpfDataplane, reply: bool| conntrack6(dp).into_iter().find(|(_, e)| is_reply(e) == reply).expect("the entry");
+    within_a_window("a reply's window ended by a refresh", || {
+        forget_conntrack(&mut dp);
+        dp.invalidate_cached_flows();
+        assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
+        run_egress(&mut dp, &reply);
+        let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 999_000_000;
+        let (k, mut e) = entry(&mut dp, true);
+        e.last_seen_ns = old;
+        ct6_map(&mut dp).insert(k, e, 0).unwrap();
+        assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "not due yet: caches the step");
+        if entry(&mut dp, true).1.last_seen_ns != old {
+            // The clock ticked past the refresh before that packet.
+            return false;
+        }
+        let (fk, _) = entry(&mut dp, false);
+        ct6_map(&mut dp).remove(&fk).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let back = run_egress(&mut dp, &reply);
+        assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the connection gone: left as it is, not answered from the cache");
+        true
+    });
 }
 
 /// A forward conntrack entry keeps the two address sums its DNAT needs. An entry an older build
