@@ -93,8 +93,9 @@ pub fn key<A: Family>(pkt: &Packet<A>) -> CtKey<A> {
     CtKey { saddr: pkt.saddr, daddr: pkt.daddr, sport: pkt.sport, dport: pkt.dport, proto: pkt.proto, _pad: 0, _pad2: 0 }
 }
 
-/// Whether `k` is the tuple of the packet as it is on the wire (`key`), read field by field
-/// (a key made to compare with took stack).
+/// Whether `k` is the packet's tuple (`key`), compared field by field (a key made to compare
+/// with took stack). The padding is not compared: for keys written by `key`, whose padding is
+/// zero (TC's flow cache writes its slots' keys only so).
 #[inline(always)]
 pub fn is_key_of<A: Family>(k: &CtKey<A>, pkt: &Packet<A>) -> bool {
     k.saddr == pkt.saddr && k.daddr == pkt.daddr && k.sport == pkt.sport && k.dport == pkt.dport && k.proto == pkt.proto

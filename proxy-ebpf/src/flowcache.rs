@@ -392,7 +392,8 @@ pub fn lookup_tc<A: Family>(pkt: &Packet<A>, hash: u64, now: u64) -> Lookup<&'st
 /// up (`Resting`: neither served nor cached).
 #[inline(always)]
 pub fn consult_tc<A: Family>(pkt: &Packet<A>, hash: u64, now: u64) -> Lookup<&'static Tracked<A>> {
-    // (The key is made afresh at each use: one held across took the callers' stack.)
+    // (No key is made for the lookup, which compares the packet's fields: `ct::is_key_of`. One
+    // held across took the callers' stack.)
     if !takes(pkt) {
         forget_tc(&crate::ct::key(pkt), hash);
         return Lookup::Resting;

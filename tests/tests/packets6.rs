@@ -404,8 +404,9 @@ fn an_ipv6_fragmented_datagram_of_a_cached_flow_is_followed_by_its_later_fragmen
 
 /// An IPv6 reply's cached step lasts until the conntrack path would next write the reply entry
 /// (a second after the packet that last refreshed it), where that path checks the connection's
-/// forward entry: a reply entry refreshed 999 ms ago leaves a window of a millisecond, after
-/// which a reply whose connection's forward entry is gone is left as it is.
+/// forward entry: a reply entry refreshed 900 ms ago leaves a window of 100 ms, in which the
+/// cache answers the reply with the flow's entries gone, and after which a reply whose
+/// connection's forward entry is gone is left as it is.
 #[test]
 fn an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check_its_connection() {
     let Some(mut dp) = setup("an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check") else { return };
@@ -419,18 +420,26 @@ fn an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check_its_conn
         dp.invalidate_cached_flows();
         assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
         run_egress(&mut dp, &reply);
-        let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 999_000_000;
+        let old = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() - 900_000_000;
         let (k, mut e) = entry(&mut dp, true);
         e.last_seen_ns = old;
         ct6_map(&mut dp).insert(k, e, 0).unwrap();
         assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "not due yet: caches the step");
+        // Cached: answered with the entries gone (then put back), unless the window ended.
+        let entries = conntrack6(&mut dp);
+        entries.iter().for_each(|(k, _)| ct6_map(&mut dp).remove(k).unwrap());
+        let served = dissect(&run_egress(&mut dp, &reply).frame).src_sock() == vip;
+        entries.iter().for_each(|(k, e)| ct6_map(&mut dp).insert(k, e, 0).unwrap());
+        if !served {
+            return false;
+        }
         if entry(&mut dp, true).1.last_seen_ns != old {
-            // The clock ticked past the refresh before that packet.
+            // The clock ticked past the refresh before the reply that filled the slot.
             return false;
         }
         let (fk, _) = entry(&mut dp, false);
         ct6_map(&mut dp).remove(&fk).unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(30));
+        std::thread::sleep(std::time::Duration::from_millis(150));
         let back = run_egress(&mut dp, &reply);
         assert_eq!((back.action, &back.frame), (TC_ACT_OK, &reply), "the connection gone: left as it is, not answered from the cache");
         true
