@@ -100,7 +100,7 @@ pub mod map_names {
     pub const FILTER: &str = "LB4_FILTER_V1";
     /// The conntrack filter (`crate::ct_filter`): a bit per hash of every key the conntrack map
     /// may hold, so a packet of no tracked flow is told so without a conntrack lookup.
-    pub const CT_FILTER: &str = "CT4_FILTER_V2";
+    pub const CT_FILTER: &str = "CT4_FILTER_V1";
     /// The generation the flow caches are valid under (`ct::FlowGen`), so that no cached step
     /// outlives what it was decided from.
     pub const FLOW_GEN: &str = "FLOW_GEN_V1";
@@ -120,7 +120,7 @@ pub mod map_names {
     pub const NAMES6: &str = "LB6_NAMES_V1";
     pub const MAGLEV6: &str = "LB6_MAGLEV_V1";
     pub const FILTER6: &str = "LB6_FILTER_V1";
-    pub const CT_FILTER6: &str = "CT6_FILTER_V2";
+    pub const CT_FILTER6: &str = "CT6_FILTER_V1";
     /// The socket hooks' maps for IPv6 Services (an IPv6 socket's IPv4-mapped peers use the
     /// IPv4 ones).
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
@@ -743,15 +743,15 @@ pub mod filter {
     }
 }
 
-/// The conntrack filter (`CT4_FILTER_V2`, `CT6_FILTER_V2`): a bit per hash of every key the
+/// The conntrack filter (`CT4_FILTER_V1`, `CT6_FILTER_V1`): a bit per hash of every key the
 /// family's conntrack map may hold. Most packets a node sees belong to no tracked flow (pod to
 /// pod, to and from the node itself); a clear bit tells the datapath so from one array read
 /// (inlined by the verifier) instead of a conntrack lookup that finds nothing, which hashes the
 /// whole key (16 bytes, 40 for IPv6) and walks a bucket. A set bit says only "maybe": the
 /// conntrack map decides.
 ///
-/// The map holds one value (`CtFilter`): two halves of `2^BITS_LOG2` bits, their words
-/// interleaved (`index`), and a control word that says which half lookups read. The datapath sets a key's bit in both halves before it
+/// The map holds one value (`CtFilter`): two halves of `2^BITS_LOG2` bits and a control word
+/// that says which half lookups read. The datapath sets a key's bit in both halves before it
 /// inserts the key, and never clears one. Bits of entries gone (evicted, or deleted) are
 /// dropped by a rebuild (the agent's `ct_filter::rebuild`): it clears the half lookups do not
 /// read, waits for every program run that may have set a bit there before the clear to
@@ -790,17 +790,6 @@ pub mod ct_filter {
         } else {
             None
         }
-    }
-
-    /// Where word `word` of half `half` is in `CtFilter::words`: each word beside its twin of
-    /// the other half, so that a new flow setting its keys' bits in both halves (the datapath's
-    /// `ct::mark`) touches one cache line a key, the line a lookup of the key read. (With the
-    /// halves apart, a new flow's filter reads were cache misses: 43 % of its program's own
-    /// samples, on a full conntrack map.) Part of the pinned filter's ABI (`_V2`; `_V1` had
-    /// the halves one after the other).
-    #[inline(always)]
-    pub const fn index(half: usize, word: usize) -> usize {
-        2 * word + half
     }
 
     /// Where the key of hash `hash` has its bit in a half: the word and the bit.
@@ -904,7 +893,6 @@ pub mod ct_filter {
             assert_eq!(place(u64::MAX), (HALF_WORDS - 1, 1 << 63), "the last bit of a half");
             assert_eq!(place(0), (0, 1), "the first");
             assert_eq!(size_of::<CtFilter>(), 8 * (2 * HALF_WORDS + 1));
-            assert_eq!((index(0, 0), index(1, 0), index(0, 1), index(1, HALF_WORDS - 1)), (0, 1, 2, 2 * HALF_WORDS - 1), "interleaved");
         }
     }
 }

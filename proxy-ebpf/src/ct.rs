@@ -53,7 +53,7 @@ pub fn may_hold<A: Family>(k: &CtKey<A>) -> Option<u64> {
     let Some(half) = ct_filter::half(unsafe { (*f).control }) else { return Some(hash) };
     let (word, bit) = ct_filter::place(hash);
     // SAFETY: in bounds: `half` is 0 or 1 and `word` below `HALF_WORDS`.
-    let set = unsafe { *(*f).words.as_ptr().add(ct_filter::index(half, word)) & bit != 0 };
+    let set = unsafe { *(*f).words.as_ptr().add(half * ct_filter::HALF_WORDS + word) & bit != 0 };
     set.then_some(hash)
 }
 
@@ -72,13 +72,12 @@ fn mark<A: Family>(hashes: [u64; 2]) {
     let Some(f) = A::ct_filter().get_ptr_mut(0) else { return };
     for h in hashes {
         let (word, bit) = ct_filter::place(h);
-        // SAFETY: in bounds (`word` is below `HALF_WORDS`, the halves' words side by side);
-        // set by one atomic instruction each, as other CPUs and the agent set bits of the same
-        // words. A bit already set is only read: new flows on many CPUs then seldom write the
-        // same cache line.
+        // SAFETY: in bounds (`word` is below `HALF_WORDS`); set by one atomic instruction each,
+        // as other CPUs and the agent set bits of the same words. A bit already set is only
+        // read: new flows on many CPUs then seldom write the same cache line.
         unsafe {
-            let w = (*f).words.as_mut_ptr().add(ct_filter::index(0, word));
-            for w in [w, w.add(ct_filter::index(1, 0))] {
+            let w = (*f).words.as_mut_ptr().add(word);
+            for w in [w, w.add(ct_filter::HALF_WORDS)] {
                 if *w & bit == 0 {
                     atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(w, bit);
                 }

@@ -182,7 +182,7 @@ impl Family for [u8; 4] {
     }
     #[inline(always)]
     fn ct_filter() -> &'static CtFilterMap {
-        &maps::CT4_FILTER_V2
+        &maps::CT4_FILTER_V1
     }
     #[inline(always)]
     fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {
@@ -359,7 +359,7 @@ impl Family for Ip6 {
     }
     #[inline(always)]
     fn ct_filter() -> &'static CtFilterMap {
-        &maps::CT6_FILTER_V2
+        &maps::CT6_FILTER_V1
     }
     #[inline(always)]
     fn flow_cache() -> &'static crate::flowcache::FlowMap<Self> {

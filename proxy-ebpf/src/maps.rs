@@ -151,10 +151,10 @@ pub static LB6_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> =
 
 /// The conntrack filter of each family (`proxy_common::ct_filter`).
 #[btf_map]
-pub static CT4_FILTER_V2: crate::family::CtFilterMap = Array::new();
+pub static CT4_FILTER_V1: crate::family::CtFilterMap = Array::new();
 
 #[btf_map]
-pub static CT6_FILTER_V2: crate::family::CtFilterMap = Array::new();
+pub static CT6_FILTER_V1: crate::family::CtFilterMap = Array::new();
 
 #[btf_map]
 pub static TRACE_V2: Array<TraceResult, 1> = Array::new();

@@ -31,8 +31,7 @@ impl Mapped {
         batch::Mapped::of(fd, size_of::<CtFilter>()).map(Self)
     }
 
-    /// Word `i` of the halves (`2 * HALF_WORDS` of them, interleaved: `ct_filter::index`), or
-    /// the control word after them.
+    /// Word `i` of the halves (`2 * HALF_WORDS` of them), or the control word after them.
     fn word(&self, i: usize) -> &AtomicU64 {
         assert!(i <= 2 * HALF_WORDS);
         // SAFETY: in bounds of the mapping (a `CtFilter`: the halves, then the control word),
@@ -45,7 +44,7 @@ impl Mapped {
     }
 
     fn half(&self, half: usize) -> impl Iterator<Item = &AtomicU64> {
-        (0..HALF_WORDS).map(move |w| self.word(ct_filter::index(half, w)))
+        (half * HALF_WORDS..(half + 1) * HALF_WORDS).map(|i| self.word(i))
     }
 
     /// Every word of both halves set to `value` (the control word left alone).
@@ -63,7 +62,7 @@ impl Mapped {
         ct_filter::half(self.control().load(Ordering::Acquire))
     }
 
-    /// Calls `f` with the word (within a half: `ct_filter::index` places it) and bit of each key of the conntrack map `ct` (keys
+    /// Calls `f` with the word (in half 0) and bit of each key of the conntrack map `ct` (keys
     /// of address `A`); returns how many keys it walked.
     fn walk<A: ct_filter::Addr>(ct: BorrowedFd<'_>, ct_value_size: usize, mut f: impl FnMut(usize, u64)) -> io::Result<u64> {
         batch::for_each_key(ct.as_fd(), size_of::<CtKey<A>>(), ct_value_size, |bytes| {
@@ -113,7 +112,7 @@ pub fn rebuild<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd<'_>, c
     // for the walk to find.
     grace_period();
     let keys = Mapped::walk::<A>(ct, ct_value_size, |word, bit| {
-        m.word(ct_filter::index(target, word)).fetch_or(bit, Ordering::Relaxed);
+        m.word(target * HALF_WORDS + word).fetch_or(bit, Ordering::Relaxed);
     })?;
     let bits = m.bits(target);
     m.control().store(ct_filter::control(target), Ordering::Release);
@@ -204,7 +203,7 @@ pub fn untracked_keys<A: ct_filter::Addr>(filter: BorrowedFd<'_>, ct: BorrowedFd
     let Some(read) = m.read_half() else { return Ok(0) };
     let mut missing = 0;
     Mapped::walk::<A>(ct, ct_value_size, |word, bit| {
-        if m.word(ct_filter::index(read, word)).load(Ordering::Relaxed) & bit == 0 {
+        if m.word(read * HALF_WORDS + word).load(Ordering::Relaxed) & bit == 0 {
             missing += 1;
         }
     })?;
