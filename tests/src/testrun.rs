@@ -199,21 +199,25 @@ pub fn forget_conntrack(dp: &mut EbpfDataplane) {
     }
 }
 
-/// Runs `f` with the IPv4 conntrack entries taken out of the map behind the datapath's back
-/// (as an LRU eviction would take them), then puts them back: a flow `f` sees served was served
-/// from a flow cache.
+/// Runs `f` with the conntrack entries of both families taken out of the maps behind the
+/// datapath's back (as an LRU eviction would take them), then puts them back: a flow `f` sees
+/// served was served from a flow cache.
 pub fn without_conntrack<R>(dp: &mut EbpfDataplane, f: impl FnOnce(&mut EbpfDataplane) -> R) -> R {
-    fn map(dp: &mut EbpfDataplane) -> HashMap<&mut aya::maps::MapData, CtKey, CtEntry> {
-        HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT).expect("ct map")).expect("a hash map")
+    use proxy_common::Ip6;
+    fn map<'a, A: aya::Pod>(dp: &'a mut EbpfDataplane, name: &str) -> HashMap<&'a mut aya::maps::MapData, CtKey<A>, CtEntry<A>>
+    where
+        CtKey<A>: aya::Pod,
+        CtEntry<A>: aya::Pod,
+    {
+        HashMap::try_from(dp.ebpf_mut().map_mut(name).expect("conntrack map")).expect("a hash map")
     }
     let entries = conntrack(dp);
-    for (k, _) in &entries {
-        map(dp).remove(k).expect("take a conntrack entry out");
-    }
+    let entries6: Vec<(CtKey<Ip6>, CtEntry<Ip6>)> = map::<Ip6>(dp, map_names::CT6).iter().map(|e| e.expect("ct6 entry")).collect();
+    entries.iter().for_each(|(k, _)| map::<[u8; 4]>(dp, map_names::CT).remove(k).expect("take a conntrack entry out"));
+    entries6.iter().for_each(|(k, _)| map::<Ip6>(dp, map_names::CT6).remove(k).expect("take a conntrack entry out"));
     let r = f(dp);
-    for (k, e) in entries {
-        map(dp).insert(k, e, 0).expect("put a conntrack entry back");
-    }
+    entries.into_iter().for_each(|(k, e)| map::<[u8; 4]>(dp, map_names::CT).insert(k, e, 0).expect("put a conntrack entry back"));
+    entries6.into_iter().for_each(|(k, e)| map::<Ip6>(dp, map_names::CT6).insert(k, e, 0).expect("put a conntrack entry back"));
     r
 }
 

@@ -15,8 +15,8 @@ use proxy_tests::{
     packet6::{self, dissect, tcp_frame, tcp_segment, Ipv6, DEST_OPTS, ESP, FRAGMENT, HOP_BY_HOP, ICMPV6, ROUTING},
     require,
     testrun::{
-        self, assert_leaves, assert_untouched, counters, forget_conntrack, run, run_egress, within_a_window, TC_ACT_OK, TC_ACT_REDIRECT,
-        TC_ACT_SHOT,
+        self, assert_leaves, assert_untouched, counters, forget_conntrack, run, run_egress, within_a_window, without_conntrack, TC_ACT_OK,
+        TC_ACT_REDIRECT, TC_ACT_SHOT,
     },
 };
 
@@ -426,11 +426,7 @@ fn an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check_its_conn
         ct6_map(&mut dp).insert(k, e, 0).unwrap();
         assert_eq!(dissect(&run_egress(&mut dp, &reply).frame).src_sock(), vip, "not due yet: caches the step");
         // Cached: answered with the entries gone (then put back), unless the window ended.
-        let entries = conntrack6(&mut dp);
-        entries.iter().for_each(|(k, _)| ct6_map(&mut dp).remove(k).unwrap());
-        let served = dissect(&run_egress(&mut dp, &reply).frame).src_sock() == vip;
-        entries.iter().for_each(|(k, e)| ct6_map(&mut dp).insert(k, e, 0).unwrap());
-        if !served {
+        if !without_conntrack(&mut dp, |dp| dissect(&run_egress(dp, &reply).frame).src_sock() == vip) {
             return false;
         }
         if entry(&mut dp, true).1.last_seen_ns != old {
