@@ -381,6 +381,10 @@ fn measure(services: u32) -> Measured {
 /// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
 /// under `perf record -a` when working on the datapath (`--ipv6` for IPv6's).
 fn profile() {
+    // `--xdp`: XDP's tracked north-south path, forward and reply (`xdp_profile`).
+    if std::env::args().any(|a| a == "--xdp") {
+        return xdp_profile();
+    }
     // `--ct-max=N`: the conntrack map's size (the default's, else), to tell the cost of cold
     // memory from the LRU's own work.
     let ct_max = std::env::args().find_map(|a| a.strip_prefix("--ct-max=")?.parse().ok());
@@ -462,6 +466,125 @@ fn profile() {
             println!();
         }
     }
+}
+
+/// A node for XDP's figures: a namespace of its own, which the calling thread enters, with one
+/// external interface (`ext0`, 192.168.50.1/24) whose next hop (192.168.50.2, a permanent
+/// neighbour) leads to the clients and to another node's pods; a UDP NodePort on it whose one
+/// backend is on that other node; and the lab object's generator programs on the dataplane's
+/// own maps (pinned in a bpffs of its own). Everything goes when it drops.
+struct XdpNode {
+    ifindex: u32,
+    dp: EbpfDataplane,
+    lab: aya::Ebpf,
+    // Dropped after the programs and maps: the pins, then the namespace.
+    _pins: proxy_tests::lab::TempBpffs,
+    _ns: proxy_tests::netns::Netns,
+}
+
+const XDP_NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
+const XDP_CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 7), 40000);
+const XDP_NODE_PORT: SocketAddrV4 = SocketAddrV4::new(XDP_NODE_IP, 30053);
+const XDP_BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 5), 8080);
+
+fn xdp_node() -> XdpNode {
+    use proxy_tests::netns::{enter, unique_id, Netns};
+    let ns = Netns::create(format!("pxb-{}", unique_id()));
+    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
+    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
+    ns.ip(&["link", "set", "ext0", "up"]);
+    ns.ip(&["link", "set", "ext1", "up"]);
+    ns.ip(&["neigh", "add", "192.168.50.2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
+    ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
+    ns.sysctl("net.ipv4.ip_forward", "1");
+    enter(&ns.file()).expect("enter the node namespace");
+    let name = std::ffi::CString::new("ext0").unwrap();
+    // SAFETY: a valid C string; looks the name up in this thread's namespace.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0, "ext0 in the node namespace");
+    let pins = proxy_tests::lab::TempBpffs::new("pxb");
+    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pins.0.clone()), ..Default::default() }).expect("load the dataplane");
+    dp.set_interface_address(ifindex, Some(XDP_NODE_IP)).expect("the node's address");
+    // What the agent records for an uplink whose far end takes native XDP's frames (a NIC's).
+    dp.set_xdp_devices(&[(ifindex, proxy_common::xdp_dev::TX | proxy_common::xdp_dev::XMIT)].into()).expect("XDP devices");
+    let name = ServicePortName { service: ObjectKey::new("bench", "north"), port: "dns".into(), protocol: Protocol::Udp };
+    let backend = Backend { addr: (*XDP_BACKEND.ip()).into(), port: XDP_BACKEND.port(), terminating: false, local: false };
+    let key = FrontendKey { addr: XDP_NODE_IP.into(), port: XDP_NODE_PORT.port(), protocol: Protocol::Udp };
+    dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
+    let mut l = aya::EbpfLoader::new();
+    for n in map_names::ALL {
+        l.map_pin_path(n, loader::maps_dir(&pins.0).join(n));
+    }
+    let mut lab = l.load(proxy_tests::LAB_OBJECT).expect("load the lab object");
+    for p in [prog_names::XDP_BENCH_EXT, prog_names::XDP_BENCH_TX] {
+        let prog: &mut aya::programs::Xdp = lab.program_mut(p).expect("bench program").try_into().expect("XDP");
+        loader::load_program(|| prog.load()).expect("load the bench program");
+    }
+    // One flow: the generator's frame keeps its source port.
+    let mut flows: aya::maps::Array<_, u32> = aya::maps::Array::try_from(lab.map_mut("BENCH_FLOWS_V1").expect("flow count")).unwrap();
+    flows.set(0, 1, 0).expect("flow count");
+    XdpNode { ifindex, dp, lab, _pins: pins, _ns: ns }
+}
+
+impl XdpNode {
+    /// A 64-byte UDP frame (no checksum, as the generator's) arriving on `ext0`.
+    fn frame(from: SocketAddrV4, to: SocketAddrV4) -> [u8; 64] {
+        let udp = proxy_tests::packet::udp_datagram(from, to, &[0u8; 22], false);
+        let mut f = proxy_tests::packet::Ipv4::new(*from.ip(), *to.ip(), proxy_tests::packet::UDP, udp).frame();
+        f[0..6].copy_from_slice(&[0x02, 0x50, 0, 0, 0, 1]);
+        f[6..12].copy_from_slice(&[0x02, 0x50, 0, 0, 0, 2]);
+        f.try_into().expect("a 64-byte frame")
+    }
+
+    /// Mean ns per packet of `program` over `repeat` runs, each on `frame` afresh (the generator
+    /// restores it: a test run repeats on the frame the last run left), arriving on `ext0`;
+    /// and the frame the last run left.
+    fn run(&mut self, program: &str, frame: [u8; 64], repeat: u32) -> (u64, Vec<u8>) {
+        let mut template: aya::maps::Array<_, [u8; 64]> =
+            aya::maps::Array::try_from(self.lab.map_mut("BENCH_FRAME_V1").expect("frame map")).unwrap();
+        template.set(0, frame, 0).expect("frame template");
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&64u32.to_ne_bytes());
+        ctx[12..16].copy_from_slice(&self.ifindex.to_ne_bytes());
+        let mut out = vec![0u8; 64 + 256];
+        let prog: &mut aya::programs::Xdp = self.lab.program_mut(program).unwrap().try_into().unwrap();
+        let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat, ..Default::default() };
+        let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN");
+        out.truncate(r.data_size_out as usize);
+        (r.duration.as_nanos() as u64, out)
+    }
+}
+
+/// `profile --xdp`: a tracked north-south flow's packets through XDP (a NodePort flow to a
+/// backend on another node, sent back out of the interface it came in on, XDP_TX), in a loop,
+/// beside the generator's restore alone (`proxy_xdp_bench_tx`, the floor of these figures: the
+/// frame restored and sent back out). `--reply`: its reply's. Each figure is the median of
+/// ROUNDS runs of REPEAT packets; the counters confirm the path each took.
+fn xdp_profile() {
+    let mut n = xdp_node();
+    let forward = XdpNode::frame(XDP_CLIENT, XDP_NODE_PORT);
+    let (_, out) = n.run(prog_names::XDP_BENCH_EXT, forward, 1);
+    let d = proxy_tests::packet::dissect(&out);
+    assert_eq!(d.dst_sock(), XDP_BACKEND, "the flow's first packet is sent to the backend");
+    let reply = XdpNode::frame(XDP_BACKEND, SocketAddrV4::new(XDP_NODE_IP, d.sport.expect("SNAT port")));
+    let (frame, reason, what) = if std::env::args().any(|a| a == "--reply") {
+        (reply, Reason::XdpReply, "reply")
+    } else {
+        (forward, Reason::XdpForward, "forward")
+    };
+    let mut check = Checker::new(&mut n.dp);
+    let repeat = REPEAT / scale();
+    for _ in 0..10 {
+        let (mut ours, mut floor) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            ours.push(n.run(prog_names::XDP_BENCH_EXT, frame, repeat).0);
+            floor.push(n.run(prog_names::XDP_BENCH_TX, frame, repeat).0);
+        }
+        let (ours, floor) = (median(ours), median(floor));
+        println!("xdp {what} {ours:.1} ns, restore only {floor:.1} ns ({:.1} ns above it)", ours - floor);
+    }
+    check.took(&mut n.dp, reason, 10 * ROUNDS as u64 * u64::from(repeat), "xdp rounds");
 }
 
 // ---------------------------------------------------------------------------------------------
