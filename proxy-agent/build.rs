@@ -3,9 +3,13 @@
 //! (`proxy-lab`, test and benchmark programs) is built beside it and only named to the crates
 //! that depend on this one (proxy-tests), never embedded in the agent.
 
-use std::{path::PathBuf, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{bail, Context as _};
+use object::build::elf::SectionData;
 
 fn main() -> anyhow::Result<()> {
     if Command::new("bpf-linker").arg("--version").output().is_err() {
@@ -21,6 +25,43 @@ fn main() -> anyhow::Result<()> {
     let package = aya_build::Package { name: "proxy-ebpf", root_dir: ebpf_dir, ..Default::default() };
     aya_build::build_ebpf([package], aya_build::Toolchain::default())?;
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
+    for object in ["proxy", "proxy-lab"] {
+        let path = out_dir.join(object);
+        strip_dwarf(&path).with_context(|| format!("taking the DWARF out of {}", path.display()))?;
+    }
     println!("cargo:lab_object={}", out_dir.join("proxy-lab").display());
+    Ok(())
+}
+
+/// Takes the DWARF sections (`.debug_*`) and their relocations out of a linked eBPF object.
+/// bpf-linker made the object's BTF from them, line info included (what verifier logs and
+/// `bpftool prog dump ... linum` show), and nothing reads them after that: the loader uses the
+/// BTF. They were 5 MB of the agent's 6.5 MB object, embedded in its binary, and parsing the
+/// object at every start paged about 2 MB of them in for good.
+fn strip_dwarf(path: &Path) -> anyhow::Result<()> {
+    let data = std::fs::read(path)?;
+    let mut elf = object::build::elf::Builder::read(data.as_slice()).map_err(|e| anyhow::anyhow!("reading it: {e}"))?;
+    // The sections and their relocations (`.rel.debug_*`), then the symbols naming them.
+    for section in elf.sections.iter_mut() {
+        let name = section.name.as_slice();
+        if [&b".debug"[..], b".rel.debug", b".rela.debug"].iter().any(|p| name.starts_with(p)) {
+            section.delete = true;
+        }
+    }
+    elf.delete_orphans();
+    // LLVM names the sections in the symbols' string table; the writer wants a table of its
+    // own for them (as `objcopy` writes).
+    if !elf.sections.iter().any(|s| matches!(s.data, SectionData::SectionString)) {
+        let names = elf.sections.add();
+        names.name = b".shstrtab"[..].into();
+        names.sh_type = object::elf::SHT_STRTAB;
+        names.sh_addralign = 1;
+        names.data = SectionData::SectionString;
+    }
+    let mut out = Vec::new();
+    elf.write(&mut out).map_err(|e| anyhow::anyhow!("writing it: {e}"))?;
+    let tmp = path.with_extension("stripped");
+    std::fs::write(&tmp, &out)?;
+    std::fs::rename(&tmp, path)?;
     Ok(())
 }
