@@ -92,6 +92,32 @@ impl Netns {
     }
 }
 
+/// A node of the external hooks' packet tables and benchmarks: a namespace named
+/// `<prefix>-<unique id>` with one uplink, `ext0` (02:50:00:00:00:01, 192.168.50.1/24), whose
+/// next hop 192.168.50.2 (02:50:00:00:00:02) is a permanent neighbour, and IPv4 forwarding on.
+/// The veth's other end, `ext1`, is up in the same namespace with nothing on it. The caller
+/// adds its routes, enters the namespace (`enter`), and finds `ext0` with `ifindex`.
+pub fn uplink_node(prefix: &str) -> Netns {
+    let ns = Netns::create(format!("{prefix}-{}", unique_id()));
+    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
+    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
+    ns.ip(&["link", "set", "ext0", "up"]);
+    ns.ip(&["link", "set", "ext1", "up"]);
+    ns.ip(&["neigh", "add", "192.168.50.2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    ns.sysctl("net.ipv4.ip_forward", "1");
+    ns
+}
+
+/// The index of interface `name` in the calling thread's network namespace; panics when it has
+/// none.
+pub fn ifindex(name: &str) -> u32 {
+    let c = std::ffi::CString::new(name).expect("an interface name");
+    // SAFETY: a valid C string; looked up in this thread's namespace.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    assert_ne!(index, 0, "no interface {name} in this thread's namespace");
+    index
+}
+
 /// Moves the calling thread into the network namespace `file`.
 pub fn enter(file: &File) -> io::Result<()> {
     // SAFETY: setns on a valid namespace fd affects only the calling thread's network namespace.

@@ -4,10 +4,7 @@
 //! A fixed seed here (`PROXY_FUZZ_SEED`, `PROXY_FUZZ_FRAMES` change it); `cargo xtask fuzz`
 //! runs longer with a new seed.
 
-use std::{
-    ffi::CString,
-    net::{Ipv4Addr, SocketAddrV4},
-};
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_agent::{
@@ -17,7 +14,7 @@ use proxy_agent::{
 use proxy_common::xdp_dev;
 use proxy_tests::{
     fuzz::{self, Addresses, Rng, Tally},
-    netns::{enter, unique_id, Netns},
+    netns::{enter, ifindex, uplink_node},
     packet::{dissect, tcp_frame, SYN, TCP, UDP},
     require,
     testrun::{self, counters, run, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
@@ -72,18 +69,10 @@ fn mutated_frames_through_every_program_fault_nothing_and_break_no_checksum() {
 
     // A node namespace of the test's own with an uplink and routes, for the FIB lookups of the
     // external programs; the calling thread enters it.
-    let ns = Netns::create(format!("pxf-{}", unique_id()));
-    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
-    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
-    ns.ip(&["link", "set", "ext0", "up"]);
-    ns.ip(&["link", "set", "ext1", "up"]);
-    ns.ip(&["neigh", "add", "192.168.50.2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    let ns = uplink_node("pxf");
     ns.ip(&["route", "add", "default", "via", "192.168.50.2"]);
-    ns.sysctl("net.ipv4.ip_forward", "1");
     enter(&ns.file()).expect("enter the node namespace");
-    // SAFETY: a valid C string, looked up in this thread's namespace.
-    let ifindex = unsafe { libc::if_nametoindex(CString::new("ext0").unwrap().as_ptr()) };
-    assert_ne!(ifindex, 0);
+    let ifindex = ifindex("ext0");
 
     let mut dp = testrun::dataplane();
     dp.set_interface_address(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();

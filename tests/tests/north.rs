@@ -5,7 +5,6 @@
 
 use std::{
     collections::BTreeSet,
-    ffi::CString,
     net::{Ipv4Addr, SocketAddrV4},
 };
 
@@ -21,7 +20,7 @@ use proxy_common::{
     xdp_dev, Config,
 };
 use proxy_tests::{
-    netns::{enter, unique_id, Netns},
+    netns::{enter, ifindex, uplink_node, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
     require,
     testrun::{
@@ -61,22 +60,13 @@ fn node(test: &str) -> Option<Node> {
     if !require::root(test) {
         return None;
     }
-    let ns = Netns::create(format!("pxn-{}", unique_id()));
-    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
-    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
-    ns.ip(&["link", "set", "ext0", "up"]);
-    ns.ip(&["link", "set", "ext1", "up"]);
-    ns.ip(&["neigh", "add", ROUTER, "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    let ns = uplink_node("pxn");
     ns.ip(&["route", "add", "10.244.2.0/24", "via", ROUTER]);
     ns.ip(&["route", "add", "198.51.100.0/24", "via", ROUTER]);
     // The pods of this node, behind the veth's other end (a pod interface of the node).
     ns.ip(&["route", "add", "10.244.1.0/24", "dev", "ext1"]);
-    ns.sysctl("net.ipv4.ip_forward", "1");
     enter(&ns.file()).expect("enter the node namespace");
-    let name = CString::new("ext0").unwrap();
-    // SAFETY: a valid C string; looks the name up in this thread's namespace.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0);
+    let ifindex = ifindex("ext0");
     let mut dp = testrun::dataplane();
     dp.set_interface_address(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();
     // What the agent records for an uplink whose far end takes frames from native XDP, as a

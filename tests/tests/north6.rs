@@ -3,7 +3,7 @@
 //! the test's own whose IPv6 routes and neighbours the programs' FIB lookups use. Outputs are
 //! dissected and every checksum is verified independently (`packet6`).
 
-use std::{ffi::CString, net::SocketAddrV6};
+use std::net::SocketAddrV6;
 
 use proxy_agent::{
     dataplane::{ebpf::EbpfDataplane, Dataplane},
@@ -11,7 +11,7 @@ use proxy_agent::{
 };
 use proxy_common::{xdp_dev, CtEntry, CtKey, Ip6};
 use proxy_tests::{
-    netns::{enter, unique_id, Netns},
+    netns::{enter, ifindex, uplink_node, Netns},
     packet::{ACK, SYN, TCP},
     packet6::{self, dissect, tcp_frame, udp_frame, Ipv6, ICMPV6},
     require,
@@ -43,12 +43,8 @@ fn node(test: &str) -> Option<Node> {
     if !require::root(test) {
         return None;
     }
-    let ns = Netns::create(format!("pxn6-{}", unique_id()));
-    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
-    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
+    let ns = uplink_node("pxn6");
     ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
-    ns.ip(&["link", "set", "ext0", "up"]);
-    ns.ip(&["link", "set", "ext1", "up"]);
     ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
     ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
     ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
@@ -56,10 +52,7 @@ fn node(test: &str) -> Option<Node> {
     ns.ip(&["-6", "route", "add", "fd00:244:1::/64", "dev", "ext1"]);
     ns.sysctl("net.ipv6.conf.all.forwarding", "1");
     enter(&ns.file()).expect("enter the node namespace");
-    let name = CString::new("ext0").unwrap();
-    // SAFETY: a valid C string; looks the name up in this thread's namespace.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0);
+    let ifindex = ifindex("ext0");
     let mut dp = testrun::dataplane();
     dp.set_interface_address(ifindex, Some("192.168.50.1".parse().unwrap())).unwrap();
     dp.set_interface_address6(ifindex, Some(NODE_IP.parse().unwrap())).unwrap();

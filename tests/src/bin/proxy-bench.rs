@@ -468,11 +468,11 @@ fn profile() {
     }
 }
 
-/// A node for XDP's figures: a namespace of its own, which the calling thread enters, with one
-/// external interface (`ext0`, 192.168.50.1/24) whose next hop (192.168.50.2, a permanent
-/// neighbour) leads to the clients and to another node's pods; a UDP NodePort on it whose one
-/// backend is on that other node; and the lab object's generator programs on the dataplane's
-/// own maps (pinned in a bpffs of its own). Everything goes when it drops.
+/// A node for XDP's figures: a namespace of its own (`uplink_node`), which the calling thread
+/// enters, whose uplink's next hop leads to the clients and to another node's pods; a UDP
+/// NodePort on it whose one backend is on that other node; and the lab object's generator
+/// programs on the dataplane's maps, pinned in a bpffs of its own (the programs' per-CPU flow
+/// caches, which are not pinned, are their own). Everything goes when it drops.
 struct XdpNode {
     ifindex: u32,
     dp: EbpfDataplane,
@@ -488,21 +488,12 @@ const XDP_NODE_PORT: SocketAddrV4 = SocketAddrV4::new(XDP_NODE_IP, 30053);
 const XDP_BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 5), 8080);
 
 fn xdp_node() -> XdpNode {
-    use proxy_tests::netns::{enter, unique_id, Netns};
-    let ns = Netns::create(format!("pxb-{}", unique_id()));
-    ns.ip(&["link", "add", "ext0", "address", "02:50:00:00:00:01", "type", "veth", "peer", "name", "ext1"]);
-    ns.ip(&["addr", "add", "192.168.50.1/24", "dev", "ext0"]);
-    ns.ip(&["link", "set", "ext0", "up"]);
-    ns.ip(&["link", "set", "ext1", "up"]);
-    ns.ip(&["neigh", "add", "192.168.50.2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    use proxy_tests::netns::{enter, ifindex, uplink_node};
+    let ns = uplink_node("pxb");
     ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
     ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
-    ns.sysctl("net.ipv4.ip_forward", "1");
     enter(&ns.file()).expect("enter the node namespace");
-    let name = std::ffi::CString::new("ext0").unwrap();
-    // SAFETY: a valid C string; looks the name up in this thread's namespace.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0, "ext0 in the node namespace");
+    let ifindex = ifindex("ext0");
     let pins = proxy_tests::lab::TempBpffs::new("pxb");
     let mut dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pins.0.clone()), ..Default::default() }).expect("load the dataplane");
     dp.set_interface_address(ifindex, Some(XDP_NODE_IP)).expect("the node's address");
@@ -539,7 +530,7 @@ impl XdpNode {
 
     /// Mean ns per packet of `program` over `repeat` runs, each on `frame` afresh (the generator
     /// restores it: a test run repeats on the frame the last run left), arriving on `ext0`;
-    /// and the frame the last run left.
+    /// and the frame the last run left. Panics unless the last run sent it back out (XDP_TX).
     fn run(&mut self, program: &str, frame: [u8; 64], repeat: u32) -> (u64, Vec<u8>) {
         let mut template: aya::maps::Array<_, [u8; 64]> =
             aya::maps::Array::try_from(self.lab.map_mut("BENCH_FRAME_V1").expect("frame map")).unwrap();
@@ -551,6 +542,7 @@ impl XdpNode {
         let prog: &mut aya::programs::Xdp = self.lab.program_mut(program).unwrap().try_into().unwrap();
         let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat, ..Default::default() };
         let r = prog.test_run(opts).expect("BPF_PROG_TEST_RUN");
+        assert_eq!(r.return_value as i32, proxy_tests::testrun::XDP_TX, "{program}: sent back out");
         out.truncate(r.data_size_out as usize);
         (r.duration.as_nanos() as u64, out)
     }
@@ -560,14 +552,23 @@ impl XdpNode {
 /// backend on another node, sent back out of the interface it came in on, XDP_TX), in a loop,
 /// beside the generator's restore alone (`proxy_xdp_bench_tx`, the floor of these figures: the
 /// frame restored and sent back out). `--reply`: its reply's. Each figure is the median of
-/// ROUNDS runs of REPEAT packets; the counters confirm the path each took.
+/// ROUNDS runs of REPEAT packets; every run must return XDP_TX, and the counters must hold
+/// every packet under `xdp_forward` (`xdp_reply`). It runs on a thread of its own, which enters
+/// the node's namespace.
 fn xdp_profile() {
+    std::thread::spawn(xdp_profile_here).join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+}
+
+fn xdp_profile_here() {
     let mut n = xdp_node();
     let forward = XdpNode::frame(XDP_CLIENT, XDP_NODE_PORT);
     let (_, out) = n.run(prog_names::XDP_BENCH_EXT, forward, 1);
     let d = proxy_tests::packet::dissect(&out);
-    assert_eq!(d.dst_sock(), XDP_BACKEND, "the flow's first packet is sent to the backend");
+    assert_eq!((d.src, d.dst_sock()), (XDP_NODE_IP, XDP_BACKEND), "the flow's first packet: SNAT and DNAT");
     let reply = XdpNode::frame(XDP_BACKEND, SocketAddrV4::new(XDP_NODE_IP, d.sport.expect("SNAT port")));
+    let (_, out) = n.run(prog_names::XDP_BENCH_EXT, reply, 1);
+    let d = proxy_tests::packet::dissect(&out);
+    assert_eq!((d.src_sock(), d.dst_sock()), (XDP_NODE_PORT, XDP_CLIENT), "its reply, translated back");
     let (frame, reason, what) = if std::env::args().any(|a| a == "--reply") {
         (reply, Reason::XdpReply, "reply")
     } else {
