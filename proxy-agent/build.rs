@@ -1,5 +1,6 @@
-//! Builds the eBPF programs (proxy-ebpf, bpf target, nightly + bpf-linker) into OUT_DIR; the
-//! agent embeds its object (`proxy`) with `include_bytes_aligned!`. The lab's object
+//! Builds the eBPF programs (proxy-ebpf, bpf target, nightly + bpf-linker) into OUT_DIR and
+//! takes their DWARF out (`strip_dwarf`); the agent embeds its object (`proxy`) with
+//! `include_bytes_aligned!`. The lab's object
 //! (`proxy-lab`, test and benchmark programs) is built beside it and only named to the crates
 //! that depend on this one (proxy-tests), never embedded in the agent.
 
