@@ -60,8 +60,9 @@ fn strip_dwarf(path: &Path) -> anyhow::Result<()> {
     };
     let before = kept(&elf);
     elf.delete_orphans();
-    if kept(&elf) != before {
-        bail!("{} relocations outside DWARF name its sections", before - kept(&elf));
+    let after = kept(&elf);
+    if after != before {
+        bail!("{} relocations outside DWARF name its sections", before - after);
     }
     // LLVM names the sections in the symbols' string table; the writer wants a table of its
     // own for them (as `objcopy` writes).

@@ -35,6 +35,16 @@ pub fn load_lab_object() -> aya::Ebpf {
     loader.load(LAB_OBJECT).expect("load the lab's eBPF object")
 }
 
+/// Loads the lab object on the maps an agent (or a dataplane loaded with pins) pinned under
+/// `root`: its programs then work on that agent's maps.
+pub fn load_lab_object_on(root: &std::path::Path) -> aya::Ebpf {
+    let mut loader = aya::EbpfLoader::new();
+    for name in proxy_common::map_names::ALL {
+        loader.map_pin_path(name, proxy_agent::dataplane::ebpf::loader::maps_dir(root).join(name));
+    }
+    loader.load(LAB_OBJECT).expect("load the lab's eBPF object on the pinned maps")
+}
+
 #[cfg(test)]
 mod tests {
     use proxy_common::prog_names;

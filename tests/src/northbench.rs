@@ -164,17 +164,21 @@ fn xdp_stat(ns: &Netns, dev: &str, stat: &str) -> u64 {
     out.lines().find_map(|l| l.trim().strip_prefix(&format!("{stat}:")).map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0)
 }
 
-/// A 64-byte UDP frame (no UDP checksum, so the generator may vary the source port) from the
-/// client to node A's UDP NodePort, as it arrives at node A.
+/// The client's frame to node A's UDP NodePort, as it arrives at node A.
 fn frame(dst_mac: [u8; 6], src_port: u16) -> Vec<u8> {
     let from = SocketAddrV4::new(Ipv4Addr::new(192, 168, 100, 100), src_port);
     let to = SocketAddrV4::new(Ipv4Addr::new(192, 168, 100, 1), 30053);
+    generator_frame(from, to, dst_mac, [0x02, 0xbe, 0x4c, 0, 0, 1]).to_vec()
+}
+
+/// A 64-byte UDP frame of the generator's (`proxy_xdp_bench_*`): no UDP checksum, so the
+/// generator may vary the source port.
+pub fn generator_frame(from: SocketAddrV4, to: SocketAddrV4, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
     let udp = crate::packet::udp_datagram(from, to, &[0u8; 22], false);
     let mut f = crate::packet::Ipv4::new(*from.ip(), *to.ip(), crate::packet::UDP, udp).frame();
     f[0..6].copy_from_slice(&dst_mac);
-    f[6..12].copy_from_slice(&[0x02, 0xbe, 0x4c, 0, 0, 1]);
-    assert_eq!(f.len(), 64);
-    f
+    f[6..12].copy_from_slice(&src_mac);
+    f.try_into().expect("a 64-byte frame")
 }
 
 fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
@@ -194,14 +198,8 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
             let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
             let (mut ebpf, program) = match mode {
                 Mode::Floor => (crate::load_lab_object(), proxy_common::prog_names::XDP_BENCH_TX),
-                Mode::Xdp => {
-                    // The agent's XDP logic on the agent's own maps.
-                    let mut loader = aya::EbpfLoader::new();
-                    for n in proxy_common::map_names::ALL {
-                        loader.map_pin_path(n, proxy_agent::dataplane::ebpf::loader::maps_dir(&root).join(n));
-                    }
-                    (loader.load(crate::LAB_OBJECT).expect("load the lab object"), proxy_common::prog_names::XDP_BENCH_EXT)
-                }
+                // The agent's XDP logic on the agent's own maps.
+                Mode::Xdp => (crate::load_lab_object_on(&root), proxy_common::prog_names::XDP_BENCH_EXT),
                 _ => (crate::load_lab_object(), proxy_common::prog_names::XDP_BENCH_PASS),
             };
             let mut template: aya::maps::Array<_, [u8; 64]> =
@@ -216,9 +214,7 @@ fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {
             let f = frame(dst_mac, 40000);
             let t: [u8; 64] = f.as_slice().try_into().unwrap();
             template.set(0, t, 0).expect("frame template");
-            let mut ctx = [0u8; 24];
-            ctx[4..8].copy_from_slice(&(f.len() as u32).to_ne_bytes());
-            ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+            let ctx = crate::testrun::xdp_md(f.len(), ifindex);
             let opts = TestRunOptions {
                 data_in: Some(&f),
                 ctx_in: Some(&ctx),

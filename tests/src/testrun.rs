@@ -155,14 +155,20 @@ fn run_on(prog: &mut aya::programs::SchedClassifier, frame: &[u8], ifindex: u32)
 /// Runs a frame arriving on external interface `ifindex` through the XDP program.
 pub fn run_xdp(dp: &mut EbpfDataplane, frame: &[u8], ifindex: u32) -> Output {
     let mut out = vec![0u8; frame.len() + 512];
-    // `struct xdp_md`: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
-    let mut ctx = [0u8; 24];
-    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let ctx = xdp_md(frame.len(), ifindex);
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat: 1, ..Default::default() };
     let res = dp.xdp_program().test_run(opts).unwrap_or_else(|e| panic!("test run of XDP: {e:?}"));
     out.truncate(res.data_size_out as usize);
     Output { action: res.return_value as i32, frame: out }
+}
+
+/// The context of an XDP test run of a `len`-byte frame arriving on `ifindex`: `struct xdp_md`
+/// (data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex).
+pub fn xdp_md(len: usize, ifindex: u32) -> [u8; 24] {
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx
 }
 
 /// Runs a `proxy-agent trace` packet (marked, arriving on loopback) through the external

@@ -503,11 +503,7 @@ fn xdp_node() -> XdpNode {
     let backend = Backend { addr: (*XDP_BACKEND.ip()).into(), port: XDP_BACKEND.port(), terminating: false, local: false };
     let key = FrontendKey { addr: XDP_NODE_IP.into(), port: XDP_NODE_PORT.port(), protocol: Protocol::Udp };
     dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
-    let mut l = aya::EbpfLoader::new();
-    for n in map_names::ALL {
-        l.map_pin_path(n, loader::maps_dir(&pins.0).join(n));
-    }
-    let mut lab = l.load(proxy_tests::LAB_OBJECT).expect("load the lab object");
+    let mut lab = proxy_tests::load_lab_object_on(&pins.0);
     for p in [prog_names::XDP_BENCH_EXT, prog_names::XDP_BENCH_TX] {
         let prog: &mut aya::programs::Xdp = lab.program_mut(p).expect("bench program").try_into().expect("XDP");
         loader::load_program(|| prog.load()).expect("load the bench program");
@@ -519,13 +515,9 @@ fn xdp_node() -> XdpNode {
 }
 
 impl XdpNode {
-    /// A 64-byte UDP frame (no checksum, as the generator's) arriving on `ext0`.
+    /// The generator's frame arriving on `ext0` from its next hop.
     fn frame(from: SocketAddrV4, to: SocketAddrV4) -> [u8; 64] {
-        let udp = proxy_tests::packet::udp_datagram(from, to, &[0u8; 22], false);
-        let mut f = proxy_tests::packet::Ipv4::new(*from.ip(), *to.ip(), proxy_tests::packet::UDP, udp).frame();
-        f[0..6].copy_from_slice(&[0x02, 0x50, 0, 0, 0, 1]);
-        f[6..12].copy_from_slice(&[0x02, 0x50, 0, 0, 0, 2]);
-        f.try_into().expect("a 64-byte frame")
+        proxy_tests::northbench::generator_frame(from, to, [0x02, 0x50, 0, 0, 0, 1], [0x02, 0x50, 0, 0, 0, 2])
     }
 
     /// Mean ns per packet of `program` over `repeat` runs, each on `frame` afresh (the generator
@@ -535,9 +527,7 @@ impl XdpNode {
         let mut template: aya::maps::Array<_, [u8; 64]> =
             aya::maps::Array::try_from(self.lab.map_mut("BENCH_FRAME_V1").expect("frame map")).unwrap();
         template.set(0, frame, 0).expect("frame template");
-        let mut ctx = [0u8; 24];
-        ctx[4..8].copy_from_slice(&64u32.to_ne_bytes());
-        ctx[12..16].copy_from_slice(&self.ifindex.to_ne_bytes());
+        let ctx = proxy_tests::testrun::xdp_md(frame.len(), self.ifindex);
         let mut out = vec![0u8; 64 + 256];
         let prog: &mut aya::programs::Xdp = self.lab.program_mut(program).unwrap().try_into().unwrap();
         let opts = TestRunOptions { data_in: Some(&frame), data_out: Some(&mut out), ctx_in: Some(&ctx), repeat, ..Default::default() };
