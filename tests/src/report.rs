@@ -345,8 +345,15 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
             if v["nftables"].is_object() {
                 t.push(mode_row("nftables", &v["nftables"]));
             }
-            let head = ["mode", "programmed after (s)", "RSS (MiB)", "RSS after the changes (MiB)", "CPU at 100 changes/s (% of a core)"];
+            // `changes_s`: how long the changes ran (60 s unless PROXY_BENCH_FOOTPRINT_SECONDS).
+            let after =
+                num(&v["changes_s"]).map_or("RSS after the changes (MiB)".into(), |s| format!("RSS after {s:.0} s of changes (MiB)"));
+            let head = ["mode", "programmed after (s)", "RSS (MiB)", &after, "CPU at 100 changes/s (% of a core)"];
             html.push_str(&table(&head, &t));
+            if let Some(rss) = v["rss_mib_every_10_s_of_changes"].as_array() {
+                let series: Vec<String> = rss.iter().map(|r| fmt(num(r), 1)).collect();
+                let _ = writeln!(html, "<p>eBPF RSS every 10 s of the changes (MiB): {}.</p>", series.join(", "));
+            }
             let _ = writeln!(
                 html,
                 "<p>eBPF restart with everything pinned: /healthz 200 after {} s, first sync after {} s ({}).</p>",
@@ -434,6 +441,31 @@ mod tests {
         }
         let connect_svg = std::fs::read_to_string(dir.join("connect.svg")).unwrap();
         assert!(connect_svg.contains("ClusterIP TCP connect") && connect_svg.contains("floor"), "three panels, every mode in the legend");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_footprint_section_says_how_long_the_changes_ran_and_the_rss_over_them() {
+        let dir = std::env::temp_dir().join(format!("proxy-report-footprint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let footprint = serde_json::json!({"benchmark": "footprint", "services": 30000, "programmed_s": 8.2, "rss_mib": 62.7,
+            "rss_mib_after_changes": 68.0, "rss_mib_every_10_s_of_changes": [62.7, 63.04, 67.9], "changes_s": 600.2,
+            "cpu_percent_at_100_changes_per_s": 3.8, "restart_healthz_s": 4.5, "restart_synced_s": 8.27,
+            "restart_initial_sync": "initial sync done unchanged=30000", "nftables": null});
+        std::fs::write(dir.join("footprint.json"), footprint.to_string()).unwrap();
+        let (path, found) = write(&dir).unwrap();
+        assert_eq!(found, ["footprint"]);
+        let html = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            html.contains("RSS after 600 s of changes") && html.contains("68.0"),
+            "the RSS after the changes, and how long they ran: {html}"
+        );
+        assert!(html.contains("62.7, 63.0, 67.9"), "the RSS over the changes: {html}");
+        // A file from before `changes_s` (a minute of changes, no series) still reads.
+        let older = serde_json::json!({"benchmark": "footprint", "rss_mib": 62.0, "rss_mib_after_changes": 63.3, "nftables": null});
+        std::fs::write(dir.join("footprint.json"), older.to_string()).unwrap();
+        let html = std::fs::read_to_string(write(&dir).unwrap().0).unwrap();
+        assert!(html.contains("RSS after the changes (MiB)") && html.contains("63.3") && !html.contains("every 10 s"), "{html}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -751,13 +751,34 @@ fn footprint_lab() -> (proxy_tests::lab::Lab, proxy_tests::apiserver::ApiServer,
     (lab, api, kubeconfig)
 }
 
-/// The agent's CPU (percent of one core, with the programs it runs) while `FOOTPRINT_RATE`
-/// EndpointSlice changes a second arrive for `FOOTPRINT_SECONDS`, and the wall time taken.
-fn cpu_under_changes(pid: u32, api: &proxy_tests::apiserver::ApiServer) -> (f64, f64) {
-    eprintln!("footprint: {FOOTPRINT_RATE} EndpointSlice changes a second for {FOOTPRINT_SECONDS} s...");
+/// How long the changes run: `FOOTPRINT_SECONDS`, or `PROXY_BENCH_FOOTPRINT_SECONDS` (a longer
+/// run shows whether the agent's memory keeps growing under churn).
+fn footprint_seconds() -> u32 {
+    std::env::var("PROXY_BENCH_FOOTPRINT_SECONDS").ok().and_then(|s| s.parse().ok()).filter(|&s| s > 0).unwrap_or(FOOTPRINT_SECONDS)
+}
+
+/// What `cpu_under_changes` saw.
+struct UnderChanges {
+    /// Percent of one core, with the programs the agent runs.
+    cpu: f64,
+    wall: f64,
+    /// The agent's RSS (MiB) every `RSS_EVERY` changes, the first before any.
+    rss: Vec<f64>,
+}
+
+/// The agent's CPU while `FOOTPRINT_RATE` EndpointSlice changes a second arrive for
+/// `footprint_seconds()`, the wall time taken, and its RSS every ten seconds of it.
+fn cpu_under_changes(pid: u32, api: &proxy_tests::apiserver::ApiServer) -> UnderChanges {
+    const RSS_EVERY: u32 = 10 * FOOTPRINT_RATE;
+    let seconds = footprint_seconds();
+    eprintln!("footprint: {FOOTPRINT_RATE} EndpointSlice changes a second for {seconds} s...");
     let cpu0 = cpu_seconds(pid);
     let t0 = Instant::now();
-    for s in 0..FOOTPRINT_RATE * FOOTPRINT_SECONDS {
+    let mut rss = Vec::new();
+    for s in 0..FOOTPRINT_RATE * seconds {
+        if s % RSS_EVERY == 0 {
+            rss.push(rss_mib(pid));
+        }
         let due = std::time::Duration::from_secs_f64(f64::from(s) / f64::from(FOOTPRINT_RATE));
         if let Some(wait) = due.checked_sub(t0.elapsed()) {
             std::thread::sleep(wait);
@@ -767,7 +788,12 @@ fn cpu_under_changes(pid: u32, api: &proxy_tests::apiserver::ApiServer) -> (f64,
         api.apply(&slice);
     }
     let wall = t0.elapsed().as_secs_f64();
-    ((cpu_seconds(pid) - cpu0) / wall * 100.0, wall)
+    UnderChanges { cpu: (cpu_seconds(pid) - cpu0) / wall * 100.0, wall, rss }
+}
+
+/// `MiB at 0 s, MiB at 10 s, ...`: an RSS series of `cpu_under_changes`.
+fn rss_series(rss: &[f64]) -> String {
+    rss.iter().map(|r| format!("{r:.1}")).collect::<Vec<_>>().join(", ")
 }
 
 /// The nftables mode beside eBPF (issue: its CPU under the same changes): a lab of its own,
@@ -784,17 +810,23 @@ fn footprint_nftables() -> serde_json::Value {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let pid = lab.agent_pid().expect("agent running");
     let rss = rss_mib(pid);
-    let (cpu, wall) = cpu_under_changes(pid, &api);
+    let changes = cpu_under_changes(pid, &api);
     let rss_after = rss_mib(pid);
     println!("\nThe same in the nftables mode (its own lab and API server)");
     println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
     println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
-    println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s (with the nft it runs)");
+    println!(
+        "  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {:.1} % of one core over {:.0} s (with the nft it runs)",
+        changes.cpu, changes.wall
+    );
+    println!("  RSS every 10 s of the changes:      {} MiB", rss_series(&changes.rss));
     serde_json::json!({
         "programmed_s": programmed.as_secs_f64(),
         "rss_mib": rss,
         "rss_mib_after_changes": rss_after,
-        "cpu_percent_at_100_changes_per_s": cpu,
+        "rss_mib_every_10_s_of_changes": changes.rss,
+        "changes_s": changes.wall,
+        "cpu_percent_at_100_changes_per_s": changes.cpu,
     })
 }
 
@@ -823,7 +855,7 @@ fn footprint(out_dir: &std::path::Path) {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let pid = lab.agent_pid().expect("agent running");
     let rss = rss_mib(pid);
-    let (cpu, wall) = cpu_under_changes(pid, &api);
+    let changes = cpu_under_changes(pid, &api);
     let rss_after = rss_mib(pid);
     // A restart with everything pinned: time until /healthz answers 200, and what it rewrote.
     lab.stop_agent();
@@ -852,7 +884,8 @@ fn footprint(out_dir: &std::path::Path) {
     println!("\nFootprint at {N} Services x 4 endpoints (eBPF mode, API server source)");
     println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
     println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
-    println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {cpu:.1} % of one core over {wall:.0} s");
+    println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {:.1} % of one core over {:.0} s", changes.cpu, changes.wall);
+    println!("  RSS every 10 s of the changes:      {} MiB", rss_series(&changes.rss));
     println!(
         "  restart with everything pinned:     /healthz 200 after {:.2} s, first sync done after {:.2} s: unchanged={} programmed={} removed={}",
         ready.as_secs_f64(),
@@ -870,7 +903,9 @@ fn footprint(out_dir: &std::path::Path) {
         "programmed_s": programmed.as_secs_f64(),
         "rss_mib": rss,
         "rss_mib_after_changes": rss_after,
-        "cpu_percent_at_100_changes_per_s": cpu,
+        "rss_mib_every_10_s_of_changes": changes.rss,
+        "changes_s": changes.wall,
+        "cpu_percent_at_100_changes_per_s": changes.cpu,
         "restart_healthz_s": ready.as_secs_f64(),
         "restart_synced_s": synced.as_secs_f64(),
         "restart_initial_sync": sync,
