@@ -102,6 +102,8 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     servers: Vec<servers::Backend>,
     agent_bin: PathBuf,
+    /// Removes `dir` (the nodes' pins with it) if a signal ends the run first (`interrupt`).
+    _interrupt: crate::interrupt::Registration,
 }
 
 /// `ethtool -K <dev> tx off` inside `ns`.
@@ -116,6 +118,10 @@ impl Cluster {
         let id = unique_id();
         let dir = PathBuf::from("/run/proxy-lab").join(format!("c{id}"));
         fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        let _interrupt = {
+            let dir = dir.clone();
+            crate::interrupt::register(move || crate::lab::remove_lab_dir(&dir))
+        };
         let switch = Netns::create(format!("pxc-{id}-sw"));
         switch.ip(&["link", "add", "br0", "type", "bridge"]);
         switch.ip(&["link", "set", "br0", "up"]);
@@ -161,7 +167,7 @@ impl Cluster {
         }
         // The switch's ports are plain veths, as the far end of a node's uplink is on kind and
         // many VM and container setups: native XDP on a node cannot send frames into them.
-        Self { id, dir, switch_xdp: Default::default(), switch, client, nodes, servers, agent_bin: agent_bin.into() }
+        Self { id, dir, switch_xdp: Default::default(), switch, client, nodes, servers, agent_bin: agent_bin.into(), _interrupt }
     }
 
     /// Turns GRO on for the switch's ports (which makes the kernel report that they take XDP

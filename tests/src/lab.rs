@@ -62,6 +62,8 @@ pub struct Lab {
     /// lab (`host_ask`) run in it, so the socket hooks touch nothing outside the lab. None: no
     /// cgroup v2 hierarchy is mounted.
     pub cgroup: Option<PathBuf>,
+    /// Removes `dir` and `cgroup` if a signal ends the run first (`interrupt`).
+    _interrupt: crate::interrupt::Registration,
 }
 
 impl Lab {
@@ -90,6 +92,15 @@ impl Lab {
             fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the lab's cgroup {}: {e}", dir.display()));
             dir
         });
+        let _interrupt = {
+            let (dir, cgroup) = (dir.clone(), cgroup.clone());
+            crate::interrupt::register(move || {
+                remove_lab_dir(&dir);
+                if let Some(c) = cgroup {
+                    let _ = fs::remove_dir(c);
+                }
+            })
+        };
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
             backends: Vec::new(),
@@ -103,6 +114,7 @@ impl Lab {
             agent_log_level: "debug",
             agent_limits: Limits::default(),
             cgroup,
+            _interrupt,
         };
         for i in 1..=backends {
             let pod = Pod::create(&lab.id, &lab.node, &format!("backend-{i}"), &format!("vethb{i}"), Ipv4Addr::new(10, 244, 1, i as u8));
@@ -360,20 +372,51 @@ pub fn release_bpffs(root: &Path) {
     }
 }
 
+/// Releases every bpffs mounted at or under `dir` (`release_bpffs`), deepest first, then
+/// removes `dir`: what a lab whose run was interrupted leaves (its agents, children of the run,
+/// are gone by then; see `interrupt`).
+pub fn remove_lab_dir(dir: &Path) {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut points: Vec<PathBuf> = mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (at, kind) = (f.nth(1)?, f.next()?);
+            (kind == "bpf").then(|| PathBuf::from(at))
+        })
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort();
+    points.dedup();
+    for p in points.iter().rev() {
+        release_bpffs(p);
+    }
+    let _ = fs::remove_dir_all(dir);
+}
+
 /// A temporary directory for pins (a bpffs is mounted there when they are first made),
 /// released and removed when it drops, also when a test fails.
-pub struct TempBpffs(pub PathBuf);
+/// Its second field removes the directory if a signal ends the run first (`interrupt`); it is
+/// held, not read.
+pub struct TempBpffs(pub PathBuf, #[allow(dead_code)] crate::interrupt::Registration);
 
 impl TempBpffs {
     pub fn new(prefix: &str) -> Self {
-        Self(std::env::temp_dir().join(format!("{prefix}-{}", unique_id())))
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}", unique_id()));
+        let at = dir.clone();
+        Self(dir, crate::interrupt::register(move || remove_bpffs(&at)))
     }
+}
+
+/// `release_bpffs`, then the directory goes.
+fn remove_bpffs(dir: &Path) {
+    release_bpffs(dir);
+    let _ = fs::remove_dir_all(dir);
 }
 
 impl Drop for TempBpffs {
     fn drop(&mut self) {
-        release_bpffs(&self.0);
-        let _ = fs::remove_dir_all(&self.0);
+        remove_bpffs(&self.0);
     }
 }
 

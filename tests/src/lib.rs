@@ -8,6 +8,7 @@ pub mod connectbench;
 pub mod container;
 pub mod corpus;
 pub mod fuzz;
+pub mod interrupt;
 pub mod lab;
 pub mod modesbench;
 pub mod netns;

@@ -33,13 +33,17 @@ pub fn sh(args: &[&str]) -> String {
 
 pub struct Netns {
     pub name: String,
+    /// Deletes it if a signal ends the run first (`interrupt`).
+    _interrupt: crate::interrupt::Registration,
 }
 
 impl Netns {
     pub fn create(name: impl Into<String>) -> Self {
         let name = name.into();
         sh(&["ip", "netns", "add", &name]);
-        let ns = Self { name };
+        let named = name.clone();
+        let _interrupt = crate::interrupt::register(move || delete(&named));
+        let ns = Self { name, _interrupt };
         ns.ip(&["link", "set", "lo", "up"]);
         ns
     }
@@ -127,9 +131,13 @@ pub fn enter(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Deletes a namespace, and with it the veths in it. Never panics.
+fn delete(name: &str) {
+    let _ = Command::new("ip").args(["netns", "del", name]).output();
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
-        // Deleting the namespace deletes the veths in it. Never panic in drop.
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
+        delete(&self.name);
     }
 }

@@ -1229,6 +1229,8 @@ fn modes_guest() {
 }
 
 fn main() {
+    // Ctrl-C: the namespaces, pins and agents of the benchmark running go too.
+    proxy_tests::interrupt::clean_up_on_signals();
     let only_report = std::env::args().skip(1).filter(|a| !a.starts_with("--")).all(|a| a == "report") && std::env::args().len() > 1;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 && !only_report {

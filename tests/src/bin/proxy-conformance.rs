@@ -9,6 +9,8 @@ use proxy_agent::dataplane::ProxyMode;
 use proxy_tests::conformance::SCENARIOS;
 
 fn main() -> ExitCode {
+    // Ctrl-C: the labs' namespaces, pins and agents go too.
+    proxy_tests::interrupt::clean_up_on_signals();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let Some(mode) = value("--mode").and_then(|m| m.parse::<ProxyMode>().ok()) else {
