@@ -7,17 +7,27 @@
 
 use std::{
     collections::BTreeMap,
+    io::Write,
+    os::fd::{FromRawFd, OwnedFd, RawFd},
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
-        Mutex, MutexGuard,
+        atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering},
+        Mutex, MutexGuard, OnceLock,
     },
+    thread::ThreadId,
 };
 
 type Cleanup = Box<dyn FnOnce() + Send>;
 
+#[derive(Default)]
+struct Pending {
+    cleanups: BTreeMap<u64, Cleanup>,
+    /// Set when the cleanups have been taken to run: nothing registered later waits for them.
+    closed: bool,
+}
+
 /// Cleanups by registration order.
 struct Registry {
-    pending: Mutex<BTreeMap<u64, Cleanup>>,
+    pending: Mutex<Pending>,
     next: AtomicU64,
 }
 
@@ -26,25 +36,39 @@ static REGISTRY: Registry = Registry::new();
 
 impl Registry {
     const fn new() -> Self {
-        Self { pending: Mutex::new(BTreeMap::new()), next: AtomicU64::new(0) }
+        Self { pending: Mutex::new(Pending { cleanups: BTreeMap::new(), closed: false }), next: AtomicU64::new(0) }
     }
 
-    fn pending(&self) -> MutexGuard<'_, BTreeMap<u64, Cleanup>> {
+    fn pending(&self) -> MutexGuard<'_, Pending> {
         // A panic elsewhere while holding the lock leaves the map as it was: still usable.
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keeps `cleanup` for `run`. Once `run` has begun, there is no later: `cleanup` runs at
+    /// once, and the calling thread, which went on making things while the process ends,
+    /// waits for the end (`park_for_good`).
     fn register(&'static self, cleanup: impl FnOnce() + Send + 'static) -> Registration {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.pending().insert(id, Box::new(cleanup));
+        let mut pending = self.pending();
+        if pending.closed {
+            drop(pending);
+            cleanup();
+            park_for_good();
+        }
+        pending.cleanups.insert(id, Box::new(cleanup));
         Registration { registry: self, id }
     }
 
-    /// Runs and forgets every registered cleanup, newest first (as drops would).
+    /// Runs and forgets every registered cleanup, newest first (as drops would); one that
+    /// panics does not keep the others from running.
     fn run(&self) {
-        let all = std::mem::take(&mut *self.pending());
+        let all = {
+            let mut pending = self.pending();
+            pending.closed = true;
+            std::mem::take(&mut pending.cleanups)
+        };
         for (_, cleanup) in all.into_iter().rev() {
-            cleanup();
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(cleanup));
         }
     }
 }
@@ -58,13 +82,9 @@ pub struct Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.registry.pending().remove(&self.id);
-    }
-}
-
-impl std::fmt::Debug for Registration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("Registration").field(&self.id).finish()
+        // The closure drops after the lock is released.
+        let removed = self.registry.pending().cleanups.remove(&self.id);
+        drop(removed);
     }
 }
 
@@ -73,76 +93,132 @@ pub fn register(cleanup: impl FnOnce() + Send + 'static) -> Registration {
     REGISTRY.register(cleanup)
 }
 
-/// Set once a signal has started the cleanup.
+/// Set by the signal handler: from then on the process is ending.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal that ended it.
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// The write end of the pipe the handler wakes the cleanup thread through.
+static WAKE: AtomicI32 = AtomicI32::new(-1);
+/// The cleanup thread, which alone goes on once the process is ending.
+static CLEANER: OnceLock<ThreadId> = OnceLock::new();
 
 /// The signals that end a run by hand: Ctrl-C, `kill`, a closed terminal.
 const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
-/// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and so in every thread it starts
-/// later; the child processes it spawns start with none blocked, as `std::process` resets the
-/// mask) and starts a thread that waits for them: the first one runs the registered cleanups
-/// and exits with 128 + its number, as the shell reports a process killed by it. Call it in
-/// `main` before any other thread starts.
-pub fn clean_up_on_signals() {
-    // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid sigset_t; these only edit it and this thread's mask.
-    let blocked = unsafe {
-        libc::sigemptyset(&mut set);
-        for s in SIGNALS {
-            libc::sigaddset(&mut set, s);
+extern "C" fn on_signal(signal: i32) {
+    // Only async-signal-safe work: atomics, write(2), signal(2), raise(3).
+    if !INTERRUPTED.swap(true, Ordering::SeqCst) {
+        SIGNAL.store(signal, Ordering::SeqCst);
+        let fd = WAKE.load(Ordering::SeqCst);
+        // SAFETY: writes one byte from a valid buffer to the pipe made for it.
+        unsafe { libc::write(fd, [1u8].as_ptr().cast(), 1) };
+    } else {
+        // A second one while the cleanup runs (a hung `ip`, say): end now, as without us.
+        // SAFETY: restores the default action and delivers the signal to ourselves.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
         }
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
-    };
-    if blocked != 0 {
-        eprintln!("cannot block SIGINT/SIGTERM/SIGHUP (error {blocked}): an interrupted run may leave namespaces behind");
+    }
+}
+
+/// Stops the calling thread until the process exits.
+fn park_for_good() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Catches SIGINT, SIGTERM and SIGHUP: the first one makes a thread of its own kill this
+/// process's children (the labs' agents; through `PR_SET_CHILD_SUBREAPER`, also what they
+/// started, such as a guest's qemu), run the registered cleanups, and exit with 128 + its
+/// number, as the shell reports a process killed by it. A handler, not a blocked mask: child
+/// processes inherit a mask (std no longer resets it), and an agent that could not see its
+/// SIGTERM would never stop; exec resets a handler to the default. Call it in `main` first.
+pub fn clean_up_on_signals() {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: pipe2 fills the two descriptors it creates.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        eprintln!("cannot catch Ctrl-C ({}): an interrupted run may leave namespaces behind", std::io::Error::last_os_error());
         return;
     }
-    // A thread that fails because the cleanup took its namespace or pins away must not end
-    // the process (with a panic's status, half cleaned up) before the cleanup does: it waits.
+    // SAFETY: both are fresh descriptors owned from here on (the write end for good).
+    let wake = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+    WAKE.store(fds[1], Ordering::SeqCst);
+    let cleaner = std::thread::spawn(move || {
+        let mut byte = [0u8; 1];
+        let mut wake = std::fs::File::from(wake);
+        // Returns once the handler wrote; EINTR (this thread took the signal) reads again.
+        while std::io::Read::read(&mut wake, &mut byte).is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted) {}
+        let signal = SIGNAL.load(Ordering::SeqCst);
+        let _ = writeln!(std::io::stderr(), "signal {signal}: removing the namespaces, pins and agents this run made");
+        kill_children();
+        REGISTRY.run();
+        // What the other threads started meanwhile.
+        kill_children();
+        std::process::exit(128 + signal);
+    });
+    let _ = CLEANER.set(cleaner.thread().id());
+    // Orphans of our children (a guest's qemu under bash and timeout) come to us to be killed.
+    // SAFETY: prctl with a plain integer argument.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    // A thread that fails because the cleanup took its namespace, pins or children away, or
+    // whose syscall the signal interrupted, must not end the process (with a panic's status,
+    // half cleaned up) before the cleanup does: it waits. So does one that exits the process.
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            loop {
-                std::thread::park();
-            }
+        if INTERRUPTED.load(Ordering::SeqCst) && CLEANER.get() != Some(&std::thread::current().id()) {
+            park_for_good();
         }
         report(info);
     }));
-    std::thread::spawn(move || {
-        let mut signal = 0;
-        // SAFETY: `set` holds signals blocked in every thread; sigwait only reads it.
-        while unsafe { libc::sigwait(&set, &mut signal) } != 0 {}
-        INTERRUPTED.store(true, Ordering::SeqCst);
-        eprintln!("signal {signal}: removing the namespaces, pins and agents this run made");
-        kill_children();
-        REGISTRY.run();
-        std::process::exit(128 + signal);
-    });
+    extern "C" fn wait_at_exit() {
+        if INTERRUPTED.load(Ordering::SeqCst) && CLEANER.get() != Some(&std::thread::current().id()) {
+            park_for_good();
+        }
+    }
+    // SAFETY: registers a plain function; `sigaction` is zeroed, then given the handler.
+    unsafe {
+        libc::atexit(wait_at_exit);
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        for s in SIGNALS {
+            libc::sigaction(s, &action, std::ptr::null_mut());
+        }
+    }
 }
 
-/// SIGKILLs this process's children (the labs' agents, a guest) and reaps them, so no agent
-/// outlives the run or keeps its namespace alive. A child not yet reaped keeps its pid, so no
-/// stranger is signalled.
-fn kill_children() {
-    let me = std::process::id();
-    let Ok(procs) = std::fs::read_dir("/proc") else { return };
-    let children: Vec<i32> = procs
+/// The pids whose parent is `parent` (from /proc).
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(procs) = std::fs::read_dir("/proc") else { return Vec::new() };
+    procs
         .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             // `pid (comm) state ppid ...`: the comm may hold spaces and parentheses.
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
-            ppid == Some(me)
+            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(parent)
         })
-        .collect();
-    for &pid in &children {
-        // SAFETY: signalling and reaping our own children.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        .collect()
+}
+
+/// SIGKILLs this process's children and reaps them, until none is left (their own orphans come
+/// to us, the subreaper), so no agent outlives the run or keeps its namespace alive. A child
+/// not yet reaped keeps its pid, so no stranger is signalled.
+fn kill_children() {
+    for _ in 0..16 {
+        let children = children_of(std::process::id());
+        if children.is_empty() {
+            return;
+        }
+        for pid in children {
+            // SAFETY: signalling and reaping our own children.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+                libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
+            }
         }
     }
 }
@@ -163,12 +239,13 @@ mod tests {
         };
         let first = LOCAL.register(note("first"));
         let dropped = LOCAL.register(note("dropped"));
+        let failing = LOCAL.register(|| panic!("a cleanup that fails"));
         let last = LOCAL.register(note("last"));
         drop(dropped);
         LOCAL.run();
-        assert_eq!(*ran.lock().unwrap(), ["last", "first"]);
+        assert_eq!(*ran.lock().unwrap(), ["last", "first"], "newest first, past one that panicked");
         // Run once: what ran is forgotten, and the registrations' drops change nothing.
-        drop((first, last));
+        drop((first, failing, last));
         LOCAL.run();
         assert_eq!(ran.lock().unwrap().len(), 2);
     }

@@ -62,8 +62,8 @@ pub struct Lab {
     /// lab (`host_ask`) run in it, so the socket hooks touch nothing outside the lab. None: no
     /// cgroup v2 hierarchy is mounted.
     pub cgroup: Option<PathBuf>,
-    /// Removes `dir` and `cgroup` if a signal ends the run first (`interrupt`).
-    _interrupt: crate::interrupt::Registration,
+    /// Remove `dir` and `cgroup` if a signal ends the run first (`interrupt`).
+    _interrupt: (crate::interrupt::Registration, Option<crate::interrupt::Registration>),
 }
 
 impl Lab {
@@ -73,6 +73,10 @@ impl Lab {
         let id = unique_id();
         let dir = PathBuf::from("/run/proxy-lab").join(&id);
         fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        let removes_dir = {
+            let dir = dir.clone();
+            crate::interrupt::register(move || remove_lab_dir(&dir))
+        };
         let node = Netns::create(format!("pxl-{id}-node"));
         node.sysctl("net.ipv4.ip_forward", "1");
         // Replies are translated after routing, so strict reverse-path filtering is fine; the
@@ -92,15 +96,11 @@ impl Lab {
             fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the lab's cgroup {}: {e}", dir.display()));
             dir
         });
-        let _interrupt = {
-            let (dir, cgroup) = (dir.clone(), cgroup.clone());
+        let removes_cgroup = cgroup.clone().map(|c| {
             crate::interrupt::register(move || {
-                remove_lab_dir(&dir);
-                if let Some(c) = cgroup {
-                    let _ = fs::remove_dir(c);
-                }
+                let _ = fs::remove_dir(c);
             })
-        };
+        });
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
             backends: Vec::new(),
@@ -114,7 +114,7 @@ impl Lab {
             agent_log_level: "debug",
             agent_limits: Limits::default(),
             cgroup,
-            _interrupt,
+            _interrupt: (removes_dir, removes_cgroup),
         };
         for i in 1..=backends {
             let pod = Pod::create(&lab.id, &lab.node, &format!("backend-{i}"), &format!("vethb{i}"), Ipv4Addr::new(10, 244, 1, i as u8));
@@ -376,22 +376,24 @@ pub fn release_bpffs(root: &Path) {
 /// removes `dir`: what a lab whose run was interrupted leaves (its agents, children of the run,
 /// are gone by then; see `interrupt`).
 pub fn remove_lab_dir(dir: &Path) {
+    // Sorted: a mount under another comes after it, and is released first.
+    for p in bpf_mounts().iter().rev().filter(|p| p.starts_with(dir)) {
+        release_bpffs(p);
+    }
+    let _ = fs::remove_dir_all(dir);
+}
+
+/// The mount points of every bpffs this process sees.
+pub fn bpf_mounts() -> std::collections::BTreeSet<PathBuf> {
     let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut points: Vec<PathBuf> = mounts
+    mounts
         .lines()
         .filter_map(|l| {
             let mut f = l.split_whitespace();
             let (at, kind) = (f.nth(1)?, f.next()?);
             (kind == "bpf").then(|| PathBuf::from(at))
         })
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    points.sort();
-    points.dedup();
-    for p in points.iter().rev() {
-        release_bpffs(p);
-    }
-    let _ = fs::remove_dir_all(dir);
+        .collect()
 }
 
 /// A temporary directory for pins (a bpffs is mounted there when they are first made),

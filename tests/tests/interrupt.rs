@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_tests::require;
+use proxy_tests::{interrupt::children_of, lab, lab::bpf_mounts, require};
 
 const BENCH: &str = env!("CARGO_BIN_EXE_proxy-bench");
 
@@ -17,30 +17,47 @@ fn namespaces() -> BTreeSet<String> {
     String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
 }
 
-/// Mount points of every bpffs.
-fn bpf_mounts() -> BTreeSet<PathBuf> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").expect("/proc/self/mounts");
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (at, kind) = (f.nth(1)?, f.next()?);
-            (kind == "bpf").then(|| PathBuf::from(at))
-        })
-        .collect()
+/// A bench run and what the test saw it make, removed when the test ends whatever happened
+/// (on success the bench removed it already): the bench killed, the agent too if it is still
+/// the one (its command line names the lab's directory), namespaces deleted, bpffs released
+/// and directories removed.
+struct Run {
+    bench: Child,
+    agent: Option<(u32, PathBuf)>,
+    namespaces: Vec<String>,
+    dirs: Vec<PathBuf>,
 }
 
-/// The pids whose parent is `parent`.
-fn children_of(parent: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .expect("/proc")
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(parent)
-        })
-        .collect()
+impl Drop for Run {
+    fn drop(&mut self) {
+        // Child::kill signals nothing once the child was reaped.
+        let _ = self.bench.kill();
+        let _ = self.bench.wait();
+        if let Some((pid, dir)) = &self.agent {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
+                // SAFETY: the lab agent that bench started, still running.
+                unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+            }
+        }
+        for n in &self.namespaces {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+        for d in &self.dirs {
+            lab::remove_lab_dir(d);
+        }
+        // The lab's cgroup, once the agent killed above has left it.
+        let cgroup = self.agent.as_ref().and_then(|(_, dir)| {
+            let id = dir.file_name()?.to_string_lossy().into_owned();
+            Some(proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount()?.join(format!("proxy-lab-{id}")))
+        });
+        for _ in 0..50 {
+            if cgroup.as_ref().is_none_or(|c| !c.exists() || std::fs::remove_dir(c).is_ok()) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 /// Polls `f` every 100 ms until it gives something; panics with `what` and the bench's output
@@ -53,8 +70,6 @@ fn wait_for<T>(bench: &mut Child, log: &std::path::Path, limit: Duration, what: 
         }
         let exited = bench.try_wait().expect("try_wait");
         if exited.is_some() || t.elapsed() > limit {
-            let _ = bench.kill();
-            let _ = bench.wait();
             panic!("{what}: not within {limit:?} (bench exit: {exited:?}):\n{}", std::fs::read_to_string(log).unwrap_or_default());
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -72,8 +87,6 @@ fn interrupt(bench: &mut Child, log: &std::path::Path, signal: i32) {
             break s;
         }
         if t.elapsed() > Duration::from_secs(60) {
-            let _ = bench.kill();
-            let _ = bench.wait();
             panic!("the bench did not end within a minute of signal {signal}:\n{}", std::fs::read_to_string(log).unwrap_or_default());
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -83,9 +96,9 @@ fn interrupt(bench: &mut Child, log: &std::path::Path, signal: i32) {
     assert!(text.contains("removing the namespaces, pins and agents"), "it said what it cleans up:\n{text}");
 }
 
-fn spawn_bench(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Child {
+fn spawn_bench(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Run {
     let out = std::fs::File::create(log).expect("bench log");
-    Command::new(BENCH)
+    let bench = Command::new(BENCH)
         .args(args)
         .envs(env.iter().copied())
         .env("BENCH_OUT_DIR", std::env::temp_dir())
@@ -93,7 +106,8 @@ fn spawn_bench(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Ch
         .stdout(out.try_clone().expect("log fd"))
         .stderr(out)
         .spawn()
-        .expect("start proxy-bench")
+        .expect("start proxy-bench");
+    Run { bench, agent: None, namespaces: Vec::new(), dirs: Vec::new() }
 }
 
 #[test]
@@ -103,17 +117,18 @@ fn ctrl_c_in_the_xdp_profile_removes_its_namespace_and_its_pins() {
     }
     let log = std::env::temp_dir().join(format!("interrupt-xdp-{}.log", std::process::id()));
     let (ns_before, mounts_before) = (namespaces(), bpf_mounts());
-    let mut bench = spawn_bench(&["profile", "--xdp"], &[], &log);
-    // Measuring: its node, its pins and its programs are all in place.
-    wait_for(&mut bench, &log, Duration::from_secs(120), "a first xdp figure", || {
-        std::fs::read_to_string(&log).ok().filter(|t| t.contains("xdp forward")).map(|_| ())
+    let mut run = spawn_bench(&["profile", "--xdp"], &[], &log);
+    // Its node and pins are in place; its programs load and measure for seconds after. (The
+    // other test of this file runs beside this one: only the profile's own, `pxb-`, count.)
+    let (ns, mounts) = wait_for(&mut run.bench, &log, Duration::from_secs(120), "the profile's namespace and bpffs", || {
+        let ns: Vec<String> = namespaces().difference(&ns_before).filter(|n| n.starts_with("pxb-")).cloned().collect();
+        let mounts: Vec<PathBuf> =
+            bpf_mounts().difference(&mounts_before).filter(|m| m.to_string_lossy().contains("/pxb-")).cloned().collect();
+        (!ns.is_empty() && !mounts.is_empty()).then_some((ns, mounts))
     });
-    // The other test of this file runs beside this one: only the profile's own (`pxb-`) count.
-    let ns: Vec<String> = namespaces().difference(&ns_before).filter(|n| n.starts_with("pxb-")).cloned().collect();
-    let mounts: Vec<PathBuf> = bpf_mounts().difference(&mounts_before).filter(|m| m.to_string_lossy().contains("/pxb-")).cloned().collect();
-    assert!(!ns.is_empty(), "the bench's node namespace");
-    assert!(!mounts.is_empty(), "the bench's bpffs");
-    interrupt(&mut bench, &log, libc::SIGINT);
+    run.namespaces.clone_from(&ns);
+    run.dirs.clone_from(&mounts);
+    interrupt(&mut run.bench, &log, libc::SIGINT);
     let (ns_after, mounts_after) = (namespaces(), bpf_mounts());
     for n in &ns {
         assert!(!ns_after.contains(n), "namespace {n} left behind");
@@ -132,10 +147,11 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
     }
     let log = std::env::temp_dir().join(format!("interrupt-lab-{}.log", std::process::id()));
     let ns_before = namespaces();
-    let mut bench = spawn_bench(&["connect"], &[("PROXY_BENCH_MODES", "ebpf"), ("PROXY_BENCH_SIZES", "1000")], &log);
-    let pid = bench.id();
+    // Two sizes: the signal comes while the first is being programmed, long before the end.
+    let mut run = spawn_bench(&["connect"], &[("PROXY_BENCH_MODES", "ebpf"), ("PROXY_BENCH_SIZES", "1000,10000")], &log);
+    let pid = run.bench.id();
     // The lab's agent is running and has pinned its maps.
-    let (agent, lab_dir) = wait_for(&mut bench, &log, Duration::from_secs(300), "the lab's agent with its pins", || {
+    let (agent, lab_dir) = wait_for(&mut run.bench, &log, Duration::from_secs(300), "the lab's agent with its pins", || {
         children_of(pid).into_iter().find_map(|child| {
             let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).ok()?;
             let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
@@ -144,11 +160,20 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
             bpf_mounts().contains(&root).then_some((child, dir))
         })
     });
+    run.agent = Some((agent, lab_dir.clone()));
+    run.dirs.push(lab_dir.clone());
     // The lab's namespaces are `pxl-<id>-...`, its directory /run/proxy-lab/<id>.
     let id = lab_dir.file_name().expect("lab id").to_string_lossy().into_owned();
     let ns: Vec<String> = namespaces().difference(&ns_before).filter(|n| n.starts_with(&format!("pxl-{id}-"))).cloned().collect();
+    run.namespaces.clone_from(&ns);
     assert!(ns.len() >= 2, "the lab's node and pod namespaces: {ns:?}");
-    interrupt(&mut bench, &log, libc::SIGTERM);
+    // The agent can be stopped as the benches stop it (SIGTERM, then a wait): catching the
+    // signals in the bench must not leave them blocked in what it starts.
+    let status = std::fs::read_to_string(format!("/proc/{agent}/status")).expect("the agent's status");
+    let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).map(|m| u64::from_str_radix(m.trim(), 16).expect("SigBlk"));
+    let ends = [libc::SIGHUP, libc::SIGINT, libc::SIGTERM].iter().fold(0u64, |m, s| m | 1 << (s - 1));
+    assert_eq!(blocked.map(|b| b & ends), Some(0), "SIGHUP, SIGINT or SIGTERM blocked in the agent");
+    interrupt(&mut run.bench, &log, libc::SIGTERM);
     // Reaped by the bench: an agent it left would live on under init.
     assert!(!std::path::Path::new(&format!("/proc/{agent}")).exists(), "agent {agent} still running");
     assert!(!lab_dir.exists(), "lab directory {} left behind", lab_dir.display());
