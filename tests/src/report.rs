@@ -350,9 +350,11 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                 num(&v["changes_s"]).map_or("RSS after the changes (MiB)".into(), |s| format!("RSS after {s:.0} s of changes (MiB)"));
             let head = ["mode", "programmed after (s)", "RSS (MiB)", &after, "CPU at 100 changes/s (% of a core)"];
             html.push_str(&table(&head, &t));
-            if let Some(rss) = v["rss_mib_every_10_s_of_changes"].as_array() {
-                let series: Vec<String> = rss.iter().map(|r| fmt(num(r), 1)).collect();
-                let _ = writeln!(html, "<p>eBPF RSS every 10 s of the changes (MiB): {}.</p>", series.join(", "));
+            for (mode, of) in [("eBPF", v), ("nftables mode", &v["nftables"])] {
+                if let Some(rss) = of["rss_mib_every_10_s_of_changes"].as_array() {
+                    let series: Vec<String> = rss.iter().map(|r| fmt(num(r), 1)).collect();
+                    let _ = writeln!(html, "<p>{mode} RSS every 10 s of the changes (MiB): {}.</p>", series.join(", "));
+                }
             }
             let _ = writeln!(
                 html,
@@ -451,7 +453,8 @@ mod tests {
         let footprint = serde_json::json!({"benchmark": "footprint", "services": 30000, "programmed_s": 8.2, "rss_mib": 62.7,
             "rss_mib_after_changes": 68.0, "rss_mib_every_10_s_of_changes": [62.7, 63.04, 67.9], "changes_s": 600.2,
             "cpu_percent_at_100_changes_per_s": 3.8, "restart_healthz_s": 4.5, "restart_synced_s": 8.27,
-            "restart_initial_sync": "initial sync done unchanged=30000", "nftables": null});
+            "restart_initial_sync": "initial sync done unchanged=30000",
+            "nftables": {"rss_mib": 160.0, "rss_mib_after_changes": 250.0, "rss_mib_every_10_s_of_changes": [160.0, 251.5]}});
         std::fs::write(dir.join("footprint.json"), footprint.to_string()).unwrap();
         let (path, found) = write(&dir).unwrap();
         assert_eq!(found, ["footprint"]);
@@ -460,7 +463,8 @@ mod tests {
             html.contains("RSS after 600 s of changes") && html.contains("68.0"),
             "the RSS after the changes, and how long they ran: {html}"
         );
-        assert!(html.contains("62.7, 63.0, 67.9"), "the RSS over the changes: {html}");
+        assert!(html.contains("eBPF RSS every 10 s of the changes (MiB): 62.7, 63.0, 67.9"), "the RSS over the changes: {html}");
+        assert!(html.contains("nftables mode RSS every 10 s of the changes (MiB): 160.0, 251.5"), "{html}");
         // A file from before `changes_s` (a minute of changes, no series) still reads.
         let older = serde_json::json!({"benchmark": "footprint", "rss_mib": 62.0, "rss_mib_after_changes": 63.3, "nftables": null});
         std::fs::write(dir.join("footprint.json"), older.to_string()).unwrap();
