@@ -122,13 +122,29 @@ impl<A: MapAddr> Ident<A> {
     }
 }
 
-/// A backend the maps hold, by its id (`LbMaps::by_id`).
-#[derive(Debug)]
+/// A backend the maps hold, by its id (`LbMaps::by_id`): its `Ident`'s fields laid out beside
+/// the others, so that an IPv4 one takes 12 bytes (an `Ident` field, padded, made it 16). A
+/// table of these spans every id the allocator has moved over (`ById`).
+#[derive(Debug, Default)]
 struct BackendEntry<A> {
-    ident: Ident<A>,
+    addr: A,
+    port: u16,
+    proto: u8,
     flags: u8,
     /// Frontends that use this backend (in slots or retained).
     refs: u32,
+}
+const _: () = assert!(size_of::<BackendEntry<[u8; 4]>>() == 12);
+const _: () = assert!(size_of::<BackendEntry<proxy_common::Ip6>>() == 24);
+
+impl<A: MapAddr> BackendEntry<A> {
+    fn new(ident: Ident<A>, flags: u8, refs: u32) -> Self {
+        Self { addr: ident.addr, port: ident.port, proto: ident.proto, flags, refs }
+    }
+
+    fn ident(&self) -> Ident<A> {
+        Ident { addr: self.addr, port: self.port, proto: self.proto }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -406,7 +422,7 @@ impl<A: MapAddr> LbMaps<A> {
                 if me.by_ident.insert(ident, *id).is_some() {
                     twins.push(ident);
                 }
-                me.by_id.insert(*id, BackendEntry { ident, flags: b.flags, refs: 0 });
+                me.by_id.insert(*id, BackendEntry::new(ident, b.flags, 0));
             }
         }
         for fe in snap.frontends.values() {
@@ -420,9 +436,8 @@ impl<A: MapAddr> LbMaps<A> {
             let mut table = None;
             if fe.master.flags & svc_flags::MAGLEV != 0 && fe.key.scope == scope::EXTERNAL {
                 let by_id = &me.by_id;
-                let held = me
-                    .maglev
-                    .claim(fe.master.backend_id, &name, key, |id| by_id.get(id).map(|e| maglev::member(e.ident.addr.ip(), e.ident.port)));
+                let held =
+                    me.maglev.claim(fe.master.backend_id, &name, key, |id| by_id.get(id).map(|e| maglev::member(e.addr.ip(), e.port)));
                 for id in held {
                     me.add_ref(id);
                 }
@@ -435,7 +450,7 @@ impl<A: MapAddr> LbMaps<A> {
         }
         // Such a backend is known by the id frontends use; garbage collection takes the other.
         for ident in twins {
-            let used = me.by_id.iter().filter(|(_, e)| e.ident == ident).max_by_key(|(_, e)| e.refs).map(|(id, _)| id);
+            let used = me.by_id.iter().filter(|(_, e)| e.ident() == ident).max_by_key(|(_, e)| e.refs).map(|(id, _)| id);
             if let Some(id) = used {
                 me.by_ident.insert(ident, id);
             }
@@ -544,7 +559,7 @@ impl<A: MapAddr> LbMaps<A> {
             return Err(e);
         }
         self.by_ident.insert(ident, id);
-        self.by_id.insert(id, BackendEntry { ident, flags, refs: 1 });
+        self.by_id.insert(id, BackendEntry::new(ident, flags, 1));
         Ok(id)
     }
 
@@ -567,7 +582,7 @@ impl<A: MapAddr> LbMaps<A> {
         let Some(e) = self.by_id.get_mut(id) else { return };
         e.refs = e.refs.saturating_sub(1);
         if e.refs == 0 {
-            let ident = e.ident;
+            let ident = e.ident();
             self.delete_backend(id, ident);
         }
     }
@@ -1071,7 +1086,7 @@ impl<A: MapAddr> LbMaps<A> {
     /// Removes backends no frontend references, and leftovers of an interrupted run.
     pub fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let mut removed = 0;
-        let orphans: Vec<(u32, Ident<A>)> = self.by_id.iter().filter(|(_, e)| e.refs == 0).map(|(id, e)| (id, e.ident)).collect();
+        let orphans: Vec<(u32, Ident<A>)> = self.by_id.iter().filter(|(_, e)| e.refs == 0).map(|(id, e)| (id, e.ident())).collect();
         for (id, ident) in orphans {
             self.delete_backend(id, ident);
             removed += 1;
