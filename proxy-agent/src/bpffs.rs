@@ -96,6 +96,20 @@ fn mount_bpffs(target: &Path) -> Result<(), BpffsError> {
     Ok(())
 }
 
+/// The mount points of every filesystem of type `fstype` (`bpf`, `cgroup2`) this process
+/// sees, from /proc/self/mounts.
+pub fn mount_points(fstype: &str) -> Vec<PathBuf> {
+    let Ok(mounts) = std::fs::read_to_string("/proc/self/mounts") else { return Vec::new() };
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, dir, kind) = (f.next()?, f.next()?, f.next()?);
+            (kind == fstype).then(|| PathBuf::from(dir))
+        })
+        .collect()
+}
+
 /// Whether a mount this process just made at `target` outlives it: in the host's initial mount
 /// namespace it does; elsewhere only when it propagated to a peer (a shared mount, as a
 /// Bidirectional hostPath volume is).

@@ -117,11 +117,12 @@ impl Cluster {
     pub fn new(agent_bin: impl Into<PathBuf>, pods: [&[&str]; 2]) -> Self {
         let id = unique_id();
         let dir = PathBuf::from("/run/proxy-lab").join(format!("c{id}"));
-        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        // Registered first: a signal may come as soon as it exists.
         let _interrupt = {
             let dir = dir.clone();
             crate::interrupt::register(move || crate::lab::remove_lab_dir(&dir))
         };
+        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
         let switch = Netns::create(format!("pxc-{id}-sw"));
         switch.ip(&["link", "add", "br0", "type", "bridge"]);
         switch.ip(&["link", "set", "br0", "up"]);

@@ -45,15 +45,18 @@ impl Registry {
     }
 
     /// Keeps `cleanup` for `run`. Once `run` has begun, there is no later: `cleanup` runs at
-    /// once, and the calling thread, which went on making things while the process ends,
-    /// waits for the end (`park_for_good`).
+    /// once, and a thread other than the cleaner's, which went on making things while the
+    /// process ends, waits for the end (`park_for_good`).
     fn register(&'static self, cleanup: impl FnOnce() + Send + 'static) -> Registration {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let mut pending = self.pending();
         if pending.closed {
             drop(pending);
             cleanup();
-            park_for_good();
+            if ending_elsewhere() {
+                park_for_good();
+            }
+            return Registration { registry: self, id };
         }
         pending.cleanups.insert(id, Box::new(cleanup));
         Registration { registry: self, id }
@@ -105,21 +108,37 @@ static CLEANER: OnceLock<ThreadId> = OnceLock::new();
 /// The signals that end a run by hand: Ctrl-C, `kill`, a closed terminal.
 const SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
+/// This process (a child between fork and exec runs the handler too).
+static PID: AtomicI32 = AtomicI32::new(0);
+
 extern "C" fn on_signal(signal: i32) {
-    // Only async-signal-safe work: atomics, write(2), signal(2), raise(3).
-    if !INTERRUPTED.swap(true, Ordering::SeqCst) {
+    // Only async-signal-safe work: atomics, getpid, write, signal, raise; errno as it was.
+    // SAFETY: errno is this thread's; read here and put back before returning.
+    let errno = unsafe { *libc::__errno_location() };
+    // SAFETY: getpid has no preconditions.
+    if unsafe { libc::getpid() } != PID.load(Ordering::SeqCst) {
+        // A child not yet exec'd: it ends as it would have without us.
+        // SAFETY: the default action, delivered to that child itself.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
+        }
+    } else if !INTERRUPTED.swap(true, Ordering::SeqCst) {
         SIGNAL.store(signal, Ordering::SeqCst);
         let fd = WAKE.load(Ordering::SeqCst);
         // SAFETY: writes one byte from a valid buffer to the pipe made for it.
         unsafe { libc::write(fd, [1u8].as_ptr().cast(), 1) };
-    } else {
-        // A second one while the cleanup runs (a hung `ip`, say): end now, as without us.
-        // SAFETY: restores the default action and delivers the signal to ourselves.
+    } else if signal != libc::SIGHUP {
+        // Ctrl-C or a SIGTERM again while the cleanup runs (a hung `ip`, say): end now, as
+        // without us. (Not a SIGHUP: a terminal whose `sudo` the first Ctrl-C ended sends one.)
+        // SAFETY: the default action, delivered to ourselves.
         unsafe {
             libc::signal(signal, libc::SIG_DFL);
             libc::raise(signal);
         }
     }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
 }
 
 /// Stops the calling thread until the process exits.
@@ -129,13 +148,19 @@ fn park_for_good() -> ! {
     }
 }
 
-/// Catches SIGINT, SIGTERM and SIGHUP: the first one makes a thread of its own kill this
-/// process's children (the labs' agents; through `PR_SET_CHILD_SUBREAPER`, also what they
-/// started, such as a guest's qemu), run the registered cleanups, and exit with 128 + its
-/// number, as the shell reports a process killed by it. A handler, not a blocked mask: child
-/// processes inherit a mask (std no longer resets it), and an agent that could not see its
-/// SIGTERM would never stop; exec resets a handler to the default. Call it in `main` first.
+/// Catches SIGINT, SIGTERM and SIGHUP (those not ignored, as `nohup` ignores SIGHUP): the
+/// first one makes a thread of its own kill this process's children (the labs' agents; through
+/// `PR_SET_CHILD_SUBREAPER`, also what they started, such as a guest's qemu), run the registered
+/// cleanups, and then end the process by that signal, as it would have ended without us (a
+/// shell loop sees the Ctrl-C). A handler, not a blocked mask: child processes inherit a mask
+/// (std no longer resets it), and an agent that could not see its SIGTERM would never stop;
+/// exec resets a handler to the default. Call it in `main` first; later calls do nothing.
 pub fn clean_up_on_signals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(catch_signals);
+}
+
+fn catch_signals() {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: pipe2 fills the two descriptors it creates.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -145,49 +170,72 @@ pub fn clean_up_on_signals() {
     // SAFETY: both are fresh descriptors owned from here on (the write end for good).
     let wake = unsafe { OwnedFd::from_raw_fd(fds[0]) };
     WAKE.store(fds[1], Ordering::SeqCst);
+    PID.store(std::process::id() as i32, Ordering::SeqCst);
     let cleaner = std::thread::spawn(move || {
-        let mut byte = [0u8; 1];
-        let mut wake = std::fs::File::from(wake);
-        // Returns once the handler wrote; EINTR (this thread took the signal) reads again.
-        while std::io::Read::read(&mut wake, &mut byte).is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted) {}
+        // Returns once the handler wrote (SA_RESTART: a signal here does not end the read).
+        let _ = std::io::Read::read(&mut std::fs::File::from(wake), &mut [0u8; 1]);
         let signal = SIGNAL.load(Ordering::SeqCst);
         let _ = writeln!(std::io::stderr(), "signal {signal}: removing the namespaces, pins and agents this run made");
         kill_children();
         REGISTRY.run();
         // What the other threads started meanwhile.
         kill_children();
-        std::process::exit(128 + signal);
+        // Neither exit nor a return from `main`: a thread that ended `main` meanwhile waits
+        // inside exit (`wait_at_exit`), and a second exit waits for the first for good (Rust
+        // lets one thread exit; newer glibc too). What the bench printed is out already:
+        // Rust's stdout writes out each line.
+        // SAFETY: the default action, delivered to ourselves, ends the process; _exit if not.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
+            libc::_exit(128 + signal);
+        }
     });
     let _ = CLEANER.set(cleaner.thread().id());
     // Orphans of our children (a guest's qemu under bash and timeout) come to us to be killed.
+    // (Until then, orphans that end stay zombies of ours: an agent's `nft` killed with it.)
     // SAFETY: prctl with a plain integer argument.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        eprintln!("cannot become the subreaper ({}): an interrupted run may leave grandchildren", std::io::Error::last_os_error());
+    }
     // A thread that fails because the cleanup took its namespace, pins or children away, or
     // whose syscall the signal interrupted, must not end the process (with a panic's status,
     // half cleaned up) before the cleanup does: it waits. So does one that exits the process.
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if INTERRUPTED.load(Ordering::SeqCst) && CLEANER.get() != Some(&std::thread::current().id()) {
+        if ending_elsewhere() {
             park_for_good();
         }
         report(info);
     }));
     extern "C" fn wait_at_exit() {
-        if INTERRUPTED.load(Ordering::SeqCst) && CLEANER.get() != Some(&std::thread::current().id()) {
+        if ending_elsewhere() {
             park_for_good();
         }
     }
-    // SAFETY: registers a plain function; `sigaction` is zeroed, then given the handler.
-    unsafe {
-        libc::atexit(wait_at_exit);
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
-        action.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut action.sa_mask);
-        for s in SIGNALS {
-            libc::sigaction(s, &action, std::ptr::null_mut());
+    // SAFETY: registers a plain function.
+    unsafe { libc::atexit(wait_at_exit) };
+    for s in SIGNALS {
+        // SAFETY: `sigaction`s zeroed, then filled; the old action is only read.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(s, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN {
+                continue;
+            }
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            if libc::sigaction(s, &action, std::ptr::null_mut()) != 0 {
+                eprintln!("cannot catch signal {s} ({}): it will leave namespaces behind", std::io::Error::last_os_error());
+            }
         }
     }
+}
+
+/// True once a signal is ending the process, in any thread but the one doing it.
+fn ending_elsewhere() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst) && CLEANER.get() != Some(&std::thread::current().id())
 }
 
 /// The pids whose parent is `parent` (from /proc).
@@ -206,7 +254,7 @@ pub fn children_of(parent: u32) -> Vec<u32> {
 
 /// SIGKILLs this process's children and reaps them, until none is left (their own orphans come
 /// to us, the subreaper), so no agent outlives the run or keeps its namespace alive. A child
-/// not yet reaped keeps its pid, so no stranger is signalled.
+/// not yet reaped keeps its pid, so this signals no stranger.
 fn kill_children() {
     for _ in 0..16 {
         let children = children_of(std::process::id());

@@ -72,11 +72,12 @@ impl Lab {
     pub fn new(agent_bin: impl Into<PathBuf>, backends: usize) -> Self {
         let id = unique_id();
         let dir = PathBuf::from("/run/proxy-lab").join(&id);
-        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
+        // Registered first: a signal may come as soon as it exists.
         let removes_dir = {
             let dir = dir.clone();
             crate::interrupt::register(move || remove_lab_dir(&dir))
         };
+        fs::create_dir_all(dir.join("manifests")).expect("lab directory");
         let node = Netns::create(format!("pxl-{id}-node"));
         node.sysctl("net.ipv4.ip_forward", "1");
         // Replies are translated after routing, so strict reverse-path filtering is fine; the
@@ -91,16 +92,15 @@ impl Lab {
         node.ip(&["link", "set", "uplink0", "up"]);
         node.ip(&["link", "set", "uplink1", "up"]);
         node.ip(&["route", "add", "default", "via", "192.168.250.254"]);
-        let cgroup = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount().map(|m| {
-            let dir = m.join(format!("proxy-lab-{id}"));
-            fs::create_dir(&dir).unwrap_or_else(|e| panic!("creating the lab's cgroup {}: {e}", dir.display()));
-            dir
-        });
+        let cgroup = proxy_agent::dataplane::ebpf::hostsock::cgroup2_mount().map(|m| m.join(format!("proxy-lab-{id}")));
         let removes_cgroup = cgroup.clone().map(|c| {
             crate::interrupt::register(move || {
                 let _ = fs::remove_dir(c);
             })
         });
+        if let Some(dir) = &cgroup {
+            fs::create_dir(dir).unwrap_or_else(|e| panic!("creating the lab's cgroup {}: {e}", dir.display()));
+        }
         let mut lab = Self {
             client: Pod::create(&id, &node, "client", "vethc", Ipv4Addr::new(10, 244, 0, 2)),
             backends: Vec::new(),
@@ -385,15 +385,7 @@ pub fn remove_lab_dir(dir: &Path) {
 
 /// The mount points of every bpffs this process sees.
 pub fn bpf_mounts() -> std::collections::BTreeSet<PathBuf> {
-    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (at, kind) = (f.nth(1)?, f.next()?);
-            (kind == "bpf").then(|| PathBuf::from(at))
-        })
-        .collect()
+    proxy_agent::bpffs::mount_points("bpf").into_iter().collect()
 }
 
 /// A temporary directory for pins (a bpffs is mounted there when they are first made),
@@ -406,19 +398,13 @@ impl TempBpffs {
     pub fn new(prefix: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("{prefix}-{}", unique_id()));
         let at = dir.clone();
-        Self(dir, crate::interrupt::register(move || remove_bpffs(&at)))
+        Self(dir, crate::interrupt::register(move || remove_lab_dir(&at)))
     }
-}
-
-/// `release_bpffs`, then the directory goes.
-fn remove_bpffs(dir: &Path) {
-    release_bpffs(dir);
-    let _ = fs::remove_dir_all(dir);
 }
 
 impl Drop for TempBpffs {
     fn drop(&mut self) {
-        remove_bpffs(&self.0);
+        remove_lab_dir(&self.0);
     }
 }
 

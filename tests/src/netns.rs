@@ -40,9 +40,10 @@ pub struct Netns {
 impl Netns {
     pub fn create(name: impl Into<String>) -> Self {
         let name = name.into();
-        sh(&["ip", "netns", "add", &name]);
+        // Registered first: a signal may come as soon as it exists.
         let named = name.clone();
         let _interrupt = crate::interrupt::register(move || delete(&named));
+        sh(&["ip", "netns", "add", &name]);
         let ns = Self { name, _interrupt };
         ns.ip(&["link", "set", "lo", "up"]);
         ns

@@ -353,7 +353,7 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
             for (mode, of) in [("eBPF", v), ("nftables mode", &v["nftables"])] {
                 if let Some(rss) = of["rss_mib_every_10_s_of_changes"].as_array() {
                     let series: Vec<String> = rss.iter().map(|r| fmt(num(r), 1)).collect();
-                    let _ = writeln!(html, "<p>{mode} RSS every 10 s of the changes (MiB): {}.</p>", series.join(", "));
+                    let _ = writeln!(html, "<p>{mode} RSS every 10 s of the changes, and at their end (MiB): {}.</p>", series.join(", "));
                 }
             }
             let _ = writeln!(
@@ -463,8 +463,11 @@ mod tests {
             html.contains("RSS after 600 s of changes") && html.contains("68.0"),
             "the RSS after the changes, and how long they ran: {html}"
         );
-        assert!(html.contains("eBPF RSS every 10 s of the changes (MiB): 62.7, 63.0, 67.9"), "the RSS over the changes: {html}");
-        assert!(html.contains("nftables mode RSS every 10 s of the changes (MiB): 160.0, 251.5"), "{html}");
+        assert!(
+            html.contains("eBPF RSS every 10 s of the changes, and at their end (MiB): 62.7, 63.0, 67.9"),
+            "the RSS over the changes: {html}"
+        );
+        assert!(html.contains("nftables mode RSS every 10 s of the changes, and at their end (MiB): 160.0, 251.5"), "{html}");
         // A file from before `changes_s` (a minute of changes, no series) still reads.
         let older = serde_json::json!({"benchmark": "footprint", "rss_mib": 62.0, "rss_mib_after_changes": 63.3, "nftables": null});
         std::fs::write(dir.join("footprint.json"), older.to_string()).unwrap();

@@ -754,7 +754,12 @@ fn footprint_lab() -> (proxy_tests::lab::Lab, proxy_tests::apiserver::ApiServer,
 /// How long the changes run: `FOOTPRINT_SECONDS`, or `PROXY_BENCH_FOOTPRINT_SECONDS` (a longer
 /// run shows whether the agent's memory keeps growing under churn).
 fn footprint_seconds() -> u32 {
-    std::env::var("PROXY_BENCH_FOOTPRINT_SECONDS").ok().and_then(|s| s.parse().ok()).filter(|&s| s > 0).unwrap_or(FOOTPRINT_SECONDS)
+    // At most a day (its changes are counted in a u32).
+    std::env::var("PROXY_BENCH_FOOTPRINT_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&s| s > 0)
+        .map_or(FOOTPRINT_SECONDS, |s: u32| s.min(86_400))
 }
 
 /// What `cpu_under_changes` saw.
@@ -762,7 +767,8 @@ struct UnderChanges {
     /// Percent of one core, with the programs the agent runs.
     cpu: f64,
     wall: f64,
-    /// The agent's RSS (MiB) every `RSS_EVERY` changes, the first before any.
+    /// The agent's RSS (MiB) every `RSS_EVERY` changes, the first before any, the last after
+    /// the last.
     rss: Vec<f64>,
 }
 
@@ -788,6 +794,7 @@ fn cpu_under_changes(pid: u32, api: &proxy_tests::apiserver::ApiServer) -> Under
         api.apply(&slice);
     }
     let wall = t0.elapsed().as_secs_f64();
+    rss.push(rss_mib(pid));
     UnderChanges { cpu: (cpu_seconds(pid) - cpu0) / wall * 100.0, wall, rss }
 }
 
@@ -819,7 +826,7 @@ fn footprint_nftables() -> serde_json::Value {
         "  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {:.1} % of one core over {:.0} s (with the nft it runs)",
         changes.cpu, changes.wall
     );
-    println!("  RSS every 10 s of the changes:      {} MiB", rss_series(&changes.rss));
+    println!("  RSS every 10 s of the changes, and at their end: {} MiB", rss_series(&changes.rss));
     serde_json::json!({
         "programmed_s": programmed.as_secs_f64(),
         "rss_mib": rss,
@@ -885,7 +892,7 @@ fn footprint(out_dir: &std::path::Path) {
     println!("  all programmed after start:        {:.1} s", programmed.as_secs_f64());
     println!("  agent RSS:                          {rss:.1} MiB ({rss_after:.1} MiB after the changes below)");
     println!("  agent CPU, {FOOTPRINT_RATE} slice changes/s:    {:.1} % of one core over {:.0} s", changes.cpu, changes.wall);
-    println!("  RSS every 10 s of the changes:      {} MiB", rss_series(&changes.rss));
+    println!("  RSS every 10 s of the changes, and at their end: {} MiB", rss_series(&changes.rss));
     println!(
         "  restart with everything pinned:     /healthz 200 after {:.2} s, first sync done after {:.2} s: unchanged={} programmed={} removed={}",
         ready.as_secs_f64(),

@@ -118,15 +118,7 @@ pub fn is_cgroup2(dir: &Path) -> bool {
 }
 
 fn cgroup2_mount_points() -> Vec<PathBuf> {
-    let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else { return Vec::new() };
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, dir, fstype) = (f.next()?, f.next()?, f.next()?);
-            (fstype == "cgroup2").then(|| PathBuf::from(dir))
-        })
-        .collect()
+    crate::bpffs::mount_points("cgroup2")
 }
 
 /// Link pins of the socket hooks are `<PIN_PREFIX><program>`.

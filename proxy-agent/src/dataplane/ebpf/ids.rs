@@ -74,9 +74,10 @@ impl IdAllocator {
 /// Values by id, for the ids an `IdAllocator` hands out: a Vec indexed by id, up to the highest
 /// one set, and a bit per slot saying which hold a value. Ids start dense from 1; after much
 /// churn they spread over `1..limit` (the allocator moves forward), and the Vec reaches `limit`
-/// slots: for backends 12 bytes each (IPv6 24), 3 MiB at the 262,144 entries that 30,000
-/// Services need, where slots of `Option`s took 20 (IPv6 32) and a hash map of 120,000
-/// backends 3.4 MiB. An empty slot holds `T::default()`.
+/// slots (its capacity up to twice that, as a Vec grows): for backends 12 bytes each (IPv6
+/// 24), 3 MiB at a `--lb-map-max` of 262,144 (30,000 Services of 4 endpoints need over
+/// 150,000 entries), where slots of `Option`s took 20 bytes (IPv6 32) and a hash map of
+/// 120,000 backends 3.4 MiB. An empty slot holds `T::default()`.
 #[derive(Debug)]
 pub struct ById<T> {
     slots: Vec<T>,
