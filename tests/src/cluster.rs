@@ -354,10 +354,8 @@ impl Drop for Cluster {
             }
         }
         self.servers.clear();
-        for node in &self.nodes {
-            crate::lab::release_bpffs(&node.bpffs());
-        }
-        let _ = fs::remove_dir_all(&self.dir);
+        // Every node's pins are under it.
+        crate::lab::remove_lab_dir(&self.dir);
     }
 }
 

@@ -344,8 +344,7 @@ impl Drop for Lab {
     fn drop(&mut self) {
         self.kill_agent();
         self.servers.clear();
-        release_bpffs(&self.bpffs());
-        let _ = fs::remove_dir_all(&self.dir);
+        remove_lab_dir(&self.dir);
         // Empty once the host clients have exited; the hooks' links went with their pins.
         if let Some(c) = &self.cgroup {
             let _ = fs::remove_dir(c);
