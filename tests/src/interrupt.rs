@@ -1,9 +1,11 @@
 //! Cleanup when a run by hand is interrupted. Namespaces, pins and lab directories are removed
 //! when their owners drop, also on a panic; but Ctrl-C (or a SIGTERM) ends a process without
 //! unwinding, and a benchmark stopped that way left its namespaces, its bpffs mounts and its
-//! agent behind. Each of those owners registers here how to remove what it made; a binary that
-//! calls `clean_up_on_signals` first thing then runs those, newest first, when a signal ends
-//! it. An owner that drops normally takes its registration back (and cleans up itself).
+//! agent behind. Each of those owners registers here how to remove what it made, and a signal
+//! that ends the process runs those, newest first. A binary of ours calls `clean_up_on_signals`
+//! first thing; a test binary, whose `main` is libtest's, catches the signals from its first
+//! registration on (a Ctrl-C in `cargo test` then removes the namespaces of the tests it
+//! stopped). An owner that drops normally takes its registration back (and cleans up itself).
 
 use std::{
     collections::BTreeMap,
@@ -91,8 +93,11 @@ impl Drop for Registration {
     }
 }
 
-/// Runs `cleanup` if a signal ends the process before the returned registration drops.
+/// Runs `cleanup` if a signal ends the process before the returned registration drops. The
+/// first registration of a process that did not call `clean_up_on_signals` (a test binary)
+/// catches the signals still at their default action, without becoming the subreaper.
 pub fn register(cleanup: impl FnOnce() + Send + 'static) -> Registration {
+    CATCHING.call_once(|| catch_signals(false));
     REGISTRY.register(cleanup)
 }
 
@@ -148,19 +153,25 @@ fn park_for_good() -> ! {
     }
 }
 
-/// Catches SIGINT, SIGTERM and SIGHUP (those not ignored, as `nohup` ignores SIGHUP): the
-/// first one makes a thread of its own kill this process's children (the labs' agents; through
+/// Set once the signals are caught (by `clean_up_on_signals` or the first registration).
+static CATCHING: std::sync::Once = std::sync::Once::new();
+
+/// Catches SIGINT, SIGTERM and SIGHUP (those at their default action: not the ones `nohup`
+/// ignores, nor one the binary handles itself, as the demo handles Ctrl-C): the first one makes
+/// a thread of its own kill this process's children (the labs' agents; through
 /// `PR_SET_CHILD_SUBREAPER`, also what they started, such as a guest's qemu), run the registered
 /// cleanups, and then end the process by that signal, as it would have ended without us (a
 /// shell loop sees the Ctrl-C). A handler, not a blocked mask: child processes inherit a mask
 /// (std no longer resets it), and an agent that could not see its SIGTERM would never stop;
 /// exec resets a handler to the default. Call it in `main` first; later calls do nothing.
 pub fn clean_up_on_signals() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(catch_signals);
+    CATCHING.call_once(|| catch_signals(true));
 }
 
-fn catch_signals() {
+/// `reaper`: become the subreaper too. Not for a test binary, whose tests may start daemons
+/// (runc's container processes) that must go to init when their parent exits, not stay our
+/// zombies.
+fn catch_signals(reaper: bool) {
     let mut fds = [0 as RawFd; 2];
     // SAFETY: pipe2 fills the two descriptors it creates.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -195,7 +206,7 @@ fn catch_signals() {
     // Orphans of our children (a guest's qemu under bash and timeout) come to us to be killed.
     // (Until then, orphans that end stay zombies of ours: an agent's `nft` killed with it.)
     // SAFETY: prctl with a plain integer argument.
-    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+    if reaper && unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
         eprintln!("cannot become the subreaper ({}): an interrupted run may leave grandchildren", std::io::Error::last_os_error());
     }
     // A thread that fails because the cleanup took its namespace, pins or children away, or
@@ -219,7 +230,7 @@ fn catch_signals() {
         // SAFETY: `sigaction`s zeroed, then filled; the old action is only read.
         unsafe {
             let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(s, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN {
+            if libc::sigaction(s, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
                 continue;
             }
             let mut action: libc::sigaction = std::mem::zeroed();

@@ -188,3 +188,62 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
     }
     let _ = std::fs::remove_file(&log);
 }
+
+/// Set in the process the next test starts: it is the test binary stopped by Ctrl-C.
+const STOPPED_TEST: &str = "PROXY_TESTS_INTERRUPT_STOPPED_TEST";
+
+#[test]
+fn ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped() {
+    if let Ok(name) = std::env::var(STOPPED_TEST) {
+        // The test binary run again, this test alone, as `cargo test` runs it: libtest owns
+        // `main`, so nothing called `clean_up_on_signals`; the namespace's registration catches
+        // the signals. It makes a namespace and starts a process, then waits for the Ctrl-C.
+        let _ns = proxy_tests::netns::Netns::create(name);
+        let mut sleeper = Command::new("sleep").arg("600").spawn().expect("start sleep");
+        println!("sleeper {}", sleeper.id());
+        std::thread::sleep(Duration::from_secs(120));
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+        panic!("no signal within two minutes");
+    }
+    if !require::root("ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped") {
+        return;
+    }
+    let log = std::env::temp_dir().join(format!("interrupt-test-{}.log", std::process::id()));
+    let name = format!("pxi-{}", std::process::id());
+    let out = std::fs::File::create(&log).expect("test log");
+    let child = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--exact", "ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped", "--nocapture"])
+        .env(STOPPED_TEST, &name)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().expect("log fd"))
+        .stderr(out)
+        .spawn()
+        .expect("start the test binary");
+    // The guard kills the sleeper too if it outlives the test (its command line names no lab
+    // directory: `agent`'s check would spare it).
+    let mut run = Run { bench: child, agent: None, namespaces: vec![name.clone()], dirs: Vec::new() };
+    struct Sleeper(Option<u32>);
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            if let Some(pid) = self.0 {
+                if std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == b"sleep\x00600\x00") {
+                    // SAFETY: the sleep the stopped test started, still running.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+    let mut sleeper = Sleeper(None);
+    let pid = wait_for(&mut run.bench, &log, Duration::from_secs(60), "the stopped test's namespace and process", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let pid = text.lines().find_map(|l| l.strip_prefix("sleeper "))?.trim().parse::<u32>().ok()?;
+        namespaces().contains(&name).then_some(pid)
+    });
+    sleeper.0 = Some(pid);
+    interrupt(&mut run.bench, &log, libc::SIGINT);
+    assert!(!namespaces().contains(&name), "namespace {name} left behind");
+    // Killed and reaped by the stopped test (a process it left would live on under init).
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "its process {pid} still running");
+    let _ = std::fs::remove_file(&log);
+}

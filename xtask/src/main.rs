@@ -36,6 +36,7 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 type Result<T = ()> = std::result::Result<T, String>;
 
 fn main() {
+    interrupt::catch();
     let args: Vec<String> = env::args().skip(1).collect();
     let (task, rest) = match args.split_first() {
         Some((t, r)) => (t.as_str(), r),
@@ -88,7 +89,8 @@ fn cargo() -> Command {
 }
 
 fn status(cmd: &mut Command) -> Result<ExitStatus> {
-    cmd.status().map_err(|e| format!("running {cmd:?}: {e}"))
+    interrupt::end_if_interrupted();
+    interrupt::wait(cmd.spawn().map_err(|e| format!("running {cmd:?}: {e}"))?).map_err(|e| format!("waiting for {cmd:?}: {e}"))
 }
 
 fn check(cmd: &mut Command) -> Result {
@@ -101,7 +103,9 @@ fn check(cmd: &mut Command) -> Result {
 }
 
 fn output(cmd: &mut Command) -> Result<String> {
-    let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    interrupt::end_if_interrupted();
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    let out = interrupt::wait_with_output(child).map_err(|e| format!("waiting for {cmd:?}: {e}"))?;
     if !out.status.success() {
         return Err(format!("{cmd:?} failed ({})", out.status));
     }
@@ -460,4 +464,202 @@ fn bench(extra: &[String]) -> Result {
             .args(&which)
             .env("BENCH_OUT_DIR", &out),
     )
+}
+
+/// Ctrl-C and a closed terminal reach the whole foreground process group: the task's child
+/// (cargo, the demo, a benchmark) gets them itself and cleans up (its namespaces, pins and
+/// agents), so xtask waits for it to end and then ends by the same signal; the prompt comes
+/// back once the cleanup is done. A SIGTERM sent to xtask alone is passed on to the child.
+/// Only std here (see the top): the few libc calls are declared by hand.
+mod interrupt {
+    use std::{
+        io,
+        process::{Child, ExitStatus, Output},
+        sync::atomic::{AtomicI32, Ordering},
+    };
+
+    const SIGHUP: i32 = 1;
+    const SIGINT: i32 = 2;
+    const SIGTERM: i32 = 15;
+    const SIG_DFL: usize = 0;
+    const SIG_IGN: usize = 1;
+
+    extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+        fn kill(pid: i32, sig: i32) -> i32;
+        fn raise(sig: i32) -> i32;
+    }
+
+    /// The child being waited for, 0 if none.
+    static CHILD: AtomicI32 = AtomicI32::new(0);
+    /// The signal that came, 0 if none.
+    static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+    extern "C" fn on_signal(sig: i32) {
+        // Only atomics and kill: async-signal-safe.
+        SIGNAL.store(sig, Ordering::SeqCst);
+        let child = CHILD.load(Ordering::SeqCst);
+        if sig == SIGTERM && child > 0 {
+            // SAFETY: signals the child this process started and has not reaped yet.
+            unsafe { kill(child, sig) };
+        }
+    }
+
+    /// Catches SIGINT, SIGTERM and SIGHUP, but not one ignored from the start (`nohup`). The
+    /// handler is glibc's `signal`'s: it stays, and a wait it interrupts goes on. Children
+    /// start with the default action (exec resets a handler).
+    pub fn catch() {
+        for sig in [SIGHUP, SIGINT, SIGTERM] {
+            // SAFETY: installs a handler that only touches atomics and calls kill.
+            unsafe {
+                if signal(sig, on_signal as *const () as usize) == SIG_IGN {
+                    signal(sig, SIG_IGN);
+                }
+            }
+        }
+    }
+
+    /// Ends xtask by the signal that came, if one did, as it would have ended without the
+    /// handler (called before each command too: a Ctrl-C between two stops the task).
+    pub fn end_if_interrupted() {
+        let sig = SIGNAL.load(Ordering::SeqCst);
+        if sig != 0 {
+            // SAFETY: the default action, delivered to ourselves; exit if it returns.
+            unsafe {
+                signal(sig, SIG_DFL);
+                raise(sig);
+            }
+            std::process::exit(128 + sig);
+        }
+    }
+
+    fn waiting<T>(child: Child, wait: impl FnOnce(Child) -> io::Result<T>) -> io::Result<T> {
+        CHILD.store(child.id() as i32, Ordering::SeqCst);
+        // A signal that came before the child's pid was known: pass a SIGTERM on now.
+        if SIGNAL.load(Ordering::SeqCst) == SIGTERM {
+            // SAFETY: as in the handler.
+            unsafe { kill(child.id() as i32, SIGTERM) };
+        }
+        let done = wait(child);
+        CHILD.store(0, Ordering::SeqCst);
+        end_if_interrupted();
+        done
+    }
+
+    /// `Child::wait`, then the end if a signal came meanwhile.
+    pub fn wait(child: Child) -> io::Result<ExitStatus> {
+        waiting(child, |mut c| c.wait())
+    }
+
+    /// `Child::wait_with_output`, then the end if a signal came meanwhile.
+    pub fn wait_with_output(child: Child) -> io::Result<Output> {
+        waiting(child, Child::wait_with_output)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        os::unix::process::{CommandExt, ExitStatusExt},
+        path::{Path, PathBuf},
+        process::Command,
+        time::{Duration, Instant},
+    };
+
+    /// Set in the process the test starts: it is xtask running a task's command.
+    const AS_XTASK: &str = "XTASK_TEST_INTERRUPT_FILE";
+
+    /// A task's command that cleans up for a while after Ctrl-C or a SIGTERM, as the bench
+    /// and the demo do, and notes when it is done.
+    fn slow_cleaner(file: &Path) -> Command {
+        let f = file.display();
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg(format!(
+            "trap 'sleep 0.5; echo INT done >> {f}; exit 130' INT; \
+             trap 'sleep 0.5; echo TERM done >> {f}; exit 143' TERM; \
+             echo started >> {f}; while :; do sleep 0.1; done"
+        ));
+        cmd
+    }
+
+    fn read(file: &Path) -> String {
+        std::fs::read_to_string(file).unwrap_or_default()
+    }
+
+    /// Runs this test binary as xtask running `slow_cleaner`, in a process group of its own
+    /// (as a terminal's foreground job), signals it as `send` does once the command runs, and
+    /// returns how it ended and what the command had written by then.
+    fn interrupted(test: &str, send: impl FnOnce(i32)) -> (std::process::ExitStatus, String) {
+        let file = std::env::temp_dir().join(format!("xtask-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&file);
+        let mut xtask = Command::new(std::env::current_exe().expect("this test binary"))
+            .args(["--exact", &format!("tests::{test}"), "--nocapture"])
+            .env(AS_XTASK, &file)
+            .process_group(0)
+            .spawn()
+            .expect("start xtask");
+        let t = Instant::now();
+        while !read(&file).contains("started") {
+            assert!(t.elapsed() < Duration::from_secs(30), "the command did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        send(xtask.id() as i32);
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = xtask.try_wait().expect("wait for xtask") {
+                break Some(s);
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let seen = read(&file);
+        // The group, whatever of it is left (all of it if xtask did not end).
+        // SAFETY: signals the process group this test made.
+        unsafe { kill(-(xtask.id() as i32), 9) };
+        let _ = xtask.wait();
+        let _ = std::fs::remove_file(&file);
+        (status.unwrap_or_else(|| panic!("xtask did not end within 30 s of the signal; its command wrote {seen:?}")), seen)
+    }
+
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+
+    /// In the started process: xtask's handling, then the task's command, waited for as every
+    /// command of a task is.
+    fn as_xtask() -> bool {
+        let Some(file) = std::env::var_os(AS_XTASK).map(PathBuf::from) else { return false };
+        super::interrupt::catch();
+        let _ = super::status(&mut slow_cleaner(&file));
+        panic!("xtask went on after the signal");
+    }
+
+    #[test]
+    fn ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it() {
+        if as_xtask() {
+            return;
+        }
+        // Ctrl-C: the terminal signals the whole foreground group.
+        let (status, seen) = interrupted("ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it", |pid| unsafe {
+            // SAFETY: the test's own process group.
+            kill(-pid, 2);
+        });
+        assert!(seen.contains("INT done"), "xtask ended before its command had cleaned up: {seen:?}");
+        assert_eq!(status.signal(), Some(2), "xtask's end ({status})");
+    }
+
+    #[test]
+    fn a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it() {
+        if as_xtask() {
+            return;
+        }
+        let (status, seen) = interrupted("a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it", |pid| unsafe {
+            // SAFETY: the test's own child.
+            kill(pid, 15);
+        });
+        assert!(seen.contains("TERM done"), "the command did not get the SIGTERM, or xtask did not wait: {seen:?}");
+        assert_eq!(status.signal(), Some(15), "xtask's end ({status})");
+    }
 }
