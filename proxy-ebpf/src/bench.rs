@@ -32,7 +32,8 @@ pub static BENCH_FLOWS_V1: Array<u32, 1> = Array::new();
 pub static BENCH_SEQ_V1: PerCpuArray<u32, 1> = PerCpuArray::new();
 
 /// Copies the template over the frame and gives it the next flow's source port. False when
-/// either is missing or the frame is too short.
+/// either is missing or the frame is too short. The port is an IPv4 frame's: an IPv6 template
+/// takes one flow, whose port (bytes of its source address here) is written back unchanged.
 #[inline(always)]
 pub fn restore(ctx: &XdpContext) -> bool {
     let Some(t) = BENCH_FRAME_V1.get(0) else { return false };

@@ -24,7 +24,7 @@
 
 use std::{
     io,
-    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream},
+    net::{Ipv4Addr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream},
     os::fd::AsRawFd as _,
     path::PathBuf,
     process::Command,
@@ -176,6 +176,17 @@ fn frame(dst_mac: [u8; 6], src_port: u16) -> Vec<u8> {
 pub fn generator_frame(from: SocketAddrV4, to: SocketAddrV4, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
     let udp = crate::packet::udp_datagram(from, to, &[0u8; 22], false);
     let mut f = crate::packet::Ipv4::new(*from.ip(), *to.ip(), crate::packet::UDP, udp).frame();
+    f[0..6].copy_from_slice(&dst_mac);
+    f[6..12].copy_from_slice(&src_mac);
+    f.try_into().expect("a 64-byte frame")
+}
+
+/// The same in IPv6: a 64-byte frame too (a UDP datagram of two bytes, with its checksum,
+/// which IPv6 requires). The generator writes its flows' source ports at IPv4's offset, inside
+/// this frame's source address: it takes one flow (`BENCH_FLOWS_V1` = 1), whose port it writes
+/// back unchanged.
+pub fn generator_frame6(from: SocketAddrV6, to: SocketAddrV6, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
+    let mut f = crate::packet6::udp_frame(from, to, &[0u8; 2]);
     f[0..6].copy_from_slice(&dst_mac);
     f[6..12].copy_from_slice(&src_mac);
     f.try_into().expect("a 64-byte frame")

@@ -587,3 +587,25 @@ fn xdp_repeats_an_ipv6_flows_step_from_its_cache_until_its_backend_goes() {
     let out = run_xdp(&mut n.dp, &ping, n.ifindex);
     assert_eq!((out.action, &out.frame), (XDP_PASS, &ping), "its backend gone: handed to TC untouched");
 }
+
+/// `proxy-bench profile --xdp --ipv6` (the figure of XDP's tracked IPv6 path) runs the agent's
+/// IPv6 XDP program on the generator's frame, through the tail call the generator's program
+/// makes from the pinned program array: the bench itself requires the flow translated both
+/// ways with valid checksums, every run sent back out, and every packet counted.
+#[test]
+fn the_xdp_profile_measures_the_ipv6_flow_both_ways() {
+    if !require::root("the_xdp_profile_measures_the_ipv6_flow_both_ways") {
+        return;
+    }
+    for (extra, what) in [(None, "xdp IPv6 forward "), (Some("--reply"), "xdp IPv6 reply ")] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_proxy-bench"))
+            .args(["profile", "--xdp", "--ipv6", "--quick"])
+            .args(extra)
+            .env("BENCH_OUT_DIR", std::env::temp_dir())
+            .output()
+            .expect("run proxy-bench");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "profile --xdp --ipv6 {extra:?}: {}\n{text}", out.status);
+        assert_eq!(text.lines().filter(|l| l.starts_with(what)).count(), 10, "ten rounds of {what:?}:\n{text}");
+    }
+}

@@ -22,7 +22,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, SocketAddrV4, SocketAddrV6},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6},
     time::Instant,
 };
 
@@ -486,40 +486,94 @@ const XDP_NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
 const XDP_CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 7), 40000);
 const XDP_NODE_PORT: SocketAddrV4 = SocketAddrV4::new(XDP_NODE_IP, 30053);
 const XDP_BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 5), 8080);
+/// The same flow in IPv6 (`profile --xdp --ipv6`).
+const XDP_NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 1);
+const XDP_CLIENT6: SocketAddrV6 = SocketAddrV6::new(Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 7), 40000, 0, 0);
+const XDP_NODE_PORT6: SocketAddrV6 = SocketAddrV6::new(XDP_NODE_IP6, 30053, 0, 0);
+const XDP_BACKEND6: SocketAddrV6 = SocketAddrV6::new(Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 5), 8080, 0, 0);
 
 fn xdp_node() -> XdpNode {
     use proxy_tests::netns::{enter, ifindex, uplink_node};
     let ns = uplink_node("pxb");
     ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
     ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
+    ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
+    ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+    ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
+    ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1");
     enter(&ns.file()).expect("enter the node namespace");
     let ifindex = ifindex("ext0");
     let pins = proxy_tests::lab::TempBpffs::new("pxb");
     let mut dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pins.0.clone()), ..Default::default() }).expect("load the dataplane");
     dp.set_interface_address(ifindex, Some(XDP_NODE_IP)).expect("the node's address");
+    dp.set_interface_address6(ifindex, Some(XDP_NODE_IP6)).expect("the node's IPv6 address");
     // What the agent records for an uplink whose far end takes native XDP's frames (a NIC's).
     dp.set_xdp_devices(&[(ifindex, proxy_common::xdp_dev::TX | proxy_common::xdp_dev::XMIT)].into()).expect("XDP devices");
-    let name = ServicePortName { service: ObjectKey::new("bench", "north"), port: "dns".into(), protocol: Protocol::Udp };
-    let backend = Backend { addr: (*XDP_BACKEND.ip()).into(), port: XDP_BACKEND.port(), terminating: false, local: false };
-    let key = FrontendKey { addr: XDP_NODE_IP.into(), port: XDP_NODE_PORT.port(), protocol: Protocol::Udp };
-    dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
+    for (family, node_port, backend) in [
+        ("", SocketAddr::V4(XDP_NODE_PORT), SocketAddr::V4(XDP_BACKEND)),
+        ("6", SocketAddr::V6(XDP_NODE_PORT6), SocketAddr::V6(XDP_BACKEND6)),
+    ] {
+        let name =
+            ServicePortName { service: ObjectKey::new("bench", format!("north{family}")), port: "dns".into(), protocol: Protocol::Udp };
+        let backend = Backend { addr: backend.ip(), port: backend.port(), terminating: false, local: false };
+        let key = FrontendKey { addr: node_port.ip(), port: node_port.port(), protocol: Protocol::Udp };
+        dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
+    }
     let mut lab = proxy_tests::load_lab_object_on(&pins.0);
     for p in [prog_names::XDP_BENCH_EXT, prog_names::XDP_BENCH_TX] {
         let prog: &mut aya::programs::Xdp = lab.program_mut(p).expect("bench program").try_into().expect("XDP");
         loader::load_program(|| prog.load()).expect("load the bench program");
     }
-    // One flow: the generator's frame keeps its source port.
+    // One flow: the generator's frame keeps its source port (an IPv6 frame needs that: the
+    // generator writes the port at IPv4's offset).
     let mut flows: aya::maps::Array<_, u32> = aya::maps::Array::try_from(lab.map_mut("BENCH_FLOWS_V1").expect("flow count")).unwrap();
     flows.set(0, 1, 0).expect("flow count");
     XdpNode { ifindex, dp, lab, _pins: pins, _ns: ns }
 }
 
-impl XdpNode {
-    /// The generator's frame arriving on `ext0` from its next hop.
-    fn frame(from: SocketAddrV4, to: SocketAddrV4) -> [u8; 64] {
-        proxy_tests::northbench::generator_frame(from, to, [0x02, 0x50, 0, 0, 0, 1], [0x02, 0x50, 0, 0, 0, 2])
+/// The addresses of `profile --xdp`'s flow in one family, and how its frames are made and read.
+struct XdpFlow {
+    client: SocketAddr,
+    node_port: SocketAddr,
+    backend: SocketAddr,
+}
+
+impl XdpFlow {
+    fn v4() -> Self {
+        Self { client: XDP_CLIENT.into(), node_port: XDP_NODE_PORT.into(), backend: XDP_BACKEND.into() }
     }
 
+    fn v6() -> Self {
+        Self { client: XDP_CLIENT6.into(), node_port: XDP_NODE_PORT6.into(), backend: XDP_BACKEND6.into() }
+    }
+
+    /// The generator's frame from `from` to `to`, arriving on `ext0` from its next hop.
+    fn frame(from: SocketAddr, to: SocketAddr) -> [u8; 64] {
+        let (dst_mac, src_mac) = ([0x02, 0x50, 0, 0, 0, 1], [0x02, 0x50, 0, 0, 0, 2]);
+        match (from, to) {
+            (SocketAddr::V4(from), SocketAddr::V4(to)) => proxy_tests::northbench::generator_frame(from, to, dst_mac, src_mac),
+            (SocketAddr::V6(from), SocketAddr::V6(to)) => proxy_tests::northbench::generator_frame6(from, to, dst_mac, src_mac),
+            _ => unreachable!("one family per flow"),
+        }
+    }
+
+    /// The frame's source and destination; panics unless its checksums hold (the IPv4
+    /// generator's UDP datagrams carry none, IPv6's must).
+    fn ends(frame: &[u8]) -> (SocketAddr, SocketAddr) {
+        if frame.get(12..14) == Some(&[0x86, 0xdd][..]) {
+            let d = packet6::dissect(frame);
+            assert_eq!(d.l4_checksum_ok, Some(true), "the UDP checksum of {d:?}");
+            (d.src_sock().into(), d.dst_sock().into())
+        } else {
+            let d = proxy_tests::packet::dissect(frame);
+            assert!(d.ip_checksum_ok && d.udp_checksum_zero, "the checksums of {d:?}");
+            (d.src_sock().into(), d.dst_sock().into())
+        }
+    }
+}
+
+impl XdpNode {
     /// Mean ns per packet of `program` over `repeat` runs, each on `frame` afresh (the generator
     /// restores it: a test run repeats on the frame the last run left), arriving on `ext0`;
     /// and the frame the last run left. Panics unless the last run sent it back out (XDP_TX).
@@ -541,24 +595,26 @@ impl XdpNode {
 /// `profile --xdp`: a tracked north-south flow's packets through XDP (a NodePort flow to a
 /// backend on another node, sent back out of the interface it came in on, XDP_TX), in a loop,
 /// beside the generator's restore alone (`proxy_xdp_bench_tx`, the floor of these figures: the
-/// frame restored and sent back out). `--reply`: its reply's. Each figure is the median of
-/// ROUNDS runs of REPEAT packets; every run must return XDP_TX, and the counters must hold
-/// every packet under `xdp_forward` (`xdp_reply`). It runs on a thread of its own, which enters
-/// the node's namespace.
+/// frame restored and sent back out). `--reply`: its reply's. `--ipv6`: the same flow in IPv6,
+/// which the generator's program hands to the agent's IPv6 XDP program by the tail call the
+/// agent's own XDP program makes (the dataplane fills the pinned program array). Each figure
+/// is the median of ROUNDS runs of REPEAT packets; every run must return XDP_TX, and the
+/// counters must hold every packet under `xdp_forward` (`xdp_reply`). It runs on a thread of
+/// its own, which enters the node's namespace.
 fn xdp_profile() {
     std::thread::spawn(xdp_profile_here).join().unwrap_or_else(|p| std::panic::resume_unwind(p));
 }
 
 fn xdp_profile_here() {
     let mut n = xdp_node();
-    let forward = XdpNode::frame(XDP_CLIENT, XDP_NODE_PORT);
+    let (flow, family) = if std::env::args().any(|a| a == "--ipv6") { (XdpFlow::v6(), "IPv6 ") } else { (XdpFlow::v4(), "") };
+    let forward = XdpFlow::frame(flow.client, flow.node_port);
     let (_, out) = n.run(prog_names::XDP_BENCH_EXT, forward, 1);
-    let d = proxy_tests::packet::dissect(&out);
-    assert_eq!((d.src, d.dst_sock()), (XDP_NODE_IP, XDP_BACKEND), "the flow's first packet: SNAT and DNAT");
-    let reply = XdpNode::frame(XDP_BACKEND, SocketAddrV4::new(XDP_NODE_IP, d.sport.expect("SNAT port")));
+    let (src, dst) = XdpFlow::ends(&out);
+    assert_eq!((src.ip(), dst), (flow.node_port.ip(), flow.backend), "the flow's first packet: SNAT and DNAT");
+    let reply = XdpFlow::frame(flow.backend, src);
     let (_, out) = n.run(prog_names::XDP_BENCH_EXT, reply, 1);
-    let d = proxy_tests::packet::dissect(&out);
-    assert_eq!((d.src_sock(), d.dst_sock()), (XDP_NODE_PORT, XDP_CLIENT), "its reply, translated back");
+    assert_eq!(XdpFlow::ends(&out), (flow.node_port, flow.client), "its reply, translated back");
     let (frame, reason, what) = if std::env::args().any(|a| a == "--reply") {
         (reply, Reason::XdpReply, "reply")
     } else {
@@ -573,7 +629,7 @@ fn xdp_profile_here() {
             floor.push(n.run(prog_names::XDP_BENCH_TX, frame, repeat).0);
         }
         let (ours, floor) = (median(ours), median(floor));
-        println!("xdp {what} {ours:.1} ns, restore only {floor:.1} ns ({:.1} ns above it)", ours - floor);
+        println!("xdp {family}{what} {ours:.1} ns, restore only {floor:.1} ns ({:.1} ns above it)", ours - floor);
     }
     check.took(&mut n.dp, reason, 10 * ROUNDS as u64 * u64::from(repeat), "xdp rounds");
 }
