@@ -133,9 +133,12 @@ extern "C" fn on_signal(signal: i32) {
         let fd = WAKE.load(Ordering::SeqCst);
         // SAFETY: writes one byte from a valid buffer to the pipe made for it.
         unsafe { libc::write(fd, [1u8].as_ptr().cast(), 1) };
-    } else if signal != libc::SIGHUP {
-        // Ctrl-C or a SIGTERM again while the cleanup runs (a hung `ip`, say): end now, as
-        // without us. (Not a SIGHUP: a terminal whose `sudo` the first Ctrl-C ended sends one.)
+    } else if signal == libc::SIGINT {
+        // Ctrl-C again while the cleanup runs (a hung `ip`, say): end now, as without us. Not
+        // a SIGHUP (a terminal whose `sudo` the first Ctrl-C ended sends one), nor a SIGTERM:
+        // one sent to our process group reaches us twice when `cargo xtask`, our parent,
+        // passes its own on, or once more from a test binary stopping its children; SIGKILL
+        // is the way to end us at once.
         // SAFETY: the default action, delivered to ourselves.
         unsafe {
             libc::signal(signal, libc::SIG_DFL);
@@ -158,12 +161,13 @@ static CATCHING: std::sync::Once = std::sync::Once::new();
 
 /// Catches SIGINT, SIGTERM and SIGHUP (those at their default action: not the ones `nohup`
 /// ignores, nor one the binary handles itself, as the demo handles Ctrl-C): the first one makes
-/// a thread of its own kill this process's children (the labs' agents; through
+/// a thread of its own stop this process's children (`stop_children`: the labs' agents; through
 /// `PR_SET_CHILD_SUBREAPER`, also what they started, such as a guest's qemu), run the registered
 /// cleanups, and then end the process by that signal, as it would have ended without us (a
 /// shell loop sees the Ctrl-C). A handler, not a blocked mask: child processes inherit a mask
 /// (std no longer resets it), and an agent that could not see its SIGTERM would never stop;
-/// exec resets a handler to the default. Call it in `main` first; later calls do nothing.
+/// exec resets a handler to the default. Call it in `main` first; later calls do nothing (nor
+/// does it after a registration caught the signals: the process is then no subreaper).
 pub fn clean_up_on_signals() {
     CATCHING.call_once(|| catch_signals(true));
 }
@@ -187,10 +191,10 @@ fn catch_signals(reaper: bool) {
         let _ = std::io::Read::read(&mut std::fs::File::from(wake), &mut [0u8; 1]);
         let signal = SIGNAL.load(Ordering::SeqCst);
         let _ = writeln!(std::io::stderr(), "signal {signal}: removing the namespaces, pins and agents this run made");
-        kill_children();
+        stop_children();
         REGISTRY.run();
         // What the other threads started meanwhile.
-        kill_children();
+        stop_children();
         // Neither exit nor a return from `main`: a thread that ended `main` meanwhile waits
         // inside exit (`wait_at_exit`), and a second exit waits for the first for good (Rust
         // lets one thread exit; newer glibc too). What the bench printed is out already:
@@ -263,22 +267,39 @@ pub fn children_of(parent: u32) -> Vec<u32> {
         .collect()
 }
 
-/// SIGKILLs this process's children and reaps them, until none is left (their own orphans come
-/// to us, the subreaper), so no agent outlives the run or keeps its namespace alive. A child
-/// not yet reaped keeps its pid, so this signals no stranger.
-fn kill_children() {
-    for _ in 0..16 {
-        let children = children_of(std::process::id());
+/// How long children have to end after a SIGTERM before they get a SIGKILL.
+const GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Stops this process's children and reaps them, until none is left (with the subreaper, their
+/// own orphans come to us), so no agent outlives the run or keeps its namespace alive: a
+/// SIGTERM first, as a child may have a cleanup of its own (a benchmark a test started, `runc`
+/// deleting its container), then, for those still there after `GRACE`, a SIGKILL. A child not
+/// yet reaped keeps its pid, so this signals no stranger.
+fn stop_children() {
+    let me = std::process::id();
+    let deadline = std::time::Instant::now() + GRACE;
+    let mut told = std::collections::BTreeSet::new();
+    for _ in 0..1000 {
+        let children = children_of(me);
         if children.is_empty() {
             return;
         }
+        let late = std::time::Instant::now() > deadline;
         for pid in children {
             // SAFETY: signalling and reaping our own children.
             unsafe {
-                libc::kill(pid as i32, libc::SIGKILL);
-                libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
+                if late {
+                    libc::kill(pid as i32, libc::SIGKILL);
+                    libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
+                } else {
+                    if told.insert(pid) {
+                        libc::kill(pid as i32, libc::SIGTERM);
+                    }
+                    libc::waitpid(pid as i32, std::ptr::null_mut(), libc::WNOHANG);
+                }
             }
         }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::{
     collections::BTreeSet,
-    os::unix::process::ExitStatusExt,
+    os::unix::process::{CommandExt, ExitStatusExt},
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -77,11 +77,17 @@ fn wait_for<T>(bench: &mut Child, log: &std::path::Path, limit: Duration, what: 
     }
 }
 
-/// Sends `signal` to the bench and waits for it to end; it must end by itself within a minute,
-/// by that signal (as without a handler, once it has cleaned up).
-fn interrupt(bench: &mut Child, log: &std::path::Path, signal: i32) {
+/// Sends `signal` to the bench (`twice`: a second time 20 ms later, while it cleans up) and
+/// waits for it to end; it must end by itself within a minute, by that signal (as without a
+/// handler, once it has cleaned up).
+fn interrupt(bench: &mut Child, log: &std::path::Path, signal: i32, twice: bool) {
     // SAFETY: signalling our own child.
     unsafe { libc::kill(bench.id() as i32, signal) };
+    if twice {
+        std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: as above (not reaped yet: the test reaps it below).
+        unsafe { libc::kill(bench.id() as i32, signal) };
+    }
     let t = Instant::now();
     let status = loop {
         if let Some(s) = bench.try_wait().expect("try_wait") {
@@ -97,9 +103,24 @@ fn interrupt(bench: &mut Child, log: &std::path::Path, signal: i32) {
     assert!(text.contains("removing the namespaces, pins and agents"), "it said what it cleans up:\n{text}");
 }
 
+/// Starts `cmd`'s process with SIGHUP, SIGINT and SIGTERM at their default action, even if
+/// this test runs with them ignored (a background job of a script): the process must catch
+/// them.
+fn default_signals(cmd: &mut Command) -> &mut Command {
+    // SAFETY: only `signal` between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            for s in [libc::SIGHUP, libc::SIGINT, libc::SIGTERM] {
+                libc::signal(s, libc::SIG_DFL);
+            }
+            Ok(())
+        })
+    }
+}
+
 fn spawn_bench(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Run {
     let out = std::fs::File::create(log).expect("bench log");
-    let bench = Command::new(BENCH)
+    let bench = default_signals(&mut Command::new(BENCH))
         .args(args)
         .envs(env.iter().copied())
         .env("BENCH_OUT_DIR", std::env::temp_dir())
@@ -129,7 +150,7 @@ fn ctrl_c_in_the_xdp_profile_removes_its_namespace_and_its_pins() {
     });
     run.namespaces.clone_from(&ns);
     run.dirs.clone_from(&mounts);
-    interrupt(&mut run.bench, &log, libc::SIGINT);
+    interrupt(&mut run.bench, &log, libc::SIGINT, false);
     let (ns_after, mounts_after) = (namespaces(), bpf_mounts());
     for n in &ns {
         assert!(!ns_after.contains(n), "namespace {n} left behind");
@@ -174,7 +195,9 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
     let blocked = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).map(|m| u64::from_str_radix(m.trim(), 16).expect("SigBlk"));
     let ends = [libc::SIGHUP, libc::SIGINT, libc::SIGTERM].iter().fold(0u64, |m, s| m | 1 << (s - 1));
     assert_eq!(blocked.map(|b| b & ends), Some(0), "SIGHUP, SIGINT or SIGTERM blocked in the agent");
-    interrupt(&mut run.bench, &log, libc::SIGTERM);
+    // Twice, as a SIGTERM to `cargo xtask bench`'s process group reaches the bench (from the
+    // sender, and passed on by xtask): the second must not cut the cleanup short.
+    interrupt(&mut run.bench, &log, libc::SIGTERM, true);
     // Reaped by the bench: an agent it left would live on under init.
     assert!(!std::path::Path::new(&format!("/proc/{agent}")).exists(), "agent {agent} still running");
     assert!(!lab_dir.exists(), "lab directory {} left behind", lab_dir.display());
@@ -212,7 +235,7 @@ fn ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped() {
     let log = std::env::temp_dir().join(format!("interrupt-test-{}.log", std::process::id()));
     let name = format!("pxi-{}", std::process::id());
     let out = std::fs::File::create(&log).expect("test log");
-    let child = Command::new(std::env::current_exe().expect("this test binary"))
+    let child = default_signals(&mut Command::new(std::env::current_exe().expect("this test binary")))
         .args(["--exact", "ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped", "--nocapture"])
         .env(STOPPED_TEST, &name)
         .stdin(Stdio::null())
@@ -241,7 +264,7 @@ fn ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped() {
         namespaces().contains(&name).then_some(pid)
     });
     sleeper.0 = Some(pid);
-    interrupt(&mut run.bench, &log, libc::SIGINT);
+    interrupt(&mut run.bench, &log, libc::SIGINT, false);
     assert!(!namespaces().contains(&name), "namespace {name} left behind");
     // Killed and reaped by the stopped test (a process it left would live on under init).
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "its process {pid} still running");

@@ -57,6 +57,8 @@ fn main() {
         }
         other => Err(format!("unknown task {other:?}; run `cargo xtask help`")),
     };
+    // A task that failed because a signal stopped its command ends by that signal.
+    interrupt::end_if_interrupted();
     if let Err(e) = result {
         eprintln!("xtask {task}: {e}");
         exit(1);
@@ -104,7 +106,8 @@ fn check(cmd: &mut Command) -> Result {
 
 fn output(cmd: &mut Command) -> Result<String> {
     interrupt::end_if_interrupted();
-    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("running {cmd:?}: {e}"))?;
+    let child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| format!("running {cmd:?}: {e}"))?;
     let out = interrupt::wait_with_output(child).map_err(|e| format!("waiting for {cmd:?}: {e}"))?;
     if !out.status.success() {
         return Err(format!("{cmd:?} failed ({})", out.status));
@@ -469,13 +472,16 @@ fn bench(extra: &[String]) -> Result {
 /// Ctrl-C and a closed terminal reach the whole foreground process group: the task's child
 /// (cargo, the demo, a benchmark) gets them itself and cleans up (its namespaces, pins and
 /// agents), so xtask waits for it to end and then ends by the same signal; the prompt comes
-/// back once the cleanup is done. A SIGTERM sent to xtask alone is passed on to the child.
-/// Only std here (see the top): the few libc calls are declared by hand.
+/// back once the cleanup is done. A second Ctrl-C ends xtask at once. A SIGTERM is passed on
+/// to the child, once (one sent to the process group reaches the child twice then; ours ignore
+/// a second SIGTERM while they clean up). The child is the demo or the benchmark itself
+/// (`cargo run` becomes the program), but for `test` it is cargo, which does not pass a signal
+/// on to its test binary. Only std here (see the top): the few libc calls are declared by hand.
 mod interrupt {
     use std::{
         io,
         process::{Child, ExitStatus, Output},
-        sync::atomic::{AtomicI32, Ordering},
+        sync::atomic::{AtomicBool, AtomicI32, Ordering},
     };
 
     const SIGHUP: i32 = 1;
@@ -486,22 +492,41 @@ mod interrupt {
 
     extern "C" {
         fn signal(signum: i32, handler: usize) -> usize;
+        /// Only to read an action: `old` is glibc's `struct sigaction`, whose first field is
+        /// the handler (152 bytes on x86_64; the buffer given is larger).
+        fn sigaction(signum: i32, act: *const u8, old: *mut u64) -> i32;
         fn kill(pid: i32, sig: i32) -> i32;
         fn raise(sig: i32) -> i32;
     }
 
     /// The child being waited for, 0 if none.
     static CHILD: AtomicI32 = AtomicI32::new(0);
-    /// The signal that came, 0 if none.
+    /// The signal that came last, 0 if none.
     static SIGNAL: AtomicI32 = AtomicI32::new(0);
+    /// Set once a SIGTERM was passed on.
+    static FORWARDED: AtomicBool = AtomicBool::new(false);
+
+    /// Passes a SIGTERM on to the child being waited for, unless one was already.
+    fn forward(child: i32) {
+        if child > 0 && !FORWARDED.swap(true, Ordering::SeqCst) {
+            // SAFETY: signals the child this process started and has not reaped yet.
+            unsafe { kill(child, SIGTERM) };
+        }
+    }
 
     extern "C" fn on_signal(sig: i32) {
-        // Only atomics and kill: async-signal-safe.
-        SIGNAL.store(sig, Ordering::SeqCst);
-        let child = CHILD.load(Ordering::SeqCst);
-        if sig == SIGTERM && child > 0 {
-            // SAFETY: signals the child this process started and has not reaped yet.
-            unsafe { kill(child, sig) };
+        // Only atomics, kill, signal and raise: async-signal-safe.
+        let before = SIGNAL.swap(sig, Ordering::SeqCst);
+        if sig == SIGINT && before != 0 {
+            // Ctrl-C again: end now, as without us.
+            // SAFETY: the default action, delivered to ourselves.
+            unsafe {
+                signal(sig, SIG_DFL);
+                raise(sig);
+            }
+        }
+        if sig == SIGTERM {
+            forward(CHILD.load(Ordering::SeqCst));
         }
     }
 
@@ -510,11 +535,14 @@ mod interrupt {
     /// start with the default action (exec resets a handler).
     pub fn catch() {
         for sig in [SIGHUP, SIGINT, SIGTERM] {
-            // SAFETY: installs a handler that only touches atomics and calls kill.
+            let mut old = [0u64; 32];
+            // SAFETY: reads the action into a buffer larger than `struct sigaction`; then
+            // installs a handler that only touches atomics and calls kill, signal and raise.
             unsafe {
-                if signal(sig, on_signal as *const () as usize) == SIG_IGN {
-                    signal(sig, SIG_IGN);
+                if sigaction(sig, std::ptr::null(), old.as_mut_ptr()) != 0 || old[0] as usize == SIG_IGN {
+                    continue;
                 }
+                signal(sig, on_signal as *const () as usize);
             }
         }
     }
@@ -535,10 +563,9 @@ mod interrupt {
 
     fn waiting<T>(child: Child, wait: impl FnOnce(Child) -> io::Result<T>) -> io::Result<T> {
         CHILD.store(child.id() as i32, Ordering::SeqCst);
-        // A signal that came before the child's pid was known: pass a SIGTERM on now.
+        // A SIGTERM that came before the child's pid was known: passed on now.
         if SIGNAL.load(Ordering::SeqCst) == SIGTERM {
-            // SAFETY: as in the handler.
-            unsafe { kill(child.id() as i32, SIGTERM) };
+            forward(child.id() as i32);
         }
         let done = wait(child);
         CHILD.store(0, Ordering::SeqCst);
@@ -562,21 +589,30 @@ mod tests {
     use std::{
         os::unix::process::{CommandExt, ExitStatusExt},
         path::{Path, PathBuf},
-        process::Command,
+        process::{Child, Command, ExitStatus},
         time::{Duration, Instant},
     };
 
-    /// Set in the process the test starts: it is xtask running a task's command.
-    const AS_XTASK: &str = "XTASK_TEST_INTERRUPT_FILE";
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
 
-    /// A task's command that cleans up for a while after Ctrl-C or a SIGTERM, as the bench
-    /// and the demo do, and notes when it is done.
-    fn slow_cleaner(file: &Path) -> Command {
+    const SIGINT: i32 = 2;
+    const SIGTERM: i32 = 15;
+
+    /// Set in the process a test starts: it is xtask running a task's command; the value names
+    /// the file the command writes to, and how long its cleanup takes.
+    const AS_XTASK: &str = "XTASK_TEST_INTERRUPT";
+
+    /// A task's command that cleans up for `secs` after Ctrl-C or a SIGTERM, as the bench and
+    /// the demo do, and notes when it is done.
+    fn slow_cleaner(file: &Path, secs: &str) -> Command {
         let f = file.display();
         let mut cmd = Command::new("sh");
         cmd.arg("-c").arg(format!(
-            "trap 'sleep 0.5; echo INT done >> {f}; exit 130' INT; \
-             trap 'sleep 0.5; echo TERM done >> {f}; exit 143' TERM; \
+            "trap 'sleep {secs}; echo INT done >> {f}; exit 130' INT; \
+             trap 'sleep {secs}; echo TERM done >> {f}; exit 143' TERM; \
              echo started >> {f}; while :; do sleep 0.1; done"
         ));
         cmd
@@ -586,53 +622,77 @@ mod tests {
         std::fs::read_to_string(file).unwrap_or_default()
     }
 
-    /// Runs this test binary as xtask running `slow_cleaner`, in a process group of its own
-    /// (as a terminal's foreground job), signals it as `send` does once the command runs, and
-    /// returns how it ended and what the command had written by then.
-    fn interrupted(test: &str, send: impl FnOnce(i32)) -> (std::process::ExitStatus, String) {
-        let file = std::env::temp_dir().join(format!("xtask-{test}-{}", std::process::id()));
-        let _ = std::fs::remove_file(&file);
-        let mut xtask = Command::new(std::env::current_exe().expect("this test binary"))
-            .args(["--exact", &format!("tests::{test}"), "--nocapture"])
-            .env(AS_XTASK, &file)
-            .process_group(0)
-            .spawn()
-            .expect("start xtask");
-        let t = Instant::now();
-        while !read(&file).contains("started") {
-            assert!(t.elapsed() < Duration::from_secs(30), "the command did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        send(xtask.id() as i32);
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = xtask.try_wait().expect("wait for xtask") {
-                break Some(s);
-            }
-            if t.elapsed() > Duration::from_secs(30) {
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let seen = read(&file);
-        // The group, whatever of it is left (all of it if xtask did not end).
-        // SAFETY: signals the process group this test made.
-        unsafe { kill(-(xtask.id() as i32), 9) };
-        let _ = xtask.wait();
-        let _ = std::fs::remove_file(&file);
-        (status.unwrap_or_else(|| panic!("xtask did not end within 30 s of the signal; its command wrote {seen:?}")), seen)
+    /// This test binary run as xtask, in a process group of its own (as a terminal's
+    /// foreground job); the group is killed and the file removed when it drops, however the
+    /// test ends.
+    struct Xtask {
+        child: Child,
+        file: PathBuf,
     }
 
-    extern "C" {
-        fn kill(pid: i32, sig: i32) -> i32;
+    impl Xtask {
+        /// Starts it, with the command cleaning up for `secs`, and waits until the command runs.
+        fn start(test: &str, secs: &str) -> Self {
+            let file = std::env::temp_dir().join(format!("xtask-{test}-{}", std::process::id()));
+            let _ = std::fs::remove_file(&file);
+            let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+            cmd.args(["--exact", &format!("tests::{test}"), "--nocapture"])
+                .env(AS_XTASK, format!("{secs} {}", file.display()))
+                .process_group(0);
+            // SAFETY: only `signal` between fork and exec. The signals start at their default
+            // action even if this test runs with them ignored (a background job of a script).
+            unsafe {
+                cmd.pre_exec(|| {
+                    for sig in [1, SIGINT, SIGTERM] {
+                        signal(sig, 0);
+                    }
+                    Ok(())
+                });
+            }
+            let xtask = Self { child: cmd.spawn().expect("start xtask"), file };
+            let t = Instant::now();
+            while !read(&xtask.file).contains("started") {
+                assert!(t.elapsed() < Duration::from_secs(30), "the command did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            xtask
+        }
+
+        fn pid(&self) -> i32 {
+            self.child.id() as i32
+        }
+
+        /// How it ended (within 30 s) and what the command had written by then.
+        fn end(&mut self) -> (ExitStatus, String) {
+            let t = Instant::now();
+            loop {
+                if let Some(s) = self.child.try_wait().expect("wait for xtask") {
+                    return (s, read(&self.file));
+                }
+                assert!(t.elapsed() < Duration::from_secs(30), "xtask did not end within 30 s; its command wrote {:?}", read(&self.file));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    impl Drop for Xtask {
+        fn drop(&mut self) {
+            // SAFETY: signals the process group this test made.
+            unsafe { kill(-self.pid(), 9) };
+            let _ = self.child.wait();
+            let _ = std::fs::remove_file(&self.file);
+        }
     }
 
     /// In the started process: xtask's handling, then the task's command, waited for as every
     /// command of a task is.
     fn as_xtask() -> bool {
-        let Some(file) = std::env::var_os(AS_XTASK).map(PathBuf::from) else { return false };
+        let Some(value) = std::env::var_os(AS_XTASK) else { return false };
+        let value = value.to_string_lossy().into_owned();
+        let (secs, file) = value.split_once(' ').expect("seconds and file");
         super::interrupt::catch();
-        let _ = super::status(&mut slow_cleaner(&file));
+        let _ = super::status(&mut slow_cleaner(Path::new(file), secs));
+        super::interrupt::end_if_interrupted();
         panic!("xtask went on after the signal");
     }
 
@@ -641,13 +701,28 @@ mod tests {
         if as_xtask() {
             return;
         }
+        let mut xtask = Xtask::start("ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it", "0.5");
         // Ctrl-C: the terminal signals the whole foreground group.
-        let (status, seen) = interrupted("ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it", |pid| unsafe {
-            // SAFETY: the test's own process group.
-            kill(-pid, 2);
-        });
+        // SAFETY: the test's own process group.
+        unsafe { kill(-xtask.pid(), SIGINT) };
+        let (status, seen) = xtask.end();
         assert!(seen.contains("INT done"), "xtask ended before its command had cleaned up: {seen:?}");
-        assert_eq!(status.signal(), Some(2), "xtask's end ({status})");
+        assert_eq!(status.signal(), Some(SIGINT), "xtask's end ({status})");
+    }
+
+    #[test]
+    fn a_second_ctrl_c_ends_xtask_at_once() {
+        if as_xtask() {
+            return;
+        }
+        let mut xtask = Xtask::start("a_second_ctrl_c_ends_xtask_at_once", "20");
+        // SAFETY: the test's own process group, then its xtask.
+        unsafe { kill(-xtask.pid(), SIGINT) };
+        std::thread::sleep(Duration::from_millis(200));
+        unsafe { kill(xtask.pid(), SIGINT) };
+        let (status, seen) = xtask.end();
+        assert!(!seen.contains("INT done"), "xtask waited for the cleanup after the second Ctrl-C: {seen:?}");
+        assert_eq!(status.signal(), Some(SIGINT), "xtask's end ({status})");
     }
 
     #[test]
@@ -655,11 +730,11 @@ mod tests {
         if as_xtask() {
             return;
         }
-        let (status, seen) = interrupted("a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it", |pid| unsafe {
-            // SAFETY: the test's own child.
-            kill(pid, 15);
-        });
+        let mut xtask = Xtask::start("a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it", "0.5");
+        // SAFETY: the test's own child.
+        unsafe { kill(xtask.pid(), SIGTERM) };
+        let (status, seen) = xtask.end();
         assert!(seen.contains("TERM done"), "the command did not get the SIGTERM, or xtask did not wait: {seen:?}");
-        assert_eq!(status.signal(), Some(15), "xtask's end ({status})");
+        assert_eq!(status.signal(), Some(SIGTERM), "xtask's end ({status})");
     }
 }

@@ -492,34 +492,36 @@ const XDP_CLIENT6: SocketAddrV6 = SocketAddrV6::new(Ipv6Addr::new(0x2001, 0xdb8,
 const XDP_NODE_PORT6: SocketAddrV6 = SocketAddrV6::new(XDP_NODE_IP6, 30053, 0, 0);
 const XDP_BACKEND6: SocketAddrV6 = SocketAddrV6::new(Ipv6Addr::new(0xfd00, 0x244, 2, 0, 0, 0, 0, 5), 8080, 0, 0);
 
-fn xdp_node() -> XdpNode {
+/// `flow`: the NodePort's flow, in whose family the node gets its address and routes.
+fn xdp_node(flow: &XdpFlow) -> XdpNode {
     use proxy_tests::netns::{enter, ifindex, uplink_node};
     let ns = uplink_node("pxb");
-    ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
-    ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
-    ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
-    ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
-    ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
-    ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
-    ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    let ipv6 = flow.node_port.is_ipv6();
+    if ipv6 {
+        ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
+        ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+        ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
+        ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
+        ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    } else {
+        ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
+        ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
+    }
     enter(&ns.file()).expect("enter the node namespace");
     let ifindex = ifindex("ext0");
     let pins = proxy_tests::lab::TempBpffs::new("pxb");
     let mut dp = EbpfDataplane::load(LoadOptions { pin_root: Some(pins.0.clone()), ..Default::default() }).expect("load the dataplane");
-    dp.set_interface_address(ifindex, Some(XDP_NODE_IP)).expect("the node's address");
-    dp.set_interface_address6(ifindex, Some(XDP_NODE_IP6)).expect("the node's IPv6 address");
+    if ipv6 {
+        dp.set_interface_address6(ifindex, Some(XDP_NODE_IP6)).expect("the node's IPv6 address");
+    } else {
+        dp.set_interface_address(ifindex, Some(XDP_NODE_IP)).expect("the node's address");
+    }
     // What the agent records for an uplink whose far end takes native XDP's frames (a NIC's).
     dp.set_xdp_devices(&[(ifindex, proxy_common::xdp_dev::TX | proxy_common::xdp_dev::XMIT)].into()).expect("XDP devices");
-    for (family, node_port, backend) in [
-        ("", SocketAddr::V4(XDP_NODE_PORT), SocketAddr::V4(XDP_BACKEND)),
-        ("6", SocketAddr::V6(XDP_NODE_PORT6), SocketAddr::V6(XDP_BACKEND6)),
-    ] {
-        let name =
-            ServicePortName { service: ObjectKey::new("bench", format!("north{family}")), port: "dns".into(), protocol: Protocol::Udp };
-        let backend = Backend { addr: backend.ip(), port: backend.port(), terminating: false, local: false };
-        let key = FrontendKey { addr: node_port.ip(), port: node_port.port(), protocol: Protocol::Udp };
-        dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
-    }
+    let name = ServicePortName { service: ObjectKey::new("bench", "north"), port: "dns".into(), protocol: Protocol::Udp };
+    let backend = Backend { addr: flow.backend.ip(), port: flow.backend.port(), terminating: false, local: false };
+    let key = FrontendKey { addr: flow.node_port.ip(), port: flow.node_port.port(), protocol: Protocol::Udp };
+    dp.upsert(&key, &Frontend::new(name, FrontendKind::NodePort, vec![backend])).expect("the NodePort");
     let mut lab = proxy_tests::load_lab_object_on(&pins.0);
     for p in [prog_names::XDP_BENCH_EXT, prog_names::XDP_BENCH_TX] {
         let prog: &mut aya::programs::Xdp = lab.program_mut(p).expect("bench program").try_into().expect("XDP");
@@ -606,8 +608,8 @@ fn xdp_profile() {
 }
 
 fn xdp_profile_here() {
-    let mut n = xdp_node();
     let (flow, family) = if std::env::args().any(|a| a == "--ipv6") { (XdpFlow::v6(), "IPv6 ") } else { (XdpFlow::v4(), "") };
+    let mut n = xdp_node(&flow);
     let forward = XdpFlow::frame(flow.client, flow.node_port);
     let (_, out) = n.run(prog_names::XDP_BENCH_EXT, forward, 1);
     let (src, dst) = XdpFlow::ends(&out);
