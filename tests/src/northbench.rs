@@ -175,10 +175,7 @@ fn frame(dst_mac: [u8; 6], src_port: u16) -> Vec<u8> {
 /// generator may vary the source port.
 pub fn generator_frame(from: SocketAddrV4, to: SocketAddrV4, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
     let udp = crate::packet::udp_datagram(from, to, &[0u8; 22], false);
-    let mut f = crate::packet::Ipv4::new(*from.ip(), *to.ip(), crate::packet::UDP, udp).frame();
-    f[0..6].copy_from_slice(&dst_mac);
-    f[6..12].copy_from_slice(&src_mac);
-    f.try_into().expect("a 64-byte frame")
+    with_macs(crate::packet::Ipv4::new(*from.ip(), *to.ip(), crate::packet::UDP, udp).frame(), dst_mac, src_mac)
 }
 
 /// The same in IPv6: a 64-byte frame too (a UDP datagram of two bytes, with its checksum,
@@ -186,10 +183,14 @@ pub fn generator_frame(from: SocketAddrV4, to: SocketAddrV4, dst_mac: [u8; 6], s
 /// this frame's source address: it takes one flow (`BENCH_FLOWS_V1` = 1), whose port it writes
 /// back unchanged.
 pub fn generator_frame6(from: SocketAddrV6, to: SocketAddrV6, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
-    let mut f = crate::packet6::udp_frame(from, to, &[0u8; 2]);
-    f[0..6].copy_from_slice(&dst_mac);
-    f[6..12].copy_from_slice(&src_mac);
-    f.try_into().expect("a 64-byte frame")
+    with_macs(crate::packet6::udp_frame(from, to, &[0u8; 2]), dst_mac, src_mac)
+}
+
+/// The 64-byte `frame` with its Ethernet addresses.
+fn with_macs(mut frame: Vec<u8>, dst_mac: [u8; 6], src_mac: [u8; 6]) -> [u8; 64] {
+    frame[0..6].copy_from_slice(&dst_mac);
+    frame[6..12].copy_from_slice(&src_mac);
+    frame.try_into().expect("a 64-byte frame")
 }
 
 fn udp_pps(c: &mut Cluster, mode: Mode, frames: u32) -> (f64, f64) {

@@ -631,8 +631,13 @@ mod tests {
     }
 
     impl Xtask {
-        /// Starts it, with the command cleaning up for `secs`, and waits until the command runs.
-        fn start(test: &str, secs: &str) -> Self {
+        /// Starts it for the calling test (libtest names the thread after it), with the command
+        /// cleaning up for `secs`, and waits until the command runs. In the started process,
+        /// acts as xtask instead and never returns (`as_xtask`).
+        fn start(secs: &str) -> Self {
+            as_xtask();
+            let thread = std::thread::current();
+            let test = thread.name().expect("libtest names the test's thread").trim_start_matches("tests::");
             let file = std::env::temp_dir().join(format!("xtask-{test}-{}", std::process::id()));
             let _ = std::fs::remove_file(&file);
             let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
@@ -685,9 +690,9 @@ mod tests {
     }
 
     /// In the started process: xtask's handling, then the task's command, waited for as every
-    /// command of a task is.
-    fn as_xtask() -> bool {
-        let Some(value) = std::env::var_os(AS_XTASK) else { return false };
+    /// command of a task is; the signal ends the process. Elsewhere, nothing.
+    fn as_xtask() {
+        let Some(value) = std::env::var_os(AS_XTASK) else { return };
         let value = value.to_string_lossy().into_owned();
         let (secs, file) = value.split_once(' ').expect("seconds and file");
         super::interrupt::catch();
@@ -698,10 +703,7 @@ mod tests {
 
     #[test]
     fn ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it() {
-        if as_xtask() {
-            return;
-        }
-        let mut xtask = Xtask::start("ctrl_c_waits_for_the_tasks_cleanup_then_ends_xtask_by_it", "0.5");
+        let mut xtask = Xtask::start("0.5");
         // Ctrl-C: the terminal signals the whole foreground group.
         // SAFETY: the test's own process group.
         unsafe { kill(-xtask.pid(), SIGINT) };
@@ -712,10 +714,7 @@ mod tests {
 
     #[test]
     fn a_second_ctrl_c_ends_xtask_at_once() {
-        if as_xtask() {
-            return;
-        }
-        let mut xtask = Xtask::start("a_second_ctrl_c_ends_xtask_at_once", "20");
+        let mut xtask = Xtask::start("20");
         // SAFETY: the test's own process group, then its xtask.
         unsafe { kill(-xtask.pid(), SIGINT) };
         std::thread::sleep(Duration::from_millis(200));
@@ -727,10 +726,7 @@ mod tests {
 
     #[test]
     fn a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it() {
-        if as_xtask() {
-            return;
-        }
-        let mut xtask = Xtask::start("a_sigterm_to_xtask_alone_reaches_the_task_and_ends_xtask_after_it", "0.5");
+        let mut xtask = Xtask::start("0.5");
         // SAFETY: the test's own child.
         unsafe { kill(xtask.pid(), SIGTERM) };
         let (status, seen) = xtask.end();
