@@ -5,7 +5,8 @@
 //! that ends the process runs those, newest first. A binary of ours calls `clean_up_on_signals`
 //! first thing; a test binary, whose `main` is libtest's, catches the signals from its first
 //! registration on (a Ctrl-C in `cargo test` then removes the namespaces of the tests it
-//! stopped). An owner that drops normally takes its registration back (and cleans up itself).
+//! stopped; so does cargo's end, which a SIGTERM to cargo alone brings). An owner that drops
+//! normally takes its registration back (and cleans up itself).
 
 use std::{
     collections::BTreeMap,
@@ -95,7 +96,8 @@ impl Drop for Registration {
 
 /// Runs `cleanup` if a signal ends the process before the returned registration drops. The
 /// first registration of a process that did not call `clean_up_on_signals` (a test binary)
-/// catches the signals still at their default action, without becoming the subreaper.
+/// catches the signals still at their default action, without becoming the subreaper, and
+/// takes its parent's end (cargo's) as a SIGTERM.
 pub fn register(cleanup: impl FnOnce() + Send + 'static) -> Registration {
     CATCHING.call_once(|| catch_signals(false));
     REGISTRY.register(cleanup)
@@ -187,6 +189,18 @@ fn catch_signals(reaper: bool) {
     WAKE.store(fds[1], Ordering::SeqCst);
     PID.store(std::process::id() as i32, Ordering::SeqCst);
     let cleaner = std::thread::spawn(move || {
+        // A test binary's parent is cargo, which ends on a SIGTERM without passing it on or
+        // waiting for us (`kill <cargo>`, a CI job's timeout, `cargo xtask test` passing its
+        // own on): its end is then our SIGTERM. Asked here: the kernel sends it for each of
+        // our threads that asked and is still alive, and this one lives as long as the process
+        // (a test's own thread ends with its test). It comes when the thread that started us
+        // ends: cargo starts test binaries from its main thread. Not for binaries that call
+        // `clean_up_on_signals`: a benchmark started in the background may outlive its starter.
+        // SAFETY: prctl with plain integer arguments.
+        if !reaper && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) } != 0 {
+            let error = std::io::Error::last_os_error();
+            eprintln!("cannot ask for a signal when cargo ends ({error}): stopping cargo alone will leave namespaces behind");
+        }
         // Returns once the handler wrote (SA_RESTART: a signal here does not end the read).
         let _ = std::io::Read::read(&mut std::fs::File::from(wake), &mut [0u8; 1]);
         let signal = SIGNAL.load(Ordering::SeqCst);

@@ -212,61 +212,119 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
     let _ = std::fs::remove_file(&log);
 }
 
-/// Set in the process the next test starts: it is the test binary stopped by Ctrl-C.
+/// Set in the process the next tests start: it is the test binary stopped, and this is the
+/// name of the namespace it makes.
 const STOPPED_TEST: &str = "PROXY_TESTS_INTERRUPT_STOPPED_TEST";
 
-#[test]
-fn ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped() {
+/// How a test binary is stopped.
+#[derive(Clone, Copy)]
+enum Stop {
+    /// A Ctrl-C in its terminal (SIGINT).
+    CtrlC,
+    /// Its parent (cargo) ends without passing anything on: a SIGTERM to cargo alone, say.
+    ParentEnds,
+}
+
+/// Runs test `test` of this binary again, alone, as `cargo test` runs it, stops it by `how` once
+/// it has made its namespace and started a process, and requires that it cleaned both up on
+/// the signal it got.
+fn stop_a_test_binary(test: &str, how: Stop) {
     if let Ok(name) = std::env::var(STOPPED_TEST) {
-        // The test binary run again, this test alone, as `cargo test` runs it: libtest owns
-        // `main`, so nothing called `clean_up_on_signals`; the namespace's registration catches
-        // the signals. It makes a namespace and starts a process, then waits for the Ctrl-C.
-        let _ns = proxy_tests::netns::Netns::create(name);
+        // The test binary run again: libtest owns `main`, so nothing called
+        // `clean_up_on_signals`; the namespace's registration catches the signals. It makes a
+        // namespace and starts a process, then waits to be stopped. The namespace is made on a
+        // thread that ends at once, as a test's thread ends with its test: what the process
+        // asked of the kernel at that registration must outlive it.
+        let _ns = std::thread::spawn(|| proxy_tests::netns::Netns::create(name)).join().expect("make the namespace");
         let mut sleeper = Command::new("sleep").arg("600").spawn().expect("start sleep");
-        println!("sleeper {}", sleeper.id());
+        println!("stopped test {} sleeper {}", std::process::id(), sleeper.id());
         std::thread::sleep(Duration::from_secs(120));
         let _ = sleeper.kill();
         let _ = sleeper.wait();
-        panic!("no signal within two minutes");
+        panic!("not stopped within two minutes");
     }
-    if !require::root("ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped") {
+    if !require::root(test) {
         return;
     }
-    let log = std::env::temp_dir().join(format!("interrupt-test-{}.log", std::process::id()));
-    let name = format!("pxi-{}", std::process::id());
+    let log = std::env::temp_dir().join(format!("interrupt-test-{}-{}.log", std::process::id(), how as u8));
+    let name = format!("pxi-{}-{}", std::process::id(), how as u8);
     let out = std::fs::File::create(&log).expect("test log");
-    let child = default_signals(&mut Command::new(std::env::current_exe().expect("this test binary")))
-        .args(["--exact", "ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped", "--nocapture"])
+    let exe = std::env::current_exe().expect("this test binary");
+    let mut cmd = match how {
+        Stop::CtrlC => Command::new(&exe),
+        // A `sh` stands for cargo; `; exit` keeps it the test binary's parent.
+        Stop::ParentEnds => {
+            let mut sh = Command::new("sh");
+            sh.args(["-c", "\"$0\" \"$@\"; exit"]).arg(&exe);
+            sh
+        }
+    };
+    let child = default_signals(&mut cmd)
+        .args(["--exact", test, "--nocapture"])
         .env(STOPPED_TEST, &name)
         .stdin(Stdio::null())
         .stdout(out.try_clone().expect("log fd"))
         .stderr(out)
         .spawn()
         .expect("start the test binary");
-    // The guard kills the sleeper too if it outlives the test (its command line names no lab
-    // directory: `agent`'s check would spare it).
+    // The guard kills the test binary (and the shell), and its sleep if they outlive the test
+    // (their command lines name no lab directory: `Run`'s check would spare them).
     let mut run = Run { bench: child, agent: None, namespaces: vec![name.clone()], dirs: Vec::new() };
-    struct Sleeper(Option<u32>);
-    impl Drop for Sleeper {
+    struct Leftovers(Vec<(u32, Vec<u8>)>);
+    impl Drop for Leftovers {
         fn drop(&mut self) {
-            if let Some(pid) = self.0 {
-                if std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == b"sleep\x00600\x00") {
-                    // SAFETY: the sleep the stopped test started, still running.
-                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            for (pid, cmdline) in &self.0 {
+                if std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.starts_with(cmdline)) {
+                    // SAFETY: a process the stopped test binary was or started, still running.
+                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
                 }
             }
         }
     }
-    let mut sleeper = Sleeper(None);
-    let pid = wait_for(&mut run.bench, &log, Duration::from_secs(60), "the stopped test's namespace and process", || {
+    let mut leftovers = Leftovers(Vec::new());
+    let (test_pid, sleeper) = wait_for(&mut run.bench, &log, Duration::from_secs(60), "the stopped test's namespace and process", || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let pid = text.lines().find_map(|l| l.strip_prefix("sleeper "))?.trim().parse::<u32>().ok()?;
-        namespaces().contains(&name).then_some(pid)
+        let pids = text.lines().find_map(|l| l.strip_prefix("stopped test "))?;
+        let (test_pid, sleeper) = pids.split_once(" sleeper ")?;
+        let pids = (test_pid.trim().parse::<u32>().ok()?, sleeper.trim().parse::<u32>().ok()?);
+        namespaces().contains(&name).then_some(pids)
     });
-    sleeper.0 = Some(pid);
-    interrupt(&mut run.bench, &log, libc::SIGINT, false);
+    leftovers.0 = vec![(test_pid, exe.into_os_string().into_encoded_bytes()), (sleeper, b"sleep\x00600\x00".to_vec())];
+    // A process that is no child of ours is gone from /proc once init has reaped it, or a
+    // zombie until then.
+    let ended = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')))
+    };
+    match how {
+        // It must end by the SIGINT, once it has cleaned up.
+        Stop::CtrlC => interrupt(&mut run.bench, &log, libc::SIGINT, false),
+        Stop::ParentEnds => {
+            // SAFETY: ending our child, the test binary's parent, as a SIGTERM ends cargo.
+            unsafe { libc::kill(run.bench.id() as i32, libc::SIGKILL) };
+            let _ = run.bench.wait();
+            let t = Instant::now();
+            while !ended(test_pid) {
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                assert!(t.elapsed() < Duration::from_secs(60), "the test binary did not end within a minute of its parent:\n{log}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let said = format!("signal {}: removing the namespaces", libc::SIGTERM);
+            assert!(text.contains(&said), "its parent's end came as a SIGTERM, and it cleaned up:\n{text}");
+        }
+    }
     assert!(!namespaces().contains(&name), "namespace {name} left behind");
-    // Killed and reaped by the stopped test (a process it left would live on under init).
-    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "its process {pid} still running");
+    // Stopped by the stopped test (a process it left would live on under init).
+    assert!(ended(sleeper), "its process {sleeper} still running");
     let _ = std::fs::remove_file(&log);
+}
+
+#[test]
+fn ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped() {
+    stop_a_test_binary("ctrl_c_in_a_test_binary_removes_the_namespaces_of_the_tests_it_stopped", Stop::CtrlC);
+}
+
+#[test]
+fn a_test_binary_whose_cargo_ends_removes_the_namespaces_of_its_tests() {
+    stop_a_test_binary("a_test_binary_whose_cargo_ends_removes_the_namespaces_of_its_tests", Stop::ParentEnds);
 }
