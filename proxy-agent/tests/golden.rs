@@ -379,12 +379,11 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
     let original = golden("overall", "manifests.yaml");
     let padded = zero_padded(&original);
     assert!(padded.contains("172.030.000.041") && padded != original, "the manifests must hold padded addresses");
-    let dir = std::env::temp_dir().join(format!("golden-sloppy-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let guard = tempfile::Builder::new().prefix("golden-sloppy-").tempdir().unwrap();
+    let dir = guard.path();
     std::fs::write(dir.join("manifests.yaml"), &padded).unwrap();
     let node = fixture_node(LocalTraffic::Cidrs(vec![cidr("010.0.0.0/08")]));
-    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let (_, services) = services_of(dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let ipt = iptables::restore_text(
         &iptables::render(&services, &node, &iptables::IptablesOptions::upstream_fixture()),
         &|_| true,
@@ -414,8 +413,8 @@ fn addresses_with_leading_zeros_render_the_same_rules_in_both_modes() {
 /// apart.
 #[test]
 fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
-    let dir = std::env::temp_dir().join(format!("golden-nodeip-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let guard = tempfile::Builder::new().prefix("golden-nodeip-").tempdir().unwrap();
+    let dir = guard.path();
     let objects = |internal_ip: &str| {
         format!(
             "apiVersion: v1\nkind: Node\nmetadata: {{name: lab-node}}\nstatus: {{addresses: [{{type: InternalIP, address: {internal_ip}}}]}}\n---\n\
@@ -433,7 +432,7 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
     let node_ips = [Ipv4Addr::new(192, 168, 0, 2).into(), Ipv4Addr::new(10, 0, 0, 5).into()];
     let admitted = "-s 203.0.113.9 -j KUBE-EXT";
     std::fs::write(dir.join("objects.yaml"), objects("192.168.0.2")).unwrap();
-    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, dir, &cfg(Default::default()), &node_ips).unwrap();
     assert!(text.contains(admitted), "the range holds the Node's InternalIP: the LB IP is admitted:\n{text}");
     assert!(
         text.contains("-m addrtype --dst-type LOCAL") && !text.contains("-d 10.0.0.5"),
@@ -442,13 +441,12 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
     // The node IP elsewhere: the range no longer admits the node, although it holds one of the
     // node's addresses.
     std::fs::write(dir.join("objects.yaml"), objects("10.0.0.5")).unwrap();
-    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, &dir, &cfg(Default::default()), &node_ips).unwrap();
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Iptables, dir, &cfg(Default::default()), &node_ips).unwrap();
     assert!(!text.contains(admitted), "{text}");
     // --bind-address names the node IP over the Node's.
     let flags = proxy_agent::config::Flags { bind_address: Some("192.168.0.2".parse().unwrap()), ..Default::default() };
-    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Nftables, &dir, &cfg(flags), &node_ips).unwrap();
+    let text = proxy_agent::rules::print(proxy_agent::dataplane::ProxyMode::Nftables, dir, &cfg(flags), &node_ips).unwrap();
     assert!(text.contains("ip saddr != { 192.168.0.0/24 , 203.0.113.9 } drop"), "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A dual-stack Service rendered per family: each family's rules hold only its own addresses,
@@ -458,8 +456,8 @@ fn rules_take_the_node_ip_from_the_node_and_nodeports_from_the_flag() {
 #[test]
 fn each_family_renders_its_own_addresses_in_kube_proxys_ipv6_form() {
     use proxy_agent::model::Family;
-    let dir = std::env::temp_dir().join(format!("golden-dual-stack-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let guard = tempfile::Builder::new().prefix("golden-dual-stack-").tempdir().unwrap();
+    let dir = guard.path();
     std::fs::write(
         dir.join("objects.yaml"),
         "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: ns1}\nspec: {type: NodePort, clusterIP: 172.30.0.41, clusterIPs: [172.30.0.41, 'fd00:172:30::41'], ipFamilies: [IPv4, IPv6], ports: [{name: p80, port: 80, nodePort: 3001}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-v4, namespace: ns1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{name: p80, port: 80}]\nendpoints: [{addresses: [10.180.0.1]}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-v6, namespace: ns1, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: p80, port: 80}]\nendpoints: [{addresses: ['fd00:10:180::1']}, {addresses: ['fd00:10:180::2']}]\n",
@@ -473,8 +471,7 @@ fn each_family_renders_its_own_addresses_in_kube_proxys_ipv6_form() {
         node_ips: vec![Ipv4Addr::new(192, 168, 0, 2).into(), "fd00::2".parse().unwrap()],
         ..Default::default()
     };
-    let (_, services) = services_of(&dir, "test-node", &node, FIXTURE_RULES).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let (_, services) = services_of(dir, "test-node", &node, FIXTURE_RULES).unwrap();
     let (v4, v6) = (node.for_family(Family::V4), node.for_family(Family::V6));
     let ipt = |family, node: &NodeContext| {
         let opts = iptables::IptablesOptions { family, ..iptables::IptablesOptions::upstream_fixture() };

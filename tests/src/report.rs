@@ -416,8 +416,8 @@ mod tests {
 
     #[test]
     fn the_report_holds_each_benchmarks_figures_and_draws_its_plots() {
-        let dir = std::env::temp_dir().join(format!("proxy-report-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::Builder::new().prefix("proxy-report-").tempdir().unwrap();
+        let dir = guard.path();
         let connect = serde_json::json!({"benchmark": "connect", "rows": [
             {"mode": "floor", "services": 1000, "program_s": null, "position": "no proxy", "cluster_tcp_us": [20.0, 61.0, 90.0], "cluster_udp_us": [150.0, 400.0, 500.0], "nodeport_tcp_us": [null, null, null], "note": ""},
             {"mode": "ebpf", "services": 1000, "program_s": 1.4, "position": "a hash map", "cluster_tcp_us": [24.0, 75.0, 99.0], "cluster_udp_us": [142.0, 358.0, 420.0], "nodeport_tcp_us": [34.0, 72.0, 80.0], "note": ""},
@@ -428,7 +428,7 @@ mod tests {
                       {"mode": "Iptables", "udp_pps_delivered": 6.2e5, "pps_vs_iptables": 1.0, "tcp_new_conns_per_sec": 20000.0}]});
         std::fs::write(dir.join("connect.json"), connect.to_string()).unwrap();
         std::fs::write(dir.join("north.json"), north.to_string()).unwrap();
-        let (path, found) = write(&dir).unwrap();
+        let (path, found) = write(dir).unwrap();
         assert_eq!(found, ["connect", "north"], "only what was measured");
         let html = std::fs::read_to_string(&path).unwrap();
         assert!(html.contains("<img src=\"connect.svg\"") && html.contains("<img src=\"north.svg\""), "both plots on the page");
@@ -443,20 +443,19 @@ mod tests {
         }
         let connect_svg = std::fs::read_to_string(dir.join("connect.svg")).unwrap();
         assert!(connect_svg.contains("ClusterIP TCP connect") && connect_svg.contains("floor"), "three panels, every mode in the legend");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn the_footprint_section_says_how_long_the_changes_ran_and_the_rss_over_them() {
-        let dir = std::env::temp_dir().join(format!("proxy-report-footprint-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::Builder::new().prefix("proxy-report-footprint-").tempdir().unwrap();
+        let dir = guard.path();
         let footprint = serde_json::json!({"benchmark": "footprint", "services": 30000, "programmed_s": 8.2, "rss_mib": 62.7,
             "rss_mib_after_changes": 68.0, "rss_mib_every_10_s_of_changes": [62.7, 63.04, 67.9], "changes_s": 600.2,
             "cpu_percent_at_100_changes_per_s": 3.8, "restart_healthz_s": 4.5, "restart_synced_s": 8.27,
             "restart_initial_sync": "initial sync done unchanged=30000",
             "nftables": {"rss_mib": 160.0, "rss_mib_after_changes": 250.0, "rss_mib_every_10_s_of_changes": [160.0, 251.5]}});
         std::fs::write(dir.join("footprint.json"), footprint.to_string()).unwrap();
-        let (path, found) = write(&dir).unwrap();
+        let (path, found) = write(dir).unwrap();
         assert_eq!(found, ["footprint"]);
         let html = std::fs::read_to_string(&path).unwrap();
         assert!(
@@ -471,9 +470,8 @@ mod tests {
         // A file from before `changes_s` (a minute of changes, no series) still reads.
         let older = serde_json::json!({"benchmark": "footprint", "rss_mib": 62.0, "rss_mib_after_changes": 63.3, "nftables": null});
         std::fs::write(dir.join("footprint.json"), older.to_string()).unwrap();
-        let html = std::fs::read_to_string(write(&dir).unwrap().0).unwrap();
+        let html = std::fs::read_to_string(write(dir).unwrap().0).unwrap();
         assert!(html.contains("RSS after the changes (MiB)") && html.contains("63.3") && !html.contains("every 10 s"), "{html}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -487,14 +485,13 @@ mod tests {
 
     #[test]
     fn nothing_to_draw_is_said_instead_of_a_broken_plot() {
-        let dir = std::env::temp_dir().join(format!("proxy-report-empty-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let guard = tempfile::Builder::new().prefix("proxy-report-empty-").tempdir().unwrap();
+        let dir = guard.path();
         std::fs::write(dir.join("connect.json"), r#"{"benchmark": "connect", "rows": []}"#).unwrap();
         std::fs::write(dir.join("north.json"), r#"{"benchmark": "north", "modes": []}"#).unwrap();
-        let (path, _) = write(&dir).unwrap();
+        let (path, _) = write(dir).unwrap();
         let html = std::fs::read_to_string(&path).unwrap();
         assert!(html.contains("no latency figures to plot") && html.contains("no packet rates to plot"), "{html}");
         assert!(!html.contains("<img"), "no image of nothing");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

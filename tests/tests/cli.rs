@@ -3,7 +3,7 @@
 
 use std::{os::unix::process::CommandExt as _, process::Command};
 
-use proxy_tests::{netns::unique_id, require};
+use proxy_tests::require;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_proxy-lab-agent");
 
@@ -18,10 +18,11 @@ fn without_privileges_inspect_trace_and_cleanup_say_so_instead_of_nothing() {
         return;
     }
     // Pins the test made, in a directory only root may read (as /sys/fs/bpf is).
-    let dir = std::env::temp_dir().join(format!("proxy-cli-{}", unique_id()));
+    let guard = tempfile::Builder::new().prefix("proxy-cli-").tempdir().unwrap();
+    let dir = guard.path();
     std::fs::create_dir_all(dir.join("bpf/maps")).unwrap();
     std::fs::write(dir.join("bpf/maps/LB4_SERVICES_V1"), "").unwrap();
-    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     let root = dir.join("bpf");
     let root = root.to_str().unwrap();
     for args in [
@@ -34,14 +35,12 @@ fn without_privileges_inspect_trace_and_cleanup_say_so_instead_of_nothing() {
         assert!(out.contains("permission denied") || out.contains("needs CAP_NET_ADMIN"), "{args:?} says why: {out}");
         assert!(!out.contains("nothing is programmed") && !out.contains("nothing to remove"), "{args:?} does not pretend: {out}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn a_malformed_configuration_file_is_an_error_naming_the_field() {
-    let dir = std::env::temp_dir().join(format!("proxy-cli-{}", unique_id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("config.conf");
+    let guard = tempfile::Builder::new().prefix("proxy-cli-").tempdir().unwrap();
+    let file = guard.path().join("config.conf");
     std::fs::write(
         &file,
         "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\niptables:\n  minSyncPeriod: often\n",
@@ -52,7 +51,6 @@ fn a_malformed_configuration_file_is_an_error_naming_the_field() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(text.contains("iptables.minSyncPeriod") && text.contains("\"often\" is not a duration"), "{text}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

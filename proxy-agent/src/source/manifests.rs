@@ -468,11 +468,12 @@ mod tests {
         N.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn tempdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("proxy-manifests-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A directory of the test's own (the guard removes it when it drops, also when the test
+    /// fails), and its path.
+    fn tempdir(name: &str) -> (tempfile::TempDir, PathBuf) {
+        let d = tempfile::Builder::new().prefix(&format!("proxy-manifests-{name}-")).tempdir().unwrap();
+        let path = d.path().to_path_buf();
+        (d, path)
     }
 
     fn names(events: &[Event], kind: Kind) -> Vec<String> {
@@ -496,7 +497,7 @@ mod tests {
 
     #[test]
     fn reads_multi_document_files_lists_and_json() {
-        let d = tempdir("multi");
+        let (_guard, d) = tempdir("multi");
         write(&d, "a.yaml", &format!("{SVC}---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\n---\napiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: ignored}}\n"));
         write(&d, "b.yaml", "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Service\n  metadata: {name: db}\n  spec: {clusterIP: 10.96.0.11, ports: [{port: 5432}]}\n");
         write(
@@ -512,12 +513,11 @@ mod tests {
         svcs.sort();
         assert_eq!(svcs, ["cache", "db", "web"]);
         assert_eq!(names(&events, Kind::EndpointSlice), ["web-1"]);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_broken_file_keeps_its_previous_objects_and_is_reported() {
-        let d = tempdir("broken");
+        let (_guard, d) = tempdir("broken");
         write(&d, "a.yaml", SVC);
         let mut m = ManifestDir::new(&d).unwrap();
         assert_eq!(names(&m.scan().0, Kind::Service), ["web"]);
@@ -527,12 +527,11 @@ mod tests {
         assert_eq!(problems.len(), 1);
         let text = problems[0].to_string();
         assert!(text.contains("a.yaml") && text.contains("not valid YAML") && text.contains("keeping what it held before"), "{text}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn an_undecodable_object_keeps_its_previous_version_and_others_still_change() {
-        let d = tempdir("undecodable");
+        let (_guard, d) = tempdir("undecodable");
         write(&d, "a.yaml", &format!("{SVC}---\napiVersion: v1\nkind: Service\nmetadata: {{name: db}}\nspec: {{clusterIP: 10.96.0.11, ports: [{{port: 5432}}]}}\n"));
         let mut m = ManifestDir::new(&d).unwrap();
         m.scan();
@@ -547,23 +546,21 @@ mod tests {
         assert_eq!(problems.len(), 1);
         let text = problems[0].to_string();
         assert!(text.contains("document 1") && text.contains("Service default/web") && text.contains("cannot be decoded"), "{text}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn deleting_a_file_deletes_its_objects() {
-        let d = tempdir("delete");
+        let (_guard, d) = tempdir("delete");
         write(&d, "a.yaml", SVC);
         let mut m = ManifestDir::new(&d).unwrap();
         m.scan();
         std::fs::remove_file(d.join("a.yaml")).unwrap();
         assert!(names(&m.scan().0, Kind::Service).is_empty());
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn an_unreadable_entry_is_reported_and_deletes_nothing() {
-        let d = tempdir("unreadable");
+        let (_guard, d) = tempdir("unreadable");
         write(&d, "a.yaml", SVC);
         let mut m = ManifestDir::new(&d).unwrap();
         m.scan();
@@ -574,7 +571,6 @@ mod tests {
         std::fs::remove_file(d.join("b.yaml")).unwrap();
         std::fs::remove_file(d.join("a.yaml")).unwrap();
         assert!(names(&m.scan().0, Kind::Service).is_empty(), "a complete listing still deletes");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -585,7 +581,7 @@ mod tests {
 
     #[test]
     fn link_loops_end_the_walk_and_are_named() {
-        let d = tempdir("loops");
+        let (_guard, d) = tempdir("loops");
         write(&d, "a.yaml", SVC);
         std::fs::create_dir(d.join("sub")).unwrap();
         for (link, to) in [("x", "."), ("y", "."), ("sub/up", "..")] {
@@ -609,12 +605,11 @@ mod tests {
         );
         std::os::unix::fs::symlink(".data/db.yaml", d.join("db.yaml")).unwrap();
         assert_eq!(names(&m.scan().0, Kind::Service), ["db", "web"]);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_file_too_large_is_refused_unread_and_problems_stand_while_they_last() {
-        let d = tempdir("large");
+        let (_guard, d) = tempdir("large");
         write(&d, "a.yaml", SVC);
         let big = std::fs::File::create(d.join("big.yaml")).unwrap();
         // Sparse: the size is what the agent looks at before reading.
@@ -628,22 +623,20 @@ mod tests {
         assert_eq!(m.scan().1, problems);
         std::fs::remove_file(d.join("big.yaml")).unwrap();
         assert!(m.scan().1.is_empty(), "cleared once the file is gone");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_file_that_is_not_utf8_is_named_with_the_position() {
-        let d = tempdir("utf8");
+        let (_guard, d) = tempdir("utf8");
         std::fs::write(d.join("a.yaml"), b"apiVersion: v1\nkind: Service\nmetadata: {name: w\xffb}\n").unwrap();
         let (_, problems) = ManifestDir::new(&d).unwrap().scan();
         assert_eq!(problems.len(), 1);
         assert!(problems[0].message.contains("line 3, column 19"), "{}", problems[0]);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn a_number_too_large_and_a_nameless_object_are_named_with_their_file() {
-        let d = tempdir("messages");
+        let (_guard, d) = tempdir("messages");
         write(
             &d,
             "a.yaml",
@@ -657,14 +650,13 @@ mod tests {
             "{shown:?}"
         );
         assert!(shown[1].contains("b.yaml (document 1): a Service without a name: metadata.name is missing"), "{shown:?}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     /// The directory's own scans open it and its files; those events must not start another
     /// scan (they did: the agent rescanned in a loop, about 50 times a second, forever).
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn a_scan_does_not_wake_the_next() {
-        let dir = tempdir("no-wake");
+        let (_guard, dir) = tempdir("no-wake");
         std::fs::create_dir_all(dir.join("sub")).unwrap();
         write(&dir, "a.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n");
         write(
@@ -682,12 +674,11 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(600)).await;
         let after = count(&mut rx);
         assert!((4..=8).contains(&after), "a write (modify, close) is one or two scans, got {after} events");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn documents_that_are_not_objects_and_objects_defined_twice_are_named() {
-        let dir = tempdir("not-objects");
+        let (_guard, dir) = tempdir("not-objects");
         write(&dir, "a.yaml", "just text\n---\n[1, 2]\n---\n{}\n---\napiVersion: v1\nkind: List\nitems: [5]\n---\nnull\n");
         let svc = |ip: &str| {
             format!("apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n")
@@ -709,6 +700,5 @@ mod tests {
         };
         let Object::Service(s) = &objects[0] else { panic!() };
         assert_eq!(s.spec.as_ref().unwrap().cluster_ip.as_deref(), Some("10.96.0.2"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
