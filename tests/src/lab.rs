@@ -228,8 +228,12 @@ impl Lab {
 
     fn signal_agent(&mut self, sig: i32) {
         if let Some(mut child) = self.agent.take() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(child.id() as i32, sig) };
+            // Not once it has been reaped (`agent_running` reaps an agent that ended): its pid
+            // may be another process's by now.
+            if matches!(child.try_wait(), Ok(None)) {
+                // SAFETY: signalling our own child, not reaped yet.
+                unsafe { libc::kill(child.id() as i32, sig) };
+            }
             let _ = child.wait();
         }
     }
