@@ -113,6 +113,27 @@ pub fn uplink_node(prefix: &str) -> Netns {
     ns
 }
 
+/// An `uplink_node` routed as a node of the north-south tests: its router, the uplink's far
+/// end (192.168.50.2), leads to the other node's pods (10.244.2.0/24) and to the external
+/// clients (198.51.100.0/24), and its own pods are behind `ext1` (10.244.1.0/24). `ipv6`: the
+/// same in IPv6 (the node fd00:50::1, the router fd00:50::2; fd00:244:2::/64, 2001:db8:100::/64
+/// and fd00:244:1::/64), with IPv6 forwarding on.
+pub fn routed_uplink_node(prefix: &str, ipv6: bool) -> Netns {
+    let ns = uplink_node(prefix);
+    ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
+    ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
+    ns.ip(&["route", "add", "10.244.1.0/24", "dev", "ext1"]);
+    if ipv6 {
+        ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
+        ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
+        ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
+        ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
+        ns.ip(&["-6", "route", "add", "fd00:244:1::/64", "dev", "ext1"]);
+        ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    }
+    ns
+}
+
 /// The index of interface `name` in the calling thread's network namespace; panics when it has
 /// none.
 pub fn ifindex(name: &str) -> u32 {

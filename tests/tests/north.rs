@@ -20,7 +20,7 @@ use proxy_common::{
     xdp_dev, Config,
 };
 use proxy_tests::{
-    netns::{enter, ifindex, uplink_node, Netns},
+    netns::{enter, ifindex, routed_uplink_node, Netns},
     packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
     require,
     testrun::{
@@ -60,11 +60,7 @@ fn node(test: &str) -> Option<Node> {
     if !require::root(test) {
         return None;
     }
-    let ns = uplink_node("pxn");
-    ns.ip(&["route", "add", "10.244.2.0/24", "via", ROUTER]);
-    ns.ip(&["route", "add", "198.51.100.0/24", "via", ROUTER]);
-    // The pods of this node, behind the veth's other end (a pod interface of the node).
-    ns.ip(&["route", "add", "10.244.1.0/24", "dev", "ext1"]);
+    let ns = routed_uplink_node("pxn", false);
     enter(&ns.file()).expect("enter the node namespace");
     let ifindex = ifindex("ext0");
     let mut dp = testrun::dataplane();

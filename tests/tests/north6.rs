@@ -11,7 +11,7 @@ use proxy_agent::{
 };
 use proxy_common::{xdp_dev, CtEntry, CtKey, Ip6};
 use proxy_tests::{
-    netns::{enter, ifindex, uplink_node, Netns},
+    netns::{enter, ifindex, routed_uplink_node, Netns},
     packet::{ACK, SYN, TCP},
     packet6::{self, dissect, tcp_frame, udp_frame, Ipv6, ICMPV6},
     require,
@@ -43,14 +43,7 @@ fn node(test: &str) -> Option<Node> {
     if !require::root(test) {
         return None;
     }
-    let ns = uplink_node("pxn6");
-    ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
-    ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
-    ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
-    ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
-    // The pods of this node, behind the veth's other end (a pod interface of the node).
-    ns.ip(&["-6", "route", "add", "fd00:244:1::/64", "dev", "ext1"]);
-    ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+    let ns = routed_uplink_node("pxn6", true);
     enter(&ns.file()).expect("enter the node namespace");
     let ifindex = ifindex("ext0");
     let mut dp = testrun::dataplane();

@@ -494,19 +494,9 @@ const XDP_BACKEND6: SocketAddrV6 = SocketAddrV6::new(Ipv6Addr::new(0xfd00, 0x244
 
 /// `flow`: the NodePort's flow, in whose family the node gets its address and routes.
 fn xdp_node(flow: &XdpFlow) -> XdpNode {
-    use proxy_tests::netns::{enter, ifindex, uplink_node};
-    let ns = uplink_node("pxb");
+    use proxy_tests::netns::{enter, ifindex, routed_uplink_node};
     let ipv6 = flow.node_port.is_ipv6();
-    if ipv6 {
-        ns.ip(&["-6", "addr", "add", "fd00:50::1/64", "dev", "ext0", "nodad"]);
-        ns.ip(&["-6", "neigh", "add", "fd00:50::2", "lladdr", "02:50:00:00:00:02", "dev", "ext0", "nud", "permanent"]);
-        ns.ip(&["-6", "route", "add", "fd00:244:2::/64", "via", "fd00:50::2"]);
-        ns.ip(&["-6", "route", "add", "2001:db8:100::/64", "via", "fd00:50::2"]);
-        ns.sysctl("net.ipv6.conf.all.forwarding", "1");
-    } else {
-        ns.ip(&["route", "add", "10.244.2.0/24", "via", "192.168.50.2"]);
-        ns.ip(&["route", "add", "198.51.100.0/24", "via", "192.168.50.2"]);
-    }
+    let ns = routed_uplink_node("pxb", ipv6);
     enter(&ns.file()).expect("enter the node namespace");
     let ifindex = ifindex("ext0");
     let pins = proxy_tests::lab::TempBpffs::new("pxb");
