@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+/// The longest duration Go has: `i64::MAX` nanoseconds, in seconds.
+const GO_MAX_SECS: f64 = i64::MAX as f64 / 1e9;
+
 /// Parses a Go duration. Negative durations are refused (nothing here is a negative time).
 pub fn parse(s: &str) -> Result<Duration, String> {
     let bad = |why: &str| format!("{s:?} is not a duration ({why}; e.g. 30s, 1m0s, 24h, 250ms)");
@@ -40,8 +43,11 @@ pub fn parse(s: &str) -> Result<Duration, String> {
         total += n * scale;
         rest = next;
     }
-    if !total.is_finite() || total > u64::MAX as f64 {
-        return Err(bad("too large"));
+    // Go's limit (an int64 of nanoseconds, about 292 years): beyond it `time.ParseDuration`
+    // fails too. (A u64 of seconds was no bound: 2^64 s made `from_secs_f64` panic, and the
+    // agent's `Instant` sums overflowed on much less.)
+    if !total.is_finite() || total > GO_MAX_SECS {
+        return Err(bad("over Go's limit of about 292 years"));
     }
     Ok(Duration::from_secs_f64(total))
 }
@@ -92,6 +98,13 @@ mod tests {
             assert!(parse(bad).is_err(), "{bad:?} must be refused");
         }
         assert!(parse("5d").unwrap_err().contains("unknown unit"));
+        // Go's longest duration, 2562047h47m16.854775807s, and past it (2^64 s made
+        // `from_secs_f64` panic; 10^19 s overflowed the agent's timers).
+        assert_eq!(parse("2562047h"), Ok(secs(2_562_047 * 3600)));
+        let endless = format!("1{}s", "0".repeat(400));
+        for over in ["2562048h", "10000000000000000000s", "18446744073709551615s", &endless] {
+            assert!(parse(over).is_err_and(|e| e.contains("292 years")), "{over:?} must be refused");
+        }
     }
 
     #[test]

@@ -183,6 +183,8 @@ fn bad_values_are_errors_that_name_the_field() {
         ("detectLocalMode: BridgeInterface\n", "bridgeInterface"),
         ("logging:\n  format: xml\n", "logging.format"),
         ("iptables:\n  syncPeriod: soon\n", "iptables.syncPeriod"),
+        ("iptables:\n  syncPeriod: 18446744073709551615s\n", "iptables.syncPeriod"),
+        ("nftables:\n  minSyncPeriod: 10000000000000000000s\n", "nftables.minSyncPeriod"),
     ];
     for (body, field) in cases {
         let err = resolve(&format!("{HEAD}{body}"), Flags::default()).unwrap_err();
