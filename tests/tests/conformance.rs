@@ -46,6 +46,7 @@ suite!(
     clusterip_tcp_and_udp_reach_every_backend,
     a_service_without_endpoints_refuses,
     endpoint_changes_are_followed,
+    services_with_the_longest_names_are_served,
     a_pod_reaching_its_own_service_gets_through,
     a_connection_tried_before_its_service_existed_gets_through,
     node_port_from_outside,

@@ -46,6 +46,21 @@ pub fn base_name(name: &str) -> String {
     }
 }
 
+/// The longest comment nft takes (its userdata's): longer, it fails the whole transaction.
+const COMMENT_MAX: usize = 128;
+
+/// `text` as a comment nft takes: cut at `COMMENT_MAX` bytes (on a character boundary).
+/// `namespace/name:port` reaches 143 characters (63 + 63 + 15 and two separators), and one
+/// such Service without endpoints stopped every change from being written (kube-proxy cuts it
+/// the same way since kubernetes#139515).
+fn comment(text: &str) -> &str {
+    let mut end = text.len().min(COMMENT_MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// `ns/name/proto/port`.
 fn port_name(p: &Plan) -> String {
     let n = &p.port.name;
@@ -206,7 +221,7 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     let mut elem = |set: &str, key: String, rest: String| {
         r.elements.insert((set.to_string(), key), rest);
     };
-    let no_ep = |v: &str| format!(" comment \"{spn}\" : {v}");
+    let no_ep = |v: &str| format!(" comment \"{}\" : {v}", comment(spn));
 
     elem("cluster-ips", cluster_ip.to_string(), String::new());
     if p.has_internal_endpoints {
@@ -519,5 +534,14 @@ mod tests {
         let long = base_name(&"x".repeat(300));
         assert_eq!(long.len(), 240);
         assert!(long.ends_with("..."));
+    }
+
+    #[test]
+    fn comments_are_cut_to_what_nft_takes() {
+        assert_eq!(comment("ns1/svc1:p80"), "ns1/svc1:p80");
+        let longest = format!("{}/{}:{}", "n".repeat(63), "s".repeat(63), "p".repeat(15));
+        assert_eq!(comment(&longest), &longest[..128]);
+        // Not inside a character (names are ASCII, but the cut must not panic on other text).
+        assert_eq!(comment(&format!("{}é", "x".repeat(127))), "x".repeat(127));
     }
 }
