@@ -451,7 +451,8 @@ pub fn a_service_without_endpoints_refuses(agent: &Path, mode: ProxyMode) {
 /// Services with the longest names Kubernetes allows (a 63-character namespace and name, a
 /// 15-character port name): `namespace/name:port` is 143 characters, past the 128 nft allows in a
 /// comment (kube-proxy's nftables mode once failed every sync on one, kubernetes#139515). One
-/// with endpoints is served, one without refuses, and the other Services stay served.
+/// with endpoints is served, one without refuses, and the lab's standard Services are served
+/// beside them (the lab's start waits for its web Service in both families).
 pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode) {
     let namespace = format!("ns-{}", "n".repeat(60));
     let (served, refused) = (format!("served-{}", "s".repeat(56)), format!("refused-{}", "r".repeat(55)));
@@ -473,9 +474,8 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
         let objects = [service(&served, 71), slice(&served, &lab.backend_ips()), service(&refused, 72), slice(&refused, &[])];
         Some(("long-names.yaml".into(), objects.join("---\n")))
     });
-    let answer = eventually("the long-named Service to be served", || {
-        tcp_ask(&lab.client.ns, sock("10.96.0.71:80")).map_err(|e| e.to_string())
-    });
+    let answer =
+        eventually("the long-named Service to be served", || tcp_ask(&lab.client.ns, sock("10.96.0.71:80")).map_err(|e| e.to_string()));
     assert!(answer.backend.starts_with("backend-"), "{mode}: {answer:?}");
     let err = tcp_ask(&lab.client.ns, sock("10.96.0.72:80")).expect_err("no endpoints");
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {err}");

@@ -97,7 +97,7 @@ impl Drop for Registration {
 /// Runs `cleanup` if a signal ends the process before the returned registration drops. The
 /// first registration of a process that did not call `clean_up_on_signals` (a test binary)
 /// catches the signals still at their default action, without becoming the subreaper, and
-/// takes its parent's end (cargo's) as a SIGTERM.
+/// (where SIGTERM was at its default) takes its parent's end, cargo's, as a SIGTERM.
 pub fn register(cleanup: impl FnOnce() + Send + 'static) -> Registration {
     CATCHING.call_once(|| catch_signals(false));
     REGISTRY.register(cleanup)
@@ -188,19 +188,26 @@ fn catch_signals(reaper: bool) {
     let wake = unsafe { OwnedFd::from_raw_fd(fds[0]) };
     WAKE.store(fds[1], Ordering::SeqCst);
     PID.store(std::process::id() as i32, Ordering::SeqCst);
+    // A test binary's parent is cargo, which ends on a SIGTERM without passing it on or waiting
+    // for us (`kill <cargo>`, a CI job's timeout, `cargo xtask test` passing its own on): its
+    // end is then our SIGTERM, asked for by the cleanup thread below. Not for binaries that call
+    // `clean_up_on_signals`, nor for one that handles SIGTERM itself (the demo): those may be
+    // started in the background and outlive what started them.
+    let parent_death = !reaper && at_default(libc::SIGTERM);
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    let (asked, asked_rx) = std::sync::mpsc::channel();
     let cleaner = std::thread::spawn(move || {
-        // A test binary's parent is cargo, which ends on a SIGTERM without passing it on or
-        // waiting for us (`kill <cargo>`, a CI job's timeout, `cargo xtask test` passing its
-        // own on): its end is then our SIGTERM. Asked here: the kernel sends it for each of
-        // our threads that asked and is still alive, and this one lives as long as the process
-        // (a test's own thread ends with its test). It comes when the thread that started us
-        // ends: cargo starts test binaries from its main thread. Not for binaries that call
-        // `clean_up_on_signals`: a benchmark started in the background may outlive its starter.
+        // Asked here: the kernel sends it for each of our threads that asked and is still
+        // alive, and this one lives as long as the process (a test's own thread ends with its
+        // test). It comes when the thread that started us ends: cargo starts test binaries
+        // from its main thread.
         // SAFETY: prctl with plain integer arguments.
-        if !reaper && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) } != 0 {
+        if parent_death && unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) } != 0 {
             let error = std::io::Error::last_os_error();
             eprintln!("cannot ask for a signal when cargo ends ({error}): stopping cargo alone will leave namespaces behind");
         }
+        let _ = asked.send(());
         // Returns once the handler wrote (SA_RESTART: a signal here does not end the read).
         let _ = std::io::Read::read(&mut std::fs::File::from(wake), &mut [0u8; 1]);
         let signal = SIGNAL.load(Ordering::SeqCst);
@@ -221,6 +228,7 @@ fn catch_signals(reaper: bool) {
         }
     });
     let _ = CLEANER.set(cleaner.thread().id());
+    let _ = asked_rx.recv();
     // Orphans of our children (a guest's qemu under bash and timeout) come to us to be killed.
     // (Until then, orphans that end stay zombies of ours: an agent's `nft` killed with it.)
     // SAFETY: prctl with a plain integer argument.
@@ -245,12 +253,11 @@ fn catch_signals(reaper: bool) {
     // SAFETY: registers a plain function.
     unsafe { libc::atexit(wait_at_exit) };
     for s in SIGNALS {
-        // SAFETY: `sigaction`s zeroed, then filled; the old action is only read.
+        if !at_default(s) {
+            continue;
+        }
+        // SAFETY: a `sigaction` zeroed, then filled.
         unsafe {
-            let mut old: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(s, std::ptr::null(), &mut old) != 0 || old.sa_sigaction != libc::SIG_DFL {
-                continue;
-            }
             let mut action: libc::sigaction = std::mem::zeroed();
             action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
             action.sa_flags = libc::SA_RESTART;
@@ -259,6 +266,22 @@ fn catch_signals(reaper: bool) {
                 eprintln!("cannot catch signal {s} ({}): it will leave namespaces behind", std::io::Error::last_os_error());
             }
         }
+    }
+    // A parent that ended before the cleanup thread asked sends nothing: its end is taken now,
+    // as the signal it would have been (the handler is in place).
+    // SAFETY: getppid has no preconditions.
+    if parent_death && unsafe { libc::getppid() } != parent {
+        // SAFETY: delivered to ourselves, to the handler installed above.
+        unsafe { libc::raise(libc::SIGTERM) };
+    }
+}
+
+/// Whether `signal` is at its default action (neither ignored nor handled). Only reads it.
+fn at_default(signal: i32) -> bool {
+    // SAFETY: a zeroed `sigaction` the call fills; nothing is changed.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(signal, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL
     }
 }
 
