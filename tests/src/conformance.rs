@@ -481,6 +481,31 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{mode}: {err}");
 }
 
+/// An external IP that is another Service's cluster IP does not take that Service's traffic:
+/// `aaa/thief` lists web's cluster IP among its external IPs, over one backend, and comes first
+/// in name order (a restart's first sync, and the order netfilter rules are written in). The
+/// lab's start still requires web to reach all three backends in both families, and the thief
+/// is served at its own cluster IP.
+pub fn an_external_ip_does_not_take_another_services_cluster_ip(agent: &Path, mode: ProxyMode) {
+    let tcp = crate::lab::TCP_PORT;
+    let lab = lab_with_objects(agent, mode, |lab| {
+        let service = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: thief, namespace: aaa}}\nspec:\n  clusterIP: 10.96.0.98\n  externalIPs: [10.96.0.10]\n  ports:\n  - {{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}\n"
+        );
+        let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[..1], &[("http", tcp, "TCP")])
+            .replace("namespace: default", "namespace: aaa");
+        Some(("thief.yaml".into(), [service, slice].join("---\n")))
+    });
+    let answer =
+        eventually("the thief Service at its own cluster IP", || tcp_ask(&lab.client.ns, sock("10.96.0.98:80")).map_err(|e| e.to_string()));
+    assert_eq!(answer.backend, "backend-1", "{mode}");
+    assert!(
+        lab.agent_log().contains("refused: external address 10.96.0.10 is Service default/web's cluster IP"),
+        "{mode}: the refusal is logged:\n{}",
+        lab.agent_log()
+    );
+}
+
 pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {
     let lab = lab(agent, mode);
     let [v4, v6] = families(&lab);
@@ -1181,6 +1206,7 @@ pub const SCENARIOS: &[(&str, Scenario)] = &[
     ("a_service_without_endpoints_refuses", a_service_without_endpoints_refuses),
     ("endpoint_changes_are_followed", endpoint_changes_are_followed),
     ("services_with_the_longest_names_are_served", services_with_the_longest_names_are_served),
+    ("an_external_ip_does_not_take_another_services_cluster_ip", an_external_ip_does_not_take_another_services_cluster_ip),
     ("a_pod_reaching_its_own_service_gets_through", a_pod_reaching_its_own_service_gets_through),
     ("a_connection_tried_before_its_service_existed_gets_through", a_connection_tried_before_its_service_existed_gets_through),
     ("node_port_from_outside", node_port_from_outside),

@@ -47,6 +47,7 @@ suite!(
     a_service_without_endpoints_refuses,
     endpoint_changes_are_followed,
     services_with_the_longest_names_are_served,
+    an_external_ip_does_not_take_another_services_cluster_ip,
     a_pod_reaching_its_own_service_gets_through,
     a_connection_tried_before_its_service_existed_gets_through,
     node_port_from_outside,

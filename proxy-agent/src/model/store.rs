@@ -206,6 +206,10 @@ pub struct Store {
     /// were when names no endpoint holds were last dropped.
     node_names: HashSet<Arc<String>>,
     node_names_kept: usize,
+    /// The external and load-balancer addresses Services claim, and which Services claim each:
+    /// only Services that have such addresses (a few in most clusters). A change to the cluster
+    /// IPs re-translates the Services claiming them (see `claimed_cluster_ip`).
+    claims: HashMap<std::net::IpAddr, Vec<ObjectKey>>,
 }
 
 impl Store {
@@ -346,6 +350,53 @@ impl Store {
         self.dirty.insert(key.clone());
     }
 
+    /// Keeps `claims` up to date for Service `key`, which was `old` (none: it is new) and is
+    /// now what the store holds (nothing: removed), and re-translates the Services claiming a
+    /// cluster IP it gained or lost.
+    fn service_addresses_changed(&mut self, key: &ObjectKey, old: Option<&CheckedService>) {
+        fn claimed(s: Option<&CheckedService>) -> Vec<std::net::IpAddr> {
+            s.map(|s| s.external_ips.iter().chain(&s.lb_ingress).copied().collect()).unwrap_or_default()
+        }
+        fn cluster(s: Option<&CheckedService>) -> &[std::net::IpAddr] {
+            s.map_or(&[], |s| &s.cluster_ips)
+        }
+        let new = self.services.get(key).map(|s| &**s);
+        let (old_claims, new_claims) = (claimed(old), claimed(new));
+        for ip in old_claims.iter().filter(|ip| !new_claims.contains(ip)) {
+            if let Some(keys) = self.claims.get_mut(ip) {
+                keys.retain(|k| k != key);
+                if keys.is_empty() {
+                    self.claims.remove(ip);
+                }
+            }
+        }
+        for ip in new_claims.iter().filter(|ip| !old_claims.contains(ip)) {
+            let keys = self.claims.entry(*ip).or_default();
+            if !keys.contains(key) {
+                keys.push(key.clone());
+            }
+        }
+        if self.claims.is_empty() {
+            return;
+        }
+        let (old_cluster, new_cluster) = (cluster(old), cluster(new));
+        let changed =
+            old_cluster.iter().filter(|ip| !new_cluster.contains(ip)).chain(new_cluster.iter().filter(|ip| !old_cluster.contains(ip)));
+        let claimants: Vec<ObjectKey> = changed.filter_map(|ip| self.claims.get(ip)).flatten().cloned().collect();
+        self.dirty.extend(claimants);
+    }
+
+    /// The Service whose cluster IP `ip` is, if any. Only the claims of external and
+    /// load-balancer addresses ask (rare); an address outside the Service CIDRs, where they are
+    /// known, is no cluster IP.
+    fn claimed_cluster_ip(&self, ip: std::net::IpAddr) -> Option<&ObjectKey> {
+        let mut ranges = self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).peekable();
+        if ranges.peek().is_some() && !ranges.any(|c| c.contains(ip)) {
+            return None;
+        }
+        self.services.iter().find(|(_, s)| s.skip.is_none() && s.cluster_ips.contains(&ip)).map(|(k, _)| k)
+    }
+
     fn endpoints_changed(&mut self, service: &ObjectKey, trigger: Option<std::time::SystemTime>) {
         self.endpoint_changes += 1;
         self.ep_pending.insert(service.clone());
@@ -377,7 +428,29 @@ impl Store {
                 ..Default::default()
             };
         }
-        translate::service(svc, &slices, node)
+        // An external or load-balancer address that is a Service's cluster IP stays that
+        // Service's: served as this one's too, it would take the other's traffic (an
+        // `externalIPs: [<kube-dns's cluster IP>]` took every DNS query in the netfilter modes,
+        // and in eBPF after a restart). Refused here, the same in every mode. (kube-proxy
+        // serves both and leaves this to admission control: CVE-2020-8554.)
+        let taken: Vec<(std::net::IpAddr, &ObjectKey)> = svc
+            .external_ips
+            .iter()
+            .chain(&svc.lb_ingress)
+            .filter_map(|ip| self.claimed_cluster_ip(*ip).map(|owner| (*ip, owner)))
+            .collect();
+        if taken.is_empty() {
+            return translate::service(svc, &slices, node);
+        }
+        let mut trimmed = svc.clone();
+        trimmed.external_ips = svc.external_ips.iter().copied().filter(|ip| !taken.iter().any(|(t, _)| t == ip)).collect();
+        trimmed.lb_ingress = svc.lb_ingress.iter().copied().filter(|ip| !taken.iter().any(|(t, _)| t == ip)).collect();
+        let mut t = translate::service(&trimmed, &slices, node);
+        for (ip, owner) in taken {
+            let whose = if owner == key { "its own".to_string() } else { format!("Service {owner}'s") };
+            t.notes.push(format!("refused: external address {ip} is {whose} cluster IP; not served as an external address"));
+        }
+        t
     }
 
     /// `apply`, logging what it reports (what the agent's loops feed every source event to).
@@ -449,7 +522,14 @@ impl Store {
     /// `--service-cluster-ip-range`.
     pub fn set_service_cidr_flag(&mut self, cidrs: Vec<Cidr>) {
         self.service_cidr_flag = cidrs;
+        self.service_cidrs_changed();
+    }
+
+    /// The Service CIDRs changed: the cluster IP ranges, and which claimed external addresses
+    /// may be cluster IPs (`claimed_cluster_ip`).
+    fn service_cidrs_changed(&mut self) {
         self.cluster_ip_generation += 1;
+        self.dirty.extend(self.claims.values().flatten().cloned());
     }
 
     /// The Service CIDRs (every ServiceCIDR object's, and the flag's; both families, networks, sorted)
@@ -491,8 +571,9 @@ impl Store {
                         let key = checked.key.clone();
                         self.clear_report(Kind::Service, &key);
                         if self.services.get(&key).map(|s| &**s) != Some(&checked) {
-                            self.services.insert(key.clone(), Box::new(checked));
+                            let old = self.services.insert(key.clone(), Box::new(checked));
                             self.service_changed(&key);
+                            self.service_addresses_changed(&key, old.as_deref());
                         }
                         Some(key)
                     }
@@ -584,7 +665,7 @@ impl Store {
                         self.clear_report(Kind::ServiceCidr, &key);
                         if self.service_cidr_objects.get(key.name()) != Some(&cidrs) {
                             self.service_cidr_objects.insert(key.name().to_string(), cidrs);
-                            self.cluster_ip_generation += 1;
+                            self.service_cidrs_changed();
                         }
                         Some(key)
                     }
@@ -602,8 +683,9 @@ impl Store {
         self.reported.remove(&(kind, key.clone()));
         match kind {
             Kind::Service => {
-                if self.services.remove(key).is_some() {
+                if let Some(old) = self.services.remove(key) {
                     self.service_changed(key);
+                    self.service_addresses_changed(key, Some(&old));
                 }
             }
             Kind::EndpointSlice => {
@@ -619,7 +701,7 @@ impl Store {
             }
             Kind::ServiceCidr => {
                 if self.service_cidr_objects.remove(key.name()).is_some() {
-                    self.cluster_ip_generation += 1;
+                    self.service_cidrs_changed();
                 }
             }
         }
@@ -756,6 +838,55 @@ mod tests {
         // A cluster IP that is a node address is not the Service's (it is refused).
         s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
         assert!(s.cluster_ip_ranges().1.is_empty());
+    }
+
+    #[test]
+    fn an_external_address_that_is_a_cluster_ip_stays_that_services() {
+        const DNS: &str = "metadata: {name: kube-dns, namespace: kube-system}\nspec: {clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP}]}";
+        let evil = || {
+            svc("metadata: {name: aaa, namespace: aaa}\nspec: {clusterIP: 10.96.0.99, externalIPs: [10.96.0.10, 192.0.2.7], ports: [{name: dns, port: 53, protocol: UDP}]}")
+        };
+        let (dns, aaa) = (ObjectKey::new("kube-system", "kube-dns"), ObjectKey::new("aaa", "aaa"));
+        let addresses = |s: &Store, key: &ObjectKey| -> Vec<String> { frontends(s, key).iter().map(|(k, _)| k.addr.to_string()).collect() };
+        // The claim comes first (as a list in name order brings it), the owner after: the
+        // claimant is translated again, and its claim refused.
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(evil()));
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"], "nothing claims 10.96.0.10 yet");
+        s.take_dirty();
+        s.apply(Event::Apply(svc(DNS)));
+        assert_eq!(s.take_dirty().services, BTreeSet::from([dns.clone(), aaa.clone()]), "the claimant is translated again");
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "192.0.2.7"]);
+        assert_eq!(addresses(&s, &dns), ["10.96.0.10"]);
+        let notes = s.translate(&aaa).notes;
+        assert_eq!(
+            notes,
+            ["refused: external address 10.96.0.10 is Service kube-system/kube-dns's cluster IP; not served as an external address"]
+        );
+        // The owner first: the same.
+        let mut other = Store::new("n");
+        other.apply(Event::Apply(svc(DNS)));
+        other.apply(Event::Apply(evil()));
+        assert_eq!(addresses(&other, &aaa), ["10.96.0.99", "192.0.2.7"]);
+        // Where the Service CIDRs are known, an address outside them is no cluster IP, and
+        // one inside is refused as before.
+        s.take_dirty();
+        s.set_service_cidr_flag(vec!["10.96.0.0/16".parse().unwrap()]);
+        assert_eq!(s.take_dirty().services, BTreeSet::from([aaa.clone()]), "the claimant is checked again");
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "192.0.2.7"]);
+        // The owner gone, the address is the claimant's.
+        s.take_dirty();
+        s.apply(Event::Delete { kind: Kind::Service, key: dns.clone() });
+        assert!(s.take_dirty().services.contains(&aaa), "the claimant is translated again");
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"]);
+        // A load-balancer address is checked the same way, its own cluster IP too.
+        s.apply(Event::Apply(svc("metadata: {name: lb}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.20, ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 10.96.0.20}, {ip: 203.0.113.9}]}}")));
+        let lb = ObjectKey::new("default", "lb");
+        assert!(!frontends(&s, &lb)
+            .iter()
+            .any(|(k, f)| k.addr.to_string() == "10.96.0.20" && f.kind != crate::model::FrontendKind::ClusterIp));
+        assert!(s.translate(&lb).notes.iter().any(|n| n.contains("10.96.0.20 is its own cluster IP")));
+        assert!(addresses(&s, &lb).contains(&"203.0.113.9".to_string()));
     }
 
     #[test]
