@@ -482,28 +482,52 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
 }
 
 /// An external IP that is another Service's cluster IP does not take that Service's traffic:
-/// `aaa/thief` lists web's cluster IP among its external IPs, over one backend, and comes first
-/// in name order (a restart's first sync, and the order netfilter rules are written in). The
-/// lab's start still requires web to reach all three backends in both families, and the thief
-/// is served at its own cluster IP.
+/// two `thief` Services, `aaa/` and `zzz/` (first and last in name order: a start programs in
+/// that order, iptables and nftables write rules in it, IPVS keeps the last), list web's
+/// cluster IPs (both families) among their external IPs, over one backend. The lab's start
+/// still requires web to reach all three backends in both families, and each thief is served at
+/// its own cluster IPs.
 pub fn an_external_ip_does_not_take_another_services_cluster_ip(agent: &Path, mode: ProxyMode) {
     let tcp = crate::lab::TCP_PORT;
+    let thieves = [("aaa", 98), ("zzz", 97)];
     let lab = lab_with_objects(agent, mode, |lab| {
-        let service = format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: thief, namespace: aaa}}\nspec:\n  clusterIP: 10.96.0.98\n  externalIPs: [10.96.0.10]\n  ports:\n  - {{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}\n"
-        );
-        let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[..1], &[("http", tcp, "TCP")])
-            .replace("namespace: default", "namespace: aaa");
-        Some(("thief.yaml".into(), [service, slice].join("---\n")))
+        let objects: Vec<String> = thieves
+            .iter()
+            .flat_map(|(ns, n)| {
+                let service = format!(
+                    "apiVersion: v1\nkind: Service\nmetadata: {{name: thief, namespace: {ns}}}\nspec:\n  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, 'fd00:96::{n}']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  externalIPs: [10.96.0.10, 'fd00:96::10']\n  ports:\n  - {{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}\n"
+                );
+                let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[..1], &[("http", tcp, "TCP")])
+                    .replace("namespace: default", &format!("namespace: {ns}"));
+                let slice6 = format!(
+                    "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: thief-v6\n  namespace: {ns}\n  labels:\n    kubernetes.io/service-name: thief\naddressType: IPv6\nports:\n- {{name: http, port: 8082, protocol: TCP}}\nendpoints:\n- addresses: ['{}']\n",
+                    pod6(0x101)
+                );
+                [service, slice, slice6]
+            })
+            .collect();
+        Some(("thieves.yaml".into(), objects.join("---\n")))
     });
-    let answer =
-        eventually("the thief Service at its own cluster IP", || tcp_ask(&lab.client.ns, sock("10.96.0.98:80")).map_err(|e| e.to_string()));
-    assert_eq!(answer.backend, "backend-1", "{mode}");
-    assert!(
-        lab.agent_log().contains("refused: external address 10.96.0.10 is Service default/web's cluster IP"),
-        "{mode}: the refusal is logged:\n{}",
-        lab.agent_log()
-    );
+    for (ns, n) in thieves {
+        for to in [format!("10.96.0.{n}:80"), format!("[fd00:96::{n}]:80")] {
+            let to: SocketAddr = to.parse().unwrap();
+            let answer = eventually(&format!("{ns}/thief at its own cluster IP {to}"), || {
+                tcp_ask_any(&lab.client.ns, to).map_err(|e| e.to_string())
+            });
+            assert_eq!(answer.backend, "backend-1", "{mode}: {to}");
+        }
+    }
+    let log = lab.agent_log();
+    for (ns, _) in thieves {
+        for web in ["10.96.0.10", "fd00:96::10"] {
+            let refusal = format!("refused: external address {web} is Service default/web's cluster IP");
+            let object = format!("Service {ns}/thief");
+            assert!(
+                log.lines().any(|l| l.contains(&refusal) && l.contains(&object)),
+                "{mode}: {ns}/thief's refusal of {web} is logged:\n{log}"
+            );
+        }
+    }
 }
 
 pub fn endpoint_changes_are_followed(agent: &Path, mode: ProxyMode) {

@@ -206,10 +206,18 @@ pub struct Store {
     /// were when names no endpoint holds were last dropped.
     node_names: HashSet<Arc<String>>,
     node_names_kept: usize,
-    /// The external and load-balancer addresses Services claim, and which Services claim each:
-    /// only Services that have such addresses (a few in most clusters). A change to the cluster
-    /// IPs re-translates the Services claiming them (see `claimed_cluster_ip`).
-    claims: HashMap<std::net::IpAddr, Vec<ObjectKey>>,
+    /// The external and load-balancer addresses Services claim: which Services claim each, and
+    /// whose cluster IP it is. Only addresses some Service claims (a few in most clusters).
+    claims: HashMap<std::net::IpAddr, Claim>,
+}
+
+/// An external or load-balancer address some Service claims (`Store::claims`).
+#[derive(Debug, Default)]
+struct Claim {
+    /// The Services that list it.
+    claimants: Vec<ObjectKey>,
+    /// The Services whose cluster IP it is (served ones: not skipped).
+    owners: Vec<ObjectKey>,
 }
 
 impl Store {
@@ -270,10 +278,14 @@ impl Store {
         if self.nodeport_addresses() != before {
             self.dirty.extend(self.services.keys().cloned());
         } else if !changed.is_empty() {
-            // Services whose cluster IP became (or stopped being) a node address.
+            // Services whose cluster IP became (or stopped being) a node address, and those
+            // claiming it as an external address (its owner is then refused, or served again).
             let hit: Vec<ObjectKey> =
                 self.services.iter().filter(|(_, s)| s.cluster_ips.iter().any(|a| changed.contains(a))).map(|(k, _)| k.clone()).collect();
             self.dirty.extend(hit);
+            let claimants: Vec<ObjectKey> =
+                changed.iter().filter_map(|a| self.claims.get(a)).flat_map(|c| c.claimants.iter().cloned()).collect();
+            self.dirty.extend(claimants);
         }
     }
 
@@ -352,49 +364,65 @@ impl Store {
 
     /// Keeps `claims` up to date for Service `key`, which was `old` (none: it is new) and is
     /// now what the store holds (nothing: removed), and re-translates the Services claiming a
-    /// cluster IP it gained or lost.
+    /// cluster IP it gained or lost. O(1) for a Service without external addresses; an address
+    /// claimed for the first time is looked for among the cluster IPs once.
     fn service_addresses_changed(&mut self, key: &ObjectKey, old: Option<&CheckedService>) {
         fn claimed(s: Option<&CheckedService>) -> Vec<std::net::IpAddr> {
             s.map(|s| s.external_ips.iter().chain(&s.lb_ingress).copied().collect()).unwrap_or_default()
         }
+        /// The cluster IPs a Service is served at (a skipped one has none).
         fn cluster(s: Option<&CheckedService>) -> &[std::net::IpAddr] {
-            s.map_or(&[], |s| &s.cluster_ips)
+            s.filter(|s| s.skip.is_none()).map_or(&[], |s| &s.cluster_ips)
         }
         let new = self.services.get(key).map(|s| &**s);
         let (old_claims, new_claims) = (claimed(old), claimed(new));
         for ip in old_claims.iter().filter(|ip| !new_claims.contains(ip)) {
-            if let Some(keys) = self.claims.get_mut(ip) {
-                keys.retain(|k| k != key);
-                if keys.is_empty() {
+            if let Some(c) = self.claims.get_mut(ip) {
+                c.claimants.retain(|k| k != key);
+                if c.claimants.is_empty() {
                     self.claims.remove(ip);
                 }
             }
         }
         for ip in new_claims.iter().filter(|ip| !old_claims.contains(ip)) {
-            let keys = self.claims.entry(*ip).or_default();
-            if !keys.contains(key) {
-                keys.push(key.clone());
+            let services = &self.services;
+            let c = self.claims.entry(*ip).or_insert_with(|| Claim {
+                claimants: Vec::new(),
+                owners: services.iter().filter(|(_, s)| cluster(Some(s)).contains(ip)).map(|(k, _)| k.clone()).collect(),
+            });
+            if !c.claimants.contains(key) {
+                c.claimants.push(key.clone());
             }
         }
         if self.claims.is_empty() {
             return;
         }
         let (old_cluster, new_cluster) = (cluster(old), cluster(new));
-        let changed =
-            old_cluster.iter().filter(|ip| !new_cluster.contains(ip)).chain(new_cluster.iter().filter(|ip| !old_cluster.contains(ip)));
-        let claimants: Vec<ObjectKey> = changed.filter_map(|ip| self.claims.get(ip)).flatten().cloned().collect();
+        let mut claimants = Vec::new();
+        for ip in old_cluster.iter().filter(|ip| !new_cluster.contains(ip)) {
+            if let Some(c) = self.claims.get_mut(ip) {
+                c.owners.retain(|k| k != key);
+                claimants.extend(c.claimants.iter().cloned());
+            }
+        }
+        for ip in new_cluster.iter().filter(|ip| !old_cluster.contains(ip)) {
+            if let Some(c) = self.claims.get_mut(ip) {
+                if !c.owners.contains(key) {
+                    c.owners.push(key.clone());
+                }
+                claimants.extend(c.claimants.iter().cloned());
+            }
+        }
         self.dirty.extend(claimants);
     }
 
-    /// The Service whose cluster IP `ip` is, if any. Only the claims of external and
-    /// load-balancer addresses ask (rare); an address outside the Service CIDRs, where they are
-    /// known, is no cluster IP.
-    fn claimed_cluster_ip(&self, ip: std::net::IpAddr) -> Option<&ObjectKey> {
-        let mut ranges = self.service_cidr_objects.values().flatten().chain(&self.service_cidr_flag).peekable();
-        if ranges.peek().is_some() && !ranges.any(|c| c.contains(ip)) {
+    /// The Service other than `claimant` whose cluster IP the external or load-balancer address
+    /// `ip` is, if any. Not a node address: a Service whose cluster IP that is is refused.
+    fn claimed_cluster_ip(&self, ip: std::net::IpAddr, claimant: &ObjectKey) -> Option<&ObjectKey> {
+        if self.local_addresses.contains(&ip) {
             return None;
         }
-        self.services.iter().find(|(_, s)| s.skip.is_none() && s.cluster_ips.contains(&ip)).map(|(k, _)| k)
+        self.claims.get(&ip)?.owners.iter().find(|o| *o != claimant)
     }
 
     fn endpoints_changed(&mut self, service: &ObjectKey, trigger: Option<std::time::SystemTime>) {
@@ -428,16 +456,17 @@ impl Store {
                 ..Default::default()
             };
         }
-        // An external or load-balancer address that is a Service's cluster IP stays that
-        // Service's: served as this one's too, it would take the other's traffic (an
-        // `externalIPs: [<kube-dns's cluster IP>]` took every DNS query in the netfilter modes,
-        // and in eBPF after a restart). Refused here, the same in every mode. (kube-proxy
-        // serves both and leaves this to admission control: CVE-2020-8554.)
+        // An external or load-balancer address that is another Service's cluster IP stays that
+        // Service's: served as this one's too, it would take the other's traffic on the ports
+        // this one lists (`externalIPs: [<kube-dns's cluster IP>]`). Refused here, the same in
+        // every mode. (kube-proxy serves both and leaves this to admission control:
+        // CVE-2020-8554.) A Service's own cluster IP as its load-balancer address (`minikube
+        // tunnel` writes that) stays served.
         let taken: Vec<(std::net::IpAddr, &ObjectKey)> = svc
             .external_ips
             .iter()
             .chain(&svc.lb_ingress)
-            .filter_map(|ip| self.claimed_cluster_ip(*ip).map(|owner| (*ip, owner)))
+            .filter_map(|ip| self.claimed_cluster_ip(*ip, key).map(|owner| (*ip, owner)))
             .collect();
         if taken.is_empty() {
             return translate::service(svc, &slices, node);
@@ -447,8 +476,7 @@ impl Store {
         trimmed.lb_ingress = svc.lb_ingress.iter().copied().filter(|ip| !taken.iter().any(|(t, _)| t == ip)).collect();
         let mut t = translate::service(&trimmed, &slices, node);
         for (ip, owner) in taken {
-            let whose = if owner == key { "its own".to_string() } else { format!("Service {owner}'s") };
-            t.notes.push(format!("refused: external address {ip} is {whose} cluster IP; not served as an external address"));
+            t.notes.push(format!("refused: external address {ip} is Service {owner}'s cluster IP; not served as an external address"));
         }
         t
     }
@@ -522,14 +550,7 @@ impl Store {
     /// `--service-cluster-ip-range`.
     pub fn set_service_cidr_flag(&mut self, cidrs: Vec<Cidr>) {
         self.service_cidr_flag = cidrs;
-        self.service_cidrs_changed();
-    }
-
-    /// The Service CIDRs changed: the cluster IP ranges, and which claimed external addresses
-    /// may be cluster IPs (`claimed_cluster_ip`).
-    fn service_cidrs_changed(&mut self) {
         self.cluster_ip_generation += 1;
-        self.dirty.extend(self.claims.values().flatten().cloned());
     }
 
     /// The Service CIDRs (every ServiceCIDR object's, and the flag's; both families, networks, sorted)
@@ -665,7 +686,7 @@ impl Store {
                         self.clear_report(Kind::ServiceCidr, &key);
                         if self.service_cidr_objects.get(key.name()) != Some(&cidrs) {
                             self.service_cidr_objects.insert(key.name().to_string(), cidrs);
-                            self.service_cidrs_changed();
+                            self.cluster_ip_generation += 1;
                         }
                         Some(key)
                     }
@@ -701,7 +722,7 @@ impl Store {
             }
             Kind::ServiceCidr => {
                 if self.service_cidr_objects.remove(key.name()).is_some() {
-                    self.service_cidrs_changed();
+                    self.cluster_ip_generation += 1;
                 }
             }
         }
@@ -868,25 +889,47 @@ mod tests {
         other.apply(Event::Apply(svc(DNS)));
         other.apply(Event::Apply(evil()));
         assert_eq!(addresses(&other, &aaa), ["10.96.0.99", "192.0.2.7"]);
-        // Where the Service CIDRs are known, an address outside them is no cluster IP, and
-        // one inside is refused as before.
+        // An owner another proxy serves (labelled), or whose cluster IP is a node address (it
+        // is refused), owns nothing here; unlabelled, it owns the address again.
         s.take_dirty();
-        s.set_service_cidr_flag(vec!["10.96.0.0/16".parse().unwrap()]);
-        assert_eq!(s.take_dirty().services, BTreeSet::from([aaa.clone()]), "the claimant is checked again");
+        s.apply(Event::Apply(svc(
+            &DNS.replace("namespace: kube-system}", "namespace: kube-system, labels: {service.kubernetes.io/service-proxy-name: other}}")
+        )));
+        assert!(s.take_dirty().services.contains(&aaa), "the claimant is translated again");
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"]);
+        s.apply(Event::Apply(svc(DNS)));
+        assert!(s.take_dirty().services.contains(&aaa));
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "192.0.2.7"]);
+        // (NodePorts on the primary IP: a node address change then re-translates only the
+        // Services it concerns.)
+        s.set_nodeport_config(NodePortAddresses::Primary);
+        s.take_dirty();
+        s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
+        assert!(s.take_dirty().services.contains(&aaa));
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"]);
+        s.set_local_addresses(vec![]);
+        assert!(s.take_dirty().services.contains(&aaa));
         assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "192.0.2.7"]);
         // The owner gone, the address is the claimant's.
         s.take_dirty();
         s.apply(Event::Delete { kind: Kind::Service, key: dns.clone() });
         assert!(s.take_dirty().services.contains(&aaa), "the claimant is translated again");
         assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"]);
-        // A load-balancer address is checked the same way, its own cluster IP too.
-        s.apply(Event::Apply(svc("metadata: {name: lb}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.20, ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 10.96.0.20}, {ip: 203.0.113.9}]}}")));
-        let lb = ObjectKey::new("default", "lb");
-        assert!(!frontends(&s, &lb)
-            .iter()
-            .any(|(k, f)| k.addr.to_string() == "10.96.0.20" && f.kind != crate::model::FrontendKind::ClusterIp));
-        assert!(s.translate(&lb).notes.iter().any(|n| n.contains("10.96.0.20 is its own cluster IP")));
-        assert!(addresses(&s, &lb).contains(&"203.0.113.9".to_string()));
+        // A load-balancer address is checked the same way; a Service's own cluster IP as its
+        // load-balancer address (`minikube tunnel`) is served.
+        let lb = |ingress: &str| {
+            svc(&format!("metadata: {{name: lb}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.20, ports: [{{port: 80, nodePort: 30080}}]}}\nstatus: {{loadBalancer: {{ingress: [{{ip: {ingress}}}, {{ip: 203.0.113.9}}]}}}}"))
+        };
+        let lb_key = ObjectKey::new("default", "lb");
+        let lb_at = |s: &Store, addr: &str| {
+            frontends(s, &lb_key).iter().any(|(k, f)| k.addr.to_string() == addr && f.kind == crate::model::FrontendKind::LoadBalancer)
+        };
+        s.apply(Event::Apply(lb("10.96.0.99")));
+        assert!(!lb_at(&s, "10.96.0.99") && lb_at(&s, "203.0.113.9"), "aaa's cluster IP");
+        assert!(s.translate(&lb_key).notes.iter().any(|n| n.contains("10.96.0.99 is Service aaa/aaa's cluster IP")));
+        s.apply(Event::Apply(lb("10.96.0.20")));
+        assert!(lb_at(&s, "10.96.0.20") && lb_at(&s, "203.0.113.9"), "its own cluster IP");
+        assert!(s.translate(&lb_key).notes.is_empty(), "{:?}", s.translate(&lb_key).notes);
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub struct Reconciler<D> {
     /// Frontends a previous run left, not yet claimed by a Service; cleared at the first sync.
     adopted: Option<BTreeSet<FrontendKey>>,
     retry: BTreeSet<ObjectKey>,
+    /// Services waiting for a frontend another Service released during this sync: they take it
+    /// before the sync ends, not at the next retry.
+    released: BTreeSet<ObjectKey>,
     /// Trigger times of changes not programmed yet, per Service.
     triggers: BTreeMap<ObjectKey, Vec<SystemTime>>,
     /// Frontends the dataplane cannot express, with the reason last reported.
@@ -60,6 +63,7 @@ impl<D: Dataplane> Reconciler<D> {
             contenders: HashMap::new(),
             adopted: Some(adopted),
             retry: BTreeSet::new(),
+            released: BTreeSet::new(),
             triggers: BTreeMap::new(),
             unsupported: HashMap::new(),
             failing: HashMap::new(),
@@ -126,6 +130,21 @@ impl<D: Dataplane> Reconciler<D> {
                 stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
             }
         }
+        // A Service waiting for a frontend that another released in this sync takes it now
+        // (an owner recreated while a Service claiming its address still held it, whose
+        // refusal comes later in the sync's order). A few passes: each releases only what
+        // the pass before took over.
+        for _ in 0..4 {
+            if self.released.is_empty() {
+                break;
+            }
+            for svc in std::mem::take(&mut self.released) {
+                if self.sync_service(&svc, &node, &mut stats) {
+                    stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
+                }
+            }
+        }
+        self.retry.append(&mut self.released);
         let generation = self.store.cluster_ip_generation();
         if self.cluster_ips_written != Some(generation) {
             let (cidrs, allocated) = self.store.cluster_ip_ranges();
@@ -241,7 +260,7 @@ impl<D: Dataplane> Reconciler<D> {
                     }
                     // A Service that wanted this frontend may have it now.
                     if let Some(waiting) = self.contenders.remove(key) {
-                        self.retry.extend(waiting);
+                        self.released.extend(waiting);
                     }
                 }
                 Err(e) => {
@@ -375,8 +394,28 @@ mod tests {
         assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "a"));
         r.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "a") });
         r.sync();
-        r.sync(); // the waiting Service is retried on the next pass
+        // In the same sync: a released frontend goes to the Service waiting for it.
         assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "b"));
+        assert!(!r.has_failures(), "nothing left to retry");
+    }
+
+    /// A Service claiming another's cluster IP as an external IP holds that frontend until the
+    /// owner appears (`Store::translate_on`); the owner, first in the sync's order, then takes
+    /// it in the same sync as the claimant lets it go.
+    #[test]
+    fn an_owner_takes_its_cluster_ip_from_a_claimant_in_one_sync() {
+        let mut r = rec(Fake::default());
+        let claimant = Object::Service(Box::new(
+            serde_yaml::from_str("metadata: {name: zzz}\nspec: {clusterIP: 10.96.0.9, externalIPs: [10.96.0.1], ports: [{port: 80}]}")
+                .unwrap(),
+        ));
+        replace(vec![claimant]).into_iter().for_each(|e| r.handle(e));
+        r.sync();
+        assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "zzz"));
+        r.handle(Event::Apply(svc("a", "10.96.0.1")));
+        r.sync();
+        assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "a"));
+        assert!(!r.has_failures());
     }
 
     #[test]
