@@ -189,12 +189,13 @@ pub fn lab(agent: &Path, mode: ProxyMode) -> Lab {
 
 /// `lab`, with one more manifest (file name, text) beside the Services.
 fn lab_with(agent: &Path, mode: ProxyMode, extra: Option<(&str, &str)>) -> Lab {
-    lab_with_objects(agent, mode, |_| extra.map(|(name, text)| (name.to_string(), text.to_string())))
+    lab_with_objects(agent, mode, 3, |_| extra.map(|(name, text)| (name.to_string(), text.to_string())))
 }
 
-/// `lab_with`, the extra manifest made from the lab (its backends' addresses).
-fn lab_with_objects(agent: &Path, mode: ProxyMode, extra: impl FnOnce(&Lab) -> Option<(String, String)>) -> Lab {
-    let mut lab = Lab::new(agent, 3);
+/// `lab_with`, with `backends` backends (the standard Services use the first three), the extra
+/// manifest made from the lab (its backends' addresses).
+fn lab_with_objects(agent: &Path, mode: ProxyMode, backends: usize, extra: impl FnOnce(&Lab) -> Option<(String, String)>) -> Lab {
+    let mut lab = Lab::new(agent, backends);
     dual_stack(&mut lab);
     lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
     if let Some((name, text)) = extra(&lab) {
@@ -470,7 +471,7 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
         crate::lab::endpoint_slice(svc, &format!("{}-x1", &svc[..20]), endpoints, &[(port, tcp, "TCP")])
             .replace("namespace: default", &format!("namespace: {namespace}"))
     };
-    let lab = lab_with_objects(agent, mode, |lab| {
+    let lab = lab_with_objects(agent, mode, 3, |lab| {
         let objects = [service(&served, 71), slice(&served, &lab.backend_ips()), service(&refused, 72), slice(&refused, &[])];
         Some(("long-names.yaml".into(), objects.join("---\n")))
     });
@@ -484,37 +485,44 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
 /// An external IP that is another Service's cluster IP does not take that Service's traffic:
 /// two `thief` Services, `aaa/` and `zzz/` (first and last in name order: a start programs in
 /// that order, iptables and nftables write rules in it, IPVS keeps the last), list web's
-/// cluster IPs (both families) among their external IPs, over one backend. The lab's start
-/// still requires web to reach all three backends in both families, and each thief is served at
+/// cluster IPs (both families) among their external IPs, over a fourth backend web does not
+/// have. The lab's start requires web to reach its three backends and no other, in both
+/// families (a share of its traffic taken would show backend-4), and each thief is served at
 /// its own cluster IPs.
 pub fn an_external_ip_does_not_take_another_services_cluster_ip(agent: &Path, mode: ProxyMode) {
     let tcp = crate::lab::TCP_PORT;
     let thieves = [("aaa", 98), ("zzz", 97)];
-    let lab = lab_with_objects(agent, mode, |lab| {
+    let lab = lab_with_objects(agent, mode, 4, |lab| {
         let objects: Vec<String> = thieves
             .iter()
             .flat_map(|(ns, n)| {
                 let service = format!(
                     "apiVersion: v1\nkind: Service\nmetadata: {{name: thief, namespace: {ns}}}\nspec:\n  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, 'fd00:96::{n}']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  externalIPs: [10.96.0.10, 'fd00:96::10']\n  ports:\n  - {{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}\n"
                 );
-                let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[..1], &[("http", tcp, "TCP")])
+                let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[3..], &[("http", tcp, "TCP")])
                     .replace("namespace: default", &format!("namespace: {ns}"));
                 let slice6 = format!(
                     "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: thief-v6\n  namespace: {ns}\n  labels:\n    kubernetes.io/service-name: thief\naddressType: IPv6\nports:\n- {{name: http, port: 8082, protocol: TCP}}\nendpoints:\n- addresses: ['{}']\n",
-                    pod6(0x101)
+                    pod6(0x104)
                 );
                 [service, slice, slice6]
             })
             .collect();
         Some(("thieves.yaml".into(), objects.join("---\n")))
     });
+    for f in families(&lab) {
+        for _ in 0..60 {
+            let a = tcp_ask_any(&lab.client.ns, f.web).unwrap_or_else(|e| panic!("{mode}: TCP through the {} cluster IP: {e}", f.name));
+            assert_ne!(a.backend, "backend-4", "{mode}: web's {} cluster IP answered by a thief's backend", f.name);
+        }
+    }
     for (ns, n) in thieves {
         for to in [format!("10.96.0.{n}:80"), format!("[fd00:96::{n}]:80")] {
             let to: SocketAddr = to.parse().unwrap();
             let answer = eventually(&format!("{ns}/thief at its own cluster IP {to}"), || {
                 tcp_ask_any(&lab.client.ns, to).map_err(|e| e.to_string())
             });
-            assert_eq!(answer.backend, "backend-1", "{mode}: {to}");
+            assert_eq!(answer.backend, "backend-4", "{mode}: {to}");
         }
     }
     let log = lab.agent_log();

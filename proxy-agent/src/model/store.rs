@@ -216,8 +216,10 @@ pub struct Store {
 struct Claim {
     /// The Services that list it.
     claimants: Vec<ObjectKey>,
-    /// The Services whose cluster IP it is (served ones: not skipped).
+    /// The Services whose cluster IP it is (served ones: not skipped). Complete once
+    /// `resolved`; until then only those that changed since the address was first claimed.
     owners: Vec<ObjectKey>,
+    resolved: bool,
 }
 
 impl Store {
@@ -279,13 +281,20 @@ impl Store {
             self.dirty.extend(self.services.keys().cloned());
         } else if !changed.is_empty() {
             // Services whose cluster IP became (or stopped being) a node address, and those
-            // claiming it as an external address (its owner is then refused, or served again).
-            let hit: Vec<ObjectKey> =
-                self.services.iter().filter(|(_, s)| s.cluster_ips.iter().any(|a| changed.contains(a))).map(|(k, _)| k.clone()).collect();
-            self.dirty.extend(hit);
-            let claimants: Vec<ObjectKey> =
-                changed.iter().filter_map(|a| self.claims.get(a)).flat_map(|c| c.claimants.iter().cloned()).collect();
-            self.dirty.extend(claimants);
+            // claiming an address of theirs, or that one, as an external address (its owner is
+            // then refused, or served again).
+            // (Claimants of any cluster IP of such a Service: it owns none while refused.)
+            let hit: Vec<&CheckedService> =
+                self.services.values().filter(|s| s.cluster_ips.iter().any(|a| changed.contains(a))).map(|s| &**s).collect();
+            let dirty: Vec<ObjectKey> = hit
+                .iter()
+                .flat_map(|s| s.cluster_ips.iter())
+                .chain(&changed)
+                .filter_map(|a| self.claims.get(a))
+                .flat_map(|c| c.claimants.iter().cloned())
+                .chain(hit.iter().map(|s| s.key.clone()))
+                .collect();
+            self.dirty.extend(dirty);
         }
     }
 
@@ -385,11 +394,9 @@ impl Store {
             }
         }
         for ip in new_claims.iter().filter(|ip| !old_claims.contains(ip)) {
-            let services = &self.services;
-            let c = self.claims.entry(*ip).or_insert_with(|| Claim {
-                claimants: Vec::new(),
-                owners: services.iter().filter(|(_, s)| cluster(Some(s)).contains(ip)).map(|(k, _)| k.clone()).collect(),
-            });
+            // Its owners are looked for once the event is applied (`resolve_claims`): one pass
+            // for all the addresses a list claims, not one each.
+            let c = self.claims.entry(*ip).or_default();
             if !c.claimants.contains(key) {
                 c.claimants.push(key.clone());
             }
@@ -416,13 +423,45 @@ impl Store {
         self.dirty.extend(claimants);
     }
 
-    /// The Service other than `claimant` whose cluster IP the external or load-balancer address
-    /// `ip` is, if any. Not a node address: a Service whose cluster IP that is is refused.
-    fn claimed_cluster_ip(&self, ip: std::net::IpAddr, claimant: &ObjectKey) -> Option<&ObjectKey> {
-        if self.local_addresses.contains(&ip) {
-            return None;
+    /// Completes the owners of the addresses claimed since the last call, in one pass over the
+    /// Services. Not while a list is in progress: its end does it.
+    fn resolve_claims(&mut self) {
+        if !self.listing.is_empty() || self.claims.values().all(|c| c.resolved) {
+            return;
         }
-        self.claims.get(&ip)?.owners.iter().find(|o| *o != claimant)
+        for (key, s) in &self.services {
+            if s.skip.is_some() {
+                continue;
+            }
+            for ip in s.cluster_ips.iter() {
+                if let Some(c) = self.claims.get_mut(ip).filter(|c| !c.resolved && !c.owners.contains(key)) {
+                    c.owners.push(key.clone());
+                }
+            }
+        }
+        for c in self.claims.values_mut() {
+            c.resolved = true;
+        }
+    }
+
+    /// The Service other than `claimant` whose cluster IP the external or load-balancer address
+    /// `ip` is, if any, and that is served: not skipped, and with no cluster IP that is a node
+    /// address (such a Service is refused, so it owns nothing). An address not resolved yet
+    /// (a list in progress) is looked for among every Service.
+    fn claimed_cluster_ip(&self, ip: std::net::IpAddr, claimant: &ObjectKey) -> Option<&ObjectKey> {
+        let served = |k: &&ObjectKey| {
+            *k != claimant
+                && self
+                    .services
+                    .get(*k)
+                    .is_some_and(|s| s.skip.is_none() && !s.cluster_ips.iter().any(|a| self.local_addresses.contains(a)))
+        };
+        let c = self.claims.get(&ip)?;
+        if c.resolved {
+            c.owners.iter().find(served)
+        } else {
+            self.services.iter().filter(|(_, s)| s.cluster_ips.contains(&ip)).map(|(k, _)| k).find(served)
+        }
     }
 
     fn endpoints_changed(&mut self, service: &ObjectKey, trigger: Option<std::time::SystemTime>) {
@@ -460,20 +499,23 @@ impl Store {
         // Service's: served as this one's too, it would take the other's traffic on the ports
         // this one lists (`externalIPs: [<kube-dns's cluster IP>]`). Refused here, the same in
         // every mode. (kube-proxy serves both and leaves this to admission control:
-        // CVE-2020-8554.) A Service's own cluster IP as its load-balancer address (`minikube
-        // tunnel` writes that) stays served.
+        // CVE-2020-8554.) A Service's own cluster IP as its load-balancer or external address
+        // (`minikube tunnel` writes that) is served as its cluster IP, as kube-proxy's cluster
+        // IP rule, first, serves it: not as a second frontend of the same address.
         let taken: Vec<(std::net::IpAddr, &ObjectKey)> = svc
             .external_ips
             .iter()
             .chain(&svc.lb_ingress)
             .filter_map(|ip| self.claimed_cluster_ip(*ip, key).map(|owner| (*ip, owner)))
             .collect();
-        if taken.is_empty() {
+        let own = |ip: &std::net::IpAddr| svc.cluster_ips.contains(ip);
+        if taken.is_empty() && !svc.external_ips.iter().chain(&svc.lb_ingress).any(own) {
             return translate::service(svc, &slices, node);
         }
         let mut trimmed = svc.clone();
-        trimmed.external_ips = svc.external_ips.iter().copied().filter(|ip| !taken.iter().any(|(t, _)| t == ip)).collect();
-        trimmed.lb_ingress = svc.lb_ingress.iter().copied().filter(|ip| !taken.iter().any(|(t, _)| t == ip)).collect();
+        let keep = |ip: &&std::net::IpAddr| !own(ip) && !taken.iter().any(|(t, _)| t == *ip);
+        trimmed.external_ips = svc.external_ips.iter().filter(keep).copied().collect();
+        trimmed.lb_ingress = svc.lb_ingress.iter().filter(keep).copied().collect();
         let mut t = translate::service(&trimmed, &slices, node);
         for (ip, owner) in taken {
             t.notes.push(format!("refused: external address {ip} is Service {owner}'s cluster IP; not served as an external address"));
@@ -526,6 +568,7 @@ impl Store {
                 self.end_listing(kind, &present);
             }
         }
+        self.resolve_claims();
         reports
     }
 
@@ -916,7 +959,7 @@ mod tests {
         assert!(s.take_dirty().services.contains(&aaa), "the claimant is translated again");
         assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"]);
         // A load-balancer address is checked the same way; a Service's own cluster IP as its
-        // load-balancer address (`minikube tunnel`) is served.
+        // load-balancer address (`minikube tunnel`) is served, as its cluster IP.
         let lb = |ingress: &str| {
             svc(&format!("metadata: {{name: lb}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.20, ports: [{{port: 80, nodePort: 30080}}]}}\nstatus: {{loadBalancer: {{ingress: [{{ip: {ingress}}}, {{ip: 203.0.113.9}}]}}}}"))
         };
@@ -928,8 +971,21 @@ mod tests {
         assert!(!lb_at(&s, "10.96.0.99") && lb_at(&s, "203.0.113.9"), "aaa's cluster IP");
         assert!(s.translate(&lb_key).notes.iter().any(|n| n.contains("10.96.0.99 is Service aaa/aaa's cluster IP")));
         s.apply(Event::Apply(lb("10.96.0.20")));
-        assert!(lb_at(&s, "10.96.0.20") && lb_at(&s, "203.0.113.9"), "its own cluster IP");
+        let own =
+            frontends(&s, &lb_key).into_iter().filter(|(k, _)| k.addr.to_string() == "10.96.0.20").map(|(_, f)| f.kind).collect::<Vec<_>>();
+        assert_eq!(own, [crate::model::FrontendKind::ClusterIp], "its own cluster IP, served as its cluster IP");
+        assert!(lb_at(&s, "203.0.113.9"));
         assert!(s.translate(&lb_key).notes.is_empty(), "{:?}", s.translate(&lb_key).notes);
+        // A dual-stack owner whose other cluster IP becomes a node address is refused whole:
+        // it owns neither address then.
+        s.apply(Event::Apply(svc("metadata: {name: ds}\nspec: {clusterIP: 10.96.0.30, clusterIPs: [10.96.0.30, 'fd00::30'], ipFamilies: [IPv4, IPv6], ports: [{port: 80}]}")));
+        s.apply(Event::Apply(svc("metadata: {name: c2}\nspec: {clusterIP: 10.96.0.31, externalIPs: [10.96.0.30], ports: [{port: 80}]}")));
+        let c2 = ObjectKey::new("default", "c2");
+        assert_eq!(addresses(&s, &c2), ["10.96.0.31"]);
+        s.take_dirty();
+        s.set_local_addresses(vec!["fd00::30".parse().unwrap()]);
+        assert!(s.take_dirty().services.contains(&c2), "the claimant is translated again");
+        assert_eq!(addresses(&s, &c2), ["10.96.0.31", "10.96.0.30"]);
     }
 
     #[test]

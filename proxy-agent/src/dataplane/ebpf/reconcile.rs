@@ -132,14 +132,16 @@ impl<D: Dataplane> Reconciler<D> {
         }
         // A Service waiting for a frontend that another released in this sync takes it now
         // (an owner recreated while a Service claiming its address still held it, whose
-        // refusal comes later in the sync's order). A few passes: each releases only what
-        // the pass before took over.
+        // refusal comes later in the sync's order), not at the retry. A few passes at most:
+        // what a pass releases waits for the next; what is left, for the retry.
         for _ in 0..4 {
             if self.released.is_empty() {
                 break;
             }
             for svc in std::mem::take(&mut self.released) {
                 if self.sync_service(&svc, &node, &mut stats) {
+                    // It may have failed earlier in this sync.
+                    self.retry.remove(&svc);
                     stats.trigger_times.extend(self.triggers.remove(&svc).unwrap_or_default());
                 }
             }
