@@ -209,6 +209,8 @@ pub struct Store {
     /// The external and load-balancer addresses Services claim: which Services claim each, and
     /// whose cluster IP it is. Only addresses some Service claims (a few in most clusters).
     claims: HashMap<std::net::IpAddr, Claim>,
+    /// Some claim is not `resolved` yet.
+    claims_unresolved: bool,
 }
 
 /// An external or load-balancer address some Service claims (`Store::claims`).
@@ -397,6 +399,7 @@ impl Store {
             // Its owners are looked for once the event is applied (`resolve_claims`): one pass
             // for all the addresses a list claims, not one each.
             let c = self.claims.entry(*ip).or_default();
+            self.claims_unresolved |= !c.resolved;
             if !c.claimants.contains(key) {
                 c.claimants.push(key.clone());
             }
@@ -426,9 +429,10 @@ impl Store {
     /// Completes the owners of the addresses claimed since the last call, in one pass over the
     /// Services. Not while a list is in progress: its end does it.
     fn resolve_claims(&mut self) {
-        if !self.listing.is_empty() || self.claims.values().all(|c| c.resolved) {
+        if !self.listing.is_empty() || !self.claims_unresolved {
             return;
         }
+        self.claims_unresolved = false;
         for (key, s) in &self.services {
             if s.skip.is_some() {
                 continue;
