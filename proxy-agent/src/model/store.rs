@@ -282,10 +282,9 @@ impl Store {
         if self.nodeport_addresses() != before {
             self.dirty.extend(self.services.keys().cloned());
         } else if !changed.is_empty() {
-            // Services whose cluster IP became (or stopped being) a node address, and those
-            // claiming an address of theirs, or that one, as an external address (its owner is
-            // then refused, or served again).
-            // (Claimants of any cluster IP of such a Service: it owns none while refused.)
+            // Services whose cluster IP became (or stopped being) a node address (such a Service
+            // is refused, and owns none of its cluster IPs while it is), and the Services
+            // claiming any of those cluster IPs, or a changed address, as external addresses.
             let hit: Vec<&CheckedService> =
                 self.services.values().filter(|s| s.cluster_ips.iter().any(|a| changed.contains(a))).map(|s| &**s).collect();
             let dirty: Vec<ObjectKey> = hit
@@ -920,7 +919,7 @@ mod tests {
         // claimant is translated again, and its claim refused.
         let mut s = Store::new("n");
         s.apply(Event::Apply(evil()));
-        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"], "nothing claims 10.96.0.10 yet");
+        assert_eq!(addresses(&s, &aaa), ["10.96.0.99", "10.96.0.10", "192.0.2.7"], "no Service has 10.96.0.10 yet");
         s.take_dirty();
         s.apply(Event::Apply(svc(DNS)));
         assert_eq!(s.take_dirty().services, BTreeSet::from([dns.clone(), aaa.clone()]), "the claimant is translated again");
