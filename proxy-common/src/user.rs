@@ -89,10 +89,7 @@ impl ServiceName {
     /// Stores `s`, cut at a character boundary if it is longer than the field.
     pub fn new(s: &str) -> Self {
         let mut name = [0u8; 128];
-        let mut end = s.len().min(name.len());
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
+        let end = s.floor_char_boundary(name.len());
         name[..end].copy_from_slice(&s.as_bytes()[..end]);
         Self { name }
     }

@@ -132,18 +132,22 @@ fn dual_stack(lab: &mut Lab) {
     }
 }
 
+/// The IPv6 EndpointSlice `<svc>-v6` of Service `namespace/svc`: port `port` (YAML), over the
+/// backends `v6` (1-based backend numbers).
+fn slice6(namespace: &str, svc: &str, port: &str, v6: &[usize]) -> String {
+    let eps: String = v6.iter().map(|&i| format!("- addresses: ['{}']\n", pod6(0x100 + i as u16))).collect();
+    let eps = if eps.is_empty() { "[]\n".to_string() } else { format!("\n{eps}") };
+    format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {port}\nendpoints: {eps}"
+    )
+}
+
 /// The standard Services (`lab::standard_manifests`) made dual-stack: each with an IPv6
 /// cluster IP beside its IPv4 one and an IPv6 EndpointSlice beside its IPv4 one, over the
 /// backends `v4` and `v6` (1-based backend numbers in each).
 fn dual_stack_manifests(lab: &Lab, v4: &[usize], v6: &[usize]) -> String {
     let ips4: Vec<Ipv4Addr> = v4.iter().map(|&i| lab.backend_ips()[i - 1]).collect();
-    let slice6 = |svc: &str, port: &str, v6: &[usize]| {
-        let eps: String = v6.iter().map(|&i| format!("- addresses: ['{}']\n", pod6(0x100 + i as u16))).collect();
-        let eps = if eps.is_empty() { "[]\n".to_string() } else { format!("\n{eps}") };
-        format!(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {svc}-v6\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv6\nports:\n- {port}\nendpoints: {eps}"
-        )
-    };
+    let slice6 = |svc: &str, port: &str, v6: &[usize]| slice6("default", svc, port, v6);
     let svc = |name: &str, n: u8, port: &str| {
         cluster::service(
             name,
@@ -468,8 +472,7 @@ pub fn services_with_the_longest_names_are_served(agent: &Path, mode: ProxyMode)
     // Named as the EndpointSlice controller names them: the Service's name cut short, then a
     // suffix (a subdomain's labels take 63 characters at most).
     let slice = |svc: &str, endpoints: &[Ipv4Addr]| {
-        crate::lab::endpoint_slice(svc, &format!("{}-x1", &svc[..20]), endpoints, &[(port, tcp, "TCP")])
-            .replace("namespace: default", &format!("namespace: {namespace}"))
+        crate::lab::endpoint_slice_in(&namespace, svc, &format!("{}-x1", &svc[..20]), endpoints, &[(port, tcp, "TCP")])
     };
     let lab = lab_with_objects(agent, mode, 3, |lab| {
         let objects = [service(&served, 71), slice(&served, &lab.backend_ips()), service(&refused, 72), slice(&refused, &[])];
@@ -499,13 +502,8 @@ pub fn an_external_ip_does_not_take_another_services_cluster_ip(agent: &Path, mo
                 let service = format!(
                     "apiVersion: v1\nkind: Service\nmetadata: {{name: thief, namespace: {ns}}}\nspec:\n  clusterIP: 10.96.0.{n}\n  clusterIPs: [10.96.0.{n}, 'fd00:96::{n}']\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  externalIPs: [10.96.0.10, 'fd00:96::10']\n  ports:\n  - {{name: http, port: 80, targetPort: {tcp}, protocol: TCP}}\n"
                 );
-                let slice = crate::lab::endpoint_slice("thief", "thief-1", &lab.backend_ips()[3..], &[("http", tcp, "TCP")])
-                    .replace("namespace: default", &format!("namespace: {ns}"));
-                let slice6 = format!(
-                    "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: thief-v6\n  namespace: {ns}\n  labels:\n    kubernetes.io/service-name: thief\naddressType: IPv6\nports:\n- {{name: http, port: 8082, protocol: TCP}}\nendpoints:\n- addresses: ['{}']\n",
-                    pod6(0x104)
-                );
-                [service, slice, slice6]
+                let slice = crate::lab::endpoint_slice_in(ns, "thief", "thief-1", &lab.backend_ips()[3..], &[("http", tcp, "TCP")]);
+                [service, slice, slice6(ns, "thief", "{name: http, port: 8082, protocol: TCP}", &[4])]
             })
             .collect();
         Some(("thieves.yaml".into(), objects.join("---\n")))

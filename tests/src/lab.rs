@@ -516,8 +516,13 @@ pub fn service(name: &str, cluster_ip: &str, ports: &[(&str, u16, &str, u16)]) -
 
 /// An EndpointSlice manifest for Service `svc`. `ports`: (name, port, protocol).
 pub fn endpoint_slice(svc: &str, name: &str, endpoints: &[Ipv4Addr], ports: &[(&str, u16, &str)]) -> String {
+    endpoint_slice_in("default", svc, name, endpoints, ports)
+}
+
+/// `endpoint_slice` in namespace `namespace`.
+pub fn endpoint_slice_in(namespace: &str, svc: &str, name: &str, endpoints: &[Ipv4Addr], ports: &[(&str, u16, &str)]) -> String {
     let mut s = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n"
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: {namespace}\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: IPv4\nports:\n"
     );
     for (n, p, proto) in ports {
         s += &format!("- name: {n}\n  port: {p}\n  protocol: {proto}\n");

@@ -19,12 +19,15 @@ fn namespaces() -> BTreeSet<String> {
 }
 
 /// A bench run and what the test saw it make, removed when the test ends whatever happened
-/// (on success the bench removed it already): the bench killed, the agent too if it is still
-/// the one (its command line names the lab's directory), namespaces deleted, bpffs released
-/// and directories removed.
+/// (on success the bench removed it already): the bench killed, the processes it started too
+/// if they are still the ones (`strays`: a pid, and what its command line holds; the lab's
+/// agent names the lab's directory), namespaces deleted, bpffs released and directories
+/// removed.
 struct Run {
     bench: Child,
+    /// The lab's agent and directory.
     agent: Option<(u32, PathBuf)>,
+    strays: Vec<(u32, String)>,
     namespaces: Vec<String>,
     dirs: Vec<PathBuf>,
 }
@@ -34,10 +37,10 @@ impl Drop for Run {
         // Child::kill signals nothing once the child was reaped.
         let _ = self.bench.kill();
         let _ = self.bench.wait();
-        if let Some((pid, dir)) = &self.agent {
+        for (pid, marker) in &self.strays {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy()) {
-                // SAFETY: the lab agent that bench started, still running.
+            if String::from_utf8_lossy(&cmdline).contains(marker.as_str()) {
+                // SAFETY: a process the bench started, still running.
                 unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
             }
         }
@@ -129,7 +132,7 @@ fn spawn_bench(args: &[&str], env: &[(&str, &str)], log: &std::path::Path) -> Ru
         .stderr(out)
         .spawn()
         .expect("start proxy-bench");
-    Run { bench, agent: None, namespaces: Vec::new(), dirs: Vec::new() }
+    Run { bench, agent: None, strays: Vec::new(), namespaces: Vec::new(), dirs: Vec::new() }
 }
 
 #[test]
@@ -183,6 +186,7 @@ fn a_sigterm_during_a_lab_benchmark_stops_its_agent_and_removes_the_lab() {
         })
     });
     run.agent = Some((agent, lab_dir.clone()));
+    run.strays.push((agent, lab_dir.to_string_lossy().into_owned()));
     run.dirs.push(lab_dir.clone());
     // The lab's namespaces are `pxl-<id>-...`, its directory /run/proxy-lab/<id>.
     let id = lab_dir.file_name().expect("lab id").to_string_lossy().into_owned();
@@ -267,21 +271,8 @@ fn stop_a_test_binary(test: &str, how: Stop) {
         .stderr(out)
         .spawn()
         .expect("start the test binary");
-    // The guard kills the test binary (and the shell), and its sleep if they outlive the test
-    // (their command lines name no lab directory: `Run`'s check would spare them).
-    let mut run = Run { bench: child, agent: None, namespaces: vec![name.clone()], dirs: Vec::new() };
-    struct Leftovers(Vec<(u32, Vec<u8>)>);
-    impl Drop for Leftovers {
-        fn drop(&mut self) {
-            for (pid, cmdline) in &self.0 {
-                if std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.starts_with(cmdline)) {
-                    // SAFETY: a process the stopped test binary was or started, still running.
-                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-                }
-            }
-        }
-    }
-    let mut leftovers = Leftovers(Vec::new());
+    // The guard kills the test binary (and the shell), and its sleep if they outlive the test.
+    let mut run = Run { bench: child, agent: None, strays: Vec::new(), namespaces: vec![name.clone()], dirs: Vec::new() };
     let (test_pid, sleeper) = wait_for(&mut run.bench, &log, Duration::from_secs(60), "the stopped test's namespace and process", || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         let pids = text.lines().find_map(|l| l.strip_prefix("stopped test "))?;
@@ -289,7 +280,7 @@ fn stop_a_test_binary(test: &str, how: Stop) {
         let pids = (test_pid.trim().parse::<u32>().ok()?, sleeper.trim().parse::<u32>().ok()?);
         namespaces().contains(&name).then_some(pids)
     });
-    leftovers.0 = vec![(test_pid, exe.into_os_string().into_encoded_bytes()), (sleeper, b"sleep\x00600\x00".to_vec())];
+    run.strays = vec![(test_pid, exe.to_string_lossy().into_owned()), (sleeper, "sleep\x00600\x00".into())];
     // A process that is no child of ours is gone from /proc once init has reaped it, or a
     // zombie until then.
     let ended = |pid: u32| {

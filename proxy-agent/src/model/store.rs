@@ -213,6 +213,15 @@ pub struct Store {
     claims_unresolved: bool,
 }
 
+/// The cluster IPs a Service is served at: none for one skipped (another proxy's, say).
+fn served_cluster_ips(s: &CheckedService) -> &[std::net::IpAddr] {
+    if s.skip.is_some() {
+        &[]
+    } else {
+        &s.cluster_ips
+    }
+}
+
 /// An external or load-balancer address some Service claims (`Store::claims`).
 #[derive(Debug, Default)]
 struct Claim {
@@ -380,10 +389,6 @@ impl Store {
         fn claimed(s: Option<&CheckedService>) -> Vec<std::net::IpAddr> {
             s.map(|s| s.external_ips.iter().chain(&s.lb_ingress).copied().collect()).unwrap_or_default()
         }
-        /// The cluster IPs a Service is served at (a skipped one has none).
-        fn cluster(s: Option<&CheckedService>) -> &[std::net::IpAddr] {
-            s.filter(|s| s.skip.is_none()).map_or(&[], |s| &s.cluster_ips)
-        }
         let new = self.services.get(key).map(|s| &**s);
         let (old_claims, new_claims) = (claimed(old), claimed(new));
         for ip in old_claims.iter().filter(|ip| !new_claims.contains(ip)) {
@@ -406,7 +411,7 @@ impl Store {
         if self.claims.is_empty() {
             return;
         }
-        let (old_cluster, new_cluster) = (cluster(old), cluster(new));
+        let (old_cluster, new_cluster) = (old.map_or(&[][..], served_cluster_ips), new.map_or(&[][..], served_cluster_ips));
         let mut claimants = Vec::new();
         for ip in old_cluster.iter().filter(|ip| !new_cluster.contains(ip)) {
             if let Some(c) = self.claims.get_mut(ip) {
@@ -433,10 +438,7 @@ impl Store {
         }
         self.claims_unresolved = false;
         for (key, s) in &self.services {
-            if s.skip.is_some() {
-                continue;
-            }
-            for ip in s.cluster_ips.iter() {
+            for ip in served_cluster_ips(s) {
                 if let Some(c) = self.claims.get_mut(ip).filter(|c| !c.resolved && !c.owners.contains(key)) {
                     c.owners.push(key.clone());
                 }
@@ -453,17 +455,13 @@ impl Store {
     /// (a list in progress) is looked for among every Service.
     fn claimed_cluster_ip(&self, ip: std::net::IpAddr, claimant: &ObjectKey) -> Option<&ObjectKey> {
         let served = |k: &&ObjectKey| {
-            *k != claimant
-                && self
-                    .services
-                    .get(*k)
-                    .is_some_and(|s| s.skip.is_none() && !s.cluster_ips.iter().any(|a| self.local_addresses.contains(a)))
+            *k != claimant && self.services.get(*k).is_some_and(|s| !s.cluster_ips.iter().any(|a| self.local_addresses.contains(a)))
         };
         let c = self.claims.get(&ip)?;
         if c.resolved {
             c.owners.iter().find(served)
         } else {
-            self.services.iter().filter(|(_, s)| s.cluster_ips.contains(&ip)).map(|(k, _)| k).find(served)
+            self.services.iter().filter(|(_, s)| served_cluster_ips(s).contains(&ip)).map(|(k, _)| k).find(served)
         }
     }
 

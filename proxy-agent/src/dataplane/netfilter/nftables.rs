@@ -54,11 +54,7 @@ const COMMENT_MAX: usize = 128;
 /// such Service without endpoints stopped every change from being written (kube-proxy cuts it
 /// the same way since kubernetes#139515).
 fn comment(text: &str) -> &str {
-    let mut end = text.len().min(COMMENT_MAX);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    &text[..end]
+    &text[..text.floor_char_boundary(COMMENT_MAX)]
 }
 
 /// `ns/name/proto/port`.
