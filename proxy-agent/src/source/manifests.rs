@@ -421,7 +421,21 @@ pub fn spawn(mut dir: ManifestDir, tx: mpsc::Sender<Event>, resync: Duration) ->
         // the directory is scanned.
         let mut reported: std::collections::BTreeSet<String> = Default::default();
         loop {
-            let (events, problems) = dir.scan();
+            // A scan reads and parses files: off the runtime's worker threads, which serve
+            // /healthz and the metrics meanwhile.
+            let scanned = tokio::task::spawn_blocking(move || {
+                let (events, problems) = dir.scan();
+                (dir, events, problems)
+            })
+            .await;
+            let (events, problems);
+            (dir, events, problems) = match scanned {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("manifest scan of the source directory failed: {e}");
+                    return;
+                }
+            };
             let now: std::collections::BTreeSet<String> = problems.iter().map(|p| p.to_string()).collect();
             for p in now.difference(&reported) {
                 tracing::warn!("manifest {}", crate::model::clip(p, 1024));
