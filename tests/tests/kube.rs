@@ -198,27 +198,54 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
     let health = |path: &str| http_get(&k.lab.node, sock(HEALTHZ), path).expect("GET health").0;
     assert_eq!((health("/healthz"), health("/livez")), (200, 200));
 
-    // A Service with more endpoints than the maps hold cannot be programmed: the change stays
-    // pending, and after 2 x --sync-period the proxy is unhealthy.
-    let many: Vec<std::net::Ipv4Addr> = (1..=40).map(|i| std::net::Ipv4Addr::new(10, 244, 9, i)).collect();
+    let pods = |third: u8, n: u8| -> Vec<std::net::Ipv4Addr> { (1..=n).map(|i| std::net::Ipv4Addr::new(10, 244, third, i)).collect() };
+    // A Service that grows to take more than half of a map alone (21 of 32 entries) is
+    // refused whole, said once, and not retried: health does not wait for it, the others keep
+    // room, and it keeps serving the endpoints it had.
+    let real = k.lab.backend_ips();
+    k.api.apply(&service("huge", "10.96.0.76", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    k.api.apply(&endpoint_slice("huge", "huge-1", &real, &[("http", lab::TCP_PORT, "TCP")]));
+    let ask = || tcp_ask(&k.lab.client.ns, sock("10.96.0.76:80"));
+    wait_until("huge served", Duration::from_secs(10), || k.lab.agent_log(), || ask().is_ok());
+    let grown: Vec<_> = real.iter().copied().chain(pods(8, 17)).collect();
+    k.api.apply(&endpoint_slice("huge", "huge-1", &grown, &[("http", lab::TCP_PORT, "TCP")]));
+    wait_until("the refusal", Duration::from_secs(10), || k.lab.agent_log(), || k.lab.agent_log().contains("needs 21 entries"));
+    thread::sleep(Duration::from_secs(3));
+    let log = k.lab.agent_log();
+    assert!(log.contains("service=default/huge") && log.contains("more than the 16 one Service may take"), "{log}");
+    assert_eq!((health("/healthz"), log.matches("not programmed:").count()), (200, 1), "{log}");
+    for _ in 0..12 {
+        ask().expect("the refused Service still reaches the pods it had");
+    }
+
+    // Services that each fit but together overflow the maps cannot all be programmed: the
+    // change stays pending, and after 2 x --sync-period the proxy is unhealthy.
     k.api.apply(&service("big", "10.96.0.77", &[("http", 80, "TCP", 8080)]));
-    k.api.apply(&endpoint_slice("big", "big-1", &many, &[("http", 8080, "TCP")]));
+    k.api.apply(&endpoint_slice("big", "big-1", &pods(9, 12), &[("http", 8080, "TCP")]));
+    k.api.apply(&service("bigger", "10.96.0.78", &[("http", 80, "TCP", 8080)]));
+    k.api.apply(&endpoint_slice("bigger", "bigger-1", &pods(10, 13), &[("http", 8080, "TCP")]));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while health("/healthz") != 503 {
         assert!(std::time::Instant::now() < deadline, "/healthz never turned 503; log:\n{}", k.lab.agent_log());
         thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(health("/livez"), 503);
-    assert!(k.lab.agent_log().contains("is full"), "the map-full error is logged");
+    let log = k.lab.agent_log();
+    assert!(log.contains("is full"), "the map-full error is logged");
+    // The operator is told who holds the room: the largest Service programmed first.
+    assert!(log.contains("the Services holding the most entries: default/big"), "{log}");
     // Retried while it fails (2 s, then ever later), but said once, not at every retry.
     thread::sleep(Duration::from_secs(7));
     let log = k.lab.agent_log();
-    assert_eq!(log.matches("not programmed:").count(), 1, "the failure is said once, not at every retry:\n{log}");
+    assert_eq!(log.matches("not programmed:").count(), 2, "each failure is said once, not at every retry:\n{log}");
     // Other Services keep working while one cannot be programmed.
     assert!(tcp_ask(&k.lab.client.ns, sock(WEB_VIP)).is_ok());
 
-    // Remove the culprit: programming catches up and health returns.
-    k.api.delete(Kind::EndpointSlice, "default", "big-1");
+    // Remove the culprits: programming catches up and health returns.
+    for (svc, slice) in [("big", "big-1"), ("bigger", "bigger-1"), ("huge", "huge-1")] {
+        k.api.delete(Kind::EndpointSlice, "default", slice);
+        k.api.delete(Kind::Service, "default", svc);
+    }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while health("/healthz") != 200 {
         assert!(std::time::Instant::now() < deadline, "/healthz never recovered; log:\n{}", k.lab.agent_log());

@@ -53,6 +53,14 @@ pub enum DataplaneError {
     Unsupported(String),
     #[error("map {map} is full ({max} entries); raise --lb-map-max (takes effect after `proxy-agent cleanup`, which resets tracked connections)")]
     MapFull { map: &'static str, max: u32 },
+    /// One Service would take more than half of a fixed-size map.
+    #[error(
+        "this Service needs {need} entries of map {map}, more than the {} one Service may take (half of its {max}); \
+         what it had stays programmed as it was; raise --lb-map-max (takes effect after `proxy-agent cleanup`, \
+         which resets tracked connections) or split the Service",
+        max / 2
+    )]
+    TooLarge { map: &'static str, need: usize, max: u32 },
     #[error("{op} on map {map} failed: {source}")]
     Map {
         op: &'static str,
@@ -65,7 +73,7 @@ pub enum DataplaneError {
 impl DataplaneError {
     /// Retrying cannot help until the Service changes.
     pub fn is_permanent(&self) -> bool {
-        matches!(self, DataplaneError::Unsupported(_))
+        matches!(self, DataplaneError::Unsupported(_) | DataplaneError::TooLarge { .. })
     }
 
     /// Short, stable label for metrics.
@@ -73,6 +81,7 @@ impl DataplaneError {
         match self {
             DataplaneError::Unsupported(_) => "unsupported",
             DataplaneError::MapFull { .. } => "map_full",
+            DataplaneError::TooLarge { .. } => "service_too_large",
             DataplaneError::Map { .. } => "map_syscall",
         }
     }
@@ -88,6 +97,16 @@ pub trait Dataplane {
     /// Programs `key`, make-before-break: packets never see a half-written frontend.
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError>;
     fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError>;
+    /// Refuses a Service whose frontends (`wanted`, all of them) would take more of the
+    /// dataplane's fixed-size maps than one Service may. A dataplane without such maps admits
+    /// every Service.
+    fn admit(&self, _wanted: &std::collections::BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    /// Map entries the frontend `key` holds, to name the largest Services when a map is full.
+    fn entries_of(&self, _key: &FrontendKey) -> usize {
+        0
+    }
     /// Drops state no frontend uses any more (after the first full sync). Returns how many
     /// entries went.
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError>;

@@ -521,6 +521,38 @@ impl<A: MapAddr> LbMaps<A> {
         self.entries
     }
 
+    /// Entries the frontend `key` holds in the services map (a master and its slots, per scope).
+    pub fn entries_of(&self, key: &FrontendKey) -> usize {
+        [scope::EXTERNAL, scope::INTERNAL].iter().filter_map(|s| self.frontends.get(&(*key, *s))).map(|p| 1 + p.slots.len()).sum()
+    }
+
+    /// Refuses one Service whose frontends (`fes`, all of this family) would take more than
+    /// half of a load-balancer map: the services map's masters and slots, or the backend map's
+    /// distinct backends. Without the cap one Service (700 ports of 100 pods, say) fills the
+    /// maps, and every Service written after it stops being updated.
+    pub fn admit<'a>(&self, fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Result<(), DataplaneError> {
+        let mut entries = 0;
+        let mut backends = HashSet::new();
+        for (key, fe) in fes {
+            let Ok(proto) = ipproto(key.protocol) else { continue };
+            let mut scope = |list: &[model::Backend]| {
+                let active: HashSet<_> = list.iter().map(|b| (b.addr, b.port)).collect();
+                entries += 1 + active.len();
+                backends.extend(active.into_iter().map(|(a, p)| (a, p, proto)));
+            };
+            scope(&fe.backends);
+            if let Some(ib) = &fe.internal_backends {
+                scope(ib);
+            }
+            backends.extend(fe.retained.iter().map(|b| (b.addr, b.port, proto)));
+        }
+        let (map, need) = if entries >= backends.len() { (A::LB.services, entries) } else { (A::LB.backends, backends.len()) };
+        if need > (self.limit / 2) as usize {
+            return Err(DataplaneError::TooLarge { map, need, max: self.limit });
+        }
+        Ok(())
+    }
+
     fn set_frontend(&mut self, scoped: Scoped, p: Programmed) {
         self.entries += 1 + p.slots.len();
         if let Some(old) = self.frontends.insert(scoped, Box::new(p)) {

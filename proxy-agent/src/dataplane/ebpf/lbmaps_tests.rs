@@ -577,3 +577,50 @@ fn changing_what_a_tracked_flows_step_reads_is_counted() {
         assert!(lb.entries_changed() > count, "{key}: the removal's reverse NAT entry counted");
     }
 }
+
+/// One Service may take half of a map (`LbMaps::admit`): masters and slots of every scope of
+/// every frontend it has in the services map, its distinct backends (terminating ones kept for
+/// their flows included) in the backend map.
+#[test]
+fn one_service_may_take_half_of_a_map() {
+    use crate::dataplane::DataplaneError;
+    let (lb, _) = writer();
+    let ports = |n: u16, backends: &[u8]| -> Vec<(FrontendKey, Frontend)> {
+        (0..n).map(|i| (FrontendKey { port: 80 + i, ..cluster_ip() }, frontend(FrontendKind::ClusterIp, backends))).collect()
+    };
+    let admit = |fes: &[(FrontendKey, Frontend)]| lb.admit(fes.iter().map(|(k, f)| (k, f)));
+    let refused = |fes: &[(FrontendKey, Frontend)]| match admit(fes) {
+        Err(DataplaneError::TooLarge { map, need, max }) => (map, need, max),
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let many: Vec<u8> = (1..=32).collect();
+    // 31 backends: a master and 31 slots, half of the 64.
+    admit(&ports(1, &many[..31])).expect("half fits");
+    assert_eq!(refused(&ports(1, &many)), (proxy_common::map_names::SERVICES, 33, LIMIT));
+    // Four ports of the same 7 pods: 4 x 8 entries; a fifth is too many, though the pods are shared.
+    admit(&ports(4, &many[..7])).expect("4 x 8 fits");
+    assert_eq!(refused(&ports(5, &many[..7])).1, 40);
+    // Terminating endpoints kept for their flows take backend entries, not slots.
+    let mut fe = frontend(FrontendKind::ClusterIp, &many[..10]);
+    fe.retained = (11..=33).map(backend).collect();
+    assert_eq!(refused(&[(cluster_ip(), fe.clone())]), (proxy_common::map_names::BACKENDS, 33, LIMIT));
+    fe.retained.pop();
+    admit(&[(cluster_ip(), fe)]).expect("32 backends fit");
+    // An external frontend's internal scope counts too.
+    let mut lbfe = frontend(FrontendKind::LoadBalancer, &many[..10]);
+    lbfe.internal_backends = Some(many[..20].iter().map(|b| backend(*b)).collect());
+    admit(&[(load_balancer(), lbfe.clone())]).expect("11 + 21 entries fit");
+    lbfe.internal_backends.as_mut().unwrap().push(backend(21));
+    assert_eq!(refused(&[(load_balancer(), lbfe)]).1, 33);
+}
+
+#[test]
+fn a_frontends_entries_are_its_masters_and_slots() {
+    let (mut lb, kernel) = writer();
+    let mut lbfe = frontend(FrontendKind::LoadBalancer, &[1, 2]);
+    lbfe.internal_backends = Some(vec![backend(1), backend(2), backend(3)]);
+    lb.upsert(&load_balancer(), &lbfe).expect("upsert");
+    assert_eq!(lb.entries_of(&load_balancer()), 3 + 4);
+    assert_eq!(kernel.lock().unwrap().services.len(), 7, "as the kernel holds them");
+    assert_eq!(lb.entries_of(&cluster_ip()), 0);
+}

@@ -591,6 +591,18 @@ impl Dataplane for EbpfDataplane {
         removed
     }
 
+    fn admit(&self, wanted: &std::collections::BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
+        self.lb.admit(wanted.iter().filter(|(k, _)| k.addr.is_ipv4()))?;
+        self.lb6.admit(wanted.iter().filter(|(k, _)| k.addr.is_ipv6()))
+    }
+
+    fn entries_of(&self, key: &FrontendKey) -> usize {
+        match key.addr {
+            IpAddr::V4(_) => self.lb.entries_of(key),
+            IpAddr::V6(_) => self.lb6.entries_of(key),
+        }
+    }
+
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
         self.after_lb_write();

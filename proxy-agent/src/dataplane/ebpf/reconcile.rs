@@ -42,6 +42,10 @@ pub struct Reconciler<D> {
     /// Frontends whose programming fails for now (a full map, say), with the error last
     /// reported: a retry that fails alike says nothing more.
     failing: HashMap<FrontendKey, String>,
+    /// Services refused whole (`Dataplane::admit`), with the reason last reported.
+    refused: HashMap<ObjectKey, String>,
+    /// A map was newly found full in this sync: the largest Services are named at its end.
+    full_this_sync: bool,
     /// Health-check node ports to serve, per Service.
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
     /// `Store::cluster_ip_generation` the dataplane's cluster IP ranges were last written at.
@@ -67,6 +71,8 @@ impl<D: Dataplane> Reconciler<D> {
             triggers: BTreeMap::new(),
             unsupported: HashMap::new(),
             failing: HashMap::new(),
+            refused: HashMap::new(),
+            full_this_sync: false,
             health_checks: BTreeMap::new(),
             cluster_ips_written: None,
             cluster_ips_failed: false,
@@ -147,6 +153,9 @@ impl<D: Dataplane> Reconciler<D> {
             }
         }
         self.retry.append(&mut self.released);
+        if std::mem::take(&mut self.full_this_sync) {
+            self.name_the_largest();
+        }
         let generation = self.store.cluster_ip_generation();
         if self.cluster_ips_written != Some(generation) {
             let (cidrs, allocated) = self.store.cluster_ip_ranges();
@@ -199,6 +208,13 @@ impl<D: Dataplane> Reconciler<D> {
         }
         let mut failed = false;
         let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::render(&translation.ports, node).into_iter().collect();
+        if let Err(e) = self.dp.admit(&wanted) {
+            self.refuse(svc, &wanted, e);
+            return true;
+        }
+        if self.refused.remove(svc).is_some() && !wanted.is_empty() {
+            tracing::info!(service = %svc, "fits the maps now; programming it");
+        }
         for (key, fe) in &wanted {
             if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
                 if self.contenders.entry(*key).or_default().insert(svc.clone()) {
@@ -237,6 +253,7 @@ impl<D: Dataplane> Reconciler<D> {
                         failed = true;
                         let msg = e.to_string();
                         if self.failing.get(key) != Some(&msg) {
+                            self.full_this_sync |= matches!(e, crate::dataplane::DataplaneError::MapFull { .. });
                             tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {msg}; retrying");
                             self.failing.insert(*key, msg);
                         }
@@ -280,6 +297,42 @@ impl<D: Dataplane> Reconciler<D> {
         }
         !failed
     }
+
+    /// A Service the dataplane refuses whole: said once per reason, and not retried (nothing
+    /// changes until the Service does). What it holds stays as it was, and so does what a
+    /// previous run left for it (not removed as stale at the first sync): a Service that grew
+    /// past the cap keeps serving its earlier endpoints.
+    fn refuse(&mut self, svc: &ObjectKey, wanted: &BTreeMap<FrontendKey, Frontend>, e: crate::dataplane::DataplaneError) {
+        let msg = e.to_string();
+        if self.refused.get(svc) != Some(&msg) {
+            tracing::error!(service = %svc, reason = e.metric_label(), "not programmed: {msg}");
+            self.refused.insert(svc.clone(), msg);
+        }
+        let left = self.adopted.as_ref();
+        for key in wanted.keys() {
+            if !self.owners.contains_key(key) && left.is_some_and(|a| a.contains(key)) {
+                self.owners.insert(*key, svc.clone());
+                crate::model::insert_sorted(self.by_service.entry(svc.clone()).or_default(), *key);
+            }
+        }
+        self.retry.remove(svc);
+    }
+
+    /// Logs the Services holding the most map entries, once per sync that found a map full:
+    /// the operator sees which Service crowds the others out.
+    fn name_the_largest(&self) {
+        let mut held: Vec<(usize, &ObjectKey)> =
+            self.by_service.iter().map(|(svc, keys)| (keys.iter().map(|k| self.dp.entries_of(k)).sum(), svc)).collect();
+        held.sort_unstable_by(|a, b| b.cmp(a));
+        let top: Vec<String> = held.iter().take(3).filter(|(n, _)| *n > 0).map(|(n, svc)| format!("{svc} ({n})")).collect();
+        if !top.is_empty() {
+            tracing::warn!(
+                "a load-balancer map has no room for a change; the Services holding the most entries: {}; the Services hold {} entries in all",
+                top.join(", "),
+                held.iter().map(|(n, _)| n).sum::<usize>()
+            );
+        }
+    }
 }
 
 #[cfg(test)]
@@ -298,6 +351,8 @@ mod tests {
         writes: usize,
         fail: bool,
         unsupported: bool,
+        /// The most frontends one Service may have (`admit`).
+        cap: Option<usize>,
     }
 
     impl Dataplane for Fake {
@@ -326,6 +381,29 @@ mod tests {
         fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
             Ok(0)
         }
+        fn admit(&self, wanted: &BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
+            match self.cap {
+                Some(cap) if wanted.len() > cap => {
+                    Err(DataplaneError::TooLarge { map: "injected", need: wanted.len(), max: 2 * cap as u32 })
+                }
+                _ => Ok(()),
+            }
+        }
+        fn entries_of(&self, key: &FrontendKey) -> usize {
+            self.held.get(key).map_or(0, |fe| 1 + fe.backends.len())
+        }
+    }
+
+    /// A Service of `ports` ports (80, 81, ...).
+    fn svc_ports(name: &str, ip: &str, ports: u16) -> Object {
+        let list: Vec<String> = (0..ports).map(|i| format!("{{name: p{i}, port: {}}}", 80 + i)).collect();
+        Object::Service(Box::new(
+            serde_yaml::from_str(&format!("metadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{}]}}", list.join(", "))).unwrap(),
+        ))
+    }
+
+    fn port(ip: &str, port: u16) -> FrontendKey {
+        FrontendKey { port, ..key(ip) }
     }
 
     fn svc(name: &str, ip: &str) -> Object {
@@ -446,6 +524,42 @@ mod tests {
         let s = r.sync().unwrap();
         assert_eq!((s.failed, s.removed), (1, 0), "{s:?}");
         assert!(r.dp.held.contains_key(&key("10.96.0.1")), "the old version keeps serving");
+    }
+
+    /// One Service too large for the maps is refused whole, said once, not retried; what it
+    /// had keeps serving (also what a previous run left for it), and the others are programmed.
+    #[test]
+    fn a_service_too_large_is_refused_whole_and_keeps_what_it_had() {
+        let mut r = rec(Fake { cap: Some(2), ..Default::default() });
+        replace(vec![svc_ports("a", "10.96.0.1", 2)]).into_iter().for_each(|e| r.handle(e));
+        assert_eq!(r.sync().unwrap().upserted, 2);
+        r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 3)));
+        r.handle(Event::Apply(svc("b", "10.96.0.2")));
+        let s = r.sync().unwrap();
+        assert_eq!((s.upserted, s.removed, s.failed), (1, 0, 0), "only b is written: {s:?}");
+        assert!(!r.has_failures(), "refused, not retried: health must not wait for it");
+        assert_eq!(r.dp.programmed_keys(), vec![port("10.96.0.1", 80), port("10.96.0.1", 81), key("10.96.0.2")]);
+        assert!(r.refused.contains_key(&ObjectKey::new("default", "a")));
+
+        // A restart with the Service still too large: a previous run's frontends of it are
+        // not removed as stale.
+        let mut dp = std::mem::take(&mut r.dp);
+        dp.writes = 0;
+        let mut r = rec(dp);
+        replace(vec![svc_ports("a", "10.96.0.1", 3), svc("b", "10.96.0.2")]).into_iter().for_each(|e| r.handle(e));
+        let s = r.sync().unwrap();
+        assert_eq!((s.upserted, s.removed, r.dp.writes), (0, 0, 0), "{s:?}");
+        assert_eq!(r.owners().len(), 3, "the refused Service still owns what it holds");
+
+        // Shrunk back, it is programmed again; deleted, its frontends go.
+        r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 1)));
+        assert_eq!(r.sync().unwrap().removed, 1);
+        assert!(!r.refused.contains_key(&ObjectKey::new("default", "a")));
+        r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 3)));
+        r.sync();
+        r.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "a") });
+        r.sync();
+        assert_eq!(r.dp.programmed_keys(), vec![key("10.96.0.2")]);
     }
 
     #[test]
