@@ -86,12 +86,28 @@ impl CtKey {
 }
 
 impl ServiceName {
-    /// Stores `s`, cut at a character boundary if it is longer than the field.
+    /// Stores `s` as `fit` makes it.
     pub fn new(s: &str) -> Self {
+        let s = Self::fit(s);
         let mut name = [0u8; 128];
-        let end = s.floor_char_boundary(name.len());
-        name[..end].copy_from_slice(&s.as_bytes()[..end]);
+        name[..s.len()].copy_from_slice(s.as_bytes());
         Self { name }
+    }
+
+    /// `s` as the field holds it: unchanged when it fits; else cut at a character boundary and
+    /// ended with `~` and a hash of the whole in 16 hex digits. Two names that differ only past
+    /// the cut (two ports of a Service whose `namespace/name:` alone fills the field: Kubernetes
+    /// allows 143 bytes) stay two, and a name read back after a restart is the one written.
+    pub fn fit(s: &str) -> std::borrow::Cow<'_, str> {
+        const FIELD: usize = 128;
+        if s.len() <= FIELD {
+            return s.into();
+        }
+        // FNV-1a: the same digits from every build, as a name written by one run is compared
+        // with the next run's.
+        let hash = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let tag = std::format!("~{hash:016x}");
+        std::format!("{}{tag}", &s[..s.floor_char_boundary(FIELD - tag.len())]).into()
     }
 
     pub fn as_str(&self) -> &str {
@@ -171,7 +187,15 @@ mod tests {
         assert_eq!(ServiceName::new("default/web:http").as_str(), "default/web:http");
         let long = "é".repeat(100);
         let n = ServiceName::new(&long);
-        assert_eq!(n.as_str().len(), 128);
-        assert!(long.starts_with(n.as_str()));
+        assert_eq!(n.as_str().len(), 127, "cut before a character that would not fit whole");
+        let (kept, tag) = n.as_str().split_at(127 - 17);
+        assert!(long.starts_with(kept) && tag.starts_with('~'), "{:?}", n.as_str());
+        // Names that differ only past the cut stay distinct, and the same name fits alike.
+        let port = |p: &str| std::format!("{}/{}:{p}", "n".repeat(63), "s".repeat(63));
+        assert_ne!(ServiceName::new(&port("http")), ServiceName::new(&port("https")));
+        assert_eq!(ServiceName::new(&port("http")), ServiceName::new(&port("http")));
+        assert_eq!(ServiceName::fit(&port("http")).len(), 128);
+        let exact = "x".repeat(128);
+        assert_eq!(ServiceName::new(&exact).as_str(), exact, "a name that fits is kept whole");
     }
 }

@@ -1020,6 +1020,45 @@ fn load_balancer(ranges: &[&str]) -> (SocketAddrV4, FrontendKey, Frontend) {
     (lb, key, fe)
 }
 
+/// Two ports of a Service whose `namespace/name:` alone fills the names map's field (63 + 63
+/// bytes, as Kubernetes allows): their names are stored apart (`ServiceName::fit`), so a
+/// restart adopts each port's own Maglev table and rewrites nothing, and each port keeps
+/// sending to its own backends.
+#[test]
+fn a_restart_keeps_the_maglev_tables_of_ports_whose_names_are_cut() {
+    if !require::root("a_restart_keeps_the_maglev_tables_of_ports_whose_names_are_cut") {
+        return;
+    }
+    use proxy_agent::dataplane::ebpf::loader::LoadOptions;
+    let root = proxy_tests::lab::TempBpffs::new("pxmgl");
+    let load = || EbpfDataplane::load(LoadOptions { pin_root: Some(root.0.clone()), ..Default::default() }).expect("load with pins");
+    let service = ObjectKey::new("n".repeat(63), "s".repeat(63));
+    let port = |port: u16, name: &str, backend: &str| {
+        let key = FrontendKey { addr: "203.0.113.1".parse().unwrap(), port, protocol: Protocol::Tcp };
+        let name = ServicePortName { service: service.clone(), port: name.into(), protocol: Protocol::Tcp };
+        let backend = Backend { addr: backend.parse().unwrap(), port: 8080, terminating: false, local: false };
+        (key, Frontend::new(name, FrontendKind::LoadBalancer, vec![backend]))
+    };
+    let fes = [port(80, "http", "10.244.1.2"), port(443, "https", "10.244.1.3")];
+    {
+        let mut dp = load();
+        for (key, fe) in &fes {
+            dp.upsert(key, fe).expect("program");
+        }
+        assert_eq!(dp.maglev().tables.len(), 2);
+    }
+    let mut dp = load();
+    for (key, fe) in &fes {
+        assert!(dp.is_current(key, fe), "{key} adopted as written: nothing to reprogram");
+    }
+    assert_eq!(dp.maglev().tables.len(), 2, "each port keeps a table of its own");
+    dp.collect_garbage().expect("garbage");
+    for ((key, _), to) in fes.iter().zip(["10.244.1.2:8080", "10.244.1.3:8080"]) {
+        let out = run(&mut dp, &tcp_frame(sock("10.244.0.5:40000"), sock(&format!("203.0.113.1:{}", key.port)), SYN));
+        assert_eq!(dissect(&out.frame).dst_sock(), sock(to), "port {} goes to its own backend", key.port);
+    }
+}
+
 #[test]
 fn source_ranges_are_adopted_after_a_restart_and_leftovers_removed() {
     if !require::root("source_ranges_are_adopted_after_a_restart_and_leftovers_removed") {

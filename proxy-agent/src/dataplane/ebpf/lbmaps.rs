@@ -731,7 +731,7 @@ impl<A: MapAddr> LbMaps<A> {
     pub fn is_current(&self, key: &FrontendKey, fe: &Frontend) -> bool {
         let Ok(proto) = ipproto(key.protocol) else { return false };
         let fe = normalized(fe);
-        let name = fe.name.to_string();
+        let name = stored_name(&fe);
         let (ext, int) = views(key, &fe);
         self.scope_current(key, scope::EXTERNAL, &ext, &name, proto)
             && match &int {
@@ -748,7 +748,7 @@ impl<A: MapAddr> LbMaps<A> {
                 return Err(DataplaneError::Unsupported(format!("endpoint address {b} cannot be programmed")));
             }
         }
-        let name = fe.name.to_string();
+        let name = stored_name(&fe);
         let (ext, int) = views(key, &fe);
         // Internal scope first: the external master may only point at a complete one.
         if let Some(v) = &int {
@@ -1191,6 +1191,17 @@ impl<A: MapAddr> LbMaps<A> {
 
 /// `fe` with each endpoint once (a duplicate would take a second reference and never match)
 /// and retained endpoints that are not also active.
+/// The name of `fe`'s Service port as the names map holds it (`ServiceName::fit`), so that the
+/// name a restart reads back is the one kept in memory: frontends and Maglev tables are known
+/// by it.
+fn stored_name(fe: &Frontend) -> String {
+    let name = fe.name.to_string();
+    match ServiceName::fit(&name) {
+        std::borrow::Cow::Borrowed(_) => name,
+        std::borrow::Cow::Owned(fitted) => fitted,
+    }
+}
+
 fn normalized(fe: &Frontend) -> Frontend {
     let mut fe = fe.clone();
     fe.backends.sort();
