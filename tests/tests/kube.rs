@@ -233,7 +233,7 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
     let log = k.lab.agent_log();
     assert!(log.contains("is full"), "the map-full error is logged");
     // The operator is told who holds the room: the largest Service programmed first.
-    assert!(log.contains("the Services holding the most entries: default/big"), "{log}");
+    assert!(log.contains("IPv4 load-balancer entries (masters and slots): default/big (13)"), "{log}");
     // Retried while it fails (2 s, then ever later), but said once, not at every retry.
     thread::sleep(Duration::from_secs(7));
     let log = k.lab.agent_log();

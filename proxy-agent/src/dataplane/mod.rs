@@ -107,6 +107,11 @@ pub trait Dataplane {
     fn entries_of(&self, _key: &FrontendKey) -> usize {
         0
     }
+    /// True when what is programmed at `key` is for `fe`'s Service port (a previous run's
+    /// frontend that a refused Service may keep).
+    fn holds_for(&self, _key: &FrontendKey, _fe: &Frontend) -> bool {
+        false
+    }
     /// Drops state no frontend uses any more (after the first full sync). Returns how many
     /// entries went.
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError>;

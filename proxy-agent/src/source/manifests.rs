@@ -422,32 +422,36 @@ pub fn spawn(mut dir: ManifestDir, tx: mpsc::Sender<Event>, resync: Duration) ->
         let mut reported: std::collections::BTreeSet<String> = Default::default();
         loop {
             // A scan reads and parses files: off the runtime's worker threads, which serve
-            // /healthz and the metrics meanwhile.
+            // /healthz and the metrics meanwhile. A scan that panics (a bug) sends nothing, so
+            // the objects read before stay, and the next change scans again.
             let scanned = tokio::task::spawn_blocking(move || {
-                let (events, problems) = dir.scan();
-                (dir, events, problems)
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dir.scan()));
+                (dir, result)
             })
             .await;
-            let (events, problems);
-            (dir, events, problems) = match scanned {
+            let result;
+            (dir, result) = match scanned {
                 Ok(s) => s,
-                Err(e) => {
-                    tracing::error!("manifest scan of the source directory failed: {e}");
-                    return;
-                }
+                // The runtime is shutting down.
+                Err(_) => return,
             };
-            let now: std::collections::BTreeSet<String> = problems.iter().map(|p| p.to_string()).collect();
-            for p in now.difference(&reported) {
-                tracing::warn!("manifest {}", crate::model::clip(p, 1024));
-            }
-            for p in reported.difference(&now) {
-                tracing::info!("manifest problem cleared: {}", crate::model::clip(p, 1024));
-            }
-            reported = now;
-            for ev in events {
-                if tx.send(ev).await.is_err() {
-                    return;
+            match result {
+                Ok((events, problems)) => {
+                    let now: std::collections::BTreeSet<String> = problems.iter().map(|p| p.to_string()).collect();
+                    for p in now.difference(&reported) {
+                        tracing::warn!("manifest {}", crate::model::clip(p, 1024));
+                    }
+                    for p in reported.difference(&now) {
+                        tracing::info!("manifest problem cleared: {}", crate::model::clip(p, 1024));
+                    }
+                    reported = now;
+                    for ev in events {
+                        if tx.send(ev).await.is_err() {
+                            return;
+                        }
+                    }
                 }
+                Err(_) => tracing::error!("the scan of the manifest directory failed; its objects stay as last read"),
             }
             tokio::select! {
                 woke = wake_rx.recv() => {

@@ -232,6 +232,14 @@ impl<A: MapAddr> Default for Found<A> {
     }
 }
 
+/// What a Service's frontends take of a family's maps (`LbMaps::demand`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Demand {
+    pub services: usize,
+    pub backends: usize,
+    pub source_ranges: usize,
+}
+
 /// The writer of one family's maps (`A`: the family's address as the maps hold it, which also
 /// names its maps: `MapAddr::LB`). Frontend keys and backends of the other family are refused.
 pub struct LbMaps<A: MapAddr = [u8; 4]> {
@@ -521,23 +529,27 @@ impl<A: MapAddr> LbMaps<A> {
         self.entries
     }
 
+    /// The Service port name the frontend `key` was programmed for, as the names map holds it.
+    pub fn name_of(&self, key: &FrontendKey) -> Option<&str> {
+        self.frontends.get(&(*key, scope::EXTERNAL)).map(|p| p.name.as_str())
+    }
+
     /// Entries the frontend `key` holds in the services map (a master and its slots, per scope).
     pub fn entries_of(&self, key: &FrontendKey) -> usize {
         [scope::EXTERNAL, scope::INTERNAL].iter().filter_map(|s| self.frontends.get(&(*key, *s))).map(|p| 1 + p.slots.len()).sum()
     }
 
-    /// Refuses one Service whose frontends (`fes`, all of this family) would take more than
-    /// half of a load-balancer map: the services map's masters and slots, or the backend map's
-    /// distinct backends. Without the cap one Service (700 ports of 100 pods, say) fills the
-    /// maps, and every Service written after it stops being updated.
-    pub fn admit<'a>(&self, fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Result<(), DataplaneError> {
-        let mut entries = 0;
+    /// Entries the frontends `fes` (all of this family) take once programmed: masters and
+    /// slots in the services map, distinct backends in the backend map (terminating ones kept
+    /// for their flows included), source ranges in the source-range trie.
+    pub fn demand<'a>(fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Demand {
+        let mut d = Demand::default();
         let mut backends = HashSet::new();
         for (key, fe) in fes {
             let Ok(proto) = ipproto(key.protocol) else { continue };
             let mut scope = |list: &[model::Backend]| {
                 let active: HashSet<_> = list.iter().map(|b| (b.addr, b.port)).collect();
-                entries += 1 + active.len();
+                d.services += 1 + active.len();
                 backends.extend(active.into_iter().map(|(a, p)| (a, p, proto)));
             };
             scope(&fe.backends);
@@ -545,10 +557,22 @@ impl<A: MapAddr> LbMaps<A> {
                 scope(ib);
             }
             backends.extend(fe.retained.iter().map(|b| (b.addr, b.port, proto)));
+            d.source_ranges += fe.source_ranges.iter().map(|c| c.network()).collect::<BTreeSet<_>>().len();
         }
-        let (map, need) = if entries >= backends.len() { (A::LB.services, entries) } else { (A::LB.backends, backends.len()) };
-        if need > (self.limit / 2) as usize {
-            return Err(DataplaneError::TooLarge { map, need, max: self.limit });
+        d.backends = backends.len();
+        d
+    }
+
+    /// Refuses one Service whose frontends (`fes`, all of this family) would take more than
+    /// half of a load-balancer map (`demand`). Without the cap one Service (700 ports of 100
+    /// pods, say) fills the maps, and every Service written after it stops being updated.
+    pub fn admit<'a>(&self, fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Result<(), DataplaneError> {
+        let d = Self::demand(fes);
+        let most = (self.limit / 2) as usize;
+        for (map, need) in [(A::LB.services, d.services), (A::LB.backends, d.backends), (A::LB.source_ranges, d.source_ranges)] {
+            if need > most {
+                return Err(DataplaneError::TooLarge { map, need, max: self.limit });
+            }
         }
         Ok(())
     }
@@ -1189,12 +1213,10 @@ impl<A: MapAddr> LbMaps<A> {
     }
 }
 
-/// `fe` with each endpoint once (a duplicate would take a second reference and never match)
-/// and retained endpoints that are not also active.
 /// The name of `fe`'s Service port as the names map holds it (`ServiceName::fit`), so that the
 /// name a restart reads back is the one kept in memory: frontends and Maglev tables are known
 /// by it.
-fn stored_name(fe: &Frontend) -> String {
+pub fn stored_name(fe: &Frontend) -> String {
     let name = fe.name.to_string();
     match ServiceName::fit(&name) {
         std::borrow::Cow::Borrowed(_) => name,
@@ -1202,6 +1224,8 @@ fn stored_name(fe: &Frontend) -> String {
     }
 }
 
+/// `fe` with each endpoint once (a duplicate would take a second reference and never match)
+/// and retained endpoints that are not also active.
 fn normalized(fe: &Frontend) -> Frontend {
     let mut fe = fe.clone();
     fe.backends.sort();

@@ -580,7 +580,7 @@ fn changing_what_a_tracked_flows_step_reads_is_counted() {
 
 /// One Service may take half of a map (`LbMaps::admit`): masters and slots of every scope of
 /// every frontend it has in the services map, its distinct backends (terminating ones kept for
-/// their flows included) in the backend map.
+/// their flows included) in the backend map, its source ranges in the trie.
 #[test]
 fn one_service_may_take_half_of_a_map() {
     use crate::dataplane::DataplaneError;
@@ -612,6 +612,37 @@ fn one_service_may_take_half_of_a_map() {
     admit(&[(load_balancer(), lbfe.clone())]).expect("11 + 21 entries fit");
     lbfe.internal_backends.as_mut().unwrap().push(backend(21));
     assert_eq!(refused(&[(load_balancer(), lbfe)]).1, 33);
+    // loadBalancerSourceRanges take an entry each in the trie, per load-balancer frontend.
+    let mut ranged = frontend(FrontendKind::LoadBalancer, &[1]);
+    ranged.source_ranges = (0..16).map(|i| format!("192.0.{i}.0/24").parse().unwrap()).collect();
+    let two = [(load_balancer(), ranged.clone()), (FrontendKey { port: 443, ..load_balancer() }, ranged.clone())];
+    admit(&two).expect("2 x 16 ranges fit");
+    ranged.source_ranges.push("198.51.100.0/24".parse().unwrap());
+    let two = [(load_balancer(), ranged.clone()), (FrontendKey { port: 443, ..load_balancer() }, ranged)];
+    assert_eq!(refused(&two), (proxy_common::map_names::SOURCE_RANGES, 34, LIMIT));
+}
+
+/// `demand` counts what the writer then holds in the kernel's maps, for a Service of every
+/// kind of frontend: a cluster IP, a load balancer with an internal scope and source ranges,
+/// terminating endpoints kept, duplicates.
+#[test]
+fn the_demand_of_a_service_is_what_its_frontends_take() {
+    let (mut lb, kernel) = writer();
+    let mut cip = frontend(FrontendKind::ClusterIp, &[1, 2, 3, 3]);
+    cip.retained = vec![backend(4), backend(5)];
+    let mut lbfe = frontend(FrontendKind::LoadBalancer, &[1, 2]);
+    lbfe.internal_backends = Some(vec![backend(1), backend(2), backend(6)]);
+    lbfe.retained = vec![backend(7)];
+    lbfe.source_ranges = vec!["10.0.0.0/8".parse().unwrap(), "10.0.0.1/8".parse().unwrap(), "192.0.2.0/24".parse().unwrap()];
+    let http = FrontendKey { port: 443, ..load_balancer() };
+    let fes = [(cluster_ip(), cip), (load_balancer(), lbfe.clone()), (http, lbfe)];
+    for (key, fe) in &fes {
+        lb.upsert(key, fe).expect("upsert");
+    }
+    let k = kernel.lock().unwrap();
+    let held = super::Demand { services: k.services.len(), backends: k.backends.len(), source_ranges: k.ranges.len() };
+    assert_eq!(held, super::Demand { services: 4 + 2 * (3 + 4), backends: 7, source_ranges: 4 });
+    assert_eq!(<LbMaps>::demand(fes.iter().map(|(k, f)| (k, f))), held);
 }
 
 #[test]

@@ -603,6 +603,14 @@ impl Dataplane for EbpfDataplane {
         }
     }
 
+    fn holds_for(&self, key: &FrontendKey, fe: &Frontend) -> bool {
+        let name = match key.addr {
+            IpAddr::V4(_) => self.lb.name_of(key),
+            IpAddr::V6(_) => self.lb6.name_of(key),
+        };
+        name.is_some_and(|n| n == lbmaps::stored_name(fe))
+    }
+
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
         let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
         self.after_lb_write();

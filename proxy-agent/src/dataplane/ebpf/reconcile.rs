@@ -42,10 +42,11 @@ pub struct Reconciler<D> {
     /// Frontends whose programming fails for now (a full map, say), with the error last
     /// reported: a retry that fails alike says nothing more.
     failing: HashMap<FrontendKey, String>,
-    /// Services refused whole (`Dataplane::admit`), with the reason last reported.
-    refused: HashMap<ObjectKey, String>,
-    /// A map was newly found full in this sync: the largest Services are named at its end.
-    full_this_sync: bool,
+    /// Services refused whole (`Dataplane::admit`), with the map last reported too small.
+    refused: HashMap<ObjectKey, &'static str>,
+    /// A map newly found full in this sync, and the family of the frontend that found it: the
+    /// largest Services are named at the sync's end.
+    full_this_sync: Option<(&'static str, bool)>,
     /// Health-check node ports to serve, per Service.
     health_checks: BTreeMap<ObjectKey, HealthCheck>,
     /// `Store::cluster_ip_generation` the dataplane's cluster IP ranges were last written at.
@@ -72,7 +73,7 @@ impl<D: Dataplane> Reconciler<D> {
             unsupported: HashMap::new(),
             failing: HashMap::new(),
             refused: HashMap::new(),
-            full_this_sync: false,
+            full_this_sync: None,
             health_checks: BTreeMap::new(),
             cluster_ips_written: None,
             cluster_ips_failed: false,
@@ -153,8 +154,8 @@ impl<D: Dataplane> Reconciler<D> {
             }
         }
         self.retry.append(&mut self.released);
-        if std::mem::take(&mut self.full_this_sync) {
-            self.name_the_largest();
+        if let Some((map, ipv6)) = self.full_this_sync.take() {
+            self.name_the_largest(map, ipv6);
         }
         let generation = self.store.cluster_ip_generation();
         if self.cluster_ips_written != Some(generation) {
@@ -198,24 +199,64 @@ impl<D: Dataplane> Reconciler<D> {
     fn sync_service(&mut self, svc: &ObjectKey, node: &NodeInfo, stats: &mut SyncStats) -> bool {
         let translation = self.store.translate_on(svc, node);
         crate::model::store::log_notes(svc, &translation.notes);
-        match translation.health_check {
-            Some(h) => {
-                self.health_checks.insert(svc.clone(), h);
-            }
-            None => {
-                self.health_checks.remove(svc);
-            }
-        }
-        let mut failed = false;
         let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::render(&translation.ports, node).into_iter().collect();
-        if let Err(e) = self.dp.admit(&wanted) {
-            self.refuse(svc, &wanted, e);
-            return true;
+        let mut failed = false;
+        match self.dp.admit(&wanted) {
+            Ok(()) => {
+                match translation.health_check {
+                    Some(h) => {
+                        self.health_checks.insert(svc.clone(), h);
+                    }
+                    None => {
+                        self.health_checks.remove(svc);
+                    }
+                }
+                if self.refused.remove(svc).is_some() && !wanted.is_empty() {
+                    tracing::info!(service = %svc, "fits the maps now; programming it");
+                }
+                failed = self.program(svc, &wanted, stats);
+            }
+            // What it still wants keeps its programmed version, and its health check what
+            // that version serves; what it no longer wants goes below (removing only frees room).
+            Err(e) => self.refuse(svc, &wanted, e),
         }
-        if self.refused.remove(svc).is_some() && !wanted.is_empty() {
-            tracing::info!(service = %svc, "fits the maps now; programming it");
+        let held = self.by_service.get(svc).cloned().unwrap_or_default();
+        for key in held.iter().filter(|k| !wanted.contains_key(k)) {
+            match self.dp.remove(key) {
+                Ok(()) => {
+                    stats.removed += 1;
+                    self.unsupported.remove(key);
+                    self.failing.remove(key);
+                    tracing::debug!(service = %svc, frontend = %key, "removed");
+                    self.owners.remove(key);
+                    if let Some(held) = self.by_service.get_mut(svc) {
+                        held.retain(|k| k != key);
+                    }
+                    // A Service that wanted this frontend may have it now.
+                    if let Some(waiting) = self.contenders.remove(key) {
+                        self.released.extend(waiting);
+                    }
+                }
+                Err(e) => {
+                    stats.failed += 1;
+                    failed = true;
+                    tracing::error!(service = %svc, frontend = %key, "not removed: {e}");
+                }
+            }
         }
-        for (key, fe) in &wanted {
+        if self.by_service.get(svc).is_some_and(|s| s.is_empty()) {
+            self.by_service.remove(svc);
+        }
+        if failed {
+            self.retry.insert(svc.clone());
+        }
+        !failed
+    }
+
+    /// Programs the frontends `wanted` of `svc`; true when one failed (it is retried).
+    fn program(&mut self, svc: &ObjectKey, wanted: &BTreeMap<FrontendKey, Frontend>, stats: &mut SyncStats) -> bool {
+        let mut failed = false;
+        for (key, fe) in wanted {
             if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
                 if self.contenders.entry(*key).or_default().insert(svc.clone()) {
                     tracing::warn!(
@@ -253,7 +294,9 @@ impl<D: Dataplane> Reconciler<D> {
                         failed = true;
                         let msg = e.to_string();
                         if self.failing.get(key) != Some(&msg) {
-                            self.full_this_sync |= matches!(e, crate::dataplane::DataplaneError::MapFull { .. });
+                            if let crate::dataplane::DataplaneError::MapFull { map, .. } = e {
+                                self.full_this_sync.get_or_insert((map, key.addr.is_ipv6()));
+                            }
                             tracing::error!(service = %fe.name, frontend = %key, reason = e.metric_label(), "not programmed: {msg}; retrying");
                             self.failing.insert(*key, msg);
                         }
@@ -265,37 +308,7 @@ impl<D: Dataplane> Reconciler<D> {
             self.owners.insert(*key, svc.clone());
             crate::model::insert_sorted(self.by_service.entry(svc.clone()).or_default(), *key);
         }
-        let held = self.by_service.get(svc).cloned().unwrap_or_default();
-        for key in held.iter().filter(|k| !wanted.contains_key(k)) {
-            match self.dp.remove(key) {
-                Ok(()) => {
-                    stats.removed += 1;
-                    self.unsupported.remove(key);
-                    self.failing.remove(key);
-                    tracing::debug!(service = %svc, frontend = %key, "removed");
-                    self.owners.remove(key);
-                    if let Some(held) = self.by_service.get_mut(svc) {
-                        held.retain(|k| k != key);
-                    }
-                    // A Service that wanted this frontend may have it now.
-                    if let Some(waiting) = self.contenders.remove(key) {
-                        self.released.extend(waiting);
-                    }
-                }
-                Err(e) => {
-                    stats.failed += 1;
-                    failed = true;
-                    tracing::error!(service = %svc, frontend = %key, "not removed: {e}");
-                }
-            }
-        }
-        if self.by_service.get(svc).is_some_and(|s| s.is_empty()) {
-            self.by_service.remove(svc);
-        }
-        if failed {
-            self.retry.insert(svc.clone());
-        }
-        !failed
+        failed
     }
 
     /// A Service the dataplane refuses whole: said once per reason, and not retried (nothing
@@ -303,31 +316,47 @@ impl<D: Dataplane> Reconciler<D> {
     /// previous run left for it (not removed as stale at the first sync): a Service that grew
     /// past the cap keeps serving its earlier endpoints.
     fn refuse(&mut self, svc: &ObjectKey, wanted: &BTreeMap<FrontendKey, Frontend>, e: crate::dataplane::DataplaneError) {
-        let msg = e.to_string();
-        if self.refused.get(svc) != Some(&msg) {
-            tracing::error!(service = %svc, reason = e.metric_label(), "not programmed: {msg}");
-            self.refused.insert(svc.clone(), msg);
+        let map = match &e {
+            crate::dataplane::DataplaneError::TooLarge { map, .. } => *map,
+            _ => e.metric_label(),
+        };
+        // Said again when another map is the one too small, not whenever the figures move
+        // (a large Service's endpoints churn).
+        if self.refused.get(svc) != Some(&map) {
+            tracing::error!(service = %svc, reason = e.metric_label(), "not programmed: {e}");
+            self.refused.insert(svc.clone(), map);
+        } else {
+            tracing::debug!(service = %svc, "still not programmed: {e}");
         }
+        // A frontend a previous run left for this Service port is kept; one another Service
+        // left at an address this one has taken since is not (it goes as stale).
         let left = self.adopted.as_ref();
-        for key in wanted.keys() {
-            if !self.owners.contains_key(key) && left.is_some_and(|a| a.contains(key)) {
+        for (key, fe) in wanted {
+            if !self.owners.contains_key(key) && left.is_some_and(|a| a.contains(key)) && self.dp.holds_for(key, fe) {
                 self.owners.insert(*key, svc.clone());
                 crate::model::insert_sorted(self.by_service.entry(svc.clone()).or_default(), *key);
             }
         }
-        self.retry.remove(svc);
+        // The change is not programmed: no latency sample for it.
+        self.triggers.remove(svc);
     }
 
-    /// Logs the Services holding the most map entries, once per sync that found a map full:
-    /// the operator sees which Service crowds the others out.
-    fn name_the_largest(&self) {
-        let mut held: Vec<(usize, &ObjectKey)> =
-            self.by_service.iter().map(|(svc, keys)| (keys.iter().map(|k| self.dp.entries_of(k)).sum(), svc)).collect();
+    /// Logs the Services holding the most entries of the family's load-balancer maps (masters
+    /// and slots), once per sync in which a frontend newly failed for want of room in `map`:
+    /// the operator sees which Services crowd the others out.
+    fn name_the_largest(&self, map: &str, ipv6: bool) {
+        let mut held: Vec<(usize, &ObjectKey)> = self
+            .by_service
+            .iter()
+            .map(|(svc, keys)| (keys.iter().filter(|k| k.addr.is_ipv6() == ipv6).map(|k| self.dp.entries_of(k)).sum(), svc))
+            .collect();
         held.sort_unstable_by(|a, b| b.cmp(a));
         let top: Vec<String> = held.iter().take(3).filter(|(n, _)| *n > 0).map(|(n, svc)| format!("{svc} ({n})")).collect();
         if !top.is_empty() {
             tracing::warn!(
-                "a load-balancer map has no room for a change; the Services holding the most entries: {}; the Services hold {} entries in all",
+                "map {map} has no room for a change; the Services holding the most {} load-balancer entries (masters and \
+                 slots): {}; {} in all",
+                if ipv6 { "IPv6" } else { "IPv4" },
                 top.join(", "),
                 held.iter().map(|(n, _)| n).sum::<usize>()
             );
@@ -391,6 +420,9 @@ mod tests {
         }
         fn entries_of(&self, key: &FrontendKey) -> usize {
             self.held.get(key).map_or(0, |fe| 1 + fe.backends.len())
+        }
+        fn holds_for(&self, key: &FrontendKey, fe: &Frontend) -> bool {
+            self.held.get(key).is_some_and(|h| h.name == fe.name)
         }
     }
 
@@ -551,9 +583,29 @@ mod tests {
         assert_eq!((s.upserted, s.removed, r.dp.writes), (0, 0, 0), "{s:?}");
         assert_eq!(r.owners().len(), 3, "the refused Service still owns what it holds");
 
+        // Still too large, at another address: the old one goes (removing only frees room), the
+        // new one waits until it fits.
+        r.handle(Event::Apply(svc_ports("a", "10.96.0.3", 3)));
+        let s = r.sync().unwrap();
+        assert_eq!((s.upserted, s.removed), (0, 2), "{s:?}");
+        assert_eq!(r.dp.programmed_keys(), vec![key("10.96.0.2")]);
+        assert!(r.owners().keys().all(|k| k.addr.to_string() != "10.96.0.1"), "nothing owned at the old address");
+        r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 3)));
+        r.sync();
+
+        // A previous run's frontend of another Service at an address a refused one has taken
+        // since is not kept for it: it goes as stale.
+        let mut first = rec(Fake::default());
+        replace(vec![svc("x", "10.96.0.5")]).into_iter().for_each(|e| first.handle(e));
+        first.sync();
+        let mut r2 = rec(Fake { cap: Some(2), ..std::mem::take(&mut first.dp) });
+        replace(vec![svc_ports("a", "10.96.0.5", 3)]).into_iter().for_each(|e| r2.handle(e));
+        assert_eq!(r2.sync().unwrap().removed, 1);
+        assert!(r2.dp.programmed_keys().is_empty() && r2.owners().is_empty());
+
         // Shrunk back, it is programmed again; deleted, its frontends go.
         r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 1)));
-        assert_eq!(r.sync().unwrap().removed, 1);
+        assert_eq!(r.sync().unwrap().upserted, 1);
         assert!(!r.refused.contains_key(&ObjectKey::new("default", "a")));
         r.handle(Event::Apply(svc_ports("a", "10.96.0.1", 3)));
         r.sync();
