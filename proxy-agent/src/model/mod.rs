@@ -362,14 +362,15 @@ impl PortView {
 }
 
 impl EndpointView {
-    /// `a`, then those of `b` not in `a`.
+    /// `a`, then those of `b` not in `a`. (Through a set: both may hold a Service's 20,000
+    /// endpoints, and this runs for every port at every sync of the netfilter modes.)
     pub fn union(a: &[EndpointView], b: &[EndpointView]) -> Vec<EndpointView> {
         let mut v = a.to_vec();
-        for e in b {
-            if !v.contains(e) {
-                v.push(*e);
-            }
+        if b.is_empty() {
+            return v;
         }
+        let mut seen: std::collections::HashSet<EndpointView> = a.iter().copied().collect();
+        v.extend(b.iter().filter(|e| seen.insert(**e)));
         v
     }
 }
@@ -391,5 +392,22 @@ mod tests {
         assert_eq!(names, ["/node-1", "a/a", "a/x", "a-b/x"]);
         assert_eq!(k.clone(), ObjectKey::new(String::from("shop"), "web"));
         assert_ne!(k, ObjectKey::new("shop", "web2"));
+    }
+
+    #[test]
+    fn a_union_of_endpoints_keeps_the_first_list_then_what_the_second_adds_once() {
+        use super::EndpointView;
+        let ep = |last: u8, local: bool| EndpointView {
+            addr: std::net::IpAddr::from([10, 244, 0, last]),
+            port: 80,
+            ready: true,
+            serving: true,
+            terminating: false,
+            local,
+        };
+        let a = [ep(1, false), ep(2, true)];
+        let b = [ep(2, true), ep(3, true), ep(3, true), ep(1, true)];
+        assert_eq!(EndpointView::union(&a, &b), [ep(1, false), ep(2, true), ep(3, true), ep(1, true)]);
+        assert_eq!(EndpointView::union(&a, &[]), a);
     }
 }

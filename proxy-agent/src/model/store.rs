@@ -386,7 +386,9 @@ impl Store {
     /// cluster IP it gained or lost. O(1) for a Service without external addresses; an address
     /// claimed for the first time is looked for among the cluster IPs once.
     fn service_addresses_changed(&mut self, key: &ObjectKey, old: Option<&CheckedService>) {
-        fn claimed(s: Option<&CheckedService>) -> Vec<std::net::IpAddr> {
+        // Sets: a Service may list 100,000 external IPs, and comparing two such lists pairwise
+        // took seconds of the control loop at each update.
+        fn claimed(s: Option<&CheckedService>) -> HashSet<std::net::IpAddr> {
             s.map(|s| s.external_ips.iter().chain(&s.lb_ingress).copied().collect()).unwrap_or_default()
         }
         let new = self.services.get(key).map(|s| &**s);
@@ -431,9 +433,11 @@ impl Store {
     }
 
     /// Completes the owners of the addresses claimed since the last call, in one pass over the
-    /// Services. Not while a list is in progress: its end does it.
+    /// Services. Not while a list of Services is in progress: its end does it. (Only theirs: a
+    /// ServiceCIDR list that never ends, on a cluster that does not serve them, would leave
+    /// every lookup scanning.)
     fn resolve_claims(&mut self) {
-        if !self.listing.is_empty() || !self.claims_unresolved {
+        if self.listing.contains_key(&Kind::Service) || !self.claims_unresolved {
             return;
         }
         self.claims_unresolved = false;
@@ -514,7 +518,8 @@ impl Store {
             return translate::service(svc, &slices, node);
         }
         let mut trimmed = svc.clone();
-        let keep = |ip: &&std::net::IpAddr| !own(ip) && !taken.iter().any(|(t, _)| t == *ip);
+        let refused: HashSet<std::net::IpAddr> = taken.iter().map(|(ip, _)| *ip).collect();
+        let keep = |ip: &&std::net::IpAddr| !own(ip) && !refused.contains(*ip);
         trimmed.external_ips = svc.external_ips.iter().filter(keep).copied().collect();
         trimmed.lb_ingress = svc.lb_ingress.iter().filter(keep).copied().collect();
         let mut t = translate::service(&trimmed, &slices, node);
@@ -903,6 +908,23 @@ mod tests {
         // A cluster IP that is a node address is not the Service's (it is refused).
         s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
         assert!(s.cluster_ip_ranges().1.is_empty());
+    }
+
+    /// Claims wait for a Service list in progress, and for nothing else: a cluster without
+    /// ServiceCIDRs begins their list at every retry and never ends it.
+    #[test]
+    fn claims_are_resolved_while_another_kinds_list_never_ends() {
+        let claimant = || svc("metadata: {name: lb}\nspec: {clusterIP: 10.96.0.9, externalIPs: [192.0.2.7], ports: [{port: 80}]}");
+        let resolved = |s: &Store| s.claims.values().all(|c| c.resolved);
+        let mut s = Store::new("n");
+        s.apply(Event::ListBegin { kind: Kind::ServiceCidr });
+        s.apply(Event::Apply(claimant()));
+        assert!(resolved(&s) && !s.claims_unresolved, "resolved at once");
+        s.apply(Event::ListBegin { kind: Kind::Service });
+        s.apply(Event::Listed(svc("metadata: {name: lb2}\nspec: {clusterIP: 10.96.0.8, externalIPs: [192.0.2.8], ports: [{port: 80}]}")));
+        assert!(!resolved(&s), "not while the Services are listed");
+        s.apply(Event::ListEnd { kind: Kind::Service });
+        assert!(resolved(&s) && !s.claims_unresolved);
     }
 
     #[test]
