@@ -514,17 +514,23 @@ impl Store {
             .filter_map(|ip| self.claimed_cluster_ip(*ip, key).map(|owner| (*ip, owner)))
             .collect();
         let own = |ip: &std::net::IpAddr| svc.cluster_ips.contains(ip);
-        if taken.is_empty() && !svc.external_ips.iter().chain(&svc.lb_ingress).any(own) {
+        // Multicast and broadcast external IPs pass the API server, but no node serves them.
+        let unservable = |ip: &std::net::IpAddr| super::validate::unservable_external_ip(*ip).is_some();
+        if taken.is_empty() && !svc.external_ips.iter().chain(&svc.lb_ingress).any(|ip| own(ip) || unservable(ip)) {
             return translate::service(svc, &slices, node);
         }
         let mut trimmed = svc.clone();
         let refused: HashSet<std::net::IpAddr> = taken.iter().map(|(ip, _)| *ip).collect();
-        let keep = |ip: &&std::net::IpAddr| !own(ip) && !refused.contains(*ip);
+        let keep = |ip: &&std::net::IpAddr| !own(ip) && !refused.contains(*ip) && !unservable(ip);
         trimmed.external_ips = svc.external_ips.iter().filter(keep).copied().collect();
         trimmed.lb_ingress = svc.lb_ingress.iter().filter(keep).copied().collect();
         let mut t = translate::service(&trimmed, &slices, node);
         for (ip, owner) in taken {
             t.notes.push(format!("refused: external address {ip} is Service {owner}'s cluster IP; not served as an external address"));
+        }
+        for ip in svc.external_ips.iter().filter(|ip| unservable(ip)) {
+            let why = super::validate::unservable_external_ip(*ip).unwrap_or_default();
+            t.notes.push(format!("refused: external address {ip} is {why}; not served (the rest of the Service is)"));
         }
         t
     }
@@ -908,6 +914,26 @@ mod tests {
         // A cluster IP that is a node address is not the Service's (it is refused).
         s.set_local_addresses(vec!["10.96.0.10".parse().unwrap()]);
         assert!(s.cluster_ip_ranges().1.is_empty());
+    }
+
+    /// A multicast or broadcast external IP, which the API server accepts, is left out with a
+    /// note; the Service's other addresses are served.
+    #[test]
+    fn an_unservable_external_ip_is_left_out_and_the_rest_served() {
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(
+            "metadata: {name: m}\nspec: {clusterIP: 10.96.0.9, externalIPs: [239.1.2.3, 192.0.2.7, 255.255.255.255], ports: [{port: 80}]}",
+        )));
+        let key = ObjectKey::new("default", "m");
+        let addresses: Vec<String> = frontends(&s, &key).iter().map(|(k, _)| k.addr.to_string()).collect();
+        assert_eq!(addresses, ["10.96.0.9", "192.0.2.7"]);
+        assert_eq!(
+            s.translate(&key).notes,
+            [
+                "refused: external address 239.1.2.3 is a multicast address; not served (the rest of the Service is)",
+                "refused: external address 255.255.255.255 is the broadcast address; not served (the rest of the Service is)"
+            ]
+        );
     }
 
     /// Claims wait for a Service list in progress, and for nothing else: a cluster without

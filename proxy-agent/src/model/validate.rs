@@ -307,6 +307,28 @@ fn special_ip(a: IpAddr) -> Option<&'static str> {
     }
 }
 
+/// Of `special_ip`'s addresses, the ones the API server refuses as external IPs too
+/// (ValidateNonSpecialIP: unspecified, loopback, link-local unicast and link-local multicast).
+/// It lets other multicast addresses and the broadcast address in: such a Service is served,
+/// without that address (`Store::translate_on` notes it), as kube-proxy serves it.
+fn refused_external_ip(a: IpAddr) -> Option<&'static str> {
+    let link_local_multicast = match a {
+        IpAddr::V4(v) => v.octets()[..3] == [224, 0, 0],
+        IpAddr::V6(v) => v.octets()[0] == 0xff && v.octets()[1] & 0x0f == 0x02,
+    };
+    match special_ip(a) {
+        Some(_) if a.is_multicast() && !link_local_multicast => None,
+        Some(_) if a == IpAddr::V4(std::net::Ipv4Addr::BROADCAST) => None,
+        why => why,
+    }
+}
+
+/// Why an external IP the API server accepts cannot be served (a multicast or the broadcast
+/// address), if it cannot.
+pub fn unservable_external_ip(a: IpAddr) -> Option<&'static str> {
+    special_ip(a)
+}
+
 fn port_number(v: i32, field: &str, errs: &mut Vec<String>) -> u16 {
     match u16::try_from(v) {
         Ok(p) if p != 0 => p,
@@ -505,7 +527,7 @@ pub fn service_with(svc: &Service, rules: &Rules) -> Result<CheckedService, Inva
         .enumerate()
         .filter_map(|(i, s)| {
             let a = ip(s, &format!("spec.externalIPs[{i}]"), &mut errs)?;
-            match special_ip(a) {
+            match refused_external_ip(a) {
                 Some(why) => {
                     errs.push(format!("spec.externalIPs[{i}] {a} is {why}"));
                     None
@@ -814,6 +836,9 @@ mod tests {
             ("spec: {clusterIP: 224.0.0.5, ports: [{port: 80}]}", "is a multicast address"),
             ("spec: {clusterIP: 255.255.255.255, ports: [{port: 80}]}", "is the broadcast address"),
             ("spec: {clusterIP: 10.0.0.1, externalIPs: [127.0.0.2], ports: [{port: 80}]}", "spec.externalIPs[0] 127.0.0.2 is a loopback address"),
+            ("spec: {clusterIP: 10.0.0.1, externalIPs: [224.0.0.251], ports: [{port: 80}]}", "224.0.0.251 is a multicast address"),
+            ("spec: {clusterIP: 10.0.0.1, externalIPs: ['ff02::fb'], ports: [{port: 80}]}", "ff02::fb is a multicast address"),
+            ("spec: {clusterIP: 10.0.0.1, externalIPs: [169.254.169.254], ports: [{port: 80}]}", "is a link-local address"),
             ("spec: {clusterIP: 10.0.0.1, type: NodePort, ports: [{port: 80, nodePort: 22}]}", "nodePort 22 is outside the NodePort range 30000-32767"),
             ("spec: {clusterIP: 10.0.0.1, type: LoadBalancer, healthCheckNodePort: 10256, ports: [{port: 80}]}", "spec.healthCheckNodePort 10256 is outside"),
             // Port names, named target ports, ports at all, families, ExternalName.
@@ -833,6 +858,12 @@ mod tests {
         for (spec, want) in cases {
             let err = service(&svc(&format!("metadata: {{name: a}}\n{spec}"))).unwrap_err();
             assert!(err.to_string().contains(want), "{spec}: got {err}, want it to mention {want}");
+        }
+        // External IPs the API server lets in (ValidateNonSpecialIP): the Service is taken, and
+        // the store leaves them out with a note.
+        for ip in ["239.1.2.3", "255.255.255.255", "ff05::2"] {
+            let spec = format!("metadata: {{name: a}}\nspec: {{clusterIP: 10.0.0.1, externalIPs: ['{ip}'], ports: [{{port: 80}}]}}");
+            assert!(service(&svc(&spec)).is_ok(), "{ip} passes the API server, so the Service is not refused");
         }
         assert_eq!(service(&svc("metadata: {namespace: x}\nspec: {}")).unwrap_err().to_string(), "metadata.name is missing");
         let named = |meta: &str| service(&svc(&format!("metadata: {meta}\nspec: {{clusterIP: 10.0.0.1, ports: [{{port: 80}}]}}")));
