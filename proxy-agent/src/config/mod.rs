@@ -554,6 +554,9 @@ impl Config {
 
         // eBPF. detectLocal's interface prefix names the pod interfaces for it too.
         let prefix = first([flags.pod_interface_name_prefix.clone(), dl.interface_name_prefix.clone().filter(|s| !s.is_empty())]);
+        // Written into every iptables and nft rule set: a name they refuse would fail every
+        // write, so no Service would be programmed.
+        let prefix = prefix.map(|p| interface_name("detectLocal.interfaceNamePrefix (--pod-interface-name-prefix)", p, 14)).transpose()?;
         let pod_devices = match (&flags.pod_devices, &prefix) {
             (Some(d), _) => d.clone(),
             (None, Some(p)) if flags.detect_local_mode.as_deref().or(file.detect_local_mode.as_deref()) == Some("InterfaceNamePrefix") => {
@@ -575,6 +578,7 @@ impl Config {
         // Netfilter.
         let detect_mode = first([flags.detect_local_mode.clone(), file.detect_local_mode.clone().filter(|s| !s.is_empty())]);
         let bridge = first([flags.pod_bridge_interface.clone(), dl.bridge_interface.clone().filter(|s| !s.is_empty())]);
+        let bridge = bridge.map(|b| interface_name("detectLocal.bridgeInterface (--pod-bridge-interface)", b, 15)).transpose()?;
         let detect_local = match detect_mode.as_deref() {
             None | Some("ClusterCIDR") => DetectLocal::ClusterCidr,
             Some("NodeCIDR") => DetectLocal::NodeCidr,
@@ -680,6 +684,20 @@ impl Config {
     pub fn ct_lifetimes(&self) -> Lifetimes {
         self.common.conntrack.lifetimes()
     }
+}
+
+/// `name` if it can name a network interface (or, as a prefix, begin one) in iptables and nft
+/// rules: 1 to `max` bytes (the kernel takes 15; iptables' prefix match adds a `+`), printable
+/// ASCII without whitespace, quotes, `/`, `:`, `\\` or glob and wildcard characters.
+fn interface_name(field: &str, name: String, max: usize) -> Result<String, String> {
+    let bad = |c: char| !c.is_ascii_graphic() || "\"'/:\\*?[]+".contains(c);
+    if name.is_empty() || name.len() > max || name == "." || name == ".." || name.chars().any(bad) {
+        return Err(format!(
+            "{field}: {:?} is not an interface name (1 to {max} bytes of printable ASCII, without whitespace, quotes, '/', ':', '\\' or '*?[]+')",
+            crate::model::clip(&name, 64)
+        ));
+    }
+    Ok(name)
 }
 
 #[cfg(test)]

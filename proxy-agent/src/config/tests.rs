@@ -181,6 +181,12 @@ fn bad_values_are_errors_that_name_the_field() {
         ("conntrack:\n  maxPerCore: -1\n", "conntrack.maxPerCore"),
         ("detectLocalMode: Magic\n", "detectLocalMode"),
         ("detectLocalMode: BridgeInterface\n", "bridgeInterface"),
+        // Written into every rule set: iptables and nft would refuse them, and so every write.
+        ("detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: 'br0\" accept'\n", "bridgeInterface"),
+        ("detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: a-bridge-name-too-long\n", "1 to 15 bytes"),
+        ("detectLocal:\n  interfaceNamePrefix: 'veth\\n'\n", "interfaceNamePrefix"),
+        ("detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: 'veth*'\n", "interfaceNamePrefix"),
+        ("detectLocalMode: InterfaceNamePrefix\ndetectLocal:\n  interfaceNamePrefix: 'a-prefix-long15'\n", "1 to 14 bytes"),
         ("logging:\n  format: xml\n", "logging.format"),
         ("iptables:\n  syncPeriod: soon\n", "iptables.syncPeriod"),
         ("iptables:\n  syncPeriod: 18446744073709551615s\n", "iptables.syncPeriod"),
@@ -190,6 +196,11 @@ fn bad_values_are_errors_that_name_the_field() {
         let err = resolve(&format!("{HEAD}{body}"), Flags::default()).unwrap_err();
         assert!(err.contains(field), "{body:?}: the error names {field}: {err}");
     }
+    let ok =
+        resolve(&format!("{HEAD}detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: cni0.100@x_y-z\n"), Flags::default());
+    assert!(ok.is_ok(), "an ordinary interface name is taken: {:?}", ok.err());
+    let err = resolve(HEAD, Flags { pod_bridge_interface: Some("br 0".into()), ..Default::default() }).unwrap_err();
+    assert!(err.contains("--pod-bridge-interface"), "a flag's value is named by the flag too: {err}");
     let err = Config::resolve(Flags { config: Some("/nonexistent/config.conf".into()), ..Default::default() }, || "h".into()).unwrap_err();
     assert!(err.contains("/nonexistent/config.conf"), "{err}");
 }
