@@ -97,10 +97,10 @@ pub trait Dataplane {
     /// Programs `key`, make-before-break: packets never see a half-written frontend.
     fn upsert(&mut self, key: &FrontendKey, fe: &Frontend) -> Result<(), DataplaneError>;
     fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError>;
-    /// Refuses a Service whose frontends (`wanted`, all of them) would take more of the
-    /// dataplane's fixed-size maps than one Service may. A dataplane without such maps admits
-    /// every Service.
-    fn admit(&self, _wanted: &std::collections::BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
+    /// Refuses a Service whose frontends (`wanted`, all of them, by group) would take more of
+    /// the dataplane's fixed-size maps than one Service may. A dataplane without such maps
+    /// admits every Service.
+    fn admit(&self, _wanted: &[ebpf::frontends::Group]) -> Result<(), DataplaneError> {
         Ok(())
     }
     /// Map entries the frontend `key` holds, to name the largest Services when a map is full.

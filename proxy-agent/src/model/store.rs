@@ -936,6 +936,34 @@ mod tests {
         );
     }
 
+    /// The eBPF dataplane checks a Service's frontends by group (cluster IPs, node ports,
+    /// load-balancer IPs, external IPs), each address once, before copying them out.
+    #[test]
+    fn frontends_come_in_groups_of_one_value_each_address_once() {
+        use crate::model::FrontendKind;
+        let mut s = Store::new("n");
+        s.apply(Event::Apply(svc(
+            "metadata: {name: g}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.9, externalIPs: [192.0.2.7, 192.0.2.8, 192.0.2.7], ports: [{port: 80, nodePort: 30080}]}\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.1}]}}",
+        )));
+        s.set_local_addresses(vec!["172.18.0.2".parse().unwrap()]);
+        let key = ObjectKey::new("default", "g");
+        let groups = crate::dataplane::ebpf::frontends::render_groups(&s.translate(&key).ports, &s.node_info());
+        let shape: Vec<(FrontendKind, Vec<String>)> =
+            groups.iter().map(|g| (g.frontend.kind, g.keys.iter().map(|k| format!("{}:{}", k.addr, k.port)).collect())).collect();
+        let want = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            shape,
+            [
+                (FrontendKind::ClusterIp, want(&["10.96.0.9:80"])),
+                (FrontendKind::NodePort, want(&["172.18.0.2:30080"])),
+                (FrontendKind::LoadBalancer, want(&["203.0.113.1:80"])),
+                (FrontendKind::ExternalIp, want(&["192.0.2.7:80", "192.0.2.8:80"])),
+            ]
+        );
+        let flat = frontends(&s, &key);
+        assert_eq!(flat.len(), 5, "one frontend per address: {flat:?}");
+    }
+
     /// Claims wait for a Service list in progress, and for nothing else: a cluster without
     /// ServiceCIDRs begins their list at every retry and never ends it.
     #[test]

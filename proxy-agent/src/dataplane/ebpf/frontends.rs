@@ -10,13 +10,45 @@ use std::{
 
 use crate::model::{Backend, Cidr, EndpointView, Family, Frontend, FrontendKey, FrontendKind, NodeInfo, PortView, Protocol};
 
+/// Frontends that hold one value: the addresses and ports a Service port is reached on alike
+/// (its cluster IPs; its node ports; its load-balancer IPs; its external IPs). A Service may
+/// list 100,000 external IPs: checked as a group (`Dataplane::admit`), they are copied out
+/// one per address only once the dataplane has room for them.
+pub struct Group {
+    /// Each once, in the order the Service lists them.
+    pub keys: Vec<FrontendKey>,
+    pub frontend: Frontend,
+}
+
 /// The frontends of a Service's port views on this node.
 pub fn render(ports: &[PortView], node: &NodeInfo) -> Vec<(FrontendKey, Frontend)> {
+    expand(render_groups(ports, node)).collect()
+}
+
+/// The frontends of a Service's port views on this node, by group.
+pub fn render_groups(ports: &[PortView], node: &NodeInfo) -> Vec<Group> {
     let mut out = Vec::new();
     for view in ports {
         port(view, node, &mut out);
     }
     out
+}
+
+/// Each group's frontend copied to each of its keys.
+pub fn expand(groups: Vec<Group>) -> impl Iterator<Item = (FrontendKey, Frontend)> {
+    groups.into_iter().flat_map(|g| {
+        let fe = g.frontend;
+        g.keys.into_iter().map(move |k| (k, fe.clone()))
+    })
+}
+
+/// `keys` with each once, first occurrence kept.
+fn once(mut keys: Vec<FrontendKey>) -> Vec<FrontendKey> {
+    if keys.len() > 1 {
+        let mut seen = HashSet::new();
+        keys.retain(|k| seen.insert(*k));
+    }
+    keys
 }
 
 fn backends(eps: &[EndpointView]) -> Vec<Backend> {
@@ -45,7 +77,7 @@ fn source_ranges(ranges: &[Cidr], lb_ips: &[IpAddr], node: &NodeInfo) -> Vec<Cid
     ranges
 }
 
-fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<(FrontendKey, Frontend)>) {
+fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<Group>) {
     let protocol = view.name.protocol;
     // Endpoints outside the chosen set keep the flows they have, as conntrack keeps them for
     // kube-proxy; UDP flows to endpoints that stopped serving are moved, as kube-proxy clears
@@ -71,17 +103,21 @@ fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<(FrontendKey, Frontend)>
             source_ranges: vec![],
         }
     };
-    let internal =
-        frontend(if view.internal_local { &view.local_endpoints } else { &view.cluster_endpoints }, FrontendKind::ClusterIp, None);
-    for vip in &view.cluster_ips {
-        out.push((FrontendKey { addr: *vip, port: view.port, protocol }, internal.clone()));
+    if !view.cluster_ips.is_empty() {
+        let internal =
+            frontend(if view.internal_local { &view.local_endpoints } else { &view.cluster_endpoints }, FrontendKind::ClusterIp, None);
+        let keys = view.cluster_ips.iter().map(|vip| FrontendKey { addr: *vip, port: view.port, protocol }).collect();
+        out.push(Group { keys: once(keys), frontend: internal });
     }
     // External frontends: outside clients get the local endpoints under externalTrafficPolicy
     // Local, pods reaching the same address get the cluster's. (Made at the first external
     // address: most Services have none.)
     let mut external: Option<Frontend> = None;
     let lb_ranges = source_ranges(&view.lb_source_ranges, &view.lb_ips, node);
-    let mut add = |addr: IpAddr, port: u16, kind: FrontendKind| {
+    let mut add = |keys: Vec<FrontendKey>, kind: FrontendKind| {
+        if keys.is_empty() {
+            return;
+        }
         let external = external.get_or_insert_with(|| {
             if view.external_local {
                 frontend(&view.local_endpoints, kind, Some(backends(&view.cluster_endpoints)))
@@ -90,22 +126,18 @@ fn port(view: &PortView, node: &NodeInfo, out: &mut Vec<(FrontendKey, Frontend)>
             }
         });
         let source_ranges = if kind == FrontendKind::LoadBalancer { lb_ranges.clone() } else { vec![] };
-        out.push((FrontendKey { addr, port, protocol }, Frontend { kind, source_ranges, ..external.clone() }));
+        out.push(Group { keys: once(keys), frontend: Frontend { kind, source_ranges, ..external.clone() } });
     };
+    let at = |addrs: &[IpAddr], port: u16| -> Vec<FrontendKey> { addrs.iter().map(|a| FrontendKey { addr: *a, port, protocol }).collect() };
     if let Some(np) = view.node_port {
-        for a in node.nodeport_addresses.iter().filter(|a| Family::of(**a) == view.family) {
-            add(*a, np, FrontendKind::NodePort);
-        }
+        let mut addrs: Vec<IpAddr> = node.nodeport_addresses.iter().filter(|a| Family::of(**a) == view.family).copied().collect();
         // (The NodePort addresses never hold loopback: the store leaves it out.) Localhost
         // NodePorts are IPv4's (kube-proxy's route_localnet has no IPv6 counterpart).
         if node.localhost_nodeports && view.family == Family::V4 {
-            add(IpAddr::V4(Ipv4Addr::LOCALHOST), np, FrontendKind::NodePort);
+            addrs.push(IpAddr::V4(Ipv4Addr::LOCALHOST));
         }
+        add(at(&addrs, np), FrontendKind::NodePort);
     }
-    for a in &view.lb_ips {
-        add(*a, view.port, FrontendKind::LoadBalancer);
-    }
-    for a in &view.external_ips {
-        add(*a, view.port, FrontendKind::ExternalIp);
-    }
+    add(at(&view.lb_ips, view.port), FrontendKind::LoadBalancer);
+    add(at(&view.external_ips, view.port), FrontendKind::ExternalIp);
 }

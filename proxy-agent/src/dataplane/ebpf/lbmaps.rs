@@ -541,15 +541,16 @@ impl<A: MapAddr> LbMaps<A> {
 
     /// Entries the frontends `fes` (all of this family) take once programmed: masters and
     /// slots in the services map, distinct backends in the backend map (terminating ones kept
-    /// for their flows included), source ranges in the source-range trie.
-    pub fn demand<'a>(fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Demand {
+    /// for their flows included), source ranges in the source-range trie. Each item is a
+    /// frontend programmed at `n` keys (`key`: one of them, for the protocol).
+    pub fn demand<'a>(fes: impl IntoIterator<Item = (usize, &'a FrontendKey, &'a Frontend)>) -> Demand {
         let mut d = Demand::default();
         let mut backends = HashSet::new();
-        for (key, fe) in fes {
+        for (n, key, fe) in fes {
             let Ok(proto) = ipproto(key.protocol) else { continue };
             let mut scope = |list: &[model::Backend]| {
                 let active: HashSet<_> = list.iter().map(|b| (b.addr, b.port)).collect();
-                d.services += 1 + active.len();
+                d.services += n * (1 + active.len());
                 backends.extend(active.into_iter().map(|(a, p)| (a, p, proto)));
             };
             scope(&fe.backends);
@@ -557,7 +558,7 @@ impl<A: MapAddr> LbMaps<A> {
                 scope(ib);
             }
             backends.extend(fe.retained.iter().map(|b| (b.addr, b.port, proto)));
-            d.source_ranges += fe.source_ranges.iter().map(|c| c.network()).collect::<BTreeSet<_>>().len();
+            d.source_ranges += n * fe.source_ranges.iter().map(|c| c.network()).collect::<BTreeSet<_>>().len();
         }
         d.backends = backends.len();
         d
@@ -566,7 +567,7 @@ impl<A: MapAddr> LbMaps<A> {
     /// Refuses one Service whose frontends (`fes`, all of this family) would take more than
     /// half of a load-balancer map (`demand`). Without the cap one Service (700 ports of 100
     /// pods, say) fills the maps, and every Service written after it stops being updated.
-    pub fn admit<'a>(&self, fes: impl IntoIterator<Item = (&'a FrontendKey, &'a Frontend)>) -> Result<(), DataplaneError> {
+    pub fn admit<'a>(&self, fes: impl IntoIterator<Item = (usize, &'a FrontendKey, &'a Frontend)>) -> Result<(), DataplaneError> {
         let d = Self::demand(fes);
         let most = (self.limit / 2) as usize;
         for (map, need) in [(A::LB.services, d.services), (A::LB.backends, d.backends), (A::LB.source_ranges, d.source_ranges)] {

@@ -588,7 +588,7 @@ fn one_service_may_take_half_of_a_map() {
     let ports = |n: u16, backends: &[u8]| -> Vec<(FrontendKey, Frontend)> {
         (0..n).map(|i| (FrontendKey { port: 80 + i, ..cluster_ip() }, frontend(FrontendKind::ClusterIp, backends))).collect()
     };
-    let admit = |fes: &[(FrontendKey, Frontend)]| lb.admit(fes.iter().map(|(k, f)| (k, f)));
+    let admit = |fes: &[(FrontendKey, Frontend)]| lb.admit(fes.iter().map(|(k, f)| (1, k, f)));
     let refused = |fes: &[(FrontendKey, Frontend)]| match admit(fes) {
         Err(DataplaneError::TooLarge { map, need, max }) => (map, need, max),
         other => panic!("expected a refusal, got {other:?}"),
@@ -642,7 +642,10 @@ fn the_demand_of_a_service_is_what_its_frontends_take() {
     let k = kernel.lock().unwrap();
     let held = super::Demand { services: k.services.len(), backends: k.backends.len(), source_ranges: k.ranges.len() };
     assert_eq!(held, super::Demand { services: 4 + 2 * (3 + 4), backends: 7, source_ranges: 4 });
-    assert_eq!(<LbMaps>::demand(fes.iter().map(|(k, f)| (k, f))), held);
+    assert_eq!(<LbMaps>::demand(fes.iter().map(|(k, f)| (1, k, f))), held);
+    // A frontend at n addresses (a group) takes n times its entries, and its backends once.
+    let (key, fe) = &fes[1];
+    assert_eq!(<LbMaps>::demand([(1000, key, fe)]), super::Demand { services: 7000, backends: 4, source_ranges: 2000 });
 }
 
 #[test]

@@ -591,9 +591,16 @@ impl Dataplane for EbpfDataplane {
         removed
     }
 
-    fn admit(&self, wanted: &std::collections::BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
-        self.lb.admit(wanted.iter().filter(|(k, _)| k.addr.is_ipv4()))?;
-        self.lb6.admit(wanted.iter().filter(|(k, _)| k.addr.is_ipv6()))
+    fn admit(&self, wanted: &[frontends::Group]) -> Result<(), DataplaneError> {
+        // Each group's frontend counted once per key of the family.
+        let of = |ipv6: bool| {
+            wanted.iter().filter_map(move |g| {
+                let n = g.keys.iter().filter(|k| k.addr.is_ipv6() == ipv6).count();
+                Some((n, g.keys.first()?, &g.frontend)).filter(|(n, _, _)| *n > 0)
+            })
+        };
+        self.lb.admit(of(false))?;
+        self.lb6.admit(of(true))
     }
 
     fn entries_of(&self, key: &FrontendKey) -> usize {

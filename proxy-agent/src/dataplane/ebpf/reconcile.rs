@@ -199,9 +199,10 @@ impl<D: Dataplane> Reconciler<D> {
     fn sync_service(&mut self, svc: &ObjectKey, node: &NodeInfo, stats: &mut SyncStats) -> bool {
         let translation = self.store.translate_on(svc, node);
         crate::model::store::log_notes(svc, &translation.notes);
-        let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::render(&translation.ports, node).into_iter().collect();
+        let groups = super::frontends::render_groups(&translation.ports, node);
+        let wanted_keys: std::collections::HashSet<FrontendKey> = groups.iter().flat_map(|g| g.keys.iter().copied()).collect();
         let mut failed = false;
-        match self.dp.admit(&wanted) {
+        match self.dp.admit(&groups) {
             Ok(()) => {
                 match translation.health_check {
                     Some(h) => {
@@ -211,17 +212,18 @@ impl<D: Dataplane> Reconciler<D> {
                         self.health_checks.remove(svc);
                     }
                 }
-                if self.refused.remove(svc).is_some() && !wanted.is_empty() {
+                if self.refused.remove(svc).is_some() && !groups.is_empty() {
                     tracing::info!(service = %svc, "fits the maps now; programming it");
                 }
+                let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::expand(groups).collect();
                 failed = self.program(svc, &wanted, stats);
             }
             // What it still wants keeps its programmed version, and its health check what
             // that version serves; what it no longer wants goes below (removing only frees room).
-            Err(e) => self.refuse(svc, &wanted, e),
+            Err(e) => self.refuse(svc, &groups, e),
         }
         let held = self.by_service.get(svc).cloned().unwrap_or_default();
-        for key in held.iter().filter(|k| !wanted.contains_key(k)) {
+        for key in held.iter().filter(|k| !wanted_keys.contains(k)) {
             match self.dp.remove(key) {
                 Ok(()) => {
                     stats.removed += 1;
@@ -315,7 +317,7 @@ impl<D: Dataplane> Reconciler<D> {
     /// changes until the Service does). What it holds stays as it was, and so does what a
     /// previous run left for it (not removed as stale at the first sync): a Service that grew
     /// past the cap keeps serving its earlier endpoints.
-    fn refuse(&mut self, svc: &ObjectKey, wanted: &BTreeMap<FrontendKey, Frontend>, e: crate::dataplane::DataplaneError) {
+    fn refuse(&mut self, svc: &ObjectKey, wanted: &[super::frontends::Group], e: crate::dataplane::DataplaneError) {
         let map = match &e {
             crate::dataplane::DataplaneError::TooLarge { map, .. } => *map,
             _ => e.metric_label(),
@@ -331,7 +333,7 @@ impl<D: Dataplane> Reconciler<D> {
         // A frontend a previous run left for this Service port is kept; one another Service
         // left at an address this one has taken since is not (it goes as stale).
         let left = self.adopted.as_ref();
-        for (key, fe) in wanted {
+        for (key, fe) in wanted.iter().flat_map(|g| g.keys.iter().map(move |k| (k, &g.frontend))) {
             if !self.owners.contains_key(key) && left.is_some_and(|a| a.contains(key)) && self.dp.holds_for(key, fe) {
                 self.owners.insert(*key, svc.clone());
                 crate::model::insert_sorted(self.by_service.entry(svc.clone()).or_default(), *key);
@@ -410,11 +412,10 @@ mod tests {
         fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
             Ok(0)
         }
-        fn admit(&self, wanted: &BTreeMap<FrontendKey, Frontend>) -> Result<(), DataplaneError> {
+        fn admit(&self, wanted: &[crate::dataplane::ebpf::frontends::Group]) -> Result<(), DataplaneError> {
+            let n: usize = wanted.iter().map(|g| g.keys.len()).sum();
             match self.cap {
-                Some(cap) if wanted.len() > cap => {
-                    Err(DataplaneError::TooLarge { map: "injected", need: wanted.len(), max: 2 * cap as u32 })
-                }
+                Some(cap) if n > cap => Err(DataplaneError::TooLarge { map: "injected", need: n, max: 2 * cap as u32 }),
                 _ => Ok(()),
             }
         }
