@@ -5,7 +5,7 @@
 //! to Services without endpoints, sets for ClientIP affinity. Every sync is one `nft -f`
 //! transaction: atomic, and after the first one it carries only what changed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{hash_name, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::{
@@ -335,11 +335,13 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
 pub struct NftablesRules {
     opts: NftablesOptions,
     applied: Option<Ruleset>,
+    /// The last `refresh_in_steps` did not finish.
+    refresh_failed: bool,
 }
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None }
+        Self { opts, applied: None, refresh_failed: false }
     }
 }
 
@@ -429,8 +431,15 @@ impl RuleSet for NftablesRules {
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
         let exists = || run("nft", PACKAGE, &["list", "table", nft_family(self.opts.family), "kube-proxy"]).is_ok();
-        if self.applied.is_none() && services.len() > BUILD_STEP && !exists() {
-            return self.build_in_steps(services, node, wanted);
+        // Everything to be written again: the first sync, a full resync, the sync after a
+        // failed one, a change of the fixed part. One transaction of a large table takes
+        // minutes (`BUILD_STEP`), during which nothing else is programmed.
+        let whole = self.applied.as_ref().is_none_or(|a| a.base != wanted.base);
+        if whole && services.len() > BUILD_STEP {
+            if !exists() {
+                return self.build_in_steps(services, node, wanted);
+            }
+            return self.refresh_in_steps(wanted);
         }
         let tx = transaction(self.applied.as_ref(), &wanted);
         if tx.is_empty() {
@@ -459,7 +468,7 @@ impl RuleSet for NftablesRules {
     }
 }
 
-/// Services per transaction when a large table is built from nothing. The kernel binds each
+/// Services per transaction when a large table is built from nothing or written again. The kernel binds each
 /// anonymous set of a transaction (one per dispatch `vmap`) by walking the transaction, so one
 /// transaction of N Services costs O(N^2): 10,000 Services took 82 s in one transaction on
 /// Linux 6.18, against well under a second per step of 1,000.
@@ -469,8 +478,8 @@ impl NftablesRules {
     /// First sync on a node without the table: the table is built in transactions of
     /// BUILD_STEP Services, each leaving a consistent table (the Services so far, complete).
     /// Nothing is lost by not doing it in one: there was no table to serve from. (When the
-    /// table exists, as after an agent restart, it is replaced in one transaction, so that
-    /// Services keep working throughout.)
+    /// table exists, as after an agent restart, it is written again in place, in steps that
+    /// each leave every Service working: `refresh_table`.)
     fn build_in_steps(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset) -> Result<usize, NetfilterError> {
         let keys: Vec<&crate::model::ObjectKey> = services.keys().collect();
         let mut done: Option<Ruleset> = None;
@@ -499,6 +508,145 @@ impl NftablesRules {
         self.applied = Some(wanted);
         Ok(ops)
     }
+
+    /// A large table that exists written again in steps (`refresh_table`). A failure leaves
+    /// `applied` empty, and the next sync replaces the table in one transaction instead.
+    fn refresh_in_steps(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
+        self.applied = None;
+        // A refresh that failed (a set of another type where ours goes, say) is not tried
+        // again: the next sync replaces the table in one transaction, which always converges.
+        if std::mem::take(&mut self.refresh_failed) {
+            return self.replace_whole(wanted);
+        }
+        self.refresh_failed = true;
+        let ops = refresh_table(&wanted)?;
+        self.refresh_failed = false;
+        self.applied = Some(wanted);
+        Ok(ops)
+    }
+
+    /// `wanted` in one transaction that replaces the table.
+    fn replace_whole(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
+        let tx = transaction(None, &wanted);
+        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+        let ops = tx.lines().count();
+        self.applied = Some(wanted);
+        Ok(ops)
+    }
+}
+
+/// Writes `wanted` again over its family's table, which exists (`refresh`), then removes what
+/// the table holds that `wanted` lacks (`stale`: the chains of Services deleted while the
+/// agent was down, which would otherwise pile up across restarts). Returns the lines written.
+pub fn refresh_table(wanted: &Ruleset) -> Result<usize, NetfilterError> {
+    let mut ops = 0;
+    for tx in refresh(wanted) {
+        ops += tx.lines().count();
+        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+    }
+    let family = nft_family(wanted.family);
+    let tx = stale(wanted, &listed(family, "chains")?, &listed(family, "sets")?, &listed(family, "maps")?);
+    if !tx.is_empty() {
+        ops += tx.lines().count();
+        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+    }
+    Ok(ops)
+}
+
+/// The names of the `what` (`chains`, `sets` or `maps`) of the family's kube-proxy table, as
+/// `nft -j` lists them.
+fn listed(family: &str, what: &str) -> Result<BTreeSet<String>, NetfilterError> {
+    let out = run("nft", PACKAGE, &["-j", "list", what, family])?;
+    let kind = what.trim_end_matches('s');
+    let bad = |e: String| NetfilterError::Failed { command: format!("nft -j list {what} {family}"), stderr: e };
+    let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| bad(e.to_string()))?;
+    Ok(v["nftables"]
+        .as_array()
+        .ok_or_else(|| bad("no \"nftables\" array".into()))?
+        .iter()
+        .filter_map(|o| o.get(kind))
+        .filter(|o| o["table"] == "kube-proxy")
+        .filter_map(|o| o["name"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// The transaction that removes what the table holds (`chains`, `sets`, `maps`) and `to` does
+/// not declare: chains flushed first (a leftover chain may jump to another, or name a set),
+/// then deleted, then the sets and maps.
+pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, maps: &BTreeSet<String>) -> String {
+    let tbl = table(to.family);
+    let declared = |kind: &str| -> BTreeSet<&str> {
+        let prefix = format!("add {kind} {tbl} ");
+        to.base.iter().filter_map(|l| l.strip_prefix(&prefix)?.split(' ').next()).collect()
+    };
+    let (fixed_chains, fixed_sets, fixed_maps) = (declared("chain"), declared("set"), declared("map"));
+    let gone: Vec<&String> = chains.iter().filter(|c| !fixed_chains.contains(c.as_str()) && !to.chains.contains_key(c.as_str())).collect();
+    let mut t: Vec<String> = gone.iter().map(|c| format!("flush chain {tbl} {c}")).collect();
+    t.extend(gone.iter().map(|c| format!("delete chain {tbl} {c}")));
+    t.extend(
+        sets.iter()
+            .filter(|s| !fixed_sets.contains(s.as_str()) && !to.sets.contains_key(s.as_str()))
+            .map(|s| format!("delete set {tbl} {s}")),
+    );
+    t.extend(maps.iter().filter(|m| !fixed_maps.contains(m.as_str())).map(|m| format!("delete map {tbl} {m}")));
+    if t.is_empty() {
+        String::new()
+    } else {
+        t.join("\n") + "\n"
+    }
+}
+
+/// The transactions that write `to` again over a table that exists, whatever it holds now
+/// (drift, a failed transaction), without replacing the table: Services keep being served
+/// throughout, and no transaction holds more than `BUILD_STEP` Services' worth of chains.
+/// First the fixed part (sets, maps and chains added if missing, the fixed chains' rules
+/// flushed and written); then the Services' chains, each flushed and written in the
+/// transaction that adds it; last, every static set and map flushed and filled in one
+/// transaction (elements cost little; flushing and filling together, no packet sees a map
+/// half-filled). Affinity sets are added if missing but never flushed: they hold the clients'
+/// affinities. A chain or set of the table that `to` lacks is left (nothing refers to it); the
+/// next incremental sync does not know of it either.
+pub fn refresh(to: &Ruleset) -> Vec<String> {
+    let tbl = table(to.family);
+    let mut txs = Vec::new();
+    // The fixed part: declarations first, then each fixed chain flushed before its rules.
+    let rule_prefix = format!("add rule {tbl} ");
+    let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
+    let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
+    t.extend(to.sets.values().cloned());
+    let mut flushed = BTreeSet::new();
+    for r in &rules {
+        let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
+        if flushed.insert(chain.to_string()) {
+            t.push(format!("flush chain {tbl} {chain}"));
+        }
+    }
+    t.extend(rules.iter().map(|l| (*l).clone()));
+    txs.push(t.join("\n") + "\n");
+    // The Services' chains, about BUILD_STEP Services' worth per transaction (a Service has a
+    // chain, an endpoint chain each, and a few more).
+    let names: Vec<&String> = to.chains.keys().collect();
+    for chunk in names.chunks(5 * BUILD_STEP) {
+        let mut t = Vec::new();
+        for name in chunk {
+            t.push(format!("add chain {tbl} {name}"));
+            t.push(format!("flush chain {tbl} {name}"));
+            t.extend(to.chains[*name].iter().map(|r| format!("add rule {tbl} {name} {r}")));
+        }
+        txs.push(t.join("\n") + "\n");
+    }
+    // The static sets and maps (the fixed part declares them), flushed and filled at once.
+    let mut t = Vec::new();
+    for d in &declarations {
+        for kind in ["set", "map"] {
+            if let Some(name) = d.strip_prefix(&format!("add {kind} {tbl} ")).and_then(|rest| rest.split(' ').next()) {
+                t.push(format!("flush {kind} {tbl} {name}"));
+            }
+        }
+    }
+    t.extend(to.elements.iter().map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest)));
+    txs.push(t.join("\n") + "\n");
+    txs
 }
 
 /// Removes the nftables mode's tables (both families). Returns a line per thing removed.
