@@ -117,11 +117,19 @@ pub async fn serve_bounded(name: &'static str, listener: tokio::net::TcpListener
 pub fn listen(name: &'static str, flag: &'static str, addr: SocketAddr, router: Router) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut warned = false;
+        let mut attempts = 0;
         loop {
             match bind(addr) {
                 Ok(listener) => {
                     tracing::info!(server = name, %addr, "serving");
                     serve_bounded(name, listener, router.clone()).await;
+                }
+                // A listener of ours on the same port that was just stopped (a health-check
+                // port moving to other addresses) closes when its task is next polled: a few
+                // quick tries first, not 5 s without an answer.
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempts < 20 => {
+                    attempts += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 Err(e) => {
                     if !warned {
