@@ -29,6 +29,10 @@ pub struct Reconciler<D> {
     by_service: HashMap<ObjectKey, Vec<FrontendKey>>,
     /// Services that want a frontend another Service holds.
     contenders: HashMap<FrontendKey, BTreeSet<ObjectKey>>,
+    /// The frontends each Service waits for (`contenders` the other way round): a Service that
+    /// stops wanting them, or goes, stops waiting, instead of staying listed until the owner
+    /// lets go (Services created and deleted in a loop piled up there).
+    contending: HashMap<ObjectKey, Vec<FrontendKey>>,
     /// Frontends a previous run left, not yet claimed by a Service; cleared at the first sync.
     adopted: Option<BTreeSet<FrontendKey>>,
     retry: BTreeSet<ObjectKey>,
@@ -66,6 +70,7 @@ impl<D: Dataplane> Reconciler<D> {
             owners: HashMap::new(),
             by_service: HashMap::new(),
             contenders: HashMap::new(),
+            contending: HashMap::new(),
             adopted: Some(adopted),
             retry: BTreeSet::new(),
             released: BTreeSet::new(),
@@ -202,6 +207,7 @@ impl<D: Dataplane> Reconciler<D> {
         let groups = super::frontends::render_groups(&translation.ports, node);
         let wanted_keys: std::collections::HashSet<FrontendKey> = groups.iter().flat_map(|g| g.keys.iter().copied()).collect();
         let mut failed = false;
+        let mut contended = Vec::new();
         match self.dp.admit(&groups) {
             Ok(()) => {
                 match translation.health_check {
@@ -216,11 +222,24 @@ impl<D: Dataplane> Reconciler<D> {
                     tracing::info!(service = %svc, "fits the maps now; programming it");
                 }
                 let wanted: BTreeMap<FrontendKey, Frontend> = super::frontends::expand(groups).collect();
-                failed = self.program(svc, &wanted, stats);
+                failed = self.program(svc, &wanted, stats, &mut contended);
             }
             // What it still wants keeps its programmed version, and its health check what
             // that version serves; what it no longer wants goes below (removing only frees room).
             Err(e) => self.refuse(svc, &groups, e),
+        }
+        // What it waited for and no longer does.
+        let still: std::collections::HashSet<&FrontendKey> = contended.iter().collect();
+        for key in self.contending.remove(svc).unwrap_or_default().into_iter().filter(|k| !still.contains(k)) {
+            if let Some(waiting) = self.contenders.get_mut(&key) {
+                waiting.remove(svc);
+                if waiting.is_empty() {
+                    self.contenders.remove(&key);
+                }
+            }
+        }
+        if !contended.is_empty() {
+            self.contending.insert(svc.clone(), contended);
         }
         let held = self.by_service.get(svc).cloned().unwrap_or_default();
         for key in held.iter().filter(|k| !wanted_keys.contains(k)) {
@@ -255,11 +274,19 @@ impl<D: Dataplane> Reconciler<D> {
         !failed
     }
 
-    /// Programs the frontends `wanted` of `svc`; true when one failed (it is retried).
-    fn program(&mut self, svc: &ObjectKey, wanted: &BTreeMap<FrontendKey, Frontend>, stats: &mut SyncStats) -> bool {
+    /// Programs the frontends `wanted` of `svc`; true when one failed (it is retried). Those
+    /// another Service holds go to `contended`.
+    fn program(
+        &mut self,
+        svc: &ObjectKey,
+        wanted: &BTreeMap<FrontendKey, Frontend>,
+        stats: &mut SyncStats,
+        contended: &mut Vec<FrontendKey>,
+    ) -> bool {
         let mut failed = false;
         for (key, fe) in wanted {
             if let Some(owner) = self.owners.get(key).filter(|o| *o != svc) {
+                contended.push(*key);
                 if self.contenders.entry(*key).or_default().insert(svc.clone()) {
                     tracing::warn!(
                         service = %svc,
@@ -510,6 +537,34 @@ mod tests {
         // In the same sync: a released frontend goes to the Service waiting for it.
         assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "b"));
         assert!(!r.has_failures(), "nothing left to retry");
+    }
+
+    /// A Service that waited for another's frontend and goes, or stops wanting it, stops
+    /// waiting: nothing of it is left behind in the bookkeeping.
+    #[test]
+    fn a_contender_that_goes_leaves_nothing_behind() {
+        let mut r = rec(Fake::default());
+        replace(vec![svc("a", "10.96.0.1")]).into_iter().for_each(|e| r.handle(e));
+        r.sync();
+        r.handle(Event::Apply(svc("b", "10.96.0.1")));
+        r.handle(Event::Apply(svc("c", "10.96.0.1")));
+        r.sync();
+        assert_eq!(r.contenders[&key("10.96.0.1")].len(), 2);
+        r.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "b") });
+        r.handle(Event::Apply(svc("c", "10.96.0.3")));
+        r.sync();
+        assert!(r.contenders.is_empty() && r.contending.is_empty(), "{:?} {:?}", r.contenders, r.contending);
+        assert_eq!(r.owners().len(), 2, "c took its new address");
+        // Synced again while it waits, it is listed once.
+        r.handle(Event::Apply(svc("d", "10.96.0.1")));
+        r.sync();
+        r.handle(Event::Apply(svc("d", "10.96.0.1")));
+        r.sync();
+        assert_eq!(r.contending[&ObjectKey::new("default", "d")], [key("10.96.0.1")]);
+        r.handle(Event::Delete { kind: Kind::Service, key: ObjectKey::new("default", "a") });
+        r.sync();
+        assert_eq!(r.owners()[&key("10.96.0.1")], ObjectKey::new("default", "d"), "the one still waiting takes it");
+        assert!(r.contenders.is_empty() && r.contending.is_empty());
     }
 
     /// A Service claiming another's cluster IP as an external IP holds that frontend until the
