@@ -167,7 +167,13 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     let std = match addr {
         SocketAddr::V4(v4) if v4.ip().is_unspecified() => {
             let any6 = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), addr.port());
-            listener(Domain::IPV6, any6, true).or_else(|_| listener(Domain::IPV4, addr, false))?
+            // IPv4 alone only where the kernel has no IPv6: an address in use (our own
+            // listener, just stopped) is said as it is, and retried, not served IPv4-only.
+            match listener(Domain::IPV6, any6, true) {
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => return Err(e),
+                Err(_) => listener(Domain::IPV4, addr, false)?,
+                Ok(l) => l,
+            }
         }
         _ => listener(Domain::for_address(addr), addr, false)?,
     };

@@ -1221,86 +1221,101 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
     until("no SNAT address left for the vanished interface", &|| v4().is_none() && v6().is_none());
 }
 
-/// The nftables mode's full write of a large table that exists (an hourly resync, the sync
-/// after a failed one, an agent restart) goes in steps over the table in place, never in one
+/// The nftables mode's full write of a large table that exists (an agent restart, the hourly
+/// resync, the sync after a failed one) goes in steps over the table in place, never in one
 /// transaction (one of 10,000 Services took 82 s: nothing else was programmed meanwhile), and
-/// repairs what someone changed: a flushed Service chain or fixed chain, a deleted or redirected
-/// map element, chains and sets left behind. Run on a hand-made table of 2,000 Services'
-/// shape (a chain with a random vmap, two endpoint chains each), in a namespace of the test's
-/// own.
+/// repairs what someone changed. Through the mode itself, in a namespace of the test's own:
+/// 1,500 Services (ClusterIP ones with two endpoints; every tenth a LoadBalancer of
+/// externalTrafficPolicy Local with ClientIP affinity) are built, the table drifts, and a
+/// restarted proxier writes it again, with two Services deleted and a LoadBalancer one created
+/// while it was down (new chains that others jump to: they must exist before those rules).
 #[test]
 fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     if !require::root("nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift") {
         return;
     }
     use proxy_agent::{
-        dataplane::netfilter::nftables::{refresh, refresh_table, transaction, Ruleset},
-        model::Family,
+        config::{Config, Flags},
+        dataplane::{
+            modes::rules_for,
+            netfilter::proxier::{Masquerading, NetfilterProxier},
+            ProxyMode,
+        },
+        model::store::{Event, Kind, Object, Store},
     };
-    let tbl = "ip kube-proxy";
-    let mut rs = Ruleset { family: Family::V4, ..Default::default() };
-    rs.base = vec![
-        format!("add table {tbl} {{ comment \"rules for kube-proxy\" ; }}"),
-        format!("add set {tbl} cluster-ips {{ type ipv4_addr ; }}"),
-        format!("add map {tbl} service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict ; }}"),
-        format!("add chain {tbl} services"),
-        format!("add chain {tbl} nat-prerouting {{ type nat hook prerouting priority -100 ; }}"),
-        format!("add rule {tbl} nat-prerouting jump services"),
-        format!("add rule {tbl} services ip daddr . meta l4proto . th dport vmap @service-ips"),
-    ];
-    let vip = |i: usize| format!("10.96.{}.{}", i / 250, i % 250 + 1);
-    for i in 0..2000 {
-        rs.chains.insert(format!("svc-{i}"), vec![format!("numgen random mod 2 vmap {{ 0 : goto ep-{i}-a , 1 : goto ep-{i}-b }}")]);
-        for e in ["a", "b"] {
-            rs.chains.insert(format!("ep-{i}-{e}"), vec!["meta mark set 0x4000 counter".into()]);
+    let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_0000 + i + 1);
+    let objects = |n: std::ops::Range<u32>, skip: &[u32]| -> (Vec<Object>, Vec<Object>) {
+        let (mut services, mut slices) = (Vec::new(), Vec::new());
+        for i in n.filter(|i| !skip.contains(i)) {
+            let name = format!("svc-{i}");
+            let mut svc = lab::service(&name, &vip(i).to_string(), &[("http", 80, "TCP", 8080)]);
+            if i % 10 == 0 {
+                svc = svc
+                    .replace("  type: ClusterIP\n", "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  sessionAffinity: ClientIP\n");
+                svc = svc.replace("    targetPort: 8080\n", &format!("    targetPort: 8080\n    nodePort: {}\n", 30000 + i));
+                svc += &format!("status:\n  loadBalancer:\n    ingress:\n    - ip: 203.0.{}.{}\n", i / 250, i % 250 + 1);
+            }
+            services.push(Object::Service(Box::new(serde_yaml::from_str(&svc).expect("service YAML"))));
+            let eps = [std::net::Ipv4Addr::from(0x0a80_0000 + i * 4), std::net::Ipv4Addr::from(0x0a80_0000 + i * 4 + 1)];
+            let slice = lab::endpoint_slice(&name, &format!("{name}-1"), &eps, &[("http", 8080, "TCP")]);
+            slices.push(Object::EndpointSlice(Box::new(serde_yaml::from_str(&slice).expect("slice YAML"))));
         }
-        rs.elements.insert(("service-ips".into(), format!("{} . tcp . 80", vip(i))), format!(" : goto svc-{i}"));
-        rs.elements.insert(("cluster-ips".into(), vip(i)), String::new());
-    }
-    assert_eq!(refresh(&rs).len(), 4, "the fixed part, 6,000 chains in two steps, the elements");
-    assert!(refresh(&rs).iter().all(|tx| !tx.contains("delete table")), "the table is never replaced");
-
-    let ns = netns::Netns::create(format!("pxnft-{}", netns::unique_id()));
-    let nft = |input: &str| {
-        let mut child = std::process::Command::new("ip")
-            .args(["netns", "exec", &ns.name, "nft", "-f", "-"])
-            .stdin(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("nft");
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "nft -f: {}", String::from_utf8_lossy(&out.stderr));
+        (services, slices)
     };
-    let list = |args: &[&str]| {
-        let mut v = vec!["ip", "netns", "exec", &ns.name, "nft", "list"];
+    let proxier = || {
+        let flags = Flags { cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]), ..Default::default() };
+        let (cfg, _) = Config::resolve(flags, || "test-node".into()).expect("configuration");
+        let rules = rules_for(ProxyMode::Nftables, &cfg, Default::default(), false).expect("nftables rules");
+        let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()] };
+        NetfilterProxier::new(Store::new("test-node"), rules, vec![Kind::Service, Kind::EndpointSlice], masquerading, vec![])
+    };
+    let ns = netns::Netns::create(format!("pxnft-{}", netns::unique_id()));
+    let nft = |args: &[&str]| {
+        let mut v = vec!["ip", "netns", "exec", &ns.name, "nft"];
         v.extend_from_slice(args);
         netns::sh(&v)
     };
-    nft(&transaction(None, &rs));
-    // Drift.
-    nft(&format!(
-        "flush chain {tbl} svc-5\nflush chain {tbl} services\ndelete element {tbl} service-ips {{ {} . tcp . 80 }}\n\
-         delete element {tbl} service-ips {{ {} . tcp . 80 }}\nadd element {tbl} service-ips {{ {} . tcp . 80 : goto svc-8 }}\n\
-         add chain {tbl} leftover-ep\nadd chain {tbl} leftover\nadd rule {tbl} leftover jump leftover-ep\n\
-         add set {tbl} affinity-old {{ type ipv4_addr ; }}\nadd rule {tbl} leftover ip saddr @affinity-old counter\n",
-        vip(6),
-        vip(7),
-        vip(7)
-    ));
-    let rules = ns.run(move || refresh_table(&rs)).expect("refresh the table");
-    assert!(rules > 18_000, "everything written again: {rules} lines");
+    let sync = move |(services, slices): (Vec<Object>, Vec<Object>)| {
+        let mut p = proxier();
+        p.handle(Event::Replace { kind: Kind::Service, objects: services });
+        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: slices });
+        let s = p.sync().expect("a sync");
+        assert_eq!(s.failed, 0, "the write failed (see the log)");
+    };
+    let first = objects(0..1500, &[]);
+    ns.run(move || sync(first));
+    let table = nft(&["list", "table", "ip", "kube-proxy"]);
+    // (nft lists a chain as `chain <name> {`.)
+    let named = |table: &str, kind: &str, prefix: &str, what: &str| -> Option<String> {
+        table.lines().find_map(|l| {
+            let name = l.trim().strip_prefix(kind)?.strip_suffix(" {")?;
+            (name.starts_with(prefix) && name.contains(what)).then(|| name.to_string())
+        })
+    };
+    let service_chain = |i: u32| named(&table, "chain ", "service-", &format!("-default/svc-{i}/tcp/http")).expect("a Service chain");
+    let (s5, s7) = (service_chain(5), service_chain(7));
+    let affinity = named(&table, "set ", "affinity-", "").expect("an affinity set");
+    nft(&["flush", "chain", "ip", "kube-proxy", &s5]);
+    nft(&["flush", "chain", "ip", "kube-proxy", "services"]);
+    nft(&["delete", "element", "ip", "kube-proxy", "service-ips", &format!("{{ {} . tcp . 80 }}", vip(7))]);
+    nft(&["add", "chain", "ip", "kube-proxy", "leftover"]);
+    nft(&["add", "set", "ip", "kube-proxy", "leftover-set", "{ type ipv4_addr ; }"]);
+    nft(&["add", "element", "ip", "kube-proxy", &affinity, "{ 192.0.2.99 }"]);
 
-    let chain = |name: &str| list(&["chain", "ip", "kube-proxy", name]);
-    assert_eq!(chain("svc-5").matches("numgen random mod 2").count(), 1, "a flushed Service chain is whole again:\n{}", chain("svc-5"));
-    assert_eq!(chain("services").matches("vmap @service-ips").count(), 1, "a flushed fixed chain too, once");
-    assert_eq!(chain("svc-9").matches("numgen random mod 2").count(), 1, "an intact chain is not doubled");
-    let elements = list(&["map", "ip", "kube-proxy", "service-ips"]);
-    for (i, to) in [(6, "svc-6"), (7, "svc-7"), (8, "svc-8")] {
-        assert!(elements.contains(&format!("{} . tcp . 80 : goto {to}", vip(i))), "{} goes to {to} again", vip(i));
-    }
-    assert_eq!(elements.matches(": goto svc-").count(), 2000, "every element once, no other");
-    let chains = list(&["chains", "ip"]);
-    assert!(!chains.contains("leftover"), "chains no Service has are removed:\n{chains}");
-    assert!(!list(&["sets", "ip"]).contains("affinity-old"), "and sets");
+    // The restart: svc-3 and svc-4 went, svc-1500 (a LoadBalancer) came.
+    let second = objects(0..1501, &[3, 4]);
+    ns.run(move || sync(second));
+    let table = nft(&["list", "table", "ip", "kube-proxy"]);
+    let chain = |name: &str| nft(&["list", "chain", "ip", "kube-proxy", name]);
+    assert_eq!(chain(&s5).matches("numgen random").count(), 1, "a flushed Service chain is whole again:\n{}", chain(&s5));
+    assert_eq!(chain(&s7).matches("numgen random").count(), 1, "an intact one is not doubled:\n{}", chain(&s7));
+    assert_eq!(chain("services").matches("vmap @service-ips").count(), 1, "a flushed fixed chain is whole again");
+    let map = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
+    assert!(map.contains(&format!("{} . tcp . 80 : goto {s7}", vip(7))), "a deleted element is back");
+    assert!(table.contains("default/svc-1500/tcp/http"), "the Service created meanwhile is in");
+    assert!(map.contains(&format!("{} . tcp . 80", vip(1500))));
+    assert!(!table.contains("default/svc-3/") && !table.contains("default/svc-4/"), "the chains of Services deleted meanwhile are gone");
+    assert!(!map.contains(&format!("{} . tcp . 80", vip(3))));
+    assert!(!table.contains("leftover"), "so are a chain and a set nobody has");
+    assert!(nft(&["list", "set", "ip", "kube-proxy", &affinity]).contains("192.0.2.99"), "a client's affinity is kept");
 }

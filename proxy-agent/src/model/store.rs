@@ -225,8 +225,8 @@ fn served_cluster_ips(s: &CheckedService) -> &[std::net::IpAddr] {
 /// An external or load-balancer address some Service claims (`Store::claims`).
 #[derive(Debug, Default)]
 struct Claim {
-    /// The Services that list it.
-    claimants: Vec<ObjectKey>,
+    /// The Services that list it (a set: 10,000 Services may list one address).
+    claimants: HashSet<ObjectKey>,
     /// The Services whose cluster IP it is (served ones: not skipped). Complete once
     /// `resolved`; until then only those that changed since the address was first claimed.
     owners: Vec<ObjectKey>,
@@ -395,7 +395,7 @@ impl Store {
         let (old_claims, new_claims) = (claimed(old), claimed(new));
         for ip in old_claims.iter().filter(|ip| !new_claims.contains(ip)) {
             if let Some(c) = self.claims.get_mut(ip) {
-                c.claimants.retain(|k| k != key);
+                c.claimants.remove(key);
                 if c.claimants.is_empty() {
                     self.claims.remove(ip);
                 }
@@ -406,9 +406,7 @@ impl Store {
             // for all the addresses a list claims, not one each.
             let c = self.claims.entry(*ip).or_default();
             self.claims_unresolved |= !c.resolved;
-            if !c.claimants.contains(key) {
-                c.claimants.push(key.clone());
-            }
+            c.claimants.insert(key.clone());
         }
         if self.claims.is_empty() {
             return;
@@ -528,9 +526,18 @@ impl Store {
         for (ip, owner) in taken {
             t.notes.push(format!("refused: external address {ip} is Service {owner}'s cluster IP; not served as an external address"));
         }
-        for ip in svc.external_ips.iter().filter(|ip| unservable(ip)) {
-            let why = super::validate::unservable_external_ip(*ip).unwrap_or_default();
-            t.notes.push(format!("refused: external address {ip} is {why}; not served (the rest of the Service is)"));
+        // One note however many (the note is logged at each translation of the Service).
+        let left_out: Vec<String> = svc
+            .external_ips
+            .iter()
+            .filter(|ip| unservable(ip))
+            .map(|ip| format!("{ip} ({})", super::validate::unservable_external_ip(*ip).unwrap_or_default()))
+            .collect();
+        if !left_out.is_empty() {
+            let shown = left_out.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+            let more = if left_out.len() > 3 { format!(" and {} more", left_out.len() - 3) } else { String::new() };
+            t.notes
+                .push(format!("refused: external addresses no node serves, left out (the rest of the Service is served): {shown}{more}"));
         }
         t
     }
@@ -929,11 +936,17 @@ mod tests {
         assert_eq!(addresses, ["10.96.0.9", "192.0.2.7"]);
         assert_eq!(
             s.translate(&key).notes,
-            [
-                "refused: external address 239.1.2.3 is a multicast address; not served (the rest of the Service is)",
-                "refused: external address 255.255.255.255 is the broadcast address; not served (the rest of the Service is)"
-            ]
+            ["refused: external addresses no node serves, left out (the rest of the Service is served): 239.1.2.3 (a multicast address), 255.255.255.255 (the broadcast address)"]
         );
+        // However many, one note.
+        let many: Vec<String> = (1..=200).map(|i| format!("239.1.{}.{}", i / 250, i % 250)).collect();
+        s.apply(Event::Apply(svc(&format!(
+            "metadata: {{name: m}}\nspec: {{clusterIP: 10.96.0.9, externalIPs: [{}], ports: [{{port: 80}}]}}",
+            many.join(", ")
+        ))));
+        let notes = s.translate(&key).notes;
+        assert_eq!(notes.len(), 1);
+        assert!(notes[0].ends_with("239.1.0.3 (a multicast address) and 197 more"), "{notes:?}");
     }
 
     /// The eBPF dataplane checks a Service's frontends by group (cluster IPs, node ports,

@@ -309,8 +309,10 @@ fn special_ip(a: IpAddr) -> Option<&'static str> {
 
 /// Of `special_ip`'s addresses, the ones the API server refuses as external IPs too
 /// (ValidateNonSpecialIP: unspecified, loopback, link-local unicast and link-local multicast).
-/// It lets other multicast addresses and the broadcast address in: such a Service is served,
-/// without that address (`Store::translate_on` notes it), as kube-proxy serves it.
+/// It lets other multicast addresses and the broadcast address in: such a Service is served
+/// without that address (`Store::translate_on` notes it). kube-proxy writes rules for them
+/// too; leaving them out is deliberate (a Service at the broadcast address would take every
+/// node's broadcasts to its port).
 fn refused_external_ip(a: IpAddr) -> Option<&'static str> {
     let link_local_multicast = match a {
         IpAddr::V4(v) => v.octets()[..3] == [224, 0, 0],

@@ -242,6 +242,7 @@ impl<D: Dataplane> Reconciler<D> {
             self.contending.insert(svc.clone(), contended);
         }
         let held = self.by_service.get(svc).cloned().unwrap_or_default();
+        let mut removed = std::collections::HashSet::new();
         for key in held.iter().filter(|k| !wanted_keys.contains(k)) {
             match self.dp.remove(key) {
                 Ok(()) => {
@@ -250,9 +251,7 @@ impl<D: Dataplane> Reconciler<D> {
                     self.failing.remove(key);
                     tracing::debug!(service = %svc, frontend = %key, "removed");
                     self.owners.remove(key);
-                    if let Some(held) = self.by_service.get_mut(svc) {
-                        held.retain(|k| k != key);
-                    }
+                    removed.insert(*key);
                     // A Service that wanted this frontend may have it now.
                     if let Some(waiting) = self.contenders.remove(key) {
                         self.released.extend(waiting);
@@ -265,8 +264,13 @@ impl<D: Dataplane> Reconciler<D> {
                 }
             }
         }
-        if self.by_service.get(svc).is_some_and(|s| s.is_empty()) {
-            self.by_service.remove(svc);
+        if let Some(held) = self.by_service.get_mut(svc) {
+            if !removed.is_empty() {
+                held.retain(|k| !removed.contains(k));
+            }
+            if held.is_empty() {
+                self.by_service.remove(svc);
+            }
         }
         if failed {
             self.retry.insert(svc.clone());

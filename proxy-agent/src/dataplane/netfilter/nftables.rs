@@ -430,7 +430,11 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
-        let exists = || run("nft", PACKAGE, &["list", "table", nft_family(self.opts.family), "kube-proxy"]).is_ok();
+        let family = nft_family(self.opts.family);
+        let exists = || {
+            run("nft", PACKAGE, &["list", "tables", family])
+                .is_ok_and(|out| out.lines().any(|l| l.trim() == format!("table {family} kube-proxy")))
+        };
         // Everything to be written again: the first sync, a full resync, the sync after a
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
@@ -449,6 +453,7 @@ impl RuleSet for NftablesRules {
         match run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
             Ok(_) => {
                 self.applied = Some(wanted);
+                self.refresh_failed = false;
                 Ok(ops)
             }
             Err(e) => {
@@ -571,8 +576,9 @@ fn listed(family: &str, what: &str) -> Result<BTreeSet<String>, NetfilterError> 
 }
 
 /// The transaction that removes what the table holds (`chains`, `sets`, `maps`) and `to` does
-/// not declare: chains flushed first (a leftover chain may jump to another, or name a set),
-/// then deleted, then the sets and maps.
+/// not declare: maps flushed first (an older build's map may jump to a leftover chain), then
+/// chains flushed (a leftover chain may jump to another, or name a set), then deleted, then
+/// the sets and maps.
 pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, maps: &BTreeSet<String>) -> String {
     let tbl = table(to.family);
     let declared = |kind: &str| -> BTreeSet<&str> {
@@ -580,15 +586,17 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
         to.base.iter().filter_map(|l| l.strip_prefix(&prefix)?.split(' ').next()).collect()
     };
     let (fixed_chains, fixed_sets, fixed_maps) = (declared("chain"), declared("set"), declared("map"));
+    let gone_maps: Vec<&String> = maps.iter().filter(|m| !fixed_maps.contains(m.as_str())).collect();
     let gone: Vec<&String> = chains.iter().filter(|c| !fixed_chains.contains(c.as_str()) && !to.chains.contains_key(c.as_str())).collect();
-    let mut t: Vec<String> = gone.iter().map(|c| format!("flush chain {tbl} {c}")).collect();
+    let mut t: Vec<String> = gone_maps.iter().map(|m| format!("flush map {tbl} {m}")).collect();
+    t.extend(gone.iter().map(|c| format!("flush chain {tbl} {c}")));
     t.extend(gone.iter().map(|c| format!("delete chain {tbl} {c}")));
     t.extend(
         sets.iter()
             .filter(|s| !fixed_sets.contains(s.as_str()) && !to.sets.contains_key(s.as_str()))
             .map(|s| format!("delete set {tbl} {s}")),
     );
-    t.extend(maps.iter().filter(|m| !fixed_maps.contains(m.as_str())).map(|m| format!("delete map {tbl} {m}")));
+    t.extend(gone_maps.iter().map(|m| format!("delete map {tbl} {m}")));
     if t.is_empty() {
         String::new()
     } else {
@@ -597,55 +605,72 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
 }
 
 /// The transactions that write `to` again over a table that exists, whatever it holds now
-/// (drift, a failed transaction), without replacing the table: Services keep being served
-/// throughout, and no transaction holds more than `BUILD_STEP` Services' worth of chains.
-/// First the fixed part (sets, maps and chains added if missing, the fixed chains' rules
-/// flushed and written); then the Services' chains, each flushed and written in the
-/// transaction that adds it; last, every static set and map flushed and filled in one
-/// transaction (elements cost little; flushing and filling together, no packet sees a map
-/// half-filled). Affinity sets are added if missing but never flushed: they hold the clients'
-/// affinities. A chain or set of the table that `to` lacks is left (nothing refers to it); the
-/// next incremental sync does not know of it either.
+/// (drift, a failed transaction, an earlier run's Services), without replacing the table:
+/// Services keep being served throughout, and no transaction holds more than `BUILD_STEP`
+/// anonymous sets (the costly part of a transaction: `BUILD_STEP`).
+/// 1. The fixed part: sets, maps and chains added where missing, every Service chain added
+///    (empty where missing: a chain's rules jump to others, which must exist first), the
+///    static sets (no verdicts in them) flushed and filled, the fixed chains flushed and
+///    written.
+/// 2. The Services' chains, each flushed and written in one transaction.
+/// 3. The verdict maps flushed and filled in one transaction (elements cost little; no packet
+///    sees a map half-filled).
+///
+/// Affinity sets are added where missing, never flushed: they hold the clients' affinities.
+/// What the table holds and `to` lacks is for `stale`.
 pub fn refresh(to: &Ruleset) -> Vec<String> {
     let tbl = table(to.family);
-    let mut txs = Vec::new();
-    // The fixed part: declarations first, then each fixed chain flushed before its rules.
+    let declared = |kind: &str| -> Vec<&str> {
+        let prefix = format!("add {kind} {tbl} ");
+        to.base.iter().filter_map(|l| l.strip_prefix(&prefix)?.split(' ').next()).collect()
+    };
+    let (sets, maps) = (declared("set"), declared("map"));
+    let elements = |of: &[&str]| -> Vec<String> {
+        to.elements
+            .iter()
+            .filter(|((set, _), _)| of.contains(&set.as_str()))
+            .map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest))
+            .collect()
+    };
+    let tx = |lines: Vec<String>| lines.join("\n") + "\n";
     let rule_prefix = format!("add rule {tbl} ");
     let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
+
     let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
     t.extend(to.sets.values().cloned());
+    t.extend(to.chains.keys().map(|name| format!("add chain {tbl} {name}")));
+    t.extend(sets.iter().map(|name| format!("flush set {tbl} {name}")));
+    t.extend(elements(&sets));
     let mut flushed = BTreeSet::new();
     for r in &rules {
         let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
-        if flushed.insert(chain.to_string()) {
+        if flushed.insert(chain) {
             t.push(format!("flush chain {tbl} {chain}"));
         }
     }
     t.extend(rules.iter().map(|l| (*l).clone()));
-    txs.push(t.join("\n") + "\n");
-    // The Services' chains, about BUILD_STEP Services' worth per transaction (a Service has a
-    // chain, an endpoint chain each, and a few more).
-    let names: Vec<&String> = to.chains.keys().collect();
-    for chunk in names.chunks(5 * BUILD_STEP) {
-        let mut t = Vec::new();
-        for name in chunk {
-            t.push(format!("add chain {tbl} {name}"));
-            t.push(format!("flush chain {tbl} {name}"));
-            t.extend(to.chains[*name].iter().map(|r| format!("add rule {tbl} {name} {r}")));
-        }
-        txs.push(t.join("\n") + "\n");
-    }
-    // The static sets and maps (the fixed part declares them), flushed and filled at once.
+    let mut txs = vec![tx(t)];
+
+    // Cut by anonymous sets (a rule with `{`: a random pick's vmap, a list of ranges), and by
+    // lines, so that chains of one kind (sorted together by name) do not make one step large.
     let mut t = Vec::new();
-    for d in &declarations {
-        for kind in ["set", "map"] {
-            if let Some(name) = d.strip_prefix(&format!("add {kind} {tbl} ")).and_then(|rest| rest.split(' ').next()) {
-                t.push(format!("flush {kind} {tbl} {name}"));
-            }
+    let mut anonymous = 0;
+    for (name, rules) in &to.chains {
+        if anonymous >= BUILD_STEP || t.len() >= 20 * BUILD_STEP {
+            txs.push(tx(std::mem::take(&mut t)));
+            anonymous = 0;
         }
+        anonymous += rules.iter().filter(|r| r.contains('{')).count();
+        t.push(format!("flush chain {tbl} {name}"));
+        t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
     }
-    t.extend(to.elements.iter().map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest)));
-    txs.push(t.join("\n") + "\n");
+    if !t.is_empty() {
+        txs.push(tx(t));
+    }
+
+    let mut t: Vec<String> = maps.iter().map(|name| format!("flush map {tbl} {name}")).collect();
+    t.extend(elements(&maps));
+    txs.push(tx(t));
     txs
 }
 
