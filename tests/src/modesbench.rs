@@ -58,6 +58,10 @@ pub struct Row {
     /// One EndpointSlice change -> the kernel programmed (median, max), measured at each size.
     pub change_ms_p50: f64,
     pub change_ms_max: f64,
+    /// The same Services handed to a new proxier, as after an agent restart (and as an hourly
+    /// full resync or the sync after a failed one writes) -> the kernel programmed again.
+    #[serde(default)]
+    pub rewrite_s: f64,
     /// What the run counted in the kernel afterwards.
     pub checked: String,
 }
@@ -183,6 +187,13 @@ impl Variant {
 
 /// Programs `n` Services in `v` (in the calling thread's network namespace), then times
 /// `changes` single-endpoint changes.
+fn programmer(mode: ProxyMode, boxed: &mut Box<dyn std::any::Any>) -> &mut dyn Programmer {
+    match mode {
+        ProxyMode::Ebpf => boxed.downcast_mut::<Reconciler<EbpfDataplane>>().unwrap(),
+        _ => boxed.downcast_mut::<NetfilterProxier>().unwrap(),
+    }
+}
+
 fn one(v: Variant, n: u32, changes: u32) -> Row {
     let mode = v.mode;
     let (services, slices) = objects(n);
@@ -192,32 +203,32 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
         // A bpffs of its own, mounted on a temporary directory.
         proxy_agent::bpffs::prepare(&pin_root).unwrap_or_else(|e| panic!("{}: {e}", pin_root.display()));
     }
-    let store = Store::new("bench-node");
-    let kinds = vec![Kind::Service, Kind::EndpointSlice];
-    let mut boxed: Box<dyn std::any::Any> = match mode {
-        ProxyMode::Ebpf => {
-            let dp = EbpfDataplane::load(LoadOptions {
-                pin_root: Some(pin_root.clone()),
-                lb_map_max: 1 << 18,
-                ct_map_max: 1 << 16,
-                ..Default::default()
-            })
-            .expect("load the eBPF dataplane (as root)");
-            Box::new(Reconciler::new(store, dp, kinds))
-        }
-        _ => {
-            let cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
-            let flags = Flags { cluster_cidr: Some(cluster_cidrs.clone()), ..Default::default() };
-            let (cfg, _) = Config::resolve(flags, || "bench-node".into()).expect("configuration");
-            let rules = rules_for(mode, &cfg, v.iptables, false).expect("netfilter rules");
-            let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs };
-            Box::new(NetfilterProxier::new(store, rules, kinds, masquerading, vec![]))
+    let proxier = || -> Box<dyn std::any::Any> {
+        let store = Store::new("bench-node");
+        let kinds = vec![Kind::Service, Kind::EndpointSlice];
+        match mode {
+            ProxyMode::Ebpf => {
+                let dp = EbpfDataplane::load(LoadOptions {
+                    pin_root: Some(pin_root.clone()),
+                    lb_map_max: 1 << 18,
+                    ct_map_max: 1 << 16,
+                    ..Default::default()
+                })
+                .expect("load the eBPF dataplane (as root)");
+                Box::new(Reconciler::new(store, dp, kinds))
+            }
+            _ => {
+                let cluster_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
+                let flags = Flags { cluster_cidr: Some(cluster_cidrs.clone()), ..Default::default() };
+                let (cfg, _) = Config::resolve(flags, || "bench-node".into()).expect("configuration");
+                let rules = rules_for(mode, &cfg, v.iptables, false).expect("netfilter rules");
+                let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs };
+                Box::new(NetfilterProxier::new(store, rules, kinds, masquerading, vec![]))
+            }
         }
     };
-    let prog: &mut dyn Programmer = match mode {
-        ProxyMode::Ebpf => boxed.downcast_mut::<Reconciler<EbpfDataplane>>().unwrap(),
-        _ => boxed.downcast_mut::<NetfilterProxier>().unwrap(),
-    };
+    let mut boxed = proxier();
+    let prog = programmer(mode, &mut boxed);
     let t = Instant::now();
     prog.handle(Event::Replace { kind: Kind::Service, objects: services });
     prog.handle(Event::Replace { kind: Kind::EndpointSlice, objects: slices });
@@ -234,6 +245,21 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
         lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    // A restart: a new proxier (the eBPF one adopting the pinned maps) handed the Services as
+    // they are now (the last change included) writes the kernel again.
+    drop(boxed);
+    let mut boxed = proxier();
+    let prog = programmer(mode, &mut boxed);
+    let (services, mut slices) = objects(n);
+    let i = (changes.saturating_sub(1) * 7919 + n / 2) % n;
+    if changes > 0 {
+        slices[i as usize] = Object::EndpointSlice(Box::new(slice(i, last)));
+    }
+    let t = Instant::now();
+    prog.handle(Event::Replace { kind: Kind::Service, objects: services });
+    prog.handle(Event::Replace { kind: Kind::EndpointSlice, objects: slices });
+    let _ = timed_sync(prog, &format!("{mode}: {n} services written again by a new proxier"));
+    let rewrite_s = t.elapsed().as_secs_f64();
     let (programmed, found) = kernel_count(mode, v.iptables, boxed.as_mut(), last);
     assert_eq!(programmed, n as usize, "{mode}: the kernel should have {n} services");
     assert!(found >= 1, "{mode}: the last endpoint change ({last}) is not in the kernel");
@@ -243,6 +269,7 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
         program_s,
         change_ms_p50: lat.get(lat.len() / 2).copied().unwrap_or(0.0),
         change_ms_max: lat.last().copied().unwrap_or(0.0),
+        rewrite_s,
         checked: format!("{programmed} services in the kernel, the changed endpoint present"),
     }
 }
@@ -277,6 +304,7 @@ pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
                     program_s: f64::NAN,
                     change_ms_p50: f64::NAN,
                     change_ms_max: f64::NAN,
+                    rewrite_s: f64::NAN,
                     checked: why,
                 });
                 continue;

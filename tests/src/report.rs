@@ -374,11 +374,15 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                         r["services"].to_string(),
                         fmt(num(&r["program_s"]), 3),
                         format!("{} / {}", fmt(num(&r["change_ms_p50"]), 2), fmt(num(&r["change_ms_max"]), 2)),
+                        fmt(num(&r["rewrite_s"]), 3),
                         r["checked"].as_str().unwrap_or("").into(),
                     ]
                 })
                 .collect();
-            html.push_str(&table(&["mode", "Services", "programmed (s)", "one change p50 / max (ms)", "checked"], &t));
+            html.push_str(&table(
+                &["mode", "Services", "programmed (s)", "one change p50 / max (ms)", "written again by a new proxier (s)", "checked"],
+                &t,
+            ));
             let _ = writeln!(html, "<p>IPVS: {}</p>", esc(v["ipvs_note"].as_str().unwrap_or("")));
         }
         _ => {}
