@@ -284,7 +284,7 @@ pub fn malformed(node_ip: &str) -> Vec<Case> {
         "  externalIPs: [192.0.2.300]\n",
         "  externalIPs: [127.0.0.1]\n",
         "  externalIPs: [0.0.0.0]\n",
-        "  externalIPs: [224.1.1.1]\n",
+        "  externalIPs: [224.0.0.251]\n",
         "  type: LoadBalancer\n  loadBalancerSourceRanges: [10.0.0.0/33]\n",
         "  type: LoadBalancer\n  loadBalancerSourceRanges: [not-a-cidr]\n",
         "  type: LoadBalancer\n  loadBalancerSourceRanges: [10.0.0.1]\n",
