@@ -56,7 +56,7 @@ pub enum DataplaneError {
     /// One Service would take more than half of a fixed-size map.
     #[error(
         "this Service needs {need} entries of map {map}, more than the {} one Service may take (half of its {max}); \
-         what it had stays programmed as it was; raise --lb-map-max (takes effect after `proxy-agent cleanup`, \
+         the addresses it had keep what was programmed; raise --lb-map-max (takes effect after `proxy-agent cleanup`, \
          which resets tracked connections) or split the Service",
         max / 2
     )]

@@ -344,10 +344,11 @@ impl<D: Dataplane> Reconciler<D> {
         failed
     }
 
-    /// A Service the dataplane refuses whole: said once per reason, and not retried (nothing
-    /// changes until the Service does). What it holds stays as it was, and so does what a
-    /// previous run left for it (not removed as stale at the first sync): a Service that grew
-    /// past the cap keeps serving its earlier endpoints.
+    /// A Service the dataplane refuses whole: said once per map, and not retried (nothing
+    /// changes until the Service does). The frontends it holds and still wants stay as they
+    /// were, and so do those a previous run left for it (not removed as stale at the first
+    /// sync): a Service that grew past the cap keeps serving its earlier endpoints. (Those it
+    /// no longer wants are removed by the caller.)
     fn refuse(&mut self, svc: &ObjectKey, wanted: &[super::frontends::Group], e: crate::dataplane::DataplaneError) {
         let map = match &e {
             crate::dataplane::DataplaneError::TooLarge { map, .. } => *map,
