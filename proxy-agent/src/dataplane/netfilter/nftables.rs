@@ -581,16 +581,19 @@ fn listed(family: &str, what: &str) -> Result<BTreeSet<String>, NetfilterError> 
         .collect())
 }
 
+/// The names of the `kind`s (`chain`, `set`, `map`) the fixed part of `to` declares.
+fn declared<'a>(to: &'a Ruleset, kind: &str) -> impl Iterator<Item = &'a str> {
+    let prefix = format!("add {kind} {} ", table(to.family));
+    to.base.iter().filter_map(move |l| l.strip_prefix(&prefix)?.split(' ').next())
+}
+
 /// The transaction that removes what the table holds (`chains`, `sets`, `maps`) and `to` does
 /// not declare: maps flushed first (an older build's map may jump to a leftover chain), then
 /// chains flushed (a leftover chain may jump to another, or name a set), then deleted, then
 /// the sets and maps.
 pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, maps: &BTreeSet<String>) -> String {
     let tbl = table(to.family);
-    let declared = |kind: &str| -> BTreeSet<&str> {
-        let prefix = format!("add {kind} {tbl} ");
-        to.base.iter().filter_map(|l| l.strip_prefix(&prefix)?.split(' ').next()).collect()
-    };
+    let declared = |kind: &str| -> BTreeSet<&str> { declared(to, kind).collect() };
     let (fixed_chains, fixed_sets, fixed_maps) = (declared("chain"), declared("set"), declared("map"));
     let gone_maps: Vec<&String> = maps.iter().filter(|m| !fixed_maps.contains(m.as_str())).collect();
     let gone: Vec<&String> = chains.iter().filter(|c| !fixed_chains.contains(c.as_str()) && !to.chains.contains_key(c.as_str())).collect();
@@ -627,11 +630,7 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
 /// What the table holds and `to` lacks is for `stale`.
 pub fn refresh(to: &Ruleset) -> Vec<String> {
     let tbl = table(to.family);
-    let declared = |kind: &str| -> Vec<&str> {
-        let prefix = format!("add {kind} {tbl} ");
-        to.base.iter().filter_map(|l| l.strip_prefix(&prefix)?.split(' ').next()).collect()
-    };
-    let (sets, maps) = (declared("set"), declared("map"));
+    let (sets, maps): (Vec<&str>, Vec<&str>) = (declared(to, "set").collect(), declared(to, "map").collect());
     let elements = |of: &[&str]| -> Vec<String> {
         to.elements
             .iter()
