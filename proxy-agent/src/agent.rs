@@ -70,6 +70,10 @@ pub(crate) trait Proxier {
     async fn housekeeping(&mut self, _devices: &mut Devices) {}
     /// The next sync rewrites everything (periodic full resync).
     fn resync_all(&mut self) {}
+    /// The last sync left work for the next (a long write cut into steps, `RuleSet::pending`).
+    fn pending(&self) -> bool {
+        false
+    }
 }
 
 impl Proxier for Reconciler<EbpfDataplane> {
@@ -136,6 +140,9 @@ impl Proxier for NetfilterProxier {
     }
     fn resync_all(&mut self) {
         NetfilterProxier::resync_all(self);
+    }
+    fn pending(&self) -> bool {
+        NetfilterProxier::pending(self)
     }
 }
 
@@ -655,21 +662,14 @@ async fn control_loop<P: Proxier>(
     let mut full_resync = tokio::time::interval_at(Instant::now() + full, full);
     let mut node_watch = NodeWatch::default();
     let mut wanted = false;
-    let mut last_sync: Option<Instant> = None;
+    // When the next sync may run: minSyncPeriod after the last one began, or at once when it
+    // left work for the next (`pending`).
+    let mut due = Instant::now();
     let mut ticks = 0u64;
     loop {
-        let due = last_sync.map_or(Instant::now(), |t| t + periods.min);
         tokio::select! {
             Some(ev) = inputs.src_rx.recv() => {
-                p.handle(ev);
-                // Coalesce a burst: take what is already queued, then program once.
-                while let Ok(ev) = inputs.src_rx.try_recv() {
-                    p.handle(ev);
-                }
-                node_watch.observe(p.store(), p.ready(), telemetry, hostname);
-                if p.store().has_dirty() {
-                    telemetry.queued();
-                }
+                take_events(p, ev, &mut inputs.src_rx, &mut node_watch, telemetry, hostname);
                 wanted = true;
             }
             Some(change) = inputs.link_rx.recv() => {
@@ -704,10 +704,15 @@ async fn control_loop<P: Proxier>(
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        let now = Instant::now();
-        if wanted && last_sync.is_none_or(|t| now >= t + periods.min) {
+        if wanted && Instant::now() >= due {
             wanted = false;
-            last_sync = Some(Instant::now());
+            let started = Instant::now();
+            if p.pending() {
+                // A step of a long write: what came during the last one goes into this one.
+                if let Ok(ev) = inputs.src_rx.try_recv() {
+                    take_events(p, ev, &mut inputs.src_rx, &mut node_watch, telemetry, hostname);
+                }
+            }
             let failing_before = p.has_failures();
             sync(p, telemetry, &mut health);
             if p.has_failures() {
@@ -716,9 +721,37 @@ async fn control_loop<P: Proxier>(
             } else {
                 backoff = RETRY_FIRST;
             }
+            // The next step of a long write follows at once (it is the same sync's work, cut so
+            // that changes and signals are taken between steps), unless the step failed: then
+            // the retry's backoff applies.
+            if p.pending() && !p.has_failures() {
+                wanted = true;
+                due = Instant::now();
+            } else {
+                due = started + periods.min;
+            }
         }
     }
     Ok(())
+}
+
+/// Feeds `first` and whatever else is queued to the proxier: a burst is programmed once.
+fn take_events<P: Proxier>(
+    p: &mut P,
+    first: Event,
+    rx: &mut mpsc::Receiver<Event>,
+    node_watch: &mut NodeWatch,
+    telemetry: &Telemetry,
+    hostname: &str,
+) {
+    p.handle(first);
+    while let Ok(ev) = rx.try_recv() {
+        p.handle(ev);
+    }
+    node_watch.observe(p.store(), p.ready(), telemetry, hostname);
+    if p.store().has_dirty() {
+        telemetry.queued();
+    }
 }
 
 /// Follows this node's Node object for `/healthz`, in every mode: eligible while it exists

@@ -375,12 +375,21 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                         fmt(num(&r["program_s"]), 3),
                         format!("{} / {}", fmt(num(&r["change_ms_p50"]), 2), fmt(num(&r["change_ms_max"]), 2)),
                         fmt(num(&r["rewrite_s"]), 3),
+                        fmt(num(&r["rewrite_hold_s"]), 3),
                         r["checked"].as_str().unwrap_or("").into(),
                     ]
                 })
                 .collect();
             html.push_str(&table(
-                &["mode", "Services", "programmed (s)", "one change p50 / max (ms)", "written again by a new proxier (s)", "checked"],
+                &[
+                    "mode",
+                    "Services",
+                    "programmed (s)",
+                    "one change p50 / max (ms)",
+                    "written again by a new proxier (s)",
+                    "its longest sync (s)",
+                    "checked",
+                ],
                 &t,
             ));
             let _ = writeln!(html, "<p>IPVS: {}</p>", esc(v["ipvs_note"].as_str().unwrap_or("")));

@@ -1224,11 +1224,13 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
 /// The nftables mode's full write of a large table that exists (an agent restart, the hourly
 /// resync, the sync after a failed one) goes in steps over the table in place, never in one
 /// transaction (one of 10,000 Services took 82 s: nothing else was programmed meanwhile), and
-/// repairs what someone changed. Through the mode itself, in a namespace of the test's own:
-/// 1,500 Services (ClusterIP ones with two endpoints; every tenth a LoadBalancer of
-/// externalTrafficPolicy Local with ClientIP affinity) are built, the table drifts, and a
-/// restarted proxier writes it again, with two Services deleted and a LoadBalancer one created
-/// while it was down (new chains that others jump to: they must exist before those rules).
+/// repairs what someone changed; the steps are one per sync, so changes made meanwhile are
+/// written between them (the control loop is not held for the whole write). Through the mode
+/// itself, in a namespace of the test's own: 1,500 Services (ClusterIP ones with two
+/// endpoints; every tenth a LoadBalancer of externalTrafficPolicy Local with ClientIP
+/// affinity) are built, the table drifts, and a restarted proxier writes it again, with two
+/// Services deleted and a LoadBalancer one created while it was down (new chains that others
+/// jump to: they must exist before those rules), and three changes between two of its steps.
 #[test]
 fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     if !require::root("nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift") {
@@ -1244,7 +1246,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         model::store::{Event, Kind, Object, Store},
     };
     let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_0000 + i + 1);
-    let objects = |n: std::ops::Range<u32>, skip: &[u32]| -> (Vec<Object>, Vec<Object>) {
+    let objects = move |n: std::ops::Range<u32>, skip: &[u32]| -> (Vec<Object>, Vec<Object>) {
         let (mut services, mut slices) = (Vec::new(), Vec::new());
         for i in n.filter(|i| !skip.contains(i)) {
             let name = format!("svc-{i}");
@@ -1275,15 +1277,15 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         v.extend_from_slice(args);
         netns::sh(&v)
     };
-    let sync = move |(services, slices): (Vec<Object>, Vec<Object>)| {
+    let first = objects(0..1500, &[]);
+    ns.run(move || {
         let mut p = proxier();
-        p.handle(Event::Replace { kind: Kind::Service, objects: services });
-        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: slices });
+        p.handle(Event::Replace { kind: Kind::Service, objects: first.0 });
+        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: first.1 });
         let s = p.sync().expect("a sync");
         assert_eq!(s.failed, 0, "the write failed (see the log)");
-    };
-    let first = objects(0..1500, &[]);
-    ns.run(move || sync(first));
+        assert!(!p.pending(), "a table built from nothing is built in one sync");
+    });
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
     // (nft lists a chain as `chain <name> {`.)
     let named = |table: &str, kind: &str, prefix: &str, what: &str| -> Option<String> {
@@ -1302,9 +1304,43 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     nft(&["add", "set", "ip", "kube-proxy", "leftover-set", "{ type ipv4_addr ; }"]);
     nft(&["add", "element", "ip", "kube-proxy", &affinity, "{ 192.0.2.99 }"]);
 
-    // The restart: svc-3 and svc-4 went, svc-1500 (a LoadBalancer) came.
+    // The restart: svc-3 and svc-4 went, svc-1500 (a LoadBalancer) came. The table is written
+    // again in steps, one per sync; between two of them svc-8 goes, svc-9's endpoint moves
+    // and svc-1501 comes, and the next step has each of them.
     let second = objects(0..1501, &[3, 4]);
-    ns.run(move || sync(second));
+    let ((map, during), steps) = ns.run(move || {
+        let nft = |args: &[&str]| netns::sh(&[&["nft"], args].concat());
+        let mut p = proxier();
+        p.handle(Event::Replace { kind: Kind::Service, objects: second.0 });
+        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: second.1 });
+        let step = |p: &mut NetfilterProxier| {
+            let s = p.sync().expect("a step of the refresh");
+            assert_eq!(s.failed, 0, "a step failed (see the log)");
+        };
+        step(&mut p);
+        step(&mut p);
+        assert!(p.pending(), "1,500 Services are written again in more than two steps");
+        p.handle(Event::Delete { kind: Kind::Service, key: proxy_agent::model::ObjectKey::new("default", "svc-8") });
+        let moved = lab::endpoint_slice("svc-9", "svc-9-1", &["10.250.0.9".parse().unwrap()], &[("http", 8080, "TCP")]);
+        p.handle(Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&moved).expect("slice YAML")))));
+        let (services, slices) = objects(1501..1502, &[]);
+        for o in services.into_iter().chain(slices) {
+            p.handle(Event::Apply(o));
+        }
+        step(&mut p);
+        assert!(p.pending(), "the refresh goes on");
+        let during = (nft(&["list", "map", "ip", "kube-proxy", "service-ips"]), nft(&["list", "table", "ip", "kube-proxy"]));
+        let mut steps = 3;
+        while p.pending() {
+            step(&mut p);
+            steps += 1;
+        }
+        (during, steps)
+    });
+    assert!(!map.contains(&format!("{} . tcp . 80", vip(8))), "a Service deleted during the refresh leaves the map at the next step");
+    assert!(map.contains(&format!("{} . tcp . 80", vip(1501))), "one created during it is in at the next step");
+    assert!(during.contains("dnat to 10.250.0.9:8080"), "an endpoint moved during it is written at the next step");
+    eprintln!("written again in {steps} steps");
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
     let chain = |name: &str| nft(&["list", "chain", "ip", "kube-proxy", name]);
     assert_eq!(chain(&s5).matches("numgen random").count(), 1, "a flushed Service chain is whole again:\n{}", chain(&s5));
@@ -1314,7 +1350,14 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     assert!(map.contains(&format!("{} . tcp . 80 : goto {s7}", vip(7))), "a deleted element is back");
     assert!(table.contains("default/svc-1500/tcp/http"), "the Service created meanwhile is in");
     assert!(map.contains(&format!("{} . tcp . 80", vip(1500))));
-    assert!(!table.contains("default/svc-3/") && !table.contains("default/svc-4/"), "the chains of Services deleted meanwhile are gone");
+    assert!(
+        !table.contains("default/svc-3/") && !table.contains("default/svc-4/") && !table.contains("default/svc-8/"),
+        "the chains of Services deleted meanwhile are gone"
+    );
+    assert!(
+        table.contains("default/svc-1501/tcp/http") && table.contains("dnat to 10.250.0.9:8080"),
+        "the changes during the refresh stay"
+    );
     assert!(!map.contains(&format!("{} . tcp . 80", vip(3))));
     assert!(!table.contains("leftover"), "so are a chain and a set nobody has");
     assert!(nft(&["list", "set", "ip", "kube-proxy", &affinity]).contains("192.0.2.99"), "a client's affinity is kept");

@@ -133,6 +133,11 @@ pub trait RuleSet {
     /// Forgets what was applied: the next `apply` writes everything again (a full resync,
     /// which repairs rules someone else changed).
     fn forget_applied(&mut self);
+    /// `apply` has more to write: a long write cut into steps, one per `apply`, so that the
+    /// changes that come meanwhile are taken between them (nftables: `Refresh`).
+    fn pending(&self) -> bool {
+        false
+    }
     /// The cluster's Service CIDRs, for a mode that drops traffic to their unallocated
     /// addresses (nftables, as kube-proxy's); the next `apply` writes them.
     fn set_service_cidrs(&mut self, _cidrs: Vec<Cidr>) {}
@@ -198,6 +203,10 @@ impl RuleSet for PerFamily {
 
     fn forget_applied(&mut self) {
         self.sets.iter_mut().for_each(|s| s.forget_applied());
+    }
+
+    fn pending(&self) -> bool {
+        self.sets.iter().any(|s| s.pending())
     }
 
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {

@@ -331,17 +331,20 @@ fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
     }
 }
 
-/// Programs nftables, one transaction per sync.
+/// Programs nftables, one transaction per sync (a large table written again: one step per
+/// sync, `Refresh`).
 pub struct NftablesRules {
     opts: NftablesOptions,
     applied: Option<Ruleset>,
-    /// The last `refresh_in_steps` did not finish.
+    /// A large table being written again, step by step.
+    refreshing: Option<Refresh>,
+    /// The last step of a refresh failed.
     refresh_failed: bool,
 }
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None, refresh_failed: false }
+        Self { opts, applied: None, refreshing: None, refresh_failed: false }
     }
 }
 
@@ -430,17 +433,17 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
-        // (Listing chains is fast; listing tables loads every rule: 5 s at 10,000 Services.)
+        // (Listing chains is fast: `listed`.)
         let exists = || listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| !chains.is_empty());
         // Everything to be written again: the first sync, a full resync, the sync after a
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
         let whole = self.applied.as_ref().is_none_or(|a| a.base != wanted.base);
-        if whole && services.len() > BUILD_STEP {
-            if !exists() {
+        if self.refreshing.is_some() || (whole && services.len() > BUILD_STEP) {
+            if self.refreshing.is_none() && !exists() {
                 return self.build_in_steps(services, node, wanted);
             }
-            return self.refresh_in_steps(wanted);
+            return self.refresh_step(wanted);
         }
         let tx = transaction(self.applied.as_ref(), &wanted);
         if tx.is_empty() {
@@ -461,8 +464,14 @@ impl RuleSet for NftablesRules {
         }
     }
 
+    /// A refresh goes on (a full resync asked for meanwhile changes nothing: the refresh
+    /// writes everything).
     fn forget_applied(&mut self) {
         self.applied = None;
+    }
+
+    fn pending(&self) -> bool {
+        self.refreshing.is_some()
     }
 
     fn family(&self) -> Family {
@@ -470,19 +479,25 @@ impl RuleSet for NftablesRules {
     }
 }
 
-/// Services per transaction when a large table is built from nothing (and, halved, anonymous
-/// sets per transaction when it is written again: `refresh`). The kernel binds each anonymous
-/// set of a transaction (one per dispatch `vmap`) by walking the transaction, so one
+/// Services per transaction when a large table is built from nothing. The kernel binds each
+/// anonymous set of a transaction (one per dispatch `vmap`) by walking the transaction, so one
 /// transaction of N Services costs O(N^2): 10,000 Services took 82 s in one transaction on
 /// Linux 6.18, against well under a second per step of 1,000.
 const BUILD_STEP: usize = 1000;
+
+/// A step of writing a large table again (`Refresh`) holds at most this many anonymous sets,
+/// and about this many lines: each set costs about 2.5 ms (whatever the step's size, from 250
+/// to 1,000) and each line about 36 us, so a step holds the control loop for well under a
+/// second (0.7 s at most in the modes bench), and a change made meanwhile waits no longer.
+const REFRESH_SETS: usize = 250;
+const REFRESH_LINES: usize = 5000;
 
 impl NftablesRules {
     /// First sync on a node without the table: the table is built in transactions of
     /// BUILD_STEP Services, each leaving a consistent table (the Services so far, complete).
     /// Nothing is lost by not doing it in one: there was no table to serve from. (When the
     /// table exists, as after an agent restart, it is written again in place, in steps that
-    /// each leave every Service working: `refresh_table`.)
+    /// each leave every Service working: `Refresh`.)
     fn build_in_steps(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset) -> Result<usize, NetfilterError> {
         let keys: Vec<&crate::model::ObjectKey> = services.keys().collect();
         let mut done: Option<Ruleset> = None;
@@ -512,17 +527,33 @@ impl NftablesRules {
         Ok(ops)
     }
 
-    /// A large table that exists written again in steps (`refresh_table`). A failure leaves
-    /// `applied` empty, and the next sync replaces the table in one transaction instead.
-    fn refresh_in_steps(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
+    /// One step of writing a large table that exists again (`Refresh`): the first starts the
+    /// refresh, the last removes what the table holds and `wanted` lacks (`remove_stale`). A
+    /// step that fails ends the refresh, and the next sync replaces the table in one
+    /// transaction instead, which always converges (a set of another type where ours goes, say).
+    fn refresh_step(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
         self.applied = None;
-        // A refresh that failed (a set of another type where ours goes, say) is not tried
-        // again: the next sync replaces the table in one transaction, which always converges.
         if std::mem::take(&mut self.refresh_failed) {
+            self.refreshing = None;
             return self.replace_whole(wanted);
         }
         self.refresh_failed = true;
-        let ops = refresh_table(&wanted)?;
+        let (tx, refresh) = match self.refreshing.take() {
+            Some(mut r) if r.written.base == wanted.base => (r.next(&wanted), r),
+            // The first step, or the fixed part changed meanwhile: (again) from the start.
+            _ => Refresh::start(&wanted),
+        };
+        let mut ops = 0;
+        if !tx.is_empty() {
+            ops += tx.lines().count();
+            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+        }
+        if !refresh.done() {
+            self.refreshing = Some(refresh);
+            self.refresh_failed = false;
+            return Ok(ops);
+        }
+        ops += remove_stale(&wanted)?;
         self.refresh_failed = false;
         self.applied = Some(wanted);
         Ok(ops)
@@ -538,38 +569,27 @@ impl NftablesRules {
     }
 }
 
-/// Writes `wanted` again over its family's table, which exists (`refresh`), then removes what
-/// the table holds that `wanted` lacks (`stale`: the chains of Services deleted while the
-/// agent was down, which would otherwise pile up across restarts). Returns the lines written.
-pub fn refresh_table(wanted: &Ruleset) -> Result<usize, NetfilterError> {
-    let mut ops = 0;
-    for tx in refresh(wanted) {
-        ops += tx.lines().count();
-        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
-    }
-    // Chains are listed fast; sets and maps only with the rules (5 s at 10,000 Services), so
-    // only when chains are left over (Services deleted while the agent was down, whose
-    // affinity sets are left too), not at every hourly resync.
+/// Removes what the family's table holds and `wanted` lacks (`stale`: the chains and affinity
+/// sets of Services deleted while the agent was down or while a refresh went on, which would
+/// otherwise pile up across restarts). Returns the lines written.
+fn remove_stale(wanted: &Ruleset) -> Result<usize, NetfilterError> {
     let family = nft_family(wanted.family);
-    let none = BTreeSet::new();
-    let chains = listed(family, "chains")?;
-    let mut tx = stale(wanted, &chains, &none, &none);
-    if !tx.is_empty() {
-        tx = stale(wanted, &chains, &listed(family, "sets")?, &listed(family, "maps")?);
+    let tx = stale(wanted, &listed(family, "chains")?, &listed(family, "sets")?, &listed(family, "maps")?);
+    if tx.is_empty() {
+        return Ok(0);
     }
-    if !tx.is_empty() {
-        ops += tx.lines().count();
-        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
-    }
-    Ok(ops)
+    run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+    Ok(tx.lines().count())
 }
 
 /// The names of the `what` (`chains`, `sets` or `maps`) of the family's kube-proxy table, as
-/// `nft -j` lists them.
+/// `nft -j` lists them; tersely (`-t`), without the elements of sets and maps, which cost more
+/// than everything else: at 10,000 Services, 0.04 s for the sets or the maps against 4.5 s
+/// with their elements, 0.35 s for the chains.
 fn listed(family: &str, what: &str) -> Result<BTreeSet<String>, NetfilterError> {
-    let out = run("nft", PACKAGE, &["-j", "list", what, family])?;
+    let out = run("nft", PACKAGE, &["-t", "-j", "list", what, family])?;
     let kind = what.trim_end_matches('s');
-    let bad = |e: String| NetfilterError::Failed { command: format!("nft -j list {what} {family}"), stderr: e };
+    let bad = |e: String| NetfilterError::Failed { command: format!("nft -t -j list {what} {family}"), stderr: e };
     let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| bad(e.to_string()))?;
     Ok(v["nftables"]
         .as_array()
@@ -613,71 +633,119 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
     }
 }
 
-/// The transactions that write `to` again over a table that exists, whatever it holds now
-/// (drift, a failed transaction, an earlier run's Services), without replacing the table:
-/// Services keep being served throughout, and no transaction holds more than half of
-/// `BUILD_STEP` anonymous sets (the costly part of a transaction: `BUILD_STEP`; each costs
-/// about 2.5 ms here, and batches of 250 to 1,000 cost alike per set).
-/// 1. The fixed part: sets, maps and chains added where missing, every Service chain added
-///    (empty where missing: a chain's rules jump to others, which must exist first), the
-///    static sets (no verdicts in them) flushed and filled, the fixed chains flushed and
-///    written.
-/// 2. The Services' chains, each flushed and written in one transaction.
-/// 3. The verdict maps flushed and filled in one transaction (elements cost little; no packet
-///    sees a map half-filled).
+/// A large table that exists written again over several syncs, whatever it holds now (drift,
+/// a failed transaction, an earlier run's Services), without replacing the table: Services
+/// keep being served throughout, no step holds more than `REFRESH_SETS` anonymous sets (the
+/// costly part of a transaction: `BUILD_STEP`), and the control loop takes the changes that
+/// come meanwhile between steps, each into the next step.
+/// 1. `start`: the fixed part (sets, maps and chains added where missing, the fixed chains
+///    flushed and written), every Service chain added (empty where missing: rules and verdicts
+///    jump to chains, which must exist first), every set and map flushed and filled. From then
+///    on the refresh knows every element the kernel holds.
+/// 2. `next`, until `done`: the Service chains of the table as it was at the start, each
+///    flushed and written in one transaction, a step's worth at a time; with them, every
+///    chain that changed since this refresh wrote it or that is new (a Service created
+///    meanwhile), and the elements that changed (a Service deleted meanwhile leaves the maps
+///    at once; its chain goes with the leftovers, `stale`).
 ///
 /// Affinity sets are added where missing, never flushed: they hold the clients' affinities.
-/// What the table holds and `to` lacks is for `stale`.
-pub fn refresh(to: &Ruleset) -> Vec<String> {
-    let tbl = table(to.family);
-    let (sets, maps): (Vec<&str>, Vec<&str>) = (declared(to, "set").collect(), declared(to, "map").collect());
-    let elements = |of: &[&str]| -> Vec<String> {
-        to.elements
+#[derive(Debug)]
+pub struct Refresh {
+    /// What this refresh wrote: the fixed part, the affinity sets and every element, and the
+    /// Service chains written so far.
+    written: Ruleset,
+    /// The Service chains still to write, in name order.
+    remaining: BTreeSet<String>,
+    /// A step found no chain left to write: what is left over goes in that step's sync.
+    settled: bool,
+}
+
+impl Refresh {
+    /// The first step's transaction, and the refresh it starts.
+    pub fn start(to: &Ruleset) -> (String, Refresh) {
+        let tbl = table(to.family);
+        let rule_prefix = format!("add rule {tbl} ");
+        let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
+        let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
+        t.extend(to.sets.values().cloned());
+        t.extend(to.chains.keys().map(|name| format!("add chain {tbl} {name}")));
+        t.extend(declared(to, "set").map(|name| format!("flush set {tbl} {name}")));
+        t.extend(declared(to, "map").map(|name| format!("flush map {tbl} {name}")));
+        t.extend(to.elements.iter().map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest)));
+        let mut flushed = BTreeSet::new();
+        for r in &rules {
+            let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
+            if flushed.insert(chain) {
+                t.push(format!("flush chain {tbl} {chain}"));
+            }
+        }
+        t.extend(rules.iter().map(|l| (*l).clone()));
+        let written = Ruleset { chains: BTreeMap::new(), ..to.clone() };
+        (t.join("\n") + "\n", Refresh { written, remaining: to.chains.keys().cloned().collect(), settled: false })
+    }
+
+    /// The next step's transaction towards `to` (the Services as they are now, with the fixed
+    /// part the refresh started with). Empty when there is nothing to write.
+    pub fn next(&mut self, to: &Ruleset) -> String {
+        let tbl = table(to.family);
+        self.settled = self.remaining.is_empty();
+        let anonymous = |rules: &[String]| rules.iter().filter(|r| r.contains('{')).count();
+        // Chains new or changed since written (not those still to come: they are written with
+        // what they are then).
+        let mut batch: Vec<(&String, &Vec<String>)> = to
+            .chains
             .iter()
-            .filter(|((set, _), _)| of.contains(&set.as_str()))
-            .map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest))
-            .collect()
-    };
-    let tx = |lines: Vec<String>| lines.join("\n") + "\n";
-    let rule_prefix = format!("add rule {tbl} ");
-    let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
-
-    let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
-    t.extend(to.sets.values().cloned());
-    t.extend(to.chains.keys().map(|name| format!("add chain {tbl} {name}")));
-    t.extend(sets.iter().map(|name| format!("flush set {tbl} {name}")));
-    t.extend(elements(&sets));
-    let mut flushed = BTreeSet::new();
-    for r in &rules {
-        let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
-        if flushed.insert(chain) {
-            t.push(format!("flush chain {tbl} {chain}"));
+            .filter(|(name, rules)| !self.remaining.contains(*name) && self.written.chains.get(*name) != Some(rules))
+            .collect();
+        // Cut by anonymous sets (a random pick's vmap, a list of ranges), and by lines, so that
+        // chains of one kind (sorted together by name) do not make one step large.
+        let (mut sets, mut lines) = batch.iter().fold((0, 0), |(s, l), (_, rules)| (s + anonymous(rules), l + rules.len() + 1));
+        while sets < REFRESH_SETS && lines < REFRESH_LINES {
+            let Some(name) = self.remaining.pop_first() else { break };
+            // (A Service deleted meanwhile: nothing to write.)
+            if let Some((name, rules)) = to.chains.get_key_value(&name) {
+                sets += anonymous(rules);
+                lines += rules.len() + 1;
+                batch.push((name, rules));
+            }
+        }
+        let mut t: Vec<String> =
+            to.sets.iter().filter(|(name, _)| !self.written.sets.contains_key(*name)).map(|(_, l)| l.clone()).collect();
+        t.extend(batch.iter().map(|(name, _)| format!("add chain {tbl} {name}")));
+        for ((set, key), rest) in &self.written.elements {
+            if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
+                t.push(element_line(&tbl, "delete", set, key, ""));
+            }
+        }
+        for (name, rules) in &batch {
+            t.push(format!("flush chain {tbl} {name}"));
+            t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
+        }
+        for ((set, key), rest) in &to.elements {
+            if self.written.elements.get(&(set.clone(), key.clone())) != Some(rest) {
+                t.push(element_line(&tbl, "add", set, key, rest));
+            }
+        }
+        self.written.sets.extend(to.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
+        self.written.chains.extend(batch.into_iter().map(|(name, rules)| (name.clone(), rules.clone())));
+        // (Chains of Services deleted meanwhile stay in the table, out of every map, until
+        // the leftovers go.)
+        self.written.chains.retain(|name, _| to.chains.contains_key(name));
+        self.written.elements.clone_from(&to.elements);
+        if t.is_empty() {
+            String::new()
+        } else {
+            t.join("\n") + "\n"
         }
     }
-    t.extend(rules.iter().map(|l| (*l).clone()));
-    let mut txs = vec![tx(t)];
 
-    // Cut by anonymous sets (a rule with `{`: a random pick's vmap, a list of ranges), and by
-    // lines, so that chains of one kind (sorted together by name) do not make one step large.
-    let mut t = Vec::new();
-    let mut anonymous = 0;
-    for (name, rules) in &to.chains {
-        if anonymous >= BUILD_STEP / 2 || t.len() >= 10 * BUILD_STEP {
-            txs.push(tx(std::mem::take(&mut t)));
-            anonymous = 0;
-        }
-        anonymous += rules.iter().filter(|r| r.contains('{')).count();
-        t.push(format!("flush chain {tbl} {name}"));
-        t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
+    /// Every chain of the table at the start is written, and a step after the last of them
+    /// (changes only, small) has run: `remove_stale` is what is left, in that step's sync
+    /// rather than the last large step's (it lists the table's chains, 0.35 s at 10,000
+    /// Services, and deletes the leftovers).
+    pub fn done(&self) -> bool {
+        self.settled
     }
-    if !t.is_empty() {
-        txs.push(tx(t));
-    }
-
-    let mut t: Vec<String> = maps.iter().map(|name| format!("flush map {tbl} {name}")).collect();
-    t.extend(elements(&maps));
-    txs.push(tx(t));
-    txs
 }
 
 /// Removes the nftables mode's tables (both families). Returns a line per thing removed.
@@ -709,6 +777,151 @@ mod tests {
         let long = base_name(&"x".repeat(300));
         assert_eq!(long.len(), 240);
         assert!(long.ends_with("..."));
+    }
+
+    /// What the kernel would hold after our transactions, as far as they go: chains and their
+    /// rules, elements. It refuses what nft refuses: a rule or verdict that jumps to a chain
+    /// that does not exist, a chain flushed or written that does not exist, an element added
+    /// over one of other data, an element deleted that is not there.
+    #[derive(Default)]
+    struct Kernel {
+        chains: BTreeMap<String, Vec<String>>,
+        elements: BTreeMap<(String, String), String>,
+    }
+
+    impl Kernel {
+        fn run(&mut self, tx: &str) {
+            let tbl = table(Family::V4);
+            let targets = |text: &str| -> Vec<String> {
+                let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').collect();
+                words.windows(2).filter(|w| w[0] == "goto" || w[0] == "jump").map(|w| w[1].to_string()).collect()
+            };
+            for line in tx.lines() {
+                let (op, rest) = line.split_once(&format!(" {tbl} ")).unwrap_or_else(|| panic!("a line of our table: {line}"));
+                let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
+                let exists = |k: &Kernel, chain: &str| assert!(k.chains.contains_key(chain), "no chain {chain}: {line}");
+                match op {
+                    "add chain" => {
+                        self.chains.entry(name.to_string()).or_default();
+                    }
+                    "flush chain" => {
+                        exists(self, name);
+                        self.chains.get_mut(name).unwrap().clear();
+                    }
+                    "add rule" => {
+                        exists(self, name);
+                        for t in targets(text) {
+                            exists(self, &t);
+                        }
+                        self.chains.get_mut(name).unwrap().push(text.to_string());
+                    }
+                    "flush set" | "flush map" => self.elements.retain(|(set, _), _| set != name),
+                    "add element" | "delete element" => {
+                        let inner = text.strip_prefix("{ ").and_then(|t| t.strip_suffix(" }")).expect("{ element }");
+                        let (key, data) = match inner.split_once(" : ") {
+                            Some((k, d)) => (k.to_string(), format!(" : {d}")),
+                            None => (inner.to_string(), String::new()),
+                        };
+                        let k = (name.to_string(), key);
+                        if op == "delete element" {
+                            assert!(self.elements.remove(&k).is_some(), "no such element: {line}");
+                        } else {
+                            for t in targets(&data) {
+                                exists(self, &t);
+                            }
+                            let old = self.elements.insert(k, data.clone());
+                            assert!(old.is_none_or(|o| o == data), "an element of other data: {line}");
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// A table of `services` Service chains (each with a random pick, an anonymous set) with
+    /// one verdict each in `service-ips`; `touched` Services get other rules.
+    fn table_of(services: std::ops::Range<u32>, touched: &[u32], skip: &[u32]) -> Ruleset {
+        let mut r = render(&Services::new(), &NodeContext::default(), &NftablesOptions::default());
+        for i in services.filter(|i| !skip.contains(i)) {
+            let (chain, endpoint) = (format!("service-{i:05}"), format!("endpoint-{i:05}"));
+            let (to, count) = if touched.contains(&i) { ("10.0.9.9", "counter ") } else { ("10.0.0.1", "") };
+            r.chains.insert(chain.clone(), vec![format!("{count}numgen random mod 1 vmap {{ 0 : goto {endpoint} }}")]);
+            r.chains.insert(endpoint, vec![format!("meta l4proto tcp dnat to {to}:80")]);
+            r.elements.insert(("service-ips".into(), format!("10.96.{}.{} . tcp . 80", i / 250, i % 250)), format!(" : goto {chain}"));
+        }
+        r
+    }
+
+    /// A refresh writes every chain of the table once, a step's worth of anonymous sets at a
+    /// time, and takes in the changes made meanwhile: a chain changed after it was written is
+    /// written again, one still to come is written once with its new rules, a Service created
+    /// meanwhile is written at once, a deleted one leaves the maps at once. At the end the
+    /// table is what was wanted last, over a kernel that held an older, drifted table, and no
+    /// step did what nft refuses.
+    #[test]
+    fn a_refresh_goes_in_steps_and_takes_the_changes_made_meanwhile() {
+        let mut kernel = Kernel::default();
+        // What an earlier run left: Services 0..1199 (1199 came since) and 5000 (gone since),
+        // chain 7 flushed.
+        let mut old = table_of(0..1199, &[], &[]);
+        old.chains.extend(table_of(5000..5001, &[], &[]).chains);
+        old.elements.extend(table_of(5000..5001, &[], &[]).elements);
+        kernel.run(&old.dump());
+        kernel.chains.get_mut("service-00007").unwrap().clear();
+
+        let first = table_of(0..1200, &[], &[]);
+        let (tx, mut refresh) = Refresh::start(&first);
+        kernel.run(&tx);
+        assert_eq!(kernel.elements, first.elements, "every element is written by the first step");
+        assert!(!refresh.done());
+        let step = |kernel: &mut Kernel, refresh: &mut Refresh, to: &Ruleset| -> usize {
+            let tx = refresh.next(to);
+            kernel.run(&tx);
+            tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count()
+        };
+        let sets = step(&mut kernel, &mut refresh, &first);
+        assert_eq!(sets, REFRESH_SETS, "a step's worth of anonymous sets");
+        assert_eq!(kernel.chains["service-00007"].len(), 1, "a flushed chain is written in its step");
+        // Meanwhile: 3 (written) and 1100 (to come) change, 1200 comes, 9 goes.
+        let second = table_of(0..1201, &[3, 1100], &[9]);
+        let tx = refresh.next(&second);
+        assert!(tx.contains("add chain ip kube-proxy service-01200"), "a new Service is written at once");
+        for chain in ["service-00003", "endpoint-00003", "endpoint-01100"] {
+            assert_eq!(
+                tx.matches(&format!("flush chain ip kube-proxy {chain}\n")).count(),
+                1,
+                "a written chain that changed is written again"
+            );
+        }
+        assert!(!tx.contains("service-01100"), "one still to come waits for its step");
+        kernel.run(&tx);
+        assert!(!kernel.elements.keys().any(|(_, k)| k == "10.96.0.9 . tcp . 80"), "a deleted Service leaves the map at once");
+        assert_eq!(kernel.elements, second.elements);
+        let (mut steps, mut to_come) = (0, 0);
+        while !refresh.done() {
+            let tx = refresh.next(&second);
+            for chain in ["service-00003", "endpoint-01100"] {
+                assert!(!tx.contains(&format!("flush chain ip kube-proxy {chain}\n")), "{chain} is not written again unchanged");
+            }
+            to_come += tx.matches("flush chain ip kube-proxy service-01100\n").count();
+            kernel.run(&tx);
+            steps += 1;
+        }
+        assert_eq!(to_come, 1, "a chain to come is written once");
+        assert_eq!(steps, 4, "the rest, 702 sets, in steps of 250, then one that finds nothing left");
+        for (name, rules) in &second.chains {
+            assert_eq!(kernel.chains.get(name), Some(rules), "{name}");
+        }
+        assert_eq!(kernel.elements, second.elements);
+        // What is left for `stale`: the chains of Services gone (9, and 5000 from before).
+        let left: Vec<&String> = kernel
+            .chains
+            .keys()
+            .filter(|c| !second.chains.contains_key(*c) && !declared(&second, "chain").any(|d| d == c.as_str()))
+            .collect();
+        assert_eq!(left, ["endpoint-00009", "endpoint-05000", "service-00009", "service-05000"]);
+        assert!(refresh.next(&second).is_empty(), "nothing more to write");
     }
 
     #[test]

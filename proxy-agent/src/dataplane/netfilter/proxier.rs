@@ -116,6 +116,11 @@ impl NetfilterProxier {
         self.failed
     }
 
+    /// The rules have more to write (`RuleSet::pending`): the next sync goes on, changes or not.
+    pub fn pending(&self) -> bool {
+        self.rules.pending()
+    }
+
     pub fn node_context(&self) -> NodeContext {
         NodeContext {
             nodeport_ips: self.store.node_info().nodeport_addresses,
@@ -166,7 +171,7 @@ impl NetfilterProxier {
                 self.resync |= self.synced_once;
             }
         }
-        if dirty.services.is_empty() && self.synced_once && !self.failed && !self.resync {
+        if dirty.services.is_empty() && self.synced_once && !self.failed && !self.resync && !self.rules.pending() {
             return None;
         }
         let mut stats = SyncStats { services: dirty.services.len(), ..Default::default() };
@@ -228,18 +233,11 @@ impl NetfilterProxier {
                 self.resync = false;
                 tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
                 stats.trigger_times = std::mem::take(&mut self.triggers);
-                if std::mem::take(&mut self.udp_changed) {
-                    // After the rules: new flows must not pick the old endpoint again.
-                    if let Err(e) = conntrack::reconcile(&self.services, &node) {
-                        tracing::warn!("stale UDP conntrack entries were not deleted (UDP flows to removed endpoints last until their conntrack timeout): {e}");
-                    }
-                }
-                if !self.to_sweep.is_empty() {
-                    let to_sweep = std::mem::take(&mut self.to_sweep);
-                    if let Err(e) = conntrack::forget_untranslated_attempts(&to_sweep) {
-                        tracing::warn!("connection attempts made before their Services were served were not deleted from conntrack (their retransmissions stay untranslated until the entries time out): {e}");
-                    }
-                    self.swept.extend(to_sweep);
+                // Conntrack is swept once the rules are whole: while a long write goes on, a
+                // Service's chain may still hold what it had before (an endpoint gone since),
+                // which a swept flow's next packet could pick again.
+                if !self.rules.pending() {
+                    self.sweep_conntrack(&node);
                 }
             }
             Err(e) => {
@@ -256,6 +254,26 @@ impl NetfilterProxier {
         self.synced_once = true;
         stats.duration = start.elapsed();
         Some(stats)
+    }
+
+    /// After the rules are applied: UDP flows to endpoints gone, and TCP attempts made before
+    /// their Services were served, leave conntrack.
+    fn sweep_conntrack(&mut self, node: &NodeContext) {
+        if std::mem::take(&mut self.udp_changed) {
+            // After the rules: new flows must not pick the old endpoint again.
+            if let Err(e) = conntrack::reconcile(&self.services, node) {
+                tracing::warn!(
+                    "stale UDP conntrack entries were not deleted (UDP flows to removed endpoints last until their conntrack timeout): {e}"
+                );
+            }
+        }
+        if !self.to_sweep.is_empty() {
+            let to_sweep = std::mem::take(&mut self.to_sweep);
+            if let Err(e) = conntrack::forget_untranslated_attempts(&to_sweep) {
+                tracing::warn!("connection attempts made before their Services were served were not deleted from conntrack (their retransmissions stay untranslated until the entries time out): {e}");
+            }
+            self.swept.extend(to_sweep);
+        }
     }
 }
 
@@ -282,6 +300,52 @@ mod tests {
             Err(NetfilterError::Failed { command: "nothing".into(), stderr: "a test".into() })
         }
         fn forget_applied(&mut self) {}
+    }
+
+    /// Writes nothing, succeeds, and has `steps` more to write (a long write in steps).
+    struct Stepping {
+        steps: usize,
+    }
+
+    impl RuleSet for Stepping {
+        fn mode(&self) -> ProxyMode {
+            ProxyMode::Nftables
+        }
+        fn render(&self, _: &Services, _: &NodeContext) -> String {
+            String::new()
+        }
+        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
+            self.steps -= 1;
+            Ok(1)
+        }
+        fn forget_applied(&mut self) {}
+        fn pending(&self) -> bool {
+            self.steps > 0
+        }
+    }
+
+    /// While the rules have more to write, a sync goes on without a change, and conntrack is
+    /// not swept: a chain not written yet may still send a swept flow to an endpoint gone.
+    /// (The sweep itself, after the last step, runs `conntrack`; this test stops before it.)
+    #[test]
+    fn a_long_write_goes_on_without_changes_and_sweeps_conntrack_once_whole() {
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Stepping { steps: 4 }), vec![], Masquerading::default(), vec![]);
+        let svc = "metadata: {name: dns, namespace: kube-system}\nspec: {clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]}";
+        p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
+        p.handle(Event::Apply(Object::EndpointSlice(Box::new(
+            serde_yaml::from_str(
+                "metadata: {name: dns-a, namespace: kube-system, labels: {kubernetes.io/service-name: dns}}\naddressType: IPv4\nports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]\nendpoints: [{addresses: [10.244.0.5]}]",
+            )
+            .unwrap(),
+        ))));
+        assert_eq!(p.sync().expect("a first sync").upserted, 1);
+        for step in 0..2 {
+            assert!(p.pending());
+            assert!(p.udp_changed && !p.to_sweep.is_empty(), "swept before the rules are whole");
+            let s = p.sync().unwrap_or_else(|| panic!("step {step} goes on without a change"));
+            assert_eq!((s.services, s.failed), (0, 0));
+        }
+        assert!(p.pending(), "one step is left, and with it the sweep");
     }
 
     fn slice(endpoints: &str) -> Event {
