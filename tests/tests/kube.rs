@@ -527,3 +527,49 @@ fn lists_larger_than_a_page_are_read_page_by_page() {
         assert!(pages >= 2, "{kind}: the list was read in pages of {limit} ({pages} continued)");
     }
 }
+
+/// After a restart over a large nftables table (more than the 1,000 Services written in one
+/// transaction), the mode writes it again in steps, one per sync, and the control loop goes
+/// from step to step by itself: a chain someone left in the table is removed at the end (the
+/// last step's leftover removal) with no change to set it off, and a Service created right
+/// after the restart, while the steps run, is served.
+#[test]
+fn nftables_writes_a_large_table_again_step_by_step_on_its_own() {
+    let test = "nftables_writes_a_large_table_again_step_by_step_on_its_own";
+    let extra = ["--proxy-mode", "nftables", "--cluster-cidr", "10.244.0.0/16"];
+    let Some(KubeLab { mut lab, api }) = kube_lab_started(test, &extra) else {
+        return;
+    };
+    let backends = lab.backend_ips();
+    let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_6400 + i);
+    for i in 0..1200 {
+        let name = format!("bulk-{i}");
+        api.apply(&service(&name, &vip(i).to_string(), &[("http", 80, "TCP", lab::TCP_PORT)]));
+        api.apply(&endpoint_slice(&name, &format!("{name}-1"), &backends, &[("http", lab::TCP_PORT, "TCP")]));
+    }
+    let node = lab.node.name.clone();
+    let nft = |args: &[&str]| proxy_tests::netns::sh(&[&["ip", "netns", "exec", &node, "nft"], args].concat());
+    let ask = |lab: &Lab, to: std::net::Ipv4Addr| tcp_ask(&lab.client.ns, SocketAddrV4::new(to, 80));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while ask(&lab, vip(1199)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "the 1,200 Services were never served; log:\n{}", lab.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
+    nft(&["add", "chain", "ip", "kube-proxy", "left-by-someone"]);
+    lab.stop_agent();
+    let kubeconfig = lab.dir.join("kubeconfig");
+    lab.start_agent_kube(&kubeconfig, &extra);
+    api.apply(&service("late", "10.96.99.1", &[("http", 80, "TCP", lab::TCP_PORT)]));
+    api.apply(&endpoint_slice("late", "late-1", &backends, &[("http", lab::TCP_PORT, "TCP")]));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while nft(&["-t", "list", "chains", "ip"]).contains("left-by-someone") || ask(&lab, "10.96.99.1".parse().unwrap()).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the write after the restart never ended, or the Service created meanwhile was never served; log:\n{}",
+            lab.agent_log()
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert!(ask(&lab, vip(0)).is_ok() && tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_ok(), "Services served throughout are served after");
+    assert!(!lab.agent_log().contains("applying the rules failed"), "{}", lab.agent_log());
+}
