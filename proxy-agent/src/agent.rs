@@ -642,7 +642,9 @@ const RETRY_MAX: Duration = Duration::from_secs(60);
 const FULL_RESYNC: Duration = Duration::from_secs(3600);
 
 /// The one control loop: source events and interface changes in, syncs out, no closer
-/// together than `periods.min`, and a full resync every `max(periods.sync, FULL_RESYNC)`.
+/// together than `periods.min` (but a sync that left work, `Proxier::pending`, is followed at
+/// once, with the events that came meanwhile), and a full resync every
+/// `max(periods.sync, FULL_RESYNC)`.
 async fn control_loop<P: Proxier>(
     p: &mut P,
     inputs: &mut Inputs,
