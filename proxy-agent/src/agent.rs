@@ -724,9 +724,10 @@ async fn control_loop<P: Proxier>(
                 backoff = RETRY_FIRST;
             }
             // The next step of a long write follows at once (it is the same sync's work, cut so
-            // that changes and signals are taken between steps), unless the step failed: then
-            // the retry's backoff applies.
-            if p.pending() && !p.has_failures() {
+            // that changes and signals are taken between steps), even while something else
+            // fails (the other family's table, say; it is tried again with each step). A step
+            // that fails ends the write: the retry's backoff applies.
+            if p.pending() {
                 wanted = true;
                 due = Instant::now();
             } else {

@@ -1295,7 +1295,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         })
     };
     let service_chain = |i: u32| named(&table, "chain ", "service-", &format!("-default/svc-{i}/tcp/http")).expect("a Service chain");
-    let (s5, s7) = (service_chain(5), service_chain(7));
+    let (s5, s7, s9) = (service_chain(5), service_chain(7), service_chain(9));
     let affinity = named(&table, "set ", "affinity-", "").expect("an affinity set");
     nft(&["flush", "chain", "ip", "kube-proxy", &s5]);
     nft(&["flush", "chain", "ip", "kube-proxy", "services"]);
@@ -1308,6 +1308,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     // again in steps, one per sync; between two of them svc-8 goes, svc-9's endpoint moves
     // and svc-1501 comes, and the next step has each of them.
     let second = objects(0..1501, &[3, 4]);
+    let s9_during = s9.clone();
     let ((map, during), steps) = ns.run(move || {
         let nft = |args: &[&str]| netns::sh(&[&["nft"], args].concat());
         let mut p = proxier();
@@ -1329,7 +1330,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         }
         step(&mut p);
         assert!(p.pending(), "the refresh goes on");
-        let during = (nft(&["list", "map", "ip", "kube-proxy", "service-ips"]), nft(&["list", "table", "ip", "kube-proxy"]));
+        let during = (nft(&["list", "map", "ip", "kube-proxy", "service-ips"]), nft(&["list", "chain", "ip", "kube-proxy", &s9_during]));
         let mut steps = 3;
         while p.pending() {
             step(&mut p);
@@ -1339,7 +1340,11 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     });
     assert!(!map.contains(&format!("{} . tcp . 80", vip(8))), "a Service deleted during the refresh leaves the map at the next step");
     assert!(map.contains(&format!("{} . tcp . 80", vip(1501))), "one created during it is in at the next step");
-    assert!(during.contains("dnat to 10.250.0.9:8080"), "an endpoint moved during it is written at the next step");
+    assert!(
+        during.contains("default/svc-9/tcp/http__10.250.0.9/8080")
+            && !during.contains(&format!("__{}/8080", std::net::Ipv4Addr::from(0x0a80_0000 + 9 * 4))),
+        "an endpoint moved during it is what its Service's chain picks at the next step:\n{during}"
+    );
     eprintln!("written again in {steps} steps");
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
     let chain = |name: &str| nft(&["list", "chain", "ip", "kube-proxy", name]);
@@ -1361,4 +1366,22 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     assert!(!map.contains(&format!("{} . tcp . 80", vip(3))));
     assert!(!table.contains("leftover"), "so are a chain and a set nobody has");
     assert!(nft(&["list", "set", "ip", "kube-proxy", &affinity]).contains("192.0.2.99"), "a client's affinity is kept");
+
+    // A table no step can write (a set of another type where one of ours goes): the write in
+    // steps is tried twice, then the table is replaced in one transaction.
+    nft(&["flush", "chain", "ip", "kube-proxy", "cluster-ips-check"]);
+    nft(&["delete", "set", "ip", "kube-proxy", "cluster-ips"]);
+    nft(&["add", "set", "ip", "kube-proxy", "cluster-ips", "{ type inet_service ; }"]);
+    let third = objects(0..1500, &[]);
+    let failed = ns.run(move || {
+        let mut p = proxier();
+        p.handle(Event::Replace { kind: Kind::Service, objects: third.0 });
+        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: third.1 });
+        let failed: Vec<bool> = (0..3).map(|_| p.sync().expect("a sync").failed > 0).collect();
+        assert!(!p.pending(), "replaced whole");
+        failed
+    });
+    assert_eq!(failed, [true, true, false], "two writes in steps fail, then the table is replaced");
+    assert!(nft(&["list", "set", "ip", "kube-proxy", "cluster-ips"]).contains("type ipv4_addr"));
+    assert_eq!(chain("cluster-ips-check").matches("@cluster-ips").count(), 1, "the fixed chains are whole");
 }

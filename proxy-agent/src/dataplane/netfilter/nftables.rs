@@ -5,7 +5,7 @@
 //! to Services without endpoints, sets for ClientIP affinity. Every sync is one `nft -f`
 //! transaction: atomic, and after the first one it carries only what changed.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{hash_name, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::{
@@ -338,13 +338,13 @@ pub struct NftablesRules {
     applied: Option<Ruleset>,
     /// A large table being written again, step by step.
     refreshing: Option<Refresh>,
-    /// The last step of a refresh failed.
-    refresh_failed: bool,
+    /// Refreshes that failed in a row (the second makes the next sync replace the table).
+    refresh_failures: u8,
 }
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None, refreshing: None, refresh_failed: false }
+        Self { opts, applied: None, refreshing: None, refresh_failures: 0 }
     }
 }
 
@@ -433,14 +433,16 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let wanted = render(services, node, &self.opts);
-        // (Listing chains is fast: `listed`.)
-        let exists = || listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| !chains.is_empty());
+        if self.refreshing.is_some() {
+            return self.refresh_step(wanted);
+        }
         // Everything to be written again: the first sync, a full resync, the sync after a
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
         let whole = self.applied.as_ref().is_none_or(|a| a.base != wanted.base);
-        if self.refreshing.is_some() || (whole && services.len() > BUILD_STEP) {
-            if self.refreshing.is_none() && !exists() {
+        if whole && services.len() > BUILD_STEP {
+            // (Listing chains is fast: `listed`.)
+            if listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| chains.is_empty()) {
                 return self.build_in_steps(services, node, wanted);
             }
             return self.refresh_step(wanted);
@@ -453,7 +455,7 @@ impl RuleSet for NftablesRules {
         match run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
             Ok(_) => {
                 self.applied = Some(wanted);
-                self.refresh_failed = false;
+                self.refresh_failures = 0;
                 Ok(ops)
             }
             Err(e) => {
@@ -486,9 +488,11 @@ impl RuleSet for NftablesRules {
 const BUILD_STEP: usize = 1000;
 
 /// A step of writing a large table again (`Refresh`) holds at most this many anonymous sets,
-/// and about this many lines: each set costs about 2.5 ms (whatever the step's size, from 250
-/// to 1,000) and each line about 36 us, so a step holds the control loop for well under a
-/// second (0.7 s at most in the modes bench), and a change made meanwhile waits no longer.
+/// and about this many lines, besides the chains that changed meanwhile: each set costs about
+/// 2.5 ms (whatever the step's size, from 250 to 1,000) and each line about 36 us, on top of
+/// about 0.4 s for any `nft -f` at 10,000 Services (nft loads the table's chains first), so a
+/// step holds the control loop for about a second there, and a change made meanwhile waits
+/// no longer.
 const REFRESH_SETS: usize = 250;
 const REFRESH_LINES: usize = 5000;
 
@@ -529,19 +533,41 @@ impl NftablesRules {
 
     /// One step of writing a large table that exists again (`Refresh`): the first starts the
     /// refresh, the last removes what the table holds and `wanted` lacks (`remove_stale`). A
-    /// step that fails ends the refresh, and the next sync replaces the table in one
-    /// transaction instead, which always converges (a set of another type where ours goes, say).
+    /// step that fails ends the refresh; the next sync starts another, and after a second
+    /// failure in a row replaces the table in one transaction instead, which always converges
+    /// (a set of another type where ours goes, say) but holds the control loop throughout.
     fn refresh_step(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
         self.applied = None;
-        if std::mem::take(&mut self.refresh_failed) {
+        if self.refresh_failures >= 2 {
             self.refreshing = None;
-            return self.replace_whole(wanted);
+            let done = self.replace_whole(wanted);
+            if done.is_ok() {
+                self.refresh_failures = 0;
+            }
+            return done;
         }
-        self.refresh_failed = true;
+        match self.try_refresh_step(&wanted) {
+            Ok((ops, false)) => Ok(ops),
+            Ok((ops, true)) => {
+                self.refresh_failures = 0;
+                self.applied = Some(wanted);
+                Ok(ops)
+            }
+            Err(e) => {
+                self.refreshing = None;
+                self.refresh_failures += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// The lines written, and whether the refresh is over.
+    fn try_refresh_step(&mut self, wanted: &Ruleset) -> Result<(usize, bool), NetfilterError> {
+        let family = nft_family(wanted.family);
         let (tx, refresh) = match self.refreshing.take() {
-            Some(mut r) if r.written.base == wanted.base => (r.next(&wanted), r),
+            Some(mut r) if r.base == wanted.base => (r.next(wanted), r),
             // The first step, or the fixed part changed meanwhile: (again) from the start.
-            _ => Refresh::start(&wanted),
+            _ => Refresh::start(wanted, &listed(family, "chains")?),
         };
         let mut ops = 0;
         if !tx.is_empty() {
@@ -550,13 +576,10 @@ impl NftablesRules {
         }
         if !refresh.done() {
             self.refreshing = Some(refresh);
-            self.refresh_failed = false;
-            return Ok(ops);
+            return Ok((ops, false));
         }
-        ops += remove_stale(&wanted)?;
-        self.refresh_failed = false;
-        self.applied = Some(wanted);
-        Ok(ops)
+        ops += remove_stale(wanted)?;
+        Ok((ops, true))
     }
 
     /// `wanted` in one transaction that replaces the table.
@@ -635,43 +658,60 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
 
 /// A large table that exists written again over several syncs, whatever it holds now (drift,
 /// a failed transaction, an earlier run's Services), without replacing the table: Services
-/// keep being served throughout, no step holds more than `REFRESH_SETS` anonymous sets (the
-/// costly part of a transaction: `BUILD_STEP`), and the control loop takes the changes that
-/// come meanwhile between steps, each into the next step.
+/// keep being served throughout, and the control loop takes the changes that come meanwhile
+/// between steps, each into the next step.
 /// 1. `start`: the fixed part (sets, maps and chains added where missing, the fixed chains
 ///    flushed and written), every Service chain added (empty where missing: rules and verdicts
-///    jump to chains, which must exist first), every set and map flushed and filled. From then
-///    on the refresh knows every element the kernel holds.
-/// 2. `next`, until `done`: the Service chains of the table as it was at the start, each
-///    flushed and written in one transaction, a step's worth at a time; with them, every
-///    chain that changed since this refresh wrote it or that is new (a Service created
-///    meanwhile), and the elements that changed (a Service deleted meanwhile leaves the maps
-///    at once; its chain goes with the leftovers, `stale`).
+///    jump to chains, which must exist first).
+/// 2. `next`, until `done`: first the chains the table lacked, then the others, each flushed
+///    and written in one transaction, at most `REFRESH_SETS` anonymous sets (the costly part
+///    of a transaction: `BUILD_STEP`) or about `REFRESH_LINES` lines a step. With them, every
+///    chain whose rules changed since the refresh began or since it wrote them, or that is new
+///    (a Service created meanwhile): a change waits for no step but the next.
+/// 3. Every set and map is flushed and filled in the step that writes the last chain the table
+///    lacked (in the first, when it lacked none), so that no verdict points at a chain not
+///    written yet: until then they point where they pointed before. From then on, each step
+///    writes the elements that changed (a Service deleted meanwhile leaves the maps at once;
+///    its chain goes with the leftovers, `stale`).
 ///
 /// Affinity sets are added where missing, never flushed: they hold the clients' affinities.
 #[derive(Debug)]
 pub struct Refresh {
-    /// What this refresh wrote: the fixed part, the affinity sets and every element, and the
-    /// Service chains written so far.
-    written: Ruleset,
-    /// The Service chains still to write, in name order.
+    /// The fixed part written.
+    base: Vec<String>,
+    /// A hash of every chain's rules: as wanted when the refresh began for the chains still
+    /// to write, as written for the others.
+    hashes: HashMap<String, u64>,
+    /// The chains the table lacked, still to write, in name order (before any verdict points
+    /// at them).
+    missing: BTreeSet<String>,
+    /// The chains the table had, still to write, in name order.
     remaining: BTreeSet<String>,
+    /// Every element of the sets and maps, as written, once they are (step 3).
+    elements: Option<BTreeMap<(String, String), String>>,
+    /// The affinity sets written.
+    sets: BTreeSet<String>,
     /// A step found no chain left to write: what is left over goes in that step's sync.
     settled: bool,
 }
 
+fn rules_hash(rules: &[String]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rules.hash(&mut h);
+    h.finish()
+}
+
 impl Refresh {
-    /// The first step's transaction, and the refresh it starts.
-    pub fn start(to: &Ruleset) -> (String, Refresh) {
+    /// The first step's transaction, and the refresh it starts, over a table that holds
+    /// `present` chains.
+    pub fn start(to: &Ruleset, present: &BTreeSet<String>) -> (String, Refresh) {
         let tbl = table(to.family);
         let rule_prefix = format!("add rule {tbl} ");
         let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
         let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
         t.extend(to.sets.values().cloned());
         t.extend(to.chains.keys().map(|name| format!("add chain {tbl} {name}")));
-        t.extend(declared(to, "set").map(|name| format!("flush set {tbl} {name}")));
-        t.extend(declared(to, "map").map(|name| format!("flush map {tbl} {name}")));
-        t.extend(to.elements.iter().map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest)));
         let mut flushed = BTreeSet::new();
         for r in &rules {
             let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
@@ -680,28 +720,56 @@ impl Refresh {
             }
         }
         t.extend(rules.iter().map(|l| (*l).clone()));
-        let written = Ruleset { chains: BTreeMap::new(), ..to.clone() };
-        (t.join("\n") + "\n", Refresh { written, remaining: to.chains.keys().cloned().collect(), settled: false })
+        let (missing, remaining) = to.chains.keys().cloned().partition(|name| !present.contains(name));
+        let mut refresh = Refresh {
+            base: to.base.clone(),
+            hashes: to.chains.iter().map(|(name, rules)| (name.clone(), rules_hash(rules))).collect(),
+            missing,
+            remaining,
+            elements: None,
+            sets: to.sets.keys().cloned().collect(),
+            settled: false,
+        };
+        refresh.fill(to, &mut t);
+        (t.join("\n") + "\n", refresh)
+    }
+
+    /// Step 3, once no chain the table lacked is left to write: every set and map flushed
+    /// and filled.
+    fn fill(&mut self, to: &Ruleset, t: &mut Vec<String>) {
+        if self.elements.is_some() || !self.missing.is_empty() {
+            return;
+        }
+        let tbl = table(to.family);
+        t.extend(declared(to, "set").map(|name| format!("flush set {tbl} {name}")));
+        t.extend(declared(to, "map").map(|name| format!("flush map {tbl} {name}")));
+        t.extend(to.elements.iter().map(|((set, key), rest)| element_line(&tbl, "add", set, key, rest)));
+        self.elements = Some(to.elements.clone());
     }
 
     /// The next step's transaction towards `to` (the Services as they are now, with the fixed
     /// part the refresh started with). Empty when there is nothing to write.
     pub fn next(&mut self, to: &Ruleset) -> String {
         let tbl = table(to.family);
-        self.settled = self.remaining.is_empty();
+        self.settled = self.missing.is_empty() && self.remaining.is_empty();
         let anonymous = |rules: &[String]| rules.iter().filter(|r| r.contains('{')).count();
-        // Chains new or changed since written (not those still to come: they are written with
-        // what they are then).
-        let mut batch: Vec<(&String, &Vec<String>)> = to
-            .chains
-            .iter()
-            .filter(|(name, rules)| !self.remaining.contains(*name) && self.written.chains.get(*name) != Some(rules))
-            .collect();
-        // Cut by anonymous sets (a random pick's vmap, a list of ranges), and by lines, so that
-        // chains of one kind (sorted together by name) do not make one step large.
-        let (mut sets, mut lines) = batch.iter().fold((0, 0), |(s, l), (_, rules)| (s + anonymous(rules), l + rules.len() + 1));
+        // Chains new, or changed since the refresh began or wrote them: now, whatever waits.
+        let mut batch: Vec<(&String, &Vec<String>)> = Vec::new();
+        for (name, rules) in &to.chains {
+            let hash = rules_hash(rules);
+            if self.hashes.get(name) != Some(&hash) {
+                self.hashes.insert(name.clone(), hash);
+                self.missing.remove(name);
+                self.remaining.remove(name);
+                batch.push((name, rules));
+            }
+        }
+        // Then a step's worth of those waiting, the ones the table lacked first. (Cut by
+        // anonymous sets, a random pick's vmap or a list of ranges, and by lines, so that
+        // chains of one kind, sorted together by name, do not make one step large.)
+        let (mut sets, mut lines) = (0, 0);
         while sets < REFRESH_SETS && lines < REFRESH_LINES {
-            let Some(name) = self.remaining.pop_first() else { break };
+            let Some(name) = self.missing.pop_first().or_else(|| self.remaining.pop_first()) else { break };
             // (A Service deleted meanwhile: nothing to write.)
             if let Some((name, rules)) = to.chains.get_key_value(&name) {
                 sets += anonymous(rules);
@@ -709,29 +777,33 @@ impl Refresh {
                 batch.push((name, rules));
             }
         }
-        let mut t: Vec<String> =
-            to.sets.iter().filter(|(name, _)| !self.written.sets.contains_key(*name)).map(|(_, l)| l.clone()).collect();
+        let mut t: Vec<String> = to.sets.iter().filter(|(name, _)| !self.sets.contains(*name)).map(|(_, l)| l.clone()).collect();
+        self.sets.extend(to.sets.keys().cloned());
         t.extend(batch.iter().map(|(name, _)| format!("add chain {tbl} {name}")));
-        for ((set, key), rest) in &self.written.elements {
-            if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-                t.push(element_line(&tbl, "delete", set, key, ""));
+        if let Some(written) = &self.elements {
+            for ((set, key), rest) in written {
+                if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
+                    t.push(element_line(&tbl, "delete", set, key, ""));
+                }
             }
         }
         for (name, rules) in &batch {
             t.push(format!("flush chain {tbl} {name}"));
             t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
         }
-        for ((set, key), rest) in &to.elements {
-            if self.written.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-                t.push(element_line(&tbl, "add", set, key, rest));
+        if let Some(written) = &mut self.elements {
+            for ((set, key), rest) in &to.elements {
+                if written.get(&(set.clone(), key.clone())) != Some(rest) {
+                    t.push(element_line(&tbl, "add", set, key, rest));
+                }
             }
+            written.clone_from(&to.elements);
+        } else {
+            self.fill(to, &mut t);
         }
-        self.written.sets.extend(to.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
-        self.written.chains.extend(batch.into_iter().map(|(name, rules)| (name.clone(), rules.clone())));
-        // (Chains of Services deleted meanwhile stay in the table, out of every map, until
-        // the leftovers go.)
-        self.written.chains.retain(|name, _| to.chains.contains_key(name));
-        self.written.elements.clone_from(&to.elements);
+        // (Chains of Services deleted meanwhile stay in the table, out of every map once the
+        // maps are written, until the leftovers go.)
+        self.hashes.retain(|name, _| to.chains.contains_key(name));
         if t.is_empty() {
             String::new()
         } else {
@@ -739,10 +811,10 @@ impl Refresh {
         }
     }
 
-    /// Every chain of the table at the start is written, and a step after the last of them
-    /// (changes only, small) has run: `remove_stale` is what is left, in that step's sync
-    /// rather than the last large step's (it lists the table's chains, 0.35 s at 10,000
-    /// Services, and deletes the leftovers).
+    /// Every chain is written, and a step after the last of them (changes only, small) has
+    /// run: `remove_stale` is what is left, in that step's sync rather than the last large
+    /// step's (it lists the table's chains, 0.35 s at 10,000 Services, and deletes the
+    /// leftovers).
     pub fn done(&self) -> bool {
         self.settled
     }
@@ -789,13 +861,24 @@ mod tests {
         elements: BTreeMap<(String, String), String>,
     }
 
+    /// The chains a rule or a verdict jumps to.
+    fn targets(text: &str) -> Vec<String> {
+        let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').collect();
+        words.windows(2).filter(|w| w[0] == "goto" || w[0] == "jump").map(|w| w[1].to_string()).collect()
+    }
+
     impl Kernel {
+        /// No verdict of a map points at an empty chain (where a packet would find nothing).
+        fn served(&self) {
+            for ((set, key), data) in &self.elements {
+                for t in targets(data) {
+                    assert!(!self.chains[&t].is_empty(), "{set} {{ {key} }} points at {t}, which is empty");
+                }
+            }
+        }
+
         fn run(&mut self, tx: &str) {
             let tbl = table(Family::V4);
-            let targets = |text: &str| -> Vec<String> {
-                let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').collect();
-                words.windows(2).filter(|w| w[0] == "goto" || w[0] == "jump").map(|w| w[1].to_string()).collect()
-            };
             for line in tx.lines() {
                 let (op, rest) = line.split_once(&format!(" {tbl} ")).unwrap_or_else(|| panic!("a line of our table: {line}"));
                 let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
@@ -854,62 +937,62 @@ mod tests {
     }
 
     /// A refresh writes every chain of the table once, a step's worth of anonymous sets at a
-    /// time, and takes in the changes made meanwhile: a chain changed after it was written is
-    /// written again, one still to come is written once with its new rules, a Service created
-    /// meanwhile is written at once, a deleted one leaves the maps at once. At the end the
-    /// table is what was wanted last, over a kernel that held an older, drifted table, and no
-    /// step did what nft refuses.
+    /// time, the chains the table lacked first, and fills the maps only once none is left, so
+    /// that no verdict ever points at an empty chain. It takes in the changes made meanwhile
+    /// at the next step: a chain changed, written or still to come, is written at once, a
+    /// Service created meanwhile too, a deleted one leaves the maps. At the end the table is
+    /// what was wanted last, over a kernel that held an older, drifted table, and no step did
+    /// what nft refuses.
     #[test]
     fn a_refresh_goes_in_steps_and_takes_the_changes_made_meanwhile() {
         let mut kernel = Kernel::default();
         // What an earlier run left: Services 0..1199 (1199 came since) and 5000 (gone since),
-        // chain 7 flushed.
+        // an endpoint chain of 7 flushed.
         let mut old = table_of(0..1199, &[], &[]);
         old.chains.extend(table_of(5000..5001, &[], &[]).chains);
         old.elements.extend(table_of(5000..5001, &[], &[]).elements);
         kernel.run(&old.dump());
-        kernel.chains.get_mut("service-00007").unwrap().clear();
+        kernel.chains.get_mut("endpoint-00007").unwrap().clear();
+        kernel.served();
 
         let first = table_of(0..1200, &[], &[]);
-        let (tx, mut refresh) = Refresh::start(&first);
+        let present: BTreeSet<String> = kernel.chains.keys().cloned().collect();
+        let (tx, mut refresh) = Refresh::start(&first, &present);
         kernel.run(&tx);
-        assert_eq!(kernel.elements, first.elements, "every element is written by the first step");
+        kernel.served();
+        assert_eq!(kernel.elements, old.elements, "no verdict points at the chains the table lacked before they are written");
         assert!(!refresh.done());
-        let step = |kernel: &mut Kernel, refresh: &mut Refresh, to: &Ruleset| -> usize {
-            let tx = refresh.next(to);
-            kernel.run(&tx);
-            tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count()
-        };
-        let sets = step(&mut kernel, &mut refresh, &first);
+        let tx = refresh.next(&first);
+        kernel.run(&tx);
+        kernel.served();
+        let sets = tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count();
         assert_eq!(sets, REFRESH_SETS, "a step's worth of anonymous sets");
-        assert_eq!(kernel.chains["service-00007"].len(), 1, "a flushed chain is written in its step");
+        assert!(tx.find("service-01199 numgen").unwrap() < tx.find("endpoint-00000 meta").unwrap(), "what the table lacked first");
+        assert_eq!(kernel.elements, first.elements, "the maps are filled with the last chain the table lacked");
+        assert_eq!(kernel.chains["endpoint-00007"].len(), 1, "a flushed chain is written in its step");
         // Meanwhile: 3 (written) and 1100 (to come) change, 1200 comes, 9 goes.
         let second = table_of(0..1201, &[3, 1100], &[9]);
         let tx = refresh.next(&second);
         assert!(tx.contains("add chain ip kube-proxy service-01200"), "a new Service is written at once");
-        for chain in ["service-00003", "endpoint-00003", "endpoint-01100"] {
-            assert_eq!(
-                tx.matches(&format!("flush chain ip kube-proxy {chain}\n")).count(),
-                1,
-                "a written chain that changed is written again"
-            );
+        for chain in ["service-00003", "endpoint-00003", "service-01100", "endpoint-01100"] {
+            assert_eq!(tx.matches(&format!("flush chain ip kube-proxy {chain}\n")).count(), 1, "{chain} changed: written at once");
         }
-        assert!(!tx.contains("service-01100"), "one still to come waits for its step");
         kernel.run(&tx);
+        kernel.served();
         assert!(!kernel.elements.keys().any(|(_, k)| k == "10.96.0.9 . tcp . 80"), "a deleted Service leaves the map at once");
         assert_eq!(kernel.elements, second.elements);
-        let (mut steps, mut to_come) = (0, 0);
+        let waiting = refresh.remaining.len();
+        let mut steps = 0;
         while !refresh.done() {
             let tx = refresh.next(&second);
-            for chain in ["service-00003", "endpoint-01100"] {
+            for chain in ["service-00003", "service-01100", "endpoint-01100"] {
                 assert!(!tx.contains(&format!("flush chain ip kube-proxy {chain}\n")), "{chain} is not written again unchanged");
             }
-            to_come += tx.matches("flush chain ip kube-proxy service-01100\n").count();
             kernel.run(&tx);
+            kernel.served();
             steps += 1;
         }
-        assert_eq!(to_come, 1, "a chain to come is written once");
-        assert_eq!(steps, 4, "the rest, 702 sets, in steps of 250, then one that finds nothing left");
+        assert_eq!(steps, waiting.div_ceil(REFRESH_SETS) + 1, "{waiting} chains of a set each, then a step that finds nothing left");
         for (name, rules) in &second.chains {
             assert_eq!(kernel.chains.get(name), Some(rules), "{name}");
         }
@@ -922,6 +1005,17 @@ mod tests {
             .collect();
         assert_eq!(left, ["endpoint-00009", "endpoint-05000", "service-00009", "service-05000"]);
         assert!(refresh.next(&second).is_empty(), "nothing more to write");
+    }
+
+    /// Over a table that lacks no chain (the hourly resync), the maps are filled in the first
+    /// step.
+    #[test]
+    fn a_refresh_over_a_whole_table_fills_the_maps_at_once() {
+        let to = table_of(0..10, &[], &[]);
+        let present: BTreeSet<String> = to.chains.keys().cloned().collect();
+        let (tx, refresh) = Refresh::start(&to, &present);
+        assert!(tx.contains("flush map ip kube-proxy service-ips") && tx.contains("10.96.0.5 . tcp . 80 : goto service-00005"), "{tx}");
+        assert_eq!(refresh.elements.as_ref(), Some(&to.elements));
     }
 
     #[test]
