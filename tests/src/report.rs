@@ -375,7 +375,7 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                         fmt(num(&r["program_s"]), 3),
                         format!("{} / {}", fmt(num(&r["change_ms_p50"]), 2), fmt(num(&r["change_ms_max"]), 2)),
                         fmt(num(&r["rewrite_s"]), 3),
-                        fmt(num(&r["rewrite_hold_s"]), 3),
+                        format!("{} / {}", fmt(num(&r["rewrite_first_s"]), 2), fmt(num(&r["rewrite_later_s"]), 2)),
                         r["checked"].as_str().unwrap_or("").into(),
                     ]
                 })
@@ -387,7 +387,7 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                     "programmed (s)",
                     "one change p50 / max (ms)",
                     "written again by a new proxier (s)",
-                    "its longest sync (s)",
+                    "its first sync / longest later one (s)",
                     "checked",
                 ],
                 &t,
