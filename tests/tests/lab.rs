@@ -1309,7 +1309,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     // and svc-1501 comes, and the next step has each of them.
     let second = objects(0..1501, &[3, 4]);
     let s9_during = s9.clone();
-    let ((map, during), steps) = ns.run(move || {
+    let ((map, during, table_during), steps) = ns.run(move || {
         let nft = |args: &[&str]| netns::sh(&[&["nft"], args].concat());
         let mut p = proxier();
         p.handle(Event::Replace { kind: Kind::Service, objects: second.0 });
@@ -1330,7 +1330,11 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         }
         step(&mut p);
         assert!(p.pending(), "the refresh goes on");
-        let during = (nft(&["list", "map", "ip", "kube-proxy", "service-ips"]), nft(&["list", "chain", "ip", "kube-proxy", &s9_during]));
+        let during = (
+            nft(&["list", "map", "ip", "kube-proxy", "service-ips"]),
+            nft(&["list", "chain", "ip", "kube-proxy", &s9_during]),
+            nft(&["list", "table", "ip", "kube-proxy"]),
+        );
         let mut steps = 3;
         while p.pending() {
             step(&mut p);
@@ -1345,6 +1349,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
             && !during.contains(&format!("__{}/8080", std::net::Ipv4Addr::from(0x0a80_0000 + 9 * 4))),
         "an endpoint moved during it is what its Service's chain picks at the next step:\n{during}"
     );
+    assert!(table_during.contains("dnat to 10.250.0.9:8080"), "and its chain is written");
     eprintln!("written again in {steps} steps");
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
     let chain = |name: &str| nft(&["list", "chain", "ip", "kube-proxy", name]);
@@ -1377,11 +1382,16 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         let mut p = proxier();
         p.handle(Event::Replace { kind: Kind::Service, objects: third.0 });
         p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: third.1 });
-        let failed: Vec<bool> = (0..3).map(|_| p.sync().expect("a sync").failed > 0).collect();
+        // (The IPv6 table's write in steps goes on meanwhile, and the failing IPv4 one waits
+        // its turn while it does: the count of syncs depends on that.)
+        let mut failed = Vec::new();
+        while failed.last() != Some(&false) && failed.len() < 8 {
+            failed.push(p.sync().expect("a sync").failed > 0);
+        }
         assert!(!p.pending(), "replaced whole");
         failed
     });
-    assert_eq!(failed, [true, true, false], "two writes in steps fail, then the table is replaced");
+    assert!(failed.len() >= 3 && failed.ends_with(&[false]), "writes in steps fail, then the table is replaced: {failed:?}");
     assert!(nft(&["list", "set", "ip", "kube-proxy", "cluster-ips"]).contains("type ipv4_addr"));
     assert_eq!(chain("cluster-ips-check").matches("@cluster-ips").count(), 1, "the fixed chains are whole");
 }

@@ -114,7 +114,7 @@ impl LocalTraffic {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum NetfilterError {
     #[error("{tool} is not installed or not on PATH ({why}); install the Debian package {package}")]
     Missing { tool: &'static str, package: &'static str, why: String },
@@ -161,11 +161,21 @@ pub fn nft_family(family: Family) -> &'static str {
 /// the node, into its own tables.
 pub struct PerFamily {
     sets: Vec<Box<dyn RuleSet + Send>>,
+    /// Per family: its last failure, when it may be tried again while another family's long
+    /// write goes on, and the wait after the next failure.
+    failing: Vec<Option<(NetfilterError, std::time::Instant, std::time::Duration)>>,
 }
+
+/// A family that fails while another's long write goes on (`RuleSet::pending`, one step per
+/// sync, at once) is tried again after this, then twice as long each time up to
+/// `RETRY_MAX_WHILE_PENDING`, not at every step: its retry may be a long write itself.
+const RETRY_FIRST_WHILE_PENDING: std::time::Duration = std::time::Duration::from_secs(2);
+const RETRY_MAX_WHILE_PENDING: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl PerFamily {
     pub fn new(sets: Vec<Box<dyn RuleSet + Send>>) -> Self {
-        Self { sets }
+        let failing = sets.iter().map(|_| None).collect();
+        Self { sets, failing }
     }
 }
 
@@ -190,12 +200,25 @@ impl RuleSet for PerFamily {
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let mut written = 0;
         let mut failed = None;
+        let now = std::time::Instant::now();
+        let stepping = self.pending();
         // Each family is applied even when the other fails: one family's trouble must not
         // freeze the other's Services.
-        for s in &mut self.sets {
+        for (s, failing) in self.sets.iter_mut().zip(&mut self.failing) {
+            if let Some((e, _, _)) = failing.as_ref().filter(|(_, at, _)| stepping && now < *at) {
+                failed = failed.or(Some(e.clone()));
+                continue;
+            }
             match s.apply(services, &node.for_family(s.family())) {
-                Ok(n) => written += n,
-                Err(e) => failed = failed.or(Some(e)),
+                Ok(n) => {
+                    written += n;
+                    *failing = None;
+                }
+                Err(e) => {
+                    let wait = failing.as_ref().map_or(RETRY_FIRST_WHILE_PENDING, |(_, _, w)| (*w * 2).min(RETRY_MAX_WHILE_PENDING));
+                    *failing = Some((e.clone(), now + wait, wait));
+                    failed = failed.or(Some(e));
+                }
             }
         }
         failed.map_or(Ok(written), Err)
@@ -636,5 +659,63 @@ mod tests {
         assert_eq!(choose_backend("-A INPUT -m comment --comment KUBE-IPTABLES-HINT -j ACCEPT\n", docker).0, Iptables::Legacy);
         assert!("bogus".parse::<Iptables>().is_err());
         assert_eq!("legacy".parse::<Iptables>(), Ok(Iptables::Legacy));
+    }
+
+    /// A family's rules for the test: fails always, or has `steps` more to write; counts its
+    /// applies.
+    struct Fake {
+        family: Family,
+        fails: bool,
+        steps: usize,
+        applied: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl RuleSet for Fake {
+        fn mode(&self) -> super::super::ProxyMode {
+            super::super::ProxyMode::Nftables
+        }
+        fn render(&self, _: &Services, _: &NodeContext) -> String {
+            String::new()
+        }
+        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
+            self.applied.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.fails {
+                return Err(NetfilterError::Failed { command: "nft".into(), stderr: "a test".into() });
+            }
+            self.steps = self.steps.saturating_sub(1);
+            Ok(1)
+        }
+        fn forget_applied(&mut self) {}
+        fn pending(&self) -> bool {
+            self.steps > 0
+        }
+        fn family(&self) -> Family {
+            self.family
+        }
+    }
+
+    /// While one family's long write goes on, one step per apply, a family that fails is not
+    /// tried again at every step (its retry may be a long write itself), and is still
+    /// reported failed; once the write is over it is tried at every apply again.
+    #[test]
+    fn a_failing_family_waits_its_turn_while_the_other_writes_in_steps() {
+        let counter = || std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (v4, v6) = (counter(), counter());
+        let mut p = PerFamily::new(vec![
+            Box::new(Fake { family: Family::V4, fails: false, steps: 6, applied: v4.clone() }),
+            Box::new(Fake { family: Family::V6, fails: true, steps: 0, applied: v6.clone() }),
+        ]);
+        let count = |c: &std::sync::Arc<std::sync::atomic::AtomicUsize>| c.load(std::sync::atomic::Ordering::Relaxed);
+        for _ in 0..5 {
+            assert!(p.pending());
+            assert!(p.apply(&Services::new(), &NodeContext::default()).is_err(), "still failing");
+        }
+        assert_eq!((count(&v4), count(&v6)), (5, 1), "IPv6 tried once in five steps of IPv4's write");
+        assert!(p.apply(&Services::new(), &NodeContext::default()).is_err());
+        assert!(!p.pending());
+        for _ in 0..2 {
+            assert!(p.apply(&Services::new(), &NodeContext::default()).is_err());
+        }
+        assert_eq!(count(&v6), 3, "tried at every apply once the write is over");
     }
 }

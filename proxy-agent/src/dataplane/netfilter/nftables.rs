@@ -449,6 +449,7 @@ impl RuleSet for NftablesRules {
         }
         let tx = transaction(self.applied.as_ref(), &wanted);
         if tx.is_empty() {
+            self.refresh_failures = 0;
             return Ok(0);
         }
         let ops = tx.lines().count();
@@ -528,6 +529,7 @@ impl NftablesRules {
         }
         // (Called with nothing applied: a failure above leaves it so.)
         self.applied = Some(wanted);
+        self.refresh_failures = 0;
         Ok(ops)
     }
 
@@ -659,20 +661,21 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
 /// A large table that exists written again over several syncs, whatever it holds now (drift,
 /// a failed transaction, an earlier run's Services), without replacing the table: Services
 /// keep being served throughout, and the control loop takes the changes that come meanwhile
-/// between steps, each into the next step.
+/// between steps.
 /// 1. `start`: the fixed part (sets, maps and chains added where missing, the fixed chains
-///    flushed and written), every Service chain added (empty where missing: rules and verdicts
-///    jump to chains, which must exist first).
-/// 2. `next`, until `done`: first the chains the table lacked, then the others, each flushed
-///    and written in one transaction, at most `REFRESH_SETS` anonymous sets (the costly part
-///    of a transaction: `BUILD_STEP`) or about `REFRESH_LINES` lines a step. With them, every
-///    chain whose rules changed since the refresh began or since it wrote them, or that is new
-///    (a Service created meanwhile): a change waits for no step but the next.
+///    flushed and written).
+/// 2. `next`, until `done`: first the chains the table lacks, then the others, each added,
+///    flushed and written in one transaction, at most `REFRESH_SETS` anonymous sets (the
+///    costly part of a transaction: `BUILD_STEP`) or about `REFRESH_LINES` lines a step. With
+///    them, every chain whose rules changed since the refresh began or since it wrote them, or
+///    that is new (a Service created meanwhile), whatever its turn. A chain is written with
+///    the chains it jumps to that the table lacks, or before them: no rule jumps to a chain
+///    that does not exist, and no chain is ever added empty.
 /// 3. Every set and map is flushed and filled in the step that writes the last chain the table
-///    lacked (in the first, when it lacked none), so that no verdict points at a chain not
-///    written yet: until then they point where they pointed before. From then on, each step
-///    writes the elements that changed (a Service deleted meanwhile leaves the maps at once;
-///    its chain goes with the leftovers, `stale`).
+///    lacked (in the first, when it lacks none, as at the hourly resync): until then they
+///    point where they pointed before, and the changes to them wait (a Service created or
+///    deleted meanwhile); from then on, each step writes the elements that changed (a Service
+///    deleted leaves the maps at once; its chain goes with the leftovers, `stale`).
 ///
 /// Affinity sets are added where missing, never flushed: they hold the clients' affinities.
 #[derive(Debug)]
@@ -682,7 +685,7 @@ pub struct Refresh {
     /// A hash of every chain's rules: as wanted when the refresh began for the chains still
     /// to write, as written for the others.
     hashes: HashMap<String, u64>,
-    /// The chains the table lacked, still to write, in name order (before any verdict points
+    /// The chains the table lacks, still to write, in name order (before any verdict points
     /// at them).
     missing: BTreeSet<String>,
     /// The chains the table had, still to write, in name order.
@@ -702,16 +705,26 @@ fn rules_hash(rules: &[String]) -> u64 {
     h.finish()
 }
 
+/// The chains a rule jumps to (`goto x`, `jump x`, in verdicts and verdict maps).
+fn targets(rule: &str) -> impl Iterator<Item = &str> {
+    let mut words = rule.split(|c: char| c.is_whitespace() || c == ',').filter(|w| !w.is_empty());
+    std::iter::from_fn(move || loop {
+        let w = words.next()?;
+        if w == "goto" || w == "jump" {
+            return words.next();
+        }
+    })
+}
+
 impl Refresh {
     /// The first step's transaction, and the refresh it starts, over a table that holds
-    /// `present` chains.
+    /// `present` chains (what an earlier refresh added is written: it adds no chain empty).
     pub fn start(to: &Ruleset, present: &BTreeSet<String>) -> (String, Refresh) {
         let tbl = table(to.family);
         let rule_prefix = format!("add rule {tbl} ");
         let (rules, declarations): (Vec<&String>, Vec<&String>) = to.base.iter().partition(|l| l.starts_with(&rule_prefix));
         let mut t: Vec<String> = declarations.iter().map(|l| (*l).clone()).collect();
         t.extend(to.sets.values().cloned());
-        t.extend(to.chains.keys().map(|name| format!("add chain {tbl} {name}")));
         let mut flushed = BTreeSet::new();
         for r in &rules {
             let chain = r[rule_prefix.len()..].split(' ').next().unwrap_or_default();
@@ -777,8 +790,22 @@ impl Refresh {
                 batch.push((name, rules));
             }
         }
+        // With each chain, the chains it jumps to that the table lacks, written first.
+        let mut i = 0;
+        while i < batch.len() {
+            let pulled: Vec<(&String, &Vec<String>)> = batch[i]
+                .1
+                .iter()
+                .flat_map(|r| targets(r))
+                .filter(|t| self.missing.remove(*t))
+                .filter_map(|t| to.chains.get_key_value(t))
+                .collect();
+            batch.extend(pulled);
+            i += 1;
+        }
         let mut t: Vec<String> = to.sets.iter().filter(|(name, _)| !self.sets.contains(*name)).map(|(_, l)| l.clone()).collect();
         self.sets.extend(to.sets.keys().cloned());
+        // (Every chain of the step added first: chains of the step jump to one another.)
         t.extend(batch.iter().map(|(name, _)| format!("add chain {tbl} {name}")));
         if let Some(written) = &self.elements {
             for ((set, key), rest) in written {
@@ -861,18 +888,19 @@ mod tests {
         elements: BTreeMap<(String, String), String>,
     }
 
-    /// The chains a rule or a verdict jumps to.
-    fn targets(text: &str) -> Vec<String> {
-        let words: Vec<&str> = text.split(|c: char| c.is_whitespace() || c == ',').collect();
-        words.windows(2).filter(|w| w[0] == "goto" || w[0] == "jump").map(|w| w[1].to_string()).collect()
-    }
-
     impl Kernel {
-        /// No verdict of a map points at an empty chain (where a packet would find nothing).
+        /// No chain a map's verdict leads to, directly or through rules, is empty (where a
+        /// packet would find nothing).
         fn served(&self) {
             for ((set, key), data) in &self.elements {
-                for t in targets(data) {
-                    assert!(!self.chains[&t].is_empty(), "{set} {{ {key} }} points at {t}, which is empty");
+                let mut to_visit: Vec<&str> = targets(data).collect();
+                let mut seen = BTreeSet::new();
+                while let Some(chain) = to_visit.pop() {
+                    if seen.insert(chain) {
+                        let rules = &self.chains[chain];
+                        assert!(!rules.is_empty(), "{set} {{ {key} }} leads to {chain}, which is empty");
+                        to_visit.extend(rules.iter().flat_map(|r| targets(r)));
+                    }
                 }
             }
         }
@@ -894,7 +922,7 @@ mod tests {
                     "add rule" => {
                         exists(self, name);
                         for t in targets(text) {
-                            exists(self, &t);
+                            exists(self, t);
                         }
                         self.chains.get_mut(name).unwrap().push(text.to_string());
                     }
@@ -910,7 +938,7 @@ mod tests {
                             assert!(self.elements.remove(&k).is_some(), "no such element: {line}");
                         } else {
                             for t in targets(&data) {
-                                exists(self, &t);
+                                exists(self, t);
                             }
                             let old = self.elements.insert(k, data.clone());
                             assert!(old.is_none_or(|o| o == data), "an element of other data: {line}");
@@ -937,66 +965,71 @@ mod tests {
     }
 
     /// A refresh writes every chain of the table once, a step's worth of anonymous sets at a
-    /// time, the chains the table lacked first, and fills the maps only once none is left, so
-    /// that no verdict ever points at an empty chain. It takes in the changes made meanwhile
-    /// at the next step: a chain changed, written or still to come, is written at once, a
-    /// Service created meanwhile too, a deleted one leaves the maps. At the end the table is
-    /// what was wanted last, over a kernel that held an older, drifted table, and no step did
-    /// what nft refuses.
+    /// time, the chains the table lacks first, each with the chains it jumps to, and fills the
+    /// maps once none is left, so that no verdict leads to an empty chain at any step and no
+    /// chain is added empty. It takes in the changes made meanwhile at the next step: a chain
+    /// changed, written or still to come, is written at once, a Service created meanwhile
+    /// too; a deleted one leaves the maps with the fill. At the end the table is what was
+    /// wanted last, over a kernel that held an older, drifted table, and no step did what nft
+    /// refuses.
     #[test]
     fn a_refresh_goes_in_steps_and_takes_the_changes_made_meanwhile() {
         let mut kernel = Kernel::default();
-        // What an earlier run left: Services 0..1199 (1199 came since) and 5000 (gone since),
-        // an endpoint chain of 7 flushed.
-        let mut old = table_of(0..1199, &[], &[]);
+        // What an earlier run left: Services 0..600 (600..1200 came since) and 5000 (gone
+        // since), the chain of 7 changed by someone.
+        let mut old = table_of(0..600, &[], &[]);
         old.chains.extend(table_of(5000..5001, &[], &[]).chains);
         old.elements.extend(table_of(5000..5001, &[], &[]).elements);
         kernel.run(&old.dump());
-        kernel.chains.get_mut("endpoint-00007").unwrap().clear();
+        kernel.chains.get_mut("service-00007").unwrap()[0].insert_str(0, "counter ");
         kernel.served();
+        let sets_in = |tx: &str| tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count();
 
         let first = table_of(0..1200, &[], &[]);
         let present: BTreeSet<String> = kernel.chains.keys().cloned().collect();
         let (tx, mut refresh) = Refresh::start(&first, &present);
+        assert!(
+            !tx.contains("add chain ip kube-proxy service-0") && !tx.contains("add chain ip kube-proxy endpoint-0"),
+            "no chain added empty"
+        );
         kernel.run(&tx);
         kernel.served();
-        assert_eq!(kernel.elements, old.elements, "no verdict points at the chains the table lacked before they are written");
-        assert!(!refresh.done());
+        // 600 chains the table lacks, of a set each: more than a step.
         let tx = refresh.next(&first);
         kernel.run(&tx);
         kernel.served();
-        let sets = tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count();
-        assert_eq!(sets, REFRESH_SETS, "a step's worth of anonymous sets");
-        assert!(tx.find("service-01199 numgen").unwrap() < tx.find("endpoint-00000 meta").unwrap(), "what the table lacked first");
-        assert_eq!(kernel.elements, first.elements, "the maps are filled with the last chain the table lacked");
-        assert_eq!(kernel.chains["endpoint-00007"].len(), 1, "a flushed chain is written in its step");
-        // Meanwhile: 3 (written) and 1100 (to come) change, 1200 comes, 9 goes.
-        let second = table_of(0..1201, &[3, 1100], &[9]);
+        assert_eq!(sets_in(&tx), REFRESH_SETS, "a step's worth of anonymous sets");
+        assert!(tx.contains("flush chain ip kube-proxy service-00600\n") && !tx.contains("service-00000"), "what the table lacks first");
+        assert_eq!(kernel.elements, old.elements, "no verdict points at the chains the table lacks before they are all written");
+        // Meanwhile: 3 (present) and 1100 (lacking) change, 1200 comes, 9 goes, and 100 now
+        // jumps to 1199 (lacking, not written yet).
+        let mut second = table_of(0..1201, &[3, 1100], &[9]);
+        second.chains.insert("service-00100".into(), vec!["goto service-01199".into()]);
         let tx = refresh.next(&second);
         assert!(tx.contains("add chain ip kube-proxy service-01200"), "a new Service is written at once");
-        for chain in ["service-00003", "endpoint-00003", "service-01100", "endpoint-01100"] {
-            assert_eq!(tx.matches(&format!("flush chain ip kube-proxy {chain}\n")).count(), 1, "{chain} changed: written at once");
+        for chain in ["service-00003", "endpoint-00003", "service-01100", "endpoint-01100", "service-00100", "service-01199"] {
+            assert_eq!(tx.matches(&format!("flush chain ip kube-proxy {chain}\n")).count(), 1, "{chain}: written at once");
         }
         kernel.run(&tx);
         kernel.served();
-        assert!(!kernel.elements.keys().any(|(_, k)| k == "10.96.0.9 . tcp . 80"), "a deleted Service leaves the map at once");
-        assert_eq!(kernel.elements, second.elements);
-        let waiting = refresh.remaining.len();
+        assert_eq!(kernel.elements, old.elements, "the maps wait for the last chain the table lacks");
         let mut steps = 0;
         while !refresh.done() {
             let tx = refresh.next(&second);
-            for chain in ["service-00003", "service-01100", "endpoint-01100"] {
+            assert!(sets_in(&tx) <= REFRESH_SETS, "{} sets in a step", sets_in(&tx));
+            for chain in ["service-00003", "service-01100", "service-01199"] {
                 assert!(!tx.contains(&format!("flush chain ip kube-proxy {chain}\n")), "{chain} is not written again unchanged");
             }
             kernel.run(&tx);
             kernel.served();
             steps += 1;
+            assert!(steps < 10, "a refresh ends");
         }
-        assert_eq!(steps, waiting.div_ceil(REFRESH_SETS) + 1, "{waiting} chains of a set each, then a step that finds nothing left");
         for (name, rules) in &second.chains {
             assert_eq!(kernel.chains.get(name), Some(rules), "{name}");
         }
         assert_eq!(kernel.elements, second.elements);
+        assert!(!kernel.elements.keys().any(|(_, k)| k == "10.96.0.9 . tcp . 80"), "a deleted Service left the map");
         // What is left for `stale`: the chains of Services gone (9, and 5000 from before).
         let left: Vec<&String> = kernel
             .chains
@@ -1011,10 +1044,17 @@ mod tests {
     /// step.
     #[test]
     fn a_refresh_over_a_whole_table_fills_the_maps_at_once() {
-        let to = table_of(0..10, &[], &[]);
-        let present: BTreeSet<String> = to.chains.keys().cloned().collect();
+        let mut kernel = Kernel::default();
+        let old = table_of(0..10, &[], &[5]);
+        kernel.run(&old.dump());
+        let to = table_of(0..10, &[3], &[]);
+        let mut present: BTreeSet<String> = kernel.chains.keys().cloned().collect();
+        present.extend(["service-00005".to_string(), "endpoint-00005".to_string()]);
+        kernel.run("add chain ip kube-proxy service-00005\nadd chain ip kube-proxy endpoint-00005\nadd rule ip kube-proxy service-00005 goto endpoint-00005\nadd rule ip kube-proxy endpoint-00005 accept\n");
         let (tx, refresh) = Refresh::start(&to, &present);
-        assert!(tx.contains("flush map ip kube-proxy service-ips") && tx.contains("10.96.0.5 . tcp . 80 : goto service-00005"), "{tx}");
+        kernel.run(&tx);
+        kernel.served();
+        assert_eq!(kernel.elements, to.elements);
         assert_eq!(refresh.elements.as_ref(), Some(&to.elements));
     }
 
