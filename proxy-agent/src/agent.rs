@@ -725,8 +725,8 @@ async fn control_loop<P: Proxier>(
             }
             // The next step of a long write follows at once (it is the same sync's work, cut so
             // that changes and signals are taken between steps), even while something else
-            // fails (the other family's table, say; it is tried again with each step). A step
-            // that fails ends the write: the retry's backoff applies.
+            // fails (the other family's table, say, which waits its own backoff meanwhile:
+            // `PerFamily`). A step that fails ends the write: the retry's backoff applies.
             if p.pending() {
                 wanted = true;
                 due = Instant::now();

@@ -777,31 +777,24 @@ impl Refresh {
                 batch.push((name, rules));
             }
         }
-        // Then a step's worth of those waiting, the ones the table lacked first. (Cut by
-        // anonymous sets, a random pick's vmap or a list of ranges, and by lines, so that
-        // chains of one kind, sorted together by name, do not make one step large.)
+        self.pull(to, &mut batch, 0);
+        // Then a step's worth of those waiting, the ones the table lacked first, each with
+        // what it pulls. (Cut by anonymous sets, a random pick's vmap or a list of ranges, and
+        // by lines, so that chains of one kind, sorted together by name, do not make one step
+        // large.)
         let (mut sets, mut lines) = (0, 0);
         while sets < REFRESH_SETS && lines < REFRESH_LINES {
             let Some(name) = self.missing.pop_first().or_else(|| self.remaining.pop_first()) else { break };
             // (A Service deleted meanwhile: nothing to write.)
-            if let Some((name, rules)) = to.chains.get_key_value(&name) {
-                sets += anonymous(rules);
-                lines += rules.len() + 1;
-                batch.push((name, rules));
+            if let Some(chain) = to.chains.get_key_value(&name) {
+                let from = batch.len();
+                batch.push(chain);
+                self.pull(to, &mut batch, from);
+                for (_, rules) in &batch[from..] {
+                    sets += anonymous(rules);
+                    lines += rules.len() + 1;
+                }
             }
-        }
-        // With each chain, the chains it jumps to that the table lacks, written first.
-        let mut i = 0;
-        while i < batch.len() {
-            let pulled: Vec<(&String, &Vec<String>)> = batch[i]
-                .1
-                .iter()
-                .flat_map(|r| targets(r))
-                .filter(|t| self.missing.remove(*t))
-                .filter_map(|t| to.chains.get_key_value(t))
-                .collect();
-            batch.extend(pulled);
-            i += 1;
         }
         let mut t: Vec<String> = to.sets.iter().filter(|(name, _)| !self.sets.contains(*name)).map(|(_, l)| l.clone()).collect();
         self.sets.extend(to.sets.keys().cloned());
@@ -835,6 +828,24 @@ impl Refresh {
             String::new()
         } else {
             t.join("\n") + "\n"
+        }
+    }
+
+    /// Adds to `batch`, from `from` on, the chains its chains jump to that the table lacks,
+    /// and theirs in turn: a chain is written in the same step as those (every chain of a step
+    /// is added before any rule), never jumping to one that does not exist.
+    fn pull<'a>(&mut self, to: &'a Ruleset, batch: &mut Vec<(&'a String, &'a Vec<String>)>, from: usize) {
+        let mut i = from;
+        while i < batch.len() {
+            let pulled: Vec<(&String, &Vec<String>)> = batch[i]
+                .1
+                .iter()
+                .flat_map(|r| targets(r))
+                .filter(|t| self.missing.remove(*t))
+                .filter_map(|t| to.chains.get_key_value(t))
+                .collect();
+            batch.extend(pulled);
+            i += 1;
         }
     }
 
@@ -908,6 +919,13 @@ mod tests {
         fn run(&mut self, tx: &str) {
             let tbl = table(Family::V4);
             for line in tx.lines() {
+                if line.starts_with("add table") {
+                    continue;
+                }
+                if line.starts_with("delete table") {
+                    *self = Kernel::default();
+                    continue;
+                }
                 let (op, rest) = line.split_once(&format!(" {tbl} ")).unwrap_or_else(|| panic!("a line of our table: {line}"));
                 let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
                 let exists = |k: &Kernel, chain: &str| assert!(k.chains.contains_key(chain), "no chain {chain}: {line}");
@@ -960,6 +978,12 @@ mod tests {
             r.chains.insert(chain.clone(), vec![format!("{count}numgen random mod 1 vmap {{ 0 : goto {endpoint} }}")]);
             r.chains.insert(endpoint, vec![format!("meta l4proto tcp dnat to {to}:80")]);
             r.elements.insert(("service-ips".into(), format!("10.96.{}.{} . tcp . 80", i / 250, i % 250)), format!(" : goto {chain}"));
+            // Every other one a NodePort, whose chain (sorted before the Service's) jumps to it.
+            if i % 2 == 0 {
+                let external = format!("external-{i:05}");
+                r.chains.insert(external.clone(), vec!["jump mark-for-masquerade".into(), format!("goto {chain}")]);
+                r.elements.insert(("service-nodeports".into(), format!("tcp . {}", 30000 + i)), format!(" : goto {external}"));
+            }
         }
         r
     }
@@ -980,7 +1004,7 @@ mod tests {
         let mut old = table_of(0..600, &[], &[]);
         old.chains.extend(table_of(5000..5001, &[], &[]).chains);
         old.elements.extend(table_of(5000..5001, &[], &[]).elements);
-        kernel.run(&old.dump());
+        kernel.run(&transaction(None, &old));
         kernel.chains.get_mut("service-00007").unwrap()[0].insert_str(0, "counter ");
         kernel.served();
         let sets_in = |tx: &str| tx.lines().filter(|l| l.starts_with("add rule") && l.contains('{')).count();
@@ -1036,7 +1060,7 @@ mod tests {
             .keys()
             .filter(|c| !second.chains.contains_key(*c) && !declared(&second, "chain").any(|d| d == c.as_str()))
             .collect();
-        assert_eq!(left, ["endpoint-00009", "endpoint-05000", "service-00009", "service-05000"]);
+        assert_eq!(left, ["endpoint-00009", "endpoint-05000", "external-05000", "service-00009", "service-05000"]);
         assert!(refresh.next(&second).is_empty(), "nothing more to write");
     }
 
@@ -1046,7 +1070,7 @@ mod tests {
     fn a_refresh_over_a_whole_table_fills_the_maps_at_once() {
         let mut kernel = Kernel::default();
         let old = table_of(0..10, &[], &[5]);
-        kernel.run(&old.dump());
+        kernel.run(&transaction(None, &old));
         let to = table_of(0..10, &[3], &[]);
         let mut present: BTreeSet<String> = kernel.chains.keys().cloned().collect();
         present.extend(["service-00005".to_string(), "endpoint-00005".to_string()]);
