@@ -98,6 +98,7 @@ impl Proxier for Reconciler<EbpfDataplane> {
     fn report(&self, telemetry: &Telemetry) {
         let ((services, services6), (backends, backends6)) = self.dataplane().entries_by_family();
         let fill = &telemetry.fill;
+        fill.services_refused.store(self.refused() as u64, Ordering::Relaxed);
         for (gauge, n) in
             [(&fill.services, services), (&fill.services6, services6), (&fill.backends, backends), (&fill.backends6, backends6)]
         {

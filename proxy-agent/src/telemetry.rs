@@ -76,6 +76,8 @@ pub struct MapFill {
     /// Reply entries removed without their flow (no flow claimed them any more).
     pub conntrack_orphans: AtomicU64,
     pub conntrack_orphans6: AtomicU64,
+    /// Services refused whole as too large for the load-balancer maps (the log names them).
+    pub services_refused: AtomicU64,
 }
 
 /// Bits of a conntrack filter's half, where there is a conntrack map (`ct` entries; 0: none).
@@ -411,6 +413,16 @@ impl Collector for DatapathCollector {
             for (family, n) in [("ipv4", &f.conntrack_orphans), ("ipv6", &f.conntrack_orphans6)] {
                 ConstCounter::new(n.load(Ordering::Relaxed)).encode(orphans.encode_family(&[("family", family)])?)?;
             }
+        }
+        if c.lb > 0 {
+            let refused = encoder.encode_descriptor(
+                "proxy_agent_services_refused",
+                "Services refused whole because their frontends would take more than half of a load-balancer map \
+                 (--lb-map-max); each keeps what was programmed for it, and the log names it, the map and the figures",
+                None,
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(f.services_refused.load(Ordering::Relaxed) as i64).encode(refused)?;
         }
         let mut entries =
             encoder.encode_descriptor("proxy_agent_map_entries", "Entries in use in each datapath map", None, MetricType::Gauge)?;

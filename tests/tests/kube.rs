@@ -214,6 +214,7 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
     let log = k.lab.agent_log();
     assert!(log.contains("service=default/huge") && log.contains("more than the 16 one Service may take"), "{log}");
     assert_eq!((health("/healthz"), log.matches("not programmed:").count()), (200, 1), "{log}");
+    assert_eq!(metric(&k.lab, "proxy_agent_services_refused"), 1.0, "a refused Service is counted for alerts");
     for _ in 0..12 {
         ask().expect("the refused Service still reaches the pods it had");
     }
@@ -251,6 +252,7 @@ fn healthz_turns_503_when_programming_stalls_or_the_node_goes() {
         assert!(std::time::Instant::now() < deadline, "/healthz never recovered; log:\n{}", k.lab.agent_log());
         thread::sleep(Duration::from_millis(200));
     }
+    assert_eq!(metric(&k.lab, "proxy_agent_services_refused"), 0.0, "a refused Service deleted is not counted");
 
     // The Node being deleted: /healthz fails (so load balancers drain it), /livez does not.
     k.api.apply(&node_manifest().replace("  name: lab-node\n", "  name: lab-node\n  deletionTimestamp: \"2026-11-21T09:00:00Z\"\n"));

@@ -117,6 +117,12 @@ impl<D: Dataplane> Reconciler<D> {
         !self.retry.is_empty() || self.cluster_ips_failed
     }
 
+    /// Services refused whole as too large for the maps (`refuse`), until they change to fit
+    /// or go.
+    pub fn refused(&self) -> usize {
+        self.refused.len()
+    }
+
     /// Programmed frontends and their Service, for diagnostics.
     pub fn owners(&self) -> BTreeMap<FrontendKey, ObjectKey> {
         self.owners.iter().map(|(k, v)| (*k, v.clone())).collect()
