@@ -616,9 +616,57 @@ impl<'a> Plan<'a> {
     }
 }
 
+/// Rules for the proxiers' tests, which write nothing.
+#[cfg(test)]
+pub(crate) mod fake {
+    use super::*;
+
+    /// Fails every apply (never going on to sweep conntrack, an outside command), or succeeds
+    /// with `steps` more to write (a long write in steps); counts its applies.
+    pub(crate) struct Rules {
+        pub family: Family,
+        pub fails: bool,
+        pub steps: usize,
+        pub applied: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Rules {
+        pub fn failing() -> Self {
+            Self { family: Family::V4, fails: true, steps: 0, applied: Default::default() }
+        }
+        pub fn stepping(steps: usize) -> Self {
+            Self { family: Family::V4, fails: false, steps, applied: Default::default() }
+        }
+    }
+
+    impl RuleSet for Rules {
+        fn mode(&self) -> super::super::ProxyMode {
+            super::super::ProxyMode::Nftables
+        }
+        fn render(&self, _: &Services, _: &NodeContext) -> String {
+            String::new()
+        }
+        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
+            self.applied.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.fails {
+                return Err(NetfilterError::Failed { command: "nft".into(), stderr: "a test".into() });
+            }
+            self.steps = self.steps.saturating_sub(1);
+            Ok(1)
+        }
+        fn forget_applied(&mut self) {}
+        fn pending(&self) -> bool {
+            self.steps > 0
+        }
+        fn family(&self) -> Family {
+            self.family
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{fake::Rules, *};
 
     #[test]
     fn a_listing_of_every_table_splits_by_table() {
@@ -661,39 +709,6 @@ mod tests {
         assert_eq!("legacy".parse::<Iptables>(), Ok(Iptables::Legacy));
     }
 
-    /// A family's rules for the test: fails always, or has `steps` more to write; counts its
-    /// applies.
-    struct Fake {
-        family: Family,
-        fails: bool,
-        steps: usize,
-        applied: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    }
-
-    impl RuleSet for Fake {
-        fn mode(&self) -> super::super::ProxyMode {
-            super::super::ProxyMode::Nftables
-        }
-        fn render(&self, _: &Services, _: &NodeContext) -> String {
-            String::new()
-        }
-        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
-            self.applied.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if self.fails {
-                return Err(NetfilterError::Failed { command: "nft".into(), stderr: "a test".into() });
-            }
-            self.steps = self.steps.saturating_sub(1);
-            Ok(1)
-        }
-        fn forget_applied(&mut self) {}
-        fn pending(&self) -> bool {
-            self.steps > 0
-        }
-        fn family(&self) -> Family {
-            self.family
-        }
-    }
-
     /// While one family's long write goes on, one step per apply, a family that fails is not
     /// tried again at every step (its retry may be a long write itself), and is still
     /// reported failed; once the write is over it is tried at every apply again.
@@ -702,8 +717,8 @@ mod tests {
         let counter = || std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (v4, v6) = (counter(), counter());
         let mut p = PerFamily::new(vec![
-            Box::new(Fake { family: Family::V4, fails: false, steps: 6, applied: v4.clone() }),
-            Box::new(Fake { family: Family::V6, fails: true, steps: 0, applied: v6.clone() }),
+            Box::new(Rules { family: Family::V4, fails: false, steps: 6, applied: v4.clone() }),
+            Box::new(Rules { family: Family::V6, fails: true, steps: 0, applied: v6.clone() }),
         ]);
         let count = |c: &std::sync::Arc<std::sync::atomic::AtomicUsize>| c.load(std::sync::atomic::Ordering::Relaxed);
         for _ in 0..5 {

@@ -63,6 +63,9 @@ fn port_name(p: &Plan) -> String {
     format!("{}/{}/{}/{}", n.service.namespace(), n.service.name(), p.proto, n.port)
 }
 
+/// Set and map elements: (set, key) -> the text after the key.
+pub type Elements = BTreeMap<(String, String), String>;
+
 /// The desired ruleset of one family's table, object by object.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ruleset {
@@ -74,7 +77,7 @@ pub struct Ruleset {
     /// Per-endpoint affinity sets: name -> its `add set` line.
     pub sets: BTreeMap<String, String>,
     /// Map and set elements: (set, key) -> the text after the key (` : goto x`, comments).
-    pub elements: BTreeMap<(String, String), String>,
+    pub elements: Elements,
 }
 
 impl Ruleset {
@@ -371,11 +374,8 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
         }
     };
     // Elements that go or change first: they may point at chains that are deleted below.
-    for ((set, key), rest) in &from.elements {
-        if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-            t.push(element_line(&tbl, "delete", set, key, ""));
-        }
-    }
+    let (deleted, added) = element_changes(&tbl, &from.elements, &to.elements);
+    t.extend(deleted);
     for (name, rules) in &to.chains {
         match from.chains.get(name) {
             Some(old) if old == rules => {}
@@ -396,11 +396,7 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
             t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
         }
     }
-    for ((set, key), rest) in &to.elements {
-        if from.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-            t.push(element_line(&tbl, "add", set, key, rest));
-        }
-    }
+    t.extend(added);
     let gone: Vec<&String> = from.chains.keys().filter(|c| !to.chains.contains_key(*c)).collect();
     for c in &gone {
         t.push(format!("flush chain {tbl} {c}"));
@@ -416,6 +412,18 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
     } else {
         t.join("\n") + "\n"
     }
+}
+
+/// The lines that bring set and map elements from `from` to `to`: the deletions (of elements
+/// gone or changed: `add` does not change an element's data) and the additions.
+fn element_changes(tbl: &str, from: &Elements, to: &Elements) -> (Vec<String>, Vec<String>) {
+    let differ = |a: &Elements, b: &Elements, op: &str, data: bool| -> Vec<String> {
+        a.iter()
+            .filter(|(k, rest)| b.get(*k) != Some(*rest))
+            .map(|((set, key), rest)| element_line(tbl, op, set, key, if data { rest } else { "" }))
+            .collect()
+    };
+    (differ(from, to, "delete", false), differ(to, from, "add", true))
 }
 
 impl RuleSet for NftablesRules {
@@ -691,7 +699,7 @@ pub struct Refresh {
     /// The chains the table had, still to write, in name order.
     remaining: BTreeSet<String>,
     /// Every element of the sets and maps, as written, once they are (step 3).
-    elements: Option<BTreeMap<(String, String), String>>,
+    elements: Option<Elements>,
     /// The affinity sets written.
     sets: BTreeSet<String>,
     /// A step found no chain left to write: what is left over goes in that step's sync.
@@ -800,26 +808,16 @@ impl Refresh {
         self.sets.extend(to.sets.keys().cloned());
         // (Every chain of the step added first: chains of the step jump to one another.)
         t.extend(batch.iter().map(|(name, _)| format!("add chain {tbl} {name}")));
-        if let Some(written) = &self.elements {
-            for ((set, key), rest) in written {
-                if to.elements.get(&(set.clone(), key.clone())) != Some(rest) {
-                    t.push(element_line(&tbl, "delete", set, key, ""));
-                }
-            }
-        }
+        let (deleted, added) = self.elements.as_ref().map(|written| element_changes(&tbl, written, &to.elements)).unwrap_or_default();
+        t.extend(deleted);
         for (name, rules) in &batch {
             t.push(format!("flush chain {tbl} {name}"));
             t.extend(rules.iter().map(|r| format!("add rule {tbl} {name} {r}")));
         }
-        if let Some(written) = &mut self.elements {
-            for ((set, key), rest) in &to.elements {
-                if written.get(&(set.clone(), key.clone())) != Some(rest) {
-                    t.push(element_line(&tbl, "add", set, key, rest));
-                }
-            }
-            written.clone_from(&to.elements);
-        } else {
-            self.fill(to, &mut t);
+        t.extend(added);
+        match &mut self.elements {
+            Some(written) => written.clone_from(&to.elements),
+            None => self.fill(to, &mut t),
         }
         // (Chains of Services deleted meanwhile stay in the table, out of every map once the
         // maps are written, until the leftovers go.)

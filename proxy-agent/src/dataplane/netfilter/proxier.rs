@@ -280,56 +280,15 @@ impl NetfilterProxier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        dataplane::{netfilter::NetfilterError, ProxyMode},
-        model::store::Object,
-    };
-
-    /// Writes nothing and reports failure, so that a sync never goes on to sweep conntrack (an
-    /// outside command) while what it decided stays visible.
-    struct Refusing;
-
-    impl RuleSet for Refusing {
-        fn mode(&self) -> ProxyMode {
-            ProxyMode::Nftables
-        }
-        fn render(&self, _: &Services, _: &NodeContext) -> String {
-            String::new()
-        }
-        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
-            Err(NetfilterError::Failed { command: "nothing".into(), stderr: "a test".into() })
-        }
-        fn forget_applied(&mut self) {}
-    }
-
-    /// Writes nothing, succeeds, and has `steps` more to write (a long write in steps).
-    struct Stepping {
-        steps: usize,
-    }
-
-    impl RuleSet for Stepping {
-        fn mode(&self) -> ProxyMode {
-            ProxyMode::Nftables
-        }
-        fn render(&self, _: &Services, _: &NodeContext) -> String {
-            String::new()
-        }
-        fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
-            self.steps -= 1;
-            Ok(1)
-        }
-        fn forget_applied(&mut self) {}
-        fn pending(&self) -> bool {
-            self.steps > 0
-        }
-    }
+    use crate::{dataplane::netfilter::fake, model::store::Object};
 
     /// While the rules have more to write, a sync goes on without a change, and conntrack is
     /// not swept: a chain not written yet may still send a swept flow to an endpoint gone.
     /// (The sweep itself, after the last step, runs `conntrack`; this test stops before it.)
     #[test]
     fn a_long_write_goes_on_without_changes_and_sweeps_conntrack_once_whole() {
-        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Stepping { steps: 4 }), vec![], Masquerading::default(), vec![]);
+        let mut p =
+            NetfilterProxier::new(Store::new("node-a"), Box::new(fake::Rules::stepping(4)), vec![], Masquerading::default(), vec![]);
         let svc = "metadata: {name: dns, namespace: kube-system}\nspec: {clusterIP: 10.96.0.10, ports: [{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]}";
         p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
         p.handle(Event::Apply(Object::EndpointSlice(Box::new(
@@ -362,7 +321,7 @@ mod tests {
     /// those). It is again once it left the rules and came back.
     #[test]
     fn a_tcp_address_is_swept_when_first_served_after_entering_the_rules() {
-        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Refusing), vec![], Masquerading::default(), vec![]);
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(fake::Rules::failing()), vec![], Masquerading::default(), vec![]);
         let svc = "metadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.80, ports: [{name: http, port: 80, protocol: TCP}, {name: dns, port: 53, protocol: UDP}]}";
         let service = || Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap())));
         p.handle(service());
@@ -403,7 +362,7 @@ mod tests {
     /// Service counts as unchanged and no UDP conntrack sweep is due.
     #[test]
     fn an_endpoint_no_rule_uses_leaves_the_service_unchanged() {
-        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(Refusing), vec![], Masquerading::default(), vec![]);
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(fake::Rules::failing()), vec![], Masquerading::default(), vec![]);
         let svc = "metadata: {name: dns, namespace: kube-system}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 53, protocol: UDP}]}";
         p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
         p.handle(slice("- addresses: [10.244.0.5]\n"));
