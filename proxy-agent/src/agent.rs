@@ -74,6 +74,11 @@ pub(crate) trait Proxier {
     fn pending(&self) -> bool {
         false
     }
+    /// Services are missing from the kernel until the pending steps are written (a large
+    /// table built from nothing, `RuleSet::building`): the changes queued are not programmed.
+    fn building(&self) -> bool {
+        false
+    }
 }
 
 impl Proxier for Reconciler<EbpfDataplane> {
@@ -144,6 +149,9 @@ impl Proxier for NetfilterProxier {
     }
     fn pending(&self) -> bool {
         NetfilterProxier::pending(self)
+    }
+    fn building(&self) -> bool {
+        NetfilterProxier::building(self)
     }
 }
 
@@ -799,11 +807,75 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
             crate::memory::release_free();
         }
         telemetry.synced(&s, &p.store().change_counts());
-        if !p.has_failures() {
+        // (While a table is built in steps, what was queued waits for the last: `/healthz`
+        // reports it late as it would a single long write. A table written again in steps
+        // serves throughout.)
+        if !p.has_failures() && !p.building() {
             telemetry.updated();
         }
         p.report(telemetry);
     } else {
         telemetry.record_changes(&p.store().change_counts());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A proxier whose syncs are steps of a long write: `steps` more after each, building
+    /// (Services missing from the kernel until the last) or writing again what exists.
+    struct Stepping {
+        store: Store,
+        steps: usize,
+        building: bool,
+    }
+
+    impl Proxier for Stepping {
+        fn store(&self) -> &Store {
+            &self.store
+        }
+        fn store_mut(&mut self) -> &mut Store {
+            &mut self.store
+        }
+        fn ready(&self) -> bool {
+            true
+        }
+        fn has_failures(&self) -> bool {
+            false
+        }
+        fn sync(&mut self) -> Option<SyncStats> {
+            self.steps = self.steps.saturating_sub(1);
+            Some(SyncStats::default())
+        }
+        fn health_checks(&self) -> BTreeMap<u16, PortState> {
+            BTreeMap::new()
+        }
+        fn pending(&self) -> bool {
+            self.steps > 0
+        }
+        fn building(&self) -> bool {
+            self.building && self.steps > 0
+        }
+    }
+
+    /// What was queued counts as programmed after a step that writes again a table that
+    /// exists (it serves throughout), but not before the last step of one built from nothing.
+    #[tokio::test]
+    async fn a_table_built_in_steps_is_programmed_at_its_last_step() {
+        for building in [true, false] {
+            // (A health timeout of zero: anything queued and not yet programmed is late.)
+            let telemetry = Telemetry::new(Duration::ZERO, None, Default::default());
+            let mut health = HealthServers::new(telemetry.clone());
+            let mut p = Stepping { store: Store::new("node"), steps: 2, building };
+            telemetry.queued();
+            assert_eq!(telemetry.healthz().0, 503);
+            sync(&mut p, &telemetry, &mut health);
+            assert!(p.pending());
+            assert_eq!(telemetry.healthz().0, if building { 503 } else { 200 }, "building: {building}");
+            sync(&mut p, &telemetry, &mut health);
+            assert!(!p.pending());
+            assert_eq!(telemetry.healthz().0, 200, "building: {building}");
+        }
     }
 }

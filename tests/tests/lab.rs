@@ -1228,9 +1228,10 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
 /// written between them (the control loop is not held for the whole write). Through the mode
 /// itself, in a namespace of the test's own: 1,500 Services (ClusterIP ones with two
 /// endpoints; every tenth a LoadBalancer of externalTrafficPolicy Local with ClientIP
-/// affinity) are built, the table drifts, and a restarted proxier writes it again, with two
-/// Services deleted and a LoadBalancer one created while it was down (new chains that others
+/// affinity) are built from nothing (in steps as well, with changes between them), the table
+/// drifts, and a restarted proxier writes it again, with two Services deleted and a LoadBalancer one created while it was down (new chains that others
 /// jump to: they must exist before those rules), and three changes between two of its steps.
+/// Last, a build from nothing whose fixed part changes between steps.
 #[test]
 fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     if !require::root("nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift") {
@@ -1277,16 +1278,53 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         v.extend_from_slice(args);
         netns::sh(&v)
     };
+    // Built from nothing, 1,000 Services a sync; between the steps svc-1 (written by the
+    // first, in key order) goes, svc-2's endpoint moves and svc-1600 comes, and the last step
+    // has each of them.
     let first = objects(0..1500, &[]);
-    ns.run(move || {
+    let (built, steps) = ns.run(move || {
+        let nft = |args: &[&str]| netns::sh(&[&["nft"], args].concat());
         let mut p = proxier();
         p.handle(Event::Replace { kind: Kind::Service, objects: first.0 });
         p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: first.1 });
-        let s = p.sync().expect("a sync");
-        assert_eq!(s.failed, 0, "the write failed (see the log)");
-        assert!(!p.pending(), "a table built from nothing is built in one sync");
+        let step = |p: &mut NetfilterProxier| {
+            let s = p.sync().expect("a step of the build");
+            assert_eq!(s.failed, 0, "a step failed (see the log)");
+        };
+        step(&mut p);
+        assert!(p.pending() && p.building(), "1,500 Services are built in more than one step");
+        let built = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
+        p.handle(Event::Delete { kind: Kind::Service, key: proxy_agent::model::ObjectKey::new("default", "svc-1") });
+        let moved = lab::endpoint_slice("svc-2", "svc-2-1", &["10.250.0.2".parse().unwrap()], &[("http", 8080, "TCP")]);
+        p.handle(Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&moved).expect("slice YAML")))));
+        let (services, slices) = objects(1600..1601, &[]);
+        for o in services.into_iter().chain(slices) {
+            p.handle(Event::Apply(o));
+        }
+        let mut steps = 1;
+        while p.pending() {
+            step(&mut p);
+            steps += 1;
+        }
+        assert!(!p.building());
+        (built, steps)
     });
+    assert_eq!(steps, 2, "1,000 Services, then the rest with the changes");
+    let served = |map: &str, i: u32| map.contains(&format!("{} . tcp . 80 ", vip(i)));
+    assert!(
+        served(&built, 1) && served(&built, 2) && (0..1500).filter(|i| served(&built, *i)).count() == 1000,
+        "the first step serves its 1,000 Services, complete:\n{built}"
+    );
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
+    let map = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
+    assert!((0..1500).filter(|i| served(&map, *i)).count() == 1499 && !served(&map, 1), "every Service but the one deleted");
+    assert!(!table.contains("default/svc-1/"), "a Service deleted during the build leaves no chain");
+    assert!(served(&map, 1600) && table.contains("default/svc-1600/tcp/http"), "one created during it is in");
+    assert!(
+        table.contains("dnat to 10.250.0.2:8080")
+            && !table.contains(&format!("dnat to {}:8080", std::net::Ipv4Addr::from(0x0a80_0000 + 2 * 4))),
+        "an endpoint moved during it is what its Service picks"
+    );
     // (nft lists a chain as `chain <name> {`.)
     let named = |table: &str, kind: &str, prefix: &str, what: &str| -> Option<String> {
         table.lines().find_map(|l| {
@@ -1394,4 +1432,28 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     assert!(failed.len() >= 3 && failed.ends_with(&[false]), "writes in steps fail, then the table is replaced: {failed:?}");
     assert!(nft(&["list", "set", "ip", "kube-proxy", "cluster-ips"]).contains("type ipv4_addr"));
     assert_eq!(chain("cluster-ips-check").matches("@cluster-ips").count(), 1, "the fixed chains are whole");
+
+    // A build from nothing whose fixed part changes between steps (a ServiceCIDR came): the
+    // table that exists by then is written again in steps, with the new fixed part.
+    nft(&["delete", "table", "ip", "kube-proxy"]);
+    let fourth = objects(0..1500, &[]);
+    let steps = ns.run(move || {
+        let mut p = proxier();
+        p.handle(Event::Replace { kind: Kind::Service, objects: fourth.0 });
+        p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: fourth.1 });
+        assert_eq!(p.sync().expect("a step").failed, 0);
+        assert!(p.building());
+        let cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
+        p.handle(Event::Apply(Object::ServiceCidr(Box::new(serde_yaml::from_str(cidr).expect("ServiceCIDR YAML")))));
+        let mut steps = 1;
+        while p.pending() {
+            assert_eq!(p.sync().expect("a step").failed, 0, "a step failed (see the log)");
+            steps += 1;
+        }
+        steps
+    });
+    let map = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
+    assert!(steps > 2, "written again in steps after the fixed part changed: {steps}");
+    assert_eq!((0..1500).filter(|i| map.contains(&format!("{} . tcp . 80 ", vip(*i)))).count(), 1500, "every Service is served");
+    assert!(chain("cluster-ips-check").contains("10.96.0.0/16"), "with the new fixed part:\n{}", chain("cluster-ips-check"));
 }

@@ -138,6 +138,12 @@ pub trait RuleSet {
     fn pending(&self) -> bool {
         false
     }
+    /// The pending steps build a table from nothing (nftables: `NftablesRules::build_step`):
+    /// until the last, some Services are not in the kernel at all (when a table that exists
+    /// is written again, every Service is served throughout).
+    fn building(&self) -> bool {
+        false
+    }
     /// The cluster's Service CIDRs, for a mode that drops traffic to their unallocated
     /// addresses (nftables, as kube-proxy's); the next `apply` writes them.
     fn set_service_cidrs(&mut self, _cidrs: Vec<Cidr>) {}
@@ -230,6 +236,10 @@ impl RuleSet for PerFamily {
 
     fn pending(&self) -> bool {
         self.sets.iter().any(|s| s.pending())
+    }
+
+    fn building(&self) -> bool {
+        self.sets.iter().any(|s| s.building())
     }
 
     fn set_service_cidrs(&mut self, cidrs: Vec<Cidr>) {

@@ -341,13 +341,15 @@ pub struct NftablesRules {
     applied: Option<Ruleset>,
     /// A large table being written again, step by step.
     refreshing: Option<Refresh>,
+    /// A large table being built from nothing, step by step.
+    building: Option<Build>,
     /// Refreshes that failed in a row (the second makes the next sync replace the table).
     refresh_failures: u8,
 }
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None, refreshing: None, refresh_failures: 0 }
+        Self { opts, applied: None, refreshing: None, building: None, refresh_failures: 0 }
     }
 }
 
@@ -444,6 +446,9 @@ impl RuleSet for NftablesRules {
         if self.refreshing.is_some() {
             return self.refresh_step(wanted);
         }
+        if let Some(build) = self.building.take() {
+            return self.build_step(services, node, wanted, build);
+        }
         // Everything to be written again: the first sync, a full resync, the sync after a
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
@@ -451,7 +456,7 @@ impl RuleSet for NftablesRules {
         if whole && services.len() > BUILD_STEP {
             // (Listing chains is fast: `listed`.)
             if listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| chains.is_empty()) {
-                return self.build_in_steps(services, node, wanted);
+                return self.build_step(services, node, wanted, Build::default());
             }
             return self.refresh_step(wanted);
         }
@@ -475,14 +480,18 @@ impl RuleSet for NftablesRules {
         }
     }
 
-    /// A refresh goes on (a full resync asked for meanwhile changes nothing: the refresh
-    /// writes everything).
+    /// A refresh or a build goes on (a full resync asked for meanwhile changes nothing: they
+    /// write everything).
     fn forget_applied(&mut self) {
         self.applied = None;
     }
 
     fn pending(&self) -> bool {
-        self.refreshing.is_some()
+        self.refreshing.is_some() || self.building.is_some()
+    }
+
+    fn building(&self) -> bool {
+        self.building.is_some()
     }
 
     fn family(&self) -> Family {
@@ -506,39 +515,52 @@ const REFRESH_SETS: usize = 250;
 const REFRESH_LINES: usize = 5000;
 
 impl NftablesRules {
-    /// First sync on a node without the table: the table is built in transactions of
-    /// BUILD_STEP Services, each leaving a consistent table (the Services so far, complete).
-    /// Nothing is lost by not doing it in one: there was no table to serve from. (When the
-    /// table exists, as after an agent restart, it is written again in place, in steps that
-    /// each leave every Service working: `Refresh`.)
-    fn build_in_steps(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset) -> Result<usize, NetfilterError> {
-        let keys: Vec<&crate::model::ObjectKey> = services.keys().collect();
-        let mut done: Option<Ruleset> = None;
-        let mut ops = 0;
-        for chunk in keys.chunks(BUILD_STEP) {
-            let part: Services = chunk.iter().map(|k| ((*k).clone(), services[*k].clone())).collect();
+    /// A step of building a large table from nothing (a node without the table: its first
+    /// sync), one per sync: a transaction of `BUILD_STEP` Services not written yet, in key
+    /// order, each leaving a consistent table (the Services so far, complete, served), the
+    /// changes that come meanwhile taken between steps. The last step writes the rest together
+    /// with whatever changed since the earlier steps wrote it (Services changed or deleted
+    /// meanwhile). A step that fails ends the build; the next sync writes the table that
+    /// exists again (`Refresh`), as it does when the fixed part changes meanwhile.
+    fn build_step(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset, mut build: Build) -> Result<usize, NetfilterError> {
+        self.applied = None;
+        if build.done.as_ref().is_some_and(|d| d.base != wanted.base) {
+            return self.refresh_step(wanted);
+        }
+        let left: Vec<&crate::model::ObjectKey> = services.keys().filter(|k| !build.written.contains(*k)).take(BUILD_STEP + 1).collect();
+        let last = left.len() <= BUILD_STEP;
+        let next = if last {
+            None
+        } else {
+            let part: Services = left[..BUILD_STEP].iter().map(|k| ((*k).clone(), services[*k].clone())).collect();
             // Rendering is per Service, so the table so far is the union of the parts.
             let mut next = render(&part, node, &self.opts);
-            if let Some(d) = &done {
+            if let Some(d) = &build.done {
                 next.chains.extend(d.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
                 next.sets.extend(d.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
                 next.elements.extend(d.elements.iter().map(|(k, v)| (k.clone(), v.clone())));
             }
-            let tx = transaction(done.as_ref(), &next);
-            ops += tx.lines().count();
-            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
-            done = Some(next);
-        }
-        // Whatever the union missed (nothing, if rendering is truly per Service).
-        let tx = transaction(done.as_ref(), &wanted);
+            build.written.extend(part.into_keys());
+            Some(next)
+        };
+        // (The first step replaces the table: `transaction` from nothing.)
+        let tx = transaction(build.done.as_ref(), next.as_ref().unwrap_or(&wanted));
         if !tx.is_empty() {
-            ops += tx.lines().count();
             run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
         }
-        // (Called with nothing applied: a failure above leaves it so.)
-        self.applied = Some(wanted);
-        self.refresh_failures = 0;
-        Ok(ops)
+        build.steps += 1;
+        match next {
+            Some(next) => {
+                build.done = Some(next);
+                self.building = Some(build);
+            }
+            None => {
+                tracing::info!(family = %self.opts.family, services = services.len(), steps = build.steps, "the nftables table is built");
+                self.applied = Some(wanted);
+                self.refresh_failures = 0;
+            }
+        }
+        Ok(tx.lines().count())
     }
 
     /// One step of writing a large table that exists again (`Refresh`): the first starts the
@@ -600,6 +622,16 @@ impl NftablesRules {
         self.applied = Some(wanted);
         Ok(ops)
     }
+}
+
+/// A large table being built from nothing (`NftablesRules::build_step`).
+#[derive(Debug, Default)]
+struct Build {
+    /// The table as written so far (None before the first step).
+    done: Option<Ruleset>,
+    /// The Services written, as they were then.
+    written: std::collections::HashSet<crate::model::ObjectKey>,
+    steps: usize,
 }
 
 /// Removes what the family's table holds and `wanted` lacks (`stale`: the chains and affinity

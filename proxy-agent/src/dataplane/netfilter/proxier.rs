@@ -121,6 +121,11 @@ impl NetfilterProxier {
         self.rules.pending()
     }
 
+    /// The rules' pending steps build what the kernel lacks (`RuleSet::building`).
+    pub fn building(&self) -> bool {
+        self.rules.building()
+    }
+
     pub fn node_context(&self) -> NodeContext {
         NodeContext {
             nodeport_ips: self.store.node_info().nodeport_addresses,
