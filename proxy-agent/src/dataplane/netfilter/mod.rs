@@ -133,6 +133,9 @@ pub trait RuleSet {
     /// Forgets what was applied: the next `apply` writes everything again (a full resync,
     /// which repairs rules someone else changed).
     fn forget_applied(&mut self);
+    /// The Service's ports changed, or it went, since the last `apply`: a mode that can write
+    /// Services one by one (nftables) renders only those at the next.
+    fn changed(&mut self, _service: &ObjectKey) {}
     /// `apply` has more to write: a long write cut into steps, one per `apply`, so that the
     /// changes that come meanwhile are taken between them (nftables: `Refresh`).
     fn pending(&self) -> bool {
@@ -232,6 +235,10 @@ impl RuleSet for PerFamily {
 
     fn forget_applied(&mut self) {
         self.sets.iter_mut().for_each(|s| s.forget_applied());
+    }
+
+    fn changed(&mut self, service: &ObjectKey) {
+        self.sets.iter_mut().for_each(|s| s.changed(service));
     }
 
     fn pending(&self) -> bool {

@@ -211,9 +211,11 @@ impl NetfilterProxier {
             if t.ports.is_empty() {
                 if let Some(old) = self.services.remove(svc) {
                     self.udp_changed |= udp(&old);
+                    self.rules.changed(svc);
                     stats.removed += 1;
                 }
             } else if self.services.get(svc) != Some(&t.ports) {
+                self.rules.changed(svc);
                 let new_udp = udp(&t.ports);
                 let old = self.services.insert(svc.clone(), t.ports);
                 self.udp_changed |= new_udp || old.is_some_and(|o| udp(&o));
