@@ -155,8 +155,30 @@ impl Proxier for NetfilterProxier {
     }
 }
 
-fn log_sync(s: &SyncStats) {
-    if s.initial {
+/// Logs a sync. The initial one is "done" once everything is written: when it is the first
+/// step of a table built in steps (`Proxier::building`), at the step that ends the build
+/// (`initial_steps` holds the first step's figures until then).
+fn log_sync(s: &SyncStats, building: bool, initial_steps: &mut Option<SyncStats>) {
+    if s.initial && building {
+        tracing::info!(
+            services = s.services,
+            millis = s.duration.as_secs_f64() * 1e3,
+            "initial sync: its first step is written, the rest of the table follows in steps"
+        );
+        *initial_steps = Some(SyncStats { trigger_times: Vec::new(), ..*s });
+        return;
+    }
+    let first = if building { None } else { initial_steps.take() };
+    if let Some(first) = first {
+        tracing::info!(
+            services = first.services,
+            programmed = first.upserted,
+            unchanged = first.unchanged,
+            removed = first.removed,
+            failed = s.failed,
+            "initial sync done (in steps)"
+        );
+    } else if s.initial {
         tracing::info!(
             services = s.services,
             programmed = s.upserted,
@@ -677,6 +699,7 @@ async fn control_loop<P: Proxier>(
     // left work for the next (`pending`).
     let mut due = Instant::now();
     let mut ticks = 0u64;
+    let mut initial_steps = None;
     loop {
         tokio::select! {
             Some(ev) = inputs.src_rx.recv() => {
@@ -725,7 +748,7 @@ async fn control_loop<P: Proxier>(
                 }
             }
             let failing_before = p.has_failures();
-            sync(p, telemetry, &mut health);
+            sync(p, telemetry, &mut health, &mut initial_steps);
             if p.has_failures() {
                 backoff = if failing_before { (backoff * 2).min(RETRY_MAX) } else { RETRY_FIRST };
                 retry_at = Instant::now() + backoff;
@@ -794,14 +817,18 @@ impl NodeWatch {
     }
 }
 
-fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers) {
+fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers, initial_steps: &mut Option<SyncStats>) {
     if let Some(s) = p.sync() {
-        // On the NodePort addresses, as kube-proxy binds its health-check servers.
-        let store = p.store();
-        let addresses =
-            (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
-        health.update(&p.health_checks(), addresses);
-        log_sync(&s);
+        // On the NodePort addresses, as kube-proxy binds its health-check servers; not while
+        // a table is built in steps (a load balancer would send traffic for a Service whose
+        // rules are not written yet).
+        if !p.building() {
+            let store = p.store();
+            let addresses =
+                (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
+            health.update(&p.health_checks(), addresses);
+        }
+        log_sync(&s, p.building(), initial_steps);
         // A large change (the initial list, a relist) leaves much of what it used free.
         if s.initial || s.upserted + s.removed >= 1000 {
             crate::memory::release_free();
@@ -849,7 +876,9 @@ mod tests {
             Some(SyncStats::default())
         }
         fn health_checks(&self) -> BTreeMap<u16, PortState> {
-            BTreeMap::new()
+            // (Port 0: the server listens on a port of the kernel's choosing.)
+            let service = crate::model::ObjectKey::new("default", "lb");
+            BTreeMap::from([(0, PortState { service, local_endpoints: 1 })])
         }
         fn pending(&self) -> bool {
             self.steps > 0
@@ -860,7 +889,9 @@ mod tests {
     }
 
     /// What was queued counts as programmed after a step that writes again a table that
-    /// exists (it serves throughout), but not before the last step of one built from nothing.
+    /// exists (it serves throughout), but not before the last step of one built from nothing;
+    /// health-check node ports open then too (a load balancer would otherwise send traffic
+    /// that no rule takes yet).
     #[tokio::test]
     async fn a_table_built_in_steps_is_programmed_at_its_last_step() {
         for building in [true, false] {
@@ -870,12 +901,14 @@ mod tests {
             let mut p = Stepping { store: Store::new("node"), steps: 2, building };
             telemetry.queued();
             assert_eq!(telemetry.healthz().0, 503);
-            sync(&mut p, &telemetry, &mut health);
+            sync(&mut p, &telemetry, &mut health, &mut None);
             assert!(p.pending());
             assert_eq!(telemetry.healthz().0, if building { 503 } else { 200 }, "building: {building}");
-            sync(&mut p, &telemetry, &mut health);
+            assert_eq!(health.ports(), if building { vec![] } else { vec![0] }, "building: {building}");
+            sync(&mut p, &telemetry, &mut health, &mut None);
             assert!(!p.pending());
             assert_eq!(telemetry.healthz().0, 200, "building: {building}");
+            assert_eq!(health.ports(), vec![0], "building: {building}");
         }
     }
 }

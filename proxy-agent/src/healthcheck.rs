@@ -101,6 +101,14 @@ impl HealthServers {
     }
 }
 
+#[cfg(test)]
+impl HealthServers {
+    /// The ports served.
+    pub fn ports(&self) -> Vec<u16> {
+        self.servers.keys().copied().collect()
+    }
+}
+
 impl Drop for HealthServers {
     fn drop(&mut self) {
         for s in self.servers.values() {

@@ -1445,7 +1445,9 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         assert!(p.building());
         let cidr = "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
         p.handle(Event::Apply(Object::ServiceCidr(Box::new(serde_yaml::from_str(cidr).expect("ServiceCIDR YAML")))));
-        let mut steps = 1;
+        assert_eq!(p.sync().expect("a step").failed, 0);
+        assert!(p.pending() && p.building(), "the Services the build had not reached wait for the maps to be filled");
+        let mut steps = 2;
         while p.pending() {
             assert_eq!(p.sync().expect("a step").failed, 0, "a step failed (see the log)");
             steps += 1;

@@ -133,17 +133,18 @@ pub trait RuleSet {
     /// Forgets what was applied: the next `apply` writes everything again (a full resync,
     /// which repairs rules someone else changed).
     fn forget_applied(&mut self);
-    /// The Service's ports changed, or it went, since the last `apply`: a mode that can write
-    /// Services one by one (nftables) renders only those at the next.
-    fn changed(&mut self, _service: &ObjectKey) {}
+    /// The Service's ports changed, or it went, since the last `apply`, which had it with
+    /// `before` (None: it is new since): a mode that can write Services one by one (nftables)
+    /// renders only those at the next.
+    fn changed(&mut self, _service: &ObjectKey, _before: Option<&[PortView]>) {}
     /// `apply` has more to write: a long write cut into steps, one per `apply`, so that the
     /// changes that come meanwhile are taken between them (nftables: `Refresh`).
     fn pending(&self) -> bool {
         false
     }
-    /// The pending steps build a table from nothing (nftables: `NftablesRules::build_step`):
-    /// until the last, some Services are not in the kernel at all (when a table that exists
-    /// is written again, every Service is served throughout).
+    /// The pending steps write Services the kernel does not serve yet: a table built from
+    /// nothing (nftables: `NftablesRules::build_step`), or written again in place before its
+    /// maps are filled (when they are, every Service is served throughout the rest).
     fn building(&self) -> bool {
         false
     }
@@ -237,8 +238,8 @@ impl RuleSet for PerFamily {
         self.sets.iter_mut().for_each(|s| s.forget_applied());
     }
 
-    fn changed(&mut self, service: &ObjectKey) {
-        self.sets.iter_mut().for_each(|s| s.changed(service));
+    fn changed(&mut self, service: &ObjectKey, before: Option<&[PortView]>) {
+        self.sets.iter_mut().for_each(|s| s.changed(service, before));
     }
 
     fn pending(&self) -> bool {

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use super::{hash_name, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::{
     dataplane::ProxyMode,
-    model::{Cidr, Family, ObjectKey},
+    model::{Cidr, Family, ObjectKey, PortView},
 };
 
 const PACKAGE: &str = "nftables";
@@ -101,16 +101,12 @@ fn element_line(table: &str, op: &str, set: &str, key: &str, rest: &str) -> Stri
 
 /// Renders the ports of the options' family (`node` is that family's view).
 pub fn render(services: &Services, node: &NodeContext, opts: &NftablesOptions) -> Ruleset {
-    render_owned(services, node, opts).0
+    render_alone(services, node, opts).0
 }
 
-/// What one Service's ports put in a table: the names of its chains and affinity sets, and the
-/// keys of its elements (`Owned`).
-#[derive(Debug, Default)]
-struct Keys {
-    chains: Vec<String>,
-    sets: Vec<String>,
-    elements: Vec<(String, String)>,
+/// The Service has ports of the family (the other family's table has nothing of it).
+fn of_family(ports: &[PortView], family: Family) -> bool {
+    ports.iter().any(|p| p.family == family)
 }
 
 /// One Service's ports of the family, alone (no fixed part).
@@ -122,10 +118,10 @@ fn render_piece(ports: &[crate::model::PortView], node: &NodeContext, family: Fa
     r
 }
 
-/// `render`, and what each Service owns in it; None for the latter when two Services render
-/// a chain, set or element of the same name (then what they render is merged as one, and no
-/// Service alone can be written: `NftablesRules::apply_changes`).
-fn render_owned(services: &Services, node: &NodeContext, opts: &NftablesOptions) -> (Ruleset, Option<HashMap<ObjectKey, Keys>>) {
+/// `render`, and whether every Service's chains, sets and elements are its own (no two
+/// Services render one of the same name; then what they render is merged as one, and no
+/// Service alone can be written: `NftablesRules::changes_alone`).
+fn render_alone(services: &Services, node: &NodeContext, opts: &NftablesOptions) -> (Ruleset, bool) {
     let family = opts.family;
     let mut r = Ruleset { family, ..Default::default() };
     let tbl = table(family);
@@ -223,35 +219,21 @@ fn render_owned(services: &Services, node: &NodeContext, opts: &NftablesOptions)
             r.elements.insert(("nodeport-ips".into(), ip.to_string()), String::new());
         }
     }
-    let mut owned = Some(HashMap::with_capacity(services.len()));
-    for (key, ports) in services {
+    let mut alone = true;
+    for ports in services.values() {
         let piece = render_piece(ports, node, family);
-        if piece.chains.is_empty() && piece.sets.is_empty() && piece.elements.is_empty() {
-            continue;
-        }
-        let mut keys = Keys::default();
-        let mut shared = false;
         for (name, rules) in piece.chains {
-            shared |= r.chains.contains_key(&name);
-            r.chains.entry(name.clone()).or_default().extend(rules);
-            keys.chains.push(name);
+            alone &= !r.chains.contains_key(&name);
+            r.chains.entry(name).or_default().extend(rules);
         }
         for (name, line) in piece.sets {
-            shared |= r.sets.insert(name.clone(), line).is_some();
-            keys.sets.push(name);
+            alone &= r.sets.insert(name, line).is_none();
         }
         for (k, rest) in piece.elements {
-            shared |= r.elements.insert(k.clone(), rest).is_some();
-            keys.elements.push(k);
-        }
-        if shared {
-            owned = None;
-        }
-        if let Some(o) = &mut owned {
-            o.insert(key.clone(), keys);
+            alone &= r.elements.insert(k, rest).is_none();
         }
     }
-    (r, owned)
+    (r, alone)
 }
 
 fn render_port(p: &Plan, node: &NodeContext, r: &mut Ruleset) {
@@ -395,18 +377,12 @@ pub struct NftablesRules {
     building: Option<Build>,
     /// Refreshes that failed in a row (the second makes the next sync replace the table).
     refresh_failures: u8,
-    /// What each Service owns in `applied`, when `applied` is known (None when not known, or
-    /// when two Services share a name).
-    owned: Option<Owned>,
-    /// The Services changed since the last `apply` (`RuleSet::changed`).
-    changed: BTreeSet<ObjectKey>,
-}
-
-/// What each Service owns in the table applied, and the node it was rendered for.
-#[derive(Debug)]
-struct Owned {
-    node: NodeContext,
-    by_service: HashMap<ObjectKey, Keys>,
+    /// The node `applied` was rendered for, when every Service's names in it are its own
+    /// (`render_alone`): the Services changed can then be written alone.
+    alone: Option<NodeContext>,
+    /// The Services changed since the last `apply`, with their ports as it had them (None: new
+    /// since): `RuleSet::changed`.
+    changed: BTreeMap<ObjectKey, Option<Vec<PortView>>>,
 }
 
 /// A sync that changes more Services than this renders the whole table and compares it with
@@ -415,19 +391,25 @@ const CHANGES_ALONE_MAX: usize = 1000;
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None, refreshing: None, building: None, refresh_failures: 0, owned: None, changed: BTreeSet::new() }
+        Self { opts, applied: None, refreshing: None, building: None, refresh_failures: 0, alone: None, changed: BTreeMap::new() }
     }
 
-    /// The sync's transaction when only the Services `changed` are rendered and compared with
-    /// what they own in the table applied: None where that cannot be (nothing applied or known
-    /// to be, another node, another fixed part, a Service's name taken by another one's, or
-    /// more changes than `CHANGES_ALONE_MAX`). Every other Service's chains, sets and elements
-    /// are its own and the same in the kernel and in the whole table rendered, so this writes
-    /// what comparing the whole would. At 10,000 Services, rendering the whole took 150 ms and
-    /// comparing it 80 ms of a one-Service change (beside nft's 230 ms).
-    fn changes_alone(&self, services: &Services, node: &NodeContext, changed: &BTreeSet<ObjectKey>) -> Option<Changes> {
+    /// The sync's transaction when only the Services `changed` are rendered, as they are and as
+    /// they were (their ports at the last `apply`), and compared: None where that cannot be
+    /// (nothing applied or known to be, another node, another fixed part, a name two Services
+    /// render, what they were not what the table applied holds, or more changes than
+    /// `CHANGES_ALONE_MAX`). Every other Service's chains, sets and elements are its own and
+    /// the same in the kernel and in the whole table rendered, so this writes what comparing
+    /// the whole would. At 10,000 Services, rendering the whole took 150 ms and comparing it
+    /// 80 ms of a one-Service change (beside nft's 230 ms).
+    fn changes_alone(
+        &self,
+        services: &Services,
+        node: &NodeContext,
+        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
+    ) -> Option<Changes> {
         let applied = self.applied.as_ref()?;
-        let owned = self.owned.as_ref().filter(|o| o.node == *node)?;
+        self.alone.as_ref().filter(|n| *n == node)?;
         if changed.len() > CHANGES_ALONE_MAX {
             return None;
         }
@@ -438,50 +420,48 @@ impl NftablesRules {
         let family = self.opts.family;
         let mut old = Ruleset { family, base: applied.base.clone(), ..Default::default() };
         let mut new = Ruleset { family, base: applied.base.clone(), ..Default::default() };
-        for key in changed {
-            if let Some(keys) = owned.by_service.get(key) {
-                for name in &keys.chains {
-                    old.chains.insert(name.clone(), applied.chains.get(name)?.clone());
-                }
-                for name in &keys.sets {
-                    old.sets.insert(name.clone(), applied.sets.get(name)?.clone());
-                }
-                for k in &keys.elements {
-                    old.elements.insert(k.clone(), applied.elements.get(k)?.clone());
-                }
+        // What the Services were, as the table applied holds them (the same node, the same
+        // fixed part): anything else, and the whole is written.
+        for before in changed.values().flatten() {
+            let piece = render_piece(before, node, family);
+            for (name, rules) in piece.chains {
+                (applied.chains.get(&name) == Some(&rules)).then_some(())?;
+                old.chains.insert(name, rules).is_none().then_some(())?;
+            }
+            for (name, line) in piece.sets {
+                (applied.sets.get(&name) == Some(&line)).then_some(())?;
+                old.sets.insert(name, line).is_none().then_some(())?;
+            }
+            for (k, rest) in piece.elements {
+                (applied.elements.get(&k) == Some(&rest)).then_some(())?;
+                old.elements.insert(k, rest).is_none().then_some(())?;
             }
         }
-        let mut new_keys = HashMap::new();
-        for key in changed {
+        for key in changed.keys() {
             let Some(ports) = services.get(key) else { continue };
             let piece = render_piece(ports, node, family);
-            let mut keys = Keys::default();
             // A name the table has that none of the Services changed had, or that two of them
             // render: shared, so not theirs alone.
             for (name, rules) in piece.chains {
-                if (applied.chains.contains_key(&name) && !old.chains.contains_key(&name)) || new.chains.contains_key(&name) {
+                if applied.chains.contains_key(&name) && !old.chains.contains_key(&name) {
                     return None;
                 }
-                keys.chains.push(name.clone());
-                new.chains.insert(name, rules);
+                new.chains.insert(name, rules).is_none().then_some(())?;
             }
             for (name, line) in piece.sets {
-                if (applied.sets.contains_key(&name) && !old.sets.contains_key(&name)) || new.sets.contains_key(&name) {
+                if applied.sets.contains_key(&name) && !old.sets.contains_key(&name) {
                     return None;
                 }
-                keys.sets.push(name.clone());
-                new.sets.insert(name, line);
+                new.sets.insert(name, line).is_none().then_some(())?;
             }
             for (k, rest) in piece.elements {
-                if (applied.elements.contains_key(&k) && !old.elements.contains_key(&k)) || new.elements.contains_key(&k) {
+                if applied.elements.contains_key(&k) && !old.elements.contains_key(&k) {
                     return None;
                 }
-                keys.elements.push(k.clone());
-                new.elements.insert(k, rest);
+                new.elements.insert(k, rest).is_none().then_some(())?;
             }
-            new_keys.insert(key.clone(), keys);
         }
-        Some(Changes { tx: transaction(Some(&old), &new), old, new, keys: new_keys })
+        Some(Changes { tx: transaction(Some(&old), &new), old, new })
     }
 
     /// Writes the sync's changes alone (`changes_alone`); None where the whole is needed.
@@ -489,53 +469,47 @@ impl NftablesRules {
         &mut self,
         services: &Services,
         node: &NodeContext,
-        changed: &BTreeSet<ObjectKey>,
+        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
     ) -> Option<Result<usize, NetfilterError>> {
         let c = self.changes_alone(services, node, changed)?;
         if !c.tx.is_empty() {
             if let Err(e) = run_with_input("nft", PACKAGE, &["-f", "-"], &c.tx) {
                 // The next sync writes the table again from scratch.
                 self.applied = None;
-                self.owned = None;
+                self.alone = None;
                 return Some(Err(e));
             }
         }
         let lines = c.tx.lines().count();
-        self.commit_changes(c, changed);
+        self.commit_changes(c);
         self.refresh_failures = 0;
         Some(Ok(lines))
     }
 
-    /// `applied` and `owned` after `c` was written.
-    fn commit_changes(&mut self, c: Changes, changed: &BTreeSet<ObjectKey>) {
-        let Changes { old, new, keys: new_keys, .. } = c;
-        let (Some(applied), Some(owned)) = (self.applied.as_mut(), self.owned.as_mut()) else { return };
-        for name in old.chains.keys() {
+    /// `applied` after `c` was written.
+    fn commit_changes(&mut self, c: Changes) {
+        let Some(applied) = self.applied.as_mut() else { return };
+        for name in c.old.chains.keys() {
             applied.chains.remove(name);
         }
-        for name in old.sets.keys() {
+        for name in c.old.sets.keys() {
             applied.sets.remove(name);
         }
-        for k in old.elements.keys() {
+        for k in c.old.elements.keys() {
             applied.elements.remove(k);
         }
-        applied.chains.extend(new.chains);
-        applied.sets.extend(new.sets);
-        applied.elements.extend(new.elements);
-        for key in changed {
-            owned.by_service.remove(key);
-        }
-        owned.by_service.extend(new_keys);
+        applied.chains.extend(c.new.chains);
+        applied.sets.extend(c.new.sets);
+        applied.elements.extend(c.new.elements);
     }
 }
 
-/// A sync's changes alone (`NftablesRules::changes_alone`): the transaction, what the Services
-/// changed own in the table applied and will own after it, and the names they will own.
+/// A sync's changes alone (`NftablesRules::changes_alone`): the transaction, and what the
+/// Services changed have in the table applied and will have after it.
 struct Changes {
     tx: String,
     old: Ruleset,
     new: Ruleset,
-    keys: HashMap<ObjectKey, Keys>,
 }
 
 impl Default for NftablesRules {
@@ -633,18 +607,16 @@ impl RuleSet for NftablesRules {
                 return done;
             }
         }
-        let (wanted, owned) = render_owned(services, node, &self.opts);
+        let (wanted, alone) = render_alone(services, node, &self.opts);
         let done = self.apply_whole(services, node, wanted);
         // (Every way of applying the whole leaves `applied` as this sync's whole or unknown.)
-        self.owned = match (&self.applied, owned) {
-            (Some(_), Some(by_service)) => Some(Owned { node: node.clone(), by_service }),
-            _ => None,
-        };
+        self.alone = (self.applied.is_some() && alone).then(|| node.clone());
         done
     }
 
-    fn changed(&mut self, service: &ObjectKey) {
-        self.changed.insert(service.clone());
+    fn changed(&mut self, service: &ObjectKey, before: Option<&[PortView]>) {
+        // (The first since the last apply: what that apply had.)
+        self.changed.entry(service.clone()).or_insert_with(|| before.map(<[PortView]>::to_vec));
     }
 
     /// A refresh or a build goes on (a full resync asked for meanwhile changes nothing: they
@@ -657,8 +629,11 @@ impl RuleSet for NftablesRules {
         self.refreshing.is_some() || self.building.is_some()
     }
 
+    /// A build in steps, or a write in place whose maps are not filled yet (the Services whose
+    /// chains the table lacked are not served until then: a build that turned into one, or
+    /// Services created while the agent was down).
     fn building(&self) -> bool {
-        self.building.is_some()
+        self.building.is_some() || self.refreshing.as_ref().is_some_and(|r| r.elements.is_none())
     }
 
     fn family(&self) -> Family {
@@ -679,7 +654,7 @@ impl NftablesRules {
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
         let whole = self.applied.as_ref().is_none_or(|a| a.base != wanted.base);
-        if whole && services.len() > BUILD_STEP {
+        if whole && services.values().filter(|ports| of_family(ports, self.opts.family)).count() > BUILD_STEP {
             // (Listing chains is fast: `listed`.)
             if listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| chains.is_empty()) {
                 return self.build_step(services, node, wanted, Build::default());
@@ -735,7 +710,13 @@ impl NftablesRules {
         if build.done.as_ref().is_some_and(|d| d.base != wanted.base) {
             return self.refresh_step(wanted);
         }
-        let left: Vec<&crate::model::ObjectKey> = services.keys().filter(|k| !build.written.contains(*k)).take(BUILD_STEP + 1).collect();
+        let family = self.opts.family;
+        let left: Vec<&crate::model::ObjectKey> = services
+            .iter()
+            .filter(|(k, ports)| !build.written.contains(*k) && of_family(ports, family))
+            .map(|(k, _)| k)
+            .take(BUILD_STEP + 1)
+            .collect();
         let last = left.len() <= BUILD_STEP;
         let next = if last {
             None
@@ -1380,25 +1361,31 @@ mod tests {
         let key = |i: u32| ObjectKey::new("default", format!("svc-{i}"));
         let mut services: Services = (0..40).map(|i| (key(i), shaped(i, i, 2))).collect();
         let mut rules = NftablesRules::default();
-        let (whole, owned) = render_owned(&services, &node, &rules.opts);
+        let (whole, alone) = render_alone(&services, &node, &rules.opts);
+        assert!(alone, "no Service shares a name");
         let mut kernel = Kernel::default();
         kernel.run(&transaction(None, &whole));
         rules.applied = Some(whole);
-        rules.owned = Some(Owned { node: node.clone(), by_service: owned.expect("no Service shares a name") });
+        rules.alone = Some(node.clone());
+        let change =
+            |services: &mut Services, changed: &mut BTreeMap<ObjectKey, Option<Vec<PortView>>>, i: u32, to: Option<Vec<PortView>>| {
+                let before = match to {
+                    Some(ports) => services.insert(key(i), ports),
+                    None => services.remove(&key(i)),
+                };
+                changed.entry(key(i)).or_insert(before);
+            };
         for round in 1..6u32 {
-            let mut changed = BTreeSet::new();
+            let mut changed = BTreeMap::new();
             for i in (round..40).step_by(7) {
-                services.insert(key(i), shaped(i, i + round, 1 + round % 3));
-                changed.insert(key(i));
+                change(&mut services, &mut changed, i, Some(shaped(i, i + round, 1 + round % 3)));
             }
-            services.remove(&key(round * 3));
-            changed.insert(key(round * 3));
-            services.insert(key(100 + round), shaped(100 + round, round, 2));
-            changed.insert(key(100 + round));
+            change(&mut services, &mut changed, round * 3, None);
+            change(&mut services, &mut changed, 100 + round, Some(shaped(100 + round, round, 2)));
             let c = rules.changes_alone(&services, &node, &changed).expect("written alone");
             assert!(!c.tx.contains("delete table"), "not the whole table");
             kernel.run(&c.tx);
-            rules.commit_changes(c, &changed);
+            rules.commit_changes(c);
             let whole = render(&services, &node, &rules.opts);
             let differ = |a: &BTreeMap<String, Vec<String>>, b: &BTreeMap<String, Vec<String>>| -> Vec<String> {
                 a.iter().filter(|(k, v)| b.get(*k) != Some(v)).map(|(k, _)| k.clone()).collect()
@@ -1414,32 +1401,31 @@ mod tests {
             assert_eq!(kernel.elements, whole.elements, "round {round}: the elements");
             kernel.served();
             assert!(rules.applied.as_ref() == Some(&whole), "round {round}: what is held as applied");
-            let (_, owned) = render_owned(&services, &node, &rules.opts);
-            let mut expected: Vec<(&ObjectKey, &Keys)> = owned.as_ref().unwrap().iter().collect();
-            let held = &rules.owned.as_ref().unwrap().by_service;
-            expected.sort_by_key(|(k, _)| (*k).clone());
-            let mut got: Vec<(&ObjectKey, &Keys)> = held.iter().filter(|(_, k)| !k.chains.is_empty()).collect();
-            got.sort_by_key(|(k, _)| (*k).clone());
-            assert_eq!(format!("{got:?}"), format!("{expected:?}"), "round {round}: what each Service owns");
         }
-        let one = BTreeSet::from([key(1)]);
+        let one = |services: &Services| BTreeMap::from([(key(1), Some(services[&key(1)].clone()))]);
         // Another node, or another fixed part: the whole.
         let other = NodeContext { masquerade_all: true, ..node.clone() };
-        assert!(rules.changes_alone(&services, &other, &one).is_none());
+        assert!(rules.changes_alone(&services, &other, &one(&services)).is_none());
         rules.opts.service_cidrs = vec!["10.96.0.0/16".parse().unwrap()];
-        assert!(rules.changes_alone(&services, &node, &one).is_none());
+        assert!(rules.changes_alone(&services, &node, &one(&services)).is_none());
         rules.opts.service_cidrs.clear();
-        assert!(rules.changes_alone(&services, &node, &one).is_some());
+        assert!(rules.changes_alone(&services, &node, &one(&services)).is_some());
+        // What a Service was is not what the table holds (a change that was never written):
+        // the whole.
+        let mut wrong = one(&services);
+        wrong.insert(key(1), Some(shaped(1, 3, 4)));
+        assert!(rules.changes_alone(&services, &node, &wrong).is_none());
         // A Service changed to take another's IP and port (as an external IP): shared, so the
         // whole.
+        let before = one(&services);
         let mut taker = shaped(1, 4, 2);
         taker[0].external_ips = services[&key(4)][0].cluster_ips.clone();
         services.insert(key(1), taker);
-        assert!(rules.changes_alone(&services, &node, &one).is_none());
-        let (_, owned) = render_owned(&services, &node, &rules.opts);
-        assert!(owned.is_none(), "and the whole rendered says no Service owns its names alone");
+        assert!(rules.changes_alone(&services, &node, &before).is_none());
+        let (_, alone) = render_alone(&services, &node, &rules.opts);
+        assert!(!alone, "and the whole rendered says no Service has its names alone");
         // More changes than are worth writing alone.
-        let many: BTreeSet<ObjectKey> = (0..=CHANGES_ALONE_MAX as u32).map(key).collect();
+        let many: BTreeMap<ObjectKey, Option<Vec<PortView>>> = (0..=CHANGES_ALONE_MAX as u32).map(|i| (key(i), None)).collect();
         assert!(rules.changes_alone(&services, &node, &many).is_none());
     }
 }

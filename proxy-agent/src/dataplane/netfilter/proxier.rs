@@ -211,13 +211,13 @@ impl NetfilterProxier {
             if t.ports.is_empty() {
                 if let Some(old) = self.services.remove(svc) {
                     self.udp_changed |= udp(&old);
-                    self.rules.changed(svc);
+                    self.rules.changed(svc, Some(&old));
                     stats.removed += 1;
                 }
             } else if self.services.get(svc) != Some(&t.ports) {
-                self.rules.changed(svc);
                 let new_udp = udp(&t.ports);
                 let old = self.services.insert(svc.clone(), t.ports);
+                self.rules.changed(svc, old.as_deref());
                 self.udp_changed |= new_udp || old.is_some_and(|o| udp(&o));
                 stats.upserted += 1;
             } else {
