@@ -1226,10 +1226,10 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
 /// transaction (one of 10,000 Services took 82 s: nothing else was programmed meanwhile), and
 /// repairs what someone changed; the steps are one per sync, so changes made meanwhile are
 /// written between them (the control loop is not held for the whole write). Through the mode
-/// itself, in a namespace of the test's own: 1,500 Services (ClusterIP ones with two
+/// itself, in a namespace of the test's own: 2,500 Services (ClusterIP ones with two
 /// endpoints; every tenth a LoadBalancer of externalTrafficPolicy Local with ClientIP
 /// affinity) are built from nothing (in steps as well, with changes between them), the table
-/// drifts, and a restarted proxier writes it again, with two Services deleted and a LoadBalancer one created while it was down (new chains that others
+/// drifts, and a restarted proxier writes 1,500 of them again, with two Services deleted and a LoadBalancer one created while it was down (new chains that others
 /// jump to: they must exist before those rules), and three changes between two of its steps.
 /// Last, a build from nothing whose fixed part changes between steps.
 #[test]
@@ -1278,11 +1278,11 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         v.extend_from_slice(args);
         netns::sh(&v)
     };
-    // Built from nothing, 1,000 Services a sync; between the steps svc-1 (written by the
-    // first, in key order) goes, svc-2's endpoint moves and svc-1600 comes, and the last step
-    // has each of them.
-    let first = objects(0..1500, &[]);
-    let (built, steps) = ns.run(move || {
+    // Built from nothing, 1,000 Services a sync; after the first step svc-1 and svc-10 (written
+    // by it, in key order) go and have their endpoint moved, and svc-2600 comes: the middle step writes the
+    // next 1,000 as they are, and the last step the rest with each of those changes.
+    let first = objects(0..2500, &[]);
+    let (built, middle, steps) = ns.run(move || {
         let nft = |args: &[&str]| netns::sh(&[&["nft"], args].concat());
         let mut p = proxier();
         p.handle(Event::Replace { kind: Kind::Service, objects: first.0 });
@@ -1292,37 +1292,43 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
             assert_eq!(s.failed, 0, "a step failed (see the log)");
         };
         step(&mut p);
-        assert!(p.pending() && p.building(), "1,500 Services are built in more than one step");
+        assert!(p.pending() && p.building(), "2,500 Services are built in more than one step");
         let built = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
         p.handle(Event::Delete { kind: Kind::Service, key: proxy_agent::model::ObjectKey::new("default", "svc-1") });
-        let moved = lab::endpoint_slice("svc-2", "svc-2-1", &["10.250.0.2".parse().unwrap()], &[("http", 8080, "TCP")]);
+        let moved = lab::endpoint_slice("svc-10", "svc-10-1", &["10.250.0.2".parse().unwrap()], &[("http", 8080, "TCP")]);
         p.handle(Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&moved).expect("slice YAML")))));
-        let (services, slices) = objects(1600..1601, &[]);
+        let (services, slices) = objects(2600..2601, &[]);
         for o in services.into_iter().chain(slices) {
             p.handle(Event::Apply(o));
         }
-        let mut steps = 1;
+        step(&mut p);
+        assert!(p.pending() && p.building());
+        let middle = nft(&["list", "table", "ip", "kube-proxy"]);
+        let mut steps = 2;
         while p.pending() {
             step(&mut p);
             steps += 1;
         }
         assert!(!p.building());
-        (built, steps)
+        (built, middle, steps)
     });
-    assert_eq!(steps, 2, "1,000 Services, then the rest with the changes");
+    assert_eq!(steps, 3, "1,000 Services, 1,000 more, then the rest with the changes");
     let served = |map: &str, i: u32| map.contains(&format!("{} . tcp . 80 ", vip(i)));
     assert!(
-        served(&built, 1) && served(&built, 2) && (0..1500).filter(|i| served(&built, *i)).count() == 1000,
+        served(&built, 1) && served(&built, 10) && (0..2500).filter(|i| served(&built, *i)).count() == 1000,
         "the first step serves its 1,000 Services, complete:\n{built}"
     );
+    let written = (0..2601).filter(|i| served(&middle, *i)).count();
+    let chains = middle.lines().filter(|l| l.trim_start().starts_with("chain service-") && l.contains("/svc-")).count();
+    assert!(written == 2000 && chains == 2000, "the middle step serves 1,000 more, each with its chain: {written}, {chains}");
     let table = nft(&["list", "table", "ip", "kube-proxy"]);
     let map = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
-    assert!((0..1500).filter(|i| served(&map, *i)).count() == 1499 && !served(&map, 1), "every Service but the one deleted");
+    assert!((0..2500).filter(|i| served(&map, *i)).count() == 2499 && !served(&map, 1), "every Service but the one deleted");
     assert!(!table.contains("default/svc-1/"), "a Service deleted during the build leaves no chain");
-    assert!(served(&map, 1600) && table.contains("default/svc-1600/tcp/http"), "one created during it is in");
+    assert!(served(&map, 2600) && table.contains("default/svc-2600/tcp/http"), "one created during it is in");
     assert!(
         table.contains("dnat to 10.250.0.2:8080")
-            && !table.contains(&format!("dnat to {}:8080", std::net::Ipv4Addr::from(0x0a80_0000 + 2 * 4))),
+            && !table.contains(&format!("dnat to {}:8080", std::net::Ipv4Addr::from(0x0a80_0000 + 10 * 4))),
         "an endpoint moved during it is what its Service picks"
     );
     // (nft lists a chain as `chain <name> {`.)

@@ -602,7 +602,10 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let changed = std::mem::take(&mut self.changed);
-        if self.refreshing.is_none() && self.building.is_none() {
+        if let Some(build) = self.building.take() {
+            return self.build_step(services, node, build);
+        }
+        if self.refreshing.is_none() {
             if let Some(done) = self.apply_changes(services, node, &changed) {
                 return done;
             }
@@ -647,9 +650,6 @@ impl NftablesRules {
         if self.refreshing.is_some() {
             return self.refresh_step(wanted);
         }
-        if let Some(build) = self.building.take() {
-            return self.build_step(services, node, wanted, build);
-        }
         // Everything to be written again: the first sync, a full resync, the sync after a
         // failed one, a change of the fixed part. One transaction of a large table takes
         // minutes (`BUILD_STEP`), during which nothing else is programmed.
@@ -657,7 +657,7 @@ impl NftablesRules {
         if whole && services.values().filter(|ports| of_family(ports, self.opts.family)).count() > BUILD_STEP {
             // (Listing chains is fast: `listed`.)
             if listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| chains.is_empty()) {
-                return self.build_step(services, node, wanted, Build::default());
+                return self.build_step(services, node, Build::default());
             }
             return self.refresh_step(wanted);
         }
@@ -705,50 +705,63 @@ impl NftablesRules {
     /// with whatever changed since the earlier steps wrote it (Services changed or deleted
     /// meanwhile). A step that fails ends the build; the next sync writes the table that
     /// exists again (`Refresh`), as it does when the fixed part changes meanwhile.
-    fn build_step(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset, mut build: Build) -> Result<usize, NetfilterError> {
+    fn build_step(&mut self, services: &Services, node: &NodeContext, mut build: Build) -> Result<usize, NetfilterError> {
         self.applied = None;
-        if build.done.as_ref().is_some_and(|d| d.base != wanted.base) {
-            return self.refresh_step(wanted);
-        }
         let family = self.opts.family;
+        let whole = |rules: &Self| render_alone(services, node, &rules.opts);
+        if build.done.as_ref().is_some_and(|d| d.base != render(&Services::new(), node, &self.opts).base) {
+            let (wanted, alone) = whole(self);
+            let done = self.refresh_step(wanted);
+            self.alone = (self.applied.is_some() && alone).then(|| node.clone());
+            return done;
+        }
         let left: Vec<&crate::model::ObjectKey> = services
             .iter()
             .filter(|(k, ports)| !build.written.contains(*k) && of_family(ports, family))
             .map(|(k, _)| k)
             .take(BUILD_STEP + 1)
             .collect();
-        let last = left.len() <= BUILD_STEP;
-        let next = if last {
-            None
-        } else {
-            let part: Services = left[..BUILD_STEP].iter().map(|k| ((*k).clone(), services[*k].clone())).collect();
-            // Rendering is per Service, so the table so far is the union of the parts.
-            let mut next = render(&part, node, &self.opts);
-            if let Some(d) = &build.done {
-                next.chains.extend(d.chains.iter().map(|(k, v)| (k.clone(), v.clone())));
-                next.sets.extend(d.sets.iter().map(|(k, v)| (k.clone(), v.clone())));
-                next.elements.extend(d.elements.iter().map(|(k, v)| (k.clone(), v.clone())));
+        if left.len() <= BUILD_STEP {
+            // The last step: the rest, and whatever changed since the earlier steps (the whole
+            // rendered, compared with what they wrote).
+            let (wanted, alone) = whole(self);
+            let tx = transaction(build.done.as_ref(), &wanted);
+            if !tx.is_empty() {
+                run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
             }
-            build.written.extend(part.into_keys());
-            Some(next)
+            tracing::info!(family = %family, services = left.len() + build.written.len(), steps = build.steps + 1, "the nftables table is built");
+            self.applied = Some(wanted);
+            self.alone = alone.then(|| node.clone());
+            self.refresh_failures = 0;
+            return Ok(tx.lines().count());
+        }
+        let part: Services = left[..BUILD_STEP].iter().map(|k| ((*k).clone(), services[*k].clone())).collect();
+        let mut part_rules = render(&part, node, &self.opts);
+        build.written.extend(part.into_keys());
+        build.steps += 1;
+        let Some(done) = &mut build.done else {
+            // (The first step replaces the table: `transaction` from nothing.)
+            let tx = transaction(None, &part_rules);
+            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+            build.done = Some(part_rules);
+            self.building = Some(build);
+            return Ok(tx.lines().count());
         };
-        // (The first step replaces the table: `transaction` from nothing.)
-        let tx = transaction(build.done.as_ref(), next.as_ref().unwrap_or(&wanted));
+        // What the table so far lacks of the part (rendering is per Service, so the table so
+        // far is the union of the parts; a name an earlier part took stays as it wrote it
+        // until the last step).
+        part_rules.chains.retain(|name, _| !done.chains.contains_key(name));
+        part_rules.sets.retain(|name, _| !done.sets.contains_key(name));
+        part_rules.elements.retain(|k, _| !done.elements.contains_key(k));
+        let fixed = Ruleset { family, base: done.base.clone(), ..Default::default() };
+        let tx = transaction(Some(&fixed), &part_rules);
         if !tx.is_empty() {
             run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
         }
-        build.steps += 1;
-        match next {
-            Some(next) => {
-                build.done = Some(next);
-                self.building = Some(build);
-            }
-            None => {
-                tracing::info!(family = %self.opts.family, services = services.len(), steps = build.steps, "the nftables table is built");
-                self.applied = Some(wanted);
-                self.refresh_failures = 0;
-            }
-        }
+        done.chains.append(&mut part_rules.chains);
+        done.sets.append(&mut part_rules.sets);
+        done.elements.append(&mut part_rules.elements);
+        self.building = Some(build);
         Ok(tx.lines().count())
     }
 
