@@ -835,10 +835,14 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
         }
         telemetry.synced(&s, &p.store().change_counts());
         // (While a table is built in steps, what was queued waits for the last: `/healthz`
-        // reports it late as it would a single long write. A table written again in steps
-        // serves throughout.)
-        if !p.has_failures() && !p.building() {
-            telemetry.updated();
+        // reports it late as it would a single long write, `/livez` sees the steps progress.
+        // A table written again in place serves throughout once its maps are filled.)
+        if !p.has_failures() {
+            if p.building() {
+                telemetry.progressed();
+            } else {
+                telemetry.updated();
+            }
         }
         p.report(telemetry);
     } else {
@@ -889,22 +893,27 @@ mod tests {
     }
 
     /// What was queued counts as programmed after a step that writes again a table that
-    /// exists (it serves throughout), but not before the last step of one built from nothing;
-    /// health-check node ports open then too (a load balancer would otherwise send traffic
-    /// that no rule takes yet).
+    /// exists (it serves throughout), but not before the last step of one built from nothing
+    /// (`/livez` takes its steps as signs of life); health-check node ports open then too (a
+    /// load balancer would otherwise send traffic that no rule takes yet).
     #[tokio::test]
     async fn a_table_built_in_steps_is_programmed_at_its_last_step() {
         for building in [true, false] {
-            // (A health timeout of zero: anything queued and not yet programmed is late.)
-            let telemetry = Telemetry::new(Duration::ZERO, None, Default::default());
+            let telemetry = Telemetry::new(Duration::from_secs(60), None, Default::default());
             let mut health = HealthServers::new(telemetry.clone());
             let mut p = Stepping { store: Store::new("node"), steps: 2, building };
             telemetry.queued();
-            assert_eq!(telemetry.healthz().0, 503);
+            telemetry.backdate_queued(Duration::from_secs(61));
+            assert_eq!((telemetry.healthz().0, telemetry.livez().0), (503, 503), "queued and late");
             sync(&mut p, &telemetry, &mut health, &mut None);
             assert!(p.pending());
-            assert_eq!(telemetry.healthz().0, if building { 503 } else { 200 }, "building: {building}");
-            assert_eq!(health.ports(), if building { vec![] } else { vec![0] }, "building: {building}");
+            if building {
+                assert_eq!((telemetry.healthz().0, telemetry.livez().0), (503, 200), "not ready, but alive while the steps progress");
+                assert_eq!(health.ports(), Vec::<u16>::new(), "no health-check port opens");
+            } else {
+                assert_eq!((telemetry.healthz().0, telemetry.livez().0), (200, 200));
+                assert_eq!(health.ports(), vec![0]);
+            }
             sync(&mut p, &telemetry, &mut health, &mut None);
             assert!(!p.pending());
             assert_eq!(telemetry.healthz().0, 200, "building: {building}");

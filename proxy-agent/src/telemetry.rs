@@ -51,6 +51,9 @@ fn programming_buckets() -> Vec<f64> {
 struct Health {
     last_updated: Option<SystemTime>,
     oldest_pending: Option<Instant>,
+    /// The last step of a long write in steps that programmed part of what is queued
+    /// (`progressed`).
+    last_progress: Option<Instant>,
     node_eligible: bool,
     /// API resources whose watch stalled and has brought nothing since.
     stalled_watches: std::collections::BTreeSet<String>,
@@ -222,7 +225,15 @@ impl Telemetry {
     pub fn updated(&self) {
         let mut h = self.health.lock().unwrap();
         h.oldest_pending = None;
+        h.last_progress = None;
         h.last_updated = Some(SystemTime::now());
+    }
+
+    /// A step of a long write in steps programmed part of what is queued (a table built from
+    /// nothing): `/healthz` still waits for the whole, but `/livez` takes it as a sign of life,
+    /// so that the kubelet does not kill an agent that is writing a large table.
+    pub fn progressed(&self) {
+        self.health.lock().unwrap().last_progress = Some(Instant::now());
     }
 
     pub fn set_node_eligible(&self, eligible: bool) {
@@ -304,9 +315,19 @@ impl Telemetry {
         (code, body)
     }
 
-    /// `/livez`: like /healthz but regardless of the Node.
+    /// What was queued has waited `by` longer (tests of what turns late).
+    #[cfg(test)]
+    pub fn backdate_queued(&self, by: Duration) {
+        let mut h = self.health.lock().unwrap();
+        h.oldest_pending = h.oldest_pending.map(|t| t - by);
+    }
+
+    /// `/livez`: like /healthz but regardless of the Node, and alive while a long write in
+    /// steps progresses (`progressed`).
     pub fn livez(&self) -> (u16, String) {
         let (healthy, _, last) = self.healthy();
+        let progressing = self.health.lock().unwrap().last_progress.is_some_and(|t| t.elapsed() < self.health_timeout);
+        let healthy = healthy || progressing;
         let now = SystemTime::now();
         let code = if healthy { 200 } else { 503 };
         self.livez.get_or_create(&CodeLabel { code: code.to_string() }).inc();
@@ -465,6 +486,8 @@ mod tests {
         t.health.lock().unwrap().oldest_pending = Some(queued - Duration::from_secs(61));
         assert_eq!(t.healthz().0, 503, "an update queued longer than the timeout");
         assert_eq!(t.livez().0, 503);
+        t.progressed();
+        assert_eq!((t.healthz().0, t.livez().0), (503, 200), "a long write that progresses is alive, not ready");
         t.updated();
         assert_eq!(t.healthz().0, 200);
         t.set_node_eligible(false);
@@ -473,7 +496,7 @@ mod tests {
         assert!(body.contains(r#""nodeEligible": false"#), "{body}");
         assert_eq!(t.livez().0, 200, "/livez ignores the node");
         let metrics = t.encode();
-        assert!(metrics.contains(r#"kubeproxy_proxy_healthz_total{code="503"} 2"#), "{metrics}");
+        assert!(metrics.contains(r#"kubeproxy_proxy_healthz_total{code="503"} 3"#), "{metrics}");
     }
 
     #[test]

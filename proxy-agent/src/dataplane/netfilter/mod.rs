@@ -138,7 +138,8 @@ pub trait RuleSet {
     /// renders only those at the next.
     fn changed(&mut self, _service: &ObjectKey, _before: Option<&[PortView]>) {}
     /// `apply` has more to write: a long write cut into steps, one per `apply`, so that the
-    /// changes that come meanwhile are taken between them (nftables: `Refresh`).
+    /// changes that come meanwhile are taken between them (nftables: a build from nothing, or
+    /// a `Refresh` of a table that exists).
     fn pending(&self) -> bool {
         false
     }

@@ -375,6 +375,9 @@ pub struct NftablesRules {
     refreshing: Option<Refresh>,
     /// A large table being built from nothing, step by step.
     building: Option<Build>,
+    /// A build began and the table has not been whole since (a step that failed ends the
+    /// build, not this): Services are missing from the kernel.
+    partial: bool,
     /// Refreshes that failed in a row (the second makes the next sync replace the table).
     refresh_failures: u8,
     /// The node `applied` was rendered for, when every Service's names in it are its own
@@ -391,7 +394,16 @@ const CHANGES_ALONE_MAX: usize = 1000;
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
-        Self { opts, applied: None, refreshing: None, building: None, refresh_failures: 0, alone: None, changed: BTreeMap::new() }
+        Self {
+            opts,
+            applied: None,
+            refreshing: None,
+            building: None,
+            partial: false,
+            refresh_failures: 0,
+            alone: None,
+            changed: BTreeMap::new(),
+        }
     }
 
     /// The sync's transaction when only the Services `changed` are rendered, as they are and as
@@ -602,18 +614,11 @@ impl RuleSet for NftablesRules {
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
         let changed = std::mem::take(&mut self.changed);
-        if let Some(build) = self.building.take() {
-            return self.build_step(services, node, build);
+        let done = self.apply_any(services, node, &changed);
+        // (Whole: every Service is in the kernel.)
+        if self.applied.is_some() {
+            self.partial = false;
         }
-        if self.refreshing.is_none() {
-            if let Some(done) = self.apply_changes(services, node, &changed) {
-                return done;
-            }
-        }
-        let (wanted, alone) = render_alone(services, node, &self.opts);
-        let done = self.apply_whole(services, node, wanted);
-        // (Every way of applying the whole leaves `applied` as this sync's whole or unknown.)
-        self.alone = (self.applied.is_some() && alone).then(|| node.clone());
         done
     }
 
@@ -632,11 +637,12 @@ impl RuleSet for NftablesRules {
         self.refreshing.is_some() || self.building.is_some()
     }
 
-    /// A build in steps, or a write in place whose maps are not filled yet (the Services whose
-    /// chains the table lacked are not served until then: a build that turned into one, or
-    /// Services created while the agent was down).
+    /// A build in steps, or what is left of one that failed or turned into a write in place,
+    /// or a write in place whose maps are not filled yet (the Services whose chains the table
+    /// lacked are not served until then: Services created while the agent was down, say).
     fn building(&self) -> bool {
-        self.building.is_some() || self.refreshing.as_ref().is_some_and(|r| r.elements.is_none())
+        let filled = self.refreshing.as_ref().is_some_and(|r| r.elements.is_some());
+        self.building.is_some() || (!filled && (self.partial || self.refreshing.is_some()))
     }
 
     fn family(&self) -> Family {
@@ -645,6 +651,28 @@ impl RuleSet for NftablesRules {
 }
 
 impl NftablesRules {
+    /// `apply`: a build's next step, the Services changed alone, or the whole.
+    fn apply_any(
+        &mut self,
+        services: &Services,
+        node: &NodeContext,
+        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
+    ) -> Result<usize, NetfilterError> {
+        if let Some(build) = self.building.take() {
+            return self.build_step(services, node, build);
+        }
+        if self.refreshing.is_none() {
+            if let Some(done) = self.apply_changes(services, node, changed) {
+                return done;
+            }
+        }
+        let (wanted, alone) = render_alone(services, node, &self.opts);
+        let done = self.apply_whole(services, node, wanted);
+        // (Every way of applying the whole leaves `applied` as this sync's whole or unknown.)
+        self.alone = (self.applied.is_some() && alone).then(|| node.clone());
+        done
+    }
+
     /// `apply` of the whole table rendered (`wanted`).
     fn apply_whole(&mut self, services: &Services, node: &NodeContext, wanted: Ruleset) -> Result<usize, NetfilterError> {
         if self.refreshing.is_some() {
@@ -657,6 +685,7 @@ impl NftablesRules {
         if whole && services.values().filter(|ports| of_family(ports, self.opts.family)).count() > BUILD_STEP {
             // (Listing chains is fast: `listed`.)
             if listed(nft_family(self.opts.family), "chains").is_ok_and(|chains| chains.is_empty()) {
+                self.partial = true;
                 return self.build_step(services, node, Build::default());
             }
             return self.refresh_step(wanted);
@@ -729,7 +758,8 @@ impl NftablesRules {
             if !tx.is_empty() {
                 run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
             }
-            tracing::info!(family = %family, services = left.len() + build.written.len(), steps = build.steps + 1, "the nftables table is built");
+            let services = services.values().filter(|ports| of_family(ports, family)).count();
+            tracing::info!(family = %family, services, steps = build.steps + 1, "the nftables table is built");
             self.applied = Some(wanted);
             self.alone = alone.then(|| node.clone());
             self.refresh_failures = 0;
@@ -831,7 +861,7 @@ impl NftablesRules {
 struct Build {
     /// The table as written so far (None before the first step).
     done: Option<Ruleset>,
-    /// The Services written, as they were then.
+    /// The Services written (as they were then, until the last step).
     written: std::collections::HashSet<crate::model::ObjectKey>,
     steps: usize,
 }

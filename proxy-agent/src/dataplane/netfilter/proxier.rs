@@ -239,7 +239,11 @@ impl NetfilterProxier {
                 self.failed = false;
                 self.resync = false;
                 tracing::debug!(mode = %self.rules.mode(), written, "rules applied");
-                stats.trigger_times = std::mem::take(&mut self.triggers);
+                // (Changes are programmed once every Service is in the kernel: not at a step of
+                // a build.)
+                if !self.rules.building() {
+                    stats.trigger_times = std::mem::take(&mut self.triggers);
+                }
                 // Conntrack is swept once the rules are whole: while a long write goes on, a
                 // Service's chain may still hold what it had before (an endpoint gone since),
                 // which a swept flow's next packet could pick again.
