@@ -1471,4 +1471,23 @@ mod tests {
         let many: BTreeMap<ObjectKey, Option<Vec<PortView>>> = (0..=CHANGES_ALONE_MAX as u32).map(|i| (key(i), None)).collect();
         assert!(rules.changes_alone(&services, &node, &many).is_none());
     }
+
+    /// What is left of a build that failed counts as building (Services are missing from the
+    /// kernel) until the table is whole again, or a write in place has filled its maps.
+    #[test]
+    fn a_build_that_failed_counts_as_building_until_the_maps_are_filled() {
+        let mut rules = NftablesRules { partial: true, ..NftablesRules::default() };
+        assert!(rules.building(), "a step failed: no build goes on, the table is partial");
+        let to = table_of(0..10, &[], &[]);
+        let (_, lacking) = Refresh::start(&to, &BTreeSet::new());
+        rules.refreshing = Some(lacking);
+        assert!(rules.building(), "written again in place, maps not filled yet");
+        let present: BTreeSet<String> = to.chains.keys().cloned().collect();
+        let (_, filled) = Refresh::start(&to, &present);
+        rules.refreshing = Some(filled);
+        assert!(!rules.building(), "the maps are filled: every Service is served");
+        rules.refreshing = None;
+        rules.partial = false;
+        assert!(!rules.building());
+    }
 }
