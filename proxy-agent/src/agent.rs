@@ -828,9 +828,12 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
                 (*store.nodeport_config() != crate::model::store::NodePortAddresses::All).then(|| store.node_info().nodeport_addresses);
             health.update(&p.health_checks(), addresses);
         }
+        // (The step that ends an initial build in steps: it drops what the steps kept.)
+        let built = initial_steps.is_some() && !p.building();
         log_sync(&s, p.building(), initial_steps);
-        // A large change (the initial list, a relist) leaves much of what it used free.
-        if s.initial || s.upserted + s.removed >= 1000 {
+        // A large change (the initial list, a relist, a build's end) leaves much of what it
+        // used free.
+        if s.initial || built || s.upserted + s.removed >= 1000 {
             crate::memory::release_free();
         }
         telemetry.synced(&s, &p.store().change_counts());
