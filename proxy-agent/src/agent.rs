@@ -163,7 +163,7 @@ fn log_sync(s: &SyncStats, building: bool, initial_steps: &mut Option<SyncStats>
         tracing::info!(
             services = s.services,
             millis = s.duration.as_secs_f64() * 1e3,
-            "initial sync: its first step is written, the rest of the table follows in steps"
+            "initial sync: the table is written in steps, one per sync"
         );
         *initial_steps = Some(SyncStats { trigger_times: Vec::new(), ..*s });
         return;
