@@ -110,7 +110,7 @@ fn of_family(ports: &[PortView], family: Family) -> bool {
 }
 
 /// One Service's ports of the family, alone (no fixed part).
-fn render_piece(ports: &[crate::model::PortView], node: &NodeContext, family: Family) -> Ruleset {
+fn render_piece(ports: &[PortView], node: &NodeContext, family: Family) -> Ruleset {
     let mut r = Ruleset { family, ..Default::default() };
     for port in ports.iter().filter(|p| p.family == family) {
         render_port(&Plan::new(port), node, &mut r);
@@ -436,42 +436,16 @@ impl NftablesRules {
         // fixed part): anything else, and the whole is written.
         for before in changed.values().flatten() {
             let piece = render_piece(before, node, family);
-            for (name, rules) in piece.chains {
-                (applied.chains.get(&name) == Some(&rules)).then_some(())?;
-                old.chains.insert(name, rules).is_none().then_some(())?;
-            }
-            for (name, line) in piece.sets {
-                (applied.sets.get(&name) == Some(&line)).then_some(())?;
-                old.sets.insert(name, line).is_none().then_some(())?;
-            }
-            for (k, rest) in piece.elements {
-                (applied.elements.get(&k) == Some(&rest)).then_some(())?;
-                old.elements.insert(k, rest).is_none().then_some(())?;
-            }
+            held(piece.chains, &applied.chains, &mut old.chains)?;
+            held(piece.sets, &applied.sets, &mut old.sets)?;
+            held(piece.elements, &applied.elements, &mut old.elements)?;
         }
         for key in changed.keys() {
             let Some(ports) = services.get(key) else { continue };
             let piece = render_piece(ports, node, family);
-            // A name the table has that none of the Services changed had, or that two of them
-            // render: shared, so not theirs alone.
-            for (name, rules) in piece.chains {
-                if applied.chains.contains_key(&name) && !old.chains.contains_key(&name) {
-                    return None;
-                }
-                new.chains.insert(name, rules).is_none().then_some(())?;
-            }
-            for (name, line) in piece.sets {
-                if applied.sets.contains_key(&name) && !old.sets.contains_key(&name) {
-                    return None;
-                }
-                new.sets.insert(name, line).is_none().then_some(())?;
-            }
-            for (k, rest) in piece.elements {
-                if applied.elements.contains_key(&k) && !old.elements.contains_key(&k) {
-                    return None;
-                }
-                new.elements.insert(k, rest).is_none().then_some(())?;
-            }
+            own(piece.chains, &applied.chains, &old.chains, &mut new.chains)?;
+            own(piece.sets, &applied.sets, &old.sets, &mut new.sets)?;
+            own(piece.elements, &applied.elements, &old.elements, &mut new.elements)?;
         }
         Some(Changes { tx: transaction(Some(&old), &new), old, new })
     }
@@ -501,19 +475,40 @@ impl NftablesRules {
     /// `applied` after `c` was written.
     fn commit_changes(&mut self, c: Changes) {
         let Some(applied) = self.applied.as_mut() else { return };
-        for name in c.old.chains.keys() {
-            applied.chains.remove(name);
-        }
-        for name in c.old.sets.keys() {
-            applied.sets.remove(name);
-        }
-        for k in c.old.elements.keys() {
-            applied.elements.remove(k);
-        }
-        applied.chains.extend(c.new.chains);
-        applied.sets.extend(c.new.sets);
-        applied.elements.extend(c.new.elements);
+        replace(&mut applied.chains, &c.old.chains, c.new.chains);
+        replace(&mut applied.sets, &c.old.sets, c.new.sets);
+        replace(&mut applied.elements, &c.old.elements, c.new.elements);
     }
+}
+
+/// Moves a Service's items, as it was, into `old`: None unless `applied` holds each as it is
+/// (and no other Service changed holds it too).
+fn held<K: Ord, V: PartialEq>(piece: BTreeMap<K, V>, applied: &BTreeMap<K, V>, old: &mut BTreeMap<K, V>) -> Option<()> {
+    for (k, v) in piece {
+        (applied.get(&k) == Some(&v)).then_some(())?;
+        old.insert(k, v).is_none().then_some(())?;
+    }
+    Some(())
+}
+
+/// Moves a Service's items, as it is, into `new`: None for a name the table has that none of
+/// the Services changed had, or that two of them render (shared, so not theirs alone).
+fn own<K: Ord, V>(piece: BTreeMap<K, V>, applied: &BTreeMap<K, V>, old: &BTreeMap<K, V>, new: &mut BTreeMap<K, V>) -> Option<()> {
+    for (k, v) in piece {
+        if applied.contains_key(&k) && !old.contains_key(&k) {
+            return None;
+        }
+        new.insert(k, v).is_none().then_some(())?;
+    }
+    Some(())
+}
+
+/// `applied`'s items of `old` replaced by `new`.
+fn replace<K: Ord, V>(applied: &mut BTreeMap<K, V>, old: &BTreeMap<K, V>, new: BTreeMap<K, V>) {
+    for k in old.keys() {
+        applied.remove(k);
+    }
+    applied.extend(new);
 }
 
 /// A sync's changes alone (`NftablesRules::changes_alone`): the transaction, and what the
@@ -744,7 +739,7 @@ impl NftablesRules {
             self.alone = (self.applied.is_some() && alone).then(|| node.clone());
             return done;
         }
-        let left: Vec<&crate::model::ObjectKey> = services
+        let left: Vec<&ObjectKey> = services
             .iter()
             .filter(|(k, ports)| !build.written.contains(*k) && of_family(ports, family))
             .map(|(k, _)| k)
@@ -862,7 +857,7 @@ struct Build {
     /// The table as written so far (None before the first step).
     done: Option<Ruleset>,
     /// The Services written (as they were then, until the last step).
-    written: std::collections::HashSet<crate::model::ObjectKey>,
+    written: std::collections::HashSet<ObjectKey>,
     steps: usize,
 }
 
