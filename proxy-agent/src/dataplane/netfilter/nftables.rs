@@ -554,8 +554,12 @@ pub fn transaction(from: Option<&Ruleset>, to: &Ruleset) -> String {
             None => t.push(format!("add chain {tbl} {name}")),
         }
     }
+    // A set whose line changed (a Service's affinity timeout) is added again: the kernel takes
+    // the new timeout and keeps the clients' affinities (kernels of mid-2023 on, nf_tables'
+    // "honor set timeout updates"; an older one keeps the old timeout, as it does under
+    // kube-proxy's `add set`).
     for (name, line) in &to.sets {
-        if !from.sets.contains_key(name) {
+        if from.sets.get(name) != Some(line) {
             t.push(line.clone());
         }
     }
@@ -944,7 +948,8 @@ pub fn stale(to: &Ruleset, chains: &BTreeSet<String>, sets: &BTreeSet<String>, m
 ///    deleted meanwhile); from then on, each step writes the elements that changed (a Service
 ///    deleted leaves the maps at once; its chain goes with the leftovers, `stale`).
 ///
-/// Affinity sets are added where missing, never flushed: they hold the clients' affinities.
+/// Affinity sets are added (where missing, or to change their timeout), never flushed: they
+/// hold the clients' affinities.
 #[derive(Debug)]
 pub struct Refresh {
     /// The fixed part written.
@@ -959,8 +964,8 @@ pub struct Refresh {
     remaining: BTreeSet<String>,
     /// Every element of the sets and maps, as written, once they are (step 3).
     elements: Option<Elements>,
-    /// The affinity sets written.
-    sets: BTreeSet<String>,
+    /// The affinity sets written, as written (one whose timeout changed is written again).
+    sets: BTreeMap<String, String>,
     /// A step found no chain left to write: what is left over goes in that step's sync.
     settled: bool,
 }
@@ -1007,7 +1012,7 @@ impl Refresh {
             missing,
             remaining,
             elements: None,
-            sets: to.sets.keys().cloned().collect(),
+            sets: to.sets.clone(),
             settled: false,
         };
         refresh.fill(to, &mut t);
@@ -1063,8 +1068,8 @@ impl Refresh {
                 }
             }
         }
-        let mut t: Vec<String> = to.sets.iter().filter(|(name, _)| !self.sets.contains(*name)).map(|(_, l)| l.clone()).collect();
-        self.sets.extend(to.sets.keys().cloned());
+        let mut t: Vec<String> = to.sets.iter().filter(|(name, l)| self.sets.get(*name) != Some(l)).map(|(_, l)| l.clone()).collect();
+        self.sets.extend(to.sets.iter().map(|(name, l)| (name.clone(), l.clone())));
         // (Every chain of the step added first: chains of the step jump to one another.)
         t.extend(batch.iter().map(|(name, _)| format!("add chain {tbl} {name}")));
         let (deleted, added) = self.elements.as_ref().map(|written| element_changes(&tbl, written, &to.elements)).unwrap_or_default();
@@ -1465,6 +1470,40 @@ mod tests {
         // More changes than are worth writing alone.
         let many: BTreeMap<ObjectKey, Option<Vec<PortView>>> = (0..=CHANGES_ALONE_MAX as u32).map(|i| (key(i), None)).collect();
         assert!(rules.changes_alone(&services, &node, &many).is_none());
+    }
+
+    /// A Service's affinity timeout changed: its affinity sets are added again with the new
+    /// timeout (the kernel updates a set's timeout in place and keeps its elements), by a sync
+    /// that writes the Service alone, and by a refresh whose steps pass it.
+    #[test]
+    fn an_affinity_timeout_change_adds_the_sets_again() {
+        let node = NodeContext::default();
+        let key = ObjectKey::new("default", "svc-3");
+        let mut services: Services = [(key.clone(), shaped(3, 3, 2))].into();
+        let rules = NftablesRules::default();
+        let before = render(&services, &node, &rules.opts);
+        assert_eq!(before.sets.len(), 2, "a set per endpoint");
+        services.get_mut(&key).unwrap()[0].affinity_timeout = Some(60);
+        let after = render(&services, &node, &rules.opts);
+        let tx = transaction(Some(&before), &after);
+        let lines: Vec<&str> = tx.lines().collect();
+        assert_eq!(lines.len(), 2, "the two sets and nothing else:\n{tx}");
+        assert!(lines.iter().all(|l| l.starts_with("add set ") && l.contains("timeout 60s")), "{tx}");
+        // Written alone (what a sync of that one change does).
+        let mut rules = NftablesRules { applied: Some(before.clone()), alone: Some(node.clone()), ..NftablesRules::default() };
+        let mut was = services[&key].clone();
+        was[0].affinity_timeout = Some(10800);
+        let c = rules.changes_alone(&services, &node, &[(key.clone(), Some(was))].into()).expect("written alone");
+        assert_eq!(c.tx, tx);
+        rules.commit_changes(c);
+        assert!(rules.applied.as_ref() == Some(&after));
+        // A refresh that began before the change writes the sets again at its next step.
+        let present: BTreeSet<String> = before.chains.keys().cloned().collect();
+        let (first, mut refresh) = Refresh::start(&before, &present);
+        assert_eq!(first.matches("timeout 10800s").count(), 2, "the refresh's first step adds the sets");
+        let next = refresh.next(&after);
+        assert_eq!(next.matches("timeout 60s").count(), 2, "and the next the changed ones:\n{next}");
+        assert_eq!(refresh.next(&after).matches("add set").count(), 0, "once");
     }
 
     /// What is left of a build that failed counts as building (Services are missing from the
