@@ -820,8 +820,8 @@ impl NodeWatch {
 fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers, initial_steps: &mut Option<SyncStats>) {
     if let Some(s) = p.sync() {
         // On the NodePort addresses, as kube-proxy binds its health-check servers; not while
-        // a table is built in steps (a load balancer would send traffic for a Service whose
-        // rules are not written yet).
+        // a table is built in steps or changes go in batches (a load balancer would send
+        // traffic for a Service whose rules are not written yet).
         if !p.building() {
             let store = p.store();
             let addresses =

@@ -1231,7 +1231,8 @@ fn an_external_interfaces_snat_addresses_are_usable_ones_and_go_with_it() {
 /// affinity) are built from nothing (in steps as well, with changes between them), the table
 /// drifts, and a restarted proxier writes 1,500 of them again, with two Services deleted and a LoadBalancer one created while it was down (new chains that others
 /// jump to: they must exist before those rules), and three changes between two of its steps.
-/// Last, a build from nothing whose fixed part changes between steps.
+/// Last, a build from nothing whose fixed part changes between steps, and then a change to
+/// every Service at once, written 1,000 Services a sync.
 #[test]
 fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     if !require::root("nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift") {
@@ -1247,6 +1248,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         model::store::{Event, Kind, Object, Store},
     };
     let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_0000 + i + 1);
+    let moved = |i: u32| std::net::Ipv4Addr::from(0x0a90_0000 + i);
     let objects = move |n: std::ops::Range<u32>, skip: &[u32]| -> (Vec<Object>, Vec<Object>) {
         let (mut services, mut slices) = (Vec::new(), Vec::new());
         for i in n.filter(|i| !skip.contains(i)) {
@@ -1444,7 +1446,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     // table that exists by then is written again in steps, with the new fixed part.
     nft(&["delete", "table", "ip", "kube-proxy"]);
     let fourth = objects(0..1500, &[]);
-    let steps = ns.run(move || {
+    let (steps, map, first_batch, batches) = ns.run(move || {
         let mut p = proxier();
         p.handle(Event::Replace { kind: Kind::Service, objects: fourth.0 });
         p.handle(Event::Replace { kind: Kind::EndpointSlice, objects: fourth.1 });
@@ -1459,10 +1461,42 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
             assert_eq!(p.sync().expect("a step").failed, 0, "a step failed (see the log)");
             steps += 1;
         }
-        steps
+        let map = netns::sh(&["nft", "list", "map", "ip", "kube-proxy", "service-ips"]);
+        // Then every Service's endpoint moves at once (a namespace's Services redeployed, say):
+        // 1,000 Services a sync, the others served as they were until their turn.
+        for i in 0..1500 {
+            let name = format!("svc-{i}");
+            let slice = lab::endpoint_slice(&name, &format!("{name}-1"), &[moved(i)], &[("http", 8080, "TCP")]);
+            p.handle(Event::Apply(Object::EndpointSlice(Box::new(serde_yaml::from_str(&slice).expect("slice YAML")))));
+        }
+        assert_eq!(p.sync().expect("a batch").failed, 0);
+        // (Building: changes are not all programmed, so health-check ports and the latency
+        // histogram wait for the last batch.)
+        assert!(p.pending() && p.building(), "the rest waits for the next sync, every Service served meanwhile");
+        let first_batch = netns::sh(&["nft", "list", "table", "ip", "kube-proxy"]);
+        let mut batches = 1;
+        while p.pending() {
+            assert_eq!(p.sync().expect("a batch").failed, 0);
+            batches += 1;
+        }
+        assert!(!p.building());
+        (steps, map, first_batch, batches)
     });
-    let map = nft(&["list", "map", "ip", "kube-proxy", "service-ips"]);
     assert!(steps > 2, "written again in steps after the fixed part changed: {steps}");
     assert_eq!((0..1500).filter(|i| map.contains(&format!("{} . tcp . 80 ", vip(*i)))).count(), 1500, "every Service is served");
     assert!(chain("cluster-ips-check").contains("10.96.0.0/16"), "with the new fixed part:\n{}", chain("cluster-ips-check"));
+    let at = |table: &str, i: u32| table.contains(&format!("dnat to {}:8080", moved(i)));
+    assert_eq!(batches, 2, "1,500 Services changed: 1,000, then 500");
+    // (In key order: svc-0, svc-1, svc-10, svc-100...)
+    let mut order: Vec<u32> = (0..1500).collect();
+    order.sort_by_key(|i| format!("svc-{i}"));
+    let old = |n: u32| format!("dnat to {}:8080", std::net::Ipv4Addr::from(0x0a80_0000 + n));
+    assert!(order[..1000].iter().all(|i| at(&first_batch, *i)), "the first batch writes the first 1,000 of them");
+    assert!(
+        order[1000..].iter().all(|i| !at(&first_batch, *i) && first_batch.contains(&old(i * 4))),
+        "the others are served as they were until the next"
+    );
+    let table = nft(&["list", "table", "ip", "kube-proxy"]);
+    assert_eq!((0..1500).filter(|i| at(&table, *i)).count(), 1500, "the second the rest");
+    assert!(!(0..6000).any(|n| table.contains(&old(n))), "and no chain keeps an endpoint gone");
 }

@@ -138,14 +138,15 @@ pub trait RuleSet {
     /// renders only those at the next.
     fn changed(&mut self, _service: &ObjectKey, _before: Option<&[PortView]>) {}
     /// `apply` has more to write: a long write cut into steps, one per `apply`, so that the
-    /// changes that come meanwhile are taken between them (nftables: a build from nothing, or
-    /// a `Refresh` of a table that exists).
+    /// changes that come meanwhile are taken between them (nftables: a build from nothing, a
+    /// `Refresh` of a table that exists, or the rest of more changes than a sync writes).
     fn pending(&self) -> bool {
         false
     }
-    /// The pending steps write Services the kernel does not serve yet: a table built from
-    /// nothing (nftables: `NftablesRules::build_step`), or written again in place before its
-    /// maps are filled (when they are, every Service is served throughout the rest).
+    /// The pending steps write Services the kernel does not serve yet, or not as they are: a
+    /// table built from nothing (nftables: `NftablesRules::build_step`), written again in place
+    /// before its maps are filled (when they are, every Service is served throughout the
+    /// rest), or changes to more Services than a sync writes, in batches.
     fn building(&self) -> bool {
         false
     }

@@ -375,8 +375,9 @@ pub struct NftablesRules {
     refreshing: Option<Refresh>,
     /// A large table being built from nothing, step by step.
     building: Option<Build>,
-    /// A build began and the table has not been whole since (a step that failed ends the
-    /// build, not this): Services are missing from the kernel.
+    /// A build began, or a write of changes failed, and the table has not been whole since (a
+    /// step that failed ends the build, not this): Services are missing from the kernel, or
+    /// not in it as they are.
     partial: bool,
     /// Refreshes that failed in a row (the second makes the next sync replace the table).
     refresh_failures: u8,
@@ -385,12 +386,22 @@ pub struct NftablesRules {
     alone: Option<NodeContext>,
     /// The Services changed since the last `apply`, with their ports as it had them (None: new
     /// since): `RuleSet::changed`.
-    changed: BTreeMap<ObjectKey, Option<Vec<PortView>>>,
+    changed: Changed,
+    /// What the last `apply`s left of the Services changed for the next, when there were more
+    /// than a batch (`CHANGES_ALONE_MAX`), oldest first: written first there. (Changes that
+    /// merely wait in `changed`, while this family's failure backs off, do not make it
+    /// pending: the loop would spin on them.)
+    waiting: Vec<Changed>,
 }
 
-/// A sync that changes more Services than this renders the whole table and compares it with
-/// what was applied (as cheap, then, as rendering the Services changed one by one).
-const CHANGES_ALONE_MAX: usize = 1000;
+/// Services changed, with their ports as the kernel has them (None: not in the kernel).
+type Changed = BTreeMap<ObjectKey, Option<Vec<PortView>>>;
+
+/// A sync writes at most this many Services changed, alone (`changes_alone`); the others wait
+/// for the next syncs, one batch each (`pending`). One transaction of every change would hold
+/// the control loop for as long as a build of that many Services in one step, quadratic in
+/// them (`BUILD_STEP`): tens of seconds for 5,000 Services of a namespace deleted at once.
+const CHANGES_ALONE_MAX: usize = BUILD_STEP;
 
 impl NftablesRules {
     pub fn new(opts: NftablesOptions) -> Self {
@@ -403,28 +414,21 @@ impl NftablesRules {
             refresh_failures: 0,
             alone: None,
             changed: BTreeMap::new(),
+            waiting: Vec::new(),
         }
     }
 
     /// The sync's transaction when only the Services `changed` are rendered, as they are and as
     /// they were (their ports at the last `apply`), and compared: None where that cannot be
     /// (nothing applied or known to be, another node, another fixed part, a name two Services
-    /// render, what they were not what the table applied holds, or more changes than
-    /// `CHANGES_ALONE_MAX`). Every other Service's chains, sets and elements are its own and
-    /// the same in the kernel and in the whole table rendered, so this writes what comparing
+    /// render, or what they were not what the table applied holds). Every other Service's
+    /// chains, sets and elements are its own and the same in the kernel and in the whole table
+    /// rendered, so this writes what comparing
     /// the whole would. At 10,000 Services, rendering the whole took 150 ms and comparing it
     /// 80 ms of a one-Service change (beside nft's 230 ms).
-    fn changes_alone(
-        &self,
-        services: &Services,
-        node: &NodeContext,
-        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
-    ) -> Option<Changes> {
+    fn changes_alone(&self, services: &Services, node: &NodeContext, changed: &Changed) -> Option<Changes> {
         let applied = self.applied.as_ref()?;
         self.alone.as_ref().filter(|n| *n == node)?;
-        if changed.len() > CHANGES_ALONE_MAX {
-            return None;
-        }
         let fixed = render(&Services::new(), node, &self.opts);
         if fixed.base != applied.base {
             return None;
@@ -451,18 +455,15 @@ impl NftablesRules {
     }
 
     /// Writes the sync's changes alone (`changes_alone`); None where the whole is needed.
-    fn apply_changes(
-        &mut self,
-        services: &Services,
-        node: &NodeContext,
-        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
-    ) -> Option<Result<usize, NetfilterError>> {
+    fn apply_changes(&mut self, services: &Services, node: &NodeContext, changed: &Changed) -> Option<Result<usize, NetfilterError>> {
         let c = self.changes_alone(services, node, changed)?;
         if !c.tx.is_empty() {
             if let Err(e) = run_with_input("nft", PACKAGE, &["-f", "-"], &c.tx) {
-                // The next sync writes the table again from scratch.
+                // The next sync writes the table again from scratch; until then Services are not
+                // in the kernel as they are (health-check ports wait too).
                 self.applied = None;
                 self.alone = None;
+                self.partial = true;
                 return Some(Err(e));
             }
         }
@@ -479,6 +480,28 @@ impl NftablesRules {
         replace(&mut applied.sets, &c.old.sets, c.new.sets);
         replace(&mut applied.elements, &c.old.elements, c.new.elements);
     }
+}
+
+/// The Services a sync writes alone, at most `max`, and the rest, oldest first: those
+/// `waiting` first, oldest first (else, changing again and again, more than `max` Services
+/// would keep the ones whose keys sort last waiting), then those `changed` since. A Service
+/// that waited keeps what the kernel has as it was when it began to wait.
+fn batch(waiting: Vec<Changed>, changed: Changed, max: usize) -> (Changed, Vec<Changed>) {
+    let (mut batch, mut rest) = (Changed::new(), Vec::<Changed>::new());
+    for generation in waiting.into_iter().chain([changed]) {
+        let mut left = Changed::new();
+        for (key, before) in generation {
+            // (An older generation has it: its `before` is what the kernel has.)
+            if batch.contains_key(&key) || rest.iter().any(|g| g.contains_key(&key)) {
+                continue;
+            }
+            if batch.len() < max { &mut batch } else { &mut left }.insert(key, before);
+        }
+        if !left.is_empty() {
+            rest.push(left);
+        }
+    }
+    (batch, rest)
 }
 
 /// Moves a Service's items, as it was, into `old`: None unless `applied` holds each as it is
@@ -612,8 +635,8 @@ impl RuleSet for NftablesRules {
     }
 
     fn apply(&mut self, services: &Services, node: &NodeContext) -> Result<usize, NetfilterError> {
-        let changed = std::mem::take(&mut self.changed);
-        let done = self.apply_any(services, node, &changed);
+        let (batch, rest) = batch(std::mem::take(&mut self.waiting), std::mem::take(&mut self.changed), CHANGES_ALONE_MAX);
+        let done = self.apply_any(services, node, batch, rest);
         // (Whole: every Service is in the kernel.)
         if self.applied.is_some() {
             self.partial = false;
@@ -633,15 +656,17 @@ impl RuleSet for NftablesRules {
     }
 
     fn pending(&self) -> bool {
-        self.refreshing.is_some() || self.building.is_some()
+        self.refreshing.is_some() || self.building.is_some() || !self.waiting.is_empty()
     }
 
     /// A build in steps, or what is left of one that failed or turned into a write in place,
     /// or a write in place whose maps are not filled yet (the Services whose chains the table
-    /// lacked are not served until then: Services created while the agent was down, say).
+    /// lacked are not served until then: Services created while the agent was down, say), or
+    /// changes left for the next batch (`waiting`: Services created are not served, changed
+    /// ones are served as they were, until their batch).
     fn building(&self) -> bool {
         let filled = self.refreshing.as_ref().is_some_and(|r| r.elements.is_some());
-        self.building.is_some() || (!filled && (self.partial || self.refreshing.is_some()))
+        self.building.is_some() || !self.waiting.is_empty() || (!filled && (self.partial || self.refreshing.is_some()))
     }
 
     fn family(&self) -> Family {
@@ -650,18 +675,19 @@ impl RuleSet for NftablesRules {
 }
 
 impl NftablesRules {
-    /// `apply`: a build's next step, the Services changed alone, or the whole.
-    fn apply_any(
-        &mut self,
-        services: &Services,
-        node: &NodeContext,
-        changed: &BTreeMap<ObjectKey, Option<Vec<PortView>>>,
-    ) -> Result<usize, NetfilterError> {
+    /// `apply`: a build's next step, the Services changed alone (`batch`, and `rest` left
+    /// `waiting` for the next syncs), or the whole (which takes every change).
+    fn apply_any(&mut self, services: &Services, node: &NodeContext, batch: Changed, rest: Vec<Changed>) -> Result<usize, NetfilterError> {
         if let Some(build) = self.building.take() {
             return self.build_step(services, node, build);
         }
         if self.refreshing.is_none() {
-            if let Some(done) = self.apply_changes(services, node, changed) {
+            // The rest is in the kernel as it was meanwhile. What the batch shares with it, and
+            // anything that fails, has the whole written instead.
+            if let Some(done) = self.apply_changes(services, node, &batch) {
+                if done.is_ok() {
+                    self.waiting = rest;
+                }
                 return done;
             }
         }
@@ -1437,14 +1463,13 @@ mod tests {
         kernel.run(&transaction(None, &whole));
         rules.applied = Some(whole);
         rules.alone = Some(node.clone());
-        let change =
-            |services: &mut Services, changed: &mut BTreeMap<ObjectKey, Option<Vec<PortView>>>, i: u32, to: Option<Vec<PortView>>| {
-                let before = match to {
-                    Some(ports) => services.insert(key(i), ports),
-                    None => services.remove(&key(i)),
-                };
-                changed.entry(key(i)).or_insert(before);
+        let change = |services: &mut Services, changed: &mut Changed, i: u32, to: Option<Vec<PortView>>| {
+            let before = match to {
+                Some(ports) => services.insert(key(i), ports),
+                None => services.remove(&key(i)),
             };
+            changed.entry(key(i)).or_insert(before);
+        };
         for round in 1..6u32 {
             let mut changed = BTreeMap::new();
             for i in (round..40).step_by(7) {
@@ -1494,9 +1519,60 @@ mod tests {
         assert!(rules.changes_alone(&services, &node, &before).is_none());
         let (_, alone) = render_alone(&services, &node, &rules.opts);
         assert!(!alone, "and the whole rendered says no Service has its names alone");
-        // More changes than are worth writing alone.
-        let many: BTreeMap<ObjectKey, Option<Vec<PortView>>> = (0..=CHANGES_ALONE_MAX as u32).map(|i| (key(i), None)).collect();
-        assert!(rules.changes_alone(&services, &node, &many).is_none());
+        // Changes waiting for an apply (one that a failure's backoff holds back) leave nothing
+        // pending: only a batch's rest does.
+        rules.changed(&key(1), None);
+        assert!(!rules.pending(), "a change waiting is not a step left");
+    }
+
+    /// More Services changed than a sync writes: those that waited go first, keeping what the
+    /// kernel had of them, and the newer changes fill the batch.
+    #[test]
+    fn a_batch_takes_what_waited_first() {
+        let key = |i: u32| ObjectKey::new("default", format!("svc-{i:02}"));
+        let ports = |i: u32| Some(shaped(i, i, 1));
+        let waiting: Changed = [(key(50), ports(50)), (key(60), ports(60)), (key(70), ports(70))].into();
+        let mut changed: Changed = (0..5).map(|i| (key(i), None)).collect();
+        changed.insert(key(60), ports(61));
+        let (batch1, rest) = batch(vec![waiting], changed, 4);
+        let keys = |c: &Changed| c.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(&batch1), [key(0), key(50), key(60), key(70)], "what waited, then the first changed since");
+        assert_eq!(batch1[&key(60)], ports(60), "a Service that waited keeps what the kernel has");
+        assert_eq!(rest.len(), 1);
+        assert_eq!(keys(&rest[0]), [key(1), key(2), key(3), key(4)]);
+        // More waiting than a batch: the older ones first, whatever the newer ones' keys.
+        let (batch2, rest) = batch(rest, [(key(0), ports(0)), (key(1), ports(1))].into(), 3);
+        assert_eq!(keys(&batch2), [key(1), key(2), key(3)], "the oldest first");
+        assert_eq!(batch2[&key(1)], None, "with what the kernel had when it began to wait");
+        assert_eq!(rest.iter().map(keys).collect::<Vec<_>>(), [vec![key(4)], vec![key(0)]], "then the older, then the newer");
+        let (all, rest) = batch(Vec::new(), batch1, 10);
+        assert_eq!((all.len(), rest.len()), (4, 0), "fewer than a batch: all of them");
+    }
+
+    /// A table of many chains (Services of 50 endpoints, a chain each) is written again in
+    /// steps of more lines than one of few: each `nft -f` costs more there whatever its size.
+    #[test]
+    fn a_refresh_of_many_chains_takes_larger_steps() {
+        let mut to = render(&Services::new(), &NodeContext::default(), &NftablesOptions::default());
+        for i in 0..2000 {
+            let arms: Vec<String> = (0..50).map(|b| format!("{b} : goto endpoint-{i:05}-{b:02}")).collect();
+            to.chains.insert(format!("service-{i:05}"), vec![format!("numgen random mod 50 vmap {{ {} }}", arms.join(" , "))]);
+            for b in 0..50 {
+                to.chains.insert(format!("endpoint-{i:05}-{b:02}"), vec![format!("meta l4proto tcp dnat to 10.1.{}.{b}:80", i % 250)]);
+            }
+        }
+        let present: BTreeSet<String> = to.chains.keys().cloned().collect();
+        let (_, mut refresh) = Refresh::start(&to, &present);
+        let mut steps = 0;
+        while !refresh.done() {
+            let tx = refresh.next(&to);
+            // (A chain's lines are counted as its rules and one: its `add chain` and `flush
+            // chain` are two.)
+            assert!(tx.lines().count() <= refresh_lines(to.chains.len()) * 3 / 2 + 200, "a step of about its lines");
+            steps += 1;
+        }
+        // (102,000 chains: 24 steps of 12,750 lines, against 49 of 5,000 lines.)
+        assert!(steps <= 30, "{steps} steps");
     }
 
     /// A Service's affinity timeout changed: its affinity sets are added again with the new
@@ -1531,32 +1607,6 @@ mod tests {
         let next = refresh.next(&after);
         assert_eq!(next.matches("timeout 60s").count(), 2, "and the next the changed ones:\n{next}");
         assert_eq!(refresh.next(&after).matches("add set").count(), 0, "once");
-    }
-
-    /// A table of many chains (Services of 50 endpoints, a chain each) is written again in
-    /// steps of more lines than one of few: each `nft -f` costs more there whatever its size.
-    #[test]
-    fn a_refresh_of_many_chains_takes_larger_steps() {
-        let mut to = render(&Services::new(), &NodeContext::default(), &NftablesOptions::default());
-        for i in 0..2000 {
-            let arms: Vec<String> = (0..50).map(|b| format!("{b} : goto endpoint-{i:05}-{b:02}")).collect();
-            to.chains.insert(format!("service-{i:05}"), vec![format!("numgen random mod 50 vmap {{ {} }}", arms.join(" , "))]);
-            for b in 0..50 {
-                to.chains.insert(format!("endpoint-{i:05}-{b:02}"), vec![format!("meta l4proto tcp dnat to 10.1.{}.{b}:80", i % 250)]);
-            }
-        }
-        let present: BTreeSet<String> = to.chains.keys().cloned().collect();
-        let (_, mut refresh) = Refresh::start(&to, &present);
-        let mut steps = 0;
-        while !refresh.done() {
-            let tx = refresh.next(&to);
-            // (A chain's lines are counted as its rules and one: its `add chain` and `flush
-            // chain` are two.)
-            assert!(tx.lines().count() <= refresh_lines(to.chains.len()) * 3 / 2 + 200, "a step of about its lines");
-            steps += 1;
-        }
-        // (102,000 chains: 24 steps of 12,750 lines, against 49 of 5,000 lines.)
-        assert!(steps <= 30, "{steps} steps");
     }
 
     /// What is left of a build that failed counts as building (Services are missing from the
