@@ -1,6 +1,6 @@
 //! `cargo xtask bench modes`: how long each mode takes to program 1,000, 10,000 and 30,000
-//! ClusterIP Services with 4 endpoints each, and to apply one endpoint change with the largest
-//! number present.
+//! ClusterIP Services with 4 endpoints each (`PROXY_BENCH_ENDPOINTS`: another number), and to
+//! apply one endpoint change with the largest number present.
 //!
 //! Every mode runs the agent's own reconciling code (the eBPF `Reconciler`, the netfilter
 //! `NetfilterProxier`) on the same Service and EndpointSlice objects, from "the objects are in
@@ -69,6 +69,13 @@ pub struct Row {
     pub rewrite_first_s: f64,
     #[serde(default)]
     pub rewrite_later_s: f64,
+    /// Half the Services' endpoints changed at once (a namespace redeployed) -> the kernel
+    /// programmed, over every sync it takes, and the longest of those syncs (the longest a
+    /// change made meanwhile waited). NaN in results from before these were measured.
+    #[serde(default = "nan")]
+    pub burst_s: f64,
+    #[serde(default = "nan")]
+    pub burst_longest_s: f64,
     /// What the run counted in the kernel afterwards.
     pub checked: String,
 }
@@ -78,13 +85,28 @@ fn vip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a60_0000 + i + 1)
 }
 
+/// Endpoints per Service: 4, or `PROXY_BENCH_ENDPOINTS` (1 to 64; kube-proxy's users report
+/// nftables syncs of minutes at 5,000 Services of 50: kubernetes#135639).
+pub fn endpoints() -> u32 {
+    // (Read once: every endpoint address is made from it.)
+    static ENDPOINTS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *ENDPOINTS.get_or_init(|| match std::env::var("PROXY_BENCH_ENDPOINTS") {
+        Ok(v) if !v.trim().is_empty() => match v.trim().parse() {
+            Ok(n) if (1..=64).contains(&n) => n,
+            _ => panic!("PROXY_BENCH_ENDPOINTS: {v:?} is not a number from 1 to 64"),
+        },
+        _ => 4,
+    })
+}
+
 fn endpoint(i: u32, b: u32) -> Ipv4Addr {
-    Ipv4Addr::from(0x0a80_0000 + i * 4 + b)
+    // (30,000 Services of 64 endpoints end below 10.158.0.0.)
+    Ipv4Addr::from(0x0a80_0000 + i * endpoints() + b)
 }
 
 fn slice(i: u32, first: Ipv4Addr) -> EndpointSlice {
     let mut eps = vec![first];
-    eps.extend((1..4).map(|b| endpoint(i, b)));
+    eps.extend((1..endpoints()).map(|b| endpoint(i, b)));
     let name = format!("svc-{i}");
     serde_yaml::from_str(&lab::endpoint_slice(&name, &format!("{name}-1"), &eps, &[("http", 8080, "TCP")])).expect("slice YAML")
 }
@@ -104,6 +126,16 @@ fn objects(n: u32) -> (Vec<Object>, Vec<Object>) {
 /// A fresh endpoint for change `c`, outside every range above.
 fn fresh(c: u32) -> Ipv4Addr {
     Ipv4Addr::new(10, 250, (c >> 8) as u8, c as u8)
+}
+
+/// Service i's first endpoint after the burst of changes (every even Service), outside every
+/// range above.
+fn burst(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0afb_0000 + i)
+}
+
+fn nan() -> f64 {
+    f64::NAN
 }
 
 trait Programmer {
@@ -264,6 +296,23 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
         lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    // Half the Services change at once (their slices made before the clock starts).
+    let changed: Vec<EndpointSlice> = (0..n).step_by(2).map(|i| slice(i, burst(i))).collect();
+    let t = Instant::now();
+    for s in changed {
+        prog.handle(Event::Apply(Object::EndpointSlice(Box::new(s))));
+    }
+    let what = format!("{mode}: {} services changed at once", n.div_ceil(2));
+    let mut burst_longest = timed_sync(prog, &what);
+    while prog.pending() {
+        burst_longest = burst_longest.max(timed_sync(prog, &what));
+    }
+    let burst_s = t.elapsed().as_secs_f64();
+    // The burst's last Service in key order (the nftables mode writes more than 1,000 changes
+    // in batches, in that order) is in the kernel as changed.
+    let last_key = (0..n).step_by(2).max_by_key(|i| format!("svc-{i}")).unwrap_or(0);
+    let (_, found) = kernel_count(mode, v.iptables, boxed.as_mut(), burst(last_key));
+    assert!(found >= 1, "{mode}: the burst's change to svc-{last_key} ({}) is not in the kernel", burst(last_key));
     // A restart: a new proxier (the eBPF one adopting the pinned maps) handed the Services as
     // they are now (the last change included) writes the kernel again.
     drop(boxed);
@@ -273,6 +322,13 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
     let i = (changes.saturating_sub(1) * 7919 + n / 2) % n;
     if changes > 0 {
         slices[i as usize] = Object::EndpointSlice(Box::new(slice(i, last)));
+    }
+    // (The burst came after: its Services, the last changed one among them if it is even.)
+    for b in (0..n).step_by(2) {
+        slices[b as usize] = Object::EndpointSlice(Box::new(slice(b, burst(b))));
+    }
+    if i.is_multiple_of(2) {
+        last = burst(i);
     }
     let t = Instant::now();
     prog.handle(Event::Replace { kind: Kind::Service, objects: services });
@@ -286,7 +342,7 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
     let rewrite_s = t.elapsed().as_secs_f64();
     let (programmed, found) = kernel_count(mode, v.iptables, boxed.as_mut(), last);
     assert_eq!(programmed, n as usize, "{mode}: the kernel should have {n} services");
-    assert!(found >= 1, "{mode}: the last endpoint change ({last}) is not in the kernel");
+    assert!(found >= 1, "{mode}: the last changed Service's endpoint ({last}) is not in the kernel");
     Row {
         mode: v.label(),
         services: n,
@@ -296,6 +352,8 @@ fn one(v: Variant, n: u32, changes: u32) -> Row {
         rewrite_s,
         rewrite_first_s: first.as_secs_f64(),
         rewrite_later_s: later.as_secs_f64(),
+        burst_s,
+        burst_longest_s: burst_longest.as_secs_f64(),
         checked: format!("{programmed} services in the kernel, the changed endpoint present"),
     }
 }
@@ -333,12 +391,14 @@ pub fn run_mode(v: Variant, sizes: &[u32]) -> Vec<Row> {
                     rewrite_s: f64::NAN,
                     rewrite_first_s: f64::NAN,
                     rewrite_later_s: f64::NAN,
+                    burst_s: f64::NAN,
+                    burst_longest_s: f64::NAN,
                     checked: why,
                 });
                 continue;
             }
         }
-        eprintln!("modes: {label}, {n} services x 4 endpoints...");
+        eprintln!("modes: {label}, {n} services x {} endpoints...", endpoints());
         let ns = netns::Netns::create(format!("pxbm-{}", netns::unique_id()));
         let row = ns.run(move || one(v, n, CHANGES));
         drop(ns);

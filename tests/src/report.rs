@@ -20,7 +20,7 @@ const SECTIONS: [(&str, &str); 6] = [
     ("datapath", "Nanoseconds a packet through the eBPF programs (BPF_PROG_TEST_RUN), by number of Services"),
     ("control", "One EndpointSlice change in the API server -> the maps"),
     ("footprint", "The agent at 30,000 Services x 4 endpoints: memory, CPU under changes, restart"),
-    ("modes", "Time to program Services x 4 endpoints, and one endpoint change, in every mode"),
+    ("modes", "Time to program Services (x 4 endpoints unless said), and one endpoint change, in every mode"),
 ];
 
 /// One colour per mode, the same in every plot.
@@ -376,6 +376,7 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                         format!("{} / {}", fmt(num(&r["change_ms_p50"]), 2), fmt(num(&r["change_ms_max"]), 2)),
                         fmt(num(&r["rewrite_s"]), 3),
                         format!("{} / {}", fmt(num(&r["rewrite_first_s"]), 2), fmt(num(&r["rewrite_later_s"]), 2)),
+                        format!("{} / {}", fmt(num(&r["burst_s"]), 2), fmt(num(&r["burst_longest_s"]), 2)),
                         r["checked"].as_str().unwrap_or("").into(),
                     ]
                 })
@@ -388,10 +389,12 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
                     "one change p50 / max (ms)",
                     "written again by a new proxier (s)",
                     "its first sync / longest later one (s)",
+                    "half the Services changed at once / its longest sync (s)",
                     "checked",
                 ],
                 &t,
             ));
+            let _ = writeln!(html, "<p>Endpoints per Service: {}.</p>", v["endpoints_per_service"].as_u64().unwrap_or(4));
             let _ = writeln!(html, "<p>IPVS: {}</p>", esc(v["ipvs_note"].as_str().unwrap_or("")));
         }
         _ => {}

@@ -1209,13 +1209,15 @@ fn modes(out_dir: &std::path::Path) {
         }
     }
     let (ipvs, ipvs_note) = if wanted("ipvs") { modes_ipvs_in_guest() } else { (vec![], "IPVS not asked for (PROXY_BENCH_MODES)".into()) };
-    println!("\nModes: ClusterIP Services x 4 endpoints handed to the mode -> programmed in the kernel");
+    let per = proxy_tests::modesbench::endpoints();
+    println!("\nModes: ClusterIP Services x {per} endpoints handed to the mode -> programmed in the kernel");
     println!("(one endpoint change: {} changes at each size; p50 / max)", proxy_tests::modesbench::CHANGES);
     println!("(written again: the same Services handed to a new proxier, as after a restart, over what the first wrote;");
     println!(" its syncs: the first, and the longest after it where the write goes in steps, one per sync)");
+    println!("(half changed: every other Service's endpoints changed at once -> programmed, and the longest sync of it)");
     println!(
-        "{:<17}{:>10}{:>16}{:>24}{:>20}{:>24}",
-        "mode", "services", "program (s)", "one change (ms)", "written again (s)", "first / later sync (s)"
+        "{:<17}{:>10}{:>16}{:>24}{:>20}{:>24}{:>28}",
+        "mode", "services", "program (s)", "one change (ms)", "written again (s)", "first / later sync (s)", "half changed / longest (s)"
     );
     for r in rows.iter().chain(ipvs.iter()) {
         let mode = if r.mode == "ipvs" { "ipvs*".to_string() } else { r.mode.clone() };
@@ -1223,17 +1225,19 @@ fn modes(out_dir: &std::path::Path) {
             println!("{mode:<17}{:>10}    {}", r.services, r.checked);
         } else {
             println!(
-                "{mode:<17}{:>10}{:>16.3}{:>24}{:>20.3}{:>24}",
+                "{mode:<17}{:>10}{:>16.3}{:>24}{:>20.3}{:>24}{:>28}",
                 r.services,
                 r.program_s,
                 format!("{:.2} / {:.2}", r.change_ms_p50, r.change_ms_max),
                 r.rewrite_s,
-                format!("{:.2} / {:.2}", r.rewrite_first_s, r.rewrite_later_s)
+                format!("{:.2} / {:.2}", r.rewrite_first_s, r.rewrite_later_s),
+                format!("{:.2} / {:.2}", r.burst_s, r.burst_longest_s)
             );
         }
     }
     println!("* {ipvs_note}");
-    let json = serde_json::json!({ "benchmark": "modes", "rows": rows, "ipvs_guest": ipvs, "ipvs_note": ipvs_note });
+    let json =
+        serde_json::json!({ "benchmark": "modes", "endpoints_per_service": per, "rows": rows, "ipvs_guest": ipvs, "ipvs_note": ipvs_note });
     let path = out_dir.join("modes.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
     println!("written to {}", path.display());
@@ -1260,7 +1264,7 @@ fn modes_ipvs_in_guest() -> (Vec<proxy_tests::modesbench::Row>, String) {
     let job = guest.join("modes-job.sh");
     std::fs::write(
         &job,
-        format!("#!/bin/sh\nset -e\nfor m in ip_vs ip_vs_rr ip_set xt_set dummy; do modprobe $m || true; done\nRUST_LOG='{}' PROXY_BENCH_SIZES='{}' exec {} modes-guest\n", std::env::var("RUST_LOG").unwrap_or_default(), std::env::var("PROXY_BENCH_SIZES").unwrap_or_default(), me.display()),
+        format!("#!/bin/sh\nset -e\nfor m in ip_vs ip_vs_rr ip_set xt_set dummy; do modprobe $m || true; done\nRUST_LOG='{}' PROXY_BENCH_SIZES='{}' PROXY_BENCH_ENDPOINTS='{}' exec {} modes-guest\n", std::env::var("RUST_LOG").unwrap_or_default(), std::env::var("PROXY_BENCH_SIZES").unwrap_or_default(), std::env::var("PROXY_BENCH_ENDPOINTS").unwrap_or_default(), me.display()),
     )
     .unwrap();
     eprintln!("modes: ipvs in the qemu guest (emulated; this takes minutes)...");
