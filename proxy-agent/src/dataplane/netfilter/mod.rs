@@ -7,6 +7,7 @@ pub mod conntrack;
 pub mod iptables;
 pub mod ipvs;
 pub mod nfacct;
+pub mod nfnetlink;
 pub mod nftables;
 pub mod proxier;
 pub mod sysctl;

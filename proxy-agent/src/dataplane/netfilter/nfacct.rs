@@ -5,6 +5,8 @@
 
 use std::io;
 
+use super::nfnetlink;
+
 /// Packets dropped as conntrack INVALID (`kubeproxy_iptables_ct_state_invalid_dropped_packets_total`).
 pub const CT_STATE_INVALID: &str = "ct_state_invalid_dropped_pkts";
 /// Packets accepted to localhost NodePorts (`kubeproxy_iptables_localhost_nodeports_accepted_packets_total`).
@@ -23,7 +25,6 @@ pub const COUNTERS: [(&str, &str, &str); 2] = [
     ),
 ];
 
-const NETLINK_NETFILTER: i32 = 12;
 const NFNL_SUBSYS_ACCT: u16 = 7;
 const NFNL_MSG_ACCT_NEW: u16 = 0;
 const NFNL_MSG_ACCT_GET: u16 = 1;
@@ -65,16 +66,12 @@ pub struct Answer {
 
 /// Reads the kernel's messages in `buf` (one datagram), into `answer`. True once the ack came.
 pub fn parse(buf: &[u8], answer: &mut Answer) -> bool {
-    let mut off = 0;
-    while off + 16 <= buf.len() {
-        let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
-        let kind = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().unwrap());
-        if len < 16 || off + len > buf.len() {
+    for m in nfnetlink::messages(buf) {
+        let Some((kind, body)) = m else {
             // A message cut short: nothing can be taken from it, not even an ack.
             answer.error = -libc::EIO;
             return true;
-        }
-        let body = &buf[off + 16..off + len];
+        };
         if kind == libc::NLMSG_ERROR as u16 {
             answer.error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
             return true;
@@ -83,20 +80,12 @@ pub fn parse(buf: &[u8], answer: &mut Answer) -> bool {
             return true;
         }
         if kind == (NFNL_SUBSYS_ACCT << 8) | NFNL_MSG_ACCT_NEW && body.len() >= 4 {
-            let mut a = 4;
-            while a + 4 <= body.len() {
-                let alen = u16::from_ne_bytes(body[a..a + 2].try_into().unwrap()) as usize;
-                let atype = u16::from_ne_bytes(body[a + 2..a + 4].try_into().unwrap()) & 0x3fff;
-                if alen < 4 || a + alen > body.len() {
-                    break;
+            for (atype, value) in nfnetlink::attributes(body) {
+                if atype == NFACCT_PKTS && value.len() >= 8 {
+                    answer.packets = Some(u64::from_be_bytes(value[..8].try_into().unwrap()));
                 }
-                if atype == NFACCT_PKTS && alen >= 12 {
-                    answer.packets = Some(u64::from_be_bytes(body[a + 4..a + 12].try_into().unwrap()));
-                }
-                a += (alen + 3) & !3;
             }
         }
-        off += (len + 3) & !3;
     }
     false
 }
@@ -106,44 +95,9 @@ fn exchange(kind: u16, flags: u16, name: &str) -> io::Result<Answer> {
     if name.len() >= NFACCT_NAME_MAX {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("nfacct name {name:?} is too long")));
     }
-    // SAFETY: plain socket calls on a descriptor owned here and closed by `Fd`.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    struct Fd(i32);
-    impl Drop for Fd {
-        fn drop(&mut self) {
-            // SAFETY: the descriptor opened above.
-            unsafe { libc::close(self.0) };
-        }
-    }
-    let fd = Fd(fd);
-    let timeout = libc::timeval { tv_sec: 1, tv_usec: 0 };
-    // SAFETY: a timeval of the right size.
-    unsafe { libc::setsockopt(fd.0, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const timeout).cast(), size_of::<libc::timeval>() as u32) };
     let msg = request(kind, flags, name, 1);
-    // SAFETY: the kernel as the peer (zeroed sockaddr_nl with its family).
-    let sent = unsafe {
-        let mut to: libc::sockaddr_nl = std::mem::zeroed();
-        to.nl_family = libc::AF_NETLINK as u16;
-        libc::sendto(fd.0, msg.as_ptr().cast(), msg.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_nl>() as u32)
-    };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
     let mut answer = Answer::default();
-    let mut buf = vec![0u8; 8192];
-    loop {
-        // SAFETY: a buffer of the size given.
-        let n = unsafe { libc::recv(fd.0, buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if parse(&buf[..n as usize], &mut answer) {
-            break;
-        }
-    }
+    nfnetlink::exchange(&msg, |datagram| parse(datagram, &mut answer))?;
     if answer.error != 0 {
         return Err(io::Error::from_raw_os_error(-answer.error));
     }

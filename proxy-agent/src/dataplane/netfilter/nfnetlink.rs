@@ -1,0 +1,89 @@
+//! One request to the kernel over netfilter netlink (`NETLINK_NETFILTER`) and its answers:
+//! the socket, the send, and the datagrams read back until the caller has what it asked for.
+//! nfacct's objects and the nf_tables table list (`nftables::tables`) are read this way.
+
+use std::io;
+
+const NETLINK_NETFILTER: i32 = 12;
+
+/// Sends `msg` (one or more netlink messages) and hands every datagram the kernel answers with
+/// to `datagram`, until it returns true (the answer is whole: an ack, a dump's end). A second
+/// without a datagram is an error (`WouldBlock`).
+pub fn exchange(msg: &[u8], mut datagram: impl FnMut(&[u8]) -> bool) -> io::Result<()> {
+    // SAFETY: plain socket calls on a descriptor owned here and closed by `Fd`.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    struct Fd(i32);
+    impl Drop for Fd {
+        fn drop(&mut self) {
+            // SAFETY: the descriptor opened above.
+            unsafe { libc::close(self.0) };
+        }
+    }
+    let fd = Fd(fd);
+    let timeout = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    // SAFETY: a timeval of the right size.
+    unsafe { libc::setsockopt(fd.0, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const timeout).cast(), size_of::<libc::timeval>() as u32) };
+    // SAFETY: the kernel as the peer (zeroed sockaddr_nl with its family).
+    let sent = unsafe {
+        let mut to: libc::sockaddr_nl = std::mem::zeroed();
+        to.nl_family = libc::AF_NETLINK as u16;
+        libc::sendto(fd.0, msg.as_ptr().cast(), msg.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_nl>() as u32)
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // (A dump's datagrams are at most a page or so each; a larger buffer takes them whole.)
+    let mut buf = vec![0u8; 32768];
+    loop {
+        // SAFETY: a buffer of the size given.
+        let n = unsafe { libc::recv(fd.0, buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if datagram(&buf[..n as usize]) {
+            return Ok(());
+        }
+    }
+}
+
+/// A message's header fields and body, for each whole message in `buf`; None for one cut short
+/// (the rest of the datagram cannot be read).
+pub fn messages(buf: &[u8]) -> impl Iterator<Item = Option<(u16, &[u8])>> {
+    let mut off = 0;
+    std::iter::from_fn(move || {
+        if off + 16 > buf.len() {
+            return None;
+        }
+        let len = u32::from_ne_bytes(buf[off..off + 4].try_into().unwrap()) as usize;
+        let kind = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().unwrap());
+        if len < 16 || off + len > buf.len() {
+            off = buf.len();
+            return Some(None);
+        }
+        let body = &buf[off + 16..off + len];
+        off += (len + 3) & !3;
+        Some(Some((kind, body)))
+    })
+}
+
+/// The attributes (type without its flag bits, value) of a netfilter message's body after its
+/// 4-byte `nfgenmsg`.
+pub fn attributes(body: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut a = 4;
+    std::iter::from_fn(move || {
+        if a + 4 > body.len() {
+            return None;
+        }
+        let alen = u16::from_ne_bytes(body[a..a + 2].try_into().unwrap()) as usize;
+        let atype = u16::from_ne_bytes(body[a + 2..a + 4].try_into().unwrap()) & 0x3fff;
+        if alen < 4 || a + alen > body.len() {
+            return None;
+        }
+        let value = &body[a + 4..a + alen];
+        a += (alen + 3) & !3;
+        Some((atype, value))
+    })
+}
