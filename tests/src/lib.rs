@@ -12,6 +12,7 @@ pub mod interrupt;
 pub mod lab;
 pub mod modesbench;
 pub mod netns;
+pub mod newernft;
 pub mod northbench;
 pub mod packet;
 pub mod packet6;

@@ -1500,3 +1500,96 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
     assert_eq!((0..1500).filter(|i| at(&table, *i)).count(), 1500, "the second the rest");
     assert!(!(0..6000).any(|n| table.contains(&old(n))), "and no chain keeps an endpoint gone");
 }
+
+/// A node whose other tools run a newer nft (1.1.2 or later: Debian 13's, a CNI plugin's, a
+/// firewall's) holds sets that older nft versions crash on in every command that loads sets,
+/// Debian 12's 1.0.6 (this image's) among them (kubernetes#136786). The set is made over netlink
+/// as nft 1.1.3 writes it (`proxy_tests::newernft`), once the nftables mode has written its
+/// Services. Where this machine's nft crashes on it: auto mode's check says why and names the
+/// table, so does the failed sync, the rules written before stay in the kernel, and the iptables
+/// mode (which runs no nft) writes its rules beside the set, after the switch's cleanup removed
+/// the nftables mode's table (which nft cannot delete there). Where it does not (a newer or
+/// patched nft), the nftables mode writes on.
+#[test]
+fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_works() {
+    if !require::root("a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_works") {
+        return;
+    }
+    use proxy_agent::{
+        config::{Config, Flags},
+        dataplane::{
+            modes::{nftables_unsupported, rules_for},
+            netfilter::proxier::{Masquerading, NetfilterProxier},
+            ProxyMode,
+        },
+        model::store::{Event, Kind, Object, Store},
+    };
+    let proxier = |mode: ProxyMode| {
+        let flags = Flags { cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]), ..Default::default() };
+        let (cfg, _) = Config::resolve(flags, || "test-node".into()).expect("configuration");
+        let rules = rules_for(mode, &cfg, Default::default(), false).expect("rules");
+        let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()] };
+        NetfilterProxier::new(Store::new("test-node"), rules, vec![Kind::Service, Kind::EndpointSlice], masquerading, vec![])
+    };
+    let slice = |backend: &str| {
+        let yaml = lab::endpoint_slice("web", "web-1", &[backend.parse().unwrap()], &[("http", 8080, "TCP")]);
+        Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).expect("slice YAML")))
+    };
+    let service = || {
+        Object::Service(Box::new(
+            serde_yaml::from_str(&lab::service("web", "10.96.0.10", &[("http", 80, "TCP", 8080)])).expect("service YAML"),
+        ))
+    };
+    let table = format!("pxnewer{}", netfilter_suffix());
+    let ns = netns::Netns::create(format!("pxnew-{}", netns::unique_id()));
+    ns.run(move || {
+        let mut nft = proxier(ProxyMode::Nftables);
+        nft.handle(Event::Replace { kind: Kind::Service, objects: vec![service()] });
+        nft.handle(Event::Replace { kind: Kind::EndpointSlice, objects: vec![slice("10.1.0.1")] });
+        assert_eq!(nft.sync().expect("a sync").failed, 0, "written before the set comes");
+        proxy_tests::newernft::add_table_with_newer_set(&table).expect("the newer nft's set");
+        let crashes = std::process::Command::new("nft").args(["list", "tables"]).output().expect("run nft");
+        let crashes = std::os::unix::process::ExitStatusExt::signal(&crashes.status) == Some(libc::SIGSEGV);
+        nft.handle(Event::Apply(slice("10.1.0.2")));
+        let synced = nft.sync().expect("a sync");
+        if !crashes {
+            println!("NOT APPLICABLE the crash's report: this machine's nft reads the sets of newer nft versions");
+            assert_eq!(synced.failed, 0, "the nftables mode writes on beside the set");
+            return;
+        }
+        let named = format!("table ip {table}");
+        let why = nftables_unsupported().expect("auto mode's check fails where nft crashes");
+        println!("auto mode's reason: {why}");
+        for part in ["SIGSEGV", named.as_str(), "nft 1.1.2 or later", "--proxy-mode ebpf or iptables"] {
+            assert!(why.contains(part), "auto mode's reason says {part:?}: {why}");
+        }
+        assert!(synced.failed > 0 && nft.has_failures());
+        let error = nft.last_error().expect("the failed sync's error").to_string();
+        assert!(error.contains(&named) && error.contains("SIGSEGV"), "the sync's error names the table and the crash: {error}");
+        // (Listing one table loads only its own sets.)
+        let kept = netns::sh(&["nft", "list", "table", "ip", "kube-proxy"]);
+        assert!(kept.contains("10.1.0.1") && !kept.contains("10.1.0.2"), "what was written stays, unchanged:\n{kept}");
+        let mut ipt = proxier(ProxyMode::Iptables);
+        ipt.handle(Event::Replace { kind: Kind::Service, objects: vec![service()] });
+        ipt.handle(Event::Replace { kind: Kind::EndpointSlice, objects: vec![slice("10.1.0.2")] });
+        assert_eq!(ipt.sync().expect("a sync").failed, 0, "the iptables mode writes beside the set: {:?}", ipt.last_error());
+        let nat = netns::sh(&["iptables-nft-save", "-t", "nat"]);
+        assert!(nat.contains("10.96.0.10/32") && nat.contains("10.1.0.2:8080"), "the Service in iptables:\n{nat}");
+        // Switching modes removes the nftables mode's table (over netlink: `nft delete table`
+        // crashes too), else its rules would go on translating beside iptables'.
+        let removed = proxy_agent::dataplane::netfilter::nftables::cleanup();
+        assert!(
+            removed.contains(&"nftables: table ip kube-proxy".to_string()) && removed.iter().all(|r| r.starts_with("nftables: table ")),
+            "{removed:?}"
+        );
+        let tables = proxy_agent::dataplane::netfilter::nftables::tables().expect("the tables");
+        assert!(!tables.iter().any(|(_, name)| name == "kube-proxy"), "{tables:?}");
+        assert!(tables.contains(&("ip".to_string(), table.clone())), "and only it: {tables:?}");
+    });
+}
+
+/// A suffix that keeps a test's table names apart from another run's (each runs in its own
+/// namespace anyway).
+fn netfilter_suffix() -> String {
+    (std::process::id() % 10_000).to_string()
+}

@@ -65,7 +65,7 @@ pub fn missing_ebpf_capabilities(effective: u64) -> Vec<&'static str> {
 
 /// Why nftables mode cannot run here, if it cannot.
 pub fn nftables_unsupported() -> Option<String> {
-    match netfilter::run("nft", "nftables", &["list", "tables"]) {
+    match netfilter::nftables::nft(&["list", "tables"], "") {
         Ok(_) => None,
         Err(e) => Some(e.to_string()),
     }

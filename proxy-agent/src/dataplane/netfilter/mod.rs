@@ -121,6 +121,25 @@ pub enum NetfilterError {
     Missing { tool: &'static str, package: &'static str, why: String },
     #[error("{command} failed: {stderr}")]
     Failed { command: String, stderr: String },
+    /// The tool died of a signal (it prints nothing of its own then); `why`: what it printed
+    /// before, and what its caller knows of such crashes (`nftables::explain_crash`).
+    #[error("{command} crashed: killed by {}{why}", signal_name(*.signal))]
+    Crashed { command: String, signal: i32, why: String },
+}
+
+/// "signal 11 (SIGSEGV)", for the signals a crashing or killed tool dies of.
+fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGILL => "SIGILL",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        _ => return format!("signal {signal}"),
+    };
+    format!("signal {signal} ({name})")
 }
 
 /// A mode's rules: rendered as text (what `proxy-agent rules` prints) and applied.
@@ -284,10 +303,12 @@ pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str
         return Err(NetfilterError::Failed { command: format!("{program} {}", args.join(" ")), stderr: e.to_string() });
     }
     if !out.status.success() {
-        return Err(NetfilterError::Failed {
-            command: format!("{program} {}", args.join(" ")),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
+        let (command, stderr) = (format!("{program} {}", args.join(" ")), String::from_utf8_lossy(&out.stderr).trim().to_string());
+        if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
+            let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
+            return Err(NetfilterError::Crashed { command, signal, why });
+        }
+        return Err(NetfilterError::Failed { command, stderr });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -707,6 +728,19 @@ mod tests {
         assert_eq!(base32(b"foob"), "MZXW6YQ=");
         assert_eq!(base32(b"fooba"), "MZXW6YTB");
         assert_eq!(base32(b"foobar"), "MZXW6YTBOI======");
+    }
+
+    /// A tool that dies of a signal prints nothing of its own: its error says which signal, and
+    /// what it printed before; one that exits with a status is a failure as before.
+    #[test]
+    fn a_tool_killed_by_a_signal_is_reported_as_crashed() {
+        let e = run("sh", "dash", &["-c", "echo half-done >&2; kill -SEGV $$"]).unwrap_err();
+        assert!(matches!(e, NetfilterError::Crashed { signal: libc::SIGSEGV, .. }), "{e:?}");
+        assert_eq!(e.to_string(), "sh -c echo half-done >&2; kill -SEGV $$ crashed: killed by signal 11 (SIGSEGV) (it printed: half-done)");
+        let e = run("sh", "dash", &["-c", "kill -KILL $$"]).unwrap_err();
+        assert_eq!(e.to_string(), "sh -c kill -KILL $$ crashed: killed by signal 9 (SIGKILL)");
+        let e = run("sh", "dash", &["-c", "echo no >&2; exit 3"]).unwrap_err();
+        assert!(matches!(e, NetfilterError::Failed { ref stderr, .. } if stderr == "no"), "{e:?}");
     }
 
     #[test]

@@ -87,3 +87,61 @@ pub fn attributes(body: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
         Some((atype, value))
     })
 }
+
+/// A netfilter message: the netlink header (`kind`, NLM_F_REQUEST and `flags`), `nfgenmsg`
+/// (`family`, version 0, `res_id`) and the attributes (type, value), each padded to 4 bytes.
+pub fn message(kind: u16, flags: u16, family: u8, res_id: u16, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+    let mut body = vec![family, 0];
+    body.extend_from_slice(&res_id.to_be_bytes());
+    for (t, value) in attrs {
+        body.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
+        body.extend_from_slice(&t.to_ne_bytes());
+        body.extend_from_slice(value);
+        while body.len() % 4 != 0 {
+            body.push(0);
+        }
+    }
+    let mut m = Vec::with_capacity(16 + body.len());
+    m.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    m.extend_from_slice(&kind.to_ne_bytes());
+    m.extend_from_slice(&(flags | libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&body);
+    m
+}
+
+/// The nf_tables subsystem, and its batch's bounds.
+pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
+const NFNL_MSG_BATCH_END: u16 = 0x11;
+
+/// Commits `commands` (nf_tables messages, each built with NLM_F_ACK) as one transaction: Ok
+/// once the kernel acked every one, else its first error (the kernel then undoes them all).
+pub fn nftables_batch(commands: &[Vec<u8>]) -> io::Result<()> {
+    let bound = |kind| message(kind, 0, libc::AF_UNSPEC as u8, NFNL_SUBSYS_NFTABLES, &[]);
+    let mut batch = bound(NFNL_MSG_BATCH_BEGIN);
+    commands.iter().for_each(|m| batch.extend_from_slice(m));
+    batch.extend(bound(NFNL_MSG_BATCH_END));
+    let (mut acks, mut error) = (0, 0);
+    exchange(&batch, |datagram| {
+        for m in messages(datagram) {
+            let Some((kind, body)) = m else {
+                error = -libc::EIO;
+                return true;
+            };
+            if kind == libc::NLMSG_ERROR as u16 {
+                acks += 1;
+                error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
+                if error != 0 {
+                    return true;
+                }
+            }
+        }
+        acks == commands.len()
+    })?;
+    if error != 0 {
+        return Err(io::Error::from_raw_os_error(-error));
+    }
+    Ok(())
+}

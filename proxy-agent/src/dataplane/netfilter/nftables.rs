@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::{hash_name, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
+use super::{hash_name, nfnetlink, nft_family, run, run_with_input, NetfilterError, NodeContext, Plan, RuleSet, Services};
 use crate::{
     dataplane::ProxyMode,
     model::{Cidr, Family, ObjectKey, PortView},
@@ -458,7 +458,7 @@ impl NftablesRules {
     fn apply_changes(&mut self, services: &Services, node: &NodeContext, changed: &Changed) -> Option<Result<usize, NetfilterError>> {
         let c = self.changes_alone(services, node, changed)?;
         if !c.tx.is_empty() {
-            if let Err(e) = run_with_input("nft", PACKAGE, &["-f", "-"], &c.tx) {
+            if let Err(e) = nft(&["-f", "-"], &c.tx) {
                 // The next sync writes the table again from scratch; until then Services are not
                 // in the kernel as they are (health-check ports wait too).
                 self.applied = None;
@@ -724,7 +724,7 @@ impl NftablesRules {
             return Ok(0);
         }
         let ops = tx.lines().count();
-        match run_with_input("nft", PACKAGE, &["-f", "-"], &tx) {
+        match nft(&["-f", "-"], &tx) {
             Ok(_) => {
                 self.applied = Some(wanted);
                 self.refresh_failures = 0;
@@ -805,7 +805,7 @@ impl NftablesRules {
             let (wanted, alone) = whole(self);
             let tx = transaction(build.done.as_ref(), &wanted);
             if !tx.is_empty() {
-                run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+                nft(&["-f", "-"], &tx)?;
             }
             let services = services.values().filter(|ports| of_family(ports, family)).count();
             tracing::info!(family = %family, services, steps = build.steps + 1, "the nftables table is built");
@@ -821,7 +821,7 @@ impl NftablesRules {
         let Some(done) = &mut build.done else {
             // (The first step replaces the table: `transaction` from nothing.)
             let tx = transaction(None, &part_rules);
-            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+            nft(&["-f", "-"], &tx)?;
             build.done = Some(part_rules);
             self.building = Some(build);
             return Ok(tx.lines().count());
@@ -835,7 +835,7 @@ impl NftablesRules {
         let fixed = Ruleset { family, base: done.base.clone(), ..Default::default() };
         let tx = transaction(Some(&fixed), &part_rules);
         if !tx.is_empty() {
-            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+            nft(&["-f", "-"], &tx)?;
         }
         done.chains.append(&mut part_rules.chains);
         done.sets.append(&mut part_rules.sets);
@@ -887,7 +887,7 @@ impl NftablesRules {
         let mut ops = 0;
         if !tx.is_empty() {
             ops += tx.lines().count();
-            run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+            nft(&["-f", "-"], &tx)?;
         }
         if !refresh.done() {
             self.refreshing = Some(refresh);
@@ -900,7 +900,7 @@ impl NftablesRules {
     /// `wanted` in one transaction that replaces the table.
     fn replace_whole(&mut self, wanted: Ruleset) -> Result<usize, NetfilterError> {
         let tx = transaction(None, &wanted);
-        run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+        nft(&["-f", "-"], &tx)?;
         let ops = tx.lines().count();
         self.applied = Some(wanted);
         Ok(ops)
@@ -926,8 +926,119 @@ fn remove_stale(wanted: &Ruleset) -> Result<usize, NetfilterError> {
     if tx.is_empty() {
         return Ok(0);
     }
-    run_with_input("nft", PACKAGE, &["-f", "-"], &tx)?;
+    nft(&["-f", "-"], &tx)?;
     Ok(tx.lines().count())
+}
+
+/// Runs `nft args` with `input` on its stdin; a crash is explained (`explain_crash`).
+pub fn nft(args: &[&str], input: &str) -> Result<String, NetfilterError> {
+    run_with_input("nft", PACKAGE, args, input).map_err(explain_crash)
+}
+
+/// What is known of an nft crash, added to its error. nft before 1.1.2 dies (SIGSEGV) reading
+/// a set or map that nft 1.1.2 or later declared with a `type` (or a `numgen` map), in any
+/// table of any family, for any command that loads sets (every transaction of this mode): it
+/// cannot read the metadata the newer nft stores with them (kubernetes#136786). A node gets
+/// them from its newer tools (Debian 13's nft, a CNI plugin's or a firewall's); rules already
+/// written stay, but nothing more can be written. The tables whose listing alone crashes nft
+/// are named (found over netlink: listing them all with nft crashes).
+pub fn explain_crash(e: NetfilterError) -> NetfilterError {
+    let NetfilterError::Crashed { command, signal, why } = e else { return e };
+    if signal != libc::SIGSEGV {
+        return NetfilterError::Crashed { command, signal, why };
+    }
+    let version = run("nft", PACKAGE, &["--version"]).map_or_else(|_| "this nft".into(), |v| v.trim().to_string());
+    let found = crashing_tables();
+    let why = format!(
+        "{why}: {version} crashes on sets and maps that nft 1.1.2 or later wrote, which it cannot read (kubernetes#136786): \
+         {found}. This mode writes nothing more while they exist (what it wrote stays in the kernel): run the agent with \
+         --proxy-mode ebpf or iptables (neither runs nft), or with an nft that reads them (1.1.2 or later, whose own sets \
+         older nft versions on the node then cannot read)"
+    );
+    NetfilterError::Crashed { command, signal, why }
+}
+
+/// The tables whose listing alone crashes nft, said for `explain_crash`; found again at most
+/// once a minute (a failing mode retries every few seconds at first, and each table costs an
+/// nft run). This mode's own tables are left out: this nft wrote them, and listing one whole
+/// takes seconds at tens of thousands of Services.
+fn crashing_tables() -> String {
+    static FOUND: std::sync::Mutex<Option<(std::time::Instant, String)>> = std::sync::Mutex::new(None);
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, said)) = found.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(60)) {
+        return said.clone();
+    }
+    let crashing = |(family, name): &&(String, String)| {
+        let ours = name == TABLE && (family == "ip" || family == "ip6");
+        !ours && matches!(run("nft", PACKAGE, &["-t", "list", "table", family, name]), Err(NetfilterError::Crashed { .. }))
+    };
+    let said = match tables() {
+        Ok(tables) => {
+            let named: Vec<String> = tables.iter().filter(crashing).map(|(f, n)| format!("{f} {n}")).collect();
+            match named.len() {
+                0 => "no table crashes it alone".to_string(),
+                1 => format!("here, table {}", named[0]),
+                _ => format!("here, tables {}", named.join(", ")),
+            }
+        }
+        Err(e) => format!("the tables could not be listed to name them ({e})"),
+    };
+    *found = Some((std::time::Instant::now(), said.clone()));
+    said
+}
+
+use nfnetlink::NFNL_SUBSYS_NFTABLES;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_GETTABLE: u16 = 1;
+const NFT_MSG_DELTABLE: u16 = 2;
+const NFTA_TABLE_NAME: u16 = 1;
+
+/// Every nf_tables table of the network namespace, as (family, name) in nft's words, read over
+/// netlink: no nft, so none of its crashes.
+pub fn tables() -> std::io::Result<Vec<(String, String)>> {
+    // (Every family's.)
+    let msg = nfnetlink::message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETTABLE, libc::NLM_F_DUMP as u16, libc::AF_UNSPEC as u8, 0, &[]);
+    let (mut found, mut error) = (Vec::new(), 0);
+    nfnetlink::exchange(&msg, |datagram| dumped_tables(datagram, &mut found, &mut error))?;
+    if error != 0 {
+        return Err(std::io::Error::from_raw_os_error(-error));
+    }
+    Ok(found)
+}
+
+/// Reads one datagram of the table dump into `found`; true at its end (`error`: the kernel's).
+fn dumped_tables(datagram: &[u8], found: &mut Vec<(String, String)>, error: &mut i32) -> bool {
+    for m in nfnetlink::messages(datagram) {
+        let Some((kind, body)) = m else {
+            *error = -libc::EIO;
+            return true;
+        };
+        if kind == libc::NLMSG_ERROR as u16 {
+            *error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
+            return true;
+        }
+        if kind == libc::NLMSG_DONE as u16 {
+            return true;
+        }
+        if kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE || body.len() < 4 {
+            continue;
+        }
+        let family = match i32::from(body[0]) {
+            libc::NFPROTO_INET => "inet",
+            libc::NFPROTO_IPV4 => "ip",
+            libc::NFPROTO_IPV6 => "ip6",
+            libc::NFPROTO_ARP => "arp",
+            libc::NFPROTO_BRIDGE => "bridge",
+            libc::NFPROTO_NETDEV => "netdev",
+            _ => continue,
+        };
+        let name = nfnetlink::attributes(body).find(|(t, _)| *t == NFTA_TABLE_NAME);
+        if let Some((_, name)) = name {
+            let name = name.split(|b| *b == 0).next().unwrap_or_default();
+            found.push((family.to_string(), String::from_utf8_lossy(name).into_owned()));
+        }
+    }
+    false
 }
 
 /// The names of the `what` (`chains`, `sets` or `maps`) of the family's kube-proxy table, as
@@ -935,7 +1046,7 @@ fn remove_stale(wanted: &Ruleset) -> Result<usize, NetfilterError> {
 /// than everything else: at 10,000 Services, 0.04 s for the sets or the maps against 4.5 s
 /// with their elements, 0.35 s for the chains.
 fn listed(family: &str, what: &str) -> Result<BTreeSet<String>, NetfilterError> {
-    let out = run("nft", PACKAGE, &["-t", "-j", "list", what, family])?;
+    let out = nft(&["-t", "-j", "list", what, family], "")?;
     let kind = what.trim_end_matches('s');
     let bad = |e: String| NetfilterError::Failed { command: format!("nft -t -j list {what} {family}"), stderr: e };
     let v: serde_json::Value = serde_json::from_str(&out).map_err(|e| bad(e.to_string()))?;
@@ -1174,23 +1285,86 @@ impl Refresh {
 }
 
 /// Removes the nftables mode's tables (both families). Returns a line per thing removed.
+/// Found and deleted over netlink, not with nft: an nft that crashes on another table's sets
+/// (`explain_crash`) would leave the table behind, its rules translating beside the mode that
+/// follows; and nft would list the whole table (every element) to find it.
 pub fn cleanup() -> Vec<String> {
+    let present = match tables() {
+        Ok(t) => t,
+        // (No nf_tables here, or no right to ask: nothing this agent could delete.)
+        Err(e) => {
+            tracing::debug!("nftables: the tables could not be listed, so none is removed: {e}");
+            return Vec::new();
+        }
+    };
     let mut removed = Vec::new();
     for family in Family::ALL {
         let ip = nft_family(family);
-        if run("nft", PACKAGE, &["list", "table", ip, "kube-proxy"]).is_ok() {
-            removed.push(match run("nft", PACKAGE, &["delete", "table", ip, "kube-proxy"]) {
-                Ok(_) => format!("nftables: table {ip} kube-proxy"),
-                Err(e) => format!("nftables: could not delete table {ip} kube-proxy: {e}"),
-            });
+        if !present.iter().any(|(f, name)| f == ip && name == TABLE) {
+            continue;
         }
+        removed.push(match delete_table(family) {
+            Ok(()) => format!("nftables: table {ip} {TABLE}"),
+            Err(e) => format!("nftables: could not delete table {ip} {TABLE}: {e}"),
+        });
     }
     removed
+}
+
+/// The mode's table's name, in both families.
+const TABLE: &str = "kube-proxy";
+
+/// Deletes the family's table and everything in it, as `nft delete table` does.
+fn delete_table(family: Family) -> std::io::Result<()> {
+    let nfproto = match family {
+        Family::V4 => libc::NFPROTO_IPV4,
+        Family::V6 => libc::NFPROTO_IPV6,
+    } as u8;
+    let name = [TABLE.as_bytes(), &[0]].concat();
+    let delete =
+        nfnetlink::message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE, libc::NLM_F_ACK as u16, nfproto, 0, &[(NFTA_TABLE_NAME, &name)]);
+    nfnetlink::nftables_batch(&[delete])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The table dump's messages read into (family, name); the dump ends at NLMSG_DONE, or at
+    /// an error the kernel sends instead.
+    #[test]
+    fn the_table_dump_names_each_table_with_its_family() {
+        let table = |family: u8, name: &str| {
+            let mut body = vec![family, 0, 0, 0];
+            let value = [name.as_bytes(), &[0]].concat();
+            body.extend_from_slice(&((4 + value.len()) as u16).to_ne_bytes());
+            body.extend_from_slice(&NFTA_TABLE_NAME.to_ne_bytes());
+            body.extend_from_slice(&value);
+            while body.len() % 4 != 0 {
+                body.push(0);
+            }
+            message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE, &body)
+        };
+        let mut datagram = table(libc::NFPROTO_IPV4 as u8, "kube-proxy");
+        datagram.extend(table(libc::NFPROTO_INET as u8, "firewalld"));
+        let (mut found, mut error) = (Vec::new(), 0);
+        assert!(!dumped_tables(&datagram, &mut found, &mut error), "more to come");
+        assert!(dumped_tables(&message(libc::NLMSG_DONE as u16, &0i32.to_ne_bytes()), &mut found, &mut error));
+        let named = |f: &str, n: &str| (f.to_string(), n.to_string());
+        assert_eq!((found, error), (vec![named("ip", "kube-proxy"), named("inet", "firewalld")], 0));
+        let (mut found, mut error) = (Vec::new(), 0);
+        assert!(dumped_tables(&message(libc::NLMSG_ERROR as u16, &(-libc::EPERM).to_ne_bytes()), &mut found, &mut error));
+        assert_eq!((found.len(), error), (0, -libc::EPERM));
+    }
+
+    /// A netlink message of `kind` around `body`.
+    fn message(kind: u16, body: &[u8]) -> Vec<u8> {
+        let mut m = ((16 + body.len()) as u32).to_ne_bytes().to_vec();
+        m.extend_from_slice(&kind.to_ne_bytes());
+        m.extend_from_slice(&[0; 10]);
+        m.extend_from_slice(body);
+        m
+    }
 
     #[test]
     fn chain_names_hash_as_kube_proxy_does() {

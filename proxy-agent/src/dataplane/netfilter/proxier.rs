@@ -116,6 +116,11 @@ impl NetfilterProxier {
         self.failed
     }
 
+    /// Why the last sync failed, as it was logged (None after one that applied).
+    pub fn last_error(&self) -> Option<&str> {
+        self.last_error.as_deref()
+    }
+
     /// The rules have more to write (`RuleSet::pending`): the next sync goes on, changes or not.
     pub fn pending(&self) -> bool {
         self.rules.pending()
