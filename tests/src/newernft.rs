@@ -19,7 +19,7 @@ const NEWER_SET_USERDATA: [u8; 16] = [0, 4, 2, 0, 0, 0, 3, 8, 0, 4, 4, 0, 0, 0, 
 /// Adds table `ip <table>` holding set `newer { type ipv4_addr ; }` as nft 1.1.3 writes it, in
 /// the calling thread's network namespace.
 pub fn add_table_with_newer_set(table: &str) -> std::io::Result<()> {
-    let (flags, ip) = ((libc::NLM_F_CREATE | libc::NLM_F_ACK) as u16, libc::NFPROTO_IPV4 as u8);
+    let (flags, ip) = (libc::NLM_F_CREATE as u16, libc::NFPROTO_IPV4 as u8);
     let name = [table.as_bytes(), &[0]].concat();
     let (zero, ipv4_addr, four, id) = (0u32.to_be_bytes(), 7u32.to_be_bytes(), 4u32.to_be_bytes(), 1u32.to_be_bytes());
     // (NFTA_TABLE_NAME, NFTA_TABLE_FLAGS.)

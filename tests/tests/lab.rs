@@ -1552,6 +1552,11 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
         let crashes = std::os::unix::process::ExitStatusExt::signal(&crashes.status) == Some(libc::SIGSEGV);
         nft.handle(Event::Apply(slice("10.1.0.2")));
         let synced = nft.sync().expect("a sync");
+        // (Debian 12's nftables package, this image's, was seen to crash on the set nft 1.1.3
+        // itself wrote, and on this one.)
+        let package = std::process::Command::new("dpkg-query").args(["-W", "-f", "${Version}", "nftables"]).output();
+        let known = package.is_ok_and(|p| p.stdout == b"1.0.6-2+deb12u2");
+        assert!(crashes || !known, "Debian 12's nft 1.0.6 crashes on the set as nft 1.1.3 writes it: the set made here is not that");
         if !crashes {
             println!("NOT APPLICABLE the crash's report: this machine's nft reads the sets of newer nft versions");
             assert_eq!(synced.failed, 0, "the nftables mode writes on beside the set");
@@ -1560,7 +1565,7 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
         let named = format!("table ip {table}");
         let why = nftables_unsupported().expect("auto mode's check fails where nft crashes");
         println!("auto mode's reason: {why}");
-        for part in ["SIGSEGV", named.as_str(), "nft 1.1.2 or later", "--proxy-mode ebpf or iptables"] {
+        for part in ["SIGSEGV", named.as_str(), "nft 1.1.2 or later", "eBPF and iptables modes run no nft", "proxy-agent cleanup"] {
             assert!(why.contains(part), "auto mode's reason says {part:?}: {why}");
         }
         assert!(synced.failed > 0 && nft.has_failures());

@@ -299,16 +299,18 @@ pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str
     let written = stdin.write_all(input.as_bytes());
     drop(stdin);
     let out = child.wait_with_output().map_err(|e| NetfilterError::Failed { command: program.into(), stderr: e.to_string() })?;
+    let command = || format!("{program} {}", args.join(" "));
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    // A crash first: one in the middle of the input also broke the pipe.
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
+        let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
+        return Err(NetfilterError::Crashed { command: command(), signal, why });
+    }
     if let Err(e) = written {
-        return Err(NetfilterError::Failed { command: format!("{program} {}", args.join(" ")), stderr: e.to_string() });
+        return Err(NetfilterError::Failed { command: command(), stderr: e.to_string() });
     }
     if !out.status.success() {
-        let (command, stderr) = (format!("{program} {}", args.join(" ")), String::from_utf8_lossy(&out.stderr).trim().to_string());
-        if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
-            let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
-            return Err(NetfilterError::Crashed { command, signal, why });
-        }
-        return Err(NetfilterError::Failed { command, stderr });
+        return Err(NetfilterError::Failed { command: command(), stderr });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

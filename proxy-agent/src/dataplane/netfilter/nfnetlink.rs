@@ -116,12 +116,21 @@ pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 
-/// Commits `commands` (nf_tables messages, each built with NLM_F_ACK) as one transaction: Ok
-/// once the kernel acked every one, else its first error (the kernel then undoes them all).
+/// Commits `commands` (nf_tables messages) as one transaction: Ok once the kernel acked every
+/// one (each is sent asking for it), else its first error (the kernel then undoes them all).
 pub fn nftables_batch(commands: &[Vec<u8>]) -> io::Result<()> {
+    if commands.is_empty() {
+        return Ok(());
+    }
     let bound = |kind| message(kind, 0, libc::AF_UNSPEC as u8, NFNL_SUBSYS_NFTABLES, &[]);
     let mut batch = bound(NFNL_MSG_BATCH_BEGIN);
-    commands.iter().for_each(|m| batch.extend_from_slice(m));
+    for m in commands {
+        let mut m = m.clone();
+        // (The flags field, after the length and the type.)
+        let flags = u16::from_ne_bytes([m[6], m[7]]) | libc::NLM_F_ACK as u16;
+        m[6..8].copy_from_slice(&flags.to_ne_bytes());
+        batch.extend(m);
+    }
     batch.extend(bound(NFNL_MSG_BATCH_END));
     let (mut acks, mut error) = (0, 0);
     exchange(&batch, |datagram| {

@@ -941,50 +941,53 @@ pub fn nft(args: &[&str], input: &str) -> Result<String, NetfilterError> {
 /// cannot read the metadata the newer nft stores with them (kubernetes#136786). A node gets
 /// them from its newer tools (Debian 13's nft, a CNI plugin's or a firewall's); rules already
 /// written stay, but nothing more can be written. The tables whose listing alone crashes nft
-/// are named (found over netlink: listing them all with nft crashes).
+/// are named (found over netlink: listing them all with nft crashes); the cause is said only
+/// where one is found.
 pub fn explain_crash(e: NetfilterError) -> NetfilterError {
     let NetfilterError::Crashed { command, signal, why } = e else { return e };
     if signal != libc::SIGSEGV {
         return NetfilterError::Crashed { command, signal, why };
     }
     let version = run("nft", PACKAGE, &["--version"]).map_or_else(|_| "this nft".into(), |v| v.trim().to_string());
-    let found = crashing_tables();
-    let why = format!(
-        "{why}: {version} crashes on sets and maps that nft 1.1.2 or later wrote, which it cannot read (kubernetes#136786): \
-         {found}. This mode writes nothing more while they exist (what it wrote stays in the kernel): run the agent with \
-         --proxy-mode ebpf or iptables (neither runs nft), or with an nft that reads them (1.1.2 or later, whose own sets \
-         older nft versions on the node then cannot read)"
-    );
+    let why = match crashing_tables() {
+        Ok(named) if !named.is_empty() => format!(
+            "{why}: {version} crashes listing {} alone: {} sets or maps that it cannot read, as nft before 1.1.2 cannot \
+             read those nft 1.1.2 or later wrote (kubernetes#136786). This mode writes nothing more while they exist (what \
+             it wrote stays in the kernel). The eBPF and iptables modes run no nft (`proxy-agent cleanup` removes this \
+             mode's tables); an nft that reads them (1.1.2 or later) writes sets older nft versions on the node cannot read",
+            if named.len() == 1 { format!("table {}", named[0]) } else { format!("tables {}", named.join(", ")) },
+            if named.len() == 1 { "it holds" } else { "they hold" },
+        ),
+        Ok(_) => format!("{why}: {version} crashes, though listing each table alone does not; the cause is not known here"),
+        Err(e) => format!("{why}: {version} crashes; the tables could not be listed to find one it crashes on ({e})"),
+    };
     NetfilterError::Crashed { command, signal, why }
 }
 
-/// The tables whose listing alone crashes nft, said for `explain_crash`; found again at most
-/// once a minute (a failing mode retries every few seconds at first, and each table costs an
-/// nft run). This mode's own tables are left out: this nft wrote them, and listing one whole
-/// takes seconds at tens of thousands of Services.
-fn crashing_tables() -> String {
-    static FOUND: std::sync::Mutex<Option<(std::time::Instant, String)>> = std::sync::Mutex::new(None);
+/// The tables ("ip fw") whose listing alone crashes nft, for `explain_crash`: the others', then
+/// this mode's own if none of those (written by kube-proxy's or a newer nft before this agent
+/// took them over, say; listing one whole takes seconds at tens of thousands of Services). Kept
+/// a minute per network namespace: a failing mode retries every few seconds at first, and each
+/// table costs an nft run.
+fn crashing_tables() -> std::io::Result<Vec<String>> {
+    type Found = Option<(u64, std::time::Instant, Vec<String>)>;
+    static FOUND: std::sync::Mutex<Found> = std::sync::Mutex::new(None);
+    let netns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/thread-self/ns/net")?);
     let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, said)) = found.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(60)) {
-        return said.clone();
+    if let Some((_, _, named)) = found.as_ref().filter(|(ns, at, _)| *ns == netns && at.elapsed() < std::time::Duration::from_secs(60)) {
+        return Ok(named.clone());
     }
+    let tables = tables()?;
+    let ours = |(family, name): &&(String, String)| name == TABLE && (family == "ip" || family == "ip6");
     let crashing = |(family, name): &&(String, String)| {
-        let ours = name == TABLE && (family == "ip" || family == "ip6");
-        !ours && matches!(run("nft", PACKAGE, &["-t", "list", "table", family, name]), Err(NetfilterError::Crashed { .. }))
+        matches!(run("nft", PACKAGE, &["-t", "list", "table", family, name]), Err(NetfilterError::Crashed { .. }))
     };
-    let said = match tables() {
-        Ok(tables) => {
-            let named: Vec<String> = tables.iter().filter(crashing).map(|(f, n)| format!("{f} {n}")).collect();
-            match named.len() {
-                0 => "no table crashes it alone".to_string(),
-                1 => format!("here, table {}", named[0]),
-                _ => format!("here, tables {}", named.join(", ")),
-            }
-        }
-        Err(e) => format!("the tables could not be listed to name them ({e})"),
-    };
-    *found = Some((std::time::Instant::now(), said.clone()));
-    said
+    let mut named: Vec<String> = tables.iter().filter(|t| !ours(t)).filter(crashing).map(|(f, n)| format!("{f} {n}")).collect();
+    if named.is_empty() {
+        named = tables.iter().filter(ours).filter(crashing).map(|(f, n)| format!("{f} {n}")).collect();
+    }
+    *found = Some((netns, std::time::Instant::now(), named.clone()));
+    Ok(named)
 }
 
 use nfnetlink::NFNL_SUBSYS_NFTABLES;
@@ -1291,11 +1294,12 @@ impl Refresh {
 pub fn cleanup() -> Vec<String> {
     let present = match tables() {
         Ok(t) => t,
-        // (No nf_tables here, or no right to ask: nothing this agent could delete.)
-        Err(e) => {
-            tracing::debug!("nftables: the tables could not be listed, so none is removed: {e}");
+        // No nf_tables in this kernel: nothing this agent could have written.
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EPROTONOSUPPORT | libc::ENOENT)) => {
+            tracing::debug!("nftables: no tables to remove: {e}");
             return Vec::new();
         }
+        Err(e) => return vec![format!("nftables: could not list the tables to remove the mode's: {e}")],
     };
     let mut removed = Vec::new();
     for family in Family::ALL {
@@ -1321,8 +1325,7 @@ fn delete_table(family: Family) -> std::io::Result<()> {
         Family::V6 => libc::NFPROTO_IPV6,
     } as u8;
     let name = [TABLE.as_bytes(), &[0]].concat();
-    let delete =
-        nfnetlink::message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE, libc::NLM_F_ACK as u16, nfproto, 0, &[(NFTA_TABLE_NAME, &name)]);
+    let delete = nfnetlink::message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE, 0, nfproto, 0, &[(NFTA_TABLE_NAME, &name)]);
     nfnetlink::nftables_batch(&[delete])
 }
 
