@@ -1239,13 +1239,8 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         return;
     }
     use proxy_agent::{
-        config::{Config, Flags},
-        dataplane::{
-            modes::rules_for,
-            netfilter::proxier::{Masquerading, NetfilterProxier},
-            ProxyMode,
-        },
-        model::store::{Event, Kind, Object, Store},
+        dataplane::{netfilter::proxier::NetfilterProxier, ProxyMode},
+        model::store::{Event, Kind, Object},
     };
     let vip = |i: u32| std::net::Ipv4Addr::from(0x0a60_0000 + i + 1);
     let moved = |i: u32| std::net::Ipv4Addr::from(0x0a90_0000 + i);
@@ -1267,13 +1262,7 @@ fn nftables_rewrites_a_large_table_in_place_in_steps_and_repairs_drift() {
         }
         (services, slices)
     };
-    let proxier = || {
-        let flags = Flags { cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]), ..Default::default() };
-        let (cfg, _) = Config::resolve(flags, || "test-node".into()).expect("configuration");
-        let rules = rules_for(ProxyMode::Nftables, &cfg, Default::default(), false).expect("nftables rules");
-        let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()] };
-        NetfilterProxier::new(Store::new("test-node"), rules, vec![Kind::Service, Kind::EndpointSlice], masquerading, vec![])
-    };
+    let proxier = || netfilter_proxier(ProxyMode::Nftables);
     let ns = netns::Netns::create(format!("pxnft-{}", netns::unique_id()));
     let nft = |args: &[&str]| {
         let mut v = vec!["ip", "netns", "exec", &ns.name, "nft"];
@@ -1516,21 +1505,10 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
         return;
     }
     use proxy_agent::{
-        config::{Config, Flags},
-        dataplane::{
-            modes::{nftables_unsupported, rules_for},
-            netfilter::proxier::{Masquerading, NetfilterProxier},
-            ProxyMode,
-        },
-        model::store::{Event, Kind, Object, Store},
+        dataplane::{modes::nftables_unsupported, ProxyMode},
+        model::store::{Event, Kind, Object},
     };
-    let proxier = |mode: ProxyMode| {
-        let flags = Flags { cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]), ..Default::default() };
-        let (cfg, _) = Config::resolve(flags, || "test-node".into()).expect("configuration");
-        let rules = rules_for(mode, &cfg, Default::default(), false).expect("rules");
-        let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()] };
-        NetfilterProxier::new(Store::new("test-node"), rules, vec![Kind::Service, Kind::EndpointSlice], masquerading, vec![])
-    };
+    let proxier = netfilter_proxier;
     let slice = |backend: &str| {
         let yaml = lab::endpoint_slice("web", "web-1", &[backend.parse().unwrap()], &[("http", 8080, "TCP")]);
         Object::EndpointSlice(Box::new(serde_yaml::from_str(&yaml).expect("slice YAML")))
@@ -1597,4 +1575,22 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
 /// namespace anyway).
 fn netfilter_suffix() -> String {
     (std::process::id() % 10_000).to_string()
+}
+
+/// A netfilter mode's proxier as the agent makes it (cluster CIDR 10.0.0.0/8, node
+/// "test-node"), for tests that drive its syncs themselves.
+fn netfilter_proxier(mode: proxy_agent::dataplane::ProxyMode) -> proxy_agent::dataplane::netfilter::proxier::NetfilterProxier {
+    use proxy_agent::{
+        config::{Config, Flags},
+        dataplane::{
+            modes::rules_for,
+            netfilter::proxier::{Masquerading, NetfilterProxier},
+        },
+        model::store::{Kind, Store},
+    };
+    let flags = Flags { cluster_cidr: Some(vec!["10.0.0.0/8".parse().unwrap()]), ..Default::default() };
+    let (cfg, _) = Config::resolve(flags, || "test-node".into()).expect("configuration");
+    let rules = rules_for(mode, &cfg, Default::default(), false).expect("the mode's rules");
+    let masquerading = Masquerading { masquerade_all: false, detect_local: None, cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()] };
+    NetfilterProxier::new(Store::new("test-node"), rules, vec![Kind::Service, Kind::EndpointSlice], masquerading, vec![])
 }
