@@ -277,7 +277,12 @@ impl Lab {
     /// Waits until `cond` holds for what is programmed, or panics after 15 s with the agent's
     /// log, so a broken agent fails the test instead of hanging it.
     pub fn wait_for(&mut self, what: &str, cond: impl Fn(&Report) -> bool) -> Report {
-        let deadline = Instant::now() + Duration::from_secs(15);
+        self.wait_for_within(what, Duration::from_secs(15), cond)
+    }
+
+    /// `wait_for`, panicking after `limit`.
+    pub fn wait_for_within(&mut self, what: &str, limit: Duration, cond: impl Fn(&Report) -> bool) -> Report {
+        let deadline = Instant::now() + limit;
         loop {
             let report = self.inspect();
             if let Ok(r) = &report {
@@ -317,8 +322,13 @@ impl Lab {
     /// Waits until the frontend `vip` (`a.b.c.d:port`) has exactly `backends` backends and every
     /// pod interface has the programs attached.
     pub fn wait_programmed(&mut self, vip: &str, proto: &str, backends: usize) -> Report {
+        self.wait_programmed_within(vip, proto, backends, Duration::from_secs(15))
+    }
+
+    /// `wait_programmed`, panicking after `limit`.
+    pub fn wait_programmed_within(&mut self, vip: &str, proto: &str, backends: usize, limit: Duration) -> Report {
         let interfaces = 1 + self.backends.len() + self.extra.len();
-        self.wait_for(&format!("{vip}/{proto} with {backends} backends on {interfaces} interfaces"), |r| {
+        self.wait_for_within(&format!("{vip}/{proto} with {backends} backends on {interfaces} interfaces"), limit, |r| {
             r.interfaces.len() >= interfaces
                 && r.frontends.iter().any(|f| f.address == vip && f.protocol == proto && f.backends.len() == backends)
         })
