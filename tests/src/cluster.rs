@@ -292,9 +292,12 @@ impl Cluster {
             .join("\n")
     }
 
-    /// Waits until `cond` holds on every node's programmed state (15 s at most).
+    /// Waits until `cond` holds on every node's programmed state (60 s at most: the first wait
+    /// after a start includes loading the programs, through the verifier, in each node's agent,
+    /// and with two tests side by side on a 2-core machine four agents load at once; 15 s ran
+    /// out there on one VM, every agent still in the verifier).
     pub fn wait_all(&mut self, what: &str, cond: impl Fn(&Node, &Report) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let mut ok = true;
             // Nodes without an agent (the benchmark runs one on node A only) are not asked.
