@@ -1518,7 +1518,8 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
             serde_yaml::from_str(&lab::service("web", "10.96.0.10", &[("http", 80, "TCP", 8080)])).expect("service YAML"),
         ))
     };
-    let table = format!("pxnewer{}", netfilter_suffix());
+    // (The test namespace is its own: a fixed name clashes with nothing.)
+    let table = "pxnewer".to_string();
     let ns = netns::Netns::create(format!("pxnew-{}", netns::unique_id()));
     ns.run(move || {
         let mut nft = proxier(ProxyMode::Nftables);
@@ -1569,12 +1570,6 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
         assert!(!tables.iter().any(|(_, name)| name == "kube-proxy"), "{tables:?}");
         assert!(tables.contains(&("ip".to_string(), table.clone())), "and only it: {tables:?}");
     });
-}
-
-/// A suffix that keeps a test's table names apart from another run's (each runs in its own
-/// namespace anyway).
-fn netfilter_suffix() -> String {
-    (std::process::id() % 10_000).to_string()
 }
 
 /// A netfilter mode's proxier as the agent makes it (cluster CIDR 10.0.0.0/8, node

@@ -73,7 +73,7 @@ pub fn parse(buf: &[u8], answer: &mut Answer) -> bool {
             return true;
         };
         if kind == libc::NLMSG_ERROR as u16 {
-            answer.error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
+            answer.error = nfnetlink::error_of(body);
             return true;
         }
         if kind == libc::NLMSG_DONE as u16 {

@@ -69,6 +69,11 @@ pub fn messages(buf: &[u8]) -> impl Iterator<Item = Option<(u16, &[u8])>> {
     })
 }
 
+/// The error an NLMSG_ERROR message's `body` carries (0: an ack; -EIO if cut short).
+pub fn error_of(body: &[u8]) -> i32 {
+    body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()))
+}
+
 /// The attributes (type without its flag bits, value) of a netfilter message's body after its
 /// 4-byte `nfgenmsg`.
 pub fn attributes(body: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
@@ -141,7 +146,7 @@ pub fn nftables_batch(commands: &[Vec<u8>]) -> io::Result<()> {
             };
             if kind == libc::NLMSG_ERROR as u16 {
                 acks += 1;
-                error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
+                error = error_of(body);
                 if error != 0 {
                     return true;
                 }

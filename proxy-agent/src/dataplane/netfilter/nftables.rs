@@ -1017,7 +1017,7 @@ fn dumped_tables(datagram: &[u8], found: &mut Vec<(String, String)>, error: &mut
             return true;
         };
         if kind == libc::NLMSG_ERROR as u16 {
-            *error = body.get(..4).map_or(-libc::EIO, |e| i32::from_ne_bytes(e.try_into().unwrap()));
+            *error = nfnetlink::error_of(body);
             return true;
         }
         if kind == libc::NLMSG_DONE as u16 {
