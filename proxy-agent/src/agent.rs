@@ -153,6 +153,10 @@ impl Proxier for NetfilterProxier {
     fn building(&self) -> bool {
         NetfilterProxier::building(self)
     }
+    fn report(&self, telemetry: &Telemetry) {
+        // (Auto mode may have left nftables for iptables: `NetfilterProxier::set_fallback`.)
+        telemetry.set_mode(self.mode().as_str());
+    }
 }
 
 /// Logs a sync. The initial one is "done" once everything is written: when it is the first
@@ -514,7 +518,8 @@ fn telemetry_and_servers(
     capacities: crate::telemetry::MapCapacities,
 ) -> Arc<Telemetry> {
     let telemetry = Telemetry::new(health_timeout, pins, capacities);
-    http::spawn("metrics", "--metrics-bind-address", cfg.common.metrics_bind, http::metrics_router(telemetry.clone(), mode.as_str()));
+    telemetry.set_mode(mode.as_str());
+    http::spawn("metrics", "--metrics-bind-address", cfg.common.metrics_bind, http::metrics_router(telemetry.clone()));
     http::spawn("healthz", "--healthz-bind-address", cfg.common.healthz_bind, http::health_router(telemetry.clone()));
     telemetry
 }
@@ -530,26 +535,64 @@ fn new_store(cfg: &Config) -> Store {
     store
 }
 
-async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyhow::Result<()> {
-    // kube-proxy's packet counters, where the kernel has nfacct; else rules without them.
-    let nfacct = mode == ProxyMode::Iptables
+/// kube-proxy's packet counters, where the kernel has nfacct (iptables mode); else rules
+/// without them.
+fn nfacct_counters(mode: ProxyMode) -> bool {
+    mode == ProxyMode::Iptables
         && crate::dataplane::netfilter::nfacct::ensure_all()
             .map_err(|e| tracing::info!("{e}: the iptables rules count no packets (as kube-proxy does without nfacct)"))
-            .is_ok();
+            .is_ok()
+}
+
+fn masquerading(cfg: &Config, mode: ProxyMode) -> Masquerading {
+    Masquerading {
+        masquerade_all: cfg.netfilter.for_mode(mode).masquerade_all,
+        detect_local: Some(cfg.netfilter.detect_local.clone()),
+        cluster_cidrs: cfg.common.cluster_cidrs.clone(),
+    }
+}
+
+/// Auto mode's way out of the nftables mode where nft finds tables it cannot read (a newer
+/// nft's sets, which the node's other tools may write at any time): the iptables mode, as
+/// auto mode would choose at a start there (`nftables_unsupported`).
+fn iptables_fallback(cfg: Config, telemetry: Arc<Telemetry>) -> crate::dataplane::netfilter::proxier::MakeFallback {
+    Box::new(move || {
+        let mode = ProxyMode::Iptables;
+        let backends = Iptables::available();
+        let iptables = iptables_backend(&cfg, mode, &backends).unwrap_or_default();
+        let nfacct = nfacct_counters(mode);
+        let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables, nfacct)?;
+        if nfacct {
+            telemetry.count_nfacct();
+        }
+        Ok(crate::dataplane::netfilter::proxier::Fallback {
+            rules,
+            masquerading: masquerading(&cfg, mode),
+            settings: crate::dataplane::netfilter::sysctl::settings(mode, &cfg),
+            retire: crate::dataplane::netfilter::nftables::cleanup,
+        })
+    })
+}
+
+async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyhow::Result<()> {
+    let nfacct = nfacct_counters(mode);
     let rules = crate::dataplane::modes::rules_for(mode, &cfg, iptables, nfacct).map_err(anyhow::Error::msg)?;
     let settings = cfg.netfilter.for_mode(mode);
     let telemetry = telemetry_and_servers(&cfg, 2 * settings.sync.sync, mode, None, Default::default());
     if nfacct {
         telemetry.count_nfacct();
     }
-    let masquerading = Masquerading {
-        masquerade_all: settings.masquerade_all,
-        detect_local: Some(cfg.netfilter.detect_local.clone()),
-        cluster_cidrs: cfg.common.cluster_cidrs.clone(),
-    };
     let sysctls = crate::dataplane::netfilter::sysctl::settings(mode, &cfg);
-    let mut proxier =
-        NetfilterProxier::new(new_store(&cfg), rules, vec![Kind::Service, Kind::EndpointSlice, Kind::Node], masquerading, sysctls);
+    let mut proxier = NetfilterProxier::new(
+        new_store(&cfg),
+        rules,
+        vec![Kind::Service, Kind::EndpointSlice, Kind::Node],
+        masquerading(&cfg, mode),
+        sysctls,
+    );
+    if mode == ProxyMode::Nftables && cfg.common.proxy_mode.is_none() {
+        proxier.set_fallback(iptables_fallback(cfg.clone(), telemetry.clone()));
+    }
     // Node addresses only, for NodePorts: nothing is attached.
     let no_patterns = DevicePatterns::parse(&[]).expect("empty pattern list");
     let devices = Devices::new(no_patterns.clone(), Some(no_patterns), XdpSetting::Disabled);
@@ -559,7 +602,7 @@ async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyh
     let health = HealthServers::new(telemetry.clone());
     let hostname = cfg.common.hostname.clone();
     control_loop(&mut proxier, &mut inputs, &telemetry, health, settings.sync, &hostname).await?;
-    tracing::info!(mode = %mode, "stopping; the rules stay in place (`proxy-agent cleanup` removes them)");
+    tracing::info!(mode = %proxier.mode(), "stopping; the rules stay in place (`proxy-agent cleanup` removes them)");
     Ok(())
 }
 

@@ -24,7 +24,8 @@ fn json(code: u16, body: String) -> impl IntoResponse {
     )
 }
 
-pub fn metrics_router(t: Arc<Telemetry>, mode: &'static str) -> Router {
+pub fn metrics_router(t: Arc<Telemetry>) -> Router {
+    let t2 = t.clone();
     Router::new()
         .route(
             "/metrics",
@@ -33,7 +34,7 @@ pub fn metrics_router(t: Arc<Telemetry>, mode: &'static str) -> Router {
                 async move { ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], t.encode()) }
             }),
         )
-        .route("/proxyMode", get(move || async move { mode }))
+        .route("/proxyMode", get(move || std::future::ready(t2.mode())))
         .route("/healthz", get(|| async { "ok" }))
 }
 

@@ -121,6 +121,8 @@ pub struct Telemetry {
     pub fill: Arc<MapFill>,
     /// Export kube-proxy's nfacct counters (iptables mode, where the kernel has them).
     nfacct: Arc<std::sync::atomic::AtomicBool>,
+    /// The proxy mode serving (`/proxyMode`; auto mode may leave nftables for iptables).
+    mode: Mutex<&'static str>,
 }
 
 fn unix(t: SystemTime) -> f64 {
@@ -206,7 +208,17 @@ impl Telemetry {
             livez,
             fill,
             nfacct,
+            mode: Mutex::new(""),
         })
+    }
+
+    /// The proxy mode serving, for `/proxyMode`.
+    pub fn set_mode(&self, mode: &'static str) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = mode;
+    }
+
+    pub fn mode(&self) -> &'static str {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The iptables mode's rules count into kube-proxy's nfacct objects: export them.

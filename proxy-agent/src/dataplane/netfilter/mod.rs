@@ -122,9 +122,21 @@ pub enum NetfilterError {
     #[error("{command} failed: {stderr}")]
     Failed { command: String, stderr: String },
     /// The tool died of a signal (it prints nothing of its own then); `why`: what it printed
-    /// before, and what its caller knows of such crashes (`nftables::explain_crash`).
+    /// before, and what its caller knows of such crashes (`nftables::explain_crash`);
+    /// `unreadable`: the tables found to crash it (nft's, "ip fw"), if any.
     #[error("{command} crashed: killed by {}{why}", signal_name(*.signal))]
-    Crashed { command: String, signal: i32, why: String },
+    Crashed { command: String, signal: i32, why: String, unreadable: Vec<String> },
+}
+
+impl NetfilterError {
+    /// The tables nft was found to crash on (`nftables::explain_crash`: a newer nft's sets),
+    /// while they exist the nftables mode can write nothing.
+    pub fn unreadable_tables(&self) -> &[String] {
+        match self {
+            Self::Crashed { unreadable, .. } => unreadable,
+            _ => &[],
+        }
+    }
 }
 
 /// "signal 11 (SIGSEGV)", for the signals a crashing or killed tool dies of.
@@ -304,7 +316,7 @@ pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str
     // A crash first: one in the middle of the input also broke the pipe.
     if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
         let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
-        return Err(NetfilterError::Crashed { command: command(), signal, why });
+        return Err(NetfilterError::Crashed { command: command(), signal, why, unreadable: Vec::new() });
     }
     if let Err(e) = written {
         return Err(NetfilterError::Failed { command: command(), stderr: e.to_string() });
@@ -666,32 +678,46 @@ pub(crate) mod fake {
     use super::*;
 
     /// Fails every apply (never going on to sweep conntrack, an outside command), or succeeds
-    /// with `steps` more to write (a long write in steps); counts its applies.
+    /// with `steps` more to write (a long write in steps); counts its applies. `unreadable`: a
+    /// failure is nft's crash on these tables (a newer nft's sets).
     pub(crate) struct Rules {
         pub family: Family,
         pub fails: bool,
         pub steps: usize,
         pub applied: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        pub mode: super::super::ProxyMode,
+        pub unreadable: Vec<String>,
     }
 
     impl Rules {
         pub fn failing() -> Self {
-            Self { family: Family::V4, fails: true, steps: 0, applied: Default::default() }
+            Self { fails: true, ..Self::stepping(0) }
         }
         pub fn stepping(steps: usize) -> Self {
-            Self { family: Family::V4, fails: false, steps, applied: Default::default() }
+            Self {
+                family: Family::V4,
+                fails: false,
+                steps,
+                applied: Default::default(),
+                mode: super::super::ProxyMode::Nftables,
+                unreadable: Vec::new(),
+            }
         }
     }
 
     impl RuleSet for Rules {
         fn mode(&self) -> super::super::ProxyMode {
-            super::super::ProxyMode::Nftables
+            self.mode
         }
         fn render(&self, _: &Services, _: &NodeContext) -> String {
             String::new()
         }
         fn apply(&mut self, _: &Services, _: &NodeContext) -> Result<usize, NetfilterError> {
             self.applied.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if self.fails && !self.unreadable.is_empty() {
+                let (command, why) = ("nft -f -".into(), ": nft crashes listing a newer nft's table".into());
+                return Err(NetfilterError::Crashed { command, signal: libc::SIGSEGV, why, unreadable: self.unreadable.clone() });
+            }
             if self.fails {
                 return Err(NetfilterError::Failed { command: "nft".into(), stderr: "a test".into() });
             }
@@ -774,8 +800,8 @@ mod tests {
         let counter = || std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (v4, v6) = (counter(), counter());
         let mut p = PerFamily::new(vec![
-            Box::new(Rules { family: Family::V4, fails: false, steps: 6, applied: v4.clone() }),
-            Box::new(Rules { family: Family::V6, fails: true, steps: 0, applied: v6.clone() }),
+            Box::new(Rules { family: Family::V4, steps: 6, applied: v4.clone(), ..Rules::stepping(0) }),
+            Box::new(Rules { family: Family::V6, applied: v6.clone(), ..Rules::failing() }),
         ]);
         let count = |c: &std::sync::Arc<std::sync::atomic::AtomicUsize>| c.load(std::sync::atomic::Ordering::Relaxed);
         for _ in 0..5 {

@@ -944,12 +944,13 @@ pub fn nft(args: &[&str], input: &str) -> Result<String, NetfilterError> {
 /// are named (found over netlink: listing them all with nft crashes); the cause is said only
 /// where one is found.
 pub fn explain_crash(e: NetfilterError) -> NetfilterError {
-    let NetfilterError::Crashed { command, signal, why } = e else { return e };
+    let NetfilterError::Crashed { command, signal, why, unreadable } = e else { return e };
     if signal != libc::SIGSEGV {
-        return NetfilterError::Crashed { command, signal, why };
+        return NetfilterError::Crashed { command, signal, why, unreadable };
     }
     let version = run("nft", PACKAGE, &["--version"]).map_or_else(|_| "this nft".into(), |v| v.trim().to_string());
-    let why = match crashing_tables() {
+    let found = crashing_tables();
+    let why = match &found {
         Ok(named) if !named.is_empty() => format!(
             "{why}: {version} crashes listing {} alone: {} sets or maps that it cannot read, as nft before 1.1.2 cannot \
              read those nft 1.1.2 or later wrote (kubernetes#136786). This mode writes nothing more while they exist (what \
@@ -961,7 +962,7 @@ pub fn explain_crash(e: NetfilterError) -> NetfilterError {
         Ok(_) => format!("{why}: {version} crashes, though listing each table alone does not; the cause is not known here"),
         Err(e) => format!("{why}: {version} crashes; the tables could not be listed to find one it crashes on ({e})"),
     };
-    NetfilterError::Crashed { command, signal, why }
+    NetfilterError::Crashed { command, signal, why, unreadable: found.unwrap_or_default() }
 }
 
 /// The tables ("ip fw") whose listing alone crashes nft, for `explain_crash`: the others', then

@@ -8,7 +8,10 @@ use std::{
 };
 
 use crate::{
-    dataplane::netfilter::{conntrack, NodeContext, RuleSet, Services},
+    dataplane::{
+        netfilter::{conntrack, NodeContext, RuleSet, Services},
+        ProxyMode,
+    },
     model::{
         store::{Event, Kind, NodePortAddresses, Store},
         translate::HealthCheck,
@@ -16,6 +19,22 @@ use crate::{
     },
     sync::{PortState, SyncStats},
 };
+
+/// Another mode's rules, to take over from the nftables mode where nft can no longer write
+/// (auto mode: `NetfilterProxier::set_fallback`).
+pub struct Fallback {
+    pub rules: Box<dyn RuleSet + Send>,
+    pub masquerading: Masquerading,
+    pub settings: Vec<crate::dataplane::netfilter::sysctl::Setting>,
+    /// Removes the mode's own rules once the fallback's are whole (`modes::cleanup`'s).
+    pub retire: Retire,
+}
+
+/// Removes a mode's rules; a line per thing removed.
+pub type Retire = fn() -> Vec<String>;
+
+/// Makes the fallback when it is needed (its iptables backend and counters are looked at then).
+pub type MakeFallback = Box<dyn FnOnce() -> Result<Fallback, String> + Send>;
 
 /// How the node's traffic is recognised and masqueraded in the rules.
 #[derive(Clone, Debug, Default)]
@@ -73,6 +92,11 @@ pub struct NetfilterProxier {
     /// `Store::cluster_ip_generation` last looked at, and the Service CIDRs the rules hold.
     cluster_ips_written: Option<u64>,
     service_cidrs: Option<Vec<crate::model::store::Cidr>>,
+    /// Auto mode's way out of a mode that can no longer write here (`set_fallback`).
+    fallback: Option<MakeFallback>,
+    /// The rules of the mode left for the fallback, removed once the fallback's are whole:
+    /// its mode, and how.
+    retire: Option<(ProxyMode, Retire)>,
 }
 
 impl NetfilterProxier {
@@ -101,6 +125,55 @@ impl NetfilterProxier {
             swept: BTreeSet::new(),
             cluster_ips_written: None,
             service_cidrs: None,
+            fallback: None,
+            retire: None,
+        }
+    }
+
+    /// Auto mode: where nft is found to crash on tables that it cannot read (a newer nft's
+    /// sets, `NetfilterError::unreadable_tables`), the Services go to `make`'s rules instead, in
+    /// this same process: the nftables mode could write nothing more until they went. Its
+    /// rules serve until the fallback's are whole, and are removed then.
+    pub fn set_fallback(&mut self, make: MakeFallback) {
+        self.fallback = Some(make);
+    }
+
+    /// The mode whose rules are being written.
+    pub fn mode(&self) -> ProxyMode {
+        self.rules.mode()
+    }
+
+    /// Hands the Services to the fallback's rules: the next sync writes them all.
+    fn fall_back(&mut self, make: MakeFallback, why: &str) {
+        let from = self.rules.mode();
+        match make() {
+            Ok(f) => {
+                tracing::warn!(
+                    mode = %f.rules.mode(),
+                    "proxy mode auto: the {from} mode cannot write here any more ({why}); switching to the {} mode, whose rules \
+                     are written in full before the {from} mode's are removed (they serve until then)",
+                    f.rules.mode()
+                );
+                for failure in crate::dataplane::netfilter::sysctl::apply(&f.settings) {
+                    tracing::warn!("{failure}");
+                }
+                self.rules = f.rules;
+                self.masquerading = f.masquerading;
+                self.settings = f.settings;
+                self.retire = Some((from, f.retire));
+                // Everything again, with the Service CIDRs given to the new rules.
+                self.resync = true;
+                self.cluster_ips_written = None;
+                self.service_cidrs = None;
+                self.last_error = None;
+            }
+            Err(e) => {
+                tracing::error!(
+                    mode = %from,
+                    "applying the rules failed; retrying: {why}. Proxy mode auto cannot switch modes either: {e}"
+                );
+                self.last_error = Some(why.to_string());
+            }
         }
     }
 
@@ -254,13 +327,22 @@ impl NetfilterProxier {
                 // which a swept flow's next packet could pick again.
                 if !self.rules.pending() {
                     self.sweep_conntrack(&node);
+                    if let Some((mode, retire)) = self.retire.take() {
+                        for line in retire() {
+                            tracing::info!(mode = %mode, "the {} mode's rules are whole: removed the {mode} mode's: {line}", self.rules.mode());
+                        }
+                    }
                 }
             }
             Err(e) => {
                 self.failed = true;
                 stats.failed = stats.services.max(1);
                 let msg = e.to_string();
-                if self.last_error.as_ref() != Some(&msg) {
+                let fallback = if e.unreadable_tables().is_empty() { None } else { self.fallback.take() };
+                if let Some(make) = fallback {
+                    // (Says why.)
+                    self.fall_back(make, &msg);
+                } else if self.last_error.as_ref() != Some(&msg) {
                     tracing::error!(mode = %self.rules.mode(), "applying the rules failed; retrying: {msg}");
                     self.last_error = Some(msg);
                 }
@@ -321,6 +403,48 @@ mod tests {
             assert_eq!((s.services, s.failed), (0, 0));
         }
         assert!(p.pending(), "one step is left, and with it the sweep");
+    }
+
+    static RETIRED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    fn retire() -> Vec<String> {
+        RETIRED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        vec!["nftables: table ip kube-proxy".into()]
+    }
+
+    /// Auto mode's fallback: a failure that is not nft's crash on tables it cannot read keeps
+    /// the mode; that crash hands the Services to the fallback's rules, which the next syncs
+    /// write in full (all of it, with no change since), and the old mode's rules are removed
+    /// only once the fallback's are whole.
+    #[test]
+    fn a_crash_on_unreadable_tables_hands_the_services_to_the_fallback_which_retires_the_old_rules_once_whole() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let applied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let fallback = fake::Rules { mode: ProxyMode::Iptables, applied: applied.clone(), ..fake::Rules::stepping(2) };
+        let mut fallback = Some(fallback);
+        let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(fake::Rules::failing()), vec![], Masquerading::default(), vec![]);
+        p.set_fallback(Box::new(move || {
+            let rules = Box::new(fallback.take().expect("made once"));
+            Ok(Fallback { rules, masquerading: Masquerading::default(), settings: vec![], retire })
+        }));
+        let svc =
+            "metadata: {name: web, namespace: default}\nspec: {clusterIP: 10.96.0.80, ports: [{name: http, port: 80, protocol: TCP}]}";
+        p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
+        assert_eq!(p.sync().expect("a sync").failed, 1);
+        assert_eq!(p.mode(), ProxyMode::Nftables, "another failure keeps the mode");
+        // (No conntrack sweep, an outside command, when the fallback's rules are whole.)
+        p.udp_changed = false;
+        p.to_sweep.clear();
+        p.rules = Box::new(fake::Rules { unreadable: vec!["ip fw".into()], ..fake::Rules::failing() });
+        assert_eq!(p.sync().expect("a retry").failed, 1);
+        assert_eq!(p.mode(), ProxyMode::Iptables, "nft crashes on a table it cannot read: the fallback takes over");
+        assert!(p.has_failures() && p.last_error().is_none(), "retried, with the new rules");
+        let s = p.sync().expect("the fallback's first write, with no change since");
+        assert_eq!((s.failed, applied.load(Relaxed), RETIRED.load(Relaxed)), (0, 1, 0), "written in part: the old rules serve on");
+        assert!(p.pending());
+        p.sync().expect("the fallback's last step");
+        assert_eq!((applied.load(Relaxed), RETIRED.load(Relaxed)), (2, 1), "whole: the old rules removed, once");
+        assert_eq!(p.sync().map(|s| s.services), None, "nothing more to do");
+        assert_eq!(RETIRED.load(Relaxed), 1);
     }
 
     fn slice(endpoints: &str) -> Event {
