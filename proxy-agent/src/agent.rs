@@ -569,7 +569,7 @@ fn iptables_fallback(cfg: Config, telemetry: Arc<Telemetry>) -> crate::dataplane
             rules,
             masquerading: masquerading(&cfg, mode),
             settings: crate::dataplane::netfilter::sysctl::settings(mode, &cfg),
-            retire: crate::dataplane::netfilter::nftables::cleanup,
+            retire: crate::dataplane::netfilter::nftables::remove_tables,
         })
     })
 }

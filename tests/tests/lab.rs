@@ -1639,6 +1639,17 @@ fn auto_mode_leaves_nftables_for_iptables_when_a_newer_nfts_set_appears() {
         thread::sleep(Duration::from_millis(300));
     }
     assert_eq!(lab.agent_log().matches("crashed").count(), log.matches("crashed").count(), "{}", lab.agent_log());
+
+    // An explicit nftables mode does not switch: its syncs fail, saying why.
+    lab.stop_agent();
+    let before = lab.agent_log().len();
+    lab.start_agent_with_extra(&["--proxy-mode", "nftables"]);
+    lab.wait_log("applying the rules failed; retrying", 1);
+    thread::sleep(Duration::from_secs(3));
+    let log = lab.agent_log().split_off(before);
+    assert!(log.contains("table ip pxnewer") && !log.contains("switching to the iptables mode"), "{log}");
+    let (_, mode) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/proxyMode").expect("/proxyMode");
+    assert!(mode.ends_with("nftables"), "{mode}");
 }
 
 /// A netfilter mode's proxier as the agent makes it (cluster CIDR 10.0.0.0/8, node

@@ -223,6 +223,15 @@ impl PerFamily {
     }
 }
 
+/// The error of families' applies to report: the first, unless a later one is nft's crash on
+/// tables it cannot read (auto mode leaves the mode on that: `proxier::NetfilterProxier::set_fallback`).
+fn first_failure(first: Option<NetfilterError>, next: NetfilterError) -> NetfilterError {
+    match first {
+        Some(f) if !f.unreadable_tables().is_empty() || next.unreadable_tables().is_empty() => f,
+        _ => next,
+    }
+}
+
 impl RuleSet for PerFamily {
     fn mode(&self) -> super::ProxyMode {
         self.sets.first().map_or(super::ProxyMode::Nftables, |s| s.mode())
@@ -250,7 +259,7 @@ impl RuleSet for PerFamily {
         // freeze the other's Services.
         for (s, failing) in self.sets.iter_mut().zip(&mut self.failing) {
             if let Some((e, _, _)) = failing.as_ref().filter(|(_, at, _)| stepping && now < *at) {
-                failed = failed.or(Some(e.clone()));
+                failed = Some(first_failure(failed, e.clone()));
                 continue;
             }
             match s.apply(services, &node.for_family(s.family())) {
@@ -261,7 +270,7 @@ impl RuleSet for PerFamily {
                 Err(e) => {
                     let wait = failing.as_ref().map_or(RETRY_FIRST_WHILE_PENDING, |(_, _, w)| (*w * 2).min(RETRY_MAX_WHILE_PENDING));
                     *failing = Some((e.clone(), now + wait, wait));
-                    failed = failed.or(Some(e));
+                    failed = Some(first_failure(failed, e));
                 }
             }
         }
@@ -815,5 +824,25 @@ mod tests {
             assert!(p.apply(&Services::new(), &NodeContext::default()).is_err());
         }
         assert_eq!(count(&v6), 3, "tried at every apply once the write is over");
+    }
+
+    /// Where both families fail, the error reported is the first family's, unless the other's
+    /// is nft's crash on tables it cannot read, on which auto mode leaves the mode.
+    #[test]
+    fn a_crash_on_unreadable_tables_is_the_failure_reported_whichever_family() {
+        let unreadable = || vec!["ip fw".to_string()];
+        for (v4, v6) in [(vec![], unreadable()), (unreadable(), vec![]), (unreadable(), unreadable())] {
+            let mut p = PerFamily::new(vec![
+                Box::new(Rules { family: Family::V4, unreadable: v4.clone(), ..Rules::failing() }),
+                Box::new(Rules { family: Family::V6, unreadable: v6.clone(), ..Rules::failing() }),
+            ]);
+            let e = p.apply(&Services::new(), &NodeContext::default()).unwrap_err();
+            assert_eq!(e.unreadable_tables(), unreadable(), "IPv4 {v4:?}, IPv6 {v6:?}: {e}");
+        }
+        let mut p = PerFamily::new(vec![
+            Box::new(Rules { family: Family::V4, ..Rules::failing() }),
+            Box::new(Rules { family: Family::V6, ..Rules::failing() }),
+        ]);
+        assert!(matches!(p.apply(&Services::new(), &NodeContext::default()), Err(NetfilterError::Failed { .. })));
     }
 }

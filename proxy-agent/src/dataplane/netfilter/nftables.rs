@@ -1293,27 +1293,45 @@ impl Refresh {
 /// (`explain_crash`) would leave the table behind, its rules translating beside the mode that
 /// follows; and nft would list the whole table (every element) to find it.
 pub fn cleanup() -> Vec<String> {
+    let (mut removed, failed) = removal();
+    removed.extend(failed.into_iter().map(|e| format!("nftables: {e}")));
+    removed
+}
+
+/// `cleanup` where a table left behind is an error (auto mode retiring this mode for another:
+/// `proxier::Fallback::retire`, which tries again at the next sync).
+pub fn remove_tables() -> Result<Vec<String>, String> {
+    let (removed, failed) = removal();
+    if failed.is_empty() {
+        Ok(removed)
+    } else {
+        Err(failed.join("; "))
+    }
+}
+
+/// The mode's tables removed (a line each), and what could not be done.
+fn removal() -> (Vec<String>, Vec<String>) {
     let present = match tables() {
         Ok(t) => t,
         // No nf_tables in this kernel: nothing this agent could have written.
         Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EPROTONOSUPPORT | libc::ENOENT)) => {
             tracing::debug!("nftables: no tables to remove: {e}");
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
-        Err(e) => return vec![format!("nftables: could not list the tables to remove the mode's: {e}")],
+        Err(e) => return (Vec::new(), vec![format!("could not list the tables to remove the mode's: {e}")]),
     };
-    let mut removed = Vec::new();
+    let (mut removed, mut failed) = (Vec::new(), Vec::new());
     for family in Family::ALL {
         let ip = nft_family(family);
         if !present.iter().any(|(f, name)| f == ip && name == TABLE) {
             continue;
         }
-        removed.push(match delete_table(family) {
-            Ok(()) => format!("nftables: table {ip} {TABLE}"),
-            Err(e) => format!("nftables: could not delete table {ip} {TABLE}: {e}"),
-        });
+        match delete_table(family) {
+            Ok(()) => removed.push(format!("nftables: table {ip} {TABLE}")),
+            Err(e) => failed.push(format!("could not delete table {ip} {TABLE}: {e}")),
+        }
     }
-    removed
+    (removed, failed)
 }
 
 /// The mode's table's name, in both families.

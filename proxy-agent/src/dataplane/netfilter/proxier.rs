@@ -30,8 +30,8 @@ pub struct Fallback {
     pub retire: Retire,
 }
 
-/// Removes a mode's rules; a line per thing removed.
-pub type Retire = fn() -> Vec<String>;
+/// Removes a mode's rules: a line per thing removed, or why something is left.
+pub type Retire = fn() -> Result<Vec<String>, String>;
 
 /// Makes the fallback when it is needed (its iptables backend and counters are looked at then).
 pub type MakeFallback = Box<dyn FnOnce() -> Result<Fallback, String> + Send>;
@@ -97,6 +97,8 @@ pub struct NetfilterProxier {
     /// The rules of the mode left for the fallback, removed once the fallback's are whole:
     /// its mode, and how.
     retire: Option<(ProxyMode, Retire)>,
+    /// The fallback took over at the last sync: the next writes its rules at once.
+    switched: bool,
 }
 
 impl NetfilterProxier {
@@ -127,6 +129,7 @@ impl NetfilterProxier {
             service_cidrs: None,
             fallback: None,
             retire: None,
+            switched: false,
         }
     }
 
@@ -143,6 +146,23 @@ impl NetfilterProxier {
         self.rules.mode()
     }
 
+    /// Once the fallback's rules are whole: the old mode's rules go (tried again at the next
+    /// sync while some are left: they would go on translating beside the new ones).
+    fn retire_old_rules(&mut self) {
+        let Some((old, retire)) = self.retire else { return };
+        let mode = self.rules.mode();
+        match retire() {
+            Ok(removed) => {
+                self.retire = None;
+                tracing::info!(mode = %mode, "proxy mode auto: the {mode} mode's rules are whole; removed the {old} mode's: {}", removed.join(", "));
+            }
+            Err(e) => {
+                tracing::warn!(mode = %mode, "proxy mode auto: the {mode} mode's rules are whole, but the {old} mode's are not all removed (tried again at the next sync): {e}");
+                self.failed = true;
+            }
+        }
+    }
+
     /// Hands the Services to the fallback's rules: the next sync writes them all.
     fn fall_back(&mut self, make: MakeFallback, why: &str) {
         let from = self.rules.mode();
@@ -150,8 +170,9 @@ impl NetfilterProxier {
             Ok(f) => {
                 tracing::warn!(
                     mode = %f.rules.mode(),
-                    "proxy mode auto: the {from} mode cannot write here any more ({why}); switching to the {} mode, whose rules \
-                     are written in full before the {from} mode's are removed (they serve until then)",
+                    "proxy mode auto: switching to the {} mode, as the {from} mode cannot write here any more. Its rules are \
+                     written in full at once, and only then are the {from} mode's removed (they serve until then). The {from} \
+                     mode's failure: {why}",
                     f.rules.mode()
                 );
                 for failure in crate::dataplane::netfilter::sysctl::apply(&f.settings) {
@@ -161,6 +182,8 @@ impl NetfilterProxier {
                 self.masquerading = f.masquerading;
                 self.settings = f.settings;
                 self.retire = Some((from, f.retire));
+                // (Still failing: nothing is programmed until the new rules are written.)
+                self.switched = true;
                 // Everything again, with the Service CIDRs given to the new rules.
                 self.resync = true;
                 self.cluster_ips_written = None;
@@ -196,7 +219,7 @@ impl NetfilterProxier {
 
     /// The rules have more to write (`RuleSet::pending`): the next sync goes on, changes or not.
     pub fn pending(&self) -> bool {
-        self.rules.pending()
+        self.switched || self.rules.pending()
     }
 
     /// The rules' pending steps build what the kernel lacks (`RuleSet::building`).
@@ -309,6 +332,7 @@ impl NetfilterProxier {
                 tracing::warn!("{failure}");
             }
         }
+        self.switched = false;
         match self.rules.apply(&self.services, &node) {
             Ok(written) => {
                 if self.last_error.take().is_some() {
@@ -326,12 +350,10 @@ impl NetfilterProxier {
                 // Service's chain may still hold what it had before (an endpoint gone since),
                 // which a swept flow's next packet could pick again.
                 if !self.rules.pending() {
+                    // The old mode's rules go first: until then they may still translate a
+                    // new flow to an endpoint gone, which the sweep would miss.
+                    self.retire_old_rules();
                     self.sweep_conntrack(&node);
-                    if let Some((mode, retire)) = self.retire.take() {
-                        for line in retire() {
-                            tracing::info!(mode = %mode, "the {} mode's rules are whole: removed the {mode} mode's: {line}", self.rules.mode());
-                        }
-                    }
                 }
             }
             Err(e) => {
@@ -405,21 +427,25 @@ mod tests {
         assert!(p.pending(), "one step is left, and with it the sweep");
     }
 
+    /// Calls of `retire`; the first fails (a table left), the others remove.
     static RETIRED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    fn retire() -> Vec<String> {
-        RETIRED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        vec!["nftables: table ip kube-proxy".into()]
+    fn retire() -> Result<Vec<String>, String> {
+        match RETIRED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => Err("could not delete table ip kube-proxy: a test".into()),
+            _ => Ok(vec!["nftables: table ip kube-proxy".into()]),
+        }
     }
 
     /// Auto mode's fallback: a failure that is not nft's crash on tables it cannot read keeps
-    /// the mode; that crash hands the Services to the fallback's rules, which the next syncs
-    /// write in full (all of it, with no change since), and the old mode's rules are removed
-    /// only once the fallback's are whole.
+    /// the mode; that crash hands the Services to the fallback's rules, which the next sync
+    /// writes at once, in full (with no change since); a write of them that fails is retried
+    /// as any; the old mode's rules are removed only once the fallback's are whole, and again
+    /// while some are left.
     #[test]
     fn a_crash_on_unreadable_tables_hands_the_services_to_the_fallback_which_retires_the_old_rules_once_whole() {
         use std::sync::atomic::Ordering::Relaxed;
         let applied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let fallback = fake::Rules { mode: ProxyMode::Iptables, applied: applied.clone(), ..fake::Rules::stepping(2) };
+        let fallback = fake::Rules { mode: ProxyMode::Iptables, applied: applied.clone(), ..fake::Rules::failing() };
         let mut fallback = Some(fallback);
         let mut p = NetfilterProxier::new(Store::new("node-a"), Box::new(fake::Rules::failing()), vec![], Masquerading::default(), vec![]);
         p.set_fallback(Box::new(move || {
@@ -431,20 +457,29 @@ mod tests {
         p.handle(Event::Apply(Object::Service(Box::new(serde_yaml::from_str(svc).unwrap()))));
         assert_eq!(p.sync().expect("a sync").failed, 1);
         assert_eq!(p.mode(), ProxyMode::Nftables, "another failure keeps the mode");
+        assert!(!p.pending(), "retried after the backoff");
         // (No conntrack sweep, an outside command, when the fallback's rules are whole.)
         p.udp_changed = false;
         p.to_sweep.clear();
         p.rules = Box::new(fake::Rules { unreadable: vec!["ip fw".into()], ..fake::Rules::failing() });
         assert_eq!(p.sync().expect("a retry").failed, 1);
         assert_eq!(p.mode(), ProxyMode::Iptables, "nft crashes on a table it cannot read: the fallback takes over");
-        assert!(p.has_failures() && p.last_error().is_none(), "retried, with the new rules");
-        let s = p.sync().expect("the fallback's first write, with no change since");
-        assert_eq!((s.failed, applied.load(Relaxed), RETIRED.load(Relaxed)), (0, 1, 0), "written in part: the old rules serve on");
+        assert!(p.has_failures() && p.pending() && p.last_error().is_none(), "still failing, the new rules written at once");
+        assert_eq!(p.sync().expect("the fallback's first write").failed, 1, "failing");
+        assert!(p.has_failures() && !p.pending(), "retried after the backoff, as any failure");
+        assert_eq!((applied.load(Relaxed), RETIRED.load(Relaxed)), (1, 0));
+        // (Its write goes through now.)
+        p.rules = Box::new(fake::Rules { mode: ProxyMode::Iptables, applied: applied.clone(), ..fake::Rules::stepping(2) });
+        let s = p.sync().expect("its first step, with no change since");
+        assert_eq!((s.failed, applied.load(Relaxed), RETIRED.load(Relaxed)), (0, 2, 0), "written in part: the old rules serve on");
         assert!(p.pending());
         p.sync().expect("the fallback's last step");
-        assert_eq!((applied.load(Relaxed), RETIRED.load(Relaxed)), (2, 1), "whole: the old rules removed, once");
+        assert_eq!((applied.load(Relaxed), RETIRED.load(Relaxed)), (3, 1), "whole: the old rules' removal tried");
+        assert!(p.has_failures(), "a table left: tried again");
+        p.sync().expect("the retry");
+        assert_eq!(RETIRED.load(Relaxed), 2, "removed");
         assert_eq!(p.sync().map(|s| s.services), None, "nothing more to do");
-        assert_eq!(RETIRED.load(Relaxed), 1);
+        assert_eq!(RETIRED.load(Relaxed), 2);
     }
 
     fn slice(endpoints: &str) -> Event {
