@@ -44,10 +44,29 @@ fn counts(lab: &Lab, n: usize) -> BTreeMap<String, usize> {
     seen
 }
 
+/// What the agent's metrics server answers at `path`.
+fn metrics_server(lab: &Lab, path: &str) -> String {
+    proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), path).unwrap_or_else(|e| panic!("{path}: {e}")).1
+}
+
 /// The value of the agent's metric `series` (its name and labels, as `/metrics` prints them).
 fn metric(lab: &Lab, series: &str) -> Option<u64> {
-    let (_, m) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
-    m.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    metrics_server(lab, "/metrics").lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The mode the agent says it serves in (`/proxyMode`).
+fn proxy_mode(lab: &Lab) -> String {
+    metrics_server(lab, "/proxyMode")
+}
+
+/// Waits up to 20 s for a connection to the web Service to be answered (a netfilter mode
+/// serving, which `wait_programmed` cannot see).
+fn wait_served(lab: &Lab, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "{what}:\n{}", lab.agent_log());
+        thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]
@@ -816,11 +835,7 @@ fn auto_mode_keeps_an_attached_ebpf_dataplane_when_ebpf_cannot_load() {
     bare.agent_limits.drop_caps = vec![39, 38, 21];
     bare.start_agent();
     bare.wait_log("proxy mode auto: nf_tables and nft are available", 1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while tcp_ask(&bare.client.ns, sock(WEB_VIP)).is_err() {
-        assert!(std::time::Instant::now() < deadline, "nftables mode should serve:\n{}", bare.agent_log());
-        thread::sleep(Duration::from_millis(200));
-    }
+    wait_served(&bare, "nftables mode should serve");
 }
 
 /// `auto` on a dual-stack cluster (an IPv6 range in --cluster-cidr) takes the eBPF dataplane,
@@ -1127,7 +1142,7 @@ fn a_restart_with_another_map_size_keeps_the_pinned_size_and_says_so() {
     let log = lab.agent_log();
     assert!(!log.contains("cannot load"), "the pinned maps are adopted, not given up:\n{log}");
     assert!(log.contains("unchanged=3"), "the restart rewrites nothing:\n{log}");
-    let (_, metrics) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/metrics").expect("/metrics");
+    let metrics = metrics_server(&lab, "/metrics");
     assert!(metrics.contains("proxy_agent_map_capacity{map=\"services\"} 1024"), "{metrics}");
     // Each family's maps have gauges of their own; without IPv6 ranges its conntrack is small.
     assert!(metrics.contains("proxy_agent_map_capacity{map=\"services_ipv6\"} 1024"), "{metrics}");
@@ -1527,15 +1542,9 @@ fn a_set_of_a_newer_nft_that_crashes_this_one_is_named_and_iptables_mode_still_w
         nft.handle(Event::Replace { kind: Kind::EndpointSlice, objects: vec![slice("10.1.0.1")] });
         assert_eq!(nft.sync().expect("a sync").failed, 0, "written before the set comes");
         proxy_tests::newernft::add_table_with_newer_set(&table).expect("the newer nft's set");
-        let crashes = std::process::Command::new("nft").args(["list", "tables"]).output().expect("run nft");
-        let crashes = std::os::unix::process::ExitStatusExt::signal(&crashes.status) == Some(libc::SIGSEGV);
+        let crashes = proxy_tests::newernft::this_nft_crashes();
         nft.handle(Event::Apply(slice("10.1.0.2")));
         let synced = nft.sync().expect("a sync");
-        // (Debian 12's nftables package, this image's, was seen to crash on the set nft 1.1.3
-        // itself wrote, and on this one.)
-        let package = std::process::Command::new("dpkg-query").args(["-W", "-f", "${Version}", "nftables"]).output();
-        let known = package.is_ok_and(|p| p.stdout == b"1.0.6-2+deb12u2");
-        assert!(crashes || !known, "Debian 12's nft 1.0.6 crashes on the set as nft 1.1.3 writes it: the set made here is not that");
         if !crashes {
             println!("NOT APPLICABLE the crash's report: this machine's nft reads the sets of newer nft versions");
             assert_eq!(synced.failed, 0, "the nftables mode writes on beside the set");
@@ -1590,21 +1599,13 @@ fn auto_mode_leaves_nftables_for_iptables_when_a_newer_nfts_set_appears() {
     lab.agent_limits.drop_caps = vec![39, 38, 21];
     lab.start_agent();
     lab.wait_log("proxy mode auto: nf_tables and nft are available", 1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while tcp_ask(&lab.client.ns, sock(WEB_VIP)).is_err() {
-        assert!(std::time::Instant::now() < deadline, "nftables mode should serve:\n{}", lab.agent_log());
-        thread::sleep(Duration::from_millis(200));
-    }
+    wait_served(&lab, "nftables mode should serve");
     let mut conn = Conn::open(&lab.client.ns, sock(WEB_VIP)).expect("a long-lived connection");
     let backend = conn.ask().expect("first answer").backend;
     let crashes = lab.node.run(|| {
         proxy_tests::newernft::add_table_with_newer_set("pxnewer").expect("the newer nft's set");
-        let out = std::process::Command::new("nft").args(["list", "tables"]).output().expect("run nft");
-        std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(libc::SIGSEGV)
+        proxy_tests::newernft::this_nft_crashes()
     });
-    let package = std::process::Command::new("dpkg-query").args(["-W", "-f", "${Version}", "nftables"]).output();
-    let known = package.is_ok_and(|p| p.stdout == b"1.0.6-2+deb12u2");
-    assert!(crashes || !known, "Debian 12's nft 1.0.6 crashes on the set as nft 1.1.3 writes it: the set made here is not that");
     if !crashes {
         println!("NOT APPLICABLE {test}: this machine's nft reads the sets of newer nft versions");
         return;
@@ -1628,7 +1629,7 @@ fn auto_mode_leaves_nftables_for_iptables_when_a_newer_nfts_set_appears() {
     let served: Vec<String> = counts(&lab, 30).into_keys().collect();
     let wanted: Vec<String> = keep.iter().map(|i| format!("backend-{}", i + 1)).collect();
     assert_eq!(served, wanted, "the change is served, by the iptables mode");
-    let (_, mode) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/proxyMode").expect("/proxyMode");
+    let mode = proxy_mode(&lab);
     assert!(mode.ends_with("iptables"), "{mode}");
     assert!(lab.agent_running(), "the same process serves on:\n{}", lab.agent_log());
     // Later changes go to iptables alone: nft crashes no more syncs.
@@ -1648,7 +1649,7 @@ fn auto_mode_leaves_nftables_for_iptables_when_a_newer_nfts_set_appears() {
     thread::sleep(Duration::from_secs(3));
     let log = lab.agent_log().split_off(before);
     assert!(log.contains("table ip pxnewer") && !log.contains("switching to the iptables mode"), "{log}");
-    let (_, mode) = proxy_tests::servers::http_get(&lab.node, "127.0.0.1:10249".parse().unwrap(), "/proxyMode").expect("/proxyMode");
+    let mode = proxy_mode(&lab);
     assert!(mode.ends_with("nftables"), "{mode}");
 }
 
