@@ -16,6 +16,7 @@ pub mod newernft;
 pub mod northbench;
 pub mod packet;
 pub mod packet6;
+pub mod perfwhere;
 pub mod report;
 pub mod require;
 pub mod servers;

@@ -1693,3 +1693,24 @@ fn a_link_whose_program_sets_no_bits_holds_the_rebuilds_back() {
         "a link detached with its interface runs nothing"
     );
 }
+
+/// `proxy-bench profile --where` puts its samples on source lines through the programs' JIT
+/// line info, read from the kernel: the ingress program's must cover its image with lines of
+/// the datapath's sources, and the walk over every loaded program must find it.
+#[test]
+fn the_ingress_programs_jit_image_maps_to_its_source_lines() {
+    use std::os::fd::AsFd;
+    let Some(mut dp) = setup("the_ingress_programs_jit_image_maps_to_its_source_lines") else { return };
+    let fd = dp.ingress_program().fd().expect("loaded").as_fd().try_clone_to_owned().expect("dup");
+    let p = proxy_tests::perfwhere::program(fd.as_fd()).expect("the program's info");
+    assert!(!p.funcs.is_empty() && p.funcs.iter().all(|&(start, len)| start != 0 && len > 0), "{:x?}", p.funcs);
+    for &(start, len) in &p.funcs {
+        assert!(p.contains(start) && p.contains(start + u64::from(len) - 1), "{:x?}", p.funcs);
+        let line = p.line_of(start).expect("a function's first byte has a line");
+        assert!(line.contains(".rs:"), "{line}");
+    }
+    let files: BTreeSet<&str> = p.lines.iter().filter_map(|(_, l)| l.split(':').next()).collect();
+    assert!(files.contains("parse.rs"), "the ingress program's lines come from {files:?}");
+    let all = proxy_tests::perfwhere::loaded_programs().expect("walk the loaded programs");
+    assert!(all.iter().any(|q| q.funcs == p.funcs && q.lines.len() == p.lines.len()), "not among {} programs", all.len());
+}

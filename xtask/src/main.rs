@@ -19,6 +19,7 @@ const PACKAGES: &[(&str, &str)] = &[
     ("nftables", "netfilter tools (fallback modes, benchmarks)"),
     ("conntrack", "the netfilter modes delete stale UDP conntrack entries, as kube-proxy does"),
     ("iperf3", "traffic generation in benchmarks"),
+    ("linux-perf", "`proxy-bench profile --where`: where a datapath path's time goes"),
     ("ethtool", "turning checksum offload off on lab veths, so XDP sees complete checksums as on a wire"),
     ("ipvsadm", "IPVS mode (run in the qemu guest: this kernel has no IPVS)"),
     ("ipset", "IPVS mode's sets"),

@@ -381,9 +381,13 @@ fn measure(services: u32) -> Measured {
 /// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
 /// under `perf record -a` when working on the datapath (`--ipv6` for IPv6's).
 fn profile() {
+    // `--where`: `perf` samples the machine meanwhile, and the end prints where the path's time
+    // went: the programs' own code by source line, the kernel functions they call
+    // (`perfwhere`). Started before the programs load, so perf sees them all.
+    let recording = std::env::args().any(|a| a == "--where").then(|| proxy_tests::perfwhere::Recording::start().expect("start perf"));
     // `--xdp`: XDP's tracked north-south path, forward and reply (`xdp_profile`).
     if std::env::args().any(|a| a == "--xdp") {
-        return xdp_profile();
+        return xdp_profile(recording);
     }
     // `--ct-max=N`: the conntrack map's size (the default's, else), to tell the cost of cold
     // memory from the LRU's own work.
@@ -426,7 +430,7 @@ fn profile() {
             for _ in 0..10 {
                 println!("{what} {:.1} ns", repeated(egress, frame));
             }
-            return;
+            return where_it_went(recording);
         }
     }
     let ingress = dp.ingress_program();
@@ -450,8 +454,13 @@ fn profile() {
         for round in 0..if only_new { 10 } else { 1 } {
             let n = CALLS / scale();
             let ns = calls_from(dp.ingress_program(), round * n, n, &new_flow);
-            let floor = calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| other.clone());
-            print!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
+            if recording.is_some() {
+                // The empty program's calls would be sampled with the path's.
+                print!("new flow {ns:.1} ns");
+            } else {
+                let floor = calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| other.clone());
+                print!("new flow {ns:.1} ns, empty program {floor:.1} ns ({:.1}x)", ns / floor);
+            }
             if collect {
                 let t = Instant::now();
                 let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
@@ -465,6 +474,16 @@ fn profile() {
             }
             println!();
         }
+    }
+    where_it_went(recording);
+}
+
+/// `profile --where`'s table, while the measured programs are still loaded (their line info
+/// is read from the kernel).
+fn where_it_went(recording: Option<proxy_tests::perfwhere::Recording>) {
+    if let Some(r) = recording {
+        let breakdown = r.finish().expect("read perf's samples");
+        println!("\nwhere the time went (`perf record -a -g`, this process's samples inside BPF_PROG_TEST_RUN):\n{}", breakdown.render(20));
     }
 }
 
@@ -593,11 +612,11 @@ impl XdpNode {
 /// is the median of ROUNDS runs of REPEAT packets; every run must return XDP_TX, and the
 /// counters must hold every packet under `xdp_forward` (`xdp_reply`). It runs on a thread of
 /// its own, which enters the node's namespace.
-fn xdp_profile() {
-    std::thread::spawn(xdp_profile_here).join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+fn xdp_profile(recording: Option<proxy_tests::perfwhere::Recording>) {
+    std::thread::spawn(move || xdp_profile_here(recording)).join().unwrap_or_else(|p| std::panic::resume_unwind(p));
 }
 
-fn xdp_profile_here() {
+fn xdp_profile_here(recording: Option<proxy_tests::perfwhere::Recording>) {
     let (flow, family) = if std::env::args().any(|a| a == "--ipv6") { (XdpFlow::v6(), "IPv6 ") } else { (XdpFlow::v4(), "") };
     let mut n = xdp_node(&flow);
     let forward = XdpFlow::frame(flow.client, flow.node_port);
@@ -624,6 +643,7 @@ fn xdp_profile_here() {
         println!("xdp {family}{what} {ours:.1} ns, restore only {floor:.1} ns ({:.1} ns above it)", ours - floor);
     }
     check.took(&mut n.dp, reason, 10 * ROUNDS as u64 * u64::from(repeat), "xdp rounds");
+    where_it_went(recording);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ pub(super) struct ElemAttr {
 }
 
 /// The bpf syscall `cmd` with `attr`; its return value.
-pub(super) fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
+pub fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i64> {
     // SAFETY: `attr` is a live, correctly laid out bpf_attr prefix for `cmd`.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, size_of::<T>()) };
     if rc < 0 {
