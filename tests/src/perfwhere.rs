@@ -336,21 +336,51 @@ pub fn program(fd: BorrowedFd<'_>) -> io::Result<Program> {
         let s = strings.get(off as usize..).unwrap_or_default();
         String::from_utf8_lossy(&s[..s.iter().position(|b| *b == 0).unwrap_or(s.len())]).into_owned()
     };
-    let mut with_lines: Vec<(u64, String)> = if strings.is_empty() {
+    let raw: Vec<SourceLine> = if strings.is_empty() {
         Vec::new()
     } else {
         jited
             .iter()
             .zip(&lines)
-            .map(|(addr, l)| {
-                let file = text(l.file_name_off);
-                let file = file.rsplit('/').next().unwrap_or_default().to_string();
-                (*addr, format!("{file}:{}  {}", l.line_col >> 10, text(l.line_off).trim()))
-            })
+            .map(|(addr, l)| SourceLine { addr: *addr, path: text(l.file_name_off), line: l.line_col >> 10, source: text(l.line_off) })
             .collect()
     };
-    with_lines.sort_by_key(|(a, _)| *a);
+    let with_lines = label_lines(raw);
     Ok(Program { name, funcs, lines: with_lines })
+}
+
+/// A stretch of a program's JIT image and the source line it came from.
+pub struct SourceLine {
+    pub addr: u64,
+    pub path: String,
+    pub line: u32,
+    pub source: String,
+}
+
+/// Whether a source file is the datapath's own (not the toolchain's or a library's).
+fn ours(path: &str) -> bool {
+    path.contains("proxy-ebpf/") || path.contains("proxy-common/")
+}
+
+/// Labels `file:line  source`, sorted by address. A library's line (an inlined helper call,
+/// whose map lookups the verifier inlines, or an integer method) says which of the datapath's
+/// lines it follows, the nearest before it in the image: `helpers.rs:10` alone would put every
+/// lookup of the program on one line.
+pub fn label_lines(mut raw: Vec<SourceLine>) -> Vec<(u64, String)> {
+    raw.sort_by_key(|l| l.addr);
+    let base = |l: &SourceLine| format!("{}:{}", l.path.rsplit('/').next().unwrap_or_default(), l.line);
+    let mut last_ours: Option<String> = None;
+    raw.iter()
+        .map(|l| {
+            let label = format!("{}  {}", base(l), l.source.trim());
+            if ours(&l.path) {
+                last_ours = Some(base(l));
+                (l.addr, label)
+            } else {
+                (l.addr, last_ours.as_ref().map_or_else(|| label.clone(), |o| format!("{label}  (after {o})")))
+            }
+        })
+        .collect()
 }
 
 /// The string section of BTF object `id` (what line info's offsets point into).
@@ -445,6 +475,26 @@ proxy-bench  4242
         let b = attribute(&parse_script(SCRIPT), 4242, &[]);
         assert_eq!(b.own.get("bpf_prog_0123456789abcdef_from_pod"), Some(&1));
         assert_eq!(b.called["htab_lru_map_update_elem"].0, 2);
+    }
+
+    #[test]
+    fn a_librarys_line_names_the_datapaths_line_before_it() {
+        let l = |addr, path: &str, line, source: &str| SourceLine { addr, path: path.into(), line, source: source.into() };
+        let labels = label_lines(vec![
+            l(30, "/work/main/proxy-ebpf/src/ct.rs", 81, " if *w & bit == 0 { "),
+            l(10, "/rustc/abc/library/core/src/num/mod.rs", 5, "x"),
+            l(40, "/root/.cargo/registry/src/aya-ebpf-0.2.1/src/helpers.rs", 10, "fun(map, key)"),
+            l(20, "/work/main/proxy-common/src/lib.rs", 798, "let bit = 1;"),
+        ]);
+        assert_eq!(
+            labels,
+            vec![
+                (10, "mod.rs:5  x".to_string()),
+                (20, "lib.rs:798  let bit = 1;".to_string()),
+                (30, "ct.rs:81  if *w & bit == 0 {".to_string()),
+                (40, "helpers.rs:10  fun(map, key)  (after ct.rs:81)".to_string()),
+            ]
+        );
     }
 
     #[test]
