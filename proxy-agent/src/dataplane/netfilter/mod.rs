@@ -18,6 +18,7 @@ use std::{
     io::Write as _,
     net::IpAddr,
     process::{Command, Stdio},
+    time::Duration,
 };
 
 use crate::model::{Cidr, EndpointView, Family, ObjectKey, PortView};
@@ -313,17 +314,72 @@ pub fn spawn(program: &'static str, package: &'static str, args: &[&str], stdin:
         .map_err(|e| NetfilterError::Missing { tool: program, package, why: e.to_string() })
 }
 
-/// Runs `program args` with `input` on stdin.
+/// How long a tool may go without using any CPU before the agent takes it for hung and kills
+/// it (waiting for a lock or an answer that never comes), so that the mode's loop retries with
+/// backoff instead of waiting on it for ever. A slow tool is left to finish: iptables-nft
+/// loads 10,000 Services in about 100 s of CPU in one run, and nft answers within seconds.
+pub const TOOL_IDLE_LIMIT: Duration = Duration::from_secs(60);
+
+/// Runs `program args` with `input` on stdin, killed if idle for `TOOL_IDLE_LIMIT`.
 pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str], input: &str) -> Result<String, NetfilterError> {
+    run_within(program, package, args, input, TOOL_IDLE_LIMIT)
+}
+
+/// Runs `program args` with `input` on stdin; kills it when a whole `idle` goes by without it
+/// using any CPU. The input goes in from a thread of its own while this one reads what the
+/// tool prints: a tool that answers each line as it reads (`ip -force -batch`, `ipvsadm -R`)
+/// would otherwise fill its stderr pipe and wait for the agent to read it, while the agent
+/// waits for the tool to read the rest of its input.
+pub fn run_within(
+    program: &'static str,
+    package: &'static str,
+    args: &[&str],
+    input: &str,
+    idle: Duration,
+) -> Result<String, NetfilterError> {
     let mut child = spawn(program, package, args, true)?;
     let mut stdin = child.stdin.take().expect("piped stdin");
-    let written = stdin.write_all(input.as_bytes());
-    drop(stdin);
-    let out = child.wait_with_output().map_err(|e| NetfilterError::Failed { command: program.into(), stderr: e.to_string() })?;
     let command = || format!("{program} {}", args.join(" "));
+    let watch = ChildWatch::new(child.id());
+    let (out, written, killed) = std::thread::scope(|scope| {
+        let writer = scope.spawn(move || {
+            let written = stdin.write_all(input.as_bytes());
+            drop(stdin);
+            written
+        });
+        let (ended, end) = std::sync::mpsc::channel::<()>();
+        let watch = &watch;
+        let watchdog = scope.spawn(move || {
+            let mut before = watch.cpu();
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = end.recv_timeout(idle) {
+                let now = watch.cpu();
+                if now.is_none() || now == before {
+                    return watch.kill();
+                }
+                before = now;
+            }
+            false
+        });
+        // Reads stdout and stderr to their ends, then reaps the tool.
+        let out = child.wait_with_output();
+        drop(ended);
+        let killed = watchdog.join().unwrap_or(false);
+        let written = writer.join().unwrap_or_else(|_| Err(std::io::Error::other("the input writer panicked")));
+        (out, written, killed)
+    });
+    let out = out.map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
     let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    // Killed by the watchdog, not ended by itself just at the limit.
+    let signal = std::os::unix::process::ExitStatusExt::signal(&out.status);
+    if killed && signal == Some(libc::SIGKILL) {
+        let printed = if stderr.is_empty() { String::new() } else { format!("; it printed: {stderr}") };
+        return Err(NetfilterError::Failed {
+            command: command(),
+            stderr: format!("used no CPU for {} s, taken for hung and killed{printed}", idle.as_secs_f64()),
+        });
+    }
     // A crash first: one in the middle of the input also broke the pipe.
-    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
+    if let Some(signal) = signal {
         let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
         return Err(NetfilterError::Crashed { command: command(), signal, why, unreadable: Vec::new() });
     }
@@ -334,6 +390,45 @@ pub fn run_with_input(program: &'static str, package: &'static str, args: &[&str
         return Err(NetfilterError::Failed { command: command(), stderr });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// utime + stime of a `/proc/PID/stat` line (its 14th and 15th fields; the command name in
+/// parentheses may hold spaces, so fields are counted after its closing one).
+fn cpu_ticks(stat: &str) -> Option<u64> {
+    let mut rest = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().skip(11);
+    Some(rest.next()?.parse::<u64>().ok()? + rest.next()?.parse::<u64>().ok()?)
+}
+
+/// A child that can be killed from another thread without the risk of signalling a process
+/// that took over its pid after it was reaped: a pidfd, opened while the child is still ours.
+struct ChildWatch {
+    pid: u32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+}
+
+impl ChildWatch {
+    fn new(pid: u32) -> Self {
+        // SAFETY: pidfd_open with a pid and no flags; it returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        // SAFETY: a descriptor the syscall just returned, owned from here. Without pidfds (a
+        // kernel before 5.3) the tool runs unbounded, as before.
+        let pidfd = (fd >= 0).then(|| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) });
+        Self { pid, pidfd }
+    }
+
+    /// The CPU time it has used so far, in clock ticks (user and system: a tool waiting in the
+    /// kernel on its netlink answer counts too); None once it is gone.
+    fn cpu(&self) -> Option<u64> {
+        cpu_ticks(&std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?)
+    }
+
+    /// SIGKILL; false if it had ended already (or cannot be reached).
+    fn kill(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let Some(fd) = &self.pidfd else { return false };
+        // SAFETY: pidfd_send_signal on our own pidfd, no siginfo, no flags.
+        unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0) == 0 }
+    }
 }
 
 /// Runs `program args`; Ok(stdout) on success.
@@ -746,6 +841,40 @@ pub(crate) mod fake {
 #[cfg(test)]
 mod tests {
     use super::{fake::Rules, *};
+
+    #[test]
+    fn a_tool_that_answers_each_line_as_it_reads_gets_all_its_input() {
+        // 20,000 lines answered on stderr (about 400 KB): far more than a pipe holds, so with
+        // the input written before anything is read, tool and agent would wait on each other.
+        let input: String = (0..20_000).map(|i| format!("del {i}\n")).collect();
+        let r =
+            run_within("sh", "dash", &["-c", "while read l; do echo \"no such $l\" >&2; done; exit 2"], &input, Duration::from_secs(30));
+        let Err(NetfilterError::Failed { stderr, .. }) = r else { panic!("{r:?}") };
+        assert!(stderr.ends_with("no such del 19999"), "{}", &stderr[stderr.len().saturating_sub(80)..]);
+    }
+
+    #[test]
+    fn a_tool_that_uses_no_cpu_for_the_idle_limit_is_killed() {
+        let r = run_within("sleep", "coreutils", &["30"], "", Duration::from_millis(300));
+        let Err(NetfilterError::Failed { command, stderr }) = r else { panic!("{r:?}") };
+        assert_eq!(command, "sleep 30");
+        assert!(stderr.starts_with("used no CPU for 0.3 s, taken for hung and killed"), "{stderr}");
+    }
+
+    #[test]
+    fn a_busy_tool_outlives_the_idle_limit() {
+        // About 2 s of shell arithmetic, watched each second: slow is not hung.
+        let r =
+            run_within("sh", "dash", &["-c", "i=0; while [ $i -lt 1500000 ]; do i=$((i+1)); done; echo $i"], "", Duration::from_secs(1));
+        assert_eq!(r.unwrap().trim(), "1500000");
+    }
+
+    #[test]
+    fn cpu_time_is_read_past_a_command_name_with_spaces() {
+        let stat = "4242 (nft (x) y) S 1 4242 4242 0 -1 4194560 120 0 0 0 17 5 0 0 20 0 1 0 99 0 0";
+        assert_eq!(cpu_ticks(stat), Some(22));
+        assert_eq!(cpu_ticks("4242 (nft) S 1"), None);
+    }
 
     #[test]
     fn a_listing_of_every_table_splits_by_table() {
