@@ -27,7 +27,7 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use super::{spawn, NetfilterError, NodeContext, Services};
+use super::{hung, killed_if_idle, spawn, NetfilterError, NodeContext, Services, TOOL_IDLE_LIMIT};
 use crate::model::{Family, PortView, Protocol};
 
 const CONNTRACK: &str = "conntrack";
@@ -168,13 +168,19 @@ fn list<R>(args: &[&str], read: impl FnOnce(&mut dyn Iterator<Item = String>) ->
     let mut child = spawn(CONNTRACK, CONNTRACK, args, false)?;
     let stdout = child.stdout.take().expect("piped stdout");
     // Its summary line ("... flow entries have been shown") goes to stderr, which stays small;
-    // it is read after stdout ends.
-    let kept = read(&mut BufReader::new(stdout).lines().map_while(Result::ok));
-    let mut stderr = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut stderr);
+    // it is read after stdout ends. A conntrack that hangs is killed, as the other tools are.
+    let ((kept, stderr, status), killed) = killed_if_idle(child.id(), TOOL_IDLE_LIMIT, || {
+        let kept = read(&mut BufReader::new(stdout).lines().map_while(Result::ok));
+        let mut stderr = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut stderr);
+        }
+        (kept, stderr, child.wait())
+    });
+    let status = status.map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
+    if killed && std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
+        return Err(hung(command(), TOOL_IDLE_LIMIT, stderr.trim()));
     }
-    let status = child.wait().map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
     if !status.success() {
         return Err(NetfilterError::Failed { command: command(), stderr: stderr.trim().to_string() });
     }

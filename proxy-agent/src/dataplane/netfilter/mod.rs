@@ -340,30 +340,15 @@ pub fn run_within(
     let mut child = spawn(program, package, args, true)?;
     let mut stdin = child.stdin.take().expect("piped stdin");
     let command = || format!("{program} {}", args.join(" "));
-    let watch = ChildWatch::new(child.id());
+    let pid = child.id();
     let (out, written, killed) = std::thread::scope(|scope| {
         let writer = scope.spawn(move || {
             let written = stdin.write_all(input.as_bytes());
             drop(stdin);
             written
         });
-        let (ended, end) = std::sync::mpsc::channel::<()>();
-        let watch = &watch;
-        let watchdog = scope.spawn(move || {
-            let mut before = watch.cpu();
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = end.recv_timeout(idle) {
-                let now = watch.cpu();
-                if now.is_none() || now == before {
-                    return watch.kill();
-                }
-                before = now;
-            }
-            false
-        });
         // Reads stdout and stderr to their ends, then reaps the tool.
-        let out = child.wait_with_output();
-        drop(ended);
-        let killed = watchdog.join().unwrap_or(false);
+        let (out, killed) = killed_if_idle(pid, idle, || child.wait_with_output());
         let written = writer.join().unwrap_or_else(|_| Err(std::io::Error::other("the input writer panicked")));
         (out, written, killed)
     });
@@ -372,11 +357,7 @@ pub fn run_within(
     // Killed by the watchdog, not ended by itself just at the limit.
     let signal = std::os::unix::process::ExitStatusExt::signal(&out.status);
     if killed && signal == Some(libc::SIGKILL) {
-        let printed = if stderr.is_empty() { String::new() } else { format!("; it printed: {stderr}") };
-        return Err(NetfilterError::Failed {
-            command: command(),
-            stderr: format!("used no CPU for {} s, taken for hung and killed{printed}", idle.as_secs_f64()),
-        });
+        return Err(hung(command(), idle, &stderr));
     }
     // A crash first: one in the middle of the input also broke the pipe.
     if let Some(signal) = signal {
@@ -390,6 +371,36 @@ pub fn run_within(
         return Err(NetfilterError::Failed { command: command(), stderr });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The error of a tool `killed_if_idle` killed, with what it printed before.
+pub fn hung(command: String, idle: Duration, printed: &str) -> NetfilterError {
+    let printed = if printed.is_empty() { String::new() } else { format!("; it printed: {printed}") };
+    NetfilterError::Failed { command, stderr: format!("used no CPU for {} s, taken for hung and killed{printed}", idle.as_secs_f64()) }
+}
+
+/// Runs `wait` (which ends when child `pid` has) while a watchdog kills the child if a whole
+/// `idle` goes by without it using any CPU; returns what `wait` did and whether it was killed.
+pub fn killed_if_idle<R>(pid: u32, idle: Duration, wait: impl FnOnce() -> R) -> (R, bool) {
+    let watch = ChildWatch::new(pid);
+    std::thread::scope(|scope| {
+        let (ended, end) = std::sync::mpsc::channel::<()>();
+        let watch = &watch;
+        let watchdog = scope.spawn(move || {
+            let mut before = watch.cpu();
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = end.recv_timeout(idle) {
+                let now = watch.cpu();
+                if now.is_none() || now == before {
+                    return watch.kill();
+                }
+                before = now;
+            }
+            false
+        });
+        let r = wait();
+        drop(ended);
+        (r, watchdog.join().unwrap_or(false))
+    })
 }
 
 /// utime + stime of a `/proc/PID/stat` line (its 14th and 15th fields; the command name in
