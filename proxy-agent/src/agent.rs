@@ -473,16 +473,30 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     set_oom_score_adj(cfg.common.oom_score_adj);
     let backends = Iptables::available();
     let ipt = iptables_backend(&cfg, mode, &backends);
-    crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
+    let root = cfg.common.bpffs_root.clone();
+    let cleanup = move || crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &root);
     match mode {
         ProxyMode::Ebpf => {
             let dp = match loaded {
                 Some(dp) => dp,
                 None => load_ebpf(&cfg)?,
             };
-            run_ebpf(cfg, dp).await
+            // What kube-proxy or a netfilter mode left goes once the eBPF maps are whole: until
+            // then, new connections to a Service are still served by those rules (our programs
+            // pass what their empty maps do not know). Both can be there at once: the programs
+            // translate before netfilter, so its rules no longer match what they translated.
+            tracing::info!("what kube-proxy or another mode left is removed after the first whole write");
+            let after = move || {
+                cleanup();
+                tracing::info!("first whole write done: what kube-proxy or another mode left is removed");
+            };
+            run_ebpf(cfg, dp, Some(Box::new(after))).await
         }
-        other => run_netfilter(cfg, other, ipt.unwrap_or_default()).await,
+        other => {
+            // Before the first write: IPVS and iptables modes write chains of the same names.
+            cleanup();
+            run_netfilter(cfg, other, ipt.unwrap_or_default()).await
+        }
     }
 }
 
@@ -601,7 +615,7 @@ async fn run_netfilter(cfg: Config, mode: ProxyMode, iptables: Iptables) -> anyh
     tracing::info!(mode = %mode, node = cfg.common.hostname, "programming Services with the kernel's netfilter");
     let health = HealthServers::new(telemetry.clone());
     let hostname = cfg.common.hostname.clone();
-    control_loop(&mut proxier, &mut inputs, &telemetry, health, settings.sync, &hostname).await?;
+    control_loop(&mut proxier, &mut inputs, &telemetry, health, settings.sync, &hostname, None).await?;
     tracing::info!(mode = %proxier.mode(), "stopping; the rules stay in place (`proxy-agent cleanup` removes them)");
     Ok(())
 }
@@ -657,7 +671,7 @@ fn serve_host_sockets(cfg: &Config, dp: &mut EbpfDataplane) {
     }
 }
 
-async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
+async fn run_ebpf(cfg: Config, dp: EbpfDataplane, after_first_write: AfterFirstWrite) -> anyhow::Result<()> {
     let patterns = DevicePatterns::parse(&cfg.ebpf.pod_devices).map_err(anyhow::Error::msg)?;
     let external = if cfg.ebpf.devices.is_empty() {
         None
@@ -692,7 +706,7 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane) -> anyhow::Result<()> {
     let health = HealthServers::new(telemetry.clone());
     // The eBPF dataplane programs every change at once: a change costs microseconds.
     let periods = SyncPeriods { sync: cfg.common.sync_period, min: Duration::ZERO };
-    control_loop(&mut rec, &mut inputs, &telemetry, health, periods, &cfg.common.hostname).await?;
+    control_loop(&mut rec, &mut inputs, &telemetry, health, periods, &cfg.common.hostname, after_first_write).await?;
     if rec.dataplane().pins_outlive_agent() {
         tracing::info!(
             bpffs_root = %root.display(),
@@ -726,6 +740,7 @@ async fn control_loop<P: Proxier>(
     mut health: HealthServers,
     periods: SyncPeriods,
     hostname: &str,
+    mut after_first_write: AfterFirstWrite,
 ) -> anyhow::Result<()> {
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
@@ -791,7 +806,7 @@ async fn control_loop<P: Proxier>(
                 }
             }
             let failing_before = p.has_failures();
-            sync(p, telemetry, &mut health, &mut initial_steps);
+            sync(p, telemetry, &mut health, &mut initial_steps, &mut after_first_write);
             if p.has_failures() {
                 backoff = if failing_before { (backoff * 2).min(RETRY_MAX) } else { RETRY_FIRST };
                 retry_at = Instant::now() + backoff;
@@ -860,7 +875,17 @@ impl NodeWatch {
     }
 }
 
-fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers, initial_steps: &mut Option<SyncStats>) {
+/// Work that waits for the mode's first whole write (every Service written or tried, no step
+/// of a long write left), done before that write counts as programmed (`/healthz`).
+type AfterFirstWrite = Option<Box<dyn FnOnce() + Send>>;
+
+fn sync<P: Proxier>(
+    p: &mut P,
+    telemetry: &Telemetry,
+    health: &mut HealthServers,
+    initial_steps: &mut Option<SyncStats>,
+    after_first_write: &mut AfterFirstWrite,
+) {
     if let Some(s) = p.sync() {
         // On the NodePort addresses, as kube-proxy binds its health-check servers; not while
         // a table is built in steps or changes go in batches (a load balancer would send
@@ -883,6 +908,12 @@ fn sync<P: Proxier>(p: &mut P, telemetry: &Telemetry, health: &mut HealthServers
         // (While a table is built in steps, what was queued waits for the last: `/healthz`
         // reports it late as it would a single long write, `/livez` sees the steps progress.
         // A table written again in place serves throughout once its maps are filled.)
+        // (Also when a Service failed: what could be written is, and the rest is retried.)
+        if p.ready() && !p.building() && !p.pending() {
+            if let Some(work) = after_first_write.take() {
+                work();
+            }
+        }
         if !p.has_failures() {
             if p.building() {
                 telemetry.progressed();
@@ -938,6 +969,31 @@ mod tests {
         }
     }
 
+    /// What waits for the first whole write runs once, at the step that ends it, before
+    /// `/healthz` turns 200.
+    #[tokio::test]
+    async fn what_waits_for_the_first_write_runs_once_at_its_end() {
+        let telemetry = Telemetry::new(Duration::from_secs(60), None, Default::default());
+        let mut health = HealthServers::new(telemetry.clone());
+        let mut p = Stepping { store: Store::new("node"), steps: 3, building: true };
+        // Queued long enough ago that /healthz says 503 until it is programmed.
+        telemetry.queued();
+        telemetry.backdate_queued(Duration::from_secs(61));
+        let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (seen, t) = (runs.clone(), telemetry.clone());
+        let mut after: AfterFirstWrite = Some(Box::new(move || seen.lock().unwrap().push(t.healthz().0)));
+        sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
+        assert!(runs.lock().unwrap().is_empty(), "not while steps are left");
+        sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
+        assert!(runs.lock().unwrap().is_empty(), "not while steps are left");
+        sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
+        assert_eq!(*runs.lock().unwrap(), vec![503], "at the last step, before /healthz turns 200");
+        assert_eq!(telemetry.healthz().0, 200);
+        p.steps = 0;
+        sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
+        assert_eq!(runs.lock().unwrap().len(), 1, "once");
+    }
+
     /// What was queued counts as programmed after a step that writes again a table that
     /// exists (it serves throughout), but not before the last step of one built from nothing
     /// (`/livez` takes its steps as signs of life); health-check node ports open then too (a
@@ -951,7 +1007,7 @@ mod tests {
             telemetry.queued();
             telemetry.backdate_queued(Duration::from_secs(61));
             assert_eq!((telemetry.healthz().0, telemetry.livez().0), (503, 503), "queued and late");
-            sync(&mut p, &telemetry, &mut health, &mut None);
+            sync(&mut p, &telemetry, &mut health, &mut None, &mut None);
             assert!(p.pending());
             if building {
                 assert_eq!((telemetry.healthz().0, telemetry.livez().0), (503, 200), "not ready, but alive while the steps progress");
@@ -960,7 +1016,7 @@ mod tests {
                 assert_eq!((telemetry.healthz().0, telemetry.livez().0), (200, 200));
                 assert_eq!(health.ports(), vec![0]);
             }
-            sync(&mut p, &telemetry, &mut health, &mut None);
+            sync(&mut p, &telemetry, &mut health, &mut None, &mut None);
             assert!(!p.pending());
             assert_eq!(telemetry.healthz().0, 200, "building: {building}");
             assert_eq!(health.ports(), vec![0], "building: {building}");

@@ -100,11 +100,16 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
         }
     }
     // What kube-proxy, or this agent in another mode, left (both iptables backends: only a
-    // privileged container may read iptables-legacy).
-    let backends = netfilter::Iptables::available();
-    let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs)
-        .then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));
-    modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
+    // privileged container may read iptables-legacy). The eBPF mode's agent removes it itself
+    // after its first whole write, so that those rules serve new connections until then.
+    if mode == ProxyMode::Ebpf {
+        tracing::info!("what kube-proxy or another mode left stays until the agent's first whole write");
+    } else {
+        let backends = netfilter::Iptables::available();
+        let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs)
+            .then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));
+        modes::cleanup_other_modes(mode, ipt, &backends, &cfg.common.bpffs_root);
+    }
     tracing::info!(mode = %mode, "node prepared");
     Ok(())
 }

@@ -337,8 +337,29 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
         }
         assert!(in_node(&["nft", "list", "tables"]).contains("table inet cni-firewall"), "{mode}: the CNI's table stays");
     };
-    assert!(leftovers(&in_node).len() > 20, "the fixtures load kube-proxy's state");
+    let loaded = leftovers(&in_node);
+    assert!(loaded.len() > 20, "the fixtures load kube-proxy's state");
+    if mode == ProxyMode::Ebpf {
+        // The DaemonSet's init container, in eBPF mode, leaves kube-proxy's rules to the agent.
+        let root = lab.bpffs();
+        let args = ["--init-only", "--proxy-mode", "ebpf", "--bpffs-root", root.to_str().unwrap(), "--cgroup-root", "none"];
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+        let init = crate::lab::spawn_agent_limited(lab.agent_bin(), &lab.node, &args, &lab.log_path(), &Default::default());
+        let status = init.wait_with_output().expect("init-only").status;
+        assert!(status.success(), "--init-only: {status}\n{}", lab.agent_log());
+        assert_eq!(leftovers(&in_node), loaded, "ebpf: --init-only leaves kube-proxy's state for the agent's first write");
+    }
     start(&mut lab, mode, &[]);
+    if mode == ProxyMode::Ebpf {
+        // Removed after the maps are whole, not before: kube-proxy's rules serve until then.
+        lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+        let log = lab.agent_log();
+        let (written, removed) = (log.find("initial sync done"), log.find("removed what "));
+        assert!(
+            matches!((written, removed), (Some(w), Some(r)) if w < r),
+            "ebpf: kube-proxy's state is removed after the first write ({written:?}, {removed:?}):\n{log}"
+        );
+    }
     let left = leftovers(&in_node);
     // The agent's own mode writes some of the same names, in both families: those are its own.
     let own: &[&str] = match mode {

@@ -1,8 +1,10 @@
 //! The built image, run the way kubelet runs deploy/daemonset.yaml (see `container`): the init
 //! container with its privileges, then the agent with exactly the DaemonSet's capabilities,
 //! mounts, read-only root and host network, configured by the ConfigMap's kube-proxy file and
-//! talking to an API server with a ServiceAccount token. Services work through it, and a
-//! rolled pod (container stopped, a new one started from the image) loses no connection.
+//! talking to an API server with a ServiceAccount token. kube-proxy's rules stay until the
+//! agent's first write and are gone, in both iptables backends, once it is ready; Services
+//! work through it, and a rolled pod (container stopped, a new one started from the image)
+//! loses no connection.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -104,6 +106,35 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     .collect();
     let node = Node { netns: lab.node.name.clone(), node_name: NODE_NAME.into(), host_paths, config_map: cm_dir, service_account: sa };
 
+    // What kube-proxy left on the node taken over: IPv4 rules in iptables-nft, IPv6 in
+    // iptables-legacy (which only CAP_NET_RAW may read).
+    let in_node = |tool: &str, stdin: Option<&str>| {
+        let mut cmd = std::process::Command::new("ip");
+        cmd.args(["netns", "exec", &lab.node.name, tool]);
+        if let Some(file) = stdin {
+            cmd.arg("--noflush").stdin(fs::File::open(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(file)).unwrap());
+        }
+        let out = cmd.output().unwrap_or_else(|e| panic!("{tool}: {e}"));
+        assert!(out.status.success(), "{tool}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    in_node("iptables-nft-restore", Some("kube-proxy-ipv4.rules"));
+    in_node("ip6tables-legacy-restore", Some("kube-proxy-ipv6.rules"));
+    let kube_proxys = || -> Vec<String> {
+        ["iptables-nft-save", "ip6tables-legacy-save"]
+            .into_iter()
+            .flat_map(|save| {
+                let out = in_node(save, None);
+                out.lines()
+                    .filter(|l| l.starts_with(":KUBE-SVC-") || l.starts_with(":KUBE-SEP-"))
+                    .map(|l| format!("{save} {l}"))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let left_by_kube_proxy = kube_proxys();
+    assert_eq!(left_by_kube_proxy.len(), 4, "the fixtures load kube-proxy's chains: {left_by_kube_proxy:?}");
+
     // The init container: privileged, once.
     let init_rootfs = Rootfs::new();
     let init_spec = &pod.init_containers.as_ref().expect("an init container")[0];
@@ -114,11 +145,12 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     let pins = bpffs.0.join("proxy-agent");
     assert!(proxy_agent::bpffs::is_bpffs(&pins).unwrap_or(false), "a bpffs under the host's /sys/fs/bpf:\n{}", init.log());
     assert!(proxy_agent::dataplane::ebpf::hostsock::is_cgroup2(&cgroup.0), "a cgroup v2 hierarchy on the host:\n{}", init.log());
+    assert_eq!(kube_proxys(), left_by_kube_proxy, "the init container leaves kube-proxy's rules to the agent's first write");
 
     // The agent, with the DaemonSet's capabilities and nothing more.
     let agent_spec = &pod.containers[0];
     let caps = agent_spec.security_context.as_ref().and_then(|s| s.capabilities.as_ref()).and_then(|c| c.add.clone()).unwrap_or_default();
-    assert_eq!(caps, ["BPF", "NET_ADMIN", "PERFMON"], "the DaemonSet's capabilities");
+    assert_eq!(caps, ["BPF", "NET_ADMIN", "NET_RAW", "PERFMON"], "the DaemonSet's capabilities");
     let rootfs = Rootfs::new();
     let mut agent = container::run(&ds, agent_spec, &node, &rootfs.path, &lab.dir);
     let health = || http_get(&lab.node, "127.0.0.1:10256".parse().unwrap(), "/healthz").map_err(|e| e.to_string());
@@ -137,6 +169,14 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     let log = agent.log();
     assert!(log.contains("the kernel runs the eBPF dataplane"), "eBPF mode with the DaemonSet's capabilities:\n{log}");
     assert!(!log.contains("private to this agent"), "the pins are on the host's bpffs:\n{log}");
+    // Removed after the first write, in both backends, with the DaemonSet's capabilities.
+    eventually("the agent to remove kube-proxy's rules", Duration::from_secs(30), || match kube_proxys() {
+        left if left.is_empty() => Ok(()),
+        left => Err(format!("{left:?}\n{}", agent.log())),
+    });
+    let log = agent.log();
+    let (written, removed) = (log.find("initial sync done"), log.find("removed what "));
+    assert!(matches!((written, removed), (Some(w), Some(r)) if w < r), "removed after the first write:\n{log}");
     // The pins are seen from the host.
     eventually("the Services to be programmed", Duration::from_secs(30), || match proxy_agent::inspect::read(&pins) {
         Ok(r) if r.frontends.len() >= 5 => Ok(()),

@@ -110,7 +110,7 @@ fn the_daemonset_runs_like_kube_proxy_with_least_privilege() {
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     let caps = sc.capabilities.expect("capabilities");
     assert_eq!(caps.drop, Some(vec!["ALL".to_string()]));
-    assert_eq!(caps.add, Some(vec!["BPF".to_string(), "NET_ADMIN".to_string(), "PERFMON".to_string()]));
+    assert_eq!(caps.add, Some(vec!["BPF".to_string(), "NET_ADMIN".to_string(), "NET_RAW".to_string(), "PERFMON".to_string()]));
     let probe = |p: Option<k8s_openapi::api::core::v1::Probe>| {
         p.and_then(|p| p.http_get).map(|h| (h.path.unwrap_or_default(), format!("{:?}", h.port)))
     };
