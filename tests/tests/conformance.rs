@@ -87,6 +87,30 @@ mod takeover {
     fn nftables() {
         takeover(ProxyMode::Nftables)
     }
+
+    /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a
+    /// packet to an address its maps do not hold passes the attached programs untouched, and
+    /// netfilter's DNAT (kube-proxy's, here a rule of the same form) translates it, replies
+    /// included.
+    #[test]
+    fn ebpf_passes_what_its_maps_do_not_hold_to_netfilter() {
+        if !require::root("the eBPF mode beside netfilter's DNAT") {
+            return;
+        }
+        use proxy_tests::servers::tcp_ask;
+        let lab = conformance::lab(&agent(), ProxyMode::Ebpf);
+        let backend = lab.backend_ips()[0];
+        let to = format!("{backend}:{}", proxy_tests::lab::TCP_PORT);
+        let rule =
+            ["-t", "nat", "-I", "PREROUTING", "-d", "172.30.0.10/32", "-p", "tcp", "--dport", "80", "-j", "DNAT", "--to-destination", &to];
+        let node = lab.node.name.clone();
+        let mut args = vec!["netns", "exec", &node, "iptables-nft"];
+        args.extend(rule);
+        let status = std::process::Command::new("ip").args(&args).status().expect("iptables-nft");
+        assert!(status.success(), "iptables-nft {rule:?}");
+        let answer = tcp_ask(&lab.client.ns, "172.30.0.10:80".parse().unwrap()).expect("netfilter's DNAT serves what the maps do not hold");
+        assert_eq!(answer.backend, "backend-1", "{answer:?}");
+    }
 }
 
 /// Not a scenario of every mode: localhost NodePorts are served by the iptables mode (as
