@@ -486,9 +486,16 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             // pass what their empty maps do not know). Both can be there at once: the programs
             // translate before netfilter, so its rules no longer match what they translated.
             tracing::info!("what kube-proxy or another mode left is removed after the first whole write");
+            // On a thread of its own: on a large node the saves and restores of every backend
+            // and family take a while, and nothing of the eBPF mode waits for them.
             let after = move || {
-                cleanup();
-                tracing::info!("first whole write done: what kube-proxy or another mode left is removed");
+                let spawned = std::thread::Builder::new().name("takeover-cleanup".into()).spawn(move || {
+                    cleanup();
+                    tracing::info!("first whole write done: what kube-proxy or another mode left is removed");
+                });
+                if let Err(e) = spawned {
+                    tracing::warn!("what kube-proxy or another mode left stays: no thread to remove it ({e})");
+                }
             };
             run_ebpf(cfg, dp, Some(Box::new(after))).await
         }
@@ -876,7 +883,7 @@ impl NodeWatch {
 }
 
 /// Work that waits for the mode's first whole write (every Service written or tried, no step
-/// of a long write left), done before that write counts as programmed (`/healthz`).
+/// of a long write left), started once that write counts as programmed.
 type AfterFirstWrite = Option<Box<dyn FnOnce() + Send>>;
 
 fn sync<P: Proxier>(
@@ -908,12 +915,6 @@ fn sync<P: Proxier>(
         // (While a table is built in steps, what was queued waits for the last: `/healthz`
         // reports it late as it would a single long write, `/livez` sees the steps progress.
         // A table written again in place serves throughout once its maps are filled.)
-        // (Also when a Service failed: what could be written is, and the rest is retried.)
-        if p.ready() && !p.building() && !p.pending() {
-            if let Some(work) = after_first_write.take() {
-                work();
-            }
-        }
         if !p.has_failures() {
             if p.building() {
                 telemetry.progressed();
@@ -922,6 +923,12 @@ fn sync<P: Proxier>(
             }
         }
         p.report(telemetry);
+        // (Also when a Service failed: what could be written is, and the rest is retried.)
+        if p.ready() && !p.building() && !p.pending() {
+            if let Some(work) = after_first_write.take() {
+                work();
+            }
+        }
     } else {
         telemetry.record_changes(&p.store().change_counts());
     }
@@ -969,8 +976,8 @@ mod tests {
         }
     }
 
-    /// What waits for the first whole write runs once, at the step that ends it, before
-    /// `/healthz` turns 200.
+    /// What waits for the first whole write runs once, at the step that ends it, once that
+    /// write counts as programmed.
     #[tokio::test]
     async fn what_waits_for_the_first_write_runs_once_at_its_end() {
         let telemetry = Telemetry::new(Duration::from_secs(60), None, Default::default());
@@ -987,7 +994,7 @@ mod tests {
         sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
         assert!(runs.lock().unwrap().is_empty(), "not while steps are left");
         sync(&mut p, &telemetry, &mut health, &mut None, &mut after);
-        assert_eq!(*runs.lock().unwrap(), vec![503], "at the last step, before /healthz turns 200");
+        assert_eq!(*runs.lock().unwrap(), vec![200], "at the last step, once it counts as programmed");
         assert_eq!(telemetry.healthz().0, 200);
         p.steps = 0;
         sync(&mut p, &telemetry, &mut health, &mut None, &mut after);

@@ -99,9 +99,10 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
             tracing::warn!("{failure}");
         }
     }
-    // What kube-proxy, or this agent in another mode, left (both iptables backends: only a
-    // privileged container may read iptables-legacy). The eBPF mode's agent removes it itself
-    // after its first whole write, so that those rules serve new connections until then.
+    // What kube-proxy, or this agent in another mode, left (both iptables backends). The eBPF
+    // mode's agent removes it itself after its first whole write (reading iptables-legacy with
+    // the CAP_NET_RAW the DaemonSet gives it), so that those rules serve new connections until
+    // then.
     if mode == ProxyMode::Ebpf {
         tracing::info!("what kube-proxy or another mode left stays until the agent's first whole write");
     } else {

@@ -511,7 +511,14 @@ pub fn cleanup(ipt: Iptables) -> Vec<String> {
 fn cleanup_family(ipt: Tools) -> Vec<String> {
     let mut removed = Vec::new();
     let chains_of = |save: &str| -> Vec<String> { super::declared_chains(save).map(String::from).collect() };
-    let Ok(saved) = super::save_tables(ipt) else { return removed };
+    let saved = match super::save_tables(ipt) {
+        Ok(saved) => saved,
+        Err(e) => {
+            // What is there stays: say so (without CAP_NET_RAW, iptables-legacy cannot be read).
+            tracing::warn!("{ipt}: cannot read its rules, so what kube-proxy or another mode left there stays: {e}");
+            return removed;
+        }
+    };
     let tables: Vec<(&str, Vec<String>)> =
         ["nat", "filter"].into_iter().map(|t| (t, saved.get(t).map_or(vec![], |s| chains_of(s)))).collect();
     // Did the iptables mode run here at all? Its KUBE-SERVICES, KUBE-POSTROUTING and

@@ -379,8 +379,10 @@ pub fn hung(command: String, idle: Duration, printed: &str) -> NetfilterError {
     NetfilterError::Failed { command, stderr: format!("used no CPU for {} s, taken for hung and killed{printed}", idle.as_secs_f64()) }
 }
 
-/// Runs `wait` (which ends when child `pid` has) while a watchdog kills the child if a whole
-/// `idle` goes by without it using any CPU; returns what `wait` did and whether it was killed.
+/// Runs `wait` (which ends when child `pid` has) while a watchdog kills the child once it used
+/// no CPU over a whole window of `idle` (its CPU time is read at the end of each window, so it
+/// is killed after one to two windows of idleness); returns what `wait` did and whether it was
+/// killed.
 pub fn killed_if_idle<R>(pid: u32, idle: Duration, wait: impl FnOnce() -> R) -> (R, bool) {
     let watch = ChildWatch::new(pid);
     std::thread::scope(|scope| {
@@ -389,8 +391,10 @@ pub fn killed_if_idle<R>(pid: u32, idle: Duration, wait: impl FnOnce() -> R) -> 
         let watchdog = scope.spawn(move || {
             let mut before = watch.cpu();
             while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = end.recv_timeout(idle) {
+                // (Unreadable: gone, and the wait ends by itself; or a passing failure to read,
+                // which is no reason to kill a tool that may be busy.)
                 let now = watch.cpu();
-                if now.is_none() || now == before {
+                if now.is_some() && now == before {
                     return watch.kill();
                 }
                 before = now;
@@ -421,14 +425,20 @@ impl ChildWatch {
     fn new(pid: u32) -> Self {
         // SAFETY: pidfd_open with a pid and no flags; it returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-        // SAFETY: a descriptor the syscall just returned, owned from here. Without pidfds (a
-        // kernel before 5.3) the tool runs unbounded, as before.
+        if fd < 0 {
+            // Without pidfds (a kernel before 5.3, a seccomp profile that refuses the call) the
+            // tools run unbounded: said once.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            let why = std::io::Error::last_os_error();
+            SAID.call_once(|| tracing::warn!("pidfd_open: {why}; a hung nft, iptables or ipvsadm will not be killed"));
+        }
+        // SAFETY: a descriptor the syscall just returned, owned from here.
         let pidfd = (fd >= 0).then(|| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) });
         Self { pid, pidfd }
     }
 
     /// The CPU time it has used so far, in clock ticks (user and system: a tool waiting in the
-    /// kernel on its netlink answer counts too); None once it is gone.
+    /// kernel on its netlink answer counts too); None once it is gone, or unreadable.
     fn cpu(&self) -> Option<u64> {
         cpu_ticks(&std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?)
     }
