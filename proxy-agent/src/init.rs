@@ -89,23 +89,18 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
             Some(Some(dir)) => tracing::info!(cgroup = %dir.display(), "a cgroup v2 hierarchy is there already"),
             _ => {}
         }
+        // What kube-proxy, or this agent in another mode, left: the eBPF mode's agent removes
+        // it itself after its first whole write (reading iptables-legacy with the CAP_NET_RAW
+        // the DaemonSet gives it), so that those rules serve new connections until then.
+        tracing::info!("what kube-proxy or another mode left stays until the agent's first whole write");
     } else {
         for failure in netfilter::sysctl::apply(&netfilter::sysctl::settings(mode, cfg)) {
             tracing::warn!("{failure}");
         }
-    }
-    if mode != ProxyMode::Ebpf {
         for failure in load_modules(mode, cfg) {
             tracing::warn!("{failure}");
         }
-    }
-    // What kube-proxy, or this agent in another mode, left (both iptables backends). The eBPF
-    // mode's agent removes it itself after its first whole write (reading iptables-legacy with
-    // the CAP_NET_RAW the DaemonSet gives it), so that those rules serve new connections until
-    // then.
-    if mode == ProxyMode::Ebpf {
-        tracing::info!("what kube-proxy or another mode left stays until the agent's first whole write");
-    } else {
+        // What kube-proxy, or this agent in another mode, left (both iptables backends).
         let backends = netfilter::Iptables::available();
         let ipt = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs)
             .then(|| cfg.netfilter.iptables_backend.unwrap_or_else(|| netfilter::Iptables::detect(&backends).0));

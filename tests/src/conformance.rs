@@ -354,11 +354,7 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
         // Removed after the maps are whole, not before: kube-proxy's rules serve until then.
         lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
         let log = lab.agent_log();
-        let (written, removed) = (log.find("initial sync done"), log.find("removed what "));
-        assert!(
-            matches!((written, removed), (Some(w), Some(r)) if w < r),
-            "ebpf: kube-proxy's state is removed after the first write ({written:?}, {removed:?}):\n{log}"
-        );
+        assert!(removed_after_the_first_write(&log), "ebpf: kube-proxy's state is removed after the first write:\n{log}");
     }
     let left = leftovers(&in_node);
     // The agent's own mode writes some of the same names, in both families: those are its own.
@@ -382,6 +378,12 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     assert_eq!(leftovers(&in_node), Vec::<String>::new(), "{mode}: nothing of ours after cleanup");
     assert!(lab.inspect().is_err(), "{mode}: no pins after cleanup");
     theirs(&in_node);
+}
+
+/// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode
+/// left after its initial sync.
+pub fn removed_after_the_first_write(log: &str) -> bool {
+    matches!((log.find("initial sync done"), log.find("removed what ")), (Some(w), Some(r)) if w < r)
 }
 
 /// localhost NodePorts: iptables mode serves `127.0.0.1:<nodePort>` by default, as kube-proxy

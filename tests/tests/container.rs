@@ -175,8 +175,7 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
         left => Err(format!("{left:?}\n{}", agent.log())),
     });
     let log = agent.log();
-    let (written, removed) = (log.find("initial sync done"), log.find("removed what "));
-    assert!(matches!((written, removed), (Some(w), Some(r)) if w < r), "removed after the first write:\n{log}");
+    assert!(proxy_tests::conformance::removed_after_the_first_write(&log), "removed after the first write:\n{log}");
     // The pins are seen from the host.
     eventually("the Services to be programmed", Duration::from_secs(30), || match proxy_agent::inspect::read(&pins) {
         Ok(r) if r.frontends.len() >= 5 => Ok(()),

@@ -27,7 +27,7 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use super::{hung, killed_if_idle, spawn, NetfilterError, NodeContext, Services, TOOL_IDLE_LIMIT};
+use super::{hung, killed_idle, killed_if_idle, spawn, NetfilterError, NodeContext, Services, TOOL_IDLE_LIMIT};
 use crate::model::{Family, PortView, Protocol};
 
 const CONNTRACK: &str = "conntrack";
@@ -178,7 +178,7 @@ fn list<R>(args: &[&str], read: impl FnOnce(&mut dyn Iterator<Item = String>) ->
         (kept, stderr, child.wait())
     });
     let status = status.map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
-    if killed && std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL) {
+    if killed_idle(killed, &status) {
         return Err(hung(command(), TOOL_IDLE_LIMIT, stderr.trim()));
     }
     if !status.success() {

@@ -354,13 +354,11 @@ pub fn run_within(
     });
     let out = out.map_err(|e| NetfilterError::Failed { command: command(), stderr: e.to_string() })?;
     let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    // Killed by the watchdog, not ended by itself just at the limit.
-    let signal = std::os::unix::process::ExitStatusExt::signal(&out.status);
-    if killed && signal == Some(libc::SIGKILL) {
+    if killed_idle(killed, &out.status) {
         return Err(hung(command(), idle, &stderr));
     }
     // A crash first: one in the middle of the input also broke the pipe.
-    if let Some(signal) = signal {
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&out.status) {
         let why = if stderr.is_empty() { String::new() } else { format!(" (it printed: {stderr})") };
         return Err(NetfilterError::Crashed { command: command(), signal, why, unreadable: Vec::new() });
     }
@@ -371,6 +369,12 @@ pub fn run_within(
         return Err(NetfilterError::Failed { command: command(), stderr });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether a tool `killed_if_idle` reported killed died of that kill (not ended by itself just
+/// at the limit).
+pub fn killed_idle(killed: bool, status: &std::process::ExitStatus) -> bool {
+    killed && std::os::unix::process::ExitStatusExt::signal(status) == Some(libc::SIGKILL)
 }
 
 /// The error of a tool `killed_if_idle` killed, with what it printed before.
