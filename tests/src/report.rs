@@ -322,6 +322,30 @@ fn section(dir: &Path, name: &str, v: &Value, html: &mut String) {
             let t: Vec<Vec<String>> =
                 names.iter().map(|n| std::iter::once(n.clone()).chain(cases.iter().map(|c| fmt(num(&c["ns"][n]), 1))).collect()).collect();
             html.push_str(&table(&head.iter().map(String::as_str).collect::<Vec<_>>(), &t));
+            let by_size: Vec<Vec<String>> = rows("new_flow_by_ct_size")
+                .iter()
+                .map(|r| {
+                    let floor = num(&r["floor_ns"]);
+                    let x = |k: &str| fmt(num(&r[k]).zip(floor).map(|(n, f)| n / f), 1);
+                    let default = if r["ct_map_max"] == v["ct_map_max_default"] { " (default)" } else { "" };
+                    vec![
+                        format!("{}{default}", r["ct_map_max"]),
+                        fmt(num(&r["with_room_ns"]), 1),
+                        x("with_room_ns"),
+                        fmt(num(&r["full_ns"]), 1),
+                        x("full_ns"),
+                    ]
+                })
+                .collect();
+            if !by_size.is_empty() {
+                let _ = writeln!(
+                    html,
+                    "<p>A new IPv4 flow by the conntrack map's size (the cases above: {} entries, with room). With room: the flows of each round are removed after it, as a node's removal of expired flows does; full: every new flow evicts. Its map work lands on memory spread over the whole map.</p>",
+                    v["ct_map_max"]
+                );
+                let head = ["conntrack entries", "with room (ns)", "x empty program", "full (ns)", "x empty program"];
+                html.push_str(&table(&head, &by_size));
+            }
         }
         "control" => {
             let t: Vec<Vec<String>> = rows("rows")

@@ -40,7 +40,7 @@ use proxy_agent::{
     },
     model::{Backend, Frontend, FrontendKey, FrontendKind, ObjectKey, Protocol, ServicePortName},
 };
-use proxy_common::{map_names, prog_names, Counter, Reason};
+use proxy_common::{limits, map_names, prog_names, Counter, Reason};
 use proxy_tests::{
     packet::{tcp_frame, ACK, SYN},
     packet6,
@@ -225,8 +225,10 @@ struct Measured {
 }
 
 fn measure(services: u32) -> Measured {
-    let mut dp = EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: 1 << 21, ..Default::default() })
-        .expect("load the dataplane (as root)");
+    // `new_flow_by_ct_size` shows how a new flow's cost follows the conntrack map's size.
+    let mut dp =
+        EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: DATAPATH_CT_MAX, ..Default::default() })
+            .expect("load the dataplane (as root)");
     let t = Instant::now();
     // The measured services: `bench` with 4 real backends, and ping/pong (see the module
     // comment).
@@ -376,6 +378,79 @@ fn measure(services: u32) -> Measured {
     cases.insert("new_flow6/calls", new6);
     ratios6.insert("new_flow", median_f(new_ratios));
     Measured { cases, ratios6, program_ms }
+}
+
+/// Conntrack map sizes of `new_flow_by_ct_size`: a small map, the agent's default, and the
+/// datapath cases' map (eight times the default).
+const CT_SIZES: [u32; 3] = [1 << 15, limits::CT_MAP_MAX, DATAPATH_CT_MAX];
+
+/// The conntrack map of `measure`'s cases: room for every flow they open (1,000,000 new flows
+/// a family, two entries each), so their new flows find free entries, as they did in every
+/// earlier run of this bench.
+const DATAPATH_CT_MAX: u32 = 1 << 21;
+
+/// A new IPv4 flow's cost at one conntrack map size, two ways: with room (rounds of flows that
+/// fill at most half the map, which the agent's removal of expired flows takes after each
+/// round, as if they had all ended: a node whose flows end) and full (the map first filled,
+/// then every new flow evicts the least recently used entries: a node with more flows than the
+/// map holds, or a flood of new ones).
+struct CtSize {
+    size: u32,
+    room_ns: f64,
+    full_ns: f64,
+    floor_ns: f64,
+}
+
+/// `CtSize` for each of `CT_SIZES`, the empty program's calls after each round. A new flow's
+/// map work lands on memory spread over the whole map (the bucket, the element the LRU hands
+/// out, the entries it moves and evicts), so its cost follows the map's size and fullness
+/// rather than the program's instructions.
+fn new_flow_by_ct_size() -> Vec<CtSize> {
+    let mut lab = proxy_tests::load_lab_object();
+    loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
+    let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
+    let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
+    let vip = Ipv4Addr::new(10, 100, 0, 1);
+    let flow = |i: u32| {
+        let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
+        tcp_frame(src, SocketAddrV4::new(vip, 80), SYN)
+    };
+    let share = CALLS / scale() / NEW_ROUNDS;
+    let rounds = f64::from(NEW_ROUNDS);
+    CT_SIZES
+        .iter()
+        .map(|&size| {
+            let mut dp = EbpfDataplane::load(LoadOptions { pin_root: None, ct_map_max: size, ..Default::default() })
+                .expect("load the dataplane (as root)");
+            dp.upsert(&key(vip, 80), &frontend("bench", (1..=4).map(|b| (Ipv4Addr::new(10, 200, 0, b), 8080)).collect())).unwrap();
+            let mut check = Checker::new(&mut dp);
+            let (mut next, mut floor) = (0u32, 0.0);
+            let mut floor_after = |lab: &mut aya::Ebpf, n: u32| {
+                floor += calls_from(loader::classifier(lab, prog_names::TC_FLOOR), 0, n, |_| not_service.clone()) / rounds / 2.0;
+            };
+            // With room: each round's flows (two entries each) fill at most half the map.
+            let per_round = share.min(size / 4);
+            let mut room = 0.0;
+            for _ in 0..NEW_ROUNDS {
+                room += calls_from(dp.ingress_program(), next, per_round, flow) / rounds;
+                next += per_round;
+                floor_after(&mut lab, per_round);
+                let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
+                dp.collect_expired_flows(ended).expect("remove the ended flows");
+            }
+            // Full: as many flows as the map has entries, untimed, then the rounds.
+            calls_from(dp.ingress_program(), next, size, flow);
+            next += size;
+            let mut full = 0.0;
+            for _ in 0..NEW_ROUNDS {
+                full += calls_from(dp.ingress_program(), next, share, flow) / rounds;
+                next += share;
+                floor_after(&mut lab, share);
+            }
+            check.took(&mut dp, Reason::NewFlow, u64::from(next), "new flows by conntrack size");
+            CtSize { size, room_ns: room, full_ns: full, floor_ns: floor }
+        })
+        .collect()
 }
 
 /// `profile`: the established-flow and not-for-a-service packets in a loop for ~10 s, to run
@@ -1074,6 +1149,23 @@ fn datapath(out_dir: &std::path::Path) {
     );
     let programming: Vec<String> = results.iter().map(|(n, m)| format!("{n} services in {:.0} ms", m.program_ms)).collect();
     println!("programming (agent map writer, 4 backends each): {}", programming.join(", "));
+    let new_flow = ratio("new_flow/calls", "floor/calls");
+    println!(
+        "new flow / floor: {:.1}x {:.1}x {:.1}x (calls; a conntrack map of {DATAPATH_CT_MAX} entries with room)   target <= 10x",
+        new_flow[0], new_flow[1], new_flow[2]
+    );
+    eprintln!("measuring new flows by conntrack map size...");
+    let by_size = new_flow_by_ct_size();
+    println!(
+        "\nNew IPv4 flow by conntrack map size (1 service; ns, and x the empty program's {} ns measured beside):",
+        by_size.iter().map(|c| format!("{:.1}", c.floor_ns)).collect::<Vec<_>>().join(" / ")
+    );
+    println!("  {:<30}{:>24}{:>24}", "entries", "with room (flows end)", "full (evicting)");
+    for c in &by_size {
+        let default = if c.size == limits::CT_MAP_MAX { " (default)" } else { "" };
+        let cell = |ns: f64| format!("{ns:.1} ns {:>5.1}x", ns / c.floor_ns);
+        println!("  {:<30}{:>24}{:>24}", format!("{}{default}", c.size), cell(c.room_ns), cell(c.full_ns));
+    }
 
     let json = serde_json::json!({
         "benchmark": "datapath",
@@ -1085,6 +1177,12 @@ fn datapath(out_dir: &std::path::Path) {
         "calls": CALLS,
         "services": SIZES,
         "cases": results.iter().map(|(n, m)| serde_json::json!({"services": n, "program_ms": m.program_ms, "ns": m.cases, "ipv6_over_ipv4": m.ratios6})).collect::<Vec<_>>(),
+        "ct_map_max": DATAPATH_CT_MAX,
+        "ct_map_max_default": limits::CT_MAP_MAX,
+        "new_flow_by_ct_size": by_size
+            .iter()
+            .map(|c| serde_json::json!({"ct_map_max": c.size, "with_room_ns": c.room_ns, "full_ns": c.full_ns, "floor_ns": c.floor_ns}))
+            .collect::<Vec<_>>(),
     });
     let path = out_dir.join("datapath.json");
     std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).expect("write JSON");
