@@ -515,6 +515,28 @@ mod tests {
     }
 
     #[test]
+    fn the_datapath_section_holds_a_new_flow_by_conntrack_size_with_room_and_full() {
+        let guard = tempfile::Builder::new().prefix("proxy-report-datapath-").tempdir().unwrap();
+        let dir = guard.path();
+        let datapath = serde_json::json!({"benchmark": "datapath", "kernel": "6.18", "cpus": 2, "ct_map_max": 2097152, "ct_map_max_default": 262144,
+            "cases": [{"services": 1, "ns": {"floor/calls": 56.0, "new_flow/calls": 1047.0}}],
+            "new_flow_by_ct_size": [
+                {"ct_map_max": 32768, "with_room_ns": 672.0, "full_ns": 842.0, "floor_ns": 56.0},
+                {"ct_map_max": 262144, "with_room_ns": 1069.0, "full_ns": 1614.0, "floor_ns": 57.0}]});
+        std::fs::write(dir.join("datapath.json"), datapath.to_string()).unwrap();
+        let html = std::fs::read_to_string(write(dir).unwrap().0).unwrap();
+        assert!(html.contains("the cases above: 2097152 entries, with room"), "the cases' map size: {html}");
+        let row = |cells: [&str; 5]| cells.iter().map(|c| format!("<td>{c}</td>")).collect::<String>();
+        assert!(html.contains(&row(["32768", "672.0", "12.0", "842.0", "15.0"])), "{html}");
+        assert!(html.contains(&row(["262144 (default)", "1069.0", "18.8", "1614.0", "28.3"])), "the default named: {html}");
+        // A file from before the table: the section has no such paragraph.
+        let older = serde_json::json!({"benchmark": "datapath", "kernel": "6.18", "cpus": 2, "cases": []});
+        std::fs::write(dir.join("datapath.json"), older.to_string()).unwrap();
+        let html = std::fs::read_to_string(write(dir).unwrap().0).unwrap();
+        assert!(!html.contains("conntrack map's size"), "{html}");
+    }
+
+    #[test]
     fn dates_are_civil_dates_in_utc() {
         let at = |s: u64| date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(s));
         assert_eq!(at(0), "1970-01-01 00:00 UTC");
