@@ -44,20 +44,30 @@ fn mount_host_cgroup2(dir: &Path, host_proc: Option<&Path>) -> io::Result<()> {
     hostsock::mount_cgroup2(dir)
 }
 
-/// Loads the kernel modules a netfilter mode needs (conntrack; IPVS and its scheduler).
-fn load_modules(mode: ProxyMode, cfg: &Config) -> Vec<String> {
+/// The kernel modules a netfilter mode needs (conntrack; IPVS and its scheduler), each once.
+fn modules_needed(mode: ProxyMode, ipvs_scheduler: &str) -> Vec<String> {
     let mut modules: Vec<String> = vec!["nf_conntrack".into()];
     if mode == ProxyMode::Ipvs {
         modules.extend(["ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh"].map(String::from));
-        modules.push(format!("ip_vs_{}", cfg.netfilter.ipvs.scheduler.0));
+        let scheduler = format!("ip_vs_{ipvs_scheduler}");
+        if !modules.contains(&scheduler) {
+            modules.push(scheduler);
+        }
     }
-    modules.dedup();
+    modules
+}
+
+/// Loads the kernel modules a netfilter mode needs; what failed, said for people.
+fn load_modules(mode: ProxyMode, cfg: &Config) -> Vec<String> {
+    let modules = modules_needed(mode, &cfg.netfilter.ipvs.scheduler.0);
     let mut failures = Vec::new();
-    for m in &modules {
-        match std::process::Command::new("modprobe").arg(m).output() {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => failures.push(format!("modprobe {m}: {}", String::from_utf8_lossy(&o.stderr).trim())),
-            Err(e) => failures.push(format!("modprobe {m}: {e} (install kmod)")),
+    // Loaded, or built into the kernel (whose modules directory may not exist at all): a
+    // module with parameters is under /sys/module either way.
+    for m in modules.iter().filter(|m| !Path::new("/sys/module").join(m).exists()) {
+        // Watched as the netfilter tools are: a modprobe waiting for ever (on another load of
+        // the module, or a helper that never answers) is killed and reported, not waited on.
+        if let Err(e) = netfilter::run_with_input("modprobe", "kmod", &[m.as_str()], "") {
+            failures.push(e.to_string());
         }
     }
     failures
@@ -94,10 +104,11 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
         // the DaemonSet gives it), so that those rules serve new connections until then.
         tracing::info!("what kube-proxy or another mode left stays until the agent's first whole write");
     } else {
-        for failure in netfilter::sysctl::apply(&netfilter::sysctl::settings(mode, cfg)) {
+        // The modules first: the conntrack and IPVS sysctls exist only once they are loaded.
+        for failure in load_modules(mode, cfg) {
             tracing::warn!("{failure}");
         }
-        for failure in load_modules(mode, cfg) {
+        for failure in netfilter::sysctl::apply(&netfilter::sysctl::settings(mode, cfg)) {
             tracing::warn!("{failure}");
         }
         // What kube-proxy, or this agent in another mode, left (both iptables backends).
@@ -108,4 +119,18 @@ pub fn run(cfg: &Config, host_proc: Option<&Path>) -> anyhow::Result<()> {
     }
     tracing::info!(mode = %mode, "node prepared");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_module_is_loaded_once_and_the_scheduler_last() {
+        assert_eq!(modules_needed(ProxyMode::Nftables, "rr"), ["nf_conntrack"]);
+        assert_eq!(modules_needed(ProxyMode::Iptables, "rr"), ["nf_conntrack"]);
+        // The default scheduler is among the ones always loaded: not asked for twice.
+        assert_eq!(modules_needed(ProxyMode::Ipvs, "rr"), ["nf_conntrack", "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh"]);
+        assert_eq!(modules_needed(ProxyMode::Ipvs, "lc"), ["nf_conntrack", "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh", "ip_vs_lc"]);
+    }
 }
