@@ -474,6 +474,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let backends = Iptables::available();
     let ipt = iptables_backend(&cfg, mode, &backends);
     let root = cfg.common.bpffs_root.clone();
+    let held = backends.clone();
     let cleanup = move || crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &root);
     match mode {
         ProxyMode::Ebpf => {
@@ -490,8 +491,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             // and family take a while, and nothing of the eBPF mode waits for them.
             let after = move || {
                 let spawned = std::thread::Builder::new().name("takeover-cleanup".into()).spawn(move || {
-                    cleanup();
-                    tracing::info!("first whole write done: what kube-proxy or another mode left is removed");
+                    let left = || crate::dataplane::netfilter::takeover::translating_leftovers(&held);
+                    remove_until_clean(cleanup, left, std::thread::sleep);
                 });
                 if let Err(e) = spawned {
                     tracing::warn!("what kube-proxy or another mode left stays: no thread to remove it ({e})");
@@ -504,6 +505,37 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             cleanup();
             run_netfilter(cfg, other, ipt.unwrap_or_default()).await
         }
+    }
+}
+
+/// The first wait before the takeover's removal is tried again, doubled up to
+/// `TAKEOVER_RETRY_MAX`.
+const TAKEOVER_RETRY: Duration = Duration::from_secs(10);
+const TAKEOVER_RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// Runs `cleanup` (the eBPF mode's removal of what kube-proxy or another mode left) until
+/// `left` finds nothing in netfilter that still translates Services, waiting between tries.
+/// A try can fail for a while (the xtables lock held past its wait by another agent's long
+/// restore, a kube-proxy still terminating and writing), and rules left behind would go on
+/// sending packets our maps do not hold to the endpoints those rules last knew. Returns the
+/// number of tries.
+fn remove_until_clean(cleanup: impl Fn(), left: impl Fn() -> Vec<String>, sleep: impl Fn(Duration)) -> u32 {
+    let (mut tries, mut wait) = (0, TAKEOVER_RETRY);
+    loop {
+        cleanup();
+        tries += 1;
+        let still = left();
+        if still.is_empty() {
+            tracing::info!("first whole write done: what kube-proxy or another mode left is removed");
+            return tries;
+        }
+        tracing::warn!(
+            "what kube-proxy or another mode left still translates Services ({}); removal tried {tries} times, again in {} s",
+            still.join("; "),
+            wait.as_secs()
+        );
+        sleep(wait);
+        wait = (wait * 2).min(TAKEOVER_RETRY_MAX);
     }
 }
 
@@ -978,6 +1010,39 @@ mod tests {
 
     /// What waits for the first whole write runs once, at the step that ends it, once that
     /// write counts as programmed.
+    #[test]
+    fn the_takeover_removal_is_tried_again_until_nothing_translates() {
+        use std::cell::RefCell;
+        // Left over after two tries (a lock held past the tools' wait), gone after the third.
+        let (tries, waits) = (RefCell::new(0u32), RefCell::new(Vec::new()));
+        let left = || {
+            if *tries.borrow() < 3 {
+                vec!["iptables-nft (IPv4): 3 chains in the nat table (KUBE-SERVICES, ...)".to_string()]
+            } else {
+                vec![]
+            }
+        };
+        let n = remove_until_clean(|| *tries.borrow_mut() += 1, left, |d| waits.borrow_mut().push(d.as_secs()));
+        assert_eq!((n, *tries.borrow()), (3, 3), "tried until clean, and no more");
+        assert_eq!(*waits.borrow(), [10, 20], "waits doubled between tries");
+        // Clean at once: one try, no wait.
+        let waits = RefCell::new(Vec::new());
+        assert_eq!(remove_until_clean(|| {}, Vec::new, |d| waits.borrow_mut().push(d)), 1);
+        assert!(waits.borrow().is_empty());
+        // The wait stops growing at its most.
+        let (count, waits) = (RefCell::new(0), RefCell::new(Vec::new()));
+        let left = || {
+            *count.borrow_mut() += 1;
+            if *count.borrow() < 8 {
+                vec!["nftables: table ip kube-proxy".to_string()]
+            } else {
+                vec![]
+            }
+        };
+        assert_eq!(remove_until_clean(|| {}, left, |d| waits.borrow_mut().push(d.as_secs())), 8);
+        assert_eq!(*waits.borrow(), [10, 20, 40, 80, 160, 300, 300]);
+    }
+
     #[tokio::test]
     async fn what_waits_for_the_first_write_runs_once_at_its_end() {
         let telemetry = Telemetry::new(Duration::from_secs(60), None, Default::default());

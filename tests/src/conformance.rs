@@ -380,6 +380,36 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     theirs(&in_node);
 }
 
+/// The eBPF mode's removal of what kube-proxy left is tried again until nothing that
+/// translates Services is left: here its first try cannot delete KUBE-SERVICES, which a rule of
+/// another chain still jumps to (so the whole restore fails and every chain stays); once that
+/// rule goes, the next try removes them, and the chain of the other stays.
+pub fn takeover_tried_again_until_clean(agent: &Path) {
+    let mut lab = Lab::new(agent, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    let node = lab.node.name.clone();
+    let in_node = |args: &[&str]| in_netns(&node, args);
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kube-proxy-ipv4.rules");
+    let status = std::process::Command::new("ip")
+        .args(["netns", "exec", &node, "iptables-nft-restore", "--noflush"])
+        .stdin(std::fs::File::open(&path).expect("fixture"))
+        .status()
+        .expect("restore");
+    assert!(status.success(), "iptables-nft-restore < {}", path.display());
+    in_node(&["iptables-nft", "-t", "nat", "-N", "OTHER-PRE"]);
+    in_node(&["iptables-nft", "-t", "nat", "-A", "OTHER-PRE", "-j", "KUBE-SERVICES"]);
+    let nat = || in_node(&["iptables-nft-save", "-t", "nat"]);
+    start(&mut lab, ProxyMode::Ebpf, &[]);
+    lab.wait_log("still translates Services (iptables-nft (IPv4):", 1);
+    assert!(nat().contains(":KUBE-SERVICES") && nat().contains(":KUBE-SVC-"), "in use: kube-proxy's chains stay for now:\n{}", nat());
+    in_node(&["iptables-nft", "-t", "nat", "-F", "OTHER-PRE"]);
+    // The next try, 10 s after the first.
+    lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+    let after = nat();
+    assert!(!after.contains(":KUBE-SERVICES") && !after.contains(":KUBE-SVC-"), "removed on the next try:\n{after}");
+    assert!(after.contains(":OTHER-PRE"), "the other chain stays:\n{after}");
+}
+
 /// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode
 /// left after its initial sync.
 pub fn removed_after_the_first_write(log: &str) -> bool {

@@ -88,6 +88,13 @@ mod takeover {
         takeover(ProxyMode::Nftables)
     }
 
+    #[test]
+    fn ebpf_tries_again_until_nothing_translates() {
+        if require::root("the eBPF mode's removal of kube-proxy's rules, tried again") {
+            conformance::takeover_tried_again_until_clean(&agent());
+        }
+    }
+
     /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a
     /// packet to an address its maps do not hold passes the attached programs untouched, and
     /// netfilter's DNAT (kube-proxy's, here a rule of the same form) translates it, replies

@@ -114,7 +114,7 @@ const FILTER_FIXED: [&str; 5] = ["KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUB
 const NAT_FIXED: [&str; 4] = ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
 const NODEPORTS_LAST: &str = "kubernetes service nodeports; NOTE: this must be the last rule in this chain";
 /// Prefixes of the per-Service chains (what stale-chain cleanup looks for).
-const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
+pub(super) const SERVICE_CHAIN_PREFIXES: [&str; 5] = ["KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-"];
 
 /// kube-proxy omits per-endpoint comments past this many endpoints in total.
 const LARGE_CLUSTER_ENDPOINTS: usize = 1000;

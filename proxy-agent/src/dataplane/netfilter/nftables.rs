@@ -1335,7 +1335,7 @@ fn removal() -> (Vec<String>, Vec<String>) {
 }
 
 /// The mode's table's name, in both families.
-const TABLE: &str = "kube-proxy";
+pub(super) const TABLE: &str = "kube-proxy";
 
 /// Deletes the family's table and everything in it, as `nft delete table` does.
 fn delete_table(family: Family) -> std::io::Result<()> {

@@ -92,6 +92,44 @@ fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> V
     done
 }
 
+/// The chains of a nat table (its `iptables-save` listing) that send a Service's packets to
+/// endpoints: kube-proxy's, or this agent's iptables or IPVS mode's. While any is there, a
+/// packet the eBPF maps do not hold can still be translated by what those rules last knew.
+pub fn translating_chains(nat: &str) -> Vec<&str> {
+    super::declared_chains(nat)
+        .filter(|c| {
+            matches!(*c, "KUBE-SERVICES" | "KUBE-NODEPORTS") || super::iptables::SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))
+        })
+        .collect()
+}
+
+/// What still translates Services in netfilter, a line per backend and family, and per
+/// nftables table: empty once the removal at takeover has done its work. A backend that cannot
+/// be read counts as clean here (the removal has said why it could not read it).
+pub fn translating_leftovers(backends: &[Iptables]) -> Vec<String> {
+    let mut left = Vec::new();
+    for &b in backends {
+        for family in Family::ALL {
+            let tools = b.tools(family);
+            let Ok(saved) = super::save_tables(tools) else { continue };
+            let chains = saved.get("nat").map(|nat| translating_chains(nat)).unwrap_or_default();
+            if let [first, ..] = chains[..] {
+                left.push(format!("{} ({}): {} chains in the nat table ({first}, ...)", tools.cmd(), family.api_name(), chains.len()));
+            }
+        }
+    }
+    if let Ok(tables) = super::nftables::tables() {
+        let families = Family::ALL.map(super::nft_family);
+        left.extend(
+            tables
+                .into_iter()
+                .filter(|(f, name)| name == super::nftables::TABLE && families.contains(&f.as_str()))
+                .map(|(f, name)| format!("nftables: table {f} {name}")),
+        );
+    }
+    left
+}
+
 /// Removes what kube-proxy left that no mode of the agent writes (see the module notes), in
 /// each of `backends`. Returns a line per thing removed.
 pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
@@ -107,6 +145,16 @@ pub fn cleanup(backends: &[Iptables]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_chains_that_translate_are_the_services_and_their_endpoints() {
+        let chains = translating_chains(SAVE);
+        assert_eq!(chains, ["KUBE-SERVICES", "KUBE-SVC-XYZ"], "kubelet's canary and the CNI's chains do not count");
+        let ipvs = "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\nCOMMIT\n";
+        assert_eq!(translating_chains(ipvs), ["KUBE-SERVICES"], "IPVS mode's jump to its sets translates too");
+        let cleaned = "*nat\n:KUBE-KUBELET-CANARY - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:CNI-HOSTPORT-DNAT - [0:0]\nCOMMIT\n";
+        assert!(translating_chains(cleaned).is_empty(), "what the removal leaves (masquerade marks, kubelet's) translates nothing");
+    }
 
     /// Chains kubelet makes (or made), which stay.
     const KUBELET_CHAINS: [&str; 4] = ["KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-FIREWALL", "KUBE-MARK-DROP"];
