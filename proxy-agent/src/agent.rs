@@ -491,8 +491,20 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             // and family take a while, and nothing of the eBPF mode waits for them.
             let after = move || {
                 let spawned = std::thread::Builder::new().name("takeover-cleanup".into()).spawn(move || {
-                    let left = || crate::dataplane::netfilter::takeover::translating_leftovers(&held);
-                    remove_until_clean(cleanup, left, std::thread::sleep);
+                    use crate::dataplane::netfilter::takeover;
+                    let left = || takeover::translating_leftovers(&held);
+                    // Each try: the modes' own removals, then, for what their checks of which
+                    // mode ran left behind, the translating chains themselves with every jump
+                    // into them.
+                    let each_try = || {
+                        cleanup();
+                        if !left().is_empty() {
+                            for line in takeover::remove_translating(&held) {
+                                tracing::info!("removed what kube-proxy left: {line}");
+                            }
+                        }
+                    };
+                    remove_until_clean(each_try, left, std::thread::sleep);
                 });
                 if let Err(e) = spawned {
                     tracing::warn!("what kube-proxy or another mode left stays: no thread to remove it ({e})");
@@ -1008,8 +1020,7 @@ mod tests {
         }
     }
 
-    /// What waits for the first whole write runs once, at the step that ends it, once that
-    /// write counts as programmed.
+    /// The eBPF mode's removal of what kube-proxy left is tried until nothing translates.
     #[test]
     fn the_takeover_removal_is_tried_again_until_nothing_translates() {
         use std::cell::RefCell;
@@ -1043,6 +1054,8 @@ mod tests {
         assert_eq!(*waits.borrow(), [10, 20, 40, 80, 160, 300, 300]);
     }
 
+    /// What waits for the first whole write runs once, at the step that ends it, once that
+    /// write counts as programmed.
     #[tokio::test]
     async fn what_waits_for_the_first_write_runs_once_at_its_end() {
         let telemetry = Telemetry::new(Duration::from_secs(60), None, Default::default());

@@ -380,11 +380,11 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     theirs(&in_node);
 }
 
-/// The eBPF mode's removal of what kube-proxy left is tried again until nothing that
-/// translates Services is left: here its first try cannot delete KUBE-SERVICES, which a rule of
-/// another chain still jumps to (so the whole restore fails and every chain stays); once that
-/// rule goes, the next try removes them, and the chain of the other stays.
-pub fn takeover_tried_again_until_clean(agent: &Path) {
+/// The eBPF mode removes kube-proxy's chains even where another chain jumps into them: that
+/// jump makes the iptables mode's removal fail (one restore, KUBE-SERVICES still in use), and
+/// the eBPF mode then removes the chains that translate with every jump into them (another
+/// chain's too: it would lead nowhere). The other chain stays.
+pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
     let mut lab = Lab::new(agent, 3);
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
@@ -398,16 +398,18 @@ pub fn takeover_tried_again_until_clean(agent: &Path) {
     assert!(status.success(), "iptables-nft-restore < {}", path.display());
     in_node(&["iptables-nft", "-t", "nat", "-N", "OTHER-PRE"]);
     in_node(&["iptables-nft", "-t", "nat", "-A", "OTHER-PRE", "-j", "KUBE-SERVICES"]);
+    in_node(&["iptables-nft", "-t", "nat", "-A", "OTHER-PRE", "-p", "udp", "--dport", "9", "-j", "RETURN"]);
     let nat = || in_node(&["iptables-nft-save", "-t", "nat"]);
+    assert!(nat().contains(":KUBE-SVC-"), "the fixture loads kube-proxy's Service chains:\n{}", nat());
     start(&mut lab, ProxyMode::Ebpf, &[]);
-    lab.wait_log("still translates Services (iptables-nft (IPv4):", 1);
-    assert!(nat().contains(":KUBE-SERVICES") && nat().contains(":KUBE-SVC-"), "in use: kube-proxy's chains stay for now:\n{}", nat());
-    in_node(&["iptables-nft", "-t", "nat", "-F", "OTHER-PRE"]);
-    // The next try, 10 s after the first.
     lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
     let after = nat();
-    assert!(!after.contains(":KUBE-SERVICES") && !after.contains(":KUBE-SVC-"), "removed on the next try:\n{after}");
-    assert!(after.contains(":OTHER-PRE"), "the other chain stays:\n{after}");
+    assert!(!after.contains(":KUBE-SERVICES") && !after.contains(":KUBE-SVC-") && !after.contains(":KUBE-SEP-"), "removed:\n{after}");
+    assert!(
+        after.contains(":OTHER-PRE") && after.contains("-A OTHER-PRE -p udp -m udp --dport 9 -j RETURN"),
+        "the other chain stays:\n{after}"
+    );
+    assert!(!after.contains("-j KUBE-SERVICES"), "its jump into the removed chain goes:\n{after}");
 }
 
 /// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode

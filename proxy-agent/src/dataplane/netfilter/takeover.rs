@@ -96,11 +96,27 @@ fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> V
 /// endpoints: kube-proxy's, or this agent's iptables or IPVS mode's. While any is there, a
 /// packet the eBPF maps do not hold can still be translated by what those rules last knew.
 pub fn translating_chains(nat: &str) -> Vec<&str> {
-    super::declared_chains(nat)
-        .filter(|c| {
-            matches!(*c, "KUBE-SERVICES" | "KUBE-NODEPORTS") || super::iptables::SERVICE_CHAIN_PREFIXES.iter().any(|p| c.starts_with(p))
-        })
-        .collect()
+    super::declared_chains(nat).filter(|c| translates(c)).collect()
+}
+
+/// Whether a chain of that name is one of those `translating_chains` finds.
+fn translates(chain: &str) -> bool {
+    matches!(chain, "KUBE-SERVICES" | "KUBE-NODEPORTS") || super::iptables::SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p))
+}
+
+/// Removes the chains `translates` names, in every table of each of `backends` and family, with
+/// every jump into them, another chain's too (without the chain it leads nowhere): for the eBPF
+/// mode, which writes none of them, once the modes' own removals have left some (their checks
+/// of which mode ran did not match a half-removed state, or a jump of another chain made their
+/// restore fail). Returns a line per table changed.
+pub fn remove_translating(backends: &[Iptables]) -> Vec<String> {
+    let mut removed = Vec::new();
+    for &b in backends {
+        for family in Family::ALL {
+            removed.extend(remove_chains(b.tools(family), family.api_name(), &translates));
+        }
+    }
+    removed
 }
 
 /// What still translates Services in netfilter, a line per backend and family, and per
@@ -113,8 +129,12 @@ pub fn translating_leftovers(backends: &[Iptables]) -> Vec<String> {
             let tools = b.tools(family);
             let Ok(saved) = super::save_tables(tools) else { continue };
             let chains = saved.get("nat").map(|nat| translating_chains(nat)).unwrap_or_default();
-            if let [first, ..] = chains[..] {
-                left.push(format!("{} ({}): {} chains in the nat table ({first}, ...)", tools.cmd(), family.api_name(), chains.len()));
+            match chains[..] {
+                [] => {}
+                [only] => left.push(format!("{} ({}): {only} in the nat table", tools.cmd(), family.api_name())),
+                [first, ..] => {
+                    left.push(format!("{} ({}): {} chains in the nat table ({first}, ...)", tools.cmd(), family.api_name(), chains.len()))
+                }
             }
         }
     }
