@@ -57,13 +57,23 @@ fn modules_needed(mode: ProxyMode, ipvs_scheduler: &str) -> Vec<String> {
     modules
 }
 
+/// Whether `modules.builtin` (its text) lists module `name` (a path ending in `/name.ko`).
+fn is_builtin(list: &str, name: &str) -> bool {
+    let file = format!("/{name}.ko");
+    list.lines().any(|l| l.trim_end().ends_with(&file))
+}
+
 /// Loads the kernel modules a netfilter mode needs; what failed, said for people.
 fn load_modules(mode: ProxyMode, cfg: &Config) -> Vec<String> {
     let modules = modules_needed(mode, &cfg.netfilter.ipvs.scheduler.0);
     let mut failures = Vec::new();
-    // Loaded, or built into the kernel (whose modules directory may not exist at all): a
-    // module with parameters is under /sys/module either way.
-    for m in modules.iter().filter(|m| !Path::new("/sys/module").join(m).exists()) {
+    // Loaded, or built into the kernel: a loaded module, and a built-in one with parameters,
+    // is under /sys/module; the modules directory (which may not exist at all) lists the
+    // built-in ones.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let builtin = std::fs::read_to_string(format!("/lib/modules/{}/modules.builtin", release.trim())).unwrap_or_default();
+    let present = |m: &str| Path::new("/sys/module").join(m).exists() || is_builtin(&builtin, m);
+    for m in modules.iter().filter(|m| !present(m)) {
         // Watched as the netfilter tools are: a modprobe waiting for ever (on another load of
         // the module, or a helper that never answers) is killed and reported, not waited on.
         if let Err(e) = netfilter::run_with_input("modprobe", "kmod", &[m.as_str()], "") {
@@ -132,5 +142,13 @@ mod tests {
         // The default scheduler is among the ones always loaded: not asked for twice.
         assert_eq!(modules_needed(ProxyMode::Ipvs, "rr"), ["nf_conntrack", "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh"]);
         assert_eq!(modules_needed(ProxyMode::Ipvs, "lc"), ["nf_conntrack", "ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh", "ip_vs_lc"]);
+    }
+
+    #[test]
+    fn built_in_modules_are_read_from_the_kernels_list() {
+        let list = "kernel/net/netfilter/nf_conntrack.ko\nkernel/net/netfilter/ipvs/ip_vs_rr.ko\n";
+        assert!(is_builtin(list, "ip_vs_rr") && is_builtin(list, "nf_conntrack"));
+        assert!(!is_builtin(list, "ip_vs") && !is_builtin(list, "rr"), "whole names only");
+        assert!(!is_builtin("", "nf_conntrack"));
     }
 }
