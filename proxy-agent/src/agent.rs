@@ -491,20 +491,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
             // and family take a while, and nothing of the eBPF mode waits for them.
             let after = move || {
                 let spawned = std::thread::Builder::new().name("takeover-cleanup".into()).spawn(move || {
-                    use crate::dataplane::netfilter::takeover;
-                    let left = || takeover::translating_leftovers(&held);
-                    // Each try: the modes' own removals, then, for what their checks of which
-                    // mode ran left behind, the translating chains themselves with every jump
-                    // into them.
-                    let each_try = || {
-                        cleanup();
-                        if !left().is_empty() {
-                            for line in takeover::remove_translating(&held) {
-                                tracing::info!("removed what kube-proxy left: {line}");
-                            }
-                        }
-                    };
-                    remove_until_clean(each_try, left, std::thread::sleep);
+                    let left = || crate::dataplane::netfilter::takeover::translating_leftovers(&held);
+                    remove_until_clean(cleanup, left, std::thread::sleep);
                 });
                 if let Err(e) = spawned {
                     tracing::warn!("what kube-proxy or another mode left stays: no thread to remove it ({e})");

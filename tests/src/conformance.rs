@@ -288,6 +288,17 @@ fn in_netns(ns: &str, args: &[&str]) -> String {
     crate::netns::sh(&a)
 }
 
+/// Loads `fixtures/<file>` (kube-proxy's rules) into namespace `ns` with `tool --noflush`.
+fn restore_fixture(ns: &str, tool: &str, file: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(file);
+    let status = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, tool, "--noflush"])
+        .stdin(std::fs::File::open(&path).expect("fixture"))
+        .status()
+        .expect("restore");
+    assert!(status.success(), "{tool} < {}", path.display());
+}
+
 /// Taking a node over from kube-proxy: what kube-proxy left (its IPv4 and IPv6 iptables rules,
 /// each in another backend, and both of its nftables tables) is gone or rewritten as the
 /// agent's own once the agent starts in `mode`, while kubelet's chains and the CNI's rules and table stay; going back with
@@ -298,17 +309,8 @@ pub fn taking_over_from_kube_proxy(agent: &Path, mode: ProxyMode) {
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
     let in_node = |args: &[&str]| in_netns(&node, args);
-    let load = |tool: &str, file: &str| {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(file);
-        let status = std::process::Command::new("ip")
-            .args(["netns", "exec", &node, tool, "--noflush"])
-            .stdin(std::fs::File::open(&path).expect("fixture"))
-            .status()
-            .expect("restore");
-        assert!(status.success(), "{tool} < {}", path.display());
-    };
-    load("iptables-nft-restore", "kube-proxy-ipv4.rules");
-    load("ip6tables-legacy-restore", "kube-proxy-ipv6.rules");
+    restore_fixture(&node, "iptables-nft-restore", "kube-proxy-ipv4.rules");
+    restore_fixture(&node, "ip6tables-legacy-restore", "kube-proxy-ipv6.rules");
     in_node(&["nft", "-f", concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/kube-proxy.nft")]);
     // kube-proxy's chains in every family, backend and table, and the nftables tables left.
     let leftovers = |in_node: &dyn Fn(&[&str]) -> String| -> Vec<String> {
@@ -389,13 +391,7 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
     let in_node = |args: &[&str]| in_netns(&node, args);
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/kube-proxy-ipv4.rules");
-    let status = std::process::Command::new("ip")
-        .args(["netns", "exec", &node, "iptables-nft-restore", "--noflush"])
-        .stdin(std::fs::File::open(&path).expect("fixture"))
-        .status()
-        .expect("restore");
-    assert!(status.success(), "iptables-nft-restore < {}", path.display());
+    restore_fixture(&node, "iptables-nft-restore", "kube-proxy-ipv4.rules");
     in_node(&["iptables-nft", "-t", "nat", "-N", "OTHER-PRE"]);
     in_node(&["iptables-nft", "-t", "nat", "-A", "OTHER-PRE", "-j", "KUBE-SERVICES"]);
     in_node(&["iptables-nft", "-t", "nat", "-A", "OTHER-PRE", "-p", "udp", "--dport", "9", "-j", "RETURN"]);

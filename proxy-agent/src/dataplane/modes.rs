@@ -198,7 +198,14 @@ pub fn cleanup_other_modes(current: ProxyMode, ipt: Option<netfilter::Iptables>,
     for (mode, line) in lines {
         tracing::info!(mode = %mode, "removed what an earlier run in another mode or iptables backend (or kube-proxy) left: {line}");
     }
-    for line in netfilter::takeover::cleanup(backends) {
+    let mut kube_proxys = netfilter::takeover::cleanup(backends);
+    if current == ProxyMode::Ebpf {
+        // The eBPF mode writes none of the chains that translate Services: what the removals
+        // above left of them (their checks of which mode ran miss a half-removed state; a jump
+        // of another chain fails their restore) goes too.
+        kube_proxys.extend(netfilter::takeover::remove_translating(backends));
+    }
+    for line in kube_proxys {
         tracing::info!("removed what kube-proxy left: {line}");
     }
 }

@@ -345,12 +345,7 @@ fn measure(services: u32) -> Measured {
     let (mut new4, mut new6, mut new_ratios) = (0.0, 0.0, Vec::new());
     for round in 0..NEW_ROUNDS {
         let first = round * share;
-        let v4 = |dp: &mut EbpfDataplane| {
-            calls_from(dp.ingress_program(), first, share, |i| {
-                let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
-                tcp_frame(src, SocketAddrV4::new(bench_vip, 80), SYN)
-            })
-        };
+        let v4 = |dp: &mut EbpfDataplane| calls_from(dp.ingress_program(), first, share, |i| new_flow(i, SocketAddrV4::new(bench_vip, 80)));
         let v6 = |dp: &mut EbpfDataplane| {
             calls_from(dp.ingress_program(), first, share, |i| {
                 let src = SocketAddrV6::new(
@@ -378,6 +373,19 @@ fn measure(services: u32) -> Measured {
     cases.insert("new_flow6/calls", new6);
     ratios6.insert("new_flow", median_f(new_ratios));
     Measured { cases, ratios6, program_ms }
+}
+
+/// The SYN of IPv4 connection `i` to `to`: a client of its own (256 ports an address from
+/// 11.0.0.0 on), so every `i` is a new flow.
+fn new_flow(i: u32, to: SocketAddrV4) -> Vec<u8> {
+    tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), to, SYN)
+}
+
+/// The agent's removal of expired flows, run as if every tracked flow had ended (a million
+/// seconds from now), so that all of them go.
+fn end_every_flow(dp: &EbpfDataplane) -> [proxy_agent::dataplane::ebpf::ct_gc::Collected; 2] {
+    let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
+    dp.collect_expired_flows(ended).expect("remove the ended flows")
 }
 
 /// Conntrack map sizes of `new_flow_by_ct_size`: a small map, the agent's default, and the
@@ -411,10 +419,7 @@ fn new_flow_by_ct_size() -> Vec<CtSize> {
     let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
     let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
     let vip = Ipv4Addr::new(10, 100, 0, 1);
-    let flow = |i: u32| {
-        let src = SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16);
-        tcp_frame(src, SocketAddrV4::new(vip, 80), SYN)
-    };
+    let flow = |i: u32| new_flow(i, SocketAddrV4::new(vip, 80));
     let share = CALLS / scale() / NEW_ROUNDS;
     let rounds = f64::from(NEW_ROUNDS);
     CT_SIZES
@@ -435,8 +440,7 @@ fn new_flow_by_ct_size() -> Vec<CtSize> {
                 room += calls_from(dp.ingress_program(), next, per_round, flow) / rounds;
                 next += per_round;
                 floor_after(&mut lab, per_round);
-                let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
-                dp.collect_expired_flows(ended).expect("remove the ended flows");
+                end_every_flow(&dp);
             }
             // Full: as many flows as the map has entries, untimed, then the rounds.
             calls_from(dp.ingress_program(), next, size, flow);
@@ -479,7 +483,7 @@ fn profile() {
     run(ingress, &tcp_frame(client, pong, SYN), 1);
     let (mut est, mut other) = (tcp_frame(client, ping, ACK), tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK));
     let mut reply = tcp_frame(pong, client, ACK);
-    let frame = |i: u32| tcp_frame(SocketAddrV4::new(Ipv4Addr::from(0x0b00_0000 + (i >> 8)), 1024 + (i & 0xff) as u16), ping, SYN);
+    let frame = |i: u32| new_flow(i, ping);
     let mut new_flow: Box<dyn Fn(u32) -> Vec<u8>> = Box::new(frame);
     // `--ipv6`: the same packets in IPv6, for comparing the families' paths.
     if std::env::args().any(|a| a == "--ipv6") {
@@ -538,8 +542,7 @@ fn profile() {
             }
             if collect {
                 let t = Instant::now();
-                let ended = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 1_000_000 * 1_000_000_000;
-                let [v4, v6] = dp.collect_expired_flows(ended).expect("remove the flows");
+                let [v4, v6] = end_every_flow(&dp);
                 print!(
                     "; removed {} flows ({} reply entries) in {:.0} ms",
                     v4.flows + v6.flows,

@@ -1309,9 +1309,15 @@ pub fn remove_tables() -> Result<Vec<String>, String> {
     }
 }
 
+/// The families whose table of the mode's name is there.
+pub fn families_with_table() -> std::io::Result<Vec<Family>> {
+    let present = tables()?;
+    Ok(Family::ALL.into_iter().filter(|f| present.iter().any(|(ip, name)| ip == nft_family(*f) && name == TABLE)).collect())
+}
+
 /// The mode's tables removed (a line each), and what could not be done.
 fn removal() -> (Vec<String>, Vec<String>) {
-    let present = match tables() {
+    let present = match families_with_table() {
         Ok(t) => t,
         // No nf_tables in this kernel: nothing this agent could have written.
         Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EPROTONOSUPPORT | libc::ENOENT)) => {
@@ -1321,11 +1327,8 @@ fn removal() -> (Vec<String>, Vec<String>) {
         Err(e) => return (Vec::new(), vec![format!("could not list the tables to remove the mode's: {e}")]),
     };
     let (mut removed, mut failed) = (Vec::new(), Vec::new());
-    for family in Family::ALL {
+    for family in present {
         let ip = nft_family(family);
-        if !present.iter().any(|(f, name)| f == ip && name == TABLE) {
-            continue;
-        }
         match delete_table(family) {
             Ok(()) => removed.push(format!("nftables: table {ip} {TABLE}")),
             Err(e) => failed.push(format!("could not delete table {ip} {TABLE}: {e}")),
@@ -1335,7 +1338,7 @@ fn removal() -> (Vec<String>, Vec<String>) {
 }
 
 /// The mode's table's name, in both families.
-pub(super) const TABLE: &str = "kube-proxy";
+const TABLE: &str = "kube-proxy";
 
 /// Deletes the family's table and everything in it, as `nft delete table` does.
 fn delete_table(family: Family) -> std::io::Result<()> {

@@ -95,7 +95,7 @@ fn remove_chains(tools: Tools, family: &str, remove: &dyn Fn(&str) -> bool) -> V
 /// The chains of a nat table (its `iptables-save` listing) that send a Service's packets to
 /// endpoints: kube-proxy's, or this agent's iptables or IPVS mode's. While any is there, a
 /// packet the eBPF maps do not hold can still be translated by what those rules last knew.
-pub fn translating_chains(nat: &str) -> Vec<&str> {
+fn translating_chains(nat: &str) -> Vec<&str> {
     super::declared_chains(nat).filter(|c| translates(c)).collect()
 }
 
@@ -138,14 +138,8 @@ pub fn translating_leftovers(backends: &[Iptables]) -> Vec<String> {
             }
         }
     }
-    if let Ok(tables) = super::nftables::tables() {
-        let families = Family::ALL.map(super::nft_family);
-        left.extend(
-            tables
-                .into_iter()
-                .filter(|(f, name)| name == super::nftables::TABLE && families.contains(&f.as_str()))
-                .map(|(f, name)| format!("nftables: table {f} {name}")),
-        );
+    if let Ok(families) = super::nftables::families_with_table() {
+        left.extend(families.into_iter().map(|f| format!("nftables: table {} kube-proxy", super::nft_family(f))));
     }
     left
 }
