@@ -478,10 +478,23 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let cleanup = move || crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &root);
     match mode {
         ProxyMode::Ebpf => {
-            let dp = match loaded {
+            let mut dp = match loaded {
                 Some(dp) => dp,
                 None => load_ebpf(&cfg)?,
             };
+            // Over kube-proxy's rules, the connections they translated are adopted as their
+            // Services are first written, so that none is reset by the takeover.
+            let leftovers = crate::dataplane::netfilter::takeover::translating_leftovers(&held);
+            if !leftovers.is_empty() {
+                match dp.adopt_translated() {
+                    Ok(()) => tracing::info!(
+                        found = leftovers.join(", "),
+                        "rules that translate Services are in netfilter: the connections they translated are adopted as their \
+                         Services are first written"
+                    ),
+                    Err(e) => tracing::warn!(error = %e, "the connections netfilter translated cannot be adopted: each is balanced afresh"),
+                }
+            }
             // What kube-proxy or a netfilter mode left goes once the eBPF maps are whole: until
             // then, new connections to a Service are still served by those rules (our programs
             // pass what their empty maps do not know). Both can be there at once: the programs

@@ -408,6 +408,97 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
     assert!(!after.contains("-j KUBE-SERVICES"), "its jump into the removed chain goes:\n{after}");
 }
 
+/// Connections kube-proxy translated survive the eBPF mode's takeover: TCP connections and UDP
+/// flows opened through DNAT rules of kube-proxy's form (random among the three backends, in
+/// KUBE-SERVICES), before the agent starts, still reach the backend they had once our programs
+/// serve their Services and kube-proxy's rules are gone. Without the adoption most of them
+/// would be balanced afresh, and a TCP connection sent to another backend is reset; without the
+/// deletion of their netfilter entries, netfilter's NAT would move the source port of what our
+/// programs translated (its reply tuple is the old entry's), and the backend resets that.
+pub fn takeover_adopts_translated_connections(agent: &Path) {
+    use crate::servers::Conn;
+    let mut lab = Lab::new(agent, 3);
+    dual_stack(&mut lab);
+    lab.write_manifest("services.yaml", &dual_stack_manifests(&lab, &[1, 2, 3], &[1, 2, 3]));
+    let node = lab.node.name.clone();
+    let in_node = |args: &[&str]| in_netns(&node, args);
+    let (tcp, udp) = (crate::lab::TCP_PORT.to_string(), crate::lab::UDP_PORT.to_string());
+    let v4: Vec<String> = lab.backend_ips().iter().map(|b| b.to_string()).collect();
+    let v6: Vec<String> = (1..=3).map(|i| format!("[{}]", pod6(0x100 + i))).collect();
+    for (tool, pods, backends, services) in [
+        ("iptables-nft", "10.244.0.0/16", &v4, [("10.96.0.10", "tcp", "80", tcp.as_str()), ("10.96.0.53", "udp", "53", udp.as_str())]),
+        ("ip6tables-nft", "fd00:244::/64", &v6, [("fd00:96::10", "tcp", "80", "8082"), ("fd00:96::53", "udp", "53", "5354")]),
+    ] {
+        let nat = |args: &[&str]| in_node(&[&[tool, "-t", "nat"], args].concat());
+        nat(&["-N", "KUBE-SERVICES"]);
+        nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
+        // What keeps netfilter's conntrack and NAT on in a node's namespace once kube-proxy's
+        // rules are gone (a CNI's masquerade, a drop of invalid packets): without them the
+        // lab's kernel would stop tracking there, which a node's does not.
+        nat(&["-A", "POSTROUTING", "-s", pods, "!", "-d", pods, "-j", "MASQUERADE"]);
+        in_node(&[tool, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"]);
+        // kube-proxy's form: each endpoint by a random draw among those left.
+        for (vip, proto, port, to_port) in services {
+            for (i, b) in backends.iter().enumerate() {
+                let to = format!("{b}:{to_port}");
+                let probability = format!("{:.5}", 1.0 / (backends.len() - i) as f64);
+                let mut rule = vec!["-A", "KUBE-SERVICES", "-d", vip, "-p", proto, "--dport", port];
+                if i + 1 < backends.len() {
+                    rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
+                }
+                rule.extend(["-j", "DNAT", "--to-destination", &to]);
+                nat(&rule);
+            }
+        }
+    }
+    let web6: std::net::SocketAddr = "[fd00:96::10]:80".parse().unwrap();
+    let dns6: std::net::SocketAddr = "[fd00:96::53]:53".parse().unwrap();
+    let tcp_to: Vec<std::net::SocketAddr> = [[sock(WEB_VIP).into(); 12].as_slice(), &[web6; 6]].concat();
+    let udp_to: Vec<std::net::SocketAddr> = [[sock(DNS_VIP).into(); 6].as_slice(), &[dns6; 3]].concat();
+    let mut conns: Vec<(Conn, String)> = tcp_to
+        .iter()
+        .enumerate()
+        .map(|(i, to)| {
+            let mut c = Conn::open(&lab.client.ns, *to).unwrap_or_else(|e| panic!("connection {i} to {to} through kube-proxy's DNAT: {e}"));
+            let first = c.ask().unwrap_or_else(|e| panic!("connection {i} to {to} through kube-proxy's DNAT: {e}")).backend;
+            (c, first)
+        })
+        .collect();
+    let flows: Vec<(UdpFlow, String)> = udp_to
+        .iter()
+        .enumerate()
+        .map(|(i, to)| {
+            let f = UdpFlow::open(&lab.client.ns, *to).expect("UDP socket");
+            let first = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} to {to} through kube-proxy's DNAT: {e}")).backend;
+            (f, first)
+        })
+        .collect();
+    let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
+    assert!(reached.len() > 1, "kube-proxy's rules spread the connections: {reached:?}");
+    start_dual_stack(&mut lab, ProxyMode::Ebpf);
+    lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+    for tool in ["iptables-nft", "ip6tables-nft"] {
+        let nat = in_node(&[tool, "-t", "nat", "-S"]);
+        assert!(!nat.contains("KUBE-SERVICES"), "kube-proxy's rules are gone ({tool}):\n{nat}");
+    }
+    for (i, (c, first)) in conns.iter_mut().enumerate() {
+        for _ in 0..2 {
+            let now = c.ask().unwrap_or_else(|e| panic!("connection {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
+            assert_eq!(&now.backend, first, "connection {i} stays with its backend");
+        }
+    }
+    for (i, (f, first)) in flows.iter().enumerate() {
+        let now = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
+        assert_eq!(&now.backend, first, "UDP flow {i} stays with its backend");
+    }
+    let log = lab.agent_log();
+    assert!(
+        log.contains("adopted=18") && log.contains("adopted=9"),
+        "the log counts IPv4's 12 TCP connections and 6 UDP flows, and IPv6's 6 and 3:\n{}",
+        lab.log_tail()
+    );
+}
+
 /// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode
 /// left after its initial sync.
 pub fn removed_after_the_first_write(log: &str) -> bool {

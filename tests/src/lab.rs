@@ -264,7 +264,7 @@ impl Lab {
         s
     }
 
-    fn log_tail(&self) -> String {
+    pub fn log_tail(&self) -> String {
         let log = self.agent_log();
         let lines: Vec<&str> = log.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")

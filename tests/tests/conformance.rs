@@ -95,6 +95,13 @@ mod takeover {
         }
     }
 
+    #[test]
+    fn ebpf_adopts_the_connections_kube_proxy_translated() {
+        if require::root("the eBPF mode's adoption of the connections kube-proxy translated") {
+            conformance::takeover_adopts_translated_connections(&agent());
+        }
+    }
+
     /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a
     /// packet to an address its maps do not hold passes the attached programs untouched, and
     /// netfilter's DNAT (kube-proxy's, here a rule of the same form) translates it, replies

@@ -89,6 +89,24 @@ pub fn fill(fd: BorrowedFd<'_>, every_bit: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// A filter mapped for the agent's own inserts into its conntrack map (the connections a
+/// takeover adopts, `adopt`): each key's bit is set in both halves before its entry goes in,
+/// as the datapath sets them (a rebuild running meanwhile is kept off by `RebuildLock`).
+pub struct Marker(Mapped);
+
+impl Marker {
+    pub fn of(fd: BorrowedFd<'_>) -> io::Result<Self> {
+        Mapped::of(fd).map(Self)
+    }
+
+    pub fn mark<A: ct_filter::Addr>(&self, key: &CtKey<A>) {
+        let (word, bit) = ct_filter::place(ct_filter::hash(key));
+        for half in 0..2 {
+            self.0.word(half * HALF_WORDS + word).fetch_or(bit, Ordering::Relaxed);
+        }
+    }
+}
+
 /// What a rebuild found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Rebuilt {

@@ -42,6 +42,20 @@ use crate::{
 /// A frontend in one scope (`proxy_common::scope`).
 type Scoped = (FrontendKey, u8);
 
+/// Connections another proxy translated, adopted as their frontends are first written
+/// (`adopt`, at a takeover).
+pub trait Adopt {
+    /// Seeds the conntrack map with `frontend`'s connections whose backend is one of
+    /// `backends` (with their ids), under reverse NAT id `service_id`: called before the
+    /// frontend's master entry is written.
+    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[(model::Backend, u32)]);
+    /// After the master (`served`: it was written): what `seed` adopted is ours now. (Not
+    /// served: netfilter goes on translating those connections.)
+    fn settle(&mut self, served: bool);
+    /// The first sync is over: says what was adopted.
+    fn end(&mut self);
+}
+
 /// What one scope of a frontend should hold.
 struct View {
     backends: Vec<model::Backend>,
@@ -277,6 +291,8 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     /// Backend and reverse NAT entries deleted or written (tried) so far: what a tracked flow's
     /// step reads besides its conntrack entry (see `entries_changed`).
     entries_changed: u64,
+    /// At a takeover, until the first sync ends.
+    adoption: Option<Box<dyn Adopt>>,
 }
 
 fn take_raw(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map, DataplaneError> {
@@ -414,6 +430,7 @@ impl<A: MapAddr> LbMaps<A> {
             stray_ranges: Vec::new(),
             held_service_ids: Vec::new(),
             entries_changed: 0,
+            adoption: None,
         };
         let snap = found.snapshot;
         // Bits for every master the maps hold, before anything else is written.
@@ -950,6 +967,12 @@ impl<A: MapAddr> LbMaps<A> {
             return Err(e);
         }
 
+        // Connections another proxy translated to these backends, tracked before the master
+        // makes our programs serve them.
+        if let Some(a) = self.adoption.as_mut() {
+            let ids: Vec<(model::Backend, u32)> = fe.backends.iter().copied().zip(active.iter().copied()).collect();
+            a.seed(key, service_id, &ids);
+        }
         // Phase B: rewrites of existing entries, then the master, then the surplus.
         let master = Self::master_for(view, service_id, slots.len(), maglev_id);
         let phase_b = (|| {
@@ -968,6 +991,9 @@ impl<A: MapAddr> LbMaps<A> {
             }
             Ok(())
         })();
+        if let Some(a) = self.adoption.as_mut() {
+            a.settle(phase_b.is_ok());
+        }
         if let Err(e) = phase_b {
             // The maps may now mix old and new slots, up to the longer of the two. Record every
             // slot as unknown (0) so the next attempt rewrites them all and deletes any surplus,
@@ -1120,6 +1146,18 @@ impl<A: MapAddr> LbMaps<A> {
         self.stray_service_ids.contains(&id)
             || self.stray_affinity_matches.iter().any(|k| k.service_id == id)
             || self.stray_ranges.iter().any(|k| k.data().service_id == id)
+    }
+
+    /// Adopts connections another proxy translated as frontends are written, until
+    /// `end_adoption`.
+    pub fn adopt_connections(&mut self, adoption: Box<dyn Adopt>) {
+        self.adoption = Some(adoption);
+    }
+
+    pub fn end_adoption(&mut self) {
+        if let Some(mut a) = self.adoption.take() {
+            a.end();
+        }
     }
 
     /// The reverse NAT map's descriptor (a Service's address and port by id), for readers of

@@ -1,5 +1,6 @@
 //! The eBPF dataplane: the embedded TC program, its pinned maps and links.
 
+pub mod adopt;
 pub mod attach;
 pub mod batch;
 pub mod ct_filter;
@@ -533,6 +534,22 @@ impl EbpfDataplane {
         }
     }
 
+    /// Adopts the connections netfilter's DNAT translated (kube-proxy's rules, at a takeover)
+    /// as their frontends are first written (`adopt`), both families, until the first sync ends.
+    pub fn adopt_translated(&mut self) -> std::io::Result<()> {
+        use crate::model::Family;
+        let lock = match &self.pin_root {
+            Some(root) => ct_filter::RebuildLock::try_take(root)?,
+            None => None,
+        };
+        let v4 = adopt::Adoption::<[u8; 4]>::new(Family::V4, self.map_fd(map_names::CT)?, self.map_fd(map_names::CT_FILTER)?, lock)?;
+        let v6 =
+            adopt::Adoption::<proxy_common::Ip6>::new(Family::V6, self.map_fd(map_names::CT6)?, self.map_fd(map_names::CT_FILTER6)?, None)?;
+        self.lb.adopt_connections(Box::new(v4));
+        self.lb6.adopt_connections(Box::new(v6));
+        Ok(())
+    }
+
     /// Rebuilds each family's conntrack filter (IPv4's, then IPv6's) from its conntrack map
     /// (`ct_filter::rebuild`), as the agent does every 15 s through the pins.
     pub fn rebuild_conntrack_filters(&self) -> std::io::Result<[ct_filter::Rebuilt; 2]> {
@@ -619,6 +636,9 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
+        // (After the first sync: a takeover's adoption ends with it.)
+        self.lb.end_adoption();
+        self.lb6.end_adoption();
         let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
         self.after_lb_write();
         collected

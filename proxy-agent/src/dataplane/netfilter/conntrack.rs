@@ -86,6 +86,66 @@ pub fn parse_attempt(line: &str) -> Option<Attempt> {
     Some(Attempt { src: flow.src, sport: flow.sport, dst: flow.dst, dport: flow.dport })
 }
 
+/// A connection netfilter's DNAT sent to another address and nothing else translated (no
+/// source NAT): what kube-proxy's rules made of a pod's connection to a Service (or of an
+/// outside client's to a NodePort of externalTrafficPolicy Local), which the eBPF mode adopts at
+/// a takeover (`dataplane::ebpf::adopt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Translated {
+    pub proto: u8,
+    /// The original direction: client -> Service address.
+    pub client: SocketAddr,
+    pub service: SocketAddr,
+    /// Where replies come from.
+    pub backend: SocketAddr,
+}
+
+/// Reads a line of `conntrack -L` output as a TCP or UDP connection that is answered, still
+/// open (TCP: not closing), and only DNATed; None for anything else (an attempt nothing
+/// answered, which is balanced afresh all the same, a masqueraded or untranslated flow).
+pub fn parse_translated(line: &str) -> Option<Translated> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let proto = match words.first() {
+        Some(&"tcp") => libc::IPPROTO_TCP as u8,
+        Some(&"udp") => libc::IPPROTO_UDP as u8,
+        _ => return None,
+    };
+    if words.contains(&"[UNREPLIED]") || (proto == libc::IPPROTO_TCP as u8 && words.iter().any(|w| ["TIME_WAIT", "CLOSE"].contains(w))) {
+        return None;
+    }
+    let flow = parse_line(line)?;
+    let reply_dst: IpAddr = field(line, "dst", 1)?.parse().ok()?;
+    let reply_dport: u16 = field(line, "dport", 1)?.parse().ok()?;
+    let translated = (flow.reply_src, flow.reply_sport) != (flow.dst, flow.dport);
+    let unmasqueraded = (reply_dst, reply_dport) == (flow.src, flow.sport);
+    (translated && unmasqueraded).then(|| Translated {
+        proto,
+        client: SocketAddr::new(flow.src, flow.sport),
+        service: SocketAddr::new(flow.dst, flow.dport),
+        backend: SocketAddr::new(flow.reply_src, flow.reply_sport),
+    })
+}
+
+/// The translated connections of one family in the kernel's conntrack table
+/// (`parse_translated`), from one `conntrack -L`.
+pub fn list_translated(family: Family) -> Result<Vec<Translated>, NetfilterError> {
+    list(&["-L", "-f", conntrack_family(family)], |lines| lines.filter_map(|l| parse_translated(&l)).collect())
+}
+
+/// Deletes conntrack entries by their original tuple, over one ctnetlink socket.
+pub struct Forgetter(netlink_sys::Socket);
+
+impl Forgetter {
+    pub fn new() -> std::io::Result<Self> {
+        ctnetlink().map(Self)
+    }
+
+    /// Deletes the entry of `t`; false when there is none (it ended meanwhile).
+    pub fn forget(&mut self, t: &Translated) -> std::io::Result<bool> {
+        delete(&mut self.0, t.proto, t.client, t.service)
+    }
+}
+
 /// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) of
 /// `ports` that are in the rules (`served`: those with endpoints, where an attempt made before
 /// may be stuck).
@@ -317,6 +377,38 @@ mod tests {
         assert_eq!(
             text.lines().filter_map(parse_line).collect::<Vec<_>>(),
             vec![flow(40000, "10.244.1.3", 5353), flow(40001, "10.96.0.10", 53)]
+        );
+    }
+
+    #[test]
+    fn only_answered_open_dnat_only_connections_are_read_as_translated() {
+        let lines = [
+            // A pod's connection kube-proxy DNATed: adopted.
+            "tcp      6 431999 ESTABLISHED src=10.244.0.2 dst=10.96.0.10 sport=44044 dport=80 src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44044 [ASSURED] mark=0 use=1",
+            // Masqueraded as well (hairpin, an outside client of externalTrafficPolicy Cluster).
+            "tcp      6 431999 ESTABLISHED src=192.0.2.9 dst=192.168.0.4 sport=50000 dport=30080 src=10.244.1.3 dst=192.168.0.4 sport=8080 dport=61000 [ASSURED] mark=0 use=1",
+            // Closing, unanswered, untranslated: not adopted.
+            "tcp      6 100 TIME_WAIT src=10.244.0.2 dst=10.96.0.10 sport=44046 dport=80 src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44046 [ASSURED] mark=0 use=1",
+            "tcp      6 117 SYN_SENT src=10.244.0.2 dst=10.96.0.10 sport=44048 dport=80 [UNREPLIED] src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44048 mark=0 use=1",
+            "tcp      6 431999 ESTABLISHED src=10.244.0.2 dst=192.0.2.7 sport=44050 dport=80 src=192.0.2.7 dst=10.244.0.2 sport=80 dport=44050 [ASSURED] mark=0 use=1",
+            // UDP, IPv6, answered: adopted.
+            "udp      17 110 src=fd00:244::2 dst=fd00:96::a sport=40000 dport=53 src=fd00:244:1::3 dst=fd00:244::2 sport=5353 dport=40000 [ASSURED] mark=0 use=1",
+            "icmp     1 29 src=10.244.0.2 dst=10.96.0.10 type=8 code=0 id=7 src=10.244.1.3 dst=10.244.0.2 type=0 code=0 id=7 mark=0 use=1",
+            "conntrack v1.4.7 (conntrack-tools): 7 flow entries have been shown.",
+        ];
+        let got: Vec<Translated> = lines.iter().filter_map(|l| parse_translated(l)).collect();
+        let t = |proto: libc::c_int, client: &str, service: &str, backend: &str| Translated {
+            proto: proto as u8,
+            client: client.parse().unwrap(),
+            service: service.parse().unwrap(),
+            backend: backend.parse().unwrap(),
+        };
+        assert_eq!(
+            got,
+            vec![
+                t(libc::IPPROTO_TCP, "10.244.0.2:44044", "10.96.0.10:80", "10.244.1.3:8080"),
+                t(libc::IPPROTO_UDP, "[fd00:244::2]:40000", "[fd00:96::a]:53", "[fd00:244:1::3]:5353"),
+            ]
         );
     }
 

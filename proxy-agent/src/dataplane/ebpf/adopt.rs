@@ -1,0 +1,220 @@
+//! Connections kube-proxy translated, adopted at a takeover. Without this, a connection that
+//! netfilter's DNAT sent to a backend meets our programs once they serve its Service with no
+//! flow of ours: it is balanced afresh and reset unless it lands on the same backend.
+//!
+//! So when the eBPF mode starts over kube-proxy's rules, each frontend's first write seeds the
+//! conntrack map with the connections the kernel's conntrack table shows netfilter DNATed to
+//! one of the frontend's backends (and translated nothing else: `conntrack::parse_translated`),
+//! before the frontend's master entry makes our programs serve it. Their next packet then goes
+//! to the same backend, by our programs. Right after the master, each such connection's
+//! netfilter entry is deleted: it still holds the DNAT and its reply tuple, and to netfilter
+//! the packet our programs translated (client -> backend) is a new connection whose reply tuple
+//! that entry holds; its NAT then moves the packet's source port to keep tuples unique, and the
+//! backend resets what it takes for a stranger's segment. Without the old entry it is tracked
+//! afresh as the connection it is (mid-stream TCP, as nf_conntrack_tcp_loose allows by
+//! default).
+//!
+//! Not adopted: a connection opened between the table's read (at the first frontend's write,
+//! as late as it can be) and its frontend's master; masqueraded connections (a pod reaching
+//! itself, outside clients of externalTrafficPolicy Cluster), whose node port kube-proxy chose
+//! and our programs do not track. And a packet that comes between its frontend's master and the
+//! deletion of its entry (a few microseconds a connection, one ctnetlink request each) meets
+//! the port move above.
+
+use std::{
+    collections::HashMap,
+    io,
+    net::SocketAddr,
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
+};
+
+use proxy_common::{
+    csum,
+    ct::{flags, l4_csum},
+    ct_filter as filter,
+    user::MapAddr,
+    CtEntry, CtKey,
+};
+
+use super::{batch, ct_filter, ct_gc, lbmaps::Adopt};
+use crate::{
+    dataplane::netfilter::conntrack::{self, Forgetter, Translated},
+    model::{self, Family, FrontendKey},
+};
+
+/// One family's adoption, from the first frontend written to the end of the first sync.
+pub struct Adoption<A> {
+    family: Family,
+    /// The translated connections not adopted yet, by (Service address, protocol); read at the
+    /// first `seed`.
+    pending: Option<HashMap<(SocketAddr, u8), Vec<Translated>>>,
+    ct: OwnedFd,
+    marker: ct_filter::Marker,
+    /// Seeded for the frontend being written: their netfilter entries go once it is served.
+    seeded: Vec<Translated>,
+    forgetter: Option<Forgetter>,
+    adopted: usize,
+    /// Connections whose tuple one of ours already held.
+    taken: usize,
+    /// Conntrack entries of adopted connections that could not be deleted.
+    unforgotten: usize,
+    /// Seeded for a frontend whose master could not be written (its entries stay unused).
+    unserved: usize,
+    /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
+    /// from here: a rebuild clears a half and walks the map, which an insert from here could
+    /// fall between.
+    _lock: Option<ct_filter::RebuildLock>,
+    _a: std::marker::PhantomData<A>,
+}
+
+impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
+    /// `ct` and `filter`: the family's conntrack map and conntrack filter.
+    pub fn new(family: Family, ct: BorrowedFd<'_>, filter: BorrowedFd<'_>, lock: Option<ct_filter::RebuildLock>) -> io::Result<Self> {
+        Ok(Self {
+            family,
+            pending: None,
+            ct: ct.try_clone_to_owned()?,
+            marker: ct_filter::Marker::of(filter)?,
+            seeded: Vec::new(),
+            forgetter: None,
+            adopted: 0,
+            taken: 0,
+            unforgotten: 0,
+            unserved: 0,
+            _lock: lock,
+            _a: std::marker::PhantomData,
+        })
+    }
+
+    fn read_table(&self) -> HashMap<(SocketAddr, u8), Vec<Translated>> {
+        let mut by_service: HashMap<(SocketAddr, u8), Vec<Translated>> = HashMap::new();
+        match conntrack::list_translated(self.family) {
+            Ok(list) => list.into_iter().for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t)),
+            Err(e) => tracing::warn!(
+                family = %self.family,
+                error = %e,
+                "connections kube-proxy translated are not adopted (the conntrack table could not be read): each is balanced afresh \
+                 on its next packet, and reset unless it reaches the same backend"
+            ),
+        }
+        let n: usize = by_service.values().map(Vec::len).sum();
+        tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
+        by_service
+    }
+
+    /// Inserts the reply and forward entries of `t`, as the datapath makes them for a new flow
+    /// (`proxy_ebpf::ct::create`) that has seen a reply. False: a tuple of it is taken.
+    fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<bool> {
+        let addr = |s: SocketAddr| A::from_ip(s.ip()).ok_or_else(|| io::Error::other(format!("{s} is not of the family")));
+        let (client, service, backend) = (addr(t.client)?, addr(t.service)?, addr(t.backend)?);
+        let port = |s: SocketAddr| s.port().to_be_bytes();
+        let fwd = CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 };
+        let reply =
+            CtKey { saddr: backend, daddr: client, sport: port(t.backend), dport: port(t.client), proto: t.proto, _pad: 0, _pad2: 0 };
+        self.marker.mark(&fwd);
+        self.marker.mark(&reply);
+        let mut e = CtEntry::<A> {
+            last_seen_ns: now,
+            backend_id,
+            service_id,
+            flags: flags::REPLY | flags::SEEN_REPLY,
+            l4_csum: l4_csum::UNKNOWN,
+            nat_port: port(t.service),
+            nat_addr: service,
+            ..Default::default()
+        };
+        if !batch::put_back(self.ct.as_fd(), &reply, &e)? {
+            return Ok(false);
+        }
+        e.flags = flags::SEEN_REPLY;
+        e.nat_port = port(t.backend);
+        e.nat_addr = backend;
+        e.addr_sum = csum::address_pair(client, service);
+        e.addr_delta = csum::address_delta(service, backend);
+        if !batch::put_back(self.ct.as_fd(), &fwd, &e)? {
+            let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &reply);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+}
+
+impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
+    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[(model::Backend, u32)]) {
+        let mut pending = match self.pending.take() {
+            Some(p) => p,
+            None => self.read_table(),
+        };
+        let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
+        if let Some(flows) = pending.remove(&key) {
+            let now = ct_gc::monotonic_coarse_ns();
+            // A connection whose backend this scope lacks may be the other scope's.
+            let mut left = Vec::new();
+            for t in flows {
+                let Some((_, id)) = backends.iter().find(|(b, _)| SocketAddr::new(b.addr, b.port) == t.backend) else {
+                    left.push(t);
+                    continue;
+                };
+                match self.insert(&t, service_id, *id, now) {
+                    Ok(true) => self.seeded.push(t),
+                    Ok(false) => self.taken += 1,
+                    Err(e) => {
+                        tracing::warn!(frontend = %frontend, client = %t.client, error = %e, "could not adopt a connection netfilter translated");
+                    }
+                }
+            }
+            if !left.is_empty() {
+                pending.insert(key, left);
+            }
+        }
+        self.pending = Some(pending);
+    }
+
+    fn settle(&mut self, served: bool) {
+        if !served {
+            self.unserved += self.seeded.len();
+            self.seeded.clear();
+        }
+        if self.seeded.is_empty() {
+            return;
+        }
+        if self.forgetter.is_none() {
+            match Forgetter::new() {
+                Ok(f) => self.forgetter = Some(f),
+                Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot delete the conntrack entries of adopted connections"),
+            }
+        }
+        for t in self.seeded.drain(..) {
+            self.adopted += 1;
+            match self.forgetter.as_mut().map(|f| f.forget(&t)) {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    self.unforgotten += 1;
+                    tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
+                }
+                None => self.unforgotten += 1,
+            }
+        }
+    }
+
+    fn end(&mut self) {
+        let Some(pending) = self.pending.take() else { return };
+        let not_served = pending.values().map(Vec::len).sum::<usize>() + self.unserved;
+        tracing::info!(
+            family = %self.family,
+            adopted = self.adopted,
+            not_served,
+            taken = self.taken,
+            "adopted the connections netfilter translated to endpoints we serve; the rest (their Service or endpoint gone, or a \
+             tuple already tracked) are balanced afresh on their next packet"
+        );
+        if self.unforgotten > 0 {
+            tracing::warn!(
+                family = %self.family,
+                connections = self.unforgotten,
+                "the conntrack entries of some adopted connections could not be deleted: netfilter moves their source port, and \
+                 their backends reset them"
+            );
+        }
+    }
+}
