@@ -102,6 +102,68 @@ mod takeover {
         }
     }
 
+    /// The adoption's deletion of netfilter's entries, in batches of requests: 150 entries made
+    /// in a namespace of the test's own (more than two batches), with 10 tuples that have none
+    /// among them, each deleted and told apart.
+    #[test]
+    fn ctnetlink_deletes_in_batches_and_tells_each_result() {
+        if !require::root("ctnetlink deletions in a namespace") {
+            return;
+        }
+        use proxy_agent::dataplane::netfilter::conntrack::{Forgetter, Translated};
+        let ns = proxy_tests::netns::Netns::create(format!("ctb-{}", proxy_tests::netns::unique_id()));
+        let flows: Vec<Translated> = (0..160u16)
+            .map(|i| Translated {
+                proto: libc::IPPROTO_TCP as u8,
+                client: format!("10.244.0.2:{}", 20000 + i).parse().unwrap(),
+                service: "10.96.0.10:80".parse().unwrap(),
+                backend: "10.244.1.3:8080".parse().unwrap(),
+            })
+            .collect();
+        for t in flows.iter().filter(|t| t.client.port() % 16 != 0) {
+            let (sport, dport) = (t.client.port().to_string(), t.backend.port().to_string());
+            let args = [
+                "ip",
+                "netns",
+                "exec",
+                &ns.name,
+                "conntrack",
+                "-I",
+                "-p",
+                "tcp",
+                "-s",
+                "10.244.0.2",
+                "-d",
+                "10.96.0.10",
+                "--sport",
+                &sport,
+                "--dport",
+                "80",
+                "-r",
+                "10.244.1.3",
+                "-q",
+                "10.244.0.2",
+                "--reply-port-src",
+                &dport,
+                "--reply-port-dst",
+                &sport,
+                "--state",
+                "ESTABLISHED",
+                "-t",
+                "300",
+                "-u",
+                "ASSURED",
+            ];
+            proxy_tests::netns::sh(&args);
+        }
+        let results = ns.run(move || Forgetter::new().expect("ctnetlink socket").forget_all(&flows).expect("batched deletions"));
+        let deleted: Vec<bool> = results.into_iter().map(|r| r.expect("each deletion is done or finds nothing")).collect();
+        let expected: Vec<bool> = (0..160u16).map(|i| (20000 + i) % 16 != 0).collect();
+        assert_eq!(deleted, expected, "true where an entry was deleted, false where there was none");
+        let left = proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L"]);
+        assert!(!left.contains("src="), "nothing is left:\n{left}");
+    }
+
     /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a
     /// packet to an address its maps do not hold passes the attached programs untouched, and
     /// netfilter's DNAT (kube-proxy's, here a rule of the same form) translates it, replies

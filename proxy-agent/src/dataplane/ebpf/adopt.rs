@@ -18,8 +18,9 @@
 //! as late as it can be) and its frontend's master; masqueraded connections (a pod reaching
 //! itself, outside clients of externalTrafficPolicy Cluster), whose node port kube-proxy chose
 //! and our programs do not track. And a packet that comes between its frontend's master and the
-//! deletion of its entry (a few microseconds a connection, one ctnetlink request each) meets
-//! the port move above.
+//! deletion of its entry meets the port move above: the deletions go in batches of requests
+//! (`netlink::request_batch`), a few syscalls a frontend, to keep that window short; the log
+//! gives the time they took (`deleting_netfilter_entries_us`).
 
 use std::{
     collections::HashMap,
@@ -60,6 +61,9 @@ pub struct Adoption<A> {
     unforgotten: usize,
     /// Seeded for a frontend whose master could not be written (its entries stay unused).
     unserved: usize,
+    /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
+    /// is the window in which its connections' packets meet both.
+    forgetting: std::time::Duration,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
     /// fall between.
@@ -81,6 +85,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             taken: 0,
             unforgotten: 0,
             unserved: 0,
+            forgetting: std::time::Duration::ZERO,
             _lock: lock,
             _a: std::marker::PhantomData,
         })
@@ -184,15 +189,26 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                 Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot delete the conntrack entries of adopted connections"),
             }
         }
-        for t in self.seeded.drain(..) {
-            self.adopted += 1;
-            match self.forgetter.as_mut().map(|f| f.forget(&t)) {
-                Some(Ok(_)) => {}
-                Some(Err(e)) => {
-                    self.unforgotten += 1;
-                    tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
-                }
-                None => self.unforgotten += 1,
+        let seeded = std::mem::take(&mut self.seeded);
+        self.adopted += seeded.len();
+        let started = std::time::Instant::now();
+        let results = match self.forgetter.as_mut().map(|f| f.forget_all(&seeded)) {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be deleted");
+                self.unforgotten += seeded.len();
+                return;
+            }
+            None => {
+                self.unforgotten += seeded.len();
+                return;
+            }
+        };
+        self.forgetting += started.elapsed();
+        for (t, r) in seeded.iter().zip(results) {
+            if let Err(e) = r {
+                self.unforgotten += 1;
+                tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
             }
         }
     }
@@ -205,6 +221,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             adopted = self.adopted,
             not_served,
             taken = self.taken,
+            deleting_netfilter_entries_us = self.forgetting.as_micros() as u64,
             "adopted the connections netfilter translated to endpoints we serve; the rest (their Service or endpoint gone, or a \
              tuple already tracked) are balanced afresh on their next packet"
         );

@@ -140,9 +140,19 @@ impl Forgetter {
         ctnetlink().map(Self)
     }
 
-    /// Deletes the entry of `t`; false when there is none (it ended meanwhile).
-    pub fn forget(&mut self, t: &Translated) -> std::io::Result<bool> {
-        delete(&mut self.0, t.proto, t.client, t.service)
+    /// Deletes the entries of `flows`, in a few writes (`netlink::request_batch`): for each,
+    /// Ok(false) where there was none (it ended meanwhile).
+    pub fn forget_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<std::io::Result<bool>>> {
+        let requests: Vec<([u8; 4], Vec<u8>)> = flows.iter().map(|t| delete_request(t.proto, t.client, t.service)).collect();
+        let codes = crate::netlink::request_batch(&mut self.0, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, &requests)?;
+        Ok(codes
+            .into_iter()
+            .map(|code| match code {
+                0 => Ok(true),
+                libc::ENOENT => Ok(false),
+                e => Err(std::io::Error::from_raw_os_error(e)),
+            })
+            .collect())
     }
 }
 
