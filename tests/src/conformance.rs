@@ -415,7 +415,11 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
 /// would be balanced afresh, and a TCP connection sent to another backend is reset; without the
 /// deletion of their netfilter entries, netfilter's NAT would move the source port of what our
 /// programs translated (its reply tuple is the old entry's), and the backend resets that.
-pub fn takeover_adopts_translated_connections(agent: &Path) {
+///
+/// With `loose` false (`nf_conntrack_tcp_loose` 0, where netfilter picks up no connection in
+/// mid-stream and so takes the adopted connections' packets for INVALID, which the drop rule
+/// here stalls), the agent warns of it instead.
+pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     use crate::servers::Conn;
     let mut lab = Lab::new(agent, 3);
     dual_stack(&mut lab);
@@ -475,8 +479,15 @@ pub fn takeover_adopts_translated_connections(agent: &Path) {
         .collect();
     let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
     assert!(reached.len() > 1, "kube-proxy's rules spread the connections: {reached:?}");
+    if !loose {
+        lab.node.sysctl("net.netfilter.nf_conntrack_tcp_loose", "0");
+    }
     start_dual_stack(&mut lab, ProxyMode::Ebpf);
     lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+    if !loose {
+        lab.wait_log("nf_conntrack_tcp_loose is 0: netfilter takes the packets of adopted TCP connections for INVALID", 2);
+        return;
+    }
     for tool in ["iptables-nft", "ip6tables-nft"] {
         let nat = in_node(&[tool, "-t", "nat", "-S"]);
         assert!(!nat.contains("KUBE-SERVICES"), "kube-proxy's rules are gone ({tool}):\n{nat}");

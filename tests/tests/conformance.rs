@@ -98,7 +98,14 @@ mod takeover {
     #[test]
     fn ebpf_adopts_the_connections_kube_proxy_translated() {
         if require::root("the eBPF mode's adoption of the connections kube-proxy translated") {
-            conformance::takeover_adopts_translated_connections(&agent());
+            conformance::takeover_adopts_translated_connections(&agent(), true);
+        }
+    }
+
+    #[test]
+    fn ebpf_warns_where_netfilter_picks_up_no_connection_in_mid_stream() {
+        if require::root("the eBPF mode's warning of nf_conntrack_tcp_loose 0 at a takeover") {
+            conformance::takeover_adopts_translated_connections(&agent(), false);
         }
     }
 

@@ -43,6 +43,10 @@ use crate::{
     model::{self, Family, FrontendKey},
 };
 
+/// Whether netfilter tracks a TCP connection it meets in mid-stream (the kernel's default, 1),
+/// as each adopted connection is once its old entry is deleted.
+const TCP_LOOSE: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_loose";
+
 /// One family's adoption, from the first frontend written to the end of the first sync.
 pub struct Adoption<A> {
     family: Family,
@@ -104,6 +108,14 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         }
         let n: usize = by_service.values().map(Vec::len).sum();
         tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
+        let tcp = by_service.keys().any(|(_, proto)| *proto == libc::IPPROTO_TCP as u8);
+        if tcp && std::fs::read_to_string(TCP_LOOSE).is_ok_and(|v| v.trim() == "0") {
+            tracing::warn!(
+                family = %self.family,
+                "{TCP_LOOSE} is 0: netfilter takes the packets of adopted TCP connections for INVALID (it picks up no connection in \
+                 mid-stream), so a rule that drops INVALID packets stalls them; set it to 1 (the kernel's default) for the takeover"
+            );
+        }
         by_service
     }
 
