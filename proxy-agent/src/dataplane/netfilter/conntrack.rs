@@ -127,9 +127,10 @@ pub fn parse_translated(line: &str) -> Option<Translated> {
 }
 
 /// The translated connections of one family in the kernel's conntrack table
-/// (`parse_translated`), from one `conntrack -L`.
+/// (`parse_translated`), from one `conntrack -L` of the DNATed ones (a busy node's table is
+/// mostly other flows).
 pub fn list_translated(family: Family) -> Result<Vec<Translated>, NetfilterError> {
-    list(&["-L", "-f", conntrack_family(family)], |lines| lines.filter_map(|l| parse_translated(&l)).collect())
+    list(&["-L", "-f", conntrack_family(family), "--dst-nat"], |lines| lines.filter_map(|l| parse_translated(&l)).collect())
 }
 
 /// Deletes conntrack entries by their original tuple, over one ctnetlink socket.
