@@ -132,6 +132,28 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
             })
             .collect()
     };
+    // kube-proxy's rules for the web Service (its cluster IP to the lab's backends, by random
+    // draws as kube-proxy writes them), and connections it translated before the takeover,
+    // which the agent adopts: each keeps its backend through the takeover.
+    let backends = lab.backend_ips();
+    for (i, b) in backends.iter().enumerate().rev() {
+        let (to, probability) = (format!("{b}:{}", lab::TCP_PORT), format!("{:.5}", 1.0 / (backends.len() - i) as f64));
+        let mut rule = vec!["ip", "netns", "exec", &lab.node.name, "iptables-nft", "-t", "nat", "-I", "KUBE-SERVICES", "-d", "10.96.0.10"];
+        rule.extend(["-p", "tcp", "--dport", "80"]);
+        if i + 1 < backends.len() {
+            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
+        }
+        rule.extend(["-j", "DNAT", "--to-destination", &to]);
+        proxy_tests::netns::sh(&rule);
+    }
+    let mut translated: Vec<(Conn, String)> = (0..10)
+        .map(|i| {
+            let mut c =
+                Conn::open(&lab.client.ns, sock(WEB_VIP)).unwrap_or_else(|e| panic!("connection {i} through kube-proxy's rules: {e}"));
+            let backend = c.ask().unwrap_or_else(|e| panic!("connection {i} through kube-proxy's rules: {e}")).backend;
+            (c, backend)
+        })
+        .collect();
     let left_by_kube_proxy = kube_proxys();
     assert_eq!(left_by_kube_proxy.len(), 4, "the fixtures load kube-proxy's chains: {left_by_kube_proxy:?}");
 
@@ -176,6 +198,11 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     });
     let log = agent.log();
     assert!(proxy_tests::conformance::removed_after_the_first_write(&log), "removed after the first write:\n{log}");
+    for (i, (c, backend)) in translated.iter_mut().enumerate() {
+        let now = c.ask().unwrap_or_else(|e| panic!("connection {i} kube-proxy translated, after the takeover: {e}\n{}", agent.log()));
+        assert_eq!(&now.backend, backend, "connection {i} kube-proxy translated keeps its backend");
+    }
+    assert!(log.contains("adopted=10"), "the agent adopted the 10 connections:\n{log}");
     // The pins are seen from the host.
     eventually("the Services to be programmed", Duration::from_secs(30), || match proxy_agent::inspect::read(&pins) {
         Ok(r) if r.frontends.len() >= 5 => Ok(()),
@@ -230,6 +257,7 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
     }
     eventually("new connections after the roll", Duration::from_secs(15), || every_backend(&lab, WEB_VIP));
     drop(open);
+    drop(translated);
     agent2.stop(Duration::from_secs(30));
     drop(agent);
 }

@@ -63,7 +63,7 @@ pub struct Adoption<A> {
     taken: usize,
     /// Conntrack entries of adopted connections that could not be deleted.
     unforgotten: usize,
-    /// Seeded for a frontend whose master could not be written (its entries stay unused).
+    /// Seeded for a frontend whose master could not be written (taken out again).
     unserved: usize,
     /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
     /// is the window in which its connections' packets meet both.
@@ -119,15 +119,23 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         by_service
     }
 
-    /// Inserts the reply and forward entries of `t`, as the datapath makes them for a new flow
-    /// (`proxy_ebpf::ct::create`) that has seen a reply. False: a tuple of it is taken.
-    fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<bool> {
+    /// The forward (client -> Service) and reply (backend -> client) keys of `t`.
+    fn keys(t: &Translated) -> io::Result<(CtKey<A>, CtKey<A>)> {
         let addr = |s: SocketAddr| A::from_ip(s.ip()).ok_or_else(|| io::Error::other(format!("{s} is not of the family")));
         let (client, service, backend) = (addr(t.client)?, addr(t.service)?, addr(t.backend)?);
         let port = |s: SocketAddr| s.port().to_be_bytes();
-        let fwd = CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 };
-        let reply =
-            CtKey { saddr: backend, daddr: client, sport: port(t.backend), dport: port(t.client), proto: t.proto, _pad: 0, _pad2: 0 };
+        Ok((
+            CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 },
+            CtKey { saddr: backend, daddr: client, sport: port(t.backend), dport: port(t.client), proto: t.proto, _pad: 0, _pad2: 0 },
+        ))
+    }
+
+    /// Inserts the reply and forward entries of `t`, as the datapath makes them for a new flow
+    /// (`proxy_ebpf::ct::create`) that has seen a reply. False: a tuple of it is taken.
+    fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<bool> {
+        let (fwd, reply) = Self::keys(t)?;
+        let (client, service, backend) = (fwd.saddr, fwd.daddr, reply.saddr);
+        let port = |s: SocketAddr| s.port().to_be_bytes();
         self.marker.mark(&fwd);
         self.marker.mark(&reply);
         let mut e = CtEntry::<A> {
@@ -189,8 +197,15 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
 
     fn settle(&mut self, served: bool) {
         if !served {
-            self.unserved += self.seeded.len();
-            self.seeded.clear();
+            // Taken out again: served later, while netfilter's entries are still there, they
+            // would meet the port move (see the module's notes).
+            for t in self.seeded.drain(..) {
+                if let Ok((fwd, reply)) = Self::keys(&t) {
+                    let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &fwd);
+                    let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &reply);
+                }
+                self.unserved += 1;
+            }
         }
         if self.seeded.is_empty() {
             return;
