@@ -414,7 +414,9 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
 /// serve their Services and kube-proxy's rules are gone. Without the adoption most of them
 /// would be balanced afresh, and a TCP connection sent to another backend is reset; without the
 /// deletion of their netfilter entries, netfilter's NAT would move the source port of what our
-/// programs translated (its reply tuple is the old entry's), and the backend resets that.
+/// programs translated (its reply tuple is the old entry's), and the backend resets that. The
+/// node's own connections (through kube-proxy's OUTPUT rules) go on too, left to netfilter's
+/// entries: adopted, they stalled (our programs let their packets leave untranslated).
 ///
 /// With `loose` false (`nf_conntrack_tcp_loose` 0, where netfilter picks up no connection in
 /// mid-stream and so takes the adopted connections' packets for INVALID, which the drop rule
@@ -436,6 +438,7 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         let nat = |args: &[&str]| in_node(&[&[tool, "-t", "nat"], args].concat());
         nat(&["-N", "KUBE-SERVICES"]);
         nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
+        nat(&["-A", "OUTPUT", "-j", "KUBE-SERVICES"]);
         // What keeps netfilter's conntrack and NAT on in a node's namespace once kube-proxy's
         // rules are gone (a CNI's masquerade, a drop of invalid packets): without them the
         // lab's kernel would stop tracking there, which a node's does not.
@@ -477,6 +480,16 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             (f, first)
         })
         .collect();
+    // The node's own processes' connections (kube-proxy's OUTPUT rules translated them): left
+    // to netfilter's entries, which go on translating them.
+    let mut host: Vec<(Conn, String)> = (0..3)
+        .map(|i| {
+            let mut c =
+                Conn::open(&lab.node, sock(WEB_VIP)).unwrap_or_else(|e| panic!("host connection {i} through kube-proxy's DNAT: {e}"));
+            let first = c.ask().unwrap_or_else(|e| panic!("host connection {i} through kube-proxy's DNAT: {e}")).backend;
+            (c, first)
+        })
+        .collect();
     let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
     assert!(reached.len() > 1, "kube-proxy's rules spread the connections: {reached:?}");
     if !loose {
@@ -497,6 +510,10 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             let now = c.ask().unwrap_or_else(|e| panic!("connection {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
             assert_eq!(&now.backend, first, "connection {i} stays with its backend");
         }
+    }
+    for (i, (c, first)) in host.iter_mut().enumerate() {
+        let now = c.ask().unwrap_or_else(|e| panic!("host connection {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
+        assert_eq!(&now.backend, first, "host connection {i} stays with its backend");
     }
     for (i, (f, first)) in flows.iter().enumerate() {
         let now = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));

@@ -14,19 +14,22 @@
 //! afresh as the connection it is (mid-stream TCP, as nf_conntrack_tcp_loose allows by
 //! default).
 //!
-//! Not adopted: a connection opened between the table's read (at the first frontend's write,
-//! as late as it can be) and its frontend's master; masqueraded connections (a pod reaching
+//! Not adopted: a connection opened between the table's last read (at the first frontend's
+//! write, as late as it can be, and again each second during a long first write) and its
+//! frontend's master; masqueraded connections (a pod reaching
 //! itself, outside clients of externalTrafficPolicy Cluster), whose node port kube-proxy chose
-//! and our programs do not track. And a packet that comes between its frontend's master and the
+//! and our programs do not track; and the node's own processes' connections, which netfilter's
+//! entry goes on translating (our programs translate pods' and outside clients' packets). And a packet that comes between its frontend's master and the
 //! deletion of its entry meets the port move above: the deletions go in batches of requests
 //! (`netlink::request_batch`), a few syscalls a frontend, to keep that window short; the log
 //! gives the time they took (`deleting_netfilter_entries_us`).
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     io,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     os::fd::{AsFd, BorrowedFd, OwnedFd},
+    time::{Duration, Instant},
 };
 
 use proxy_common::{
@@ -46,6 +49,60 @@ use crate::{
 /// Whether netfilter tracks a TCP connection it meets in mid-stream (the kernel's default, 1),
 /// as each adopted connection is once its old entry is deleted.
 const TCP_LOOSE: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_loose";
+
+/// How old the table's last read may be at a frontend's write: a first write of 30,000 Services
+/// takes seconds, during which kube-proxy's rules go on translating new connections to the
+/// frontends not yet written.
+const REREAD: Duration = Duration::from_secs(1);
+
+/// The connections to adopt after a read of the table (`read`), by Service address: the read's,
+/// less those of frontends already served (`served`), whose masters are written. Also the number
+/// of connections the previous pending set (`old`) held for served frontends, which no seed
+/// adopted (their backend was not the frontend's) and which the new set drops.
+fn pending_after_read(
+    old: Option<HashMap<(SocketAddr, u8), Vec<Translated>>>,
+    mut read: HashMap<(SocketAddr, u8), Vec<Translated>>,
+    served: &HashSet<(SocketAddr, u8)>,
+) -> (usize, HashMap<(SocketAddr, u8), Vec<Translated>>) {
+    let dropped = old.iter().flatten().filter(|(k, _)| served.contains(k)).map(|(_, v)| v.len()).sum();
+    read.retain(|k, _| !served.contains(k));
+    (dropped, read)
+}
+
+/// The addresses of this network namespace's interfaces (none where they cannot be read).
+fn local_addresses() -> HashSet<IpAddr> {
+    let mut out = HashSet::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a list that is freed below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return out;
+    }
+    let mut p = list;
+    while !p.is_null() {
+        // SAFETY: a node of the list getifaddrs made, alive until freeifaddrs; its address, where
+        // there is one, is a sockaddr of the family it names.
+        unsafe {
+            let ifa = &*p;
+            if !ifa.ifa_addr.is_null() {
+                match i32::from((*ifa.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        out.insert(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        out.insert(IpAddr::from(sin6.sin6_addr.s6_addr));
+                    }
+                    _ => {}
+                }
+            }
+            p = ifa.ifa_next;
+        }
+    }
+    // SAFETY: the list getifaddrs made, not used after.
+    unsafe { libc::freeifaddrs(list) };
+    out
+}
 
 /// One family's adoption, from the first frontend written to the end of the first sync.
 pub struct Adoption<A> {
@@ -68,6 +125,15 @@ pub struct Adoption<A> {
     /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
     /// is the window in which its connections' packets meet both.
     forgetting: std::time::Duration,
+    /// When the table was last read (`REREAD`).
+    read_at: Option<Instant>,
+    /// Frontends whose master is written: what a later read finds for them is not adopted.
+    served: HashSet<(SocketAddr, u8)>,
+    /// The frontend `seed` was last called for.
+    current: Option<(SocketAddr, u8)>,
+    /// Connections to served frontends a read found that no seed adopted (their backend
+    /// unknown to the frontend).
+    not_adopted: usize,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
     /// fall between.
@@ -89,24 +155,45 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             taken: 0,
             unforgotten: 0,
             unserved: 0,
+            read_at: None,
+            served: HashSet::new(),
+            current: None,
+            not_adopted: 0,
             forgetting: std::time::Duration::ZERO,
             _lock: lock,
             _a: std::marker::PhantomData,
         })
     }
 
-    fn read_table(&self) -> HashMap<(SocketAddr, u8), Vec<Translated>> {
+    fn read_table(&mut self) -> HashMap<(SocketAddr, u8), Vec<Translated>> {
         let mut by_service: HashMap<(SocketAddr, u8), Vec<Translated>> = HashMap::new();
         match conntrack::list_translated(self.family) {
-            Ok(list) => list.into_iter().for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t)),
-            Err(e) => tracing::warn!(
+            Ok(list) => {
+                // The node's own processes' connections stay netfilter's: our programs translate
+                // pods' and outside clients' packets, and would let a host process's leave
+                // untranslated once its netfilter entry were gone; that entry goes on
+                // translating them.
+                let local = local_addresses();
+                list.into_iter()
+                    .filter(|t| !local.contains(&t.client.ip()))
+                    .for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t))
+            }
+            // (Said once: the reads again during a long first write would repeat it.)
+            Err(e) if self.read_at.is_none() => tracing::warn!(
                 family = %self.family,
                 error = %e,
                 "connections kube-proxy translated are not adopted (the conntrack table could not be read): each is balanced afresh \
                  on its next packet, and reset unless it reaches the same backend"
             ),
+            Err(e) => tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again"),
         }
         let n: usize = by_service.values().map(Vec::len).sum();
+        let first = self.read_at.is_none();
+        self.read_at = Some(Instant::now());
+        if !first {
+            tracing::debug!(family = %self.family, connections = n, "read the connections netfilter translated again");
+            return by_service;
+        }
         tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
         let tcp = by_service.keys().any(|(_, proto)| *proto == libc::IPPROTO_TCP as u8);
         if tcp && std::fs::read_to_string(TCP_LOOSE).is_ok_and(|v| v.trim() == "0") {
@@ -167,10 +254,18 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[(model::Backend, u32)]) {
         let mut pending = match self.pending.take() {
-            Some(p) => p,
-            None => self.read_table(),
+            Some(p) if self.read_at.is_some_and(|at| at.elapsed() < REREAD) => p,
+            old => {
+                // (Again during a long first write: kube-proxy's rules go on translating new
+                // connections to the frontends not written yet.)
+                let read = self.read_table();
+                let (served, fresh) = pending_after_read(old, read, &self.served);
+                self.not_adopted += served;
+                fresh
+            }
         };
         let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
+        self.current = Some(key);
         if let Some(flows) = pending.remove(&key) {
             let now = ct_gc::monotonic_coarse_ns();
             // A connection whose backend this scope lacks may be the other scope's.
@@ -196,6 +291,9 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     }
 
     fn settle(&mut self, served: bool) {
+        if let (true, Some(key)) = (served, self.current.take()) {
+            self.served.insert(key);
+        }
         if !served {
             // Taken out again: served later, while netfilter's entries are still there, they
             // would meet the port move (see the module's notes).
@@ -242,7 +340,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
 
     fn end(&mut self) {
         let Some(pending) = self.pending.take() else { return };
-        let not_served = pending.values().map(Vec::len).sum::<usize>() + self.unserved;
+        let not_served = pending.values().map(Vec::len).sum::<usize>() + self.unserved + self.not_adopted;
         tracing::info!(
             family = %self.family,
             adopted = self.adopted,
@@ -260,5 +358,38 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                  their backends reset them"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(client_port: u16, service: &str) -> Translated {
+        Translated {
+            proto: libc::IPPROTO_TCP as u8,
+            client: SocketAddr::new("10.244.0.2".parse().unwrap(), client_port),
+            service: service.parse().unwrap(),
+            backend: "10.244.1.3:8080".parse().unwrap(),
+        }
+    }
+
+    /// A read during the first write keeps what it finds for frontends not written yet (new
+    /// connections kube-proxy's rules translated meanwhile among them), and drops the served
+    /// frontends', counting those the previous set still held.
+    #[test]
+    fn a_read_again_keeps_only_the_frontends_not_served_yet() {
+        let key = |s: &str| (s.parse::<SocketAddr>().unwrap(), libc::IPPROTO_TCP as u8);
+        let (web, api) = (key("10.96.0.10:80"), key("10.96.0.20:443"));
+        let old: HashMap<_, _> = [(web, vec![t(40000, "10.96.0.10:80")]), (api, vec![t(40001, "10.96.0.20:443")])].into();
+        let read: HashMap<_, _> =
+            [(web, vec![t(40000, "10.96.0.10:80")]), (api, vec![t(40001, "10.96.0.20:443"), t(40002, "10.96.0.20:443")])].into();
+        let served: HashSet<_> = [web].into();
+        let (dropped, pending) = pending_after_read(Some(old), read, &served);
+        assert_eq!(dropped, 1, "the served frontend's connection no seed adopted");
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[&api].len(), 2, "the new connection to the frontend not yet written is in");
+        let (dropped, pending) = pending_after_read(None, pending, &HashSet::new());
+        assert_eq!((dropped, pending.len()), (0, 1), "a first read keeps everything");
     }
 }
