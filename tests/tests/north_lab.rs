@@ -601,3 +601,60 @@ fn a_node_process_reaches_a_cluster_ip_through_tc_without_socket_hooks() {
     assert!(n >= 55, "60 requests took only {n} flows");
     assert!(count("host_flow_new") >= n && count("host_reply") >= n, "{n} flows: {:?}", r.counters);
 }
+
+/// A takeover on the north path: connections from outside that kube-proxy's rules on node A
+/// DNATed to its own endpoints (a NodePort of externalTrafficPolicy Local: no masquerade) are
+/// adopted by the agent there and keep their endpoint once its programs serve the NodePort and
+/// kube-proxy's rules are gone. Beside those rules, as a node has: a CNI's masquerade of pods'
+/// traffic and a drop of invalid packets, which keep netfilter tracking there.
+#[test]
+fn outside_connections_kube_proxy_translated_to_a_local_endpoint_survive_the_takeover() {
+    use proxy_tests::{netns::sh, servers::Conn};
+    let Some(mut c) = cluster("takeover_north", [&["a1", "a2"], &["b1"]]) else { return };
+    const A2: &str = "10.244.1.12";
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web("  externalTrafficPolicy: Local\n"));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
+    let a = c.node("node-a").ns.name.clone();
+    let ipt = |args: &[&str]| sh(&[&["ip", "netns", "exec", &a, "iptables-nft"], args].concat());
+    ipt(&["-t", "nat", "-N", "KUBE-SERVICES"]);
+    ipt(&["-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
+    ipt(&["-t", "nat", "-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
+    ipt(&["-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"]);
+    let nodeport = ["-t", "nat", "-A", "KUBE-SERVICES", "-d", "192.168.100.1", "-p", "tcp", "--dport", "30080"];
+    ipt(&[
+        &nodeport[..],
+        &["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DNAT", "--to-destination", "10.244.1.11:8080"],
+    ]
+    .concat());
+    ipt(&[&nodeport[..], &["-j", "DNAT", "--to-destination", "10.244.1.12:8080"]].concat());
+    let mut conns: Vec<(Conn, String)> = (0..8)
+        .map(|i| {
+            let mut conn = Conn::open(&c.client, sock("192.168.100.1:30080"))
+                .unwrap_or_else(|e| panic!("connection {i} through kube-proxy's DNAT: {e}"));
+            let first = conn.ask().unwrap_or_else(|e| panic!("connection {i} through kube-proxy's DNAT: {e}"));
+            assert_eq!(first.peer.ip(), ip(CLIENT_IP), "kube-proxy's rules kept the client's address");
+            (conn, first.backend)
+        })
+        .collect();
+    let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
+    assert_eq!(reached.len(), 2, "kube-proxy's rules spread the connections: {reached:?}");
+    c.start_agents(&[]);
+    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", 2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !c.node("node-a").agent_log().contains("first whole write done") {
+        assert!(std::time::Instant::now() < deadline, "node A's first write:\n{}", c.node("node-a").agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!ipt(&["-t", "nat", "-S"]).contains("KUBE-SERVICES"), "kube-proxy's rules are gone");
+    for (i, (conn, first)) in conns.iter_mut().enumerate() {
+        for _ in 0..2 {
+            let now = conn
+                .ask()
+                .unwrap_or_else(|e| panic!("connection {i} (to {first}) after the takeover: {e}\n{}", c.node("node-a").agent_log()));
+            assert_eq!(&now.backend, first, "connection {i} stays with its endpoint");
+        }
+    }
+    let log = c.node("node-a").agent_log();
+    assert!(log.contains("adopted=8"), "node A adopted the 8 connections:\n{log}");
+}
