@@ -124,7 +124,7 @@ pub struct Adoption<A> {
     unserved: usize,
     /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
     /// is the window in which its connections' packets meet both.
-    forgetting: std::time::Duration,
+    forgetting: Duration,
     /// When the table was last read (`REREAD`).
     read_at: Option<Instant>,
     /// Frontends whose master is written: what a later read finds for them is not adopted.
@@ -159,7 +159,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             served: HashSet::new(),
             current: None,
             not_adopted: 0,
-            forgetting: std::time::Duration::ZERO,
+            forgetting: Duration::ZERO,
             _lock: lock,
             _a: std::marker::PhantomData,
         })
@@ -316,7 +316,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         }
         let seeded = std::mem::take(&mut self.seeded);
         self.adopted += seeded.len();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let results = match self.forgetter.as_mut().map(|f| f.forget_all(&seeded)) {
             Some(Ok(r)) => r,
             Some(Err(e)) => {
