@@ -478,23 +478,13 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let cleanup = move || crate::dataplane::modes::cleanup_other_modes(mode, ipt, &backends, &root);
     match mode {
         ProxyMode::Ebpf => {
-            let mut dp = match loaded {
+            let dp = match loaded {
                 Some(dp) => dp,
                 None => load_ebpf(&cfg)?,
             };
             // Over kube-proxy's rules, the connections they translated are adopted as their
-            // Services are first written, so that none is reset by the takeover.
+            // Services are first written (`run_ebpf`), so that none is reset by the takeover.
             let leftovers = crate::dataplane::netfilter::takeover::translating_leftovers(&held);
-            if !leftovers.is_empty() {
-                match dp.adopt_translated() {
-                    Ok(()) => tracing::info!(
-                        found = leftovers.join(", "),
-                        "rules that translate Services are in netfilter: the connections they translated are adopted as their \
-                         Services are first written"
-                    ),
-                    Err(e) => tracing::warn!(error = %e, "the connections netfilter translated cannot be adopted: each is balanced afresh"),
-                }
-            }
             // What kube-proxy or a netfilter mode left goes once the eBPF maps are whole: until
             // then, new connections to a Service are still served by those rules (our programs
             // pass what their empty maps do not know). Both can be there at once: the programs
@@ -511,7 +501,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
                     tracing::warn!("what kube-proxy or another mode left stays: no thread to remove it ({e})");
                 }
             };
-            run_ebpf(cfg, dp, Some(Box::new(after))).await
+            run_ebpf(cfg, dp, leftovers, Some(Box::new(after))).await
         }
         other => {
             // Before the first write: IPVS and iptables modes write chains of the same names.
@@ -723,7 +713,9 @@ fn serve_host_sockets(cfg: &Config, dp: &mut EbpfDataplane) {
     }
 }
 
-async fn run_ebpf(cfg: Config, dp: EbpfDataplane, after_first_write: AfterFirstWrite) -> anyhow::Result<()> {
+/// `leftovers`: what of kube-proxy's (or a netfilter mode's) rules that translate Services
+/// netfilter holds at start; where there is any, the connections they translated are adopted.
+async fn run_ebpf(cfg: Config, dp: EbpfDataplane, leftovers: Vec<String>, after_first_write: AfterFirstWrite) -> anyhow::Result<()> {
     let patterns = DevicePatterns::parse(&cfg.ebpf.pod_devices).map_err(anyhow::Error::msg)?;
     let external = if cfg.ebpf.devices.is_empty() {
         None
@@ -742,6 +734,16 @@ async fn run_ebpf(cfg: Config, dp: EbpfDataplane, after_first_write: AfterFirstW
     let (mut inputs, live) = start_inputs(&cfg, &telemetry, Devices::new(patterns, external, cfg.ebpf.xdp)).await?;
     Attachments::prune_pins(root, &live);
     rec.store.set_local_addresses(inputs.devices.node_addresses());
+    if !leftovers.is_empty() {
+        match rec.dataplane_mut().adopt_translated(&inputs.devices.node_addresses()) {
+            Ok(()) => tracing::info!(
+                found = leftovers.join(", "),
+                "rules that translate Services are in netfilter: the connections they translated are adopted as their Services \
+                 are first written"
+            ),
+            Err(e) => tracing::warn!(error = %e, "the connections netfilter translated cannot be adopted: each is balanced afresh"),
+        }
+    }
     inputs.devices.sync(rec.dataplane_mut());
     if !rec.dataplane().attached().values().any(|n| inputs.devices.role(0, n) == Some(Role::Pod)) {
         tracing::warn!(patterns = ?cfg.ebpf.pod_devices, "no interface matches --pod-devices yet; attaching as matching interfaces appear");

@@ -34,7 +34,7 @@ use std::{
 
 use proxy_common::{
     csum,
-    ct::{flags, l4_csum},
+    ct::{self, flags, l4_csum},
     ct_filter as filter,
     user::MapAddr,
     CtEntry, CtKey,
@@ -60,108 +60,76 @@ const REREAD: Duration = Duration::from_secs(1);
 /// of connections the previous pending set (`old`) held for served frontends, which no seed
 /// adopted (their backend was not the frontend's) and which the new set drops.
 fn pending_after_read(
-    old: Option<HashMap<(SocketAddr, u8), Vec<Translated>>>,
+    old: &HashMap<(SocketAddr, u8), Vec<Translated>>,
     mut read: HashMap<(SocketAddr, u8), Vec<Translated>>,
     served: &HashSet<(SocketAddr, u8)>,
 ) -> (usize, HashMap<(SocketAddr, u8), Vec<Translated>>) {
-    let dropped = old.iter().flatten().filter(|(k, _)| served.contains(k)).map(|(_, v)| v.len()).sum();
+    let dropped = old.iter().filter(|(k, _)| served.contains(k)).map(|(_, v)| v.len()).sum();
     read.retain(|k, _| !served.contains(k));
     (dropped, read)
-}
-
-/// The addresses of this network namespace's interfaces (none where they cannot be read).
-fn local_addresses() -> HashSet<IpAddr> {
-    let mut out = HashSet::new();
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a list that is freed below.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return out;
-    }
-    let mut p = list;
-    while !p.is_null() {
-        // SAFETY: a node of the list getifaddrs made, alive until freeifaddrs; its address, where
-        // there is one, is a sockaddr of the family it names.
-        unsafe {
-            let ifa = &*p;
-            if !ifa.ifa_addr.is_null() {
-                match i32::from((*ifa.ifa_addr).sa_family) {
-                    libc::AF_INET => {
-                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                        out.insert(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
-                    }
-                    libc::AF_INET6 => {
-                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                        out.insert(IpAddr::from(sin6.sin6_addr.s6_addr));
-                    }
-                    _ => {}
-                }
-            }
-            p = ifa.ifa_next;
-        }
-    }
-    // SAFETY: the list getifaddrs made, not used after.
-    unsafe { libc::freeifaddrs(list) };
-    out
 }
 
 /// One family's adoption, from the first frontend written to the end of the first sync.
 pub struct Adoption<A> {
     family: Family,
-    /// The translated connections not adopted yet, by (Service address, protocol); read at the
-    /// first `seed`.
-    pending: Option<HashMap<(SocketAddr, u8), Vec<Translated>>>,
+    /// The node's addresses: connections from them are its own processes', which stay
+    /// netfilter's (see `read_table`).
+    node_addresses: HashSet<IpAddr>,
+    /// The translated connections not adopted yet, by (Service address, protocol).
+    pending: HashMap<(SocketAddr, u8), Vec<Translated>>,
+    /// When the table was last read (`REREAD`); None before the first frontend's write.
+    read_at: Option<Instant>,
+    /// Frontends whose master is written: what a later read finds for them is not adopted.
+    served: HashSet<(SocketAddr, u8)>,
     ct: OwnedFd,
     marker: ct_filter::Marker,
-    /// Seeded for the frontend being written: their netfilter entries go once it is served.
-    seeded: Vec<Translated>,
+    /// Seeded for the frontend being written, with their forward and reply keys: their
+    /// netfilter entries go once it is served.
+    seeded: Vec<(Translated, [CtKey<A>; 2])>,
     forgetter: Option<Forgetter>,
     adopted: usize,
     /// Connections whose tuple one of ours already held.
     taken: usize,
+    /// Connections found to a frontend that no seed adopted: their backend is not one of its
+    /// endpoints, or its master could not be written (their entries taken out again).
+    not_served: usize,
     /// Conntrack entries of adopted connections that could not be deleted.
     unforgotten: usize,
-    /// Seeded for a frontend whose master could not be written (taken out again).
-    unserved: usize,
     /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
     /// is the window in which its connections' packets meet both.
     forgetting: Duration,
-    /// When the table was last read (`REREAD`).
-    read_at: Option<Instant>,
-    /// Frontends whose master is written: what a later read finds for them is not adopted.
-    served: HashSet<(SocketAddr, u8)>,
-    /// The frontend `seed` was last called for.
-    current: Option<(SocketAddr, u8)>,
-    /// Connections to served frontends a read found that no seed adopted (their backend
-    /// unknown to the frontend).
-    not_adopted: usize,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
     /// fall between.
     _lock: Option<ct_filter::RebuildLock>,
-    _a: std::marker::PhantomData<A>,
 }
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
-    /// `ct` and `filter`: the family's conntrack map and conntrack filter.
-    pub fn new(family: Family, ct: BorrowedFd<'_>, filter: BorrowedFd<'_>, lock: Option<ct_filter::RebuildLock>) -> io::Result<Self> {
+    /// `ct` and `filter`: the family's conntrack map and conntrack filter; `node_addresses`:
+    /// the node's (`Devices::node_addresses`).
+    pub fn new(
+        family: Family,
+        ct: BorrowedFd<'_>,
+        filter: BorrowedFd<'_>,
+        node_addresses: HashSet<IpAddr>,
+        lock: Option<ct_filter::RebuildLock>,
+    ) -> io::Result<Self> {
         Ok(Self {
             family,
-            pending: None,
+            node_addresses,
+            pending: HashMap::new(),
+            read_at: None,
+            served: HashSet::new(),
             ct: ct.try_clone_to_owned()?,
             marker: ct_filter::Marker::of(filter)?,
             seeded: Vec::new(),
             forgetter: None,
             adopted: 0,
             taken: 0,
+            not_served: 0,
             unforgotten: 0,
-            unserved: 0,
-            read_at: None,
-            served: HashSet::new(),
-            current: None,
-            not_adopted: 0,
             forgetting: Duration::ZERO,
             _lock: lock,
-            _a: std::marker::PhantomData,
         })
     }
 
@@ -173,9 +141,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
                 // pods' and outside clients' packets, and would let a host process's leave
                 // untranslated once its netfilter entry were gone; that entry goes on
                 // translating them.
-                let local = local_addresses();
                 list.into_iter()
-                    .filter(|t| !local.contains(&t.client.ip()))
+                    .filter(|t| !t.client.ip().is_loopback() && !self.node_addresses.contains(&t.client.ip()))
                     .for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t))
             }
             // (Said once: the reads again during a long first write would repeat it.)
@@ -206,105 +173,94 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         by_service
     }
 
-    /// The forward (client -> Service) and reply (backend -> client) keys of `t`.
-    fn keys(t: &Translated) -> io::Result<(CtKey<A>, CtKey<A>)> {
+    /// Inserts the forward and reply entries of `t`, as the datapath makes them for a new flow
+    /// (`proxy_ebpf::ct::create`) that has seen a reply; their keys. None: a tuple of it is
+    /// taken.
+    fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<Option<[CtKey<A>; 2]>> {
         let addr = |s: SocketAddr| A::from_ip(s.ip()).ok_or_else(|| io::Error::other(format!("{s} is not of the family")));
+        let port = |s: SocketAddr| s.port().to_be_bytes();
         let (client, service, backend) = (addr(t.client)?, addr(t.service)?, addr(t.backend)?);
-        let port = |s: SocketAddr| s.port().to_be_bytes();
-        Ok((
-            CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 },
-            CtKey { saddr: backend, daddr: client, sport: port(t.backend), dport: port(t.client), proto: t.proto, _pad: 0, _pad2: 0 },
-        ))
-    }
-
-    /// Inserts the reply and forward entries of `t`, as the datapath makes them for a new flow
-    /// (`proxy_ebpf::ct::create`) that has seen a reply. False: a tuple of it is taken.
-    fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<bool> {
-        let (fwd, reply) = Self::keys(t)?;
-        let (client, service, backend) = (fwd.saddr, fwd.daddr, reply.saddr);
-        let port = |s: SocketAddr| s.port().to_be_bytes();
-        self.marker.mark(&fwd);
-        self.marker.mark(&reply);
-        let mut e = CtEntry::<A> {
+        let fwd = CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 };
+        let forward = CtEntry::<A> {
             last_seen_ns: now,
             backend_id,
             service_id,
-            flags: flags::REPLY | flags::SEEN_REPLY,
+            flags: flags::SEEN_REPLY,
             l4_csum: l4_csum::UNKNOWN,
-            nat_port: port(t.service),
-            nat_addr: service,
+            nat_port: port(t.backend),
+            nat_addr: backend,
+            addr_sum: csum::address_pair(client, service),
+            addr_delta: csum::address_delta(service, backend),
             ..Default::default()
         };
-        if !batch::put_back(self.ct.as_fd(), &reply, &e)? {
-            return Ok(false);
+        let reply = ct::reply_key_of(&fwd, &forward, A::HAIRPIN);
+        let reverse = CtEntry::<A> {
+            flags: flags::REPLY | flags::SEEN_REPLY,
+            nat_port: fwd.dport,
+            nat_addr: service,
+            addr_sum: [0; 2],
+            addr_delta: [0; 2],
+            ..forward
+        };
+        self.marker.mark(&fwd);
+        self.marker.mark(&reply);
+        if !batch::put_back(self.ct.as_fd(), &reply, &reverse)? {
+            return Ok(None);
         }
-        e.flags = flags::SEEN_REPLY;
-        e.nat_port = port(t.backend);
-        e.nat_addr = backend;
-        e.addr_sum = csum::address_pair(client, service);
-        e.addr_delta = csum::address_delta(service, backend);
-        if !batch::put_back(self.ct.as_fd(), &fwd, &e)? {
+        if !batch::put_back(self.ct.as_fd(), &fwd, &forward)? {
             let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &reply);
-            return Ok(false);
+            return Ok(None);
         }
-        Ok(true)
+        Ok(Some([fwd, reply]))
     }
 }
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
-    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[(model::Backend, u32)]) {
-        let mut pending = match self.pending.take() {
-            Some(p) if self.read_at.is_some_and(|at| at.elapsed() < REREAD) => p,
-            old => {
-                // (Again during a long first write: kube-proxy's rules go on translating new
-                // connections to the frontends not written yet.)
-                let read = self.read_table();
-                let (served, fresh) = pending_after_read(old, read, &self.served);
-                self.not_adopted += served;
-                fresh
-            }
-        };
+    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[model::Backend], ids: &[u32]) {
+        if self.read_at.is_none_or(|at| at.elapsed() >= REREAD) {
+            // (Again during a long first write: kube-proxy's rules go on translating new
+            // connections to the frontends not written yet.)
+            let read = self.read_table();
+            let (dropped, fresh) = pending_after_read(&self.pending, read, &self.served);
+            self.not_served += dropped;
+            self.pending = fresh;
+        }
         let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
-        self.current = Some(key);
-        if let Some(flows) = pending.remove(&key) {
-            let now = ct_gc::monotonic_coarse_ns();
-            // A connection whose backend this scope lacks may be the other scope's.
-            let mut left = Vec::new();
-            for t in flows {
-                let Some((_, id)) = backends.iter().find(|(b, _)| SocketAddr::new(b.addr, b.port) == t.backend) else {
-                    left.push(t);
-                    continue;
-                };
-                match self.insert(&t, service_id, *id, now) {
-                    Ok(true) => self.seeded.push(t),
-                    Ok(false) => self.taken += 1,
-                    Err(e) => {
-                        tracing::warn!(frontend = %frontend, client = %t.client, error = %e, "could not adopt a connection netfilter translated");
-                    }
+        let Some(flows) = self.pending.remove(&key) else { return };
+        let now = ct_gc::monotonic_coarse_ns();
+        // A connection whose backend this scope lacks may be the other scope's.
+        let mut left = Vec::new();
+        for t in flows {
+            let Some(i) = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend) else {
+                left.push(t);
+                continue;
+            };
+            match self.insert(&t, service_id, ids[i], now) {
+                Ok(Some(keys)) => self.seeded.push((t, keys)),
+                Ok(None) => self.taken += 1,
+                Err(e) => {
+                    tracing::warn!(frontend = %frontend, client = %t.client, error = %e, "could not adopt a connection netfilter translated")
                 }
             }
-            if !left.is_empty() {
-                pending.insert(key, left);
-            }
         }
-        self.pending = Some(pending);
+        if !left.is_empty() {
+            self.pending.insert(key, left);
+        }
     }
 
-    fn settle(&mut self, served: bool) {
-        if let (true, Some(key)) = (served, self.current.take()) {
-            self.served.insert(key);
-        }
+    fn settle(&mut self, frontend: &FrontendKey, served: bool) {
         if !served {
             // Taken out again: served later, while netfilter's entries are still there, they
             // would meet the port move (see the module's notes).
-            for t in self.seeded.drain(..) {
-                if let Ok((fwd, reply)) = Self::keys(&t) {
-                    let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &fwd);
-                    let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &reply);
+            for (_, keys) in self.seeded.drain(..) {
+                for k in keys {
+                    let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &k);
                 }
-                self.unserved += 1;
+                self.not_served += 1;
             }
+            return;
         }
+        self.served.insert((SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto()));
         if self.seeded.is_empty() {
             return;
         }
@@ -314,7 +270,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                 Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot delete the conntrack entries of adopted connections"),
             }
         }
-        let seeded = std::mem::take(&mut self.seeded);
+        let seeded: Vec<Translated> = self.seeded.drain(..).map(|(t, _)| t).collect();
         self.adopted += seeded.len();
         let started = Instant::now();
         let results = match self.forgetter.as_mut().map(|f| f.forget_all(&seeded)) {
@@ -339,8 +295,10 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     }
 
     fn end(&mut self) {
-        let Some(pending) = self.pending.take() else { return };
-        let not_served = pending.values().map(Vec::len).sum::<usize>() + self.unserved + self.not_adopted;
+        if self.read_at.is_none() {
+            return;
+        }
+        let not_served = self.pending.values().map(Vec::len).sum::<usize>() + self.not_served;
         tracing::info!(
             family = %self.family,
             adopted = self.adopted,
@@ -385,11 +343,11 @@ mod tests {
         let read: HashMap<_, _> =
             [(web, vec![t(40000, "10.96.0.10:80")]), (api, vec![t(40001, "10.96.0.20:443"), t(40002, "10.96.0.20:443")])].into();
         let served: HashSet<_> = [web].into();
-        let (dropped, pending) = pending_after_read(Some(old), read, &served);
+        let (dropped, pending) = pending_after_read(&old, read, &served);
         assert_eq!(dropped, 1, "the served frontend's connection no seed adopted");
         assert_eq!(pending.len(), 1);
         assert_eq!(pending[&api].len(), 2, "the new connection to the frontend not yet written is in");
-        let (dropped, pending) = pending_after_read(None, pending, &HashSet::new());
+        let (dropped, pending) = pending_after_read(&HashMap::new(), pending, &HashSet::new());
         assert_eq!((dropped, pending.len()), (0, 1), "a first read keeps everything");
     }
 }

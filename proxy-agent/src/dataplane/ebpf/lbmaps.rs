@@ -46,12 +46,12 @@ type Scoped = (FrontendKey, u8);
 /// (`adopt`, at a takeover).
 pub trait Adopt {
     /// Seeds the conntrack map with `frontend`'s connections whose backend is one of
-    /// `backends` (with their ids), under reverse NAT id `service_id`: called before the
-    /// frontend's master entry is written.
-    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[(model::Backend, u32)]);
+    /// `backends` (of ids `ids`, in that order), under reverse NAT id `service_id`: called
+    /// before the frontend's master entry is written.
+    fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[model::Backend], ids: &[u32]);
     /// After the master (`served`: it was written): what `seed` adopted is ours now. (Not
     /// served: netfilter goes on translating those connections.)
-    fn settle(&mut self, served: bool);
+    fn settle(&mut self, frontend: &FrontendKey, served: bool);
     /// The first sync is over: says what was adopted.
     fn end(&mut self);
 }
@@ -970,8 +970,7 @@ impl<A: MapAddr> LbMaps<A> {
         // Connections another proxy translated to these backends, tracked before the master
         // makes our programs serve them.
         if let Some(a) = self.adoption.as_mut() {
-            let ids: Vec<(model::Backend, u32)> = fe.backends.iter().copied().zip(active.iter().copied()).collect();
-            a.seed(key, service_id, &ids);
+            a.seed(key, service_id, &fe.backends, &active);
         }
         // Phase B: rewrites of existing entries, then the master, then the surplus.
         let master = Self::master_for(view, service_id, slots.len(), maglev_id);
@@ -992,7 +991,7 @@ impl<A: MapAddr> LbMaps<A> {
             Ok(())
         })();
         if let Some(a) = self.adoption.as_mut() {
-            a.settle(phase_b.is_ok());
+            a.settle(key, phase_b.is_ok());
         }
         if let Err(e) = phase_b {
             // The maps may now mix old and new slots, up to the longer of the two. Record every

@@ -535,16 +535,19 @@ impl EbpfDataplane {
     }
 
     /// Adopts the connections netfilter's DNAT translated (kube-proxy's rules, at a takeover)
-    /// as their frontends are first written (`adopt`), both families, until the first sync ends.
-    pub fn adopt_translated(&mut self) -> std::io::Result<()> {
+    /// as their frontends are first written (`adopt`), both families, until the first sync ends;
+    /// not those of the node's own processes (from `node_addresses`).
+    pub fn adopt_translated(&mut self, node_addresses: &[IpAddr]) -> std::io::Result<()> {
         use crate::model::Family;
         let lock = match &self.pin_root {
             Some(root) => ct_filter::RebuildLock::try_take(root)?,
             None => None,
         };
-        let v4 = adopt::Adoption::<[u8; 4]>::new(Family::V4, self.map_fd(map_names::CT)?, self.map_fd(map_names::CT_FILTER)?, lock)?;
-        let v6 =
-            adopt::Adoption::<proxy_common::Ip6>::new(Family::V6, self.map_fd(map_names::CT6)?, self.map_fd(map_names::CT_FILTER6)?, None)?;
+        let own: std::collections::HashSet<IpAddr> = node_addresses.iter().copied().collect();
+        let (ct, filter) = (self.map_fd(map_names::CT)?, self.map_fd(map_names::CT_FILTER)?);
+        let v4 = adopt::Adoption::<[u8; 4]>::new(Family::V4, ct, filter, own.clone(), lock)?;
+        let (ct, filter) = (self.map_fd(map_names::CT6)?, self.map_fd(map_names::CT_FILTER6)?);
+        let v6 = adopt::Adoption::<proxy_common::Ip6>::new(Family::V6, ct, filter, own, None)?;
         self.lb.adopt_connections(Box::new(v4));
         self.lb6.adopt_connections(Box::new(v6));
         Ok(())

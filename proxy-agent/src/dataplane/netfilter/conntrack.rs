@@ -5,7 +5,8 @@
 //! such entries after each sync; so do we: after a sync that changed a UDP Service, one
 //! `conntrack -L -p udp` dump, read line by line as it comes (a busy node's table is large;
 //! only the stale flows are kept), then one ctnetlink request per stale flow, by its exact
-//! tuple (`conntrack -D` would dump the whole table again for each). TCP to a removed endpoint
+//! tuple, sent in batches (`Forgetter`; `conntrack -D` would dump the whole table again for
+//! each). TCP to a removed endpoint
 //! needs none of this: its connections end with a reset. (The eBPF dataplane re-selects such
 //! flows itself, on their next packet.)
 //!
@@ -141,10 +142,18 @@ impl Forgetter {
         ctnetlink().map(Self)
     }
 
-    /// Deletes the entries of `flows`, in a few writes (`netlink::request_batch`): for each,
-    /// Ok(false) where there was none (it ended meanwhile).
+    /// Deletes the entries of `flows` (by their original tuple, client -> Service address): see
+    /// `delete_all`.
     pub fn forget_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<std::io::Result<bool>>> {
-        let requests: Vec<([u8; 4], Vec<u8>)> = flows.iter().map(|t| delete_request(t.proto, t.client, t.service)).collect();
+        let tuples: Vec<(u8, SocketAddr, SocketAddr)> = flows.iter().map(|t| (t.proto, t.client, t.service)).collect();
+        self.delete_all(&tuples)
+    }
+
+    /// Deletes the entries of protocol and original tuple (`from` -> `to`) `tuples`, in a few
+    /// writes (`netlink::request_batch`): for each, Ok(false) where there was none (it ended
+    /// meanwhile).
+    pub fn delete_all(&mut self, tuples: &[(u8, SocketAddr, SocketAddr)]) -> std::io::Result<Vec<std::io::Result<bool>>> {
+        let requests: Vec<([u8; 4], Vec<u8>)> = tuples.iter().map(|(proto, from, to)| delete_request(*proto, *from, *to)).collect();
         let codes = crate::netlink::request_batch(&mut self.0, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, &requests)?;
         Ok(codes
             .into_iter()
@@ -199,14 +208,16 @@ pub fn reconcile(services: &Services, node: &NodeContext) -> Result<(), Netfilte
         if stale.is_empty() {
             continue;
         }
-        let mut socket = ctnetlink().map_err(ctnetlink_failed)?;
+        let mut forgetter = Forgetter::new().map_err(ctnetlink_failed)?;
+        let stale: Vec<Flow> = stale.into_iter().collect();
+        let tuples: Vec<(u8, SocketAddr, SocketAddr)> =
+            stale.iter().map(|f| (libc::IPPROTO_UDP as u8, SocketAddr::new(f.src, f.sport), SocketAddr::new(f.dst, f.dport))).collect();
         // Said once per (Service address, answering endpoint), not per client.
         let mut deleted: BTreeMap<(SocketAddr, SocketAddr), usize> = BTreeMap::new();
-        for f in stale {
-            let (from, to) = (SocketAddr::new(f.src, f.sport), SocketAddr::new(f.dst, f.dport));
+        for (f, r) in stale.iter().zip(forgetter.delete_all(&tuples).map_err(ctnetlink_failed)?) {
             // False: the flow ended meanwhile.
-            if delete(&mut socket, libc::IPPROTO_UDP as u8, from, to).map_err(ctnetlink_failed)? {
-                *deleted.entry((to, SocketAddr::new(f.reply_src, f.reply_sport))).or_default() += 1;
+            if r.map_err(ctnetlink_failed)? {
+                *deleted.entry((SocketAddr::new(f.dst, f.dport), SocketAddr::new(f.reply_src, f.reply_sport))).or_default() += 1;
             }
         }
         for ((service, stale), flows) in deleted {
@@ -280,16 +291,17 @@ pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Resu
         if attempts.is_empty() {
             continue;
         }
-        let mut socket = match ctnetlink() {
-            Ok(s) => s,
+        let tuples: Vec<(u8, SocketAddr, SocketAddr)> =
+            attempts.iter().map(|a| (libc::IPPROTO_TCP as u8, SocketAddr::new(a.src, a.sport), SocketAddr::new(a.dst, a.dport))).collect();
+        let results = match Forgetter::new().and_then(|mut f| f.delete_all(&tuples)) {
+            Ok(r) => r,
             Err(e) => {
                 failure = Some(ctnetlink_failed(e));
                 continue;
             }
         };
-        for a in attempts {
-            let (from, to) = (SocketAddr::new(a.src, a.sport), SocketAddr::new(a.dst, a.dport));
-            match delete(&mut socket, libc::IPPROTO_TCP as u8, from, to) {
+        for (a, r) in attempts.iter().zip(results) {
+            match r {
                 Ok(true) => {
                     deleted += 1;
                     tracing::info!(service = %format!("{}/tcp", SocketAddr::new(a.dst, a.dport)), client = %SocketAddr::new(a.src, a.sport), "deleted the conntrack entry of a connection attempt made before the Service was served: its next SYN is translated");
@@ -344,18 +356,6 @@ fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> ([u8; 4], Vec<
     .concat();
     let tuple = [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &ports)].concat();
     ([family as u8, 0, 0, 0], attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple))
-}
-
-/// Deletes the entry of protocol `proto` whose original tuple is `from` -> `to`. False when
-/// there is none.
-fn delete(socket: &mut netlink_sys::Socket, proto: u8, from: SocketAddr, to: SocketAddr) -> std::io::Result<bool> {
-    use crate::netlink::{request, NLM_F_ACK, NLM_F_REQUEST};
-    let (header, mut body) = delete_request(proto, from, to);
-    match request(socket, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, header, &mut body) {
-        Ok(_) => Ok(true),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-        Err(e) => Err(e),
-    }
 }
 
 #[cfg(test)]
