@@ -78,6 +78,9 @@ pub struct ConntrackReport {
     pub entries: u64,
     pub connections: u64,
     pub expired: u64,
+    /// Entries of connections kube-proxy masqueraded before the takeover, which netfilter goes
+    /// on translating (two a connection: `ct::owner::NETFILTER`).
+    pub netfilter: u64,
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -142,6 +145,7 @@ pub fn read(root: &Path) -> Result<Report, InspectError> {
         family.conntrack.entries += v6.conntrack.entries;
         family.conntrack.connections += v6.conntrack.connections;
         family.conntrack.expired += v6.conntrack.expired;
+        family.conntrack.netfilter += v6.conntrack.netfilter;
     }
     let FamilyReport { frontends, retained_backends, conntrack } = family;
 
@@ -243,6 +247,10 @@ fn family_report<A: MapAddr>(root: &Path, ct_name: &'static str, now: u64) -> Re
         let Ok((k, e)) = entry else { continue };
         conntrack.entries += 1;
         if e.flags & ct::flags::REPLY != 0 {
+            continue;
+        }
+        if e.owner == ct::owner::NETFILTER {
+            conntrack.netfilter += 1;
             continue;
         }
         if ct::expired(k.proto, e.flags, e.last_seen_ns, now, &ct::Lifetimes::DEFAULT) {
@@ -353,6 +361,13 @@ pub fn render(r: &Report) -> String {
         "\nConnection tracking: {} live connections, {} expired, {} entries",
         r.conntrack.connections, r.conntrack.expired, r.conntrack.entries
     );
+    if r.conntrack.netfilter > 0 {
+        let _ = writeln!(
+            s,
+            "  {} entries of connections netfilter masqueraded before the takeover, left to it (two a connection)",
+            r.conntrack.netfilter
+        );
+    }
     s.push_str("\nDatapath counters           packets        bytes\n");
     if r.counters.is_empty() {
         s.push_str("  (no packets yet)\n");

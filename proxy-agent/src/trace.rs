@@ -108,6 +108,7 @@ fn meaning(r: Reason) -> &'static str {
         Reason::DropBackendMissing => "the chosen backend is missing from the maps: dropped",
         Reason::DropSourceRange => "the source is outside the load balancer's loadBalancerSourceRanges: dropped",
         Reason::PassNotService => "not addressed to a NodePort, load-balancer or external IP: left to the kernel",
+        Reason::PassNetfilter => "a connection kube-proxy masqueraded before the takeover: left to netfilter, which translates it",
         _ => "see the reason label",
     }
 }

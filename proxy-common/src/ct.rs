@@ -33,6 +33,19 @@ pub mod flags {
     pub const PORT_NAT: u8 = 1 << 7;
 }
 
+/// `CtEntry::owner`: whose translation an entry's tuple is.
+pub mod owner {
+    /// Ours: the datapath translates the flow by the entry.
+    pub const DATAPATH: u8 = 0;
+    /// netfilter's: a connection kube-proxy's rules translated and masqueraded before the
+    /// takeover, whose NAT (the port it chose among them) its conntrack entry keeps. One such
+    /// entry at each of the connection's two tuples as they reach the hooks (the client's, and
+    /// the backend's reply to the masquerading address), neither with `REPLY`: the hooks pass
+    /// its packets to the stack untouched, and refresh the entry as a forward one, so the
+    /// expiry removes it once the connection is idle past its lifetime.
+    pub const NETFILTER: u8 = 1;
+}
+
 /// `CtEntry::l4_csum`: how the flow's packets carried their TCP/UDP checksum.
 pub mod l4_csum {
     /// Not learned (the rewrite changed nothing it could tell by): the helpers do every packet.

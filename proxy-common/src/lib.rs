@@ -547,7 +547,8 @@ pub struct CtEntry<A = [u8; 4]> {
     /// `ct::ROUTE_XDP_KNOWN`, so native XDP need not look the device up on every packet. 0: not
     /// known (an entry of an older build, or no route cached).
     pub route_xdp: u8,
-    pub _pad3: u8,
+    /// `ct::owner`: whose translation the entry's tuple is.
+    pub owner: u8,
 }
 const _: () = assert!(size_of::<CtEntry>() == 56);
 const _: () = assert!(size_of::<CtEntry<Ip6>>() == 80);
@@ -1156,6 +1157,10 @@ reasons! {
     /// the node itself, a host-network endpoint here, or no route at all): refused with port
     /// unreachable, which fails the process's call at once (ECONNREFUSED).
     RejectHostNoRoute = 44 => "reject_host_no_route",
+    /// A packet of a connection that kube-proxy's rules translated and masqueraded before the
+    /// takeover (`ct::owner::NETFILTER`): left untouched to the kernel, whose conntrack entry
+    /// goes on translating it (its port is netfilter's choice) until it ends.
+    PassNetfilter = 45 => "pass_netfilter",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

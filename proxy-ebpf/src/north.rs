@@ -19,7 +19,7 @@ use aya_ebpf::{
     helpers::bpf_fib_lookup,
 };
 use proxy_common::{
-    ct::{flags, ROUTE_XDP_KNOWN},
+    ct::{flags, owner, ROUTE_XDP_KNOWN},
     limits, svc_flags, xdp_dev, Backend, CtEntry, Reason, ServiceKey,
 };
 
@@ -305,6 +305,17 @@ pub fn decide_found<A: Family>(
             };
         }
         let live = !ct::forward_stale(pkt, &entry, now);
+        if live && entry.owner == owner::NETFILTER {
+            // A connection netfilter's entry translates (either of its tuples): TC keeps it
+            // alive, and leaves it to the stack.
+            if let Some(s) = xdp_pass(env) {
+                return s;
+            }
+            if !env.dry {
+                ct::touch_forward(pkt, &mut e, now);
+            }
+            return Step::Pass(Reason::PassNetfilter);
+        }
         let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
         if let (true, Some(be)) = (live, be) {
             if entry.flags & flags::SNAT == 0 {

@@ -6,7 +6,10 @@
 //! `ctstate INVALID` drop rule discards.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use proxy_common::{ct::flags, prog_slots, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue};
+use proxy_common::{
+    ct::{flags, owner},
+    prog_slots, svc_cidr, Backend, CtEntry, Reason, ServiceKey, ServiceValue,
+};
 
 use crate::{
     ct,
@@ -122,6 +125,13 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
         // Tracked afresh; the old connection's reply entry must not outlive it.
         retrack(pkt, &entry, now);
         return Tracked::Afresh(Some(now), reason_of_new(pkt));
+    }
+    if entry.owner == owner::NETFILTER {
+        // A connection netfilter's entry translates (either of its tuples): kept alive here,
+        // left to it.
+        let mut e = e;
+        ct::touch_forward(pkt, &mut e, now);
+        return Tracked::Done(Ok(Verdict::pass(Reason::PassNetfilter)));
     }
     established(ctx, pkt, Some(e), &entry, now, cache_under)
 }

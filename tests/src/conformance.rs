@@ -417,6 +417,10 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
 /// programs translated (its reply tuple is the old entry's), and the backend resets that. The
 /// node's own connections (through kube-proxy's OUTPUT rules) go on too, left to netfilter's
 /// entries: adopted, they stalled (our programs let their packets leave untranslated).
+/// Connections kube-proxy's rules sent to the third backend are masqueraded as well (to the
+/// node's address and a port netfilter chose, as `masqueradeAll` or a pod reaching itself has
+/// it): they are left to netfilter, whose entries go on translating them, and keep their
+/// backend and the address and port it sees.
 ///
 /// With `loose` false (`nf_conntrack_tcp_loose` 0, where netfilter picks up no connection in
 /// mid-stream and so takes the adopted connections' packets for INVALID, which the drop rule
@@ -444,6 +448,8 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         // lab's kernel would stop tracking there, which a node's does not.
         nat(&["-A", "POSTROUTING", "-s", pods, "!", "-d", pods, "-j", "MASQUERADE"]);
         in_node(&[tool, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"]);
+        let third = backends[2].trim_matches(['[', ']']);
+        nat(&["-A", "POSTROUTING", "-d", third, "-j", "MASQUERADE", "--random-fully"]);
         // kube-proxy's form: each endpoint by a random draw among those left.
         for (vip, proto, port, to_port) in services {
             for (i, b) in backends.iter().enumerate() {
@@ -462,24 +468,31 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     let dns6: std::net::SocketAddr = "[fd00:96::53]:53".parse().unwrap();
     let tcp_to: Vec<std::net::SocketAddr> = [[sock(WEB_VIP).into(); 12].as_slice(), &[web6; 6]].concat();
     let udp_to: Vec<std::net::SocketAddr> = [[sock(DNS_VIP).into(); 6].as_slice(), &[dns6; 3]].concat();
-    let mut conns: Vec<(Conn, String)> = tcp_to
+    let mut conns: Vec<(Conn, Answer)> = tcp_to
         .iter()
         .enumerate()
         .map(|(i, to)| {
             let mut c = Conn::open(&lab.client.ns, *to).unwrap_or_else(|e| panic!("connection {i} to {to} through kube-proxy's DNAT: {e}"));
-            let first = c.ask().unwrap_or_else(|e| panic!("connection {i} to {to} through kube-proxy's DNAT: {e}")).backend;
+            let first = c.ask().unwrap_or_else(|e| panic!("connection {i} to {to} through kube-proxy's DNAT: {e}"));
             (c, first)
         })
         .collect();
-    let flows: Vec<(UdpFlow, String)> = udp_to
+    let flows: Vec<(UdpFlow, Answer)> = udp_to
         .iter()
         .enumerate()
         .map(|(i, to)| {
             let f = UdpFlow::open(&lab.client.ns, *to).expect("UDP socket");
-            let first = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} to {to} through kube-proxy's DNAT: {e}")).backend;
+            let first = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} to {to} through kube-proxy's DNAT: {e}"));
             (f, first)
         })
         .collect();
+    let clients = families(&lab).map(|f| f.client);
+    let masqueraded = conns.iter().map(|(_, a)| a).chain(flows.iter().map(|(_, a)| a)).filter(|a| a.backend == "backend-3");
+    assert!(
+        masqueraded.clone().all(|a| !clients.contains(&a.peer.ip())),
+        "kube-proxy's rules masqueraded what reached the third backend: {:?}",
+        masqueraded.map(|a| a.peer).collect::<Vec<_>>()
+    );
     // The node's own processes' connections (kube-proxy's OUTPUT rules translated them): left
     // to netfilter's entries, which go on translating them.
     let mut host: Vec<(Conn, String)> = (0..3)
@@ -490,7 +503,7 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             (c, first)
         })
         .collect();
-    let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
+    let reached: BTreeSet<&String> = conns.iter().map(|(_, a)| &a.backend).collect();
     assert!(reached.len() > 1, "kube-proxy's rules spread the connections: {reached:?}");
     if !loose {
         lab.node.sysctl("net.netfilter.nf_conntrack_tcp_loose", "0");
@@ -507,8 +520,8 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     }
     for (i, (c, first)) in conns.iter_mut().enumerate() {
         for _ in 0..2 {
-            let now = c.ask().unwrap_or_else(|e| panic!("connection {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
-            assert_eq!(&now.backend, first, "connection {i} stays with its backend");
+            let now = c.ask().unwrap_or_else(|e| panic!("connection {i} ({first:?}) after the takeover: {e}\n{}", lab.log_tail()));
+            assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "connection {i} stays with its backend, as it was");
         }
     }
     for (i, (c, first)) in host.iter_mut().enumerate() {
@@ -516,13 +529,25 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         assert_eq!(&now.backend, first, "host connection {i} stays with its backend");
     }
     for (i, (f, first)) in flows.iter().enumerate() {
-        let now = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} (to {first}) after the takeover: {e}\n{}", lab.log_tail()));
-        assert_eq!(&now.backend, first, "UDP flow {i} stays with its backend");
+        let now = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} ({first:?}) after the takeover: {e}\n{}", lab.log_tail()));
+        assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "UDP flow {i} stays with its backend, as it was");
     }
     let log = lab.agent_log();
+    let taken_over: Vec<(u64, u64)> = log
+        .lines()
+        .filter(|l| l.contains("adopted the connections netfilter translated"))
+        .map(|l| {
+            let field = |name: &str| l.split_whitespace().find_map(|w| w.strip_prefix(name)?.parse::<u64>().ok()).unwrap_or(u64::MAX);
+            (field("adopted="), field("left_to_netfilter="))
+        })
+        .collect();
+    let left = conns.iter().map(|(_, a)| a).chain(flows.iter().map(|(_, a)| a)).filter(|a| a.backend == "backend-3").count() as u64;
     assert!(
-        log.contains("adopted=18") && log.contains("adopted=9"),
-        "the log counts IPv4's 12 TCP connections and 6 UDP flows, and IPv6's 6 and 3:\n{}",
+        taken_over.len() == 2
+            && taken_over.iter().map(|(a, l)| a + l).collect::<BTreeSet<_>>() == BTreeSet::from([18, 9])
+            && taken_over.iter().map(|(_, l)| l).sum::<u64>() == left,
+        "the log counts IPv4's 12 TCP connections and 6 UDP flows, and IPv6's 6 and 3, the {left} to the third backend left to \
+         netfilter: {taken_over:?}\n{}",
         lab.log_tail()
     );
 }

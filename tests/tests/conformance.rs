@@ -125,6 +125,7 @@ mod takeover {
                 client: format!("10.244.0.2:{}", 20000 + i).parse().unwrap(),
                 service: "10.96.0.10:80".parse().unwrap(),
                 backend: "10.244.1.3:8080".parse().unwrap(),
+                masquerade: None,
             })
             .collect();
         for t in flows.iter().filter(|t| t.client.port() % 16 != 0) {

@@ -602,59 +602,146 @@ fn a_node_process_reaches_a_cluster_ip_through_tc_without_socket_hooks() {
     assert!(count("host_flow_new") >= n && count("host_reply") >= n, "{n} flows: {:?}", r.counters);
 }
 
-/// A takeover on the north path: connections from outside that kube-proxy's rules on node A
-/// DNATed to its own endpoints (a NodePort of externalTrafficPolicy Local: no masquerade) are
-/// adopted by the agent there and keep their endpoint once its programs serve the NodePort and
-/// kube-proxy's rules are gone. Beside those rules, as a node has: a CNI's masquerade of pods'
-/// traffic and a drop of invalid packets, which keep netfilter tracking there.
-#[test]
-fn outside_connections_kube_proxy_translated_to_a_local_endpoint_survive_the_takeover() {
+/// Node A's netfilter as a node with kube-proxy has it: kube-proxy's nat chain `KUBE-SERVICES`
+/// from PREROUTING, to which each of `rules` is appended (the chain name is added), beside what
+/// keeps netfilter tracking there once kube-proxy's rules are gone: a CNI's masquerade of pods'
+/// traffic and a drop of invalid packets. Then `n` TCP connections from the outside client to
+/// node A's NodePort 30080 through them, each with its first answer.
+fn connections_through_kube_proxy(c: &Cluster, rules: &[&[&str]], n: usize) -> Vec<(proxy_tests::servers::Conn, Answer)> {
     use proxy_tests::{netns::sh, servers::Conn};
-    let Some(mut c) = cluster("takeover_north", [&["a1", "a2"], &["b1"]]) else { return };
-    const A2: &str = "10.244.1.12";
-    c.write_manifest("nodes.yaml", &nodes_manifest());
-    c.write_manifest("web.yaml", &web("  externalTrafficPolicy: Local\n"));
-    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
     let a = c.node("node-a").ns.name.clone();
     let ipt = |args: &[&str]| sh(&[&["ip", "netns", "exec", &a, "iptables-nft"], args].concat());
     ipt(&["-t", "nat", "-N", "KUBE-SERVICES"]);
     ipt(&["-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
     ipt(&["-t", "nat", "-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
     ipt(&["-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"]);
-    let nodeport = ["-t", "nat", "-A", "KUBE-SERVICES", "-d", "192.168.100.1", "-p", "tcp", "--dport", "30080"];
-    ipt(&[
-        &nodeport[..],
-        &["-m", "statistic", "--mode", "random", "--probability", "0.5", "-j", "DNAT", "--to-destination", "10.244.1.11:8080"],
-    ]
-    .concat());
-    ipt(&[&nodeport[..], &["-j", "DNAT", "--to-destination", "10.244.1.12:8080"]].concat());
-    let mut conns: Vec<(Conn, String)> = (0..8)
+    for rule in rules {
+        ipt(&[&["-t", "nat", "-A", "KUBE-SERVICES"], *rule].concat());
+    }
+    (0..n)
         .map(|i| {
             let mut conn = Conn::open(&c.client, sock("192.168.100.1:30080"))
-                .unwrap_or_else(|e| panic!("connection {i} through kube-proxy's DNAT: {e}"));
-            let first = conn.ask().unwrap_or_else(|e| panic!("connection {i} through kube-proxy's DNAT: {e}"));
-            assert_eq!(first.peer.ip(), ip(CLIENT_IP), "kube-proxy's rules kept the client's address");
-            (conn, first.backend)
+                .unwrap_or_else(|e| panic!("connection {i} through kube-proxy's rules: {e}"));
+            let first = conn.ask().unwrap_or_else(|e| panic!("connection {i} through kube-proxy's rules: {e}"));
+            (conn, first)
         })
-        .collect();
-    let reached: BTreeSet<&String> = conns.iter().map(|(_, b)| b).collect();
-    assert_eq!(reached.len(), 2, "kube-proxy's rules spread the connections: {reached:?}");
+        .collect()
+}
+
+/// Starts the agents, waits for node A's NodePort 30080 with `endpoints` and its first whole
+/// write (after which kube-proxy's rules there are gone), then asks over each of `conns` twice more: each must reach the endpoint it
+/// reached first, which must see it come from the same address and port. Node A's log.
+fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_tests::servers::Conn, Answer)]) -> String {
     c.start_agents(&[]);
-    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", 2);
+    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", endpoints);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !c.node("node-a").agent_log().contains("first whole write done") {
         assert!(std::time::Instant::now() < deadline, "node A's first write:\n{}", c.node("node-a").agent_log());
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(!ipt(&["-t", "nat", "-S"]).contains("KUBE-SERVICES"), "kube-proxy's rules are gone");
+    let a = c.node("node-a").ns.name.clone();
+    let nat = proxy_tests::netns::sh(&["ip", "netns", "exec", &a, "iptables-nft", "-t", "nat", "-S"]);
+    assert!(!nat.contains("KUBE-SERVICES"), "kube-proxy's rules are gone:\n{nat}");
     for (i, (conn, first)) in conns.iter_mut().enumerate() {
         for _ in 0..2 {
-            let now = conn
-                .ask()
-                .unwrap_or_else(|e| panic!("connection {i} (to {first}) after the takeover: {e}\n{}", c.node("node-a").agent_log()));
-            assert_eq!(&now.backend, first, "connection {i} stays with its endpoint");
+            let now = conn.ask().unwrap_or_else(|e| {
+                panic!("connection {i} (to {}) after the takeover: {e}\n{}", first.backend, c.node("node-a").agent_log())
+            });
+            assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "connection {i} stays with its endpoint, as it was");
         }
     }
-    let log = c.node("node-a").agent_log();
+    c.node("node-a").agent_log()
+}
+
+/// A takeover on the north path: connections from outside that kube-proxy's rules on node A
+/// DNATed to its own endpoints (a NodePort of externalTrafficPolicy Local: no masquerade) are
+/// adopted by the agent there and keep their endpoint once its programs serve the NodePort and
+/// kube-proxy's rules are gone.
+#[test]
+fn outside_connections_kube_proxy_translated_to_a_local_endpoint_survive_the_takeover() {
+    let Some(mut c) = cluster("takeover_north", [&["a1", "a2"], &["b1"]]) else { return };
+    const A2: &str = "10.244.1.12";
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web("  externalTrafficPolicy: Local\n"));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
+    let nodeport = ["-d", "192.168.100.1", "-p", "tcp", "--dport", "30080"];
+    let half = [&nodeport[..], &["-m", "statistic", "--mode", "random", "--probability", "0.5"]].concat();
+    let mut conns = connections_through_kube_proxy(
+        &c,
+        &[
+            &[&half[..], &["-j", "DNAT", "--to-destination", "10.244.1.11:8080"]].concat(),
+            &[&nodeport[..], &["-j", "DNAT", "--to-destination", "10.244.1.12:8080"]].concat(),
+        ],
+        8,
+    );
+    assert!(conns.iter().all(|(_, first)| first.peer.ip() == ip(CLIENT_IP)), "kube-proxy's rules kept the client's address");
+    let reached: BTreeSet<&String> = conns.iter().map(|(_, first)| &first.backend).collect();
+    assert_eq!(reached.len(), 2, "kube-proxy's rules spread the connections: {reached:?}");
+    let log = take_over_keeping(&mut c, 2, &mut conns);
     assert!(log.contains("adopted=8"), "node A adopted the 8 connections:\n{log}");
+}
+
+/// The same with externalTrafficPolicy Cluster: kube-proxy's rules masquerade the connections
+/// too, to node A's address and a port netfilter chose (`--random-fully`), for the endpoints on
+/// node A and on node B alike. The agent leaves them to netfilter, whose conntrack entries go
+/// on translating them: each keeps its endpoint and the address and port that endpoint sees.
+/// New connections are the agent's (the client's address kept for node A's endpoints).
+#[test]
+fn outside_connections_kube_proxy_masqueraded_stay_netfilters_through_the_takeover() {
+    let Some(mut c) = cluster("takeover_masq", [&["a1", "a2"], &["b1"]]) else { return };
+    const A2: &str = "10.244.1.12";
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(""));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
+    let a = c.node("node-a").ns.name.clone();
+    proxy_tests::netns::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &a,
+        "iptables-nft",
+        "-t",
+        "nat",
+        "-A",
+        "POSTROUTING",
+        "-m",
+        "mark",
+        "--mark",
+        "0x4000/0x4000",
+        "-j",
+        "MASQUERADE",
+        "--random-fully",
+    ]);
+    let nodeport = ["-d", "192.168.100.1", "-p", "tcp", "--dport", "30080"];
+    // Round robin over the three endpoints (the nat table sees a connection's first packet only).
+    let nth = |every: &'static str| [&nodeport[..], &["-m", "statistic", "--mode", "nth", "--every", every, "--packet", "0"]].concat();
+    let mut conns = connections_through_kube_proxy(
+        &c,
+        &[
+            &[&nodeport[..], &["-j", "MARK", "--set-xmark", "0x4000/0x4000"]].concat(),
+            &[&nth("3")[..], &["-j", "DNAT", "--to-destination", "10.244.1.11:8080"]].concat(),
+            &[&nth("2")[..], &["-j", "DNAT", "--to-destination", "10.244.2.11:8080"]].concat(),
+            &[&nodeport[..], &["-j", "DNAT", "--to-destination", "10.244.1.12:8080"]].concat(),
+        ],
+        9,
+    );
+    let reached: BTreeSet<&str> = conns.iter().map(|(_, first)| first.backend.as_str()).collect();
+    assert_eq!(reached, BTreeSet::from(["a1", "a2", "b1"]), "kube-proxy's rules spread the connections over both nodes");
+    assert!(
+        conns.iter().all(|(_, first)| first.peer.ip() != ip(CLIENT_IP)),
+        "kube-proxy's rules masqueraded the client: {:?}",
+        conns.iter().map(|(_, f)| f.peer).collect::<Vec<_>>()
+    );
+    let log = take_over_keeping(&mut c, 3, &mut conns);
+    assert!(log.contains("left_to_netfilter=9"), "node A left the 9 connections to netfilter:\n{log}");
+    let r = c.node("node-a").inspect().unwrap();
+    assert_eq!(r.conntrack.netfilter, 18, "both tuples of each connection are netfilter's");
+    let passed = r.counters.get("pass_netfilter").map_or(0, |c| c.packets);
+    assert!(passed >= 18, "their packets were passed to netfilter ({passed}): {:?}", r.counters);
+    let fresh = ask_many(&c, "192.168.100.1:30080", false, 12);
+    let peers = peers_by_backend(&fresh);
+    assert!(
+        ["a1", "a2"].iter().filter_map(|b| peers.get(*b)).all(|p| p == &BTreeSet::from([ip(CLIENT_IP)])),
+        "new connections are the agent's, which keeps the client's address for node A's endpoints: {peers:?}"
+    );
 }

@@ -1714,3 +1714,57 @@ fn the_ingress_programs_jit_image_maps_to_its_source_lines() {
     let all = proxy_tests::perfwhere::loaded_programs().expect("walk the loaded programs");
     assert!(all.iter().any(|q| q.funcs == p.funcs && q.lines.len() == p.lines.len()), "not among {} programs", all.len());
 }
+
+/// A connection kube-proxy masqueraded before a takeover is left to netfilter
+/// (`ct::owner::NETFILTER`, both tuples as the adoption writes them): at pod ingress, the
+/// client's packets to the Service and the backend's replies to the masquerading address pass
+/// untouched (netfilter's entry translates them), each refreshing its entry, and nothing of
+/// ours is tracked for them. Idle past their lifetime, the expiry removes both entries, and the
+/// client's tuple is then balanced by our programs like any other.
+#[test]
+fn a_connection_left_to_netfilter_passes_untouched_until_it_expires() {
+    use std::os::fd::AsFd;
+
+    use proxy_agent::dataplane::ebpf::{ct_filter, ct_gc};
+    use proxy_common::{
+        ct::{flags, owner, Lifetimes},
+        CtEntry, CtKey,
+    };
+    let Some(mut dp) = setup("a_connection_left_to_netfilter_passes_untouched_until_it_expires") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    let (backend, masq) = (sock("10.244.1.2:8080"), sock("10.244.0.1:61000"));
+    let key = |from: SocketAddrV4, to: SocketAddrV4| CtKey {
+        saddr: from.ip().octets(),
+        daddr: to.ip().octets(),
+        sport: from.port().to_be_bytes(),
+        dport: to.port().to_be_bytes(),
+        proto: 6,
+        _pad: 0,
+        _pad2: 0,
+    };
+    let now = ct_gc::monotonic_coarse_ns();
+    let left = CtEntry { last_seen_ns: now - 2_000_000_000, flags: flags::SEEN_REPLY, owner: owner::NETFILTER, ..Default::default() };
+    let keys = [key(client, vip), key(backend, masq)];
+    let marker = ct_filter::Marker::of(testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER).as_fd()).unwrap();
+    for k in &keys {
+        marker.mark(k);
+        ct_map(&mut dp).insert(k, left, 0).unwrap();
+    }
+    for (from, to) in [(client, vip), (backend, masq)] {
+        let frame = tcp_frame(from, to, ACK);
+        let out = run(&mut dp, &frame);
+        assert_eq!(out.frame, frame, "{from} -> {to}: untouched");
+    }
+    let c = counters(&mut dp);
+    assert_eq!(c.get("pass_netfilter"), Some(&2), "{c:?}");
+    let ct = conntrack(&mut dp);
+    assert_eq!(ct.len(), 2, "nothing of ours is tracked for it: {ct:#?}");
+    assert!(ct.iter().all(|(_, e)| e.last_seen_ns > left.last_seen_ns && e.owner == owner::NETFILTER), "both refreshed: {ct:#?}");
+    let lifetime = Lifetimes::DEFAULT.tcp_established_ns + ct_gc::MARGIN_NS;
+    assert_eq!(dp.collect_expired_flows(now + 2_000_000_000 + lifetime / 2).unwrap()[0].flows, 0, "live: kept");
+    assert_eq!(dp.collect_expired_flows(now + 2_000_000_000 + lifetime).unwrap()[0].flows, 2, "idle past its lifetime: both go");
+    assert!(conntrack(&mut dp).is_empty());
+    let out = run(&mut dp, &tcp_frame(client, vip, SYN));
+    assert_eq!(dissect(&out.frame).dst_sock(), backend, "the tuple is ours again");
+}

@@ -14,15 +14,24 @@
 //! afresh as the connection it is (mid-stream TCP, as nf_conntrack_tcp_loose allows by
 //! default).
 //!
-//! Not adopted: a connection opened between the table's last read (at the first frontend's
+//! A connection netfilter masqueraded as well (an outside client of a NodePort or
+//! load-balancer IP of externalTrafficPolicy Cluster, a pod reaching itself, `masqueradeAll`)
+//! is not adopted: its source went out as the node's address and a port netfilter chose among
+//! its own, which our programs' SNAT (remote backends only, from `--snat-port-range`) does not
+//! reproduce for every backend. It is left to netfilter instead: its conntrack entry keeps its
+//! NAT with kube-proxy's rules gone, so the seed marks both tuples it reaches the hooks with
+//! (the client's, and the backend's reply to the masquerading address) as netfilter's
+//! (`ct::owner::NETFILTER`), before the master as well, and the hooks pass its packets to the
+//! stack untouched until it ends. Its netfilter entry stays.
+//!
+//! Not taken over: a connection opened between the table's last read (at the first frontend's
 //! write, as late as it can be, and again each second during a long first write) and its
-//! frontend's master; masqueraded connections (a pod reaching
-//! itself, outside clients of externalTrafficPolicy Cluster), whose node port kube-proxy chose
-//! and our programs do not track; and the node's own processes' connections, which netfilter's
-//! entry goes on translating (our programs translate pods' and outside clients' packets). And a packet that comes between its frontend's master and the
-//! deletion of its entry meets the port move above: the deletions go in batches of requests
-//! (`netlink::request_batch`), a few syscalls a frontend, to keep that window short; the log
-//! gives the time they took (`deleting_netfilter_entries_us`).
+//! frontend's master; and the node's own processes' connections, which netfilter's entry goes
+//! on translating (our programs translate pods' and outside clients' packets). And a packet
+//! that comes between its frontend's master and the deletion of its entry meets the port move
+//! above: the deletions go in batches of requests (`netlink::request_batch`), a few syscalls a
+//! frontend, to keep that window short; the log gives the time they took
+//! (`deleting_netfilter_entries_us`).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -34,7 +43,7 @@ use std::{
 
 use proxy_common::{
     csum,
-    ct::{self, flags, l4_csum},
+    ct::{self, flags, l4_csum, owner},
     ct_filter as filter,
     user::MapAddr,
     CtEntry, CtKey,
@@ -88,6 +97,8 @@ pub struct Adoption<A> {
     seeded: Vec<(Translated, [CtKey<A>; 2])>,
     forgetter: Option<Forgetter>,
     adopted: usize,
+    /// Masqueraded connections left to netfilter.
+    left: usize,
     /// Connections whose tuple one of ours already held.
     taken: usize,
     /// Connections found to a frontend that no seed adopted: their backend is not one of its
@@ -125,6 +136,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             seeded: Vec::new(),
             forgetter: None,
             adopted: 0,
+            left: 0,
             taken: 0,
             not_served: 0,
             unforgotten: 0,
@@ -162,7 +174,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             return by_service;
         }
         tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
-        let tcp = by_service.keys().any(|(_, proto)| *proto == libc::IPPROTO_TCP as u8);
+        let tcp = by_service.iter().any(|((_, proto), v)| *proto == libc::IPPROTO_TCP as u8 && v.iter().any(|t| t.masquerade.is_none()));
         if tcp && std::fs::read_to_string(TCP_LOOSE).is_ok_and(|v| v.trim() == "0") {
             tracing::warn!(
                 family = %self.family,
@@ -177,17 +189,15 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
     /// (`proxy_ebpf::ct::create`) that has seen a reply; their keys. None: a tuple of it is
     /// taken.
     fn insert(&self, t: &Translated, service_id: u32, backend_id: u32, now: u64) -> io::Result<Option<[CtKey<A>; 2]>> {
-        let addr = |s: SocketAddr| A::from_ip(s.ip()).ok_or_else(|| io::Error::other(format!("{s} is not of the family")));
-        let port = |s: SocketAddr| s.port().to_be_bytes();
-        let (client, service, backend) = (addr(t.client)?, addr(t.service)?, addr(t.backend)?);
-        let fwd = CtKey { saddr: client, daddr: service, sport: port(t.client), dport: port(t.service), proto: t.proto, _pad: 0, _pad2: 0 };
+        let (client, service, backend) = (addr::<A>(t.client)?, addr::<A>(t.service)?, addr::<A>(t.backend)?);
+        let fwd = tuple(t.proto, (client, t.client), (service, t.service));
         let forward = CtEntry::<A> {
             last_seen_ns: now,
             backend_id,
             service_id,
             flags: flags::SEEN_REPLY,
             l4_csum: l4_csum::UNKNOWN,
-            nat_port: port(t.backend),
+            nat_port: t.backend.port().to_be_bytes(),
             nat_addr: backend,
             addr_sum: csum::address_pair(client, service),
             addr_delta: csum::address_delta(service, backend),
@@ -204,15 +214,47 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         };
         self.marker.mark(&fwd);
         self.marker.mark(&reply);
-        if !batch::put_back(self.ct.as_fd(), &reply, &reverse)? {
-            return Ok(None);
-        }
-        if !batch::put_back(self.ct.as_fd(), &fwd, &forward)? {
-            let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &reply);
-            return Ok(None);
-        }
-        Ok(Some([fwd, reply]))
+        self.put_pair([(reply, reverse), (fwd, forward)])
     }
+
+    /// Marks the two tuples of the masqueraded connection `t` (to the node's `masquerade`) as
+    /// netfilter's (see the module's notes). None: a tuple of it is taken.
+    fn leave(&self, t: &Translated, masquerade: SocketAddr, service_id: u32, now: u64) -> io::Result<Option<[CtKey<A>; 2]>> {
+        let (client, service) = (addr::<A>(t.client)?, addr::<A>(t.service)?);
+        let (backend, node) = (addr::<A>(t.backend)?, addr::<A>(masquerade)?);
+        // (No NAT fields: the hooks only pass its packets, and the expiry finds no reply entry
+        // of it to take.)
+        let e = CtEntry::<A> { last_seen_ns: now, service_id, flags: flags::SEEN_REPLY, owner: owner::NETFILTER, ..Default::default() };
+        let keys = [tuple(t.proto, (backend, t.backend), (node, masquerade)), tuple(t.proto, (client, t.client), (service, t.service))];
+        for k in &keys {
+            self.marker.mark(k);
+        }
+        self.put_pair(keys.map(|k| (k, e)))
+    }
+
+    /// Inserts two entries where their keys are free, the first first; neither if a key is
+    /// taken (None).
+    fn put_pair(&self, entries: [(CtKey<A>, CtEntry<A>); 2]) -> io::Result<Option<[CtKey<A>; 2]>> {
+        let [(first, e1), (second, e2)] = entries;
+        if !batch::put_back(self.ct.as_fd(), &first, &e1)? {
+            return Ok(None);
+        }
+        if !batch::put_back(self.ct.as_fd(), &second, &e2)? {
+            let _ = batch::take::<CtKey<A>, CtEntry<A>>(self.ct.as_fd(), &first);
+            return Ok(None);
+        }
+        Ok(Some([second, first]))
+    }
+}
+
+fn addr<A: MapAddr>(s: SocketAddr) -> io::Result<A> {
+    A::from_ip(s.ip()).ok_or_else(|| io::Error::other(format!("{s} is not of the family")))
+}
+
+/// The conntrack key of a packet `from` -> `to` (each as the map holds the address, and as
+/// given).
+fn tuple<A>(proto: u8, (saddr, from): (A, SocketAddr), (daddr, to): (A, SocketAddr)) -> CtKey<A> {
+    CtKey { saddr, daddr, sport: from.port().to_be_bytes(), dport: to.port().to_be_bytes(), proto, _pad: 0, _pad2: 0 }
 }
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
@@ -231,6 +273,16 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         // A connection whose backend this scope lacks may be the other scope's.
         let mut left = Vec::new();
         for t in flows {
+            if let Some(masquerade) = t.masquerade {
+                match self.leave(&t, masquerade, service_id, now) {
+                    Ok(Some(_)) => self.left += 1,
+                    Ok(None) => self.taken += 1,
+                    Err(e) => {
+                        tracing::warn!(frontend = %frontend, client = %t.client, error = %e, "could not leave a masqueraded connection to netfilter")
+                    }
+                }
+                continue;
+            }
             let Some(i) = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend) else {
                 left.push(t);
                 continue;
@@ -302,11 +354,12 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         tracing::info!(
             family = %self.family,
             adopted = self.adopted,
+            left_to_netfilter = self.left,
             not_served,
             taken = self.taken,
             deleting_netfilter_entries_us = self.forgetting.as_micros() as u64,
-            "adopted the connections netfilter translated to endpoints we serve; the rest (their Service or endpoint gone, or a \
-             tuple already tracked) are balanced afresh on their next packet"
+            "adopted the connections netfilter translated to endpoints we serve, and left those it masqueraded to it; the rest \
+             (their Service or endpoint gone, or a tuple already tracked) are balanced afresh on their next packet"
         );
         if self.unforgotten > 0 {
             tracing::warn!(
@@ -329,6 +382,7 @@ mod tests {
             client: SocketAddr::new("10.244.0.2".parse().unwrap(), client_port),
             service: service.parse().unwrap(),
             backend: "10.244.1.3:8080".parse().unwrap(),
+            masquerade: None,
         }
     }
 

@@ -87,10 +87,9 @@ pub fn parse_attempt(line: &str) -> Option<Attempt> {
     Some(Attempt { src: flow.src, sport: flow.sport, dst: flow.dst, dport: flow.dport })
 }
 
-/// A connection netfilter's DNAT sent to another address and nothing else translated (no
-/// source NAT): what kube-proxy's rules made of a pod's connection to a Service (or of an
-/// outside client's to a NodePort of externalTrafficPolicy Local), which the eBPF mode adopts at
-/// a takeover (`dataplane::ebpf::adopt`).
+/// A connection netfilter's DNAT sent to another address: what kube-proxy's rules made of a
+/// pod's connection to a Service (or of an outside client's to a NodePort), which the eBPF mode
+/// takes over at a takeover (`dataplane::ebpf::adopt`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Translated {
     pub proto: u8,
@@ -99,11 +98,15 @@ pub struct Translated {
     pub service: SocketAddr,
     /// Where replies come from.
     pub backend: SocketAddr,
+    /// Where replies go, when netfilter masqueraded the client too (an outside client of
+    /// externalTrafficPolicy Cluster, a pod reaching itself, `masqueradeAll`): the node's
+    /// address and the port netfilter chose. None: only DNATed.
+    pub masquerade: Option<SocketAddr>,
 }
 
 /// Reads a line of `conntrack -L` output as a TCP or UDP connection that is answered, still
-/// open (TCP: not closing), and only DNATed; None for anything else (an attempt nothing
-/// answered, which is balanced afresh all the same, a masqueraded or untranslated flow).
+/// open (TCP: not closing), and DNATed; None for anything else (an attempt nothing answered,
+/// which is balanced afresh all the same, an untranslated flow).
 pub fn parse_translated(line: &str) -> Option<Translated> {
     let words: Vec<&str> = line.split_whitespace().collect();
     let proto = match words.first() {
@@ -115,15 +118,15 @@ pub fn parse_translated(line: &str) -> Option<Translated> {
         return None;
     }
     let flow = parse_line(line)?;
-    let reply_dst: IpAddr = field(line, "dst", 1)?.parse().ok()?;
-    let reply_dport: u16 = field(line, "dport", 1)?.parse().ok()?;
+    let reply_dst = SocketAddr::new(field(line, "dst", 1)?.parse().ok()?, field(line, "dport", 1)?.parse().ok()?);
+    let client = SocketAddr::new(flow.src, flow.sport);
     let translated = (flow.reply_src, flow.reply_sport) != (flow.dst, flow.dport);
-    let unmasqueraded = (reply_dst, reply_dport) == (flow.src, flow.sport);
-    (translated && unmasqueraded).then(|| Translated {
+    translated.then(|| Translated {
         proto,
-        client: SocketAddr::new(flow.src, flow.sport),
+        client,
         service: SocketAddr::new(flow.dst, flow.dport),
         backend: SocketAddr::new(flow.reply_src, flow.reply_sport),
+        masquerade: (reply_dst != client).then_some(reply_dst),
     })
 }
 
@@ -392,17 +395,18 @@ mod tests {
     }
 
     #[test]
-    fn only_answered_open_dnat_only_connections_are_read_as_translated() {
+    fn only_answered_open_dnated_connections_are_read_as_translated_with_their_masquerade() {
         let lines = [
-            // A pod's connection kube-proxy DNATed: adopted.
+            // A pod's connection kube-proxy DNATed.
             "tcp      6 431999 ESTABLISHED src=10.244.0.2 dst=10.96.0.10 sport=44044 dport=80 src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44044 [ASSURED] mark=0 use=1",
-            // Masqueraded as well (hairpin, an outside client of externalTrafficPolicy Cluster).
+            // Masqueraded as well (an outside client of externalTrafficPolicy Cluster), to the
+            // node's port 61000.
             "tcp      6 431999 ESTABLISHED src=192.0.2.9 dst=192.168.0.4 sport=50000 dport=30080 src=10.244.1.3 dst=192.168.0.4 sport=8080 dport=61000 [ASSURED] mark=0 use=1",
-            // Closing, unanswered, untranslated: not adopted.
+            // Closing, unanswered, untranslated: not read.
             "tcp      6 100 TIME_WAIT src=10.244.0.2 dst=10.96.0.10 sport=44046 dport=80 src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44046 [ASSURED] mark=0 use=1",
             "tcp      6 117 SYN_SENT src=10.244.0.2 dst=10.96.0.10 sport=44048 dport=80 [UNREPLIED] src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=44048 mark=0 use=1",
             "tcp      6 431999 ESTABLISHED src=10.244.0.2 dst=192.0.2.7 sport=44050 dport=80 src=192.0.2.7 dst=10.244.0.2 sport=80 dport=44050 [ASSURED] mark=0 use=1",
-            // UDP, IPv6, answered: adopted.
+            // UDP, IPv6, answered.
             "udp      17 110 src=fd00:244::2 dst=fd00:96::a sport=40000 dport=53 src=fd00:244:1::3 dst=fd00:244::2 sport=5353 dport=40000 [ASSURED] mark=0 use=1",
             "icmp     1 29 src=10.244.0.2 dst=10.96.0.10 type=8 code=0 id=7 src=10.244.1.3 dst=10.244.0.2 type=0 code=0 id=7 mark=0 use=1",
             "conntrack v1.4.7 (conntrack-tools): 7 flow entries have been shown.",
@@ -413,11 +417,17 @@ mod tests {
             client: client.parse().unwrap(),
             service: service.parse().unwrap(),
             backend: backend.parse().unwrap(),
+            masquerade: None,
+        };
+        let masqueraded = Translated {
+            masquerade: Some("192.168.0.4:61000".parse().unwrap()),
+            ..t(libc::IPPROTO_TCP, "192.0.2.9:50000", "192.168.0.4:30080", "10.244.1.3:8080")
         };
         assert_eq!(
             got,
             vec![
                 t(libc::IPPROTO_TCP, "10.244.0.2:44044", "10.96.0.10:80", "10.244.1.3:8080"),
+                masqueraded,
                 t(libc::IPPROTO_UDP, "[fd00:244::2]:40000", "[fd00:96::a]:53", "[fd00:244:1::3]:5353"),
             ]
         );
