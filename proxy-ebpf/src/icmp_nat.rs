@@ -106,7 +106,12 @@ fn translate<A: Family, const ARRIVING: bool>(ctx: &TcContext, l4_off: usize, ou
     let key = CtKey { saddr: q.daddr, daddr: q.saddr, sport: q.dport, dport: q.sport, proto: q.proto, _pad: 0, _pad2: 0 };
     let Some(e) = Slot::of(A::ct(), &key) else { return untouched };
     // Read field by field (not copied whole: IPv6's entry would not fit beside the quote).
-    let (f, nat_addr, nat_port, snat_addr, snat_port) = e.read(|e| (e.flags, e.nat_addr, e.nat_port, e.snat_addr, e.snat_port));
+    let (f, nat_addr, nat_port, snat_addr, snat_port, owner) =
+        e.read(|e| (e.flags, e.nat_addr, e.nat_port, e.snat_addr, e.snat_port, e.owner));
+    if owner == proxy_common::ct::owner::NETFILTER {
+        // A connection netfilter's entry translates: its errors are netfilter's too (RELATED).
+        return untouched;
+    }
     let snat = f & flags::SNAT != 0;
     // A hairpinned client is its own backend, which knows the client by the hairpin address:
     // the error goes straight back to the pod it came from, as the flow's packets do.

@@ -1719,7 +1719,7 @@ fn the_ingress_programs_jit_image_maps_to_its_source_lines() {
 /// (`ct::owner::NETFILTER`, both tuples as the adoption writes them): at pod ingress, the
 /// client's packets to the Service and the backend's replies to the masquerading address pass
 /// untouched (netfilter's entry translates them), each refreshing its entry, and nothing of
-/// ours is tracked for them. Idle past their lifetime, the expiry removes both entries, and the
+/// ours is tracked for them; ICMP errors about them are left to netfilter too. Idle past their lifetime, the expiry removes both entries, and the
 /// client's tuple is then balanced by our programs like any other.
 #[test]
 fn a_connection_left_to_netfilter_passes_untouched_until_it_expires() {
@@ -1756,8 +1756,16 @@ fn a_connection_left_to_netfilter_passes_untouched_until_it_expires() {
         let out = run(&mut dp, &frame);
         assert_eq!(out.frame, frame, "{from} -> {to}: untouched");
     }
+    // The client's port unreachable about a reply it got (quoted: the Service to the client),
+    // and a router's fragmentation needed about the masqueraded packet to the backend (quoted:
+    // the node to the backend): netfilter's to translate (RELATED), not ours.
+    for (from, to, quoted) in [(client, vip, tcp_frame(vip, client, ACK)), (backend, masq, tcp_frame(masq, backend, ACK))] {
+        let err = icmp_error(*from.ip(), *to.ip(), 3, 3, &quoted[14..]);
+        assert_eq!(run(&mut dp, &err).frame, err, "an error about {} -> {}: untouched", to, from);
+    }
     let c = counters(&mut dp);
     assert_eq!(c.get("pass_netfilter"), Some(&2), "{c:?}");
+    assert_eq!(c.get("icmp_error_nat"), None, "{c:?}");
     let ct = conntrack(&mut dp);
     assert_eq!(ct.len(), 2, "nothing of ours is tracked for it: {ct:#?}");
     assert!(ct.iter().all(|(_, e)| e.last_seen_ns > left.last_seen_ns && e.owner == owner::NETFILTER), "both refreshed: {ct:#?}");
