@@ -40,9 +40,11 @@ pub mod owner {
     /// netfilter's: a connection kube-proxy's rules translated and masqueraded before the
     /// takeover, whose NAT (the port it chose among them) its conntrack entry keeps. One such
     /// entry at each of the connection's two tuples as they reach the hooks (the client's, and
-    /// the backend's reply to the masquerading address), neither with `REPLY`: the hooks pass
-    /// its packets to the stack untouched, and refresh the entry as a forward one, so the
-    /// expiry removes it once the connection is idle past its lifetime.
+    /// the backend's reply to the masquerading address), neither with `REPLY`, both with the
+    /// backend's id, address and port as a forward entry has them: the hooks pass its packets
+    /// to the stack untouched, and refresh the entry as a forward one, so the expiry removes it
+    /// once the connection is idle past its lifetime. A UDP packet whose backend is gone is
+    /// tracked afresh instead (kube-proxy deletes a removed endpoint's UDP entries).
     pub const NETFILTER: u8 = 1;
 }
 

@@ -30,7 +30,7 @@ use crate::{
     maps::{CONFIG_V3, XDP_DEVS_V1},
     parse::Packet,
     pod_ingress::count_flow,
-    select::{self, backend, revnat_of},
+    select::{self, backend_of, revnat_of},
     value::{self, Slot},
 };
 
@@ -305,9 +305,11 @@ pub fn decide_found<A: Family>(
             };
         }
         let live = !ct::forward_stale(pkt, &entry, now);
-        if live && entry.owner == owner::NETFILTER {
+        if live && entry.owner == owner::NETFILTER && (pkt.proto != proxy_common::IPPROTO_UDP || backend_of(&entry).is_some()) {
             // A connection netfilter's entry translates (either of its tuples): TC keeps it
-            // alive, and leaves it to the stack.
+            // alive, and leaves it to the stack. (A UDP flow whose endpoint went is tracked
+            // afresh below, as kube-proxy clears such a flow's netfilter entry; TCP stays with
+            // it, as there.)
             if let Some(s) = xdp_pass(env) {
                 return s;
             }
@@ -316,7 +318,7 @@ pub fn decide_found<A: Family>(
             }
             return Step::Pass(Reason::PassNetfilter);
         }
-        let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
+        let be = backend_of(&entry);
         if let (true, Some(be)) = (live, be) {
             if entry.flags & flags::SNAT == 0 {
                 if let Some(s) = xdp_pass(env) {

@@ -20,7 +20,7 @@ use crate::{
     nat::{self, Side},
     parse::{self, Frag, Packet, Parsed, L3},
     parse6,
-    select::{self, backend},
+    select::{self, backend_of},
     value::Slot,
     verdict::Verdict,
 };
@@ -126,9 +126,10 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
         retrack(pkt, &entry, now);
         return Tracked::Afresh(Some(now), reason_of_new(pkt));
     }
-    if entry.owner == owner::NETFILTER {
+    if entry.owner == owner::NETFILTER && (pkt.proto != proxy_common::IPPROTO_UDP || backend_of(&entry).is_some()) {
         // A connection netfilter's entry translates (either of its tuples): kept alive here,
-        // left to it.
+        // left to it. (A UDP flow whose endpoint went is balanced afresh by `established`, as
+        // kube-proxy clears such a flow's netfilter entry; TCP stays with it, as there.)
         let mut e = e;
         ct::touch_forward(pkt, &mut e, now);
         return Tracked::Done(Ok(Verdict::pass(Reason::PassNetfilter)));
@@ -261,8 +262,7 @@ fn established<A: Family>(
     cache_under: Option<u32>,
 ) -> Tracked {
     // The id must still name the backend the flow went to: ids are reused eventually.
-    let be = backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port);
-    let Some(be) = be else {
+    let Some(be) = backend_of(entry) else {
         // The backend was removed. Send the flow to a live one: UDP carries on, and TCP gets a
         // reset from the new backend (it has no such connection) instead of hanging. (A step
         // the cache served is the entry's: the agent moves the cache's generation on once it

@@ -71,6 +71,13 @@ pub fn backend<A: Family>(id: u32) -> Option<Backend<A>> {
     value::copy(A::backends(), id).filter(|b| b.addr != A::UNSPECIFIED)
 }
 
+/// The backend a forward conntrack entry's flow went to, while its id still names it (ids are
+/// reused eventually); None once it was removed.
+#[inline(always)]
+pub fn backend_of<A: Family>(entry: &CtEntry<A>) -> Option<Backend<A>> {
+    backend::<A>(entry.backend_id).filter(|b| b.addr == entry.nat_addr && b.port == entry.nat_port)
+}
+
 /// The master entry pods use for `key`: the frontend's own, or for a frontend whose outside
 /// clients see other backends (externalTrafficPolicy Local) the internal scope's.
 #[inline(always)]

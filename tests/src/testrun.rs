@@ -246,3 +246,45 @@ pub fn stay_on_this_cpu() {
         assert_eq!(libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set), 0, "pin the thread to its CPU");
     }
 }
+
+/// Writes the two IPv4 conntrack entries the takeover writes for a connection it leaves to
+/// netfilter (`ct::owner::NETFILTER`, at each of `tuples`, of protocol `proto`: the client's to
+/// the Service, the backend's reply to the masquerading address), naming `backend` by
+/// `backend_id`, last seen at `seen`, with their conntrack filter bits; the entry.
+pub fn left_to_netfilter(
+    dp: &mut EbpfDataplane,
+    proto: u8,
+    tuples: [(std::net::SocketAddrV4, std::net::SocketAddrV4); 2],
+    backend: std::net::SocketAddrV4,
+    backend_id: u32,
+    seen: u64,
+) -> CtEntry {
+    use std::os::fd::AsFd;
+
+    use proxy_common::ct;
+    let e = CtEntry {
+        last_seen_ns: seen,
+        backend_id,
+        flags: ct::flags::SEEN_REPLY,
+        nat_addr: backend.ip().octets(),
+        nat_port: backend.port().to_be_bytes(),
+        owner: ct::owner::NETFILTER,
+        ..Default::default()
+    };
+    let marker = proxy_agent::dataplane::ebpf::ct_filter::Marker::of(map_fd(dp, map_names::CT_FILTER).as_fd()).expect("the filter");
+    let mut map: HashMap<_, CtKey, CtEntry> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT).expect("conntrack map")).unwrap();
+    for (from, to) in tuples {
+        let k = CtKey {
+            saddr: from.ip().octets(),
+            daddr: to.ip().octets(),
+            sport: from.port().to_be_bytes(),
+            dport: to.port().to_be_bytes(),
+            proto,
+            _pad: 0,
+            _pad2: 0,
+        };
+        marker.mark(&k);
+        map.insert(k, e, 0).expect("an entry left to netfilter");
+    }
+    e
+}

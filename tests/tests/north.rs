@@ -21,7 +21,7 @@ use proxy_common::{
 };
 use proxy_tests::{
     netns::{enter, ifindex, routed_uplink_node, Netns},
-    packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP},
+    packet::{dissect, tcp_frame, udp_frame, Ipv4, ACK, FIN, ICMP, RST, SYN, TCP, UDP},
     require,
     testrun::{
         self, conntrack, counters, forget_conntrack, run, run_egress, run_ext, run_xdp, within_a_window, without_conntrack, TC_ACT_OK,
@@ -1059,4 +1059,32 @@ fn a_host_flows_entries_are_removed_once_it_has_expired() {
     let [v4, _] = n.dp.collect_expired_flows(now + 10 * sec + unanswered + sec + ct_gc::MARGIN_NS).unwrap();
     assert_eq!(v4, Collected { flows: 1, replies: 1, orphans: 0 });
     assert!(testrun::conntrack(&mut n.dp).is_empty());
+}
+
+/// A NodePort's UDP flow that kube-proxy masqueraded before the takeover, left to netfilter
+/// (`ct::owner::NETFILTER`): XDP and TC pass its datagrams and its backend's replies untouched
+/// while that backend is served; once it is removed, the next datagram is the agent's new flow
+/// (as kube-proxy deletes a removed endpoint's UDP conntrack entries).
+#[test]
+fn a_udp_flow_left_to_netfilter_passes_the_external_hooks_until_its_endpoint_goes() {
+    let Some(mut n) = node("a_udp_flow_left_to_netfilter_passes_the_external_hooks_until_its_endpoint_goes") else { return };
+    const OTHER: &str = "10.244.2.6:8080";
+    let np = key(NODE_PORT, Protocol::Udp);
+    n.dp.upsert(&np, &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    // The backend's id, from a flow of ours.
+    run_ext(&mut n.dp, &udp_frame(sock(CLIENT), sock(NODE_PORT), b"q"), n.ifindex);
+    let id = forward_entry(&mut n.dp).1.backend_id;
+    let (client, masq) = (sock("198.51.100.8:40000"), SocketAddrV4::new(NODE_IP.parse().unwrap(), 50123));
+    let now = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
+    testrun::left_to_netfilter(&mut n.dp, UDP, [(client, sock(NODE_PORT)), (sock(REMOTE), masq)], sock(REMOTE), id, now);
+    let (query, answer) = (udp_frame(client, sock(NODE_PORT), b"q"), udp_frame(sock(REMOTE), masq, b"a"));
+    for frame in [&query, &answer] {
+        assert_xdp_passes(&mut n, frame, "a flow left to netfilter");
+        let out = run_ext(&mut n.dp, frame, n.ifindex);
+        assert_eq!((out.action, out.frame.as_slice()), (TC_ACT_OK, frame.as_slice()), "TC leaves it to the stack, untouched");
+    }
+    assert_eq!(counters(&mut n.dp).get("pass_netfilter"), Some(&2));
+    n.dp.upsert(&np, &frontend(FrontendKind::NodePort, vec![backend(OTHER, false)])).unwrap();
+    let out = run_ext(&mut n.dp, &query, n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(OTHER)), "its endpoint removed: a flow of ours");
 }

@@ -1723,34 +1723,15 @@ fn the_ingress_programs_jit_image_maps_to_its_source_lines() {
 /// client's tuple is then balanced by our programs like any other.
 #[test]
 fn a_connection_left_to_netfilter_passes_untouched_until_it_expires() {
-    use std::os::fd::AsFd;
-
-    use proxy_agent::dataplane::ebpf::{ct_filter, ct_gc};
-    use proxy_common::{
-        ct::{flags, owner, Lifetimes},
-        CtEntry, CtKey,
-    };
+    use proxy_agent::dataplane::ebpf::ct_gc;
+    use proxy_common::ct::{owner, Lifetimes};
     let Some(mut dp) = setup("a_connection_left_to_netfilter_passes_untouched_until_it_expires") else { return };
     program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
     let (client, vip) = (sock(CLIENT), sock(VIP));
     let (backend, masq) = (sock("10.244.1.2:8080"), sock("10.244.0.1:61000"));
-    let key = |from: SocketAddrV4, to: SocketAddrV4| CtKey {
-        saddr: from.ip().octets(),
-        daddr: to.ip().octets(),
-        sport: from.port().to_be_bytes(),
-        dport: to.port().to_be_bytes(),
-        proto: 6,
-        _pad: 0,
-        _pad2: 0,
-    };
     let now = ct_gc::monotonic_coarse_ns();
-    let left = CtEntry { last_seen_ns: now - 2_000_000_000, flags: flags::SEEN_REPLY, owner: owner::NETFILTER, ..Default::default() };
-    let keys = [key(client, vip), key(backend, masq)];
-    let marker = ct_filter::Marker::of(testrun::map_fd(&mut dp, proxy_common::map_names::CT_FILTER).as_fd()).unwrap();
-    for k in &keys {
-        marker.mark(k);
-        ct_map(&mut dp).insert(k, left, 0).unwrap();
-    }
+    // (Its backend's id unknown, 0: a TCP connection stays netfilter's whatever its backend.)
+    let left = testrun::left_to_netfilter(&mut dp, TCP, [(client, vip), (backend, masq)], backend, 0, now - 2_000_000_000);
     for (from, to) in [(client, vip), (backend, masq)] {
         let frame = tcp_frame(from, to, ACK);
         let out = run(&mut dp, &frame);
@@ -1775,4 +1756,43 @@ fn a_connection_left_to_netfilter_passes_untouched_until_it_expires() {
     assert!(conntrack(&mut dp).is_empty());
     let out = run(&mut dp, &tcp_frame(client, vip, SYN));
     assert_eq!(dissect(&out.frame).dst_sock(), backend, "the tuple is ours again");
+}
+
+/// As kube-proxy deletes a removed endpoint's UDP conntrack entries (and not TCP's): a UDP flow
+/// left to netfilter passes while its endpoint is served, and is balanced afresh by our
+/// programs once the endpoint is removed; a TCP connection left to netfilter stays with it.
+#[test]
+fn a_udp_flow_left_to_netfilter_is_balanced_afresh_once_its_endpoint_goes() {
+    let Some(mut dp) = setup("a_udp_flow_left_to_netfilter_is_balanced_afresh_once_its_endpoint_goes") else { return };
+    let (dns, old, new) = ("10.96.0.53:53", "10.244.1.2:5353", "10.244.1.3:5353");
+    program(&mut dp, dns, Protocol::Udp, &[old]);
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    // The backends' ids, from a flow of ours to each.
+    run(&mut dp, &udp_frame(sock("10.244.0.6:40000"), sock(dns), b"q"));
+    run(&mut dp, &tcp_frame(sock("10.244.0.6:40001"), sock(VIP), SYN));
+    let (udp_id, tcp_id) =
+        (forward_entry(&mut dp, sock("10.244.0.6:40000")).1.backend_id, forward_entry(&mut dp, sock("10.244.0.6:40001")).1.backend_id);
+    let (client, other) = (sock(CLIENT), sock("10.244.0.5:40002"));
+    let now = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
+    let masq = |port| SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 1), port);
+    testrun::left_to_netfilter(&mut dp, UDP, [(client, sock(dns)), (sock(old), masq(61000))], sock(old), udp_id, now);
+    testrun::left_to_netfilter(
+        &mut dp,
+        TCP,
+        [(other, sock(VIP)), (sock("10.244.1.2:8080"), masq(61001))],
+        sock("10.244.1.2:8080"),
+        tcp_id,
+        now,
+    );
+    let query = udp_frame(client, sock(dns), b"q");
+    let segment = tcp_frame(other, sock(VIP), ACK);
+    assert_eq!(run(&mut dp, &query).frame, query, "the UDP flow's endpoint is served: netfilter's");
+    assert_eq!(run(&mut dp, &segment).frame, segment, "netfilter's");
+    program(&mut dp, dns, Protocol::Udp, &[new]);
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.3:8080"]);
+    let out = run(&mut dp, &query);
+    assert_eq!(dissect(&out.frame).dst_sock(), sock(new), "its endpoint removed, the UDP flow is balanced afresh");
+    assert_eq!(run(&mut dp, &segment).frame, segment, "the TCP connection stays netfilter's");
+    let c = counters(&mut dp);
+    assert_eq!(c.get("pass_netfilter"), Some(&3), "{c:?}");
 }

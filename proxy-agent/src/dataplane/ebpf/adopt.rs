@@ -22,7 +22,10 @@
 //! NAT with kube-proxy's rules gone, so the seed marks both tuples it reaches the hooks with
 //! (the client's, and the backend's reply to the masquerading address) as netfilter's
 //! (`ct::owner::NETFILTER`), before the master as well, and the hooks pass its packets to the
-//! stack untouched until it ends. Its netfilter entry stays.
+//! stack untouched until it ends. Its netfilter entry stays. As under kube-proxy, a UDP flow of
+//! them whose endpoint is removed is balanced afresh (kube-proxy deletes such a flow's
+//! netfilter entry; the hooks track it as new, beside that entry), and a TCP connection stays
+//! with its endpoint.
 //!
 //! Not taken over: a connection opened between the table's last read (at the first frontend's
 //! write, as late as it can be, and again each second during a long first write) and its
@@ -218,13 +221,29 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
     }
 
     /// Marks the two tuples of the masqueraded connection `t` (to the node's `masquerade`) as
-    /// netfilter's (see the module's notes). None: a tuple of it is taken.
-    fn leave(&self, t: &Translated, masquerade: SocketAddr, service_id: u32, now: u64) -> io::Result<Option<[CtKey<A>; 2]>> {
+    /// netfilter's (see the module's notes), with its endpoint as the id `backend_id` names it
+    /// (a UDP flow whose endpoint is removed is then balanced afresh, as kube-proxy clears its
+    /// netfilter entry). None: a tuple of it is taken.
+    fn leave(
+        &self,
+        t: &Translated,
+        masquerade: SocketAddr,
+        service_id: u32,
+        backend_id: u32,
+        now: u64,
+    ) -> io::Result<Option<[CtKey<A>; 2]>> {
         let (client, service) = (addr::<A>(t.client)?, addr::<A>(t.service)?);
         let (backend, node) = (addr::<A>(t.backend)?, addr::<A>(masquerade)?);
-        // (No NAT fields: the hooks only pass its packets, and the expiry finds no reply entry
-        // of it to take.)
-        let e = CtEntry::<A> { last_seen_ns: now, service_id, flags: flags::SEEN_REPLY, owner: owner::NETFILTER, ..Default::default() };
+        let e = CtEntry::<A> {
+            last_seen_ns: now,
+            backend_id,
+            service_id,
+            flags: flags::SEEN_REPLY,
+            nat_port: t.backend.port().to_be_bytes(),
+            nat_addr: backend,
+            owner: owner::NETFILTER,
+            ..Default::default()
+        };
         let keys = [tuple(t.proto, (backend, t.backend), (node, masquerade)), tuple(t.proto, (client, t.client), (service, t.service))];
         for k in &keys {
             self.marker.mark(k);
@@ -274,7 +293,10 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         let mut left = Vec::new();
         for t in flows {
             if let Some(masquerade) = t.masquerade {
-                match self.leave(&t, masquerade, service_id, now) {
+                // (0 where this scope lacks its endpoint: no backend's id and address, so a UDP
+                // flow of it is balanced afresh.)
+                let id = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend).map_or(0, |i| ids[i]);
+                match self.leave(&t, masquerade, service_id, id, now) {
                     Ok(Some(_)) => self.left += 1,
                     Ok(None) => self.taken += 1,
                     Err(e) => {
