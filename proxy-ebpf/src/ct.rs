@@ -206,6 +206,18 @@ pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: &mut Slot<CtEntry<A>>, now: 
     });
 }
 
+/// Whether the forward entry `e` (read: `entry`) of a connection at its handover
+/// (`owner::HANDOVER`) is ours at `now`: once the agent has not finished it in time, the entry
+/// is made ours here. False: its packets are held back.
+#[inline(always)]
+pub fn handed_over<A: Family>(e: &mut Slot<CtEntry<A>>, entry: &CtEntry<A>, now: u64) -> bool {
+    if now.wrapping_sub(entry.last_seen_ns) < ct::HANDOVER_NS {
+        return false;
+    }
+    e.update(|e| e.owner = ct::owner::DATAPATH);
+    true
+}
+
 /// Records a reply, and checks that it still belongs to a live connection. A reply entry is
 /// only valid while its forward entry is live and names the same backend: otherwise the
 /// connection closed, expired or moved to another backend, and the tuple may now be a

@@ -318,6 +318,9 @@ pub fn decide_found<A: Family>(
             }
             return Step::Pass(Reason::PassNetfilter);
         }
+        if live && entry.owner == owner::HANDOVER && (env.dry || !ct::handed_over(&mut e, &entry, now)) {
+            return Step::Drop(Reason::DropHandover);
+        }
         let be = backend_of(&entry);
         if let (true, Some(be)) = (live, be) {
             if entry.flags & flags::SNAT == 0 {

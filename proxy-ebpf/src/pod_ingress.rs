@@ -134,6 +134,10 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
         ct::touch_forward(pkt, &mut e, now);
         return Tracked::Done(Ok(Verdict::pass(Reason::PassNetfilter)));
     }
+    let mut e = e;
+    if entry.owner == owner::HANDOVER && !ct::handed_over(&mut e, &entry, now) {
+        return Tracked::Done(Err(Reason::DropHandover));
+    }
     established(ctx, pkt, Some(e), &entry, now, cache_under)
 }
 

@@ -508,8 +508,36 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     if !loose {
         lab.node.sysctl("net.netfilter.nf_conntrack_tcp_loose", "0");
     }
+    let left = conns.iter().map(|(_, a)| a).chain(flows.iter().map(|(_, a)| a)).filter(|a| a.backend == "backend-3").count() as u64;
+    // Four of the connections are busy through the takeover: each asks again as soon as it
+    // has its answer, from before the agent starts until after its first write.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy: Vec<_> = conns
+        .drain(..4)
+        .enumerate()
+        .map(|(i, (mut c, first))| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut asked = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match c.ask() {
+                        Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
+                        Ok(a) => return Err(format!("busy connection {i} ({first:?}) moved after {asked} answers: {a:?}")),
+                        Err(e) => return Err(format!("busy connection {i} ({first:?}) failed after {asked} answers: {e}")),
+                    }
+                }
+                Ok(asked)
+            })
+        })
+        .collect();
     start_dual_stack(&mut lab, ProxyMode::Ebpf);
     lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in busy {
+        let asked = t.join().expect("a busy connection's thread").unwrap_or_else(|e| panic!("{e}\n{}", lab.log_tail()));
+        assert!(asked > 100, "a busy connection asked {asked} times");
+    }
     if !loose {
         lab.wait_log("nf_conntrack_tcp_loose is 0: netfilter takes the packets of adopted TCP connections for INVALID", 2);
         return;
@@ -541,7 +569,6 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             (field("adopted="), field("left_to_netfilter="))
         })
         .collect();
-    let left = conns.iter().map(|(_, a)| a).chain(flows.iter().map(|(_, a)| a)).filter(|a| a.backend == "backend-3").count() as u64;
     assert!(
         taken_over.len() == 2
             && taken_over.iter().map(|(a, l)| a + l).collect::<BTreeSet<_>>() == BTreeSet::from([18, 9])

@@ -90,7 +90,8 @@ fn serve_conn(stream: TcpStream, peer: SocketAddr, name: String, stop: Arc<Atomi
         match reader.read_line(&mut line) {
             Ok(0) => return,
             Ok(_) if line.ends_with('\n') => {
-                if writeln!(writer, "{name} {peer}").is_err() {
+                // (One write, one segment: pieces would wait on each other's acknowledgement.)
+                if writer.write_all(format!("{name} {peer}\n").as_bytes()).is_err() {
                     return;
                 }
                 line.clear();
@@ -146,7 +147,8 @@ impl Conn {
 
     /// Sends a request line and reads the answer.
     pub fn ask(&mut self) -> io::Result<Answer> {
-        writeln!(self.writer, "hello")?;
+        // (One write, one segment: see `serve_tcp`.)
+        self.writer.write_all(b"hello\n")?;
         let mut line = String::new();
         if self.reader.read_line(&mut line)? == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"));

@@ -1796,3 +1796,29 @@ fn a_udp_flow_left_to_netfilter_is_balanced_afresh_once_its_endpoint_goes() {
     let c = counters(&mut dp);
     assert_eq!(c.get("pass_netfilter"), Some(&3), "{c:?}");
 }
+
+/// A connection the takeover adopted is held back while its netfilter entry is deleted
+/// (`ct::owner::HANDOVER`): its packets are dropped (TCP sends them again), for at most
+/// `HANDOVER_NS` after its entry was written. The agent then makes the entry ours; if it did
+/// not (it stopped half-way), the datapath does once that time is past, and translates.
+#[test]
+fn an_adopted_connection_is_held_back_only_during_its_handover() {
+    use proxy_common::ct::{owner, HANDOVER_NS};
+    let Some(mut dp) = setup("an_adopted_connection_is_held_back_only_during_its_handover") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    run(&mut dp, &tcp_frame(client, vip, SYN));
+    let (k, e) = forward_entry(&mut dp, client);
+    let now = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
+    ct_map(&mut dp).insert(k, proxy_common::CtEntry { owner: owner::HANDOVER, last_seen_ns: now, ..e }, 0).unwrap();
+    dp.invalidate_cached_flows();
+    let ack = tcp_frame(client, vip, ACK);
+    let out = run(&mut dp, &ack);
+    assert_eq!(out.action, testrun::TC_ACT_SHOT, "held back during the handover");
+    assert_eq!(counters(&mut dp).get("drop_handover"), Some(&1));
+    assert_eq!(forward_entry(&mut dp, client).1.owner, owner::HANDOVER, "nothing refreshed it meanwhile");
+    ct_map(&mut dp).insert(k, proxy_common::CtEntry { owner: owner::HANDOVER, last_seen_ns: now - HANDOVER_NS - 1, ..e }, 0).unwrap();
+    let out = run(&mut dp, &ack);
+    assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "past the handover's time: translated");
+    assert_eq!(forward_entry(&mut dp, client).1.owner, owner::DATAPATH, "and ours from then on");
+}

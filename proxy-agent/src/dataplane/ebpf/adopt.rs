@@ -199,6 +199,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             backend_id,
             service_id,
             flags: flags::SEEN_REPLY,
+            // Held back until netfilter's entry is deleted (`settle`).
+            owner: owner::HANDOVER,
             l4_csum: l4_csum::UNKNOWN,
             nat_port: t.backend.port().to_be_bytes(),
             nat_addr: backend,
@@ -209,6 +211,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         let reply = ct::reply_key_of(&fwd, &forward, A::HAIRPIN);
         let reverse = CtEntry::<A> {
             flags: flags::REPLY | flags::SEEN_REPLY,
+            owner: owner::DATAPATH,
             nat_port: fwd.dport,
             nat_addr: service,
             addr_sum: [0; 2],
@@ -263,6 +266,42 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             return Ok(None);
         }
         Ok(Some([second, first]))
+    }
+}
+
+impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
+    /// Deletes netfilter's entries of the adopted connections `flows`, counting the time it
+    /// took and what could not be deleted.
+    fn forget(&mut self, flows: &[Translated]) {
+        let started = Instant::now();
+        let results = match self.forgetter.as_mut().map(|f| f.forget_all(flows)) {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be deleted");
+                self.unforgotten += flows.len();
+                return;
+            }
+            None => {
+                self.unforgotten += flows.len();
+                return;
+            }
+        };
+        self.forgetting += started.elapsed();
+        for (t, r) in flows.iter().zip(results) {
+            if let Err(e) = r {
+                self.unforgotten += 1;
+                tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
+            }
+        }
+    }
+
+    /// Makes the forward entry at `fwd`, seeded at its handover (`ct::owner::HANDOVER`), ours.
+    /// Left if it is not at its handover any more (the datapath took it past its time).
+    fn hand_over(&self, fwd: &CtKey<A>) -> io::Result<()> {
+        match batch::lookup::<_, CtEntry<A>>(self.ct.as_fd(), fwd)? {
+            Some(e) if e.owner == owner::HANDOVER => batch::replace(self.ct.as_fd(), fwd, &CtEntry { owner: owner::DATAPATH, ..e }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -344,26 +383,14 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                 Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot delete the conntrack entries of adopted connections"),
             }
         }
-        let seeded: Vec<Translated> = self.seeded.drain(..).map(|(t, _)| t).collect();
-        self.adopted += seeded.len();
-        let started = Instant::now();
-        let results = match self.forgetter.as_mut().map(|f| f.forget_all(&seeded)) {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be deleted");
-                self.unforgotten += seeded.len();
-                return;
-            }
-            None => {
-                self.unforgotten += seeded.len();
-                return;
-            }
-        };
-        self.forgetting += started.elapsed();
-        for (t, r) in seeded.iter().zip(results) {
-            if let Err(e) = r {
-                self.unforgotten += 1;
-                tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
+        let seeded: Vec<(Translated, [CtKey<A>; 2])> = self.seeded.drain(..).collect();
+        let flows: Vec<Translated> = seeded.iter().map(|(t, _)| *t).collect();
+        self.adopted += flows.len();
+        self.forget(&flows);
+        // Ours from now on: their packets were held back while the deletions ran.
+        for (t, [fwd, _]) in &seeded {
+            if let Err(e) = self.hand_over(fwd) {
+                tracing::debug!(client = %t.client, error = %e, "could not hand an adopted connection over (the datapath does in a second)");
             }
         }
     }

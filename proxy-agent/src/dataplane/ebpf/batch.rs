@@ -74,6 +74,7 @@ const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
 const BPF_NOEXIST: u64 = 1;
+const BPF_EXIST: u64 = 2;
 
 /// The element members of `union bpf_attr`.
 #[repr(C)]
@@ -136,6 +137,22 @@ pub fn put_back<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) 
     match sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
         Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes `value` at `key` where an entry is (BPF_EXIST); Ok also when there is none any more.
+pub fn replace<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) -> io::Result<()> {
+    let mut attr = ElemAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        key: key as *const K as u64,
+        value: value as *const V as u64,
+        flags: BPF_EXIST,
+        ..Default::default()
+    };
+    match sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
+        Ok(_) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         Err(e) => Err(e),
     }
 }
