@@ -477,7 +477,7 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             (c, first)
         })
         .collect();
-    let flows: Vec<(UdpFlow, Answer)> = udp_to
+    let mut flows: Vec<(UdpFlow, Answer)> = udp_to
         .iter()
         .enumerate()
         .map(|(i, to)| {
@@ -509,21 +509,25 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         lab.node.sysctl("net.netfilter.nf_conntrack_tcp_loose", "0");
     }
     let left = conns.iter().map(|(_, a)| a).chain(flows.iter().map(|(_, a)| a)).filter(|a| a.backend == "backend-3").count() as u64;
-    // Four of the connections are busy through the takeover: each asks again as soon as it
-    // has its answer, from before the agent starts until after its first write.
+    // Four of the TCP connections and two of the UDP flows are busy through the takeover: each
+    // asks again as soon as it has its answer, from before the agent starts until after its
+    // first write.
+    type Ask = Box<dyn FnMut() -> std::io::Result<Answer> + Send>;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let busy: Vec<_> = conns
-        .drain(..4)
+    let tcp_busy = conns.drain(..4).map(|(mut c, first)| (Box::new(move || c.ask()) as Ask, first));
+    let udp_busy = flows.drain(..2).map(|(f, first)| (Box::new(move || f.ask()) as Ask, first));
+    let busy: Vec<_> = tcp_busy
+        .chain(udp_busy)
         .enumerate()
-        .map(|(i, (mut c, first))| {
+        .map(|(i, (mut ask, first))| {
             let stop = stop.clone();
             std::thread::spawn(move || {
                 let mut asked = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    match c.ask() {
+                    match ask() {
                         Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
-                        Ok(a) => return Err(format!("busy connection {i} ({first:?}) moved after {asked} answers: {a:?}")),
-                        Err(e) => return Err(format!("busy connection {i} ({first:?}) failed after {asked} answers: {e}")),
+                        Ok(a) => return Err(format!("busy flow {i} ({first:?}) moved after {asked} answers: {a:?}")),
+                        Err(e) => return Err(format!("busy flow {i} ({first:?}) failed after {asked} answers: {e}")),
                     }
                 }
                 Ok(asked)
@@ -535,8 +539,8 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     std::thread::sleep(std::time::Duration::from_millis(500));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in busy {
-        let asked = t.join().expect("a busy connection's thread").unwrap_or_else(|e| panic!("{e}\n{}", lab.log_tail()));
-        assert!(asked > 100, "a busy connection asked {asked} times");
+        let asked = t.join().expect("a busy flow's thread").unwrap_or_else(|e| panic!("{e}\n{}", lab.log_tail()));
+        assert!(asked > 100, "a busy flow asked {asked} times");
     }
     if !loose {
         lab.wait_log("nf_conntrack_tcp_loose is 0: netfilter takes the packets of adopted TCP connections for INVALID", 2);

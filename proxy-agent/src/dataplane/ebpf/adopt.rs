@@ -12,7 +12,11 @@
 //! that entry holds; its NAT then moves the packet's source port to keep tuples unique, and the
 //! backend resets what it takes for a stranger's segment. Without the old entry it is tracked
 //! afresh as the connection it is (mid-stream TCP, as nf_conntrack_tcp_loose allows by
-//! default).
+//! default). Until its deletion is done, a TCP connection is at its handover
+//! (`ct::owner::HANDOVER`): our programs drop its packets (TCP sends them again) rather than
+//! translate them beside the old entry, a few milliseconds, a second at most; a busy connection
+//! (a packet every millisecond) was otherwise reset. A UDP flow is translated at once (see
+//! `insert`).
 //!
 //! A connection netfilter masqueraded as well (an outside client of a NodePort or
 //! load-balancer IP of externalTrafficPolicy Cluster, a pod reaching itself, `masqueradeAll`)
@@ -30,11 +34,9 @@
 //! Not taken over: a connection opened between the table's last read (at the first frontend's
 //! write, as late as it can be, and again each second during a long first write) and its
 //! frontend's master; and the node's own processes' connections, which netfilter's entry goes
-//! on translating (our programs translate pods' and outside clients' packets). And a packet
-//! that comes between its frontend's master and the deletion of its entry meets the port move
-//! above: the deletions go in batches of requests (`netlink::request_batch`), a few syscalls a
-//! frontend, to keep that window short; the log gives the time they took
-//! (`deleting_netfilter_entries_us`).
+//! on translating (our programs translate pods' and outside clients' packets). The deletions
+//! go in batches of requests (`netlink::request_batch`), a few syscalls a frontend, to keep
+//! the handover short; the log gives the time they took (`deleting_netfilter_entries_us`).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -199,8 +201,11 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             backend_id,
             service_id,
             flags: flags::SEEN_REPLY,
-            // Held back until netfilter's entry is deleted (`settle`).
-            owner: owner::HANDOVER,
+            // A TCP connection's packets are held back until netfilter's entry is deleted
+            // (`settle`): beside it they would be reset. A UDP flow's are not: a datagram
+            // dropped costs its client a retry (a resolver's, seconds), and busy UDP flows kept
+            // their backend and port through the takeover as it is (`takeover::ebpf_adopts`).
+            owner: if t.proto == libc::IPPROTO_TCP as u8 { owner::HANDOVER } else { owner::DATAPATH },
             l4_csum: l4_csum::UNKNOWN,
             nat_port: t.backend.port().to_be_bytes(),
             nat_addr: backend,
