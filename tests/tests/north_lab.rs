@@ -629,25 +629,56 @@ fn connections_through_kube_proxy(c: &Cluster, rules: &[&[&str]], n: usize) -> V
 }
 
 /// Starts the agents, waits for node A's NodePort 30080 with `endpoints` and its first whole
-/// write (after which kube-proxy's rules there are gone), then asks over each of `conns` twice more: each must reach the endpoint it
-/// reached first, which must see it come from the same address and port. Node A's log.
+/// write (after which kube-proxy's rules there are gone), then asks over each of `conns` twice
+/// more: each must reach the endpoint it reached first, which must see it come from the same
+/// address and port. The first two connections ask without pause from before the agents start
+/// until half a second after that write, and must not fail or move either. Node A's log.
 fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_tests::servers::Conn, Answer)]) -> String {
-    c.start_agents(&[]);
-    c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", endpoints);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !c.node("node-a").agent_log().contains("first whole write done") {
-        assert!(std::time::Instant::now() < deadline, "node A's first write:\n{}", c.node("node-a").agent_log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = AtomicBool::new(false);
+    let (busy, idle) = conns.split_at_mut(2);
+    std::thread::scope(|s| {
+        let threads: Vec<_> = busy
+            .iter_mut()
+            .enumerate()
+            .map(|(i, (conn, first))| {
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut asked = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        match conn.ask() {
+                            Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
+                            Ok(a) => return Err(format!("busy connection {i} ({first:?}) moved after {asked} answers: {a:?}")),
+                            Err(e) => return Err(format!("busy connection {i} ({first:?}) failed after {asked} answers: {e}")),
+                        }
+                    }
+                    Ok(asked)
+                })
+            })
+            .collect();
+        c.start_agents(&[]);
+        c.wait_frontend_on("node-a", "192.168.100.1:30080", "TCP", endpoints);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !c.node("node-a").agent_log().contains("first whole write done") {
+            assert!(std::time::Instant::now() < deadline, "node A's first write:\n{}", c.node("node-a").agent_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            let asked = t.join().expect("a busy connection's thread").unwrap_or_else(|e| panic!("{e}\n{}", c.node("node-a").agent_log()));
+            assert!(asked > 100, "a busy connection asked {asked} times");
+        }
+    });
     let a = c.node("node-a").ns.name.clone();
     let nat = proxy_tests::netns::sh(&["ip", "netns", "exec", &a, "iptables-nft", "-t", "nat", "-S"]);
     assert!(!nat.contains("KUBE-SERVICES"), "kube-proxy's rules are gone:\n{nat}");
-    for (i, (conn, first)) in conns.iter_mut().enumerate() {
+    for (i, (conn, first)) in idle.iter_mut().enumerate() {
         for _ in 0..2 {
             let now = conn.ask().unwrap_or_else(|e| {
-                panic!("connection {i} (to {}) after the takeover: {e}\n{}", first.backend, c.node("node-a").agent_log())
+                panic!("connection {} (to {}) after the takeover: {e}\n{}", i + 2, first.backend, c.node("node-a").agent_log())
             });
-            assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "connection {i} stays with its endpoint, as it was");
+            assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "connection {} stays with its endpoint, as it was", i + 2);
         }
     }
     c.node("node-a").agent_log()
