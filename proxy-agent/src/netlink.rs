@@ -139,6 +139,8 @@ pub async fn watch(tx: mpsc::Sender<LinkChange>) -> std::io::Result<(Vec<(u32, S
 pub const NLM_F_REQUEST: u16 = 1;
 pub const NLM_F_ACK: u16 = 4;
 pub const NLM_F_DUMP: u16 = 0x300;
+pub const NLM_F_EXCL: u16 = 0x200;
+pub const NLM_F_CREATE: u16 = 0x400;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 /// The flag a nested attribute's type carries.
@@ -219,18 +221,27 @@ pub fn request(
 /// fit the socket's receive buffer.
 const BATCH: usize = 64;
 
-/// Sends requests of type `kind` (each its family header and body) in writes of `BATCH`, with
-/// an acknowledgement asked for only on the last of each write (the kernel answers the others
-/// only when they fail), and returns each request's result: 0 or the kernel's error number. A
-/// few syscalls for many requests, so that a batch takes effect within microseconds.
-pub fn request_batch(socket: &mut netlink_sys::Socket, kind: u16, requests: &[([u8; 4], Vec<u8>)]) -> std::io::Result<Vec<i32>> {
+/// One request of `request_batch`: its message type, its flags besides NLM_F_REQUEST and
+/// NLM_F_ACK, its family header and its body.
+pub struct Request {
+    pub kind: u16,
+    pub flags: u16,
+    pub header: [u8; 4],
+    pub body: Vec<u8>,
+}
+
+/// Sends `requests` in writes of `BATCH`, in their order, with an acknowledgement asked for
+/// only on the last of each write (the kernel answers the others only when they fail), and
+/// returns each request's result: 0 or the kernel's error number. A few syscalls for many
+/// requests, so that a batch takes effect within microseconds.
+pub fn request_batch(socket: &mut netlink_sys::Socket, requests: &[Request]) -> std::io::Result<Vec<i32>> {
     use std::io;
     let mut codes = vec![0; requests.len()];
     for (c, chunk) in requests.chunks(BATCH).enumerate() {
         let first = c * BATCH;
         let mut msg = Vec::new();
-        for (i, (header, body)) in chunk.iter().enumerate() {
-            let flags = NLM_F_REQUEST | if i + 1 == chunk.len() { NLM_F_ACK } else { 0 };
+        for (i, Request { kind, flags, header, body }) in chunk.iter().enumerate() {
+            let flags = NLM_F_REQUEST | flags | if i + 1 == chunk.len() { NLM_F_ACK } else { 0 };
             msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
             msg.extend_from_slice(&kind.to_ne_bytes());
             msg.extend_from_slice(&flags.to_ne_bytes());

@@ -46,14 +46,17 @@ pub mod owner {
     /// once the connection is idle past its lifetime. A UDP packet whose backend is gone is
     /// tracked afresh instead (kube-proxy deletes a removed endpoint's UDP entries).
     pub const NETFILTER: u8 = 1;
-    /// Ours once netfilter's entry is gone: a forward entry of a connection the takeover
-    /// adopted, whose netfilter entry is being deleted. Translated beside that entry, its
-    /// packet would be tracked by netfilter as a new connection clashing with the old one's
-    /// reply tuple, whose NAT moves its source port, and the backend would reset it; so its
-    /// packets are dropped meanwhile (TCP sends them again), for at most `HANDOVER_NS` after the
-    /// entry was written (`last_seen_ns`, which nothing refreshes meanwhile). The agent makes
-    /// the entry `DATAPATH` once the deletion is done; the datapath does past that time (an
-    /// agent stopped half-way).
+    /// Ours once netfilter's entry is replaced: the entries (forward and reply) of a
+    /// connection the takeover adopted, whose netfilter entry is being deleted and made again
+    /// as our programs' translation leaves it. Translated beside the old entry, its packet
+    /// would be tracked by netfilter as a new connection clashing with the old one's reply
+    /// tuple, whose NAT moves its source port, and the backend would reset it; and a reply
+    /// tracked as new before the new entry is made would meet a CNI's masquerade. So its
+    /// packets, both ways, are dropped meanwhile (TCP sends them again; a UDP client asks
+    /// again, as for any datagram lost), for at most
+    /// `HANDOVER_NS` after the entry was written (`last_seen_ns`, which nothing refreshes
+    /// meanwhile). The agent makes the entries `DATAPATH` once netfilter's is replaced; the
+    /// datapath does past that time (an agent stopped half-way).
     pub const HANDOVER: u8 = 2;
 }
 

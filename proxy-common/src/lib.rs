@@ -1161,9 +1161,9 @@ reasons! {
     /// takeover (`ct::owner::NETFILTER`): left untouched to the kernel, whose conntrack entry
     /// goes on translating it (its port is netfilter's choice) until it ends.
     PassNetfilter = 45 => "pass_netfilter",
-    /// A packet of a connection the takeover adopted, while its netfilter entry is being
-    /// deleted (`ct::owner::HANDOVER`, a few milliseconds): dropped, where translated it would
-    /// meet that entry and be reset; TCP sends it again.
+    /// A packet of a connection the takeover adopted, either way, while its netfilter entry is
+    /// being replaced (`ct::owner::HANDOVER`, about a millisecond): dropped, where translated it
+    /// would meet that entry (TCP: reset; UDP: its port moved); TCP sends it again.
     DropHandover = 46 => "drop_handover",
 }
 

@@ -265,6 +265,8 @@ pub fn decide_found<A: Family>(
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {
+                // (At its handover too: a reply here is from a backend on another node to a pod,
+                // which no masquerade of pods' traffic takes, tracked as new or not.)
                 // A local backend's flow (TC egress translates its replies), or a pod's reply
                 // coming back from another node.
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::ReplyIngress));

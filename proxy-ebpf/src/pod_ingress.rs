@@ -106,10 +106,14 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
         Lookup::Miss { generation } => cache_under = Some(generation),
         _ => {}
     }
-    let Some(e) = Slot::of(A::ct(), ct::key(pkt)) else {
+    let Some(mut e) = Slot::of(A::ct(), ct::key(pkt)) else {
         return Tracked::Afresh(None, reason_of_new(pkt));
     };
     let entry = e.get();
+    if entry.owner == owner::HANDOVER && !ct::handed_over(&mut e, &entry, now) {
+        // Either way: a reply, netfilter would track as a new connection.
+        return Tracked::Done(Err(Reason::DropHandover));
+    }
     if entry.flags & flags::REPLY != 0 {
         let verdict = if entry.flags & flags::HAIRPIN != 0 {
             hairpin_reply(ctx, pkt, e, &entry, now)
@@ -130,13 +134,8 @@ fn tracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>, hash: u64) -> Tracked {
         // A connection netfilter's entry translates (either of its tuples): kept alive here,
         // left to it. (A UDP flow whose endpoint went is balanced afresh by `established`, as
         // kube-proxy clears such a flow's netfilter entry; TCP stays with it, as there.)
-        let mut e = e;
         ct::touch_forward(pkt, &mut e, now);
         return Tracked::Done(Ok(Verdict::pass(Reason::PassNetfilter)));
-    }
-    let mut e = e;
-    if entry.owner == owner::HANDOVER && !ct::handed_over(&mut e, &entry, now) {
-        return Tracked::Done(Err(Reason::DropHandover));
     }
     established(ctx, pkt, Some(e), &entry, now, cache_under)
 }

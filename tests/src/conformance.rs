@@ -423,8 +423,8 @@ pub fn takeover_removes_chains_another_jumps_into(agent: &Path) {
 /// backend and the address and port it sees.
 ///
 /// With `loose` false (`nf_conntrack_tcp_loose` 0, where netfilter picks up no connection in
-/// mid-stream and so takes the adopted connections' packets for INVALID, which the drop rule
-/// here stalls), the agent warns of it instead.
+/// mid-stream, and the drop rule here would stall what it took for INVALID) all the same: the
+/// adopted TCP connections' netfilter entries are made again as our programs translate them.
 pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     use crate::servers::Conn;
     let mut lab = Lab::new(agent, 3);
@@ -515,7 +515,11 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     type Ask = Box<dyn FnMut() -> std::io::Result<Answer> + Send>;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tcp_busy = conns.drain(..4).map(|(mut c, first)| (Box::new(move || c.ask()) as Ask, first));
-    let udp_busy = flows.drain(..2).map(|(f, first)| (Box::new(move || f.ask()) as Ask, first));
+    // (A datagram held back at the handover is lost: its client asks again, twice at most.)
+    let udp_busy = flows.drain(..2).map(|(f, first)| {
+        let ask = move || (0..2).find_map(|_| f.ask().ok()).map_or_else(|| f.ask(), Ok);
+        (Box::new(ask) as Ask, first)
+    });
     let busy: Vec<_> = tcp_busy
         .chain(udp_busy)
         .enumerate()
@@ -524,6 +528,9 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
             std::thread::spawn(move || {
                 let mut asked = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // (A pause of a fifth of a millisecond: without it six such threads starve
+                    // the agent of these two cores.)
+                    std::thread::sleep(std::time::Duration::from_micros(200));
                     match ask() {
                         Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
                         Ok(a) => return Err(format!("busy flow {i} ({first:?}) moved after {asked} answers: {a:?}")),
@@ -541,10 +548,6 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     for t in busy {
         let asked = t.join().expect("a busy flow's thread").unwrap_or_else(|e| panic!("{e}\n{}", lab.log_tail()));
         assert!(asked > 100, "a busy flow asked {asked} times");
-    }
-    if !loose {
-        lab.wait_log("nf_conntrack_tcp_loose is 0: netfilter takes the packets of adopted TCP connections for INVALID", 2);
-        return;
     }
     for tool in ["iptables-nft", "ip6tables-nft"] {
         let nat = in_node(&[tool, "-t", "nat", "-S"]);

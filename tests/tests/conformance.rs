@@ -103,8 +103,8 @@ mod takeover {
     }
 
     #[test]
-    fn ebpf_warns_where_netfilter_picks_up_no_connection_in_mid_stream() {
-        if require::root("the eBPF mode's warning of nf_conntrack_tcp_loose 0 at a takeover") {
+    fn ebpf_adopts_them_where_netfilter_picks_up_no_connection_in_mid_stream() {
+        if require::root("the eBPF mode's adoption with nf_conntrack_tcp_loose 0") {
             conformance::takeover_adopts_translated_connections(&agent(), false);
         }
     }
@@ -170,6 +170,47 @@ mod takeover {
         assert_eq!(deleted, expected, "true where an entry was deleted, false where there was none");
         let left = proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L"]);
         assert!(!left.contains("src="), "nothing is left:\n{left}");
+    }
+
+    /// The adoption's new netfilter entries: each adopted connection's, as our programs'
+    /// translation leaves it (client -> backend), answered (a TCP connection established), in
+    /// both families; made again, each is found there already.
+    #[test]
+    fn ctnetlink_makes_the_entries_of_translated_connections() {
+        if !require::root("ctnetlink creations in a namespace") {
+            return;
+        }
+        use proxy_agent::dataplane::netfilter::conntrack::{Forgetter, Translated};
+        let ns = proxy_tests::netns::Netns::create(format!("ctm-{}", proxy_tests::netns::unique_id()));
+        let flow = |client: &str, service: &str, backend: &str| Translated {
+            proto: if client.ends_with(":53000") { libc::IPPROTO_UDP } else { libc::IPPROTO_TCP } as u8,
+            client: client.parse().unwrap(),
+            service: service.parse().unwrap(),
+            backend: backend.parse().unwrap(),
+            masquerade: None,
+        };
+        let flows = [
+            flow("10.244.0.2:40000", "10.96.0.10:80", "10.244.1.3:8080"),
+            flow("192.0.2.9:50000", "192.168.0.4:30080", "10.244.1.4:8080"),
+            flow("[fd00:244::2]:40000", "[fd00:96::10]:80", "[fd00:244:1::3]:8080"),
+            flow("10.244.0.2:53000", "10.96.0.53:53", "10.244.1.3:5353"),
+        ];
+        let (made, again) = ns.run(move || {
+            let mut f = Forgetter::new().expect("ctnetlink socket");
+            (f.track_all(&flows).expect("made"), f.track_all(&flows).expect("made again"))
+        });
+        let ok = |r: Vec<std::io::Result<bool>>| r.into_iter().map(|r| r.expect("each is done or found")).collect::<Vec<_>>();
+        assert_eq!((ok(made), ok(again)), (vec![true; 4], vec![false; 4]), "made, then found");
+        let listed = proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L", "-f", "ipv4"])
+            + &proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L", "-f", "ipv6"]);
+        for want in [
+            "ESTABLISHED src=10.244.0.2 dst=10.244.1.3 sport=40000 dport=8080 src=10.244.1.3 dst=10.244.0.2 sport=8080 dport=40000 [ASSURED]",
+            "ESTABLISHED src=192.0.2.9 dst=10.244.1.4 sport=50000 dport=8080 src=10.244.1.4 dst=192.0.2.9 sport=8080 dport=50000 [ASSURED]",
+            "ESTABLISHED src=fd00:244::2 dst=fd00:244:1::3 sport=40000 dport=8080 src=fd00:244:1::3 dst=fd00:244::2 sport=8080 dport=40000 [ASSURED]",
+            "src=10.244.0.2 dst=10.244.1.3 sport=53000 dport=5353 src=10.244.1.3 dst=10.244.0.2 sport=5353 dport=53000 [ASSURED]",
+        ] {
+            assert!(listed.contains(want), "{want}:\n{listed}");
+        }
     }
 
     /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a

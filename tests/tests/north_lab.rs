@@ -646,6 +646,8 @@ fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_test
                 s.spawn(move || {
                     let mut asked = 0u64;
                     while !stop.load(Ordering::Relaxed) {
+                        // (A pause of a fifth of a millisecond, as in the conformance test.)
+                        std::thread::sleep(Duration::from_micros(200));
                         match conn.ask() {
                             Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
                             Ok(a) => return Err(format!("busy connection {i} ({first:?}) moved after {asked} answers: {a:?}")),

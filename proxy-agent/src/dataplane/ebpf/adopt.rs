@@ -10,13 +10,17 @@
 //! netfilter entry is deleted: it still holds the DNAT and its reply tuple, and to netfilter
 //! the packet our programs translated (client -> backend) is a new connection whose reply tuple
 //! that entry holds; its NAT then moves the packet's source port to keep tuples unique, and the
-//! backend resets what it takes for a stranger's segment. Without the old entry it is tracked
-//! afresh as the connection it is (mid-stream TCP, as nf_conntrack_tcp_loose allows by
-//! default). Until its deletion is done, a TCP connection is at its handover
-//! (`ct::owner::HANDOVER`): our programs drop its packets (TCP sends them again) rather than
-//! translate them beside the old entry, a few milliseconds, a second at most; a busy connection
-//! (a packet every millisecond) was otherwise reset. A UDP flow is translated at once (see
-//! `insert`).
+//! backend resets what it takes for a stranger's segment (a UDP flow's port stays moved). The
+//! entry is made again at once as our translation leaves it (`Forgetter::replace_all`: client ->
+//! backend, answered): tracked afresh from whichever packet came first, a pod's reply to an
+//! outside client would be a new connection that a CNI's masquerade of pods' traffic
+//! translates (and with nf_conntrack_tcp_loose 0 no TCP connection is picked up in
+//! mid-stream). Until its entry is replaced, a connection is at its handover
+//! (`ct::owner::HANDOVER`, a millisecond or so, a second at most): our programs drop its
+//! packets both ways (TCP sends them again; a UDP client asks again, as for any datagram
+//! lost). Busy connections (a packet every millisecond) were otherwise reset, and busy UDP
+//! flows moved port; passed on to netfilter instead, a UDP datagram met kube-proxy's rules
+//! once the old entry was gone, and was balanced afresh.
 //!
 //! A connection netfilter masqueraded as well (an outside client of a NodePort or
 //! load-balancer IP of externalTrafficPolicy Cluster, a pod reaching itself, `masqueradeAll`)
@@ -59,10 +63,6 @@ use crate::{
     dataplane::netfilter::conntrack::{self, Forgetter, Translated},
     model::{self, Family, FrontendKey},
 };
-
-/// Whether netfilter tracks a TCP connection it meets in mid-stream (the kernel's default, 1),
-/// as each adopted connection is once its old entry is deleted.
-const TCP_LOOSE: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_loose";
 
 /// How old the table's last read may be at a frontend's write: a first write of 30,000 Services
 /// takes seconds, during which kube-proxy's rules go on translating new connections to the
@@ -109,10 +109,10 @@ pub struct Adoption<A> {
     /// Connections found to a frontend that no seed adopted: their backend is not one of its
     /// endpoints, or its master could not be written (their entries taken out again).
     not_served: usize,
-    /// Conntrack entries of adopted connections that could not be deleted.
+    /// netfilter's entries of adopted connections that could not be deleted or made again.
     unforgotten: usize,
-    /// Time the deletions of netfilter's entries took, all frontends: what a frontend's takes
-    /// is the window in which its connections' packets meet both.
+    /// Time the replacement of netfilter's entries took, all frontends: what a frontend's
+    /// takes is how long its TCP connections' packets are held back.
     forgetting: Duration,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
@@ -179,14 +179,6 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             return by_service;
         }
         tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
-        let tcp = by_service.iter().any(|((_, proto), v)| *proto == libc::IPPROTO_TCP as u8 && v.iter().any(|t| t.masquerade.is_none()));
-        if tcp && std::fs::read_to_string(TCP_LOOSE).is_ok_and(|v| v.trim() == "0") {
-            tracing::warn!(
-                family = %self.family,
-                "{TCP_LOOSE} is 0: netfilter takes the packets of adopted TCP connections for INVALID (it picks up no connection in \
-                 mid-stream), so a rule that drops INVALID packets stalls them; set it to 1 (the kernel's default) for the takeover"
-            );
-        }
         by_service
     }
 
@@ -201,11 +193,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             backend_id,
             service_id,
             flags: flags::SEEN_REPLY,
-            // A TCP connection's packets are held back until netfilter's entry is deleted
-            // (`settle`): beside it they would be reset. A UDP flow's are not: a datagram
-            // dropped costs its client a retry (a resolver's, seconds), and busy UDP flows kept
-            // their backend and port through the takeover as it is (`takeover::ebpf_adopts`).
-            owner: if t.proto == libc::IPPROTO_TCP as u8 { owner::HANDOVER } else { owner::DATAPATH },
+            // Not translated by our programs until netfilter's entry is replaced (`settle`).
+            owner: owner::HANDOVER,
             l4_csum: l4_csum::UNKNOWN,
             nat_port: t.backend.port().to_be_bytes(),
             nat_addr: backend,
@@ -216,7 +205,6 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         let reply = ct::reply_key_of(&fwd, &forward, A::HAIRPIN);
         let reverse = CtEntry::<A> {
             flags: flags::REPLY | flags::SEEN_REPLY,
-            owner: owner::DATAPATH,
             nat_port: fwd.dport,
             nat_addr: service,
             addr_sum: [0; 2],
@@ -275,14 +263,15 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
 }
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
-    /// Deletes netfilter's entries of the adopted connections `flows`, counting the time it
-    /// took and what could not be deleted.
+    /// Deletes netfilter's entries of the adopted connections `flows`, and makes them again as
+    /// our programs' translation leaves them (`Forgetter::replace_all`), counting the time it
+    /// took and what could not be deleted or made.
     fn forget(&mut self, flows: &[Translated]) {
         let started = Instant::now();
-        let results = match self.forgetter.as_mut().map(|f| f.forget_all(flows)) {
+        let results = match self.forgetter.as_mut().map(|f| f.replace_all(flows)) {
             Some(Ok(r)) => r,
             Some(Err(e)) => {
-                tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be deleted");
+                tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be replaced");
                 self.unforgotten += flows.len();
                 return;
             }
@@ -292,19 +281,19 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             }
         };
         self.forgetting += started.elapsed();
-        for (t, r) in flows.iter().zip(results) {
-            if let Err(e) = r {
+        for (t, [deleted, made]) in flows.iter().zip(results) {
+            if let Some(e) = deleted.err().or(made.err()) {
                 self.unforgotten += 1;
-                tracing::debug!(client = %t.client, error = %e, "could not delete an adopted connection's conntrack entry");
+                tracing::debug!(client = %t.client, error = %e, "could not replace an adopted connection's conntrack entry");
             }
         }
     }
 
-    /// Makes the forward entry at `fwd`, seeded at its handover (`ct::owner::HANDOVER`), ours.
-    /// Left if it is not at its handover any more (the datapath took it past its time).
-    fn hand_over(&self, fwd: &CtKey<A>) -> io::Result<()> {
-        match batch::lookup::<_, CtEntry<A>>(self.ct.as_fd(), fwd)? {
-            Some(e) if e.owner == owner::HANDOVER => batch::replace(self.ct.as_fd(), fwd, &CtEntry { owner: owner::DATAPATH, ..e }),
+    /// Makes the entry at `k`, seeded at its handover (`ct::owner::HANDOVER`), ours. Left if it
+    /// is not at its handover (a UDP flow's, or the datapath took it past its time).
+    fn hand_over(&self, k: &CtKey<A>) -> io::Result<()> {
+        match batch::lookup::<_, CtEntry<A>>(self.ct.as_fd(), k)? {
+            Some(e) if e.owner == owner::HANDOVER => batch::replace(self.ct.as_fd(), k, &CtEntry { owner: owner::DATAPATH, ..e }),
             _ => Ok(()),
         }
     }
@@ -392,10 +381,13 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         let flows: Vec<Translated> = seeded.iter().map(|(t, _)| *t).collect();
         self.adopted += flows.len();
         self.forget(&flows);
-        // Ours from now on: their packets were held back while the deletions ran.
-        for (t, [fwd, _]) in &seeded {
-            if let Err(e) = self.hand_over(fwd) {
-                tracing::debug!(client = %t.client, error = %e, "could not hand an adopted connection over (the datapath does in a second)");
+        // Ours from now on: their packets were held back while netfilter's entries were
+        // replaced.
+        for (t, keys) in &seeded {
+            for k in keys {
+                if let Err(e) = self.hand_over(k) {
+                    tracing::debug!(client = %t.client, error = %e, "could not hand an adopted connection over (the datapath does in a second)");
+                }
             }
         }
     }
@@ -419,8 +411,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             tracing::warn!(
                 family = %self.family,
                 connections = self.unforgotten,
-                "the conntrack entries of some adopted connections could not be deleted: netfilter moves their source port, and \
-                 their backends reset them"
+                "netfilter's entries of some adopted connections could not be deleted or made again: netfilter may move their \
+                 source port, and their backends reset them"
             );
         }
     }

@@ -30,6 +30,7 @@ use std::{
 
 use super::{hung, killed_idle, killed_if_idle, spawn, NetfilterError, NodeContext, Services, TOOL_IDLE_LIMIT};
 use crate::model::{Family, PortView, Protocol};
+use crate::netlink::Request;
 
 const CONNTRACK: &str = "conntrack";
 
@@ -137,7 +138,8 @@ pub fn list_translated(family: Family) -> Result<Vec<Translated>, NetfilterError
     list(&["-L", "-f", conntrack_family(family), "--dst-nat"], |lines| lines.filter_map(|l| parse_translated(&l)).collect())
 }
 
-/// Deletes conntrack entries by their original tuple, over one ctnetlink socket.
+/// Deletes conntrack entries by their original tuple, and creates those of connections our
+/// programs translate, over one ctnetlink socket.
 pub struct Forgetter(netlink_sys::Socket);
 
 impl Forgetter {
@@ -156,17 +158,74 @@ impl Forgetter {
     /// writes (`netlink::request_batch`): for each, Ok(false) where there was none (it ended
     /// meanwhile).
     pub fn delete_all(&mut self, tuples: &[(u8, SocketAddr, SocketAddr)]) -> std::io::Result<Vec<std::io::Result<bool>>> {
-        let requests: Vec<([u8; 4], Vec<u8>)> = tuples.iter().map(|(proto, from, to)| delete_request(*proto, *from, *to)).collect();
-        let codes = crate::netlink::request_batch(&mut self.0, NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE, &requests)?;
-        Ok(codes
-            .into_iter()
-            .map(|code| match code {
-                0 => Ok(true),
-                libc::ENOENT => Ok(false),
-                e => Err(std::io::Error::from_raw_os_error(e)),
-            })
-            .collect())
+        let requests: Vec<Request> = tuples.iter().map(|(proto, from, to)| delete_request(*proto, *from, *to)).collect();
+        Ok(results(crate::netlink::request_batch(&mut self.0, &requests)?, libc::ENOENT))
     }
+
+    /// Creates, for each connection of `flows`, the entry netfilter makes of it once our
+    /// programs translate it (client -> backend, replies backend -> client): answered, a TCP
+    /// connection established with window tracking liberal in both directions (its sequence
+    /// numbers were not seen), with netfilter's lifetime of such a connection. (Tracked afresh
+    /// from whichever packet came first instead, a reply from a pod to an outside client would
+    /// be a new connection that a CNI's masquerade of pods' traffic translates; and with
+    /// `nf_conntrack_tcp_loose` 0 no TCP connection is.) For each, Ok(false) where one is there
+    /// already.
+    pub fn track_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<std::io::Result<bool>>> {
+        let timeouts = Timeouts::read();
+        let requests: Vec<Request> = flows.iter().map(|t| answered_request(t, &timeouts)).collect();
+        Ok(results(crate::netlink::request_batch(&mut self.0, &requests)?, libc::EEXIST))
+    }
+
+    /// `forget_all` and `track_all` at once, each connection's deletion followed by its
+    /// creation in the same write, so that no packet of it meets netfilter without an entry
+    /// for long (kube-proxy's rules, still there, would balance it afresh). What each did.
+    pub fn replace_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<[std::io::Result<bool>; 2]>> {
+        let timeouts = Timeouts::read();
+        let requests: Vec<Request> =
+            flows.iter().flat_map(|t| [delete_request(t.proto, t.client, t.service), answered_request(t, &timeouts)]).collect();
+        let codes = crate::netlink::request_batch(&mut self.0, &requests)?;
+        let mut done = results(codes, libc::ENOENT).into_iter();
+        Ok(std::iter::from_fn(|| {
+            let deleted = done.next()?;
+            let made = match done.next()? {
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+                r => r,
+            };
+            Some([deleted, made])
+        })
+        .collect())
+    }
+}
+
+/// netfilter's lifetimes of an established TCP connection and of a UDP flow answered more than
+/// once, in this network namespace, seconds.
+struct Timeouts {
+    tcp: u32,
+    udp: u32,
+}
+
+impl Timeouts {
+    fn read() -> Self {
+        let read = |name: &str, default: u32| {
+            std::fs::read_to_string(format!("/proc/sys/net/netfilter/nf_conntrack_{name}"))
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(default)
+        };
+        Self { tcp: read("tcp_timeout_established", 432_000), udp: read("udp_timeout_stream", 120) }
+    }
+}
+
+/// Each request's result from its error number: Ok(true) done, Ok(false) for `nothing`.
+fn results(codes: Vec<i32>, nothing: i32) -> Vec<std::io::Result<bool>> {
+    codes
+        .into_iter()
+        .map(|code| match code {
+            0 => Ok(true),
+            c if c == nothing => Ok(false),
+            e => Err(std::io::Error::from_raw_os_error(e)),
+        })
+        .collect()
 }
 
 /// The TCP Service addresses (cluster, external and load-balancer IPs, with the port) of
@@ -323,8 +382,24 @@ pub fn forget_untranslated_attempts(frontends: &BTreeSet<(IpAddr, u16)>) -> Resu
 
 // ctnetlink (linux/netfilter/nfnetlink_conntrack.h).
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_NEW: u16 = 0;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
 const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_TIMEOUT: u16 = 7;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
+const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
+const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
+const IPS_SEEN_REPLY: u32 = 1 << 1;
+const IPS_ASSURED: u32 = 1 << 2;
+/// (Set by the kernel as it inserts the entry it makes: a status without it is a change the
+/// kernel refuses, EBUSY.)
+const IPS_CONFIRMED: u32 = 1 << 3;
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
 const CTA_IP_V4_SRC: u16 = 1;
@@ -340,12 +415,15 @@ fn ctnetlink() -> std::io::Result<netlink_sys::Socket> {
     Ok(socket)
 }
 
-/// The ctnetlink request that deletes the entry of protocol `proto` whose original tuple is
-/// `from` -> `to`: its netfilter header (address family, version 0) and attributes.
-fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> ([u8; 4], Vec<u8>) {
+/// The netfilter header of a request about a tuple of `addr`'s family (version 0).
+fn family_header(addr: SocketAddr) -> [u8; 4] {
+    [if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 } as u8, 0, 0, 0]
+}
+
+/// A conntrack tuple's attributes: protocol `proto`, `from` -> `to` (of one family).
+fn tuple(proto: u8, from: SocketAddr, to: SocketAddr) -> Vec<u8> {
     use crate::netlink::{attr, NLA_F_NESTED};
-    // (A conntrack tuple is of one family: both addresses are the listing's, of the family.)
-    let (family, src_attr) = if from.is_ipv4() { (libc::AF_INET, CTA_IP_V4_SRC) } else { (libc::AF_INET6, CTA_IP_V6_SRC) };
+    let src_attr = if from.is_ipv4() { CTA_IP_V4_SRC } else { CTA_IP_V6_SRC };
     let octets = |ip: IpAddr| match ip {
         IpAddr::V4(a) => a.octets().to_vec(),
         IpAddr::V6(a) => a.octets().to_vec(),
@@ -357,8 +435,52 @@ fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> ([u8; 4], Vec<
         attr(CTA_PROTO_DST_PORT, &to.port().to_be_bytes()),
     ]
     .concat();
-    let tuple = [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &ports)].concat();
-    ([family as u8, 0, 0, 0], attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple))
+    [attr(CTA_TUPLE_IP | NLA_F_NESTED, &ip), attr(CTA_TUPLE_PROTO | NLA_F_NESTED, &ports)].concat()
+}
+
+/// The ctnetlink request that deletes the entry of protocol `proto` whose original tuple is
+/// `from` -> `to`.
+fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> Request {
+    use crate::netlink::{attr, NLA_F_NESTED};
+    // (A conntrack tuple is of one family: both addresses are the listing's, of the family.)
+    Request {
+        kind: NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_DELETE,
+        flags: 0,
+        header: family_header(from),
+        body: attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple(proto, from, to)),
+    }
+}
+
+/// The ctnetlink request that creates the entry of the connection `t` as our programs'
+/// translation leaves it: answered, untranslated, client -> backend (see
+/// `Forgetter::track_all`).
+fn answered_request(t: &Translated, timeouts: &Timeouts) -> Request {
+    use crate::netlink::{attr, NLA_F_NESTED};
+    let (proto, client, backend) = (t.proto, t.client, t.backend);
+    let timeout = if proto == libc::IPPROTO_TCP as u8 { timeouts.tcp } else { timeouts.udp };
+    let mut body = [
+        attr(CTA_TUPLE_ORIG | NLA_F_NESTED, &tuple(proto, client, backend)),
+        attr(CTA_TUPLE_REPLY | NLA_F_NESTED, &tuple(proto, backend, client)),
+        attr(CTA_STATUS, &(IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED).to_be_bytes()),
+        attr(CTA_TIMEOUT, &timeout.to_be_bytes()),
+    ]
+    .concat();
+    if proto == libc::IPPROTO_TCP as u8 {
+        let liberal = [IP_CT_TCP_FLAG_BE_LIBERAL, IP_CT_TCP_FLAG_BE_LIBERAL];
+        let tcp = [
+            attr(CTA_PROTOINFO_TCP_STATE, &[TCP_CONNTRACK_ESTABLISHED]),
+            attr(CTA_PROTOINFO_TCP_FLAGS_ORIGINAL, &liberal),
+            attr(CTA_PROTOINFO_TCP_FLAGS_REPLY, &liberal),
+        ]
+        .concat();
+        body.extend(attr(CTA_PROTOINFO | NLA_F_NESTED, &attr(CTA_PROTOINFO_TCP | NLA_F_NESTED, &tcp)));
+    }
+    Request {
+        kind: NFNL_SUBSYS_CTNETLINK << 8 | IPCTNL_MSG_CT_NEW,
+        flags: crate::netlink::NLM_F_CREATE | crate::netlink::NLM_F_EXCL,
+        header: family_header(client),
+        body,
+    }
 }
 
 #[cfg(test)]
@@ -463,7 +585,8 @@ mod tests {
                 IpAddr::V4(a) => a.octets().to_vec(),
                 IpAddr::V6(a) => a.octets().to_vec(),
             };
-            let (header, body) = delete_request(libc::IPPROTO_TCP as u8, SocketAddr::new(src, 20077), SocketAddr::new(dst, 80));
+            let Request { header, body, .. } =
+                delete_request(libc::IPPROTO_TCP as u8, SocketAddr::new(src, 20077), SocketAddr::new(dst, 80));
             assert_eq!(header, [family as u8, 0, 0, 0]);
             let orig = nested(&body, CTA_TUPLE_ORIG);
             let (ip, proto) = (nested(&orig, CTA_TUPLE_IP), nested(&orig, CTA_TUPLE_PROTO));
