@@ -40,7 +40,7 @@
 //! frontend's master; and the node's own processes' connections, which netfilter's entry goes
 //! on translating (our programs translate pods' and outside clients' packets). The deletions
 //! go in batches of requests (`netlink::request_batch`), a few syscalls a frontend, to keep
-//! the handover short; the log gives the time they took (`deleting_netfilter_entries_us`).
+//! the handover short; the log gives the time they took (`replacing_netfilter_entries_us`).
 
 use std::{
     collections::{HashMap, HashSet},
@@ -403,7 +403,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             left_to_netfilter = self.left,
             not_served,
             taken = self.taken,
-            deleting_netfilter_entries_us = self.forgetting.as_micros() as u64,
+            replacing_netfilter_entries_us = self.forgetting.as_micros() as u64,
             "adopted the connections netfilter translated to endpoints we serve, and left those it masqueraded to it; the rest \
              (their Service or endpoint gone, or a tuple already tracked) are balanced afresh on their next packet"
         );
