@@ -602,6 +602,16 @@ fn a_node_process_reaches_a_cluster_ip_through_tc_without_socket_hooks() {
     assert!(count("host_flow_new") >= n && count("host_reply") >= n, "{n} flows: {:?}", r.counters);
 }
 
+/// The takeover tests' cluster: node A with endpoints a1 and a2, node B with b1, all three the
+/// endpoints of `web` (whose spec ends with `spec_extra`).
+fn takeover_cluster(test: &str, spec_extra: &str) -> Option<Cluster> {
+    let c = cluster(test, [&["a1", "a2"], &["b1"]])?;
+    c.write_manifest("nodes.yaml", &nodes_manifest());
+    c.write_manifest("web.yaml", &web(spec_extra));
+    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip("10.244.1.12"), "node-a"), (ip(B1), "node-b")]));
+    Some(c)
+}
+
 /// Node A's netfilter as a node with kube-proxy has it: kube-proxy's nat chain `KUBE-SERVICES`
 /// from PREROUTING, to which each of `rules` is appended (the chain name is added), beside what
 /// keeps netfilter tracking there once kube-proxy's rules are gone: a CNI's masquerade of pods'
@@ -692,11 +702,7 @@ fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_test
 /// kube-proxy's rules are gone.
 #[test]
 fn outside_connections_kube_proxy_translated_to_a_local_endpoint_survive_the_takeover() {
-    let Some(mut c) = cluster("takeover_north", [&["a1", "a2"], &["b1"]]) else { return };
-    const A2: &str = "10.244.1.12";
-    c.write_manifest("nodes.yaml", &nodes_manifest());
-    c.write_manifest("web.yaml", &web("  externalTrafficPolicy: Local\n"));
-    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
+    let Some(mut c) = takeover_cluster("takeover_north", "  externalTrafficPolicy: Local\n") else { return };
     let nodeport = ["-d", "192.168.100.1", "-p", "tcp", "--dport", "30080"];
     let half = [&nodeport[..], &["-m", "statistic", "--mode", "random", "--probability", "0.5"]].concat();
     let mut conns = connections_through_kube_proxy(
@@ -721,11 +727,7 @@ fn outside_connections_kube_proxy_translated_to_a_local_endpoint_survive_the_tak
 /// New connections are the agent's (the client's address kept for node A's endpoints).
 #[test]
 fn outside_connections_kube_proxy_masqueraded_stay_netfilters_through_the_takeover() {
-    let Some(mut c) = cluster("takeover_masq", [&["a1", "a2"], &["b1"]]) else { return };
-    const A2: &str = "10.244.1.12";
-    c.write_manifest("nodes.yaml", &nodes_manifest());
-    c.write_manifest("web.yaml", &web(""));
-    c.write_manifest("web-eps.yaml", &slice("web", &[(ip(A1), "node-a"), (ip(A2), "node-a"), (ip(B1), "node-b")]));
+    let Some(mut c) = takeover_cluster("takeover_masq", "") else { return };
     let a = c.node("node-a").ns.name.clone();
     proxy_tests::netns::sh(&[
         "ip",

@@ -127,15 +127,8 @@ fn elem_value<K: aya::Pod, V: aya::Pod>(cmd: libc::c_long, fd: impl AsRawFd, key
 /// Puts `value` at `key` in the map behind `fd` unless an entry is there (BPF_NOEXIST): false
 /// when one was.
 pub fn put_back<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) -> io::Result<bool> {
-    let mut attr = ElemAttr {
-        map_fd: fd.as_raw_fd() as u32,
-        key: key as *const K as u64,
-        value: value as *const V as u64,
-        flags: BPF_NOEXIST,
-        ..Default::default()
-    };
-    match sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
-        Ok(_) => Ok(true),
+    match update(fd, key, value, BPF_NOEXIST) {
+        Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
         Err(e) => Err(e),
     }
@@ -143,18 +136,21 @@ pub fn put_back<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) 
 
 /// Writes `value` at `key` where an entry is (BPF_EXIST); Ok also when there is none any more.
 pub fn replace<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V) -> io::Result<()> {
+    match update(fd, key, value, BPF_EXIST) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        r => r,
+    }
+}
+
+fn update<K: aya::Pod, V: aya::Pod>(fd: impl AsRawFd, key: &K, value: &V, flags: u64) -> io::Result<()> {
     let mut attr = ElemAttr {
         map_fd: fd.as_raw_fd() as u32,
         key: key as *const K as u64,
         value: value as *const V as u64,
-        flags: BPF_EXIST,
+        flags,
         ..Default::default()
     };
-    match sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
-        Ok(_) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        Err(e) => Err(e),
-    }
+    sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map(drop)
 }
 
 /// The values of an mmapable array map (BPF_F_MMAPABLE), mapped into this process: the
