@@ -274,15 +274,7 @@ pub fn left_to_netfilter(
     let marker = proxy_agent::dataplane::ebpf::ct_filter::Marker::of(map_fd(dp, map_names::CT_FILTER).as_fd()).expect("the filter");
     let mut map: HashMap<_, CtKey, CtEntry> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT).expect("conntrack map")).unwrap();
     for (from, to) in tuples {
-        let k = CtKey {
-            saddr: from.ip().octets(),
-            daddr: to.ip().octets(),
-            sport: from.port().to_be_bytes(),
-            dport: to.port().to_be_bytes(),
-            proto,
-            _pad: 0,
-            _pad2: 0,
-        };
+        let k = CtKey::new(from, to, proto);
         marker.mark(&k);
         map.insert(k, e, 0).expect("an entry left to netfilter");
     }
