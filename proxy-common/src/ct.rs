@@ -53,10 +53,10 @@ pub mod owner {
     /// tuple, whose NAT moves its source port, and the backend would reset it; and a reply
     /// tracked as new before the new entry is made would meet a CNI's masquerade. So its
     /// packets, both ways, are dropped meanwhile (TCP sends them again; a UDP client asks
-    /// again, as for any datagram lost), for at most
-    /// `HANDOVER_NS` after the entry was written (`last_seen_ns`, which nothing refreshes
-    /// meanwhile). The agent makes the entries `DATAPATH` once netfilter's is replaced; the
-    /// datapath does past that time (an agent stopped half-way).
+    /// again, as for any datagram lost), for at most `HANDOVER_NS` after the entry was written
+    /// (`last_seen_ns`, which nothing refreshes meanwhile). The agent makes the entries
+    /// `DATAPATH` once netfilter's is replaced; the datapath does past that time (an agent
+    /// stopped half-way).
     pub const HANDOVER: u8 = 2;
 }
 

@@ -206,7 +206,7 @@ pub fn touch_forward<A: Family>(pkt: &Packet<A>, e: &mut Slot<CtEntry<A>>, now: 
     });
 }
 
-/// Whether the forward entry `e` (read: `entry`) of a connection at its handover
+/// Whether the entry `e` (read: `entry`, forward or reply) of a connection at its handover
 /// (`owner::HANDOVER`) is ours at `now`: once the agent has not finished it in time, the entry
 /// is made ours here. False: its packets are held back.
 #[inline(always)]

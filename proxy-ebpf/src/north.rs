@@ -265,10 +265,9 @@ pub fn decide_found<A: Family>(
         let entry = e.get();
         if entry.flags & flags::REPLY != 0 {
             if entry.flags & flags::SNAT == 0 {
-                // (At its handover too: a reply here is from a backend on another node to a pod,
-                // which no masquerade of pods' traffic takes, tracked as new or not.)
                 // A local backend's flow (TC egress translates its replies), or a pod's reply
-                // coming back from another node.
+                // coming back from another node; at its handover too (`owner::HANDOVER`): no
+                // masquerade of pods' traffic takes such a reply, tracked as new or not.
                 return xdp_pass(env).unwrap_or(Step::Pass(Reason::ReplyIngress));
             }
             let Some(rn) = revnat_of(&entry) else {

@@ -172,9 +172,10 @@ mod takeover {
         assert!(!left.contains("src="), "nothing is left:\n{left}");
     }
 
-    /// The adoption's new netfilter entries: each adopted connection's, as our programs'
-    /// translation leaves it (client -> backend), answered (a TCP connection established), in
-    /// both families; made again, each is found there already.
+    /// The adoption's replacement of netfilter's entries: each adopted connection's, as our
+    /// programs' translation leaves it (client -> backend), answered (a TCP connection
+    /// established), in both families, where the old one (client -> Service) is deleted; made
+    /// again, each is found there already (and no old one).
     #[test]
     fn ctnetlink_makes_the_entries_of_translated_connections() {
         if !require::root("ctnetlink creations in a namespace") {
@@ -195,12 +196,47 @@ mod takeover {
             flow("[fd00:244::2]:40000", "[fd00:96::10]:80", "[fd00:244:1::3]:8080"),
             flow("10.244.0.2:53000", "10.96.0.53:53", "10.244.1.3:5353"),
         ];
+        // The first connection's entry as kube-proxy's DNAT left it.
+        proxy_tests::netns::sh(&[
+            "ip",
+            "netns",
+            "exec",
+            &ns.name,
+            "conntrack",
+            "-I",
+            "-p",
+            "tcp",
+            "-s",
+            "10.244.0.2",
+            "-d",
+            "10.96.0.10",
+            "--sport",
+            "40000",
+            "--dport",
+            "80",
+            "-r",
+            "10.244.1.3",
+            "-q",
+            "10.244.0.2",
+            "--reply-port-src",
+            "8080",
+            "--reply-port-dst",
+            "40000",
+            "--state",
+            "ESTABLISHED",
+            "-t",
+            "300",
+            "-u",
+            "ASSURED",
+        ]);
         let (made, again) = ns.run(move || {
             let mut f = Forgetter::new().expect("ctnetlink socket");
-            (f.track_all(&flows).expect("made"), f.track_all(&flows).expect("made again"))
+            (f.replace_all(&flows).expect("replaced"), f.replace_all(&flows).expect("replaced again"))
         });
-        let ok = |r: Vec<std::io::Result<bool>>| r.into_iter().map(|r| r.expect("each is done or found")).collect::<Vec<_>>();
-        assert_eq!((ok(made), ok(again)), (vec![true; 4], vec![false; 4]), "made, then found");
+        let ok =
+            |r: Vec<[std::io::Result<bool>; 2]>| r.into_iter().map(|d| d.map(|r| r.expect("each is done or found"))).collect::<Vec<_>>();
+        let first = [vec![[true, true]], vec![[false, true]; 3]].concat();
+        assert_eq!((ok(made), ok(again)), (first, vec![[false, false]; 4]), "the old entry deleted and the new ones made, then found");
         let listed = proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L", "-f", "ipv4"])
             + &proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L", "-f", "ipv6"]);
         for want in [
@@ -211,6 +247,7 @@ mod takeover {
         ] {
             assert!(listed.contains(want), "{want}:\n{listed}");
         }
+        assert!(!listed.contains("dst=10.96.0.10"), "the old entry is gone:\n{listed}");
     }
 
     /// What lets the eBPF mode leave kube-proxy's rules in place until its first write: a

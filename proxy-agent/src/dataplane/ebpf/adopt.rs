@@ -112,7 +112,7 @@ pub struct Adoption<A> {
     /// netfilter's entries of adopted connections that could not be deleted or made again.
     unforgotten: usize,
     /// Time the replacement of netfilter's entries took, all frontends: what a frontend's
-    /// takes is how long its TCP connections' packets are held back.
+    /// takes is about how long its connections' packets are held back.
     forgetting: Duration,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
@@ -290,7 +290,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
     }
 
     /// Makes the entry at `k`, seeded at its handover (`ct::owner::HANDOVER`), ours. Left if it
-    /// is not at its handover (a UDP flow's, or the datapath took it past its time).
+    /// is not at its handover any more (the datapath took it past its time).
     fn hand_over(&self, k: &CtKey<A>) -> io::Result<()> {
         match batch::lookup::<_, CtEntry<A>>(self.ct.as_fd(), k)? {
             Some(e) if e.owner == owner::HANDOVER => batch::replace(self.ct.as_fd(), k, &CtEntry { owner: owner::DATAPATH, ..e }),

@@ -162,23 +162,17 @@ impl Forgetter {
         Ok(results(crate::netlink::request_batch(&mut self.0, &requests)?, libc::ENOENT))
     }
 
-    /// Creates, for each connection of `flows`, the entry netfilter makes of it once our
-    /// programs translate it (client -> backend, replies backend -> client): answered, a TCP
-    /// connection established with window tracking liberal in both directions (its sequence
-    /// numbers were not seen), with netfilter's lifetime of such a connection. (Tracked afresh
-    /// from whichever packet came first instead, a reply from a pod to an outside client would
-    /// be a new connection that a CNI's masquerade of pods' traffic translates; and with
-    /// `nf_conntrack_tcp_loose` 0 no TCP connection is.) For each, Ok(false) where one is there
-    /// already.
-    pub fn track_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<std::io::Result<bool>>> {
-        let timeouts = Timeouts::read();
-        let requests: Vec<Request> = flows.iter().map(|t| answered_request(t, &timeouts)).collect();
-        Ok(results(crate::netlink::request_batch(&mut self.0, &requests)?, libc::EEXIST))
-    }
-
-    /// `forget_all` and `track_all` at once, each connection's deletion followed by its
-    /// creation in the same write, so that no packet of it meets netfilter without an entry
-    /// for long (kube-proxy's rules, still there, would balance it afresh). What each did.
+    /// Replaces the entries of `flows` (by their original tuple, client -> Service address) by
+    /// those netfilter makes of them once our programs translate them (client -> backend,
+    /// replies backend -> client): answered, a TCP connection established with window tracking
+    /// liberal in both directions (its sequence numbers were not seen), with netfilter's
+    /// lifetime of such a connection. (Tracked afresh from whichever packet came first
+    /// instead, a reply from a pod to an outside client would be a new connection that a CNI's
+    /// masquerade of pods' traffic translates; and with `nf_conntrack_tcp_loose` 0 no TCP
+    /// connection is.) Each connection's deletion is followed by its creation in the same
+    /// write, so that no packet of it meets netfilter without an entry for long (kube-proxy's
+    /// rules, still there, would balance it afresh). For each, whether an entry was deleted
+    /// (none: it ended meanwhile) and whether one was made (none: one is there already).
     pub fn replace_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<[std::io::Result<bool>; 2]>> {
         let timeouts = Timeouts::read();
         let requests: Vec<Request> =
@@ -453,7 +447,7 @@ fn delete_request(proto: u8, from: SocketAddr, to: SocketAddr) -> Request {
 
 /// The ctnetlink request that creates the entry of the connection `t` as our programs'
 /// translation leaves it: answered, untranslated, client -> backend (see
-/// `Forgetter::track_all`).
+/// `Forgetter::replace_all`).
 fn answered_request(t: &Translated, timeouts: &Timeouts) -> Request {
     use crate::netlink::{attr, NLA_F_NESTED};
     let (proto, client, backend) = (t.proto, t.client, t.backend);
