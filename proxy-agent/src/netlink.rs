@@ -170,26 +170,26 @@ pub fn attrs(payload: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     })
 }
 
+/// Appends a netlink message to `msg`: its header (type `kind`, `flags`, sequence number `seq`,
+/// port 0), its family header `header` and `body`.
+fn put_message(msg: &mut Vec<u8>, kind: u16, flags: u16, seq: u32, header: [u8; 4], body: &[u8]) {
+    msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
+    msg.extend_from_slice(&kind.to_ne_bytes());
+    msg.extend_from_slice(&flags.to_ne_bytes());
+    msg.extend_from_slice(&seq.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&header);
+    msg.extend_from_slice(body);
+}
+
 /// Sends one request of type `kind`, whose family header (generic netlink's command and
 /// version, netfilter's address family and version) is `header`, and returns the payloads of
 /// the replies after their netlink header (a dump's until NLMSG_DONE; with NLM_F_ACK, none,
 /// and the kernel's error as the error).
-pub fn request(
-    socket: &mut netlink_sys::Socket,
-    kind: u16,
-    flags: u16,
-    header: [u8; 4],
-    body: &mut Vec<u8>,
-) -> std::io::Result<Vec<Vec<u8>>> {
+pub fn request(socket: &mut netlink_sys::Socket, kind: u16, flags: u16, header: [u8; 4], body: &[u8]) -> std::io::Result<Vec<Vec<u8>>> {
     use std::io;
     let mut msg = Vec::with_capacity(20 + body.len());
-    msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
-    msg.extend_from_slice(&kind.to_ne_bytes());
-    msg.extend_from_slice(&flags.to_ne_bytes());
-    msg.extend_from_slice(&1u32.to_ne_bytes());
-    msg.extend_from_slice(&0u32.to_ne_bytes());
-    msg.extend_from_slice(&header);
-    msg.append(body);
+    put_message(&mut msg, kind, flags, 1, header, body);
     socket.send(&msg, 0)?;
     let mut out = Vec::new();
     loop {
@@ -242,14 +242,8 @@ pub fn request_batch(socket: &mut netlink_sys::Socket, requests: &[Request]) -> 
         let mut msg = Vec::new();
         for (i, Request { kind, flags, header, body }) in chunk.iter().enumerate() {
             let flags = NLM_F_REQUEST | flags | if i + 1 == chunk.len() { NLM_F_ACK } else { 0 };
-            msg.extend_from_slice(&((20 + body.len()) as u32).to_ne_bytes());
-            msg.extend_from_slice(&kind.to_ne_bytes());
-            msg.extend_from_slice(&flags.to_ne_bytes());
             // Sequence numbers from 1: the index of the request, plus one.
-            msg.extend_from_slice(&((first + i + 1) as u32).to_ne_bytes());
-            msg.extend_from_slice(&0u32.to_ne_bytes());
-            msg.extend_from_slice(header);
-            msg.extend_from_slice(body);
+            put_message(&mut msg, *kind, flags, (first + i + 1) as u32, *header, body);
             msg.resize(msg.len().next_multiple_of(4), 0);
         }
         socket.send(&msg, 0)?;

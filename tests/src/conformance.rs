@@ -525,20 +525,7 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         .enumerate()
         .map(|(i, (mut ask, first))| {
             let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut asked = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    // (A pause of a fifth of a millisecond: without it six such threads starve
-                    // the agent of these two cores.)
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                    match ask() {
-                        Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
-                        Ok(a) => return Err(format!("busy flow {i} ({first:?}) moved after {asked} answers: {a:?}")),
-                        Err(e) => return Err(format!("busy flow {i} ({first:?}) failed after {asked} answers: {e}")),
-                    }
-                }
-                Ok(asked)
-            })
+            std::thread::spawn(move || crate::servers::ask_until(&stop, &format!("busy flow {i}"), &first, &mut ask))
         })
         .collect();
     start_dual_stack(&mut lab, ProxyMode::Ebpf);

@@ -279,6 +279,28 @@ impl UdpFlow {
     }
 }
 
+/// Asks again and again with `ask` (every fifth of a millisecond: six such askers on two
+/// cores, unpaused, starve an agent beside them) until `stop`: how many answers came, each from
+/// where the first (`first`) came and seeing the same peer; the first that did not, or failed,
+/// as an error naming `what`.
+pub fn ask_until(
+    stop: &AtomicBool,
+    what: &str,
+    first: &Answer,
+    mut ask: impl FnMut() -> io::Result<Answer>,
+) -> Result<u64, String> {
+    let mut asked = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_micros(200));
+        match ask() {
+            Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
+            Ok(a) => return Err(format!("{what} ({first:?}) moved after {asked} answers: {a:?}")),
+            Err(e) => return Err(format!("{what} ({first:?}) failed after {asked} answers: {e}")),
+        }
+    }
+    Ok(asked)
+}
+
 /// A UDP request on a connected socket, so ICMP errors surface as errors (ECONNREFUSED).
 pub fn udp_ask_connected(ns: &Netns, to: impl Into<SocketAddr>) -> io::Result<Answer> {
     UdpFlow::open(ns, to)?.ask()

@@ -129,40 +129,7 @@ mod takeover {
             })
             .collect();
         for t in flows.iter().filter(|t| t.client.port() % 16 != 0) {
-            let (sport, dport) = (t.client.port().to_string(), t.backend.port().to_string());
-            let args = [
-                "ip",
-                "netns",
-                "exec",
-                &ns.name,
-                "conntrack",
-                "-I",
-                "-p",
-                "tcp",
-                "-s",
-                "10.244.0.2",
-                "-d",
-                "10.96.0.10",
-                "--sport",
-                &sport,
-                "--dport",
-                "80",
-                "-r",
-                "10.244.1.3",
-                "-q",
-                "10.244.0.2",
-                "--reply-port-src",
-                &dport,
-                "--reply-port-dst",
-                &sport,
-                "--state",
-                "ESTABLISHED",
-                "-t",
-                "300",
-                "-u",
-                "ASSURED",
-            ];
-            proxy_tests::netns::sh(&args);
+            dnat_entry(&ns.name, t);
         }
         let results = ns.run(move || Forgetter::new().expect("ctnetlink socket").forget_all(&flows).expect("batched deletions"));
         let deleted: Vec<bool> = results.into_iter().map(|r| r.expect("each deletion is done or finds nothing")).collect();
@@ -170,6 +137,45 @@ mod takeover {
         assert_eq!(deleted, expected, "true where an entry was deleted, false where there was none");
         let left = proxy_tests::netns::sh(&["ip", "netns", "exec", &ns.name, "conntrack", "-L"]);
         assert!(!left.contains("src="), "nothing is left:\n{left}");
+    }
+
+    /// Writes, in namespace `ns`, the conntrack entry kube-proxy's DNAT leaves for the TCP
+    /// connection `t` (client -> Service, replies from the backend), established.
+    fn dnat_entry(ns: &str, t: &proxy_agent::dataplane::netfilter::conntrack::Translated) {
+        let (client, service, backend) = (t.client.ip().to_string(), t.service.ip().to_string(), t.backend.ip().to_string());
+        let (cport, sport, bport) = (t.client.port().to_string(), t.service.port().to_string(), t.backend.port().to_string());
+        proxy_tests::netns::sh(&[
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "conntrack",
+            "-I",
+            "-p",
+            "tcp",
+            "-s",
+            &client,
+            "-d",
+            &service,
+            "--sport",
+            &cport,
+            "--dport",
+            &sport,
+            "-r",
+            &backend,
+            "-q",
+            &client,
+            "--reply-port-src",
+            &bport,
+            "--reply-port-dst",
+            &cport,
+            "--state",
+            "ESTABLISHED",
+            "-t",
+            "300",
+            "-u",
+            "ASSURED",
+        ]);
     }
 
     /// The adoption's replacement of netfilter's entries: each adopted connection's, as our
@@ -197,38 +203,7 @@ mod takeover {
             flow("10.244.0.2:53000", "10.96.0.53:53", "10.244.1.3:5353"),
         ];
         // The first connection's entry as kube-proxy's DNAT left it.
-        proxy_tests::netns::sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &ns.name,
-            "conntrack",
-            "-I",
-            "-p",
-            "tcp",
-            "-s",
-            "10.244.0.2",
-            "-d",
-            "10.96.0.10",
-            "--sport",
-            "40000",
-            "--dport",
-            "80",
-            "-r",
-            "10.244.1.3",
-            "-q",
-            "10.244.0.2",
-            "--reply-port-src",
-            "8080",
-            "--reply-port-dst",
-            "40000",
-            "--state",
-            "ESTABLISHED",
-            "-t",
-            "300",
-            "-u",
-            "ASSURED",
-        ]);
+        dnat_entry(&ns.name, &flows[0]);
         let (made, again) = ns.run(move || {
             let mut f = Forgetter::new().expect("ctnetlink socket");
             (f.replace_all(&flows).expect("replaced"), f.replace_all(&flows).expect("replaced again"))

@@ -653,19 +653,7 @@ fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_test
             .enumerate()
             .map(|(i, (conn, first))| {
                 let stop = &stop;
-                s.spawn(move || {
-                    let mut asked = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        // (A pause of a fifth of a millisecond, as in the conformance test.)
-                        std::thread::sleep(Duration::from_micros(200));
-                        match conn.ask() {
-                            Ok(a) if (&a.backend, a.peer) == (&first.backend, first.peer) => asked += 1,
-                            Ok(a) => return Err(format!("busy connection {i} ({first:?}) moved after {asked} answers: {a:?}")),
-                            Err(e) => return Err(format!("busy connection {i} ({first:?}) failed after {asked} answers: {e}")),
-                        }
-                    }
-                    Ok(asked)
-                })
+                s.spawn(move || proxy_tests::servers::ask_until(stop, &format!("busy connection {i}"), first, || conn.ask()))
             })
             .collect();
         c.start_agents(&[]);

@@ -110,10 +110,10 @@ pub struct Adoption<A> {
     /// endpoints, or its master could not be written (their entries taken out again).
     not_served: usize,
     /// netfilter's entries of adopted connections that could not be deleted or made again.
-    unforgotten: usize,
+    unreplaced: usize,
     /// Time the replacement of netfilter's entries took, all frontends: what a frontend's
     /// takes is about how long its connections' packets are held back.
-    forgetting: Duration,
+    replacing: Duration,
     /// Keeps the agent's periodic filter rebuild (and expiry) off while entries are inserted
     /// from here: a rebuild clears a half and walks the map, which an insert from here could
     /// fall between.
@@ -144,8 +144,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             left: 0,
             taken: 0,
             not_served: 0,
-            unforgotten: 0,
-            forgetting: Duration::ZERO,
+            unreplaced: 0,
+            replacing: Duration::ZERO,
             _lock: lock,
         })
     }
@@ -266,24 +266,24 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
     /// Deletes netfilter's entries of the adopted connections `flows`, and makes them again as
     /// our programs' translation leaves them (`Forgetter::replace_all`), counting the time it
     /// took and what could not be deleted or made.
-    fn forget(&mut self, flows: &[Translated]) {
+    fn replace_entries(&mut self, flows: &[Translated]) {
         let started = Instant::now();
         let results = match self.forgetter.as_mut().map(|f| f.replace_all(flows)) {
             Some(Ok(r)) => r,
             Some(Err(e)) => {
                 tracing::warn!(error = %e, "ctnetlink: the conntrack entries of adopted connections could not be replaced");
-                self.unforgotten += flows.len();
+                self.unreplaced += flows.len();
                 return;
             }
             None => {
-                self.unforgotten += flows.len();
+                self.unreplaced += flows.len();
                 return;
             }
         };
-        self.forgetting += started.elapsed();
+        self.replacing += started.elapsed();
         for (t, [deleted, made]) in flows.iter().zip(results) {
             if let Some(e) = deleted.err().or(made.err()) {
-                self.unforgotten += 1;
+                self.unreplaced += 1;
                 tracing::debug!(client = %t.client, error = %e, "could not replace an adopted connection's conntrack entry");
             }
         }
@@ -325,11 +325,11 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         // A connection whose backend this scope lacks may be the other scope's.
         let mut left = Vec::new();
         for t in flows {
+            let found = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend);
             if let Some(masquerade) = t.masquerade {
                 // (0 where this scope lacks its endpoint: no backend's id and address, so a UDP
                 // flow of it is balanced afresh.)
-                let id = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend).map_or(0, |i| ids[i]);
-                match self.leave(&t, masquerade, service_id, id, now) {
+                match self.leave(&t, masquerade, service_id, found.map_or(0, |i| ids[i]), now) {
                     Ok(Some(_)) => self.left += 1,
                     Ok(None) => self.taken += 1,
                     Err(e) => {
@@ -338,7 +338,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                 }
                 continue;
             }
-            let Some(i) = backends.iter().position(|b| SocketAddr::new(b.addr, b.port) == t.backend) else {
+            let Some(i) = found else {
                 left.push(t);
                 continue;
             };
@@ -374,13 +374,13 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         if self.forgetter.is_none() {
             match Forgetter::new() {
                 Ok(f) => self.forgetter = Some(f),
-                Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot delete the conntrack entries of adopted connections"),
+                Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot replace the conntrack entries of adopted connections"),
             }
         }
         let seeded: Vec<(Translated, [CtKey<A>; 2])> = self.seeded.drain(..).collect();
         let flows: Vec<Translated> = seeded.iter().map(|(t, _)| *t).collect();
         self.adopted += flows.len();
-        self.forget(&flows);
+        self.replace_entries(&flows);
         // Ours from now on: their packets were held back while netfilter's entries were
         // replaced.
         for (t, keys) in &seeded {
@@ -403,14 +403,14 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             left_to_netfilter = self.left,
             not_served,
             taken = self.taken,
-            replacing_netfilter_entries_us = self.forgetting.as_micros() as u64,
+            replacing_netfilter_entries_us = self.replacing.as_micros() as u64,
             "adopted the connections netfilter translated to endpoints we serve, and left those it masqueraded to it; the rest \
              (their Service or endpoint gone, or a tuple already tracked) are balanced afresh on their next packet"
         );
-        if self.unforgotten > 0 {
+        if self.unreplaced > 0 {
             tracing::warn!(
                 family = %self.family,
-                connections = self.unforgotten,
+                connections = self.unreplaced,
                 "netfilter's entries of some adopted connections could not be deleted or made again: netfilter may move their \
                  source port, and their backends reset them"
             );

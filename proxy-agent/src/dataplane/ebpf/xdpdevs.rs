@@ -154,15 +154,15 @@ pub fn xdp_features() -> io::Result<BTreeMap<u32, u64>> {
     let mut socket = Socket::new(NETLINK_GENERIC)?;
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
-    let mut name = attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0");
-    let family = request(&mut socket, GENL_ID_CTRL, NLM_F_REQUEST, genl(CTRL_CMD_GETFAMILY), &mut name)
+    let name = attr(CTRL_ATTR_FAMILY_NAME, b"netdev\0");
+    let family = request(&mut socket, GENL_ID_CTRL, NLM_F_REQUEST, genl(CTRL_CMD_GETFAMILY), &name)
         .map_err(|e| io::Error::new(e.kind(), format!("the netdev generic netlink family (Linux 6.3+): {e}")))?
         .iter()
         .find_map(|m| attrs(m.get(4..).unwrap_or(&[])).find(|(t, _)| *t == CTRL_ATTR_FAMILY_ID).and_then(|(_, v)| v.get(..2)))
         .map(|v| u16::from_ne_bytes([v[0], v[1]]))
         .ok_or_else(|| io::Error::other("no id for the netdev generic netlink family"))?;
     let mut devices = BTreeMap::new();
-    for m in request(&mut socket, family, NLM_F_REQUEST | NLM_F_DUMP, genl(NETDEV_CMD_DEV_GET), &mut Vec::new())? {
+    for m in request(&mut socket, family, NLM_F_REQUEST | NLM_F_DUMP, genl(NETDEV_CMD_DEV_GET), &[])? {
         let (mut index, mut features) = (None, None);
         for (t, v) in attrs(m.get(4..).unwrap_or(&[])) {
             match (t, v.len()) {
