@@ -283,12 +283,7 @@ impl UdpFlow {
 /// cores, unpaused, starve an agent beside them) until `stop`: how many answers came, each from
 /// where the first (`first`) came and seeing the same peer; the first that did not, or failed,
 /// as an error naming `what`.
-pub fn ask_until(
-    stop: &AtomicBool,
-    what: &str,
-    first: &Answer,
-    mut ask: impl FnMut() -> io::Result<Answer>,
-) -> Result<u64, String> {
+pub fn ask_until(stop: &AtomicBool, what: &str, first: &Answer, mut ask: impl FnMut() -> io::Result<Answer>) -> Result<u64, String> {
     let mut asked = 0u64;
     while !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_micros(200));
