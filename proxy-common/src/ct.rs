@@ -63,6 +63,20 @@ pub mod owner {
 /// How long a connection's packets are held back at its handover (`owner::HANDOVER`) at most.
 pub const HANDOVER_NS: u64 = SEC;
 
+/// `ADOPTING_V1`, one slot per family (`ADOPTING_V4`, `ADOPTING_V6`): until when (the
+/// datapath's clock, `bpf_ktime_get_coarse_ns`) a takeover may still adopt connections netfilter
+/// translated to the frontends already served; 0, none. Meanwhile a TCP segment of a connection
+/// under way (no SYN) that finds no entry of ours is dropped rather than balanced afresh: it
+/// belongs to a connection kube-proxy's rules sent to some backend after the agent last read
+/// the conntrack table, and before the frontend's master made our programs serve it, which the
+/// agent adopts at its next read; TCP sends the segment again. The agent moves the time on at
+/// each read (`ADOPTING_HOLD_NS` ahead) and sets 0 once the adoption ends, so a stopped agent's
+/// hold lapses by itself.
+pub const ADOPTING_V4: u32 = 0;
+pub const ADOPTING_V6: u32 = 1;
+/// How far ahead of each read the agent sets `ADOPTING_V1`'s time.
+pub const ADOPTING_HOLD_NS: u64 = 5 * SEC;
+
 /// `CtEntry::l4_csum`: how the flow's packets carried their TCP/UDP checksum.
 pub mod l4_csum {
     /// Not learned (the rewrite changed nothing it could tell by): the helpers do every packet.

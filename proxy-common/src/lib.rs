@@ -104,6 +104,9 @@ pub mod map_names {
     /// The generation the flow caches are valid under (`ct::FlowGen`), so that no cached step
     /// outlives what it was decided from.
     pub const FLOW_GEN: &str = "FLOW_GEN_V1";
+    /// Until when each family's takeover may still adopt connections to served frontends
+    /// (`ct::ADOPTING_V4`).
+    pub const ADOPTING: &str = "ADOPTING_V1";
 
     /// The IPv6 family's maps: the same roles as their IPv4 namesakes, keyed by 16-byte
     /// addresses. Ids (service, backend) are the family's own.
@@ -178,7 +181,7 @@ pub mod map_names {
     pub const LB_V4: [&str; 9] = [SERVICES, BACKENDS, REVNAT, NAMES, BACKEND_FLOWS, MAGLEV, AFFINITY_MATCH, SOURCE_RANGES, SERVICE_CIDRS];
     pub const LB_V6: [&str; 9] =
         [SERVICES6, BACKENDS6, REVNAT6, BACKEND_FLOWS6, AFFINITY_MATCH6, SOURCE_RANGES6, SERVICE_CIDRS6, NAMES6, MAGLEV6];
-    pub const ALL: [&str; 46] = [
+    pub const ALL: [&str; 47] = [
         SERVICES,
         BACKENDS,
         REVNAT,
@@ -201,6 +204,7 @@ pub mod map_names {
         HOST_NETNS,
         XDP_DEVS,
         FLOW_GEN,
+        ADOPTING,
         SERVICE_CIDRS,
         SERVICES6,
         BACKENDS6,
@@ -1165,6 +1169,11 @@ reasons! {
     /// being replaced (`ct::owner::HANDOVER`, about a millisecond): dropped, where translated it
     /// would meet that entry (TCP: reset; UDP: its port moved); TCP sends it again.
     DropHandover = 46 => "drop_handover",
+    /// A TCP segment of a connection under way (no SYN) that no entry tracks, to a frontend
+    /// served while a takeover may still adopt the connections kube-proxy's rules translated
+    /// (`ct::ADOPTING_V4`): dropped rather than balanced afresh (reset unless it met the same
+    /// backend); TCP sends it again, by then adopted.
+    DropAdoptPending = 47 => "drop_adopt_pending",
 }
 
 /// Entries in `STATS_V1`; leaves room for new reasons without resizing the map. (A pin of

@@ -15,7 +15,7 @@ use proxy_common::{
 
 use crate::{
     family::Family,
-    maps::CLOCK,
+    maps::{ADOPTING_V1, CLOCK},
     parse::{Packet, TCP_FIN, TCP_RST},
     value::{self, Slot},
 };
@@ -40,6 +40,14 @@ pub fn now() -> u64 {
         c.jiffies = jiffies;
     }
     c.ns
+}
+
+/// True when `pkt`, which no entry tracks, is a TCP segment of a connection under way that a
+/// takeover may still adopt (`proxy_common::ct::ADOPTING_V4`): it is dropped, not balanced
+/// afresh.
+#[inline(always)]
+pub fn adopt_pending<A: Family>(pkt: &Packet<A>, now: u64) -> bool {
+    pkt.is_tcp_mid_connection() && ADOPTING_V1.get(A::ADOPTING_SLOT).is_some_and(|until| now < *until)
 }
 
 /// May the conntrack map hold `k`? `None`: it surely does not, the conntrack filter says

@@ -137,6 +137,8 @@ pub trait Family:
     /// IPv4's is `prog_slots::EGRESS6`, the egress program's one tail call (a second call site
     /// there made every IPv6 reply slower); IPv6's `prog_slots::HOST6`.
     const HOST_SLOT: u32;
+    /// The family's slot of `maps::ADOPTING_V1`.
+    const ADOPTING_SLOT: u32;
 
     /// The address SNAT puts on the family's flows leaving by external interface `ifindex`.
     fn node_address(ifindex: u32) -> Option<Self>;
@@ -160,6 +162,7 @@ impl Family for [u8; 4] {
     type FragId = [u8; 2];
     const STAGES_APART: bool = false;
     const HOST_SLOT: u32 = proxy_common::prog_slots::EGRESS6;
+    const ADOPTING_SLOT: u32 = proxy_common::ct::ADOPTING_V4;
     #[inline(always)]
     fn bound_offset(off: usize) -> usize {
         off
@@ -335,6 +338,7 @@ impl Family for Ip6 {
     type FragId = [u8; 4];
     const STAGES_APART: bool = true;
     const HOST_SLOT: u32 = proxy_common::prog_slots::HOST6;
+    const ADOPTING_SLOT: u32 = proxy_common::ct::ADOPTING_V6;
     /// The parser's longest (`parse6::EXT_MAX`) is below 512.
     #[inline(always)]
     fn bound_offset(off: usize) -> usize {

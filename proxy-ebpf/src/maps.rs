@@ -142,6 +142,11 @@ pub static XDP_DEVS_V1: HashMap<u32, u32, { limits::XDP_DEVS_MAX as usize }> = H
 #[btf_map]
 pub static CONFIG_V3: Array<Config, 1> = Array::new();
 
+/// Until when each family's takeover may still adopt connections to served frontends
+/// (`proxy_common::ct::ADOPTING_V4`).
+#[btf_map]
+pub static ADOPTING_V1: Array<u64, 2> = Array::new();
+
 /// The frontend filter of each family (`proxy_common::filter`).
 #[btf_map]
 pub static LB4_FILTER_V1: Array<u64, { proxy_common::filter::WORDS as usize }> = Array::new();

@@ -396,6 +396,9 @@ pub fn new_flow<A: Family>(env: &Env, pkt: &Packet<A>, clock: impl Fn() -> u64 +
         };
     }
     let now = clock();
+    if ct::adopt_pending(pkt, now) {
+        return Step::Drop(Reason::DropAdoptPending);
+    }
     let key = ServiceKey::new(pkt.daddr, pkt.dport, pkt.proto, 0);
     let choice = match select::choose(pkt, &key, &master, now, !env.dry) {
         Ok(c) => c,

@@ -347,6 +347,9 @@ fn new_flow<A: Family>(
         select::without_endpoints(pkt, master)?;
         return A::reject(ctx, pkt, Reason::RejectNoEndpoints);
     }
+    if ct::adopt_pending(pkt, now) {
+        return Err(Reason::DropAdoptPending);
+    }
     let select::Choice { id: backend_id, backend: be } = select::choose(pkt, key, master, now, true)?;
     let hairpin = be.addr == pkt.saddr;
     // Translated before it is tracked, to track the checksum form the translation found; a

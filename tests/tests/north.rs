@@ -1064,6 +1064,28 @@ fn a_host_flows_entries_are_removed_once_it_has_expired() {
 /// A NodePort's UDP flow that kube-proxy masqueraded before the takeover, left to netfilter
 /// (`ct::owner::NETFILTER`): XDP and TC pass its datagrams and its backend's replies untouched
 /// while that backend is served; once it is removed, the next datagram is the agent's new flow
+/// The external hooks hold back a TCP segment under way that no entry tracks while a takeover
+/// may still adopt its connection (`ct::ADOPTING_V4`), as pod ingress does (TC drops it; XDP,
+/// which drops only what is outside a load balancer's source ranges, leaves it to TC); a SYN
+/// is balanced; once the adoption ends, the segment is a new flow again.
+#[test]
+fn the_external_hooks_hold_back_a_segment_under_way_while_a_takeover_may_adopt_it() {
+    let Some(mut n) = node("the_external_hooks_hold_back_a_segment_under_way_while_a_takeover_may_adopt_it") else { return };
+    n.dp.upsert(&key(NODE_PORT, Protocol::Tcp), &frontend(FrontendKind::NodePort, vec![backend(REMOTE, false)])).unwrap();
+    let now = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
+    testrun::hold_adoption(&mut n.dp, proxy_common::ct::ADOPTING_V4, now + 5_000_000_000);
+    let ack = tcp_frame(sock(CLIENT), sock(NODE_PORT), ACK);
+    assert_xdp_passes(&mut n, &ack, "XDP leaves what it would drop to TC");
+    assert_eq!(run_ext(&mut n.dp, &ack, n.ifindex).action, TC_ACT_SHOT, "TC holds it back");
+    assert_eq!(counters(&mut n.dp).get("drop_adopt_pending"), Some(&1));
+    let syn = tcp_frame(sock("198.51.100.8:40000"), sock(NODE_PORT), SYN);
+    let out = run_ext(&mut n.dp, &syn, n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "a SYN is a new flow");
+    testrun::hold_adoption(&mut n.dp, proxy_common::ct::ADOPTING_V4, 0);
+    let out = run_ext(&mut n.dp, &ack, n.ifindex);
+    assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "the adoption over: a new flow");
+}
+
 /// (as kube-proxy deletes a removed endpoint's UDP conntrack entries).
 #[test]
 fn a_udp_flow_left_to_netfilter_passes_the_external_hooks_until_its_endpoint_goes() {

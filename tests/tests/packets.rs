@@ -1797,6 +1797,38 @@ fn a_udp_flow_left_to_netfilter_is_balanced_afresh_once_its_endpoint_goes() {
     assert_eq!(c.get("pass_netfilter"), Some(&3), "{c:?}");
 }
 
+/// While a takeover may still adopt the connections kube-proxy's rules translated
+/// (`ct::ADOPTING_V4`), a TCP segment of a connection under way that no entry tracks is
+/// dropped, not balanced afresh: the connection was opened after the agent's last read of the
+/// conntrack table, the next read adopts it, and TCP sends the segment again. A SYN and a UDP
+/// datagram are new flows all the same; past the time (an agent stopped half-way) or once the
+/// adoption ends, the segment is a new flow again, as it is without a takeover.
+#[test]
+fn a_segment_under_way_is_held_back_while_a_takeover_may_adopt_its_connection() {
+    use proxy_common::ct::ADOPTING_V4;
+    let Some(mut dp) = setup("a_segment_under_way_is_held_back_while_a_takeover_may_adopt_its_connection") else { return };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    program(&mut dp, "10.96.0.53:53", Protocol::Udp, &["10.244.1.3:53"]);
+    let now = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns();
+    testrun::hold_adoption(&mut dp, ADOPTING_V4, now + 5_000_000_000);
+    let (client, vip) = (sock(CLIENT), sock(VIP));
+    let ack = tcp_frame(client, vip, ACK);
+    assert_eq!(run(&mut dp, &ack).action, testrun::TC_ACT_SHOT, "held back");
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&1));
+    assert!(conntrack(&mut dp).is_empty(), "and not tracked");
+    let other = sock("10.244.0.9:40001");
+    assert_eq!(dissect(&run(&mut dp, &tcp_frame(other, vip, SYN)).frame).dst_sock(), sock("10.244.1.2:8080"), "a SYN opens a flow");
+    let query = udp_frame(client, sock("10.96.0.53:53"), b"q");
+    assert_eq!(dissect(&run(&mut dp, &query).frame).dst_sock(), sock("10.244.1.3:53"), "a UDP datagram too");
+    for (i, until) in [now - 1, 0].into_iter().enumerate() {
+        testrun::hold_adoption(&mut dp, ADOPTING_V4, until);
+        let c = sock(&format!("10.244.0.2:{}", 41000 + i));
+        let out = run(&mut dp, &tcp_frame(c, vip, ACK));
+        assert_eq!(dissect(&out.frame).dst_sock(), sock("10.244.1.2:8080"), "no hold at {until}: a new flow");
+    }
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&1));
+}
+
 /// A connection the takeover adopted is held back while its netfilter entry is deleted
 /// (`ct::owner::HANDOVER`): its packets are dropped (TCP sends them again), for at most
 /// `HANDOVER_NS` after its entry was written. The agent then makes the entry ours; if it did

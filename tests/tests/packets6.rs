@@ -103,6 +103,25 @@ fn ipv6_udp_is_dnatted_with_a_valid_checksum() {
     assert_eq!(d.l4_checksum_ok, Some(true), "UDP checksum after DNAT");
 }
 
+/// IPv6's new-flow program holds back a segment under way that no entry tracks while IPv6's
+/// takeover may adopt its connection (`ct::ADOPTING_V6`), not while only IPv4's may, and
+/// balances it once the hold ends, as IPv4's does.
+#[test]
+fn ipv6_segment_under_way_is_held_back_while_its_familys_takeover_may_adopt_it() {
+    use proxy_common::ct::{ADOPTING_V4, ADOPTING_V6};
+    let Some(mut dp) = setup("ipv6_segment_under_way_is_held_back_while_its_familys_takeover_may_adopt_it") else { return };
+    program6(&mut dp, VIP, TCP, &[BACKEND]);
+    let until = proxy_agent::dataplane::ebpf::ct_gc::monotonic_coarse_ns() + 5_000_000_000;
+    testrun::hold_adoption(&mut dp, ADOPTING_V6, until);
+    let ack = tcp_frame(sock(CLIENT), sock(VIP), ACK);
+    assert_eq!(run(&mut dp, &ack).action, TC_ACT_SHOT, "held back");
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&1));
+    assert!(conntrack6(&mut dp).is_empty(), "and not tracked");
+    testrun::hold_adoption(&mut dp, ADOPTING_V6, 0);
+    testrun::hold_adoption(&mut dp, ADOPTING_V4, until);
+    assert_eq!(dissect(&run(&mut dp, &ack).frame).dst_sock(), sock(BACKEND), "IPv4's hold is not IPv6's: a new flow");
+}
+
 /// Extension headers (Hop-by-Hop, Destination Options, Routing) are walked to the ports; the
 /// translated packet keeps them.
 #[test]

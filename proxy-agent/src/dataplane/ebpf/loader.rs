@@ -155,6 +155,7 @@ fn expected(name: &str) -> (MapType, usize, usize) {
         map_names::HOST_NETNS => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::XDP_DEVS => (MapType::Hash, size_of::<u32>(), size_of::<u32>()),
         map_names::FLOW_GEN => (MapType::Array, size_of::<u32>(), size_of::<proxy_common::ct::FlowGen>()),
+        map_names::ADOPTING => (MapType::Array, size_of::<u32>(), size_of::<u64>()),
         map_names::SERVICE_CIDRS => (MapType::LpmTrie, size_of::<u32>() + size_of::<proxy_common::SvcCidrKey>(), size_of::<u8>()),
         map_names::SERVICES6 => (MapType::Hash, size_of::<ServiceKey<Ip6>>(), size_of::<ServiceValue>()),
         map_names::BACKENDS6 => (MapType::Array, size_of::<u32>(), size_of::<Backend<Ip6>>()),
