@@ -139,7 +139,12 @@ impl Conn {
     /// Connects from inside `ns`.
     pub fn open(ns: &Netns, to: impl Into<SocketAddr>) -> io::Result<Self> {
         let to = to.into();
-        let stream = ns.run(move || TcpStream::connect_timeout(&to, TIMEOUT))?;
+        ns.run(move || Self::here(to))
+    }
+
+    /// Connects from the namespace of the calling thread.
+    pub fn here(to: SocketAddr) -> io::Result<Self> {
+        let stream = TcpStream::connect_timeout(&to, TIMEOUT)?;
         stream.set_read_timeout(Some(TIMEOUT))?;
         stream.set_write_timeout(Some(TIMEOUT))?;
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })

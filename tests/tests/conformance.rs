@@ -109,6 +109,13 @@ mod takeover {
         }
     }
 
+    #[test]
+    fn ebpf_adopts_the_connections_opened_during_its_first_write() {
+        if require::root("the eBPF mode's adoption of connections opened during its first write") {
+            conformance::takeover_adopts_connections_opened_during_the_first_write(&agent());
+        }
+    }
+
     /// The adoption's deletion of netfilter's entries, in batches of requests: 150 entries made
     /// in a namespace of the test's own (more than two batches), with 10 tuples that have none
     /// among them, each deleted and told apart.

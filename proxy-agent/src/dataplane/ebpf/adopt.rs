@@ -35,9 +35,17 @@
 //! netfilter entry; the hooks track it as new, beside that entry), and a TCP connection stays
 //! with its endpoint.
 //!
-//! Not taken over: a connection opened between the table's last read (at the first frontend's
-//! write, as late as it can be, and again each second during a long first write) and its
-//! frontend's master; and the node's own processes' connections, which netfilter's entry goes
+//! A connection opened between the table's last read (at the first frontend's write, and
+//! again each second during a long first write) and its frontend's master has no entry of ours
+//! when its next packet comes. From the first read until the adoption ends, the datapath holds
+//! back (drops) a TCP segment of a connection under way that no entry tracks
+//! (`ct::ADOPTING_V4`, `drop_adopt_pending`) instead of balancing it afresh; the next read
+//! (within a second, and a last one as the first sync ends) finds the connection to a served
+//! frontend and adopts it as above (`adopt_late`), and TCP's retransmission then reaches the
+//! backend it had. A UDP flow of them is balanced afresh by its next datagram, which may move
+//! it (nothing tells a UDP flow's later datagram from a new flow's first).
+//!
+//! Not taken over: the node's own processes' connections, which netfilter's entry goes
 //! on translating (our programs translate pods' and outside clients' packets). The deletions
 //! go in batches of requests (`netlink::request_batch`), a few syscalls a frontend, to keep
 //! the handover short; the log gives the time they took (`replacing_netfilter_entries_us`).
@@ -69,18 +77,12 @@ use crate::{
 /// frontends not yet written.
 const REREAD: Duration = Duration::from_secs(1);
 
-/// The connections to adopt after a read of the table (`read`), by Service address: the read's,
-/// less those of frontends already served (`served`), whose masters are written. Also the number
-/// of connections the previous pending set (`old`) held for served frontends, which no seed
-/// adopted (their backend was not the frontend's) and which the new set drops.
-fn pending_after_read(
-    old: &HashMap<(SocketAddr, u8), Vec<Translated>>,
-    mut read: HashMap<(SocketAddr, u8), Vec<Translated>>,
-    served: &HashSet<(SocketAddr, u8)>,
-) -> (usize, HashMap<(SocketAddr, u8), Vec<Translated>>) {
-    let dropped = old.iter().filter(|(k, _)| served.contains(k)).map(|(_, v)| v.len()).sum();
-    read.retain(|k, _| !served.contains(k));
-    (dropped, read)
+/// A read of the table (`read`), by Service address, split: the connections to frontends
+/// already served (`served`, whose masters are written), which the adoption takes at once
+/// (`adopt_late`), and the rest, adopted as their frontends are written.
+type ByService = HashMap<(SocketAddr, u8), Vec<Translated>>;
+fn split_read(read: ByService, served: &HashSet<(SocketAddr, u8)>) -> (ByService, ByService) {
+    read.into_iter().partition(|(k, _)| served.contains(k))
 }
 
 /// One family's adoption, from the first frontend written to the end of the first sync.
@@ -89,19 +91,28 @@ pub struct Adoption<A> {
     /// The node's addresses: connections from them are its own processes', which stay
     /// netfilter's (see `read_table`).
     node_addresses: HashSet<IpAddr>,
-    /// The translated connections not adopted yet, by (Service address, protocol).
-    pending: HashMap<(SocketAddr, u8), Vec<Translated>>,
+    /// The translated connections to frontends not served yet, by (Service address, protocol).
+    pending: ByService,
     /// When the table was last read (`REREAD`); None before the first frontend's write.
     read_at: Option<Instant>,
-    /// Frontends whose master is written: what a later read finds for them is not adopted.
+    /// Frontends whose master is written: what a later read finds for them was opened after
+    /// the read before (its TCP segments are held back meanwhile: `ct::ADOPTING_V4`), and is
+    /// adopted at once (`adopt_late`).
     served: HashSet<(SocketAddr, u8)>,
+    /// Each frontend's endpoints as written, both scopes: (its reverse NAT id, the endpoint's
+    /// id) by endpoint, for the connections a later read finds.
+    written: HashMap<(SocketAddr, u8), HashMap<SocketAddr, (u32, u32)>>,
     ct: OwnedFd,
+    /// `map_names::ADOPTING`, and the family's slot of it.
+    adopting: (OwnedFd, u32),
     marker: ct_filter::Marker,
     /// Seeded for the frontend being written, with their forward and reply keys: their
     /// netfilter entries go once it is served.
     seeded: Vec<(Translated, [CtKey<A>; 2])>,
     forgetter: Option<Forgetter>,
     adopted: usize,
+    /// Of them, those a read found after their frontend was served.
+    late: usize,
     /// Masqueraded connections left to netfilter.
     left: usize,
     /// Connections whose tuple one of ours already held.
@@ -121,26 +132,32 @@ pub struct Adoption<A> {
 }
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
-    /// `ct` and `filter`: the family's conntrack map and conntrack filter; `node_addresses`:
-    /// the node's (`Devices::node_addresses`).
+    /// `ct` and `filter`: the family's conntrack map and conntrack filter; `adopting`:
+    /// `map_names::ADOPTING`; `node_addresses`: the node's (`Devices::node_addresses`).
     pub fn new(
         family: Family,
-        ct: BorrowedFd<'_>,
-        filter: BorrowedFd<'_>,
+        [ct, filter, adopting]: [BorrowedFd<'_>; 3],
         node_addresses: HashSet<IpAddr>,
         lock: Option<ct_filter::RebuildLock>,
     ) -> io::Result<Self> {
+        let slot = match family {
+            Family::V4 => ct::ADOPTING_V4,
+            Family::V6 => ct::ADOPTING_V6,
+        };
         Ok(Self {
             family,
             node_addresses,
             pending: HashMap::new(),
             read_at: None,
             served: HashSet::new(),
+            written: HashMap::new(),
             ct: ct.try_clone_to_owned()?,
+            adopting: (adopting.try_clone_to_owned()?, slot),
             marker: ct_filter::Marker::of(filter)?,
             seeded: Vec::new(),
             forgetter: None,
             adopted: 0,
+            late: 0,
             left: 0,
             taken: 0,
             not_served: 0,
@@ -150,8 +167,19 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         })
     }
 
-    fn read_table(&mut self) -> HashMap<(SocketAddr, u8), Vec<Translated>> {
-        let mut by_service: HashMap<(SocketAddr, u8), Vec<Translated>> = HashMap::new();
+    /// Sets until when the datapath holds back TCP segments to served frontends that no entry
+    /// tracks (`ct::ADOPTING_V4`; 0: no more).
+    fn hold_until(&self, until: u64) {
+        let (fd, slot) = &self.adopting;
+        if let Err(e) = batch::replace(fd.as_fd(), slot, &until) {
+            tracing::warn!(family = %self.family, error = %e, "could not set how long connections opened during the takeover are held back");
+        }
+    }
+
+    fn read_table(&mut self) -> ByService {
+        // Held back from before the read: a connection the read misses was opened after it.
+        self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
+        let mut by_service = ByService::new();
         match conntrack::list_translated(self.family) {
             Ok(list) => {
                 // The node's own processes' connections stay netfilter's: our programs translate
@@ -289,6 +317,70 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         }
     }
 
+    /// Replaces netfilter's entries of the connections `seeded` adopted (at their handover),
+    /// then makes their entries ours.
+    fn finish(&mut self, seeded: Vec<(Translated, [CtKey<A>; 2])>) {
+        if seeded.is_empty() {
+            return;
+        }
+        if self.forgetter.is_none() {
+            match Forgetter::new() {
+                Ok(f) => self.forgetter = Some(f),
+                Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot replace the conntrack entries of adopted connections"),
+            }
+        }
+        let flows: Vec<Translated> = seeded.iter().map(|(t, _)| *t).collect();
+        self.adopted += flows.len();
+        self.replace_entries(&flows);
+        // Ours from now on: their packets were held back while netfilter's entries were
+        // replaced.
+        for (t, keys) in &seeded {
+            for k in keys {
+                if let Err(e) = self.hand_over(k) {
+                    tracing::debug!(client = %t.client, error = %e, "could not hand an adopted connection over (the datapath does in a second)");
+                }
+            }
+        }
+    }
+
+    /// Adopts (or leaves to netfilter) the connections a read found to frontends already
+    /// served (`late`) that no entry of ours tracks: opened after the read before, they met
+    /// kube-proxy's rules, and their TCP segments since the master are held back
+    /// (`ct::ADOPTING_V4`). Those whose endpoint the frontend lacks are counted as not served at
+    /// the `last` read (before it, a later read finds them again).
+    fn adopt_late(&mut self, late: ByService, last: bool) {
+        let now = ct_gc::monotonic_coarse_ns();
+        let mut seeded = Vec::new();
+        for (key, flows) in late {
+            for t in flows {
+                let ours = (|| {
+                    let (client, service) = (addr::<A>(t.client)?, addr::<A>(t.service)?);
+                    batch::lookup::<_, CtEntry<A>>(self.ct.as_fd(), &tuple(t.proto, (client, t.client), (service, t.service)))
+                })();
+                if !matches!(ours, Ok(None)) {
+                    // Tracked already (adopted, left, or a flow of ours since), or not of the family.
+                    continue;
+                }
+                let Some(&(service_id, id)) = self.written.get(&key).and_then(|e| e.get(&t.backend)) else {
+                    self.not_served += usize::from(last);
+                    continue;
+                };
+                let put = match t.masquerade {
+                    Some(masquerade) => self.leave(&t, masquerade, service_id, id, now).map(|k| k.map(|_| None)),
+                    None => self.insert(&t, service_id, id, now).map(|k| k.map(Some)),
+                };
+                match put {
+                    Ok(Some(None)) => self.left += 1,
+                    Ok(Some(Some(keys))) => seeded.push((t, keys)),
+                    Ok(None) => self.taken += 1,
+                    Err(e) => tracing::warn!(client = %t.client, error = %e, "could not adopt a connection netfilter translated"),
+                }
+            }
+        }
+        self.late += seeded.len();
+        self.finish(seeded);
+    }
+
     /// Makes the entry at `k`, seeded at its handover (`ct::owner::HANDOVER`), ours. Left if it
     /// is not at its handover any more (the datapath took it past its time).
     fn hand_over(&self, k: &CtKey<A>) -> io::Result<()> {
@@ -311,15 +403,17 @@ fn tuple<A>(proto: u8, (saddr, from): (A, SocketAddr), (daddr, to): (A, SocketAd
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[model::Backend], ids: &[u32]) {
+        let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
+        let endpoints = self.written.entry(key).or_default();
+        endpoints.extend(backends.iter().zip(ids).map(|(b, id)| (SocketAddr::new(b.addr, b.port), (service_id, *id))));
         if self.read_at.is_none_or(|at| at.elapsed() >= REREAD) {
             // (Again during a long first write: kube-proxy's rules go on translating new
             // connections to the frontends not written yet.)
             let read = self.read_table();
-            let (dropped, fresh) = pending_after_read(&self.pending, read, &self.served);
-            self.not_served += dropped;
+            let (late, fresh) = split_read(read, &self.served);
             self.pending = fresh;
+            self.adopt_late(late, false);
         }
-        let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
         let Some(flows) = self.pending.remove(&key) else { return };
         let now = ct_gc::monotonic_coarse_ns();
         // A connection whose backend this scope lacks may be the other scope's.
@@ -368,38 +462,24 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             return;
         }
         self.served.insert((SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto()));
-        if self.seeded.is_empty() {
-            return;
-        }
-        if self.forgetter.is_none() {
-            match Forgetter::new() {
-                Ok(f) => self.forgetter = Some(f),
-                Err(e) => tracing::warn!(error = %e, "ctnetlink: cannot replace the conntrack entries of adopted connections"),
-            }
-        }
-        let seeded: Vec<(Translated, [CtKey<A>; 2])> = self.seeded.drain(..).collect();
-        let flows: Vec<Translated> = seeded.iter().map(|(t, _)| *t).collect();
-        self.adopted += flows.len();
-        self.replace_entries(&flows);
-        // Ours from now on: their packets were held back while netfilter's entries were
-        // replaced.
-        for (t, keys) in &seeded {
-            for k in keys {
-                if let Err(e) = self.hand_over(k) {
-                    tracing::debug!(client = %t.client, error = %e, "could not hand an adopted connection over (the datapath does in a second)");
-                }
-            }
-        }
+        let seeded = std::mem::take(&mut self.seeded);
+        self.finish(seeded);
     }
 
     fn end(&mut self) {
         if self.read_at.is_none() {
             return;
         }
-        let not_served = self.pending.values().map(Vec::len).sum::<usize>() + self.not_served;
+        // A last read, for the connections opened since the one before to frontends served
+        // since (held back meanwhile), and the rest never served.
+        let (late, never) = split_read(self.read_table(), &self.served);
+        self.adopt_late(late, true);
+        self.hold_until(0);
+        let not_served = never.values().map(Vec::len).sum::<usize>() + self.not_served;
         tracing::info!(
             family = %self.family,
             adopted = self.adopted,
+            adopted_late = self.late,
             left_to_netfilter = self.left,
             not_served,
             taken = self.taken,
@@ -432,22 +512,21 @@ mod tests {
         }
     }
 
-    /// A read during the first write keeps what it finds for frontends not written yet (new
-    /// connections kube-proxy's rules translated meanwhile among them), and drops the served
-    /// frontends', counting those the previous set still held.
+    /// A read during the first write keeps for later what it finds for frontends not written
+    /// yet (new connections kube-proxy's rules translated meanwhile among them), and gives the
+    /// served frontends' apart, to adopt at once.
     #[test]
-    fn a_read_again_keeps_only_the_frontends_not_served_yet() {
+    fn a_read_again_sets_the_served_frontends_connections_apart() {
         let key = |s: &str| (s.parse::<SocketAddr>().unwrap(), libc::IPPROTO_TCP as u8);
-        let (web, api) = (key("10.96.0.10:80"), key("10.96.0.20:443"));
-        let old: HashMap<_, _> = [(web, vec![t(40000, "10.96.0.10:80")]), (api, vec![t(40001, "10.96.0.20:443")])].into();
-        let read: HashMap<_, _> =
+        let (web, api, db) = (key("10.96.0.10:80"), key("10.96.0.20:443"), key("10.96.0.30:5432"));
+        let read: ByService =
             [(web, vec![t(40000, "10.96.0.10:80")]), (api, vec![t(40001, "10.96.0.20:443"), t(40002, "10.96.0.20:443")])].into();
-        let served: HashSet<_> = [web].into();
-        let (dropped, pending) = pending_after_read(&old, read, &served);
-        assert_eq!(dropped, 1, "the served frontend's connection no seed adopted");
-        assert_eq!(pending.len(), 1);
-        assert_eq!(pending[&api].len(), 2, "the new connection to the frontend not yet written is in");
-        let (dropped, pending) = pending_after_read(&HashMap::new(), pending, &HashSet::new());
-        assert_eq!((dropped, pending.len()), (0, 1), "a first read keeps everything");
+        let served: HashSet<_> = [web, db].into();
+        let (late, pending) = split_read(read, &served);
+        assert_eq!(late.keys().collect::<Vec<_>>(), [&web], "only the served frontend's, and only where the read found some");
+        assert_eq!(late[&web].len(), 1);
+        assert_eq!((pending.len(), pending[&api].len()), (1, 2), "the frontend not written yet keeps both");
+        let (late, pending) = split_read(pending, &HashSet::new());
+        assert_eq!((late.len(), pending.len()), (0, 1), "a first read keeps everything for later");
     }
 }

@@ -544,10 +544,9 @@ impl EbpfDataplane {
             None => None,
         };
         let own: std::collections::HashSet<IpAddr> = node_addresses.iter().copied().collect();
-        let (ct, filter) = (self.map_fd(map_names::CT)?, self.map_fd(map_names::CT_FILTER)?);
-        let v4 = adopt::Adoption::<[u8; 4]>::new(Family::V4, ct, filter, own.clone(), lock)?;
-        let (ct, filter) = (self.map_fd(map_names::CT6)?, self.map_fd(map_names::CT_FILTER6)?);
-        let v6 = adopt::Adoption::<proxy_common::Ip6>::new(Family::V6, ct, filter, own, None)?;
+        let fds = |ct, filter| Ok::<_, std::io::Error>([self.map_fd(ct)?, self.map_fd(filter)?, self.map_fd(map_names::ADOPTING)?]);
+        let v4 = adopt::Adoption::<[u8; 4]>::new(Family::V4, fds(map_names::CT, map_names::CT_FILTER)?, own.clone(), lock)?;
+        let v6 = adopt::Adoption::<proxy_common::Ip6>::new(Family::V6, fds(map_names::CT6, map_names::CT_FILTER6)?, own, None)?;
         self.lb.adopt_connections(Box::new(v4));
         self.lb6.adopt_connections(Box::new(v6));
         Ok(())
