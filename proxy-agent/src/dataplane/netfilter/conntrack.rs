@@ -139,12 +139,13 @@ pub fn list_translated(family: Family) -> Result<Vec<Translated>, NetfilterError
 }
 
 /// Deletes conntrack entries by their original tuple, and creates those of connections our
-/// programs translate, over one ctnetlink socket.
-pub struct Forgetter(netlink_sys::Socket);
+/// programs translate, over one ctnetlink socket; with netfilter's lifetimes for the latter,
+/// read at the first replacement.
+pub struct Forgetter(netlink_sys::Socket, Option<Timeouts>);
 
 impl Forgetter {
     pub fn new() -> std::io::Result<Self> {
-        ctnetlink().map(Self)
+        Ok(Self(ctnetlink()?, None))
     }
 
     /// Deletes the entries of `flows` (by their original tuple, client -> Service address): see
@@ -174,9 +175,9 @@ impl Forgetter {
     /// rules, still there, would balance it afresh). For each, whether an entry was deleted
     /// (none: it ended meanwhile) and whether one was made (none: one is there already).
     pub fn replace_all(&mut self, flows: &[Translated]) -> std::io::Result<Vec<[std::io::Result<bool>; 2]>> {
-        let timeouts = Timeouts::read();
+        let timeouts = self.1.get_or_insert_with(Timeouts::read);
         let requests: Vec<Request> =
-            flows.iter().flat_map(|t| [delete_request(t.proto, t.client, t.service), answered_request(t, &timeouts)]).collect();
+            flows.iter().flat_map(|t| [delete_request(t.proto, t.client, t.service), answered_request(t, timeouts)]).collect();
         let codes = crate::netlink::request_batch(&mut self.0, &requests)?;
         let mut done = results(codes, libc::ENOENT).into_iter();
         Ok(std::iter::from_fn(|| {
