@@ -281,7 +281,7 @@ pub fn left_to_netfilter(
     e
 }
 
-/// Sets until when a takeover of `family`'s slot (`proxy_common::ct::ADOPTING_V4`, `_V6`) may
+/// Sets until when the takeover of the family of `slot` (`proxy_common::ct::ADOPTING_V4`, `_V6`) may
 /// still adopt connections, as the agent's adoption does (0: none).
 pub fn hold_adoption(dp: &mut EbpfDataplane, slot: u32, until: u64) {
     let mut map: aya::maps::Array<_, u64> =

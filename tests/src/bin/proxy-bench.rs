@@ -1433,6 +1433,11 @@ fn main() {
         tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     }
     let out_dir = std::path::PathBuf::from(std::env::var_os("BENCH_OUT_DIR").unwrap_or_else(|| ".".into()));
+    // (Made here, not found missing after a run of minutes.)
+    if let Err(e) = std::fs::create_dir_all(&out_dir) {
+        eprintln!("proxy-bench: cannot create BENCH_OUT_DIR {}: {e}", out_dir.display());
+        std::process::exit(1);
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut which: Vec<String> = args.into_iter().filter(|a| !a.starts_with("--")).collect();
     if which.is_empty() {
