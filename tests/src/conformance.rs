@@ -682,6 +682,12 @@ pub fn takeover_adopts_connections_opened_during_the_first_write(agent: &Path) {
          adoption; {opened} opened): {late:?}\n{}",
         lab.log_tail()
     );
+    // The hold is let go as the adoption ends (not left to lapse: a segment under way of a
+    // connection no read found is balanced afresh at once, as without a takeover).
+    let pin = lab.bpffs().join("maps").join(proxy_common::map_names::ADOPTING);
+    let map = aya::maps::MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    let adopting: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(map)).expect("an array");
+    assert_eq!(adopting.get(&proxy_common::ct::ADOPTING_V4, 0).ok(), Some(0), "IPv4's hold after the adoption's end");
 }
 
 /// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode

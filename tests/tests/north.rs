@@ -1061,9 +1061,6 @@ fn a_host_flows_entries_are_removed_once_it_has_expired() {
     assert!(testrun::conntrack(&mut n.dp).is_empty());
 }
 
-/// A NodePort's UDP flow that kube-proxy masqueraded before the takeover, left to netfilter
-/// (`ct::owner::NETFILTER`): XDP and TC pass its datagrams and its backend's replies untouched
-/// while that backend is served; once it is removed, the next datagram is the agent's new flow
 /// The external hooks hold back a TCP segment under way that no entry tracks while a takeover
 /// may still adopt its connection (`ct::ADOPTING_V4`), as pod ingress does (TC drops it; XDP,
 /// which drops only what is outside a load balancer's source ranges, leaves it to TC); a SYN
@@ -1086,6 +1083,9 @@ fn the_external_hooks_hold_back_a_segment_under_way_while_a_takeover_may_adopt_i
     assert_eq!((out.action, dissect(&out.frame).dst_sock()), (TC_ACT_REDIRECT, sock(REMOTE)), "the adoption over: a new flow");
 }
 
+/// A NodePort's UDP flow that kube-proxy masqueraded before the takeover, left to netfilter
+/// (`ct::owner::NETFILTER`): XDP and TC pass its datagrams and its backend's replies untouched
+/// while that backend is served; once it is removed, the next datagram is the agent's new flow
 /// (as kube-proxy deletes a removed endpoint's UDP conntrack entries).
 #[test]
 fn a_udp_flow_left_to_netfilter_passes_the_external_hooks_until_its_endpoint_goes() {

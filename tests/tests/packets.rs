@@ -1829,6 +1829,56 @@ fn a_segment_under_way_is_held_back_while_a_takeover_may_adopt_its_connection() 
     assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&1));
 }
 
+/// The agent's side of that hold: a takeover's adoption holds segments under way back from
+/// its first read of the conntrack table until its end; when the table cannot be read, it holds
+/// nothing back, then or at the reads again during a long first write (no read would find
+/// what it held: its connections are balanced afresh at once, not after the first write).
+#[test]
+fn a_takeover_holds_back_from_its_first_read_to_its_end_and_never_when_the_table_cannot_be_read() {
+    use std::{collections::HashSet, os::fd::AsFd};
+
+    use proxy_agent::{
+        dataplane::{
+            ebpf::{adopt::Adoption, lbmaps::Adopt},
+            netfilter::{conntrack::Translated, NetfilterError},
+        },
+        model::Family,
+    };
+    use proxy_common::map_names;
+    let Some(mut dp) = setup("a_takeover_holds_back_from_its_first_read_to_its_end_and_never_when_the_table_cannot_be_read") else {
+        return;
+    };
+    program(&mut dp, VIP, Protocol::Tcp, &["10.244.1.2:8080"]);
+    let vip = sock(VIP);
+    let frontend = FrontendKey { addr: (*vip.ip()).into(), port: vip.port(), protocol: Protocol::Tcp };
+    let backend = Backend { addr: "10.244.1.2".parse().unwrap(), port: 8080, terminating: false, local: false };
+    let readable: fn(Family) -> Result<Vec<Translated>, NetfilterError> = |_| Ok(Vec::new());
+    let unreadable: fn(Family) -> Result<Vec<Translated>, NetfilterError> =
+        |_| Err(NetfilterError::Missing { tool: "conntrack", package: "conntrack", why: "a test's".into() });
+    let mut client_port = 42000;
+    let mut held = |dp: &mut EbpfDataplane| {
+        client_port += 1;
+        let out = run(dp, &tcp_frame(sock(&format!("10.244.0.2:{client_port}")), vip, ACK));
+        out.action == testrun::TC_ACT_SHOT
+    };
+    for (list, name) in [(readable, "readable"), (unreadable, "unreadable")] {
+        let fds = [map_names::CT, map_names::CT_FILTER, map_names::ADOPTING].map(|m| testrun::map_fd(&mut dp, m));
+        let mut adoption = Adoption::<[u8; 4]>::new(Family::V4, fds.each_ref().map(|f| f.as_fd()), HashSet::new(), None)
+            .expect("the adoption's maps")
+            .reading_with(list);
+        adoption.seed(&frontend, 1, std::slice::from_ref(&backend), &[1]);
+        assert_eq!(held(&mut dp), name == "readable", "{name}: after the first read");
+        // A read again, as during a long first write.
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        adoption.seed(&frontend, 1, std::slice::from_ref(&backend), &[1]);
+        assert_eq!(held(&mut dp), name == "readable", "{name}: after a read again");
+        adoption.settle(&frontend, true);
+        adoption.end();
+        assert!(!held(&mut dp), "{name}: the adoption is over");
+    }
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&2));
+}
+
 /// A connection the takeover adopted is held back while its netfilter entry is deleted
 /// (`ct::owner::HANDOVER`): its packets are dropped (TCP sends them again), for at most
 /// `HANDOVER_NS` after its entry was written. The agent then makes the entry ours; if it did

@@ -68,7 +68,10 @@ use proxy_common::{
 
 use super::{batch, ct_filter, ct_gc, lbmaps::Adopt};
 use crate::{
-    dataplane::netfilter::conntrack::{self, Forgetter, Translated},
+    dataplane::netfilter::{
+        conntrack::{self, Forgetter, Translated},
+        NetfilterError,
+    },
     model::{self, Family, FrontendKey},
 };
 
@@ -85,6 +88,10 @@ fn split_read(read: ByService, served: &HashSet<(SocketAddr, u8)>) -> (ByService
     read.into_iter().partition(|(k, _)| served.contains(k))
 }
 
+/// A frontend as written: the reverse NAT id of its first scope written, and its endpoints,
+/// both scopes: (their scope's reverse NAT id, the endpoint's id) by endpoint.
+type Written = (u32, HashMap<SocketAddr, (u32, u32)>);
+
 /// One family's adoption, from the first frontend written to the end of the first sync.
 pub struct Adoption<A> {
     family: Family,
@@ -95,13 +102,16 @@ pub struct Adoption<A> {
     pending: ByService,
     /// When the table was last read (`REREAD`); None before the first frontend's write.
     read_at: Option<Instant>,
+    /// How the table is read (`conntrack::list_translated`; a test's own: `reading_with`).
+    list: fn(Family) -> Result<Vec<Translated>, NetfilterError>,
+    /// The first read failed: no read is tried again, and nothing is held back.
+    unreadable: bool,
     /// Frontends whose master is written: what a later read finds for them was opened after
     /// the read before (its TCP segments are held back meanwhile: `ct::ADOPTING_V4`), and is
     /// adopted at once (`adopt_late`).
     served: HashSet<(SocketAddr, u8)>,
-    /// Each frontend's endpoints as written, both scopes: (its reverse NAT id, the endpoint's
-    /// id) by endpoint, for the connections a later read finds.
-    written: HashMap<(SocketAddr, u8), HashMap<SocketAddr, (u32, u32)>>,
+    /// Each frontend as written, for the connections a later read finds.
+    written: HashMap<(SocketAddr, u8), Written>,
     ct: OwnedFd,
     /// `map_names::ADOPTING`, and the family's slot of it.
     adopting: (OwnedFd, u32),
@@ -149,6 +159,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             node_addresses,
             pending: HashMap::new(),
             read_at: None,
+            list: conntrack::list_translated,
+            unreadable: false,
             served: HashSet::new(),
             written: HashMap::new(),
             ct: ct.try_clone_to_owned()?,
@@ -167,6 +179,11 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         })
     }
 
+    /// The same adoption reading its table from `list` (a test's).
+    pub fn reading_with(self, list: fn(Family) -> Result<Vec<Translated>, NetfilterError>) -> Self {
+        Self { list, ..self }
+    }
+
     /// Sets until when the datapath holds back TCP segments to served frontends that no entry
     /// tracks (`ct::ADOPTING_V4`; 0: no more).
     fn hold_until(&self, until: u64) {
@@ -177,11 +194,16 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
     }
 
     fn read_table(&mut self) -> ByService {
+        let mut by_service = ByService::new();
+        if self.unreadable {
+            return by_service;
+        }
         // Held back from before the read: a connection the read misses was opened after it.
         self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
-        let mut by_service = ByService::new();
-        match conntrack::list_translated(self.family) {
+        match (self.list)(self.family) {
             Ok(list) => {
+                // And for as long again from its end: a read of a large table can take seconds.
+                self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
                 // The node's own processes' connections stay netfilter's: our programs translate
                 // pods' and outside clients' packets, and would let a host process's leave
                 // untranslated once its netfilter entry were gone; that entry goes on
@@ -190,14 +212,23 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
                     .filter(|t| !t.client.ip().is_loopback() && !self.node_addresses.contains(&t.client.ip()))
                     .for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t))
             }
-            // (Said once: the reads again during a long first write would repeat it.)
-            Err(e) if self.read_at.is_none() => tracing::warn!(
-                family = %self.family,
-                error = %e,
-                "connections kube-proxy translated are not adopted (the conntrack table could not be read): each is balanced afresh \
-                 on its next packet, and reset unless it reaches the same backend"
-            ),
-            Err(e) => tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again"),
+            // Not tried again, and nothing held back: no read would find what it held.
+            Err(e) if self.read_at.is_none() => {
+                self.unreadable = true;
+                self.hold_until(0);
+                tracing::warn!(
+                    family = %self.family,
+                    error = %e,
+                    "connections kube-proxy translated are not adopted (the conntrack table could not be read): each is balanced \
+                     afresh on its next packet, and reset unless it reaches the same backend"
+                )
+            }
+            // Held back no longer than a read before would: the next read (a second later)
+            // holds back again.
+            Err(e) => {
+                self.hold_until(0);
+                tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again")
+            }
         }
         let n: usize = by_service.values().map(Vec::len).sum();
         let first = self.read_at.is_none();
@@ -361,13 +392,22 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
                     // Tracked already (adopted, left, or a flow of ours since), or not of the family.
                     continue;
                 }
-                let Some(&(service_id, id)) = self.written.get(&key).and_then(|e| e.get(&t.backend)) else {
+                let Some((first_id, endpoints)) = self.written.get(&key) else {
                     self.not_served += usize::from(last);
                     continue;
                 };
-                let put = match t.masquerade {
-                    Some(masquerade) => self.leave(&t, masquerade, service_id, id, now).map(|k| k.map(|_| None)),
-                    None => self.insert(&t, service_id, id, now).map(|k| k.map(Some)),
+                let put = match (t.masquerade, endpoints.get(&t.backend)) {
+                    // Left to netfilter whether or not the frontend has its endpoint, as `seed`
+                    // leaves it (id 0 without).
+                    (Some(masquerade), found) => {
+                        let (service_id, id) = found.copied().unwrap_or((*first_id, 0));
+                        self.leave(&t, masquerade, service_id, id, now).map(|k| k.map(|_| None))
+                    }
+                    (None, Some(&(service_id, id))) => self.insert(&t, service_id, id, now).map(|k| k.map(Some)),
+                    (None, None) => {
+                        self.not_served += usize::from(last);
+                        continue;
+                    }
                 };
                 match put {
                     Ok(Some(None)) => self.left += 1,
@@ -404,7 +444,7 @@ fn tuple<A>(proto: u8, (saddr, from): (A, SocketAddr), (daddr, to): (A, SocketAd
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[model::Backend], ids: &[u32]) {
         let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
-        let endpoints = self.written.entry(key).or_default();
+        let (_, endpoints) = self.written.entry(key).or_insert_with(|| (service_id, HashMap::new()));
         endpoints.extend(backends.iter().zip(ids).map(|(b, id)| (SocketAddr::new(b.addr, b.port), (service_id, *id))));
         if self.read_at.is_none_or(|at| at.elapsed() >= REREAD) {
             // (Again during a long first write: kube-proxy's rules go on translating new
