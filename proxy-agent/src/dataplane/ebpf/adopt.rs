@@ -223,8 +223,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
                      afresh on its next packet, and reset unless it reaches the same backend"
                 )
             }
-            // Held back no longer than a read before would: the next read (a second later)
-            // holds back again.
+            // Let go: no read since adopts what is held (each failed one would set the hold
+            // again). The next read that succeeds holds back again.
             Err(e) => {
                 self.hold_until(0);
                 tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again")
