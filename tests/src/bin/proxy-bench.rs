@@ -221,158 +221,191 @@ struct Measured {
     /// IPv6's cost over IPv4's per case (`TWINS`, and new_flow): the median of the ratios of
     /// figures taken one after the other.
     ratios6: BTreeMap<&'static str, f64>,
+    /// Each repeat case's figure of every round (the sizes' rounds take turns: `datapath`).
+    rounds: BTreeMap<&'static str, Vec<u64>>,
     program_ms: f64,
 }
 
-fn measure(services: u32) -> Measured {
-    // `new_flow_by_ct_size` shows how a new flow's cost follows the conntrack map's size.
-    let mut dp =
-        EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: DATAPATH_CT_MAX, ..Default::default() })
-            .expect("load the dataplane (as root)");
-    let t = Instant::now();
-    // The measured services: `bench` with 4 real backends, and ping/pong (see the module
-    // comment).
-    let bench_vip = Ipv4Addr::new(10, 100, 0, 1);
-    dp.upsert(&key(bench_vip, 80), &frontend("bench", (1..=4).map(|b| (Ipv4Addr::new(10, 200, 0, b), 8080)).collect())).unwrap();
-    let (ping, pong) = ping_pong(&mut dp);
-    program_services(&mut dp, services.saturating_sub(3));
-    let program_ms = t.elapsed().as_secs_f64() * 1e3;
-    node_service_cidrs(&mut dp, services.saturating_sub(3));
-    // IPv6 beside: its own ping/pong and a service for new flows, in the IPv6 maps (the IPv4
-    // Services fill the IPv4 ones; the IPv6 maps are separate, so their number does not matter
-    // to IPv6's lookups).
-    let (ping6, pong6) = ping_pong6(&mut dp);
-    let bench6: SocketAddrV6 = "[fd00:100::1]:80".parse().unwrap();
-    let bench6_backends =
-        (1..=4u16).map(|b| Backend { addr: format!("fd00:200::{b}").parse().unwrap(), port: 8080, terminating: false, local: false });
-    let fe6 = Frontend { backends: bench6_backends.collect(), ..frontend("bench6", vec![]) };
-    dp.upsert(&FrontendKey { addr: (*bench6.ip()).into(), port: 80, protocol: Protocol::Tcp }, &fe6).unwrap();
-    let client6: SocketAddrV6 = "[fd00:244::5]:40000".parse().unwrap();
+/// One size's dataplane, programmed, with the frames of its cases. The sizes' repeat rounds
+/// take turns (`datapath`), so that a change in the machine's pace (a shared 2-CPU VM) weighs
+/// on every size alike, as the cases' turns within a round make it weigh on every case.
+struct SizeRun {
+    dp: EbpfDataplane,
+    /// The lab object, for the floor: its empty classifier and XDP program (the agent's
+    /// object does not carry them).
+    lab: aya::Ebpf,
+    check: Checker,
+    program_ms: f64,
+    bench_vip: Ipv4Addr,
+    bench6: SocketAddrV6,
+    not_service: Vec<u8>,
+    bench_fwd: Vec<u8>,
+    /// (case, hook, frame); each IPv4 case is followed by its IPv6 twin, and odd rounds run
+    /// the cases in the reverse order, so that neither family always goes first.
+    order: Vec<(&'static str, Hook, Vec<u8>)>,
+    rounds: BTreeMap<&'static str, Vec<u64>>,
+}
 
-    let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
-    let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
-    let bench_fwd = tcp_frame(client, SocketAddrV4::new(bench_vip, 80), ACK);
+impl SizeRun {
+    fn prepare(services: u32) -> Self {
+        // `new_flow_by_ct_size` shows how a new flow's cost follows the conntrack map's size.
+        let mut dp =
+            EbpfDataplane::load(LoadOptions { pin_root: None, lb_map_max: 1 << 20, ct_map_max: DATAPATH_CT_MAX, ..Default::default() })
+                .expect("load the dataplane (as root)");
+        let t = Instant::now();
+        // The measured services: `bench` with 4 real backends, and ping/pong (see the module
+        // comment).
+        let bench_vip = Ipv4Addr::new(10, 100, 0, 1);
+        dp.upsert(&key(bench_vip, 80), &frontend("bench", (1..=4).map(|b| (Ipv4Addr::new(10, 200, 0, b), 8080)).collect())).unwrap();
+        let (ping, pong) = ping_pong(&mut dp);
+        program_services(&mut dp, services.saturating_sub(3));
+        let program_ms = t.elapsed().as_secs_f64() * 1e3;
+        node_service_cidrs(&mut dp, services.saturating_sub(3));
+        // IPv6 beside: its own ping/pong and a service for new flows, in the IPv6 maps (the
+        // IPv4 Services fill the IPv4 ones; the IPv6 maps are separate, so their number does
+        // not matter to IPv6's lookups).
+        let (ping6, pong6) = ping_pong6(&mut dp);
+        let bench6: SocketAddrV6 = "[fd00:100::1]:80".parse().unwrap();
+        let bench6_backends =
+            (1..=4u16).map(|b| Backend { addr: format!("fd00:200::{b}").parse().unwrap(), port: 8080, terminating: false, local: false });
+        let fe6 = Frontend { backends: bench6_backends.collect(), ..frontend("bench6", vec![]) };
+        dp.upsert(&FrontendKey { addr: (*bench6.ip()).into(), port: 80, protocol: Protocol::Tcp }, &fe6).unwrap();
+        let client6: SocketAddrV6 = "[fd00:244::5]:40000".parse().unwrap();
 
-    // The floor is the lab object's empty classifier (the agent's object does not carry it).
-    let mut lab = proxy_tests::load_lab_object();
-    loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
-    let mut cases = BTreeMap::new();
+        let client = SocketAddrV4::new(Ipv4Addr::new(10, 244, 0, 5), 40000);
+        let not_service = tcp_frame(client, SocketAddrV4::new(Ipv4Addr::new(10, 50, 0, 1), 80), ACK);
+        let bench_fwd = tcp_frame(client, SocketAddrV4::new(bench_vip, 80), ACK);
 
-    // Each measurement checks that every run took the path it is named for.
-    let mut check = Checker::new(&mut dp);
-    let repeat = REPEAT / scale();
-    let n_repeat = u64::from(repeat);
-    let n_calls = u64::from(CALLS / scale());
-    // First packets create the flows; every later one is established.
-    run(dp.ingress_program(), &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
-    run(dp.ingress_program(), &tcp_frame(client, ping, SYN), 1);
-    run(dp.ingress_program(), &tcp_frame(client, pong, SYN), 1);
-    run(dp.ingress_program(), &packet6::tcp_frame(client6, ping6, SYN), 1);
-    run(dp.ingress_program(), &packet6::tcp_frame(client6, pong6, SYN), 1);
-    check.took(&mut dp, Reason::NewFlow, 5, "flow set-up");
-    let not_service6 = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
-    let (established6, reply6) = (packet6::tcp_frame(client6, ping6, ACK), packet6::tcp_frame(pong6, client6, ACK));
-    // The repeat cases take turns, round after round, so that a change in the machine's pace
-    // (a shared 2-CPU VM) weighs on the floor as on the rest; each figure is its median.
-    // A reply from pong's address to the flow to ping is reverse-NATed to ping's, whose reply
-    // entry (of the flow to pong) turns it back, and so on.
-    let (established, reply) = (tcp_frame(client, ping, ACK), tcp_frame(pong, client, ACK));
-    let mut rounds: BTreeMap<&'static str, Vec<u64>> = BTreeMap::new();
-    // (case, hook, frame); each IPv4 case is followed by its IPv6 twin, and odd rounds run the
-    // cases in the reverse order, so that neither family always goes first.
-    // Pod-to-pod traffic (most of a cluster's) meets both hooks: the sender's ingress and the
-    // receiver's egress, where the same frame is for no Service either. From another node it
-    // first meets the uplink's: XDP, then TC's external ingress.
-    let order: [(&str, Hook, &[u8]); 12] = [
-        ("not_service/repeat", Hook::Ingress, &not_service),
-        ("not_service6/repeat", Hook::Ingress, &not_service6),
-        ("not_service_egress/repeat", Hook::Egress, &not_service),
-        ("not_service_egress6/repeat", Hook::Egress, &not_service6),
-        ("not_service_xdp/repeat", Hook::Xdp, &not_service),
-        ("not_service_xdp6/repeat", Hook::Xdp, &not_service6),
-        ("not_service_ext/repeat", Hook::Ext, &not_service),
-        ("not_service_ext6/repeat", Hook::Ext, &not_service6),
-        ("established/repeat", Hook::Ingress, &established),
-        ("established6/repeat", Hook::Ingress, &established6),
-        ("reply/repeat", Hook::Egress, &reply),
-        ("reply6/repeat", Hook::Egress, &reply6),
-    ];
-    loader::xdp(&mut lab, prog_names::XDP_PASS).load().expect("load the XDP floor program");
-    for round in 0..ROUNDS {
-        let floor = loader::classifier(&mut lab, prog_names::TC_FLOOR);
-        rounds.entry("floor/repeat").or_default().push(run(floor, &not_service, repeat));
-        let floor = loader::xdp(&mut lab, prog_names::XDP_PASS);
-        rounds.entry("floor_xdp/repeat").or_default().push(run(floor, &not_service, repeat));
-        for i in 0..order.len() {
-            let (case, hook, frame) = order[if round % 2 == 0 { i } else { order.len() - 1 - i }];
+        let mut lab = proxy_tests::load_lab_object();
+        loader::classifier(&mut lab, prog_names::TC_FLOOR).load().expect("load the floor program");
+        loader::xdp(&mut lab, prog_names::XDP_PASS).load().expect("load the XDP floor program");
+
+        // Each measurement checks that every run took the path it is named for.
+        let mut check = Checker::new(&mut dp);
+        // First packets create the flows; every later one is established.
+        run(dp.ingress_program(), &tcp_frame(client, SocketAddrV4::new(bench_vip, 80), SYN), 1);
+        run(dp.ingress_program(), &tcp_frame(client, ping, SYN), 1);
+        run(dp.ingress_program(), &tcp_frame(client, pong, SYN), 1);
+        run(dp.ingress_program(), &packet6::tcp_frame(client6, ping6, SYN), 1);
+        run(dp.ingress_program(), &packet6::tcp_frame(client6, pong6, SYN), 1);
+        check.took(&mut dp, Reason::NewFlow, 5, "flow set-up");
+        let not_service6 = packet6::tcp_frame(client6, "[fd00:50::1]:80".parse().unwrap(), ACK);
+        let (established6, reply6) = (packet6::tcp_frame(client6, ping6, ACK), packet6::tcp_frame(pong6, client6, ACK));
+        // A reply from pong's address to the flow to ping is reverse-NATed to ping's, whose
+        // reply entry (of the flow to pong) turns it back, and so on.
+        let (established, reply) = (tcp_frame(client, ping, ACK), tcp_frame(pong, client, ACK));
+        // Pod-to-pod traffic (most of a cluster's) meets both hooks: the sender's ingress and
+        // the receiver's egress, where the same frame is for no Service either. From another
+        // node it first meets the uplink's: XDP, then TC's external ingress.
+        let order = vec![
+            ("not_service/repeat", Hook::Ingress, not_service.clone()),
+            ("not_service6/repeat", Hook::Ingress, not_service6.clone()),
+            ("not_service_egress/repeat", Hook::Egress, not_service.clone()),
+            ("not_service_egress6/repeat", Hook::Egress, not_service6.clone()),
+            ("not_service_xdp/repeat", Hook::Xdp, not_service.clone()),
+            ("not_service_xdp6/repeat", Hook::Xdp, not_service6.clone()),
+            ("not_service_ext/repeat", Hook::Ext, not_service.clone()),
+            ("not_service_ext6/repeat", Hook::Ext, not_service6),
+            ("established/repeat", Hook::Ingress, established),
+            ("established6/repeat", Hook::Ingress, established6),
+            ("reply/repeat", Hook::Egress, reply),
+            ("reply6/repeat", Hook::Egress, reply6),
+        ];
+        Self { dp, lab, check, program_ms, bench_vip, bench6, not_service, bench_fwd, order, rounds: BTreeMap::new() }
+    }
+
+    /// One round of the repeat cases, the floors first: the cases take turns, round after
+    /// round, so that a change in the machine's pace weighs on the floor as on the rest; each
+    /// figure is its median.
+    fn repeat_round(&mut self, round: usize) {
+        let repeat = REPEAT / scale();
+        let floor = loader::classifier(&mut self.lab, prog_names::TC_FLOOR);
+        self.rounds.entry("floor/repeat").or_default().push(run(floor, &self.not_service, repeat));
+        let floor = loader::xdp(&mut self.lab, prog_names::XDP_PASS);
+        self.rounds.entry("floor_xdp/repeat").or_default().push(run(floor, &self.not_service, repeat));
+        let (dp, order) = (&mut self.dp, &self.order);
+        let n = order.len();
+        for i in 0..n {
+            let (case, hook, frame) = &order[if round.is_multiple_of(2) { i } else { n - 1 - i }];
             let ns = match hook {
                 Hook::Ingress => run(dp.ingress_program(), frame, repeat),
                 Hook::Egress => run(dp.egress_program(), frame, repeat),
                 Hook::Ext => run(dp.ext_ingress_program(), frame, repeat),
                 Hook::Xdp => run(dp.xdp_program(), frame, repeat),
             };
-            rounds.entry(case).or_default().push(ns);
+            self.rounds.entry(case).or_default().push(ns);
         }
     }
-    check.took_all(
-        &mut dp,
-        &[
-            // Pod ingress and TC's external ingress.
-            (Reason::PassNotService, 4 * n_repeat * ROUNDS as u64),
-            (Reason::EgressPass, 2 * n_repeat * ROUNDS as u64),
-            (Reason::XdpPass, 2 * n_repeat * ROUNDS as u64),
-            (Reason::Established, 2 * n_repeat * ROUNDS as u64),
-            (Reason::ReverseNat, 2 * n_repeat * ROUNDS as u64),
-        ],
-        "repeat rounds",
-    );
-    // IPv6 against IPv4 round by round: each round's two figures ran one after the other, so a
-    // change in the machine's pace between rounds cancels out of their ratio.
-    let mut ratios6 = BTreeMap::new();
-    for case in TWINS {
-        let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
-        ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
+
+    /// Checks the rounds took their paths, then measures the calls (established and new
+    /// flows) of this size alone.
+    fn finish(self) -> Measured {
+        let Self { mut dp, mut lab, mut check, program_ms, bench_vip, bench6, not_service, bench_fwd, rounds, .. } = self;
+        let n_repeat = u64::from(REPEAT / scale());
+        let n_calls = u64::from(CALLS / scale());
+        let n_rounds = rounds["floor/repeat"].len() as u64;
+        check.took_all(
+            &mut dp,
+            &[
+                // Pod ingress and TC's external ingress.
+                (Reason::PassNotService, 4 * n_repeat * n_rounds),
+                (Reason::EgressPass, 2 * n_repeat * n_rounds),
+                (Reason::XdpPass, 2 * n_repeat * n_rounds),
+                (Reason::Established, 2 * n_repeat * n_rounds),
+                (Reason::ReverseNat, 2 * n_repeat * n_rounds),
+            ],
+            "repeat rounds",
+        );
+        // IPv6 against IPv4 round by round: each round's two figures ran one after the other,
+        // so a change in the machine's pace between rounds cancels out of their ratio.
+        let mut ratios6 = BTreeMap::new();
+        for case in TWINS {
+            let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
+            ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
+        }
+        let mut cases = BTreeMap::new();
+        for (case, ns) in &rounds {
+            cases.insert(*case, median(ns.clone()));
+        }
+        cases.insert("floor/calls", calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| not_service.clone()));
+        cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
+        check.took(&mut dp, Reason::Established, n_calls, "established/calls");
+        // New flows in turns too: NEW_ROUNDS rounds of an IPv4 and an IPv6 share of the calls,
+        // each call a connection of its own (call i of the whole run opens client i).
+        let share = CALLS / scale() / NEW_ROUNDS;
+        let (mut new4, mut new6, mut new_ratios) = (0.0, 0.0, Vec::new());
+        for round in 0..NEW_ROUNDS {
+            let first = round * share;
+            let v4 =
+                |dp: &mut EbpfDataplane| calls_from(dp.ingress_program(), first, share, |i| new_flow(i, SocketAddrV4::new(bench_vip, 80)));
+            let v6 = |dp: &mut EbpfDataplane| {
+                calls_from(dp.ingress_program(), first, share, |i| {
+                    let src = SocketAddrV6::new(
+                        std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)),
+                        1024 + (i & 0xff) as u16,
+                        0,
+                        0,
+                    );
+                    packet6::tcp_frame(src, bench6, SYN)
+                })
+            };
+            // Alternating which family goes first.
+            let (v4, v6) = if round % 2 == 0 {
+                let a = v4(&mut dp);
+                (a, v6(&mut dp))
+            } else {
+                let b = v6(&mut dp);
+                (v4(&mut dp), b)
+            };
+            (new4, new6) = (new4 + v4 / f64::from(NEW_ROUNDS), new6 + v6 / f64::from(NEW_ROUNDS));
+            new_ratios.push(v6 / v4);
+        }
+        check.took(&mut dp, Reason::NewFlow, 2 * u64::from(share * NEW_ROUNDS), "new flows");
+        cases.insert("new_flow/calls", new4);
+        cases.insert("new_flow6/calls", new6);
+        ratios6.insert("new_flow", median_f(new_ratios));
+        Measured { cases, ratios6, rounds, program_ms }
     }
-    for (case, ns) in rounds {
-        cases.insert(case, median(ns));
-    }
-    cases.insert("floor/calls", calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| not_service.clone()));
-    cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
-    check.took(&mut dp, Reason::Established, n_calls, "established/calls");
-    // New flows in turns too: NEW_ROUNDS rounds of an IPv4 and an IPv6 share of the calls,
-    // each call a connection of its own (call i of the whole run opens client i).
-    let share = CALLS / scale() / NEW_ROUNDS;
-    let (mut new4, mut new6, mut new_ratios) = (0.0, 0.0, Vec::new());
-    for round in 0..NEW_ROUNDS {
-        let first = round * share;
-        let v4 = |dp: &mut EbpfDataplane| calls_from(dp.ingress_program(), first, share, |i| new_flow(i, SocketAddrV4::new(bench_vip, 80)));
-        let v6 = |dp: &mut EbpfDataplane| {
-            calls_from(dp.ingress_program(), first, share, |i| {
-                let src = SocketAddrV6::new(
-                    std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)),
-                    1024 + (i & 0xff) as u16,
-                    0,
-                    0,
-                );
-                packet6::tcp_frame(src, bench6, SYN)
-            })
-        };
-        // Alternating which family goes first.
-        let (v4, v6) = if round % 2 == 0 {
-            let a = v4(&mut dp);
-            (a, v6(&mut dp))
-        } else {
-            let b = v6(&mut dp);
-            (v4(&mut dp), b)
-        };
-        (new4, new6) = (new4 + v4 / f64::from(NEW_ROUNDS), new6 + v6 / f64::from(NEW_ROUNDS));
-        new_ratios.push(v6 / v4);
-    }
-    check.took(&mut dp, Reason::NewFlow, 2 * u64::from(share * NEW_ROUNDS), "new flows");
-    cases.insert("new_flow/calls", new4);
-    cases.insert("new_flow6/calls", new6);
-    ratios6.insert("new_flow", median_f(new_ratios));
-    Measured { cases, ratios6, program_ms }
 }
 
 /// The SYN of IPv4 connection `i` to `to`: a client of its own (256 ports an address from
@@ -1073,16 +1106,27 @@ fn lab_agent_rss(lab: &proxy_tests::lab::Lab) -> f64 {
     lab.agent_pid().map(rss_mib).unwrap_or(0.0)
 }
 
-fn pct(a: f64, b: f64) -> String {
-    format!("{:+.1}%", (a / b - 1.0) * 100.0)
-}
-
 fn datapath(out_dir: &std::path::Path) {
-    let mut results = Vec::new();
-    for n in SIZES {
-        eprintln!("measuring with {n} services x 4 backends...");
-        results.push((n, measure(n)));
+    let mut runs: Vec<(u32, SizeRun)> = SIZES
+        .iter()
+        .map(|&n| {
+            eprintln!("programming {n} services x 4 backends...");
+            (n, SizeRun::prepare(n))
+        })
+        .collect();
+    eprintln!("measuring the repeat cases, the sizes taking turns round after round...");
+    for round in 0..ROUNDS {
+        for (_, r) in &mut runs {
+            r.repeat_round(round);
+        }
     }
+    let results: Vec<(u32, Measured)> = runs
+        .into_iter()
+        .map(|(n, r)| {
+            eprintln!("measuring the calls with {n} services...");
+            (n, r.finish())
+        })
+        .collect();
     let rows: [(&str, &str); 18] = [
         ("floor/repeat", "empty program (floor)"),
         ("not_service/repeat", "not for a service (ingress)"),
@@ -1103,6 +1147,17 @@ fn datapath(out_dir: &std::path::Path) {
         ("new_flow/calls", "new flow (select, track, DNAT)"),
         ("new_flow6/calls", "IPv6: new flow"),
     ];
+    // 100,000 Services against 1, in percent: for a repeat case, the median of each round's
+    // ratio (the sizes' rounds ran one after the other, so a change in the machine's pace
+    // between rounds cancels out); for the calls, of the two figures.
+    let flat = |case: &str| {
+        let (one, most) = (&results[0].1, &results[results.len() - 1].1);
+        let ratio = match (one.rounds.get(case), most.rounds.get(case)) {
+            (Some(a), Some(b)) => median_f(a.iter().zip(b).map(|(x, y)| *y as f64 / *x as f64).collect()),
+            _ => most.cases[case] / one.cases[case],
+        };
+        (ratio - 1.0) * 100.0
+    };
     let (kernel, cpus) = (proxy_tests::report::kernel(), proxy_tests::report::cores());
     println!("\nDatapath cost per packet through BPF_PROG_TEST_RUN (ns), kernel {kernel}, {cpus} CPUs");
     println!("{:<44}{:>10}{:>12}{:>13}{:>12}", "", "1 svc", "10,000 svc", "100,000 svc", "100k vs 1");
@@ -1111,13 +1166,13 @@ fn datapath(out_dir: &std::path::Path) {
             continue;
         }
         if i == 0 {
-            println!("repeat = {REPEAT} in one call (median of {ROUNDS} rounds, the cases taking turns):");
+            println!("repeat = {REPEAT} in one call (median of {ROUNDS} rounds, the cases and the sizes taking turns; 100k vs 1: the median of the rounds' ratios):");
         }
         if case.ends_with("/calls") && rows[i - 1].0.ends_with("/repeat") {
             println!("{CALLS} calls, repeat = 1, a fresh frame each:");
         }
         let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
-        println!("  {label:<42}{:>10.1}{:>12.1}{:>13.1}{:>12}", v[0], v[1], v[2], pct(v[2], v[0]));
+        println!("  {label:<42}{:>10.1}{:>12.1}{:>13.1}{:>12}", v[0], v[1], v[2], format!("{:+.1}%", flat(case)));
     }
     let ratio = |case: &str, floor: &str| -> Vec<f64> { results.iter().map(|(_, m)| m.cases[case] / m.cases[floor]).collect() };
     let est = ratio("established/repeat", "floor/repeat");
@@ -1126,10 +1181,6 @@ fn datapath(out_dir: &std::path::Path) {
         "\nestablished / floor: {:.2}x {:.2}x {:.2}x (repeat); {:.2}x {:.2}x {:.2}x (calls)   target <= 2.5x",
         est[0], est[1], est[2], est_calls[0], est_calls[1], est_calls[2]
     );
-    let flat = |case: &str| {
-        let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
-        (v[2] / v[0] - 1.0) * 100.0
-    };
     println!(
         "100,000 vs 1 service: established {:+.1}%, new flow {:+.1}%, not for a service {:+.1}% (ingress), {:+.1}% (egress)   target within 10%",
         flat("established/repeat"),
@@ -1180,6 +1231,7 @@ fn datapath(out_dir: &std::path::Path) {
         "calls": CALLS,
         "services": SIZES,
         "cases": results.iter().map(|(n, m)| serde_json::json!({"services": n, "program_ms": m.program_ms, "ns": m.cases, "ipv6_over_ipv4": m.ratios6})).collect::<Vec<_>>(),
+        "most_services_over_one_pct": rows.iter().map(|(case, _)| (case.to_string(), flat(case))).collect::<BTreeMap<_, _>>(),
         "ct_map_max": DATAPATH_CT_MAX,
         "ct_map_max_default": limits::CT_MAP_MAX,
         "new_flow_by_ct_size": by_size
