@@ -148,6 +148,12 @@ fn median_f(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median of the ratios `b[i] / a[i]` of figures taken one after the other (round `i` of
+/// each), from which a change in the machine's pace between rounds cancels out.
+fn paired_ratio(a: &[u64], b: &[u64]) -> f64 {
+    median_f(a.iter().zip(b).map(|(x, y)| *y as f64 / *x as f64).collect())
+}
+
 /// Mean ns per packet over REPEAT runs of one frame in one call; the median of ROUNDS calls.
 fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
     median((0..ROUNDS).map(|_| run(prog, frame, REPEAT / scale())).collect())
@@ -360,8 +366,7 @@ impl SizeRun {
         // so a change in the machine's pace between rounds cancels out of their ratio.
         let mut ratios6 = BTreeMap::new();
         for case in TWINS {
-            let (v4, v6) = (&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]);
-            ratios6.insert(case, median_f(v4.iter().zip(v6).map(|(a, b)| *b as f64 / *a as f64).collect()));
+            ratios6.insert(case, paired_ratio(&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]));
         }
         let mut cases = BTreeMap::new();
         for (case, ns) in &rounds {
@@ -390,7 +395,7 @@ impl SizeRun {
                 })
             };
             // Alternating which family goes first.
-            let (v4, v6) = if round % 2 == 0 {
+            let (v4, v6) = if round.is_multiple_of(2) {
                 let a = v4(&mut dp);
                 (a, v6(&mut dp))
             } else {
@@ -1153,7 +1158,7 @@ fn datapath(out_dir: &std::path::Path) {
     let flat = |case: &str| {
         let (one, most) = (&results[0].1, &results[results.len() - 1].1);
         let ratio = match (one.rounds.get(case), most.rounds.get(case)) {
-            (Some(a), Some(b)) => median_f(a.iter().zip(b).map(|(x, y)| *y as f64 / *x as f64).collect()),
+            (Some(a), Some(b)) => paired_ratio(a, b),
             _ => most.cases[case] / one.cases[case],
         };
         (ratio - 1.0) * 100.0
