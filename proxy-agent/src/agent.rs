@@ -47,6 +47,9 @@ use crate::{
     telemetry::Telemetry,
 };
 
+/// How often the control loop does its housekeeping (`Proxier::housekeeping`).
+pub const HOUSEKEEPING: Duration = Duration::from_secs(5);
+
 /// What the control loop drives: one mode's way of programming the kernel.
 pub(crate) trait Proxier {
     fn store(&self) -> &Store;
@@ -114,6 +117,7 @@ impl Proxier for Reconciler<EbpfDataplane> {
         devices.sync(self.dataplane_mut());
     }
     async fn housekeeping(&mut self, devices: &mut Devices) {
+        self.dataplane_mut().trail_adoption();
         if devices.retry_due() {
             devices.sync(self.dataplane_mut());
         }
@@ -801,7 +805,7 @@ async fn control_loop<P: Proxier>(
     // Failed work is retried 2 s later, then ever later up to a minute while it keeps failing.
     let mut backoff = RETRY_FIRST;
     let mut retry_at = Instant::now() + backoff;
-    let mut housekeeping = tokio::time::interval(Duration::from_secs(5));
+    let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
     housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let full = periods.sync.max(FULL_RESYNC);
     let mut full_resync = tokio::time::interval_at(Instant::now() + full, full);

@@ -70,8 +70,9 @@ pub const HANDOVER_NS: u64 = SEC;
 /// belongs to a connection kube-proxy's rules sent to some backend after the agent last read
 /// the conntrack table, and before the frontend's master made our programs serve it, which the
 /// agent adopts at its next read; TCP sends the segment again. The agent moves the time on at
-/// each read (`ADOPTING_HOLD_NS` ahead) and sets 0 once the adoption ends, so a stopped agent's
-/// hold lapses by itself.
+/// each read (`ADOPTING_HOLD_NS` ahead), and at the first sync's end until its trailing read
+/// a few seconds later; it sets 0 once the adoption ends, so a stopped agent's hold lapses by
+/// itself.
 pub const ADOPTING_V4: u32 = 0;
 pub const ADOPTING_V6: u32 = 1;
 /// How far ahead of each read the agent sets `ADOPTING_V1`'s time.

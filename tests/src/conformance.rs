@@ -554,6 +554,9 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
         let now = f.ask().unwrap_or_else(|e| panic!("UDP flow {i} ({first:?}) after the takeover: {e}\n{}", lab.log_tail()));
         assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "UDP flow {i} stays with its backend, as it was");
     }
+    // The adoption says what it took at its end, its trailing read (a second or more after
+    // the first sync's end).
+    lab.wait_log("adopted the connections netfilter translated", 2);
     let log = lab.agent_log();
     let taken_over: Vec<(u64, u64)> = log
         .lines()
@@ -582,7 +585,7 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
 /// three backends) from before the agent starts until after its first write: each connects,
 /// asks, waits 30 ms, asks again. Every second answer must come from the first's backend: the
 /// datapath holds back (drops) a segment under way that no entry tracks while the adoption may
-/// still take its connection, the adoption's next read (the last, as the first sync ends)
+/// still take its connection, the adoption's next read (the one as the first sync ends)
 /// adopts it, and TCP's retransmission reaches the backend it had. Balanced afresh instead, 2
 /// in 3 of those connections were reset. The log's `adopted_late` must show some: without
 /// them, this run tested nothing.
@@ -670,6 +673,7 @@ pub fn takeover_adopts_connections_opened_during_the_first_write(agent: &Path) {
     let nat_rules = nat(&["-S"]);
     assert!(!nat_rules.contains("KUBE-SERVICES"), "kube-proxy's rules are gone:\n{nat_rules}");
     assert!(failed.is_empty(), "{} of {opened} connections failed: {failed:?}\n{}", failed.len(), lab.log_tail());
+    lab.wait_log("adopted the connections netfilter translated", 1);
     let log = lab.agent_log();
     let late: Vec<u64> = log
         .lines()

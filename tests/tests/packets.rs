@@ -1830,9 +1830,10 @@ fn a_segment_under_way_is_held_back_while_a_takeover_may_adopt_its_connection() 
 }
 
 /// The agent's side of that hold: a takeover's adoption holds segments under way back from
-/// its first read of the conntrack table until its end; when the table cannot be read, it holds
-/// nothing back, then or at the reads again during a long first write (no read would find
-/// what it held: its connections are balanced afresh at once, not after the first write).
+/// its first read of the conntrack table until its end, its trailing read a second or more
+/// after the first sync; when the table cannot be read, it holds nothing back, then or at the
+/// reads again during a long first write (no read would find what it held: its connections
+/// are balanced afresh at once, not after the first write).
 #[test]
 fn a_takeover_holds_back_from_its_first_read_to_its_end_and_never_when_the_table_cannot_be_read() {
     use std::{collections::HashSet, os::fd::AsFd};
@@ -1874,8 +1875,107 @@ fn a_takeover_holds_back_from_its_first_read_to_its_end_and_never_when_the_table
         assert_eq!(held(&mut dp), name == "readable", "{name}: after a read again");
         adoption.settle(&frontend, true);
         adoption.end();
+        assert_eq!(held(&mut dp), name == "readable", "{name}: after the first sync, until the trailing read");
+        if name == "readable" {
+            assert!(!adoption.trail(), "{name}: the trailing read is not due yet");
+            assert!(held(&mut dp), "{name}: held back on");
+            std::thread::sleep(std::time::Duration::from_millis(1100));
+        }
+        assert!(adoption.trail(), "{name}: the trailing read ends the adoption");
         assert!(!held(&mut dp), "{name}: the adoption is over");
     }
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&4));
+}
+
+/// The connection no read during the first sync can find: kube-proxy's rules translated its
+/// SYN just before its frontend's master, and its backend answered after the last read of the
+/// first sync (netfilter's entry of it was unanswered then, and a read takes only answered
+/// ones). Its next segment meets our programs with no entry: it is held back (not balanced
+/// afresh) until the adoption's trailing read, which finds it answered and adopts it to the
+/// backend it has. A frontend written again or removed after the first sync is left out of
+/// that read (its endpoints' ids may have changed).
+#[test]
+fn a_takeovers_trailing_read_adopts_a_connection_answered_after_the_first_sync() {
+    use std::{collections::HashSet, os::fd::AsFd, sync::Mutex};
+
+    use proxy_agent::{
+        dataplane::{
+            ebpf::{adopt::Adoption, lbmaps::Adopt},
+            netfilter::{conntrack::Translated, NetfilterError},
+        },
+        model::Family,
+    };
+    use proxy_common::{ct::owner, map_names};
+    let Some(mut dp) = setup("a_takeovers_trailing_read_adopts_a_connection_answered_after_the_first_sync") else {
+        return;
+    };
+    // Two Services: the second is written again after the first sync.
+    const VIPS: [&str; 2] = [VIP, "10.96.0.11:80"];
+    const CLIENTS: [&str; 2] = ["10.244.0.2:43000", "10.244.0.2:43001"];
+    let mut written = Vec::new();
+    for (i, v) in VIPS.iter().enumerate() {
+        program(&mut dp, v, Protocol::Tcp, &["10.244.1.2:8080", "10.244.1.3:8080", "10.244.1.4:8080"]);
+        let vip = sock(v);
+        let frontend = FrontendKey { addr: (*vip.ip()).into(), port: vip.port(), protocol: Protocol::Tcp };
+        // The ids its write gave a backend and the Service, from a flow of our own.
+        let probe = sock(&format!("10.244.0.9:{}", 39000 + i));
+        run(&mut dp, &tcp_frame(probe, vip, SYN));
+        let (_, e) = forward_entry(&mut dp, probe);
+        let to = SocketAddrV4::new(Ipv4Addr::from(e.nat_addr), u16::from_be_bytes(e.nat_port));
+        written.push((frontend, e.service_id, e.backend_id, to));
+    }
+    // (Statics: a read is a plain function.) What a read finds: nothing until the backends
+    // answer, then the two connections, each to its Service's probed backend.
+    static ANSWERED: Mutex<Vec<Translated>> = Mutex::new(Vec::new());
+    let list: fn(Family) -> Result<Vec<Translated>, NetfilterError> = |_| Ok(ANSWERED.lock().unwrap().clone());
+    let fds = [map_names::CT, map_names::CT_FILTER, map_names::ADOPTING].map(|m| testrun::map_fd(&mut dp, m));
+    let mut adoption = Adoption::<[u8; 4]>::new(Family::V4, fds.each_ref().map(|f| f.as_fd()), HashSet::new(), None)
+        .expect("the adoption's maps")
+        .reading_with(list);
+    for (frontend, service_id, backend_id, to) in &written {
+        let backend = Backend { addr: (*to.ip()).into(), port: to.port(), terminating: false, local: false };
+        adoption.seed(frontend, *service_id, std::slice::from_ref(&backend), &[*backend_id]);
+        adoption.settle(frontend, true);
+    }
+    adoption.end();
+    // The backends answer now; the clients' ACKs come.
+    *ANSWERED.lock().unwrap() = CLIENTS
+        .iter()
+        .zip(&VIPS)
+        .zip(&written)
+        .map(|((c, v), (_, _, _, to))| Translated {
+            proto: libc::IPPROTO_TCP as u8,
+            client: c.parse().unwrap(),
+            service: v.parse().unwrap(),
+            backend: (*to).into(),
+            masquerade: None,
+        })
+        .collect();
+    let acks: Vec<Vec<u8>> = CLIENTS.iter().zip(&VIPS).map(|(c, v)| tcp_frame(sock(c), sock(v), ACK)).collect();
+    for (ack, c) in acks.iter().zip(CLIENTS) {
+        assert_eq!(run(&mut dp, ack).action, testrun::TC_ACT_SHOT, "{c}: held back after the first sync");
+    }
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&2));
+    assert_eq!(conntrack(&mut dp).len(), 4, "only the probes' flows are tracked (two entries each)");
+    // The second Service is written again (with other ids, say).
+    let (frontend, service_id, backend_id, to) = written[1];
+    let backend = Backend { addr: (*to.ip()).into(), port: to.port(), terminating: false, local: false };
+    adoption.seed(&frontend, service_id + 7, std::slice::from_ref(&backend), &[backend_id + 7]);
+    adoption.settle(&frontend, true);
+    assert!(!adoption.trail(), "the trailing read is not due yet");
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    assert!(adoption.trail(), "the trailing read ends the adoption");
+    let client = sock(CLIENTS[0]);
+    let (_, adopted) = forward_entry(&mut dp, client);
+    assert_eq!((adopted.service_id, adopted.backend_id, adopted.owner), (written[0].1, written[0].2, owner::DATAPATH), "adopted, ours");
+    let out = run(&mut dp, &acks[0]);
+    assert_eq!(dissect(&out.frame).dst_sock(), written[0].3, "the first connection's ACK, sent again, reaches the backend it has");
+    assert!(
+        !conntrack(&mut dp).iter().any(|(k, _)| k.src() == sock(CLIENTS[1])),
+        "the second Service's connection is not adopted with the ids of its first write"
+    );
+    let out = run(&mut dp, &acks[1]);
+    assert_ne!(out.action, testrun::TC_ACT_SHOT, "nor held back any more: balanced afresh, as without a takeover");
     assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&2));
 }
 

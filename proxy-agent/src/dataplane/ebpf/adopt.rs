@@ -40,10 +40,19 @@
 //! when its next packet comes. From the first read until the adoption ends, the datapath holds
 //! back (drops) a TCP segment of a connection under way that no entry tracks
 //! (`ct::ADOPTING_V4`, `drop_adopt_pending`) instead of balancing it afresh; the next read
-//! (within a second, and a last one as the first sync ends) finds the connection to a served
+//! (within a second, and one more as the first sync ends) finds the connection to a served
 //! frontend and adopts it as above (`adopt_late`), and TCP's retransmission then reaches the
 //! backend it had. A UDP flow of them is balanced afresh by its next datagram, which may move
 //! it (nothing tells a UDP flow's later datagram from a new flow's first).
+//!
+//! A read finds only connections that were answered (netfilter's entry has seen a reply): one
+//! whose SYN kube-proxy's rules translated just before its frontend's master, and whose backend
+//! answered after the read at the first sync's end, would be found by no read. So the adoption
+//! ends with a trailing read, at least `TRAIL` after the first sync's end (at the agent's next
+//! housekeeping, every `agent::HOUSEKEEPING`: `Adopt::trail`), and the hold lasts until then.
+//! Once our programs serve a frontend, kube-proxy's rules translate no new connection to it:
+//! what the trailing read misses is a handshake that took longer than that. A frontend written
+//! again or removed meanwhile is not adopted to by it (its ids may have changed: `forget`).
 //!
 //! Not taken over: the node's own processes' connections, which netfilter's entry goes
 //! on translating (our programs translate pods' and outside clients' packets). The deletions
@@ -80,6 +89,14 @@ use crate::{
 /// frontends not yet written.
 const REREAD: Duration = Duration::from_secs(1);
 
+/// How long after the first sync's end the trailing read comes at the earliest (see the
+/// module's notes): longer than a handshake on a node's network takes.
+const TRAIL: Duration = Duration::from_secs(1);
+
+/// How long the hold lasts from the first sync's end: until the trailing read (`TRAIL`, then at
+/// the agent's next housekeeping), and a second more.
+const TRAILING_HOLD: Duration = Duration::from_secs(TRAIL.as_secs() + crate::agent::HOUSEKEEPING.as_secs() + 1);
+
 /// A read of the table (`read`), by Service address, split: the connections to frontends
 /// already served (`served`, whose masters are written), which the adoption takes at once
 /// (`adopt_late`), and the rest, adopted as their frontends are written.
@@ -106,6 +123,8 @@ pub struct Adoption<A> {
     list: fn(Family) -> Result<Vec<Translated>, NetfilterError>,
     /// The first read failed: no read is tried again, and nothing is held back.
     unreadable: bool,
+    /// When the first sync ended (`Adopt::end`): the trailing read is due `TRAIL` later.
+    ended_at: Option<Instant>,
     /// Frontends whose master is written: what a later read finds for them was opened after
     /// the read before (its TCP segments are held back meanwhile: `ct::ADOPTING_V4`), and is
     /// adopted at once (`adopt_late`).
@@ -161,6 +180,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             read_at: None,
             list: conntrack::list_translated,
             unreadable: false,
+            ended_at: None,
             served: HashSet::new(),
             written: HashMap::new(),
             ct: ct.try_clone_to_owned()?,
@@ -193,10 +213,11 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         }
     }
 
-    fn read_table(&mut self) -> ByService {
+    /// None: the table could not be read (now or before).
+    fn read_table(&mut self) -> Option<ByService> {
         let mut by_service = ByService::new();
         if self.unreadable {
-            return by_service;
+            return None;
         }
         // Held back from before the read: a connection the read misses was opened after it.
         self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
@@ -215,19 +236,23 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             // Not tried again, and nothing held back: no read would find what it held.
             Err(e) if self.read_at.is_none() => {
                 self.unreadable = true;
+                self.read_at = Some(Instant::now());
                 self.hold_until(0);
                 tracing::warn!(
                     family = %self.family,
                     error = %e,
                     "connections kube-proxy translated are not adopted (the conntrack table could not be read): each is balanced \
                      afresh on its next packet, and reset unless it reaches the same backend"
-                )
+                );
+                return None;
             }
             // Let go: no read since adopts what is held (each failed one would set the hold
             // again). The next read that succeeds holds back again.
             Err(e) => {
                 self.hold_until(0);
-                tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again")
+                self.read_at = Some(Instant::now());
+                tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again");
+                return None;
             }
         }
         let n: usize = by_service.values().map(Vec::len).sum();
@@ -235,10 +260,10 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
         self.read_at = Some(Instant::now());
         if !first {
             tracing::debug!(family = %self.family, connections = n, "read the connections netfilter translated again");
-            return by_service;
+            return Some(by_service);
         }
         tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
-        by_service
+        Some(by_service)
     }
 
     /// Inserts the forward and reply entries of `t`, as the datapath makes them for a new flow
@@ -443,13 +468,19 @@ fn tuple<A>(proto: u8, (saddr, from): (A, SocketAddr), (daddr, to): (A, SocketAd
 
 impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     fn seed(&mut self, frontend: &FrontendKey, service_id: u32, backends: &[model::Backend], ids: &[u32]) {
+        if self.ended_at.is_some() {
+            // Written again after the first sync: only the trailing read is left, which must not
+            // adopt with ids written before.
+            self.forget(frontend);
+            return;
+        }
         let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
         let (_, endpoints) = self.written.entry(key).or_insert_with(|| (service_id, HashMap::new()));
         endpoints.extend(backends.iter().zip(ids).map(|(b, id)| (SocketAddr::new(b.addr, b.port), (service_id, *id))));
         if self.read_at.is_none_or(|at| at.elapsed() >= REREAD) {
             // (Again during a long first write: kube-proxy's rules go on translating new
             // connections to the frontends not written yet.)
-            let read = self.read_table();
+            let read = self.read_table().unwrap_or_default();
             let (late, fresh) = split_read(read, &self.served);
             self.pending = fresh;
             self.adopt_late(late, false);
@@ -490,6 +521,9 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
     }
 
     fn settle(&mut self, frontend: &FrontendKey, served: bool) {
+        if self.ended_at.is_some() {
+            return;
+        }
         if !served {
             // Taken out again: served later, while netfilter's entries are still there, they
             // would meet the port move (see the module's notes).
@@ -506,13 +540,40 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         self.finish(seeded);
     }
 
+    fn forget(&mut self, frontend: &FrontendKey) {
+        let key = (SocketAddr::new(frontend.addr, frontend.port), frontend.protocol.ipproto());
+        self.written.remove(&key);
+    }
+
     fn end(&mut self) {
+        if self.ended_at.is_some() {
+            return;
+        }
+        self.ended_at = Some(Instant::now());
         if self.read_at.is_none() {
             return;
         }
-        // A last read, for the connections opened since the one before to frontends served
-        // since (held back meanwhile), and the rest never served.
-        let (late, never) = split_read(self.read_table(), &self.served);
+        // One more read, for the connections opened since the one before to frontends served
+        // since (held back meanwhile); held back on until the trailing read, for those whose
+        // backend had not answered yet.
+        if let Some(read) = self.read_table() {
+            let (late, _) = split_read(read, &self.served);
+            self.adopt_late(late, false);
+            self.hold_until(ct_gc::monotonic_coarse_ns() + TRAILING_HOLD.as_nanos() as u64);
+        }
+    }
+
+    fn trail(&mut self) -> bool {
+        let Some(ended) = self.ended_at else { return false };
+        if self.read_at.is_none() {
+            return true;
+        }
+        if !self.unreadable && ended.elapsed() < TRAIL {
+            return false;
+        }
+        // The trailing read: the connections answered since the read before to frontends served,
+        // and the rest never served.
+        let (late, never) = split_read(self.read_table().unwrap_or_default(), &self.served);
         self.adopt_late(late, true);
         self.hold_until(0);
         let not_served = never.values().map(Vec::len).sum::<usize>() + self.not_served;
@@ -524,6 +585,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             not_served,
             taken = self.taken,
             replacing_netfilter_entries_us = self.replacing.as_micros() as u64,
+            trailing_read_after_ms = ended.elapsed().as_millis() as u64,
             "adopted the connections netfilter translated to endpoints we serve, and left those it masqueraded to it; the rest \
              (their Service or endpoint gone, or a tuple already tracked) are balanced afresh on their next packet"
         );
@@ -535,6 +597,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
                  source port, and their backends reset them"
             );
         }
+        true
     }
 }
 

@@ -52,8 +52,13 @@ pub trait Adopt {
     /// After the master (`served`: it was written): what `seed` adopted is ours now. (Not
     /// served: netfilter goes on translating those connections.)
     fn settle(&mut self, frontend: &FrontendKey, served: bool);
-    /// The first sync is over: says what was adopted.
+    /// `frontend` was removed: what a later read finds for it is not adopted.
+    fn forget(&mut self, frontend: &FrontendKey);
+    /// The first sync is over (called after each sync: once is what counts).
     fn end(&mut self);
+    /// Called every few seconds: true once the adoption is over after its end (a last, trailing
+    /// read done), and says what was adopted.
+    fn trail(&mut self) -> bool;
 }
 
 /// What one scope of a frontend should hold.
@@ -1059,6 +1064,9 @@ impl<A: MapAddr> LbMaps<A> {
     }
 
     pub fn remove(&mut self, key: &FrontendKey) -> Result<(), DataplaneError> {
+        if let Some(a) = self.adoption.as_mut() {
+            a.forget(key);
+        }
         // External first: its master may point at the internal scope.
         self.remove_scope(key, scope::EXTERNAL)?;
         self.remove_scope(key, scope::INTERNAL)
@@ -1153,9 +1161,17 @@ impl<A: MapAddr> LbMaps<A> {
         self.adoption = Some(adoption);
     }
 
+    /// The first sync is over: the adoption goes on until `trail_adoption` ends it.
     pub fn end_adoption(&mut self) {
-        if let Some(mut a) = self.adoption.take() {
+        if let Some(a) = self.adoption.as_mut() {
             a.end();
+        }
+    }
+
+    /// Every few seconds: ends the adoption once its trailing read is done (`Adopt::trail`).
+    pub fn trail_adoption(&mut self) {
+        if self.adoption.as_mut().is_some_and(|a| a.trail()) {
+            self.adoption = None;
         }
     }
 

@@ -552,6 +552,13 @@ impl EbpfDataplane {
         Ok(())
     }
 
+    /// Every few seconds (the agent's housekeeping): ends a takeover's adoption, both families,
+    /// once its trailing read is done (`adopt`).
+    pub fn trail_adoption(&mut self) {
+        self.lb.trail_adoption();
+        self.lb6.trail_adoption();
+    }
+
     /// Rebuilds each family's conntrack filter (IPv4's, then IPv6's) from its conntrack map
     /// (`ct_filter::rebuild`), as the agent does every 15 s through the pins.
     pub fn rebuild_conntrack_filters(&self) -> std::io::Result<[ct_filter::Rebuilt; 2]> {
@@ -638,7 +645,7 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn collect_garbage(&mut self) -> Result<usize, DataplaneError> {
-        // (After the first sync: a takeover's adoption ends with it.)
+        // (After the first sync: a takeover's adoption has its trailing read left: `trail_adoption`.)
         self.lb.end_adoption();
         self.lb6.end_adoption();
         let collected = self.lb.collect_garbage().and_then(|n| Ok(n + self.lb6.collect_garbage()?));
