@@ -154,6 +154,11 @@ fn paired_ratio(a: &[u64], b: &[u64]) -> f64 {
     median_f(a.iter().zip(b).map(|(x, y)| *y as f64 / *x as f64).collect())
 }
 
+/// `paired_ratio` of figures that are means (ns per call over a round's calls).
+fn paired_ratio_f(a: &[f64], b: &[f64]) -> f64 {
+    median_f(a.iter().zip(b).map(|(x, y)| y / x).collect())
+}
+
 /// Mean ns per packet over REPEAT runs of one frame in one call; the median of ROUNDS calls.
 fn repeated(prog: &mut SchedClassifier, frame: &[u8]) -> f64 {
     median((0..ROUNDS).map(|_| run(prog, frame, REPEAT / scale())).collect())
@@ -229,6 +234,8 @@ struct Measured {
     ratios6: BTreeMap<&'static str, f64>,
     /// Each repeat case's figure of every round (the sizes' rounds take turns: `datapath`).
     rounds: BTreeMap<&'static str, Vec<u64>>,
+    /// Each call case's mean of every round (the sizes' rounds take turns too).
+    call_rounds: BTreeMap<&'static str, Vec<f64>>,
     program_ms: f64,
 }
 
@@ -250,6 +257,9 @@ struct SizeRun {
     /// the cases in the reverse order, so that neither family always goes first.
     order: Vec<(&'static str, Hook, Vec<u8>)>,
     rounds: BTreeMap<&'static str, Vec<u64>>,
+    call_rounds: BTreeMap<&'static str, Vec<f64>>,
+    /// IPv6's new flow over IPv4's, each call round's.
+    new_ratios: Vec<f64>,
 }
 
 impl SizeRun {
@@ -317,7 +327,20 @@ impl SizeRun {
             ("reply/repeat", Hook::Egress, reply),
             ("reply6/repeat", Hook::Egress, reply6),
         ];
-        Self { dp, lab, check, program_ms, bench_vip, bench6, not_service, bench_fwd, order, rounds: BTreeMap::new() }
+        Self {
+            dp,
+            lab,
+            check,
+            program_ms,
+            bench_vip,
+            bench6,
+            not_service,
+            bench_fwd,
+            order,
+            rounds: BTreeMap::new(),
+            call_rounds: BTreeMap::new(),
+            new_ratios: Vec::new(),
+        }
     }
 
     /// One round of the repeat cases, the floors first: the cases take turns, round after
@@ -343,12 +366,48 @@ impl SizeRun {
         }
     }
 
-    /// Checks the rounds took their paths, then measures the calls (established and new
-    /// flows) of this size alone.
+    /// One round of the calls (`NEW_ROUNDS` of them, the sizes taking turns as for the repeat
+    /// rounds): a share of the floor's, an established flow's, and new flows', IPv4's and
+    /// IPv6's in alternating order (call i of the whole run opens client i).
+    fn call_round(&mut self, round: u32) {
+        let share = CALLS / scale() / NEW_ROUNDS;
+        let first = round * share;
+        let (not_service, bench_fwd, bench_vip, bench6) = (&self.not_service, &self.bench_fwd, self.bench_vip, self.bench6);
+        let floor = calls_from(loader::classifier(&mut self.lab, prog_names::TC_FLOOR), first, share, |_| not_service.clone());
+        let dp = &mut self.dp;
+        let established = calls_from(dp.ingress_program(), first, share, |_| bench_fwd.clone());
+        let v4 = |dp: &mut EbpfDataplane| calls_from(dp.ingress_program(), first, share, |i| new_flow(i, SocketAddrV4::new(bench_vip, 80)));
+        let v6 = |dp: &mut EbpfDataplane| {
+            calls_from(dp.ingress_program(), first, share, |i| {
+                let src = SocketAddrV6::new(
+                    std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)),
+                    1024 + (i & 0xff) as u16,
+                    0,
+                    0,
+                );
+                packet6::tcp_frame(src, bench6, SYN)
+            })
+        };
+        // Alternating which family goes first.
+        let (v4, v6) = if round.is_multiple_of(2) {
+            let a = v4(dp);
+            (a, v6(dp))
+        } else {
+            let b = v6(dp);
+            (v4(dp), b)
+        };
+        for (case, ns) in [("floor/calls", floor), ("established/calls", established), ("new_flow/calls", v4), ("new_flow6/calls", v6)] {
+            self.call_rounds.entry(case).or_default().push(ns);
+        }
+        self.new_ratios.push(v6 / v4);
+    }
+
+    /// Checks the rounds took their paths, and gives the figures: a repeat case's median, a
+    /// call case's mean over its rounds (of as many calls each).
     fn finish(self) -> Measured {
-        let Self { mut dp, mut lab, mut check, program_ms, bench_vip, bench6, not_service, bench_fwd, rounds, .. } = self;
+        let Self { mut dp, mut check, program_ms, rounds, call_rounds, new_ratios, .. } = self;
         let n_repeat = u64::from(REPEAT / scale());
-        let n_calls = u64::from(CALLS / scale());
+        let n_calls = u64::from(CALLS / scale() / NEW_ROUNDS * NEW_ROUNDS);
         let n_rounds = rounds["floor/repeat"].len() as u64;
         check.took_all(
             &mut dp,
@@ -357,10 +416,11 @@ impl SizeRun {
                 (Reason::PassNotService, 4 * n_repeat * n_rounds),
                 (Reason::EgressPass, 2 * n_repeat * n_rounds),
                 (Reason::XdpPass, 2 * n_repeat * n_rounds),
-                (Reason::Established, 2 * n_repeat * n_rounds),
+                (Reason::Established, 2 * n_repeat * n_rounds + n_calls),
                 (Reason::ReverseNat, 2 * n_repeat * n_rounds),
+                (Reason::NewFlow, 2 * n_calls),
             ],
-            "repeat rounds",
+            "repeat rounds, established calls and new flows",
         );
         // IPv6 against IPv4 round by round: each round's two figures ran one after the other,
         // so a change in the machine's pace between rounds cancels out of their ratio.
@@ -368,48 +428,15 @@ impl SizeRun {
         for case in TWINS {
             ratios6.insert(case, paired_ratio(&rounds[format!("{case}/repeat").as_str()], &rounds[format!("{case}6/repeat").as_str()]));
         }
+        ratios6.insert("new_flow", median_f(new_ratios));
         let mut cases = BTreeMap::new();
         for (case, ns) in &rounds {
             cases.insert(*case, median(ns.clone()));
         }
-        cases.insert("floor/calls", calls(loader::classifier(&mut lab, prog_names::TC_FLOOR), |_| not_service.clone()));
-        cases.insert("established/calls", calls(dp.ingress_program(), |_| bench_fwd.clone()));
-        check.took(&mut dp, Reason::Established, n_calls, "established/calls");
-        // New flows in turns too: NEW_ROUNDS rounds of an IPv4 and an IPv6 share of the calls,
-        // each call a connection of its own (call i of the whole run opens client i).
-        let share = CALLS / scale() / NEW_ROUNDS;
-        let (mut new4, mut new6, mut new_ratios) = (0.0, 0.0, Vec::new());
-        for round in 0..NEW_ROUNDS {
-            let first = round * share;
-            let v4 =
-                |dp: &mut EbpfDataplane| calls_from(dp.ingress_program(), first, share, |i| new_flow(i, SocketAddrV4::new(bench_vip, 80)));
-            let v6 = |dp: &mut EbpfDataplane| {
-                calls_from(dp.ingress_program(), first, share, |i| {
-                    let src = SocketAddrV6::new(
-                        std::net::Ipv6Addr::from(0xfd00_0b00_u128 << 96 | u128::from(i >> 8)),
-                        1024 + (i & 0xff) as u16,
-                        0,
-                        0,
-                    );
-                    packet6::tcp_frame(src, bench6, SYN)
-                })
-            };
-            // Alternating which family goes first.
-            let (v4, v6) = if round.is_multiple_of(2) {
-                let a = v4(&mut dp);
-                (a, v6(&mut dp))
-            } else {
-                let b = v6(&mut dp);
-                (v4(&mut dp), b)
-            };
-            (new4, new6) = (new4 + v4 / f64::from(NEW_ROUNDS), new6 + v6 / f64::from(NEW_ROUNDS));
-            new_ratios.push(v6 / v4);
+        for (case, ns) in &call_rounds {
+            cases.insert(*case, ns.iter().sum::<f64>() / ns.len() as f64);
         }
-        check.took(&mut dp, Reason::NewFlow, 2 * u64::from(share * NEW_ROUNDS), "new flows");
-        cases.insert("new_flow/calls", new4);
-        cases.insert("new_flow6/calls", new6);
-        ratios6.insert("new_flow", median_f(new_ratios));
-        Measured { cases, ratios6, rounds, program_ms }
+        Measured { cases, ratios6, rounds, call_rounds, program_ms }
     }
 }
 
@@ -1125,13 +1152,13 @@ fn datapath(out_dir: &std::path::Path) {
             r.repeat_round(round);
         }
     }
-    let results: Vec<(u32, Measured)> = runs
-        .into_iter()
-        .map(|(n, r)| {
-            eprintln!("measuring the calls with {n} services...");
-            (n, r.finish())
-        })
-        .collect();
+    eprintln!("measuring the calls, the sizes taking turns round after round...");
+    for round in 0..NEW_ROUNDS {
+        for (_, r) in &mut runs {
+            r.call_round(round);
+        }
+    }
+    let results: Vec<(u32, Measured)> = runs.into_iter().map(|(n, r)| (n, r.finish())).collect();
     let rows: [(&str, &str); 18] = [
         ("floor/repeat", "empty program (floor)"),
         ("not_service/repeat", "not for a service (ingress)"),
@@ -1152,14 +1179,14 @@ fn datapath(out_dir: &std::path::Path) {
         ("new_flow/calls", "new flow (select, track, DNAT)"),
         ("new_flow6/calls", "IPv6: new flow"),
     ];
-    // 100,000 Services against 1, in percent: for a repeat case, the median of each round's
-    // ratio (the sizes' rounds ran one after the other, so a change in the machine's pace
-    // between rounds cancels out); for the calls, of the two figures.
+    // 100,000 Services against 1, in percent: the median of each round's ratio (the sizes'
+    // rounds ran one after the other, so a change in the machine's pace between rounds cancels
+    // out).
     let flat = |case: &str| {
         let (one, most) = (&results[0].1, &results[results.len() - 1].1);
         let ratio = match (one.rounds.get(case), most.rounds.get(case)) {
             (Some(a), Some(b)) => paired_ratio(a, b),
-            _ => most.cases[case] / one.cases[case],
+            _ => paired_ratio_f(&one.call_rounds[case], &most.call_rounds[case]),
         };
         (ratio - 1.0) * 100.0
     };
@@ -1174,7 +1201,7 @@ fn datapath(out_dir: &std::path::Path) {
             println!("repeat = {REPEAT} in one call (median of {ROUNDS} rounds, the cases and the sizes taking turns; 100k vs 1: the median of the rounds' ratios):");
         }
         if case.ends_with("/calls") && rows[i - 1].0.ends_with("/repeat") {
-            println!("{CALLS} calls, repeat = 1, a fresh frame each:");
+            println!("{CALLS} calls, repeat = 1, a fresh frame each (in {NEW_ROUNDS} rounds, the sizes taking turns; 100k vs 1: the median of the rounds' ratios):");
         }
         let v: Vec<f64> = results.iter().map(|(_, m)| m.cases[case]).collect();
         println!("  {label:<42}{:>10.1}{:>12.1}{:>13.1}{:>12}", v[0], v[1], v[2], format!("{:+.1}%", flat(case)));
