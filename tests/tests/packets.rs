@@ -1963,7 +1963,10 @@ fn a_takeovers_trailing_read_adopts_a_connection_answered_after_the_first_sync()
     adoption.seed(&frontend, service_id + 7, std::slice::from_ref(&backend), &[backend_id + 7]);
     adoption.settle(&frontend, true);
     assert!(!adoption.trail(), "the trailing read is not due yet");
-    std::thread::sleep(std::time::Duration::from_millis(1100));
+    // Past the hold a read sets (5 s): the first sync's end holds back until the trailing read
+    // can come (the agent's housekeeping is every 5 s).
+    std::thread::sleep(std::time::Duration::from_millis(5500));
+    assert_eq!(run(&mut dp, &acks[0]).action, testrun::TC_ACT_SHOT, "held back until the trailing read");
     assert!(adoption.trail(), "the trailing read ends the adoption");
     let client = sock(CLIENTS[0]);
     let (_, adopted) = forward_entry(&mut dp, client);
@@ -1976,7 +1979,7 @@ fn a_takeovers_trailing_read_adopts_a_connection_answered_after_the_first_sync()
     );
     let out = run(&mut dp, &acks[1]);
     assert_ne!(out.action, testrun::TC_ACT_SHOT, "nor held back any more: balanced afresh, as without a takeover");
-    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&2));
+    assert_eq!(counters(&mut dp).get("drop_adopt_pending"), Some(&3));
 }
 
 /// A connection the takeover adopted is held back while its netfilter entry is deleted

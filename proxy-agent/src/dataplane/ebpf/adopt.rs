@@ -109,7 +109,8 @@ fn split_read(read: ByService, served: &HashSet<(SocketAddr, u8)>) -> (ByService
 /// both scopes: (their scope's reverse NAT id, the endpoint's id) by endpoint.
 type Written = (u32, HashMap<SocketAddr, (u32, u32)>);
 
-/// One family's adoption, from the first frontend written to the end of the first sync.
+/// One family's adoption, from the first frontend written to its trailing read after the first
+/// sync (`Adopt::trail`).
 pub struct Adoption<A> {
     family: Family,
     /// The node's addresses: connections from them are its own processes', which stay
@@ -549,8 +550,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         if self.ended_at.is_some() {
             return;
         }
-        self.ended_at = Some(Instant::now());
         if self.read_at.is_none() {
+            self.ended_at = Some(Instant::now());
             return;
         }
         // One more read, for the connections opened since the one before to frontends served
@@ -561,6 +562,9 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             self.adopt_late(late, false);
             self.hold_until(ct_gc::monotonic_coarse_ns() + TRAILING_HOLD.as_nanos() as u64);
         }
+        // From the read's end (a large table's takes seconds, and the housekeeping that came due
+        // meanwhile comes at once): the trailing read is `TRAIL` after it.
+        self.ended_at = Some(Instant::now());
     }
 
     fn trail(&mut self) -> bool {

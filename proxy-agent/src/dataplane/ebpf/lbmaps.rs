@@ -54,7 +54,8 @@ pub trait Adopt {
     fn settle(&mut self, frontend: &FrontendKey, served: bool);
     /// `frontend` was removed: what a later read finds for it is not adopted.
     fn forget(&mut self, frontend: &FrontendKey);
-    /// The first sync is over (called after each sync: once is what counts).
+    /// The first sync is over (called again after later syncs that collect garbage: once is
+    /// what counts).
     fn end(&mut self);
     /// Called every few seconds: true once the adoption is over after its end (a last, trailing
     /// read done), and says what was adopted.
@@ -296,7 +297,7 @@ pub struct LbMaps<A: MapAddr = [u8; 4]> {
     /// Backend and reverse NAT entries deleted or written (tried) so far: what a tracked flow's
     /// step reads besides its conntrack entry (see `entries_changed`).
     entries_changed: u64,
-    /// At a takeover, until the first sync ends.
+    /// At a takeover, until its trailing read after the first sync (`trail_adoption`).
     adoption: Option<Box<dyn Adopt>>,
 }
 
@@ -1156,7 +1157,7 @@ impl<A: MapAddr> LbMaps<A> {
     }
 
     /// Adopts connections another proxy translated as frontends are written, until
-    /// `end_adoption`.
+    /// `trail_adoption` ends it after the first sync.
     pub fn adopt_connections(&mut self, adoption: Box<dyn Adopt>) {
         self.adoption = Some(adoption);
     }
@@ -1173,6 +1174,11 @@ impl<A: MapAddr> LbMaps<A> {
         if self.adoption.as_mut().is_some_and(|a| a.trail()) {
             self.adoption = None;
         }
+    }
+
+    /// A takeover's adoption is still on.
+    pub fn adopting(&self) -> bool {
+        self.adoption.is_some()
     }
 
     /// The reverse NAT map's descriptor (a Service's address and port by id), for readers of

@@ -535,7 +535,8 @@ impl EbpfDataplane {
     }
 
     /// Adopts the connections netfilter's DNAT translated (kube-proxy's rules, at a takeover)
-    /// as their frontends are first written (`adopt`), both families, until the first sync ends;
+    /// as their frontends are first written (`adopt`), both families, until their trailing read
+    /// after the first sync (`trail_adoption`);
     /// not those of the node's own processes (from `node_addresses`).
     pub fn adopt_translated(&mut self, node_addresses: &[IpAddr]) -> std::io::Result<()> {
         use crate::model::Family;
@@ -555,8 +556,12 @@ impl EbpfDataplane {
     /// Every few seconds (the agent's housekeeping): ends a takeover's adoption, both families,
     /// once its trailing read is done (`adopt`).
     pub fn trail_adoption(&mut self) {
-        self.lb.trail_adoption();
+        // IPv6's first: IPv4's adoption holds the filter rebuild's lock (`adopt_translated`),
+        // which must stay taken while IPv6's inserts too.
         self.lb6.trail_adoption();
+        if !self.lb6.adopting() {
+            self.lb.trail_adoption();
+        }
     }
 
     /// Rebuilds each family's conntrack filter (IPv4's, then IPv6's) from its conntrack map
