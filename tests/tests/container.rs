@@ -202,7 +202,15 @@ fn the_daemonset_serves_services_and_a_rolled_pod_loses_no_connection() {
         let now = c.ask().unwrap_or_else(|e| panic!("connection {i} kube-proxy translated, after the takeover: {e}\n{}", agent.log()));
         assert_eq!(&now.backend, backend, "connection {i} kube-proxy translated keeps its backend");
     }
-    assert!(log.contains("adopted=10"), "the agent adopted the 10 connections:\n{log}");
+    // The adoption's summary comes at its trailing read, a second or more after the first sync.
+    eventually("the agent to say it adopted the 10 connections", Duration::from_secs(30), || {
+        let log = agent.log();
+        if log.contains("adopted=10") {
+            Ok(())
+        } else {
+            Err(log)
+        }
+    });
     // The pins are seen from the host.
     eventually("the Services to be programmed", Duration::from_secs(30), || match proxy_agent::inspect::read(&pins) {
         Ok(r) if r.frontends.len() >= 5 => Ok(()),

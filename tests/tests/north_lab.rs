@@ -681,6 +681,12 @@ fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_test
             assert_eq!((&now.backend, now.peer), (&first.backend, first.peer), "connection {} stays with its endpoint, as it was", i + 2);
         }
     }
+    // The adoption's summary comes at its trailing read, a second or more after the first sync.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !c.node("node-a").agent_log().contains("adopted the connections netfilter translated") {
+        assert!(std::time::Instant::now() < deadline, "node A's adoption's end:\n{}", c.node("node-a").agent_log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
     c.node("node-a").agent_log()
 }
 
