@@ -216,28 +216,19 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
 
     /// None: the table could not be read (now or before).
     fn read_table(&mut self) -> Option<ByService> {
-        let mut by_service = ByService::new();
         if self.unreadable {
             return None;
         }
+        let first = self.read_at.is_none();
         // Held back from before the read: a connection the read misses was opened after it.
         self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
-        match (self.list)(self.family) {
-            Ok(list) => {
-                // And for as long again from its end: a read of a large table can take seconds.
-                self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
-                // The node's own processes' connections stay netfilter's: our programs translate
-                // pods' and outside clients' packets, and would let a host process's leave
-                // untranslated once its netfilter entry were gone; that entry goes on
-                // translating them.
-                list.into_iter()
-                    .filter(|t| !t.client.ip().is_loopback() && !self.node_addresses.contains(&t.client.ip()))
-                    .for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t))
-            }
+        let read = (self.list)(self.family);
+        self.read_at = Some(Instant::now());
+        let list = match read {
+            Ok(list) => list,
             // Not tried again, and nothing held back: no read would find what it held.
-            Err(e) if self.read_at.is_none() => {
+            Err(e) if first => {
                 self.unreadable = true;
-                self.read_at = Some(Instant::now());
                 self.hold_until(0);
                 tracing::warn!(
                     family = %self.family,
@@ -251,19 +242,25 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             // again). The next read that succeeds holds back again.
             Err(e) => {
                 self.hold_until(0);
-                self.read_at = Some(Instant::now());
                 tracing::debug!(family = %self.family, error = %e, "the conntrack table could not be read again");
                 return None;
             }
-        }
+        };
+        // And for as long again from its end: a read of a large table can take seconds.
+        self.hold_until(ct_gc::monotonic_coarse_ns() + ct::ADOPTING_HOLD_NS);
+        // The node's own processes' connections stay netfilter's: our programs translate pods'
+        // and outside clients' packets, and would let a host process's leave untranslated once
+        // its netfilter entry were gone; that entry goes on translating them.
+        let mut by_service = ByService::new();
+        list.into_iter()
+            .filter(|t| !t.client.ip().is_loopback() && !self.node_addresses.contains(&t.client.ip()))
+            .for_each(|t| by_service.entry((t.service, t.proto)).or_default().push(t));
         let n: usize = by_service.values().map(Vec::len).sum();
-        let first = self.read_at.is_none();
-        self.read_at = Some(Instant::now());
-        if !first {
+        if first {
+            tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
+        } else {
             tracing::debug!(family = %self.family, connections = n, "read the connections netfilter translated again");
-            return Some(by_service);
         }
-        tracing::info!(family = %self.family, connections = n, "read the connections netfilter translated, to adopt at the first write");
         Some(by_service)
     }
 
