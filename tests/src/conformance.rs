@@ -694,6 +694,116 @@ pub fn takeover_adopts_connections_opened_during_the_first_write(agent: &Path) {
     assert_eq!(adopting.get(&proxy_common::ct::ADOPTING_V4, 0).ok(), Some(0), "IPv4's hold after the adoption's end");
 }
 
+/// A connection whose SYN kube-proxy's rules translated before the takeover, and whose backend
+/// answered after the first sync's last read, survives it too. A read of the conntrack table
+/// finds only answered connections, so no read during the first sync finds such a handshake;
+/// the adoption's trailing read (a second or more after the first sync, the hold on until then)
+/// does. Each backend's SYN-ACKs are held back 600 ms here (`SynAckDelay`: this kernel has no
+/// netem; less than the second after which a client sends its SYN again), and clients keep
+/// opening connections to the web Service through kube-proxy's DNAT rules (random among the
+/// three backends) from before the agent starts until after the trailing read: each connects,
+/// asks, waits 30 ms, asks again, with 20 s for each answer (a request held back until the
+/// trailing read comes by TCP's retransmission, seconds later). Most of the time each client is
+/// in a handshake, so the ones under way as the web Service's master is written are answered
+/// after the first sync. Every second answer must come from the first's backend; the log's
+/// `adopted_at_trailing_read` must show some, else this run tested nothing. Without the
+/// trailing read, those connections' requests were balanced afresh once the hold ended, and
+/// reset.
+pub fn takeover_adopts_connections_answered_after_the_first_sync(agent: &Path) {
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+
+    use crate::{servers::Conn, synack_delay::SynAckDelay};
+    const CLIENTS: usize = 8;
+    const SYN_ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(600);
+    const PATIENCE: std::time::Duration = std::time::Duration::from_secs(20);
+    let mut lab = Lab::new(agent, 3);
+    lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
+    let node = lab.node.name.clone();
+    let nat = |args: &[&str]| in_netns(&node, &[&["iptables-nft", "-t", "nat"], args].concat());
+    nat(&["-N", "KUBE-SERVICES"]);
+    nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
+    // (As in `takeover_adopts_translated_connections`: what keeps netfilter's conntrack on in
+    // the node's namespace once kube-proxy's rules are gone.)
+    nat(&["-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
+    let backends: Vec<String> = lab.backend_ips().iter().map(|b| format!("{b}:{}", crate::lab::TCP_PORT)).collect();
+    for (i, to) in backends.iter().enumerate() {
+        let probability = format!("{:.5}", 1.0 / (backends.len() - i) as f64);
+        let mut rule = vec!["-A", "KUBE-SERVICES", "-d", "10.96.0.10", "-p", "tcp", "--dport", "80"];
+        if i + 1 < backends.len() {
+            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
+        }
+        rule.extend(["-j", "DNAT", "--to-destination", to]);
+        nat(&rule);
+    }
+    let delays: Vec<SynAckDelay> = lab
+        .backends
+        .iter()
+        .map(|b| SynAckDelay::start(&b.ns, 7, SYN_ACK_DELAY).unwrap_or_else(|e| panic!("a delay line in {}: {e}", b.ns.name)))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let to: std::net::SocketAddr = sock(WEB_VIP).into();
+    // Threads made in the client's namespace are in it too.
+    let clients = {
+        let stop = stop.clone();
+        lab.client.ns.run(move || {
+            (0..CLIENTS)
+                .map(|_| {
+                    let stop = stop.clone();
+                    std::thread::spawn(move || {
+                        let (mut opened, mut failed) = (0usize, Vec::new());
+                        while !stop.load(Ordering::Relaxed) {
+                            opened += 1;
+                            let asked = Conn::here(to).and_then(|c| c.patient(PATIENCE)).and_then(|mut c| {
+                                let first = c.ask()?;
+                                std::thread::sleep(std::time::Duration::from_millis(30));
+                                Ok((first, c.ask()?))
+                            });
+                            match asked {
+                                Ok((first, second)) if first.backend == second.backend => {}
+                                Ok((first, second)) => failed.push(format!("moved from {first:?} to {second:?}")),
+                                Err(e) => failed.push(e.to_string()),
+                            }
+                        }
+                        (opened, failed)
+                    })
+                })
+                .collect::<Vec<_>>()
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    start(&mut lab, ProxyMode::Ebpf, &[]);
+    lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
+    lab.wait_log("adopted the connections netfilter translated", 1);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (mut opened, mut failed) = (0, Vec::new());
+    for c in clients {
+        let (o, f) = c.join().expect("a client thread");
+        opened += o;
+        failed.extend(f);
+    }
+    let held: Vec<usize> = delays.into_iter().map(|d| d.stop().expect("a delay line")).collect();
+    assert!(held.iter().all(|n| *n > 0), "each backend's SYN-ACKs were held back: {held:?}");
+    let nat_rules = nat(&["-S"]);
+    assert!(!nat_rules.contains("KUBE-SERVICES"), "kube-proxy's rules are gone:\n{nat_rules}");
+    assert!(failed.is_empty(), "{} of {opened} connections failed: {failed:?}\n{}", failed.len(), lab.log_tail());
+    let log = lab.agent_log();
+    let trailing: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("adopted the connections netfilter translated"))
+        .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("adopted_at_trailing_read=")?.parse().ok()))
+        .collect();
+    assert!(
+        matches!(trailing.as_slice(), [n] if *n > 0),
+        "handshakes kube-proxy's rules translated were answered after the first sync, and the trailing read adopted them (one \
+         IPv4 adoption; {opened} opened): {trailing:?}\n{}",
+        lab.log_tail()
+    );
+}
+
 /// Whether an eBPF-mode agent's log shows the first removal of what kube-proxy or another mode
 /// left after its initial sync.
 pub fn removed_after_the_first_write(log: &str) -> bool {

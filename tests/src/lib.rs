@@ -20,6 +20,7 @@ pub mod perfwhere;
 pub mod report;
 pub mod require;
 pub mod servers;
+pub mod synack_delay;
 pub mod testrun;
 
 /// The lab's eBPF object: programs the tests and benchmarks load and the agent never does

@@ -150,6 +150,14 @@ impl Conn {
         Ok(Self { writer: stream.try_clone()?, reader: BufReader::new(stream) })
     }
 
+    /// The same connection, waiting up to `timeout` for each read and write.
+    pub fn patient(self, timeout: Duration) -> io::Result<Self> {
+        // (Both halves are the one socket.)
+        self.writer.set_read_timeout(Some(timeout))?;
+        self.writer.set_write_timeout(Some(timeout))?;
+        Ok(self)
+    }
+
     /// Sends a request line and reads the answer.
     pub fn ask(&mut self) -> io::Result<Answer> {
         // (One write, one segment: see `serve_tcp`.)

@@ -116,6 +116,13 @@ mod takeover {
         }
     }
 
+    #[test]
+    fn ebpf_adopts_the_connections_answered_after_its_first_sync() {
+        if require::root("the eBPF mode's adoption of connections answered after its first sync") {
+            conformance::takeover_adopts_connections_answered_after_the_first_sync(&agent());
+        }
+    }
+
     /// The adoption's deletion of netfilter's entries, in batches of requests: 150 entries made
     /// in a namespace of the test's own (more than two batches), with 10 tuples that have none
     /// among them, each deleted and told apart.

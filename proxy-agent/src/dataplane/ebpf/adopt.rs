@@ -143,6 +143,8 @@ pub struct Adoption<A> {
     adopted: usize,
     /// Of them, those a read found after their frontend was served.
     late: usize,
+    /// Of those, the trailing read's: their backend answered after the first sync's end.
+    trailing: usize,
     /// Masqueraded connections left to netfilter.
     left: usize,
     /// Connections whose tuple one of ours already held.
@@ -191,6 +193,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             forgetter: None,
             adopted: 0,
             late: 0,
+            trailing: 0,
             left: 0,
             taken: 0,
             not_served: 0,
@@ -441,6 +444,9 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             }
         }
         self.late += seeded.len();
+        if last {
+            self.trailing += seeded.len();
+        }
         self.finish(seeded);
     }
 
@@ -582,6 +588,7 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
             family = %self.family,
             adopted = self.adopted,
             adopted_late = self.late,
+            adopted_at_trailing_read = self.trailing,
             left_to_netfilter = self.left,
             not_served,
             taken = self.taken,
