@@ -576,6 +576,75 @@ pub fn takeover_adopts_translated_connections(agent: &Path, loose: bool) {
     );
 }
 
+/// kube-proxy's rules for the web Service alone, through `nat` (iptables-nft's nat table in
+/// the lab's node): KUBE-SERVICES from PREROUTING, each of `backends` by a random draw among
+/// those left, and a CNI's masquerade of pods' traffic (as in
+/// `takeover_adopts_translated_connections`: what keeps netfilter's conntrack on in the node's
+/// namespace once kube-proxy's rules are gone).
+fn kube_proxy_web_rules(nat: &dyn Fn(&[&str]) -> String, backends: &[std::net::Ipv4Addr]) {
+    nat(&["-N", "KUBE-SERVICES"]);
+    nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
+    nat(&["-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
+    let backends: Vec<String> = backends.iter().map(|b| format!("{b}:{}", crate::lab::TCP_PORT)).collect();
+    for (i, to) in backends.iter().enumerate() {
+        let probability = format!("{:.5}", 1.0 / (backends.len() - i) as f64);
+        let mut rule = vec!["-A", "KUBE-SERVICES", "-d", "10.96.0.10", "-p", "tcp", "--dport", "80"];
+        if i + 1 < backends.len() {
+            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
+        }
+        rule.extend(["-j", "DNAT", "--to-destination", to]);
+        nat(&rule);
+    }
+}
+
+/// `clients` threads in the lab's client namespace, each opening connections to the web
+/// Service until `stop`: it connects, asks, waits 30 ms and asks again, waiting up to
+/// `patience` for each answer. Each thread's (connections opened, those that failed or whose
+/// second answer came from another backend).
+fn keep_opening(
+    lab: &Lab,
+    clients: usize,
+    patience: std::time::Duration,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<std::thread::JoinHandle<(usize, Vec<String>)>> {
+    use crate::servers::Conn;
+    let to: std::net::SocketAddr = sock(WEB_VIP).into();
+    let stop = stop.clone();
+    // Threads made in the client's namespace are in it too.
+    lab.client.ns.run(move || {
+        (0..clients)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let (mut opened, mut failed) = (0usize, Vec::new());
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        opened += 1;
+                        let asked = Conn::here(to).and_then(|c| c.patient(patience)).and_then(|mut c| {
+                            let first = c.ask()?;
+                            std::thread::sleep(std::time::Duration::from_millis(30));
+                            Ok((first, c.ask()?))
+                        });
+                        match asked {
+                            Ok((first, second)) if first.backend == second.backend => {}
+                            Ok((first, second)) => failed.push(format!("moved from {first:?} to {second:?}")),
+                            Err(e) => failed.push(e.to_string()),
+                        }
+                    }
+                    (opened, failed)
+                })
+            })
+            .collect()
+    })
+}
+
+/// `keep_opening`'s threads joined: (connections opened, those that failed), all threads.
+fn joined(clients: Vec<std::thread::JoinHandle<(usize, Vec<String>)>>) -> (usize, Vec<String>) {
+    clients.into_iter().map(|c| c.join().expect("a client thread")).fold((0, Vec::new()), |(n, mut all), (o, f)| {
+        all.extend(f);
+        (n + o, all)
+    })
+}
+
 /// Connections opened while the eBPF mode's first write runs survive the takeover too. The
 /// adoption reads the conntrack table as the first frontend is written; a connection that
 /// kube-proxy's rules translate after that read, and before its own frontend's master, has no
@@ -595,7 +664,6 @@ pub fn takeover_adopts_connections_opened_during_the_first_write(agent: &Path) {
         Arc,
     };
 
-    use crate::servers::Conn;
     const OTHERS: usize = 4000;
     const CLIENTS: usize = 8;
     let mut lab = Lab::new(agent, 3);
@@ -614,62 +682,15 @@ pub fn takeover_adopts_connections_opened_during_the_first_write(agent: &Path) {
     lab.write_manifest("services.yaml", &objects.join("---\n"));
     let node = lab.node.name.clone();
     let nat = |args: &[&str]| in_netns(&node, &[&["iptables-nft", "-t", "nat"], args].concat());
-    nat(&["-N", "KUBE-SERVICES"]);
-    nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
-    // (As in `takeover_adopts_translated_connections`: what keeps netfilter's conntrack on in
-    // the node's namespace once kube-proxy's rules are gone.)
-    nat(&["-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
-    let backends: Vec<String> = lab.backend_ips().iter().map(|b| format!("{b}:{}", crate::lab::TCP_PORT)).collect();
-    for (i, to) in backends.iter().enumerate() {
-        let probability = format!("{:.5}", 1.0 / (backends.len() - i) as f64);
-        let mut rule = vec!["-A", "KUBE-SERVICES", "-d", "10.96.0.10", "-p", "tcp", "--dport", "80"];
-        if i + 1 < backends.len() {
-            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
-        }
-        rule.extend(["-j", "DNAT", "--to-destination", to]);
-        nat(&rule);
-    }
+    kube_proxy_web_rules(&nat, &lab.backend_ips());
     let stop = Arc::new(AtomicBool::new(false));
-    let to: std::net::SocketAddr = sock(WEB_VIP).into();
-    // Threads made in the client's namespace are in it too.
-    let clients = {
-        let stop = stop.clone();
-        lab.client.ns.run(move || {
-            (0..CLIENTS)
-                .map(|_| {
-                    let stop = stop.clone();
-                    std::thread::spawn(move || {
-                        let (mut opened, mut failed) = (0usize, Vec::new());
-                        while !stop.load(Ordering::Relaxed) {
-                            opened += 1;
-                            let asked = Conn::here(to).and_then(|mut c| {
-                                let first = c.ask()?;
-                                std::thread::sleep(std::time::Duration::from_millis(30));
-                                Ok((first, c.ask()?))
-                            });
-                            match asked {
-                                Ok((first, second)) if first.backend == second.backend => {}
-                                Ok((first, second)) => failed.push(format!("moved from {first:?} to {second:?}")),
-                                Err(e) => failed.push(e.to_string()),
-                            }
-                        }
-                        (opened, failed)
-                    })
-                })
-                .collect::<Vec<_>>()
-        })
-    };
+    let clients = keep_opening(&lab, CLIENTS, crate::servers::TIMEOUT, &stop);
     std::thread::sleep(std::time::Duration::from_millis(300));
     start(&mut lab, ProxyMode::Ebpf, &[]);
     lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
     std::thread::sleep(std::time::Duration::from_millis(500));
     stop.store(true, Ordering::Relaxed);
-    let (mut opened, mut failed) = (0, Vec::new());
-    for c in clients {
-        let (o, f) = c.join().expect("a client thread");
-        opened += o;
-        failed.extend(f);
-    }
+    let (opened, failed) = joined(clients);
     let nat_rules = nat(&["-S"]);
     assert!(!nat_rules.contains("KUBE-SERVICES"), "kube-proxy's rules are gone:\n{nat_rules}");
     assert!(failed.is_empty(), "{} of {opened} connections failed: {failed:?}\n{}", failed.len(), lab.log_tail());
@@ -715,7 +736,7 @@ pub fn takeover_adopts_connections_answered_after_the_first_sync(agent: &Path) {
         Arc,
     };
 
-    use crate::{servers::Conn, synack_delay::SynAckDelay};
+    use crate::synack_delay::SynAckDelay;
     const CLIENTS: usize = 8;
     const SYN_ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(600);
     const PATIENCE: std::time::Duration = std::time::Duration::from_secs(20);
@@ -723,68 +744,21 @@ pub fn takeover_adopts_connections_answered_after_the_first_sync(agent: &Path) {
     lab.write_manifest("services.yaml", &standard_manifests(&lab.backend_ips()));
     let node = lab.node.name.clone();
     let nat = |args: &[&str]| in_netns(&node, &[&["iptables-nft", "-t", "nat"], args].concat());
-    nat(&["-N", "KUBE-SERVICES"]);
-    nat(&["-A", "PREROUTING", "-j", "KUBE-SERVICES"]);
-    // (As in `takeover_adopts_translated_connections`: what keeps netfilter's conntrack on in
-    // the node's namespace once kube-proxy's rules are gone.)
-    nat(&["-A", "POSTROUTING", "-s", "10.244.0.0/16", "!", "-d", "10.244.0.0/16", "-j", "MASQUERADE"]);
-    let backends: Vec<String> = lab.backend_ips().iter().map(|b| format!("{b}:{}", crate::lab::TCP_PORT)).collect();
-    for (i, to) in backends.iter().enumerate() {
-        let probability = format!("{:.5}", 1.0 / (backends.len() - i) as f64);
-        let mut rule = vec!["-A", "KUBE-SERVICES", "-d", "10.96.0.10", "-p", "tcp", "--dport", "80"];
-        if i + 1 < backends.len() {
-            rule.extend(["-m", "statistic", "--mode", "random", "--probability", &probability]);
-        }
-        rule.extend(["-j", "DNAT", "--to-destination", to]);
-        nat(&rule);
-    }
+    kube_proxy_web_rules(&nat, &lab.backend_ips());
     let delays: Vec<SynAckDelay> = lab
         .backends
         .iter()
         .map(|b| SynAckDelay::start(&b.ns, 7, SYN_ACK_DELAY).unwrap_or_else(|e| panic!("a delay line in {}: {e}", b.ns.name)))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let to: std::net::SocketAddr = sock(WEB_VIP).into();
-    // Threads made in the client's namespace are in it too.
-    let clients = {
-        let stop = stop.clone();
-        lab.client.ns.run(move || {
-            (0..CLIENTS)
-                .map(|_| {
-                    let stop = stop.clone();
-                    std::thread::spawn(move || {
-                        let (mut opened, mut failed) = (0usize, Vec::new());
-                        while !stop.load(Ordering::Relaxed) {
-                            opened += 1;
-                            let asked = Conn::here(to).and_then(|c| c.patient(PATIENCE)).and_then(|mut c| {
-                                let first = c.ask()?;
-                                std::thread::sleep(std::time::Duration::from_millis(30));
-                                Ok((first, c.ask()?))
-                            });
-                            match asked {
-                                Ok((first, second)) if first.backend == second.backend => {}
-                                Ok((first, second)) => failed.push(format!("moved from {first:?} to {second:?}")),
-                                Err(e) => failed.push(e.to_string()),
-                            }
-                        }
-                        (opened, failed)
-                    })
-                })
-                .collect::<Vec<_>>()
-        })
-    };
+    let clients = keep_opening(&lab, CLIENTS, PATIENCE, &stop);
     std::thread::sleep(std::time::Duration::from_millis(1000));
     start(&mut lab, ProxyMode::Ebpf, &[]);
     lab.wait_log("first whole write done: what kube-proxy or another mode left is removed", 1);
     lab.wait_log("adopted the connections netfilter translated", 1);
     std::thread::sleep(std::time::Duration::from_millis(500));
     stop.store(true, Ordering::Relaxed);
-    let (mut opened, mut failed) = (0, Vec::new());
-    for c in clients {
-        let (o, f) = c.join().expect("a client thread");
-        opened += o;
-        failed.extend(f);
-    }
+    let (opened, failed) = joined(clients);
     let held: Vec<usize> = delays.into_iter().map(|d| d.stop().expect("a delay line")).collect();
     assert!(held.iter().all(|n| *n > 0), "each backend's SYN-ACKs were held back: {held:?}");
     let nat_rules = nat(&["-S"]);
