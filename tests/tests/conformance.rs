@@ -118,7 +118,8 @@ mod takeover {
 
     #[test]
     fn ebpf_adopts_the_connections_answered_after_its_first_sync() {
-        if require::root("the eBPF mode's adoption of connections answered after its first sync") {
+        let what = "the eBPF mode's adoption of connections answered after its first sync";
+        if require::root(what) && require::nfqueue(what) {
             conformance::takeover_adopts_connections_answered_after_the_first_sync(&agent());
         }
     }
