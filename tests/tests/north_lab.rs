@@ -682,12 +682,14 @@ fn take_over_keeping(c: &mut Cluster, endpoints: usize, conns: &mut [(proxy_test
         }
     }
     // The adoption's summary comes at its trailing read, a second or more after the first sync.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !c.node("node-a").agent_log().contains("adopted the connections netfilter translated") {
-        assert!(std::time::Instant::now() < deadline, "node A's adoption's end:\n{}", c.node("node-a").agent_log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    c.node("node-a").agent_log()
+    proxy_tests::conformance::eventually("node A's adoption's end", || {
+        let log = c.node("node-a").agent_log();
+        if log.contains("adopted the connections netfilter translated") {
+            Ok(log)
+        } else {
+            Err(log)
+        }
+    })
 }
 
 /// A takeover on the north path: connections from outside that kube-proxy's rules on node A

@@ -553,14 +553,10 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adopt for Adoption<A> {
         if self.ended_at.is_some() {
             return;
         }
-        if self.read_at.is_none() {
-            self.ended_at = Some(Instant::now());
-            return;
-        }
-        // One more read, for the connections opened since the one before to frontends served
-        // since (held back meanwhile); held back on until the trailing read, for those whose
-        // backend had not answered yet.
-        if let Some(read) = self.read_table() {
+        // One more read (after one at least), for the connections opened since the one before
+        // to frontends served since (held back meanwhile); held back on until the trailing read,
+        // for those whose backend had not answered yet.
+        if let Some(read) = self.read_at.and_then(|_| self.read_table()) {
             let (late, _) = split_read(read, &self.served);
             self.adopt_late(late, false);
             self.hold_until(ct_gc::monotonic_coarse_ns() + TRAILING_HOLD.as_nanos() as u64);
