@@ -180,6 +180,21 @@ pub fn address_delta<A: Words>(old: A, new: A) -> [u8; 2] {
     fold(address_change(old, new)).to_ne_bytes()
 }
 
+/// A reply's `address_pair` and `address_delta` from its flow's forward ones: the reply
+/// carries the backend's and the client's addresses, and its rewrite takes the backend's back
+/// to the Service's, the forward change undone. (Summed from the addresses instead, a new IPv6
+/// flow would add 16 words more.) A half is 0 ("not computed") where the forward's is, and the
+/// delta also where the change is nil in the sum (its complement would read as 0).
+#[inline(always)]
+pub fn reply_sums(pair: [u8; 2], delta: [u8; 2]) -> ([u8; 2], [u8; 2]) {
+    if pair == [0, 0] || delta == [0, 0] {
+        return ([0, 0], [0, 0]);
+    }
+    // (The backend's words less the Service's, added to the client's and the Service's.)
+    let pair = fold(w16(pair) + w16(delta)).to_ne_bytes();
+    (pair, (!u16::from_ne_bytes(delta)).to_ne_bytes())
+}
+
 /// `partial_update` from the addresses' `address_delta`.
 #[inline(always)]
 pub fn partial_update_with(field: [u8; 2], delta: [u8; 2]) -> [u8; 2] {
@@ -366,6 +381,44 @@ mod tests {
             check(&mut next, (s as u32).to_ne_bytes(), (d as u32).to_ne_bytes(), (n as u32).to_ne_bytes());
             let ip6 = |v: u128| crate::Ip6::from_bytes(v.to_be_bytes());
             check(&mut next, ip6(s), ip6(d), ip6(n));
+        }
+    }
+
+    /// A reply's kept sums, made from its flow's forward ones (`reply_sums`), give what summing
+    /// the reply's own addresses gives; they are 0 only where the forward's are, or where the
+    /// change is nil in the sum.
+    #[test]
+    fn a_replys_sums_from_the_forward_ones_give_what_its_addresses_give() {
+        fn check<A: Words>(next: &mut impl FnMut() -> u64, client: A, service: A, backend: A) {
+            let field = (next() as u16).to_ne_bytes();
+            let field = if next().is_multiple_of(7) { [0, 0] } else { field };
+            let (op, np, len) = ((next() as u16).to_ne_bytes(), (next() as u16).to_ne_bytes(), next() as u16);
+            let (fpair, fdelta) = (address_pair(client, service), address_delta(service, backend));
+            let (pair, delta) = reply_sums(fpair, fdelta);
+            if fpair != [0, 0] && fdelta != [0, 0] {
+                assert_ne!(pair, [0, 0]);
+                assert_eq!(delta == [0, 0], fdelta == [0xff, 0xff]);
+            }
+            if pair != [0, 0] {
+                for proto in [6, 17] {
+                    assert_eq!(pseudo_header_with(pair, proto, len), pseudo_header(backend, client, proto, len));
+                }
+            }
+            if delta != [0, 0] {
+                assert_eq!(partial_update_with(field, delta), partial_update(field, backend, service));
+                for udp in [false, true] {
+                    assert_eq!(l4_update_with(field, delta, op, np, udp), l4_update(field, backend, service, op, np, udp));
+                }
+            }
+        }
+        let mut next = xorshift(0x0fed_cba9_8765_4321);
+        let edges: [u128; 3] = [0, u128::MAX, 0xffff_0000];
+        for i in 0..30_000u32 {
+            let mut addr = |k: u32| if k % 4 < 3 { edges[(k % 4) as usize] } else { u128::from(next()) << 64 | u128::from(next()) };
+            let (c, s, b) = (addr(i), addr(i / 4), addr(i / 16));
+            check(&mut next, (c as u32).to_ne_bytes(), (s as u32).to_ne_bytes(), (b as u32).to_ne_bytes());
+            let ip6 = |v: u128| crate::Ip6::from_bytes(v.to_be_bytes());
+            check(&mut next, ip6(c), ip6(s), ip6(b));
         }
     }
 

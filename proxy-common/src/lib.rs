@@ -540,12 +540,15 @@ pub struct CtEntry<A = [u8; 4]> {
     pub route_smac: [u8; 6],
     /// `ct::route_epoch` of the cached route.
     pub route_epoch: u16,
-    /// Forward entry: the folded sum of the key's two addresses, as the L4 pseudo-header holds
-    /// them (`csum::address_pair`), so established packets check their checksum's form without
-    /// summing the addresses again. 0: not computed (an entry of an older build).
+    /// The folded sum of the key's two addresses, as the L4 pseudo-header holds them
+    /// (`csum::address_pair`), so established packets and replies check their checksum's form
+    /// without summing the addresses again. 0: not computed (an entry of an older build; a SNAT
+    /// entry; the datapath's reply entry of a hairpinned flow).
     pub addr_sum: [u8; 2],
     /// Forward entry: the folded change from the key's destination address to `nat_addr`
-    /// (`csum::address_delta`), what DNAT adds to the checksum. 0: not computed.
+    /// (`csum::address_delta`), what DNAT adds to the checksum. Reply entry: the change from
+    /// the key's source address (the backend's) to `nat_addr` (the Service's), what the reverse
+    /// NAT adds (`csum::reply_sums`). 0: not computed.
     pub addr_delta: [u8; 2],
     /// With the cached route: the `xdp_dev` flags its device had when it was cached, or'd with
     /// `ct::ROUTE_XDP_KNOWN`, so native XDP need not look the device up on every packet. 0: not

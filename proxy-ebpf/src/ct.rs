@@ -423,6 +423,13 @@ pub fn create<A: Family>(
     e.nat_addr = unsafe { core::ptr::read_volatile(&pkt.daddr) };
     let reply = reply_key(pkt, backend, hairpin);
     let own = key(pkt);
+    let (pair, delta) =
+        (proxy_common::csum::address_pair(pkt.saddr, pkt.daddr), proxy_common::csum::address_delta(pkt.daddr, backend.addr));
+    if !hairpin {
+        // The reply's sums, for egress's reverse NAT. (A hairpinned reply is bounced at pod
+        // ingress by the helper, and goes to the hairpin address: none kept.)
+        (e.addr_sum, e.addr_delta) = proxy_common::csum::reply_sums(pair, delta);
+    }
     // The reply tuple's bit holds whatever client port it ends with (`ct_filter::hash`).
     mark::<A>([ct_filter::hash(&reply), ct_filter::hash(&own)]);
     // A hairpinned flow's replies go to the hairpin address: no other flow has them.
@@ -449,8 +456,8 @@ pub fn create<A: Family>(
     e.nat_port = backend.port;
     e.nat_addr = backend.addr;
     e.snat_port = port;
-    e.addr_sum = proxy_common::csum::address_pair(pkt.saddr, pkt.daddr);
-    e.addr_delta = proxy_common::csum::address_delta(pkt.daddr, backend.addr);
+    e.addr_sum = pair;
+    e.addr_delta = delta;
     if A::ct().insert(own, &*e, BPF_ANY as u64).is_err() {
         let taken = if moved { CtKey { dport: port, ..reply } } else { reply };
         let _ = A::ct().remove(taken);

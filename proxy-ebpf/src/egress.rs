@@ -188,7 +188,7 @@ fn untracked<A: Family>(ctx: &TcContext, pkt: &Packet<A>) -> Result<Verdict, Rea
 /// address `rn` as its source, and the client's own port back (`client_port`).
 #[inline(always)]
 fn reverse_nat<A: Family>(ctx: &TcContext, pkt: &Packet<A>, entry: &CtEntry<A>, rn: (A, [u8; 2])) -> Result<Verdict, Reason> {
-    nat::rewrite_known(ctx, pkt, Side::Src, rn.0, rn.1, entry.l4_csum, nat::Kept::NONE)?;
+    nat::rewrite_known(ctx, pkt, Side::Src, rn.0, rn.1, entry.l4_csum, nat::Kept::of(entry))?;
     client_port(ctx, pkt, entry)
 }
 

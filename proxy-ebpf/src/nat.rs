@@ -114,9 +114,10 @@ fn pseudo_header<A: Family>(pkt: &Packet<A>) -> [u8; 2] {
     A::pseudo_header(pkt.saddr, pkt.daddr, pkt.proto, l4_len(pkt))
 }
 
-/// A flow's address sums kept in its forward conntrack entry (`CtEntry::addr_sum` and
-/// `addr_delta`): with them an established packet's arithmetic does not sum the addresses
-/// again (four words each in IPv6). A zero half is summed from the addresses as before.
+/// A flow's address sums kept in its conntrack entries (`CtEntry::addr_sum` and `addr_delta`,
+/// forward and reply): with them an established packet's and a reply's arithmetic do not sum
+/// the addresses again (four words each in IPv6). A zero half is summed from the addresses as
+/// before.
 #[derive(Clone, Copy)]
 pub struct Kept {
     pair: [u8; 2],
@@ -124,13 +125,14 @@ pub struct Kept {
 }
 
 impl Kept {
-    /// Nothing kept: every sum is made from the addresses.
-    pub const NONE: Kept = Kept { pair: [0; 2], delta: [0; 2] };
-
-    /// The sums of forward entry `e`, for the DNAT of a packet that matched its key to the
-    /// entry's `nat_addr` (the delta is from the key's destination to that address).
+    /// The sums of entry `e`, for the rewrite of a packet that matched its key: a forward
+    /// entry's delta is from the key's destination to its `nat_addr` (the backend's address),
+    /// a reply entry's from the key's source (the backend's) to its `nat_addr` (the Service's).
+    /// (A reply is given the address `revnat` holds for the entry's Service id, which is
+    /// `nat_addr` while the flow lives: the reply finds its forward entry by that address
+    /// (`ct::touch_reply`). Comparing the two took the IPv6 egress program past its stack.)
     #[inline(always)]
-    pub fn of_forward<A: Family>(e: &proxy_common::CtEntry<A>) -> Kept {
+    pub fn of<A: Family>(e: &proxy_common::CtEntry<A>) -> Kept {
         Kept { pair: e.addr_sum, delta: e.addr_delta }
     }
 }

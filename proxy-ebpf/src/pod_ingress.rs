@@ -290,7 +290,7 @@ fn translate<A: Family>(ctx: &TcContext, pkt: &Packet<A>, entry: &CtEntry<A>, be
     let action = if entry.flags & flags::HAIRPIN != 0 {
         translate_hairpin(ctx, pkt, be)?
     } else {
-        nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum, nat::Kept::of_forward(entry))?;
+        nat::rewrite_known(ctx, pkt, Side::Dst, be.addr, be.port, entry.l4_csum, nat::Kept::of(entry))?;
         if entry.flags & flags::PORT_NAT != 0 {
             nat::rewrite(ctx, pkt, Side::Src, pkt.saddr, entry.snat_port)?;
         }

@@ -1973,6 +1973,17 @@ fn a_takeovers_trailing_read_adopts_a_connection_answered_after_the_first_sync()
     assert_eq!((adopted.service_id, adopted.backend_id, adopted.owner), (written[0].1, written[0].2, owner::DATAPATH), "adopted, ours");
     let out = run(&mut dp, &acks[0]);
     assert_eq!(dissect(&out.frame).dst_sock(), written[0].3, "the first connection's ACK, sent again, reaches the backend it has");
+    // Its reply entry keeps the sums a new flow's keeps (its addresses', and the change from
+    // the backend's address to the Service's), and its replies, the first through the helper
+    // and the next by those sums, leave from the Service with a valid checksum.
+    let (rk, re) =
+        conntrack(&mut dp).into_iter().find(|(k, _)| (k.src(), k.dst()) == (written[0].3, client)).expect("the adopted reply entry");
+    let sums = (proxy_common::csum::address_pair(rk.saddr, rk.daddr), proxy_common::csum::address_delta(rk.saddr, re.nat_addr));
+    assert_eq!((re.addr_sum, re.addr_delta), sums, "the adopted reply entry keeps its sums");
+    for _ in 0..2 {
+        let d = dissect(&run_egress(&mut dp, &tcp_frame(written[0].3, client, ACK)).frame);
+        assert_eq!((d.src_sock(), d.dst_sock(), d.l4_checksum_ok), (sock(VIPS[0]), client, Some(true)), "the reply restored");
+    }
     assert!(
         !conntrack(&mut dp).iter().any(|(k, _)| k.src() == sock(CLIENTS[1])),
         "the second Service's connection is not adopted with the ids of its first write"

@@ -466,21 +466,48 @@ fn an_ipv6_replys_cached_step_ends_where_the_conntrack_path_would_check_its_conn
 /// same, from the addresses, with valid checksums.
 #[test]
 fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
-    let Some(mut dp) = setup("ipv6_entries_without_kept_sums_are_translated_from_their_addresses") else { return };
+    kept_sums("ipv6_entries_without_kept_sums_are_translated_from_their_addresses", false);
+}
+
+/// The same for a reply entry and the reverse NAT on egress: its sums are the reply's addresses
+/// and the change from the backend's address to the Service's, made from the forward ones.
+#[test]
+fn ipv6_reply_entries_keep_their_sums_and_go_without_them() {
+    kept_sums("ipv6_reply_entries_keep_their_sums_and_go_without_them", true);
+}
+
+/// A new flow's entry (the reply's if `reply`) keeps the sums of its key's addresses and of its
+/// rewrite; the datapath uses them (a wrong delta breaks the checksum), and an entry without
+/// them is translated to the same packet from the addresses.
+fn kept_sums(test: &str, reply: bool) {
+    let Some(mut dp) = setup(test) else { return };
     program6(&mut dp, VIP, TCP, &[BACKEND]);
     let (client, vip, backend) = (sock(CLIENT), sock(VIP), sock(BACKEND));
     assert_eq!(run(&mut dp, &tcp_frame(client, vip, SYN)).action, TC_ACT_OK);
-    let forward = |dp: &mut EbpfDataplane| {
-        conntrack6(dp).into_iter().find(|(k, _)| k.daddr == Ip6::from_bytes(vip.ip().octets())).expect("the forward entry")
+    let (frame, seen_at, want) = if reply {
+        (tcp_frame(backend, client, ACK), Ip6::from_bytes(backend.ip().octets()), (vip, client))
+    } else {
+        (tcp_frame(client, vip, ACK), Ip6::from_bytes(vip.ip().octets()), (client, backend))
     };
-    let (key, mut entry) = forward(&mut dp);
-    let sums = (csum::address_pair(key.saddr, key.daddr), csum::address_delta(key.daddr, entry.nat_addr));
+    let send = |dp: &mut EbpfDataplane| if reply { run_egress(dp, &frame) } else { run(dp, &frame) };
+    // The entry whose key has the Service's address (forward) or the backend's (reply).
+    let mine = |dp: &mut EbpfDataplane| {
+        conntrack6(dp).into_iter().find(|(k, _)| if reply { k.saddr == seen_at } else { k.daddr == seen_at }).expect("the entry")
+    };
+    // A first reply learns its checksum's form through the helper; the rows below are later ones.
+    send(&mut dp);
+    let (key, mut entry) = mine(&mut dp);
+    let sums = if reply {
+        (csum::address_pair(key.saddr, key.daddr), csum::address_delta(key.saddr, entry.nat_addr))
+    } else {
+        (csum::address_pair(key.saddr, key.daddr), csum::address_delta(key.daddr, entry.nat_addr))
+    };
     assert_eq!((entry.addr_sum, entry.addr_delta), sums, "a new flow's entry keeps its sums");
-    let ack = tcp_frame(client, vip, ACK);
-    let kept = run(&mut dp, &ack);
+    let kept = send(&mut dp);
+    let d = dissect(&kept.frame);
+    assert_eq!((kept.action, d.src_sock(), d.dst_sock(), d.l4_checksum_ok), (TC_ACT_OK, want.0, want.1, Some(true)));
     let write = |dp: &mut EbpfDataplane, entry: CtEntry<Ip6>| {
-        let mut ct: HashMap<_, CtKey<Ip6>, CtEntry<Ip6>> = HashMap::try_from(dp.ebpf_mut().map_mut(map_names::CT6).unwrap()).unwrap();
-        ct.insert(key, entry, 0).expect("write the entry");
+        ct6_map(dp).insert(key, entry, 0).expect("write the entry");
         // Written behind the datapath's back: TC's flow cache would serve the step it holds
         // for up to a second.
         dp.invalidate_cached_flows();
@@ -488,15 +515,15 @@ fn ipv6_entries_without_kept_sums_are_translated_from_their_addresses() {
     // The kept delta is what the translation adds: a wrong one gives a wrong checksum.
     entry.addr_delta = [entry.addr_delta[0] ^ 0x10, entry.addr_delta[1]];
     write(&mut dp, entry);
-    assert_eq!(dissect(&run(&mut dp, &ack).frame).l4_checksum_ok, Some(false), "the datapath uses the kept delta");
+    assert_eq!(dissect(&send(&mut dp).frame).l4_checksum_ok, Some(false), "the datapath uses the kept delta");
     (entry.addr_sum, entry.addr_delta) = ([0, 0], [0, 0]);
     write(&mut dp, entry);
-    let summed = run(&mut dp, &ack);
+    let summed = send(&mut dp);
     let d = dissect(&summed.frame);
-    assert_eq!((summed.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, client, backend));
+    assert_eq!((summed.action, d.src_sock(), d.dst_sock()), (TC_ACT_OK, want.0, want.1));
     assert_eq!(d.l4_checksum_ok, Some(true), "TCP checksum from the summed addresses");
     assert_eq!(summed.frame, kept.frame, "the same packet as with the kept sums");
-    assert_eq!(forward(&mut dp).1.addr_sum, [0, 0], "the entry is left as it was found");
+    assert_eq!(mine(&mut dp).1.addr_sum, [0, 0], "the entry is left as it was found");
 }
 
 /// `proxy_tc_ingress6`, which pod ingress no longer enters, is what an older build's ingress

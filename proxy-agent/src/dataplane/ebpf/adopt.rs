@@ -292,8 +292,8 @@ impl<A: MapAddr + filter::Addr + csum::Words> Adoption<A> {
             flags: flags::REPLY | flags::SEEN_REPLY,
             nat_port: fwd.dport,
             nat_addr: service,
-            addr_sum: [0; 2],
-            addr_delta: [0; 2],
+            addr_sum: csum::address_pair(reply.saddr, reply.daddr),
+            addr_delta: csum::address_delta(backend, service),
             ..forward
         };
         self.marker.mark(&fwd);
