@@ -96,7 +96,11 @@ pub struct XdpStep<A> {
     dmac: [u8; 6],
     smac: [u8; 6],
     /// A reply's slot (`Reason::XdpReply`), else a forward packet's (`Reason::XdpForward`).
-    reply: u32,
+    reply: u16,
+    /// What the rewrite of both addresses adds to the checksums, folded (`addrs_change`):
+    /// summed once, at the slot's first hit, not at every packet (sixteen words in IPv6). 0:
+    /// not summed yet.
+    addrs: [u8; 2],
 }
 
 /// TC's step of a tracked pod flow (pod ingress's DNAT of a forward packet, egress's reverse
@@ -242,7 +246,7 @@ fn lookup<A: Family, S: 'static, const M: usize>(
     hash: u64,
     ingress: u32,
     now: u64,
-) -> Lookup<&'static S> {
+) -> Lookup<&'static mut S> {
     // SAFETY: per-CPU, taken once here (as `slot`).
     let Some(t) = (unsafe { crate::value::per_cpu(tally, 0) }) else { return Lookup::Resting };
     if t.rest > 0 {
@@ -265,7 +269,7 @@ fn lookup<A: Family, S: 'static, const M: usize>(
     if !hit {
         return Lookup::Miss { generation };
     }
-    Lookup::Hit(&f.step)
+    Lookup::Hit(&mut f.step)
 }
 
 /// Records what the conntrack path decided at `now` for `key()` (the key `is_key` accepts; made
@@ -304,18 +308,34 @@ pub struct Hit<A> {
     pub src: (A, [u8; 2]),
     pub route: Route<A>,
     pub reason: Reason,
+    /// The addresses' change, folded (`XdpStep::addrs`).
+    pub addrs: [u8; 2],
+}
+
+/// What rewriting the addresses of `key` to `src` and `dst` adds to a checksum
+/// (`xdp::addrs_change`), folded: equal to it in the one's-complement sum, and never 0 (which
+/// stands for "not summed yet") unless the change is nil.
+#[inline(always)]
+fn addrs_change<A: Family>(key: &CtKey<A>, dst: A, src: A) -> [u8; 2] {
+    proxy_common::csum::fold(crate::xdp::addrs_change(key.saddr, key.daddr, dst, src)).to_ne_bytes()
 }
 
 /// XDP: the cached step for `key` (of filter hash `hash`), arriving on `ingress`, at `now`.
 #[inline(always)]
 pub fn lookup_xdp<A: Family>(key: &CtKey<A>, hash: u64, ingress: u32, now: u64) -> Lookup<Hit<A>> {
     match lookup(A::flow_cache(), &FLOW_TALLY, |k| k == key, hash, ingress, now) {
-        Lookup::Hit(s) => Lookup::Hit(Hit {
-            dst: (s.dst, s.dport),
-            src: (s.src, s.sport),
-            route: Route { ifindex: s.egress, smac: s.smac, dmac: s.dmac, no_neigh: false, nexthop: s.dst },
-            reason: if s.reply != 0 { Reason::XdpReply } else { Reason::XdpForward },
-        }),
+        Lookup::Hit(s) => {
+            if s.addrs == [0, 0] {
+                s.addrs = addrs_change(key, s.dst, s.src);
+            }
+            Lookup::Hit(Hit {
+                dst: (s.dst, s.dport),
+                src: (s.src, s.sport),
+                route: Route { ifindex: s.egress, smac: s.smac, dmac: s.dmac, no_neigh: false, nexthop: s.dst },
+                reason: if s.reply != 0 { Reason::XdpReply } else { Reason::XdpForward },
+                addrs: s.addrs,
+            })
+        }
         Lookup::Miss { generation } => Lookup::Miss { generation },
         Lookup::Resting => Lookup::Resting,
     }
@@ -372,7 +392,10 @@ pub fn fill_xdp<A: Family>(
                 egress: route.ifindex,
                 dmac: route.dmac,
                 smac: route.smac,
-                reply: u32::from(reason == Reason::XdpReply),
+                reply: u16::from(reason == Reason::XdpReply),
+                // Summed at the first hit (`lookup_xdp`): here, on the conntrack path, the sum
+                // took the IPv6 XDP program past its stack.
+                addrs: [0; 2],
             };
             true
         },
@@ -383,7 +406,12 @@ pub fn fill_xdp<A: Family>(
 /// packets and egress's replies; the interface plays no part in their steps).
 #[inline(always)]
 pub fn lookup_tc<A: Family>(pkt: &Packet<A>, hash: u64, now: u64) -> Lookup<&'static Tracked<A>> {
-    lookup(A::tc_cache(), &TC_TALLY, |k| crate::ct::is_key_of(k, pkt), hash, 0, now)
+    // (TC's callers only read the slot: handed on shared.)
+    match lookup(A::tc_cache(), &TC_TALLY, |k| crate::ct::is_key_of(k, pkt), hash, 0, now) {
+        Lookup::Hit(t) => Lookup::Hit(t),
+        Lookup::Miss { generation } => Lookup::Miss { generation },
+        Lookup::Resting => Lookup::Resting,
+    }
 }
 
 /// TC: what the cache has for a tracked flow's packet `pkt` (whose tuple's filter hash is

@@ -64,7 +64,10 @@ fn step<A: XdpFamily>(ctx: &XdpContext, pkt: &Packet<A>) -> Result<Step<A>, XdpV
     let now = ct::now();
     if flowcache::takes(pkt) {
         match flowcache::lookup_xdp(&key, hash, env.ifindex, now) {
-            Lookup::Hit(h) => return Err(forward(ctx, pkt, h.dst, h.src, &h.route, env.ifindex, h.reason)),
+            Lookup::Hit(h) => {
+                let addrs = u64::from(u16::from_ne_bytes(h.addrs));
+                return Err(forward(ctx, pkt, h.dst, h.src, addrs, &h.route, env.ifindex, h.reason));
+            }
             Lookup::Miss { generation } => env.cache_under = Some(generation),
             Lookup::Resting => {}
         }
@@ -96,7 +99,9 @@ pub fn try_xdp(ctx: &XdpContext) -> XdpVerdict {
         Err(sent) => return sent,
     };
     match step {
-        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, ingress(ctx), reason),
+        Step::Forward { dst, src, route, reason, .. } => {
+            forward(ctx, &pkt, dst, src, addrs_change(pkt.saddr, pkt.daddr, dst.0, src.0), &route, ingress(ctx), reason)
+        }
         Step::Pass(reason) => pass(reason),
         // A source outside a load balancer's ranges goes no further than here.
         Step::Drop(Reason::DropSourceRange) => XdpVerdict { action: XDP_DROP, reason: Reason::DropSourceRange },
@@ -119,25 +124,34 @@ pub fn try_xdp6(ctx: &XdpContext) -> XdpVerdict {
         Err(sent) => return sent,
     };
     match step {
-        Step::Forward { dst, src, route, reason, .. } => forward(ctx, &pkt, dst, src, &route, ingress(ctx), reason),
+        Step::Forward { dst, src, route, reason, .. } => {
+            forward(ctx, &pkt, dst, src, addrs_change(pkt.saddr, pkt.daddr, dst.0, src.0), &route, ingress(ctx), reason)
+        }
         Step::Pass(reason) => pass(reason),
         _ => pass(Reason::XdpPass),
     }
 }
 
-/// Rewrites the packet for `Step::Forward` and sends it out by `route`.
+/// What rewriting the addresses `saddr` and `daddr` to `src` and `dst` adds to the checksums,
+/// summed once for both (a cached step has it summed already: `flowcache::Hit::addrs`).
+#[inline(always)]
+pub fn addrs_change<A: Family>(saddr: A, daddr: A, dst: A, src: A) -> u64 {
+    csum::address_change(saddr, src) + csum::address_change(daddr, dst)
+}
+
+/// Rewrites the packet for `Step::Forward` and sends it out by `route`. `addrs`: what the
+/// addresses' rewrite adds to the checksums (`addrs_change`).
 #[inline(always)]
 fn forward<A: XdpFamily>(
     ctx: &XdpContext,
     pkt: &Packet<A>,
     dst: (A, [u8; 2]),
     src: (A, [u8; 2]),
+    addrs: u64,
     route: &Route<A>,
     ifindex: u32,
     reason: Reason,
 ) -> XdpVerdict {
-    // What both addresses' rewrite adds to the checksums, summed once for both.
-    let addrs = csum::address_change(pkt.saddr, src.0) + csum::address_change(pkt.daddr, dst.0);
     if A::rewrite(ctx, pkt, dst, src, addrs).is_err() {
         // Half-written: must not reach the stack.
         return XdpVerdict { action: XDP_DROP, reason: Reason::DropRewrite };
