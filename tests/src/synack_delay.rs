@@ -7,7 +7,7 @@
 use std::{
     collections::VecDeque,
     io,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsRawFd, OwnedFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -20,7 +20,6 @@ use proxy_agent::dataplane::netfilter::nfnetlink;
 
 use crate::netns::Netns;
 
-const NETLINK_NETFILTER: i32 = 12;
 /// nfnetlink_queue's subsystem, its messages and attributes (linux/netfilter/nfnetlink_queue.h).
 const NFNL_SUBSYS_QUEUE: u16 = 3;
 const NFQNL_MSG_PACKET: u16 = 0;
@@ -51,29 +50,7 @@ impl SynAckDelay {
     /// the namespace.
     pub fn start(ns: &Netns, queue: u16, delay: Duration) -> io::Result<Self> {
         // (A netlink socket belongs to the namespace it was made in.)
-        let fd = ns.run(move || -> io::Result<OwnedFd> {
-            // SAFETY: a new socket, owned from here on.
-            let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
-            if fd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: just made, and not owned elsewhere.
-            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-        })?;
-        let timeout = libc::timeval { tv_sec: 0, tv_usec: TICK.as_micros() as i64 };
-        // SAFETY: a timeval of the right size.
-        if unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const timeout).cast(),
-                size_of::<libc::timeval>() as u32,
-            )
-        } != 0
-        {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = ns.run(move || nfnetlink::socket(TICK))?;
         let config = |attr: (u16, &[u8])| {
             nfnetlink::message((NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_CONFIG, libc::NLM_F_ACK as u16, libc::AF_UNSPEC as u8, queue, &[attr])
         };
@@ -130,25 +107,19 @@ impl Drop for SynAckDelay {
 
 /// Sends `msg` on `fd` and reads its ack.
 fn request(fd: &OwnedFd, msg: &[u8]) -> io::Result<()> {
-    // SAFETY: the kernel as the peer of a bound-on-send netlink socket; a buffer of the size given.
-    unsafe {
-        if libc::send(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) < 0 {
-            return Err(io::Error::last_os_error());
+    let mut answer = Err(io::Error::other("no ack from nfnetlink_queue"));
+    nfnetlink::exchange_on(fd, msg, |datagram| {
+        if let Some(Some((kind, body))) = nfnetlink::messages(datagram).next() {
+            if kind == libc::NLMSG_ERROR as u16 {
+                answer = match nfnetlink::error_of(body) {
+                    0 => Ok(()),
+                    e => Err(io::Error::from_raw_os_error(-e)),
+                };
+            }
         }
-        let mut buf = [0u8; 1024];
-        let n = libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let answer = match nfnetlink::messages(&buf[..n as usize]).next() {
-            Some(Some((kind, body))) if kind == libc::NLMSG_ERROR as u16 => match nfnetlink::error_of(body) {
-                0 => Ok(()),
-                e => Err(io::Error::from_raw_os_error(-e)),
-            },
-            other => Err(io::Error::other(format!("no ack from nfnetlink_queue: {other:?}"))),
-        };
-        answer
-    }
+        true
+    })?;
+    answer
 }
 
 /// Reads the queue until `stop`, letting each packet go `delay` after it came; then lets go

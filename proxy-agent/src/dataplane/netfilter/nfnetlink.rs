@@ -2,35 +2,55 @@
 //! the socket, the send, and the datagrams read back until the caller has what it asked for.
 //! nfacct's objects and the nf_tables table list (`nftables::tables`) are read this way.
 
-use std::io;
+use std::{
+    io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    time::Duration,
+};
 
 const NETLINK_NETFILTER: i32 = 12;
 
 /// Sends `msg` (one or more netlink messages) and hands every datagram the kernel answers with
 /// to `datagram`, until it returns true (the answer is whole: an ack, a dump's end). A second
 /// without a datagram is an error (`WouldBlock`).
-pub fn exchange(msg: &[u8], mut datagram: impl FnMut(&[u8]) -> bool) -> io::Result<()> {
-    // SAFETY: plain socket calls on a descriptor owned here and closed by `Fd`.
+pub fn exchange(msg: &[u8], datagram: impl FnMut(&[u8]) -> bool) -> io::Result<()> {
+    exchange_on(&socket(Duration::from_secs(1))?, msg, datagram)
+}
+
+/// A netfilter netlink socket whose reads give up after `timeout` (`WouldBlock`): for a caller
+/// that keeps one, as a queue's reader must (the queue is bound to the socket).
+pub fn socket(timeout: Duration) -> io::Result<OwnedFd> {
+    // SAFETY: a new socket, owned from here on.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
-    struct Fd(i32);
-    impl Drop for Fd {
-        fn drop(&mut self) {
-            // SAFETY: the descriptor opened above.
-            unsafe { libc::close(self.0) };
-        }
-    }
-    let fd = Fd(fd);
-    let timeout = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    // SAFETY: just made, and not owned elsewhere.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let timeout = libc::timeval { tv_sec: timeout.as_secs() as i64, tv_usec: i64::from(timeout.subsec_micros()) };
     // SAFETY: a timeval of the right size.
-    unsafe { libc::setsockopt(fd.0, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&raw const timeout).cast(), size_of::<libc::timeval>() as u32) };
+    if unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&raw const timeout).cast(),
+            size_of::<libc::timeval>() as u32,
+        )
+    } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// `exchange` on socket `fd` (`socket`).
+pub fn exchange_on(fd: &OwnedFd, msg: &[u8], mut datagram: impl FnMut(&[u8]) -> bool) -> io::Result<()> {
     // SAFETY: the kernel as the peer (zeroed sockaddr_nl with its family).
     let sent = unsafe {
         let mut to: libc::sockaddr_nl = std::mem::zeroed();
         to.nl_family = libc::AF_NETLINK as u16;
-        libc::sendto(fd.0, msg.as_ptr().cast(), msg.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_nl>() as u32)
+        libc::sendto(fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0, (&raw const to).cast(), size_of::<libc::sockaddr_nl>() as u32)
     };
     if sent < 0 {
         return Err(io::Error::last_os_error());
@@ -39,7 +59,7 @@ pub fn exchange(msg: &[u8], mut datagram: impl FnMut(&[u8]) -> bool) -> io::Resu
     let mut buf = vec![0u8; 32768];
     loop {
         // SAFETY: a buffer of the size given.
-        let n = unsafe { libc::recv(fd.0, buf.as_mut_ptr().cast(), buf.len(), 0) };
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
